@@ -1,0 +1,1 @@
+"""Configuration and the table contract: Spark-free, shared by pipelines, jobs and broker."""

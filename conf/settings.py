@@ -1,0 +1,181 @@
+"""Load and validate conf/dejaq.yaml with environment overrides.
+
+Validation happens once, at start, so a typo fails with the key's name instead of a
+stack trace twenty minutes into a job.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from enum import StrEnum
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+ENV_PREFIX = "DEJAQ_"
+TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with the offending key in the message."""
+
+
+class TopicKind(StrEnum):
+    PRIORITY = "priority"
+    TIMELINE = "timeline"
+    EVENT_TIME = "event_time"
+
+
+class Delivery(StrEnum):
+    LEASE = "lease"
+    RELEASE = "release"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class JsonFields(_Strict):
+    """Envelope fields taken from a JSON payload instead of Kafka headers."""
+
+    priority: str | None = None
+    deliver_at: str | None = None
+    id: str | None = None
+    event_time: str | None = None
+
+
+class TopicConfig(_Strict):
+    name: str
+    kind: TopicKind
+    source: list[str] = Field(min_length=1)
+    buckets: int = Field(default=16, ge=1, le=4096)
+    max_payload_bytes: int = Field(default=1024 * 1024, ge=1)
+    delivery: Delivery = Delivery.LEASE
+    output: str | None = None
+    json_fields: JsonFields | None = None
+    dedup_window_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=0)
+    allowed_lateness_ms: int = Field(default=5000, ge=0)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not TOPIC_NAME.match(v):
+            raise ValueError("must be 1-200 of [A-Za-z0-9._-], starting with a letter or digit")
+        return v
+
+    @model_validator(mode="after")
+    def _delivery(self) -> TopicConfig:
+        if self.kind is TopicKind.EVENT_TIME and self.delivery is Delivery.LEASE:
+            raise ValueError("event_time topics are release-only: set delivery: release")
+        if self.delivery is Delivery.RELEASE and not self.output:
+            raise ValueError("delivery: release needs an output Kafka topic")
+        return self
+
+
+class KafkaConfig(_Strict):
+    bootstrap: str = "127.0.0.1:9092"
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: str) -> str:
+        for server in v.split(","):
+            host, _, port = server.strip().rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"expected host:port[,host:port...], got {v!r}")
+        return v
+
+
+class SparkConfig(_Strict):
+    master: str = "local[2]"
+    ui: bool = False
+
+
+class Settings(_Strict):
+    warehouse: str = "./warehouse"
+    kafka: KafkaConfig = KafkaConfig()
+    spark: SparkConfig = SparkConfig()
+    topics: list[TopicConfig] = []
+
+    @model_validator(mode="after")
+    def _unique_topics(self) -> Settings:
+        names = [t.name for t in self.topics]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"topic names must be unique, repeated: {', '.join(dupes)}")
+        return self
+
+    def topic(self, name: str) -> TopicConfig:
+        """The named topic's configuration, or a ConfigError listing the known ones."""
+        for t in self.topics:
+            if t.name == name:
+                return t
+        known = ", ".join(t.name for t in self.topics) or "none"
+        raise ConfigError(f"unknown topic {name!r} (configured: {known})")
+
+
+def default_conf_file() -> Path:
+    return Path(str(files("conf").joinpath("dejaq.yaml")))
+
+
+def _env_overrides(model: type[BaseModel], env: Mapping[str, str], path: tuple[str, ...] = ()):
+    """Yield (key path, raw value) for every scalar leaf set as DEJAQ_<PATH>.
+
+    Names are generated from the model, not parsed from the variable, so keys with
+    underscores stay unambiguous.
+    """
+    for name, field in model.model_fields.items():
+        sub = field.annotation
+        key = (*path, name)
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            yield from _env_overrides(sub, env, key)
+        elif name != "topics":
+            var = ENV_PREFIX + "_".join(key).upper()
+            if var in env:
+                yield key, env[var]
+
+
+def _set(data: dict[str, Any], key: tuple[str, ...], value: str) -> None:
+    for part in key[:-1]:
+        child = data.get(part)
+        if not isinstance(child, dict):
+            child = data[part] = {}
+        data = child
+    data[key[-1]] = value
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"invalid configuration in {source}:"]
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown key"
+        lines.append(f"  {loc}: {msg}")
+    return "\n".join(lines)
+
+
+def load_settings(
+    conf_file: str | Path | None = None, env: Mapping[str, str] | None = None
+) -> Settings:
+    """Read the YAML file (default: the packaged conf/dejaq.yaml), apply env, validate."""
+    env = os.environ if env is None else env
+    path = Path(conf_file or env.get("DEJAQ_CONF_FILE") or default_conf_file())
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"configuration file {path} is not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
+    for key, value in _env_overrides(Settings, env):
+        _set(data, key, value)
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError(_describe(e, str(path))) from None

@@ -1,0 +1,116 @@
+"""The table contract: where each Delta table lives and what its rows look like.
+
+Spark-free on purpose: the broker reads these tables with delta-rs and must not import
+Spark, while the pipelines convert these Arrow schemas to Spark ones. One definition,
+two readers, no drift.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from pathlib import Path
+
+import pyarrow as pa
+
+from conf.settings import TOPIC_NAME
+
+
+class Table(StrEnum):
+    BUFFER = "buffer"
+    LEDGER = "ledger"
+    QUARANTINE = "quarantine"
+    DEAD_LETTER = "dead_letter"
+
+
+class LedgerEvent(StrEnum):
+    ACKED = "acked"
+    NACKED = "nacked"
+    DEAD = "dead"
+    CANCELLED = "cancelled"
+    RESCHEDULED = "rescheduled"
+    RELEASED = "released"
+
+
+TIMESTAMP = pa.timestamp("us", tz="UTC")
+HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+
+# Kafka coordinates of the record a row came from: ties in sort key break on these.
+_SOURCE = [
+    pa.field("source_topic", pa.string(), nullable=False),
+    pa.field("source_partition", pa.int32(), nullable=False),
+    pa.field("source_offset", pa.int64(), nullable=False),
+]
+
+BUFFER_SCHEMA = pa.schema(
+    [
+        pa.field("message_id", pa.string(), nullable=False),
+        pa.field("bucket", pa.int32(), nullable=False),
+        pa.field("sort_key", pa.int64(), nullable=False),
+        pa.field("priority", pa.int32()),
+        pa.field("deliver_at", TIMESTAMP),
+        pa.field("event_time", TIMESTAMP),
+        pa.field("key", pa.binary()),
+        pa.field("payload", pa.binary()),
+        pa.field("headers", HEADERS),
+        *_SOURCE,
+        pa.field("produced_at", TIMESTAMP),
+        pa.field("ingested_at", TIMESTAMP, nullable=False),
+    ]
+)
+
+LEDGER_SCHEMA = pa.schema(
+    [
+        pa.field("message_id", pa.string(), nullable=False),
+        pa.field("bucket", pa.int32(), nullable=False),
+        pa.field("event", pa.string(), nullable=False),
+        pa.field("sort_key", pa.int64()),
+        pa.field("deliveries", pa.int32(), nullable=False),
+        pa.field("at", TIMESTAMP, nullable=False),
+    ]
+)
+
+QUARANTINE_SCHEMA = pa.schema(
+    [
+        pa.field("key", pa.binary()),
+        pa.field("value", pa.binary()),
+        pa.field("headers", HEADERS),
+        *_SOURCE,
+        pa.field("produced_at", TIMESTAMP),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("detail", pa.string()),
+        pa.field("quarantined_at", TIMESTAMP, nullable=False),
+    ]
+)
+
+DEAD_LETTER_SCHEMA = pa.schema(
+    [
+        *[f for f in BUFFER_SCHEMA if f.name != "ingested_at"],
+        pa.field("deliveries", pa.int32(), nullable=False),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("dead_at", TIMESTAMP, nullable=False),
+    ]
+)
+
+SCHEMAS: dict[Table, pa.Schema] = {
+    Table.BUFFER: BUFFER_SCHEMA,
+    Table.LEDGER: LEDGER_SCHEMA,
+    Table.QUARANTINE: QUARANTINE_SCHEMA,
+    Table.DEAD_LETTER: DEAD_LETTER_SCHEMA,
+}
+
+# Buffer and ledger are read per bucket (the broker's unit of assignment).
+PARTITION_BY: dict[Table, list[str]] = {
+    Table.BUFFER: ["bucket"],
+    Table.LEDGER: ["bucket"],
+    Table.QUARANTINE: [],
+    Table.DEAD_LETTER: [],
+}
+
+
+def table_path(warehouse: str, table: Table, topic: str) -> str:
+    """`<warehouse>/<table>/<topic>`; the warehouse may be a local folder or a URI."""
+    if not TOPIC_NAME.match(topic):
+        raise ValueError(f"invalid topic name {topic!r}: use [A-Za-z0-9._-]")
+    if "://" not in warehouse:
+        warehouse = str(Path(warehouse).expanduser().resolve())
+    return f"{warehouse.rstrip('/')}/{Table(table).value}/{topic}"

@@ -1,0 +1,74 @@
+"""The `dejaq` command. Each subcommand imports what it needs, so `dejaq kafka` and
+`dejaq broker` start without loading Spark."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _kafka(args: argparse.Namespace) -> int:
+    from jobs import embedded_kafka
+
+    return embedded_kafka.run(args.port, Path(args.data_dir))
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from jobs import doctor
+
+    return doctor.run(args.conf_file)
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from jobs import demo
+
+    return demo.run(args.conf_file)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dejaq",
+        description="DejaQ: a reorder buffer between Kafka and your workers, on Spark and Delta.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(
+        name: str, fn: Callable[[argparse.Namespace], int], help: str
+    ) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help, description=help)
+        sp.set_defaults(fn=fn)
+        return sp
+
+    def conf_file(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument(
+            "--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or the packaged one)"
+        )
+
+    k = add("kafka", _kafka, "Run the embedded Kafka-protocol broker (noida-db) in the foreground.")
+    k.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
+    k.add_argument("--data-dir", default=".dejaq/kafka", help="where the broker keeps its data")
+
+    conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
+    conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from conf.settings import ConfigError
+
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""`dejaq doctor`: what this machine will run the jobs with, and what is missing."""
+
+from __future__ import annotations
+
+import platform
+import re
+import shutil
+import subprocess
+import sys
+
+from conf.settings import load_settings
+
+
+def java_version() -> tuple[int | None, str]:
+    """(major, text) of the `java` on PATH, or (None, why not)."""
+    java = shutil.which("java")
+    if java is None:
+        return None, "not found on PATH (Debian: apt-get install openjdk-17-jre-headless)"
+    out = subprocess.run([java, "-version"], capture_output=True, text=True).stderr
+    m = re.search(r'version "(\d+)', out)
+    return (int(m.group(1)) if m else None), out.splitlines()[0] if out else "no output"
+
+
+def kafka_answers(bootstrap: str, timeout_ms: int = 3000) -> tuple[bool, str]:
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    try:
+        admin = KafkaAdminClient(
+            bootstrap_servers=bootstrap,
+            request_timeout_ms=timeout_ms,
+            api_version_auto_timeout_ms=timeout_ms,
+        )
+    except KafkaError as e:
+        return False, f"no answer from {bootstrap}: {type(e).__name__}"
+    try:
+        topics = admin.list_topics()
+    finally:
+        admin.close()
+    return True, f"{bootstrap} answers ({len(topics)} topics)"
+
+
+def run(conf_file: str | None) -> int:
+    settings = load_settings(conf_file)
+    ok = True
+    print(f"python   {sys.version.split()[0]} ({sys.executable})")
+    major, text = java_version()
+    java_ok = major is not None and major >= 17
+    ok &= java_ok
+    print(f"java     {'ok  ' if java_ok else 'FAIL'} {text}")
+
+    import pyspark
+
+    print(f"spark    {pyspark.__version__} (master {settings.spark.master})")
+    if java_ok:
+        from pipelines.session import detect_connectors, get_spark
+
+        spark = get_spark("dejaq-doctor", settings.spark.master)
+        for line in detect_connectors(spark).describe().splitlines():
+            print(f"         {line}")
+    kafka_ok, kafka_text = kafka_answers(settings.kafka.bootstrap)
+    ok &= kafka_ok
+    print(f"kafka    {'ok  ' if kafka_ok else 'FAIL'} {kafka_text}")
+    print(f"warehouse {settings.warehouse}")
+    print(f"platform {platform.platform()}")
+    return 0 if ok else 1

@@ -1,0 +1,1 @@
+"""Spark sources, sinks and transforms of DejaQ."""

@@ -1,0 +1,99 @@
+"""Shared fixtures: one real Kafka-protocol broker and one SparkSession per test run."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from jobs.embedded_kafka import free_port, wait_for_port
+
+
+def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "condition") -> object:
+    """Poll `cond` until it returns something truthy; fail the test at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="session")
+def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real Kafka: $DEJAQ_KAFKA_BOOTSTRAP if set, else `dejaq kafka` on a free port."""
+    external = os.environ.get("DEJAQ_KAFKA_BOOTSTRAP")
+    if external:
+        yield external
+        return
+    port = free_port()
+    data_dir = tmp_path_factory.mktemp("kafka")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "kafka",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait_for_port(port, timeout=60, proc=proc)
+        yield f"127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
+    """Create uniquely named topics; delete them afterwards."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+    from kafka.errors import KafkaError
+
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    created: list[str] = []
+
+    def make(partitions: int = 3, prefix: str = "t") -> str:
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        admin.create_topics([NewTopic(name, partitions, 1)])
+        created.append(name)
+        return name
+
+    yield make
+    with contextlib.suppress(KafkaError):  # best effort: names are unique per test
+        admin.delete_topics(created)
+    admin.close()
+
+
+@pytest.fixture(scope="session")
+def spark():
+    from pipelines.session import get_spark
+
+    session = get_spark("dejaq-tests", master="local[2]", ui=False)
+    yield session
+    session.stop()
+
+
+@pytest.fixture
+def warehouse(tmp_path: Path) -> str:
+    return str(tmp_path / "warehouse")

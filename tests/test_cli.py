@@ -1,0 +1,111 @@
+"""The `dejaq` command as a user runs it: real processes, real ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from jobs.embedded_kafka import free_port, wait_for_port
+
+DEJAQ = [sys.executable, "-m", "jobs.cli"]
+
+
+def run(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 180
+) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*DEJAQ, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize("command", [[], ["kafka"], ["doctor"], ["demo"]])
+def test_help_everywhere(command: list[str]) -> None:
+    result = run(*command, "--help")
+    assert result.returncode == 0
+    assert "usage: dejaq" in result.stdout
+
+
+def test_unknown_command_is_a_usage_error() -> None:
+    result = run("frobnicate")
+    assert result.returncode == 2
+    assert "invalid choice" in result.stderr
+
+
+def start_kafka(port: int, data_dir: Path) -> subprocess.Popen:
+    proc = subprocess.Popen(
+        [*DEJAQ, "kafka", "--port", str(port), "--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_port(port, timeout=60, proc=proc)
+    return proc
+
+
+def test_kafka_serves_stops_on_sigterm_and_keeps_its_data(tmp_path: Path) -> None:
+    port, data_dir = free_port(), tmp_path / "kafka"
+    bootstrap = f"127.0.0.1:{port}"
+    proc = start_kafka(port, data_dir)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    for i in range(5):
+        producer.send("kept", f"m{i}".encode())
+    producer.flush()
+    producer.close()
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    assert f"kafka bootstrap: {bootstrap}" in out
+    assert "kafka stopped" in out
+    assert "GLIBC" not in err
+
+    proc = start_kafka(port, data_dir)
+    try:
+        consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+        tp = TopicPartition("kept", 0)
+        assert consumer.end_offsets([tp])[tp] == 5
+        consumer.close()
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)
+
+
+def test_kafka_refuses_a_busy_port(tmp_path: Path, kafka_bootstrap: str) -> None:
+    if "DEJAQ_KAFKA_BOOTSTRAP" in os.environ:
+        pytest.skip("needs the embedded broker's port")
+    port = kafka_bootstrap.rsplit(":", 1)[1]
+    result = run("kafka", "--port", port, "--data-dir", str(tmp_path / "k"), timeout=60)
+    assert result.returncode != 0
+    assert result.stderr.strip()
+
+
+def test_doctor_reports_connectors_and_kafka(kafka_bootstrap: str) -> None:
+    result = run("doctor", env={"DEJAQ_KAFKA_BOOTSTRAP": kafka_bootstrap})
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "java     ok" in result.stdout
+    assert "Kafka: Python on kafka-python (dejaq_kafka)" in result.stdout
+    assert "Delta: Python on delta-rs (dejaq_delta)" in result.stdout
+    assert f"kafka    ok   {kafka_bootstrap} answers" in result.stdout
+
+
+def test_doctor_fails_when_kafka_does_not_answer() -> None:
+    result = run("doctor", env={"DEJAQ_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}"})
+    assert result.returncode == 1
+    assert "kafka    FAIL" in result.stdout
+
+
+def test_invalid_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    conf = tmp_path / "bad.yaml"
+    conf.write_text("kafka: {bootstrap: 1}\n")
+    result = run("doctor", "--conf-file", str(conf))
+    assert result.returncode == 2
+    assert "kafka.bootstrap" in result.stderr

@@ -1,0 +1,74 @@
+"""Configuration: defaults load, env overrides apply, and bad config names the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conf.settings import ConfigError, Delivery, TopicKind, default_conf_file, load_settings
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "dejaq.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_packaged_defaults_load() -> None:
+    s = load_settings(default_conf_file(), env={})
+    assert s.kafka.bootstrap == "127.0.0.1:9092"
+    assert s.topic("orders").kind is TopicKind.PRIORITY
+    assert s.topic("orders").buckets == 16
+    assert s.topic("reminders").delivery is Delivery.RELEASE
+
+
+def test_env_overrides_leaf_keys() -> None:
+    env = {
+        "DEJAQ_KAFKA_BOOTSTRAP": "10.0.0.1:9093",
+        "DEJAQ_SPARK_UI": "true",
+        "DEJAQ_WAREHOUSE": "s3://b/w",
+    }
+    s = load_settings(default_conf_file(), env=env)
+    assert (s.kafka.bootstrap, s.spark.ui, s.warehouse) == ("10.0.0.1:9093", True, "s3://b/w")
+
+
+def test_conf_file_from_env(tmp_path: Path) -> None:
+    path = write(tmp_path, "warehouse: /data/wh\n")
+    assert load_settings(env={"DEJAQ_CONF_FILE": str(path)}).warehouse == "/data/wh"
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "message"),
+    [
+        ("kafka: {bootstrap: nohostport}\n", {}, "kafka.bootstrap: expected host:port"),
+        ("kafka: {bootstarp: a:1}\n", {}, "kafka.bootstarp: unknown key"),
+        ("spark: {ui: maybe}\n", {}, "spark.ui"),
+        ("", {"DEJAQ_KAFKA_BOOTSTRAP": "x"}, "kafka.bootstrap"),
+        ("topics: [{name: a, kind: fifo, source: [x]}]\n", {}, "topics.0.kind"),
+        ("topics: [{name: 'a/b', kind: priority, source: [x]}]\n", {}, "topics.0.name"),
+        ("topics: [{name: a, kind: priority, source: []}]\n", {}, "topics.0.source"),
+        ("topics: [{name: a, kind: priority, source: [x], buckets: 0}]\n", {}, "topics.0.buckets"),
+        ("topics: [{name: a, kind: event_time, source: [x]}]\n", {}, "release-only"),
+        ("topics: [{name: a, kind: timeline, source: [x], delivery: release}]\n", {}, "output"),
+        (
+            "topics: [{name: a, kind: priority, source: [x]},"
+            " {name: a, kind: priority, source: [y]}]\n",
+            {},
+            "repeated: a",
+        ),
+        ("- just\n- a list\n", {}, "mapping at the top level"),
+        ("kafka: [unclosed\n", {}, "not valid YAML"),
+    ],
+)
+def test_invalid_config_names_the_key(tmp_path: Path, text: str, env: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, text), env=env)
+    assert message in str(err.value)
+
+
+def test_missing_file_and_unknown_topic(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        load_settings(tmp_path / "nope.yaml", env={})
+    with pytest.raises(ConfigError, match=r"unknown topic 'zzz' \(configured: orders, reminders\)"):
+        load_settings(default_conf_file(), env={}).topic("zzz")

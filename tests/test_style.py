@@ -1,0 +1,19 @@
+"""The code base stays `ruff check` and `ruff format` clean: CI is the place that notices."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("args", [["check", "."], ["format", "--check", "."]])
+def test_ruff(args: list[str]) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", *args], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
