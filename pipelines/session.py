@@ -47,6 +47,7 @@ def get_spark(app_name: str = "dejaq", master: str = "local[2]", ui: bool = Fals
     Without PYSPARK_PYTHON the workers start on the system python, cannot import
     pyarrow, and the query hangs for a minute before failing.
     """
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = (

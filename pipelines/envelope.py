@@ -1,0 +1,254 @@
+"""Kafka records → buffer rows or quarantine rows, as Spark SQL expressions.
+
+Parsing runs in the JVM (no Python per record) and never raises: every value is
+checked with `try_*` casts and patterns, and a record that fails a check carries a
+reason code instead. `in = buffer + quarantine` follows from `split` being a partition.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema
+from pyspark.sql.window import Window
+
+from conf.settings import TopicConfig, TopicKind
+from conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
+
+HEADER_PRIORITY = "dejaq-priority"
+HEADER_DELIVER_AT = "dejaq-deliver-at"
+HEADER_ID = "dejaq-id"
+HEADER_EVENT_TIME = "dejaq-event-time"
+
+MAX_PRIORITY = 65535
+# 9999-12-31T23:59:59.999Z: the last instant a Delta timestamp holds.
+MAX_EPOCH_MS = 253_402_300_799_999
+ISO_WITH_OFFSET = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})$"
+
+COORDINATES = ["source_topic", "source_partition", "source_offset"]
+BUFFER_SPARK_SCHEMA = from_arrow_schema(BUFFER_SCHEMA)
+QUARANTINE_SPARK_SCHEMA = from_arrow_schema(QUARANTINE_SCHEMA)
+
+
+class Reason(StrEnum):
+    """Why a record went to quarantine; stable codes for dashboards and replays."""
+
+    MISSING_PRIORITY = "missing_priority"
+    INVALID_PRIORITY = "invalid_priority"
+    PRIORITY_OUT_OF_RANGE = "priority_out_of_range"
+    MISSING_DELIVER_AT = "missing_deliver_at"
+    INVALID_DELIVER_AT = "invalid_deliver_at"
+    INVALID_EVENT_TIME = "invalid_event_time"
+    INVALID_ID = "invalid_id"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    DUPLICATE = "duplicate"
+
+
+def _header(name: str) -> Column:
+    """The last value of a header (Kafka's `lastHeader`), as bytes, or null."""
+    matches = F.filter("headers", lambda h: h["key"] == F.lit(name))
+    return F.when(F.size(matches) > 0, F.element_at(matches, -1)["value"])
+
+
+def _field(header: str, json_field: str | None) -> Column:
+    """A raw envelope value as a string: from the JSON payload if mapped, else the header."""
+    if json_field is not None:
+        return F.get_json_object(F.col("value").cast("string"), f"$.{json_field}")
+    return _header(header).cast("string")
+
+
+def _epoch_ms(raw: Column) -> Column:
+    """Epoch milliseconds from decimal ms or ISO-8601 with an offset; null if neither."""
+    as_number = F.when(raw.rlike(r"^-?\d{1,16}$"), F.expr("try_cast(_raw AS BIGINT)"))
+    as_iso = F.when(
+        raw.rlike(ISO_WITH_OFFSET), F.unix_millis(F.expr("try_cast(_raw AS TIMESTAMP)"))
+    )
+    ms = F.coalesce(as_number, as_iso)
+    return F.when((ms >= 0) & (ms <= MAX_EPOCH_MS), ms)
+
+
+def _with_raw(df: DataFrame, out: str, raw: Column, fn) -> DataFrame:
+    """Apply `fn` to `raw` bound as `_raw` (so SQL snippets can name it), into `out`."""
+    return df.withColumn("_raw", raw).withColumn(out, fn(F.col("_raw"))).drop("_raw")
+
+
+def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
+    """Kafka-schema rows → every buffer column plus `reason` and `detail` (null when valid).
+
+    The first failing check wins, in a fixed order, so a record gets one stable reason.
+    """
+    jf = topic.json_fields
+    df = records
+    df = df.withColumn("_prio_raw", _field(HEADER_PRIORITY, jf and jf.priority))
+    df = df.withColumn("_at_raw", _field(HEADER_DELIVER_AT, jf and jf.deliver_at))
+    df = df.withColumn("_evt_raw", _field(HEADER_EVENT_TIME, jf and jf.event_time))
+    id_bytes = (
+        F.get_json_object(F.col("value").cast("string"), f"$.{jf.id}").cast("binary")
+        if jf and jf.id
+        else _header(HEADER_ID)
+    )
+    df = df.withColumn("_id_raw", id_bytes)
+    df = _with_raw(df, "_at_ms", F.col("_at_raw"), _epoch_ms)
+    df = _with_raw(df, "_evt_ms", F.col("_evt_raw"), _epoch_ms)
+    df = df.withColumn(
+        "_prio_num",
+        F.when(
+            F.col("_prio_raw").rlike(r"^\s*-?\d{1,18}\s*$"), F.expr("try_cast(_prio_raw AS BIGINT)")
+        ),
+    )
+
+    checks: list[tuple[Column, Reason, Column]] = []
+    if topic.kind is TopicKind.PRIORITY:
+        checks += [
+            (F.col("_prio_raw").isNull(), Reason.MISSING_PRIORITY, F.lit(f"no {HEADER_PRIORITY}")),
+            (F.col("_prio_num").isNull(), Reason.INVALID_PRIORITY, F.col("_prio_raw")),
+            (
+                (F.col("_prio_num") < 0) | (F.col("_prio_num") > MAX_PRIORITY),
+                Reason.PRIORITY_OUT_OF_RANGE,
+                F.col("_prio_raw"),
+            ),
+        ]
+    if topic.kind is TopicKind.TIMELINE:
+        checks += [
+            (
+                F.col("_at_raw").isNull(),
+                Reason.MISSING_DELIVER_AT,
+                F.lit(f"no {HEADER_DELIVER_AT}"),
+            ),
+            (F.col("_at_ms").isNull(), Reason.INVALID_DELIVER_AT, F.col("_at_raw")),
+        ]
+    if topic.kind is TopicKind.EVENT_TIME:
+        checks.append(
+            (
+                F.col("_evt_raw").isNotNull() & F.col("_evt_ms").isNull(),
+                Reason.INVALID_EVENT_TIME,
+                F.col("_evt_raw"),
+            )
+        )
+    checks += [
+        (
+            F.col("_id_raw").isNotNull() & ~F.is_valid_utf8(F.col("_id_raw").cast("string")),
+            Reason.INVALID_ID,
+            F.lit(f"{HEADER_ID} is not UTF-8"),
+        ),
+        (
+            F.coalesce(F.length("value"), F.lit(0)) > topic.max_payload_bytes,
+            Reason.PAYLOAD_TOO_LARGE,
+            F.concat(
+                F.length("value").cast("string"), F.lit(f" bytes > {topic.max_payload_bytes}")
+            ),
+        ),
+    ]
+    reason = F.lit(None).cast("string")
+    detail = F.lit(None).cast("string")
+    for failed, code, why in reversed(checks):
+        reason = F.when(failed, F.lit(code.value)).otherwise(reason)
+        detail = F.when(failed, why.cast("string")).otherwise(detail)
+
+    event_ms = F.coalesce(F.col("_evt_ms"), F.unix_millis("timestamp"))
+    sort_key = {
+        TopicKind.PRIORITY: F.col("_prio_num"),
+        TopicKind.TIMELINE: F.col("_at_ms"),
+        TopicKind.EVENT_TIME: event_ms,
+    }[topic.kind]
+    message_id = F.coalesce(
+        F.col("_id_raw").cast("string"),
+        F.concat_ws(
+            "-", "topic", F.col("partition").cast("string"), F.col("offset").cast("string")
+        ),
+    )
+    # Null keys spread by id; a key always lands in the same bucket, which keeps its order.
+    bucket = F.pmod(
+        F.xxhash64(F.coalesce(F.col("key"), message_id.cast("binary"))), F.lit(topic.buckets)
+    )
+    in_kind = {
+        "priority": F.col("_prio_num") if topic.kind is TopicKind.PRIORITY else F.lit(None),
+        "deliver_at": F.col("_at_ms") if topic.kind is TopicKind.TIMELINE else F.lit(None),
+        "event_time": event_ms if topic.kind is TopicKind.EVENT_TIME else F.lit(None),
+    }
+    return df.select(
+        message_id.alias("message_id"),
+        bucket.cast("int").alias("bucket"),
+        sort_key.cast("bigint").alias("sort_key"),
+        in_kind["priority"].cast("int").alias("priority"),
+        F.timestamp_millis(in_kind["deliver_at"]).alias("deliver_at"),
+        F.timestamp_millis(in_kind["event_time"]).alias("event_time"),
+        "key",
+        F.col("value").alias("payload"),
+        "headers",
+        F.col("topic").alias("source_topic"),
+        F.col("partition").alias("source_partition"),
+        F.col("offset").alias("source_offset"),
+        F.col("timestamp").alias("produced_at"),
+        F.current_timestamp().alias("ingested_at"),
+        reason.alias("reason"),
+        detail.alias("detail"),
+    )
+
+
+def dedup_in_batch(parsed: DataFrame) -> DataFrame:
+    """Mark the second and later copies of a message id within one batch as duplicates.
+
+    First wins: earliest Kafka timestamp, then (topic, partition, offset).
+    """
+    order = Window.partitionBy("message_id").orderBy(
+        "produced_at", "source_topic", "source_partition", "source_offset"
+    )
+    valid = parsed.where(F.col("reason").isNull())
+    later = valid.withColumn("_rank", F.row_number().over(order)).where(F.col("_rank") > 1)
+    return _flag(parsed, later, "id seen earlier in the same batch")
+
+
+def mark_seen(parsed: DataFrame, seen: DataFrame) -> DataFrame:
+    """Mark valid rows whose id the buffer already holds from another Kafka record.
+
+    `seen` has message_id and the source coordinates of stored rows; a replayed batch
+    finds its own rows there with the same coordinates, which are not duplicates.
+    """
+    s = seen.select(
+        F.col("message_id").alias("_sid"),
+        F.col("source_topic").alias("_st"),
+        F.col("source_partition").alias("_sp"),
+        F.col("source_offset").alias("_so"),
+    )
+    same_record = (
+        (F.col("_st") == F.col("source_topic"))
+        & (F.col("_sp") == F.col("source_partition"))
+        & (F.col("_so") == F.col("source_offset"))
+    )
+    valid = parsed.where(F.col("reason").isNull())
+    taken = valid.join(s, (F.col("message_id") == F.col("_sid")) & ~same_record, "left_semi")
+    return _flag(parsed, taken, "id already in the buffer")
+
+
+def _flag(parsed: DataFrame, dupes: DataFrame, detail: str) -> DataFrame:
+    """Set reason `duplicate` on the rows of `parsed` whose coordinates are in `dupes`."""
+    marks = dupes.select(*COORDINATES).withColumn("_dup", F.lit(True))
+    joined = parsed.join(marks, on=COORDINATES, how="left")
+    dup = F.coalesce(F.col("_dup"), F.lit(False))
+    return joined.select(
+        *[c for c in parsed.columns if c not in ("reason", "detail")],
+        F.when(dup, F.lit(Reason.DUPLICATE.value)).otherwise(F.col("reason")).alias("reason"),
+        F.when(dup, F.lit(detail)).otherwise(F.col("detail")).alias("detail"),
+    )
+
+
+def buffer_rows(parsed: DataFrame) -> DataFrame:
+    return _conform(parsed.where(F.col("reason").isNull()), BUFFER_SPARK_SCHEMA)
+
+
+def quarantine_rows(parsed: DataFrame) -> DataFrame:
+    bad = parsed.where(F.col("reason").isNotNull())
+    return _conform(
+        bad.withColumnRenamed("payload", "value").withColumn(
+            "quarantined_at", F.col("ingested_at")
+        ),
+        QUARANTINE_SPARK_SCHEMA,
+    )
+
+
+def _conform(df: DataFrame, schema) -> DataFrame:
+    """Exactly the contract's columns, order and types."""
+    return df.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields])

@@ -1,0 +1,228 @@
+"""Envelope parsing: valid records become buffer rows, every bad one a quarantine row."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pytest
+from chispa import assert_df_equality
+from chispa.schema_comparer import assert_schema_equality
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pyspark.sql import functions as F
+
+from conf.settings import JsonFields, TopicConfig
+from pipelines.envelope import (
+    BUFFER_SPARK_SCHEMA,
+    QUARANTINE_SPARK_SCHEMA,
+    buffer_rows,
+    dedup_in_batch,
+    mark_seen,
+    parse,
+    quarantine_rows,
+)
+
+KAFKA_DDL = (
+    "key binary, value binary, topic string, partition int, offset long, timestamp timestamp,"
+    " timestampType int, headers array<struct<key:string,value:binary>>"
+)
+T0 = dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)
+
+PRIORITY = TopicConfig(name="p", kind="priority", source=["in"], buckets=8, max_payload_bytes=64)
+TIMELINE = TopicConfig(name="t", kind="timeline", source=["in"])
+EVENTS = TopicConfig(name="e", kind="event_time", source=["in"], delivery="release", output="o")
+
+
+Headers = dict[str, bytes] | list[tuple[str, bytes]]
+
+
+def pairs(headers: Headers) -> list[tuple[str, bytes]]:
+    return list(headers.items()) if isinstance(headers, dict) else headers
+
+
+def records(spark, rows: list[tuple[bytes | None, bytes | None, Headers]], partition=0):
+    """Rows shaped like Spark's Kafka source; headers may repeat a key when given as pairs."""
+    data = [
+        (key, value, "in", partition, offset, T0, 0, pairs(headers))
+        for offset, (key, value, headers) in enumerate(rows)
+    ]
+    return spark.createDataFrame(data, KAFKA_DDL)
+
+
+def reasons(parsed) -> list[tuple[int, str | None]]:
+    return [(r.source_offset, r.reason) for r in parsed.orderBy("source_offset").collect()]
+
+
+def test_priority_records_become_buffer_rows(spark) -> None:
+    df = records(
+        spark,
+        [
+            (b"k1", b"a", {"dejaq-priority": b"7"}),
+            (b"k2", b"b", {"dejaq-priority": b"0", "dejaq-id": b"order-9"}),
+            (None, b"c", {"dejaq-priority": b"3", "dejaq-priority ": b"x"}),
+            (b"k1", b"d", [("dejaq-priority", b"9"), ("x", b"y"), ("dejaq-priority", b"65535")]),
+        ],
+    )
+    out = buffer_rows(parse(df, PRIORITY))
+    assert_schema_equality(out.schema, BUFFER_SPARK_SCHEMA, ignore_nullable=True)
+    expected = spark.createDataFrame(
+        [
+            ("in-0-0", 7, 7, b"a"),
+            ("order-9", 0, 0, b"b"),
+            ("in-0-2", 3, 3, b"c"),
+            ("in-0-3", 65535, 65535, b"d"),
+        ],
+        "message_id string, sort_key long, priority int, payload binary",
+    )
+    assert_df_equality(
+        out.select("message_id", "sort_key", "priority", "payload"),
+        expected,
+        ignore_row_order=True,
+        ignore_nullable=True,
+    )
+    buckets = {r.message_id: r.bucket for r in out.collect()}
+    assert all(0 <= b < 8 for b in buckets.values())
+    assert buckets["in-0-0"] == buckets["in-0-3"], "one key, one bucket"
+
+
+@pytest.mark.parametrize(
+    ("headers", "value", "reason"),
+    [
+        ({}, b"x", "missing_priority"),
+        ({"dejaq-priority": b"high"}, b"x", "invalid_priority"),
+        ({"dejaq-priority": b"1.5"}, b"x", "invalid_priority"),
+        ({"dejaq-priority": b"\xff\xfe"}, b"x", "invalid_priority"),
+        ({"dejaq-priority": b""}, b"x", "invalid_priority"),
+        ({"dejaq-priority": b"65536"}, b"x", "priority_out_of_range"),
+        ({"dejaq-priority": b"-1"}, b"x", "priority_out_of_range"),
+        ({"dejaq-priority": b"99999999999999999999999"}, b"x", "invalid_priority"),
+        ({"dejaq-priority": b"1", "dejaq-id": b"\xc3\x28"}, b"x", "invalid_id"),
+        ({"dejaq-priority": b"1"}, b"x" * 65, "payload_too_large"),
+        ({"dejaq-priority": b"1"}, None, None),
+        ({"dejaq-priority": b" 42 "}, b"x", None),
+    ],
+)
+def test_bad_priority_records_are_quarantined_with_a_reason(spark, headers, value, reason) -> None:
+    parsed = parse(records(spark, [(b"k", value, headers)]), PRIORITY)
+    assert reasons(parsed) == [(0, reason)]
+    q = quarantine_rows(parsed)
+    assert_schema_equality(q.schema, QUARANTINE_SPARK_SCHEMA, ignore_nullable=True)
+    assert q.count() == (reason is not None)
+    if reason:
+        row = q.first()
+        assert (row.key, row.value, row.source_offset) == (b"k", value, 0)
+        assert [(h.key, bytes(h.value)) for h in row.headers] == list(headers.items())
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        (b"1795262400000", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
+        (b"2026-11-21T13:00:00+01:00", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
+        (b"2026-11-21T12:00:00.250Z", dt.datetime(2026, 11, 21, 12, 0, 0, 250000, tzinfo=dt.UTC)),
+        (b"2026-11-21T12:00:00", None),
+        (b"tomorrow", None),
+        (b"2026-13-45T10:00:00Z", None),
+        (b"-5", None),
+    ],
+)
+def test_timeline_deliver_at_epoch_ms_or_iso_with_offset(spark, raw, expected) -> None:
+    parsed = parse(records(spark, [(b"k", b"v", {"dejaq-deliver-at": raw})]), TIMELINE)
+    row = parsed.first()
+    if expected is None:
+        assert row.reason == "invalid_deliver_at"
+    else:
+        assert row.reason is None
+        assert row.deliver_at == expected.replace(tzinfo=None)
+        assert row.sort_key == int(expected.timestamp() * 1000)
+
+
+def test_timeline_without_deliver_at_is_quarantined(spark) -> None:
+    assert reasons(parse(records(spark, [(b"k", b"v", {})]), TIMELINE)) == [
+        (0, "missing_deliver_at")
+    ]
+
+
+def test_event_time_from_header_or_kafka_timestamp(spark) -> None:
+    df = records(
+        spark,
+        [
+            (b"k", b"v", {"dejaq-event-time": b"1000"}),
+            (b"k", b"v", {}),
+            (b"k", b"v", {"dejaq-event-time": b"?"}),
+        ],
+    )
+    rows = parse(df, EVENTS).orderBy("source_offset").collect()
+    assert [r.sort_key for r in rows[:2]] == [1000, int(T0.timestamp() * 1000)]
+    assert rows[2].reason == "invalid_event_time"
+
+
+def test_json_field_mapping(spark) -> None:
+    topic = TopicConfig(
+        name="j", kind="priority", source=["in"], json_fields=JsonFields(priority="prio", id="uid")
+    )
+    df = records(
+        spark,
+        [
+            (b"k", b'{"prio": 12, "uid": "u-1"}', {}),
+            (b"k", b'{"prio": "13"}', {}),
+            (b"k", b"not json", {}),
+        ],
+    )
+    rows = parse(df, topic).orderBy("source_offset").collect()
+    assert [(r.message_id, r.sort_key, r.reason) for r in rows] == [
+        ("u-1", 12, None),
+        ("in-0-1", 13, None),
+        ("in-0-2", None, "missing_priority"),
+    ]
+
+
+def test_duplicates_first_wins_and_a_replay_is_not_a_duplicate(spark) -> None:
+    df = records(spark, [(b"k", b"a", {"dejaq-priority": b"1", "dejaq-id": b"same"})] * 3)
+    parsed = dedup_in_batch(parse(df, PRIORITY))
+    assert reasons(parsed) == [(0, None), (1, "duplicate"), (2, "duplicate")]
+
+    stored = buffer_rows(parsed)
+    later = parse(
+        records(spark, [(b"k", b"z", {"dejaq-priority": b"1", "dejaq-id": b"same"})], partition=1),
+        PRIORITY,
+    )
+    assert reasons(mark_seen(later, stored)) == [(0, "duplicate")]
+    replay = parse(df, PRIORITY).where(F.col("source_offset") == 0)
+    assert reasons(mark_seen(replay, stored)) == [(0, None)]
+
+
+header_values = st.one_of(
+    st.binary(max_size=24), st.integers(-10, 70000).map(lambda i: str(i).encode())
+)
+header_names = st.sampled_from(
+    ["dejaq-priority", "dejaq-deliver-at", "dejaq-id", "dejaq-event-time", "other"]
+)
+record = st.tuples(
+    st.one_of(st.none(), st.binary(max_size=8)),
+    st.one_of(st.none(), st.binary(max_size=80)),
+    st.dictionaries(header_names, header_values, max_size=4),
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    batch=st.lists(record, min_size=1, max_size=30),
+    topic=st.sampled_from([PRIORITY, TIMELINE, EVENTS]),
+)
+def test_any_bytes_become_exactly_one_buffer_or_quarantine_row(spark, batch, topic) -> None:
+    parsed = dedup_in_batch(parse(records(spark, batch), topic)).cache()
+    buffered = buffer_rows(parsed).collect()
+    quarantined = quarantine_rows(parsed).collect()
+    assert len(buffered) + len(quarantined) == len(batch)
+    offsets = sorted([r.source_offset for r in buffered] + [r.source_offset for r in quarantined])
+    assert offsets == list(range(len(batch)))
+    assert all(r.reason for r in quarantined)
+    for r in buffered:
+        raw = batch[r.source_offset][2].get("dejaq-priority")
+        if topic is PRIORITY:
+            assert r.priority == int(raw) == r.sort_key and 0 <= r.priority <= 65535
+        assert r.sort_key is not None and 0 <= r.bucket < topic.buckets
+    parsed.unpersist()
