@@ -11,6 +11,8 @@ from enum import StrEnum
 from pathlib import Path
 
 import pyarrow as pa
+from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 
 from conf.settings import TOPIC_NAME
 
@@ -114,3 +116,34 @@ def table_path(warehouse: str, table: Table, topic: str) -> str:
     if "://" not in warehouse:
         warehouse = str(Path(warehouse).expanduser().resolve())
     return f"{warehouse.rstrip('/')}/{Table(table).value}/{topic}"
+
+
+def checkpoint_path(warehouse: str, job: str, topic: str) -> str:
+    """Where a streaming job of a topic keeps its Spark checkpoint: beside its tables."""
+    return table_path(warehouse, Table.BUFFER, topic).replace("/buffer/", f"/_checkpoints/{job}/")
+
+
+def ensure_table(warehouse: str, table: Table, topic: str) -> str:
+    """Create the table from the contract if it does not exist; return its path.
+
+    Creating up front (rather than on first write) gives every reader, the broker's
+    included, an empty table with the right schema from the start.
+    """
+    path = table_path(warehouse, table, topic)
+    create_if_missing(path, SCHEMAS[table], PARTITION_BY[table])
+    return path
+
+
+def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> None:
+    """`DeltaTable.create(mode="ignore")`, safe against a concurrent creator.
+
+    delta-rs's "ignore" is not atomic: a racing creator can fail with CommitFailedError
+    although the table now exists, which is all the caller wanted.
+    """
+    if DeltaTable.is_deltatable(path):
+        return
+    try:
+        DeltaTable.create(path, schema, partition_by=partition_by or None, mode="ignore")
+    except CommitFailedError:
+        if not DeltaTable.is_deltatable(path):
+            raise

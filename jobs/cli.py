@@ -23,6 +23,18 @@ def _doctor(args: argparse.Namespace) -> int:
     return doctor.run(args.conf_file)
 
 
+def _ingest(args: argparse.Namespace) -> int:
+    from jobs import ingest
+
+    return ingest.run(args.topic, args.conf_file, args.once, args.max_offsets_per_trigger)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from jobs import status
+
+    return status.run(args.topic, args.conf_file)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from jobs import demo
 
@@ -52,6 +64,12 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     k.add_argument("--data-dir", default=".dejaq/kafka", help="where the broker keeps its data")
 
+    from jobs.ingest import add_arguments as ingest_arguments
+
+    ingest_arguments(add("ingest", _ingest, "Land a topic's Kafka records in its Delta buffer."))
+    st = add("status", _status, "Buffer, quarantine and ingest lag of a topic.")
+    st.add_argument("--topic", required=True, help="a topic name from the configuration")
+    conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
     conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))
     return p

@@ -5,6 +5,7 @@ from __future__ import annotations
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 
@@ -25,12 +26,17 @@ def kafka_answers(bootstrap: str, timeout_ms: int = 3000) -> tuple[bool, str]:
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=timeout_ms / 1000).close()
+            break
+        except OSError:
+            continue
+    else:
+        return False, f"nothing listens at {bootstrap}"
     try:
-        admin = KafkaAdminClient(
-            bootstrap_servers=bootstrap,
-            request_timeout_ms=timeout_ms,
-            api_version_auto_timeout_ms=timeout_ms,
-        )
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
     except KafkaError as e:
         return False, f"no answer from {bootstrap}: {type(e).__name__}"
     try:

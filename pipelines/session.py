@@ -11,6 +11,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+from pyspark import SparkConf
 from pyspark.sql import SparkSession
 
 JVM_KAFKA_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
@@ -52,8 +53,8 @@ def get_spark(app_name: str = "dejaq", master: str = "local[2]", ui: bool = Fals
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = (
         SparkSession.builder.appName(app_name)
-        .master(master)
         .config("spark.ui.enabled", str(ui).lower())
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
@@ -61,6 +62,9 @@ def get_spark(app_name: str = "dejaq", master: str = "local[2]", ui: bool = Fals
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
     )
+    # Under spark-submit the master comes from its --master; ours is only the default.
+    if not SparkConf().contains("spark.master"):
+        builder = builder.master(master)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     register_python_sources(spark)

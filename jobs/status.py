@@ -1,0 +1,89 @@
+"""`dejaq status --topic NAME`: how much is buffered, quarantined, and not yet ingested.
+
+Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log
+and Kafka's end offsets, so it answers in a second while the job runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
+from kafka.errors import KafkaError
+
+from conf.settings import load_settings
+from conf.tables import Table, checkpoint_path, table_path
+
+
+def row_count(path: str) -> int | None:
+    """Rows in a Delta table from its log's file stats (no data read); None if absent."""
+    try:
+        dt = DeltaTable(path)
+    except TableNotFoundError:
+        return None
+    actions = dt.get_add_actions(flatten=True)
+    column = actions.column("num_records")
+    return int(sum(v.as_py() or 0 for v in column))
+
+
+def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
+    """The source offsets of the last micro-batch in a Structured Streaming checkpoint."""
+    offsets_dir = Path(checkpoint) / "offsets"
+    batches = sorted((int(p.name) for p in offsets_dir.glob("*") if p.name.isdigit()), reverse=True)
+    commits = Path(checkpoint) / "commits"
+    for batch in batches:
+        if (commits / str(batch)).exists():
+            lines = (offsets_dir / str(batch)).read_text().splitlines()
+            return json.loads(lines[2]) if len(lines) > 2 else {}
+    return {}
+
+
+def kafka_end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[str, int]]:
+    from kafka import KafkaConsumer, TopicPartition
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    try:
+        tps = [
+            TopicPartition(t, p)
+            for t in topics
+            for p in sorted(consumer.partitions_for_topic(t) or [])
+        ]
+        ends = consumer.end_offsets(tps) if tps else {}
+    finally:
+        consumer.close()
+    out: dict[str, dict[str, int]] = {}
+    for tp, end in ends.items():
+        out.setdefault(tp.topic, {})[str(tp.partition)] = end
+    return out
+
+
+def ingest_lag(bootstrap: str, topics: list[str], checkpoint: str) -> dict[str, int]:
+    done = committed_offsets(checkpoint)
+    return {
+        f"{t}/{p}": end - done.get(t, {}).get(p, 0)
+        for t, parts in kafka_end_offsets(bootstrap, topics).items()
+        for p, end in sorted(parts.items(), key=lambda kv: int(kv[0]))
+    }
+
+
+def run(topic: str, conf_file: str | None) -> int:
+    settings = load_settings(conf_file)
+    conf = settings.topic(topic)
+    for table in (Table.BUFFER, Table.QUARANTINE):
+        n = row_count(table_path(settings.warehouse, table, topic))
+        print(f"{table.value:<11} {'no table yet' if n is None else n}")
+    try:
+        lag = ingest_lag(
+            settings.kafka.bootstrap,
+            conf.source,
+            checkpoint_path(settings.warehouse, "ingest", topic),
+        )
+    except KafkaError as e:
+        print(f"ingest lag  unknown: Kafka at {settings.kafka.bootstrap} does not answer ({e})")
+        return 1
+    print(f"ingest lag  {sum(lag.values())}")
+    for part, n in lag.items():
+        print(f"  {part:<30} {n}")
+    return 0

@@ -1,0 +1,489 @@
+"""`dejaq_delta`: Delta Lake tables as a Spark Python Data Source, on delta-rs.
+
+It stands in for the JVM Delta connector where its jar is absent (see pipelines.session).
+Write tasks put parquet files straight into the table folder and send their add actions
+to the driver, which makes them visible in one Delta commit. A streaming commit also
+records (appId, batchId) as a Delta app transaction, so a micro-batch that Spark replays
+after a crash is recognised and not appended twice.
+
+Options: `path` (or `.load(path)` / `.save(path)`); reads: `versionAsOf`, `columns`
+(comma-separated: Python sources get no column pruning from Spark); writes: `partitionBy`
+(comma-separated; used when the writer creates the table), `appId` (streaming, required)
+and, as in JVM Delta, `txnAppId` + `txnVersion` for idempotent batch appends (e.g. from
+foreachBatch).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote, unquote
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+from deltalake import DeltaTable
+from deltalake.transaction import AddAction, CommitProperties, Transaction
+from pyspark.sql.datasource import (
+    DataSource,
+    DataSourceArrowWriter,
+    DataSourceReader,
+    DataSourceStreamArrowWriter,
+    InputPartition,
+    WriterCommitMessage,
+)
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
+from pyspark.sql.types import StructType
+
+from conf.tables import create_if_missing
+
+log = logging.getLogger(__name__)
+
+# Files per read task: enough to amortise a task's start, few enough to spread the work.
+FILES_PER_PARTITION = 4
+# Longer strings get a truncated min and no max, so one big value cannot bloat the log.
+STATS_STRING_PREFIX = 32
+HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+
+
+class DeltaDataSource(DataSource):
+    """Reads a Delta table's snapshot and appends to it, batch or streaming."""
+
+    @classmethod
+    def name(cls) -> str:
+        return "dejaq_delta"
+
+    def schema(self) -> StructType:
+        full = from_arrow_schema(_arrow_schema(self._open_existing()))
+        wanted = _names(self.options.get("columns"))
+        if not wanted:
+            return full
+        if unknown := [c for c in wanted if c not in full.fieldNames()]:
+            raise ValueError(f"option 'columns': {unknown} not in Delta table {self._path()}")
+        return StructType([full[c] for c in wanted])
+
+    def reader(self, schema: StructType) -> DeltaReader:
+        delta = self._open_existing()
+        _check_readable(delta)
+        missing = sorted(set(schema.fieldNames()) - set(_arrow_schema(delta).names))
+        if missing:
+            raise ValueError(f"columns {missing} requested but not in Delta table {self._path()}")
+        return DeltaReader(self._path(), delta.version(), schema)
+
+    def writer(self, schema: StructType, overwrite: bool) -> DeltaBatchWriter:
+        app_id, version = self.options.get("txnAppId"), self.options.get("txnVersion")
+        txn = None
+        if app_id is not None or version is not None:
+            if not app_id or version is None or not version.isdigit():
+                raise ValueError(
+                    "options 'txnAppId' and 'txnVersion' (a number) go together: a write whose "
+                    "txnVersion the table already has for txnAppId is skipped as a replay"
+                )
+            txn = (app_id, int(version))
+        return DeltaBatchWriter(self._open_for_write(schema), overwrite, txn)
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DeltaStreamWriter:
+        path = self._path()
+        if overwrite:
+            raise ValueError(f"dejaq_delta streams only append to {path}: use outputMode('append')")
+        app_id = self.options.get("appId")
+        if not app_id:
+            raise ValueError(
+                f"option 'appId' is required to stream into Delta table {path}: it is recorded "
+                "with each micro-batch's commit to recognise batches Spark replays after a "
+                "restart, so they are not appended twice. Use one stable id per query."
+            )
+        return DeltaStreamWriter(self._open_for_write(schema), app_id)
+
+    def _path(self) -> str:
+        path = self.options.get("path")
+        if not path:
+            raise ValueError(
+                "dejaq_delta needs option 'path' (the Delta table's folder or URI): "
+                ".option('path', ...), .load(path) or .save(path)"
+            )
+        return path if "://" in path else os.path.abspath(path)
+
+    def _open_existing(self) -> DeltaTable:
+        path = self._path()
+        if not DeltaTable.is_deltatable(path):
+            raise FileNotFoundError(f"no Delta table at {path} (no _delta_log there)")
+        version = self.options.get("versionAsOf")
+        if version is None:
+            return DeltaTable(path)
+        if not version.isdigit():
+            raise ValueError(
+                f"option 'versionAsOf' must be a table version number, got {version!r}"
+            )
+        return DeltaTable(path, version=int(version))
+
+    def _open_for_write(self, schema: StructType) -> _Table:
+        """Create the table from the DataFrame's schema if needed; check it matches."""
+        path = self._path()
+        requested = _names(self.options.get("partitionBy"))
+        if not DeltaTable.is_deltatable(path):
+            arrow = to_arrow_schema(schema, timezone="UTC")
+            _check_partition_columns(path, arrow, requested)
+            create_if_missing(path, arrow, requested)
+        delta = DeltaTable(path)
+        table = _Table(path, _arrow_schema(delta), tuple(delta.metadata().partition_columns))
+        if requested and tuple(requested) != table.partition_by:
+            raise ValueError(
+                f"partitionBy={requested} but Delta table {path} is partitioned by "
+                f"{list(table.partition_by)}"
+            )
+        _check_partition_columns(path, table.schema, table.partition_by)
+        _check_same_columns(path, table.schema, schema)
+        return table
+
+
+@dataclass(frozen=True)
+class _Table:
+    """What a write task needs to know about the table (picklable)."""
+
+    path: str
+    schema: pa.Schema
+    partition_by: tuple[str, ...]
+
+    @property
+    def file_schema(self) -> pa.Schema:
+        """Partition values live in folder names and the log, not in the files."""
+        return pa.schema([f for f in self.schema if f.name not in self.partition_by])
+
+
+def _names(option: str | None) -> list[str]:
+    return [c.strip() for c in (option or "").split(",") if c.strip()]
+
+
+def _arrow_schema(delta: DeltaTable) -> pa.Schema:
+    return pa.schema(delta.schema().to_arrow())  # delta-rs returns an arro3 schema
+
+
+def _check_readable(delta: DeltaTable) -> None:
+    """Refuse features this reader would get silently wrong rather than misread rows."""
+    if "deletionVectors" in (delta.protocol().reader_features or []):
+        raise ValueError(f"Delta table {delta.table_uri} uses deletion vectors: unsupported")
+    if delta.metadata().configuration.get("delta.columnMapping.mode", "none") != "none":
+        raise ValueError(f"Delta table {delta.table_uri} uses column mapping: unsupported")
+
+
+def _check_partition_columns(path: str, schema: pa.Schema, partition_by: Sequence[str]) -> None:
+    for name in partition_by:
+        if name not in schema.names:
+            raise ValueError(f"partition column {name!r} of {path} is not in the schema")
+        t = schema.field(name).type
+        if not (pa.types.is_integer(t) or pa.types.is_string(t) or pa.types.is_date32(t)):
+            raise ValueError(
+                f"partition column {name!r} of {path} has type {t}: dejaq_delta writes only "
+                "integer, string and date partitions"
+            )
+
+
+def _check_same_columns(path: str, table: pa.Schema, incoming: StructType) -> None:
+    """Same names and types; nullability is the table's (Spark marks most columns nullable)."""
+    want = {f.name: f.dataType.simpleString() for f in from_arrow_schema(table).fields}
+    got = {f.name: f.dataType.simpleString() for f in incoming.fields}
+    problems = []
+    if missing := [n for n in want if n not in got]:
+        problems.append(f"missing columns {missing}")
+    if extra := [n for n in got if n not in want]:
+        problems.append(f"columns not in the table {extra}")
+    if differ := [
+        f"{n} (table {want[n]}, DataFrame {got[n]})" for n in want if n in got and want[n] != got[n]
+    ]:
+        problems.append(f"different types: {', '.join(differ)}")
+    if problems:
+        raise ValueError(f"DataFrame does not match Delta table {path}: {'; '.join(problems)}")
+
+
+# ---------------------------------------------------------------------------- read
+
+
+class DeltaReader(DataSourceReader):
+    """Reads the active files of one table version, a few files per task."""
+
+    def __init__(self, path: str, version: int, schema: StructType) -> None:
+        self.path = path
+        self.version = version
+        self.schema = schema
+
+    def partitions(self) -> Sequence[InputPartition]:
+        adds = pa.table(DeltaTable(self.path, version=self.version).get_add_actions())
+        paths = [unquote(p) for p in adds.column("path").to_pylist()]  # log paths are URIs
+        if "partition" in adds.column_names:
+            values = adds.column("partition").to_pylist()
+        else:
+            values = [{}] * len(paths)
+        files = list(zip(paths, values, strict=True))
+        groups = [
+            files[i : i + FILES_PER_PARTITION] for i in range(0, len(files), FILES_PER_PARTITION)
+        ]
+        return [InputPartition(group) for group in groups] or [InputPartition([])]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        # Spark accepts only batches whose Arrow schema equals this one exactly.
+        target = to_arrow_schema(self.schema, timezone="UTC")
+        fs, root = pafs.FileSystem.from_uri(self.path)
+        for rel_path, partition_values in partition.value:
+            parquet = pq.ParquetFile(f"{root}/{rel_path}", filesystem=fs)
+            present = [n for n in target.names if n in parquet.schema_arrow.names]
+            for batch in parquet.iter_batches(columns=present):
+                yield _conform_read(batch, target, partition_values)
+
+
+def _conform_read(
+    batch: pa.RecordBatch, target: pa.Schema, partition_values: Mapping[str, Any]
+) -> pa.RecordBatch:
+    n = batch.num_rows
+    columns = []
+    for field in target:
+        if field.name in partition_values:
+            columns.append(pa.array([partition_values[field.name]] * n, type=field.type))
+        elif field.name in batch.schema.names:
+            columns.append(batch.column(field.name).cast(field.type))
+        else:  # a column added to the table after this file was written
+            columns.append(pa.nulls(n, type=field.type))
+    return pa.RecordBatch.from_arrays(columns, schema=target)
+
+
+# --------------------------------------------------------------------------- write
+
+
+@dataclass
+class DeltaCommitMessage(WriterCommitMessage):
+    """The files one write task added, as Delta add actions."""
+
+    actions: list[AddAction]
+
+
+class DeltaBatchWriter(DataSourceArrowWriter):
+    """`mode("append")` adds files; `mode("overwrite")` also removes all current ones."""
+
+    def __init__(self, table: _Table, overwrite: bool, txn: tuple[str, int] | None) -> None:
+        self.table = table
+        self.overwrite = overwrite
+        self.txn = txn
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
+        return _write_files(self.table, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None]) -> None:
+        mode = "overwrite" if self.overwrite else "append"
+        _commit(self.table, _actions(messages), mode, self.txn)
+
+    def abort(self, messages: list[WriterCommitMessage | None]) -> None:
+        _log_orphans(self.table, messages, "batch write")
+
+
+class DeltaStreamWriter(DataSourceStreamArrowWriter):
+    """Appends each micro-batch in one commit tagged with (appId, batchId), exactly once."""
+
+    def __init__(self, table: _Table, app_id: str) -> None:
+        self.table = table
+        self.app_id = app_id
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
+        return _write_files(self.table, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        _commit(self.table, _actions(messages), "append", (self.app_id, batchId))
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        _log_orphans(self.table, messages, f"appId {self.app_id} batch {batchId}")
+
+
+def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
+    return [a for m in messages if isinstance(m, DeltaCommitMessage) for a in m.actions]
+
+
+def _commit(
+    table: _Table, actions: list[AddAction], mode: str, txn: tuple[str, int] | None
+) -> None:
+    """One Delta commit; with txn=(app id, batch id), none if the table already has it."""
+    delta = DeltaTable(table.path)
+    properties = None
+    if txn is not None:
+        app_id, batch_id = txn
+        committed = delta.transaction_version(app_id)
+        if committed is not None and committed >= batch_id:
+            # Spark crashed after our commit but before its own: the replay's files are orphans.
+            log.warning(
+                "appId %s batch %d is already in %s (up to batch %d): skipping the replay",
+                app_id,
+                batch_id,
+                table.path,
+                committed,
+            )
+            return
+        properties = CommitProperties(
+            app_transactions=[Transaction(app_id, batch_id)],
+            custom_metadata={"dejaq.appId": app_id, "dejaq.batchId": batch_id},
+        )
+    if not actions and mode == "append":
+        return  # an empty batch: no commit, no version to record
+    delta.create_write_transaction(
+        actions,
+        mode=mode,
+        schema=delta.schema(),  # the table's own, so the commit changes no metadata
+        partition_by=list(table.partition_by),
+        commit_properties=properties,
+    )
+
+
+def _log_orphans(table: _Table, messages: list[WriterCommitMessage | None], what: str) -> None:
+    log.warning(
+        "%s into %s aborted: the files its tasks wrote (%d from tasks that finished) stay "
+        "uncommitted until VACUUM removes them",
+        what,
+        table.path,
+        len(_actions(messages)),
+    )
+
+
+def _write_files(table: _Table, batches: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
+    """One parquet file per partition value this task sees; nothing is visible until commit."""
+    fs, root = pafs.FileSystem.from_uri(table.path)
+    files: dict[tuple[Any, ...], _DataFile] = {}
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        for values, part in _split(_conform_write(batch, table), table.partition_by):
+            if values not in files:
+                files[values] = _DataFile(fs, root, table, values)
+            files[values].write(part)
+    return DeltaCommitMessage([f.close() for f in files.values()])
+
+
+def _conform_write(batch: pa.RecordBatch, table: _Table) -> pa.RecordBatch:
+    """The table's column order and types (e.g. the session time zone becomes UTC)."""
+    for field in table.schema:
+        nulls = batch.column(field.name).null_count
+        if not field.nullable and nulls:
+            raise ValueError(
+                f"column {field.name!r} is NOT NULL in Delta table {table.path} "
+                f"but {nulls} rows have null"
+            )
+    return batch.select(table.schema.names).cast(table.schema)
+
+
+def _split(
+    batch: pa.RecordBatch, partition_by: tuple[str, ...]
+) -> Iterator[tuple[tuple[Any, ...], pa.RecordBatch]]:
+    if not partition_by:
+        yield (), batch
+        return
+    keys = pa.Table.from_batches([batch.select(list(partition_by))])
+    for key in keys.group_by(list(partition_by), use_threads=False).aggregate([]).to_pylist():
+        masks = [
+            pc.is_null(batch[c]) if v is None else pc.equal(batch[c], v) for c, v in key.items()
+        ]
+        rows = batch.filter(functools.reduce(pc.and_, masks))
+        yield tuple(key[c] for c in partition_by), rows.drop_columns(list(partition_by))
+
+
+class _DataFile:
+    """A parquet file being written by a task, and the Delta stats of its rows."""
+
+    def __init__(
+        self, fs: pafs.FileSystem, root: str, table: _Table, values: tuple[Any, ...]
+    ) -> None:
+        self.partition_values = {
+            c: None if v is None else str(v)
+            for c, v in zip(table.partition_by, values, strict=True)
+        }
+        folders = [
+            f"{c}={HIVE_NULL if v is None else quote(v, safe='')}"
+            for c, v in self.partition_values.items()
+        ]
+        self.path = "/".join([*folders, f"part-{uuid.uuid4()}.parquet"])
+        self.fs = fs
+        self.full_path = f"{root}/{self.path}"
+        fs.create_dir(self.full_path.rsplit("/", 1)[0], recursive=True)
+        self.writer = pq.ParquetWriter(self.full_path, table.file_schema, filesystem=fs)
+        self.stats = _Stats(table.file_schema)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        self.writer.write_batch(batch)
+        self.stats.add(batch)
+
+    def close(self) -> AddAction:
+        self.writer.close()
+        return AddAction(
+            path=self.path,
+            size=self.fs.get_file_info(self.full_path).size,
+            partition_values=self.partition_values,
+            modification_time=int(time.time() * 1000),
+            data_change=True,
+            stats=self.stats.to_json(),
+        )
+
+
+def _has_range(t: pa.DataType) -> bool:
+    """Types whose min/max Delta readers use to skip files (floats: NaN has no order)."""
+    return (
+        pa.types.is_integer(t)
+        or pa.types.is_string(t)
+        or pa.types.is_date32(t)
+        or (pa.types.is_timestamp(t) and t.tz is not None)
+    )
+
+
+class _Stats:
+    """Running Delta file statistics: numRecords, and per top-level column nulls, min, max."""
+
+    def __init__(self, schema: pa.Schema) -> None:
+        self.schema = schema
+        self.rows = 0
+        self.nulls = dict.fromkeys(schema.names, 0)
+        self.min: dict[str, Any] = {}
+        self.max: dict[str, Any] = {}
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        self.rows += batch.num_rows
+        for field in self.schema:
+            column = batch.column(field.name)
+            self.nulls[field.name] += column.null_count
+            if not _has_range(field.type) or column.null_count == len(column):
+                continue
+            extremes = pc.min_max(column)
+            lo, hi = _value(extremes["min"]), _value(extremes["max"])
+            self.min[field.name] = min(lo, self.min.get(field.name, lo))
+            self.max[field.name] = max(hi, self.max.get(field.name, hi))
+
+    def to_json(self) -> str:
+        lows: dict[str, Any] = {}
+        highs: dict[str, Any] = {}
+        for name in self.min:
+            t = self.schema.field(name).type
+            lo, hi = self.min[name], self.max[name]
+            if pa.types.is_timestamp(t):  # Delta keeps milliseconds: round outwards
+                lows[name], highs[name] = _iso_ms(lo // 1000), _iso_ms(-(-hi // 1000))
+            elif pa.types.is_date32(t):
+                lows[name], highs[name] = lo.isoformat(), hi.isoformat()
+            elif isinstance(lo, str):
+                lows[name] = lo[:STATS_STRING_PREFIX]  # a prefix is still a lower bound
+                if len(hi) <= STATS_STRING_PREFIX:
+                    highs[name] = hi
+            else:
+                lows[name], highs[name] = lo, hi
+        stats = {"numRecords": self.rows, "minValues": lows, "maxValues": highs}
+        return json.dumps({**stats, "nullCount": self.nulls})
+
+
+def _value(scalar: pa.Scalar) -> Any:
+    """Python value to compare; timestamps as integer microseconds."""
+    return scalar.value if isinstance(scalar, pa.TimestampScalar) else scalar.as_py()
+
+
+def _iso_ms(ms: int) -> str:
+    when = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
+    return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"

@@ -1,0 +1,182 @@
+"""Kafka → `buffer/<topic>` and `quarantine/<topic>`, one micro-batch at a time.
+
+Each micro-batch is parsed once and split in two; both Delta appends carry the
+(app id, batch id) pair, so a batch replayed after a crash is skipped by the table
+that already has it. A record thus lands exactly once in exactly one of the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.streaming import StreamingQuery
+
+from conf.settings import Settings, TopicConfig
+from conf.tables import Table, checkpoint_path, ensure_table
+from pipelines.envelope import buffer_rows, dedup_in_batch, mark_seen, parse, quarantine_rows
+from pipelines.session import Connectors
+
+log = logging.getLogger("dejaq.ingest")
+
+DEFAULT_MAX_OFFSETS_PER_TRIGGER = 250_000
+
+
+@dataclass
+class BatchStats:
+    batch_id: int
+    rows_in: int
+    buffered: int
+    quarantined: int
+    millis: int
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class IngestJob:
+    """The ingest of one configured topic."""
+
+    spark: SparkSession
+    settings: Settings
+    topic: TopicConfig
+    connectors: Connectors
+    max_offsets_per_trigger: int = DEFAULT_MAX_OFFSETS_PER_TRIGGER
+    stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=1000))
+    _reported: int = -1
+
+    @property
+    def app_id(self) -> str:
+        return f"dejaq-ingest-{self.topic.name}"
+
+    @property
+    def checkpoint(self) -> str:
+        return checkpoint_path(self.settings.warehouse, "ingest", self.topic.name)
+
+    def source(self) -> DataFrame:
+        return (
+            self.spark.readStream.format(self.connectors.kafka)
+            .option("kafka.bootstrap.servers", self.settings.kafka.bootstrap)
+            .option("subscribe", ",".join(self.topic.source))
+            .option("startingOffsets", "earliest")
+            .option("includeHeaders", "true")
+            .option("failOnDataLoss", "false")
+            .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))
+            .load()
+        )
+
+    def _seen(self, path: str) -> DataFrame:
+        """Ids stored within the dedup window, with the coordinates that stored them."""
+        cutoff = F.current_timestamp() - F.expr(
+            f"make_dt_interval(0, 0, 0, {self.topic.dedup_window_ms / 1000:.3f})"
+        )
+        return (
+            self.spark.read.format(self.connectors.delta)
+            .option("columns", "message_id,source_topic,source_partition,source_offset,ingested_at")
+            .load(path)
+            .where(F.col("ingested_at") >= cutoff)
+            .select("message_id", "source_topic", "source_partition", "source_offset")
+        )
+
+    def _append(self, df: DataFrame, path: str, batch_id: int) -> None:
+        (
+            df.write.format(self.connectors.delta)
+            .mode("append")
+            .option("txnAppId", self.app_id)
+            .option("txnVersion", str(batch_id))
+            .save(path)
+        )
+
+    def process_batch(self, records: DataFrame, batch_id: int) -> None:
+        """Parse, dedup, append to both tables; both appends are idempotent per batch."""
+        started = time.monotonic()
+        buffer_path = ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
+        quarantine_path = ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
+        parsed = dedup_in_batch(parse(records, self.topic))
+        if self.topic.dedup_window_ms > 0:
+            parsed = mark_seen(parsed, self._seen(buffer_path))
+        parsed = parsed.persist()
+        try:
+            counts = {
+                r["reason"]: r["n"]
+                for r in parsed.groupBy("reason").agg(F.count("*").alias("n")).collect()
+            }
+            buffered = counts.pop(None, 0)
+            if buffered:
+                self._append(buffer_rows(parsed), buffer_path, batch_id)
+            if counts:
+                self._append(quarantine_rows(parsed), quarantine_path, batch_id)
+        finally:
+            parsed.unpersist()
+        stats = BatchStats(
+            batch_id=batch_id,
+            rows_in=buffered + sum(counts.values()),
+            buffered=buffered,
+            quarantined=sum(counts.values()),
+            millis=int((time.monotonic() - started) * 1000),
+            reasons=counts,
+        )
+        self.stats.append(stats)
+
+    def report(self, query: StreamingQuery) -> None:
+        """Log one line per micro-batch finished since the last call.
+
+        Read from the query's own progress on the caller's thread, so the line is there
+        before the job exits (a listener's events arrive asynchronously, possibly never).
+        """
+        by_id = {s.batch_id: s for s in self.stats}
+        for p in query.recentProgress:
+            stats = by_id.get(p.batchId)
+            if stats is None or p.batchId <= self._reported:
+                continue
+            self._reported = p.batchId
+            source = p.sources[0] if p.sources else None
+            lag = partition_lag(source.endOffset, source.latestOffset) if source else {}
+            lag_text = " ".join(f"{k}={v}" for k, v in sorted(lag.items())) or "-"
+            reasons = ", ".join(f"{k} {v}" for k, v in sorted(stats.reasons.items()))
+            log.info(
+                "ingest %s batch %d: in %d, buffered %d, quarantined %d%s, %d ms, lag %s",
+                self.topic.name,
+                stats.batch_id,
+                stats.rows_in,
+                stats.buffered,
+                stats.quarantined,
+                f" ({reasons})" if reasons else "",
+                p.batchDuration,
+                lag_text,
+            )
+
+    def start(self, once: bool) -> StreamingQuery:
+        """Start the query: `once` reads what is there now and stops (availableNow)."""
+        ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
+        ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
+        writer = (
+            self.source()
+            .writeStream.queryName(self.app_id)
+            .foreachBatch(self.process_batch)
+            .option("checkpointLocation", self.checkpoint)
+        )
+        writer = (
+            writer.trigger(availableNow=True) if once else writer.trigger(processingTime="1 second")
+        )
+        return writer.start()
+
+
+def partition_lag(end_offset: str | None, latest_offset: str | None) -> dict[str, int]:
+    """`topic/partition → latest - end` from a query progress's source offsets (JSON)."""
+    end = _offsets(end_offset)
+    latest = _offsets(latest_offset)
+    return {
+        f"{topic}/{part}": max(0, latest_off - end.get(topic, {}).get(part, 0))
+        for topic, parts in latest.items()
+        for part, latest_off in parts.items()
+    }
+
+
+def _offsets(value: str | None) -> dict[str, dict[str, int]]:
+    parsed = json.loads(value) if value else None
+    return parsed if isinstance(parsed, dict) else {}

@@ -1,0 +1,456 @@
+"""`dejaq_kafka`: a Kafka streaming source on kafka-python, for Sparks without the Kafka jar.
+
+It takes the options and yields the schema of Spark's own Kafka source (with
+includeHeaders=true), so a job reads the same rows from `format("kafka")` and
+`format("dejaq_kafka")`. Offsets are {topic: {"partition": next offset}}, as in the JVM
+source's checkpoint. Consumers are assigned partitions and never join a group or commit:
+the query's checkpoint is the only record of progress, which is what makes a file sink
+exactly-once across restarts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from kafka import KafkaConsumer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+from pyspark.sql.datasource import (
+    CaseInsensitiveDict,
+    DataSource,
+    DataSourceStreamReader,
+    InputPartition,
+)
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import (
+    ArrayType,
+    BinaryType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+KAFKA_SCHEMA = StructType(
+    [
+        StructField("key", BinaryType()),
+        StructField("value", BinaryType()),
+        StructField("topic", StringType()),
+        StructField("partition", IntegerType()),
+        StructField("offset", LongType()),
+        StructField("timestamp", TimestampType()),
+        StructField("timestampType", IntegerType()),
+        StructField(
+            "headers",
+            ArrayType(
+                StructType([StructField("key", StringType()), StructField("value", BinaryType())])
+            ),
+        ),
+    ]
+)
+
+# Spark checks each batch's Arrow schema against KAFKA_SCHEMA exactly, so the types are spelt out.
+_HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+ARROW_SCHEMA = pa.schema(
+    [
+        ("key", pa.binary()),
+        ("value", pa.binary()),
+        ("topic", pa.string()),
+        ("partition", pa.int32()),
+        ("offset", pa.int64()),
+        ("timestamp", pa.timestamp("us", tz="UTC")),
+        ("timestampType", pa.int32()),
+        ("headers", _HEADERS_TYPE),
+    ]
+)
+
+BATCH_ROWS = 4096
+_POLL_MS = 1000  # one poll's wait: short, so the pollTimeoutMs deadline is checked often
+EARLIEST, LATEST = -2, -1  # the JVM source's markers inside a startingOffsets JSON
+
+# `kafka.*` options handed to kafka-python's KafkaConsumer (dots become underscores). A closed
+# list, because a JVM-only setting (say kafka.sasl.jaas.config) silently dropped would connect
+# with weaker security than the job asked for.
+_CONSUMER_OPTIONS: dict[str, type] = {
+    "bootstrap.servers": str,
+    "client.id": str,
+    "isolation.level": str,
+    "security.protocol": str,
+    "sasl.mechanism": str,
+    "sasl.plain.username": str,
+    "sasl.plain.password": str,
+    "ssl.cafile": str,
+    "ssl.certfile": str,
+    "ssl.keyfile": str,
+    "ssl.password": str,
+    "ssl.check.hostname": bool,
+    "request.timeout.ms": int,
+    "fetch.max.bytes": int,
+    "max.partition.fetch.bytes": int,
+}
+_ISOLATION_LEVELS = ("read_uncommitted", "read_committed")
+
+Positions = dict[TopicPartition, int]
+
+
+@dataclass(frozen=True)
+class KafkaOptions:
+    """The source's options, checked once so that a typo fails the query at start."""
+
+    topics: tuple[str, ...]
+    starting_offsets: str | dict[str, dict[str, int]]
+    max_offsets_per_trigger: int | None
+    max_records_per_partition: int
+    poll_timeout_ms: int
+    consumer: dict[str, Any]
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> KafkaOptions:
+        opts = CaseInsensitiveDict(options)
+        topics = tuple(t.strip() for t in opts.get("subscribe", "").split(",") if t.strip())
+        if not topics:
+            raise ValueError(
+                "dejaq_kafka: option 'subscribe' is required (comma-separated topic names)"
+            )
+        max_per_trigger = opts.get("maxOffsetsPerTrigger")
+        if max_per_trigger is not None:
+            max_per_trigger = _positive_int("maxOffsetsPerTrigger", max_per_trigger)
+        return cls(
+            topics=topics,
+            starting_offsets=_parse_starting_offsets(opts.get("startingOffsets", "earliest")),
+            max_offsets_per_trigger=max_per_trigger,
+            max_records_per_partition=_positive_int(
+                "maxRecordsPerPartition", opts.get("maxRecordsPerPartition", "200000")
+            ),
+            poll_timeout_ms=_positive_int("pollTimeoutMs", opts.get("pollTimeoutMs", "120000")),
+            consumer=_consumer_config(opts),
+        )
+
+
+def _positive_int(name: str, raw: str) -> int:
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"dejaq_kafka: option '{name}' must be a positive integer, got {raw!r}")
+    return value
+
+
+def _parse_starting_offsets(raw: str) -> str | dict[str, dict[str, int]]:
+    """'earliest', 'latest', or the JVM source's JSON: {"topic": {"0": 23, "1": -2}}."""
+    if raw.strip().lower() in ("earliest", "latest"):
+        return raw.strip().lower()
+    hint = (
+        "dejaq_kafka: option 'startingOffsets' must be 'earliest', 'latest' or JSON like "
+        '{"topic": {"0": 23, "1": -2}} (-2 = earliest, -1 = latest)'
+    )
+    try:
+        parsed = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{hint}; got {raw!r} ({e})") from None
+    valid = isinstance(parsed, dict) and all(
+        isinstance(parts, dict)
+        and all(p.isdigit() and type(o) is int and o >= EARLIEST for p, o in parts.items())
+        for parts in parsed.values()
+    )
+    if not valid:
+        raise ValueError(f"{hint}; got {raw!r}")
+    return {t: {str(int(p)): o for p, o in parts.items()} for t, parts in parsed.items()}
+
+
+def _consumer_config(opts: CaseInsensitiveDict) -> dict[str, Any]:
+    config: dict[str, Any] = {}
+    for key, raw in opts.items():
+        if not key.startswith("kafka."):
+            continue
+        name = key.removeprefix("kafka.")
+        kind = _CONSUMER_OPTIONS.get(name)
+        if kind is None:
+            raise ValueError(
+                f"dejaq_kafka: option '{key}' is not supported (the consumer settings it passes "
+                f"to kafka-python are: {', '.join('kafka.' + k for k in _CONSUMER_OPTIONS)})"
+            )
+        if kind is bool:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(f"dejaq_kafka: option '{key}' must be true or false, got {raw!r}")
+            config[name.replace(".", "_")] = raw.lower() == "true"
+        else:
+            config[name.replace(".", "_")] = _positive_int(key, raw) if kind is int else raw
+    if not config.get("bootstrap_servers"):
+        raise ValueError(
+            "dejaq_kafka: option 'kafka.bootstrap.servers' is required (host:port[,host:port])"
+        )
+    if config.setdefault("isolation_level", "read_uncommitted") not in _ISOLATION_LEVELS:
+        raise ValueError(
+            f"dejaq_kafka: option 'kafka.isolation.level' must be one of {_ISOLATION_LEVELS}, "
+            f"got {config['isolation_level']!r}"
+        )
+    # Assigned partitions only: no group to join or rebalance, no offsets committed to Kafka.
+    config.update(
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        allow_auto_create_topics=False,
+        max_poll_records=BATCH_ROWS,
+    )
+    return config
+
+
+def _to_positions(offsets: Mapping[str, Mapping[str, int]]) -> Positions:
+    return {
+        TopicPartition(topic, int(p)): offset
+        for topic, parts in offsets.items()
+        for p, offset in parts.items()
+    }
+
+
+def _to_offsets(positions: Positions) -> dict[str, dict[str, int]]:
+    """Sorted, so that equal positions always give the same JSON: Spark compares the text."""
+    offsets: dict[str, dict[str, int]] = {}
+    for tp in sorted(positions):
+        offsets.setdefault(tp.topic, {})[str(tp.partition)] = positions[tp]
+    return offsets
+
+
+def fair_share(backlog: Mapping[TopicPartition, int], budget: int) -> Positions:
+    """Split `budget` rows over partitions max-min fairly.
+
+    Every partition with data gets an equal share; what a small partition does not need goes
+    to the others. A busy partition can thus not starve a quiet one, and the whole budget is
+    used whenever there is that much data.
+    """
+    grant = dict.fromkeys(backlog, 0)
+    pending = sorted(tp for tp, n in backlog.items() if n > 0)
+    while pending and budget > 0:
+        share = max(budget // len(pending), 1)
+        still_pending = []
+        for tp in pending:
+            take = min(share, backlog[tp] - grant[tp], budget)
+            grant[tp] += take
+            budget -= take
+            if grant[tp] < backlog[tp]:
+                still_pending.append(tp)
+        pending = still_pending
+    return grant
+
+
+@dataclass(frozen=True)
+class KafkaInputPartition(InputPartition):
+    """Offsets [start, end) of one Kafka partition: one Spark task."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+class _Columns:
+    """Column lists for one Arrow batch; rows are added record by record."""
+
+    def __init__(self) -> None:
+        self.columns: list[list[Any]] = [[] for _ in ARROW_SCHEMA]
+
+    def __len__(self) -> int:
+        return len(self.columns[0])
+
+    def append(self, r: ConsumerRecord) -> None:
+        headers = [{"key": k, "value": v} for k, v in r.headers] if r.headers else None
+        row = (
+            r.key,
+            r.value,
+            r.topic,
+            r.partition,
+            r.offset,
+            r.timestamp * 1000,
+            r.timestamp_type,
+            headers,
+        )
+        for column, value in zip(self.columns, row, strict=True):
+            column.append(value)
+
+    def to_batch(self) -> pa.RecordBatch:
+        arrays = [
+            pa.array(values, type=field.type)
+            for values, field in zip(self.columns, ARROW_SCHEMA, strict=True)
+        ]
+        return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
+
+
+class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Plans micro-batches on the driver and reads offset ranges in the tasks."""
+
+    def __init__(self, options: KafkaOptions) -> None:
+        self.options = options
+        self._consumer: KafkaConsumer | None = None
+        self._target: Positions | None = None  # set by Trigger.AvailableNow
+        self._last_latest: Positions | None = None
+
+    # --- driver side ---------------------------------------------------------------------
+
+    def _driver(self) -> KafkaConsumer:
+        """One consumer for offset look-ups, kept for the life of the query."""
+        if self._consumer is None:
+            self._consumer = KafkaConsumer(**self.options.consumer)
+        return self._consumer
+
+    def _current_partitions(self) -> list[TopicPartition]:
+        consumer = self._driver()
+        # topics() always asks the cluster, which also refreshes the partition lists: new
+        # topics and partitions are seen at once rather than after metadata.max.age.ms.
+        existing = consumer.topics()
+        return sorted(
+            TopicPartition(topic, p)
+            for topic in self.options.topics
+            if topic in existing
+            for p in consumer.partitions_for_topic(topic)
+        )
+
+    def _beginning(self, tps: list[TopicPartition]) -> Positions:
+        if not tps:
+            return {}
+        return self._driver().beginning_offsets(tps, timeout_ms=self.options.poll_timeout_ms)
+
+    def _end(self, tps: list[TopicPartition]) -> Positions:
+        """End offsets; under read_committed, the last stable offset."""
+        if not tps:
+            return {}
+        return self._driver().end_offsets(tps, timeout_ms=self.options.poll_timeout_ms)
+
+    def _with_new_partitions(self, start: dict, current: list[TopicPartition]) -> Positions:
+        """`start` plus, for partitions it does not know yet, their earliest offset."""
+        positions = _to_positions(start)
+        positions.update(self._beginning([tp for tp in current if tp not in positions]))
+        return positions
+
+    def initialOffset(self) -> dict:
+        current = self._current_partitions()
+        starting = self.options.starting_offsets
+        if starting == "earliest":
+            return _to_offsets(self._beginning(current))
+        if starting == "latest":
+            return _to_offsets(self._end(current))
+        given = _to_positions(starting)
+        if set(given) != set(current):
+            # The JVM source's rule too: a forgotten partition would otherwise start silently.
+            raise ValueError(
+                "dejaq_kafka: startingOffsets must list every partition of the subscribed "
+                "topics (-2 = earliest, -1 = latest); "
+                f"missing {sorted(set(current) - set(given))}, "
+                f"unknown {sorted(set(given) - set(current))}"
+            )
+        earliest = self._beginning([tp for tp, o in given.items() if o == EARLIEST])
+        latest = self._end([tp for tp, o in given.items() if o == LATEST])
+        return _to_offsets({tp: earliest.get(tp, latest.get(tp, o)) for tp, o in given.items()})
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        if self.options.max_offsets_per_trigger is None:
+            return ReadAllAvailable()
+        return ReadMaxRows(self.options.max_offsets_per_trigger)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        """Fix the end of an availableNow run: data produced after this is left for later."""
+        self._target = self._end(self._current_partitions())
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        # Under availableNow the target stands in for the end: later data waits for a later run.
+        latest = self._target
+        if latest is None:
+            latest = self._end(self._current_partitions())
+        self._last_latest = latest
+        begin = self._with_new_partitions(start, list(latest))
+        backlog = {tp: max(end - begin[tp], 0) for tp, end in latest.items()}
+        if isinstance(limit, ReadMaxRows):
+            backlog = fair_share(backlog, limit.max_rows)
+        return _to_offsets(begin | {tp: begin[tp] + n for tp, n in backlog.items()})
+
+    def reportLatestOffset(self) -> dict | None:
+        """What the last latestOffset call saw before the read limit, for progress reports."""
+        return None if self._last_latest is None else _to_offsets(self._last_latest)
+
+    def partitions(self, start: dict, end: dict) -> list[KafkaInputPartition]:
+        """One task per partition with new data; big ranges are split across several tasks."""
+        stop = _to_positions(end)
+        begin = self._with_new_partitions(start, list(stop))
+        step = self.options.max_records_per_partition
+        return [
+            KafkaInputPartition(tp.topic, tp.partition, lo, min(lo + step, until))
+            for tp, until in stop.items()
+            for lo in range(begin[tp], until, step)
+        ]
+
+    def stop(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+    # --- task side -----------------------------------------------------------------------
+
+    def read(self, partition: KafkaInputPartition) -> Iterator[pa.RecordBatch]:  # type: ignore[override]
+        """Records with start <= offset < end, as Arrow batches.
+
+        The loop ends on the consumer's position, not on seeing offset end - 1: transaction
+        markers, aborted records and compaction leave gaps that no record fills. It fails,
+        rather than hangs, when the position stops moving for pollTimeoutMs.
+        """
+        p = partition
+        tp = TopicPartition(p.topic, p.partition)
+        timeout_s = self.options.poll_timeout_ms / 1000
+        consumer = KafkaConsumer(**self.options.consumer)
+        try:
+            consumer.assign([tp])
+            consumer.seek(tp, p.start)
+            columns = _Columns()
+            position = p.start
+            deadline = time.monotonic() + timeout_s
+            while position < p.end:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"dejaq_kafka: could not read {p.topic}-{p.partition} offsets "
+                        f"[{p.start}, {p.end}): stuck at {position} for "
+                        f"{self.options.poll_timeout_ms} ms (pollTimeoutMs). Is the broker "
+                        "down, or was the topic deleted or recreated?"
+                    )
+                for record in consumer.poll(timeout_ms=_POLL_MS).get(tp, []):
+                    if p.start <= record.offset < p.end:
+                        columns.append(record)
+                if len(columns) >= BATCH_ROWS:
+                    yield columns.to_batch()
+                    columns = _Columns()
+                moved_to = consumer.position(tp, timeout_ms=_POLL_MS)
+                if moved_to is not None and moved_to > position:
+                    position = moved_to
+                    deadline = time.monotonic() + timeout_s
+            if len(columns):
+                yield columns.to_batch()
+        finally:
+            consumer.close()
+
+
+class KafkaDataSource(DataSource):
+    """`spark.readStream.format("dejaq_kafka")`: Spark's Kafka source, minus the jar."""
+
+    def __init__(self, options: dict[str, str]) -> None:
+        super().__init__(options)
+        self.parsed = KafkaOptions.parse(options)
+
+    @classmethod
+    def name(cls) -> str:
+        return "dejaq_kafka"
+
+    def schema(self) -> StructType:
+        return KAFKA_SCHEMA
+
+    def streamReader(self, schema: StructType) -> KafkaStreamReader:
+        return KafkaStreamReader(self.parsed)

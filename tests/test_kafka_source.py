@@ -1,0 +1,399 @@
+"""`dejaq_kafka` against a real broker: Spark's Kafka rows, each record once, new partitions."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from chispa import assert_df_equality
+from hypothesis import given
+from hypothesis import strategies as st
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewPartitions, NewTopic
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+from pipelines.kafka_source import (
+    KAFKA_SCHEMA,
+    KafkaDataSource,
+    KafkaInputPartition,
+    KafkaOptions,
+    KafkaStreamReader,
+    fair_share,
+)
+from tests.conftest import wait_until
+
+# What Spark's JVM source gives with includeHeaders=true.
+SPARK_KAFKA_DDL = (
+    "struct<key:binary,value:binary,topic:string,partition:int,offset:bigint,"
+    "timestamp:timestamp,timestampType:int,headers:array<struct<key:string,value:binary>>>"
+)
+
+
+@pytest.fixture
+def producer(kafka_bootstrap: str) -> Iterator[KafkaProducer]:
+    p = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
+    a = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    yield a
+    a.close()
+
+
+def produce(
+    producer: KafkaProducer, topic: str, n: int, partitions: int = 3, tag: str = ""
+) -> None:
+    """n records spread round-robin; values are unique within the topic thanks to `tag`."""
+    for i in range(n):
+        producer.send(topic, key=b"k%d" % i, value=f"{tag}v{i}".encode(), partition=i % partitions)
+    producer.flush()
+
+
+def kafka_stream(spark: SparkSession, bootstrap: str, topics: str, **options: str) -> DataFrame:
+    reader = spark.readStream.format("dejaq_kafka")
+    reader = reader.option("kafka.bootstrap.servers", bootstrap).option("subscribe", topics)
+    return reader.options(**options).load()
+
+
+def run_available_now(df: DataFrame, out: Path, checkpoint: Path) -> StreamingQuery:
+    """One availableNow run into a parquet folder (the file sink is exactly-once)."""
+    query = (
+        df.writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    assert query.exception() is None
+    return query
+
+
+def to_memory(df: DataFrame) -> tuple[StreamingQuery, str]:
+    name = f"kafka_{uuid.uuid4().hex[:8]}"
+    return df.writeStream.format("memory").queryName(name).trigger(availableNow=True).start(), name
+
+
+def offsets_read(spark: SparkSession, table: str) -> list[tuple[int, int]]:
+    rows = spark.table(table).select("partition", "offset").collect()
+    return sorted((r.partition, r.offset) for r in rows)
+
+
+def options(**extra: str) -> dict[str, str]:
+    return {"kafka.bootstrap.servers": "127.0.0.1:9", "subscribe": "t", **extra}
+
+
+def reader_for(bootstrap: str, topic: str, **extra: str) -> KafkaStreamReader:
+    """The driver-side reader, called directly: no Spark, no query."""
+    opts = {"kafka.bootstrap.servers": bootstrap, "subscribe": topic, **extra}
+    return KafkaStreamReader(KafkaOptions.parse(opts))
+
+
+# --- rows -------------------------------------------------------------------------------------
+
+
+def test_rows_are_spark_kafka_rows_with_headers_and_timestamps(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: Callable[..., str], producer
+) -> None:
+    topic = topic_factory(3)
+    headers = [[], [("trace", b"abc")], [("a", b"1"), ("b", b""), ("a", b"2")]]
+    expected = []
+    # Recent timestamps: the broker's time-based retention would delete old ones at once.
+    now_ms = int(time.time() * 1000)
+    for i in range(9):
+        ts_ms = now_ms + i
+        key = None if i == 4 else b"k%d" % i
+        meta = producer.send(
+            topic,
+            key=key,
+            value=b"v%d" % i,
+            partition=i % 3,
+            headers=headers[i % 3],
+            timestamp_ms=ts_ms,
+        ).get(timeout=10)
+        expected.append(
+            (
+                key,
+                b"v%d" % i,
+                topic,
+                meta.partition,
+                meta.offset,
+                datetime.fromtimestamp(ts_ms / 1000, UTC),
+                0,  # CreateTime
+                [(k, v) for k, v in headers[i % 3]] or None,  # the JVM source gives null, not []
+            )
+        )
+
+    # Two records per task at most: each partition's range is split across tasks.
+    df = kafka_stream(spark, kafka_bootstrap, topic, maxRecordsPerPartition="2")
+    assert df.schema.simpleString() == SPARK_KAFKA_DDL
+    query, table = to_memory(df)
+    query.awaitTermination()
+
+    actual = spark.table(table).orderBy("partition", "offset")
+    want = spark.createDataFrame(expected, KAFKA_SCHEMA).orderBy("partition", "offset")
+    assert_df_equality(actual, want)
+
+
+def test_transaction_markers_leave_gaps_that_do_not_stall_the_read(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: Callable[..., str]
+) -> None:
+    """A committed transaction ends in a control record: the end offset has no record."""
+    topic = topic_factory(1)
+    txn = KafkaProducer(bootstrap_servers=kafka_bootstrap, transactional_id=f"tx-{topic}")
+    txn.init_transactions()
+    for batch in ([b"a", b"b"], [b"c"]):
+        txn.begin_transaction()
+        for value in batch:
+            txn.send(topic, value=value)
+        txn.commit_transaction()
+    txn.close()
+
+    df = kafka_stream(spark, kafka_bootstrap, topic, **{"kafka.isolation.level": "read_committed"})
+    query, table = to_memory(df)
+    query.awaitTermination()
+
+    rows = spark.table(table).orderBy("offset").collect()
+    assert [r.value for r in rows] == [b"a", b"b", b"c"]
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap)
+    end = consumer.end_offsets([TopicPartition(topic, 0)])[TopicPartition(topic, 0)]
+    consumer.close()
+    assert end > rows[-1].offset + 1  # the read ended on a marker, past the last record
+
+
+# --- exactly once -----------------------------------------------------------------------------
+
+
+def test_every_record_once_across_restarts_and_rate_limited_batches(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    producer,
+    tmp_path: Path,
+) -> None:
+    topic = topic_factory(3)
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    df = kafka_stream(spark, kafka_bootstrap, topic, maxOffsetsPerTrigger="100")
+
+    produce(producer, topic, 450, tag="first-")
+    first = run_available_now(df, out, checkpoint)
+    sizes = [p["numInputRows"] for p in first.recentProgress if p["numInputRows"]]
+    assert len(sizes) > 1 and max(sizes) <= 100 and sum(sizes) == 450
+
+    produce(producer, topic, 150, tag="second-")
+    second = run_available_now(df, out, checkpoint)
+    assert sum(p["numInputRows"] for p in second.recentProgress) == 150
+
+    rows = spark.read.parquet(str(out)).select("partition", "offset", "value").collect()
+    assert len(rows) == 600
+    assert len({(r.partition, r.offset) for r in rows}) == 600
+    assert {(r.partition, r.offset) for r in rows} == {(p, o) for p in range(3) for o in range(200)}
+    assert {r.value for r in rows} == {
+        f"{tag}v{i}".encode() for tag, n in (("first-", 450), ("second-", 150)) for i in range(n)
+    }
+
+
+# --- where a new query starts -----------------------------------------------------------------
+
+
+def test_starting_offsets_latest_reads_only_what_comes_after(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    producer,
+    tmp_path: Path,
+) -> None:
+    topic = topic_factory(3)
+    produce(producer, topic, 30, tag="old-")
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    df = kafka_stream(spark, kafka_bootstrap, topic, startingOffsets="latest")
+
+    run_available_now(df, out, checkpoint)
+    produce(producer, topic, 6, tag="new-")
+    run_available_now(df, out, checkpoint)
+
+    values = sorted(r.value for r in spark.read.parquet(str(out)).collect())
+    assert values == sorted(f"new-v{i}".encode() for i in range(6))
+
+
+def test_starting_offsets_json_per_partition(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: Callable[..., str], producer
+) -> None:
+    topic = topic_factory(3)
+    produce(producer, topic, 15)  # offsets 0..4 in each partition
+    starting = json.dumps({topic: {"0": 2, "1": -2, "2": -1}})
+    query, table = to_memory(kafka_stream(spark, kafka_bootstrap, topic, startingOffsets=starting))
+    query.awaitTermination()
+    assert offsets_read(spark, table) == [(0, o) for o in (2, 3, 4)] + [(1, o) for o in range(5)]
+
+
+def test_starting_offsets_json_must_name_every_partition(
+    spark: SparkSession, kafka_bootstrap: str, topic_factory: Callable[..., str]
+) -> None:
+    topic = topic_factory(2)
+    starting = json.dumps({topic: {"0": -2}})
+    query, _ = to_memory(kafka_stream(spark, kafka_bootstrap, topic, startingOffsets=starting))
+    with pytest.raises(Exception, match=r"must list every partition.*missing"):
+        query.awaitTermination()
+
+
+# --- partitions and topics that appear later --------------------------------------------------
+
+
+def test_new_partitions_and_topics_are_read_from_their_start(
+    spark: SparkSession,
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    producer,
+    admin: KafkaAdminClient,
+) -> None:
+    topic = topic_factory(2)
+    later = f"later-{uuid.uuid4().hex[:10]}"  # subscribed before it exists
+    produce(producer, topic, 4, partitions=2)
+    table = f"kafka_{uuid.uuid4().hex[:8]}"
+    df = kafka_stream(spark, kafka_bootstrap, f"{topic},{later}")
+    query = (
+        df.writeStream.format("memory").queryName(table).trigger(processingTime="200 milliseconds")
+    )
+    query = query.start()
+    try:
+        query.processAllAvailable()
+        assert spark.table(table).count() == 4
+
+        admin.create_partitions({topic: NewPartitions(3)})
+        admin.create_topics([NewTopic(later, 1, 1)])
+        fresh = KafkaProducer(bootstrap_servers=kafka_bootstrap)  # metadata with the new ones
+        for i in range(3):
+            fresh.send(topic, value=b"p2-%d" % i, partition=2)
+            fresh.send(later, value=b"later-%d" % i, partition=0)
+        fresh.close()  # flushes
+
+        wait_until(lambda: spark.table(table).count() == 10, timeout=60, what="new records")
+        query.processAllAvailable()
+        rows = spark.table(table).select("topic", "partition", "offset", "value").collect()
+        assert sorted((r.topic, r.partition, r.offset) for r in rows) == sorted(
+            [(topic, p, o) for p in (0, 1) for o in (0, 1)]
+            + [(topic, 2, o) for o in range(3)]
+            + [(later, 0, o) for o in range(3)]
+        )
+    finally:
+        query.stop()
+        admin.delete_topics([later])
+
+
+def test_available_now_stops_at_what_was_there_when_it_started(
+    kafka_bootstrap: str, topic_factory: Callable[..., str], producer
+) -> None:
+    topic = topic_factory(1)
+    produce(producer, topic, 5, partitions=1)
+    reader = reader_for(kafka_bootstrap, topic)
+    try:
+        start = reader.initialOffset()
+        reader.prepareForTriggerAvailableNow()
+        produce(producer, topic, 5, partitions=1)
+        end = reader.latestOffset(start, reader.getDefaultReadLimit())
+        assert end == {topic: {"0": 5}}
+        assert reader.latestOffset(end, reader.getDefaultReadLimit()) == end
+    finally:
+        reader.stop()
+
+
+# --- planning and reading without Spark -------------------------------------------------------
+
+
+def test_large_ranges_are_split_into_several_input_partitions() -> None:
+    reader = KafkaStreamReader(KafkaOptions.parse(options(maxRecordsPerPartition="100")))
+    planned = reader.partitions(
+        {"t": {"0": 0, "1": 50, "2": 7}}, {"t": {"0": 250, "1": 60, "2": 7}}
+    )
+    assert planned == [
+        KafkaInputPartition("t", 0, 0, 100),
+        KafkaInputPartition("t", 0, 100, 200),
+        KafkaInputPartition("t", 0, 200, 250),
+        KafkaInputPartition("t", 1, 50, 60),
+    ]
+
+
+def test_read_stops_at_end_and_fails_rather_than_hangs(
+    kafka_bootstrap: str, topic_factory: Callable[..., str], producer
+) -> None:
+    topic = topic_factory(1)
+    produce(producer, topic, 10, partitions=1)
+    reader = reader_for(kafka_bootstrap, topic, pollTimeoutMs="1500")
+    batches = list(reader.read(KafkaInputPartition(topic, 0, 3, 6)))
+    assert [o for b in batches for o in b.column("offset").to_pylist()] == [3, 4, 5]
+
+    with pytest.raises(TimeoutError, match=r"offsets \[8, 20\).*pollTimeoutMs"):
+        list(reader.read(KafkaInputPartition(topic, 0, 8, 20)))
+
+
+@given(
+    backlog=st.lists(st.integers(0, 1000), min_size=1, max_size=6),
+    budget=st.integers(1, 3000),
+)
+def test_fair_share_uses_the_budget_and_starves_no_partition(
+    backlog: list[int], budget: int
+) -> None:
+    backlogs = {TopicPartition("t", i): n for i, n in enumerate(backlog)}
+    grant = fair_share(backlogs, budget)
+    assert sum(grant.values()) == min(budget, sum(backlog))
+    assert all(0 <= grant[tp] <= backlogs[tp] for tp in backlogs)
+    # A partition left short got at most one less than any other partition.
+    biggest = max(grant.values())
+    assert all(grant[tp] >= biggest - 1 for tp in backlogs if grant[tp] < backlogs[tp])
+
+
+def test_rate_limit_is_spread_over_partitions_by_latest_offset(
+    kafka_bootstrap: str, topic_factory: Callable[..., str], producer
+) -> None:
+    topic = topic_factory(3)
+    for partition, n in ((0, 40), (1, 2), (2, 40)):
+        for i in range(n):
+            producer.send(topic, value=b"x%d" % i, partition=partition)
+    producer.flush()
+    reader = reader_for(kafka_bootstrap, topic, maxOffsetsPerTrigger="30")
+    try:
+        start = reader.initialOffset()
+        end = reader.latestOffset(start, reader.getDefaultReadLimit())
+        assert end == {topic: {"0": 14, "1": 2, "2": 14}}
+        assert reader.latestOffset(start, ReadAllAvailable())[topic] == {"0": 40, "1": 2, "2": 40}
+    finally:
+        reader.stop()
+
+
+# --- options ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("opts", "message"),
+    [
+        ({"subscribe": "t"}, "'kafka.bootstrap.servers' is required"),
+        ({"kafka.bootstrap.servers": "h:1"}, "'subscribe' is required"),
+        (options(startingOffsets='{"t": {"0": }'), "'startingOffsets' must be"),
+        (options(startingOffsets='{"t": {"x": 1}}'), "'startingOffsets' must be"),
+        (options(startingOffsets='{"t": {"0": -3}}'), "'startingOffsets' must be"),
+        (options(maxOffsetsPerTrigger="0"), "'maxOffsetsPerTrigger' must be a positive"),
+        (options(maxRecordsPerPartition="lots"), "'maxRecordsPerPartition' must be a positive"),
+        (options(**{"kafka.isolation.level": "dirty"}), "'kafka.isolation.level' must be one of"),
+        (options(**{"kafka.group.id": "g"}), "'kafka.group.id' is not supported"),
+    ],
+)
+def test_bad_options_name_the_option(opts: dict[str, str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        KafkaDataSource(opts)
+
+
+def test_bad_option_reaches_the_user_when_the_stream_is_defined(spark: SparkSession) -> None:
+    with pytest.raises(Exception, match=re.escape("'kafka.bootstrap.servers' is required")):
+        spark.readStream.format("dejaq_kafka").option("subscribe", "t").load()
