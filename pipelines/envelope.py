@@ -188,6 +188,18 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
     )
 
 
+def explicit_id() -> Column:
+    """True where the producer set the id: only those can repeat.
+
+    A default id is the record's own Kafka coordinates, unique by construction, so
+    dedup (a shuffle, and a look at the buffer) is needed for explicit ids only.
+    """
+    default = F.concat_ws(
+        "-", "source_topic", F.col("source_partition").cast("string"), F.col("source_offset")
+    )
+    return F.col("message_id") != default
+
+
 def dedup_in_batch(parsed: DataFrame) -> DataFrame:
     """Mark the second and later copies of a message id within one batch as duplicates.
 
@@ -196,7 +208,7 @@ def dedup_in_batch(parsed: DataFrame) -> DataFrame:
     order = Window.partitionBy("message_id").orderBy(
         "produced_at", "source_topic", "source_partition", "source_offset"
     )
-    valid = parsed.where(F.col("reason").isNull())
+    valid = parsed.where(F.col("reason").isNull() & explicit_id())
     later = valid.withColumn("_rank", F.row_number().over(order)).where(F.col("_rank") > 1)
     return _flag(parsed, later, "id seen earlier in the same batch")
 
@@ -218,14 +230,17 @@ def mark_seen(parsed: DataFrame, seen: DataFrame) -> DataFrame:
         & (F.col("_sp") == F.col("source_partition"))
         & (F.col("_so") == F.col("source_offset"))
     )
-    valid = parsed.where(F.col("reason").isNull())
+    valid = parsed.where(F.col("reason").isNull() & explicit_id())
     taken = valid.join(s, (F.col("message_id") == F.col("_sid")) & ~same_record, "left_semi")
     return _flag(parsed, taken, "id already in the buffer")
 
 
 def _flag(parsed: DataFrame, dupes: DataFrame, detail: str) -> DataFrame:
-    """Set reason `duplicate` on the rows of `parsed` whose coordinates are in `dupes`."""
-    marks = dupes.select(*COORDINATES).withColumn("_dup", F.lit(True))
+    """Set reason `duplicate` on the rows of `parsed` whose coordinates are in `dupes`.
+
+    Duplicates are few next to a batch, so they are broadcast instead of shuffling it.
+    """
+    marks = F.broadcast(dupes.select(*COORDINATES).withColumn("_dup", F.lit(True)))
     joined = parsed.join(marks, on=COORDINATES, how="left")
     dup = F.coalesce(F.col("_dup"), F.lit(False))
     return joined.select(
