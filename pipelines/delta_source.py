@@ -350,17 +350,22 @@ def _log_orphans(table: _Table, messages: list[WriterCommitMessage | None], what
 
 
 def _write_files(table: _Table, batches: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
-    """One parquet file per partition value this task sees; nothing is visible until commit."""
+    """One parquet file per partition value this task sees; nothing is visible until commit.
+
+    The task's rows are gathered first, so each file gets one row group instead of a
+    sliver per Arrow batch per partition value: faster to write, and to read back.
+    """
+    conformed = [_conform_write(b, table) for b in batches if b.num_rows]
+    if not conformed:
+        return DeltaCommitMessage([])
     fs, root = pafs.FileSystem.from_uri(table.path)
-    files: dict[tuple[Any, ...], _DataFile] = {}
-    for batch in batches:
-        if batch.num_rows == 0:
-            continue
-        for values, part in _split(_conform_write(batch, table), table.partition_by):
-            if values not in files:
-                files[values] = _DataFile(fs, root, table, values)
-            files[values].write(part)
-    return DeltaCommitMessage([f.close() for f in files.values()])
+    rows = pa.Table.from_batches(conformed)
+    return DeltaCommitMessage(
+        [
+            _DataFile(fs, root, table, values).write_all(part)
+            for values, part in _split(rows, table.partition_by)
+        ]
+    )
 
 
 def _conform_write(batch: pa.RecordBatch, table: _Table) -> pa.RecordBatch:
@@ -376,12 +381,12 @@ def _conform_write(batch: pa.RecordBatch, table: _Table) -> pa.RecordBatch:
 
 
 def _split(
-    batch: pa.RecordBatch, partition_by: tuple[str, ...]
-) -> Iterator[tuple[tuple[Any, ...], pa.RecordBatch]]:
+    batch: pa.Table, partition_by: tuple[str, ...]
+) -> Iterator[tuple[tuple[Any, ...], pa.Table]]:
     if not partition_by:
         yield (), batch
         return
-    keys = pa.Table.from_batches([batch.select(list(partition_by))])
+    keys = batch.select(list(partition_by))
     for key in keys.group_by(list(partition_by), use_threads=False).aggregate([]).to_pylist():
         masks = [
             pc.is_null(batch[c]) if v is None else pc.equal(batch[c], v) for c, v in key.items()
@@ -408,15 +413,15 @@ class _DataFile:
         self.fs = fs
         self.full_path = f"{root}/{self.path}"
         fs.create_dir(self.full_path.rsplit("/", 1)[0], recursive=True)
-        self.writer = pq.ParquetWriter(self.full_path, table.file_schema, filesystem=fs)
+        self.file_schema = table.file_schema
         self.stats = _Stats(table.file_schema)
 
-    def write(self, batch: pa.RecordBatch) -> None:
-        self.writer.write_batch(batch)
-        self.stats.add(batch)
-
-    def close(self) -> AddAction:
-        self.writer.close()
+    def write_all(self, rows: pa.Table) -> AddAction:
+        rows = rows.cast(self.file_schema)
+        pq.write_table(
+            rows, self.full_path, filesystem=self.fs, row_group_size=max(rows.num_rows, 1)
+        )
+        self.stats.add(rows)
         return AddAction(
             path=self.path,
             size=self.fs.get_file_info(self.full_path).size,
@@ -447,7 +452,7 @@ class _Stats:
         self.min: dict[str, Any] = {}
         self.max: dict[str, Any] = {}
 
-    def add(self, batch: pa.RecordBatch) -> None:
+    def add(self, batch: pa.Table) -> None:
         self.rows += batch.num_rows
         for field in self.schema:
             column = batch.column(field.name)
