@@ -33,5 +33,8 @@ format: $(STAMP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
+bench: $(STAMP)
+	$(BIN)/python bench/report.py
+
 clean:
 	rm -rf $(VENV) .pytest_cache warehouse .dejaq

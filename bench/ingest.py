@@ -154,8 +154,6 @@ def visibility_latency(spark, settings: Settings, topic: str, n: int, rate: int)
     watcher.join()
     lat = sorted(watcher.visible_at[m] - sent_at[m] for m in sent_at if m in watcher.visible_at)
     return {
-        "messages": n,
-        "rate_per_s": rate,
         "visible": len(lat),
         "p50_ms": round(statistics.median(lat) * 1000),
         "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1000),
@@ -236,6 +234,8 @@ def main() -> None:
                         "partitions": args.partitions,
                         "payload_bytes": args.payload_bytes,
                         "max_offsets_per_trigger": args.max_offsets_per_trigger,
+                        "latency_messages": args.latency_messages,
+                        "latency_offered_rate": args.latency_rate,
                         "connectors": detect_connectors(spark).describe().replace("\n", "; "),
                         "master": spark.sparkContext.master,
                     },

@@ -60,6 +60,10 @@ class TopicConfig(_Strict):
     json_fields: JsonFields | None = None
     dedup_window_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=0)
     allowed_lateness_ms: int = Field(default=5000, ge=0)
+    # Release job (delivery: release): its trigger, and priority mode's caps.
+    release_interval_ms: int = Field(default=250, ge=10, le=60_000)
+    max_per_trigger: int = Field(default=10_000, ge=1)
+    max_rate: float | None = Field(default=None, gt=0)
 
     @field_validator("name")
     @classmethod
@@ -95,10 +99,22 @@ class SparkConfig(_Strict):
     ui: bool = False
 
 
+class BrokerConfig(_Strict):
+    """The HTTP lease broker; `raft_password` is required for more than one node."""
+
+    raft_password: str | None = None
+    lease_ms: int = Field(default=30_000, ge=1, le=12 * 3600 * 1000)
+    max_deliveries: int = Field(default=5, ge=1)
+    heartbeat_timeout_ms: int = Field(default=10_000, ge=100)
+    max_payload_bytes: int = Field(default=1024 * 1024, ge=1)
+    data_dir: str = "./.dejaq/broker"
+
+
 class Settings(_Strict):
     warehouse: str = "./warehouse"
     kafka: KafkaConfig = KafkaConfig()
     spark: SparkConfig = SparkConfig()
+    broker: BrokerConfig = BrokerConfig()
     topics: list[TopicConfig] = []
 
     @model_validator(mode="after")

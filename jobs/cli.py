@@ -29,6 +29,12 @@ def _ingest(args: argparse.Namespace) -> int:
     return ingest.run(args.topic, args.conf_file, args.once, args.max_offsets_per_trigger)
 
 
+def _release(args: argparse.Namespace) -> int:
+    from jobs import release
+
+    return release.run(args.topic, args.conf_file, args.once)
+
+
 def _status(args: argparse.Namespace) -> int:
     from jobs import status
 
@@ -39,6 +45,18 @@ def _demo(args: argparse.Namespace) -> int:
     from jobs import demo
 
     return demo.run(args.conf_file)
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from jobs import broker
+
+    return broker.run(args)
+
+
+def _cluster(args: argparse.Namespace) -> int:
+    from jobs import cluster
+
+    return cluster.run(args)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,11 +85,22 @@ def _parser() -> argparse.ArgumentParser:
     from jobs.ingest import add_arguments as ingest_arguments
 
     ingest_arguments(add("ingest", _ingest, "Land a topic's Kafka records in its Delta buffer."))
+    from jobs.release import add_arguments as release_arguments
+
+    release_arguments(add("release", _release, "Release a topic's buffer to Kafka, in order."))
     st = add("status", _status, "Buffer, quarantine and ingest lag of a topic.")
     st.add_argument("--topic", required=True, help="a topic name from the configuration")
     conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
     conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))
+    from jobs.broker import add_arguments as broker_arguments
+
+    broker_arguments(add("broker", _broker, "Run one node of the HTTP lease broker (Raft)."))
+    cl = add("cluster", _cluster, "Start a local broker cluster for development.")
+    cl.add_argument("action", choices=["up"], help="up: start, print addresses, run until Ctrl-C")
+    cl.add_argument("--nodes", type=int, default=3, help="1, 3 or 5 (default 3)")
+    cl.add_argument("--data-dir", default=".dejaq/cluster", help="the nodes' Raft data")
+    conf_file(cl)
     return p
 
 

@@ -1,99 +1,300 @@
-"""`dejaq demo`: the buffer at work on embedded parts, from nothing to a summary.
+"""`dejaq demo`: the whole reorder buffer at work on embedded parts, with a summary.
 
-Starts the embedded Kafka, produces out-of-order messages (and a few bad ones) to a
-priority topic, ingests them into the Delta buffer, and reads the buffer back in
-sort-key order. Exits non-zero if a check fails. Broker and release come later.
+Starts the embedded Kafka and a 3-node broker cluster; ingests a priority topic and a
+timeline topic in one SparkSession; HTTP workers lease and ack the priority topic while
+the release job emits the timeline topic to an output topic. A live display shows the
+counts; the summary checks the claims (out of order in, in order out, 0 early, 0 lost)
+and the exit code is non-zero if any fails. Every process it started is stopped.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
+import statistics
 import tempfile
+import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import KafkaAdminClient, NewTopic
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table as RichTable
 
 from conf.settings import load_settings
 from conf.tables import Table, table_path
+from jobs import cluster, embedded_kafka
+from jobs.status import row_count
 
-DEMO_MESSAGES = 2000
-DEMO_BAD = 20
+PRIORITY_MESSAGES = 3000
+TIMELINE_MESSAGES = 1000
+TIMELINE_WINDOW_S = 20
+REMINDERS_FROM_S = 15  # the first ingest batches warm Spark up: start the schedule after
+BAD_MESSAGES = 10
+WORKERS = 2
+PARTITIONS = 4
+TIMEOUT_S = 240
 
 
-def _produce(bootstrap: str, topic: str, n: int, bad: int) -> list[int]:
-    from kafka import KafkaProducer
-    from kafka.admin import KafkaAdminClient, NewTopic
+@dataclass
+class Counters:
+    """What the display shows and the summary checks; written by the demo's threads."""
 
+    produced: int = 0
+    leased: int = 0
+    acked: int = 0
+    released: int = 0
+    early: int = 0
+    lateness_ms: list[int] = field(default_factory=list)
+    leases: dict[str, list[list[int]]] = field(default_factory=dict)
+    output_order_ok: bool = True
+    released_ids: set[str] = field(default_factory=set)
+    acked_ids: set[str] = field(default_factory=set)
+    errors: list[str] = field(default_factory=list)
+
+
+def _conf(work: Path, bootstrap: str) -> Path:
+    conf = work / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {work / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        "topics:\n"
+        "  - {name: orders, kind: priority, source: [orders-in], buckets: 8, delivery: lease}\n"
+        "  - {name: reminders, kind: timeline, source: [reminders-in], buckets: 8,"
+        " delivery: release, output: reminders-out}\n"
+    )
+    return conf
+
+
+def _create_topics(bootstrap: str) -> None:
     admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(topic, 4, 1)])
+    admin.create_topics(
+        [NewTopic(t, PARTITIONS, 1) for t in ("orders-in", "reminders-in", "reminders-out")]
+    )
     admin.close()
+
+
+def _produce(bootstrap: str, c: Counters) -> list[int]:
+    """Priorities in random order; reminders due over the next window, shuffled."""
     rng = random.Random(7)
-    priorities = [rng.randrange(0, 1000) for _ in range(n)]
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
+    priorities = [rng.randrange(0, 1000) for _ in range(PRIORITY_MESSAGES)]
     for i, prio in enumerate(priorities):
-        headers = [("dejaq-priority", str(prio).encode()), ("dejaq-id", f"msg-{i}".encode())]
-        producer.send(
-            topic, key=f"customer-{i % 50}".encode(), value=f"job {i}".encode(), headers=headers
-        )
-    for _ in range(bad):
-        producer.send(topic, key=b"bad", value=b"?", headers=[("dejaq-priority", b"urgent!")])
+        headers = [("dejaq-priority", str(prio).encode()), ("dejaq-id", f"order-{i}".encode())]
+        producer.send("orders-in", key=f"customer-{i % 50}".encode(), value=b"job", headers=headers)
+        c.produced += 1
+    start_ms = int(time.time() * 1000) + REMINDERS_FROM_S * 1000
+    due = [start_ms + rng.randrange(TIMELINE_WINDOW_S * 1000) for _ in range(TIMELINE_MESSAGES)]
+    for i, at in enumerate(due):
+        headers = [("dejaq-deliver-at", str(at).encode()), ("dejaq-id", f"reminder-{i}".encode())]
+        producer.send("reminders-in", key=f"user-{i % 40}".encode(), value=b"ping", headers=headers)
+        c.produced += 1
+    for topic in ("orders-in", "reminders-in"):
+        for _ in range(BAD_MESSAGES // 2):
+            producer.send(topic, key=b"bad", value=b"?", headers=[("dejaq-priority", b"asap!")])
+            c.produced += 1
     producer.flush()
     producer.close()
     return priorities
 
 
+def _worker(name: str, urls: list[str], c: Counters, stop: threading.Event) -> None:
+    """Lease 50 at a time from any node, ack them; remember the order they came in."""
+    client = httpx.Client(timeout=35)
+    body = {"consumer_id": name}
+    node = 0
+    while not stop.is_set():
+        url = urls[node % len(urls)]
+        try:
+            r = client.post(
+                f"{url}/v1/topics/orders/leases", json={**body, "max_messages": 50, "wait_ms": 500}
+            )
+            if r.status_code != 200:
+                node += 1
+                continue
+            batch = r.json()["messages"]
+            if not batch:
+                continue
+            c.leased += len(batch)
+            c.leases.setdefault(name, []).append([m["sort_key"] for m in batch])
+            ids = [m["id"] for m in batch]
+            a = client.post(f"{url}/v1/topics/orders/acks", json={**body, "ids": ids})
+            if a.status_code == 200:
+                c.acked += len(ids)
+                c.acked_ids.update(ids)
+            else:
+                c.errors.append(f"ack {a.status_code}: {a.text[:200]}")
+        except httpx.HTTPError:
+            node += 1
+    client.close()
+
+
+def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
+    """Read reminders-out: lateness = record time - deliver_at; per-partition order."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    tps = [TopicPartition("reminders-out", p) for p in range(PARTITIONS)]
+    consumer.assign(tps)
+    consumer.seek_to_beginning(*tps)
+    last: dict[int, int] = {}
+    while not stop.is_set():
+        for tp, records in consumer.poll(timeout_ms=200).items():
+            for r in records:
+                headers = dict(r.headers)
+                due = int(headers["dejaq-deliver-at"])
+                c.released += 1
+                c.released_ids.add(headers["dejaq-id"].decode())
+                c.lateness_ms.append(r.timestamp - due)
+                c.early += r.timestamp < due
+                if due < last.get(tp.partition, due):
+                    c.output_order_ok = False
+                last[tp.partition] = due
+    consumer.close()
+
+
+def _pending(url: str) -> int:
+    """Orders the broker's index holds (0 while it is not ready)."""
+    try:
+        r = httpx.get(f"{url}/v1/topics/orders", timeout=5)
+    except httpx.HTTPError:
+        return 0
+    return r.json()["pending"] if r.status_code == 200 else 0
+
+
+def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
+    t = RichTable(title=f"DejaQ demo - {elapsed:.0f}s")
+    for col in ("produced", "buffered", "leased", "acked", "released", "early", "lateness p50/p99"):
+        t.add_column(col, justify="right")
+    lat = sorted(c.lateness_ms)
+    late = f"{lat[len(lat) // 2]} / {lat[int(len(lat) * 0.99) - 1]} ms" if lat else "-"
+    t.add_row(
+        str(c.produced),
+        " + ".join(str(buffered.get(k, 0)) for k in ("orders", "reminders")),
+        str(c.leased),
+        str(c.acked),
+        str(c.released),
+        str(c.early),
+        late,
+    )
+    return t
+
+
 def run(conf_file: str | None) -> int:
-    from deltalake import DeltaTable
+    from jobs.logs import setup
+    from pipelines.ingest import IngestJob
+    from pipelines.release import ReleaseJob
+    from pipelines.session import detect_connectors, get_spark
 
-    from jobs import embedded_kafka
-    from jobs.ingest import run as ingest
-
+    console = Console()
     work = Path(tempfile.mkdtemp(prefix="dejaq-demo-"))
+    c = Counters()
+    stop = threading.Event()
+    threads: list[threading.Thread] = []
+    queries = []
+    nodes: list[cluster.Node] = []
     port = embedded_kafka.free_port()
-    print(f"demo: starting embedded Kafka on 127.0.0.1:{port} (data in {work})", flush=True)
+    console.print(f"[bold]demo[/]: embedded Kafka on 127.0.0.1:{port}, work dir {work}")
     kafka = embedded_kafka.start(port, work / "kafka")
+    started = time.monotonic()
     try:
         bootstrap = f"127.0.0.1:{port}"
-        conf = work / "dejaq.yaml"
-        conf.write_text(
-            f"warehouse: {work / 'warehouse'}\nkafka: {{bootstrap: '{bootstrap}'}}\n"
-            "topics:\n  - {name: orders, kind: priority, source: [orders-in]}\n"
-        )
+        conf = _conf(work, bootstrap)
         settings = load_settings(conf)
-        started = time.monotonic()
-        priorities = _produce(bootstrap, "orders-in", DEMO_MESSAGES, DEMO_BAD)
-        print(
-            f"demo: produced {DEMO_MESSAGES} messages with random priorities + {DEMO_BAD} bad ones"
-        )
-        print(f"demo: first ten priorities as produced: {priorities[:10]}", flush=True)
-        code = ingest("orders", str(conf), once=True, max_offsets_per_trigger=500)
-        if code:
-            return code
-        buffer = DeltaTable(
-            table_path(settings.warehouse, Table.BUFFER, "orders")
-        ).to_pyarrow_table(columns=["sort_key", "source_partition", "source_offset"])
-        quarantined = DeltaTable(
-            table_path(settings.warehouse, Table.QUARANTINE, "orders")
-        ).to_pyarrow_table(columns=["reason"])
-        ordered = buffer.sort_by(
-            [
-                ("sort_key", "ascending"),
-                ("source_partition", "ascending"),
-                ("source_offset", "ascending"),
-            ]
-        )
-        keys = ordered.column("sort_key").to_pylist()
-        checks = {
-            "every good message buffered": buffer.num_rows == DEMO_MESSAGES,
-            "every bad message quarantined": quarantined.num_rows == DEMO_BAD,
-            "nothing lost: in = buffer + quarantine": buffer.num_rows + quarantined.num_rows
-            == DEMO_MESSAGES + DEMO_BAD,
-            "buffer reads back lowest priority first": keys == sorted(priorities),
+        _create_topics(bootstrap)
+        nodes = cluster.up(3, work / "cluster", str(conf))
+        console.print(f"demo: 3-node broker at {', '.join(n.url for n in nodes)}")
+        setup()
+        spark = get_spark("dejaq-demo", settings.spark.master)
+        connectors = detect_connectors(spark)
+        for name in ("orders", "reminders"):
+            queries.append(
+                IngestJob(spark, settings, settings.topic(name), connectors).start(False)
+            )
+        queries.append(ReleaseJob(spark, settings, settings.topic("reminders")).start())
+        # Produce once everything runs, so the reminders' schedule starts now.
+        priorities = _produce(bootstrap, c)
+        console.print(f"demo: produced {c.produced} messages; first priorities {priorities[:8]}")
+        buffers = {
+            n: table_path(settings.warehouse, Table.BUFFER, n) for n in ("orders", "reminders")
         }
-        print(f"demo: first ten priorities as the buffer gives them: {keys[:10]}")
-        print(f"demo summary ({time.monotonic() - started:.1f}s):")
-        for what, ok in checks.items():
-            print(f"  {'ok  ' if ok else 'FAIL'} {what}")
-        return 0 if all(checks.values()) else 1
+        buffered = {n: 0 for n in buffers}
+        urls = [n.url for n in nodes]
+        deadline = time.monotonic() + TIMEOUT_S
+        threads.append(threading.Thread(target=_output_reader, args=(bootstrap, c, stop)))
+        with Live(_view(c, buffered, 0), console=console, refresh_per_second=4) as live:
+            threads[-1].start()
+            while _pending(urls[0]) < PRIORITY_MESSAGES and time.monotonic() < deadline:
+                buffered = {n: row_count(p) or 0 for n, p in buffers.items()}
+                live.update(_view(c, buffered, time.monotonic() - started))
+                time.sleep(0.25)
+            # Workers start once the broker holds every order, so their leases show pure order.
+            for i in range(WORKERS):
+                threads.append(threading.Thread(target=_worker, args=(f"w{i}", urls, c, stop)))
+                threads[-1].start()
+            while time.monotonic() < deadline and not (
+                c.acked >= PRIORITY_MESSAGES and c.released >= TIMELINE_MESSAGES
+            ):
+                buffered = {n: row_count(p) or 0 for n, p in buffers.items()}
+                live.update(_view(c, buffered, time.monotonic() - started))
+                time.sleep(0.25)
+            live.update(_view(c, buffered, time.monotonic() - started))
+        quarantined = sum(
+            row_count(table_path(settings.warehouse, Table.QUARANTINE, n)) or 0 for n in buffers
+        )
+        return _summary(console, c, priorities, buffered, quarantined, time.monotonic() - started)
     finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=40)
+        for q in queries:
+            q.stop()
+        for node in nodes:
+            cluster.stop_node(node)
         embedded_kafka.stop(kafka)
-        print("demo: embedded Kafka stopped", flush=True)
+        console.print("demo: stopped Spark queries, 3 broker nodes and Kafka")
+
+
+def _summary(
+    console: Console,
+    c: Counters,
+    priorities: list[int],
+    buffered: dict[str, int],
+    quarantined: int,
+    seconds: float,
+) -> int:
+    inversions = {
+        worker: next((f"{a} then {b}" for a, b in itertools.pairwise(seq) if b < a), None)
+        for worker, batches in c.leases.items()
+        for seq in [list(itertools.chain.from_iterable(batches))]
+    }
+    in_order = not any(inversions.values())
+    lat = sorted(c.lateness_ms)
+    checks = {
+        "priorities were produced out of order": priorities != sorted(priorities),
+        f"every lease came lowest priority first (per worker, {WORKERS} workers)": in_order,
+        f"all {PRIORITY_MESSAGES} orders leased and acked once": len(c.acked_ids)
+        == PRIORITY_MESSAGES
+        == c.acked,
+        f"all {TIMELINE_MESSAGES} reminders released": len(c.released_ids) == TIMELINE_MESSAGES,
+        "0 released early": c.early == 0,
+        "reminders in deliver_at order per output partition": c.output_order_ok,
+        f"{BAD_MESSAGES} bad records quarantined, none lost": quarantined == BAD_MESSAGES
+        and sum(buffered.values()) + quarantined == c.produced,
+    }
+    console.print(f"\n[bold]demo summary[/] ({seconds:.0f}s)")
+    if lat:
+        console.print(
+            f"  release lateness: p50 {statistics.median(lat):.0f} ms, "
+            f"p99 {lat[int(len(lat) * 0.99) - 1]} ms, max {lat[-1]} ms"
+        )
+    for what, ok in checks.items():
+        console.print(f"  {'[green]ok  [/]' if ok else '[red]FAIL[/]'} {what}")
+    for worker, first in inversions.items():
+        if first:
+            console.print(f"  [yellow]{worker}[/]: first out-of-order lease: {first}")
+    for e in c.errors[:5]:
+        console.print(f"  [yellow]worker error[/]: {e}")
+    return 0 if all(checks.values()) else 1

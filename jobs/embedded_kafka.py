@@ -5,6 +5,7 @@ For development, the demo and the tests; everything else also runs against a rea
 
 from __future__ import annotations
 
+import ctypes
 import signal
 import socket
 import subprocess
@@ -15,6 +16,7 @@ from importlib.resources import files
 from pathlib import Path
 from types import FrameType
 
+PR_SET_PDEATHSIG = 1
 # noida-db 0.2.3's binary warns about a glibc symbol it does not need; users need not see it.
 _HARMLESS = "GLIBC_2.39' not found"
 
@@ -54,6 +56,15 @@ def _forward_stderr(stream, sink) -> None:
             sink.flush()
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGTERM it if this process dies, even by SIGKILL (Linux).
+
+    A test or demo killed hard must not leave a broker holding its port.
+    """
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def start(port: int, data_dir: Path) -> subprocess.Popen:
     """Start noida-db with only its Kafka service; return once the port answers."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -70,7 +81,12 @@ def start(port: int, data_dir: Path) -> subprocess.Popen:
         str(data_dir),
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=_die_with_parent,
     )
     threading.Thread(target=_forward_stderr, args=(proc.stderr, sys.stderr), daemon=True).start()
     try:
@@ -81,10 +97,14 @@ def start(port: int, data_dir: Path) -> subprocess.Popen:
     return proc
 
 
-def stop(proc: subprocess.Popen, timeout: float = 10) -> int:
-    """SIGTERM (noida-db saves its data), then SIGKILL if it does not go."""
+def stop(proc: subprocess.Popen, timeout: float = 10, kill: bool = False) -> int:
+    """Stop a process we started, by its PID: SIGTERM (noida-db saves its data, a broker
+    node leaves cleanly), then SIGKILL if it does not go; or SIGKILL at once."""
     if proc.poll() is None:
-        proc.terminate()
+        if kill:
+            proc.kill()
+        else:
+            proc.terminate()
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -96,14 +116,15 @@ def stop(proc: subprocess.Popen, timeout: float = 10) -> int:
 def run(port: int | None, data_dir: Path) -> int:
     """Foreground: print the bootstrap address, serve until SIGTERM or Ctrl-C."""
     port = port or free_port()
-    proc = start(port, data_dir)
     stopping = threading.Event()
 
     def _on_signal(signum: int, frame: FrameType | None) -> None:
         stopping.set()
 
+    # Before the broker starts: a SIGTERM as soon as the port answers must still stop it.
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    proc = start(port, data_dir)
     print(f"kafka bootstrap: 127.0.0.1:{port}", flush=True)
     print(f"data dir: {data_dir.resolve()}  (SIGTERM or Ctrl-C stops it)", flush=True)
     while not stopping.is_set() and proc.poll() is None:

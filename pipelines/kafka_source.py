@@ -1,4 +1,4 @@
-"""`dejaq_kafka`: a Kafka streaming source on kafka-python, for Sparks without the Kafka jar.
+"""`dejaq_kafka`: a Kafka streaming source (and sink) on kafka-python, for Sparks without the jar.
 
 It takes the options and yields the schema of Spark's own Kafka source (with
 includeHeaders=true), so a job reads the same rows from `format("kafka")` and
@@ -40,6 +40,13 @@ from pyspark.sql.types import (
     StructField,
     StructType,
     TimestampType,
+)
+
+from pipelines.kafka_sink import (
+    KafkaBatchWriter,
+    KafkaStreamWriter,
+    KafkaWriteOptions,
+    check_input_schema,
 )
 
 KAFKA_SCHEMA = StructType(
@@ -121,7 +128,8 @@ class KafkaOptions:
         topics = tuple(t.strip() for t in opts.get("subscribe", "").split(",") if t.strip())
         if not topics:
             raise ValueError(
-                "dejaq_kafka: option 'subscribe' is required (comma-separated topic names)"
+                "dejaq_kafka: option 'subscribe' is required (comma-separated topic names) to "
+                "read; to write, give option 'topic'"
             )
         max_per_trigger = opts.get("maxOffsetsPerTrigger")
         if max_per_trigger is not None:
@@ -439,11 +447,20 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
 
 class KafkaDataSource(DataSource):
-    """`spark.readStream.format("dejaq_kafka")`: Spark's Kafka source, minus the jar."""
+    """`format("dejaq_kafka")`: Spark's Kafka source and sink, minus the jar.
+
+    Options are checked when the source is defined, so a typo fails at once. Spark does not
+    say whether it will read or write, so options with `topic` and no `subscribe` are taken
+    as a write's (checked by the writer); anything else as a read's. Writes therefore need
+    option `topic`, where Spark's sink also takes a `topic` column alone; the column still
+    wins row by row.
+    """
 
     def __init__(self, options: dict[str, str]) -> None:
         super().__init__(options)
-        self.parsed = KafkaOptions.parse(options)
+        opts = CaseInsensitiveDict(options)
+        self._for_write = "topic" in opts and "subscribe" not in opts
+        self.parsed = None if self._for_write else KafkaOptions.parse(options)
 
     @classmethod
     def name(cls) -> str:
@@ -453,4 +470,20 @@ class KafkaDataSource(DataSource):
         return KAFKA_SCHEMA
 
     def streamReader(self, schema: StructType) -> KafkaStreamReader:
-        return KafkaStreamReader(self.parsed)
+        return KafkaStreamReader(self._read_options())
+
+    def writer(self, schema: StructType, overwrite: bool) -> KafkaBatchWriter:
+        return KafkaBatchWriter(self._write_options(schema))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> KafkaStreamWriter:
+        return KafkaStreamWriter(self._write_options(schema))
+
+    def _read_options(self) -> KafkaOptions:
+        if self.parsed is None:
+            self.parsed = KafkaOptions.parse(self.options)
+        return self.parsed
+
+    def _write_options(self, schema: StructType) -> KafkaWriteOptions:
+        options = KafkaWriteOptions.parse(self.options)
+        check_input_schema(schema, options.topic)
+        return options

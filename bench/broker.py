@@ -1,0 +1,252 @@
+"""Broker throughput: 3 nodes, N pre-ingested messages, C workers doing lease + ack.
+
+    .venv/bin/python bench/broker.py [--messages N] [--workers C] [--procs P]
+
+Prints one JSON object: msgs/s and p50/p99 lease and ack latency for batch 1 and batch
+100, the parameters and the machine. Messages are written straight into the Delta buffer
+(as the ingest job would), so the numbers are the broker's alone. Workers talk to the
+leader (a follower would forward each request: one more hop) over keep-alive HTTP/1.1
+with a minimal client, so the client's own cost stays small next to the broker's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import secrets
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# This file is bench/broker.py: keep its folder off the path, or it shadows the package.
+sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
+
+
+class Http:
+    """Just enough HTTP/1.1 for JSON POSTs on one keep-alive connection."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+
+    async def connect(self) -> None:
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+
+    async def post(self, path: str, body: dict) -> tuple[int, dict]:
+        data = json.dumps(body).encode()
+        self.writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            + data
+        )
+        status_line = await self.reader.readline()
+        length = 0
+        while (line := await self.reader.readline()) not in (b"\r\n", b""):
+            name, _, value = line.partition(b":")
+            if name.lower() == b"content-length":
+                length = int(value)
+        payload = await self.reader.readexactly(length)
+        return int(status_line.split()[1]), json.loads(payload)
+
+
+async def _worker(
+    addr: str, topic: str, me: str, batch: int, stop_at: float, out: dict, acked
+) -> None:
+    host, port = addr.rsplit(":", 1)
+    http = Http(host, int(port))
+    await http.connect()
+    lease_path, ack_path = f"/v1/topics/{topic}/leases", f"/v1/topics/{topic}/acks"
+    while time.monotonic() < stop_at:
+        t0 = time.perf_counter()
+        status, got = await http.post(
+            lease_path, {"consumer_id": me, "max_messages": batch, "wait_ms": 100}
+        )
+        t1 = time.perf_counter()
+        ids = [m["id"] for m in got.get("messages", [])] if status == 200 else []
+        if not ids:
+            if status != 200:
+                out["errors"] += 1
+            if acked.value >= out["target"]:
+                return
+            continue
+        out["lease"].append(t1 - t0)
+        status, _ = await http.post(ack_path, {"consumer_id": me, "ids": ids})
+        out["ack"].append(time.perf_counter() - t1)
+        if status == 200:
+            out["done"] += len(ids)
+            with acked.get_lock():
+                acked.value += len(ids)
+        else:
+            out["errors"] += 1
+
+
+def _proc(addr: str, topic: str, names: list[str], batch: int, target: int, secs: float, q, acked):
+    out = {"lease": [], "ack": [], "done": 0, "errors": 0, "target": target}
+
+    async def main() -> None:
+        stop_at = time.monotonic() + secs
+        await asyncio.gather(*(_worker(addr, topic, n, batch, stop_at, out, acked) for n in names))
+
+    started = time.perf_counter()
+    asyncio.run(main())
+    out["elapsed"] = time.perf_counter() - started
+    q.put(out)
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return round(values[min(len(values) - 1, int(p * len(values)))] * 1000, 2)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_phase(
+    addr: str, topic: str, batch: int, n: int, workers: int, procs: int, secs: float, pids
+):
+    q: mp.Queue = mp.Queue()
+    acked = mp.Value("q", 0)
+    names = [f"{topic}-w{i}" for i in range(workers)]
+    ps = [
+        mp.Process(target=_proc, args=(addr, topic, names[i::procs], batch, n, secs, q, acked))
+        for i in range(procs)
+    ]
+    cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    started = time.perf_counter()
+    for p in ps:
+        p.start()
+    results = [q.get() for _ in ps]
+    for p in ps:
+        p.join()
+    elapsed = time.perf_counter() - started
+    cpu = {role: round(cpu_seconds(pid) - cpu_before[role], 1) for role, pid in pids.items()}
+    lease = [x for r in results for x in r["lease"]]
+    ack = [x for r in results for x in r["ack"]]
+    done = sum(r["done"] for r in results)
+    return {
+        "batch": batch,
+        "messages_acked": done,
+        "seconds": round(elapsed, 2),
+        "msgs_per_s": round(done / elapsed),
+        "lease_p50_ms": _pct(lease, 0.5),
+        "lease_p99_ms": _pct(lease, 0.99),
+        "ack_p50_ms": _pct(ack, 0.5),
+        "ack_p99_ms": _pct(ack, 0.99),
+        "errors": sum(r["errors"] for r in results),
+        "broker_cpu_seconds": cpu,
+        "leader_cpu_us_per_msg": round(cpu["leader"] / max(done, 1) * 1e6, 1),
+    }
+
+
+def main() -> int:
+    import httpx
+    from test_broker import buffer_rows, fill
+
+    from jobs import cluster
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--messages", type=int, default=200_000, help="for batch 100")
+    ap.add_argument("--messages-batch1", type=int, default=20_000)
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--procs", type=int, default=2, help="client processes")
+    ap.add_argument("--seconds", type=float, default=30, help="cap per phase")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
+        tmp_path = Path(tmp)
+        warehouse = tmp_path / "warehouse"
+        conf = tmp_path / "dejaq.yaml"
+        conf.write_text(
+            f"warehouse: {warehouse}\n"
+            "kafka: {bootstrap: '127.0.0.1:9'}\n"
+            "broker: {lease_ms: 30000, heartbeat_timeout_ms: 30000}\n"
+            "topics:\n"
+            "  - {name: b1, kind: priority, source: [b1-in], buckets: 16}\n"
+            "  - {name: b100, kind: priority, source: [b100-in], buckets: 16}\n"
+        )
+        t0 = time.perf_counter()
+        for topic, n in (("b1", args.messages_batch1), ("b100", args.messages)):
+            for start in range(0, n, 50_000):
+                keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
+                fill(
+                    str(warehouse), topic, buffer_rows(keys, lambda i: i % 16, f"{topic}-{start}-")
+                )
+        fill_s = time.perf_counter() - t0
+        os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
+        t0 = time.perf_counter()
+        nodes = cluster.up(3, tmp_path / "raft", str(conf))
+        up_s = time.perf_counter() - t0
+        try:
+            leader = httpx.get(f"{nodes[0].url}/v1/cluster").json()["leader_http"]
+            followers = [n for n in nodes if n.http != leader]
+            pids = {
+                "leader": next(n.proc.pid for n in nodes if n.http == leader),
+                "follower_1": followers[0].proc.pid,
+                "follower_2": followers[1].proc.pid,
+            }
+            phases = [
+                run_phase(
+                    leader,
+                    "b1",
+                    1,
+                    args.messages_batch1,
+                    args.workers,
+                    args.procs,
+                    args.seconds,
+                    pids,
+                ),
+                run_phase(
+                    leader,
+                    "b100",
+                    100,
+                    args.messages,
+                    args.workers,
+                    args.procs,
+                    args.seconds,
+                    pids,
+                ),
+            ]
+        finally:
+            for node in nodes:
+                cluster.stop_node(node)
+    print(
+        json.dumps(
+            {
+                "benchmark": "broker lease+ack, 3 nodes",
+                "results": phases,
+                "parameters": {
+                    "nodes": 3,
+                    "workers": args.workers,
+                    "client_processes": args.procs,
+                    "messages_batch1": args.messages_batch1,
+                    "messages_batch100": args.messages,
+                    "buckets": 16,
+                    "payload_bytes": 16,
+                    "seconds_cap": args.seconds,
+                    "target": "leader",
+                },
+                "setup_seconds": {"fill_delta": round(fill_s, 1), "cluster_up": round(up_s, 1)},
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "processor": platform.processor() or platform.machine(),
+                },
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

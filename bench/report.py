@@ -1,0 +1,131 @@
+"""`make bench`: run every benchmark, keep their JSON in one file, chart it, table it.
+
+Writes bench/results.json and bench/results.png, and rewrites the README's benchmark
+table between its `<!-- bench -->` markers, so the README's numbers are the last run's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BENCHMARKS = ("ingest", "broker", "release")
+START, END = "<!-- bench:start -->", "<!-- bench:end -->"
+
+
+def run(name: str, extra: list[str]) -> dict:
+    """One benchmark in its own process; its stdout is one JSON object."""
+    print(f"bench: running {name} ...", file=sys.stderr, flush=True)
+    out = subprocess.run(
+        [sys.executable, str(HERE / f"{name}.py"), *extra],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"bench/{name}.py failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout[out.stdout.index("{") :])
+
+
+def leaves(value: object, path: tuple[str, ...] = ()) -> Iterator[tuple[str, float]]:
+    """(dotted path, number) for every numeric leaf, parameters and machine facts aside."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k not in ("parameters", "machine", "date", "benchmark"):
+                yield from leaves(v, (*path, str(k)))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            label = v.get("phase", v.get("name", str(i))) if isinstance(v, dict) else str(i)
+            yield from leaves(v, (*path, str(label)))
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        yield ".".join(path), float(value)
+
+
+def headline(results: dict) -> list[tuple[str, str, float]]:
+    """The figures worth a table row: throughputs, latencies, ratios, early counts."""
+    rows = []
+    for bench, data in results.items():
+        for name, number in leaves(data):
+            last = name.rsplit(".", 1)[-1]
+            if (
+                "per_s" in last
+                or last.startswith(("p50", "p99", "max"))
+                or last in ("early", "ingest_vs_baseline")
+            ):
+                rows.append((bench, name, number))
+    return rows
+
+
+def chart(rows: list[tuple[str, str, float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates = [(f"{b}: {n}", v) for b, n, v in rows if "per_s" in n.rsplit(".", 1)[-1]]
+    lat = [(f"{b}: {n}", v) for b, n, v in rows if n.rsplit(".", 1)[-1].startswith(("p50", "p99"))]
+    fig, axes = plt.subplots(1, 2, figsize=(15, max(4, 0.35 * max(len(rates), len(lat)))))
+    for ax, data, title in ((axes[0], rates, "throughput (msgs/s)"), (axes[1], lat, "latency")):
+        if data:
+            ax.barh([d[0] for d in data], [d[1] for d in data])
+            ax.set_xscale("log")
+        ax.set_title(title)
+        ax.tick_params(axis="y", labelsize=7)
+    fig.suptitle(f"DejaQ benchmarks, {dt.date.today()}, {os.cpu_count()} cores")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def table(rows: list[tuple[str, str, float]], when: str, machine: str) -> str:
+    lines = [
+        f"Measured {when} on {machine} by `make bench` (bench/results.json, bench/results.png).",
+        "",
+        "| benchmark | figure | value |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {b} | `{n}` | {v:,.3g} |" if v < 10 else f"| {b} | `{n}` | {v:,.0f} |"
+        for b, n, v in rows
+    ]
+    return "\n".join(lines)
+
+
+def update_readme(text: str) -> None:
+    readme = ROOT / "README.md"
+    content = readme.read_text()
+    if START not in content or END not in content:
+        raise SystemExit(f"README.md has no {START} ... {END} section to update")
+    head, rest = content.split(START, 1)
+    _, tail = rest.split(END, 1)
+    readme.write_text(f"{head}{START}\n{text}\n{END}{tail}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=BENCHMARKS, action="append", help="run just these")
+    p.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    args = p.parse_args()
+    results = {name: run(name, []) for name in args.only or BENCHMARKS}
+    machine = f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.platform()}"
+    when = dt.date.today().isoformat()
+    (HERE / "results.json").write_text(
+        json.dumps({"date": when, "machine": machine, "results": results}, indent=2) + "\n"
+    )
+    rows = headline(results)
+    chart(rows, HERE / "results.png")
+    if not args.no_readme:
+        update_readme(table(rows, when, machine))
+    print(table(rows, when, machine))
+
+
+if __name__ == "__main__":
+    main()

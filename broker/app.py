@@ -1,0 +1,123 @@
+"""The broker's FastAPI application: routers, shared state, errors as problem+json.
+
+Any node takes any request. A route that needs the leader's state depends on
+`on_leader`; on a follower that raises `ForwardToLeader`, and its handler replays the
+request against the leader's HTTP address and returns the leader's answer.
+"""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from broker.service import Broker, Problem, Producer
+
+FORWARDED = "x-dejaq-forwarded"
+PROBLEM = "application/problem+json"
+
+
+class ForwardToLeader(Exception):
+    """This node is not the leader: the request goes to the one that is."""
+
+
+async def get_broker(request: Request) -> Broker:
+    return request.app.state.broker
+
+
+async def get_producer(request: Request) -> Producer:
+    return request.app.state.producer
+
+
+AnyBroker = Annotated[Broker, Depends(get_broker)]
+AnyProducer = Annotated[Producer, Depends(get_producer)]
+
+
+async def on_leader(request: Request, broker: AnyBroker) -> Broker:
+    """Dependency of leader-only routes."""
+    if broker.raft is not None and broker.raft.is_leader():
+        return broker
+    if request.headers.get(FORWARDED):
+        raise Problem(503, "no leader", "the node this was forwarded to is no longer leader")
+    raise ForwardToLeader()
+
+
+LeaderBroker = Annotated[Broker, Depends(on_leader)]
+
+
+def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResponse:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+
+
+async def _on_problem(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, Problem)
+    return problem(exc.status, exc.title, exc.detail, **exc.extra)
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return problem(exc.status_code, str(exc.detail), str(exc.detail))
+
+
+async def _on_invalid(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    errors = [
+        {"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""), "type": e.get("type")}
+        for e in exc.errors()
+    ]
+    return problem(422, "invalid request", "; ".join(e["msg"] for e in errors), errors=errors)
+
+
+async def _forward(request: Request, exc: Exception) -> Response:
+    broker: Broker = request.app.state.broker
+    target = broker.raft.leader_http() if broker.raft is not None else None
+    if target is None:
+        return problem(503, "no leader", "no Raft leader is known yet: retry shortly")
+    client: httpx.AsyncClient = request.app.state.http
+    try:
+        answer = await client.request(
+            request.method,
+            f"http://{target}{request.url.path}",
+            params=request.query_params,
+            content=await request.body(),
+            headers={"content-type": request.headers.get("content-type", ""), FORWARDED: "1"},
+        )
+    except httpx.HTTPError as e:
+        return problem(503, "leader unreachable", f"{target}: {type(e).__name__}")
+    keep = {k: v for k, v in answer.headers.items() if k.lower() == "content-type"}
+    return Response(answer.content, status_code=answer.status_code, headers=keep)
+
+
+def create_app(broker: Broker, producer: Producer) -> FastAPI:
+    """The HTTP API of one node; the caller starts and stops `broker`."""
+    from broker.routers import consumers, health, leases, messages, topics
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        async with httpx.AsyncClient(timeout=40) as client:
+            app.state.http = client
+            yield
+        producer.close()
+
+    app = FastAPI(
+        title="DejaQ broker",
+        version="1",
+        summary="Lease the lowest sort keys of a reorder buffer; ack, nack, extend, reject.",
+        lifespan=lifespan,
+    )
+    app.state.broker = broker
+    app.state.producer = producer
+    app.add_exception_handler(Problem, _on_problem)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(RequestValidationError, _on_invalid)
+    app.add_exception_handler(ForwardToLeader, _forward)
+    for router in (topics.router, messages.router, leases.router, consumers.router):
+        app.include_router(router, prefix="/v1")
+    app.include_router(health.router)
+    return app

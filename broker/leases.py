@@ -1,0 +1,314 @@
+"""Lease, ack, nack, expiry and dead-letter semantics as a deterministic state machine.
+
+Every transition takes the time from its command (the leader stamps it), so every Raft
+node applying the same log reaches the same state: nothing here reads a clock, a table or
+the network. The pending messages themselves live in the node-local index
+(`broker.index`); this state only knows the messages something has happened to.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from enum import StrEnum
+
+from broker.assignment import rebalance
+from conf.tables import LedgerEvent
+
+
+class Refusal(StrEnum):
+    """Why a message in an ack, nack, extend or reject was refused (HTTP 409)."""
+
+    NOT_LEASED = "not_leased"
+    EXPIRED = "lease_expired"
+    OTHER_CONSUMER = "leased_by_another_consumer"
+    SETTLED = "already_settled"
+    LEASED = "currently_leased"
+
+
+@dataclass(slots=True)
+class Lease:
+    consumer: str
+    bucket: int
+    sort_key: int
+    deadline: int
+    deliveries: int
+
+
+@dataclass(slots=True, frozen=True)
+class Event:
+    """A settled message waiting to be checkpointed into the ledger (and dead letters)."""
+
+    seq: int
+    message_id: str
+    bucket: int
+    event: str
+    sort_key: int
+    deliveries: int
+    at: int
+    reason: str | None = None
+
+
+Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
+Grant = tuple[str, int, int]  # (message_id, deliveries, lease deadline ms)
+
+
+class TopicState:
+    """One topic's leases, delivery counts, overrides, consumers and bucket assignment."""
+
+    def __init__(self, buckets: int, max_deliveries: int) -> None:
+        self.buckets = buckets
+        self.max_deliveries = max_deliveries
+        self.leases: dict[str, Lease] = {}
+        self.deliveries: dict[str, int] = {}  # unsettled messages delivered at least once
+        self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
+        self.not_before: dict[str, int] = {}  # nack with delay
+        self.settled: dict[str, str] = {}  # message_id -> event, until checkpointed
+        self.events: list[Event] = []
+        self.seq = 0
+        self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
+        self.assignment: dict[int, str] = {}
+        self.held: dict[int, Counter[str]] = {}  # bucket -> leases per consumer
+        self.totals: Counter[str] = Counter()
+
+    # --- consumers -------------------------------------------------------------------
+
+    def touch(self, consumer: str, now: int) -> bool:
+        """Record a sign of life; a new consumer joins and buckets are rebalanced."""
+        joined = consumer not in self.consumers
+        self.consumers[consumer] = now
+        if joined:
+            self._rebalance()
+        return joined
+
+    def leave(self, consumer: str, now: int) -> list[str]:
+        """Remove a consumer and hand its leases back (not counted as a failed delivery)."""
+        if self.consumers.pop(consumer, None) is None:
+            return []
+        released = [m for m, lease in self.leases.items() if lease.consumer == consumer]
+        for mid in released:
+            lease = self._drop_lease(mid)
+            self.deliveries[mid] = lease.deliveries - 1
+            if self.deliveries[mid] == 0:
+                del self.deliveries[mid]
+        self._rebalance()
+        return released
+
+    def buckets_of(self, consumer: str) -> list[int]:
+        """Buckets assigned to `consumer` that no other consumer still holds leases in."""
+        return [
+            b
+            for b, c in self.assignment.items()
+            if c == consumer and not any(n for h, n in self.held.get(b, {}).items() if h != c)
+        ]
+
+    def _rebalance(self) -> None:
+        self.assignment = rebalance(self.buckets, self.consumers, self.assignment)
+
+    # --- leasing ---------------------------------------------------------------------
+
+    def sort_key(self, mid: str, base: int) -> int:
+        return self.sort_keys.get(mid, base)
+
+    def is_available(self, mid: str, now: int) -> bool:
+        """Neither leased nor settled nor held back by a nack delay."""
+        return (
+            mid not in self.leases
+            and mid not in self.settled
+            and self.not_before.get(mid, 0) <= now
+        )
+
+    def lease(self, consumer: str, now: int, lease_ms: int, picks: list[Pick]) -> list[Grant]:
+        """Lease the leader's picks that are still available in the consumer's buckets."""
+        self.touch(consumer, now)
+        mine = set(self.buckets_of(consumer))
+        deadline = now + lease_ms
+        grants: list[Grant] = []
+        for mid, bucket, sort_key in picks:
+            if bucket not in mine or not self.is_available(mid, now):
+                continue
+            deliveries = self.deliveries.get(mid, 0) + 1
+            self.deliveries[mid] = deliveries
+            self.not_before.pop(mid, None)
+            self.leases[mid] = Lease(consumer, bucket, sort_key, deadline, deliveries)
+            self.held.setdefault(bucket, Counter())[consumer] += 1
+            grants.append((mid, deliveries, deadline))
+        self.totals["leased"] += len(grants)
+        self.totals["redelivered"] += sum(1 for g in grants if g[1] > 1)
+        return grants
+
+    def _drop_lease(self, mid: str) -> Lease:
+        lease = self.leases.pop(mid)
+        held = self.held[lease.bucket]
+        held[lease.consumer] -= 1
+        if held[lease.consumer] <= 0:
+            del held[lease.consumer]
+        return lease
+
+    def _check(self, consumer: str, mid: str, now: int) -> Lease | Refusal:
+        if mid in self.settled:
+            return Refusal.SETTLED
+        lease = self.leases.get(mid)
+        if lease is None:
+            return Refusal.NOT_LEASED
+        if lease.consumer != consumer:
+            return Refusal.OTHER_CONSUMER
+        if lease.deadline <= now:
+            return Refusal.EXPIRED
+        return lease
+
+    def _settle(
+        self,
+        mid: str,
+        bucket: int,
+        sort_key: int,
+        event: LedgerEvent,
+        now: int,
+        deliveries: int,
+        reason: str | None = None,
+    ) -> None:
+        self.seq += 1
+        self.events.append(Event(self.seq, mid, bucket, event, sort_key, deliveries, now, reason))
+        self.settled[mid] = event
+        self.deliveries.pop(mid, None)
+        self.sort_keys.pop(mid, None)
+        self.not_before.pop(mid, None)
+        self.totals[event] += 1
+
+    def ack(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
+        """Settle leased messages for good; returns the refused ones with the reason."""
+        refused: dict[str, Refusal] = {}
+        for mid in mids:
+            lease = self._check(consumer, mid, now)
+            if isinstance(lease, Refusal):
+                refused[mid] = lease
+                continue
+            self._drop_lease(mid)
+            self._settle(
+                mid, lease.bucket, lease.sort_key, LedgerEvent.ACKED, now, lease.deliveries
+            )
+        self.consumers[consumer] = max(self.consumers.get(consumer, now), now)
+        return refused
+
+    def reject(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
+        """Send leased messages straight to the dead letters."""
+        refused: dict[str, Refusal] = {}
+        for mid in mids:
+            lease = self._check(consumer, mid, now)
+            if isinstance(lease, Refusal):
+                refused[mid] = lease
+                continue
+            self._drop_lease(mid)
+            self._settle(
+                mid,
+                lease.bucket,
+                lease.sort_key,
+                LedgerEvent.DEAD,
+                now,
+                lease.deliveries,
+                "rejected",
+            )
+        return refused
+
+    def nack(
+        self,
+        consumer: str,
+        now: int,
+        mids: list[str],
+        delay_ms: int = 0,
+        sort_key: int | None = None,
+    ) -> tuple[dict[str, Refusal], list[str]]:
+        """Give leased messages back; returns (refused, messages pending again)."""
+        refused: dict[str, Refusal] = {}
+        pending: list[str] = []
+        for mid in mids:
+            lease = self._check(consumer, mid, now)
+            if isinstance(lease, Refusal):
+                refused[mid] = lease
+                continue
+            self._drop_lease(mid)
+            self.totals["nacked"] += 1
+            if sort_key is not None:
+                self.sort_keys[mid] = sort_key
+            if self._redeliver_or_die(mid, lease, now, "max_deliveries"):
+                pending.append(mid)
+                if delay_ms > 0:
+                    self.not_before[mid] = now + delay_ms
+        return refused, pending
+
+    def _redeliver_or_die(self, mid: str, lease: Lease, now: int, reason: str) -> bool:
+        if lease.deliveries >= self.max_deliveries:
+            self._settle(
+                mid,
+                lease.bucket,
+                self.sort_key(mid, lease.sort_key),
+                LedgerEvent.DEAD,
+                now,
+                lease.deliveries,
+                reason,
+            )
+            return False
+        return True
+
+    def extend(
+        self, consumer: str, now: int, mids: list[str], lease_ms: int
+    ) -> tuple[dict[str, Refusal], int]:
+        refused: dict[str, Refusal] = {}
+        for mid in mids:
+            lease = self._check(consumer, mid, now)
+            if isinstance(lease, Refusal):
+                refused[mid] = lease
+            else:
+                lease.deadline = now + lease_ms
+        self.consumers[consumer] = max(self.consumers.get(consumer, now), now)
+        return refused, now + lease_ms
+
+    def cancel(self, now: int, mid: str, bucket: int, sort_key: int) -> Refusal | None:
+        """Cancel a message whether pending or leased (its holder's ack then gets 409)."""
+        if mid in self.settled:
+            return Refusal.SETTLED
+        deliveries = self.deliveries.get(mid, 0)
+        if mid in self.leases:
+            self._drop_lease(mid)
+        self._settle(
+            mid, bucket, self.sort_key(mid, sort_key), LedgerEvent.CANCELLED, now, deliveries
+        )
+        return None
+
+    def reschedule(self, mid: str, sort_key: int) -> Refusal | None:
+        """Give a pending message a new sort key (priority or deliver_at)."""
+        if mid in self.settled:
+            return Refusal.SETTLED
+        if mid in self.leases:
+            return Refusal.LEASED
+        self.sort_keys[mid] = sort_key
+        self.not_before.pop(mid, None)
+        return None
+
+    def expire(self, now: int, heartbeat_timeout_ms: int) -> list[str]:
+        """Expire leases past their deadline and silent consumers; returns pending mids."""
+        pending: list[str] = []
+        for mid in [m for m, lease in self.leases.items() if lease.deadline <= now]:
+            lease = self._drop_lease(mid)
+            self.totals["expired"] += 1
+            if self._redeliver_or_die(mid, lease, now, "max_deliveries"):
+                pending.append(mid)
+        silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
+        for consumer in silent:
+            del self.consumers[consumer]
+        if silent:
+            self._rebalance()
+        return pending
+
+    def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
+        return any(lease.deadline <= now for lease in list(self.leases.values())) or any(
+            seen + heartbeat_timeout_ms <= now for seen in list(self.consumers.values())
+        )
+
+    def trim(self, upto_seq: int) -> list[str]:
+        """Forget events checkpointed into the ledger; returns their message ids."""
+        done = [e for e in self.events if e.seq <= upto_seq]
+        self.events = [e for e in self.events if e.seq > upto_seq]
+        for e in done:
+            self.settled.pop(e.message_id, None)
+        return [e.message_id for e in done]

@@ -1,0 +1,82 @@
+"""Checkpoint settled messages from the Raft state into `ledger/<topic>` and dead letters.
+
+The leader writes the events up to sequence number N as one Delta commit tagged with
+the transaction (app id, N), then commits `trim(N)` through Raft, which drops them from
+the replicated state. A leader that dies between the two leaves the tag behind, and
+its successor sees the tag and only trims: the ledger never gets a row twice.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+
+from broker.leases import Event
+from conf.tables import (
+    DEAD_LETTER_SCHEMA,
+    LEDGER_SCHEMA,
+    TIMESTAMP,
+    LedgerEvent,
+    Table,
+    ensure_table,
+)
+
+APP_ID = "dejaq-broker"
+
+
+def _ts(ms: int) -> dt.datetime:
+    return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+
+
+def _written(path: str) -> int:
+    return DeltaTable(path).transaction_version(APP_ID) or 0
+
+
+def _commit(upto: int) -> CommitProperties:
+    return CommitProperties(app_transactions=[Transaction(APP_ID, upto)])
+
+
+def checkpoint(warehouse: str, topic: str, events: list[Event]) -> int:
+    """Write `events` (ascending seq) to the ledger and dead letters; return the last seq."""
+    upto = events[-1].seq
+    ledger = ensure_table(warehouse, Table.LEDGER, topic)
+    dead_path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
+    dead = [e for e in events if e.event == LedgerEvent.DEAD]
+    if dead and _written(dead_path) < upto:
+        rows = _dead_letters(warehouse, topic, dead)
+        write_deltalake(dead_path, rows, mode="append", commit_properties=_commit(upto))
+    if _written(ledger) < upto:
+        rows = pa.table(
+            {
+                "message_id": pa.array([e.message_id for e in events], pa.string()),
+                "bucket": pa.array([e.bucket for e in events], pa.int32()),
+                "event": pa.array([str(e.event) for e in events], pa.string()),
+                "sort_key": pa.array([e.sort_key for e in events], pa.int64()),
+                "deliveries": pa.array([e.deliveries for e in events], pa.int32()),
+                "at": pa.array([e.at * 1000 for e in events], pa.int64()).cast(TIMESTAMP),
+            },
+            schema=LEDGER_SCHEMA,
+        )
+        write_deltalake(ledger, rows, mode="append", commit_properties=_commit(upto))
+    return upto
+
+
+def _dead_letters(warehouse: str, topic: str, dead: list[Event]) -> pa.Table:
+    """The buffer rows of the dead messages, with deliveries, reason and time of death."""
+    buffer = DeltaTable(ensure_table(warehouse, Table.BUFFER, topic)).to_pyarrow_dataset()
+    by_id = {e.message_id: e for e in dead}
+    found = buffer.to_table(filter=pc.field("message_id").isin(list(by_id)))
+    out: list[dict] = []
+    seen: set[str] = set()
+    for row in found.to_pylist():
+        e = by_id[row["message_id"]]
+        if e.message_id in seen:
+            continue
+        seen.add(e.message_id)
+        row.pop("ingested_at", None)
+        row.update(deliveries=e.deliveries, reason=e.reason or "dead", dead_at=_ts(e.at))
+        out.append(row)
+    return pa.Table.from_pylist(out, schema=DEAD_LETTER_SCHEMA)

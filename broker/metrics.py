@@ -1,0 +1,51 @@
+"""Prometheus metrics of one broker node, in a registry of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.leased = Counter("dejaq_leased_messages", "Messages leased", ["topic"], registry=r)
+        self.acked = Counter("dejaq_acked_messages", "Messages acked", ["topic"], registry=r)
+        self.nacked = Counter("dejaq_nacked_messages", "Messages nacked", ["topic"], registry=r)
+        self.redelivered = Counter(
+            "dejaq_redelivered_messages",
+            "Leases of a message delivered before",
+            ["topic"],
+            registry=r,
+        )
+        self.dead = Counter(
+            "dejaq_dead_letters", "Messages sent to the dead letters", ["topic"], registry=r
+        )
+        self.lease_latency = Histogram(
+            "dejaq_lease_seconds",
+            "Lease request latency on the leader, Raft commit included",
+            ["topic"],
+            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
+            registry=r,
+        )
+        self.raft_role = Gauge(
+            "dejaq_raft_role", "1 for this node's current Raft role", ["role"], registry=r
+        )
+        self.raft_term = Gauge("dejaq_raft_term", "Current Raft term", registry=r)
+        self.index_size = Gauge(
+            "dejaq_index_messages",
+            "Messages in the index (pending, delayed or leased; settled ones leave at checkpoint)",
+            ["topic"],
+            registry=r,
+        )
+
+    def observe_raft(self, role: str, term: int) -> None:
+        for r in ("leader", "follower", "candidate"):
+            self.raft_role.labels(r).set(1 if r == role else 0)
+        self.raft_term.set(term)
+
+    def observe_index(self, sizes: Callable[[], dict[str, int]]) -> None:
+        for topic, n in sizes().items():
+            self.index_size.labels(topic).set(n)

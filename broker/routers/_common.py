@@ -1,0 +1,39 @@
+"""Request pieces shared by the routers."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Path
+from pydantic import BaseModel, ConfigDict, Field
+
+from conf.settings import TOPIC_NAME
+
+TopicName = Annotated[str, Path(description="a lease topic", pattern=TOPIC_NAME.pattern)]
+ConsumerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
+MessageId = Annotated[str, Field(min_length=1, max_length=1000)]
+Ids = Annotated[list[MessageId], Field(min_length=1, max_length=1000)]
+Priority = Annotated[int, Field(ge=0, le=65535, description="0..65535, lower first")]
+EpochMs = Annotated[int, Field(ge=0, le=253_402_300_799_999, description="epoch milliseconds")]
+LeaseMs = Annotated[int, Field(ge=1, le=12 * 3600 * 1000)]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ProblemDetail(BaseModel):
+    """RFC 9457 problem details (media type application/problem+json)."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str = ""
+
+
+def problems(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI entries for the problem responses a route can give."""
+    return {
+        code: {"model": ProblemDetail, "content": {"application/problem+json": {}}}
+        for code in codes
+    }

@@ -1,0 +1,43 @@
+"""Consumers: heartbeat (join or stay) and leave; buckets are rebalanced on both."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path
+from pydantic import BaseModel
+
+from broker.app import LeaderBroker
+from broker.routers._common import TopicName, problems
+
+router = APIRouter(tags=["consumers"])
+ConsumerPath = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
+
+
+class Heartbeat(BaseModel):
+    consumer_id: str
+    buckets: list[int]
+
+
+class Left(BaseModel):
+    consumer_id: str
+    released: int
+
+
+@router.post(
+    "/topics/{topic}/consumers/{consumer_id}/heartbeat",
+    response_model=Heartbeat,
+    responses=problems(404, 503),
+)
+async def heartbeat(topic: TopicName, consumer_id: ConsumerPath, broker: LeaderBroker) -> Heartbeat:
+    """Join or stay alive; returns the buckets this consumer may lease from now."""
+    buckets = await broker.heartbeat(topic, consumer_id)
+    return Heartbeat(consumer_id=consumer_id, buckets=buckets)
+
+
+@router.delete(
+    "/topics/{topic}/consumers/{consumer_id}", response_model=Left, responses=problems(404, 503)
+)
+async def leave(topic: TopicName, consumer_id: ConsumerPath, broker: LeaderBroker) -> Left:
+    """Leave: the consumer's leases go back to pending and its buckets to the others."""
+    return Left(consumer_id=consumer_id, released=await broker.leave(topic, consumer_id))

@@ -1,0 +1,56 @@
+"""Liveness, readiness, Prometheus metrics and the cluster view."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
+
+from broker.app import AnyBroker, problem
+
+router = APIRouter(tags=["health"])
+
+
+class Cluster(BaseModel):
+    node_id: str
+    role: str
+    term: int
+    leader: str | None
+    leader_http: str | None
+    nodes: dict[str, str]
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    """The process serves HTTP."""
+    return {"status": "ok"}
+
+
+@router.get("/readyz", responses={503: {"content": {"application/problem+json": {}}}})
+async def readyz(broker: AnyBroker) -> Response:
+    """Ready: a Raft leader is known, the log is applied and the indexes are loaded."""
+    ok, why = broker.ready()
+    if not ok:
+        return problem(503, "not ready", why)
+    return JSONResponse({"status": why})
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(broker: AnyBroker) -> Response:
+    return Response(generate_latest(broker.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/cluster", response_model=Cluster)
+async def cluster(broker: AnyBroker) -> Cluster:
+    """This node's view: role, term, the leader and every node's HTTP address."""
+    raft = broker.raft
+    assert raft is not None
+    return Cluster(
+        node_id=broker.node_id,
+        role=raft.role(),
+        term=raft.term(),
+        leader=raft.leader(),
+        leader_http=raft.leader_http(),
+        nodes=dict(raft.state.nodes),
+    )

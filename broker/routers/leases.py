@@ -1,0 +1,127 @@
+"""Leasing: lease the lowest sort keys, then ack, nack, extend or reject them.
+
+Every change is Raft-committed before the 2xx. A batch settles the messages it can; if
+any was refused (not leased, expired, another consumer's, already settled) the answer
+is 409 with the reason per message id.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter
+from fastapi.responses import Response
+from pydantic import BaseModel, Field
+
+from broker.app import LeaderBroker
+from broker.routers._common import Body, ConsumerId, Ids, LeaseMs, Priority, TopicName, problems
+from broker.service import Problem, Settled
+
+router = APIRouter(tags=["leases"])
+
+
+class LeaseRequest(Body):
+    consumer_id: ConsumerId
+    max_messages: Annotated[int, Field(ge=1, le=1000)] = 1
+    lease_ms: LeaseMs | None = Field(default=None, description="default: broker.lease_ms")
+    wait_ms: Annotated[int, Field(ge=0, le=30_000, description="long-poll up to 30 s")] = 0
+
+
+class LeasedMessage(BaseModel):
+    id: str
+    bucket: int
+    sort_key: int
+    priority: int | None
+    deliver_at: int | None = Field(description="epoch ms")
+    key: str | None = Field(description="base64")
+    payload: str = Field(description="base64")
+    deliveries: int
+    lease_deadline: int = Field(description="epoch ms")
+
+
+class Leased(BaseModel):
+    messages: list[LeasedMessage]
+
+
+class Settle(Body):
+    consumer_id: ConsumerId
+    ids: Ids
+
+
+class Nack(Settle):
+    delay_ms: Annotated[int, Field(ge=0, le=7 * 24 * 3600 * 1000)] = 0
+    priority: Priority | None = None
+
+
+class Extend(Settle):
+    lease_ms: LeaseMs | None = None
+
+
+class SettleResult(BaseModel):
+    settled: int
+
+
+class ExtendResult(SettleResult):
+    lease_deadline: int
+
+
+def _settled(result: Settled, verb: str) -> dict:
+    if result.refused:
+        raise Problem(
+            409,
+            f"some messages could not be {verb}",
+            "; ".join(f"{m}: {r}" for m, r in result.refused.items()),
+            settled=result.ok,
+            refused={m: str(r) for m, r in result.refused.items()},
+        )
+    return {"settled": result.ok}
+
+
+@router.post("/topics/{topic}/leases", response_model=Leased, responses=problems(404, 422, 503))
+async def lease(topic: TopicName, body: LeaseRequest, broker: LeaderBroker):
+    """Lease up to `max_messages` of the lowest deliverable sort keys of your buckets."""
+    lease_ms = body.lease_ms or broker.conf.lease_ms
+    messages = await broker.lease(
+        topic, body.consumer_id, body.max_messages, lease_ms, body.wait_ms
+    )
+    # Serialised by the broker: the hot path skips response-model validation.
+    return Response(f'{{"messages": {messages}}}', media_type="application/json")
+
+
+@router.post(
+    "/topics/{topic}/acks", response_model=SettleResult, responses=problems(404, 409, 422, 503)
+)
+async def ack(topic: TopicName, body: Settle, broker: LeaderBroker):
+    """Done: never delivered again."""
+    return _settled(await broker.settle(topic, "ack", body.consumer_id, body.ids), "acked")
+
+
+@router.post(
+    "/topics/{topic}/nacks", response_model=SettleResult, responses=problems(404, 409, 422, 503)
+)
+async def nack(topic: TopicName, body: Nack, broker: LeaderBroker):
+    """Give back for redelivery, optionally after `delay_ms` or with a new priority."""
+    result = await broker.nack(topic, body.consumer_id, body.ids, body.delay_ms, body.priority)
+    return _settled(result, "nacked")
+
+
+@router.post(
+    "/topics/{topic}/extensions",
+    response_model=ExtendResult,
+    responses=problems(404, 409, 422, 503),
+)
+async def extend(topic: TopicName, body: Extend, broker: LeaderBroker):
+    """Push the lease deadline to now + `lease_ms`."""
+    lease_ms = body.lease_ms or broker.conf.lease_ms
+    result, deadline = await broker.extend(topic, body.consumer_id, body.ids, lease_ms)
+    return {**_settled(result, "extended"), "lease_deadline": deadline}
+
+
+@router.post(
+    "/topics/{topic}/rejections",
+    response_model=SettleResult,
+    responses=problems(404, 409, 422, 503),
+)
+async def reject(topic: TopicName, body: Settle, broker: LeaderBroker):
+    """Poison: straight to the dead letters, no more deliveries."""
+    return _settled(await broker.settle(topic, "reject", body.consumer_id, body.ids), "rejected")

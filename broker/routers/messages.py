@@ -1,0 +1,162 @@
+"""Messages: produce over HTTP (through Kafka), peek, cancel, reschedule."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import BaseModel, Field
+
+from broker.app import AnyBroker, AnyProducer, LeaderBroker
+from broker.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
+from broker.service import Broker, Outgoing, Problem, Producer
+from conf.settings import TopicConfig, TopicKind
+
+router = APIRouter(tags=["messages"])
+MAX_BATCH_BODY = 16 * 1024 * 1024
+
+
+class NewMessage(Body):
+    payload: str = Field(description="base64", max_length=200 * 1024 * 1024)
+    key: str | None = Field(default=None, max_length=10_000, description="bucket key, UTF-8")
+    priority: Priority | None = None
+    deliver_at: EpochMs | None = None
+    id: MessageId | None = Field(default=None, description="idempotency id (dejaq-id)")
+    headers: dict[Annotated[str, Field(max_length=200)], str] | None = None
+
+
+class Batch(Body):
+    messages: Annotated[list[NewMessage], Field(min_length=1, max_length=1000)]
+
+
+class Produced(BaseModel):
+    ids: list[str]
+
+
+class Reschedule(Body):
+    priority: Priority | None = None
+    deliver_at: EpochMs | None = None
+
+
+class Peeked(BaseModel):
+    """A settled message that reached the ledger has only `id` and `status: settled`."""
+
+    id: str
+    status: str = Field(description="pending, delayed, leased, acked, dead, cancelled, settled")
+    bucket: int | None = None
+    sort_key: int | None = None
+    priority: int | None = None
+    deliver_at: int | None = None
+    key: str | None = None
+    payload: str | None = None
+    deliveries: int | None = None
+    lease_deadline: int | None = None
+    consumer_id: str | None = None
+
+
+def _limit(request: Request, limit: int) -> None:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise Problem(413, "request too large", f"{length} bytes; the limit is {limit}")
+
+
+async def body_limit(request: Request, broker: AnyBroker) -> None:
+    _limit(request, broker.conf.max_payload_bytes * 4 // 3 + 64 * 1024)
+
+
+async def batch_limit(request: Request, broker: AnyBroker) -> None:
+    _limit(request, max(MAX_BATCH_BODY, broker.conf.max_payload_bytes * 4 // 3 + 64 * 1024))
+
+
+def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
+    try:
+        payload = base64.b64decode(m.payload, validate=True)
+    except (binascii.Error, ValueError):  # not base64, or not even ASCII
+        raise Problem(422, "invalid payload", "payload must be base64") from None
+    if len(payload) > max_bytes:
+        raise Problem(413, "payload too large", f"{len(payload)} bytes; the limit is {max_bytes}")
+    headers = [(k, v.encode()) for k, v in (m.headers or {}).items() if not k.startswith("dejaq-")]
+    if cfg.kind is TopicKind.PRIORITY:
+        if m.priority is None:
+            raise Problem(422, "missing priority", f"topic {cfg.name} is a priority topic")
+        headers.append(("dejaq-priority", str(m.priority).encode()))
+    elif cfg.kind is TopicKind.TIMELINE:
+        if m.deliver_at is None:
+            raise Problem(422, "missing deliver_at", f"topic {cfg.name} is a timeline topic")
+        headers.append(("dejaq-deliver-at", str(m.deliver_at).encode()))
+    if m.id is not None:
+        headers.append(("dejaq-id", m.id.encode()))
+    return Outgoing(None if m.key is None else m.key.encode(), payload, headers)
+
+
+async def _produce(topic: str, items: list[NewMessage], broker: Broker, producer: Producer):
+    cfg = broker.topic(topic)
+    max_bytes = min(cfg.max_payload_bytes, broker.conf.max_payload_bytes)
+    outgoing = [_envelope(m, cfg, max_bytes) for m in items]
+    return Produced(ids=await producer.send(cfg.source[0], outgoing))
+
+
+@router.post(
+    "/topics/{topic}/messages",
+    response_model=Produced,
+    status_code=201,
+    responses=problems(404, 413, 422, 503),
+    dependencies=[Depends(body_limit)],
+)
+async def produce(
+    topic: TopicName,
+    body: NewMessage,
+    broker: AnyBroker,
+    producer: AnyProducer,
+) -> Produced:
+    """Produce one message to the topic's Kafka input; returns once Kafka has it."""
+    return await _produce(topic, [body], broker, producer)
+
+
+@router.post(
+    "/topics/{topic}/messages/batch",
+    response_model=Produced,
+    status_code=201,
+    responses=problems(404, 413, 422, 503),
+    dependencies=[Depends(batch_limit)],
+)
+async def produce_batch(
+    topic: TopicName,
+    body: Batch,
+    broker: AnyBroker,
+    producer: AnyProducer,
+) -> Produced:
+    """Produce up to 1000 messages; returns once Kafka has all of them."""
+    return await _produce(topic, body.messages, broker, producer)
+
+
+@router.get(
+    "/topics/{topic}/messages/{message_id}", response_model=Peeked, responses=problems(404, 503)
+)
+async def peek(topic: TopicName, message_id: str, broker: LeaderBroker) -> dict:
+    """A message's status (pending, delayed, leased, acked, dead, cancelled) and payload."""
+    return broker.peek(topic, message_id)
+
+
+@router.delete(
+    "/topics/{topic}/messages/{message_id}",
+    status_code=204,
+    responses=problems(404, 409, 503),
+)
+async def cancel(topic: TopicName, message_id: str, broker: LeaderBroker) -> None:
+    """Cancel a pending or leased message: it is never delivered (again)."""
+    await broker.cancel(topic, message_id)
+
+
+@router.patch(
+    "/topics/{topic}/messages/{message_id}",
+    status_code=204,
+    responses=problems(404, 409, 422, 503),
+)
+async def reschedule(
+    topic: TopicName, message_id: str, body: Reschedule, broker: LeaderBroker
+) -> None:
+    """A pending message's new priority (priority topics) or deliver_at (timeline topics)."""
+    await broker.reschedule(topic, message_id, body.priority, body.deliver_at)

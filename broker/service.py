@@ -1,0 +1,470 @@
+"""One broker node: indexes, Raft member, background duties, and the operations the
+routers call. Leader-only operations assume the caller checked leadership (the routers
+forward to the leader otherwise)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from broker.index import Row, TopicIndex
+from broker.leases import Refusal, TopicState
+from broker.ledger_writer import checkpoint
+from broker.metrics import Metrics
+from broker.raft import NotCommitted, RaftNode
+from conf.settings import Delivery, Settings, TopicConfig, TopicKind
+
+log = logging.getLogger("dejaq.broker")
+
+FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta commit
+DUTY_PERIOD_S = 0.05
+CHECKPOINT_PERIOD_S = 1.0
+LONG_POLL_STEP_S = 0.02
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class Problem(Exception):
+    """An HTTP error as RFC 9457 problem details."""
+
+    def __init__(self, status: int, title: str, detail: str = "", **extra: Any) -> None:
+        super().__init__(detail or title)
+        self.status, self.title, self.detail, self.extra = status, title, detail, extra
+
+
+@dataclass
+class Settled:
+    ok: int
+    refused: dict[str, Refusal]
+
+
+class Broker:
+    def __init__(
+        self,
+        settings: Settings,
+        node_id: str,
+        http_addr: str,
+        raft_addr: str,
+        peers: list[str],
+        data_dir: Path,
+    ) -> None:
+        self.settings = settings
+        self.conf = settings.broker
+        self.node_id, self.http_addr, self.raft_addr, self.peers = (
+            node_id,
+            http_addr,
+            raft_addr,
+            peers,
+        )
+        self.data_dir = data_dir
+        self.topics: dict[str, TopicConfig] = {
+            t.name: t for t in settings.topics if t.delivery is Delivery.LEASE
+        }
+        self.indexes = {n: TopicIndex(settings.warehouse, t) for n, t in self.topics.items()}
+        self.metrics = Metrics()
+        self.raft: RaftNode | None = None
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
+
+    # --- Listener: hooks from applied Raft commands ---------------------------------------
+
+    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None:
+        self.indexes[topic].push(state, mids)
+
+    def gone(self, topic: str, mids: list[str]) -> None:
+        self.indexes[topic].forget(mids)
+
+    def reset(self, states: dict[str, TopicState]) -> None:
+        for name, index in self.indexes.items():
+            index.rebuild(states[name])
+
+    # --- life cycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Load the indexes, then join Raft (replaying the journal needs the indexes)."""
+        for index in self.indexes.values():
+            index.load()
+        self.raft = RaftNode(
+            self.raft_addr,
+            self.peers,
+            list(self.topics.values()),
+            self.conf,
+            self.data_dir,
+            listener=self,
+        )
+        for target in (self._follow_tables, self._leader_duties):
+            t = threading.Thread(target=target, name=target.__name__, daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        for t in self._threads:
+            t.join(5)
+        if self.raft is not None:
+            self.raft.destroy()
+
+    def ready(self) -> tuple[bool, str]:
+        if self.raft is None or not all(i.loaded for i in self.indexes.values()):
+            return False, "indexes loading"
+        if self.raft.leader() is None:
+            return False, "no Raft leader"
+        if not self.raft.sync.isReady():
+            return False, "Raft log not yet applied"
+        return True, "ready"
+
+    def state(self, topic: str) -> TopicState:
+        assert self.raft is not None
+        return self.raft.state.topics[topic]
+
+    def _follow_tables(self) -> None:
+        """Every node: index new buffer versions, publish metrics."""
+        while not self._stopping.wait(FOLLOW_PERIOD_S):
+            for name, index in self.indexes.items():
+                try:
+                    index.refresh()
+                except Exception:
+                    log.exception("refreshing the index of %s failed", name)
+            self._publish_metrics()
+
+    def _publish_metrics(self) -> None:
+        if self.raft is None:
+            return
+        m = self.metrics
+        m.observe_raft(self.raft.role(), self.raft.term())
+        m.observe_index(lambda: {n: len(i.rows) for n, i in self.indexes.items()})
+        counters = {
+            "leased": m.leased,
+            "acked": m.acked,
+            "nacked": m.nacked,
+            "redelivered": m.redelivered,
+            "dead": m.dead,
+        }
+        for name in self.topics:
+            totals = self.state(name).totals
+            seen = self._totals[name]
+            for key, counter in counters.items():
+                delta = totals.get(key, 0) - seen.get(key, 0)
+                if delta > 0:
+                    counter.labels(name).inc(delta)
+                seen[key] = totals.get(key, 0)
+
+    def _leader_duties(self) -> None:
+        """Register our HTTP address; on the leader: expire leases, checkpoint the ledger."""
+        last_checkpoint = time.monotonic()
+        while not self._stopping.wait(DUTY_PERIOD_S):
+            raft = self.raft
+            assert raft is not None
+            try:
+                if raft.leader() is None:
+                    continue
+                if raft.state.nodes.get(self.raft_addr) != self.http_addr:
+                    raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=2)
+                if not raft.is_leader():
+                    continue
+                for name in self.topics:
+                    st = self.state(name)
+                    now = now_ms()
+                    if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
+                        args = (now, self.conf.heartbeat_timeout_ms)
+                        raft.state.command(name, "expire", args, sync=True, timeout=2)
+                if time.monotonic() - last_checkpoint >= CHECKPOINT_PERIOD_S:
+                    last_checkpoint = time.monotonic()
+                    self._checkpoint()
+            except Exception:
+                log.exception("leader duties failed; retrying")
+
+    def _checkpoint(self) -> None:
+        assert self.raft is not None
+        for name in self.topics:
+            events = list(self.state(name).events)
+            if events:
+                upto = checkpoint(self.settings.warehouse, name, events)
+                self.raft.state.command(name, "trim", (upto,), sync=True, timeout=5)
+
+    # --- operations (leader) -------------------------------------------------------------
+
+    def topic(self, name: str) -> TopicConfig:
+        t = self.topics.get(name)
+        if t is None:
+            raise Problem(404, "unknown topic", f"no lease topic named {name!r}")
+        return t
+
+    async def _commit(self, topic: str, op: str, *args: Any) -> Any:
+        assert self.raft is not None
+        try:
+            return await self.raft.commit(topic, op, *args)
+        except NotCommitted as e:
+            raise Problem(503, "not committed", str(e)) from None
+
+    async def _join(self, topic: str, consumer: str) -> None:
+        seen = self.state(topic).consumers.get(consumer)
+        if seen is None or now_ms() - seen > self.conf.heartbeat_timeout_ms // 3:
+            await self._commit(topic, "touch", consumer, now_ms())
+
+    async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> str:
+        """The lowest deliverable sort keys of the consumer's buckets, long-polling.
+
+        Returns the JSON array of leased messages, built from per-message fragments
+        cached on first delivery: encoding is the hot path's largest cost.
+        """
+        cfg = self.topic(topic)
+        index, st = self.indexes[topic], self.state(topic)
+        started = time.monotonic()
+        deadline = started + wait_ms / 1000
+        await self._join(topic, consumer)
+        while True:
+            now = now_ms()
+            picks = index.pick(st, st.buckets_of(consumer), n, now)
+            if picks:
+                try:
+                    grants = await self._commit(topic, "lease", consumer, now, lease_ms, picks)
+                finally:
+                    index.release(st, picks)
+                if grants:
+                    self.metrics.lease_latency.labels(topic).observe(time.monotonic() - started)
+                    keys = {mid: key for mid, _, key in picks}
+                    timeline = cfg.kind is TopicKind.TIMELINE
+                    return (
+                        "["
+                        + ",".join(
+                            _leased_json(index, mid, keys[mid], d, dl, timeline)
+                            for mid, d, dl in grants
+                        )
+                        + "]"
+                    )
+            if time.monotonic() >= deadline:
+                return "[]"
+            await asyncio.sleep(LONG_POLL_STEP_S)
+            await self._join(topic, consumer)
+
+    @staticmethod
+    def _message(
+        cfg: TopicConfig, index: TopicIndex, mid: str, key: int, deliveries: int, deadline: int
+    ) -> dict[str, Any]:
+        row = index.rows[mid]
+        timeline = cfg.kind is TopicKind.TIMELINE
+        return {
+            "id": mid,
+            "bucket": row.bucket,
+            "sort_key": key,
+            "priority": None if timeline else key,
+            "deliver_at": key if timeline else row.deliver_at,
+            "key": None if row.key is None else base64.b64encode(row.key).decode(),
+            "payload": base64.b64encode(row.payload).decode(),
+            "deliveries": deliveries,
+            "lease_deadline": deadline,
+        }
+
+    async def settle(self, topic: str, op: str, consumer: str, ids: list[str]) -> Settled:
+        """ack or reject."""
+        self.topic(topic)
+        refused = await self._commit(topic, op, consumer, now_ms(), ids)
+        return Settled(len(ids) - len(refused), refused)
+
+    async def nack(
+        self, topic: str, consumer: str, ids: list[str], delay_ms: int, priority: int | None
+    ) -> Settled:
+        cfg = self.topic(topic)
+        if priority is not None and cfg.kind is not TopicKind.PRIORITY:
+            raise Problem(422, "invalid nack", "a new priority applies to priority topics only")
+        refused = await self._commit(topic, "nack", consumer, now_ms(), ids, delay_ms, priority)
+        return Settled(len(ids) - len(refused), refused)
+
+    async def extend(
+        self, topic: str, consumer: str, ids: list[str], lease_ms: int
+    ) -> tuple[Settled, int]:
+        self.topic(topic)
+        refused, deadline = await self._commit(topic, "extend", consumer, now_ms(), ids, lease_ms)
+        return Settled(len(ids) - len(refused), refused), deadline
+
+    def _row(self, topic: str, mid: str) -> tuple[TopicIndex, Row]:
+        """The message's index row: 409 once settled and checkpointed, 404 if unknown."""
+        index = self.indexes[topic]
+        if mid in index.gone:
+            raise Problem(409, "already settled", f"{mid} is settled", reason=Refusal.SETTLED)
+        row = index.rows.get(mid)
+        if row is None:
+            raise Problem(404, "unknown message", f"no message {mid!r} in topic {topic!r}")
+        return index, row
+
+    async def cancel(self, topic: str, mid: str) -> None:
+        self.topic(topic)
+        _, row = self._row(topic, mid)
+        refused = await self._commit(topic, "cancel", now_ms(), mid, row.bucket, row.sort_key)
+        if refused:
+            raise Problem(409, "cannot cancel", f"{mid}: {refused}", reason=refused)
+
+    async def reschedule(
+        self, topic: str, mid: str, priority: int | None, deliver_at: int | None
+    ) -> None:
+        cfg = self.topic(topic)
+        wanted = priority if cfg.kind is TopicKind.PRIORITY else deliver_at
+        if wanted is None or (priority is not None and deliver_at is not None):
+            field = "priority" if cfg.kind is TopicKind.PRIORITY else "deliver_at"
+            raise Problem(422, "invalid reschedule", f"a {cfg.kind} topic takes only {field}")
+        self._row(topic, mid)
+        refused = await self._commit(topic, "reschedule", mid, wanted)
+        if refused:
+            raise Problem(409, "cannot reschedule", f"{mid}: {refused}", reason=refused)
+
+    def peek(self, topic: str, mid: str) -> dict[str, Any]:
+        cfg = self.topic(topic)
+        if mid in self.indexes[topic].gone:  # checkpointed: only the fact remains
+            return {"id": mid, "status": "settled"}
+        index, row = self._row(topic, mid)
+        st = self.state(topic)
+        key = st.sort_key(mid, row.sort_key)
+        lease = st.leases.get(mid)
+        if mid in st.settled:
+            status = st.settled[mid]
+        elif lease is not None:
+            status = "leased"
+        elif st.not_before.get(mid, 0) > now_ms():
+            status = "delayed"
+        else:
+            status = "pending"
+        msg = self._message(cfg, index, mid, key, st.deliveries.get(mid, 0), 0)
+        msg.update(
+            status=status,
+            lease_deadline=lease.deadline if lease else None,
+            consumer_id=lease.consumer if lease else None,
+        )
+        return msg
+
+    async def heartbeat(self, topic: str, consumer: str) -> list[int]:
+        self.topic(topic)
+        await self._commit(topic, "touch", consumer, now_ms())
+        return sorted(self.state(topic).buckets_of(consumer))
+
+    async def leave(self, topic: str, consumer: str) -> int:
+        self.topic(topic)
+        return len(await self._commit(topic, "leave", consumer, now_ms()))
+
+    def describe(self, topic: str) -> dict[str, Any]:
+        cfg = self.topic(topic)
+        st, index = self.state(topic), self.indexes[topic]
+        now = now_ms()
+        per_bucket, delayed = index.stats(st, now)
+        leased: dict[int, int] = {}
+        for lease in list(st.leases.values()):
+            leased[lease.bucket] = leased.get(lease.bucket, 0) + 1
+        buckets = []
+        for b, s in per_bucket.items():
+            buckets.append(
+                {
+                    "bucket": b,
+                    "consumer_id": st.assignment.get(b),
+                    "pending": s.pending,
+                    "leased": leased.get(b, 0),
+                    "deliverable_now": s.deliverable,
+                    "oldest_age_ms": None
+                    if s.oldest_ingested_ms is None
+                    else now - s.oldest_ingested_ms,
+                }
+            )
+        ages = [b["oldest_age_ms"] for b in buckets if b["oldest_age_ms"] is not None]
+        return {
+            "name": cfg.name,
+            "kind": str(cfg.kind),
+            "buckets": cfg.buckets,
+            "pending": sum(b["pending"] for b in buckets) + delayed,
+            "delayed": delayed,
+            "leased": len(st.leases),
+            "deliverable_now": sum(b["deliverable_now"] for b in buckets),
+            "acked": st.totals.get("acked", 0),
+            "dead": st.totals.get("dead", 0),
+            "cancelled": st.totals.get("cancelled", 0),
+            "oldest_age_ms": max(ages) if ages else None,
+            "consumers": sorted(st.consumers),
+            "per_bucket": buckets,
+        }
+
+
+def _leased_json(
+    index: TopicIndex, mid: str, key: int, deliveries: int, deadline: int, timeline: bool
+) -> str:
+    fragment = index.json_cache.get(mid)
+    if fragment is None:
+        row = index.rows[mid]
+        fragment = json.dumps(
+            {
+                "id": mid,
+                "bucket": row.bucket,
+                "key": None if row.key is None else base64.b64encode(row.key).decode(),
+                "payload": base64.b64encode(row.payload).decode(),
+            }
+        )[:-1]
+        index.json_cache[mid] = fragment
+    prio, at = ("null", key) if timeline else (key, index.rows[mid].deliver_at)
+    return (
+        f'{fragment}, "sort_key": {key}, "priority": {prio}, '
+        f'"deliver_at": {"null" if at is None else at}, "deliveries": {deliveries}, '
+        f'"lease_deadline": {deadline}}}'
+    )
+
+
+@dataclass
+class Outgoing:
+    """A message produced over HTTP, in the Kafka envelope the ingest job parses."""
+
+    key: bytes | None
+    payload: bytes
+    headers: list[tuple[str, bytes]]
+
+
+class Producer:
+    """Produce to a topic's Kafka input, so HTTP messages take the same ingest path."""
+
+    def __init__(self, bootstrap: str) -> None:
+        self.bootstrap = bootstrap
+        self._producer: Any = None
+        self._lock = threading.Lock()
+
+    def _get(self) -> Any:
+        with self._lock:
+            if self._producer is None:
+                from kafka import KafkaProducer
+
+                self._producer = KafkaProducer(
+                    bootstrap_servers=self.bootstrap,
+                    acks="all",
+                    linger_ms=2,
+                    max_request_size=64 * 1024 * 1024,
+                )
+            return self._producer
+
+    def _send(self, kafka_topic: str, messages: list[Outgoing]) -> list[str]:
+        producer = self._get()
+        futures = [
+            producer.send(kafka_topic, key=m.key, value=m.payload, headers=m.headers)
+            for m in messages
+        ]
+        producer.flush(timeout=30)
+        out = []
+        for m, f in zip(messages, futures, strict=True):
+            meta = f.get(timeout=30)
+            given = dict(m.headers).get("dejaq-id")
+            out.append(given.decode() if given else f"{kafka_topic}-{meta.partition}-{meta.offset}")
+        return out
+
+    async def send(self, kafka_topic: str, messages: list[Outgoing]) -> list[str]:
+        """Returns the message ids once Kafka acknowledged every message."""
+        try:
+            return await asyncio.to_thread(self._send, kafka_topic, messages)
+        except Exception as e:
+            raise Problem(503, "Kafka unavailable", f"{type(e).__name__}: {e}") from None
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close(timeout=5)

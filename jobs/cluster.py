@@ -1,0 +1,139 @@
+"""`dejaq cluster up`: a local broker cluster for development, tests and the benchmark."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+import httpx
+
+from jobs.embedded_kafka import free_port, stop
+
+
+@dataclass
+class Node:
+    node_id: str
+    http: str
+    raft: str
+    data_dir: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.http}"
+
+
+def plan(n: int, data_dir: Path) -> list[Node]:
+    """Addresses on free ports for `n` nodes."""
+    return [
+        Node(
+            f"n{i}",
+            f"127.0.0.1:{free_port()}",
+            f"127.0.0.1:{free_port()}",
+            data_dir / f"n{i}",
+        )
+        for i in range(1, n + 1)
+    ]
+
+
+def start_node(node: Node, nodes: list[Node], conf_file: str | None, env: dict[str, str]) -> None:
+    peers = ",".join(n.raft for n in nodes if n is not node)
+    cmd = [
+        sys.executable,
+        "-m",
+        "jobs.cli",
+        "broker",
+        "--node-id",
+        node.node_id,
+        "--http",
+        node.http,
+        "--raft",
+        node.raft,
+        "--peers",
+        peers,
+        "--data-dir",
+        str(node.data_dir),
+    ]
+    if conf_file:
+        cmd += ["--conf-file", conf_file]
+    node.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+
+
+def stop_node(node: Node, kill: bool = False, timeout: float = 10) -> None:
+    """SIGTERM (or SIGKILL), by the PID we started."""
+    if node.proc is not None:
+        stop(node.proc, timeout, kill)
+
+
+def ready(nodes: list[Node]) -> bool:
+    """Every running node answers /readyz with 200."""
+    for n in nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            continue
+        try:
+            if httpx.get(f"{n.url}/readyz", timeout=1).status_code != 200:
+                return False
+        except httpx.HTTPError:
+            return False
+    return True
+
+
+def wait_ready(nodes: list[Node], timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready(nodes):
+        for n in nodes:
+            if n.proc is not None and n.proc.poll() is not None:
+                raise RuntimeError(f"broker {n.node_id} exited with code {n.proc.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the broker cluster was not ready within {timeout:.0f}s")
+        time.sleep(0.1)
+
+
+def up(n: int, data_dir: Path, conf_file: str | None) -> list[Node]:
+    """Start `n` nodes sharing one Raft password (the configured one, else a fresh one)."""
+    env = dict(os.environ)
+    env.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
+    nodes = plan(n, data_dir)
+    for node in nodes:
+        start_node(node, nodes, conf_file, env)
+    try:
+        wait_ready(nodes)
+    except BaseException:
+        for node in nodes:
+            stop_node(node)
+        raise
+    return nodes
+
+
+def run(args: argparse.Namespace) -> int:
+    """Foreground: print the HTTP addresses, serve until SIGTERM or Ctrl-C."""
+    if args.nodes not in (1, 3, 5):
+        print("error: --nodes must be 1, 3 or 5", file=sys.stderr)
+        return 2
+    nodes = up(args.nodes, Path(args.data_dir), args.conf_file)
+    stopping = threading.Event()
+
+    def _on_signal(signum: int, frame: FrameType | None) -> None:
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    for node in nodes:
+        print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
+    print("SIGTERM or Ctrl-C stops the cluster", flush=True)
+    while not stopping.wait(0.5):
+        if any(node.proc is not None and node.proc.poll() is not None for node in nodes):
+            print("error: a broker exited", file=sys.stderr)
+            break
+    for node in nodes:
+        stop_node(node)
+    return 0

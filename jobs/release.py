@@ -1,0 +1,93 @@
+"""Release a topic: `spark-submit jobs/release.py --topic NAME [--conf-file F] [--once]`.
+
+Also `dejaq release`. Without --once it runs until SIGTERM or Ctrl-C and stops between
+two micro-batches; with --once it releases what is deliverable now and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from conf.settings import load_settings
+
+log = logging.getLogger("dejaq.release")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--topic", required=True, help="a topic name from the configuration")
+    p.add_argument("--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or packaged)")
+    p.add_argument("--once", action="store_true", help="release what is deliverable now, then exit")
+
+
+def run(topic: str, conf_file: str | None, once: bool) -> int:
+    from jobs.ingest import stop_between_batches
+    from jobs.logs import setup
+    from pipelines.release import ReleaseJob, require_release
+    from pipelines.session import get_spark
+
+    setup()
+    settings = load_settings(conf_file)
+    topic_conf = settings.topic(topic)
+    require_release(topic_conf)  # before Spark starts: a usage error should be quick
+    spark = get_spark(f"dejaq-release-{topic}", settings.spark.master, settings.spark.ui)
+    job = ReleaseJob(spark, settings, topic_conf)
+    log.info(
+        "release %s (%s) to Kafka topic %s every %d ms",
+        topic,
+        topic_conf.kind.value,
+        topic_conf.output,
+        topic_conf.release_interval_ms,
+    )
+    stopping = threading.Event()
+    previous = {
+        s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)
+    }
+    try:
+        query = job.start()
+        log.info("release %s: started (query %s)", topic, query.id)
+        while query.isActive and not stopping.is_set():
+            query.awaitTermination(0.2)
+            job.report()
+            if once and job.releaser.idle:
+                stopping.set()
+        if query.isActive:
+            if not once:
+                log.info("release %s: stopping after the current batch", topic)
+            stop_between_batches(query)
+        job.report()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        job.releaser.finish()
+    error = query.exception()
+    stats = list(job.releaser.stats)
+    print(
+        f"release {topic}: {len(stats)} batches, released {sum(s.released for s in stats)}, "
+        f"late {sum(s.late for s in stats)}, pending {len(job.releaser.pending)}",
+        flush=True,
+    )
+    if error is not None:
+        print(f"error: release {topic} failed: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from conf.settings import ConfigError
+
+    p = argparse.ArgumentParser(prog="jobs/release.py", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args.topic, args.conf_file, args.once)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

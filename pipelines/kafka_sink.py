@@ -1,0 +1,190 @@
+"""Writing to Kafka with kafka-python: the `dejaq_kafka` sink, and the release job's producer.
+
+The sink takes the options and input columns of Spark's own Kafka sink (`key`, `value`,
+`headers`, optional `topic` and `partition`), so a job writes the same rows to
+`format("kafka")` and `format("dejaq_kafka")`. Producers are idempotent with acks=all: a
+retried send cannot duplicate or reorder records within a partition. Records without an
+explicit partition go by key through kafka-python's murmur2 partitioner, the one Java
+clients use, so a key lands on the same partition whichever client wrote it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from kafka import KafkaProducer
+from kafka.producer.future import FutureRecordMetadata
+from pyspark.sql.datasource import (
+    CaseInsensitiveDict,
+    DataSourceArrowWriter,
+    DataSourceStreamArrowWriter,
+    WriterCommitMessage,
+)
+from pyspark.sql.types import BinaryType, StringType, StructType
+
+SEND_TIMEOUT_S = 120
+
+# `kafka.*` options handed to kafka-python's KafkaProducer (dots become underscores). A closed
+# list, for the reason the source gives: a JVM-only setting must not be dropped silently.
+_PRODUCER_OPTIONS: dict[str, type] = {
+    "bootstrap.servers": str,
+    "client.id": str,
+    "security.protocol": str,
+    "sasl.mechanism": str,
+    "sasl.plain.username": str,
+    "sasl.plain.password": str,
+    "ssl.cafile": str,
+    "ssl.certfile": str,
+    "ssl.keyfile": str,
+    "ssl.password": str,
+    "ssl.check.hostname": bool,
+    "request.timeout.ms": int,
+    "linger.ms": int,
+    "batch.size": int,
+    "compression.type": str,
+    "max.request.size": int,
+}
+
+Header = tuple[str, bytes]
+
+
+@dataclass(frozen=True)
+class KafkaWriteOptions:
+    """The sink's options, checked on the driver before any task starts."""
+
+    topic: str | None
+    producer: dict[str, Any]
+
+    @classmethod
+    def parse(cls, options: Mapping[str, str]) -> KafkaWriteOptions:
+        opts = CaseInsensitiveDict(options)
+        return cls(topic=opts.get("topic") or None, producer=producer_config(opts))
+
+
+def producer_config(opts: Mapping[str, str]) -> dict[str, Any]:
+    """KafkaProducer settings from `kafka.*` options: idempotent, acks=all, always."""
+    config: dict[str, Any] = {}
+    for key, raw in opts.items():
+        if not key.startswith("kafka."):
+            continue
+        name = key.removeprefix("kafka.")
+        kind = _PRODUCER_OPTIONS.get(name)
+        if kind is None:
+            raise ValueError(
+                f"dejaq_kafka: option '{key}' is not supported for writing (the producer "
+                f"settings it passes to kafka-python are: "
+                f"{', '.join('kafka.' + k for k in _PRODUCER_OPTIONS)})"
+            )
+        if kind is bool:
+            if raw.lower() not in ("true", "false"):
+                raise ValueError(f"dejaq_kafka: option '{key}' must be true or false, got {raw!r}")
+            config[name.replace(".", "_")] = raw.lower() == "true"
+        elif kind is int:
+            if not raw.isdigit():
+                raise ValueError(
+                    f"dejaq_kafka: option '{key}' must be an integer >= 0, got {raw!r}"
+                )
+            config[name.replace(".", "_")] = int(raw)
+        else:
+            config[name.replace(".", "_")] = raw
+    if not config.get("bootstrap_servers"):
+        raise ValueError(
+            "dejaq_kafka: option 'kafka.bootstrap.servers' is required (host:port[,host:port])"
+        )
+    config.update(enable_idempotence=True, acks="all")
+    return config
+
+
+def check_input_schema(schema: StructType, topic: str | None) -> None:
+    """Spark's Kafka sink rules: `value` required; `topic` from the option or a column."""
+    names = schema.fieldNames()
+    if "value" not in names:
+        raise ValueError("dejaq_kafka: the data to write needs a 'value' column (binary or string)")
+    for name in ("key", "value", "topic"):
+        if name in names and not isinstance(schema[name].dataType, BinaryType | StringType):
+            raise ValueError(f"dejaq_kafka: column '{name}' must be binary or string")
+    if topic is None and "topic" not in names:
+        raise ValueError(
+            "dejaq_kafka: give option 'topic' or a 'topic' column to say where records go"
+        )
+
+
+def _bytes(value: bytes | str | None) -> bytes | None:
+    return value.encode() if isinstance(value, str) else value
+
+
+def send_rows(
+    producer: KafkaProducer, rows: Iterable[Mapping[str, Any]], topic: str | None
+) -> list[FutureRecordMetadata]:
+    """Send rows in order; a row's own `topic` and `partition` win over the defaults."""
+    futures = []
+    for row in rows:
+        target = row.get("topic") or topic
+        if target is None:
+            raise ValueError("dejaq_kafka: a row has a null 'topic' and no 'topic' option is set")
+        headers = [(h["key"], _bytes(h["value"])) for h in row.get("headers") or []]
+        futures.append(
+            producer.send(
+                target,
+                key=_bytes(row.get("key")),
+                value=_bytes(row.get("value")),
+                headers=headers,
+                partition=row.get("partition"),
+            )
+        )
+    return futures
+
+
+def wait_sent(producer: KafkaProducer, futures: list[FutureRecordMetadata]) -> None:
+    """Flush, then raise the first send error: a write succeeds only if every record did."""
+    producer.flush(timeout=SEND_TIMEOUT_S)
+    for f in futures:
+        f.get(timeout=SEND_TIMEOUT_S)
+
+
+@dataclass
+class KafkaCommitMessage(WriterCommitMessage):
+    records: int
+
+
+def _write_task(
+    options: KafkaWriteOptions, batches: Iterator[pa.RecordBatch]
+) -> KafkaCommitMessage:
+    producer = KafkaProducer(**options.producer)
+    try:
+        futures: list[FutureRecordMetadata] = []
+        for batch in batches:
+            futures += send_rows(producer, batch.to_pylist(), options.topic)
+        wait_sent(producer, futures)
+    finally:
+        producer.close()
+    return KafkaCommitMessage(len(futures))
+
+
+class KafkaBatchWriter(DataSourceArrowWriter):
+    """`df.write.format("dejaq_kafka")`: each task sends its rows in order and waits for acks."""
+
+    def __init__(self, options: KafkaWriteOptions) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> KafkaCommitMessage:
+        return _write_task(self.options, iterator)
+
+
+class KafkaStreamWriter(DataSourceStreamArrowWriter):
+    """At-least-once per micro-batch, like Spark's Kafka sink: a replayed batch is re-sent."""
+
+    def __init__(self, options: KafkaWriteOptions) -> None:
+        self.options = options
+
+    def write(self, iterator: Iterator[pa.RecordBatch]) -> KafkaCommitMessage:
+        return _write_task(self.options, iterator)
+
+    def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to do: every record was acknowledged before its task finished."""
+
+    def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Nothing to undo: Kafka records already acknowledged stay written."""

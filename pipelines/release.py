@@ -1,0 +1,334 @@
+"""`buffer/<topic>` → the topic's Kafka output, in order, recorded in `ledger/<topic>`.
+
+A Structured Streaming query supplies the trigger and the batch ids: a `rate-micro-batch`
+tick runs `foreachBatch` every `release_interval_ms` whether or not rows arrived, since
+timeline messages fall due with time. The batch itself runs on the driver (Releaser):
+the pending set lives in memory and follows new Delta files, so a trigger costs
+milliseconds instead of a Spark job's seconds, and timeline messages due within the next
+trigger are each produced at their own deliver_at (never before) rather than at the
+next tick.
+
+Per batch: follow buffer and ledger, take what is deliverable in order, produce it with
+an idempotent producer, wait for the acks, then append `released` rows to the ledger
+tagged (app id, batch id). A batch the ledger already has (Spark replays the last batch
+after a crash) releases nothing; a batch killed between the Kafka acks and the ledger
+commit is written again on restart: the only duplicates, and they carry `dejaq-id`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import pyarrow as pa
+from deltalake import DeltaTable, write_deltalake
+from deltalake.transaction import CommitProperties, Transaction
+from kafka import KafkaProducer
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
+from conf.tables import (
+    BUFFER_SCHEMA,
+    LEDGER_SCHEMA,
+    LedgerEvent,
+    Table,
+    checkpoint_path,
+    ensure_table,
+)
+from pipelines.delta_follower import DeltaFollower
+from pipelines.kafka_sink import producer_config, wait_sent
+from pipelines.pending import Message, PendingSet
+from pipelines.timed_sender import TimedSender
+
+log = logging.getLogger("dejaq.release")
+
+HEADER_ID = "dejaq-id"
+HEADER_SOURCE = "dejaq-source"
+# The header that carries the sort key in force, per kind.
+SORT_KEY_HEADER = {
+    TopicKind.PRIORITY: "dejaq-priority",
+    TopicKind.TIMELINE: "dejaq-deliver-at",
+    TopicKind.EVENT_TIME: "dejaq-event-time",
+}
+# How far ahead, in triggers, a timeline batch takes messages to produce at their time:
+# more than one, so a message due just after the next tick is not late by a tick's overhead.
+HORIZON_TRIGGERS = 2
+
+
+@dataclass
+class ReleaseStats:
+    batch_id: int
+    released: int
+    late: int
+    pending: int
+    millis: int
+    replay: bool = False
+
+
+def require_release(topic: TopicConfig) -> None:
+    """A topic is delivered by the broker or by this job, never both."""
+    if topic.delivery is not Delivery.RELEASE:
+        raise ConfigError(
+            f"topic {topic.name!r} has delivery: {topic.delivery.value}: the lease broker "
+            "delivers it, and releasing it too would deliver its messages twice. Set "
+            "delivery: release and an output topic to release it to Kafka instead."
+        )
+
+
+def output_headers(m: Message, kind: TopicKind) -> list[tuple[str, bytes]]:
+    """The input's own headers, then the envelope as released (sort key after reschedules)."""
+    own = [(h["key"], h["value"]) for h in m.headers if not h["key"].startswith("dejaq-")]
+    return [
+        *own,
+        (HEADER_ID, m.message_id.encode()),
+        (SORT_KEY_HEADER[kind], str(m.sort_key).encode()),
+        (HEADER_SOURCE, f"{m.source_topic}/{m.source_partition}/{m.source_offset}".encode()),
+    ]
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Releaser:
+    """One topic's release, batch by batch, on the driver."""
+
+    def __init__(self, settings: Settings, topic: TopicConfig) -> None:
+        require_release(topic)
+        self.settings = settings
+        self.topic = topic
+        self.output: str = topic.output or ""
+        self.kind = topic.kind
+        buffer_path = ensure_table(settings.warehouse, Table.BUFFER, topic.name)
+        self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
+        self.buffer = DeltaFollower(buffer_path, BUFFER_SCHEMA)
+        self.ledger = DeltaFollower(self.ledger_path, LEDGER_SCHEMA)
+        self.pending = PendingSet()
+        self.stats: deque[ReleaseStats] = deque(maxlen=1000)
+        self.idle = False
+        self._producer: KafkaProducer | None = None
+        self._sender: TimedSender | None = None
+        self._last_batch: int | None = None
+        self._committed: int | None = None
+        self._tokens = max(topic.max_rate or 0.0, 1.0)  # a full bucket to start
+        self._refilled = time.monotonic()
+
+    @property
+    def app_id(self) -> str:
+        return f"dejaq-release-{self.topic.name}"
+
+    def producer(self) -> KafkaProducer:
+        if self._producer is None:
+            self._producer = KafkaProducer(
+                **producer_config({"kafka.bootstrap.servers": self.settings.kafka.bootstrap}),
+                linger_ms=0,
+            )
+        return self._producer
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.close()
+            self._producer = None
+
+    def watermark(self) -> int | None:
+        """Event time: max event time seen minus the allowed lateness."""
+        top = self.pending.max_sort_key
+        return None if top is None else top - self.topic.allowed_lateness_ms
+
+    def refresh(self) -> int:
+        """Take in new buffer rows, then the ledger; return how many new rows are late.
+
+        The ledger is read after the buffer, so a cancel committed before this call is
+        honoured even for a message whose buffer row arrives in the same call.
+        """
+        before = self.watermark() if self.kind is TopicKind.EVENT_TIME else None
+        added = self.pending.add_buffer_rows(self.buffer.poll())
+        self.pending.apply_ledger_rows(self.ledger.poll())
+        if before is None:
+            return 0
+        return sum(1 for m in added if m.sort_key <= before)
+
+    def _cap(self) -> int:
+        """max_per_trigger, and with max_rate a token bucket holding at most 1 s of tokens."""
+        rate = self.topic.max_rate
+        if rate is None:
+            return self.topic.max_per_trigger
+        now = time.monotonic()
+        self._tokens = min(self._tokens + (now - self._refilled) * rate, max(rate, 1.0))
+        self._refilled = now
+        return min(self.topic.max_per_trigger, int(self._tokens))
+
+    def select(self) -> list[Message]:
+        """What this trigger writes, in order, per the topic's kind."""
+        cap = self._cap()
+        if self.kind is TopicKind.PRIORITY:
+            taken = self.pending.take(cap)
+        elif self.kind is TopicKind.TIMELINE:
+            horizon = HORIZON_TRIGGERS * self.topic.release_interval_ms
+            taken = self.pending.take(cap, up_to=_now_ms() + horizon)
+        else:
+            watermark = self.watermark()
+            taken = [] if watermark is None else self.pending.take(cap, up_to=watermark)
+        self._tokens -= len(taken)
+        return taken
+
+    def _produce(self, messages: list[Message]) -> None:
+        """Send in order and wait for every ack."""
+        producer = self.producer()
+        futures = [
+            producer.send(
+                self.output, key=m.key, value=m.payload, headers=output_headers(m, self.kind)
+            )
+            for m in messages
+        ]
+        wait_sent(producer, futures)
+
+    def sender(self) -> TimedSender:
+        if self._sender is None:
+            self._sender = TimedSender(
+                self.producer(), self.output, lambda m: output_headers(m, self.kind)
+            )
+        return self._sender
+
+    def _record(self, messages: list[Message], batch_id: int) -> None:
+        """Append `released` ledger rows; a batch id the ledger already has is skipped."""
+        at = dt.datetime.now(dt.UTC)
+        rows = pa.table(
+            {
+                "message_id": [m.message_id for m in messages],
+                "bucket": [m.bucket for m in messages],
+                "event": [LedgerEvent.RELEASED.value] * len(messages),
+                "sort_key": [m.sort_key for m in messages],
+                "deliveries": [1] * len(messages),
+                "at": [at] * len(messages),
+            },
+            schema=LEDGER_SCHEMA,
+        )
+        write_deltalake(
+            self.ledger_path,
+            rows,
+            mode="append",
+            commit_properties=CommitProperties(
+                app_transactions=[Transaction(self.app_id, batch_id)],
+                custom_metadata={"dejaq.appId": self.app_id, "dejaq.batchId": str(batch_id)},
+            ),
+        )
+        self._committed = batch_id
+
+    def run_batch(self, batch_id: int) -> ReleaseStats:
+        """One trigger: refresh, select, produce, record.
+
+        Priority and event-time batches produce and wait for the acks before recording.
+        Timeline batches hand what falls due before the next trigger to the timed sender
+        and record what it has had acknowledged since the previous batch.
+        """
+        started = time.monotonic()
+        self._last_batch = batch_id
+        if self._committed is None:
+            self._committed = DeltaTable(self.ledger_path).transaction_version(self.app_id)
+        if self._committed is not None and batch_id <= self._committed:
+            log.warning("release %s batch %d is in the ledger: a replay", self.topic.name, batch_id)
+            stats = ReleaseStats(batch_id, 0, 0, len(self.pending), 0, replay=True)
+            self.stats.append(stats)
+            return stats
+        late = self.refresh()
+        taken = self.select()
+        if self.kind is TopicKind.TIMELINE:
+            self.pending.settle(taken)  # the sender has them: a re-read must not add them back
+            self.sender().schedule(taken)
+            released = self.sender().take_acked()
+        else:
+            try:
+                self._produce(taken)
+            except BaseException:
+                self.pending.put_back(taken)
+                raise
+            released = taken
+        if released:
+            self._record(released, batch_id)
+        self.pending.settle(released)
+        self.idle = not taken and not released and not (self._sender and self._sender.busy)
+        if self.kind is TopicKind.PRIORITY and len(self.pending):
+            self.idle = False
+        stats = ReleaseStats(
+            batch_id=batch_id,
+            released=len(released),
+            late=late,
+            pending=len(self.pending),
+            millis=int((time.monotonic() - started) * 1000),
+        )
+        self.stats.append(stats)
+        return stats
+
+    def finish(self) -> None:
+        """After the last batch: record what the timed sender got acknowledged, then close.
+
+        Tagged with the last batch's id, which Spark will not run again with new work, so
+        a clean stop leaves nothing to write twice. Unsent messages stay pending.
+        """
+        try:
+            if self._sender is not None:
+                self._sender.stop()
+                released = self._sender.take_acked()
+                if released and self._last_batch is not None:
+                    batch_id = max(self._last_batch, self._committed or 0)
+                    self._record(released, batch_id)
+                    self.stats.append(ReleaseStats(batch_id, len(released), 0, 0, 0))
+        finally:
+            self._sender = None
+            self.close()
+
+
+@dataclass
+class ReleaseJob:
+    """The streaming query that drives a Releaser: one foreachBatch call per tick."""
+
+    spark: SparkSession
+    settings: Settings
+    topic: TopicConfig
+    releaser: Releaser = field(init=False)
+    _reported: int = -1
+
+    def __post_init__(self) -> None:
+        self.releaser = Releaser(self.settings, self.topic)
+
+    @property
+    def checkpoint(self) -> str:
+        return checkpoint_path(self.settings.warehouse, "release", self.topic.name)
+
+    def _batch(self, ticks: DataFrame, batch_id: int) -> None:
+        self.releaser.run_batch(batch_id)
+
+    def start(self) -> StreamingQuery:
+        return (
+            self.spark.readStream.format("rate-micro-batch")
+            .option("rowsPerBatch", 1)
+            .load()
+            .writeStream.queryName(self.releaser.app_id)
+            .foreachBatch(self._batch)
+            .option("checkpointLocation", self.checkpoint)
+            .trigger(processingTime=f"{self.topic.release_interval_ms} milliseconds")
+            .start()
+        )
+
+    def report(self) -> None:
+        """Log one line per batch that released something, or was a replay."""
+        for s in list(self.releaser.stats):
+            if s.batch_id <= self._reported:
+                continue
+            self._reported = s.batch_id
+            if s.released or s.replay or s.late:
+                log.info(
+                    "release %s batch %d: released %d%s, late %d, pending %d, %d ms",
+                    self.topic.name,
+                    s.batch_id,
+                    s.released,
+                    " (replay skipped)" if s.replay else "",
+                    s.late,
+                    s.pending,
+                    s.millis,
+                )

@@ -1,0 +1,229 @@
+"""Broker core in one process: the lease state machine, bucket assignment, the index over
+real Delta tables, and the ledger checkpoint. Also the helpers the process tests share."""
+
+from __future__ import annotations
+
+import datetime as dt
+import itertools
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker.assignment import rebalance
+from broker.index import TopicIndex
+from broker.leases import Refusal, TopicState
+from broker.ledger_writer import checkpoint
+from conf.settings import TopicConfig
+from conf.tables import BUFFER_SCHEMA, Table, ensure_table
+
+_offsets = itertools.count()
+
+
+def buffer_rows(
+    keys: list[int], bucket_of=lambda i: i % 4, prefix: str = "m", timeline: bool = False
+) -> pa.Table:
+    """Buffer rows with the given sort keys (priorities, or deliver_at ms for timelines)."""
+    now = dt.datetime.now(dt.UTC)
+    rows = []
+    for i, key in enumerate(keys):
+        rows.append(
+            {
+                "message_id": f"{prefix}{i}",
+                "bucket": bucket_of(i),
+                "sort_key": key,
+                "priority": None if timeline else key,
+                "deliver_at": dt.datetime.fromtimestamp(key / 1000, dt.UTC) if timeline else None,
+                "event_time": None,
+                "key": f"k{i}".encode(),
+                "payload": f"payload-{prefix}{i}".encode(),
+                "headers": [],
+                "source_topic": "in",
+                "source_partition": 0,
+                "source_offset": next(_offsets),
+                "produced_at": now,
+                "ingested_at": now,
+            }
+        )
+    return pa.Table.from_pylist(rows, schema=BUFFER_SCHEMA)
+
+
+def fill(warehouse: str, topic: str, rows: pa.Table) -> None:
+    """Append to buffer/<topic> as the ingest job would (delta-rs, partitioned by bucket)."""
+    path = ensure_table(warehouse, Table.BUFFER, topic)
+    write_deltalake(path, rows, mode="append", partition_by=["bucket"])
+
+
+# --- state machine ------------------------------------------------------------------------
+
+
+def leased(state: TopicState, consumer: str, mids: list[str], now: int, lease_ms: int = 1000):
+    return state.lease(consumer, now, lease_ms, [(m, 0, 1) for m in mids])
+
+
+def one_bucket_state(max_deliveries: int = 5) -> TopicState:
+    return TopicState(buckets=1, max_deliveries=max_deliveries)
+
+
+def test_ack_settles_once_and_refuses_with_reasons() -> None:
+    s = one_bucket_state()
+    assert [g[0] for g in leased(s, "c1", ["a", "b", "c"], now=0)] == ["a", "b", "c"]
+    assert leased(s, "c1", ["a"], now=1) == [], "a leased message is not leased again"
+    assert s.ack("c1", 10, ["a"]) == {}
+    assert s.ack("c1", 11, ["a", "zz"]) == {"a": Refusal.SETTLED, "zz": Refusal.NOT_LEASED}
+    assert s.ack("c2", 12, ["b"]) == {"b": Refusal.OTHER_CONSUMER}
+    assert s.ack("c1", 1000, ["c"]) == {"c": Refusal.EXPIRED}, "deadline is exclusive"
+    assert leased(s, "c1", ["a"], now=20) == [], "an acked message is never leased again"
+    assert [e.event for e in s.events] == ["acked"]
+
+
+def test_expiry_redelivers_then_dead_letters_at_max_deliveries() -> None:
+    s = one_bucket_state(max_deliveries=2)
+    assert leased(s, "c1", ["a"], now=0) == [("a", 1, 1000)]
+    assert s.expire(1000, heartbeat_timeout_ms=10**9) == ["a"]
+    assert leased(s, "c1", ["a"], now=1001) == [("a", 2, 2001)], "deliveries + 1"
+    assert s.expire(2001, heartbeat_timeout_ms=10**9) == [], "second expiry: dead"
+    assert s.settled == {"a": "dead"}
+    assert s.events[-1].reason == "max_deliveries" and s.events[-1].deliveries == 2
+
+
+def test_nack_delay_priority_and_reject() -> None:
+    s = one_bucket_state()
+    leased(s, "c1", ["a", "b"], now=0)
+    assert s.nack("c1", 5, ["a"], delay_ms=100, sort_key=7) == ({}, ["a"])
+    assert not s.is_available("a", 104) and s.is_available("a", 105)
+    assert s.sort_key("a", 1) == 7
+    assert s.reject("c1", 6, ["b"]) == {}
+    assert s.settled == {"b": "dead"} and s.events[-1].reason == "rejected"
+
+
+def test_consumers_join_leave_and_time_out() -> None:
+    s = TopicState(buckets=4, max_deliveries=5)
+    s.touch("c1", 0)
+    assert sorted(s.buckets_of("c1")) == [0, 1, 2, 3]
+    s.lease("c1", 0, 1000, [("a", 3, 1)])
+    s.touch("c2", 1)
+    assert len(s.buckets_of("c1")) == 2
+    assert s.assignment[3] == "c2" and s.buckets_of("c2") == [2], "3 waits for c1's lease"
+    assert s.leave("c1", 2) == ["a"] and s.deliveries == {}, "leaving is not a failed delivery"
+    assert sorted(s.buckets_of("c2")) == [0, 1, 2, 3]
+    s.touch("c3", 50)
+    assert s.expire(1000, heartbeat_timeout_ms=999) == []
+    assert list(s.consumers) == ["c3"] and set(s.assignment.values()) == {"c3"}
+
+
+@given(
+    buckets=st.integers(1, 64),
+    before=st.sets(st.sampled_from("abcdefgh"), max_size=8),
+    after=st.sets(st.sampled_from("abcdefgh"), max_size=8),
+)
+def test_rebalance_is_fair_total_and_sticky(buckets: int, before: set, after: set) -> None:
+    old = rebalance(buckets, before, {})
+    new = rebalance(buckets, after, old)
+    if not after:
+        assert new == {}
+        return
+    assert sorted(new) == list(range(buckets)) and set(new.values()) <= after
+    counts = [list(new.values()).count(c) for c in after]
+    assert max(counts) - min(counts) <= 1
+    stay = before & after
+    kept = sum(1 for b, c in old.items() if c in stay and new[b] == c)
+    quota = -(-buckets // len(after))
+    assert kept >= sum(min(list(old.values()).count(c), quota - 1) for c in stay)
+    assert rebalance(buckets, after, old) == new, "deterministic"
+
+
+# --- index over real Delta tables ---------------------------------------------------------
+
+
+def topic_conf(name: str = "jobs", kind: str = "priority", buckets: int = 4) -> TopicConfig:
+    return TopicConfig(name=name, kind=kind, source=[f"{name}-in"], buckets=buckets)
+
+
+def drain(index: TopicIndex, state: TopicState, n: int, now: int) -> list[list[int]]:
+    """Lease everything in batches of n as one consumer; the sort keys of each batch."""
+    state.touch("c", now)
+    batches = []
+    while picks := index.pick(state, state.buckets_of("c"), n, now):
+        grants = state.lease("c", now, 10**9, picks)
+        index.release(state, picks)
+        keys = {m: k for m, _, k in picks}
+        batches.append([keys[m] for m, _, _ in grants])
+    return batches
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(keys=st.lists(st.integers(0, 65535), min_size=1, max_size=60), n=st.integers(1, 7))
+def test_leases_come_in_sort_key_order(tmp_path_factory, keys: list[int], n: int) -> None:
+    warehouse = str(tmp_path_factory.mktemp("wh"))
+    fill(warehouse, "jobs", buffer_rows(keys))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    state = TopicState(4, 5)
+    batches = drain(index, state, n, now=0)
+    flat = [k for b in batches for k in b]
+    assert flat == sorted(keys), "one consumer with every bucket sees a total order"
+    assert all(len(b) == n for b in batches[:-1])
+
+
+def test_timeline_never_before_deliver_at_and_follows_new_versions(tmp_path: Path) -> None:
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "later", buffer_rows([1000, 3000, 2000], timeline=True))
+    index = TopicIndex(warehouse, topic_conf("later", "timeline"))
+    index.load()
+    state = TopicState(4, 5)
+    assert drain(index, state, 10, now=999) == []
+    assert drain(index, state, 10, now=2000) == [[1000, 2000]]
+    fill(warehouse, "later", buffer_rows([1500], prefix="n", timeline=True))
+    assert index.refresh() == 1
+    assert drain(index, state, 10, now=2500) == [[1500]]
+    assert drain(index, state, 10, now=3000) == [[3000]]
+
+
+def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([5, 1, 3]))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    picks = index.pick(state, state.buckets_of("c"), 1, now=0)
+    assert picks == [("m1", 1, 1)], "lowest sort key first"
+    state.lease("c", 0, 1000, picks)
+    assert state.ack("c", 1, ["m1"]) == {}
+    upto = checkpoint(warehouse, "jobs", list(state.events))
+    assert checkpoint(warehouse, "jobs", list(state.events)) == upto, "replay is skipped"
+    ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    assert ledger.column("message_id").to_pylist() == ["m1"]
+    state.trim(upto)
+    fresh = TopicIndex(warehouse, topic_conf())
+    fresh.load()
+    assert "m1" in fresh.gone and "m1" not in [e[3] for h in fresh.heaps for e in h]
+
+
+def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([4]))
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.reject("c", 1, ["m0"])
+    checkpoint(warehouse, "jobs", list(state.events))
+    dead = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, "jobs")).to_pyarrow_table()
+    assert dead.to_pylist()[0]["payload"] == b"payload-m0"
+    assert dead.column("reason").to_pylist() == ["rejected"]
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 201])
+def test_consumer_ids_are_bounded(bad: str) -> None:
+    from pydantic import ValidationError
+
+    from broker.routers.leases import LeaseRequest
+
+    with pytest.raises(ValidationError):
+        LeaseRequest(consumer_id=bad)

@@ -1,0 +1,468 @@
+"""The broker as it runs: 3 real processes, real Raft, real HTTP, real Delta and Kafka."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
+from test_broker import buffer_rows, fill
+
+from jobs import cluster
+from jobs.cluster import Node
+
+PROBLEM = "application/problem+json"
+
+
+def write_conf(tmp_path: Path, bootstrap: str, source: str, heartbeat_ms: int = 1500) -> Path:
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        f"broker: {{heartbeat_timeout_ms: {heartbeat_ms}, max_payload_bytes: 1000,"
+        " lease_ms: 2000}\n"
+        "topics:\n"
+        f"  - {{name: jobs, kind: priority, source: [{source}], buckets: 4}}\n"
+        f"  - {{name: fresh, kind: priority, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: later, kind: timeline, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: rb, kind: priority, source: [{source}], buckets: 4}}\n"
+        f"  - {{name: fo, kind: priority, source: [{source}], buckets: 8}}\n"
+        f"  - {{name: ord, kind: priority, source: [{source}], buckets: 4}}\n"
+    )
+    return conf
+
+
+def start(tmp_path: Path, conf: Path, n: int = 3) -> list[Node]:
+    os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(8))
+    return cluster.up(n, tmp_path / "raft", str(conf))
+
+
+def stop(nodes: list[Node]) -> None:
+    for node in nodes:
+        cluster.stop_node(node)
+
+
+def leader_of(nodes: list[Node], client: httpx.Client) -> Node | None:
+    for node in nodes:
+        if node.proc is None or node.proc.poll() is not None:
+            continue
+        try:
+            info = client.get(f"{node.url}/v1/cluster", timeout=1).json()
+        except httpx.HTTPError:
+            continue
+        if info["role"] == "leader":
+            return node
+    return None
+
+
+@pytest.fixture(scope="module")
+def kafka_source(kafka_bootstrap: str) -> str:
+    name = f"broker-in-{secrets.token_hex(4)}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(name, 1, 1)])
+    admin.close()
+    return name
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[tuple]:
+    """A 3-node cluster shared by the tests that do not kill nodes; each uses its own topic."""
+    tmp_path = tmp_path_factory.mktemp("broker")
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source)
+    warehouse = str(tmp_path / "warehouse")
+    nodes = start(tmp_path, conf)
+    with httpx.Client(timeout=40) as client:
+        try:
+            yield nodes, client, warehouse
+        finally:
+            stop(nodes)
+
+
+def follower(nodes: list[Node], client: httpx.Client, skip: int = 0) -> Node:
+    leader = leader_of(nodes, client)
+    return [n for n in nodes if n is not leader][skip]
+
+
+def test_any_node_takes_any_request_and_acks_are_final(three) -> None:
+    nodes, client, warehouse = three
+    fill(warehouse, "jobs", buffer_rows([30, 10, 20, 40], bucket_of=lambda i: 0))
+    a, b = follower(nodes, client, 0), follower(nodes, client, 1)
+    body = {"consumer_id": "w1", "max_messages": 2, "wait_ms": 3000}
+    got = client.post(f"{a.url}/v1/topics/jobs/leases", json=body)
+    assert got.status_code == 200, got.text
+    msgs = got.json()["messages"]
+    assert [m["priority"] for m in msgs] == [10, 20]
+    assert base64.b64decode(msgs[0]["payload"]) == b"payload-m1"
+    assert msgs[0]["deliveries"] == 1 and msgs[0]["lease_deadline"] > time.time() * 1000
+    ids = [m["id"] for m in msgs]
+    acked = client.post(f"{b.url}/v1/topics/jobs/acks", json={"consumer_id": "w1", "ids": ids})
+    assert acked.json() == {"settled": 2}
+    again = client.post(f"{a.url}/v1/topics/jobs/acks", json={"consumer_id": "w1", "ids": ids})
+    assert again.status_code == 409 and again.headers["content-type"] == PROBLEM
+    assert again.json()["refused"] == dict.fromkeys(ids, "already_settled")
+    peek = client.get(f"{b.url}/v1/topics/jobs/messages/{ids[0]}").json()
+    assert peek["status"] in ("acked", "settled")
+    rest = client.post(f"{b.url}/v1/topics/jobs/leases", json={**body, "max_messages": 10})
+    assert [m["priority"] for m in rest.json()["messages"]] == [30, 40], "acked never again"
+    stats = client.get(f"{a.url}/v1/topics/jobs").json()
+    assert stats["acked"] == 2 and stats["leased"] == 2 and stats["pending"] == 0
+
+
+def lease_all(client: httpx.Client, url: str, consumer: str) -> dict[str, int]:
+    got = client.post(f"{url}/leases", json={"consumer_id": consumer, "max_messages": 100})
+    assert got.status_code == 200, got.text
+    return {m["id"]: m["deliveries"] for m in got.json()["messages"]}
+
+
+def test_expiry_nack_extend_reject_cancel_reschedule(three) -> None:
+    nodes, client, warehouse = three
+    url = f"{leader_of(nodes, client).url}/v1/topics/later"
+    now = int(time.time() * 1000)
+    fill(
+        warehouse,
+        "later",
+        buffer_rows(
+            [now - 3, now - 2, now - 1, now + 3_600_000],
+            prefix="t",
+            bucket_of=lambda i: 0,
+            timeline=True,
+        ),
+    )
+    got = client.post(
+        f"{url}/leases",
+        json={"consumer_id": "w", "max_messages": 10, "wait_ms": 3000, "lease_ms": 300},
+    )
+    ids = [m["id"] for m in got.json()["messages"]]
+    assert ids == ["t0", "t1", "t2"], "the future one is not deliverable yet"
+    ext = client.post(
+        f"{url}/extensions", json={"consumer_id": "w", "ids": ["t0"], "lease_ms": 60_000}
+    )
+    assert ext.status_code == 200
+    assert client.post(f"{url}/rejections", json={"consumer_id": "w", "ids": ["t1"]}).is_success
+    nack = client.post(f"{url}/nacks", json={"consumer_id": "w", "ids": ["t0"], "delay_ms": 0})
+    assert nack.json() == {"settled": 1}
+    assert lease_all(client, url, "w") == {"t0": 2}, "nacked: at once, deliveries + 1"
+    # t2's lease (300 ms) expires: it comes back with deliveries 2.
+    assert wait_until(lambda: lease_all(client, url, "w"), timeout=10, what="expiry") == {"t2": 2}
+    assert client.delete(f"{url}/messages/t3").status_code == 204
+    assert client.get(f"{url}/messages/t3").json()["status"] in ("cancelled", "settled")
+    assert client.patch(f"{url}/messages/t3", json={"deliver_at": now}).status_code == 409
+    assert client.patch(f"{url}/messages/t0", json={"priority": 3}).status_code == 422
+    assert client.get(f"{url}/messages/nope").status_code == 404
+
+
+_examples = itertools.count()
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(keys=st.lists(st.integers(0, 65535), min_size=1, max_size=30), n=st.integers(1, 8))
+def test_leases_follow_sort_key_order_over_http(three, keys: list[int], n: int) -> None:
+    """One consumer, every bucket: lease + ack in batches of n yields the keys sorted."""
+    nodes, client, warehouse = three
+    fill(warehouse, "ord", buffer_rows(keys, prefix=f"o{next(_examples)}-"))
+    url = f"{follower(nodes, client).url}/v1/topics/ord"
+    seen: list[int] = []
+    while len(seen) < len(keys):
+        got = client.post(
+            f"{url}/leases", json={"consumer_id": "o", "max_messages": n, "wait_ms": 5000}
+        )
+        msgs = got.json()["messages"]
+        assert msgs, "every message arrives"
+        assert len(msgs) == min(n, len(keys) - len(seen))
+        seen += [m["priority"] for m in msgs]
+        ack = client.post(f"{url}/acks", json={"consumer_id": "o", "ids": [m["id"] for m in msgs]})
+        assert ack.status_code == 200, ack.text
+    assert seen == sorted(keys)
+
+
+def test_new_buffer_rows_are_leasable_within_a_second(three) -> None:
+    nodes, client, warehouse = three
+    url = f"{leader_of(nodes, client).url}/v1/topics/fresh/leases"
+    client.post(url, json={"consumer_id": "f", "max_messages": 1})
+    fill(warehouse, "fresh", buffer_rows([1], prefix="new"))
+    committed = time.monotonic()
+    got = client.post(url, json={"consumer_id": "f", "max_messages": 1, "wait_ms": 5000})
+    assert [m["id"] for m in got.json()["messages"]] == ["new0"]
+    assert time.monotonic() - committed < 1.0
+
+
+def test_buckets_rebalance_on_join_leave_and_timeout(three) -> None:
+    nodes, client, _ = three
+    url = f"{follower(nodes, client).url}/v1/topics/rb/consumers"
+
+    def beat(c: str) -> list[int]:
+        r = client.post(f"{url}/{c}/heartbeat")
+        assert r.status_code == 200, r.text
+        return r.json()["buckets"]
+
+    assert beat("a") == [0, 1, 2, 3]
+    b = beat("b")
+    a = beat("a")
+    assert len(a) == len(b) == 2 and not set(a) & set(b), "disjoint, balanced"
+    assert client.delete(f"{url}/b").json()["released"] == 0
+    assert beat("a") == [0, 1, 2, 3]
+    beat("b")
+    # a stops heart-beating: after heartbeat_timeout_ms (1.5 s) b gets every bucket.
+    wait_until(lambda: beat("b") == [0, 1, 2, 3], timeout=10, what="timeout rebalance")
+
+
+def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_source: str) -> None:
+    nodes, client, _ = three
+    base = f"{follower(nodes, client).url}/v1/topics"
+    lease = {"consumer_id": "x"}
+    cases = [
+        (client.post(f"{base}/nope/leases", json=lease), 404),
+        (client.get(f"{base}/nope"), 404),
+        (client.post(f"{base}/jobs/messages", json={"payload": "", "priority": 70000}), 422),
+        (client.post(f"{base}/jobs/messages", json={"payload": ""}), 422),
+        (client.post(f"{base}/jobs/messages", json={"payload": "%%", "priority": 1}), 422),
+        (
+            client.post(
+                f"{base}/jobs/leases",
+                content=b"{not json",
+                headers={"content-type": "application/json"},
+            ),
+            422,
+        ),
+        (client.post(f"{base}/jobs/leases", json={**lease, "max_messages": 1001}), 422),
+        (client.post(f"{base}/jobs/leases", json={**lease, "wait_ms": 30_001}), 422),
+        (client.post(f"{base}/jobs/acks", json={"consumer_id": "x", "ids": []}), 422),
+        (
+            client.post(
+                f"{base}/jobs/messages",
+                json={"payload": base64.b64encode(b"x" * 1001).decode(), "priority": 1},
+            ),
+            413,
+        ),
+        (client.post(f"{base}/jobs/messages", json={"payload": "A" * 5000, "priority": 1}), 413),
+    ]
+    for response, status in cases:
+        assert response.status_code == status, response.text
+        assert response.headers["content-type"] == PROBLEM
+        assert response.json()["status"] == status
+
+
+def test_produce_over_http_lands_in_kafka(three, kafka_bootstrap: str, kafka_source: str) -> None:
+    nodes, client, _ = three
+    base = f"{follower(nodes, client).url}/v1/topics/jobs/messages"
+    one = client.post(base, json={"payload": "aGk=", "priority": 7, "key": "k", "id": "my-1"})
+    assert one.status_code == 201 and one.json() == {"ids": ["my-1"]}
+    batch = client.post(
+        f"{base}/batch",
+        json={"messages": [{"payload": "YQ==", "priority": 1}, {"payload": "Yg==", "priority": 2}]},
+    )
+    assert batch.status_code == 201
+    assert all(i.startswith(f"{kafka_source}-0-") for i in batch.json()["ids"])
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, consumer_timeout_ms=5000)
+    consumer.assign([TopicPartition(kafka_source, 0)])
+    consumer.seek_to_beginning()
+    records = [r for _, r in zip(range(3), consumer, strict=False)]
+    consumer.close()
+    assert [r.value for r in records] == [b"hi", b"a", b"b"]
+    assert dict(records[0].headers) == {"dejaq-priority": b"7", "dejaq-id": b"my-1"}
+    assert records[0].key == b"k"
+
+
+def test_health_readiness_metrics_and_openapi(three) -> None:
+    nodes, client, _ = three
+    for node in nodes:
+        assert client.get(f"{node.url}/healthz").json() == {"status": "ok"}
+        assert client.get(f"{node.url}/readyz").status_code == 200
+    leader = leader_of(nodes, client)
+    text = client.get(f"{leader.url}/metrics").text
+    for name in (
+        "dejaq_leased_messages_total",
+        "dejaq_acked_messages_total",
+        "dejaq_lease_seconds_bucket",
+        'dejaq_raft_role{role="leader"} 1.0',
+        "dejaq_raft_term",
+        "dejaq_index_messages",
+    ):
+        assert name in text
+    spec = client.get(f"{leader.url}/openapi.json").json()
+    assert "/v1/topics/{topic}/leases" in spec["paths"]
+    assert client.get(f"{leader.url}/docs").status_code == 200
+
+
+# --- failover and restart: a cluster of their own --------------------------------------------
+
+
+class Workers:
+    """Lease + ack loops against every node in turn, recording what they saw."""
+
+    def __init__(self, nodes: list[Node], n: int, batch: int) -> None:
+        self.nodes, self.batch = nodes, batch
+        self.acked: set[str] = set()
+        self.redelivered_after_ack: list[str] = []
+        self.errors = 0
+        self.last_success = 0.0
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(n)]
+
+    def _run(self, i: int) -> None:
+        with httpx.Client(timeout=5) as client:
+            k = i
+            while not self.stop.is_set():
+                node = self.nodes[k % len(self.nodes)]
+                k += 1
+                try:
+                    self._once(client, node.url, f"w{i}")
+                except (httpx.HTTPError, ValueError):
+                    with self.lock:
+                        self.errors += 1
+
+    def _once(self, client: httpx.Client, url: str, me: str) -> None:
+        got = client.post(
+            f"{url}/v1/topics/fo/leases",
+            json={"consumer_id": me, "max_messages": self.batch, "wait_ms": 200},
+        )
+        if got.status_code != 200:
+            raise ValueError(got.status_code)
+        ids = [m["id"] for m in got.json()["messages"]]
+        with self.lock:
+            self.redelivered_after_ack += [m for m in ids if m in self.acked]
+        if not ids:
+            return
+        done = client.post(f"{url}/v1/topics/fo/acks", json={"consumer_id": me, "ids": ids})
+        ok = ids if done.status_code == 200 else []
+        if done.status_code == 409:
+            refused = done.json()["refused"]
+            ok = [m for m in ids if m not in refused or refused[m] == "already_settled"]
+        with self.lock:
+            self.acked.update(ok)
+            if ok:
+                self.last_success = time.monotonic()
+
+    def __enter__(self) -> Workers:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join(30)
+        live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+        with httpx.Client(timeout=10) as client:
+            for i in range(len(self.threads)):
+                client.delete(f"{live[0].url}/v1/topics/fo/consumers/w{i}")
+
+
+def acked(client: httpx.Client, nodes: list[Node]) -> int:
+    leader = leader_of(nodes, client)
+    return client.get(f"{leader.url}/v1/topics/fo").json()["acked"] if leader else -1
+
+
+def test_kill_9_leader_under_load_then_full_restart(tmp_path, kafka_bootstrap, kafka_source):
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, heartbeat_ms=3000)
+    warehouse = str(tmp_path / "warehouse")
+    total = 3000
+    fill(warehouse, "fo", buffer_rows([i % 100 for i in range(total)], lambda i: i % 8, "f"))
+    nodes = start(tmp_path, conf)
+    try:
+        with httpx.Client(timeout=10) as client, Workers(nodes, n=3, batch=10) as w:
+            wait_until(lambda: len(w.acked) >= 500, timeout=60, what="load")
+            victim = leader_of(nodes, client)
+            cluster.stop_node(victim, kill=True)
+            killed = time.monotonic()
+            wait_until(lambda: w.last_success > killed, timeout=10, what="a new leader")
+            assert w.last_success - killed < 3.0, "a new leader serves within 3 s"
+            # An ack committed just before the kill may have lost its answer: ask the cluster.
+            wait_until(lambda: acked(client, nodes) == total, timeout=90, what="all acked")
+        assert w.redelivered_after_ack == [], "an acked message is never delivered again"
+
+        stop(nodes)  # full restart: Raft journals and the ledger keep everything
+        fill(warehouse, "fo", buffer_rows([5, 6], prefix="after"))
+        for node in nodes:
+            cluster.start_node(node, nodes, str(conf), dict(os.environ))
+        cluster.wait_ready(nodes)
+        with httpx.Client(timeout=10) as client:
+            url = f"{nodes[0].url}/v1/topics/fo"
+            body = {"consumer_id": "late", "max_messages": 1000, "wait_ms": 2000}
+            got = client.post(f"{url}/leases", json=body).json()["messages"]
+            assert sorted(m["id"] for m in got) == ["after0", "after1"]
+            assert client.get(url).json()["acked"] == total
+    finally:
+        stop(nodes)
+
+
+# --- the commands ----------------------------------------------------------------------------
+
+
+def test_multi_node_broker_refuses_to_start_without_a_raft_password(tmp_path) -> None:
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    env = {k: v for k, v in os.environ.items() if k != "DEJAQ_BROKER_RAFT_PASSWORD"}
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "broker",
+            "--node-id",
+            "a",
+            "--http",
+            "127.0.0.1:1",
+            "--raft",
+            "127.0.0.1:2",
+            "--peers",
+            "127.0.0.1:3,127.0.0.1:4",
+            "--conf-file",
+            str(conf),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "broker.raft_password" in result.stderr
+
+
+def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jobs.cli",
+            "cluster",
+            "up",
+            "--nodes",
+            "1",
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--conf-file",
+            str(conf),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("n1: http://127.0.0.1:"), line
+        url = line.split()[1]
+        assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{url}/healthz", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,440 @@
+"""Release end to end: real Delta buffer and ledger in, real Kafka out, real processes killed."""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from conftest import wait_until
+from deltalake import DeltaTable, write_deltalake
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.consumer.fetcher import ConsumerRecord
+
+from conf.settings import ConfigError, Settings, load_settings
+from conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
+from jobs.ingest import stop_between_batches
+from pipelines.ingest import IngestJob
+from pipelines.release import ReleaseJob, Releaser
+from pipelines.session import detect_connectors
+
+DEJAQ = [sys.executable, "-m", "jobs.cli"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def write_conf(
+    tmp_path: Path, bootstrap: str, kind: str, output: str, delivery: str = "release", **extra
+) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    conf = tmp_path / "dejaq.yaml"
+    options = "".join(f", {k}: {v}" for k, v in extra.items())
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        f"topics:\n  - {{name: jobs, kind: {kind}, source: [in], buckets: 4,"
+        f" delivery: {delivery}, output: {output}{options}}}\n"
+    )
+    return conf
+
+
+def settings_for(tmp_path: Path, bootstrap: str, kind: str, output: str, **extra) -> Settings:
+    return load_settings(write_conf(tmp_path, bootstrap, kind, output, **extra), env={})
+
+
+def _ts(ms: int | None) -> dt.datetime | None:
+    if ms is None:
+        return None
+    return dt.datetime.fromtimestamp(ms / 1000, dt.UTC)
+
+
+def add_buffer(
+    settings: Settings, kind: str, sort_keys: list[int], first_offset: int = 0, keys: int = 5
+) -> list[str]:
+    """Append buffer rows as ingest would write them; return their ids in offset order."""
+    now = dt.datetime.now(dt.UTC)
+    n = len(sort_keys)
+    offsets = range(first_offset, first_offset + n)
+    ids = [f"in-0-{o}" for o in offsets]
+    rows = {
+        "message_id": ids,
+        "bucket": [o % 4 for o in offsets],
+        "sort_key": sort_keys,
+        "priority": sort_keys if kind == "priority" else [None] * n,
+        "deliver_at": [_ts(k) for k in sort_keys] if kind == "timeline" else [None] * n,
+        "event_time": [_ts(k) for k in sort_keys] if kind == "event_time" else [None] * n,
+        "key": [f"k{o % keys}".encode() for o in offsets],
+        "payload": [f"payload-{o}".encode() for o in offsets],
+        "headers": [[{"key": "trace", "value": f"t{o}".encode()}] for o in offsets],
+        "source_topic": ["in"] * n,
+        "source_partition": [0] * n,
+        "source_offset": list(offsets),
+        "produced_at": [now] * n,
+        "ingested_at": [now] * n,
+    }
+    path = ensure_table(settings.warehouse, Table.BUFFER, "jobs")
+    write_deltalake(path, pa.table(rows, schema=BUFFER_SCHEMA), mode="append")
+    return ids
+
+
+def add_ledger(settings: Settings, events: list[tuple[str, str, int | None]]) -> None:
+    path = ensure_table(settings.warehouse, Table.LEDGER, "jobs")
+    now = dt.datetime.now(dt.UTC)
+    rows = {
+        "message_id": [e[0] for e in events],
+        "bucket": [0] * len(events),
+        "event": [e[1] for e in events],
+        "sort_key": [e[2] for e in events],
+        "deliveries": [0] * len(events),
+        "at": [now] * len(events),
+    }
+    write_deltalake(path, pa.table(rows, schema=LEDGER_SCHEMA), mode="append")
+
+
+def ledger_released(settings: Settings) -> list[str]:
+    path = ensure_table(settings.warehouse, Table.LEDGER, "jobs")
+    t = DeltaTable(path).to_pyarrow_table()
+    return [
+        mid
+        for mid, event in zip(
+            t.column("message_id").to_pylist(), t.column("event").to_pylist(), strict=True
+        )
+        if event == LedgerEvent.RELEASED
+    ]
+
+
+class Output:
+    """Everything on an output topic, read by assigned partitions from the start."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        self.consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self.consumer.assign([TopicPartition(topic, p) for p in range(partitions)])
+        self.consumer.seek_to_beginning()
+        self.records: list[ConsumerRecord] = []
+
+    def poll(self) -> int:
+        for batch in self.consumer.poll(timeout_ms=200).values():
+            self.records += batch
+        return len(self.records)
+
+    def wait_for(self, n: int, timeout: float = 60) -> list[ConsumerRecord]:
+        wait_until(lambda: self.poll() >= n, timeout=timeout, what=f"{n} output records")
+        return self.records
+
+    def close(self) -> None:
+        self.consumer.close()
+
+
+def header(r: ConsumerRecord, name: str) -> bytes:
+    values = [v for k, v in r.headers if k == name]
+    assert len(values) == 1, (name, r.headers)
+    return values[0]
+
+
+def ids(records: list[ConsumerRecord]) -> list[str]:
+    return [header(r, "dejaq-id").decode() for r in records]
+
+
+def by_partition(records: list[ConsumerRecord]) -> dict[int, list[ConsumerRecord]]:
+    parts: dict[int, list[ConsumerRecord]] = defaultdict(list)
+    for r in sorted(records, key=lambda r: (r.partition, r.offset)):
+        parts[r.partition].append(r)
+    return parts
+
+
+def run_until(releaser: Releaser, done: Callable[[], bool], timeout: float = 60) -> None:
+    """Drive batches the way the streaming query does, until `done`."""
+    batch = iter(range(1_000_000))
+
+    def step() -> bool:
+        releaser.run_batch(next(batch))
+        return done()
+
+    wait_until(step, timeout=timeout, what="release batches")
+
+
+def test_a_lease_topic_is_refused(kafka_bootstrap, tmp_path):
+    conf = write_conf(tmp_path, kafka_bootstrap, "priority", "out", delivery="lease")
+    with pytest.raises(ConfigError, match="delivery: lease: the lease broker delivers it"):
+        Releaser(load_settings(conf, env={}), load_settings(conf, env={}).topic("jobs"))
+    result = subprocess.run(
+        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "releasing it too would deliver its messages twice" in result.stderr
+
+
+@settings(
+    max_examples=5,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(offsets=st.lists(st.integers(min_value=-500, max_value=1500), min_size=1, max_size=25))
+def test_timeline_is_never_early_and_in_order_per_partition(
+    offsets, kafka_bootstrap, topic_factory, tmp_path
+):
+    out = topic_factory(partitions=3)
+    s = settings_for(tmp_path / uuid.uuid4().hex, kafka_bootstrap, "timeline", out)
+    start = int(time.time() * 1000)
+    due = [start + o for o in offsets]
+    written = add_buffer(s, "timeline", due)
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 3)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
+        records = output.wait_for(len(due))
+    finally:
+        releaser.finish()
+        output.close()
+    assert sorted(ids(records)) == sorted(written)
+    for r in records:
+        assert r.timestamp >= int(header(r, "dejaq-deliver-at")), "written before deliver_at"
+    for part in by_partition(records).values():
+        order = [(int(header(r, "dejaq-deliver-at")), int(r.offset)) for r in part]
+        assert [o[0] for o in order] == sorted(o[0] for o in order)
+    assert sorted(ledger_released(s)) == sorted(written)
+
+
+def test_priority_lowest_first_under_a_per_trigger_cap(kafka_bootstrap, topic_factory, tmp_path):
+    out = topic_factory(partitions=3)
+    s = settings_for(tmp_path, kafka_bootstrap, "priority", out, max_per_trigger=50)
+    priorities = [(i * 37) % 200 + 10 for i in range(120)]  # all different
+    written = add_buffer(s, "priority", priorities)
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 3)
+    try:
+        first = releaser.run_batch(0)
+        urgent = add_buffer(s, "priority", [0] * 10, first_offset=1000)
+        second = releaser.run_batch(1)
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
+        records = output.wait_for(130)
+    finally:
+        releaser.finish()
+        output.close()
+    assert (first.released, second.released) == (50, 50)
+    assert all(s.released <= 50 for s in releaser.stats)
+    # Batch 0: the 50 lowest, in order. Then the urgent ones overtake, then the rest in order.
+    lowest = set(sorted(written, key=lambda mid: priorities[written.index(mid)])[:50])
+    priority = dict(zip(written, priorities, strict=True)) | dict.fromkeys(urgent, 0)
+    rank = {mid: (mid not in lowest, p, mid) for mid, p in priority.items()}
+    for part in by_partition(records).values():
+        got = ids(part)
+        assert got == sorted(got, key=rank.__getitem__)
+    assert {int(header(r, "dejaq-priority")) for r in records} == set(priority.values())
+    # Output keeps key and payload; same key, same partition; source coordinates in headers.
+    r = next(r for r in records if header(r, "dejaq-id") == b"in-0-7")
+    assert (r.key, r.value, header(r, "trace")) == (b"k2", b"payload-7", b"t7")
+    assert header(r, "dejaq-source") == b"in/0/7"
+    partitions_of_key = defaultdict(set)
+    for r in records:
+        partitions_of_key[r.key].add(r.partition)
+    assert all(len(p) == 1 for p in partitions_of_key.values())
+    assert len(ledger_released(s)) == 130
+
+
+def test_cancelled_never_released_and_rescheduled_uses_the_new_key(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "priority", out)
+    written = add_buffer(s, "priority", [100 + i for i in range(20)])
+    cancelled, rescheduled = written[3], written[15]
+    add_ledger(
+        s,
+        [
+            (cancelled, LedgerEvent.CANCELLED, None),
+            (rescheduled, LedgerEvent.RESCHEDULED, 1),
+        ],
+    )
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        releaser.run_batch(0)
+        records = output.wait_for(19)
+        releaser.run_batch(1)
+        assert output.poll() == 19, "nothing released twice"
+    finally:
+        releaser.finish()
+        output.close()
+    assert cancelled not in ids(records)
+    assert ids(records)[0] == rescheduled
+    assert header(records[0], "dejaq-priority") == b"1"
+    assert sorted(ledger_released(s)) == sorted(set(written) - {cancelled})
+
+
+def test_max_rate_caps_a_trigger_at_one_second_of_tokens(kafka_bootstrap, topic_factory, tmp_path):
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "priority", out, max_rate=20)
+    add_buffer(s, "priority", list(range(100)))
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        first, second = releaser.run_batch(0), releaser.run_batch(1)
+        records = output.wait_for(20)
+    finally:
+        releaser.finish()
+        output.close()
+    assert first.released == 20, "a full bucket: one second's worth"
+    assert second.released <= 2, "then only what the rate refilled"
+    assert [int(header(r, "dejaq-priority")) for r in records[:20]] == list(range(20))
+
+
+def test_event_time_sorts_within_the_lateness_bound_and_writes_late_ones(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "event_time", out, allowed_lateness_ms=100)
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    # Waves of events, each shuffled within less than the allowed lateness.
+    waves = [[1000 + (i * 7) % 90 + w * 60 for i in range(30)] for w in range(5)]
+    try:
+        offset = 0
+        for batch, wave in enumerate(waves):
+            add_buffer(s, "event_time", wave, first_offset=offset)
+            offset += len(wave)
+            releaser.run_batch(batch)
+        late = add_buffer(s, "event_time", [1001], first_offset=offset)
+        stats = releaser.run_batch(len(waves))
+        top = max(max(w) for w in waves)
+        held = sum(1 for w in waves for t in w if t > top - 100)
+        records = output.wait_for(offset + 1 - held)
+        assert len(releaser.pending) == held, "events within the lateness bound are held"
+    finally:
+        releaser.finish()
+        output.close()
+    times = [int(header(r, "dejaq-event-time")) for r in records]
+    assert ids(records)[-1] == late[0] and stats.late == 1, "late: written at once, counted"
+    assert times[:-1] == sorted(times[:-1]), "on time: in event-time order"
+    assert max(times[:-1]) <= top - 100
+
+
+def test_the_streaming_job_releases_as_due(spark, kafka_bootstrap, topic_factory, tmp_path):
+    out = topic_factory(partitions=2)
+    s = settings_for(tmp_path, kafka_bootstrap, "timeline", out, release_interval_ms=100)
+    now = int(time.time() * 1000)
+    written = add_buffer(s, "timeline", [now - 1000 + i * 40 for i in range(60)])
+    job = ReleaseJob(spark, s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 2)
+    query = job.start()
+    try:
+        records = output.wait_for(60, timeout=90)
+    finally:
+        stop_between_batches(query)
+        job.releaser.finish()
+        output.close()
+    assert query.exception() is None
+    assert sorted(ids(records)) == sorted(written)
+    assert all(r.timestamp >= int(header(r, "dejaq-deliver-at")) for r in records)
+    assert sorted(ledger_released(s)) == sorted(written), "a clean stop records every send"
+
+
+def test_ingested_records_come_out_with_their_envelope(
+    spark, kafka_bootstrap, topic_factory, tmp_path
+):
+    source, out = topic_factory(partitions=2), topic_factory(partitions=2)
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{kafka_bootstrap}'}}\n"
+        f"topics:\n  - {{name: jobs, kind: timeline, source: [{source}], buckets: 4,"
+        f" delivery: release, output: {out}}}\n"
+    )
+    s = load_settings(conf, env={})
+    now = int(time.time() * 1000)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap)
+    for i in range(30):
+        headers = [("dejaq-deliver-at", str(now - 500 + i * 50).encode()), ("trace", b"x")]
+        producer.send(source, key=f"k{i}".encode(), value=f"v{i}".encode(), headers=headers)
+    producer.flush()
+    producer.close()
+    query = IngestJob(spark, s, s.topic("jobs"), detect_connectors(spark)).start(once=True)
+    query.awaitTermination(180)
+    assert query.exception() is None
+
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 2)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
+        records = output.wait_for(30)
+    finally:
+        releaser.finish()
+        output.close()
+    for r in records:
+        topic, partition, offset = header(r, "dejaq-source").decode().rsplit("/", 2)
+        assert (
+            topic == source and header(r, "dejaq-id") == f"{source}-{partition}-{offset}".encode()
+        )
+        assert r.timestamp >= int(header(r, "dejaq-deliver-at"))
+        assert (r.value, header(r, "trace")) == (b"v" + r.key[1:], b"x")
+    assert len(set(ids(records))) == 30
+
+
+@pytest.mark.slow
+def test_kill_9_then_restart_loses_nothing_and_repeats_only_the_cut_batch(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    out = topic_factory(partitions=3)
+    conf = write_conf(tmp_path, kafka_bootstrap, "priority", out, max_per_trigger=20)
+    s = load_settings(conf, env={})
+    written = add_buffer(s, "priority", [(i * 13) % 500 for i in range(600)])
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    proc = subprocess.Popen(
+        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    output = Output(kafka_bootstrap, out, 3)
+    try:
+        try:
+            output.wait_for(100, timeout=120)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.communicate(timeout=60)
+        recorded = set(ledger_released(s))
+        assert len(recorded) < len(written), "killed mid-stream"
+
+        spark_submit = str(Path(sys.executable).parent / "spark-submit")
+        result = subprocess.run(
+            [
+                spark_submit,
+                "jobs/release.py",
+                "--topic",
+                "jobs",
+                "--conf-file",
+                str(conf),
+                "--once",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=env,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = output.wait_for(len(written))
+        output.poll()
+    finally:
+        output.close()
+    seen = Counter(ids(records))
+    assert set(seen) == set(written), "nothing lost"
+    repeated = {mid for mid, n in seen.items() if n > 1}
+    assert all(n <= 2 for n in seen.values())
+    assert not repeated & recorded, "a message the ledger has is never written again"
+    assert len(repeated) <= 20, "duplicates only from the one batch cut by the kill"
+    assert sorted(ledger_released(s)) == sorted(written)
