@@ -163,10 +163,17 @@ def visibility_latency(spark, settings: Settings, topic: str, n: int, rate: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--messages", type=int, default=1_000_000)
+    p.add_argument(
+        "--messages",
+        type=int,
+        default=200_000,
+        help="default 200k, not the issue's 1M: the embedded noida-db 0.2.3 slows down "
+        "superlinearly with topic size (a plain consumer read 100k in 2.3 s, but had not "
+        "read 1M after 14 min); use --messages 1000000 against a real Kafka",
+    )
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--payload-bytes", type=int, default=100)
-    p.add_argument("--max-offsets-per-trigger", type=int, default=250_000)
+    p.add_argument("--max-offsets-per-trigger", type=int, default=100_000)
     p.add_argument("--latency-messages", type=int, default=3000)
     p.add_argument("--latency-rate", type=int, default=300)
     p.add_argument(

@@ -44,10 +44,16 @@ def leaves(value: object, path: tuple[str, ...] = ()) -> Iterator[tuple[str, flo
                 yield from leaves(v, (*path, str(k)))
     elif isinstance(value, list):
         for i, v in enumerate(value):
-            label = v.get("phase", v.get("name", str(i))) if isinstance(v, dict) else str(i)
+            label = str(i)
+            if isinstance(v, dict):
+                label = str(v.get("phase") or v.get("name") or f"batch_{v.get('batch', i)}")
             yield from leaves(v, (*path, str(label)))
     elif isinstance(value, int | float) and not isinstance(value, bool):
         yield ".".join(path), float(value)
+
+
+def _is_latency(name: str) -> bool:
+    return any(q in name.split("_") for q in ("p50", "p99", "max"))
 
 
 def headline(results: dict) -> list[tuple[str, str, float]]:
@@ -56,11 +62,7 @@ def headline(results: dict) -> list[tuple[str, str, float]]:
     for bench, data in results.items():
         for name, number in leaves(data):
             last = name.rsplit(".", 1)[-1]
-            if (
-                "per_s" in last
-                or last.startswith(("p50", "p99", "max"))
-                or last in ("early", "ingest_vs_baseline")
-            ):
+            if "per_s" in last or _is_latency(last) or last in ("early", "ingest_vs_baseline"):
                 rows.append((bench, name, number))
     return rows
 
@@ -72,7 +74,11 @@ def chart(rows: list[tuple[str, str, float]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rates = [(f"{b}: {n}", v) for b, n, v in rows if "per_s" in n.rsplit(".", 1)[-1]]
-    lat = [(f"{b}: {n}", v) for b, n, v in rows if n.rsplit(".", 1)[-1].startswith(("p50", "p99"))]
+    lat = [
+        (f"{b}: {n}", v)
+        for b, n, v in rows
+        if any(q in n.rsplit(".", 1)[-1].split("_") for q in ("p50", "p99"))
+    ]
     fig, axes = plt.subplots(1, 2, figsize=(15, max(4, 0.35 * max(len(rates), len(lat)))))
     for ax, data, title in ((axes[0], rates, "throughput (msgs/s)"), (axes[1], lat, "latency")):
         if data:
@@ -113,13 +119,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--only", choices=BENCHMARKS, action="append", help="run just these")
     p.add_argument("--no-readme", action="store_true", help="leave README.md alone")
+    p.add_argument("--replot", action="store_true", help="redraw from bench/results.json")
     args = p.parse_args()
-    results = {name: run(name, []) for name in args.only or BENCHMARKS}
-    machine = f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.platform()}"
-    when = dt.date.today().isoformat()
-    (HERE / "results.json").write_text(
-        json.dumps({"date": when, "machine": machine, "results": results}, indent=2) + "\n"
-    )
+    if args.replot:
+        saved = json.loads((HERE / "results.json").read_text())
+        results, machine, when = saved["results"], saved["machine"], saved["date"]
+    else:
+        results = {name: run(name, []) for name in args.only or BENCHMARKS}
+        machine = (
+            f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.platform()}"
+        )
+        when = dt.date.today().isoformat()
+        (HERE / "results.json").write_text(
+            json.dumps({"date": when, "machine": machine, "results": results}, indent=2) + "\n"
+        )
     rows = headline(results)
     chart(rows, HERE / "results.png")
     if not args.no_readme:

@@ -28,7 +28,20 @@ def run(
     )
 
 
-@pytest.mark.parametrize("command", [[], ["kafka"], ["doctor"], ["demo"]])
+@pytest.mark.parametrize(
+    "command",
+    [
+        [],
+        ["kafka"],
+        ["doctor"],
+        ["demo"],
+        ["ingest"],
+        ["release"],
+        ["status"],
+        ["broker"],
+        ["cluster"],
+    ],
+)
 def test_help_everywhere(command: list[str]) -> None:
     result = run(*command, "--help")
     assert result.returncode == 0
@@ -39,6 +52,12 @@ def test_unknown_command_is_a_usage_error() -> None:
     result = run("frobnicate")
     assert result.returncode == 2
     assert "invalid choice" in result.stderr
+
+
+def test_unknown_topic_names_the_configured_ones() -> None:
+    result = run("status", "--topic", "nope")
+    assert result.returncode == 2
+    assert "unknown topic 'nope' (configured: orders, reminders)" in result.stderr
 
 
 def start_kafka(port: int, data_dir: Path) -> subprocess.Popen:
