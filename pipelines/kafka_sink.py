@@ -25,23 +25,13 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, StringType, StructType
 
+from pipelines.kafka_options import CONNECTION_OPTIONS, client_config
+
 SEND_TIMEOUT_S = 120
 
-# `kafka.*` options handed to kafka-python's KafkaProducer (dots become underscores). A closed
-# list, for the reason the source gives: a JVM-only setting must not be dropped silently.
+# `kafka.*` options handed to kafka-python's KafkaProducer (see pipelines.kafka_options).
 _PRODUCER_OPTIONS: dict[str, type] = {
-    "bootstrap.servers": str,
-    "client.id": str,
-    "security.protocol": str,
-    "sasl.mechanism": str,
-    "sasl.plain.username": str,
-    "sasl.plain.password": str,
-    "ssl.cafile": str,
-    "ssl.certfile": str,
-    "ssl.keyfile": str,
-    "ssl.password": str,
-    "ssl.check.hostname": bool,
-    "request.timeout.ms": int,
+    **CONNECTION_OPTIONS,
     "linger.ms": int,
     "batch.size": int,
     "compression.type": str,
@@ -66,34 +56,7 @@ class KafkaWriteOptions:
 
 def producer_config(opts: Mapping[str, str]) -> dict[str, Any]:
     """KafkaProducer settings from `kafka.*` options: idempotent, acks=all, always."""
-    config: dict[str, Any] = {}
-    for key, raw in opts.items():
-        if not key.startswith("kafka."):
-            continue
-        name = key.removeprefix("kafka.")
-        kind = _PRODUCER_OPTIONS.get(name)
-        if kind is None:
-            raise ValueError(
-                f"dejaq_kafka: option '{key}' is not supported for writing (the producer "
-                f"settings it passes to kafka-python are: "
-                f"{', '.join('kafka.' + k for k in _PRODUCER_OPTIONS)})"
-            )
-        if kind is bool:
-            if raw.lower() not in ("true", "false"):
-                raise ValueError(f"dejaq_kafka: option '{key}' must be true or false, got {raw!r}")
-            config[name.replace(".", "_")] = raw.lower() == "true"
-        elif kind is int:
-            if not raw.isdigit():
-                raise ValueError(
-                    f"dejaq_kafka: option '{key}' must be an integer >= 0, got {raw!r}"
-                )
-            config[name.replace(".", "_")] = int(raw)
-        else:
-            config[name.replace(".", "_")] = raw
-    if not config.get("bootstrap_servers"):
-        raise ValueError(
-            "dejaq_kafka: option 'kafka.bootstrap.servers' is required (host:port[,host:port])"
-        )
+    config = client_config(opts, _PRODUCER_OPTIONS, "writing", min_int=0)
     config.update(enable_idempotence=True, acks="all")
     return config
 

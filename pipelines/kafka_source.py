@@ -42,6 +42,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from pipelines.kafka_options import CONNECTION_OPTIONS, client_config
 from pipelines.kafka_sink import (
     KafkaBatchWriter,
     KafkaStreamWriter,
@@ -86,23 +87,10 @@ BATCH_ROWS = 4096
 _POLL_MS = 1000  # one poll's wait: short, so the pollTimeoutMs deadline is checked often
 EARLIEST, LATEST = -2, -1  # the JVM source's markers inside a startingOffsets JSON
 
-# `kafka.*` options handed to kafka-python's KafkaConsumer (dots become underscores). A closed
-# list, because a JVM-only setting (say kafka.sasl.jaas.config) silently dropped would connect
-# with weaker security than the job asked for.
+# `kafka.*` options handed to kafka-python's KafkaConsumer (see pipelines.kafka_options).
 _CONSUMER_OPTIONS: dict[str, type] = {
-    "bootstrap.servers": str,
-    "client.id": str,
+    **CONNECTION_OPTIONS,
     "isolation.level": str,
-    "security.protocol": str,
-    "sasl.mechanism": str,
-    "sasl.plain.username": str,
-    "sasl.plain.password": str,
-    "ssl.cafile": str,
-    "ssl.certfile": str,
-    "ssl.keyfile": str,
-    "ssl.password": str,
-    "ssl.check.hostname": bool,
-    "request.timeout.ms": int,
     "fetch.max.bytes": int,
     "max.partition.fetch.bytes": int,
 }
@@ -179,27 +167,7 @@ def _parse_starting_offsets(raw: str) -> str | dict[str, dict[str, int]]:
 
 
 def _consumer_config(opts: CaseInsensitiveDict) -> dict[str, Any]:
-    config: dict[str, Any] = {}
-    for key, raw in opts.items():
-        if not key.startswith("kafka."):
-            continue
-        name = key.removeprefix("kafka.")
-        kind = _CONSUMER_OPTIONS.get(name)
-        if kind is None:
-            raise ValueError(
-                f"dejaq_kafka: option '{key}' is not supported (the consumer settings it passes "
-                f"to kafka-python are: {', '.join('kafka.' + k for k in _CONSUMER_OPTIONS)})"
-            )
-        if kind is bool:
-            if raw.lower() not in ("true", "false"):
-                raise ValueError(f"dejaq_kafka: option '{key}' must be true or false, got {raw!r}")
-            config[name.replace(".", "_")] = raw.lower() == "true"
-        else:
-            config[name.replace(".", "_")] = _positive_int(key, raw) if kind is int else raw
-    if not config.get("bootstrap_servers"):
-        raise ValueError(
-            "dejaq_kafka: option 'kafka.bootstrap.servers' is required (host:port[,host:port])"
-        )
+    config = client_config(opts, _CONSUMER_OPTIONS, "reading", min_int=1)
     if config.setdefault("isolation_level", "read_uncommitted") not in _ISOLATION_LEVELS:
         raise ValueError(
             f"dejaq_kafka: option 'kafka.isolation.level' must be one of {_ISOLATION_LEVELS}, "
