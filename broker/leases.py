@@ -9,6 +9,7 @@ the network. The pending messages themselves live in the node-local index
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -175,15 +176,26 @@ class TopicState:
         self.not_before.pop(mid, None)
         self.totals[event] += 1
 
-    def ack(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
-        """Settle leased messages for good; returns the refused ones with the reason."""
-        refused: dict[str, Refusal] = {}
+    def _take_leases(
+        self, consumer: str, now: int, mids: list[str], refused: dict[str, Refusal]
+    ) -> Iterator[tuple[str, Lease]]:
+        """Each message whose lease `consumer` holds, with the lease now dropped.
+
+        The others go into `refused` with the reason. Lazy, so each message is settled
+        before the next is checked: an id given twice is refused the second time.
+        """
         for mid in mids:
             lease = self._check(consumer, mid, now)
             if isinstance(lease, Refusal):
                 refused[mid] = lease
                 continue
             self._drop_lease(mid)
+            yield mid, lease
+
+    def ack(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
+        """Settle leased messages for good; returns the refused ones with the reason."""
+        refused: dict[str, Refusal] = {}
+        for mid, lease in self._take_leases(consumer, now, mids, refused):
             self._settle(
                 mid, lease.bucket, lease.sort_key, LedgerEvent.ACKED, now, lease.deliveries
             )
@@ -193,12 +205,7 @@ class TopicState:
     def reject(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
         """Send leased messages straight to the dead letters."""
         refused: dict[str, Refusal] = {}
-        for mid in mids:
-            lease = self._check(consumer, mid, now)
-            if isinstance(lease, Refusal):
-                refused[mid] = lease
-                continue
-            self._drop_lease(mid)
+        for mid, lease in self._take_leases(consumer, now, mids, refused):
             self._settle(
                 mid,
                 lease.bucket,
@@ -221,12 +228,7 @@ class TopicState:
         """Give leased messages back; returns (refused, messages pending again)."""
         refused: dict[str, Refusal] = {}
         pending: list[str] = []
-        for mid in mids:
-            lease = self._check(consumer, mid, now)
-            if isinstance(lease, Refusal):
-                refused[mid] = lease
-                continue
-            self._drop_lease(mid)
+        for mid, lease in self._take_leases(consumer, now, mids, refused):
             self.totals["nacked"] += 1
             if sort_key is not None:
                 self.sort_keys[mid] = sort_key

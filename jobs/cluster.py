@@ -5,18 +5,16 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
-import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType
 
 import httpx
 
 from jobs.embedded_kafka import free_port, stop
+from jobs.stopping import stop_on_signals
 
 
 @dataclass
@@ -119,21 +117,15 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes not in (1, 3, 5):
         print("error: --nodes must be 1, 3 or 5", file=sys.stderr)
         return 2
-    nodes = up(args.nodes, Path(args.data_dir), args.conf_file)
-    stopping = threading.Event()
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    for node in nodes:
-        print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
-    print("SIGTERM or Ctrl-C stops the cluster", flush=True)
-    while not stopping.wait(0.5):
-        if any(node.proc is not None and node.proc.poll() is not None for node in nodes):
-            print("error: a broker exited", file=sys.stderr)
-            break
+    with stop_on_signals() as stopping:
+        nodes = up(args.nodes, Path(args.data_dir), args.conf_file)
+        for node in nodes:
+            print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
+        print("SIGTERM or Ctrl-C stops the cluster", flush=True)
+        while not stopping.wait(0.5):
+            if any(node.proc is not None and node.proc.poll() is not None for node in nodes):
+                print("error: a broker exited", file=sys.stderr)
+                break
     for node in nodes:
         stop_node(node)
     return 0

@@ -14,7 +14,8 @@ import threading
 import time
 from importlib.resources import files
 from pathlib import Path
-from types import FrameType
+
+from jobs.stopping import stop_on_signals
 
 PR_SET_PDEATHSIG = 1
 # noida-db 0.2.3's binary warns about a glibc symbol it does not need; users need not see it.
@@ -116,22 +117,16 @@ def stop(proc: subprocess.Popen, timeout: float = 10, kill: bool = False) -> int
 def run(port: int | None, data_dir: Path) -> int:
     """Foreground: print the bootstrap address, serve until SIGTERM or Ctrl-C."""
     port = port or free_port()
-    stopping = threading.Event()
-
-    def _on_signal(signum: int, frame: FrameType | None) -> None:
-        stopping.set()
-
     # Before the broker starts: a SIGTERM as soon as the port answers must still stop it.
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    proc = start(port, data_dir)
-    print(f"kafka bootstrap: 127.0.0.1:{port}", flush=True)
-    print(f"data dir: {data_dir.resolve()}  (SIGTERM or Ctrl-C stops it)", flush=True)
-    while not stopping.is_set() and proc.poll() is None:
-        stopping.wait(0.5)
-    if proc.poll() is not None:
-        print(f"error: Kafka broker exited with code {proc.returncode}", file=sys.stderr)
-        return 1
-    stop(proc)
+    with stop_on_signals() as stopping:
+        proc = start(port, data_dir)
+        print(f"kafka bootstrap: 127.0.0.1:{port}", flush=True)
+        print(f"data dir: {data_dir.resolve()}  (SIGTERM or Ctrl-C stops it)", flush=True)
+        while not stopping.is_set() and proc.poll() is None:
+            stopping.wait(0.5)
+        if proc.poll() is not None:
+            print(f"error: Kafka broker exited with code {proc.returncode}", file=sys.stderr)
+            return 1
+        stop(proc)
     print("kafka stopped", flush=True)
     return 0

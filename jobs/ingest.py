@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
-import time
 
-from conf.settings import load_settings
+from conf.settings import ConfigError, load_settings
+from jobs.stopping import stop_between_batches, stop_on_signals
 
 log = logging.getLogger("dejaq.ingest")
-
-STOP_WAIT_SECONDS = 120
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -30,18 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Kafka records per micro-batch at most (default 250000)",
     )
-
-
-def stop_between_batches(query) -> None:
-    """Wait for the running micro-batch to finish (bounded), then stop the query.
-
-    Stopping mid-batch would also be safe (the batch is replayed idempotently), but a
-    clean boundary makes a restart start with fresh work instead of a replay.
-    """
-    deadline = time.monotonic() + STOP_WAIT_SECONDS
-    while query.isActive and query.status["isTriggerActive"] and time.monotonic() < deadline:
-        time.sleep(0.1)
-    query.stop()
 
 
 def run(
@@ -69,11 +53,7 @@ def run(
         connectors,
         max_offsets_per_trigger=max_offsets_per_trigger or DEFAULT_MAX_OFFSETS_PER_TRIGGER,
     )
-    stopping = threading.Event()
-    previous = {
-        s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)
-    }
-    try:
+    with stop_on_signals() as stopping:
         query = job.start(once)
         log.info("ingest %s: started (query %s)", topic, query.id)
         while query.isActive and not stopping.is_set():
@@ -83,9 +63,6 @@ def run(
             log.info("ingest %s: stopping after the current batch", topic)
             stop_between_batches(query)
         job.report(query)
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     error = query.exception()
     totals = [sum(getattr(s, f) for s in job.stats) for f in ("rows_in", "buffered", "quarantined")]
     print(
@@ -103,7 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="jobs/ingest.py", description=__doc__.splitlines()[0])
     add_arguments(p)
     args = p.parse_args(argv)
-    return run(args.topic, args.conf_file, args.once, args.max_offsets_per_trigger)
+    try:
+        return run(args.topic, args.conf_file, args.once, args.max_offsets_per_trigger)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

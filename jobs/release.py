@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import sys
-import threading
 
 from conf.settings import load_settings
 
@@ -24,8 +22,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(topic: str, conf_file: str | None, once: bool) -> int:
-    from jobs.ingest import stop_between_batches
     from jobs.logs import setup
+    from jobs.stopping import stop_between_batches, stop_on_signals
     from pipelines.release import ReleaseJob, require_release
     from pipelines.session import get_spark
 
@@ -42,26 +40,21 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
         topic_conf.output,
         topic_conf.release_interval_ms,
     )
-    stopping = threading.Event()
-    previous = {
-        s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)
-    }
     try:
-        query = job.start()
-        log.info("release %s: started (query %s)", topic, query.id)
-        while query.isActive and not stopping.is_set():
-            query.awaitTermination(0.2)
+        with stop_on_signals() as stopping:
+            query = job.start()
+            log.info("release %s: started (query %s)", topic, query.id)
+            while query.isActive and not stopping.is_set():
+                query.awaitTermination(0.2)
+                job.report()
+                if once and job.releaser.idle:
+                    stopping.set()
+            if query.isActive:
+                if not once:
+                    log.info("release %s: stopping after the current batch", topic)
+                stop_between_batches(query)
             job.report()
-            if once and job.releaser.idle:
-                stopping.set()
-        if query.isActive:
-            if not once:
-                log.info("release %s: stopping after the current batch", topic)
-            stop_between_batches(query)
-        job.report()
     finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
         job.releaser.finish()
     error = query.exception()
     stats = list(job.releaser.stats)

@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from conf.settings import Settings, TopicConfig
-from conf.tables import Table, checkpoint_path, ensure_table
+from conf.tables import Table, checkpoint_path, ensure_table, table_path
 from pipelines.envelope import (
     buffer_rows,
     dedup_in_batch,
@@ -118,8 +118,8 @@ class IngestJob:
     def process_batch(self, records: DataFrame, batch_id: int) -> None:
         """Parse, dedup, append to both tables; both appends are idempotent per batch."""
         clock = _Phases()
-        buffer_path = ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
-        quarantine_path = ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
+        buffer_path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
+        quarantine_path = table_path(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
         parsed = parse(records, self.topic).persist()
         cached = [parsed]
         try:
@@ -186,7 +186,10 @@ class IngestJob:
             )
 
     def start(self, once: bool) -> StreamingQuery:
-        """Start the query: `once` reads what is there now and stops (availableNow)."""
+        """Start the query: `once` reads what is there now and stops (availableNow).
+
+        The tables are created here, once, so every batch can simply append to them.
+        """
         ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
         ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
         writer = (

@@ -24,7 +24,7 @@ from kafka.consumer.fetcher import ConsumerRecord
 
 from conf.settings import ConfigError, Settings, load_settings
 from conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
-from jobs.ingest import stop_between_batches
+from jobs.stopping import stop_between_batches
 from pipelines.ingest import IngestJob
 from pipelines.release import ReleaseJob, Releaser
 from pipelines.session import detect_connectors
