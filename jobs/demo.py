@@ -38,6 +38,7 @@ BAD_MESSAGES = 10
 WORKERS = 2
 PARTITIONS = 4
 TIMEOUT_S = 240
+INGEST_SETTLE_S = 60
 
 
 @dataclass
@@ -241,9 +242,17 @@ def run(conf_file: str | None) -> int:
                 live.update(_view(c, buffered, time.monotonic() - started))
                 time.sleep(0.25)
             live.update(_view(c, buffered, time.monotonic() - started))
-        quarantined = sum(
-            row_count(table_path(settings.warehouse, Table.QUARANTINE, n)) or 0 for n in buffers
-        )
+        # The bad records were produced last: let the ingest account for every record.
+        quarantines = [table_path(settings.warehouse, Table.QUARANTINE, n) for n in buffers]
+        ingest_deadline = time.monotonic() + INGEST_SETTLE_S
+        while True:
+            buffered = {n: row_count(p) or 0 for n, p in buffers.items()}
+            quarantined = sum(row_count(p) or 0 for p in quarantines)
+            if sum(buffered.values()) + quarantined >= c.produced or (
+                time.monotonic() > ingest_deadline
+            ):
+                break
+            time.sleep(0.25)
         return _summary(console, c, priorities, buffered, quarantined, time.monotonic() - started)
     finally:
         stop.set()
