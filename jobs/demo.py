@@ -33,7 +33,7 @@ from jobs.status import row_count
 PRIORITY_MESSAGES = 3000
 TIMELINE_MESSAGES = 1000
 TIMELINE_WINDOW_S = 20
-REMINDERS_FROM_S = 15  # the first ingest batches warm Spark up: start the schedule after
+REMINDERS_FROM_S = 10  # produced once Spark is warm; time to ingest them first
 BAD_MESSAGES = 10
 WORKERS = 2
 PARTITIONS = 4
@@ -79,8 +79,14 @@ def _create_topics(bootstrap: str) -> None:
     admin.close()
 
 
-def _produce(bootstrap: str, c: Counters) -> list[int]:
-    """Priorities in random order; reminders due over the next window, shuffled."""
+def _send_bad(producer: KafkaProducer, topic: str, c: Counters) -> None:
+    for _ in range(BAD_MESSAGES // 2):
+        producer.send(topic, key=b"bad", value=b"?", headers=[("dejaq-priority", b"asap!")])
+        c.produced += 1
+
+
+def _produce_orders(bootstrap: str, c: Counters) -> list[int]:
+    """Orders with priorities in random order, then a few bad records."""
     rng = random.Random(7)
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
     priorities = [rng.randrange(0, 1000) for _ in range(PRIORITY_MESSAGES)]
@@ -88,19 +94,25 @@ def _produce(bootstrap: str, c: Counters) -> list[int]:
         headers = [("dejaq-priority", str(prio).encode()), ("dejaq-id", f"order-{i}".encode())]
         producer.send("orders-in", key=f"customer-{i % 50}".encode(), value=b"job", headers=headers)
         c.produced += 1
+    _send_bad(producer, "orders-in", c)
+    producer.flush()
+    producer.close()
+    return priorities
+
+
+def _produce_reminders(bootstrap: str, c: Counters) -> None:
+    """Reminders due over the next window, shuffled, then a few bad records."""
+    rng = random.Random(11)
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
     start_ms = int(time.time() * 1000) + REMINDERS_FROM_S * 1000
     due = [start_ms + rng.randrange(TIMELINE_WINDOW_S * 1000) for _ in range(TIMELINE_MESSAGES)]
     for i, at in enumerate(due):
         headers = [("dejaq-deliver-at", str(at).encode()), ("dejaq-id", f"reminder-{i}".encode())]
         producer.send("reminders-in", key=f"user-{i % 40}".encode(), value=b"ping", headers=headers)
         c.produced += 1
-    for topic in ("orders-in", "reminders-in"):
-        for _ in range(BAD_MESSAGES // 2):
-            producer.send(topic, key=b"bad", value=b"?", headers=[("dejaq-priority", b"asap!")])
-            c.produced += 1
+    _send_bad(producer, "reminders-in", c)
     producer.flush()
     producer.close()
-    return priorities
 
 
 def _worker(name: str, urls: list[str], c: Counters, stop: threading.Event) -> None:
@@ -154,6 +166,18 @@ def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
                     c.output_order_ok = False
                 last[tp.partition] = due
     consumer.close()
+
+
+def _join(urls: list[str], consumer: str, deadline: float) -> None:
+    """Heartbeat once (through any node) so the consumer holds its buckets before leasing."""
+    for url in itertools.cycle(urls):
+        try:
+            r = httpx.post(f"{url}/v1/topics/orders/consumers/{consumer}/heartbeat", timeout=5)
+        except httpx.HTTPError:
+            r = None
+        if (r is not None and r.status_code == 200) or time.monotonic() > deadline:
+            return
+        time.sleep(0.2)
 
 
 def _pending(url: str) -> int:
@@ -215,9 +239,8 @@ def run(conf_file: str | None) -> int:
                 IngestJob(spark, settings, settings.topic(name), connectors).start(False)
             )
         queries.append(ReleaseJob(spark, settings, settings.topic("reminders")).start())
-        # Produce once everything runs, so the reminders' schedule starts now.
-        priorities = _produce(bootstrap, c)
-        console.print(f"demo: produced {c.produced} messages; first priorities {priorities[:8]}")
+        priorities = _produce_orders(bootstrap, c)
+        console.print(f"demo: produced {c.produced} orders; first priorities {priorities[:8]}")
         buffers = {
             n: table_path(settings.warehouse, Table.BUFFER, n) for n in ("orders", "reminders")
         }
@@ -231,7 +254,12 @@ def run(conf_file: str | None) -> int:
                 buffered = {n: row_count(p) or 0 for n, p in buffers.items()}
                 live.update(_view(c, buffered, time.monotonic() - started))
                 time.sleep(0.25)
-            # Workers start once the broker holds every order, so their leases show pure order.
+            # The reminders' schedule starts once Spark is warm, so lateness is the job's own.
+            _produce_reminders(bootstrap, c)
+            # Workers join before any leases and start once the broker holds every order,
+            # so no bucket changes hands mid-run and each worker's leases show pure order.
+            for i in range(WORKERS):
+                _join(urls, f"w{i}", deadline)
             for i in range(WORKERS):
                 threads.append(threading.Thread(target=_worker, args=(f"w{i}", urls, c, stop)))
                 threads[-1].start()
