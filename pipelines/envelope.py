@@ -12,7 +12,6 @@ from enum import StrEnum
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
-from pyspark.sql.window import Window
 
 from conf.settings import TopicConfig, TopicKind
 from conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
@@ -200,53 +199,19 @@ def explicit_id() -> Column:
     return F.col("message_id") != default
 
 
-def dedup_in_batch(parsed: DataFrame) -> DataFrame:
-    """Mark the second and later copies of a message id within one batch as duplicates.
-
-    First wins: earliest Kafka timestamp, then (topic, partition, offset).
-    """
-    order = Window.partitionBy("message_id").orderBy(
-        "produced_at", "source_topic", "source_partition", "source_offset"
-    )
-    valid = parsed.where(F.col("reason").isNull() & explicit_id())
-    later = valid.withColumn("_rank", F.row_number().over(order)).where(F.col("_rank") > 1)
-    return _flag(parsed, later, "id seen earlier in the same batch")
-
-
-def mark_seen(parsed: DataFrame, seen: DataFrame) -> DataFrame:
-    """Mark valid rows whose id the buffer already holds from another Kafka record.
-
-    `seen` has message_id and the source coordinates of stored rows; a replayed batch
-    finds its own rows there with the same coordinates, which are not duplicates.
-    """
-    s = seen.select(
-        F.col("message_id").alias("_sid"),
-        F.col("source_topic").alias("_st"),
-        F.col("source_partition").alias("_sp"),
-        F.col("source_offset").alias("_so"),
-    )
-    same_record = (
-        (F.col("_st") == F.col("source_topic"))
-        & (F.col("_sp") == F.col("source_partition"))
-        & (F.col("_so") == F.col("source_offset"))
-    )
-    valid = parsed.where(F.col("reason").isNull() & explicit_id())
-    taken = valid.join(s, (F.col("message_id") == F.col("_sid")) & ~same_record, "left_semi")
-    return _flag(parsed, taken, "id already in the buffer")
-
-
-def _flag(parsed: DataFrame, dupes: DataFrame, detail: str) -> DataFrame:
+def flag_duplicates(parsed: DataFrame, dupes: DataFrame) -> DataFrame:
     """Set reason `duplicate` on the rows of `parsed` whose coordinates are in `dupes`.
 
-    Duplicates are few next to a batch, so they are broadcast instead of shuffling it.
+    `dupes` holds the coordinates and a `detail` per duplicate (see pipelines/dedup.py);
+    they are few next to a batch, so they are broadcast instead of shuffling it.
     """
-    marks = F.broadcast(dupes.select(*COORDINATES).withColumn("_dup", F.lit(True)))
+    marks = F.broadcast(dupes.withColumnRenamed("detail", "_dup_detail"))
     joined = parsed.join(marks, on=COORDINATES, how="left")
-    dup = F.coalesce(F.col("_dup"), F.lit(False))
+    dup = F.col("_dup_detail").isNotNull()
     return joined.select(
         *[c for c in parsed.columns if c not in ("reason", "detail")],
         F.when(dup, F.lit(Reason.DUPLICATE.value)).otherwise(F.col("reason")).alias("reason"),
-        F.when(dup, F.lit(detail)).otherwise(F.col("detail")).alias("detail"),
+        F.coalesce(F.col("_dup_detail"), F.col("detail")).alias("detail"),
     )
 
 

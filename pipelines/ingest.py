@@ -13,17 +13,20 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
 from conf.settings import Settings, TopicConfig
 from conf.tables import Table, checkpoint_path, ensure_table, table_path
+from pipelines.dedup import SeenIds
 from pipelines.envelope import (
+    COORDINATES,
+    Reason,
     buffer_rows,
-    dedup_in_batch,
     explicit_id,
-    mark_seen,
+    flag_duplicates,
     parse,
     quarantine_rows,
 )
@@ -72,6 +75,7 @@ class IngestJob:
     max_offsets_per_trigger: int = DEFAULT_MAX_OFFSETS_PER_TRIGGER
     stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=1000))
     _reported: int = -1
+    _seen: SeenIds | None = None
 
     @property
     def app_id(self) -> str:
@@ -93,18 +97,25 @@ class IngestJob:
             .load()
         )
 
-    def _seen(self, path: str) -> DataFrame:
-        """Ids stored within the dedup window, with the coordinates that stored them."""
+    def _load_seen(self) -> SeenIds:
+        """The explicit ids the buffer stored within the dedup window (one read per start)."""
+        seen = SeenIds(self.topic.dedup_window_ms)
+        if self.topic.dedup_window_ms <= 0:
+            return seen
         cutoff = F.current_timestamp() - F.expr(
             f"make_dt_interval(0, 0, 0, {self.topic.dedup_window_ms / 1000:.3f})"
         )
-        return (
+        path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
+        stored = (
             self.spark.read.format(self.connectors.delta)
             .option("columns", "message_id,source_topic,source_partition,source_offset,ingested_at")
             .load(path)
-            .where(F.col("ingested_at") >= cutoff)
-            .select("message_id", "source_topic", "source_partition", "source_offset")
+            .where((F.col("ingested_at") >= cutoff) & explicit_id())
+            .select("message_id", *COORDINATES, F.unix_millis("ingested_at"))
+            .toArrow()
         )
+        seen.load(zip(*(c.to_pylist() for c in stored.columns), strict=True))
+        return seen
 
     def _append(self, df: DataFrame, path: str, batch_id: int) -> None:
         (
@@ -118,23 +129,37 @@ class IngestJob:
     def process_batch(self, records: DataFrame, batch_id: int) -> None:
         """Parse, dedup, append to both tables; both appends are idempotent per batch."""
         clock = _Phases()
+        if self._seen is None:
+            self._seen = self._load_seen()
         buffer_path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
         quarantine_path = table_path(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
-        parsed = parse(records, self.topic).persist()
-        cached = [parsed]
+        parsed = cached = parse(records, self.topic).persist()
         try:
-            explicit = parsed.where(F.col("reason").isNull() & explicit_id()).count()
+            # One pass gives both the counts per reason and the ids that dedup must judge.
+            valid_id = F.col("reason").isNull() & explicit_id()
+            summary = (
+                parsed.groupBy("reason")
+                .agg(
+                    F.count("*").alias("n"),
+                    F.collect_list(
+                        F.when(valid_id, F.struct("message_id", *COORDINATES, "produced_at"))
+                    ).alias("ids"),
+                )
+                .toArrow()
+            )
             clock.lap("read_parse")
-            if explicit:
-                marked = dedup_in_batch(parsed)
-                if self.topic.dedup_window_ms > 0:
-                    marked = mark_seen(marked, self._seen(buffer_path))
-                parsed = marked.persist()
-                cached.append(parsed)
-            counts = {
-                r["reason"]: r["n"]
-                for r in parsed.groupBy("reason").agg(F.count("*").alias("n")).collect()
-            }
+            reasons, sizes = (summary.column(c).to_pylist() for c in ("reason", "n"))
+            counts = dict(zip(reasons, sizes, strict=True))
+            ids = pa.Table.from_struct_array(summary.column("ids").combine_chunks().flatten())
+            verdict = self._seen.check(ids)
+            if verdict.duplicates:
+                dupes = self.spark.createDataFrame(
+                    [(*c, why) for c, why in verdict.duplicates.items()],
+                    parsed.select(*COORDINATES).schema.add("detail", "string"),
+                )
+                parsed = flag_duplicates(parsed, dupes)
+                counts[None] -= len(verdict.duplicates)
+                counts[Reason.DUPLICATE.value] = len(verdict.duplicates)
             clock.lap("dedup")
             buffered = counts.pop(None, 0)
             if buffered:
@@ -143,9 +168,9 @@ class IngestJob:
             if counts:
                 self._append(quarantine_rows(parsed), quarantine_path, batch_id)
             clock.lap("write_quarantine")
+            self._seen.commit(verdict, int(time.time() * 1000))
         finally:
-            for df in cached:
-                df.unpersist()
+            cached.unpersist()
         stats = BatchStats(
             batch_id=batch_id,
             rows_in=buffered + sum(counts.values()),

@@ -9,15 +9,14 @@ from chispa import assert_df_equality
 from chispa.schema_comparer import assert_schema_equality
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from pyspark.sql import functions as F
 
 from conf.settings import JsonFields, TopicConfig
 from pipelines.envelope import (
     BUFFER_SPARK_SCHEMA,
+    COORDINATES,
     QUARANTINE_SPARK_SCHEMA,
     buffer_rows,
-    dedup_in_batch,
-    mark_seen,
+    flag_duplicates,
     parse,
     quarantine_rows,
 )
@@ -177,19 +176,25 @@ def test_json_field_mapping(spark) -> None:
     ]
 
 
-def test_duplicates_first_wins_and_a_replay_is_not_a_duplicate(spark) -> None:
+def test_flag_duplicates_marks_exactly_the_given_coordinates(spark) -> None:
     df = records(spark, [(b"k", b"a", {"dejaq-priority": b"1", "dejaq-id": b"same"})] * 3)
-    parsed = dedup_in_batch(parse(df, PRIORITY))
-    assert reasons(parsed) == [(0, None), (1, "duplicate"), (2, "duplicate")]
-
-    stored = buffer_rows(parsed)
-    later = parse(
-        records(spark, [(b"k", b"z", {"dejaq-priority": b"1", "dejaq-id": b"same"})], partition=1),
-        PRIORITY,
+    parsed = parse(df, PRIORITY)
+    dupes = spark.createDataFrame(
+        [("in", 0, 2, "id seen earlier in the same batch")],
+        parsed.select(*COORDINATES).schema.add("detail", "string"),
     )
-    assert reasons(mark_seen(later, stored)) == [(0, "duplicate")]
-    replay = parse(df, PRIORITY).where(F.col("source_offset") == 0)
-    assert reasons(mark_seen(replay, stored)) == [(0, None)]
+    flagged = flag_duplicates(parsed, dupes)
+    assert_schema_equality(flagged.schema, parsed.schema, ignore_nullable=True)
+    expected = spark.createDataFrame(
+        [(0, None, None), (1, None, None), (2, "duplicate", "id seen earlier in the same batch")],
+        "source_offset long, reason string, detail string",
+    )
+    assert_df_equality(
+        flagged.select("source_offset", "reason", "detail"),
+        expected,
+        ignore_row_order=True,
+        ignore_nullable=True,
+    )
 
 
 header_values = st.one_of(
@@ -213,7 +218,7 @@ record = st.tuples(
     topic=st.sampled_from([PRIORITY, TIMELINE, EVENTS]),
 )
 def test_any_bytes_become_exactly_one_buffer_or_quarantine_row(spark, batch, topic) -> None:
-    parsed = dedup_in_batch(parse(records(spark, batch), topic)).cache()
+    parsed = parse(records(spark, batch), topic).cache()
     buffered = buffer_rows(parsed).collect()
     quarantined = quarantine_rows(parsed).collect()
     assert len(buffered) + len(quarantined) == len(batch)

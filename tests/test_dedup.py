@@ -1,0 +1,95 @@
+"""Driver-side dedup of explicit ids: first wins, replays are not duplicates, the window ends."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import pyarrow as pa
+from hypothesis import given
+from hypothesis import strategies as st
+
+from pipelines.dedup import IN_BATCH, IN_BUFFER, SeenIds
+
+T0 = dt.datetime(2026, 11, 21, tzinfo=dt.UTC)
+HOUR_MS = 3600 * 1000
+
+
+def batch(rows: list[tuple[str, int, int, int]]) -> pa.Table:
+    """(id, partition, offset, produced second) rows of topic `in`."""
+    ids, parts, offsets, seconds = zip(*rows, strict=True) if rows else ([], [], [], [])
+    return pa.table(
+        {
+            "message_id": pa.array(ids, pa.string()),
+            "source_topic": pa.array(["in"] * len(rows), pa.string()),
+            "source_partition": pa.array(parts, pa.int32()),
+            "source_offset": pa.array(offsets, pa.int64()),
+            "produced_at": pa.array(
+                [T0 + dt.timedelta(seconds=s) for s in seconds], pa.timestamp("us", "UTC")
+            ),
+        }
+    )
+
+
+def test_first_wins_in_a_batch_by_produce_time_then_coordinates() -> None:
+    seen = SeenIds(HOUR_MS)
+    verdict = seen.check(batch([("a", 1, 5, 2), ("a", 0, 9, 1), ("a", 0, 3, 2), ("b", 0, 4, 9)]))
+    assert verdict.kept == {"a": ("in", 0, 9), "b": ("in", 0, 4)}
+    assert verdict.duplicates == {("in", 0, 3): IN_BATCH, ("in", 1, 5): IN_BATCH}
+
+
+def test_an_id_stored_earlier_is_a_duplicate_but_a_replay_of_its_record_is_not() -> None:
+    seen = SeenIds(HOUR_MS)
+    seen.commit(seen.check(batch([("a", 0, 0, 0)])), now_ms=1_000)
+    assert seen.check(batch([("a", 1, 7, 5)])).duplicates == {("in", 1, 7): IN_BUFFER}
+    replay = seen.check(batch([("a", 0, 0, 0)]))
+    assert replay.duplicates == {} and replay.kept == {"a": ("in", 0, 0)}
+
+
+def test_check_alone_changes_nothing_so_a_failed_batch_is_forgotten() -> None:
+    seen = SeenIds(HOUR_MS)
+    seen.check(batch([("a", 0, 0, 0)]))
+    assert len(seen) == 0
+    assert seen.check(batch([("a", 0, 1, 0)])).duplicates == {}
+
+
+def test_ids_older_than_the_window_are_forgotten() -> None:
+    seen = SeenIds(HOUR_MS)
+    seen.load([("old", "in", 0, 0, 0), ("new", "in", 0, 1, HOUR_MS)])
+    seen.commit(seen.check(batch([])), now_ms=HOUR_MS + 1)
+    assert len(seen) == 1
+    assert seen.check(batch([("old", 1, 0, 0)])).duplicates == {}
+    assert seen.check(batch([("new", 1, 0, 0)])).duplicates == {("in", 1, 0): IN_BUFFER}
+
+
+def test_a_zero_window_dedups_within_a_batch_only() -> None:
+    seen = SeenIds(0)
+    seen.commit(seen.check(batch([("a", 0, 0, 0), ("a", 0, 1, 0)])), now_ms=0)
+    assert len(seen) == 0
+    assert seen.check(batch([("a", 0, 2, 0)])).duplicates == {}
+
+
+records = st.lists(
+    st.tuples(st.sampled_from("abcde"), st.integers(0, 2), st.integers(0, 5)),
+    max_size=30,
+)
+
+
+@given(batches=st.lists(records, max_size=5))
+def test_each_id_is_kept_once_at_its_first_record_across_batches(batches) -> None:
+    """Stored once, first wins, whatever the batches; in = kept + duplicates per batch."""
+    seen = SeenIds(HOUR_MS)
+    stored: dict[str, tuple] = {}
+    offset = 0
+    for n, rows in enumerate(batches):
+        numbered = []
+        for mid, part, second in rows:
+            numbered.append((mid, part, offset, n * 10 + second))
+            offset += 1
+        verdict = seen.check(batch(numbered))
+        assert len(verdict.kept) + len(verdict.duplicates) == len(numbered)
+        assert not set(verdict.kept) & set(stored), "an id stored earlier is kept again"
+        for mid, coordinates in verdict.kept.items():
+            first = min((r for r in numbered if r[0] == mid), key=lambda r: (r[3], r[1], r[2]))
+            assert coordinates == ("in", first[1], first[2])
+        seen.commit(verdict, now_ms=n)
+        stored.update(verdict.kept)
