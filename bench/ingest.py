@@ -35,7 +35,6 @@ from conf.settings import Settings
 from conf.tables import Table, table_path
 from jobs import embedded_kafka
 
-
 WARMUP_MESSAGES = 20_000
 
 
