@@ -122,10 +122,14 @@ def run(args: argparse.Namespace) -> int:
         for node in nodes:
             print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
         print("SIGTERM or Ctrl-C stops the cluster", flush=True)
+        status = 0
         while not stopping.wait(0.5):
-            if any(node.proc is not None and node.proc.poll() is not None for node in nodes):
-                print("error: a broker exited", file=sys.stderr)
+            exited = [n for n in nodes if n.proc is not None and n.proc.poll() is not None]
+            if exited:
+                codes = ", ".join(f"{n.node_id} exit {n.proc.returncode}" for n in exited)
+                print(f"error: a broker exited ({codes}); stopping the others", file=sys.stderr)
+                status = 1
                 break
     for node in nodes:
         stop_node(node)
-    return 0
+    return status

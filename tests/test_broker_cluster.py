@@ -434,22 +434,13 @@ def test_multi_node_broker_refuses_to_start_without_a_raft_password(tmp_path) ->
     assert "broker.raft_password" in result.stderr
 
 
+CLUSTER_UP = [sys.executable, "-m", "jobs.cli", "cluster", "up"]
+
+
 def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
     conf = write_conf(tmp_path, "127.0.0.1:9", "in")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "jobs.cli",
-            "cluster",
-            "up",
-            "--nodes",
-            "1",
-            "--data-dir",
-            str(tmp_path / "c"),
-            "--conf-file",
-            str(conf),
-        ],
+        [*CLUSTER_UP, "--nodes", "1", "--data-dir", str(tmp_path / "c"), "--conf-file", str(conf)],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -462,6 +453,27 @@ def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
         assert proc.wait(30) == 0
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"{url}/healthz", timeout=2)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_cluster_up_fails_when_a_broker_dies(tmp_path) -> None:
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    proc = subprocess.Popen(
+        [*CLUSTER_UP, "--nodes", "1", "--data-dir", str(tmp_path / "c"), "--conf-file", str(conf)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().startswith("n1: http://127.0.0.1:")
+        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        assert len(children) == 1, "one broker process"
+        os.kill(int(children[0]), signal.SIGKILL)
+        assert proc.wait(30) == 1
+        assert "a broker exited (n1 exit -9)" in proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
