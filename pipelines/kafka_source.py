@@ -233,33 +233,64 @@ class KafkaInputPartition(InputPartition):
 
 
 class _Columns:
-    """Column lists for one Arrow batch; rows are added record by record."""
+    """One Arrow batch of one partition's records, built column by column.
 
-    def __init__(self) -> None:
-        self.columns: list[list[Any]] = [[] for _ in ARROW_SCHEMA]
+    The read's hot loop: headers are kept flat (offsets, keys, values) and become one
+    ListArray, the topic and partition are constant, so no Python object is made per row.
+    """
+
+    def __init__(self, topic: str, partition: int) -> None:
+        self.topic, self.partition = topic, partition
+        self.keys: list[bytes | None] = []
+        self.values: list[bytes | None] = []
+        self.offsets: list[int] = []
+        self.timestamps: list[int] = []
+        self.types: list[int] = []
+        self.header_ends: list[int] = [0]
+        self.no_headers: list[bool] = []
+        self.header_keys: list[str] = []
+        self.header_values: list[bytes | None] = []
 
     def __len__(self) -> int:
-        return len(self.columns[0])
+        return len(self.offsets)
 
-    def append(self, r: ConsumerRecord) -> None:
-        headers = [{"key": k, "value": v} for k, v in r.headers] if r.headers else None
-        row = (
-            r.key,
-            r.value,
-            r.topic,
-            r.partition,
-            r.offset,
-            r.timestamp * 1000,
-            r.timestamp_type,
-            headers,
-        )
-        for column, value in zip(self.columns, row, strict=True):
-            column.append(value)
+    def extend(self, records: list[ConsumerRecord], start: int, end: int) -> None:
+        """Add the records with start <= offset < end."""
+        for r in records:
+            if not start <= r.offset < end:
+                continue
+            self.keys.append(r.key)
+            self.values.append(r.value)
+            self.offsets.append(r.offset)
+            self.timestamps.append(r.timestamp * 1000)
+            self.types.append(r.timestamp_type)
+            self.no_headers.append(not r.headers)
+            for k, v in r.headers:
+                self.header_keys.append(k)
+                self.header_values.append(v)
+            self.header_ends.append(len(self.header_keys))
 
     def to_batch(self) -> pa.RecordBatch:
+        n = len(self)
+        pairs = pa.StructArray.from_arrays(
+            [pa.array(self.header_keys, pa.string()), pa.array(self.header_values, pa.binary())],
+            fields=list(_HEADERS_TYPE.value_type),
+        )
+        headers = pa.ListArray.from_arrays(
+            pa.array(self.header_ends, pa.int32()),
+            pairs,
+            type=_HEADERS_TYPE,
+            mask=pa.array(self.no_headers, pa.bool_()),
+        )
         arrays = [
-            pa.array(values, type=field.type)
-            for values, field in zip(self.columns, ARROW_SCHEMA, strict=True)
+            pa.array(self.keys, pa.binary()),
+            pa.array(self.values, pa.binary()),
+            pa.array([self.topic] * n, pa.string()),
+            pa.array([self.partition] * n, pa.int32()),
+            pa.array(self.offsets, pa.int64()),
+            pa.array(self.timestamps, ARROW_SCHEMA.field("timestamp").type),
+            pa.array(self.types, pa.int32()),
+            headers,
         ]
         return pa.RecordBatch.from_arrays(arrays, schema=ARROW_SCHEMA)
 
@@ -387,7 +418,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         try:
             consumer.assign([tp])
             consumer.seek(tp, p.start)
-            columns = _Columns()
+            columns = _Columns(p.topic, p.partition)
             position = p.start
             deadline = time.monotonic() + timeout_s
             while position < p.end:
@@ -398,12 +429,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                         f"{self.options.poll_timeout_ms} ms (pollTimeoutMs). Is the broker "
                         "down, or was the topic deleted or recreated?"
                     )
-                for record in consumer.poll(timeout_ms=_POLL_MS).get(tp, []):
-                    if p.start <= record.offset < p.end:
-                        columns.append(record)
+                columns.extend(consumer.poll(timeout_ms=_POLL_MS).get(tp, []), p.start, p.end)
                 if len(columns) >= BATCH_ROWS:
                     yield columns.to_batch()
-                    columns = _Columns()
+                    columns = _Columns(p.topic, p.partition)
                 moved_to = consumer.position(tp, timeout_ms=_POLL_MS)
                 if moved_to is not None and moved_to > position:
                     position = moved_to
