@@ -79,40 +79,50 @@ def _create_topics(bootstrap: str) -> None:
     admin.close()
 
 
-def _send_bad(producer: KafkaProducer, topic: str, c: Counters) -> None:
-    for _ in range(BAD_MESSAGES // 2):
-        producer.send(topic, key=b"bad", value=b"?", headers=[("dejaq-priority", b"asap!")])
+Record = tuple[bytes, bytes, list[tuple[str, bytes]]]
+
+
+def _produce(bootstrap: str, topic: str, records: list[Record], c: Counters) -> None:
+    """Send the records, then a few bad ones that must end up in quarantine."""
+    bad: Record = (b"bad", b"?", [("dejaq-priority", b"asap!")])
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
+    for key, value, headers in [*records, *[bad] * (BAD_MESSAGES // 2)]:
+        producer.send(topic, key=key, value=value, headers=headers)
         c.produced += 1
+    producer.flush()
+    producer.close()
 
 
 def _produce_orders(bootstrap: str, c: Counters) -> list[int]:
-    """Orders with priorities in random order, then a few bad records."""
+    """Orders with priorities in random order."""
     rng = random.Random(7)
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
     priorities = [rng.randrange(0, 1000) for _ in range(PRIORITY_MESSAGES)]
-    for i, prio in enumerate(priorities):
-        headers = [("dejaq-priority", str(prio).encode()), ("dejaq-id", f"order-{i}".encode())]
-        producer.send("orders-in", key=f"customer-{i % 50}".encode(), value=b"job", headers=headers)
-        c.produced += 1
-    _send_bad(producer, "orders-in", c)
-    producer.flush()
-    producer.close()
+    records = [
+        (
+            f"customer-{i % 50}".encode(),
+            b"job",
+            [("dejaq-priority", str(prio).encode()), ("dejaq-id", f"order-{i}".encode())],
+        )
+        for i, prio in enumerate(priorities)
+    ]
+    _produce(bootstrap, "orders-in", records, c)
     return priorities
 
 
 def _produce_reminders(bootstrap: str, c: Counters) -> None:
-    """Reminders due over the next window, shuffled, then a few bad records."""
+    """Reminders due over the next window, shuffled."""
     rng = random.Random(11)
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=10)
     start_ms = int(time.time() * 1000) + REMINDERS_FROM_S * 1000
     due = [start_ms + rng.randrange(TIMELINE_WINDOW_S * 1000) for _ in range(TIMELINE_MESSAGES)]
-    for i, at in enumerate(due):
-        headers = [("dejaq-deliver-at", str(at).encode()), ("dejaq-id", f"reminder-{i}".encode())]
-        producer.send("reminders-in", key=f"user-{i % 40}".encode(), value=b"ping", headers=headers)
-        c.produced += 1
-    _send_bad(producer, "reminders-in", c)
-    producer.flush()
-    producer.close()
+    records = [
+        (
+            f"user-{i % 40}".encode(),
+            b"ping",
+            [("dejaq-deliver-at", str(at).encode()), ("dejaq-id", f"reminder-{i}".encode())],
+        )
+        for i, at in enumerate(due)
+    ]
+    _produce(bootstrap, "reminders-in", records, c)
 
 
 def _worker(name: str, urls: list[str], c: Counters, stop: threading.Event) -> None:
