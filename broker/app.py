@@ -7,6 +7,8 @@ request against the leader's HTTP address and returns the leader's answer.
 
 from __future__ import annotations
 
+import asyncio
+import time
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
@@ -20,6 +22,9 @@ from broker.service import Broker, Problem, Producer
 
 FORWARDED = "x-dejaq-forwarded"
 PROBLEM = "application/problem+json"
+FORWARD_WAIT_S = 3.0  # an election takes 0.5-1.5 s; a client should not see it
+LEADER_POLL_S = 0.05
+NOT_LEADER = "not leader"
 
 
 class ForwardToLeader(Exception):
@@ -43,7 +48,7 @@ async def on_leader(request: Request, broker: AnyBroker) -> Broker:
     if broker.raft is not None and broker.raft.is_leader():
         return broker
     if request.headers.get(FORWARDED):
-        raise Problem(503, "no leader", "the node this was forwarded to is no longer leader")
+        raise Problem(503, NOT_LEADER, "the node this was forwarded to is no longer leader")
     raise ForwardToLeader()
 
 
@@ -52,7 +57,8 @@ LeaderBroker = Annotated[Broker, Depends(on_leader)]
 
 def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResponse:
     body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
-    return JSONResponse(body, status_code=status, media_type=PROBLEM)
+    headers = {"retry-after": "1"} if status == 503 else None
+    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
 async def _on_problem(request: Request, exc: Exception) -> Response:
@@ -74,24 +80,53 @@ async def _on_invalid(request: Request, exc: Exception) -> Response:
     return problem(422, "invalid request", "; ".join(e["msg"] for e in errors), errors=errors)
 
 
+async def _leader_address(broker: Broker, deadline: float) -> str | None:
+    """The leader's HTTP address, waiting out an election until `deadline` (monotonic)."""
+    while True:
+        target = broker.raft.leader_http() if broker.raft is not None else None
+        if target is not None or time.monotonic() >= deadline:
+            return target
+        await asyncio.sleep(LEADER_POLL_S)
+
+
+def _not_leader(answer: httpx.Response) -> bool:
+    return answer.status_code == 503 and answer.json().get("title") == NOT_LEADER
+
+
 async def _forward(request: Request, exc: Exception) -> Response:
+    """Replay on the leader. An election or a dead leader is waited out, up to a bound:
+    a refused connection or a "not leader" answer means nothing was done, so trying
+    again is safe."""
     broker: Broker = request.app.state.broker
-    target = broker.raft.leader_http() if broker.raft is not None else None
-    if target is None:
-        return problem(503, "no leader", "no Raft leader is known yet: retry shortly")
     client: httpx.AsyncClient = request.app.state.http
-    try:
-        answer = await client.request(
-            request.method,
-            f"http://{target}{request.url.path}",
-            params=request.query_params,
-            content=await request.body(),
-            headers={"content-type": request.headers.get("content-type", ""), FORWARDED: "1"},
-        )
-    except httpx.HTTPError as e:
-        return problem(503, "leader unreachable", f"{target}: {type(e).__name__}")
-    keep = {k: v for k, v in answer.headers.items() if k.lower() == "content-type"}
-    return Response(answer.content, status_code=answer.status_code, headers=keep)
+    body = await request.body()
+    deadline = time.monotonic() + FORWARD_WAIT_S
+    while True:
+        target = await _leader_address(broker, deadline)
+        if target is None:
+            return problem(503, "no leader", "no Raft leader is known yet: retry shortly")
+        try:
+            answer = await client.request(
+                request.method,
+                f"http://{target}{request.url.path}",
+                params=request.query_params,
+                content=body,
+                headers={"content-type": request.headers.get("content-type", ""), FORWARDED: "1"},
+            )
+        except httpx.ConnectError as e:
+            if time.monotonic() < deadline:
+                await asyncio.sleep(LEADER_POLL_S)
+                continue
+            return problem(503, "leader unreachable", f"{target}: {type(e).__name__}")
+        except httpx.HTTPError as e:
+            return problem(503, "leader unreachable", f"{target}: {type(e).__name__}")
+        if _not_leader(answer) and time.monotonic() < deadline:
+            await asyncio.sleep(LEADER_POLL_S)  # it stepped down before taking the request
+            continue
+        keep = {
+            k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")
+        }
+        return Response(answer.content, status_code=answer.status_code, headers=keep)
 
 
 def create_app(broker: Broker, producer: Producer) -> FastAPI:

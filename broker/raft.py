@@ -131,8 +131,8 @@ def raft_conf(broker: BrokerConfig, data_dir: Path, multi_node: bool) -> SyncObj
         journalFile=str(data_dir / "raft.journal"),
         fullDumpFile=str(data_dir / "raft.dump"),
         appendEntriesPeriod=0.05,
-        raftMinTimeout=0.3,
-        raftMaxTimeout=0.9,
+        raftMinTimeout=0.5,  # a loaded 2-core machine can starve a leader for 300 ms
+        raftMaxTimeout=1.5,
         connectionRetryTime=0.5,
         commandsQueueSize=100_000,
         logCompactionMinEntries=20_000,

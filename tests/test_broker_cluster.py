@@ -169,6 +169,17 @@ def test_expiry_nack_extend_reject_cancel_reschedule(three) -> None:
 _examples = itertools.count()
 
 
+def post_retrying(client: httpx.Client, url: str, body: dict) -> httpx.Response:
+    """POST as a client should: a 503 (a Raft election longer than the broker waits
+    out) is tried again, within a deadline."""
+
+    def served() -> httpx.Response | None:
+        answer = client.post(url, json=body)
+        return None if answer.status_code == 503 else answer
+
+    return wait_until(served, timeout=20, what=f"{url} served by a leader")
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(keys=st.lists(st.integers(0, 65535), min_size=1, max_size=30), n=st.integers(1, 8))
 def test_leases_follow_sort_key_order_over_http(three, keys: list[int], n: int) -> None:
@@ -178,14 +189,14 @@ def test_leases_follow_sort_key_order_over_http(three, keys: list[int], n: int) 
     url = f"{follower(nodes, client).url}/v1/topics/ord"
     seen: list[int] = []
     while len(seen) < len(keys):
-        got = client.post(
-            f"{url}/leases", json={"consumer_id": "o", "max_messages": n, "wait_ms": 5000}
-        )
-        msgs = got.json()["messages"]
+        body = {"consumer_id": "o", "max_messages": n, "wait_ms": 5000, "lease_ms": 60_000}
+        msgs = post_retrying(client, f"{url}/leases", body).json()["messages"]
         assert msgs, "every message arrives"
         assert len(msgs) == min(n, len(keys) - len(seen))
         seen += [m["priority"] for m in msgs]
-        ack = client.post(f"{url}/acks", json={"consumer_id": "o", "ids": [m["id"] for m in msgs]})
+        ack = post_retrying(
+            client, f"{url}/acks", {"consumer_id": "o", "ids": [m["id"] for m in msgs]}
+        )
         assert ack.status_code == 200, ack.text
     assert seen == sorted(keys)
 
@@ -381,6 +392,9 @@ def test_kill_9_leader_under_load_then_full_restart(tmp_path, kafka_bootstrap, k
             victim = leader_of(nodes, client)
             cluster.stop_node(victim, kill=True)
             killed = time.monotonic()
+            survivor = next(n for n in nodes if n is not victim)
+            probe = client.post(f"{survivor.url}/v1/topics/jobs/consumers/probe/heartbeat")
+            assert probe.status_code == 200, f"a node waits out the election: {probe.text}"
             wait_until(lambda: w.last_success > killed, timeout=10, what="a new leader")
             assert w.last_success - killed < 3.0, "a new leader serves within 3 s"
             # An ack committed just before the kill may have lost its answer: ask the cluster.
