@@ -6,7 +6,9 @@ Kafka, then measures in one run:
 - ingest: `IngestJob` with availableNow (what `dejaq ingest --once` runs), on a warm
   SparkSession, with the time of each batch's phases;
 - visibility latency: a continuous ingest while a producer writes at a steady rate; a
-  message is visible when the Delta commit holding it is readable.
+  message is visible when the Delta commit holding it is readable;
+- Spark's floor: the same batch code fed by an in-memory source that decodes nothing,
+  so what Spark itself costs (parse, cache, Delta write) is told apart from Kafka's.
 Prints one JSON object.
 """
 
@@ -26,14 +28,18 @@ import threading
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+from pyspark.sql.types import StructType
 
 from conf.settings import Settings
-from conf.tables import Table, table_path
+from conf.tables import Table, ensure_table, table_path
 from jobs import embedded_kafka
+from pipelines.kafka_source import ARROW_SCHEMA, BATCH_ROWS, KAFKA_SCHEMA
 
 WARMUP_MESSAGES = 20_000
 
@@ -81,6 +87,99 @@ def run_baseline(bootstrap: str, topic: str) -> dict:
         check=True,
     ).stdout
     return json.loads(out.strip().splitlines()[-1])
+
+
+HEADERS = ARROW_SCHEMA.field("headers").type
+
+
+class FloorPartition(InputPartition):
+    def __init__(self, index: int, rows: int) -> None:
+        self.index, self.rows = index, rows
+
+
+class FloorReader(DataSourceReader):
+    """Records like the benchmark's, built in memory: the read costs Arrow, not Kafka."""
+
+    def __init__(self, rows: int, partitions: int, payload: int) -> None:
+        self.rows, self.parts, self.payload = rows, partitions, payload
+
+    def partitions(self) -> list[FloorPartition]:
+        return [FloorPartition(i, self.rows // self.parts) for i in range(self.parts)]
+
+    def read(self, partition: FloorPartition):  # type: ignore[override]
+        rng = random.Random(partition.index)
+        now_us = int(time.time() * 1e6)
+        for lo in range(0, partition.rows, BATCH_ROWS):
+            n = min(BATCH_ROWS, partition.rows - lo)
+            prios = [str(rng.randrange(65536)).encode() for _ in range(n)]
+            headers = pa.ListArray.from_arrays(
+                pa.array(range(n + 1), pa.int32()),
+                pa.StructArray.from_arrays(
+                    [pa.array(["dejaq-priority"] * n), pa.array(prios, pa.binary())],
+                    fields=list(HEADERS.value_type),
+                ),
+                type=HEADERS,
+            )
+            columns = [
+                pa.array([b"c%d" % (i % 1000) for i in range(n)], pa.binary()),
+                pa.array([b"x" * self.payload] * n, pa.binary()),
+                pa.array(["floor-in"] * n),
+                pa.array([partition.index] * n, pa.int32()),
+                pa.array(range(lo, lo + n), pa.int64()),
+                pa.array([now_us] * n, ARROW_SCHEMA.field("timestamp").type),
+                pa.array([0] * n, pa.int32()),
+                headers,
+            ]
+            yield pa.RecordBatch.from_arrays(columns, schema=ARROW_SCHEMA)
+
+
+class FloorSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "dejaq_bench_floor"
+
+    def schema(self) -> StructType:
+        return KAFKA_SCHEMA
+
+    def reader(self, schema: StructType) -> FloorReader:
+        o = self.options
+        return FloorReader(int(o["rows"]), int(o["partitions"]), int(o["payload"]))
+
+
+def spark_floor(spark, settings: Settings, topic: str, args: argparse.Namespace) -> dict:
+    """`IngestJob.process_batch` on in-memory records, in batches of the trigger's size."""
+    from pipelines.ingest import IngestJob
+    from pipelines.session import detect_connectors
+
+    spark.dataSource.register(FloorSource)
+    job = IngestJob(spark, settings, settings.topic(topic), detect_connectors(spark))
+    ensure_table(settings.warehouse, Table.BUFFER, topic)
+    ensure_table(settings.warehouse, Table.QUARANTINE, topic)
+    batch = min(args.max_offsets_per_trigger, args.messages)
+    records = (
+        spark.read.format(FloorSource.name())
+        .option("rows", str(batch))
+        .option("partitions", str(args.partitions))
+        .option("payload", str(args.payload_bytes))
+        .load()
+    )
+    job.process_batch(records, 0)  # warm-up
+    started = time.perf_counter()
+    batches = max(args.messages // batch, 1)
+    for batch_id in range(1, batches + 1):
+        job.process_batch(records, batch_id)
+    seconds = time.perf_counter() - started
+    phases: dict[str, int] = {}
+    for s in list(job.stats)[1:]:
+        for k, v in s.phases_ms.items():
+            phases[k] = phases.get(k, 0) + v
+    return {
+        "rows": batches * batch,
+        "batches": batches,
+        "seconds": round(seconds, 2),
+        "msgs_per_s": round(batches * batch / seconds),
+        "batch_phases_ms_total": phases,
+    }
 
 
 def settings_for(warehouse: Path, bootstrap: str, topics: dict[str, str]) -> Settings:
@@ -208,7 +307,12 @@ def main() -> None:
         settings = settings_for(
             work / "warehouse",
             bootstrap,
-            {"bench": "bench-in", "latency": "latency-in", "warmup": "warmup-in"},
+            {
+                "bench": "bench-in",
+                "latency": "latency-in",
+                "warmup": "warmup-in",
+                "floor": "floor-in",
+            },
         )
         # Python workers, imports and JIT warm up on a small topic: the figure is then
         # the steady rate, and the cold start is reported on its own.
@@ -241,6 +345,7 @@ def main() -> None:
             for k, v in d.items():
                 spark_phases[k] = spark_phases.get(k, 0) + v
         ingest_rate = rows / ingest_s
+        floor = spark_floor(spark, settings, "floor", args)
         latency = visibility_latency(
             spark, settings, "latency", args.latency_messages, args.latency_rate
         )
@@ -272,6 +377,8 @@ def main() -> None:
                     },
                     "baseline_kafka_python_consumer": baseline,
                     "ingest_vs_baseline": round(ingest_rate / baseline["msgs_per_s"], 3),
+                    "spark_floor_no_kafka_decode": floor,
+                    "floor_vs_baseline": round(floor["msgs_per_s"] / baseline["msgs_per_s"], 3),
                     "visibility_latency": latency,
                     "produce_msgs_per_s": round(produce_rate),
                     "machine": {
