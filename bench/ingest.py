@@ -39,7 +39,9 @@ from pyspark.sql.types import StructType
 from conf.settings import Settings
 from conf.tables import Table, ensure_table, table_path
 from jobs import embedded_kafka
+from pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
 from pipelines.kafka_source import ARROW_SCHEMA, BATCH_ROWS, KAFKA_SCHEMA
+from pipelines.session import detect_connectors, get_spark
 
 WARMUP_MESSAGES = 20_000
 
@@ -148,8 +150,6 @@ class FloorSource(DataSource):
 
 def spark_floor(spark, settings: Settings, topic: str, args: argparse.Namespace) -> dict:
     """`IngestJob.process_batch` on in-memory records, in batches of the trigger's size."""
-    from pipelines.ingest import IngestJob
-    from pipelines.session import detect_connectors
 
     spark.dataSource.register(FloorSource)
     job = IngestJob(spark, settings, settings.topic(topic), detect_connectors(spark))
@@ -224,8 +224,6 @@ class CommitWatcher(threading.Thread):
 
 def visibility_latency(spark, settings: Settings, topic: str, n: int, rate: int) -> dict:
     """Continuous ingest; produce n messages at `rate`/s; latency = visible - sent."""
-    from pipelines.ingest import IngestJob
-    from pipelines.session import detect_connectors
 
     conf = settings.topic(topic)
     job = IngestJob(spark, settings, conf, detect_connectors(spark))
@@ -274,7 +272,12 @@ def main() -> None:
     )
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--payload-bytes", type=int, default=100)
-    p.add_argument("--max-offsets-per-trigger", type=int, default=100_000)
+    p.add_argument(
+        "--max-offsets-per-trigger",
+        type=int,
+        default=DEFAULT_MAX_OFFSETS_PER_TRIGGER,
+        help="default: the job's own, as `dejaq ingest --once` runs",
+    )
     p.add_argument("--latency-messages", type=int, default=3000)
     p.add_argument("--latency-rate", type=int, default=300)
     p.add_argument(
@@ -284,9 +287,6 @@ def main() -> None:
     if args.baseline_consumer:
         print(json.dumps(baseline_consumer(*args.baseline_consumer)))
         return
-
-    from pipelines.ingest import IngestJob
-    from pipelines.session import detect_connectors, get_spark
 
     work = Path(tempfile.mkdtemp(prefix="dejaq-bench-ingest-"))
     port = embedded_kafka.free_port()
