@@ -62,7 +62,11 @@ def headline(results: dict) -> list[tuple[str, str, float]]:
     for bench, data in results.items():
         for name, number in leaves(data):
             last = name.rsplit(".", 1)[-1]
-            if "per_s" in last or _is_latency(last) or last in ("early", "ingest_vs_baseline"):
+            if (
+                "per_s" in last
+                or _is_latency(last)
+                or last in ("early", "ingest_vs_baseline", "floor_vs_baseline")
+            ):
                 rows.append((bench, name, number))
     return rows
 
