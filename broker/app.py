@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Annotated, Any
 
 import httpx
@@ -129,18 +130,35 @@ async def _forward(request: Request, exc: Exception) -> Response:
         return Response(answer.content, status_code=answer.status_code, headers=keep)
 
 
+class BrokerApp(FastAPI):
+    """FastAPI, with lease and ack offered to `broker.hotpath` before FastAPI's own
+    per-request machinery (telemetry checks, middleware stack, routing) runs."""
+
+    hot: Any
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.hot(scope, receive, send)
+
+
 def create_app(broker: Broker, producer: Producer) -> FastAPI:
     """The HTTP API of one node; the caller starts and stops `broker`."""
+    from broker.hotpath import HotPath
     from broker.routers import consumers, health, leases, messages, topics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        async with httpx.AsyncClient(timeout=40) as client:
-            app.state.http = client
-            yield
+        if broker.raft is not None:
+            broker.raft.attach(asyncio.get_running_loop())
+        try:
+            async with httpx.AsyncClient(timeout=40) as client:
+                app.state.http = client
+                yield
+        finally:
+            if broker.raft is not None:
+                broker.raft.detach()
         producer.close()
 
-    app = FastAPI(
+    app = BrokerApp(
         title="DejaQ broker",
         version="1",
         summary="Lease the lowest sort keys of a reorder buffer; ack, nack, extend, reject.",
@@ -155,4 +173,5 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     for router in (topics.router, messages.router, leases.router, consumers.router):
         app.include_router(router, prefix="/v1")
     app.include_router(health.router)
+    app.hot = HotPath(partial(FastAPI.__call__, app), broker)
     return app

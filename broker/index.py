@@ -95,23 +95,28 @@ class TopicIndex:
         # Read first, then insert every file of the version under one lock: a lease sees
         # a Delta commit whole or not at all, never some of its buckets.
         files = [self._read_file(path, buckets[path]) for path in paths]
-        new = 0
+        # The per-row work happens before taking the lock, which the event loop (Raft
+        # applies, leases) also takes: under it, only C-level inserts.
+        gone_before = len(self.gone)
+        new_rows: dict[str, Row] = {}
+        entries: dict[int, list[tuple[int, int, int, str]]] = {}
+        for bucket, rows in files:
+            added = entries.setdefault(bucket, [])
+            for mid, row in rows:
+                if mid in self.rows or mid in self.gone or mid in new_rows:
+                    continue  # duplicates by id: first wins
+                new_rows[mid] = row
+                added.append((row.sort_key, row.partition, row.offset, mid))
         with self.lock:
-            touched: set[int] = set()
-            for bucket, rows in files:
-                heap = self.heaps[bucket]
-                for mid, row in rows:
-                    if mid in self.rows or mid in self.gone:
-                        continue  # duplicates by id: first wins
-                    self.rows[mid] = row
-                    heap.append((row.sort_key, row.partition, row.offset, mid))
-                    new += 1
-                touched.add(bucket)
-            for bucket in touched:
-                heapq.heapify(self.heaps[bucket])
+            if len(self.gone) != gone_before:  # `gone` only grows: settled meanwhile
+                new_rows = {m: r for m, r in new_rows.items() if m not in self.gone}
+                entries = {b: [e for e in es if e[3] in new_rows] for b, es in entries.items()}
+            self.rows.update(new_rows)
+            for bucket, added in entries.items():
+                _insert(self.heaps[bucket], added)
         self.files.update(paths)
         self.version = version
-        return new
+        return len(new_rows)
 
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
@@ -179,14 +184,6 @@ class TopicIndex:
 
     # --- leader side -----------------------------------------------------------------
 
-    def _valid(self, state: TopicState, entry: tuple[int, int, int, str], now: int) -> bool:
-        key, _, _, mid = entry
-        if mid in self.gone or mid in state.settled or mid in state.leases:
-            return False
-        if mid in state.not_before and state.not_before[mid] > now:
-            return False  # the delayed heap holds it
-        return key == state.sort_key(mid, self.rows[mid].sort_key)
-
     def pick(self, state: TopicState, buckets: list[int], n: int, now: int) -> list[Pick]:
         """Reserve the `n` lowest deliverable sort keys across `buckets`.
 
@@ -209,23 +206,46 @@ class TopicIndex:
                     heads.append((head, b))
             heapq.heapify(heads)
             while heads and len(picks) < n:
-                entry, b = heapq.heappop(heads)
+                entry, b = heads[0]
                 heapq.heappop(self.heaps[b])
                 self.reserved.add(entry[3])
                 picks.append((entry[3], b, entry[0]))
                 head = self._head(state, b, now)
-                if head is not None:
-                    heapq.heappush(heads, (head, b))
+                if head is None:
+                    heapq.heappop(heads)
+                else:
+                    heapq.heapreplace(heads, (head, b))
         return picks
 
     def _head(self, state: TopicState, bucket: int, now: int) -> tuple[int, int, int, str] | None:
+        """The bucket's lowest entry that is deliverable now; stale ones are dropped.
+
+        Stale: reserved, settled (checkpointed or not), leased, delayed by a nack (the
+        delayed heap holds it) or re-keyed (a newer entry holds it). Runs once per
+        leased message, so the lookups are hoisted.
+        """
         heap = self.heaps[bucket]
+        reserved, gone, rows = self.reserved, self.gone, self.rows
+        settled, leases, not_before, overrides = (
+            state.settled,
+            state.leases,
+            state.not_before,
+            state.sort_keys,
+        )
         while heap:
             entry = heap[0]
-            if entry[3] in self.reserved or not self._valid(state, entry, now):
+            key, _, _, mid = entry
+            if (
+                mid in reserved
+                or mid in gone
+                or mid in settled
+                or mid in leases
+                or (not_before and not_before.get(mid, 0) > now)
+                or key != overrides.get(mid, rows[mid].sort_key)
+            ):
                 heapq.heappop(heap)
                 continue
-            if self.timeline and entry[0] > now:
+            if self.timeline and key > now:
                 return None
             return entry
         return None
@@ -243,23 +263,41 @@ class TopicIndex:
 
     def stats(self, state: TopicState, now: int) -> tuple[dict[int, Stats], int]:
         """Per-bucket pending/deliverable counts and oldest ingestion; delayed count."""
-        out: dict[int, Stats] = {}
+        # Walks every entry: on a copy, so the lock (and the event loop waiting for it)
+        # is held for a list copy, not for the walk. Rows checkpointed meanwhile are
+        # skipped; the counts are a moment's view either way.
         with self.lock:
-            for b, heap in enumerate(self.heaps):
-                seen: set[str] = set()
-                pending = deliverable = 0
-                oldest: int | None = None
-                for key, _, _, mid in heap:
-                    if mid in seen or mid in self.gone or mid in state.settled:
-                        continue
-                    if mid in state.leases or key != state.sort_key(mid, self.rows[mid].sort_key):
-                        continue
-                    seen.add(mid)
-                    pending += 1
-                    at = self.rows[mid].ingested_at
-                    oldest = at if oldest is None else min(oldest, at)
-                    if state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now):
-                        deliverable += 1
-                out[b] = Stats(pending, deliverable, oldest)
-            delayed = len({m for _, m in self.delayed if m not in state.leases})
+            heaps = [list(heap) for heap in self.heaps]
+            delayed_ids = [m for _, m in self.delayed]
+        rows, gone = self.rows, self.gone
+        out: dict[int, Stats] = {}
+        for b, heap in enumerate(heaps):
+            seen: set[str] = set()
+            pending = deliverable = 0
+            oldest: int | None = None
+            for key, _, _, mid in heap:
+                row = rows.get(mid)
+                if row is None or mid in seen or mid in gone or mid in state.settled:
+                    continue
+                if mid in state.leases or key != state.sort_key(mid, row.sort_key):
+                    continue
+                seen.add(mid)
+                pending += 1
+                at = row.ingested_at
+                oldest = at if oldest is None else min(oldest, at)
+                if state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now):
+                    deliverable += 1
+            out[b] = Stats(pending, deliverable, oldest)
+        delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
+
+
+def _insert(heap: list[tuple[int, int, int, str]], added: list[tuple[int, int, int, str]]) -> None:
+    """Add entries to a heap: pushed one by one when few, else appended and re-heapified
+    (linear in the heap's size, so only worth it for a large batch)."""
+    if len(added) * 8 < len(heap):
+        for entry in added:
+            heapq.heappush(heap, entry)
+    else:
+        heap.extend(added)
+        heapq.heapify(heap)

@@ -30,6 +30,13 @@ class Metrics:
             buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
             registry=r,
         )
+        self.loop_lag = Histogram(
+            "dejaq_event_loop_lag_seconds",
+            "How late the event loop ran Raft's 10 ms timer; HTTP and Raft share the loop, "
+            "and followers elect another leader after 0.5-1.5 s without heartbeats",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+            registry=r,
+        )
         self.raft_role = Gauge(
             "dejaq_raft_role", "1 for this node's current Raft role", ["role"], registry=r
         )

@@ -5,26 +5,274 @@ one log entry) dispatch to `TopicState` methods, so the log holds small tuples a
 semantics stay in `broker.leases`. After each command the node-local indexes are told
 which messages became pending or gone. The leader stamps the time into each command:
 applying the log never reads a clock.
+
+Raft runs in the event loop's thread (`LoopPoller`, `RaftNode.attach`), not in a tick
+thread of its own, and its messages are sealed with AES-GCM and not deflated: per
+commit, the handoffs between threads and PySyncObj's per-message crypto and zlib set-up
+cost more CPU than the commands themselves. These replace PySyncObj internals of the
+pinned release (checked at import). The loop now also carries the heartbeats: whatever
+blocks it for ~0.5 s lets the followers elect another leader, so blocking work (Delta
+reads, checkpoints, `describe`) runs in threads and `dejaq_event_loop_lag_seconds`
+shows how late the loop runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import logging
 import os
 import secrets
+import select
 import time
+import zlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
+import pysyncobj.tcp_connection
+import pysyncobj.version
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.pbkdf2 import PBKDF2HMAC
+from pysyncobj import (
+    FAIL_REASON,
+    SyncObj,
+    SyncObjConf,
+    SyncObjConsumer,
+    SyncObjException,
+    replicated,
+)
+from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _RAFT_STATE
 
 from broker.leases import TopicState
 from conf.settings import BrokerConfig, ConfigError, TopicConfig
 
-MAX_IN_FLIGHT = 2  # log entries of grouped commands awaiting commit
+log = logging.getLogger("dejaq.broker.raft")
+
+# `_RaftZlib`, `AeadEncryptor`, `LoopPoller` and `_SyncObj` stand in for internals of this
+# release (module globals, name-mangled methods, the transport's encryptor hooks).
+PYSYNCOBJ_VERSION = "0.3.17"
+if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
+    raise ImportError(
+        f"broker.raft patches PySyncObj {PYSYNCOBJ_VERSION} internals; "
+        f"found {pysyncobj.version.VERSION}: check the patches against it, then the pin"
+    )
+
+MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit
 MAX_GROUP = 256  # commands per entry
-BATCH_TIMEOUT_S = 10.0
+COMMIT_TIMEOUT_S = 5.0
+TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
+ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader for 300 ms
+STALL_S = 0.1  # a tick this late reads the Raft sockets first (see `RaftNode._tick`)
+WARN_LAG_S = ELECTION_TIMEOUT_S[0] / 2
+COMPRESS_MIN_BYTES = 64 * 1024  # smaller Raft messages travel as stored (uncompressed) zlib
+AUTH_LOG_EVERY_S = 30.0
+
+
+class _RaftZlib:
+    """Stands in for `zlib` in PySyncObj's TCP connections, which compress every message.
+
+    `zlib.compress` costs ~60-90 µs per call whatever the size (setting up the deflate
+    state), more than applying a Raft command; the Raft messages of leases and acks are a
+    few KB. Small messages go out as stored blocks: still a zlib stream, so any PySyncObj
+    peer reads them, at a few µs. Large ones (snapshots) are still compressed.
+    """
+
+    decompress = staticmethod(zlib.decompress)
+
+    @staticmethod
+    def compress(data: bytes, level: int = -1) -> bytes:
+        if len(data) >= COMPRESS_MIN_BYTES:
+            return zlib.compress(data, 1)
+        stored = zlib.compressobj(0, zlib.DEFLATED, 9, 1)
+        return stored.compress(data) + stored.flush()
+
+
+pysyncobj.tcp_connection.zlib = _RaftZlib  # type: ignore[attr-defined]
+
+KDF_SALT = b"dejaq-broker-raft-aesgcm-v1"
+
+
+FERNET_PREFIX = b"gAAAAA"  # base64 of Fernet's version byte and a timestamp's high bytes
+
+
+class AeadEncryptor:
+    """Authenticated encryption of Raft messages with AES-256-GCM.
+
+    Replaces PySyncObj's Fernet (AES-CBC, HMAC, base64, several Python calls each way,
+    and the HMAC checked twice per message), which costs ~30 µs per message; this is one
+    C call each way. Token: 8-byte timestamp (authenticated as associated data), 12-byte
+    nonce, ciphertext and tag. PySyncObj's per-connection random keys still bind every
+    message to its connection, so one recorded on another cannot be replayed.
+
+    Every node derives the same key from the password, for as long as the cluster lives,
+    so nonces must never repeat: each process counts up from a random 96-bit start
+    (random nonces would make a repeat likely after ~2^32 messages: weeks at full load).
+
+    A peer on the other wire format (Fernet: DejaQ before this change, or PySyncObj as
+    shipped) or with another password fails authentication: PySyncObj drops the
+    connection, nothing is applied, and this logs why.
+    """
+
+    def __init__(self, password: str) -> None:
+        kdf = PBKDF2HMAC(algorithm=hashes.SHA256(), length=32, salt=KDF_SALT, iterations=100_000)
+        self._aead = AESGCM(kdf.derive(password.encode()))
+        self._nonces = itertools.count(int.from_bytes(os.urandom(12), "big"))
+        self._last_warning = -AUTH_LOG_EVERY_S
+
+    def encrypt_at_time(self, data: bytes, at: int) -> bytes:
+        stamp = at.to_bytes(8, "big")
+        nonce = (next(self._nonces) % 2**96).to_bytes(12, "big")
+        return stamp + nonce + self._aead.encrypt(nonce, data, stamp)
+
+    def extract_timestamp(self, token: bytes) -> int:
+        """Unauthenticated until `decrypt`; a forged one fails there and drops the link."""
+        return int.from_bytes(token[:8], "big")
+
+    def decrypt(self, token: bytes) -> bytes:
+        try:
+            return self._aead.decrypt(token[8:20], token[20:], token[:8])
+        except (InvalidTag, ValueError):
+            self._refused(token)
+            raise
+
+    def _refused(self, token: bytes) -> None:
+        now = time.monotonic()
+        if now - self._last_warning < AUTH_LOG_EVERY_S:
+            return
+        self._last_warning = now
+        if token.startswith(FERNET_PREFIX):
+            log.error(
+                "a Raft peer speaks the Fernet wire format (a DejaQ broker from before "
+                "AES-GCM Raft messages): dropped its connection; upgrade every node together"
+            )
+        else:
+            log.error(
+                "a Raft message failed authentication (another broker.raft_password?): "
+                "dropped the connection"
+            )
+
+
+class LoopPoller:
+    """PySyncObj's poller on the asyncio event loop: Raft runs in the loop's thread.
+
+    With its own tick thread, every commit handed work between that thread and the
+    event loop (a pipe write one way, `call_soon_threadsafe` the other) and the two
+    contended for the GIL. Here sockets are watched by the loop, and `RaftNode` ticks
+    after their events, after new commands, and every TICK_PERIOD_S for timers.
+    Subscriptions made before the loop is attached are kept and registered then.
+    """
+
+    def __init__(self) -> None:
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.on_event: Callable[[], None] = lambda: None
+        self._subs: dict[int, tuple[Callable[[int, int], None], int]] = {}
+
+    def attach(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None]) -> None:
+        self.loop, self.on_event = loop, on_event
+        for fd, (callback, mask) in list(self._subs.items()):
+            self._register(fd, callback, mask)
+
+    def detach(self) -> None:
+        for fd in list(self._subs):
+            self._unregister(fd)
+        self.loop = None
+
+    def subscribe(self, fd: int, callback: Callable[[int, int], None], mask: int) -> None:
+        self._subs[fd] = (callback, mask)
+        if self.loop is not None:
+            self._register(fd, callback, mask)
+
+    def unsubscribe(self, fd: int) -> None:
+        if self._subs.pop(fd, None) is not None and self.loop is not None:
+            self._unregister(fd)
+
+    def poll(self, timeout: float) -> None:
+        """The loop polls; PySyncObj's tick ends here."""
+
+    def drain(self) -> None:
+        """Handle the Raft sockets that are readable now, ahead of the loop's I/O phase."""
+        ready = select.poll()
+        for fd, (_, mask) in self._subs.items():
+            if mask & POLL_EVENT_TYPE.READ:
+                ready.register(fd, select.POLLIN)
+        for fd, _ in ready.poll(0):
+            sub = self._subs.get(fd)
+            if sub is not None:
+                self._call(sub[0], fd, POLL_EVENT_TYPE.READ)
+
+    def _register(self, fd: int, callback: Callable[[int, int], None], mask: int) -> None:
+        assert self.loop is not None
+        if mask & POLL_EVENT_TYPE.READ:
+            self.loop.add_reader(fd, self._fire, fd, POLL_EVENT_TYPE.READ)
+        else:
+            self.loop.remove_reader(fd)
+        if mask & POLL_EVENT_TYPE.WRITE:
+            self.loop.add_writer(fd, self._fire, fd, POLL_EVENT_TYPE.WRITE)
+        else:
+            self.loop.remove_writer(fd)
+
+    def _unregister(self, fd: int) -> None:
+        assert self.loop is not None
+        self.loop.remove_reader(fd)
+        self.loop.remove_writer(fd)
+
+    def _fire(self, fd: int, event: int) -> None:
+        sub = self._subs.get(fd)
+        if sub is not None:
+            self._call(sub[0], fd, event)
+        self.on_event()
+
+    @staticmethod
+    def _call(callback: Callable[[int, int], None], fd: int, event: int) -> None:
+        try:
+            callback(fd, event)
+        except Exception:
+            log.exception("Raft socket event failed")
+
+
+class _SyncObj(SyncObj):
+    """A SyncObj whose connections use `AeadEncryptor` instead of Fernet, and that does
+    not broadcast every commit at once.
+
+    With `appendEntriesUseBatch` off, PySyncObj sends each new entry at once (good: that
+    is the commit latency) and, after applying committed entries, another round of
+    AppendEntries just to tell followers the new commit index: twice the Raft messages
+    per commit. Followers learn it with the next entry or heartbeat (`appendEntriesPeriod`)
+    instead; the leader's commit, and so every 2xx, does not depend on it.
+    """
+
+    def __init__(
+        self, *args: Any, encryptor: AeadEncryptor, poller: LoopPoller, **kwargs: Any
+    ) -> None:
+        self._aead = encryptor  # read by the transport during SyncObj.__init__
+        self._loop_poller = poller
+        super().__init__(*args, **kwargs)
+
+    @property
+    def _poller(self) -> LoopPoller:
+        return self._loop_poller
+
+    @_poller.setter
+    def _poller(self, _: Any) -> None:
+        """SyncObj.__init__ assigns its own poller; ours stays."""
+
+    @property
+    def encryptor(self) -> AeadEncryptor:
+        return self._aead
+
+    def _getEncryptor(self) -> AeadEncryptor:
+        return self._aead
+
+    def _SyncObj__applyLogEntries(self) -> bool:  # overrides SyncObj.__applyLogEntries
+        _apply_log_entries(self)
+        return False
+
+
+_apply_log_entries = SyncObj._SyncObj__applyLogEntries  # type: ignore[attr-defined]
 
 
 class Listener(Protocol):
@@ -91,9 +339,9 @@ class BrokerState(SyncObjConsumer):
         if op == "cancel":
             return st.cancel(*args)
         if op == "trim":
-            upto = args[0]
-            self.listener.gone(topic, [e.message_id for e in st.events if e.seq <= upto])
-            return st.trim(upto)
+            mids = st.trim(args[0])
+            self.listener.gone(topic, mids)
+            return mids
         if op == "nack":
             refused, pending = st.nack(*args)
             self.listener.pending(topic, st, pending)
@@ -131,13 +379,17 @@ def raft_conf(broker: BrokerConfig, data_dir: Path, multi_node: bool) -> SyncObj
         journalFile=str(data_dir / "raft.journal"),
         fullDumpFile=str(data_dir / "raft.dump"),
         appendEntriesPeriod=0.05,
-        raftMinTimeout=0.5,  # a loaded 2-core machine can starve a leader for 300 ms
-        raftMaxTimeout=1.5,
+        raftMinTimeout=ELECTION_TIMEOUT_S[0],
+        raftMaxTimeout=ELECTION_TIMEOUT_S[1],
         connectionRetryTime=0.5,
         commandsQueueSize=100_000,
         logCompactionMinEntries=20_000,
         logCompactionMinTime=60,
         useFork=os.name == "posix",
+        autoTick=False,  # ticked by RaftNode on the event loop
+        # Without a tick thread, SyncObj() itself retries a failed bind, spinning a core
+        # forever (the default retries without end): try once, fail (`RaftNode`).
+        maxBindRetries=1,
     )
 
 
@@ -156,10 +408,80 @@ class RaftNode:
         self.raft_addr = raft_addr
         self.state = BrokerState(topics, broker.max_deliveries, listener)
         conf = raft_conf(broker, data_dir, multi_node=bool(peers))
-        self.sync = SyncObj(raft_addr, peers, conf, consumers=[self.state])
-        self._pending: list[tuple[tuple[str, str, tuple], asyncio.Future]] = []
-        self._in_flight: dict[int, float] = {}
+        self.poller = LoopPoller()
+        try:
+            self.sync = _SyncObj(
+                raft_addr,
+                peers,
+                conf,
+                consumers=[self.state],
+                encryptor=AeadEncryptor(conf.password),
+                poller=self.poller,
+            )
+        except SyncObjException as e:
+            raise ConfigError(f"cannot listen on the Raft address {raft_addr} ({e})") from None
+        self.on_lag: Callable[[float], None] = lambda lag: None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick_due = False
+        self._flush_due = False
+        self._ticker: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        self._last_tick = time.monotonic()
+        self._pending: list[tuple[tuple[str, str, tuple], asyncio.Future, float]] = []
+        self._in_flight: dict[int, asyncio.TimerHandle] = {}
         self._batches = 0
+
+    def attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Start running Raft on `loop` (in its thread); until then nothing ticks."""
+        self._loop = loop
+        self.poller.attach(loop, self._tick_soon)
+        self._due = loop.time()
+        self._periodic()
+
+    def detach(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+        self.poller.detach()
+        self._loop = None
+
+    def _tick_soon(self) -> None:
+        """One tick for everything that happened in this loop iteration."""
+        if not self._tick_due and self._loop is not None:
+            self._tick_due = True
+            self._loop.call_soon(self._tick)
+
+    def _tick(self) -> None:
+        """After a stall the loop runs timers before reading sockets, and PySyncObj checks
+        the election deadline first thing in a tick: read what peers sent meanwhile, so a
+        follower whose loop stalled does not start an election the leader's heartbeats,
+        already received, would have prevented."""
+        self._tick_due = False
+        now = time.monotonic()
+        stalled = now - self._last_tick > STALL_S
+        self._last_tick = now
+        try:
+            if stalled:
+                self.poller.drain()
+            self.sync.doTick(0)
+        except Exception:
+            log.exception("Raft tick failed")
+
+    def _periodic(self) -> None:
+        if self._loop is None:
+            return
+        now = self._loop.time()
+        lag = max(0.0, now - self._due)
+        self.on_lag(lag)
+        if lag >= WARN_LAG_S:
+            log.warning(
+                "the event loop ran %.2f s late: Raft heartbeats were late too "
+                "(followers elect another leader after %.1f-%.1f s)",
+                lag,
+                *ELECTION_TIMEOUT_S,
+            )
+        self._due = now + TICK_PERIOD_S
+        self._tick_soon()
+        self._ticker = self._loop.call_at(self._due, self._periodic)
 
     def is_leader(self) -> bool:
         return self.sync._isLeader()
@@ -182,45 +504,57 @@ class RaftNode:
     def term(self) -> int:
         return self.sync.raftCurrentTerm
 
-    async def commit(self, topic: str, op: str, *args: Any, timeout: float = 5.0) -> Any:
+    async def commit(self, topic: str, op: str, *args: Any) -> Any:
         """Replicate a command; return its result once a majority has it.
 
-        Commands arriving while earlier ones are in flight are grouped into one log
-        entry: under load one Raft round trip serves many requests.
+        Commands arriving while earlier ones are in flight, or in the same event-loop
+        iteration, are grouped into one log entry: under load one Raft round trip
+        serves many requests. A command not committed within COMMIT_TIMEOUT_S of its
+        arrival fails with NotCommitted.
         """
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
-        self._pending.append(((topic, op, args), fut))
-        self._flush(loop)
-        try:
-            result = await asyncio.wait_for(fut, timeout)
-        except TimeoutError:
-            raise NotCommitted("timed out waiting for a Raft majority") from None
+        self._pending.append(((topic, op, args), fut, loop.time()))
+        if not self._flush_due and len(self._in_flight) < MAX_IN_FLIGHT:
+            self._flush_due = True
+            loop.call_soon(self._flush, loop)
+        result = await fut
         if isinstance(result, Exception):
             raise result
         return result
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        now = time.monotonic()
-        for batch_id, started in list(self._in_flight.items()):
-            if now - started > BATCH_TIMEOUT_S:  # its callback is not coming: stop waiting
-                del self._in_flight[batch_id]
+        self._flush_due = False
         while self._pending and len(self._in_flight) < MAX_IN_FLIGHT:
             group, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
             self._batches += 1
             batch_id = self._batches
-            self._in_flight[batch_id] = now
-            futs = [f for _, f in group]
+            futs = [f for _, f, _ in group]
+            # One timer per group, not per request; its oldest command sets the deadline.
+            self._in_flight[batch_id] = loop.call_at(
+                group[0][2] + COMMIT_TIMEOUT_S, self._expire, loop, batch_id, futs
+            )
 
             def done(result: Any, err: int, batch_id: int = batch_id, futs=futs) -> None:
-                loop.call_soon_threadsafe(self._done, loop, batch_id, futs, result, err)
+                self._done(loop, batch_id, futs, result, err)  # ticks run in the loop
 
-            self.state.batch([c for c, _ in group], callback=done)
+            self.state.batch([c for c, _, _ in group], callback=done)
+        self._tick_soon()
 
     def _done(self, loop, batch_id: int, futs: list, results: Any, err: int) -> None:
-        self._in_flight.pop(batch_id, None)
+        timer = self._in_flight.pop(batch_id, None)
+        if timer is not None:
+            timer.cancel()
         for i, fut in enumerate(futs):
             _resolve(fut, results[i] if err == FAIL_REASON.SUCCESS else None, err)
+        self._flush(loop)
+
+    def _expire(self, loop, batch_id: int, futs: list) -> None:
+        """The group's Raft callback is late: fail its requests and free the slot."""
+        self._in_flight.pop(batch_id, None)
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(NotCommitted("timed out waiting for a Raft majority"))
         self._flush(loop)
 
     def destroy(self) -> None:

@@ -43,7 +43,8 @@ def plan(n: int, data_dir: Path) -> list[Node]:
     ]
 
 
-def start_node(node: Node, nodes: list[Node], conf_file: str | None, env: dict[str, str]) -> None:
+def node_command(node: Node, nodes: list[Node], conf_file: str | None) -> list[str]:
+    """`dejaq broker` for `node`, with the others in `nodes` as its Raft peers."""
     peers = ",".join(n.raft for n in nodes if n is not node)
     cmd = [
         sys.executable,
@@ -63,6 +64,11 @@ def start_node(node: Node, nodes: list[Node], conf_file: str | None, env: dict[s
     ]
     if conf_file:
         cmd += ["--conf-file", conf_file]
+    return cmd
+
+
+def start_node(node: Node, nodes: list[Node], conf_file: str | None, env: dict[str, str]) -> None:
+    cmd = node_command(node, nodes, conf_file)
     node.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -227,3 +229,114 @@ def test_consumer_ids_are_bounded(bad: str) -> None:
 
     with pytest.raises(ValidationError):
         LeaseRequest(consumer_id=bad)
+
+
+def test_ack_twice_in_one_batch_and_trim_by_slices() -> None:
+    s = one_bucket_state()
+    leased(s, "c1", ["a", "b", "c"], now=0)
+    assert s.ack("c1", 1, ["a", "a", "b"]) == {"a": Refusal.SETTLED}
+    assert s.held[0] == {"c1": 1} and s.totals["acked"] == 2
+    assert s.ack("c1", 2, ["c"]) == {}
+    assert s.trim(1) == ["a"] and s.trim(1) == [] and s.trim(99) == ["b", "c"]
+    assert s.events == [] and s.settled == {}
+
+
+@given(
+    st.lists(st.text(min_size=1, max_size=8) | st.sampled_from(["\ud800", "x\udfffy"]), max_size=6),
+    st.integers(0, 2000),
+)
+@settings(max_examples=60, deadline=None)
+def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int) -> None:
+    """The hot path answers a body only if FastAPI's models would accept it as is."""
+    from pydantic import ValidationError
+
+    from broker.hotpath import _ack_args, _lease_args
+    from broker.routers.leases import LeaseRequest, Settle
+
+    for body in ({"consumer_id": "w", "max_messages": n}, {"consumer_id": "w", "wait_ms": n}):
+        try:
+            model = LeaseRequest(**body)
+        except ValidationError:
+            assert _lease_args(body) is None
+        else:
+            assert _lease_args(body) == (
+                model.consumer_id,
+                model.max_messages,
+                model.lease_ms,
+                model.wait_ms,
+            )
+    body = {"consumer_id": "w", "ids": ids}
+    try:
+        Settle(**body)
+    except ValidationError:
+        assert _ack_args(body) is None
+    else:
+        assert _ack_args(body) == ("w", ids)
+    assert _lease_args({"consumer_id": "w", "extra": 1}) is None
+    assert _ack_args({"consumer_id": "w", "ids": ids, "x": 1}) is None
+
+
+def test_raft_messages_stay_zlib_and_sealed(caplog: pytest.LogCaptureFixture) -> None:
+    import os
+    import zlib
+
+    from cryptography.exceptions import InvalidTag
+    from pysyncobj.encryptor import getEncryptor
+
+    from broker.raft import AeadEncryptor, _RaftZlib
+
+    for size in (0, 100, 70_000):
+        data = os.urandom(size)
+        assert zlib.decompress(_RaftZlib.compress(data, 3)) == data
+    a, b = AeadEncryptor("pw"), AeadEncryptor("other")
+    token = a.encrypt_at_time(b"hello", 42)
+    assert a.extract_timestamp(token) == 42 and a.decrypt(token) == b"hello"
+    with pytest.raises(InvalidTag):
+        b.decrypt(token)
+    with pytest.raises(InvalidTag):  # the timestamp is authenticated too
+        a.decrypt((43).to_bytes(8, "big") + token[8:])
+    nonces = [int.from_bytes(a.encrypt_at_time(b"x", 1)[8:20], "big") for _ in range(3)]
+    assert [n - nonces[0] for n in nonces] == [0, 1, 2], "counted, never repeated"
+    assert "another broker.raft_password" in caplog.text
+    caplog.clear()
+    with pytest.raises(InvalidTag):  # PySyncObj's own format, as older brokers send it
+        AeadEncryptor("pw").decrypt(getEncryptor("pw").encrypt_at_time(b"hello", 42))
+    assert "Fernet wire format" in caplog.text
+
+
+class HoldTimes:
+    """A lock that records how long each holder kept it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._since = 0.0
+        self.held: list[float] = []
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        self._since = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self.held.append(time.perf_counter() - self._since)
+        self._lock.release()
+
+
+def test_index_row_work_and_walks_run_outside_its_lock(tmp_path: Path) -> None:
+    """The event loop takes the index lock for every lease and every applied Raft command:
+    a refresh or `stats` may hold it for C-level inserts and copies, not for per-row work."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([1, 2, 3], prefix="a"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    fill(warehouse, "jobs", buffer_rows([i % 100 for i in range(50_000)], prefix="b"))
+    index.lock = lock = HoldTimes()  # type: ignore[assignment]
+    started = time.perf_counter()
+    assert index.refresh() == 50_000
+    took = time.perf_counter() - started
+    assert max(lock.held) < took / 5, (lock.held, took)
+    lock.held.clear()
+    started = time.perf_counter()
+    stats, delayed = index.stats(TopicState(4, 5), now=0)
+    took = time.perf_counter() - started
+    assert sum(s.pending for s in stats.values()) == 50_003 and delayed == 0
+    assert max(lock.held) < took / 5, (lock.held, took)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -23,8 +25,10 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from test_broker import buffer_rows, fill
 
+from broker.routers.topics import TopicStats
 from jobs import cluster
 from jobs.cluster import Node
+from jobs.embedded_kafka import free_port
 
 PROBLEM = "application/problem+json"
 
@@ -43,6 +47,7 @@ def write_conf(tmp_path: Path, bootstrap: str, source: str, heartbeat_ms: int = 
         f"  - {{name: rb, kind: priority, source: [{source}], buckets: 4}}\n"
         f"  - {{name: fo, kind: priority, source: [{source}], buckets: 8}}\n"
         f"  - {{name: ord, kind: priority, source: [{source}], buckets: 4}}\n"
+        f"  - {{name: hot, kind: priority, source: [{source}], buckets: 2}}\n"
     )
     return conf
 
@@ -119,7 +124,10 @@ def test_any_node_takes_any_request_and_acks_are_final(three) -> None:
     assert peek["status"] in ("acked", "settled")
     rest = client.post(f"{b.url}/v1/topics/jobs/leases", json={**body, "max_messages": 10})
     assert [m["priority"] for m in rest.json()["messages"]] == [30, 40], "acked never again"
-    stats = client.get(f"{a.url}/v1/topics/jobs").json()
+    described = client.get(f"{a.url}/v1/topics/jobs")
+    stats = described.json()
+    assert set(stats) == set(TopicStats.model_fields), "the route skips response validation"
+    TopicStats.model_validate(stats)
     assert stats["acked"] == 2 and stats["leased"] == 2 and stats["pending"] == 0
 
 
@@ -303,11 +311,77 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
         'dejaq_raft_role{role="leader"} 1.0',
         "dejaq_raft_term",
         "dejaq_index_messages",
+        "dejaq_event_loop_lag_seconds_bucket",
     ):
         assert name in text
     spec = client.get(f"{leader.url}/openapi.json").json()
     assert "/v1/topics/{topic}/leases" in spec["paths"]
     assert client.get(f"{leader.url}/docs").status_code == 200
+
+
+def test_hot_path_answers_as_the_routes_do(three) -> None:
+    """On the leader, lease and ack bodies the hot path finds plainly valid skip FastAPI;
+    the rest go to the routes. A +json media type always goes to the routes: the same
+    request both ways must get the same answer (status, media type, body)."""
+    nodes, client, _ = three
+    base = f"{leader_of(nodes, client).url}/v1/topics"
+    w = {"consumer_id": "w"}
+    cases = [
+        ("hot/leases", w),  # nothing to lease: 200 and no messages
+        ("hot/leases", {**w, "max_messages": 0}),
+        ("hot/leases", {**w, "wait_ms": 30_001}),
+        ("hot/leases", {**w, "lease_ms": 0}),
+        ("hot/leases", {**w, "extra": 1}),
+        ("hot/leases", {"consumer_id": "w x"}),
+        ("hot/leases", []),
+        ("nope/leases", w),
+        ("hot/acks", {**w, "ids": ["never-leased"]}),  # 409, reason per id
+        ("hot/acks", {**w, "ids": ["\ud800"]}),  # a lone surrogate: not a string to pydantic
+        ("hot/acks", {**w, "ids": []}),
+        ("hot/acks", {**w, "ids": ["x" * 1001]}),
+        ("hot/acks", w),
+        ("nope/acks", {**w, "ids": ["a"]}),
+    ]
+    for path, body in cases:
+        content = json.dumps(body).encode()
+        answers = [
+            client.post(f"{base}/{path}", content=content, headers={"content-type": media})
+            for media in ("application/json", "application/vnd.dejaq+json")
+        ]
+        hot, routed = ((a.status_code, a.headers["content-type"], a.json()) for a in answers)
+        assert hot == routed, (path, body)
+        assert hot[0] < 500 and (hot[0] < 400 or hot[1] == PROBLEM), (path, body, hot)
+
+
+def cluster_info(client: httpx.Client, node: Node) -> dict | None:
+    try:
+        return client.get(f"{node.url}/v1/cluster", timeout=5).json()
+    except httpx.HTTPError:
+        return None
+
+
+def test_a_follower_stalled_past_the_election_timeout_does_not_depose_the_leader(
+    three,
+) -> None:
+    """Raft shares the event loop with HTTP. After a stall the loop runs its timers before
+    it reads sockets, and a Raft tick checks the election deadline first: the follower must
+    read the heartbeats that arrived meanwhile before that check, not start an election."""
+    nodes, client, _ = three
+    leader = wait_until(lambda: leader_of(nodes, client), what="a leader")
+    stalled = follower(nodes, client)
+    term = cluster_info(client, leader)["term"]
+    wait_until(
+        lambda: (cluster_info(client, stalled) or {}).get("term") == term, what="the same term"
+    )
+    os.kill(stalled.proc.pid, signal.SIGSTOP)
+    try:
+        time.sleep(2.0)  # the stall itself: longer than the longest election timeout, 1.5 s
+    finally:
+        os.kill(stalled.proc.pid, signal.SIGCONT)
+    # An election would start in the first tick after the stall, before HTTP is read.
+    info = wait_until(lambda: cluster_info(client, stalled), what="the follower answering")
+    assert (info["term"], info["role"]) == (term, "follower")
+    assert cluster_info(client, leader)["role"] == "leader"
 
 
 # --- failover and restart: a cluster of their own --------------------------------------------
@@ -446,6 +520,70 @@ def test_multi_node_broker_refuses_to_start_without_a_raft_password(tmp_path) ->
     )
     assert result.returncode == 2
     assert "broker.raft_password" in result.stderr
+
+
+def test_a_broker_whose_raft_port_is_taken_exits_with_the_reason(tmp_path) -> None:
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        raft = f"127.0.0.1:{taken.getsockname()[1]}"
+        node = Node("a", f"127.0.0.1:{free_port()}", raft, tmp_path / "a")
+        result = subprocess.run(
+            cluster.node_command(node, [node], str(conf)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 2, result.stderr
+    assert f"cannot listen on the Raft address {raft}" in result.stderr
+
+
+def test_a_peer_on_the_old_wire_format_is_refused_and_named(
+    tmp_path, kafka_bootstrap: str, kafka_source: str
+) -> None:
+    """Raft messages are AES-GCM; a peer still on PySyncObj's Fernet (a DejaQ broker from
+    before) cannot talk to the others. They log why, and nothing it sends is applied: the
+    two current nodes are a majority and serve, the old one never learns of a leader."""
+    from pysyncobj import SyncObj, SyncObjConf
+
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source)
+    password = secrets.token_hex(8)
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": password}
+    new = cluster.plan(2, tmp_path / "raft")
+    # 127.0.0.2 sorts after 127.0.0.1, and in PySyncObj the higher address dials: the old
+    # peer sends the first message of each connection, in its format.
+    old = Node("old", "127.0.0.2:1", f"127.0.0.2:{free_port()}", tmp_path / "old")
+    logs = {n.node_id: tmp_path / f"{n.node_id}.log" for n in new}
+    for node in new:
+        with logs[node.node_id].open("w") as log:
+            node.proc = subprocess.Popen(
+                cluster.node_command(node, [*new, old], str(conf)),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+    peer = SyncObj(old.raft, [n.raft for n in new], SyncObjConf(password=password))
+    try:
+        cluster.wait_ready(new)
+        wait_until(
+            lambda: any("Fernet wire format" in p.read_text() for p in logs.values()),
+            what="a current node naming the old wire format",
+        )
+        fill(str(tmp_path / "warehouse"), "hot", buffer_rows([5, 6], prefix="w"))
+        with httpx.Client(timeout=40) as client:
+            url = f"{leader_of(new, client).url}/v1/topics/hot"
+            body = {"consumer_id": "c", "max_messages": 2, "wait_ms": 5000}
+            leased = client.post(f"{url}/leases", json=body).json()["messages"]
+            ids = [m["id"] for m in leased]
+            assert len(ids) == 2
+            acked = client.post(f"{url}/acks", json={"consumer_id": "c", "ids": ids})
+            assert acked.json() == {"settled": 2}
+        status = peer.getStatus()
+        assert status["leader"] is None and status["log_len"] == 1, status
+    finally:
+        peer.destroy_synchronous()
+        stop(new)
 
 
 CLUSTER_UP = [sys.executable, "-m", "jobs.cli", "cluster", "up"]

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field
 
 from broker.app import LeaderBroker
 from broker.routers._common import Body, ConsumerId, Ids, LeaseMs, Priority, TopicName, problems
-from broker.service import Problem, Settled
+from broker.service import Settled
 
 router = APIRouter(tags=["leases"])
 
@@ -66,15 +66,7 @@ class ExtendResult(SettleResult):
 
 
 def _settled(result: Settled, verb: str) -> dict:
-    if result.refused:
-        raise Problem(
-            409,
-            f"some messages could not be {verb}",
-            "; ".join(f"{m}: {r}" for m, r in result.refused.items()),
-            settled=result.ok,
-            refused={m: str(r) for m, r in result.refused.items()},
-        )
-    return {"settled": result.ok}
+    return {"settled": result.settled_or_409(verb)}
 
 
 @router.post("/topics/{topic}/leases", response_model=Leased, responses=problems(404, 422, 503))

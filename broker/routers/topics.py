@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 from fastapi import APIRouter
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from broker.app import AnyBroker, LeaderBroker
 from broker.routers._common import TopicName, problems
+from broker.service import Broker
 
 router = APIRouter(tags=["topics"])
 
@@ -53,6 +58,14 @@ async def list_topics(broker: AnyBroker) -> list[TopicSummary]:
 
 
 @router.get("/topics/{topic}", response_model=TopicStats, responses=problems(404, 503))
-async def describe_topic(topic: TopicName, broker: LeaderBroker) -> dict:
+async def describe_topic(topic: TopicName, broker: LeaderBroker) -> Response:
     """Pending, leased, deliverable now, acked, dead, oldest age; per bucket too."""
-    return broker.describe(topic)
+    # A walk over the whole index: off the event loop, which also runs Raft (heartbeats).
+    # Encoded there too, by json (~5 ms for 4096 buckets) rather than by validating the
+    # response model on the loop (~20 ms); `describe` builds exactly TopicStats' fields.
+    body = await asyncio.to_thread(_describe_json, broker, topic)
+    return Response(body, media_type="application/json")
+
+
+def _describe_json(broker: Broker, topic: str) -> str:
+    return json.dumps(broker.describe(topic), separators=(",", ":"))

@@ -1,0 +1,164 @@
+"""The two hottest routes (lease, ack) answered without FastAPI's per-request machinery.
+
+Routing, dependency injection and pydantic validation cost more CPU than leasing a
+message does. This ASGI middleware answers a lease or ack on the leader when the request
+is plainly valid (same limits as the models in `broker.routers`); anything else (a
+follower, an unknown topic, a body needing coercion or giving a validation error) goes
+to FastAPI untouched, body replayed, so errors and forwarding keep one implementation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from broker.app import problem
+from broker.service import Broker, Problem
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+_ROUTE = re.compile(r"/v1/topics/([^/]+)/(leases|acks)")
+_CONSUMER = re.compile(r"[\x21-\x7e]{1,200}")
+_LEASE_KEYS = frozenset({"consumer_id", "max_messages", "lease_ms", "wait_ms"})
+_JSON = [(b"content-type", b"application/json")]
+MAX_LEASE_MS = 12 * 3600 * 1000
+
+
+def _int(value: Any, low: int, high: int) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _lease_args(body: Any) -> tuple[str, int, int | None, int] | None:
+    """(consumer, max_messages, lease_ms, wait_ms) of a valid LeaseRequest, else None."""
+    if type(body) is not dict or not body.keys() <= _LEASE_KEYS:
+        return None
+    consumer = body.get("consumer_id")
+    n = body.get("max_messages", 1)
+    lease_ms = body.get("lease_ms")
+    wait_ms = body.get("wait_ms", 0)
+    if (
+        type(consumer) is not str
+        or not _CONSUMER.fullmatch(consumer)
+        or not _int(n, 1, 1000)
+        or not (lease_ms is None or _int(lease_ms, 1, MAX_LEASE_MS))
+        or not _int(wait_ms, 0, 30_000)
+    ):
+        return None
+    return consumer, n, lease_ms, wait_ms
+
+
+def _ack_args(body: Any) -> tuple[str, list[str]] | None:
+    """(consumer, ids) of a valid Settle, else None."""
+    if type(body) is not dict or len(body) != 2:
+        return None
+    consumer, ids = body.get("consumer_id"), body.get("ids")
+    if (
+        type(consumer) is not str
+        or not _CONSUMER.fullmatch(consumer)
+        or type(ids) is not list
+        or not 1 <= len(ids) <= 1000
+    ):
+        return None
+    for mid in ids:
+        if type(mid) is not str or not 1 <= len(mid) <= 1000 or not _unicode(mid):
+            return None
+    return consumer, ids
+
+
+def _unicode(text: str) -> bool:
+    """Whether pydantic takes it as a string: a JSON escape can give a lone surrogate,
+    which it refuses (422) and a 409 answer naming the id could not encode (500)."""
+    if text.isascii():
+        return True
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+class HotPath:
+    """ASGI front of the app: lease and ack on the leader, straight to the broker."""
+
+    def __init__(self, app: ASGIApp, broker: Broker) -> None:
+        self.app, self.broker = app, broker
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST":
+            return await self.app(scope, receive, send)
+        route = _ROUTE.fullmatch(scope["path"])
+        raft = self.broker.raft
+        if (
+            route is None
+            or route[1] not in self.broker.topics
+            or raft is None
+            or not raft.is_leader()
+            or not _is_json(scope)
+        ):
+            return await self.app(scope, receive, send)
+        body = await _read(receive)
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        topic = route[1]
+        try:
+            if route[2] == "leases":
+                args = _lease_args(parsed)
+                if args is not None:
+                    consumer, n, lease_ms, wait_ms = args
+                    lease_ms = lease_ms or self.broker.conf.lease_ms
+                    messages = await self.broker.lease(topic, consumer, n, lease_ms, wait_ms)
+                    return await _send(send, 200, f'{{"messages": {messages}}}'.encode())
+            else:
+                args = _ack_args(parsed)
+                if args is not None:
+                    result = await self.broker.settle(topic, "ack", *args)
+                    settled = result.settled_or_409("acked")
+                    return await _send(send, 200, b'{"settled":%d}' % settled)
+        except Problem as e:
+            response = problem(e.status, e.title, e.detail, **e.extra)
+            return await response(scope, receive, send)
+        await self.app(scope, _replay(body, receive), send)
+
+
+def _is_json(scope: Scope) -> bool:
+    for name, value in scope["headers"]:
+        if name == b"content-type":
+            return value.split(b";", 1)[0].strip().lower() == b"application/json"
+    return False
+
+
+async def _read(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that yields the already-read body, then the server's own messages."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send(send: Send, status: int, body: bytes) -> None:
+    headers = [*_JSON, (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
