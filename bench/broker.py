@@ -3,21 +3,27 @@
     .venv/bin/python bench/broker.py [--messages N] [--workers C] [--procs P]
 
 Prints one JSON object: msgs/s and p50/p99 lease and ack latency for batch 1 and batch
-100, the parameters and the machine. Messages are written straight into the Delta buffer
-(as the ingest job would), so the numbers are the broker's alone. Workers talk to the
-leader (a follower would forward each request: one more hop) over keep-alive HTTP/1.1
-with a minimal client, so the client's own cost stays small next to the broker's.
+100, the parameters and the machine. Its baseline, measured in the same run with the
+same clients, is HTTP alone: uvicorn as the broker runs it, answering lease and ack
+from a counter with no Raft, state or index; no broker on this stack can beat it.
+Messages are written straight into the Delta buffer (as the ingest job would), so the
+numbers are the broker's alone. Workers talk to the leader (a follower would forward
+each request: one more hop) over keep-alive HTTP/1.1 with a minimal client, so the
+client's own cost stays small next to the broker's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import itertools
 import json
 import multiprocessing as mp
 import os
 import platform
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -81,6 +87,8 @@ async def _worker(
             out["done"] += len(ids)
             with acked.get_lock():
                 acked.value += len(ids)
+                if acked.value >= out["target"]:
+                    return
         else:
             out["errors"] += 1
 
@@ -96,6 +104,76 @@ def _proc(addr: str, topic: str, names: list[str], batch: int, target: int, secs
     asyncio.run(main())
     out["elapsed"] = time.perf_counter() - started
     q.put(out)
+
+
+def ceiling_server(port: int) -> None:
+    """The baseline's server: a bare ASGI app on the broker's uvicorn settings."""
+    import uvicorn
+
+    ids = itertools.count()
+    payload = base64.b64encode(b"x" * 16).decode()
+
+    async def app(scope, receive, send) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        request = json.loads(body)
+        if scope["path"].endswith("/leases"):
+            deadline = int(time.time() * 1000) + 30_000
+            answer = {
+                "messages": [
+                    {
+                        "id": f"c{next(ids)}",
+                        "bucket": 0,
+                        "sort_key": 1,
+                        "priority": 1,
+                        "deliver_at": None,
+                        "key": None,
+                        "payload": payload,
+                        "deliveries": 1,
+                        "lease_deadline": deadline,
+                    }
+                    for _ in range(request["max_messages"])
+                ]
+            }
+        else:
+            answer = {"settled": len(request["ids"])}
+        data = json.dumps(answer).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": data})
+
+    uvicorn.run(
+        app,
+        host="127.0.0.1",
+        port=port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="off",
+        log_level="warning",
+        access_log=False,
+    )
+
+
+def http_ceiling(args: argparse.Namespace) -> list[dict]:
+    """The same phases against `ceiling_server`: what HTTP alone costs on this machine."""
+    from jobs.embedded_kafka import free_port, wait_for_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, __file__, "--ceiling-server", str(port)])
+    try:
+        wait_for_port(port, 30, server, "the HTTP-only server")
+        addr, pids = f"127.0.0.1:{port}", {"leader": server.pid}
+        return [
+            run_phase(addr, "c1", 1, args.messages_batch1, args.workers, args.procs, 30, pids),
+            run_phase(addr, "c100", 100, args.messages, args.workers, args.procs, 30, pids),
+        ]
+    finally:
+        server.terminate()
+        server.wait(10)
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -160,7 +238,11 @@ def main() -> int:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--procs", type=int, default=2, help="client processes")
     ap.add_argument("--seconds", type=float, default=30, help="cap per phase")
+    ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ceiling_server:
+        ceiling_server(args.ceiling_server)
+        return 0
 
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
         tmp_path = Path(tmp)
@@ -219,11 +301,17 @@ def main() -> int:
         finally:
             for node in nodes:
                 cluster.stop_node(node)
+    baseline = http_ceiling(args)
     print(
         json.dumps(
             {
                 "benchmark": "broker lease+ack, 3 nodes",
                 "results": phases,
+                "baseline_http_only": baseline,
+                "vs_baseline": {
+                    f"batch_{r['batch']}": round(r["msgs_per_s"] / b["msgs_per_s"], 3)
+                    for r, b in zip(phases, baseline, strict=True)
+                },
                 "parameters": {
                     "nodes": 3,
                     "workers": args.workers,

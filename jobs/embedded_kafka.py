@@ -36,18 +36,20 @@ def noida_binary() -> Path:
     return path
 
 
-def wait_for_port(port: int, timeout: float, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(
+    port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "Kafka broker"
+) -> None:
     """Block until 127.0.0.1:port accepts a connection, the process dies, or time runs out."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"Kafka broker exited with code {proc.returncode} before listening")
+            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.05)
-    raise TimeoutError(f"Kafka broker did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
 
 
 def _forward_stderr(stream, sink) -> None:
