@@ -91,7 +91,10 @@ async def _leader_address(broker: Broker, deadline: float) -> str | None:
 
 
 def _not_leader(answer: httpx.Response) -> bool:
-    return answer.status_code == 503 and answer.json().get("title") == NOT_LEADER
+    """A node that stepped down before taking the request (see `on_leader`)."""
+    if answer.status_code != 503 or answer.headers.get("content-type") != PROBLEM:
+        return False
+    return answer.json().get("title") == NOT_LEADER
 
 
 async def _forward(request: Request, exc: Exception) -> Response:
