@@ -60,6 +60,8 @@ class TopicConfig(_Strict):
     json_fields: JsonFields | None = None
     dedup_window_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=0)
     allowed_lateness_ms: int = Field(default=5000, ge=0)
+    # Ingest batches between compactions of the buffer's small files (0: never).
+    compact_every_batches: int = Field(default=100, ge=0)
     # Release job (delivery: release): its trigger, and priority mode's caps.
     release_interval_ms: int = Field(default=250, ge=10, le=60_000)
     max_per_trigger: int = Field(default=10_000, ge=1)

@@ -1,0 +1,39 @@
+"""Small-file compaction of the tables the ingest appends to, with delta-rs.
+
+Every micro-batch adds a file per bucket it touches, so a steady stream leaves
+thousands of small files an hour, and each reader pays per file: the broker's index at
+start and on every refresh, the release job, the dedup seed read. Compaction rewrites
+them into a few per bucket in a commit that changes no data (`dataChange=false`); the
+project's readers take a row once per message id, so a compacted file's rows, all
+seen before, are skipped. Vacuum then deletes the replaced files once they are older
+than the table's retention (7 days by default), so a reader still on an older version
+keeps its files.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from deltalake import DeltaTable
+
+log = logging.getLogger("dejaq.compaction")
+
+
+@dataclass(frozen=True)
+class Compacted:
+    files_removed: int
+    files_added: int
+    files_vacuumed: int
+
+
+def compact(path: str) -> Compacted:
+    """Compact the table at `path`, then vacuum what is past retention.
+
+    Run by the table's only appender between its own appends: delta-rs compaction
+    fails if any other operation than an append commits meanwhile.
+    """
+    table = DeltaTable(path)
+    metrics = table.optimize.compact()
+    vacuumed = table.vacuum(dry_run=False)
+    return Compacted(metrics["numFilesRemoved"], metrics["numFilesAdded"], len(vacuumed))
