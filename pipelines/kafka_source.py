@@ -232,7 +232,7 @@ class KafkaInputPartition(InputPartition):
     end: int
 
 
-class _Columns:
+class RecordColumns:
     """One Arrow batch of one partition's records, built column by column.
 
     The read's hot loop: headers are kept flat (offsets, keys, values) and become one
@@ -418,7 +418,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         try:
             consumer.assign([tp])
             consumer.seek(tp, p.start)
-            columns = _Columns(p.topic, p.partition)
+            columns = RecordColumns(p.topic, p.partition)
             position = p.start
             deadline = time.monotonic() + timeout_s
             while position < p.end:
@@ -432,7 +432,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 columns.extend(consumer.poll(timeout_ms=_POLL_MS).get(tp, []), p.start, p.end)
                 if len(columns) >= BATCH_ROWS:
                     yield columns.to_batch()
-                    columns = _Columns(p.topic, p.partition)
+                    columns = RecordColumns(p.topic, p.partition)
                 moved_to = consumer.position(tp, timeout_ms=_POLL_MS)
                 if moved_to is not None and moved_to > position:
                     position = moved_to
