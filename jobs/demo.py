@@ -93,18 +93,25 @@ def _produce(bootstrap: str, topic: str, records: list[Record], c: Counters) -> 
     producer.close()
 
 
+def _records(
+    header: str, values: list[int], name: str, payload: bytes, key: str, keys: int
+) -> list[Record]:
+    """One record per value, in that header; ids `<name>-<i>`, keys spread over `keys`."""
+    return [
+        (
+            f"{key}-{i % keys}".encode(),
+            payload,
+            [(header, str(v).encode()), ("dejaq-id", f"{name}-{i}".encode())],
+        )
+        for i, v in enumerate(values)
+    ]
+
+
 def _produce_orders(bootstrap: str, c: Counters) -> list[int]:
     """Orders with priorities in random order."""
     rng = random.Random(7)
     priorities = [rng.randrange(0, 1000) for _ in range(PRIORITY_MESSAGES)]
-    records = [
-        (
-            f"customer-{i % 50}".encode(),
-            b"job",
-            [("dejaq-priority", str(prio).encode()), ("dejaq-id", f"order-{i}".encode())],
-        )
-        for i, prio in enumerate(priorities)
-    ]
+    records = _records("dejaq-priority", priorities, "order", b"job", "customer", keys=50)
     _produce(bootstrap, "orders-in", records, c)
     return priorities
 
@@ -114,14 +121,7 @@ def _produce_reminders(bootstrap: str, c: Counters) -> None:
     rng = random.Random(11)
     start_ms = int(time.time() * 1000) + REMINDERS_FROM_S * 1000
     due = [start_ms + rng.randrange(TIMELINE_WINDOW_S * 1000) for _ in range(TIMELINE_MESSAGES)]
-    records = [
-        (
-            f"user-{i % 40}".encode(),
-            b"ping",
-            [("dejaq-deliver-at", str(at).encode()), ("dejaq-id", f"reminder-{i}".encode())],
-        )
-        for i, at in enumerate(due)
-    ]
+    records = _records("dejaq-deliver-at", due, "reminder", b"ping", "user", keys=40)
     _produce(bootstrap, "reminders-in", records, c)
 
 
