@@ -158,6 +158,14 @@ def ceiling_server(port: int) -> None:
     )
 
 
+def run_phases(addr: str, prefix: str, args: argparse.Namespace, pids) -> list[dict]:
+    """Batch 1, then batch 100, on topics `<prefix>1` and `<prefix>100`."""
+    return [
+        run_phase(addr, f"{prefix}{batch}", batch, n, args.workers, args.procs, args.seconds, pids)
+        for batch, n in ((1, args.messages_batch1), (100, args.messages))
+    ]
+
+
 def http_ceiling(args: argparse.Namespace) -> list[dict]:
     """The same phases against `ceiling_server`: what HTTP alone costs on this machine."""
     from jobs.embedded_kafka import free_port, wait_for_port
@@ -167,10 +175,7 @@ def http_ceiling(args: argparse.Namespace) -> list[dict]:
     try:
         wait_for_port(port, 30, server, "the HTTP-only server")
         addr, pids = f"127.0.0.1:{port}", {"leader": server.pid}
-        return [
-            run_phase(addr, "c1", 1, args.messages_batch1, args.workers, args.procs, 30, pids),
-            run_phase(addr, "c100", 100, args.messages, args.workers, args.procs, 30, pids),
-        ]
+        return run_phases(addr, "c", args, pids)
     finally:
         server.terminate()
         server.wait(10)
@@ -276,28 +281,7 @@ def main() -> int:
                 "follower_1": followers[0].proc.pid,
                 "follower_2": followers[1].proc.pid,
             }
-            phases = [
-                run_phase(
-                    leader,
-                    "b1",
-                    1,
-                    args.messages_batch1,
-                    args.workers,
-                    args.procs,
-                    args.seconds,
-                    pids,
-                ),
-                run_phase(
-                    leader,
-                    "b100",
-                    100,
-                    args.messages,
-                    args.workers,
-                    args.procs,
-                    args.seconds,
-                    pids,
-                ),
-            ]
+            phases = run_phases(leader, "b", args, pids)
         finally:
             for node in nodes:
                 cluster.stop_node(node)
