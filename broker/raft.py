@@ -271,8 +271,26 @@ class _SyncObj(SyncObj):
         _apply_log_entries(self)
         return False
 
+    def _SyncObj__onMessageReceived(self, node: Any, message: dict) -> None:
+        """Keep a follower's next index from moving back on an older entry's success.
+
+        Entries are pipelined: the follower acknowledging entry k may already have k+1 in
+        flight. PySyncObj sets the next index to k+1 all the same, so the next append
+        sends k+1 again; the follower then truncates what it has (applied, maybe) and
+        appends the same entries anew, twice the Raft traffic to the slower follower. A
+        refusal (`reset`) still moves the index back: that is how a diverged log heals.
+        """
+        if message.get("type") != "next_node_idx" or message["reset"] or not message["success"]:
+            return _on_message_received(self, node, message)
+        next_index = self._SyncObj__raftNextIndex
+        sent = next_index.get(node, 0)
+        _on_message_received(self, node, message)
+        if next_index.get(node, 0) < sent:
+            next_index[node] = sent
+
 
 _apply_log_entries = SyncObj._SyncObj__applyLogEntries  # type: ignore[attr-defined]
+_on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
 
 
 class Listener(Protocol):
