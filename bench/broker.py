@@ -1,11 +1,17 @@
 """Broker throughput: 3 nodes, N pre-ingested messages, C workers doing lease + ack.
 
-    .venv/bin/python bench/broker.py [--messages N] [--workers C] [--procs P]
+    .venv/bin/python bench/broker.py [--messages N] [--buckets B] [--procs P]
 
-Prints one JSON object: msgs/s and p50/p99 lease and ack latency for batch 1 and batch
-100, the parameters and the machine. Its baseline, measured in the same run with the
-same clients, is HTTP alone: uvicorn as the broker runs it, answering lease and ack
-from a counter with no Raft, state or index; no broker on this stack can beat it.
+Prints one JSON object: msgs/s and p50/p99 lease and ack latency for each phase of
+PHASES (batch 1 with 8 and with 64 workers, batch 100 with 8), the parameters and the
+machine. Batch 1 is bound by latency with few workers (each waits out a Raft commit per
+request) and by CPU with many, when group commit shares each Raft round among them.
+
+Two baselines run in the same run, with the same clients and phases. HTTP alone:
+uvicorn as the broker runs it, answering lease and ack from a counter with no Raft,
+state or index. The Raft floor: the same on 3 nodes, each lease and ack first committing
+one tiny command through the broker's own Raft layer. No broker on this stack can beat
+the first, nor one that replicates each request before answering the second.
 Messages are written straight into the Delta buffer (as the ingest job would), so the
 numbers are the broker's alone. Workers talk to the leader (a follower would forward
 each request: one more hop) over keep-alive HTTP/1.1 with a minimal client, so the
@@ -106,10 +112,12 @@ def _proc(addr: str, topic: str, names: list[str], batch: int, target: int, secs
     q.put(out)
 
 
-def ceiling_server(port: int) -> None:
-    """The baseline's server: a bare ASGI app on the broker's uvicorn settings."""
-    import uvicorn
+def canned_app(raft=None):
+    """The baselines' ASGI app: lease and ack answered from a counter, in the broker's JSON.
 
+    With a `RaftNode`, each lease and ack first commits one command through it, a node
+    that does not lead answers 503, and GET /role says which it is.
+    """
     ids = itertools.count()
     payload = base64.b64encode(b"x" * 16).decode()
 
@@ -120,8 +128,18 @@ def ceiling_server(port: int) -> None:
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        request = json.loads(body)
-        if scope["path"].endswith("/leases"):
+        status, answer = 200, None
+        if scope["path"] == "/role":
+            answer = {"leader": raft is not None and raft.is_leader()}
+        else:
+            request = json.loads(body)
+            if raft is not None:
+                if raft.is_leader():
+                    now = int(time.time() * 1000)
+                    await raft.commit("floor", "touch", request["consumer_id"], now)
+                else:
+                    status, answer = 503, {"title": "not the leader"}
+        if answer is None and scope["path"].endswith("/leases"):
             deadline = int(time.time() * 1000) + 30_000
             answer = {
                 "messages": [
@@ -139,30 +157,85 @@ def ceiling_server(port: int) -> None:
                     for _ in range(request["max_messages"])
                 ]
             }
-        else:
+        elif answer is None:
             answer = {"settled": len(request["ids"])}
         data = json.dumps(answer).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": data})
 
-    uvicorn.run(
-        app,
-        host="127.0.0.1",
-        port=port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="off",
-        log_level="warning",
-        access_log=False,
-    )
+    return app
+
+
+def serve(app, port: int, raft=None) -> None:
+    """uvicorn on the broker's settings (uvloop, httptools), Raft ticking on its loop."""
+    import uvicorn
+    import uvloop
+
+    async def main() -> None:
+        if raft is not None:
+            raft.attach(asyncio.get_running_loop())
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=port,
+            http="httptools",
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+        )
+        await uvicorn.Server(config).serve()
+
+    uvloop.run(main())
+
+
+class _NoIndex:
+    """The floor's Raft listener: there is no index to tell."""
+
+    def pending(self, topic, state, mids) -> None: ...
+    def gone(self, topic, mids) -> None: ...
+    def reset(self, states) -> None: ...
+
+
+def raft_floor_server(spec: str) -> None:
+    """One node of the Raft floor: the broker's HTTP and Raft, and nothing else.
+
+    Lease and ack each commit one command, a consumer's heartbeat (the smallest change of
+    state), through the broker's own `RaftNode`: group commit, PySyncObj on the event loop,
+    AES-GCM. What replication costs before any index, lease or message of DejaQ's.
+    """
+    from broker.raft import RaftNode
+    from conf.settings import BrokerConfig, TopicConfig
+
+    me, http_port, raft_addrs, data_dir = json.loads(spec)
+    topic = TopicConfig(name="floor", kind="priority", source=["floor"], buckets=16)
+    broker = BrokerConfig(raft_password=os.environ["DEJAQ_BROKER_RAFT_PASSWORD"])
+    peers = [a for i, a in enumerate(raft_addrs) if i != me]
+    raft = RaftNode(raft_addrs[me], peers, [topic], broker, Path(data_dir), _NoIndex())
+    serve(canned_app(raft), http_port, raft)
+
+
+PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
+
+
+def phase_topics(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
+    """(topic, batch, workers, messages) of each phase: a topic each, so none starts drained."""
+    return [
+        (
+            f"{batch}c{workers}",
+            batch,
+            workers,
+            args.messages if batch > 1 else args.messages_batch1,
+        )
+        for batch, workers in PHASES
+    ]
 
 
 def run_phases(addr: str, prefix: str, args: argparse.Namespace, pids) -> list[dict]:
-    """Batch 1, then batch 100, on topics `<prefix>1` and `<prefix>100`."""
+    """Each phase of PHASES, on topic `<prefix>` + its phase topic."""
     return [
-        run_phase(addr, f"{prefix}{batch}", batch, n, args.workers, args.procs, args.seconds, pids)
-        for batch, n in ((1, args.messages_batch1), (100, args.messages))
+        run_phase(addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids)
+        for topic, batch, workers, n in phase_topics(args)
     ]
 
 
@@ -179,6 +252,52 @@ def http_ceiling(args: argparse.Namespace) -> list[dict]:
     finally:
         server.terminate()
         server.wait(10)
+
+
+def raft_floor(args: argparse.Namespace, data_dir: Path) -> list[dict]:
+    """The same phases against 3 `raft_floor_server`s, on their leader."""
+    from jobs.embedded_kafka import free_port, wait_for_port
+
+    http = [free_port() for _ in range(3)]
+    raft = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    servers = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--raft-floor-server", json.dumps([i, http[i], raft, d])]
+        )
+        for i, d in enumerate(str(data_dir / f"floor{i}") for i in range(3))
+    ]
+    try:
+        for port, server in zip(http, servers, strict=True):
+            wait_for_port(port, 30, server, "a Raft floor node")
+        leader = _floor_leader(http)
+        others = [s.pid for i, s in enumerate(servers) if i != leader]
+        pids = {"leader": servers[leader].pid, "follower_1": others[0], "follower_2": others[1]}
+        return run_phases(f"127.0.0.1:{http[leader]}", "f", args, pids)
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait(10)
+
+
+def _ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
+    return {
+        r["phase"]: round(r["msgs_per_s"] / b["msgs_per_s"], 3)
+        for r, b in zip(phases, baseline, strict=True)
+    }
+
+
+def _floor_leader(ports: list[int], timeout: float = 30) -> int:
+    """Which of the Raft floor's nodes leads, once one does."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for i, port in enumerate(ports):
+            if httpx.get(f"http://127.0.0.1:{port}/role").json()["leader"]:
+                return i
+        time.sleep(0.1)
+    raise TimeoutError(f"the Raft floor elected no leader within {timeout:.0f} s")
 
 
 def _pct(values: list[float], p: float) -> float | None:
@@ -217,7 +336,9 @@ def run_phase(
     ack = [x for r in results for x in r["ack"]]
     done = sum(r["done"] for r in results)
     return {
+        "phase": f"batch_{batch}_workers_{workers}",
         "batch": batch,
+        "workers": workers,
         "messages_acked": done,
         "seconds": round(elapsed, 2),
         "msgs_per_s": round(done / elapsed),
@@ -240,13 +361,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=200_000, help="for batch 100")
     ap.add_argument("--messages-batch1", type=int, default=20_000)
-    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--buckets", type=int, default=64, help="per topic, >= workers")
     ap.add_argument("--procs", type=int, default=2, help="client processes")
     ap.add_argument("--seconds", type=float, default=30, help="cap per phase")
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
+    ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ceiling_server:
-        ceiling_server(args.ceiling_server)
+        serve(canned_app(), args.ceiling_server)
+        return 0
+    if args.raft_floor_server:
+        raft_floor_server(args.raft_floor_server)
         return 0
 
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
@@ -258,15 +383,20 @@ def main() -> int:
             "kafka: {bootstrap: '127.0.0.1:9'}\n"
             "broker: {lease_ms: 30000, heartbeat_timeout_ms: 30000}\n"
             "topics:\n"
-            "  - {name: b1, kind: priority, source: [b1-in], buckets: 16}\n"
-            "  - {name: b100, kind: priority, source: [b100-in], buckets: 16}\n"
+            + "".join(
+                f"  - {{name: b{t}, kind: priority, source: [{t}-in], buckets: {args.buckets}}}\n"
+                for t, _, _, _ in phase_topics(args)
+            )
         )
         t0 = time.perf_counter()
-        for topic, n in (("b1", args.messages_batch1), ("b100", args.messages)):
+        for topic, _, _, n in phase_topics(args):
+            topic = f"b{topic}"
             for start in range(0, n, 50_000):
                 keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
                 fill(
-                    str(warehouse), topic, buffer_rows(keys, lambda i: i % 16, f"{topic}-{start}-")
+                    str(warehouse),
+                    topic,
+                    buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"),
                 )
         fill_s = time.perf_counter() - t0
         os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
@@ -285,6 +415,7 @@ def main() -> int:
         finally:
             for node in nodes:
                 cluster.stop_node(node)
+        floor = raft_floor(args, tmp_path / "floor")
     baseline = http_ceiling(args)
     print(
         json.dumps(
@@ -292,17 +423,17 @@ def main() -> int:
                 "benchmark": "broker lease+ack, 3 nodes",
                 "results": phases,
                 "baseline_http_only": baseline,
-                "vs_baseline": {
-                    f"batch_{r['batch']}": round(r["msgs_per_s"] / b["msgs_per_s"], 3)
-                    for r, b in zip(phases, baseline, strict=True)
-                },
+                "vs_baseline": _ratios(phases, baseline),
+                "floor_http_and_raft": floor,
+                "vs_floor": _ratios(phases, floor),
+                "floor_vs_baseline": _ratios(floor, baseline),
                 "parameters": {
                     "nodes": 3,
-                    "workers": args.workers,
+                    "phases": [{"batch": b, "workers": w} for b, w in PHASES],
                     "client_processes": args.procs,
                     "messages_batch1": args.messages_batch1,
                     "messages_batch100": args.messages,
-                    "buckets": 16,
+                    "buckets": args.buckets,
                     "payload_bytes": 16,
                     "seconds_cap": args.seconds,
                     "target": "leader",
