@@ -37,9 +37,15 @@ class Lease:
     deliveries: int
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True)
 class Event:
-    """A settled message waiting to be checkpointed into the ledger (and dead letters)."""
+    """A settled message waiting to be checkpointed into the ledger (and dead letters).
+
+    Not frozen: every node builds one per settled message, and a frozen dataclass's
+    `__init__` (one `object.__setattr__` per field) costs four times as much. Pickled as
+    the frozen one was (a list of the field values), so Raft snapshots written by earlier
+    brokers still load.
+    """
 
     seq: int
     message_id: str
@@ -49,6 +55,13 @@ class Event:
     deliveries: int
     at: int
     reason: str | None = None
+
+    def __getstate__(self) -> list:
+        return [getattr(self, f) for f in self.__slots__]
+
+    def __setstate__(self, state: list) -> None:
+        for f, value in zip(self.__slots__, state, strict=True):
+            setattr(self, f, value)
 
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
@@ -70,8 +83,19 @@ class TopicState:
         self.seq = 0
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
         self.assignment: dict[int, str] = {}
+        self.owned: dict[str, list[int]] = {}  # the assignment by consumer (derived)
         self.held: dict[int, Counter[str]] = {}  # bucket -> leases per consumer
         self.totals: Counter[str] = Counter()
+
+    def __getstate__(self) -> dict:
+        """Snapshots hold what they held before `owned`: it is derived, rebuilt on load."""
+        state = self.__dict__.copy()
+        del state["owned"]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.owned = _owners(self.assignment)
 
     # --- consumers -------------------------------------------------------------------
 
@@ -97,15 +121,22 @@ class TopicState:
         return released
 
     def buckets_of(self, consumer: str) -> list[int]:
-        """Buckets assigned to `consumer` that no other consumer still holds leases in."""
-        return [
-            b
-            for b, c in self.assignment.items()
-            if c == consumer and not any(n for h, n in self.held.get(b, {}).items() if h != c)
-        ]
+        """Buckets assigned to `consumer` that no other consumer still holds leases in.
+
+        Every lease asks, on every node: it walks the consumer's buckets, not all of them.
+        """
+        held = self.held
+        out = []
+        for b in self.owned.get(consumer, ()):
+            h = held.get(b)
+            mine_alone = not h or (len(h) == 1 and consumer in h)
+            if mine_alone or not any(n for c, n in h.items() if c != consumer):
+                out.append(b)
+        return out
 
     def _rebalance(self) -> None:
         self.assignment = rebalance(self.buckets, self.consumers, self.assignment)
+        self.owned = _owners(self.assignment)
 
     # --- leasing ---------------------------------------------------------------------
 
@@ -381,3 +412,10 @@ class TopicState:
 
 def _seq(event: Event) -> int:
     return event.seq
+
+
+def _owners(assignment: dict[int, str]) -> dict[str, list[int]]:
+    owned: dict[str, list[int]] = {}
+    for bucket, consumer in assignment.items():
+        owned.setdefault(consumer, []).append(bucket)
+    return owned

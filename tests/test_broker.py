@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import itertools
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -136,6 +137,81 @@ def test_rebalance_is_fair_total_and_sticky(buckets: int, before: set, after: se
     quota = -(-buckets // len(after))
     assert kept >= sum(min(list(old.values()).count(c), quota - 1) for c in stay)
     assert rebalance(buckets, after, old) == new, "deterministic"
+
+
+OLD_SNAPSHOT = bytes.fromhex(
+    "80059531020000000000008c0d62726f6b65722e6c6561736573948c0a546f70696353746174659493942981"
+    "947d94288c076275636b657473944b048c0e6d61785f64656c69766572696573944b058c066c656173657394"
+    "7d94288c026d329468008c054c656173659493942981944e7d94288c08636f6e73756d6572948c0161948c06"
+    "6275636b6574944b018c08736f72745f6b6579944b088c08646561646c696e65944deb038c0a64656c697665"
+    "72696573944b01758694628c026d3394680b2981944e7d9428680e8c01629468104b0268114b0968124deb03"
+    "68134b01758694627568137d942868094b0168154b01758c09736f72745f6b657973947d948c0a6e6f745f62"
+    "65666f7265947d948c07736574746c6564947d948c026d31948c0b636f6e662e7461626c6573948c0b4c6564"
+    "6765724576656e749493948c0561636b65649485945294738c066576656e7473945d9468008c054576656e74"
+    "9493942981945d94284b0168214b0068274b074b014b044e6562618c03736571944b018c09636f6e73756d65"
+    "7273947d9428680f4b0468184b03758c0a61737369676e6d656e74947d94284b00680f4b01680f4b0268184b"
+    "036818758c0468656c64947d94284b008c0b636f6c6c656374696f6e73948c07436f756e7465729493947d94"
+    "859452944b0168377d94680f4b0173859452944b0268377d9468184b017385945294758c06746f74616c7394"
+    "68377d94288c066c6561736564944b038c0b726564656c697665726564944b0068274b01758594529475622e"
+)
+
+
+def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads() -> None:
+    """A Raft snapshot pickled by the broker of session 3 (frozen `Event`, no `owned`):
+    consumers a and b, a holds m2 and acked m1, b holds m3. A restarted cluster must read
+    it, and what it writes now must read back the same."""
+    old = pickle.loads(OLD_SNAPSHOT)
+    assert old.owned == {"a": [0, 1], "b": [2, 3]}
+    assert sorted(old.buckets_of("a")) == [0, 1] and old.buckets_of("b") == [2, 3]
+    assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
+    [event] = old.events
+    assert (event.seq, event.message_id, event.bucket, event.event) == (1, "m1", 0, "acked")
+    assert (event.sort_key, event.deliveries, event.at, event.reason) == (7, 1, 4, None)
+    old.ack("b", 5, ["m3"])
+    again = pickle.loads(pickle.dumps(old))
+    assert again.events == old.events and again.owned == old.owned
+    assert again.buckets_of("a") == old.buckets_of("a")
+
+
+def free_buckets(s: TopicState, consumer: str) -> set[int]:
+    """`buckets_of` by its definition: assigned to it, and no one else holds a lease there."""
+    return {
+        b
+        for b, c in s.assignment.items()
+        if c == consumer and not any(n for h, n in s.held.get(b, {}).items() if h != c)
+    }
+
+
+@given(
+    buckets=st.integers(1, 16),
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["touch", "lease", "ack", "nack", "leave", "expire"]),
+            st.sampled_from("abcd"),
+            st.lists(st.integers(0, 40), max_size=6),
+        ),
+        max_size=40,
+    ),
+)
+def test_buckets_of_matches_its_definition_through_any_history(buckets, steps) -> None:
+    s = TopicState(buckets=buckets, max_deliveries=3)
+    for now, (op, consumer, ids) in enumerate(steps):
+        mids = [f"m{i}" for i in ids]
+        if op == "touch":
+            s.touch(consumer, now)
+        elif op == "lease":
+            s.lease(consumer, now, 5, [(m, i % buckets, i) for m, i in zip(mids, ids, strict=True)])
+        elif op == "ack":
+            s.ack(consumer, now, mids)
+        elif op == "nack":
+            s.nack(consumer, now, mids)
+        elif op == "leave":
+            s.leave(consumer, now)
+        else:
+            s.expire(now, heartbeat_timeout_ms=10)
+        for c in "abcd":
+            got = s.buckets_of(c)
+            assert len(got) == len(set(got)) and set(got) == free_buckets(s, c), (op, c)
 
 
 # --- index over real Delta tables ---------------------------------------------------------
