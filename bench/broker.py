@@ -367,6 +367,8 @@ def main() -> int:
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.buckets < max(w for _, w in PHASES):
+        ap.error(f"--buckets must be at least {max(w for _, w in PHASES)}: one per worker")
     if args.ceiling_server:
         serve(canned_app(), args.ceiling_server)
         return 0
