@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        GCCollector(registry=r)  # collections per generation: GC pressure shows as latency
         self.leased = Counter("dejaq_leased_messages", "Messages leased", ["topic"], registry=r)
         self.acked = Counter("dejaq_acked_messages", "Messages acked", ["topic"], registry=r)
         self.nacked = Counter("dejaq_nacked_messages", "Messages nacked", ["topic"], registry=r)

@@ -312,6 +312,7 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
         "dejaq_raft_term",
         "dejaq_index_messages",
         "dejaq_event_loop_lag_seconds_bucket",
+        'python_gc_collections_total{generation="2"}',
     ):
         assert name in text
     spec = client.get(f"{leader.url}/openapi.json").json()
