@@ -57,6 +57,24 @@ def start(tmp_path: Path, conf: Path, n: int = 3) -> list[Node]:
     return cluster.up(n, tmp_path / "raft", str(conf))
 
 
+def start_logged(
+    nodes: list[Node], cluster_nodes: list[Node], conf: Path, env: dict, tmp_path: Path
+) -> list[Path]:
+    """Start `nodes` as members of `cluster_nodes`, each one's log in <tmp>/<node id>.log."""
+    logs = []
+    for node in nodes:
+        path = tmp_path / f"{node.node_id}.log"
+        with path.open("w") as log:
+            node.proc = subprocess.Popen(
+                cluster.node_command(node, cluster_nodes, str(conf)),
+                env=env,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+            )
+        logs.append(path)
+    return logs
+
+
 def stop(nodes: list[Node]) -> None:
     for node in nodes:
         cluster.stop_node(node)
@@ -501,15 +519,7 @@ def test_pipelined_entries_reach_each_follower_once(tmp_path, kafka_bootstrap, k
     fill(str(tmp_path / "warehouse"), "fo", buffer_rows(list(range(total)), lambda i: i % 8))
     env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
     nodes = cluster.plan(3, tmp_path / "raft")
-    logs = [tmp_path / f"{n.node_id}.log" for n in nodes]
-    for node, path in zip(nodes, logs, strict=True):
-        with path.open("w") as log:
-            node.proc = subprocess.Popen(
-                cluster.node_command(node, nodes, str(conf)),
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
+    logs = start_logged(nodes, nodes, conf, env, tmp_path)
     try:
         cluster.wait_ready(nodes)
         with httpx.Client(timeout=10) as client, Workers(nodes, n=8, batch=1) as w:
@@ -586,20 +596,12 @@ def test_a_peer_on_the_old_wire_format_is_refused_and_named(
     # 127.0.0.2 sorts after 127.0.0.1, and in PySyncObj the higher address dials: the old
     # peer sends the first message of each connection, in its format.
     old = Node("old", "127.0.0.2:1", f"127.0.0.2:{free_port()}", tmp_path / "old")
-    logs = {n.node_id: tmp_path / f"{n.node_id}.log" for n in new}
-    for node in new:
-        with logs[node.node_id].open("w") as log:
-            node.proc = subprocess.Popen(
-                cluster.node_command(node, [*new, old], str(conf)),
-                env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
-            )
+    logs = start_logged(new, [*new, old], conf, env, tmp_path)
     peer = SyncObj(old.raft, [n.raft for n in new], SyncObjConf(password=password))
     try:
         cluster.wait_ready(new)
         wait_until(
-            lambda: any("Fernet wire format" in p.read_text() for p in logs.values()),
+            lambda: any("Fernet wire format" in p.read_text() for p in logs),
             what="a current node naming the old wire format",
         )
         fill(str(tmp_path / "warehouse"), "hot", buffer_rows([5, 6], prefix="w"))
