@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import heapq
 import threading
+from collections import deque
 from dataclasses import dataclass
+from itertools import repeat
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -189,8 +191,9 @@ class TopicIndex:
         """Settled messages checkpointed into the ledger: gone for good."""
         with self.lock:
             self.gone.update(mids)
-            for mid in mids:  # heap entries left behind are dropped when they surface
-                self.rows.pop(mid, None)
+            # Entries left behind are dropped when they surface. Popped by a C loop: each
+            # row freed is a few cache misses, and the interpreter's own loop adds a fifth.
+            deque(map(self.rows.pop, mids, repeat(None)), maxlen=0)
 
     def rebuild(self, state: TopicState) -> None:
         """After a snapshot replaced the state wholesale: re-derive every heap."""
@@ -288,8 +291,10 @@ class TopicIndex:
         with self.lock:
             for mid, bucket, key in picks:
                 self.reserved.discard(mid)
+                if mid in state.leases or mid in state.settled:
+                    continue  # the usual case: taken, and its row not read (a cache miss)
                 row = self.rows.get(mid)
-                if row is not None and mid not in state.leases and mid not in state.settled:
+                if row is not None:
                     heapq.heappush(self.heaps[bucket], (key, row.partition, row.offset, mid))
 
     # --- reads -----------------------------------------------------------------------

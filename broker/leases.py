@@ -9,10 +9,12 @@ the network. The pending messages themselves live in the node-local index
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
+from itertools import repeat
+from operator import attrgetter
 
 from broker.assignment import rebalance
 from conf.tables import LedgerEvent
@@ -404,14 +406,13 @@ class TopicState:
         """
         cut = bisect_right(self.events, upto_seq, key=_seq)
         done, self.events = self.events[:cut], self.events[cut:]
-        mids = [e.message_id for e in done]
-        for mid in mids:
-            self.settled.pop(mid, None)
+        mids = list(map(_message_id, done))
+        deque(map(self.settled.pop, mids, repeat(None)), maxlen=0)
         return mids
 
 
-def _seq(event: Event) -> int:
-    return event.seq
+_seq = attrgetter("seq")
+_message_id = attrgetter("message_id")
 
 
 def _owners(assignment: dict[int, str]) -> dict[str, list[int]]:
