@@ -4,6 +4,8 @@ Node-local, not replicated: every node builds it from the same tables and keeps 
 with the Raft state through hooks (`push`, `forget`), so a follower can serve as leader
 the moment it is elected. Entries are validated lazily against the Raft state when
 they reach the top, which makes every hook idempotent and a duplicate entry harmless.
+It holds nothing of a message once settled and checkpointed: the ledger is the record,
+and a broker that kept even each settled id would grow by ~100 bytes per message.
 
 Each bucket keeps its entries in two parts: a run, sorted once and taken from its end,
 and a heap for what arrives a few at a time (redeliveries, a trickle of new rows). Taking
@@ -16,6 +18,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import deque
+from collections.abc import Set
 from dataclasses import dataclass
 from itertools import repeat
 from typing import NamedTuple
@@ -30,11 +33,12 @@ from conf.settings import TopicConfig, TopicKind
 from conf.tables import LedgerEvent, Table, ensure_table
 
 TERMINAL = {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
-_COLUMNS = ["message_id", "sort_key", "priority", "deliver_at", "key", "payload", "ingested_at"]
+_COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 
-Entry = tuple[int, int, int, str]  # (sort key, partition, offset, message id)
+# (sort key, partition, offset, message id, row): valid while `rows[id] is row`
+Entry = tuple[int, int, int, str, "Row"]
 
 
 class Row(NamedTuple):
@@ -42,7 +46,6 @@ class Row(NamedTuple):
     sort_key: int
     partition: int
     offset: int
-    priority: int | None
     deliver_at: int | None  # epoch ms
     key: bytes | None
     payload: bytes
@@ -69,7 +72,6 @@ class TopicIndex:
         self.runs: list[list[Entry]] = [[] for _ in range(topic.buckets)]  # descending
         self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
-        self.gone: set[str] = set()  # settled and checkpointed: never deliverable again
         self.reserved: set[str] = set()  # picked by this leader, lease not yet committed
         self.files: set[str] = set()
         self.version = -1
@@ -84,14 +86,17 @@ class TopicIndex:
         terminal = pc.is_in(
             ledger.column("event"), value_set=pa.array(sorted(TERMINAL), pa.string())
         )
-        gone = ledger.filter(terminal).column("message_id").to_pylist()
-        with self.lock:
-            self.gone.update(gone)
-        self.refresh()
+        settled = set(ledger.filter(terminal).column("message_id").to_pylist())
+        self.refresh(settled)
         self.loaded = True
 
-    def refresh(self) -> int:
-        """Index buffer files added since the last call; returns how many rows were new."""
+    def refresh(self, settled: Set[str] = frozenset()) -> int:
+        """Index buffer files added since the last call; returns how many rows were new.
+
+        `settled`: the ids in the ledger, on the first load. Later files hold new ids (the
+        ingest drops duplicates within its window), except those a compaction writes,
+        which `_unseen` leaves unread.
+        """
         if self._buffer is None:
             self._buffer = DeltaTable(self.buffer_path)
         else:
@@ -99,34 +104,60 @@ class TopicIndex:
         version = self._buffer.version()
         if version == self.version:
             return 0
-        actions = pa.table(self._buffer.get_add_actions(flatten=True)).to_pydict()
-        paths = [p for p in actions["path"] if p not in self.files]
-        buckets = dict(zip(actions["path"], actions["partition.bucket"], strict=True))
+        unread, seen = self._unseen(version)
         # Read first, then insert every file of the version under one lock: a lease sees
         # a Delta commit whole or not at all, never some of its buckets.
-        files = [self._read_file(path, buckets[path]) for path in paths]
+        files = [self._read_file(path, bucket) for path, bucket in unread]
         # The per-row work happens before taking the lock, which the event loop (Raft
         # applies, leases) also takes: under it, only C-level inserts.
-        gone_before = len(self.gone)
         new_rows: dict[str, Row] = {}
         entries: dict[int, list[Entry]] = {}
         for bucket, rows in files:
             added = entries.setdefault(bucket, [])
             for mid, row in rows:
-                if mid in self.rows or mid in self.gone or mid in new_rows:
+                if mid in self.rows or mid in new_rows or mid in settled:
                     continue  # duplicates by id: first wins
                 new_rows[mid] = row
-                added.append((row.sort_key, row.partition, row.offset, mid))
+                added.append(_entry(row.sort_key, mid, row))
         with self.lock:
-            if len(self.gone) != gone_before:  # `gone` only grows: settled meanwhile
-                new_rows = {m: r for m, r in new_rows.items() if m not in self.gone}
-                entries = {b: [e for e in es if e[3] in new_rows] for b, es in entries.items()}
             self.rows.update(new_rows)
             for bucket, added in entries.items():
                 self._add(bucket, added)
-        self.files.update(paths)
+        self.files.update(seen)
         self.version = version
         return len(new_rows)
+
+    def _unseen(self, version: int) -> tuple[list[tuple[str, int]], set[str]]:
+        """Files added up to `version` that this index has not seen: (to read, all).
+
+        A compaction (OPTIMIZE) rewrites rows the table already had, settled ones too, so
+        its files are seen but not read: the index keeps no settled ids to skip them by.
+        When appends and a compaction of them arrive in one step, the versions are walked
+        one at a time, so the appended files are read even though the compaction has
+        replaced them (replaced files stay on disk for the table's retention).
+        """
+        assert self._buffer is not None
+        operations = {}
+        if self.version >= 0:
+            history = self._buffer.history(version - self.version)
+            operations = {h["version"]: h["operation"] for h in history}
+        steps = [(version, self._buffer)]
+        if "OPTIMIZE" in operations.values():
+            steps = [
+                (v, DeltaTable(self.buffer_path, version=v))
+                for v in range(self.version + 1, version + 1)
+            ]
+        unread: list[tuple[str, int]] = []
+        seen: set[str] = set()
+        for v, table in steps:
+            actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()
+            for path, bucket in zip(actions["path"], actions["partition.bucket"], strict=True):
+                if path in self.files or path in seen:
+                    continue
+                seen.add(path)
+                if operations.get(v) != "OPTIMIZE":
+                    unread.append((path, bucket))
+        return unread, seen
 
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
@@ -141,7 +172,6 @@ class TopicIndex:
             t.column("sort_key").to_pylist(),
             t.column("source_partition").to_pylist(),
             t.column("source_offset").to_pylist(),
-            t.column("priority").to_pylist(),
             ats,
             t.column("key").to_pylist(),
             payloads,
@@ -168,7 +198,7 @@ class TopicIndex:
                     heapq.heappush(self.delayed, (not_before, mid))
                 else:
                     key = state.sort_key(mid, row.sort_key)
-                    heapq.heappush(self.heaps[row.bucket], (key, row.partition, row.offset, mid))
+                    heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
 
     def _add(self, bucket: int, added: list[Entry]) -> None:
         """New rows of a bucket: pushed on its heap while that stays small next to the run,
@@ -190,7 +220,6 @@ class TopicIndex:
     def forget(self, mids: list[str]) -> None:
         """Settled messages checkpointed into the ledger: gone for good."""
         with self.lock:
-            self.gone.update(mids)
             # Entries left behind are dropped when they surface. Popped by a C loop: each
             # row freed is a few cache misses, and the interpreter's own loop adds a fifth.
             deque(map(self.rows.pop, mids, repeat(None)), maxlen=0)
@@ -200,9 +229,8 @@ class TopicIndex:
         with self.lock:
             runs: list[list[Entry]] = [[] for _ in self.runs]
             for mid, row in self.rows.items():
-                if mid not in self.gone:
-                    key = state.sort_key(mid, row.sort_key)
-                    runs[row.bucket].append((key, row.partition, row.offset, mid))
+                key = state.sort_key(mid, row.sort_key)
+                runs[row.bucket].append(_entry(key, mid, row))
             for run in runs:
                 run.sort(reverse=True)
             self.runs, self.heaps = runs, [[] for _ in self.heaps]
@@ -225,7 +253,7 @@ class TopicIndex:
                 if row is None:
                     continue
                 key = state.sort_key(mid, row.sort_key)
-                heapq.heappush(self.heaps[row.bucket], (key, row.partition, row.offset, mid))
+                heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
             heads: list[tuple[Entry, int]] = []
             for b in buckets:
                 head = self._head(state, b, now)
@@ -251,13 +279,13 @@ class TopicIndex:
     def _head(self, state: TopicState, bucket: int, now: int) -> Entry | None:
         """The bucket's lowest entry that is deliverable now; stale ones are dropped.
 
-        Stale: reserved, settled (checkpointed or not), leased, delayed by a nack (the
-        delayed heap holds it) or re-keyed (a newer entry holds it). Runs once per
-        leased message, so the lookups are hoisted. Without overrides every entry has
-        its row's own sort key (only settling drops an override), so no row is read.
+        Stale: reserved, settled (checkpointed: its row is gone), leased, delayed by a
+        nack (the delayed heap holds it) or re-keyed (a newer entry holds it). Runs once per
+        leased message, so the lookups are hoisted. Without overrides every live entry
+        has its row's own sort key (only settling drops an override): no key to check.
         """
         run, heap = self.runs[bucket], self.heaps[bucket]
-        reserved, gone, rows = self.reserved, self.gone, self.rows
+        reserved, rows = self.reserved, self.rows
         settled, leases, not_before, overrides = (
             state.settled,
             state.leases,
@@ -267,14 +295,14 @@ class TopicIndex:
         while run or heap:
             in_run = bool(run) and (not heap or run[-1] < heap[0])
             entry = run[-1] if in_run else heap[0]
-            key, _, _, mid = entry
+            key, _, _, mid, row = entry
             if (
                 mid in reserved
-                or mid in gone
+                or rows.get(mid) is not row
                 or mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)
-                or (overrides and key != overrides.get(mid, rows[mid].sort_key))
+                or (overrides and key != overrides.get(mid, row.sort_key))
             ):
                 if in_run:
                     run.pop()
@@ -295,9 +323,27 @@ class TopicIndex:
                     continue  # the usual case: taken, and its row not read (a cache miss)
                 row = self.rows.get(mid)
                 if row is not None:
-                    heapq.heappush(self.heaps[bucket], (key, row.partition, row.offset, mid))
+                    heapq.heappush(self.heaps[bucket], _entry(key, mid, row))
 
     # --- reads -----------------------------------------------------------------------
+
+    def settled_event(self, mid: str) -> str | None:
+        """The ledger's terminal event for a message, if it has one.
+
+        The index forgets settled messages, so a question about one (peek, cancel,
+        reschedule: rare) reads the ledger. Blocking: call it off the event loop.
+        """
+        events = (
+            DeltaTable(self.ledger_path)
+            .to_pyarrow_dataset()
+            .to_table(
+                columns=["event"],
+                filter=(pc.field("message_id") == mid) & pc.field("event").isin(sorted(TERMINAL)),
+            )
+            .column("event")
+            .to_pylist()
+        )
+        return events[0] if events else None
 
     def stats(self, state: TopicState, now: int) -> tuple[dict[int, Stats], int]:
         """Per-bucket pending/deliverable counts and oldest ingestion; delayed count."""
@@ -307,15 +353,14 @@ class TopicIndex:
         with self.lock:
             heaps = [run + heap for run, heap in zip(self.runs, self.heaps, strict=True)]
             delayed_ids = [m for _, m in self.delayed]
-        rows, gone = self.rows, self.gone
+        rows = self.rows
         out: dict[int, Stats] = {}
         for b, heap in enumerate(heaps):
             seen: set[str] = set()
             pending = deliverable = 0
             oldest: int | None = None
-            for key, _, _, mid in heap:
-                row = rows.get(mid)
-                if row is None or mid in seen or mid in gone or mid in state.settled:
+            for key, _, _, mid, row in heap:
+                if rows.get(mid) is not row or mid in seen or mid in state.settled:
                     continue
                 if mid in state.leases or key != state.sort_key(mid, row.sort_key):
                     continue
@@ -328,3 +373,7 @@ class TopicIndex:
             out[b] = Stats(pending, deliverable, oldest)
         delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
+
+
+def _entry(key: int, mid: str, row: Row) -> Entry:
+    return (key, row.partition, row.offset, mid, row)

@@ -311,19 +311,20 @@ class Broker:
         refused, deadline = await self._commit(topic, "extend", consumer, now_ms(), ids, lease_ms)
         return Settled(len(ids) - len(refused), refused), deadline
 
-    def _row(self, topic: str, mid: str) -> tuple[TopicIndex, Row]:
+    async def _row(self, topic: str, mid: str) -> Row:
         """The message's index row: 409 once settled and checkpointed, 404 if unknown."""
         index = self.indexes[topic]
-        if mid in index.gone:
-            raise Problem(409, "already settled", f"{mid} is settled", reason=Refusal.SETTLED)
         row = index.rows.get(mid)
         if row is None:
-            raise Problem(404, "unknown message", f"no message {mid!r} in topic {topic!r}")
-        return index, row
+            event = await asyncio.to_thread(index.settled_event, mid)
+            if event is not None:
+                raise Problem(409, "already settled", f"{mid} is {event}", reason=Refusal.SETTLED)
+            raise _unknown(topic, mid)
+        return row
 
     async def cancel(self, topic: str, mid: str) -> None:
         self.topic(topic)
-        _, row = self._row(topic, mid)
+        row = await self._row(topic, mid)
         refused = await self._commit(topic, "cancel", now_ms(), mid, row.bucket, row.sort_key)
         if refused:
             raise Problem(409, "cannot cancel", f"{mid}: {refused}", reason=refused)
@@ -336,16 +337,20 @@ class Broker:
         if wanted is None or (priority is not None and deliver_at is not None):
             field = "priority" if cfg.kind is TopicKind.PRIORITY else "deliver_at"
             raise Problem(422, "invalid reschedule", f"a {cfg.kind} topic takes only {field}")
-        self._row(topic, mid)
+        await self._row(topic, mid)
         refused = await self._commit(topic, "reschedule", mid, wanted)
         if refused:
             raise Problem(409, "cannot reschedule", f"{mid}: {refused}", reason=refused)
 
-    def peek(self, topic: str, mid: str) -> dict[str, Any]:
+    async def peek(self, topic: str, mid: str) -> dict[str, Any]:
         cfg = self.topic(topic)
-        if mid in self.indexes[topic].gone:  # checkpointed: only the fact remains
-            return {"id": mid, "status": "settled"}
-        index, row = self._row(topic, mid)
+        index = self.indexes[topic]
+        row = index.rows.get(mid)
+        if row is None:  # checkpointed (only the ledger's fact remains) or unknown
+            event = await asyncio.to_thread(index.settled_event, mid)
+            if event is None:
+                raise _unknown(topic, mid)
+            return {"id": mid, "status": event}
         st = self.state(topic)
         key = st.sort_key(mid, row.sort_key)
         lease = st.leases.get(mid)
@@ -412,6 +417,10 @@ class Broker:
             "consumers": sorted(st.consumers),
             "per_bucket": buckets,
         }
+
+
+def _unknown(topic: str, mid: str) -> Problem:
+    return Problem(404, "unknown message", f"no message {mid!r} in topic {topic!r}")
 
 
 def _leased_array(

@@ -3,9 +3,10 @@
 Every micro-batch adds a file per bucket it touches, so a steady stream leaves
 thousands of small files an hour, and each reader pays per file: the broker's index at
 start and on every refresh, the release job, the dedup seed read. Compaction rewrites
-them into a few per bucket in a commit that changes no data (`dataChange=false`); the
-project's readers take a row once per message id, so a compacted file's rows, all
-seen before, are skipped. Vacuum then deletes the replaced files once they are older
+them into a few per bucket in a commit that changes no data (`dataChange=false`): the
+release follower takes a row once per message id, so a compacted file's rows, all seen
+before, are skipped, and the broker's index does not read an `OPTIMIZE` commit's files.
+Vacuum then deletes the replaced files once they are older
 than the table's retention (7 days by default), so a reader still on an older version
 keeps its files.
 """

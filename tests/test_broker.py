@@ -9,6 +9,7 @@ import json
 import pickle
 import threading
 import time
+import tracemalloc
 from pathlib import Path
 
 import pyarrow as pa
@@ -332,11 +333,39 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert checkpoint(warehouse, "jobs", list(state.events)) == upto, "replay is skipped"
     ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
     assert ledger.column("message_id").to_pylist() == ["m1"]
-    state.trim(upto)
+    index.forget(state.trim(upto))
     fresh = TopicIndex(warehouse, topic_conf())
     fresh.load()
     entries = [e for part in (fresh.runs, fresh.heaps) for h in part for e in h]
-    assert "m1" in fresh.gone and "m1" not in [e[3] for e in entries]
+    assert "m1" not in fresh.rows and "m1" not in [e[3] for e in entries]
+    assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
+    assert index.settled_event("m5") is None, "pending: not in the ledger"
+    assert [p[0] for p in index.pick(state, state.buckets_of("c"), 3, now=2)] == ["m2", "m0"]
+
+
+def test_the_index_keeps_nothing_of_a_settled_message(tmp_path: Path) -> None:
+    """Memory does not grow with the messages settled: no set of settled ids (the ledger
+    has them), which would grow by ~100 bytes per message for as long as a node runs."""
+    warehouse = str(tmp_path / "wh")
+    index = TopicIndex(warehouse, topic_conf())
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    held = []
+    tracemalloc.start()
+    try:
+        for r in range(3):
+            fill(warehouse, "jobs", buffer_rows(list(range(10_000)), prefix=f"settled-{r}-"))
+            index.load() if r == 0 else index.refresh()
+            while picks := index.pick(state, state.buckets_of("c"), 1000, now=0):
+                state.lease("c", 0, 1000, picks)
+                index.release(state, picks)
+                assert state.ack("c", 1, [m for m, _, _ in picks]) == {}
+            index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+            assert not index.rows and not state.settled and not state.events
+            held.append(tracemalloc.get_traced_memory()[0])
+    finally:
+        tracemalloc.stop()
+    assert held[2] - held[0] < 10_000 * 20, f"{held}: grew with 20,000 messages settled"
 
 
 def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:

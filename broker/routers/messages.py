@@ -41,10 +41,10 @@ class Reschedule(Body):
 
 
 class Peeked(BaseModel):
-    """A settled message that reached the ledger has only `id` and `status: settled`."""
+    """A settled message that reached the ledger has only `id` and `status`."""
 
     id: str
-    status: str = Field(description="pending, delayed, leased, acked, dead, cancelled, settled")
+    status: str = Field(description="pending, delayed, leased, acked, dead, cancelled")
     bucket: int | None = None
     sort_key: int | None = None
     priority: int | None = None
@@ -137,7 +137,7 @@ async def produce_batch(
 )
 async def peek(topic: TopicName, message_id: str, broker: LeaderBroker) -> dict:
     """A message's status (pending, delayed, leased, acked, dead, cancelled) and payload."""
-    return broker.peek(topic, message_id)
+    return await broker.peek(topic, message_id)
 
 
 @router.delete(
