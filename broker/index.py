@@ -82,13 +82,15 @@ class TopicIndex:
 
     def load(self) -> None:
         """First load: settled ids from the ledger, then every buffer file."""
+        self.refresh(self._settled_ids())
+        self.loaded = True
+
+    def _settled_ids(self) -> set[str]:
         ledger = DeltaTable(self.ledger_path).to_pyarrow_table(columns=["message_id", "event"])
         terminal = pc.is_in(
             ledger.column("event"), value_set=pa.array(sorted(TERMINAL), pa.string())
         )
-        settled = set(ledger.filter(terminal).column("message_id").to_pylist())
-        self.refresh(settled)
-        self.loaded = True
+        return set(ledger.filter(terminal).column("message_id").to_pylist())
 
     def refresh(self, settled: Set[str] = frozenset()) -> int:
         """Index buffer files added since the last call; returns how many rows were new.
@@ -225,8 +227,15 @@ class TopicIndex:
             deque(map(self.rows.pop, mids, repeat(None)), maxlen=0)
 
     def rebuild(self, state: TopicState) -> None:
-        """After a snapshot replaced the state wholesale: re-derive every heap."""
+        """After a snapshot replaced the state wholesale: re-derive every entry.
+
+        The snapshot can cover trims this node never applied (it was behind), so the
+        messages they settled are found in the ledger, written before each trim, and
+        forgotten. Reads the ledger: a snapshot arrives rarely, to a node that lags.
+        """
+        settled = self._settled_ids()
         with self.lock:
+            deque(map(self.rows.pop, settled & self.rows.keys()), maxlen=0)
             runs: list[list[Entry]] = [[] for _ in self.runs]
             for mid, row in self.rows.items():
                 key = state.sort_key(mid, row.sort_key)

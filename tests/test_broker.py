@@ -343,6 +343,24 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert [p[0] for p in index.pick(state, state.buckets_of("c"), 3, now=2)] == ["m2", "m0"]
 
 
+def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path: Path) -> None:
+    """A lagging node gets the leader's state whole; the trims it skipped are in the
+    ledger, and what they settled must not come back as pending."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([5, 1, 3]))
+    lagging = TopicIndex(warehouse, topic_conf())
+    lagging.load()
+    leader = TopicState(4, 5)
+    leader.touch("c", 0)
+    leader.lease("c", 0, 1000, [("m1", 1, 1), ("m2", 2, 3)])
+    assert leader.ack("c", 1, ["m1", "m2"]) == {}
+    leader.trim(checkpoint(warehouse, "jobs", leader.events))  # never reached `lagging`
+    snapshot = pickle.loads(pickle.dumps(leader))
+    lagging.rebuild(snapshot)
+    assert sorted(lagging.rows) == ["m0"]
+    assert lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2) == [("m0", 0, 5)]
+
+
 def test_the_index_keeps_nothing_of_a_settled_message(tmp_path: Path) -> None:
     """Memory does not grow with the messages settled: no set of settled ids (the ledger
     has them), which would grow by ~100 bytes per message for as long as a node runs."""
