@@ -5,7 +5,7 @@ with the Raft state through hooks (`push`, `forget`), so a follower can serve as
 the moment it is elected. Entries are validated lazily against the Raft state when
 they reach the top, which makes every hook idempotent and a duplicate entry harmless.
 It holds nothing of a message once settled and checkpointed: the ledger is the record,
-and a broker that kept even each settled id would grow by ~100 bytes per message.
+and a broker that kept even each settled id would grow by ~140 bytes per message.
 
 Each bucket keeps its entries in two parts: a run, sorted once and taken from its end,
 and a heap for what arrives a few at a time (redeliveries, a trickle of new rows). Taking

@@ -363,7 +363,7 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
 
 def test_the_index_keeps_nothing_of_a_settled_message(tmp_path: Path) -> None:
     """Memory does not grow with the messages settled: no set of settled ids (the ledger
-    has them), which would grow by ~100 bytes per message for as long as a node runs."""
+    has them), which would grow by ~140 bytes per message for as long as a node runs."""
     warehouse = str(tmp_path / "wh")
     index = TopicIndex(warehouse, topic_conf())
     state = TopicState(4, 5)
