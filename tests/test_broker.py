@@ -318,13 +318,20 @@ def test_timeline_never_before_deliver_at_and_follows_new_versions(tmp_path: Pat
     assert drain(index, state, 10, now=3000) == [[3000]]
 
 
-def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
+def loaded_topic(tmp_path: Path, keys: list[int]) -> tuple[str, TopicIndex, TopicState]:
+    """Topic "jobs" with these sort keys in its buffer, its index loaded, and a state in
+    which consumer "c" holds every bucket."""
     warehouse = str(tmp_path / "wh")
-    fill(warehouse, "jobs", buffer_rows([5, 1, 3]))
+    fill(warehouse, "jobs", buffer_rows(keys))
     index = TopicIndex(warehouse, topic_conf())
     index.load()
     state = TopicState(4, 5)
     state.touch("c", 0)
+    return warehouse, index, state
+
+
+def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
+    warehouse, index, state = loaded_topic(tmp_path, [5, 1, 3])
     picks = index.pick(state, state.buckets_of("c"), 1, now=0)
     assert picks == [("m1", 1, 1)], "lowest sort key first"
     state.lease("c", 0, 1000, picks)
@@ -346,12 +353,7 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
 def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path: Path) -> None:
     """A lagging node gets the leader's state whole; the trims it skipped are in the
     ledger, and what they settled must not come back as pending."""
-    warehouse = str(tmp_path / "wh")
-    fill(warehouse, "jobs", buffer_rows([5, 1, 3]))
-    lagging = TopicIndex(warehouse, topic_conf())
-    lagging.load()
-    leader = TopicState(4, 5)
-    leader.touch("c", 0)
+    warehouse, lagging, leader = loaded_topic(tmp_path, [5, 1, 3])
     leader.lease("c", 0, 1000, [("m1", 1, 1), ("m2", 2, 3)])
     assert leader.ack("c", 1, ["m1", "m2"]) == {}
     leader.trim(checkpoint(warehouse, "jobs", leader.events))  # never reached `lagging`

@@ -229,7 +229,8 @@ def test_sigterm_stops_cleanly_and_status_reports(kafka_bootstrap, topic_factory
 def test_compaction_keeps_every_row_once_for_every_reader(
     spark, kafka_bootstrap, topic_factory, tmp_path
 ):
-    """Small files are compacted every 2 batches; readers that saw them see nothing twice."""
+    """Small files are compacted every 2 batches; readers that saw them see nothing twice,
+    and the broker's index, which keeps no settled ids, brings none of them back."""
     source = topic_factory(partitions=3)
     conf = write_conf(tmp_path, kafka_bootstrap, source)
     conf.write_text(conf.read_text().replace("max_payload_bytes: 100", "compact_every_batches: 2"))
