@@ -12,13 +12,14 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from broker.index import Row, TopicIndex
 from broker.leases import Grant, Refusal, TopicState
-from broker.ledger_writer import checkpoint
+from broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from broker.metrics import Metrics
 from broker.raft import NotCommitted, RaftNode
 from conf.settings import Delivery, Settings, TopicConfig, TopicKind
@@ -95,6 +96,7 @@ class Broker:
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
+        self._checkpoints: Counter[str] = Counter()
 
     # --- Listener: hooks from applied Raft commands ---------------------------------------
 
@@ -223,6 +225,23 @@ class Broker:
                 seqs = [e.seq for e in events if e.seq <= upto]
                 for cut in [*seqs[TRIM_SLICE - 1 :: TRIM_SLICE], upto]:
                     self.raft.state.command(name, "trim", (cut,), sync=True, timeout=5)
+                self._checkpoints[name] += 1
+                if self._checkpoints[name] % COMPACT_EVERY == 0:
+                    self._compact_ledger(name)
+
+    def _compact_ledger(self, topic: str) -> None:
+        try:
+            done = compact_ledger(self.settings.warehouse, topic)
+        except Exception:  # a deposed leader's late write, say: the next round retries
+            log.warning("compacting the ledger of %s failed", topic, exc_info=True)
+            return
+        log.info(
+            "compacted the ledger of %s: %d files into %d, %d old files vacuumed",
+            topic,
+            done.files_removed,
+            done.files_added,
+            done.files_vacuumed,
+        )
 
     # --- operations (leader) -------------------------------------------------------------
 

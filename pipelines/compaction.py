@@ -1,4 +1,6 @@
-"""Small-file compaction of the tables the ingest appends to, with delta-rs.
+"""Small-file compaction of the tables the ingest and the broker append to, with delta-rs.
+
+No Spark here: the broker compacts its ledger with it too.
 
 Every micro-batch adds a file per bucket it touches, so a steady stream leaves
 thousands of small files an hour, and each reader pays per file: the broker's index at

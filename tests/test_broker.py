@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from broker.assignment import rebalance
 from broker.index import TopicIndex
 from broker.leases import Refusal, TopicState
-from broker.ledger_writer import checkpoint
+from broker.ledger_writer import checkpoint, compact_ledger
 from broker.service import Broker, _leased_array
 from conf.settings import TopicConfig
 from conf.tables import BUFFER_SCHEMA, Table, ensure_table
@@ -348,6 +348,28 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
     assert [p[0] for p in index.pick(state, state.buckets_of("c"), 3, now=2)] == ["m2", "m0"]
+
+
+def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -> None:
+    """Each checkpoint adds a file per bucket; compacted, the ledger reads the same, and a
+    checkpoint replayed after it is still skipped."""
+    warehouse, index, state = loaded_topic(tmp_path, list(range(40)))
+    batches = []
+    while picks := index.pick(state, state.buckets_of("c"), 8, now=0):
+        state.lease("c", 0, 1000, picks)
+        index.release(state, picks)
+        assert state.ack("c", 1, [m for m, _, _ in picks]) == {}
+        batches.append(list(state.events))
+        index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    before = DeltaTable(path).to_pyarrow_table().sort_by("message_id")
+    assert len(DeltaTable(path).file_uris()) == 5 * 4, "5 checkpoints, 4 buckets each"
+    done = compact_ledger(warehouse, "jobs")
+    assert (done.files_removed, done.files_added) == (20, 4)
+    assert DeltaTable(path).to_pyarrow_table().sort_by("message_id").equals(before)
+    assert checkpoint(warehouse, "jobs", batches[2]) == batches[2][-1].seq
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 40, "the replay wrote nothing"
+    assert index.settled_event("m7") == "acked"
 
 
 def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path: Path) -> None:
