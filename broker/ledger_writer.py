@@ -24,7 +24,7 @@ from conf.tables import (
     Table,
     ensure_table,
 )
-from pipelines.compaction import Compacted, compact
+from pipelines.compaction import Compacted, maintain
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file per bucket it
@@ -78,14 +78,15 @@ def checkpoint(warehouse: str, topic: str, events: list[Event]) -> int:
     return upto
 
 
-def compact_ledger(warehouse: str, topic: str) -> Compacted:
-    """Rewrite the ledger's small files into one per bucket (and vacuum old ones).
+def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
+    """Rewrite the ledger's small files into one per bucket (and vacuum old ones); a
+    failure (a deposed leader's late write, say) is logged and the next round retries.
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
     between its own checkpoints, as delta-rs compaction requires. Transaction versions
     survive it, so a checkpoint replayed later is still skipped.
     """
-    return compact(ensure_table(warehouse, Table.LEDGER, topic))
+    return maintain(ensure_table(warehouse, Table.LEDGER, topic))
 
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Event]) -> pa.Table:

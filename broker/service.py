@@ -227,21 +227,7 @@ class Broker:
                     self.raft.state.command(name, "trim", (cut,), sync=True, timeout=5)
                 self._checkpoints[name] += 1
                 if self._checkpoints[name] % COMPACT_EVERY == 0:
-                    self._compact_ledger(name)
-
-    def _compact_ledger(self, topic: str) -> None:
-        try:
-            done = compact_ledger(self.settings.warehouse, topic)
-        except Exception:  # a deposed leader's late write, say: the next round retries
-            log.warning("compacting the ledger of %s failed", topic, exc_info=True)
-            return
-        log.info(
-            "compacted the ledger of %s: %d files into %d, %d old files vacuumed",
-            topic,
-            done.files_removed,
-            done.files_added,
-            done.files_vacuumed,
-        )
+                    compact_ledger(self.settings.warehouse, name)
 
     # --- operations (leader) -------------------------------------------------------------
 

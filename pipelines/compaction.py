@@ -8,9 +8,8 @@ start and on every refresh, the release job, the dedup seed read. Compaction rew
 them into a few per bucket in a commit that changes no data (`dataChange=false`): the
 release follower takes a row once per message id, so a compacted file's rows, all seen
 before, are skipped, and the broker's index does not read an `OPTIMIZE` commit's files.
-Vacuum then deletes the replaced files once they are older
-than the table's retention (7 days by default), so a reader still on an older version
-keeps its files.
+Vacuum then deletes the replaced files once they are older than the table's retention
+(7 days by default), so a reader still on an older version keeps its files.
 """
 
 from __future__ import annotations
@@ -40,3 +39,22 @@ def compact(path: str) -> Compacted:
     metrics = table.optimize.compact()
     vacuumed = table.vacuum(dry_run=False)
     return Compacted(metrics["numFilesRemoved"], metrics["numFilesAdded"], len(vacuumed))
+
+
+def maintain(path: str) -> Compacted | None:
+    """`compact` as maintenance, not data: a failure is logged, not raised (the caller's
+    next round tries again), and the caller's own appends go on."""
+    try:
+        done = compact(path)
+    except Exception:
+        log.warning("compacting %s failed; the next round tries again", path, exc_info=True)
+        return None
+    if done.files_removed:
+        log.info(
+            "compacted %s: %d files into %d, %d old files vacuumed",
+            path,
+            done.files_removed,
+            done.files_added,
+            done.files_vacuumed,
+        )
+    return done

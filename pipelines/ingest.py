@@ -20,7 +20,7 @@ from pyspark.sql.streaming import StreamingQuery
 
 from conf.settings import Settings, TopicConfig
 from conf.tables import Table, checkpoint_path, ensure_table, table_path
-from pipelines.compaction import compact
+from pipelines.compaction import maintain
 from pipelines.dedup import SeenIds
 from pipelines.envelope import (
     COORDINATES,
@@ -127,22 +127,6 @@ class IngestJob:
             .save(path)
         )
 
-    def _compact(self, path: str) -> None:
-        """Maintenance, not data: a failure is logged and the next round tries again."""
-        try:
-            done = compact(path)
-        except Exception:
-            log.warning("compacting %s failed; ingest goes on", path, exc_info=True)
-            return
-        if done.files_removed:
-            log.info(
-                "compacted %s: %d files into %d, %d old files vacuumed",
-                path,
-                done.files_removed,
-                done.files_added,
-                done.files_vacuumed,
-            )
-
     def process_batch(self, records: DataFrame, batch_id: int) -> None:
         """Parse, dedup, append to both tables; both appends are idempotent per batch."""
         clock = _Phases()
@@ -191,7 +175,7 @@ class IngestJob:
         every = self.topic.compact_every_batches
         if every and (batch_id + 1) % every == 0:
             for path in (buffer_path, quarantine_path):
-                self._compact(path)
+                maintain(path)
             clock.lap("compact")
         stats = BatchStats(
             batch_id=batch_id,

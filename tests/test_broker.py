@@ -365,7 +365,7 @@ def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -
     before = DeltaTable(path).to_pyarrow_table().sort_by("message_id")
     assert len(DeltaTable(path).file_uris()) == 5 * 4, "5 checkpoints, 4 buckets each"
     done = compact_ledger(warehouse, "jobs")
-    assert (done.files_removed, done.files_added) == (20, 4)
+    assert done is not None and (done.files_removed, done.files_added) == (20, 4)
     assert DeltaTable(path).to_pyarrow_table().sort_by("message_id").equals(before)
     assert checkpoint(warehouse, "jobs", batches[2]) == batches[2][-1].seq
     assert DeltaTable(path).to_pyarrow_table().num_rows == 40, "the replay wrote nothing"
