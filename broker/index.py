@@ -75,6 +75,7 @@ class TopicIndex:
         self.reserved: set[str] = set()  # picked by this leader, lease not yet committed
         self.files: set[str] = set()
         self.version = -1
+        self.ledger_version = -1  # of the last full read of the ledger's settled ids
         self.loaded = False
         self._buffer: DeltaTable | None = None
 
@@ -86,7 +87,10 @@ class TopicIndex:
         self.loaded = True
 
     def _settled_ids(self) -> set[str]:
-        ledger = DeltaTable(self.ledger_path).to_pyarrow_table(columns=["message_id", "event"])
+        """Every id the ledger has settled; notes the version read (`rebuild`)."""
+        table = DeltaTable(self.ledger_path)
+        self.ledger_version = table.version()
+        ledger = table.to_pyarrow_table(columns=["message_id", "event"])
         terminal = pc.is_in(
             ledger.column("event"), value_set=pa.array(sorted(TERMINAL), pa.string())
         )
@@ -231,9 +235,12 @@ class TopicIndex:
 
         The snapshot can cover trims this node never applied (it was behind), so the
         messages they settled are found in the ledger, written before each trim, and
-        forgotten. Reads the ledger: a snapshot arrives rarely, to a node that lags.
+        forgotten. Reads the ledger: a snapshot arrives rarely, to a node that lags. Not
+        when the ledger is as `load` read it (a node starting from its own snapshot).
         """
-        settled = self._settled_ids()
+        settled: set[str] = set()
+        if DeltaTable(self.ledger_path).version() != self.ledger_version:
+            settled = self._settled_ids()
         with self.lock:
             deque(map(self.rows.pop, settled & self.rows.keys()), maxlen=0)
             runs: list[list[Entry]] = [[] for _ in self.runs]
