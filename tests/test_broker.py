@@ -10,6 +10,7 @@ import pickle
 import threading
 import time
 import tracemalloc
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -330,6 +331,16 @@ def loaded_topic(tmp_path: Path, keys: list[int]) -> tuple[str, TopicIndex, Topi
     return warehouse, index, state
 
 
+def acked_batches(index: TopicIndex, state: TopicState, n: int) -> Iterator[list[str]]:
+    """Lease everything in batches of n as consumer "c" and ack each batch; its ids."""
+    while picks := index.pick(state, state.buckets_of("c"), n, now=0):
+        state.lease("c", 0, 1000, picks)
+        index.release(state, picks)
+        mids = [m for m, _, _ in picks]
+        assert state.ack("c", 1, mids) == {}
+        yield mids
+
+
 def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [5, 1, 3])
     picks = index.pick(state, state.buckets_of("c"), 1, now=0)
@@ -355,10 +366,7 @@ def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -
     checkpoint replayed after it is still skipped."""
     warehouse, index, state = loaded_topic(tmp_path, list(range(40)))
     batches = []
-    while picks := index.pick(state, state.buckets_of("c"), 8, now=0):
-        state.lease("c", 0, 1000, picks)
-        index.release(state, picks)
-        assert state.ack("c", 1, [m for m, _, _ in picks]) == {}
+    for _ in acked_batches(index, state, 8):
         batches.append(list(state.events))
         index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
@@ -398,10 +406,7 @@ def test_the_index_keeps_nothing_of_a_settled_message(tmp_path: Path) -> None:
         for r in range(3):
             fill(warehouse, "jobs", buffer_rows(list(range(10_000)), prefix=f"settled-{r}-"))
             index.load() if r == 0 else index.refresh()
-            while picks := index.pick(state, state.buckets_of("c"), 1000, now=0):
-                state.lease("c", 0, 1000, picks)
-                index.release(state, picks)
-                assert state.ack("c", 1, [m for m, _, _ in picks]) == {}
+            assert sum(map(len, acked_batches(index, state, 1000))) == 10_000
             index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
             assert not index.rows and not state.settled and not state.events
             held.append(tracemalloc.get_traced_memory()[0])
