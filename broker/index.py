@@ -28,6 +28,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from broker import message_json
 from broker.leases import Pick, TopicState
 from conf.settings import TopicConfig, TopicKind
 from conf.tables import LedgerEvent, Table, ensure_table
@@ -46,10 +47,8 @@ class Row(NamedTuple):
     sort_key: int
     partition: int
     offset: int
-    deliver_at: int | None  # epoch ms
-    key: bytes | None
-    payload: bytes
     ingested_at: int  # epoch ms
+    head: str  # the leased message's JSON, less deliveries and deadline (`message_json`)
 
 
 @dataclass
@@ -72,7 +71,6 @@ class TopicIndex:
         self.runs: list[list[Entry]] = [[] for _ in range(topic.buckets)]  # descending
         self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
-        self.reserved: set[str] = set()  # picked by this leader, lease not yet committed
         self.files: set[str] = set()
         self.version = -1
         self.ledger_version = -1  # of the last full read of the ledger's settled ids
@@ -168,26 +166,29 @@ class TopicIndex:
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
         t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
-        ats = [
-            None if a is None else a // 1000
-            for a in pc.cast(t.column("deliver_at"), "int64").to_pylist()
+        mids = t.column("message_id").to_pylist()
+        keys = t.column("sort_key").to_pylist()
+        ats = pc.divide(pc.cast(t.column("deliver_at"), "int64"), 1000).to_pylist()
+        heads = [
+            message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
+            for mid, key, payload, sort_key, at in zip(
+                mids,
+                t.column("key").to_pylist(),
+                t.column("payload").to_pylist(),
+                keys,
+                ats,
+                strict=True,
+            )
         ]
-        ingested = [a // 1000 for a in pc.cast(t.column("ingested_at"), "int64").to_pylist()]
-        payloads = [p or b"" for p in t.column("payload").to_pylist()]
         columns = zip(
-            t.column("sort_key").to_pylist(),
+            keys,
             t.column("source_partition").to_pylist(),
             t.column("source_offset").to_pylist(),
-            ats,
-            t.column("key").to_pylist(),
-            payloads,
-            ingested,
+            pc.divide(pc.cast(t.column("ingested_at"), "int64"), 1000).to_pylist(),
+            heads,
             strict=True,
         )
-        rows = [
-            (mid, Row(bucket, *values))
-            for mid, values in zip(t.column("message_id").to_pylist(), columns, strict=True)
-        ]
+        rows = [(mid, Row(bucket, *values)) for mid, values in zip(mids, columns, strict=True)]
         return bucket, rows
 
     # --- hooks from the Raft state machine ------------------------------------------------
@@ -256,10 +257,12 @@ class TopicIndex:
     # --- leader side -----------------------------------------------------------------
 
     def pick(self, state: TopicState, buckets: list[int], n: int, now: int) -> list[Pick]:
-        """Reserve the `n` lowest deliverable sort keys across `buckets`.
+        """Take the `n` lowest deliverable sort keys across `buckets` out of the index.
 
         The caller commits them as a lease and then calls `release` with the picks, so
-        a pick the state machine refused goes back into the index.
+        a pick the state machine refused goes back into the index. Two leases in flight
+        can pick the same message only through a duplicate entry; the state machine
+        grants it once, and `release` puts the other pick back.
         """
         picks: list[Pick] = []
         with self.lock:
@@ -270,38 +273,37 @@ class TopicIndex:
                     continue
                 key = state.sort_key(mid, row.sort_key)
                 heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
-            heads: list[tuple[Entry, int]] = []
-            for b in buckets:
-                head = self._head(state, b, now)
-                if head is not None:
-                    heads.append((head, b))
+            # Bucket heads, ordered by entry: ids differ, so no two compare equal.
+            heads = [h for b in buckets if (h := self._head(state, b, now)) is not None]
             heapq.heapify(heads)
+            runs, heaps = self.runs, self.heaps
             while heads and len(picks) < n:
-                entry, b = heads[0]
-                run = self.runs[b]
+                entry = heads[0]
+                key, _, _, mid, row = entry
+                b = row.bucket
+                run = runs[b]
                 if run and run[-1] is entry:
                     run.pop()
                 else:
-                    heapq.heappop(self.heaps[b])
-                self.reserved.add(entry[3])
-                picks.append((entry[3], b, entry[0]))
+                    heapq.heappop(heaps[b])
+                picks.append((mid, b, key))
                 head = self._head(state, b, now)
                 if head is None:
                     heapq.heappop(heads)
                 else:
-                    heapq.heapreplace(heads, (head, b))
+                    heapq.heapreplace(heads, head)
         return picks
 
     def _head(self, state: TopicState, bucket: int, now: int) -> Entry | None:
         """The bucket's lowest entry that is deliverable now; stale ones are dropped.
 
-        Stale: reserved, settled (checkpointed: its row is gone), leased, delayed by a
+        Stale: settled (checkpointed: its row is gone), leased, delayed by a
         nack (the delayed heap holds it) or re-keyed (a newer entry holds it). Runs once per
         leased message, so the lookups are hoisted. Without overrides every live entry
         has its row's own sort key (only settling drops an override): no key to check.
         """
         run, heap = self.runs[bucket], self.heaps[bucket]
-        reserved, rows = self.reserved, self.rows
+        rows = self.rows
         settled, leases, not_before, overrides = (
             state.settled,
             state.leases,
@@ -313,8 +315,7 @@ class TopicIndex:
             entry = run[-1] if in_run else heap[0]
             key, _, _, mid, row = entry
             if (
-                mid in reserved
-                or rows.get(mid) is not row
+                rows.get(mid) is not row
                 or mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)
@@ -331,10 +332,9 @@ class TopicIndex:
         return None
 
     def release(self, state: TopicState, picks: list[Pick]) -> None:
-        """End a reservation; picks the lease did not take become pending again."""
+        """Picks the lease did not take (or that were not committed) are pending again."""
         with self.lock:
             for mid, bucket, key in picks:
-                self.reserved.discard(mid)
                 if mid in state.leases or mid in state.settled:
                     continue  # the usual case: taken, and its row not read (a cache miss)
                 row = self.rows.get(mid)

@@ -5,10 +5,7 @@ forward to the leader otherwise)."""
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import gc
-import json
 import logging
 import threading
 import time
@@ -17,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from broker import message_json
 from broker.index import Row, TopicIndex
-from broker.leases import Grant, Refusal, TopicState
+from broker.leases import Refusal, TopicState
 from broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from broker.metrics import Metrics
 from broker.raft import NotCommitted, RaftNode
@@ -252,7 +250,7 @@ class Broker:
     async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> str:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
 
-        Returns the JSON array of leased messages, formatted by `_leased_array`.
+        Returns the JSON array of leased messages, formatted by `message_json`.
         """
         cfg = self.topic(topic)
         index, st = self.indexes[topic], self.state(topic)
@@ -270,29 +268,12 @@ class Broker:
                 if grants:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     keys = {mid: key for mid, _, key in picks}
-                    return _leased_array(index, grants, keys, cfg.kind is TopicKind.TIMELINE)
+                    timeline = cfg.kind is TopicKind.TIMELINE
+                    return message_json.leased_array(index.rows, grants, keys, timeline)
             if time.monotonic() >= deadline:
                 return "[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
             await self._join(topic, consumer)
-
-    @staticmethod
-    def _message(
-        cfg: TopicConfig, index: TopicIndex, mid: str, key: int, deliveries: int, deadline: int
-    ) -> dict[str, Any]:
-        row = index.rows[mid]
-        timeline = cfg.kind is TopicKind.TIMELINE
-        return {
-            "id": mid,
-            "bucket": row.bucket,
-            "sort_key": key,
-            "priority": None if timeline else key,
-            "deliver_at": key if timeline else row.deliver_at,
-            "key": None if row.key is None else base64.b64encode(row.key).decode(),
-            "payload": base64.b64encode(row.payload).decode(),
-            "deliveries": deliveries,
-            "lease_deadline": deadline,
-        }
 
     async def settle(self, topic: str, op: str, consumer: str, ids: list[str]) -> Settled:
         """ack or reject."""
@@ -367,7 +348,8 @@ class Broker:
             status = "delayed"
         else:
             status = "pending"
-        msg = self._message(cfg, index, mid, key, st.deliveries.get(mid, 0), 0)
+        timeline = cfg.kind is TopicKind.TIMELINE
+        msg = message_json.message(row, key, st.deliveries.get(mid, 0), 0, timeline)
         msg.update(
             status=status,
             lease_deadline=lease.deadline if lease else None,
@@ -426,39 +408,6 @@ class Broker:
 
 def _unknown(topic: str, mid: str) -> Problem:
     return Problem(404, "unknown message", f"no message {mid!r} in topic {topic!r}")
-
-
-def _leased_array(
-    index: TopicIndex, grants: list[Grant], keys: dict[str, int], timeline: bool
-) -> str:
-    """The JSON array of leased messages: what `json.dumps` gives of their dicts.
-
-    Formatted by hand: encoding is the hot path's largest cost after picking.
-    """
-    rows = index.rows
-    parts = []
-    for mid, deliveries, deadline in grants:
-        row = rows[mid]
-        key = keys[mid]
-        if timeline:
-            prio, at = "null", key
-        else:
-            prio, at = key, row.deliver_at
-        k = "null" if row.key is None else f'"{_b64(row.key)}"'
-        parts.append(
-            f'{{"id": {_json_str(mid)}, "bucket": {row.bucket}, "key": {k}, '
-            f'"payload": "{_b64(row.payload)}", "sort_key": {key}, "priority": {prio}, '
-            f'"deliver_at": {"null" if at is None else at}, "deliveries": {deliveries}, '
-            f'"lease_deadline": {deadline}}}'
-        )
-    return "[" + ",".join(parts) + "]"
-
-
-def _b64(data: bytes) -> str:
-    return binascii.b2a_base64(data, newline=False).decode("ascii")
-
-
-_json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
 
 @dataclass

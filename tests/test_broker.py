@@ -3,6 +3,7 @@ real Delta tables, and the ledger checkpoint. Also the helpers the process tests
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import itertools
 import json
@@ -19,11 +20,11 @@ from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from broker import message_json
 from broker.assignment import rebalance
 from broker.index import TopicIndex
 from broker.leases import Refusal, TopicState
 from broker.ledger_writer import checkpoint, compact_ledger
-from broker.service import Broker, _leased_array
 from conf.settings import TopicConfig
 from conf.tables import BUFFER_SCHEMA, Table, ensure_table
 
@@ -289,20 +290,42 @@ def test_leases_stay_in_order_as_new_rows_arrive(
 
 
 def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
-    """The hot path formats leased messages by hand: same JSON as the model's dicts."""
+    """A lease joins JSON rendered when the rows were indexed: the text `json.dumps` gives
+    of the messages built from the buffer rows, on first delivery at the row's own sort
+    key (the joined case) and on redelivery or at another key (rendered apart), mixed."""
     warehouse = str(tmp_path / "wh")
-    for kind, keys in (("priority", [7, 65535]), ("timeline", [1_700_000_000_000])):
-        rows = buffer_rows(keys, prefix='q"\\é', timeline=kind == "timeline").to_pylist()
+    for kind, keys in (("priority", [7, 65535, 3, 9]), ("timeline", [1_700_000_000_000] * 4)):
+        timeline = kind == "timeline"
+        rows = buffer_rows(keys, prefix='q"\\é', timeline=timeline).to_pylist()
         rows[0]["key"] = None
         fill(warehouse, kind, pa.Table.from_pylist(rows, schema=BUFFER_SCHEMA))
-        cfg = topic_conf(kind, kind)
-        index = TopicIndex(warehouse, cfg)
+        index = TopicIndex(warehouse, topic_conf(kind, kind))
         index.load()
-        grants = [(m, 2, 99) for m in index.rows]
-        keys = {m: row.sort_key + 1 for m, row in index.rows.items()}
-        got = json.loads(_leased_array(index, grants, keys, kind == "timeline"))
-        want = [Broker._message(cfg, index, m, keys[m], 2, 99) for m, _, _ in grants]
-        assert got == want and len(got) == len(keys)
+        for shifts, deliveries in (([0] * 4, [1] * 4), ([0, 1, 0, 1], [1, 1, 3, 2])):
+            grants = [(r["message_id"], n, 99) for r, n in zip(rows, deliveries, strict=True)]
+            keys = {r["message_id"]: r["sort_key"] + k for r, k in zip(rows, shifts, strict=True)}
+            want = [
+                _leased(r, keys[r["message_id"]], n, 99, timeline)
+                for r, n in zip(rows, deliveries, strict=True)
+            ]
+            got = message_json.leased_array(index.rows, grants, keys, timeline)
+            assert got == json.dumps(want) and len(want) == 4
+
+
+def _leased(row: dict, key: int, deliveries: int, deadline: int, timeline: bool) -> dict:
+    """A leased message as the API documents it, from its buffer row."""
+    at = row["deliver_at"]
+    return {
+        "id": row["message_id"],
+        "bucket": row["bucket"],
+        "key": None if row["key"] is None else base64.b64encode(row["key"]).decode(),
+        "payload": base64.b64encode(row["payload"]).decode(),
+        "sort_key": key,
+        "priority": None if timeline else key,
+        "deliver_at": key if timeline else (at and int(at.timestamp() * 1000)),
+        "deliveries": deliveries,
+        "lease_deadline": deadline,
+    }
 
 
 def test_timeline_never_before_deliver_at_and_follows_new_versions(tmp_path: Path) -> None:
