@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import deque
-from collections.abc import Set
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
 from itertools import repeat
 from typing import NamedTuple
@@ -36,6 +36,7 @@ from conf.tables import LedgerEvent, Table, ensure_table
 TERMINAL = {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]
+_ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 
 # (sort key, partition, offset, message id, row): valid while `rows[id] is row`
@@ -166,9 +167,13 @@ class TopicIndex:
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
         t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
+        # In the order leases will take them: Python objects made one after another lie
+        # one after another in memory, and picking, leasing and forgetting then walk memory
+        # forward instead of jumping (a quarter to a third less CPU per message).
+        t = t.take(pc.sort_indices(t, sort_keys=_ORDER))
         mids = t.column("message_id").to_pylist()
-        keys = t.column("sort_key").to_pylist()
-        ats = pc.divide(pc.cast(t.column("deliver_at"), "int64"), 1000).to_pylist()
+        keys = _shared(t.column("sort_key").to_pylist())
+        ingested = _shared(_ms(t.column("ingested_at")))
         heads = [
             message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
             for mid, key, payload, sort_key, at in zip(
@@ -176,7 +181,7 @@ class TopicIndex:
                 t.column("key").to_pylist(),
                 t.column("payload").to_pylist(),
                 keys,
-                ats,
+                _ms(t.column("deliver_at")),
                 strict=True,
             )
         ]
@@ -184,7 +189,7 @@ class TopicIndex:
             keys,
             t.column("source_partition").to_pylist(),
             t.column("source_offset").to_pylist(),
-            pc.divide(pc.cast(t.column("ingested_at"), "int64"), 1000).to_pylist(),
+            ingested,
             heads,
             strict=True,
         )
@@ -273,37 +278,37 @@ class TopicIndex:
                     continue
                 key = state.sort_key(mid, row.sort_key)
                 heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
-            # Bucket heads, ordered by entry: ids differ, so no two compare equal.
-            heads = [h for b in buckets if (h := self._head(state, b, now)) is not None]
+            # Each bucket's head with its taker, ordered by entry: ids differ, so no two
+            # entries compare equal and takers are never compared.
+            heads = []
+            for b in buckets:
+                taker = self._taker(state, b, now)
+                head = next(taker, None)
+                if head is not None:
+                    heads.append((head, taker))
             heapq.heapify(heads)
-            runs, heaps = self.runs, self.heaps
             while heads and len(picks) < n:
-                entry = heads[0]
-                key, _, _, mid, row = entry
-                b = row.bucket
-                run = runs[b]
-                if run and run[-1] is entry:
-                    run.pop()
-                else:
-                    heapq.heappop(heaps[b])
-                picks.append((mid, b, key))
-                head = self._head(state, b, now)
+                (key, _, _, mid, row), taker = heads[0]
+                picks.append((mid, row.bucket, key))
+                head = next(taker, None)
                 if head is None:
                     heapq.heappop(heads)
                 else:
-                    heapq.heapreplace(heads, head)
+                    heapq.heapreplace(heads, (head, taker))
         return picks
 
-    def _head(self, state: TopicState, bucket: int, now: int) -> Entry | None:
-        """The bucket's lowest entry that is deliverable now; stale ones are dropped.
+    def _taker(self, state: TopicState, bucket: int, now: int) -> Iterator[Entry]:
+        """The bucket's deliverable entries, lowest first; stale ones are dropped.
 
-        Stale: settled (checkpointed: its row is gone), leased, delayed by a
-        nack (the delayed heap holds it) or re-keyed (a newer entry holds it). Runs once per
-        leased message, so the lookups are hoisted. Without overrides every live entry
-        has its row's own sort key (only settling drops an override): no key to check.
+        Each is taken out of the bucket when the generator resumes past it, so a head
+        the caller does not take stays. Stale: settled (checkpointed: its row is gone),
+        leased, delayed by a nack (the delayed heap holds it) or re-keyed (a newer entry
+        holds it). Runs once per leased message: a generator keeps its lookups hoisted.
+        Without overrides every live entry has its row's own sort key (only settling
+        drops an override): no key to check.
         """
         run, heap = self.runs[bucket], self.heaps[bucket]
-        rows = self.rows
+        rows, timeline = self.rows, self.timeline
         settled, leases, not_before, overrides = (
             state.settled,
             state.leases,
@@ -326,10 +331,13 @@ class TopicIndex:
                 else:
                     heapq.heappop(heap)
                 continue
-            if self.timeline and key > now:
-                return None
-            return entry
-        return None
+            if timeline and key > now:
+                return
+            yield entry
+            if in_run:
+                run.pop()
+            else:
+                heapq.heappop(heap)
 
     def release(self, state: TopicState, picks: list[Pick]) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
@@ -389,6 +397,18 @@ class TopicIndex:
             out[b] = Stats(pending, deliverable, oldest)
         delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
+
+
+def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
+    """Epoch milliseconds of a microsecond timestamp column."""
+    return [None if us is None else us // 1000 for us in pc.cast(timestamps, "int64").to_pylist()]
+
+
+def _shared(values: list[int]) -> list[int]:
+    """Equal values as one int object: a file's rows share priorities and ingestion times,
+    and an object per row is one more to free, in cold memory, as each row is settled."""
+    one: dict[int, int] = {}
+    return [one.setdefault(v, v) for v in values]
 
 
 def _entry(key: int, mid: str, row: Row) -> Entry:
