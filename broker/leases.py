@@ -77,7 +77,9 @@ class TopicState:
         self.buckets = buckets
         self.max_deliveries = max_deliveries
         self.leases: dict[str, Lease] = {}
-        self.deliveries: dict[str, int] = {}  # unsettled messages delivered at least once
+        # Unsettled messages delivered at least once and not leased now (a lease holds its
+        # own count): leasing and acking a first delivery, the usual case, touch no entry.
+        self.deliveries: dict[str, int] = {}
         self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
         self.not_before: dict[str, int] = {}  # nack with delay
         self.settled: dict[str, str] = {}  # message_id -> event, until checkpointed
@@ -98,6 +100,8 @@ class TopicState:
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
+        for mid in self.leases:  # snapshots from before leases held the only count
+            self.deliveries.pop(mid, None)
 
     # --- consumers -------------------------------------------------------------------
 
@@ -116,9 +120,8 @@ class TopicState:
         released = [m for m, lease in self.leases.items() if lease.consumer == consumer]
         for mid in released:
             lease = self._drop_lease(mid)
-            self.deliveries[mid] = lease.deliveries - 1
-            if self.deliveries[mid] == 0:
-                del self.deliveries[mid]
+            if lease.deliveries > 1:
+                self.deliveries[mid] = lease.deliveries - 1
         self._rebalance()
         return released
 
@@ -178,8 +181,7 @@ class TopicState:
                 if not_before.get(mid, 0) > now:
                     continue
                 not_before.pop(mid, None)
-            n = deliveries.get(mid, 0) + 1
-            deliveries[mid] = n
+            n = deliveries.pop(mid, 0) + 1 if deliveries else 1
             if n > 1:
                 redelivered += 1
             leases[mid] = Lease(consumer, bucket, sort_key, deadline, n)
@@ -253,9 +255,10 @@ class TopicState:
 
         The hottest transition after `lease`, so `_take_leases`, `_check` and `_settle`
         are inlined: same checks in the same order, an id given twice is refused the
-        second time.
+        second time. The per-bucket lease counts are updated once per bucket.
         """
         refused: dict[str, Refusal] = {}
+        buckets: list[int] = []
         leases, settled, events, held = self.leases, self.settled, self.events, self.held
         deliveries, sort_keys, not_before = self.deliveries, self.sort_keys, self.not_before
         acked, seq = LedgerEvent.ACKED, self.seq
@@ -274,20 +277,23 @@ class TopicState:
                 refused[mid] = Refusal.EXPIRED
                 continue
             del leases[mid]
-            counts = held[lease.bucket]
-            counts[consumer] -= 1
-            if counts[consumer] <= 0:
-                del counts[consumer]
+            buckets.append(lease.bucket)
             seq += 1
             events.append(
                 Event(seq, mid, lease.bucket, acked, lease.sort_key, lease.deliveries, now)
             )
             settled[mid] = acked
-            deliveries.pop(mid, None)
+            if deliveries:
+                deliveries.pop(mid, None)
             if sort_keys:
                 sort_keys.pop(mid, None)
             if not_before:
                 not_before.pop(mid, None)
+        for bucket, count in Counter(buckets).items():
+            counts = held[bucket]
+            counts[consumer] -= count
+            if counts[consumer] <= 0:
+                del counts[consumer]
         if seq != self.seq:
             self.totals[acked] += seq - self.seq
             self.seq = seq
@@ -331,18 +337,20 @@ class TopicState:
         return refused, pending
 
     def _redeliver_or_die(self, mid: str, lease: Lease, now: int, reason: str) -> bool:
-        if lease.deliveries >= self.max_deliveries:
-            self._settle(
-                mid,
-                lease.bucket,
-                self.sort_key(mid, lease.sort_key),
-                LedgerEvent.DEAD,
-                now,
-                lease.deliveries,
-                reason,
-            )
-            return False
-        return True
+        """A lease ended unsettled: the message is pending again, or dead if out of tries."""
+        if lease.deliveries < self.max_deliveries:
+            self.deliveries[mid] = lease.deliveries
+            return True
+        self._settle(
+            mid,
+            lease.bucket,
+            self.sort_key(mid, lease.sort_key),
+            LedgerEvent.DEAD,
+            now,
+            lease.deliveries,
+            reason,
+        )
+        return False
 
     def extend(
         self, consumer: str, now: int, mids: list[str], lease_ms: int
@@ -363,7 +371,7 @@ class TopicState:
             return Refusal.SETTLED
         deliveries = self.deliveries.get(mid, 0)
         if mid in self.leases:
-            self._drop_lease(mid)
+            deliveries = self._drop_lease(mid).deliveries
         self._settle(
             mid, bucket, self.sort_key(mid, sort_key), LedgerEvent.CANCELLED, now, deliveries
         )

@@ -349,7 +349,8 @@ class Broker:
         else:
             status = "pending"
         timeline = cfg.kind is TopicKind.TIMELINE
-        msg = message_json.message(row, key, st.deliveries.get(mid, 0), 0, timeline)
+        deliveries = lease.deliveries if lease else st.deliveries.get(mid, 0)
+        msg = message_json.message(row, key, deliveries, 0, timeline)
         msg.update(
             status=status,
             lease_deadline=lease.deadline if lease else None,

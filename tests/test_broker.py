@@ -92,7 +92,9 @@ def test_expiry_redelivers_then_dead_letters_at_max_deliveries() -> None:
     s = one_bucket_state(max_deliveries=2)
     assert leased(s, "c1", ["a"], now=0) == [("a", 1, 1000)]
     assert s.expire(1000, heartbeat_timeout_ms=10**9) == ["a"]
+    assert s.deliveries == {"a": 1}, "pending again, its count kept"
     assert leased(s, "c1", ["a"], now=1001) == [("a", 2, 2001)], "deliveries + 1"
+    assert s.deliveries == {} and s.leases["a"].deliveries == 2, "the lease holds it"
     assert s.expire(2001, heartbeat_timeout_ms=10**9) == [], "second expiry: dead"
     assert s.settled == {"a": "dead"}
     assert s.events[-1].reason == "max_deliveries" and s.events[-1].deliveries == 2
@@ -169,6 +171,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert old.owned == {"a": [0, 1], "b": [2, 3]}
     assert sorted(old.buckets_of("a")) == [0, 1] and old.buckets_of("b") == [2, 3]
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
+    assert old.deliveries == {} and old.leases["m3"].deliveries == 1, "counted by the lease"
     [event] = old.events
     assert (event.seq, event.message_id, event.bucket, event.event) == (1, "m1", 0, "acked")
     assert (event.sort_key, event.deliveries, event.at, event.reason) == (7, 1, 4, None)
