@@ -27,8 +27,8 @@ from conf.tables import (
 from pipelines.compaction import Compacted, maintain
 
 APP_ID = "dejaq-broker"
-# Checkpoints between compactions of a ledger. Each checkpoint adds a file per bucket it
-# touches, about one a second under load; every node reads the whole ledger on start.
+# Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
+# second under load; every node reads the whole ledger on start.
 COMPACT_EVERY = 30
 
 
@@ -79,7 +79,7 @@ def checkpoint(warehouse: str, topic: str, events: list[Event]) -> int:
 
 
 def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
-    """Rewrite the ledger's small files into one per bucket (and vacuum old ones); a
+    """Rewrite the ledger's small files into one (and vacuum old ones); a
     failure (a deposed leader's late write, say) is logged and the next round retries.
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
