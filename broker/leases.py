@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
-from operator import attrgetter
+from operator import itemgetter
+from typing import NamedTuple
 
 from broker.assignment import rebalance
 from conf.tables import LedgerEvent
@@ -39,14 +40,31 @@ class Lease:
     deliveries: int
 
 
-@dataclass(slots=True)
-class Event:
+class Settlement(NamedTuple):
     """A settled message waiting to be checkpointed into the ledger (and dead letters).
 
-    Not frozen: every node builds one per settled message, and a frozen dataclass's
-    `__init__` (one `object.__setattr__` per field) costs four times as much. Pickled as
-    the frozen one was (a list of the field values), so Raft snapshots written by earlier
-    brokers still load.
+    A tuple: every node makes one per settled message, the hot path as a plain tuple is
+    made (`_settlement`, not the Python-level `__new__`), and a checkpoint turns a list of
+    them into columns with one `zip`.
+    """
+
+    seq: int
+    message_id: str
+    bucket: int
+    event: str
+    sort_key: int
+    deliveries: int
+    at: int
+    reason: str | None = None
+
+
+_settlement = tuple.__new__
+
+
+@dataclass(slots=True)
+class Event:
+    """A `Settlement` as Raft snapshots written before it held them (pickled as a list of
+    the field values): unpickled, then made a `Settlement` by `TopicState.__setstate__`.
     """
 
     seq: int
@@ -83,7 +101,7 @@ class TopicState:
         self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
         self.not_before: dict[str, int] = {}  # nack with delay
         self.settled: dict[str, str] = {}  # message_id -> event, until checkpointed
-        self.events: list[Event] = []
+        self.events: list[Settlement] = []
         self.seq = 0
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
         self.assignment: dict[int, str] = {}
@@ -102,6 +120,9 @@ class TopicState:
         self.owned = _owners(self.assignment)
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid, None)
+        self.events = [
+            Settlement(*e.__getstate__()) if isinstance(e, Event) else e for e in self.events
+        ]
 
     # --- consumers -------------------------------------------------------------------
 
@@ -227,7 +248,9 @@ class TopicState:
         reason: str | None = None,
     ) -> None:
         self.seq += 1
-        self.events.append(Event(self.seq, mid, bucket, event, sort_key, deliveries, now, reason))
+        self.events.append(
+            Settlement(self.seq, mid, bucket, event, sort_key, deliveries, now, reason)
+        )
         self.settled[mid] = event
         self.deliveries.pop(mid, None)
         self.sort_keys.pop(mid, None)
@@ -280,7 +303,10 @@ class TopicState:
             buckets.append(lease.bucket)
             seq += 1
             events.append(
-                Event(seq, mid, lease.bucket, acked, lease.sort_key, lease.deliveries, now)
+                _settlement(
+                    Settlement,
+                    (seq, mid, lease.bucket, acked, lease.sort_key, lease.deliveries, now, None),
+                )
             )
             settled[mid] = acked
             if deliveries:
@@ -419,8 +445,8 @@ class TopicState:
         return mids
 
 
-_seq = attrgetter("seq")
-_message_id = attrgetter("message_id")
+_seq = itemgetter(0)  # of a Settlement
+_message_id = itemgetter(1)
 
 
 def _owners(assignment: dict[int, str]) -> dict[str, list[int]]:

@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from broker.leases import Event
+from broker.leases import Settlement
 from conf.tables import (
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
@@ -32,6 +32,9 @@ APP_ID = "dejaq-broker"
 COMPACT_EVERY = 30
 
 
+_FIELDS = ("message_id", "bucket", "event", "sort_key", "deliveries", "at")
+
+
 def _ts(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
 
@@ -40,37 +43,36 @@ def _written(path: str) -> int:
     return DeltaTable(path).transaction_version(APP_ID) or 0
 
 
-def _column(events: list[Event], field: str) -> list:
-    """One field of every event, gathered by a C loop: a checkpoint holds tens of
-    thousands, and its thread shares the GIL with the event loop."""
-    return list(map(attrgetter(field), events))
-
-
 def _commit(upto: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(APP_ID, upto)])
 
 
-def checkpoint(warehouse: str, topic: str, events: list[Event]) -> int:
-    """Write `events` (ascending seq) to the ledger and dead letters; return the last seq."""
+def checkpoint(warehouse: str, topic: str, events: list[Settlement]) -> int:
+    """Write `events` (ascending seq) to the ledger and dead letters; return the last seq.
+
+    Each column is gathered by a C loop: a checkpoint holds tens of thousands of events,
+    and its thread shares the GIL with the event loop.
+    """
     upto = events[-1].seq
     ledger = ensure_table(warehouse, Table.LEDGER, topic)
     dead_path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
-    dead = [e for e in events if e.event == LedgerEvent.DEAD]
-    if dead and _written(dead_path) < upto:
+    mids, buckets, kinds, keys, deliveries, ats = (
+        list(map(attrgetter(field), events)) for field in _FIELDS
+    )
+    if LedgerEvent.DEAD in kinds and _written(dead_path) < upto:
+        dead = [e for e in events if e.event == LedgerEvent.DEAD]
         rows = _dead_letters(warehouse, topic, dead)
         write_deltalake(dead_path, rows, mode="append", commit_properties=_commit(upto))
     table = DeltaTable(ledger)  # opened once: for its transaction version and to write
     if (table.transaction_version(APP_ID) or 0) < upto:
         rows = pa.table(
             {
-                "message_id": pa.array(_column(events, "message_id"), pa.string()),
-                "bucket": pa.array(_column(events, "bucket"), pa.int32()),
-                "event": pa.array(_column(events, "event"), pa.string()),
-                "sort_key": pa.array(_column(events, "sort_key"), pa.int64()),
-                "deliveries": pa.array(_column(events, "deliveries"), pa.int32()),
-                "at": pc.multiply(pa.array(_column(events, "at"), pa.int64()), 1000).cast(
-                    TIMESTAMP
-                ),
+                "message_id": pa.array(mids, pa.string()),
+                "bucket": pa.array(buckets, pa.int32()),
+                "event": pa.array(kinds, pa.string()),
+                "sort_key": pa.array(keys, pa.int64()),
+                "deliveries": pa.array(deliveries, pa.int32()),
+                "at": pc.multiply(pa.array(ats, pa.int64()), 1000).cast(TIMESTAMP),
             },
             schema=LEDGER_SCHEMA,
         )
@@ -89,7 +91,7 @@ def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
     return maintain(ensure_table(warehouse, Table.LEDGER, topic))
 
 
-def _dead_letters(warehouse: str, topic: str, dead: list[Event]) -> pa.Table:
+def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:
     """The buffer rows of the dead messages, with deliveries, reason and time of death."""
     buffer = DeltaTable(ensure_table(warehouse, Table.BUFFER, topic)).to_pyarrow_dataset()
     by_id = {e.message_id: e for e in dead}

@@ -220,8 +220,7 @@ class Broker:
                 upto = checkpoint(self.settings.warehouse, name, events)
                 # Trimmed a slice per command: each applies in one event-loop tick on
                 # every node, so requests wait milliseconds behind it, not tens of them.
-                seqs = [e.seq for e in events if e.seq <= upto]
-                for cut in [*seqs[TRIM_SLICE - 1 :: TRIM_SLICE], upto]:
+                for cut in [*(e.seq for e in events[TRIM_SLICE - 1 :: TRIM_SLICE]), upto]:
                     self.raft.state.command(name, "trim", (cut,), sync=True, timeout=5)
                 self._checkpoints[name] += 1
                 if self._checkpoints[name] % COMPACT_EVERY == 0:
