@@ -278,23 +278,19 @@ class TopicIndex:
                     continue
                 key = state.sort_key(mid, row.sort_key)
                 heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
-            # Each bucket's head with its taker, ordered by entry: ids differ, so no two
-            # entries compare equal and takers are never compared.
-            heads = []
-            for b in buckets:
-                taker = self._taker(state, b, now)
-                head = next(taker, None)
-                if head is not None:
-                    heads.append((head, taker))
+            # The buckets' heads, ordered by entry (ids differ: no two compare equal).
+            takers = {b: self._taker(state, b, now) for b in buckets}
+            heads = [head for t in takers.values() if (head := next(t, None)) is not None]
             heapq.heapify(heads)
             while heads and len(picks) < n:
-                (key, _, _, mid, row), taker = heads[0]
-                picks.append((mid, row.bucket, key))
-                head = next(taker, None)
+                key, _, _, mid, row = heads[0]
+                b = row.bucket
+                picks.append((mid, b, key))
+                head = next(takers[b], None)
                 if head is None:
                     heapq.heappop(heads)
                 else:
-                    heapq.heapreplace(heads, (head, taker))
+                    heapq.heapreplace(heads, head)
         return picks
 
     def _taker(self, state: TopicState, bucket: int, now: int) -> Iterator[Entry]:
