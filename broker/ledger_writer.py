@@ -9,7 +9,6 @@ its successor sees the tag and only trims: the ledger never gets a row twice.
 from __future__ import annotations
 
 import datetime as dt
-from operator import attrgetter
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -32,7 +31,19 @@ APP_ID = "dejaq-broker"
 COMPACT_EVERY = 30
 
 
-_FIELDS = ("message_id", "bucket", "event", "sort_key", "deliveries", "at")
+# A `Settlement` in Arrow, field for field.
+SETTLEMENT = pa.struct(
+    [
+        ("seq", pa.int64()),
+        ("message_id", pa.string()),
+        ("bucket", pa.int32()),
+        ("event", pa.string()),
+        ("sort_key", pa.int64()),
+        ("deliveries", pa.int32()),
+        ("at", pa.int64()),  # epoch ms
+        ("reason", pa.string()),
+    ]
+)
 
 
 def _ts(ms: int) -> dt.datetime:
@@ -50,32 +61,24 @@ def _commit(upto: int) -> CommitProperties:
 def checkpoint(warehouse: str, topic: str, events: list[Settlement]) -> int:
     """Write `events` (ascending seq) to the ledger and dead letters; return the last seq.
 
-    Each column is gathered by a C loop: a checkpoint holds tens of thousands of events,
-    and its thread shares the GIL with the event loop.
+    The events become Arrow in one pass (C): a checkpoint holds tens of thousands, and
+    its thread shares the GIL with the event loop.
     """
     upto = events[-1].seq
     ledger = ensure_table(warehouse, Table.LEDGER, topic)
     dead_path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
-    mids, buckets, kinds, keys, deliveries, ats = (
-        list(map(attrgetter(field), events)) for field in _FIELDS
-    )
-    if LedgerEvent.DEAD in kinds and _written(dead_path) < upto:
+    settled = pa.Table.from_struct_array(pa.array(events, type=SETTLEMENT))
+    if pc.any(pc.equal(settled["event"], LedgerEvent.DEAD)).as_py() and (
+        _written(dead_path) < upto
+    ):
         dead = [e for e in events if e.event == LedgerEvent.DEAD]
         rows = _dead_letters(warehouse, topic, dead)
         write_deltalake(dead_path, rows, mode="append", commit_properties=_commit(upto))
     table = DeltaTable(ledger)  # opened once: for its transaction version and to write
     if (table.transaction_version(APP_ID) or 0) < upto:
-        rows = pa.table(
-            {
-                "message_id": pa.array(mids, pa.string()),
-                "bucket": pa.array(buckets, pa.int32()),
-                "event": pa.array(kinds, pa.string()),
-                "sort_key": pa.array(keys, pa.int64()),
-                "deliveries": pa.array(deliveries, pa.int32()),
-                "at": pc.multiply(pa.array(ats, pa.int64()), 1000).cast(TIMESTAMP),
-            },
-            schema=LEDGER_SCHEMA,
-        )
+        at = pc.multiply(settled["at"], 1000).cast(TIMESTAMP)
+        columns = {f: at if f == "at" else settled[f] for f in LEDGER_SCHEMA.names}
+        rows = pa.table(columns, schema=LEDGER_SCHEMA)
         write_deltalake(table, rows, mode="append", commit_properties=_commit(upto))
     return upto
 
