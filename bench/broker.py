@@ -1,11 +1,16 @@
 """Broker throughput: 3 nodes, N pre-ingested messages, C workers doing lease + ack.
 
-    .venv/bin/python bench/broker.py [--messages N] [--buckets B] [--procs P]
+    .venv/bin/python bench/broker.py [--messages N] [--buckets B] [--procs P] [--runs R]
 
 Prints one JSON object: msgs/s and p50/p99 lease and ack latency for each phase of
 PHASES (batch 1 with 8 and with 64 workers, batch 100 with 8), the parameters and the
 machine. Batch 1 is bound by latency with few workers (each waits out a Raft commit per
 request) and by CPU with many, when group commit shares each Raft round among them.
+
+Each phase runs R times (3), DejaQ and both baselines in turn (one system up at a
+time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` lists them
+all): this VM's speed drifts by a third over minutes, and one run of each would compare
+moments, not systems.
 
 Two baselines run in the same run, with the same clients and phases. HTTP alone:
 uvicorn as the broker runs it, answering lease and ack from a counter with no Raft,
@@ -33,6 +38,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -218,11 +225,12 @@ def raft_floor_server(spec: str) -> None:
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
 
 
-def phase_topics(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
-    """(topic, batch, workers, messages) of each phase: a topic each, so none starts drained."""
+def phase_topics(args: argparse.Namespace, run: int) -> list[tuple[str, int, int, int]]:
+    """(topic, batch, workers, messages) of each phase in run `run`: a topic each, so none
+    starts drained."""
     return [
         (
-            f"{batch}c{workers}",
+            f"{batch}c{workers}r{run}",
             batch,
             workers,
             args.messages if batch > 1 else args.messages_batch1,
@@ -231,31 +239,24 @@ def phase_topics(args: argparse.Namespace) -> list[tuple[str, int, int, int]]:
     ]
 
 
-def run_phases(addr: str, prefix: str, args: argparse.Namespace, pids) -> list[dict]:
-    """Each phase of PHASES, on topic `<prefix>` + its phase topic."""
-    return [
-        run_phase(addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids)
-        for topic, batch, workers, n in phase_topics(args)
-    ]
-
-
-def http_ceiling(args: argparse.Namespace) -> list[dict]:
-    """The same phases against `ceiling_server`: what HTTP alone costs on this machine."""
+@contextmanager
+def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
+    """`ceiling_server`, what HTTP alone costs on this machine: (address, pids)."""
     from jobs.embedded_kafka import free_port, wait_for_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--ceiling-server", str(port)])
     try:
         wait_for_port(port, 30, server, "the HTTP-only server")
-        addr, pids = f"127.0.0.1:{port}", {"leader": server.pid}
-        return run_phases(addr, "c", args, pids)
+        yield f"127.0.0.1:{port}", {"leader": server.pid}
     finally:
         server.terminate()
         server.wait(10)
 
 
-def raft_floor(args: argparse.Namespace, data_dir: Path) -> list[dict]:
-    """The same phases against 3 `raft_floor_server`s, on their leader."""
+@contextmanager
+def raft_floor(data_dir: Path) -> Iterator[tuple[str, dict[str, int]]]:
+    """3 `raft_floor_server`s: (their leader's address, pids)."""
     from jobs.embedded_kafka import free_port, wait_for_port
 
     http = [free_port() for _ in range(3)]
@@ -272,12 +273,72 @@ def raft_floor(args: argparse.Namespace, data_dir: Path) -> list[dict]:
         leader = _floor_leader(http)
         others = [s.pid for i, s in enumerate(servers) if i != leader]
         pids = {"leader": servers[leader].pid, "follower_1": others[0], "follower_2": others[1]}
-        return run_phases(f"127.0.0.1:{http[leader]}", "f", args, pids)
+        yield f"127.0.0.1:{http[leader]}", pids
     finally:
         for server in servers:
             server.terminate()
         for server in servers:
             server.wait(10)
+
+
+@contextmanager
+def dejaq(args: argparse.Namespace, tmp_path: Path, run: int) -> Iterator[tuple[str, dict, dict]]:
+    """A 3-node broker over the topics of run `run`, filled as the ingest job would:
+    (leader's address, pids, set-up seconds)."""
+    import httpx
+    from test_broker import buffer_rows, fill
+
+    from jobs import cluster
+
+    warehouse = tmp_path / "warehouse"
+    conf = tmp_path / f"dejaq-{run}.yaml"
+    topics = [t for t, _, _, _ in phase_topics(args, run)]
+    conf.write_text(
+        f"warehouse: {warehouse}\n"
+        "kafka: {bootstrap: '127.0.0.1:9'}\n"
+        "broker: {lease_ms: 30000, heartbeat_timeout_ms: 30000}\n"
+        "topics:\n"
+        + "".join(
+            f"  - {{name: b{t}, kind: priority, source: [{t}-in], buckets: {args.buckets}}}\n"
+            for t in topics
+        )
+    )
+    t0 = time.perf_counter()
+    for topic, _, _, n in phase_topics(args, run):
+        topic = f"b{topic}"
+        for start in range(0, n, 50_000):
+            keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
+            fill(
+                str(warehouse),
+                topic,
+                buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"),
+            )
+    fill_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    nodes = cluster.up(3, tmp_path / f"raft-{run}", str(conf))
+    up_s = time.perf_counter() - t0
+    try:
+        leader = httpx.get(f"{nodes[0].url}/v1/cluster").json()["leader_http"]
+        followers = [n for n in nodes if n.http != leader]
+        pids = {
+            "leader": next(n.proc.pid for n in nodes if n.http == leader),
+            "follower_1": followers[0].proc.pid,
+            "follower_2": followers[1].proc.pid,
+        }
+        yield leader, pids, {"fill_delta": round(fill_s, 1), "cluster_up": round(up_s, 1)}
+    finally:
+        for node in nodes:
+            cluster.stop_node(node)
+
+
+def _medians(runs: list[dict]) -> list[dict]:
+    """Per phase, in PHASES order, the run with the median msgs/s, and every run's."""
+    out = []
+    for batch, workers in PHASES:
+        mine = [r for r in runs if (r["batch"], r["workers"]) == (batch, workers)]
+        median = sorted(mine, key=lambda r: r["msgs_per_s"])[(len(mine) - 1) // 2]
+        out.append({**median, "msgs_per_s_runs": [r["msgs_per_s"] for r in mine]})
+    return out
 
 
 def _ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
@@ -353,17 +414,13 @@ def run_phase(
 
 
 def main() -> int:
-    import httpx
-    from test_broker import buffer_rows, fill
-
-    from jobs import cluster
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=200_000, help="for batch 100")
     ap.add_argument("--messages-batch1", type=int, default=20_000)
     ap.add_argument("--buckets", type=int, default=64, help="per topic, >= workers")
     ap.add_argument("--procs", type=int, default=2, help="client processes")
     ap.add_argument("--seconds", type=float, default=30, help="cap per phase")
+    ap.add_argument("--runs", type=int, default=3, help="of each phase, systems interleaved")
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -376,58 +433,35 @@ def main() -> int:
         raft_floor_server(args.raft_floor_server)
         return 0
 
-    with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
-        tmp_path = Path(tmp)
-        warehouse = tmp_path / "warehouse"
-        conf = tmp_path / "dejaq.yaml"
-        conf.write_text(
-            f"warehouse: {warehouse}\n"
-            "kafka: {bootstrap: '127.0.0.1:9'}\n"
-            "broker: {lease_ms: 30000, heartbeat_timeout_ms: 30000}\n"
-            "topics:\n"
-            + "".join(
-                f"  - {{name: b{t}, kind: priority, source: [{t}-in], buckets: {args.buckets}}}\n"
-                for t, _, _, _ in phase_topics(args)
+    os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
+    runs: dict[str, list[dict]] = {"dejaq": [], "floor": [], "http": []}
+    setup: list[dict] = []
+
+    def phases(name: str, addr: str, prefix: str, pids: dict[str, int], run: int) -> None:
+        for topic, batch, workers, n in phase_topics(args, run):
+            runs[name].append(
+                run_phase(addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids)
             )
-        )
-        t0 = time.perf_counter()
-        for topic, _, _, n in phase_topics(args):
-            topic = f"b{topic}"
-            for start in range(0, n, 50_000):
-                keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
-                fill(
-                    str(warehouse),
-                    topic,
-                    buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"),
-                )
-        fill_s = time.perf_counter() - t0
-        os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
-        t0 = time.perf_counter()
-        nodes = cluster.up(3, tmp_path / "raft", str(conf))
-        up_s = time.perf_counter() - t0
-        try:
-            leader = httpx.get(f"{nodes[0].url}/v1/cluster").json()["leader_http"]
-            followers = [n for n in nodes if n.http != leader]
-            pids = {
-                "leader": next(n.proc.pid for n in nodes if n.http == leader),
-                "follower_1": followers[0].proc.pid,
-                "follower_2": followers[1].proc.pid,
-            }
-            phases = run_phases(leader, "b", args, pids)
-        finally:
-            for node in nodes:
-                cluster.stop_node(node)
-        floor = raft_floor(args, tmp_path / "floor")
-    baseline = http_ceiling(args)
+
+    with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
+        for run in range(args.runs):  # one system up at a time, in turn
+            with dejaq(args, Path(tmp), run) as (leader, pids, seconds):
+                setup.append(seconds)
+                phases("dejaq", leader, "b", pids, run)
+            with raft_floor(Path(tmp) / f"floor-{run}") as (floor_leader, floor_pids):
+                phases("floor", floor_leader, "f", floor_pids, run)
+            with http_ceiling() as (http_addr, http_pids):
+                phases("http", http_addr, "c", http_pids, run)
+    results, floor, baseline = (_medians(runs[k]) for k in ("dejaq", "floor", "http"))
     print(
         json.dumps(
             {
                 "benchmark": "broker lease+ack, 3 nodes",
-                "results": phases,
+                "results": results,
                 "baseline_http_only": baseline,
-                "vs_baseline": _ratios(phases, baseline),
+                "vs_baseline": _ratios(results, baseline),
                 "floor_http_and_raft": floor,
-                "vs_floor": _ratios(phases, floor),
+                "vs_floor": _ratios(results, floor),
                 "floor_vs_baseline": _ratios(floor, baseline),
                 "parameters": {
                     "nodes": 3,
@@ -438,9 +472,10 @@ def main() -> int:
                     "buckets": args.buckets,
                     "payload_bytes": 16,
                     "seconds_cap": args.seconds,
+                    "runs": args.runs,
                     "target": "leader",
                 },
-                "setup_seconds": {"fill_delta": round(fill_s, 1), "cluster_up": round(up_s, 1)},
+                "setup_seconds": setup,
                 "machine": {
                     "cpus": os.cpu_count(),
                     "python": platform.python_version(),
