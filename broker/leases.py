@@ -61,27 +61,19 @@ class Settlement(NamedTuple):
 _settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
 
 
-@dataclass(slots=True)
 class Event:
     """A `Settlement` as Raft snapshots written before it held them (pickled as a list of
     the field values): unpickled, then made a `Settlement` by `TopicState.__setstate__`.
     """
 
-    seq: int
-    message_id: str
-    bucket: int
-    event: str
-    sort_key: int
-    deliveries: int
-    at: int
-    reason: str | None = None
-
-    def __getstate__(self) -> list:
-        return [getattr(self, f) for f in self.__slots__]
+    __slots__ = Settlement._fields
 
     def __setstate__(self, state: list) -> None:
         for f, value in zip(self.__slots__, state, strict=True):
             setattr(self, f, value)
+
+    def settlement(self) -> Settlement:
+        return Settlement(*(getattr(self, f) for f in self.__slots__))
 
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
@@ -120,9 +112,7 @@ class TopicState:
         self.owned = _owners(self.assignment)
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid, None)
-        self.events = [
-            Settlement(*e.__getstate__()) if isinstance(e, Event) else e for e in self.events
-        ]
+        self.events = [e.settlement() if isinstance(e, Event) else e for e in self.events]
 
     # --- consumers -------------------------------------------------------------------
 
