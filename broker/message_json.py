@@ -5,7 +5,8 @@ picking, on the leader's event loop. Each index row keeps its message's fixed fi
 already rendered (`head`, built in the thread that follows the tables); a lease only adds
 what it decides, deliveries and deadline, in one C-level join for the usual case (first
 delivery, the row's own sort key). The same `head` is the row's only copy of key and
-payload: it costs no more memory than their bytes did.
+payload, so a row grows only by base64's third and the JSON around them (a 16-byte
+payload's row: 551 bytes, not 490).
 """
 
 from __future__ import annotations
