@@ -173,7 +173,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
     assert old.deliveries == {} and old.leases["m3"].deliveries == 1, "counted by the lease"
     [event] = old.events
-    assert type(event) is Settlement, "made the tuple checkpoints take apart with zip"
+    assert type(event) is Settlement, "made the tuple a checkpoint converts to Arrow"
     assert (event.seq, event.message_id, event.bucket, event.event) == (1, "m1", 0, "acked")
     assert (event.sort_key, event.deliveries, event.at, event.reason) == (7, 1, 4, None)
     old.ack("b", 5, ["m3"])

@@ -142,6 +142,8 @@ def test_any_node_takes_any_request_and_acks_are_final(three) -> None:
     assert peek["status"] in ("acked", "settled")
     rest = client.post(f"{b.url}/v1/topics/jobs/leases", json={**body, "max_messages": 10})
     assert [m["priority"] for m in rest.json()["messages"]] == [30, 40], "acked never again"
+    held = client.get(f"{a.url}/v1/topics/jobs/messages/{rest.json()['messages'][0]['id']}")
+    assert (held.json()["status"], held.json()["deliveries"]) == ("leased", 1), "the lease's"
     described = client.get(f"{a.url}/v1/topics/jobs")
     stats = described.json()
     assert set(stats) == set(TopicStats.model_fields), "the route skips response validation"
