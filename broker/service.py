@@ -296,16 +296,24 @@ class Broker:
         refused, deadline = await self._commit(topic, "extend", consumer, now_ms(), ids, lease_ms)
         return Settled(len(ids) - len(refused), refused), deadline
 
-    async def _row(self, topic: str, mid: str) -> Row:
-        """The message's index row: 409 once settled and checkpointed, 404 if unknown."""
+    async def _row_or_event(self, topic: str, mid: str) -> Row | str:
+        """The message's index row or, once settled and checkpointed (the index forgets
+        it), the ledger's event; 404 if unknown."""
         index = self.indexes[topic]
         row = index.rows.get(mid)
-        if row is None:
-            event = await asyncio.to_thread(index.settled_event, mid)
-            if event is not None:
-                raise Problem(409, "already settled", f"{mid} is {event}", reason=Refusal.SETTLED)
+        if row is not None:
+            return row
+        event = await asyncio.to_thread(index.settled_event, mid)
+        if event is None:
             raise _unknown(topic, mid)
-        return row
+        return event
+
+    async def _row(self, topic: str, mid: str) -> Row:
+        """The message's index row: 409 once settled and checkpointed, 404 if unknown."""
+        found = await self._row_or_event(topic, mid)
+        if isinstance(found, str):
+            raise Problem(409, "already settled", f"{mid} is {found}", reason=Refusal.SETTLED)
+        return found
 
     async def cancel(self, topic: str, mid: str) -> None:
         self.topic(topic)
@@ -329,13 +337,9 @@ class Broker:
 
     async def peek(self, topic: str, mid: str) -> dict[str, Any]:
         cfg = self.topic(topic)
-        index = self.indexes[topic]
-        row = index.rows.get(mid)
-        if row is None:  # checkpointed (only the ledger's fact remains) or unknown
-            event = await asyncio.to_thread(index.settled_event, mid)
-            if event is None:
-                raise _unknown(topic, mid)
-            return {"id": mid, "status": event}
+        row = await self._row_or_event(topic, mid)
+        if isinstance(row, str):  # checkpointed: only the ledger's fact remains
+            return {"id": mid, "status": row}
         st = self.state(topic)
         key = st.sort_key(mid, row.sort_key)
         lease = st.leases.get(mid)
