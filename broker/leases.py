@@ -425,10 +425,14 @@ class TopicState:
     def trim(self, upto_seq: int) -> list[str]:
         """Forget events checkpointed into the ledger; returns their message ids.
 
-        Events are appended in `seq` order, so the checkpointed ones are a prefix.
+        Events are appended in `seq` order, so the checkpointed ones are a prefix. It is
+        cut off in place: a checkpoint is trimmed in slices, and copying the rest of the
+        list each time touched every later event once per slice.
         """
-        cut = bisect_right(self.events, upto_seq, key=_seq)
-        done, self.events = self.events[:cut], self.events[cut:]
+        events = self.events
+        cut = bisect_right(events, upto_seq, key=_seq)
+        done = events[:cut]
+        del events[:cut]
         mids = list(map(_message_id, done))
         deque(map(self.settled.pop, mids, repeat(None)), maxlen=0)
         return mids
