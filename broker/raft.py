@@ -61,7 +61,7 @@ if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
         f"found {pysyncobj.version.VERSION}: check the patches against it, then the pin"
     )
 
-MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit
+MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit (not apply)
 MAX_GROUP = 256  # commands per entry
 COMMIT_TIMEOUT_S = 5.0
 TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
@@ -250,6 +250,7 @@ class _SyncObj(SyncObj):
     ) -> None:
         self._aead = encryptor  # read by the transport during SyncObj.__init__
         self._loop_poller = poller
+        self.on_all_committed: Callable[[], None] = lambda: None
         super().__init__(*args, **kwargs)
 
     @property
@@ -268,6 +269,15 @@ class _SyncObj(SyncObj):
         return self._aead
 
     def _SyncObj__applyLogEntries(self) -> bool:  # overrides SyncObj.__applyLogEntries
+        """Apply what is committed; on the leader, once the whole log is, first send the
+        commands that waited for that (`RaftNode._all_committed`): the followers take
+        them while this node applies."""
+        if (
+            self._SyncObj__raftCommitIndex > self._SyncObj__raftLastApplied
+            and self._SyncObj__raftCommitIndex == self._SyncObj__getCurrentLogIndex()
+            and self._isLeader()
+        ):
+            self.on_all_committed()
         _apply_log_entries(self)
         return False
 
@@ -439,6 +449,7 @@ class RaftNode:
         except SyncObjException as e:
             raise ConfigError(f"cannot listen on the Raft address {raft_addr} ({e})") from None
         self.on_lag: Callable[[float], None] = lambda lag: None
+        self.sync.on_all_committed = self._all_committed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._tick_due = False
         self._flush_due = False
@@ -446,7 +457,8 @@ class RaftNode:
         self._due = 0.0
         self._last_tick = time.monotonic()
         self._pending: list[tuple[tuple[str, str, tuple], asyncio.Future, float]] = []
-        self._in_flight: dict[int, asyncio.TimerHandle] = {}
+        self._in_flight: dict[int, asyncio.TimerHandle] = {}  # by group: until applied
+        self._uncommitted: set[int] = set()  # groups holding an in-flight slot
         self._batches = 0
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -533,7 +545,7 @@ class RaftNode:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future = loop.create_future()
         self._pending.append(((topic, op, args), fut, loop.time()))
-        if not self._flush_due and len(self._in_flight) < MAX_IN_FLIGHT:
+        if not self._flush_due and len(self._uncommitted) < MAX_IN_FLIGHT:
             self._flush_due = True
             loop.call_soon(self._flush, loop)
         result = await fut
@@ -543,10 +555,11 @@ class RaftNode:
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
         self._flush_due = False
-        while self._pending and len(self._in_flight) < MAX_IN_FLIGHT:
+        while self._pending and len(self._uncommitted) < MAX_IN_FLIGHT:
             group, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
             self._batches += 1
             batch_id = self._batches
+            self._uncommitted.add(batch_id)
             futs = [f for _, f, _ in group]
             # One timer per group, not per request; its oldest command sets the deadline.
             self._in_flight[batch_id] = loop.call_at(
@@ -559,7 +572,20 @@ class RaftNode:
             self.state.batch([c for c, _, _ in group], callback=done)
         self._tick_soon()
 
+    def _all_committed(self) -> None:
+        """Every group sent is committed, not yet applied: send the waiting commands now.
+
+        Applying a group of leases and acks takes the leader a millisecond or more; sent
+        after it, the next group would reach the followers that much later, and the
+        other core would idle meanwhile.
+        """
+        self._uncommitted.clear()
+        if self._pending and self._loop is not None:
+            self._flush(self._loop)
+            self.sync._checkCommandsToApply()  # into the log and sent, before applying
+
     def _done(self, loop, batch_id: int, futs: list, results: Any, err: int) -> None:
+        self._uncommitted.discard(batch_id)
         timer = self._in_flight.pop(batch_id, None)
         if timer is not None:
             timer.cancel()
@@ -569,6 +595,7 @@ class RaftNode:
 
     def _expire(self, loop, batch_id: int, futs: list) -> None:
         """The group's Raft callback is late: fail its requests and free the slot."""
+        self._uncommitted.discard(batch_id)
         self._in_flight.pop(batch_id, None)
         for fut in futs:
             if not fut.done():
