@@ -574,3 +574,71 @@ def test_index_row_work_and_walks_run_outside_its_lock(tmp_path: Path) -> None:
     took = time.perf_counter() - started
     assert sum(s.pending for s in stats.values()) == 50_003 and delayed == 0
     assert max(lock.held) < took / 5, (lock.held, took)
+
+
+class _NoIndex:
+    """A Raft node's listener with no index to tell."""
+
+    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
+    def gone(self, topic: str, mids: list[str]) -> None: ...
+    def reset(self, states: dict[str, TopicState]) -> None: ...
+
+
+def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Path) -> None:
+    """Three real Raft nodes (PySyncObj over TCP, in one event loop). A command waiting
+    while another is in flight is in the leader's log by the time the leader applies
+    the first: the followers get it while the leader applies (`RaftNode._all_committed`).
+    """
+    import asyncio
+
+    from broker.raft import RaftNode
+    from conf.settings import BrokerConfig
+    from jobs.embedded_kafka import free_port
+
+    topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=4)
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    nodes = [
+        RaftNode(
+            a,
+            [p for p in addrs if p != a],
+            [topic],
+            BrokerConfig(raft_password="pw"),
+            tmp_path / f"n{i}",
+            _NoIndex(),
+        )
+        for i, a in enumerate(addrs)
+    ]
+    in_log_at_apply: dict[str, int] = {}
+
+    async def until(condition, what: str, step: float = 0.005) -> None:
+        deadline = asyncio.get_running_loop().time() + 30
+        while not condition():
+            assert asyncio.get_running_loop().time() < deadline, f"no {what} within 30 s"
+            await asyncio.sleep(step)
+
+    async def scenario() -> list:
+        for node in nodes:
+            node.attach(asyncio.get_running_loop())
+        await until(lambda: any(n.is_leader() for n in nodes), "leader")
+        leader = next(n for n in nodes if n.is_leader())
+        await leader.commit("t", "touch", "warm-up", 0)
+        state, sync = leader.state.topics["t"], leader.sync
+        touch = state.touch
+
+        def recording(consumer: str, now: int) -> bool:
+            ahead = sync._SyncObj__getCurrentLogIndex() - sync._SyncObj__raftLastApplied
+            in_log_at_apply[consumer] = ahead  # 1: only this entry; 2: the next one too
+            return touch(consumer, now)
+
+        state.touch = recording
+        first = asyncio.ensure_future(leader.commit("t", "touch", "a", 1))
+        await until(lambda: leader._uncommitted, "group in flight", step=0)  # a loop turn
+        second = asyncio.ensure_future(leader.commit("t", "touch", "b", 2))
+        return await asyncio.gather(first, second)
+
+    try:
+        assert asyncio.run(scenario()) == [True, True]  # both joined, in order
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert in_log_at_apply == {"a": 2, "b": 1}
