@@ -261,15 +261,24 @@ class TopicIndex:
 
     # --- leader side -----------------------------------------------------------------
 
-    def pick(self, state: TopicState, buckets: list[int], n: int, now: int) -> list[Pick]:
+    def pick(
+        self,
+        state: TopicState,
+        buckets: list[int],
+        n: int,
+        now: int,
+        rows: list[Row] | None = None,
+    ) -> list[Pick]:
         """Take the `n` lowest deliverable sort keys across `buckets` out of the index.
 
         The caller commits them as a lease and then calls `release` with the picks, so
         a pick the state machine refused goes back into the index. Two leases in flight
         can pick the same message only through a duplicate entry; the state machine
-        grants it once, and `release` puts the other pick back.
+        grants it once, and `release` puts the other pick back. `rows`, if given, gets
+        each pick's row, for the lease's JSON: the index may forget a row meanwhile.
         """
         picks: list[Pick] = []
+        taken = [] if rows is None else rows
         with self.lock:
             while self.delayed and self.delayed[0][0] <= now:
                 _, mid = heapq.heappop(self.delayed)
@@ -286,6 +295,7 @@ class TopicIndex:
                 key, _, _, mid, row = heads[0]
                 b = row.bucket
                 picks.append((mid, b, key))
+                taken.append(row)
                 head = next(takers[b], None)
                 if head is None:
                     heapq.heappop(heads)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import binascii
 import json
-from collections.abc import Mapping
 from typing import Any, Protocol
 
-from broker.leases import Grant
+from broker.leases import Grant, Pick
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
@@ -66,26 +65,27 @@ def message(
 
 
 def leased_array(
-    rows: Mapping[str, Rendered],
-    grants: list[Grant],
-    keys: Mapping[str, int],
-    timeline: bool,
+    picks: list[Pick], rows: list[Rendered], grants: list[Grant], timeline: bool
 ) -> str:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
-    `grants` are (id, deliveries, deadline), all of one lease (one deadline); `keys`
-    the sort key each was leased at.
+    `picks` (id, bucket, sort key) and their `rows` are what the lease asked for;
+    `grants` (id, deliveries, deadline), all of one deadline, what it got: the picks it
+    took, in pick order, so both are walked together rather than looked up by id.
     """
     if not grants:
         return "[]"
     first = f', "deliveries": 1, "lease_deadline": {grants[0][2]}}}, '
     parts = []
+    i = 0
     for mid, deliveries, deadline in grants:
-        row = rows[mid]
-        if deliveries == 1 and keys[mid] == row.sort_key:
+        while picks[i][0] != mid:
+            i += 1
+        key, row = picks[i][2], rows[i]
+        if deliveries == 1 and key == row.sort_key:
             parts.append(row.head)
             parts.append(first)
         else:
-            msg = message(row, keys[mid], deliveries, deadline, timeline)
+            msg = message(row, key, deliveries, deadline, timeline)
             parts.append(json.dumps(msg) + ", ")
     return "[" + "".join(parts)[:-2] + "]"

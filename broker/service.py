@@ -258,7 +258,8 @@ class Broker:
         await self._join(topic, consumer)
         while True:
             now = now_ms()
-            picks = index.pick(st, st.buckets_of(consumer), n, now)
+            rows: list[Row] = []
+            picks = index.pick(st, st.buckets_of(consumer), n, now, rows)
             if picks:
                 try:
                     grants = await self._commit(topic, "lease", consumer, now, lease_ms, picks)
@@ -266,9 +267,8 @@ class Broker:
                     index.release(st, picks)
                 if grants:
                     self._lease_latency[topic].observe(time.monotonic() - started)
-                    keys = {mid: key for mid, _, key in picks}
                     timeline = cfg.kind is TopicKind.TIMELINE
-                    return message_json.leased_array(index.rows, grants, keys, timeline)
+                    return message_json.leased_array(picks, rows, grants, timeline)
             if time.monotonic() >= deadline:
                 return "[]"
             await asyncio.sleep(LONG_POLL_STEP_S)

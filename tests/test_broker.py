@@ -296,7 +296,8 @@ def test_leases_stay_in_order_as_new_rows_arrive(
 def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
     """A lease joins JSON rendered when the rows were indexed: the text `json.dumps` gives
     of the messages built from the buffer rows, on first delivery at the row's own sort
-    key (the joined case) and on redelivery or at another key (rendered apart), mixed."""
+    key (the joined case) and on redelivery or at another key (rendered apart), mixed,
+    and only of the picks the lease granted."""
     warehouse = str(tmp_path / "wh")
     for kind, keys in (("priority", [7, 65535, 3, 9]), ("timeline", [1_700_000_000_000] * 4)):
         timeline = kind == "timeline"
@@ -305,15 +306,21 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
         fill(warehouse, kind, pa.Table.from_pylist(rows, schema=BUFFER_SCHEMA))
         index = TopicIndex(warehouse, topic_conf(kind, kind))
         index.load()
-        for shifts, deliveries in (([0] * 4, [1] * 4), ([0, 1, 0, 1], [1, 1, 3, 2])):
-            grants = [(r["message_id"], n, 99) for r, n in zip(rows, deliveries, strict=True)]
-            keys = {r["message_id"]: r["sort_key"] + k for r, k in zip(rows, shifts, strict=True)}
-            want = [
-                _leased(r, keys[r["message_id"]], n, 99, timeline)
-                for r, n in zip(rows, deliveries, strict=True)
+        for shifts, deliveries in (
+            ([0] * 4, [1] * 4),
+            ([0, 1, 0, 1], [1, 1, 3, 2]),
+            ([0] * 4, [0, 1, 0, 2]),  # 0: picked, not granted (leased meanwhile, say)
+        ):
+            picks = [
+                (r["message_id"], r["bucket"], r["sort_key"] + k)
+                for r, k in zip(rows, shifts, strict=True)
             ]
-            got = message_json.leased_array(index.rows, grants, keys, timeline)
-            assert got == json.dumps(want) and len(want) == 4
+            granted = [(r, p, n) for r, p, n in zip(rows, picks, deliveries, strict=True) if n]
+            grants = [(p[0], n, 99) for _, p, n in granted]
+            want = [_leased(r, p[2], n, 99, timeline) for r, p, n in granted]
+            picked_rows = [index.rows[p[0]] for p in picks]
+            got = message_json.leased_array(picks, picked_rows, grants, timeline)
+            assert got == json.dumps(want) and len(want) == sum(map(bool, deliveries))
 
 
 def _leased(row: dict, key: int, deliveries: int, deadline: int, timeline: bool) -> dict:
@@ -385,7 +392,10 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert "m1" not in fresh.rows and "m1" not in [e[3] for e in entries]
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
-    assert [p[0] for p in index.pick(state, state.buckets_of("c"), 3, now=2)] == ["m2", "m0"]
+    rows: list = []
+    picks = index.pick(state, state.buckets_of("c"), 3, now=2, rows=rows)
+    assert [p[0] for p in picks] == ["m2", "m0"]
+    assert rows == [index.rows["m2"], index.rows["m0"]], "each pick's row, in pick order"
 
 
 def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -> None:
