@@ -1,0 +1,272 @@
+"""Where the broker's CPU goes per message at batch 100, measured in one process.
+
+    .venv/bin/python bench/broker_costs.py [--messages N] [--workers W] [--slices S]
+
+Three real Raft nodes (the broker's `RaftNode`: PySyncObj over TCP, AES-GCM, group
+commit) share one event loop, each with its own `TopicIndex` over the same Delta buffer,
+wired as `dejaq broker` wires them. Workers lease 100 (picked on the leader's index,
+committed, rendered as the lease JSON) and ack them (the body parsed as the hot path
+parses it); the leader checkpoints into the ledger and trims in slices as the broker
+does. Each step is timed where it runs, on which node (the methods are wrapped for the
+run, as a profiler would), and the process's CPU is split into those steps and the rest:
+Raft's transport, sealing, pickling and ticks, and the loop. No HTTP and no clients
+(`bench/broker.py` measures the live system); one thread, so no step waits on another.
+
+Baseline in the same run, on the same nodes, alternated with the main run in slices
+(this VM's speed drifts): each request commits one tiny command instead, a consumer's
+heartbeat, as the live Raft floor does. Prints one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import secrets
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+# This file is in bench/: keep its folder off the path (bench/broker.py shadows the package).
+sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
+
+from pysyncobj import SyncObj  # noqa: E402
+from test_broker import buffer_rows, fill  # noqa: E402
+
+from broker import message_json  # noqa: E402
+from broker.hotpath import _ack_args, _lease_args  # noqa: E402
+from broker.index import Row, TopicIndex  # noqa: E402
+from broker.leases import TopicState  # noqa: E402
+from broker.ledger_writer import checkpoint  # noqa: E402
+from broker.raft import RaftNode  # noqa: E402
+from broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE  # noqa: E402
+from conf.settings import BrokerConfig, TopicConfig  # noqa: E402
+from jobs.embedded_kafka import free_port  # noqa: E402
+
+BATCH = 100
+BUCKETS = 64
+CHECKPOINT_EVENTS = 50_000  # about a second's acks at the live rate, as the broker's 1 s
+
+
+class IndexListener:
+    """What `broker.service.Broker` does with applied commands: tell the node's index."""
+
+    def __init__(self, index: TopicIndex) -> None:
+        self.index = index
+
+    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None:
+        self.index.push(state, mids)
+
+    def gone(self, topic: str, mids: list[str]) -> None:
+        self.index.forget(mids)
+
+    def reset(self, states: dict[str, TopicState]) -> None:
+        self.index.rebuild(states[self.index.topic.name])
+
+
+NESTED = ("apply lease", "apply ack", "apply trim", "forget settled rows")  # inside "apply"
+
+
+class Clock:
+    """Seconds spent per (node role, step), while `on`."""
+
+    def __init__(self) -> None:
+        self.spent: Counter[tuple[str, str]] = Counter()
+        self.roles: dict[int, str] = {}
+        self.on = True
+
+    def wrap(self, cls: type, name: str, step: str, owner: Callable[[Any], Any]) -> None:
+        """Time every call of `cls.name`, by the role of the node `owner(self)` is of."""
+        original = getattr(cls, name)
+
+        def timed(obj: Any, *args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return original(obj, *args, **kwargs)
+            finally:
+                if self.on:
+                    role = self.roles[id(owner(obj))]
+                    self.spent[role, step] += time.perf_counter() - t
+
+        setattr(cls, name, timed)
+
+    def time(self, role: str, step: str, since: float) -> float:
+        now = time.perf_counter()
+        self.spent[role, step] += now - since
+        return now
+
+
+def nodes_up(warehouse: Path, data_dir: Path) -> tuple[list[RaftNode], list[TopicIndex]]:
+    topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=BUCKETS)
+    conf = BrokerConfig(raft_password=secrets.token_hex(16))
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    indexes = [TopicIndex(str(warehouse), topic) for _ in addrs]
+    for index in indexes:
+        index.load()
+    nodes = [
+        RaftNode(a, [p for p in addrs if p != a], [topic], conf, data_dir / f"n{i}", listener)
+        for i, (a, listener) in enumerate(zip(addrs, map(IndexListener, indexes), strict=True))
+    ]
+    return nodes, indexes
+
+
+async def run(args: argparse.Namespace, data_dir: Path) -> dict:
+    import gc
+
+    nodes, indexes = nodes_up(args.warehouse, data_dir)
+    gc.freeze()  # as `Broker.start`: the loaded rows stay out of the cyclic GC
+    gc.set_threshold(GC_YOUNG_OBJECTS, 10, 10)
+    loop = asyncio.get_running_loop()
+    for node in nodes:
+        node.attach(loop)
+    try:
+        deadline = loop.time() + 30
+        while not any(n.is_leader() for n in nodes):
+            if loop.time() > deadline:
+                raise TimeoutError("no Raft leader within 30 s")
+            await asyncio.sleep(0.01)
+        lead = next(i for i, n in enumerate(nodes) if n.is_leader())
+        return await measure(args, nodes, indexes, lead)
+    finally:
+        for node in nodes:
+            node.destroy()
+
+
+async def measure(
+    args: argparse.Namespace, nodes: list[RaftNode], indexes: list[TopicIndex], lead: int
+) -> dict:
+    leader, index = nodes[lead], indexes[lead]
+    state = leader.state.topics["t"]
+    clock = Clock()
+    for i, node in enumerate(nodes):
+        role = "leader" if i == lead else "followers"
+        clock.roles[id(node.state.topics["t"])] = role
+        clock.roles[id(indexes[i])] = role
+        clock.roles[id(node.sync)] = role
+    for name in ("lease", "ack", "trim"):
+        clock.wrap(TopicState, name, f"apply {name}", lambda s: s)
+    clock.wrap(TopicIndex, "forget", "forget settled rows", lambda i: i)
+    clock.wrap(SyncObj, "_SyncObj__doApplyCommand", "apply", lambda s: s)
+    workers = [f"w{i}" for i in range(args.workers)]
+    for w in workers:
+        await leader.commit("t", "touch", w, int(time.time() * 1000))
+
+    async def dejaq(me: str, rounds: int) -> None:
+        for _ in range(rounds):
+            t = time.perf_counter()
+            lease_args = _lease_args(json.loads(f'{{"consumer_id": "{me}", "max_messages": 100}}'))
+            assert lease_args is not None
+            now = int(time.time() * 1000)
+            t = clock.time("leader", "parse requests", t)
+            rows: list[Row] = []
+            picks = index.pick(state, state.buckets_of(me), BATCH, now, rows)
+            t = clock.time("leader", "pick", t)
+            grants = await leader.commit("t", "lease", me, now, 30_000, picks)
+            t = time.perf_counter()
+            index.release(state, picks)
+            t = clock.time("leader", "release picks", t)
+            body = message_json.leased_array(picks, rows, grants, False)
+            t = clock.time("leader", "lease JSON", t)
+            ack_body = json.dumps({"consumer_id": me, "ids": [m["id"] for m in json.loads(body)]})
+            t = clock.time("client", "read the lease, write the ack", t)  # not counted
+            ack = _ack_args(json.loads(ack_body))
+            assert ack is not None
+            clock.time("leader", "parse requests", t)
+            refused = await leader.commit("t", "ack", me, int(time.time() * 1000), ack[1])
+            assert not refused, refused
+            if len(state.events) >= CHECKPOINT_EVENTS:
+                await checkpoint_and_trim()
+
+    async def checkpoint_and_trim() -> None:
+        t = time.perf_counter()
+        events = list(state.events)
+        upto = checkpoint(str(args.warehouse), "t", events)
+        clock.time("leader", "checkpoint (a thread, live)", t)
+        for cut in [*(e.seq for e in events[TRIM_SLICE - 1 :: TRIM_SLICE]), upto]:
+            await leader.commit("t", "trim", cut)
+
+    async def floor(me: str, rounds: int) -> None:
+        for _ in range(2 * rounds):  # a lease and an ack per round
+            await leader.commit("t", "touch", me, int(time.time() * 1000))
+
+    rounds = args.messages // (BATCH * args.workers * args.slices)
+    cpu: Counter[str] = Counter()
+    for s in range(args.slices):
+        for name, request in (("dejaq", dejaq), ("floor", floor))[:: 1 if s % 2 == 0 else -1]:
+            clock.on = name == "dejaq"  # the floor's applies are not DejaQ's steps
+            started = time.process_time()
+            await asyncio.gather(*(request(w, rounds) for w in workers))
+            if name == "dejaq":
+                await checkpoint_and_trim()
+            cpu[name] += time.process_time() - started
+    return report(clock.spent, cpu, rounds * BATCH * args.workers * args.slices)
+
+
+def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
+    """µs per message: each step by role (a follower's are the mean of the two), and
+    what the timed steps leave of the process's CPU."""
+    steps: dict[str, dict[str, float]] = {}
+    timed = 0.0
+    for role, share in (("leader", 1), ("followers", 2)):
+        mine = {step: v for (r, step), v in spent.items() if r == role and step != "apply"}
+        mine["unpickle and dispatch commands"] = spent[role, "apply"] - sum(
+            spent[role, s] for s in NESTED
+        )
+        timed += sum(mine.values())
+        steps[role] = {k: round(v / n / share * 1e6, 2) for k, v in sorted(mine.items())}
+    broker = cpu["dejaq"] - sum(v for (r, _), v in spent.items() if r == "client")
+    return {
+        "cpu_us_per_msg": round(broker / n * 1e6, 2),
+        "steps_us_per_msg": steps,
+        "raft_transport_ticks_and_loop_us_per_msg": round((broker - timed) / n * 1e6, 2),
+        "baseline_raft_floor_cpu_us_per_msg": round(cpu["floor"] / n * 1e6, 2),
+        "messages": n,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--messages", type=int, default=200_000)
+    ap.add_argument("--workers", type=int, default=8, help="concurrent lease+ack loops")
+    ap.add_argument("--slices", type=int, default=4, help="alternations with the baseline")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dejaq-costs-") as tmp:
+        args.warehouse = Path(tmp) / "warehouse"
+        for start in range(0, args.messages, 50_000):
+            keys = [(i * 7919) % 65536 for i in range(start, min(args.messages, start + 50_000))]
+            rows = buffer_rows(keys, lambda i: i % BUCKETS, f"t-{start}-")
+            fill(str(args.warehouse), "t", rows)
+        figures = asyncio.run(run(args, Path(tmp) / "raft"))
+    print(
+        json.dumps(
+            {
+                "benchmark": "broker CPU per message at batch 100, 3 Raft nodes in one process",
+                **figures,
+                "parameters": {
+                    "batch": BATCH,
+                    "workers": args.workers,
+                    "buckets": BUCKETS,
+                    "slices": args.slices,
+                    "checkpoint_events": CHECKPOINT_EVENTS,
+                    "trim_slice": TRIM_SLICE,
+                },
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                },
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
