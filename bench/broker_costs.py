@@ -1,13 +1,13 @@
-"""Where the broker's CPU goes per message at batch 100, measured in one process.
+"""Where the broker's CPU goes per message, measured in one process.
 
-    .venv/bin/python bench/broker_costs.py [--messages N] [--workers W] [--slices S]
+    .venv/bin/python bench/broker_costs.py [--batch B] [--messages N] [--workers W]
 
 Three real Raft nodes (the broker's `RaftNode`: PySyncObj over TCP, AES-GCM, group
 commit) share one event loop, each with its own `TopicIndex` over the same Delta buffer,
-wired as `dejaq broker` wires them. Workers lease 100 (picked on the leader's index,
-committed, rendered as the lease JSON) and ack them (the body parsed as the hot path
-parses it); the leader checkpoints into the ledger and trims in slices as the broker
-does. Each step is timed where it runs, on which node (the methods are wrapped for the
+wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked on the
+leader's index, committed, rendered as the lease JSON) and ack it (the body parsed as
+the hot path parses it); the leader checkpoints into the ledger and trims in slices as
+the broker does. Each step is timed where it runs, on which node (the methods are wrapped for the
 run, as a profiler would), and the process's CPU is split into those steps and the rest:
 Raft's transport, sealing, pickling and ticks, and the loop. No HTTP and no clients
 (`bench/broker.py` measures the live system); one thread, so no step waits on another.
@@ -50,7 +50,6 @@ from broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE  # noqa: E402
 from conf.settings import BrokerConfig, TopicConfig  # noqa: E402
 from jobs.embedded_kafka import free_port  # noqa: E402
 
-BATCH = 100
 BUCKETS = 64
 CHECKPOINT_EVENTS = 50_000  # about a second's acks at the live rate, as the broker's 1 s
 
@@ -161,12 +160,12 @@ async def measure(
     async def dejaq(me: str, rounds: int) -> None:
         for _ in range(rounds):
             t = time.perf_counter()
-            lease_args = _lease_args(json.loads(f'{{"consumer_id": "{me}", "max_messages": 100}}'))
-            assert lease_args is not None
+            body = f'{{"consumer_id": "{me}", "max_messages": {args.batch}}}'
+            assert _lease_args(json.loads(body)) is not None
             now = int(time.time() * 1000)
             t = clock.time("leader", "parse requests", t)
             rows: list[Row] = []
-            picks = index.pick(state, state.buckets_of(me), BATCH, now, rows)
+            picks = index.pick(state, state.buckets_of(me), args.batch, now, rows)
             t = clock.time("leader", "pick", t)
             grants = await leader.commit("t", "lease", me, now, 30_000, picks)
             t = time.perf_counter()
@@ -196,7 +195,7 @@ async def measure(
         for _ in range(2 * rounds):  # a lease and an ack per round
             await leader.commit("t", "touch", me, int(time.time() * 1000))
 
-    rounds = args.messages // (BATCH * args.workers * args.slices)
+    rounds = args.messages // (args.batch * args.workers * args.slices)
     cpu: Counter[str] = Counter()
     for s in range(args.slices):
         for name, request in (("dejaq", dejaq), ("floor", floor))[:: 1 if s % 2 == 0 else -1]:
@@ -206,7 +205,7 @@ async def measure(
             if name == "dejaq":
                 await checkpoint_and_trim()
             cpu[name] += time.process_time() - started
-    return report(clock.spent, cpu, rounds * BATCH * args.workers * args.slices)
+    return report(clock.spent, cpu, rounds * args.batch * args.workers * args.slices)
 
 
 def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
@@ -233,6 +232,7 @@ def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, default=100, help="messages per lease")
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--workers", type=int, default=8, help="concurrent lease+ack loops")
     ap.add_argument("--slices", type=int, default=4, help="alternations with the baseline")
@@ -247,10 +247,10 @@ def main() -> int:
     print(
         json.dumps(
             {
-                "benchmark": "broker CPU per message at batch 100, 3 Raft nodes in one process",
+                "benchmark": "broker CPU per message, 3 Raft nodes in one process",
                 **figures,
                 "parameters": {
-                    "batch": BATCH,
+                    "batch": args.batch,
                     "workers": args.workers,
                     "buckets": BUCKETS,
                     "slices": args.slices,
