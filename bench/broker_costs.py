@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -117,8 +118,6 @@ def nodes_up(warehouse: Path, data_dir: Path) -> tuple[list[RaftNode], list[Topi
 
 
 async def run(args: argparse.Namespace, data_dir: Path) -> dict:
-    import gc
-
     nodes, indexes = nodes_up(args.warehouse, data_dir)
     gc.freeze()  # as `Broker.start`: the loaded rows stay out of the cyclic GC
     gc.set_threshold(GC_YOUNG_OBJECTS, 10, 10)
