@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 from rich.console import Console
@@ -39,6 +42,10 @@ WORKERS = 2
 PARTITIONS = 4
 TIMEOUT_S = 240
 INGEST_SETTLE_S = 60
+# A reminder buffered later than this before it fell due may be released on arrival,
+# after later ones (the release job looks two 250 ms triggers ahead): on a starved
+# machine, ingest lag, not release order. Such reminders are left out of the order check.
+IN_TIME_MS = 1000
 
 
 @dataclass
@@ -52,7 +59,7 @@ class Counters:
     early: int = 0
     lateness_ms: list[int] = field(default_factory=list)
     leases: dict[str, list[list[int]]] = field(default_factory=dict)
-    output_order_ok: bool = True
+    output: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # (due, id)
     released_ids: set[str] = field(default_factory=set)
     acked_ids: set[str] = field(default_factory=set)
     errors: list[str] = field(default_factory=list)
@@ -162,7 +169,6 @@ def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
     tps = [TopicPartition("reminders-out", p) for p in range(PARTITIONS)]
     consumer.assign(tps)
     consumer.seek_to_beginning(*tps)
-    last: dict[int, int] = {}
     while not stop.is_set():
         for tp, records in consumer.poll(timeout_ms=200).items():
             for r in records:
@@ -172,9 +178,7 @@ def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
                 c.released_ids.add(headers["dejaq-id"].decode())
                 c.lateness_ms.append(r.timestamp - due)
                 c.early += r.timestamp < due
-                if due < last.get(tp.partition, due):
-                    c.output_order_ok = False
-                last[tp.partition] = due
+                c.output.setdefault(tp.partition, []).append((due, headers["dejaq-id"].decode()))
     consumer.close()
 
 
@@ -291,7 +295,9 @@ def run(conf_file: str | None) -> int:
             ):
                 break
             time.sleep(0.25)
-        return _summary(console, c, priorities, buffered, quarantined, time.monotonic() - started)
+        late = _buffered_late(buffers["reminders"])
+        seconds = time.monotonic() - started
+        return _summary(console, c, priorities, buffered, quarantined, late, seconds)
     finally:
         stop.set()
         for t in threads:
@@ -304,12 +310,30 @@ def run(conf_file: str | None) -> int:
         console.print("demo: stopped Spark queries, 3 broker nodes and Kafka")
 
 
+def _buffered_late(buffer: str) -> set[str]:
+    """Reminders that reached the buffer less than IN_TIME_MS before they fell due."""
+    t = DeltaTable(buffer).to_pyarrow_table(columns=["message_id", "deliver_at", "ingested_at"])
+    us = {name: pc.cast(t[name], pa.int64()) for name in ("deliver_at", "ingested_at")}
+    late = pc.greater(us["ingested_at"], pc.subtract(us["deliver_at"], IN_TIME_MS * 1000))
+    return set(t.filter(late)["message_id"].to_pylist())
+
+
+def _in_order(output: dict[int, list[tuple[int, str]]], late: set[str]) -> bool:
+    """Each output partition's reminders in deliver_at order, late arrivals aside."""
+    return all(
+        a <= b
+        for seq in output.values()
+        for a, b in itertools.pairwise(due for due, mid in seq if mid not in late)
+    )
+
+
 def _summary(
     console: Console,
     c: Counters,
     priorities: list[int],
     buffered: dict[str, int],
     quarantined: int,
+    late: set[str],
     seconds: float,
 ) -> int:
     inversions = {
@@ -327,7 +351,7 @@ def _summary(
         == c.acked,
         f"all {TIMELINE_MESSAGES} reminders released": len(c.released_ids) == TIMELINE_MESSAGES,
         "0 released early": c.early == 0,
-        "reminders in deliver_at order per output partition": c.output_order_ok,
+        "reminders in deliver_at order per output partition": _in_order(c.output, late),
         f"{BAD_MESSAGES} bad records quarantined, none lost": quarantined == BAD_MESSAGES
         and sum(buffered.values()) + quarantined == c.produced,
     }
@@ -339,6 +363,12 @@ def _summary(
         )
     for what, ok in checks.items():
         console.print(f"  {'[green]ok  [/]' if ok else '[red]FAIL[/]'} {what}")
+    if late:
+        console.print(
+            f"  [yellow]{len(late)} reminders[/] reached the buffer less than {IN_TIME_MS} ms "
+            "before they fell due (ingest lag on a busy machine): released on arrival, "
+            "left out of the order check"
+        )
     for worker, first in inversions.items():
         if first:
             console.print(f"  [yellow]{worker}[/]: first out-of-order lease: {first}")
