@@ -325,22 +325,18 @@ class TopicIndex:
             in_run = bool(run) and (not heap or run[-1] < heap[0])
             entry = run[-1] if in_run else heap[0]
             key, _, _, mid, row = entry
-            if (
+            stale = (
                 rows.get(mid) is not row
                 or mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)
                 or (overrides and key != overrides.get(mid, row.sort_key))
-            ):
-                if in_run:
-                    run.pop()
-                else:
-                    heapq.heappop(heap)
-                continue
-            if timeline and key > now:
-                return
-            yield entry
-            if in_run:
+            )
+            if not stale:
+                if timeline and key > now:
+                    return
+                yield entry
+            if in_run:  # dropped if stale, taken if the caller resumed past it
                 run.pop()
             else:
                 heapq.heappop(heap)
