@@ -47,7 +47,7 @@ from broker.index import Row, TopicIndex  # noqa: E402
 from broker.leases import TopicState  # noqa: E402
 from broker.ledger_writer import checkpoint  # noqa: E402
 from broker.raft import RaftNode  # noqa: E402
-from broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE  # noqa: E402
+from broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
 from conf.settings import BrokerConfig, TopicConfig  # noqa: E402
 from jobs.embedded_kafka import free_port  # noqa: E402
 
@@ -187,7 +187,7 @@ async def measure(
         events = list(state.events)
         upto = checkpoint(str(args.warehouse), "t", events)
         clock.time("leader", "checkpoint (a thread, live)", t)
-        for cut in [*(e.seq for e in events[TRIM_SLICE - 1 :: TRIM_SLICE]), upto]:
+        for cut in trim_cuts(events, upto):
             await leader.commit("t", "trim", cut)
 
     async def floor(me: str, rounds: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from broker import message_json
 from broker.index import Row, TopicIndex
-from broker.leases import Refusal, TopicState
+from broker.leases import Refusal, Settlement, TopicState
 from broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from broker.metrics import Metrics
 from broker.raft import NotCommitted, RaftNode
@@ -41,6 +41,13 @@ GC_YOUNG_OBJECTS = 10_000
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def trim_cuts(events: list[Settlement], upto: int) -> list[int]:
+    """Where to trim a checkpoint of `events` up to `upto`, a slice per Raft command: each
+    applies in one event-loop tick on every node, so requests wait milliseconds behind
+    it, not tens of them."""
+    return [*(e.seq for e in events[TRIM_SLICE - 1 :: TRIM_SLICE]), upto]
 
 
 class Problem(Exception):
@@ -222,9 +229,7 @@ class Broker:
             events = list(self.state(name).events)
             if events:
                 upto = checkpoint(self.settings.warehouse, name, events)
-                # Trimmed a slice per command: each applies in one event-loop tick on
-                # every node, so requests wait milliseconds behind it, not tens of them.
-                for cut in [*(e.seq for e in events[TRIM_SLICE - 1 :: TRIM_SLICE]), upto]:
+                for cut in trim_cuts(events, upto):
                     self.raft.state.command(name, "trim", (cut,), sync=True, timeout=5)
                 self._checkpoints[name] += 1
                 if self._checkpoints[name] % COMPACT_EVERY == 0:
