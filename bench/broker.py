@@ -207,22 +207,16 @@ def canned_app(raft=None):
 
 
 def serve(app, port: int, raft=None) -> None:
-    """uvicorn on the broker's settings (uvloop, httptools), Raft ticking on its loop."""
+    """uvicorn on the broker's settings (`broker.http_server`), Raft ticking on its loop."""
     import uvicorn
     import uvloop
+
+    from broker.http_server import SETTINGS
 
     async def main() -> None:
         if raft is not None:
             raft.attach(asyncio.get_running_loop())
-        config = uvicorn.Config(
-            app,
-            host="127.0.0.1",
-            port=port,
-            http="httptools",
-            lifespan="off",
-            log_level="warning",
-            access_log=False,
-        )
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", **SETTINGS)
         await uvicorn.Server(config).serve()
 
     uvloop.run(main())

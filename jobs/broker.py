@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from broker.app import create_app
+    from broker.http_server import SETTINGS
     from broker.service import Broker, Producer
     from conf.settings import ConfigError, load_settings
 
@@ -70,15 +71,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"broker {args.node_id}: http://{args.http} raft {args.raft}", flush=True)
     try:
         app = create_app(broker, Producer(settings.kafka.bootstrap))
-        uvicorn.run(
-            app,
-            host=host,
-            port=port,
-            loop="uvloop",
-            http="httptools",
-            log_level="warning",
-            access_log=False,
-        )
+        uvicorn.run(app, host=host, port=port, **SETTINGS)
     finally:
         broker.stop()
     return 0

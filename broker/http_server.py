@@ -1,0 +1,89 @@
+"""The HTTP server the broker runs: uvicorn on uvloop and httptools, one write per response.
+
+uvicorn writes a response's head and body to the socket separately: two `send` calls,
+two TCP segments, and two reads on the client for every lease and ack. At batch 1 those
+two syscalls were a sixth of the leader's CPU (py-spy of a live 3-node run, 64
+workers). Here each connection's writes are gathered while the event loop runs its
+ready callbacks and sent as one at the end of that pass: a response goes out whole,
+and nothing waits for a later event. Checked against the pinned uvicorn, whose
+protocol class it extends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+UVICORN_VERSION = "0.54.0"
+if uvicorn.__version__ != UVICORN_VERSION:
+    raise ImportError(
+        f"broker.http_server extends uvicorn {UVICORN_VERSION}'s httptools protocol; "
+        f"found {uvicorn.__version__}: check it against that release, then the pin"
+    )
+
+
+class GatheringTransport:
+    """A transport whose writes within one event-loop pass reach the socket as one.
+
+    Everything but writing and closing is the wrapped transport's own (flow control,
+    addresses, `is_closing`). `close` and `write_eof` send what is gathered first, as a
+    transport sends its buffer before closing; `abort` drops it, as a transport does.
+    """
+
+    __slots__ = ("_loop", "_pending", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._pending: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        if not self._pending:
+            self._loop.call_soon(self._flush)
+        self._pending.append(data)
+
+    def _flush(self) -> None:
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def writelines(self, chunks: list[bytes]) -> None:
+        for data in chunks:
+            self.write(data)
+
+    def write_eof(self) -> None:
+        self._flush()
+        self._transport.write_eof()
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._pending.clear()
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
+class GatheringHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol over a `GatheringTransport`."""
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        gathering: Any = GatheringTransport(transport, self.loop)
+        super().connection_made(gathering)
+
+
+# uvicorn's settings for the broker, and for the benchmark's baselines, like for like.
+SETTINGS: dict[str, Any] = {
+    "loop": "uvloop",
+    "http": GatheringHttpToolsProtocol,
+    "log_level": "warning",
+    "access_log": False,
+}

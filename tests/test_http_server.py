@@ -1,0 +1,117 @@
+"""The broker's HTTP server: one write per response, and responses intact on real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+
+import httpx
+import pytest
+import uvicorn
+
+from broker.http_server import SETTINGS, GatheringTransport
+from jobs.embedded_kafka import free_port, wait_for_port
+
+
+async def app(scope, receive, send) -> None:
+    """/fixed: a head and a body; /stream: three body chunks over three loop passes;
+    /close: a body, then the connection closes."""
+    if scope["type"] != "http":
+        return
+    await receive()
+    path = scope["path"]
+    headers = [(b"content-type", b"text/plain")]
+    if path == "/stream":
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for part in (b"one,", b"two,", b"three"):
+            await asyncio.sleep(0)
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    body = path.encode() * 1000
+    headers.append((b"content-length", b"%d" % len(body)))
+    if path == "/close":
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    """A real uvicorn on the broker's settings, in a thread of this process."""
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, lifespan="off", **SETTINGS)
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    wait_for_port(port, timeout=30, what="uvicorn")
+    yield f"http://127.0.0.1:{port}"
+    srv.should_exit = True
+    thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_responses_arrive_whole_on_one_keep_alive_connection(server: str) -> None:
+    with httpx.Client(base_url=server) as client:
+        for _ in range(50):
+            answer = client.get("/fixed")
+            assert answer.status_code == 200
+            assert answer.content == b"/fixed" * 1000
+        streamed = client.get("/stream")
+        assert streamed.content == b"one,two,three"
+        assert streamed.headers["transfer-encoding"] == "chunked"
+        assert client.get("/fixed").content == b"/fixed" * 1000  # still usable after it
+
+
+def test_pipelined_requests_are_answered_in_order(server: str) -> None:
+    host, port = server.removeprefix("http://").split(":")
+    request = b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(request * 3 + b"GET /close HTTP/1.1\r\nHost: x\r\n\r\n")
+        data = b""
+        while chunk := s.recv(65536):  # the server closes after /close
+            data += chunk
+    assert data.count(b"HTTP/1.1 200 OK") == 4
+    assert data.endswith(b"/close" * 1000)
+
+
+class Recorder:
+    """Stands in for the socket's transport only to count its writes: TCP keeps no write
+    boundaries a real peer could observe."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str) -> str:
+        return f"real:{name}"
+
+
+def test_writes_of_one_loop_pass_go_out_as_one() -> None:
+    async def scenario() -> Recorder:
+        inner = Recorder()
+        t = GatheringTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        t.write(b"HTTP/1.1 200 OK\r\n\r\n")
+        t.writelines([b"body", b"!"])
+        assert inner.writes == []  # nothing sent mid-pass
+        await asyncio.sleep(0)
+        assert inner.writes == [b"HTTP/1.1 200 OK\r\n\r\nbody!"]
+        t.write(b"last")
+        t.close()  # what was gathered goes out before the close
+        assert inner.writes[-1] == b"last" and inner.closed
+        assert t.get_extra_info("peername") == "real:peername"
+        return inner
+
+    inner = asyncio.run(scenario())
+    assert len(inner.writes) == 2
