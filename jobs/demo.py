@@ -183,8 +183,9 @@ def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
                 c.released += 1
                 mid = headers["dejaq-id"].decode()
                 c.released_ids.add(mid)
-                c.lateness_ms.append(r.timestamp - due)
-                if r.timestamp - due > RELEASED_LATE_MS:
+                lateness = r.timestamp - due
+                c.lateness_ms.append(lateness)
+                if lateness > RELEASED_LATE_MS:
                     c.released_late.add(mid)
                 c.early += r.timestamp < due
                 c.output.setdefault(tp.partition, []).append((due, mid))
