@@ -61,11 +61,17 @@ HORIZON_TRIGGERS = 2
 
 @dataclass
 class ReleaseStats:
+    """One batch. `started_ms` (wall clock) and `buffer_version` (read up to) say when
+    the job first held a buffer row: a timeline message first held after it fell due is
+    released on arrival, late, and possibly after messages due later."""
+
     batch_id: int
     released: int
     late: int
     pending: int
     millis: int
+    started_ms: int
+    buffer_version: int
     replay: bool = False
 
 
@@ -226,13 +232,15 @@ class Releaser:
         Timeline batches hand what falls due before the next trigger to the timed sender
         and record what it has had acknowledged since the previous batch.
         """
-        started = time.monotonic()
+        started, started_ms = time.monotonic(), _now_ms()
         self._last_batch = batch_id
         if self._committed is None:
             self._committed = DeltaTable(self.ledger_path).transaction_version(self.app_id)
         if self._committed is not None and batch_id <= self._committed:
             log.warning("release %s batch %d is in the ledger: a replay", self.topic.name, batch_id)
-            stats = ReleaseStats(batch_id, 0, 0, len(self.pending), 0, replay=True)
+            stats = ReleaseStats(
+                batch_id, 0, 0, len(self.pending), 0, started_ms, self.buffer.version, replay=True
+            )
             self.stats.append(stats)
             return stats
         late = self.refresh()
@@ -260,6 +268,8 @@ class Releaser:
             late=late,
             pending=len(self.pending),
             millis=int((time.monotonic() - started) * 1000),
+            started_ms=started_ms,
+            buffer_version=self.buffer.version,
         )
         self.stats.append(stats)
         return stats
@@ -277,7 +287,10 @@ class Releaser:
                 if released and self._last_batch is not None:
                     batch_id = max(self._last_batch, self._committed or 0)
                     self._record(released, batch_id)
-                    self.stats.append(ReleaseStats(batch_id, len(released), 0, 0, 0))
+                    stats = ReleaseStats(
+                        batch_id, len(released), 0, 0, 0, _now_ms(), self.buffer.version
+                    )
+                    self.stats.append(stats)
         finally:
             self._sender = None
             self.close()
