@@ -317,8 +317,8 @@ def _held_late(
     machine): it releases one on arrival, after any due later that it had already sent.
     Any other it held in time, and its timed sender sends what it holds in deliver_at
     order. Held at: the end of the first batch that read the buffer version adding the
-    reminder (a batch hands the sender what it read before it ends). One no batch is
-    known to have read counts as late too: the stats keep the last 1,000 batches.
+    reminder (a batch hands the sender what it read before it ends). A reminder that no
+    recorded batch read (the stats keep the last 1,000) counts as late too.
     """
     batches = sorted((s for s in stats if not s.replay), key=lambda s: s.batch_id)
     added = _added_in(buffer)
