@@ -320,7 +320,7 @@ def _held_late(
     reminder (a batch hands the sender what it read before it ends). A reminder that no
     recorded batch read (the stats keep the last 1,000) counts as late too.
     """
-    batches = sorted((s for s in stats if not s.replay), key=lambda s: s.batch_id)
+    batches = [s for s in stats if not s.replay]  # in batch order, as the job ran them
     added = _added_in(buffer)
     held_at = {
         v: next((s.started_ms + s.millis for s in batches if s.buffer_version >= v), None)
