@@ -2,6 +2,8 @@
 
 Writes bench/results.json and bench/results.png, and rewrites the README's benchmark
 table between its `<!-- bench -->` markers, so the README's numbers are the last run's.
+`--only NAME` reruns one benchmark and keeps the others' last figures, each with the
+date it was measured.
 """
 
 from __future__ import annotations
@@ -95,6 +97,32 @@ def chart(rows: list[tuple[str, str, float]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def merge(saved: dict | None, fresh: dict, when: str, machine: str) -> dict:
+    """The saved results with `fresh` in place of theirs, in BENCHMARKS order, and the
+    date each benchmark was last measured (results.json from before had one date)."""
+    saved = saved or {"results": {}}
+    measured = {
+        name: saved.get("measured", {}).get(name, saved.get("date")) for name in saved["results"]
+    }
+    measured |= dict.fromkeys(fresh, when)
+    results = {**saved["results"], **fresh}
+    order = [n for n in BENCHMARKS if n in results] + [n for n in results if n not in BENCHMARKS]
+    return {
+        "date": when,
+        "machine": machine,
+        "measured": {n: measured[n] for n in order},
+        "results": {n: results[n] for n in order},
+    }
+
+
+def when_line(measured: dict[str, str]) -> str:
+    """'2026-11-23', or each benchmark's date when `--only` left them apart."""
+    dates = set(measured.values())
+    if len(dates) == 1:
+        return dates.pop()
+    return ", ".join(f"{name} {date}" for name, date in measured.items())
+
+
 def table(rows: list[tuple[str, str, float]], when: str, machine: str) -> str:
     lines = [
         f"Measured {when} on {machine} by `make bench` (bench/results.json, bench/results.png).",
@@ -125,18 +153,20 @@ def main() -> None:
     p.add_argument("--no-readme", action="store_true", help="leave README.md alone")
     p.add_argument("--replot", action="store_true", help="redraw from bench/results.json")
     args = p.parse_args()
+    path = HERE / "results.json"
+    saved = json.loads(path.read_text()) if path.exists() else None
     if args.replot:
-        saved = json.loads((HERE / "results.json").read_text())
-        results, machine, when = saved["results"], saved["machine"], saved["date"]
+        if saved is None:
+            raise SystemExit(f"--replot: {path} does not exist; run the benchmarks first")
+        saved = merge(saved, {}, saved["date"], saved["machine"])
     else:
-        results = {name: run(name, []) for name in args.only or BENCHMARKS}
+        fresh = {name: run(name, []) for name in args.only or BENCHMARKS}
         machine = (
             f"{os.cpu_count()} cores, Python {platform.python_version()}, {platform.platform()}"
         )
-        when = dt.date.today().isoformat()
-        (HERE / "results.json").write_text(
-            json.dumps({"date": when, "machine": machine, "results": results}, indent=2) + "\n"
-        )
+        saved = merge(saved, fresh, dt.date.today().isoformat(), machine)
+        path.write_text(json.dumps(saved, indent=2) + "\n")
+    results, machine, when = saved["results"], saved["machine"], when_line(saved["measured"])
     rows = headline(results)
     chart(rows, HERE / "results.png")
     if not args.no_readme:
