@@ -73,7 +73,7 @@ def headline(results: dict) -> list[tuple[str, str, float]]:
     return rows
 
 
-def chart(rows: list[tuple[str, str, float]], path: Path) -> None:
+def chart(rows: list[tuple[str, str, float]], path: Path, when: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -92,7 +92,7 @@ def chart(rows: list[tuple[str, str, float]], path: Path) -> None:
             ax.set_xscale("log")
         ax.set_title(title)
         ax.tick_params(axis="y", labelsize=7)
-    fig.suptitle(f"DejaQ benchmarks, {dt.date.today()}, {os.cpu_count()} cores")
+    fig.suptitle(f"DejaQ benchmarks, measured {when}, {os.cpu_count()} cores")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -168,7 +168,7 @@ def main() -> None:
         path.write_text(json.dumps(saved, indent=2) + "\n")
     results, machine, when = saved["results"], saved["machine"], when_line(saved["measured"])
     rows = headline(results)
-    chart(rows, HERE / "results.png")
+    chart(rows, HERE / "results.png", when)
     if not args.no_readme:
         update_readme(table(rows, when, machine))
     print(table(rows, when, machine))
