@@ -85,7 +85,8 @@ def chart(rows: list[tuple[str, str, float]], path: Path, when: str) -> None:
         for b, n, v in rows
         if any(q in n.rsplit(".", 1)[-1].split("_") for q in ("p50", "p99"))
     ]
-    fig, axes = plt.subplots(1, 2, figsize=(15, max(4, 0.35 * max(len(rates), len(lat)))))
+    height = max(4, 0.35 * max(len(rates), len(lat)))
+    fig, axes = plt.subplots(1, 2, figsize=(17, height), layout="constrained")
     for ax, data, title in ((axes[0], rates, "throughput (msgs/s)"), (axes[1], lat, "latency")):
         if data:
             ax.barh([d[0] for d in data], [d[1] for d in data])
@@ -93,7 +94,6 @@ def chart(rows: list[tuple[str, str, float]], path: Path, when: str) -> None:
         ax.set_title(title)
         ax.tick_params(axis="y", labelsize=7)
     fig.suptitle(f"DejaQ benchmarks, measured {when}, {os.cpu_count()} cores")
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 
