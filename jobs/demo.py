@@ -28,9 +28,10 @@ from rich.live import Live
 from rich.table import Table as RichTable
 
 from conf.settings import load_settings
-from conf.tables import Table, table_path
+from conf.tables import BUFFER_SCHEMA, Table, table_path
 from jobs import cluster, embedded_kafka
 from jobs.status import row_count
+from pipelines.delta_follower import DeltaFollower
 
 if TYPE_CHECKING:
     from pipelines.release import ReleaseStats
@@ -336,10 +337,10 @@ def _held_late(
 
 def _added_in(buffer: str) -> dict[str, int]:
     """The buffer version that added each row (a compaction rewrites rows, not adds)."""
+    follower = DeltaFollower(buffer, BUFFER_SCHEMA)
     added: dict[str, int] = {}
     for version in range(DeltaTable(buffer).version() + 1):
-        rows = DeltaTable(buffer, version=version).to_pyarrow_table(columns=["message_id"])
-        for mid in rows["message_id"].to_pylist():
+        for mid in follower.poll(upto=version)["message_id"].to_pylist():
             added.setdefault(mid, version)
     return added
 

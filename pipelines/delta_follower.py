@@ -34,14 +34,20 @@ class DeltaFollower:
         """The table version the last poll read up to (-1 before the table exists)."""
         return self._version
 
-    def poll(self) -> pa.Table:
-        """Rows of files added since the last poll, in the contract's schema."""
+    def poll(self, upto: int | None = None) -> pa.Table:
+        """Rows of files added since the last poll, in the contract's schema.
+
+        `upto` stops at that version instead of the newest: stepping through the versions
+        one at a time says which version added each row, each file read once.
+        """
         if self._table is None:
             if not DeltaTable.is_deltatable(self.path):
                 return self.schema.empty_table()
-            self._table = DeltaTable(self.path)
-        else:
+            self._table = DeltaTable(self.path, version=upto)
+        elif upto is None:
             self._table.update_incremental()
+        else:
+            self._table.load_as_version(upto)
         version = self._table.version()
         if version == self._version:
             return self.schema.empty_table()
