@@ -4,6 +4,9 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The pinned JVM jars (jvm/<set>/pom.xml), copied from Maven Central into jvm/lib/<set>.
+JARS := jvm/lib/spark/.fetched jvm/lib/kafka/.fetched
+SETUP := $(STAMP) $(JARS)
 
 .PHONY: demo test lint format bench clean java
 
@@ -19,22 +22,30 @@ java:
 	@v=$$(java -version 2>&1 | sed -n 's/.*version "\([0-9]*\).*/\1/p' | head -1); \
 	 if [ -z "$$v" ] || [ "$$v" -lt 17 ]; then echo "error: Java 17+ is required by Spark; found '$$v' (Debian: apt-get install openjdk-17-jre-headless)" >&2; exit 1; fi
 
-demo: $(STAMP)
+# A set is fetched again only when its pom changes; nothing is resolved at run time.
+jvm/lib/%/.fetched: jvm/%/pom.xml
+	@$(MAKE) --no-print-directory java
+	@command -v mvn >/dev/null || { echo "error: Maven is required to fetch the pinned JVM jars (Debian: apt-get install maven)" >&2; exit 1; }
+	rm -rf jvm/lib/$*
+	mvn --batch-mode --quiet --file jvm/$*/pom.xml dependency:copy-dependencies
+	@touch $@
+
+demo: $(SETUP)
 	$(BIN)/dejaq demo
 
-test: $(STAMP)
+test: $(SETUP)
 	$(BIN)/python -m pytest
 
-lint: $(STAMP)
+lint: $(SETUP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-format: $(STAMP)
+format: $(SETUP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
 
-bench: $(STAMP)
+bench: $(SETUP)
 	$(BIN)/python bench/report.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache warehouse .dejaq
+	rm -rf $(VENV) .pytest_cache warehouse .dejaq jvm/lib

@@ -1,14 +1,15 @@
-"""Ingest benchmark: Kafka → Delta buffer, against one kafka-python consumer on the same topic.
+"""Ingest benchmark: Kafka → Delta buffer on Apache Kafka, both connector paths, one run.
 
-Produces N 100-byte messages with random priorities to a 4-partition topic on an embedded
-Kafka, then measures in one run:
+Produces N 100-byte messages with random priorities to a 4-partition topic on the
+embedded Apache Kafka, then measures in the same run:
 - baseline: one kafka-python consumer process reading the topic end to end;
-- ingest: `IngestJob` with availableNow (what `dejaq ingest --once` runs), on a warm
-  SparkSession, with the time of each batch's phases;
-- visibility latency: a continuous ingest while a producer writes at a steady rate; a
-  message is visible when the Delta commit holding it is readable;
-- Spark's floor: the same batch code fed by an in-memory source that decodes nothing,
-  so what Spark itself costs (parse, cache, Delta write) is told apart from Kafka's.
+- floor: Spark's plain copy of the topic, `format("kafka")` → `format("delta")`, no
+  parsing: what this job cannot beat;
+- ingest on the JVM path (`format("kafka")`, `format("delta")`) and on the Python Data
+  Source path (kafka-python, delta-rs): `IngestJob` with availableNow (what
+  `dejaq ingest --once` runs), each on its own copy of the topic, with each batch's phases;
+- visibility latency on the JVM path: a continuous ingest while a producer writes at a
+  steady rate; a message is visible when the Delta commit holding it is readable.
 Prints one JSON object.
 """
 
@@ -32,16 +33,12 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
-from kafka.consumer.fetcher import ConsumerRecord
-from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
-from pyspark.sql.types import StructType
 
 from conf.settings import Settings
-from conf.tables import Table, ensure_table, table_path
+from conf.tables import Table, table_path
 from jobs import embedded_kafka
 from pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
-from pipelines.kafka_source import BATCH_ROWS, KAFKA_SCHEMA, RecordColumns
-from pipelines.session import detect_connectors, get_spark
+from pipelines.session import JVM, PYTHON_CONNECTORS, Connectors, detect_connectors, get_spark
 
 WARMUP_MESSAGES = 20_000
 
@@ -91,95 +88,56 @@ def run_baseline(bootstrap: str, topic: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-class FloorPartition(InputPartition):
-    def __init__(self, index: int, rows: int) -> None:
-        self.index, self.rows = index, rows
-
-
-class FloorReader(DataSourceReader):
-    """The benchmark's records made in memory, then batched by the Kafka source's own code:
-    the read costs what the source does after kafka-python has decoded, not Kafka."""
-
-    def __init__(self, rows: int, partitions: int, payload: int) -> None:
-        self.rows, self.parts, self.payload = rows, partitions, payload
-
-    def partitions(self) -> list[FloorPartition]:
-        return [FloorPartition(i, self.rows // self.parts) for i in range(self.parts)]
-
-    def read(self, partition: FloorPartition):  # type: ignore[override]
-        """kafka-python's records, made here: the source's own batch building follows."""
-        rng = random.Random(partition.index)
-        now_ms = int(time.time() * 1000)
-        value = b"x" * self.payload
-        for lo in range(0, partition.rows, BATCH_ROWS):
-            columns = RecordColumns("floor-in", partition.index)
-            end = min(lo + BATCH_ROWS, partition.rows)
-            records = [
-                ConsumerRecord(
-                    topic="floor-in",
-                    partition=partition.index,
-                    leader_epoch=-1,
-                    offset=offset,
-                    timestamp=now_ms,
-                    timestamp_type=0,
-                    key=b"c%d" % (offset % 1000),
-                    value=value,
-                    headers=[("dejaq-priority", str(rng.randrange(65536)).encode())],
-                    checksum=None,
-                    serialized_key_size=-1,
-                    serialized_value_size=-1,
-                    serialized_header_size=-1,
-                )
-                for offset in range(lo, end)
-            ]
-            columns.extend(records, lo, end)
-            yield columns.to_batch()
-
-
-class FloorSource(DataSource):
-    @classmethod
-    def name(cls) -> str:
-        return "dejaq_bench_floor"
-
-    def schema(self) -> StructType:
-        return KAFKA_SCHEMA
-
-    def reader(self, schema: StructType) -> FloorReader:
-        o = self.options
-        return FloorReader(int(o["rows"]), int(o["partitions"]), int(o["payload"]))
-
-
-def spark_floor(spark, settings: Settings, topic: str, args: argparse.Namespace) -> dict:
-    """`IngestJob.process_batch` on in-memory records, in batches of the trigger's size."""
-
-    spark.dataSource.register(FloorSource)
-    job = IngestJob(spark, settings, settings.topic(topic), detect_connectors(spark))
-    ensure_table(settings.warehouse, Table.BUFFER, topic)
-    ensure_table(settings.warehouse, Table.QUARANTINE, topic)
-    batch = min(args.max_offsets_per_trigger, args.messages)
-    records = (
-        spark.read.format(FloorSource.name())
-        .option("rows", str(batch))
-        .option("partitions", str(args.partitions))
-        .option("payload", str(args.payload_bytes))
-        .load()
-    )
-    job.process_batch(records, 0)  # warm-up
+def plain_copy(spark, bootstrap: str, topic: str, warehouse: Path) -> dict:
+    """Spark's own Kafka → Delta copy of the topic, no parsing: the floor for ingest."""
+    path = str(warehouse / "plain_copy")
     started = time.perf_counter()
-    batches = max(args.messages // batch, 1)
-    for batch_id in range(1, batches + 1):
-        job.process_batch(records, batch_id)
+    query = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("includeHeaders", "true")
+        .option("maxOffsetsPerTrigger", str(DEFAULT_MAX_OFFSETS_PER_TRIGGER))
+        .load()
+        .writeStream.format("delta")
+        .option("checkpointLocation", str(warehouse / "_checkpoints" / "plain_copy"))
+        .trigger(availableNow=True)
+        .start(path)
+    )
+    query.awaitTermination()
     seconds = time.perf_counter() - started
+    rows = DeltaTable(path).to_pyarrow_dataset().count_rows()
+    return {"rows": rows, "seconds": round(seconds, 2), "msgs_per_s": round(rows / seconds)}
+
+
+def ingest(spark, settings: Settings, topic: str, connectors: Connectors, per_trigger: int) -> dict:
+    """`IngestJob` with availableNow (what `dejaq ingest --once` runs), timed end to end."""
+    job = IngestJob(spark, settings, settings.topic(topic), connectors, per_trigger)
+    started = time.perf_counter()
+    query = job.start(once=True)
+    query.awaitTermination()
+    seconds = time.perf_counter() - started
+    if query.exception():
+        raise SystemExit(f"ingest failed: {query.exception()}")
+    rows = sum(s.buffered for s in job.stats)
     phases: dict[str, int] = {}
-    for s in list(job.stats)[1:]:
+    for s in job.stats:
         for k, v in s.phases_ms.items():
             phases[k] = phases.get(k, 0) + v
+    spark_phases: dict[str, int] = {}
+    for p in query.recentProgress:
+        if p.numInputRows:
+            for k, v in p.durationMs.items():
+                spark_phases[k] = spark_phases.get(k, 0) + v
     return {
-        "rows": batches * batch,
-        "batches": batches,
+        "connectors": connectors.describe().replace("\n", "; "),
+        "rows_buffered": rows,
         "seconds": round(seconds, 2),
-        "msgs_per_s": round(batches * batch / seconds),
+        "msgs_per_s": round(rows / seconds),
+        "batches": len(job.stats),
         "batch_phases_ms_total": phases,
+        "spark_duration_ms_total": spark_phases,
     }
 
 
@@ -223,11 +181,13 @@ class CommitWatcher(threading.Thread):
             self.stopping.wait(0.02)
 
 
-def visibility_latency(spark, settings: Settings, topic: str, n: int, rate: int) -> dict:
+def visibility_latency(
+    spark, settings: Settings, topic: str, connectors: Connectors, n: int, rate: int
+) -> dict:
     """Continuous ingest; produce n messages at `rate`/s; latency = visible - sent."""
 
     conf = settings.topic(topic)
-    job = IngestJob(spark, settings, conf, detect_connectors(spark))
+    job = IngestJob(spark, settings, conf, connectors)
     watcher = CommitWatcher(table_path(settings.warehouse, Table.BUFFER, topic))
     watcher.start()
     query = job.start(once=False)
@@ -263,14 +223,7 @@ def visibility_latency(spark, settings: Settings, topic: str, n: int, rate: int)
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--messages",
-        type=int,
-        default=200_000,
-        help="default 200k, not the issue's 1M: the embedded noida-db 0.2.3 slows down "
-        "superlinearly with topic size (a plain consumer read 100k in 2.3 s, but had not "
-        "read 1M after 14 min); use --messages 1000000 against a real Kafka",
-    )
+    p.add_argument("--messages", type=int, default=1_000_000)
     p.add_argument("--partitions", type=int, default=4)
     p.add_argument("--payload-bytes", type=int, default=100)
     p.add_argument(
@@ -294,62 +247,44 @@ def main() -> None:
     kafka = embedded_kafka.start(port, work / "kafka")
     try:
         bootstrap = f"127.0.0.1:{port}"
-        create_topic(bootstrap, "bench-in", args.partitions)
-        create_topic(bootstrap, "latency-in", args.partitions)
-        create_topic(bootstrap, "warmup-in", args.partitions)
+        for name in ("bench-in", "latency-in", "warmup-in"):
+            create_topic(bootstrap, name, args.partitions)
         produce(bootstrap, "warmup-in", WARMUP_MESSAGES, args.payload_bytes)
         produce_rate = produce(bootstrap, "bench-in", args.messages, args.payload_bytes)
         baseline = run_baseline(bootstrap, "bench-in")
 
         t0 = time.perf_counter()
-        spark = get_spark("dejaq-bench-ingest")
+        spark = get_spark("dejaq-bench-ingest", connectors=JVM)
+        jvm_connectors = detect_connectors(spark, JVM)
         spark.range(1).collect()
         startup_s = time.perf_counter() - t0
+        # Each reader gets its own table: the JVM and Python ingests, and the warm-ups.
         settings = settings_for(
             work / "warehouse",
             bootstrap,
             {
-                "bench": "bench-in",
+                "jvm": "bench-in",
+                "python": "bench-in",
                 "latency": "latency-in",
-                "warmup": "warmup-in",
-                "floor": "floor-in",
+                "warmup-jvm": "warmup-in",
+                "warmup-python": "warmup-in",
             },
         )
-        # Python workers, imports and JIT warm up on a small topic: the figure is then
-        # the steady rate, and the cold start is reported on its own.
+        # Python workers, imports and the JIT warm up on a small topic first, so each
+        # figure is the steady rate.
         t0 = time.perf_counter()
-        IngestJob(spark, settings, settings.topic("warmup"), detect_connectors(spark)).start(
-            once=True
-        ).awaitTermination()
+        ingest(spark, settings, "warmup-jvm", jvm_connectors, args.max_offsets_per_trigger)
+        ingest(spark, settings, "warmup-python", PYTHON_CONNECTORS, args.max_offsets_per_trigger)
         warmup_s = time.perf_counter() - t0
-        job = IngestJob(
-            spark,
-            settings,
-            settings.topic("bench"),
-            detect_connectors(spark),
-            args.max_offsets_per_trigger,
+        floor = plain_copy(spark, bootstrap, "bench-in", work / "warehouse")
+        jvm_ingest = ingest(spark, settings, "jvm", jvm_connectors, args.max_offsets_per_trigger)
+        py_ingest = ingest(
+            spark, settings, "python", PYTHON_CONNECTORS, args.max_offsets_per_trigger
         )
-        t0 = time.perf_counter()
-        query = job.start(once=True)
-        query.awaitTermination()
-        ingest_s = time.perf_counter() - t0
-        if query.exception():
-            raise SystemExit(f"ingest failed: {query.exception()}")
-        rows = sum(s.buffered for s in job.stats)
-        phases: dict[str, int] = {}
-        for s in job.stats:
-            for k, v in s.phases_ms.items():
-                phases[k] = phases.get(k, 0) + v
-        progress = [p.durationMs for p in query.recentProgress if p.numInputRows]
-        spark_phases: dict[str, int] = {}
-        for d in progress:
-            for k, v in d.items():
-                spark_phases[k] = spark_phases.get(k, 0) + v
-        ingest_rate = rows / ingest_s
-        floor = spark_floor(spark, settings, "floor", args)
         latency = visibility_latency(
-            spark, settings, "latency", args.latency_messages, args.latency_rate
+            spark, settings, "latency", jvm_connectors, args.latency_messages, args.latency_rate
         )
+        base_rate = baseline["msgs_per_s"]
         print(
             json.dumps(
                 {
@@ -362,26 +297,22 @@ def main() -> None:
                         "max_offsets_per_trigger": args.max_offsets_per_trigger,
                         "latency_messages": args.latency_messages,
                         "latency_offered_rate": args.latency_rate,
-                        "connectors": detect_connectors(spark).describe().replace("\n", "; "),
+                        "kafka": "Apache Kafka (one KRaft node) on 127.0.0.1",
                         "master": spark.sparkContext.master,
                     },
-                    "ingest": {
-                        "rows_buffered": rows,
-                        "seconds": round(ingest_s, 2),
-                        "msgs_per_s": round(ingest_rate),
-                        "batches": len(job.stats),
-                        "batch_phases_ms_total": phases,
-                        "spark_duration_ms_total": spark_phases,
-                        "spark_startup_s": round(startup_s, 2),
-                        "warmup_ingest_s": round(warmup_s, 2),
-                        "warmup_messages": WARMUP_MESSAGES,
-                    },
+                    "ingest": jvm_ingest,
+                    "ingest_python_connectors": py_ingest,
                     "baseline_kafka_python_consumer": baseline,
-                    "ingest_vs_baseline": round(ingest_rate / baseline["msgs_per_s"], 3),
-                    "spark_floor_no_kafka_decode": floor,
-                    "floor_vs_baseline": round(floor["msgs_per_s"] / baseline["msgs_per_s"], 3),
+                    "spark_plain_copy": floor,
+                    "ingest_vs_baseline": round(jvm_ingest["msgs_per_s"] / base_rate, 3),
+                    "ingest_vs_plain_copy": round(
+                        jvm_ingest["msgs_per_s"] / floor["msgs_per_s"], 3
+                    ),
+                    "python_ingest_vs_baseline": round(py_ingest["msgs_per_s"] / base_rate, 3),
                     "visibility_latency": latency,
                     "produce_msgs_per_s": round(produce_rate),
+                    "spark_startup_s": round(startup_s, 2),
+                    "warmup_s": round(warmup_s, 2),
                     "machine": {
                         "cores": os.cpu_count(),
                         "python": platform.python_version(),

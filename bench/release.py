@@ -245,7 +245,7 @@ def main() -> int:
         "max_per_trigger": 10000,
         "payload_bytes": 100,
         "output_partitions": PARTITIONS,
-        "kafka": "embedded noida-db on 127.0.0.1",
+        "kafka": "embedded Apache Kafka (one KRaft node) on 127.0.0.1",
     }
     result["machine"] = {
         "cores": os.cpu_count(),

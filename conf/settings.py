@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from enum import StrEnum
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -99,6 +99,9 @@ class KafkaConfig(_Strict):
 class SparkConfig(_Strict):
     master: str = "local[2]"
     ui: bool = False
+    # auto: the JVM Kafka and Delta connectors where Spark has them, else the Python ones;
+    # jvm: fail without them; python: always the Python Data Sources (kafka-python, delta-rs).
+    connectors: Literal["auto", "jvm", "python"] = "auto"
 
 
 class BrokerConfig(_Strict):

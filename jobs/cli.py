@@ -78,7 +78,7 @@ def _parser() -> argparse.ArgumentParser:
             "--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or the packaged one)"
         )
 
-    k = add("kafka", _kafka, "Run the embedded Kafka-protocol broker (noida-db) in the foreground.")
+    k = add("kafka", _kafka, "Run Apache Kafka (one KRaft node) on 127.0.0.1 in the foreground.")
     k.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     k.add_argument("--data-dir", default=".dejaq/kafka", help="where the broker keeps its data")
 

@@ -246,8 +246,9 @@ def run(conf_file: str | None) -> int:
         nodes = cluster.up(3, work / "cluster", str(conf))
         console.print(f"demo: 3-node broker at {', '.join(n.url for n in nodes)}")
         setup()
-        spark = get_spark("dejaq-demo", settings.spark.master)
-        connectors = detect_connectors(spark)
+        mode = settings.spark.connectors
+        spark = get_spark("dejaq-demo", settings.spark.master, connectors=mode)
+        connectors = detect_connectors(spark, mode)
         for name in ("orders", "reminders"):
             queries.append(
                 IngestJob(spark, settings, settings.topic(name), connectors).start(False)

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+from conf import jvm
 from conf.settings import load_settings
 
 
@@ -46,6 +47,10 @@ def kafka_answers(bootstrap: str, timeout_ms: int = 3000) -> tuple[bool, str]:
     return True, f"{bootstrap} answers ({len(topics)} topics)"
 
 
+def _jar_sets() -> list[str]:
+    return [f"{s}: {len(jvm.jars(s))} jars" for s in (jvm.SPARK, jvm.KAFKA)]
+
+
 def run(conf_file: str | None) -> int:
     settings = load_settings(conf_file)
     ok = True
@@ -59,11 +64,24 @@ def run(conf_file: str | None) -> int:
 
     print(f"spark    {pyspark.__version__} (master {settings.spark.master})")
     if java_ok:
-        from pipelines.session import detect_connectors, get_spark
+        from pipelines.session import detect_connectors, get_spark, jvm_versions
 
-        spark = get_spark("dejaq-doctor", settings.spark.master)
-        for line in detect_connectors(spark).describe().splitlines():
-            print(f"         {line}")
+        mode = settings.spark.connectors
+        spark = get_spark("dejaq-doctor", settings.spark.master, connectors=mode)
+        try:
+            connectors = detect_connectors(spark, mode)
+        except RuntimeError as e:
+            ok = False
+            print(f"         FAIL {e}")
+        else:
+            for line in connectors.describe().splitlines():
+                print(f"         {line}")
+        versions = jvm_versions(spark)
+        for name in ("delta", "spark-sql-kafka", "kafka-clients"):
+            print(f"         {name} {versions.get(name, 'not on the classpath')}")
+    print(f"jars     {jvm.jars_dir()} ({', '.join(_jar_sets())})")
+    kafka_jar = next((p.name for p in jvm.jars(jvm.KAFKA) if p.name.startswith("kafka_")), None)
+    print(f"         embedded Kafka: {kafka_jar or 'not fetched'}")
     kafka_ok, kafka_text = kafka_answers(settings.kafka.bootstrap)
     ok &= kafka_ok
     print(f"kafka    {'ok  ' if kafka_ok else 'FAIL'} {kafka_text}")

@@ -1,39 +1,36 @@
-"""`dejaq kafka`: a Kafka-protocol broker from the noida-db package, on 127.0.0.1.
+"""`dejaq kafka`: Apache Kafka, a single-node KRaft broker run as a child JVM.
 
-For development, the demo and the tests; everything else also runs against a real Kafka.
+The broker and its controller share one process (`process.roles=broker,controller`) on
+127.0.0.1, from the jars pinned in `jvm/kafka/pom.xml`; internal topics have one
+replica. For development, the demo, the tests and the benchmarks: everything also runs
+against an external Kafka (`DEJAQ_KAFKA_BOOTSTRAP`).
 """
 
 from __future__ import annotations
 
+import base64
 import ctypes
 import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-from importlib.resources import files
+import uuid
 from pathlib import Path
 
+from conf import jvm
 from jobs.stopping import stop_on_signals
 
 PR_SET_PDEATHSIG = 1
-# noida-db 0.2.3's binary warns about a glibc symbol it does not need; users need not see it.
-_HARMLESS = "GLIBC_2.39' not found"
+HEAP = ["-Xms256m", "-Xmx512m"]
+READY_TIMEOUT_S = 90
+LOG_FILE = "kafka.log"
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def noida_binary() -> Path:
-    path = Path(str(files("noida_db").joinpath("noida-db")))
-    if not path.is_file():
-        raise FileNotFoundError(f"noida-db binary not found at {path}: reinstall with `make test`")
-    path.chmod(0o755)
-    return path
 
 
 def wait_for_port(
@@ -52,13 +49,6 @@ def wait_for_port(
     raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
 
 
-def _forward_stderr(stream, sink) -> None:
-    for line in stream:
-        if _HARMLESS not in line:
-            sink.write(line)
-            sink.flush()
-
-
 def _die_with_parent() -> None:
     """In the child: SIGTERM it if this process dies, even by SIGKILL (Linux).
 
@@ -68,40 +58,157 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def start(port: int, data_dir: Path) -> subprocess.Popen:
-    """Start noida-db with only its Kafka service; return once the port answers."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        str(noida_binary()),
-        "start",
-        "--only",
-        "kafka",
-        "--host",
-        "127.0.0.1",
-        "--kafka-port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
+def _cluster_id() -> str:
+    """A Kafka cluster id: 16 random bytes, URL-safe base64 (Kafka's own Uuid form)."""
+    while True:
+        text = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not text.startswith("-"):
+            return text
+
+
+def server_properties(port: int, controller_port: int, log_dir: Path) -> str:
+    """One broker that is its own controller (a static quorum of one), on 127.0.0.1."""
+    props = {
+        "process.roles": "broker,controller",
+        "node.id": "1",
+        "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
+        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "controller.listener.names": "CONTROLLER",
+        "inter.broker.listener.name": "PLAINTEXT",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "log.dirs": str(log_dir),
+        "num.partitions": "1",
+        "offsets.topic.replication.factor": "1",
+        "offsets.topic.num.partitions": "8",
+        "transaction.state.log.replication.factor": "1",
+        "transaction.state.log.min.isr": "1",
+        "transaction.state.log.num.partitions": "8",
+        "share.coordinator.state.topic.replication.factor": "1",
+        "share.coordinator.state.topic.min.isr": "1",
+        "group.initial.rebalance.delay.ms": "0",
+    }
+    return "".join(f"{k}={v}\n" for k, v in props.items())
+
+
+def log4j_properties(log_file: Path) -> str:
+    """Kafka's log to a file in its data dir; only errors also reach this process's stderr."""
+    return f"""status = warn
+shutdownHook = disable
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = {log_file}
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+appender.err.type = Console
+appender.err.name = err
+appender.err.target = SYSTEM_ERR
+appender.err.layout.type = PatternLayout
+appender.err.layout.pattern = kafka: %p %m%n
+appender.err.filter.threshold.type = ThresholdFilter
+appender.err.filter.threshold.level = error
+rootLogger.level = info
+rootLogger.appenderRef.file.ref = file
+rootLogger.appenderRef.err.ref = err
+"""
+
+
+def _java(data_dir: Path, main: str, *args: str) -> list[str]:
+    classpath = ":".join(str(p) for p in jvm.require(jvm.KAFKA))
+    return [
+        "java",
+        *HEAP,
+        "-Djava.awt.headless=true",
+        f"-Dlog4j2.configurationFile={data_dir / 'log4j2.properties'}",
+        "-cp",
+        classpath,
+        main,
+        *args,
     ]
+
+
+def prepare(port: int, data_dir: Path) -> Path:
+    """Write the configuration for this start; format the storage on first use.
+
+    Ports may change between starts: a static quorum keeps no listener in the metadata
+    log, so the same data dir serves again on new ports.
+    """
+    data_dir = data_dir.resolve()
+    log_dir = data_dir / "data"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    config = data_dir / "server.properties"
+    config.write_text(server_properties(port, free_port(), log_dir))
+    (data_dir / "log4j2.properties").write_text(log4j_properties(data_dir / LOG_FILE))
+    if not (log_dir / "meta.properties").exists():
+        fmt = _java(
+            data_dir,
+            "kafka.tools.StorageTool",
+            "format",
+            "--cluster-id",
+            _cluster_id(),
+            "--config",
+            str(config),
+        )
+        done = subprocess.run(fmt, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        if done.returncode != 0:
+            raise RuntimeError(f"formatting Kafka storage in {log_dir} failed: {done.stderr}")
+    return config
+
+
+def answers(bootstrap: str, timeout_ms: int = 2000) -> bool:
+    """Whether a broker at `bootstrap` answers a metadata request (not just a connect)."""
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    try:
+        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
+    except KafkaError:
+        return False
+    try:
+        admin.list_topics()
+    except KafkaError:
+        return False
+    finally:
+        admin.close()
+    return True
+
+
+def _check_free(port: int) -> None:
+    """Fail at once on a busy port: another broker there would answer in this one's place."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError as e:
+            raise OSError(f"127.0.0.1:{port} is already in use: {e.strerror}") from None
+
+
+def start(port: int, data_dir: Path) -> subprocess.Popen:
+    """Start Kafka; return once it answers on 127.0.0.1:port (its log: data_dir/kafka.log)."""
+    _check_free(port)
+    config = prepare(port, data_dir)
     proc = subprocess.Popen(
-        cmd,
+        _java(data_dir.resolve(), "kafka.Kafka", str(config)),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
-        text=True,
         preexec_fn=_die_with_parent,
     )
-    threading.Thread(target=_forward_stderr, args=(proc.stderr, sys.stderr), daemon=True).start()
     try:
-        wait_for_port(port, timeout=30, proc=proc)
+        wait_for_port(port, timeout=READY_TIMEOUT_S, proc=proc)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not answers(f"127.0.0.1:{port}"):
+            if proc.poll() is not None:
+                raise RuntimeError(f"Kafka exited with code {proc.returncode}: see {data_dir}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Kafka on 127.0.0.1:{port} did not answer: see {data_dir}")
+            time.sleep(0.2)
     except BaseException:
         stop(proc)
         raise
     return proc
 
 
-def stop(proc: subprocess.Popen, timeout: float = 10, kill: bool = False) -> int:
-    """Stop a process we started, by its PID: SIGTERM (noida-db saves its data, a broker
+def stop(proc: subprocess.Popen, timeout: float = 30, kill: bool = False) -> int:
+    """Stop a process we started, by its PID: SIGTERM (Kafka shuts down cleanly, a broker
     node leaves cleanly), then SIGKILL if it does not go; or SIGKILL at once."""
     if proc.poll() is None:
         if kill:
@@ -121,13 +228,20 @@ def run(port: int | None, data_dir: Path) -> int:
     port = port or free_port()
     # Before the broker starts: a SIGTERM as soon as the port answers must still stop it.
     with stop_on_signals() as stopping:
-        proc = start(port, data_dir)
+        try:
+            proc = start(port, data_dir)
+        except OSError as e:  # a busy port, jars not fetched
+            print(f"error: {e}", file=sys.stderr)
+            return 1
         print(f"kafka bootstrap: 127.0.0.1:{port}", flush=True)
-        print(f"data dir: {data_dir.resolve()}  (SIGTERM or Ctrl-C stops it)", flush=True)
+        print(
+            f"data dir: {data_dir.resolve()}  (log: {LOG_FILE}; SIGTERM or Ctrl-C stops it)",
+            flush=True,
+        )
         while not stopping.is_set() and proc.poll() is None:
             stopping.wait(0.5)
         if proc.poll() is not None:
-            print(f"error: Kafka broker exited with code {proc.returncode}", file=sys.stderr)
+            print(f"error: Kafka exited with code {proc.returncode}", file=sys.stderr)
             return 1
         stop(proc)
     print("kafka stopped", flush=True)

@@ -38,8 +38,9 @@ def run(
     setup()
     settings = load_settings(conf_file)
     topic_conf = settings.topic(topic)
-    spark = get_spark(f"dejaq-ingest-{topic}", settings.spark.master, settings.spark.ui)
-    connectors = detect_connectors(spark)
+    mode = settings.spark.connectors
+    spark = get_spark(f"dejaq-ingest-{topic}", settings.spark.master, settings.spark.ui, mode)
+    connectors = detect_connectors(spark, mode)
     log.info(
         "ingest %s from %s; %s",
         topic,

@@ -31,7 +31,12 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
     settings = load_settings(conf_file)
     topic_conf = settings.topic(topic)
     require_release(topic_conf)  # before Spark starts: a usage error should be quick
-    spark = get_spark(f"dejaq-release-{topic}", settings.spark.master, settings.spark.ui)
+    spark = get_spark(
+        f"dejaq-release-{topic}",
+        settings.spark.master,
+        settings.spark.ui,
+        settings.spark.connectors,
+    )
     job = ReleaseJob(spark, settings, topic_conf)
     log.info(
         "release %s (%s) to Kafka topic %s every %d ms",

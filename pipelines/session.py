@@ -1,8 +1,10 @@
 """One SparkSession per process, and the connectors its jobs will use.
 
-The JVM Kafka and Delta connectors are used when their classes are on the classpath
-(Databricks, `--packages`); otherwise the project's Python Data Sources stand in with
-the same schemas, so a job never needs to know which it got.
+The JVM Kafka and Delta connectors are the default path: from the cluster's own
+packages (Databricks, `--packages`), or locally from the jars pinned in `jvm/spark`
+(handed to Spark as `spark.jars`: local files, nothing resolved at run time). Where they
+are absent, or `spark.connectors: python` forces it, the project's Python Data Sources
+stand in with the same schemas and options, so a job never needs to know which it got.
 """
 
 from __future__ import annotations
@@ -14,11 +16,24 @@ from dataclasses import dataclass
 from pyspark import SparkConf
 from pyspark.sql import SparkSession
 
+from conf import jvm
+
 JVM_KAFKA_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
 JVM_DELTA_CLASS = "io.delta.sql.DeltaSparkSessionExtension"
+DELTA_CATALOG = "org.apache.spark.sql.delta.catalog.DeltaCatalog"
 
 PY_KAFKA_FORMAT = "dejaq_kafka"
 PY_DELTA_FORMAT = "dejaq_delta"
+
+AUTO, JVM, PYTHON = "auto", "jvm", "python"
+
+# Table features delta-rs cannot write stay off for tables Spark creates, so the broker
+# (delta-rs) can keep writing every table the jobs (delta-spark) write.
+_DELTA_DEFAULTS = {
+    "spark.databricks.delta.properties.defaults.enableDeletionVectors": "false",
+    "spark.databricks.delta.properties.defaults.enableRowTracking": "false",
+    "spark.databricks.delta.properties.defaults.enableInCommitTimestamps": "false",
+}
 
 
 @dataclass(frozen=True)
@@ -42,11 +57,18 @@ class Connectors:
         return f"Kafka: {k}\nDelta: {d}"
 
 
-def get_spark(app_name: str = "dejaq", master: str = "local[2]", ui: bool = False) -> SparkSession:
+PYTHON_CONNECTORS = Connectors(kafka=PY_KAFKA_FORMAT, delta=PY_DELTA_FORMAT)
+
+
+def get_spark(
+    app_name: str = "dejaq", master: str = "local[2]", ui: bool = False, connectors: str = AUTO
+) -> SparkSession:
     """The process's SparkSession, with Python workers on this interpreter.
 
     Without PYSPARK_PYTHON the workers start on the system python, cannot import
-    pyarrow, and the query hangs for a minute before failing.
+    pyarrow, and the query hangs for a minute before failing. Only the first call in a
+    process configures the session (a later builder's settings are ignored), so the
+    jars are set here or not at all.
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -58,10 +80,13 @@ def get_spark(app_name: str = "dejaq", master: str = "local[2]", ui: bool = Fals
         .config("spark.sql.shuffle.partitions", "4")
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
+        .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
         .config("spark.python.worker.reuse", "true")
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
     )
+    for key, value in {**_DELTA_DEFAULTS, **_pinned_jars(connectors)}.items():
+        builder = builder.config(key, value)
     # Under spark-submit the master comes from its --master; ours is only the default.
     if not SparkConf().contains("spark.master"):
         builder = builder.master(master)
@@ -71,21 +96,74 @@ def get_spark(app_name: str = "dejaq", master: str = "local[2]", ui: bool = Fals
     return spark
 
 
-def _jvm_has(spark: SparkSession, class_name: str) -> bool:
+def _pinned_jars(connectors: str) -> dict[str, str]:
+    """`spark.jars` and Delta's extension and catalog, from jvm/lib/spark.
+
+    Left out where the Python connectors are forced, the jars were never fetched, or the
+    launcher already chose jars (`spark-submit --jars/--packages`, a cluster's own).
+    """
+    given = SparkConf()
+    if (
+        connectors == PYTHON
+        or given.contains("spark.jars")
+        or given.contains("spark.jars.packages")
+    ):
+        return {}
+    found = jvm.jars(jvm.SPARK)
+    if not found:
+        return {}
+    conf = {"spark.jars": ",".join(str(p) for p in found)}
+    if not given.contains("spark.sql.extensions"):
+        conf["spark.sql.extensions"] = JVM_DELTA_CLASS
+    if not given.contains("spark.sql.catalog.spark_catalog"):
+        conf["spark.sql.catalog.spark_catalog"] = DELTA_CATALOG
+    return conf
+
+
+def jvm_class(spark: SparkSession, class_name: str) -> object | None:
+    """The JVM class, looked up the way Spark loads `spark.jars` (not the system loader)."""
+    jvm = spark.sparkContext._jvm
     try:
-        spark.sparkContext._jvm.java.lang.Class.forName(class_name)  # type: ignore[union-attr]
+        return jvm.org.apache.spark.util.Utils.classForName(class_name, True, False)  # type: ignore[union-attr]
     except Exception:
-        return False
-    return True
+        return None
 
 
-def detect_connectors(spark: SparkSession) -> Connectors:
-    """Prefer the JVM connectors; Delta also needs its session extension configured."""
+def detect_connectors(spark: SparkSession, connectors: str = AUTO) -> Connectors:
+    """The JVM connectors where present (Delta also needs its session extension), else the
+    Python ones; `jvm` insists on the JVM ones, `python` forces the fallback."""
+    if connectors == PYTHON:
+        return PYTHON_CONNECTORS
     delta_ext = JVM_DELTA_CLASS in spark.conf.get("spark.sql.extensions", "")
-    return Connectors(
-        kafka="kafka" if _jvm_has(spark, JVM_KAFKA_CLASS) else PY_KAFKA_FORMAT,
-        delta="delta" if delta_ext and _jvm_has(spark, JVM_DELTA_CLASS) else PY_DELTA_FORMAT,
+    found = Connectors(
+        kafka="kafka" if jvm_class(spark, JVM_KAFKA_CLASS) else PY_KAFKA_FORMAT,
+        delta="delta" if delta_ext and jvm_class(spark, JVM_DELTA_CLASS) else PY_DELTA_FORMAT,
     )
+    missing = [
+        c
+        for c, ok in ((JVM_KAFKA_CLASS, found.jvm_kafka), (JVM_DELTA_CLASS, found.jvm_delta))
+        if not ok
+    ]
+    if connectors == JVM and missing:
+        raise RuntimeError(
+            f"spark.connectors is 'jvm' but Spark lacks {' and '.join(missing)}: fetch the "
+            "pinned jars with `make test`, or give the connectors to spark-submit"
+        )
+    return found
+
+
+def jvm_versions(spark: SparkSession) -> dict[str, str]:
+    """Versions of Spark and of the JVM connectors this session loaded (for `dejaq doctor`)."""
+    versions = {"spark": spark.version}
+    delta = jvm_class(spark, JVM_DELTA_CLASS)
+    if delta is not None:
+        versions["delta"] = delta.getPackage().getImplementationVersion() or "unknown"  # type: ignore[attr-defined]
+    kafka = jvm_class(spark, JVM_KAFKA_CLASS)
+    if kafka is not None:
+        versions["spark-sql-kafka"] = kafka.getPackage().getImplementationVersion() or "unknown"  # type: ignore[attr-defined]
+        info = jvm_class(spark, "org.apache.kafka.common.utils.AppInfoParser")
+        versions["kafka-clients"] = info.getMethod("getVersion", None).invoke(None, None)  # type: ignore[union-attr]
+    return versions
 
 
 def register_python_sources(spark: SparkSession) -> None:

@@ -1,4 +1,5 @@
-"""Shared fixtures: one real Kafka-protocol broker and one SparkSession per test run."""
+"""Shared fixtures: one Apache Kafka broker and one SparkSession (with the pinned JVM
+connectors) per test run."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.embedded_kafka import free_port, wait_for_port
+from jobs.embedded_kafka import answers, free_port, wait_for_port
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "condition") -> object:
@@ -51,9 +52,11 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         stdout=subprocess.PIPE,
         text=True,
     )
+    bootstrap = f"127.0.0.1:{port}"
     try:
-        wait_for_port(port, timeout=60, proc=proc)
-        yield f"127.0.0.1:{port}"
+        wait_for_port(port, timeout=90, proc=proc)
+        wait_until(lambda: answers(bootstrap), timeout=90, what="Kafka to answer")
+        yield bootstrap
     finally:
         proc.terminate()
         try:
