@@ -13,7 +13,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from pyspark import SparkConf
+from pyspark import SparkConf, SparkContext
 from pyspark.sql import SparkSession
 
 from conf import jvm
@@ -85,10 +85,13 @@ def get_spark(
         .config("spark.driver.bindAddress", "127.0.0.1")
         .config("spark.driver.host", "127.0.0.1")
     )
-    for key, value in {**_DELTA_DEFAULTS, **_pinned_jars(connectors)}.items():
+    if _launched():
+        SparkContext._ensure_initialized()  # connect to it: its conf is then visible
+    given = SparkConf()
+    for key, value in {**_DELTA_DEFAULTS, **_connector_conf(connectors, given)}.items():
         builder = builder.config(key, value)
     # Under spark-submit the master comes from its --master; ours is only the default.
-    if not SparkConf().contains("spark.master"):
+    if not given.contains("spark.master"):
         builder = builder.master(master)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
@@ -96,37 +99,48 @@ def get_spark(
     return spark
 
 
-def _pinned_jars(connectors: str) -> dict[str, str]:
-    """`spark.jars` and Delta's extension and catalog, from jvm/lib/spark.
+def _launched() -> bool:
+    """Under spark-submit (or a notebook's running Spark) the JVM exists before the
+    session: its classpath is final, so jars set now would not reach the driver."""
+    return "PYSPARK_GATEWAY_PORT" in os.environ or SparkContext._jvm is not None
 
-    Left out where the Python connectors are forced, the jars were never fetched, or the
-    launcher already chose jars (`spark-submit --jars/--packages`, a cluster's own).
+
+def _connector_conf(connectors: str, given: SparkConf) -> dict[str, str]:
+    """`spark.jars` from jvm/lib/spark where this process starts Spark, and Delta's
+    session extension and catalog where Delta is on the classpath (unless already set).
+
+    A launched JVM keeps what its launcher chose (`--jars`, `--packages`, a cluster's
+    own); without Delta there, the jobs fall back to the Python connectors.
     """
-    given = SparkConf()
-    if (
-        connectors == PYTHON
-        or given.contains("spark.jars")
-        or given.contains("spark.jars.packages")
-    ):
+    if connectors == PYTHON:
         return {}
-    found = jvm.jars(jvm.SPARK)
-    if not found:
-        return {}
-    conf = {"spark.jars": ",".join(str(p) for p in found)}
-    if not given.contains("spark.sql.extensions"):
-        conf["spark.sql.extensions"] = JVM_DELTA_CLASS
-    if not given.contains("spark.sql.catalog.spark_catalog"):
-        conf["spark.sql.catalog.spark_catalog"] = DELTA_CATALOG
+    if _launched():
+        conf: dict[str, str] = {}
+        has_delta = _load_class(SparkContext._jvm, JVM_DELTA_CLASS) is not None
+    else:
+        found = jvm.jars(jvm.SPARK)
+        conf = {"spark.jars": ",".join(str(p) for p in found)} if found else {}
+        has_delta = bool(found)
+    if has_delta:
+        for key, value in (
+            ("spark.sql.extensions", JVM_DELTA_CLASS),
+            ("spark.sql.catalog.spark_catalog", DELTA_CATALOG),
+        ):
+            if not given.contains(key):
+                conf[key] = value
     return conf
 
 
-def jvm_class(spark: SparkSession, class_name: str) -> object | None:
-    """The JVM class, looked up the way Spark loads `spark.jars` (not the system loader)."""
-    jvm = spark.sparkContext._jvm
+def _load_class(jvm_view: object, class_name: str) -> object | None:
+    """The class as Spark loads `spark.jars` and `--jars` (not the system loader), or None."""
     try:
-        return jvm.org.apache.spark.util.Utils.classForName(class_name, True, False)  # type: ignore[union-attr]
+        return jvm_view.org.apache.spark.util.Utils.classForName(class_name, True, False)  # type: ignore[attr-defined]
     except Exception:
         return None
+
+
+def jvm_class(spark: SparkSession, class_name: str) -> object | None:
+    return _load_class(spark.sparkContext._jvm, class_name)
 
 
 def detect_connectors(spark: SparkSession, connectors: str = AUTO) -> Connectors:

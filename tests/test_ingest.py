@@ -18,6 +18,7 @@ from kafka import KafkaProducer
 from broker.index import TopicIndex
 from broker.leases import TopicState
 from broker.ledger_writer import checkpoint
+from conf import jvm
 from conf.settings import Settings, load_settings
 from conf.tables import BUFFER_SCHEMA, Table, table_path
 from jobs.status import row_count
@@ -75,8 +76,9 @@ def good(i: int) -> tuple[bytes, bytes, dict[str, bytes]]:
     )
 
 
+@pytest.mark.parametrize("connectors", ["jvm", "python"])
 def test_once_lands_good_and_bad_records_exactly_once(
-    spark, kafka_bootstrap, topic_factory, tmp_path
+    spark, kafka_bootstrap, topic_factory, tmp_path, connectors
 ):
     source = topic_factory(partitions=3)
     settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
@@ -96,7 +98,7 @@ def test_once_lands_good_and_bad_records_exactly_once(
         spark,
         settings,
         settings.topic("jobs"),
-        detect_connectors(spark),
+        detect_connectors(spark, connectors),
         max_offsets_per_trigger=20,
     )
     query = job.start(once=True)
@@ -134,19 +136,36 @@ def test_once_lands_good_and_bad_records_exactly_once(
     assert row_count(table_path(settings.warehouse, Table.BUFFER, "jobs")) == buffer.num_rows + 10
 
 
-def start_ingest(conf: Path, *extra: str) -> subprocess.Popen:
+def job_env(connectors: str = "auto") -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "DEJAQ_SPARK_CONNECTORS": connectors,
+    }
+
+
+def start_ingest(conf: Path, *extra: str, connectors: str = "auto") -> subprocess.Popen:
     return subprocess.Popen(
         [*DEJAQ, "ingest", "--topic", "jobs", "--conf-file", str(conf), *extra],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+        env=job_env(connectors),
     )
 
 
+# What each path's job logs when it starts: which connectors it runs on.
+USES = {
+    "jvm": "Kafka: JVM (format 'kafka'); Delta: JVM (format 'delta')",
+    "python": "Kafka: Python on kafka-python (dejaq_kafka); Delta: Python on delta-rs",
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("connectors", ["jvm", "python"])
 def test_kill_9_mid_stream_then_restart_loses_and_duplicates_nothing(
-    kafka_bootstrap, topic_factory, tmp_path
+    kafka_bootstrap, topic_factory, tmp_path, connectors
 ):
     source = topic_factory(partitions=3)
     conf = write_conf(tmp_path, kafka_bootstrap, source)
@@ -154,7 +173,7 @@ def test_kill_9_mid_stream_then_restart_loses_and_duplicates_nothing(
     total = 3000
     produce(kafka_bootstrap, source, [good(i) for i in range(total)])
 
-    proc = start_ingest(conf, "--max-offsets-per-trigger", "150")
+    proc = start_ingest(conf, "--max-offsets-per-trigger", "150", connectors=connectors)
     buffer_path = table_path(settings.warehouse, Table.BUFFER, "jobs")
     try:
         wait_until(
@@ -162,15 +181,19 @@ def test_kill_9_mid_stream_then_restart_loses_and_duplicates_nothing(
         )
     finally:
         proc.send_signal(signal.SIGKILL)
-        proc.communicate(timeout=60)
+        _, err = proc.communicate(timeout=60)
+    assert USES[connectors] in err
     landed = row_count(buffer_path)
     assert landed < total, "killed mid-stream"
 
-    # Restart through spark-submit, the way a cluster runs it.
+    # Restart through spark-submit, the way a cluster runs it: the JVM connectors are
+    # handed over on its command line, as a cluster's --packages or --jars would.
     spark_submit = Path(sys.executable).parent / "spark-submit"
+    jars = ["--jars", ",".join(map(str, jvm.jars(jvm.SPARK)))] if connectors == "jvm" else []
     result = subprocess.run(
         [
             str(spark_submit),
+            *jars,
             "jobs/ingest.py",
             "--topic",
             "jobs",
@@ -184,13 +207,10 @@ def test_kill_9_mid_stream_then_restart_loses_and_duplicates_nothing(
         text=True,
         timeout=300,
         cwd=Path(__file__).resolve().parent.parent,
-        env={
-            **os.environ,
-            "PYSPARK_PYTHON": sys.executable,
-            "PYSPARK_DRIVER_PYTHON": sys.executable,
-        },
+        env=job_env(connectors),
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert USES[connectors] in result.stdout + result.stderr  # spark-submit merges them
     buffer = table(settings, Table.BUFFER)
     coords = coordinates(buffer)
     assert len(coords) == len(set(coords)) == total

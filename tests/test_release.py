@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
+from conf import jvm
 from conf.settings import ConfigError, Settings, load_settings
 from conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
 from jobs.stopping import stop_between_batches
@@ -34,7 +35,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def write_conf(
-    tmp_path: Path, bootstrap: str, kind: str, output: str, delivery: str = "release", **extra
+    tmp_path: Path,
+    bootstrap: str,
+    kind: str,
+    output: str,
+    delivery: str = "release",
+    source: str = "in",
+    **extra,
 ) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     conf = tmp_path / "dejaq.yaml"
@@ -42,7 +49,7 @@ def write_conf(
     conf.write_text(
         f"warehouse: {tmp_path / 'warehouse'}\n"
         f"kafka: {{bootstrap: '{bootstrap}'}}\n"
-        f"topics:\n  - {{name: jobs, kind: {kind}, source: [in], buckets: 4,"
+        f"topics:\n  - {{name: jobs, kind: {kind}, source: [{source}], buckets: 4,"
         f" delivery: {delivery}, output: {output}{options}}}\n"
     )
     return conf
@@ -384,14 +391,34 @@ def test_ingested_records_come_out_with_their_envelope(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("connectors", ["jvm", "python"])
 def test_kill_9_then_restart_loses_nothing_and_repeats_only_the_cut_batch(
-    kafka_bootstrap, topic_factory, tmp_path
+    spark, kafka_bootstrap, topic_factory, tmp_path, connectors
 ):
-    out = topic_factory(partitions=3)
-    conf = write_conf(tmp_path, kafka_bootstrap, "priority", out, max_per_trigger=20)
+    """The buffer is written by that path's ingest, from Kafka; the release job reads it
+    with delta-rs and produces with one ordered producer on either path."""
+    source, out = topic_factory(partitions=3), topic_factory(partitions=3)
+    conf = write_conf(tmp_path, kafka_bootstrap, "priority", out, source=source, max_per_trigger=20)
     s = load_settings(conf, env={})
-    written = add_buffer(s, "priority", [(i * 13) % 500 for i in range(600)])
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    for i in range(600):
+        priority = str((i * 13) % 500).encode()
+        producer.send(source, key=f"k{i % 5}".encode(), headers=[("dejaq-priority", priority)])
+    producer.flush()
+    producer.close()
+    ingest = IngestJob(spark, s, s.topic("jobs"), detect_connectors(spark, connectors))
+    query = ingest.start(once=True)
+    query.awaitTermination(180)
+    assert query.exception() is None
+    buffer = DeltaTable(ensure_table(s.warehouse, Table.BUFFER, "jobs")).to_pyarrow_table()
+    written = buffer.column("message_id").to_pylist()
+    assert len(written) == 600
+    env = {
+        **os.environ,
+        "PYSPARK_PYTHON": sys.executable,
+        "PYSPARK_DRIVER_PYTHON": sys.executable,
+        "DEJAQ_SPARK_CONNECTORS": connectors,
+    }
     proc = subprocess.Popen(
         [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf)],
         stdout=subprocess.PIPE,
@@ -410,9 +437,11 @@ def test_kill_9_then_restart_loses_nothing_and_repeats_only_the_cut_batch(
         assert len(recorded) < len(written), "killed mid-stream"
 
         spark_submit = str(Path(sys.executable).parent / "spark-submit")
+        jars = ["--jars", ",".join(map(str, jvm.jars(jvm.SPARK)))] if connectors == "jvm" else []
         result = subprocess.run(
             [
                 spark_submit,
+                *jars,
                 "jobs/release.py",
                 "--topic",
                 "jobs",
