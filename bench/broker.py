@@ -211,7 +211,7 @@ def serve(app, port: int, raft=None) -> None:
     import uvicorn
     import uvloop
 
-    from broker.http_server import SETTINGS
+    from dejaq.broker.http_server import SETTINGS
 
     async def main() -> None:
         if raft is not None:
@@ -237,8 +237,8 @@ def raft_floor_server(spec: str) -> None:
     state), through the broker's own `RaftNode`: group commit, PySyncObj on the event loop,
     AES-GCM. What replication costs before any index, lease or message of DejaQ's.
     """
-    from broker.raft import RaftNode
-    from conf.settings import BrokerConfig, TopicConfig
+    from dejaq.broker.raft import RaftNode
+    from dejaq.conf.settings import BrokerConfig, TopicConfig
 
     me, http_port, raft_addrs, data_dir = json.loads(spec)
     topic = TopicConfig(name="floor", kind="priority", source=["floor"], buckets=16)
@@ -268,7 +268,7 @@ def phase_topics(args: argparse.Namespace, run: int) -> list[tuple[str, int, int
 @contextmanager
 def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
     """`ceiling_server`, what HTTP alone costs on this machine: (address, pids)."""
-    from jobs.embedded_kafka import free_port, wait_for_port
+    from dejaq.jobs.embedded_kafka import free_port, wait_for_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--ceiling-server", str(port)])
@@ -283,7 +283,7 @@ def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
 @contextmanager
 def raft_floor(data_dir: Path) -> Iterator[tuple[str, dict[str, int]]]:
     """3 `raft_floor_server`s: (their leader's address, pids)."""
-    from jobs.embedded_kafka import free_port, wait_for_port
+    from dejaq.jobs.embedded_kafka import free_port, wait_for_port
 
     http = [free_port() for _ in range(3)]
     raft = [f"127.0.0.1:{free_port()}" for _ in range(3)]
@@ -314,7 +314,7 @@ def dejaq(args: argparse.Namespace, tmp_path: Path, run: int) -> Iterator[tuple[
     import httpx
     from test_broker import buffer_rows, fill
 
-    from jobs import cluster
+    from dejaq.jobs import cluster
 
     warehouse = tmp_path / "warehouse"
     conf = tmp_path / f"dejaq-{run}.yaml"

@@ -41,15 +41,15 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 from pysyncobj import SyncObj  # noqa: E402
 from test_broker import buffer_rows, fill  # noqa: E402
 
-from broker import message_json  # noqa: E402
-from broker.hotpath import _ack_args, _lease_args  # noqa: E402
-from broker.index import Row, TopicIndex  # noqa: E402
-from broker.leases import TopicState  # noqa: E402
-from broker.ledger_writer import checkpoint  # noqa: E402
-from broker.raft import RaftNode  # noqa: E402
-from broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
-from conf.settings import BrokerConfig, TopicConfig  # noqa: E402
-from jobs.embedded_kafka import free_port  # noqa: E402
+from dejaq.broker import message_json  # noqa: E402
+from dejaq.broker.hotpath import _ack_args, _lease_args  # noqa: E402
+from dejaq.broker.index import Row, TopicIndex  # noqa: E402
+from dejaq.broker.leases import TopicState  # noqa: E402
+from dejaq.broker.ledger_writer import checkpoint  # noqa: E402
+from dejaq.broker.raft import RaftNode  # noqa: E402
+from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
+from dejaq.conf.settings import BrokerConfig, TopicConfig  # noqa: E402
+from dejaq.jobs.embedded_kafka import free_port  # noqa: E402
 
 BUCKETS = 64
 CHECKPOINT_EVENTS = 50_000  # about a second's acks at the live rate, as the broker's 1 s

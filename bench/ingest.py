@@ -34,11 +34,11 @@ from deltalake import DeltaTable
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from conf.settings import Settings
-from conf.tables import Table, table_path
-from jobs import embedded_kafka
-from pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
-from pipelines.session import JVM, PYTHON_CONNECTORS, Connectors, detect_connectors, get_spark
+from dejaq.conf.settings import Settings
+from dejaq.conf.tables import Table, table_path
+from dejaq.jobs import embedded_kafka
+from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
+from dejaq.pipelines.session import JVM, PYTHON_CONNECTORS, Connectors, detect_connectors, get_spark
 
 WARMUP_MESSAGES = 20_000
 

@@ -30,9 +30,9 @@ from deltalake import write_deltalake
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
 
-from conf.settings import TopicConfig
-from conf.tables import BUFFER_SCHEMA, Table, ensure_table
-from jobs import embedded_kafka
+from dejaq.conf.settings import TopicConfig
+from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
+from dejaq.jobs import embedded_kafka
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -93,7 +93,16 @@ def percentile(values: list[int], q: float) -> int:
 def start_job(conf: Path, topic: str) -> subprocess.Popen:
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable}
     return subprocess.Popen(
-        [sys.executable, "-m", "jobs.cli", "release", "--topic", topic, "--conf-file", str(conf)],
+        [
+            sys.executable,
+            "-m",
+            "dejaq.jobs.cli",
+            "release",
+            "--topic",
+            topic,
+            "--conf-file",
+            str(conf),
+        ],
         cwd=ROOT,
         env=env,
         stdout=subprocess.DEVNULL,

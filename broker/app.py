@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from broker.service import Broker, Problem, Producer
+from dejaq.broker.service import Broker, Problem, Producer
 
 FORWARDED = "x-dejaq-forwarded"
 PROBLEM = "application/problem+json"
@@ -145,8 +145,8 @@ class BrokerApp(FastAPI):
 
 def create_app(broker: Broker, producer: Producer) -> FastAPI:
     """The HTTP API of one node; the caller starts and stops `broker`."""
-    from broker.hotpath import HotPath
-    from broker.routers import consumers, health, leases, messages, topics
+    from dejaq.broker.hotpath import HotPath
+    from dejaq.broker.routers import consumers, health, leases, messages, topics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

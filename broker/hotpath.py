@@ -14,8 +14,8 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from broker.app import problem
-from broker.service import Broker, Problem
+from dejaq.broker.app import problem
+from dejaq.broker.service import Broker, Problem
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]

@@ -28,10 +28,10 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from broker import message_json
-from broker.leases import Pick, TopicState
-from conf.settings import TopicConfig, TopicKind
-from conf.tables import LedgerEvent, Table, ensure_table
+from dejaq.broker import message_json
+from dejaq.broker.leases import Pick, TopicState
+from dejaq.conf.settings import TopicConfig, TopicKind
+from dejaq.conf.tables import LedgerEvent, Table, ensure_table
 
 TERMINAL = {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]

@@ -17,8 +17,8 @@ from itertools import repeat
 from operator import itemgetter
 from typing import NamedTuple
 
-from broker.assignment import rebalance
-from conf.tables import LedgerEvent
+from dejaq.broker.assignment import rebalance
+from dejaq.conf.tables import LedgerEvent
 
 
 class Refusal(StrEnum):

@@ -14,8 +14,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from broker.leases import Settlement
-from conf.tables import (
+from dejaq.broker.leases import Settlement
+from dejaq.conf.tables import (
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
     TIMESTAMP,
@@ -23,7 +23,7 @@ from conf.tables import (
     Table,
     ensure_table,
 )
-from pipelines.compaction import Compacted, maintain
+from dejaq.pipelines.compaction import Compacted, maintain
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a

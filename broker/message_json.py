@@ -15,7 +15,7 @@ import binascii
 import json
 from typing import Any, Protocol
 
-from broker.leases import Grant, Pick
+from dejaq.broker.leases import Grant, Pick
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 

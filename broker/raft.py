@@ -22,6 +22,7 @@ import asyncio
 import itertools
 import logging
 import os
+import pickle
 import secrets
 import select
 import time
@@ -30,6 +31,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import pysyncobj.pickle
+import pysyncobj.serializer
 import pysyncobj.tcp_connection
 import pysyncobj.version
 from cryptography.exceptions import InvalidTag
@@ -47,8 +50,8 @@ from pysyncobj import (
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _RAFT_STATE
 
-from broker.leases import TopicState
-from conf.settings import BrokerConfig, ConfigError, TopicConfig
+from dejaq.broker.leases import TopicState
+from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
 log = logging.getLogger("dejaq.broker.raft")
 
@@ -70,6 +73,33 @@ STALL_S = 0.1  # a tick this late reads the Raft sockets first (see `RaftNode._t
 WARN_LAG_S = ELECTION_TIMEOUT_S[0] / 2
 COMPRESS_MIN_BYTES = 64 * 1024  # smaller Raft messages travel as stored (uncompressed) zlib
 AUTH_LOG_EVERY_S = 30.0
+
+
+class SnapshotUnpickler(pickle.Unpickler):
+    """Reads snapshots written before the code lived under the `dejaq` package: they name
+    their classes `broker.leases.TopicState` and so on, now `dejaq.broker.leases...`."""
+
+    LEGACY_TOP_LEVEL = frozenset({"broker", "conf", "jobs", "pipelines"})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module.partition(".")[0] in self.LEGACY_TOP_LEVEL:
+            module = f"dejaq.{module}"
+        return super().find_class(module, name)
+
+
+class _SnapshotPickle:
+    """What PySyncObj's serializer calls `pickle`: its own dump, and a load that knows
+    the legacy module names (journal entries and Raft messages hold only builtins)."""
+
+    dump = staticmethod(pysyncobj.pickle.dump)
+    to_bytes = staticmethod(pysyncobj.pickle.to_bytes)
+
+    @staticmethod
+    def load(file: Any) -> Any:
+        return SnapshotUnpickler(file).load()
+
+
+pysyncobj.serializer.pickle = _SnapshotPickle  # type: ignore[assignment]
 
 
 class _RaftZlib:

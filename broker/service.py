@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from broker import message_json
-from broker.index import Row, TopicIndex
-from broker.leases import Refusal, Settlement, TopicState
-from broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
-from broker.metrics import Metrics
-from broker.raft import NotCommitted, RaftNode
-from conf.settings import Delivery, Settings, TopicConfig, TopicKind
+from dejaq.broker import message_json
+from dejaq.broker.index import Row, TopicIndex
+from dejaq.broker.leases import Refusal, Settlement, TopicState
+from dejaq.broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
+from dejaq.broker.metrics import Metrics
+from dejaq.broker.raft import NotCommitted, RaftNode
+from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
 
 log = logging.getLogger("dejaq.broker")
 

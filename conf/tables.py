@@ -14,7 +14,7 @@ import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from conf.settings import TOPIC_NAME
+from dejaq.conf.settings import TOPIC_NAME
 
 
 class Table(StrEnum):

@@ -36,10 +36,10 @@ def _address(value: str, flag: str) -> tuple[str, int]:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from broker.app import create_app
-    from broker.http_server import SETTINGS
-    from broker.service import Broker, Producer
-    from conf.settings import ConfigError, load_settings
+    from dejaq.broker.app import create_app
+    from dejaq.broker.http_server import SETTINGS
+    from dejaq.broker.service import Broker, Producer
+    from dejaq.conf.settings import ConfigError, load_settings
 
     settings = load_settings(args.conf_file)
     try:

@@ -12,49 +12,49 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
 
 def _kafka(args: argparse.Namespace) -> int:
-    from jobs import embedded_kafka
+    from dejaq.jobs import embedded_kafka
 
     return embedded_kafka.run(args.port, Path(args.data_dir))
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from jobs import doctor
+    from dejaq.jobs import doctor
 
     return doctor.run(args.conf_file)
 
 
 def _ingest(args: argparse.Namespace) -> int:
-    from jobs import ingest
+    from dejaq.jobs import ingest
 
     return ingest.run(args.topic, args.conf_file, args.once, args.max_offsets_per_trigger)
 
 
 def _release(args: argparse.Namespace) -> int:
-    from jobs import release
+    from dejaq.jobs import release
 
     return release.run(args.topic, args.conf_file, args.once)
 
 
 def _status(args: argparse.Namespace) -> int:
-    from jobs import status
+    from dejaq.jobs import status
 
     return status.run(args.topic, args.conf_file)
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from jobs import demo
+    from dejaq.jobs import demo
 
     return demo.run(args.conf_file)
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from jobs import broker
+    from dejaq.jobs import broker
 
     return broker.run(args)
 
 
 def _cluster(args: argparse.Namespace) -> int:
-    from jobs import cluster
+    from dejaq.jobs import cluster
 
     return cluster.run(args)
 
@@ -82,10 +82,10 @@ def _parser() -> argparse.ArgumentParser:
     k.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     k.add_argument("--data-dir", default=".dejaq/kafka", help="where the broker keeps its data")
 
-    from jobs.ingest import add_arguments as ingest_arguments
+    from dejaq.jobs.ingest import add_arguments as ingest_arguments
 
     ingest_arguments(add("ingest", _ingest, "Land a topic's Kafka records in its Delta buffer."))
-    from jobs.release import add_arguments as release_arguments
+    from dejaq.jobs.release import add_arguments as release_arguments
 
     release_arguments(add("release", _release, "Release a topic's buffer to Kafka, in order."))
     st = add("status", _status, "Buffer, quarantine and ingest lag of a topic.")
@@ -93,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
     conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
     conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))
-    from jobs.broker import add_arguments as broker_arguments
+    from dejaq.jobs.broker import add_arguments as broker_arguments
 
     broker_arguments(add("broker", _broker, "Run one node of the HTTP lease broker (Raft)."))
     cl = add("cluster", _cluster, "Start a local broker cluster for development.")
@@ -105,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from conf.settings import ConfigError
+    from dejaq.conf.settings import ConfigError
 
     args = _parser().parse_args(argv)
     try:

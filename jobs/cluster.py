@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from jobs.embedded_kafka import free_port, stop
-from jobs.stopping import stop_on_signals
+from dejaq.jobs.embedded_kafka import free_port, stop
+from dejaq.jobs.stopping import stop_on_signals
 
 
 @dataclass
@@ -49,7 +49,7 @@ def node_command(node: Node, nodes: list[Node], conf_file: str | None) -> list[s
     cmd = [
         sys.executable,
         "-m",
-        "jobs.cli",
+        "dejaq.jobs.cli",
         "broker",
         "--node-id",
         node.node_id,

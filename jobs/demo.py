@@ -27,14 +27,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table as RichTable
 
-from conf.settings import load_settings
-from conf.tables import BUFFER_SCHEMA, Table, table_path
-from jobs import cluster, embedded_kafka
-from jobs.status import row_count
-from pipelines.delta_follower import DeltaFollower
+from dejaq.conf.settings import load_settings
+from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
+from dejaq.jobs import cluster, embedded_kafka
+from dejaq.jobs.status import row_count
+from dejaq.pipelines.delta_follower import DeltaFollower
 
 if TYPE_CHECKING:
-    from pipelines.release import ReleaseStats
+    from dejaq.pipelines.release import ReleaseStats
 
 PRIORITY_MESSAGES = 3000
 TIMELINE_MESSAGES = 1000
@@ -222,10 +222,10 @@ def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
 
 
 def run(conf_file: str | None) -> int:
-    from jobs.logs import setup
-    from pipelines.ingest import IngestJob
-    from pipelines.release import ReleaseJob
-    from pipelines.session import detect_connectors, get_spark
+    from dejaq.jobs.logs import setup
+    from dejaq.pipelines.ingest import IngestJob
+    from dejaq.pipelines.release import ReleaseJob
+    from dejaq.pipelines.session import detect_connectors, get_spark
 
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="dejaq-demo-"))

@@ -9,8 +9,8 @@ import socket
 import subprocess
 import sys
 
-from conf import jvm
-from conf.settings import load_settings
+from dejaq.conf import jvm
+from dejaq.conf.settings import load_settings
 
 
 def java_version() -> tuple[int | None, str]:
@@ -64,7 +64,7 @@ def run(conf_file: str | None) -> int:
 
     print(f"spark    {pyspark.__version__} (master {settings.spark.master})")
     if java_ok:
-        from pipelines.session import detect_connectors, get_spark, jvm_versions
+        from dejaq.pipelines.session import detect_connectors, get_spark, jvm_versions
 
         mode = settings.spark.connectors
         spark = get_spark("dejaq-doctor", settings.spark.master, connectors=mode)

@@ -18,8 +18,8 @@ import time
 import uuid
 from pathlib import Path
 
-from conf import jvm
-from jobs.stopping import stop_on_signals
+from dejaq.conf import jvm
+from dejaq.jobs.stopping import stop_on_signals
 
 PR_SET_PDEATHSIG = 1
 HEAP = ["-Xms256m", "-Xmx512m"]

@@ -10,8 +10,8 @@ import argparse
 import logging
 import sys
 
-from conf.settings import ConfigError, load_settings
-from jobs.stopping import stop_between_batches, stop_on_signals
+from dejaq.conf.settings import ConfigError, load_settings
+from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
 
 log = logging.getLogger("dejaq.ingest")
 
@@ -31,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(
     topic: str, conf_file: str | None, once: bool, max_offsets_per_trigger: int | None = None
 ) -> int:
-    from jobs.logs import setup
-    from pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
-    from pipelines.session import detect_connectors, get_spark
+    from dejaq.jobs.logs import setup
+    from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
+    from dejaq.pipelines.session import detect_connectors, get_spark
 
     setup()
     settings = load_settings(conf_file)

@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-from conf.settings import load_settings
+from dejaq.conf.settings import load_settings
 
 log = logging.getLogger("dejaq.release")
 
@@ -22,10 +22,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(topic: str, conf_file: str | None, once: bool) -> int:
-    from jobs.logs import setup
-    from jobs.stopping import stop_between_batches, stop_on_signals
-    from pipelines.release import ReleaseJob, require_release
-    from pipelines.session import get_spark
+    from dejaq.jobs.logs import setup
+    from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
+    from dejaq.pipelines.release import ReleaseJob, require_release
+    from dejaq.pipelines.session import get_spark
 
     setup()
     settings = load_settings(conf_file)
@@ -75,7 +75,7 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from conf.settings import ConfigError
+    from dejaq.conf.settings import ConfigError
 
     p = argparse.ArgumentParser(prog="jobs/release.py", description=__doc__.splitlines()[0])
     add_arguments(p)

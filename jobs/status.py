@@ -13,8 +13,8 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
 
-from conf.settings import load_settings
-from conf.tables import Table, checkpoint_path, table_path
+from dejaq.conf.settings import load_settings
+from dejaq.conf.tables import Table, checkpoint_path, table_path
 
 
 def row_count(path: str) -> int | None:

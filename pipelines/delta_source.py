@@ -44,7 +44,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
-from conf.tables import create_if_missing
+from dejaq.conf.tables import create_if_missing
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from conf.settings import TopicConfig, TopicKind
-from conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
+from dejaq.conf.settings import TopicConfig, TopicKind
+from dejaq.conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
 
 HEADER_PRIORITY = "dejaq-priority"
 HEADER_DELIVER_AT = "dejaq-deliver-at"

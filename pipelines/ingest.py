@@ -18,11 +18,11 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
-from conf.settings import Settings, TopicConfig
-from conf.tables import Table, checkpoint_path, ensure_table, table_path
-from pipelines.compaction import maintain
-from pipelines.dedup import SeenIds
-from pipelines.envelope import (
+from dejaq.conf.settings import Settings, TopicConfig
+from dejaq.conf.tables import Table, checkpoint_path, ensure_table, table_path
+from dejaq.pipelines.compaction import maintain
+from dejaq.pipelines.dedup import SeenIds
+from dejaq.pipelines.envelope import (
     COORDINATES,
     Reason,
     buffer_rows,
@@ -31,7 +31,7 @@ from pipelines.envelope import (
     parse,
     quarantine_rows,
 )
-from pipelines.session import Connectors
+from dejaq.pipelines.session import Connectors
 
 log = logging.getLogger("dejaq.ingest")
 

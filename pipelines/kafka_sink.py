@@ -25,7 +25,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from pipelines.kafka_options import CONNECTION_OPTIONS, client_config
+from dejaq.pipelines.kafka_options import CONNECTION_OPTIONS, client_config
 
 SEND_TIMEOUT_S = 120
 

@@ -42,8 +42,8 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from pipelines.kafka_options import CONNECTION_OPTIONS, client_config
-from pipelines.kafka_sink import (
+from dejaq.pipelines.kafka_options import CONNECTION_OPTIONS, client_config
+from dejaq.pipelines.kafka_sink import (
     KafkaBatchWriter,
     KafkaStreamWriter,
     KafkaWriteOptions,

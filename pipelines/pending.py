@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pyarrow as pa
 
-from conf.tables import LedgerEvent
+from dejaq.conf.tables import LedgerEvent
 
 # Ledger events after which a message is never written again.
 SETTLED = frozenset(

@@ -30,8 +30,8 @@ from kafka import KafkaProducer
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
-from conf.tables import (
+from dejaq.conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
+from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LEDGER_SCHEMA,
     LedgerEvent,
@@ -39,10 +39,10 @@ from conf.tables import (
     checkpoint_path,
     ensure_table,
 )
-from pipelines.delta_follower import DeltaFollower
-from pipelines.kafka_sink import producer_config, wait_sent
-from pipelines.pending import Message, PendingSet
-from pipelines.timed_sender import TimedSender
+from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.kafka_sink import producer_config, wait_sent
+from dejaq.pipelines.pending import Message, PendingSet
+from dejaq.pipelines.timed_sender import TimedSender
 
 log = logging.getLogger("dejaq.release")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pyspark import SparkConf, SparkContext
 from pyspark.sql import SparkSession
 
-from conf import jvm
+from dejaq.conf import jvm
 
 JVM_KAFKA_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
 JVM_DELTA_CLASS = "io.delta.sql.DeltaSparkSessionExtension"
@@ -181,8 +181,8 @@ def jvm_versions(spark: SparkSession) -> dict[str, str]:
 
 
 def register_python_sources(spark: SparkSession) -> None:
-    from pipelines.delta_source import DeltaDataSource
-    from pipelines.kafka_source import KafkaDataSource
+    from dejaq.pipelines.delta_source import DeltaDataSource
+    from dejaq.pipelines.kafka_source import KafkaDataSource
 
     spark.dataSource.register(KafkaDataSource)
     spark.dataSource.register(DeltaDataSource)

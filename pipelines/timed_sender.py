@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from kafka import KafkaProducer
 
-from pipelines.pending import Message, Order
+from dejaq.pipelines.pending import Message, Order
 
 Headers = Callable[[Message], list[tuple[str, bytes]]]
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs.embedded_kafka import answers, free_port, wait_for_port
+from dejaq.jobs.embedded_kafka import answers, free_port, wait_for_port
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "condition") -> object:
@@ -42,7 +42,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         [
             sys.executable,
             "-m",
-            "jobs.cli",
+            "dejaq.jobs.cli",
             "kafka",
             "--port",
             str(port),
@@ -90,7 +90,7 @@ def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
 
 @pytest.fixture(scope="session")
 def spark():
-    from pipelines.session import get_spark
+    from dejaq.pipelines.session import get_spark
 
     session = get_spark("dejaq-tests", master="local[2]", ui=False)
     yield session

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import gzip
+import importlib
 import itertools
 import json
 import pickle
@@ -19,14 +21,15 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pysyncobj.serializer import Serializer
 
-from broker import message_json
-from broker.assignment import rebalance
-from broker.index import TopicIndex
-from broker.leases import Refusal, Settlement, TopicState
-from broker.ledger_writer import checkpoint, compact_ledger
-from conf.settings import TopicConfig
-from conf.tables import BUFFER_SCHEMA, Table, ensure_table
+from dejaq.broker import message_json
+from dejaq.broker.assignment import rebalance
+from dejaq.broker.index import TopicIndex
+from dejaq.broker.leases import Refusal, Settlement, TopicState
+from dejaq.broker.ledger_writer import checkpoint, compact_ledger
+from dejaq.conf.settings import TopicConfig
+from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
 
 _offsets = itertools.count()
 
@@ -163,11 +166,17 @@ OLD_SNAPSHOT = bytes.fromhex(
 )
 
 
-def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads() -> None:
-    """A Raft snapshot pickled by the broker of session 3 (frozen `Event`, no `owned`):
-    consumers a and b, a holds m2 and acked m1, b holds m3. A restarted cluster must read
-    it, and what it writes now must read back the same."""
-    old = pickle.loads(OLD_SNAPSHOT)
+def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
+    tmp_path: Path,
+) -> None:
+    """A Raft snapshot pickled by an early broker (frozen `Event`, no `owned`, classes
+    named by their module before the `dejaq` package): consumers a and b, a holds m2 and
+    acked m1, b holds m3. A restarted cluster must read it through PySyncObj's own
+    serializer, and what it writes now must read back the same."""
+    importlib.import_module("dejaq.broker.raft")  # hands PySyncObj's serializer its loader
+    snapshot = tmp_path / "snapshot"
+    snapshot.write_bytes(gzip.compress(OLD_SNAPSHOT))
+    old = Serializer(str(snapshot), 0, False, None, None, None).deserialize()
     assert old.owned == {"a": [0, 1], "b": [2, 3]}
     assert sorted(old.buckets_of("a")) == [0, 1] and old.buckets_of("b") == [2, 3]
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
@@ -469,7 +478,7 @@ def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
 def test_consumer_ids_are_bounded(bad: str) -> None:
     from pydantic import ValidationError
 
-    from broker.routers.leases import LeaseRequest
+    from dejaq.broker.routers.leases import LeaseRequest
 
     with pytest.raises(ValidationError):
         LeaseRequest(consumer_id=bad)
@@ -494,8 +503,8 @@ def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int) -> N
     """The hot path answers a body only if FastAPI's models would accept it as is."""
     from pydantic import ValidationError
 
-    from broker.hotpath import _ack_args, _lease_args
-    from broker.routers.leases import LeaseRequest, Settle
+    from dejaq.broker.hotpath import _ack_args, _lease_args
+    from dejaq.broker.routers.leases import LeaseRequest, Settle
 
     for body in ({"consumer_id": "w", "max_messages": n}, {"consumer_id": "w", "wait_ms": n}):
         try:
@@ -527,7 +536,7 @@ def test_raft_messages_stay_zlib_and_sealed(caplog: pytest.LogCaptureFixture) ->
     from cryptography.exceptions import InvalidTag
     from pysyncobj.encryptor import getEncryptor
 
-    from broker.raft import AeadEncryptor, _RaftZlib
+    from dejaq.broker.raft import AeadEncryptor, _RaftZlib
 
     for size in (0, 100, 70_000):
         data = os.urandom(size)
@@ -601,9 +610,9 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     """
     import asyncio
 
-    from broker.raft import RaftNode
-    from conf.settings import BrokerConfig
-    from jobs.embedded_kafka import free_port
+    from dejaq.broker.raft import RaftNode
+    from dejaq.conf.settings import BrokerConfig
+    from dejaq.jobs.embedded_kafka import free_port
 
     topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=4)
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]

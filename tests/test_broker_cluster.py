@@ -25,10 +25,10 @@ from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import NewTopic
 from test_broker import buffer_rows, fill
 
-from broker.routers.topics import TopicStats
-from jobs import cluster
-from jobs.cluster import Node
-from jobs.embedded_kafka import free_port
+from dejaq.broker.routers.topics import TopicStats
+from dejaq.jobs import cluster
+from dejaq.jobs.cluster import Node
+from dejaq.jobs.embedded_kafka import free_port
 
 PROBLEM = "application/problem+json"
 
@@ -544,7 +544,7 @@ def test_multi_node_broker_refuses_to_start_without_a_raft_password(tmp_path) ->
         [
             sys.executable,
             "-m",
-            "jobs.cli",
+            "dejaq.jobs.cli",
             "broker",
             "--node-id",
             "a",
@@ -622,7 +622,7 @@ def test_a_peer_on_the_old_wire_format_is_refused_and_named(
         stop(new)
 
 
-CLUSTER_UP = [sys.executable, "-m", "jobs.cli", "cluster", "up"]
+CLUSTER_UP = [sys.executable, "-m", "dejaq.jobs.cli", "cluster", "up"]
 
 
 def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:

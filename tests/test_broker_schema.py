@@ -17,7 +17,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from test_broker import buffer_rows, fill
 
-from jobs import cluster
+from dejaq.jobs import cluster
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ import pytest
 from conftest import wait_until
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from jobs.embedded_kafka import answers, free_port, wait_for_port
+from dejaq.jobs.embedded_kafka import answers, free_port, wait_for_port
 
-DEJAQ = [sys.executable, "-m", "jobs.cli"]
+DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 
 
 def run(

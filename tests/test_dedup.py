@@ -8,7 +8,7 @@ import pyarrow as pa
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pipelines.dedup import IN_BATCH, IN_BUFFER, SeenIds
+from dejaq.pipelines.dedup import IN_BATCH, IN_BUFFER, SeenIds
 
 T0 = dt.datetime(2026, 11, 21, tzinfo=dt.UTC)
 HOUR_MS = 3600 * 1000

@@ -16,9 +16,9 @@ from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
 from test_delta_source import buffer_rows
 
-from conf.tables import BUFFER_SCHEMA, TIMESTAMP, Table, ensure_table
-from pipelines.compaction import compact
-from pipelines.session import detect_connectors
+from dejaq.conf.tables import BUFFER_SCHEMA, TIMESTAMP, Table, ensure_table
+from dejaq.pipelines.compaction import compact
+from dejaq.pipelines.session import detect_connectors
 
 # Table features delta-rs 1.x cannot write (DESIGN.md): none may appear on a table.
 UNWRITABLE = {"deletionVectors", "rowTracking", "inCommitTimestamp", "v2Checkpoint", "clustering"}

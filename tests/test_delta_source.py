@@ -24,8 +24,8 @@ from pyspark.sql.datasource import CaseInsensitiveDict
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.streaming import StreamingQuery
 
-from conf.tables import BUFFER_SCHEMA, PARTITION_BY, QUARANTINE_SCHEMA, Table
-from pipelines.delta_source import DeltaDataSource
+from dejaq.conf.tables import BUFFER_SCHEMA, PARTITION_BY, QUARANTINE_SCHEMA, Table
+from dejaq.pipelines.delta_source import DeltaDataSource
 
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = "dejaq_delta"
@@ -305,8 +305,8 @@ import sys
 
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from conf.tables import BUFFER_SCHEMA
-from pipelines.session import get_spark
+from dejaq.conf.tables import BUFFER_SCHEMA
+from dejaq.pipelines.session import get_spark
 
 source, path, checkpoint = sys.argv[1:]
 spark = get_spark("dejaq-delta-kill-test")

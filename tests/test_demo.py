@@ -10,14 +10,14 @@ import pyarrow as pa
 import pytest
 from deltalake import write_deltalake
 
-from jobs.demo import _held_late, _in_order
-from pipelines.release import ReleaseStats
+from dejaq.jobs.demo import _held_late, _in_order
+from dejaq.pipelines.release import ReleaseStats
 
 
 @pytest.mark.slow
 def test_demo_passes_its_checks() -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "jobs.cli", "demo"],
+        [sys.executable, "-m", "dejaq.jobs.cli", "demo"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -10,8 +10,8 @@ from chispa.schema_comparer import assert_schema_equality
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conf.settings import JsonFields, TopicConfig
-from pipelines.envelope import (
+from dejaq.conf.settings import JsonFields, TopicConfig
+from dejaq.pipelines.envelope import (
     BUFFER_SPARK_SCHEMA,
     COORDINATES,
     QUARANTINE_SPARK_SCHEMA,

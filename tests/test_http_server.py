@@ -11,8 +11,8 @@ import httpx
 import pytest
 import uvicorn
 
-from broker.http_server import SETTINGS, GatheringTransport
-from jobs.embedded_kafka import free_port, wait_for_port
+from dejaq.broker.http_server import SETTINGS, GatheringTransport
+from dejaq.jobs.embedded_kafka import free_port, wait_for_port
 
 
 async def app(scope, receive, send) -> None:

@@ -15,19 +15,19 @@ from conftest import wait_until
 from deltalake import DeltaTable
 from kafka import KafkaProducer
 
-from broker.index import TopicIndex
-from broker.leases import TopicState
-from broker.ledger_writer import checkpoint
-from conf import jvm
-from conf.settings import Settings, load_settings
-from conf.tables import BUFFER_SCHEMA, Table, table_path
-from jobs.status import row_count
-from pipelines.delta_follower import DeltaFollower
-from pipelines.ingest import IngestJob
-from pipelines.pending import PendingSet
-from pipelines.session import detect_connectors
+from dejaq.broker.index import TopicIndex
+from dejaq.broker.leases import TopicState
+from dejaq.broker.ledger_writer import checkpoint
+from dejaq.conf import jvm
+from dejaq.conf.settings import Settings, load_settings
+from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
+from dejaq.jobs.status import row_count
+from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.ingest import IngestJob
+from dejaq.pipelines.pending import PendingSet
+from dejaq.pipelines.session import detect_connectors
 
-DEJAQ = [sys.executable, "-m", "jobs.cli"]
+DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 
 
 def write_conf(tmp_path: Path, bootstrap: str, source: str, kind: str = "priority") -> Path:

@@ -10,7 +10,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from pyspark.sql.types import _parse_datatype_string
 
-from pipelines.kafka_source import KafkaDataSource
+from dejaq.pipelines.kafka_source import KafkaDataSource
 
 
 def read_all(bootstrap: str, topic: str, partitions: int, n: int) -> list[ConsumerRecord]:

@@ -20,7 +20,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from pipelines.kafka_source import (
+from dejaq.pipelines.kafka_source import (
     KAFKA_SCHEMA,
     KafkaDataSource,
     KafkaInputPartition,

@@ -22,15 +22,15 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 
-from conf import jvm
-from conf.settings import ConfigError, Settings, load_settings
-from conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
-from jobs.stopping import stop_between_batches
-from pipelines.ingest import IngestJob
-from pipelines.release import ReleaseJob, Releaser
-from pipelines.session import detect_connectors
+from dejaq.conf import jvm
+from dejaq.conf.settings import ConfigError, Settings, load_settings
+from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.jobs.stopping import stop_between_batches
+from dejaq.pipelines.ingest import IngestJob
+from dejaq.pipelines.release import ReleaseJob, Releaser
+from dejaq.pipelines.session import detect_connectors
 
-DEJAQ = [sys.executable, "-m", "jobs.cli"]
+DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from conf.settings import ConfigError, Delivery, TopicKind, default_conf_file, load_settings
+from dejaq.conf.settings import ConfigError, Delivery, TopicKind, default_conf_file, load_settings
 
 
 def write(tmp_path: Path, text: str) -> Path:

@@ -6,7 +6,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from conf.tables import PARTITION_BY, SCHEMAS, Table, table_path
+from dejaq.conf.tables import PARTITION_BY, SCHEMAS, Table, table_path
 
 
 def test_paths_local_and_uri(tmp_path) -> None:

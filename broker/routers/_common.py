@@ -7,7 +7,7 @@ from typing import Annotated, Any
 from fastapi import Path
 from pydantic import BaseModel, ConfigDict, Field
 
-from conf.settings import TOPIC_NAME
+from dejaq.conf.settings import TOPIC_NAME
 
 TopicName = Annotated[str, Path(description="a lease topic", pattern=TOPIC_NAME.pattern)]
 ConsumerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]

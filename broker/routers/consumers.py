@@ -7,8 +7,8 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 from pydantic import BaseModel
 
-from broker.app import LeaderBroker
-from broker.routers._common import TopicName, problems
+from dejaq.broker.app import LeaderBroker
+from dejaq.broker.routers._common import TopicName, problems
 
 router = APIRouter(tags=["consumers"])
 ConsumerPath = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]

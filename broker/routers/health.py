@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel
 
-from broker.app import AnyBroker, problem
+from dejaq.broker.app import AnyBroker, problem
 
 router = APIRouter(tags=["health"])
 

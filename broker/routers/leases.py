@@ -13,9 +13,17 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
-from broker.app import LeaderBroker
-from broker.routers._common import Body, ConsumerId, Ids, LeaseMs, Priority, TopicName, problems
-from broker.service import Settled
+from dejaq.broker.app import LeaderBroker
+from dejaq.broker.routers._common import (
+    Body,
+    ConsumerId,
+    Ids,
+    LeaseMs,
+    Priority,
+    TopicName,
+    problems,
+)
+from dejaq.broker.service import Settled
 
 router = APIRouter(tags=["leases"])
 

@@ -9,10 +9,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from broker.app import AnyBroker, AnyProducer, LeaderBroker
-from broker.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
-from broker.service import Broker, Outgoing, Problem, Producer
-from conf.settings import TopicConfig, TopicKind
+from dejaq.broker.app import AnyBroker, AnyProducer, LeaderBroker
+from dejaq.broker.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
+from dejaq.broker.service import Broker, Outgoing, Problem, Producer
+from dejaq.conf.settings import TopicConfig, TopicKind
 
 router = APIRouter(tags=["messages"])
 MAX_BATCH_BODY = 16 * 1024 * 1024

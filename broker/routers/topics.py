@@ -9,9 +9,9 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from broker.app import AnyBroker, LeaderBroker
-from broker.routers._common import TopicName, problems
-from broker.service import Broker
+from dejaq.broker.app import AnyBroker, LeaderBroker
+from dejaq.broker.routers._common import TopicName, problems
+from dejaq.broker.service import Broker
 
 router = APIRouter(tags=["topics"])
 
