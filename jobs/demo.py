@@ -30,6 +30,7 @@ from rich.table import Table as RichTable
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
 from dejaq.jobs import cluster, embedded_kafka
+from dejaq.jobs.logs import stderr_to
 from dejaq.jobs.status import row_count
 from dejaq.pipelines.delta_follower import DeltaFollower
 
@@ -222,20 +223,29 @@ def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
 
 
 def run(conf_file: str | None) -> int:
+    """The demo in a fresh work folder; every log but the display's goes to a file there."""
+    console = Console()
+    work = Path(tempfile.mkdtemp(prefix="dejaq-demo-"))
+    log_file = work / "demo.log"
+    console.print(f"[bold]demo[/]: work dir {work}")
+    console.print(f"demo: Spark's, Kafka's and the brokers' logs go to {log_file}")
+    with stderr_to(log_file):
+        return _run(console, work)
+
+
+def _run(console: Console, work: Path) -> int:
     from dejaq.jobs.logs import setup
     from dejaq.pipelines.ingest import IngestJob
     from dejaq.pipelines.release import ReleaseJob
     from dejaq.pipelines.session import detect_connectors, get_spark
 
-    console = Console()
-    work = Path(tempfile.mkdtemp(prefix="dejaq-demo-"))
     c = Counters()
     stop = threading.Event()
     threads: list[threading.Thread] = []
     queries = []
     nodes: list[cluster.Node] = []
     port = embedded_kafka.free_port()
-    console.print(f"[bold]demo[/]: embedded Kafka on 127.0.0.1:{port}, work dir {work}")
+    console.print(f"demo: embedded Apache Kafka on 127.0.0.1:{port}")
     kafka = embedded_kafka.start(port, work / "kafka")
     started = time.monotonic()
     try:
@@ -264,7 +274,9 @@ def run(conf_file: str | None) -> int:
         urls = [n.url for n in nodes]
         deadline = time.monotonic() + TIMEOUT_S
         threads.append(threading.Thread(target=_output_reader, args=(bootstrap, c, stop)))
-        with Live(_view(c, buffered, 0), console=console, refresh_per_second=4) as live:
+        with Live(
+            _view(c, buffered, 0), console=console, refresh_per_second=4, redirect_stderr=False
+        ) as live:
             threads[-1].start()
             while _pending(urls[0]) < PRIORITY_MESSAGES and time.monotonic() < deadline:
                 buffered = {n: row_count(p) or 0 for n, p in buffers.items()}
