@@ -15,7 +15,7 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -38,62 +38,122 @@ def run(name: str, extra: list[str]) -> dict:
     return json.loads(out.stdout[out.stdout.index("{") :])
 
 
-def leaves(value: object, path: tuple[str, ...] = ()) -> Iterator[tuple[str, float]]:
-    """(dotted path, number) for every numeric leaf, parameters and machine facts aside."""
-    if isinstance(value, dict):
-        for k, v in value.items():
-            if k not in ("parameters", "machine", "date", "benchmark"):
-                yield from leaves(v, (*path, str(k)))
-    elif isinstance(value, list):
-        for i, v in enumerate(value):
-            label = str(i)
-            if isinstance(v, dict):
-                label = str(v.get("phase") or v.get("name") or f"batch_{v.get('batch', i)}")
-            yield from leaves(v, (*path, str(label)))
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        yield ".".join(path), float(value)
+@dataclass(frozen=True)
+class Headline:
+    """A figure and the baseline it is read against, both from the same run."""
+
+    bench: str
+    label: str
+    path: str
+    baseline_label: str = ""
+    baseline_path: str = ""
+    unit: str = "msgs/s"
 
 
-def _is_latency(name: str) -> bool:
-    return any(q in name.split("_") for q in ("p50", "p99", "max"))
+# The README's table: one row per figure a user asks about, beside its same-run baseline.
+HEADLINES = (
+    Headline(
+        "ingest",
+        "ingest, Kafka → Delta buffer (JVM connectors)",
+        "ingest.msgs_per_s",
+        "Spark's plain copy of the topic",
+        "spark_plain_copy.msgs_per_s",
+    ),
+    Headline(
+        "ingest",
+        "ingest (JVM connectors)",
+        "ingest.msgs_per_s",
+        "one kafka-python consumer",
+        "baseline_kafka_python_consumer.msgs_per_s",
+    ),
+    Headline("ingest", "visibility, produce → buffer, p50", "visibility_latency.p50_ms", unit="ms"),
+    Headline("ingest", "visibility, produce → buffer, p99", "visibility_latency.p99_ms", unit="ms"),
+    Headline(
+        "broker",
+        "lease + ack, batch 100, 8 workers, 3 nodes",
+        "results.batch_100_workers_8.msgs_per_s",
+        "Raft floor (HTTP + one Raft command)",
+        "floor_http_and_raft.batch_100_workers_8.msgs_per_s",
+    ),
+    Headline(
+        "broker",
+        "lease p99, batch 100",
+        "results.batch_100_workers_8.lease_p99_ms",
+        "Raft floor",
+        "floor_http_and_raft.batch_100_workers_8.lease_p99_ms",
+        unit="ms",
+    ),
+    Headline(
+        "broker",
+        "lease + ack, batch 1, 64 workers, 3 nodes",
+        "results.batch_1_workers_64.msgs_per_s",
+        "Raft floor (HTTP + one Raft command)",
+        "floor_http_and_raft.batch_1_workers_64.msgs_per_s",
+    ),
+    Headline(
+        "release",
+        "release, priority topic → Kafka",
+        "priority.release_msgs_per_s",
+        "kafka-python producer alone",
+        "priority.raw_kafka_python_msgs_per_s",
+    ),
+    Headline("release", "timeline lateness p99", "timeline.lateness_ms.p99", unit="ms"),
+    Headline("release", "timeline messages sent early", "timeline.early", unit="messages"),
+)
 
 
-def headline(results: dict) -> list[tuple[str, str, float]]:
-    """The figures worth a table row: throughputs, latencies, ratios, early counts."""
+def lookup(data: object, path: str) -> float | None:
+    """The number at a dotted path; a list is indexed by its items' `phase` or position."""
+    for part in path.split("."):
+        if isinstance(data, list):
+            data = next(
+                (v for i, v in enumerate(data) if part in (str(i), v.get("phase"))),
+                None,
+            )
+        elif isinstance(data, dict):
+            data = data.get(part)
+        else:
+            return None
+    return float(data) if isinstance(data, int | float) and not isinstance(data, bool) else None
+
+
+Row = tuple[Headline, float, float | None]
+
+
+def headline(results: dict) -> list[Row]:
+    """The headline figures the results hold, each with its baseline's value or None."""
     rows = []
-    for bench, data in results.items():
-        for name, number in leaves(data):
-            last = name.rsplit(".", 1)[-1]
-            if (
-                "per_s" in last
-                or _is_latency(last)
-                or last in ("early", "ingest_vs_baseline", "floor_vs_baseline")
-            ):
-                rows.append((bench, name, number))
+    for h in HEADLINES:
+        data = results.get(h.bench, {})
+        value = lookup(data, h.path)
+        if value is not None:
+            rows.append((h, value, lookup(data, h.baseline_path) if h.baseline_path else None))
     return rows
 
 
-def chart(rows: list[tuple[str, str, float]], path: Path, when: str) -> None:
+def _fmt(value: float) -> str:
+    return f"{value:,.3g}" if value < 10 else f"{value:,.0f}"
+
+
+def chart(rows: list[Row], path: Path, when: str) -> None:
+    """Each throughput beside its baseline: the ratio is what the chart shows."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = [(f"{b}: {n}", v) for b, n, v in rows if "per_s" in n.rsplit(".", 1)[-1]]
-    lat = [
-        (f"{b}: {n}", v)
-        for b, n, v in rows
-        if any(q in n.rsplit(".", 1)[-1].split("_") for q in ("p50", "p99"))
-    ]
-    height = max(4, 0.35 * max(len(rates), len(lat)))
-    fig, axes = plt.subplots(1, 2, figsize=(17, height), layout="constrained")
-    for ax, data, title in ((axes[0], rates, "throughput (msgs/s)"), (axes[1], lat, "latency")):
-        if data:
-            ax.barh([d[0] for d in data], [d[1] for d in data])
-            ax.set_xscale("log")
-        ax.set_title(title)
-        ax.tick_params(axis="y", labelsize=7)
-    fig.suptitle(f"DejaQ benchmarks, measured {when}, {os.cpu_count()} cores")
+    pairs = [(h, v, b) for h, v, b in rows if h.unit == "msgs/s" and b]
+    fig, ax = plt.subplots(figsize=(11, 0.9 * len(pairs) + 1.5), layout="constrained")
+    labels = [f"{h.label}\nvs {h.baseline_label}: {v / b:.2f}x" for h, v, b in pairs]
+    ys = range(len(pairs))
+    ax.barh([y + 0.2 for y in ys], [v for _, v, _ in pairs], height=0.4, label="DejaQ")
+    ax.barh([y - 0.2 for y in ys], [b for _, _, b in pairs], height=0.4, label="baseline")
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.set_xlabel("msgs/s")
+    ax.legend(loc="lower right")
+    fig.suptitle(f"DejaQ against same-run baselines, measured {when}, {os.cpu_count()} cores")
     fig.savefig(path, dpi=110)
 
 
@@ -123,17 +183,18 @@ def when_line(measured: dict[str, str]) -> str:
     return ", ".join(f"{name} {date}" for name, date in measured.items())
 
 
-def table(rows: list[tuple[str, str, float]], when: str, machine: str) -> str:
+def table(rows: list[Row], when: str, machine: str) -> str:
     lines = [
-        f"Measured {when} on {machine} by `make bench` (bench/results.json, bench/results.png).",
+        f"Measured {when} on {machine} by `make bench` "
+        "(all figures: bench/results.json; chart: bench/results.png).",
         "",
-        "| benchmark | figure | value |",
-        "|---|---|---|",
+        "| figure | DejaQ | baseline, same run | ratio |",
+        "|---|---|---|---|",
     ]
-    lines += [
-        f"| {b} | `{n}` | {v:,.3g} |" if v < 10 else f"| {b} | `{n}` | {v:,.0f} |"
-        for b, n, v in rows
-    ]
+    for h, value, base in rows:
+        against = f"{h.baseline_label}: {_fmt(base)}" if base else ""
+        ratio = f"{value / base:.2f}x" if base else ""
+        lines.append(f"| {h.label} | {_fmt(value)} {h.unit} | {against} | {ratio} |")
     return "\n".join(lines)
 
 

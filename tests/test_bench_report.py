@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
@@ -10,6 +11,7 @@ _spec = importlib.util.spec_from_file_location(
 )
 assert _spec is not None and _spec.loader is not None
 report = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = report  # dataclasses look their module up there
 _spec.loader.exec_module(report)
 
 OLD = {
@@ -49,3 +51,21 @@ def test_a_full_run_has_one_date_and_a_first_run_needs_no_saved_file() -> None:
     assert report.when_line(report.merge(OLD, fresh, "2026-11-23", "VM")["measured"]) == (
         "2026-11-23"
     )
+
+
+def test_the_table_puts_each_headline_beside_its_same_run_baseline_and_skips_absent_ones() -> None:
+    results = {
+        "broker": {
+            "results": [{"phase": "batch_100_workers_8", "msgs_per_s": 40_000}],
+            "floor_http_and_raft": [{"phase": "batch_100_workers_8", "msgs_per_s": 80_000}],
+        },
+        "release": {"timeline": {"early": 0}},
+    }
+    rows = report.headline(results)
+    assert [(h.path, value, base) for h, value, base in rows] == [
+        ("results.batch_100_workers_8.msgs_per_s", 40_000, 80_000),
+        ("timeline.early", 0, None),
+    ]
+    text = report.table(rows, "2026-11-24", "VM")
+    assert "| 40,000 msgs/s | Raft floor (HTTP + one Raft command): 80,000 | 0.50x |" in text
+    assert "| timeline messages sent early | 0 messages |  |  |" in text
