@@ -140,7 +140,7 @@ class Settings(_Strict):
 
 
 def default_conf_file() -> Path:
-    return Path(str(files("conf").joinpath("dejaq.yaml")))
+    return Path(str(files("dejaq.conf").joinpath("dejaq.yaml")))
 
 
 def _env_overrides(model: type[BaseModel], env: Mapping[str, str], path: tuple[str, ...] = ()):
