@@ -146,7 +146,10 @@ class BrokerApp(FastAPI):
 def create_app(broker: Broker, producer: Producer) -> FastAPI:
     """The HTTP API of one node; the caller starts and stops `broker`."""
     from dejaq.broker.hotpath import HotPath
-    from dejaq.broker.routers import consumers, health, leases, messages, topics
+    from dejaq.broker.materialiser import Materialiser
+    from dejaq.broker.routers import admin, consumers, health, leases, messages, schedules, topics
+
+    materialiser = Materialiser(broker, producer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -155,7 +158,11 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
         try:
             async with httpx.AsyncClient(timeout=40) as client:
                 app.state.http = client
-                yield
+                crons = asyncio.create_task(materialiser.run())
+                try:
+                    yield
+                finally:
+                    crons.cancel()
         finally:
             if broker.raft is not None:
                 broker.raft.detach()
@@ -169,11 +176,19 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     )
     app.state.broker = broker
     app.state.producer = producer
+    app.state.materialiser = materialiser
     app.add_exception_handler(Problem, _on_problem)
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(RequestValidationError, _on_invalid)
     app.add_exception_handler(ForwardToLeader, _forward)
-    for router in (topics.router, messages.router, leases.router, consumers.router):
+    for router in (
+        topics.router,
+        messages.router,
+        leases.router,
+        consumers.router,
+        schedules.router,
+        admin.router,
+    ):
         app.include_router(router, prefix="/v1")
     app.include_router(health.router)
     app.hot = HotPath(partial(FastAPI.__call__, app), broker)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
 from itertools import repeat
@@ -30,10 +30,13 @@ from deltalake import DeltaTable
 
 from dejaq.broker import message_json
 from dejaq.broker.leases import Pick, TopicState
+from dejaq.broker.ledger_writer import APP_ID
 from dejaq.conf.settings import TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent, Table, ensure_table
 
 TERMINAL = {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
+# The events that say whether a message is settled: a redrive undoes one death.
+SETTLING = sorted({*TERMINAL, LedgerEvent.REDRIVEN})
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]
 _ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
@@ -64,7 +67,7 @@ class TopicIndex:
 
     def __init__(self, warehouse: str, topic: TopicConfig) -> None:
         self.topic = topic
-        self.timeline = topic.kind is TopicKind.TIMELINE
+        self.timeline = topic.kind.sorted_as is TopicKind.TIMELINE
         self.buffer_path = ensure_table(warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(warehouse, Table.LEDGER, topic.name)
         self.lock = threading.Lock()
@@ -72,6 +75,9 @@ class TopicIndex:
         self.runs: list[list[Entry]] = [[] for _ in range(topic.buckets)]  # descending
         self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
+        # Pending again with no row here: redriven after the row was forgotten (or not yet
+        # read by this node). `revive` reads them from the buffer.
+        self.unread: set[str] = set()
         self.files: set[str] = set()
         self.version = -1
         self.ledger_version = -1  # of the last full read of the ledger's settled ids
@@ -82,18 +88,27 @@ class TopicIndex:
 
     def load(self) -> None:
         """First load: settled ids from the ledger, then every buffer file."""
-        self.refresh(self._settled_ids())
+        self.refresh(self._settled_ids()[0])
         self.loaded = True
 
-    def _settled_ids(self) -> set[str]:
-        """Every id the ledger has settled; notes the version read (`rebuild`)."""
+    def _settled_ids(self) -> tuple[set[str], set[str]]:
+        """Every id the ledger has settled, and those it has redriven since their last
+        death (pending again); notes the version read (`rebuild`)."""
         table = DeltaTable(self.ledger_path)
         self.ledger_version = table.version()
         ledger = table.to_pyarrow_table(columns=["message_id", "event"])
-        terminal = pc.is_in(
-            ledger.column("event"), value_set=pa.array(sorted(TERMINAL), pa.string())
-        )
-        return set(ledger.filter(terminal).column("message_id").to_pylist())
+        events = ledger.column("event")
+        terminal = pc.is_in(events, value_set=pa.array(sorted(TERMINAL), pa.string()))
+        settled = set(ledger.filter(terminal).column("message_id").to_pylist())
+        redriven = ledger.filter(pc.equal(events, LedgerEvent.REDRIVEN)).column("message_id")
+        if not len(redriven):
+            return settled, set()
+        history: dict[str, list[str]] = {}
+        of_redriven = ledger.filter(pc.is_in(ledger.column("message_id"), value_set=redriven))
+        for mid, event in zip(*of_redriven.to_pydict().values(), strict=True):
+            history.setdefault(mid, []).append(event)
+        revived = {mid for mid, events in history.items() if settled_as(events) is None}
+        return settled - revived, revived
 
     def refresh(self, settled: Set[str] = frozenset()) -> int:
         """Index buffer files added since the last call; returns how many rows were new.
@@ -166,7 +181,10 @@ class TopicIndex:
 
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
-        t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
+        return bucket, self._rows(pq.read_table(uri, columns=_COLUMNS + _COORDS), bucket)
+
+    def _rows(self, t: pa.Table, bucket: int) -> list[tuple[str, Row]]:
+        """Buffer rows of one bucket as index rows, in sort order."""
         # In the order leases will take them: Python objects made one after another lie
         # one after another in memory, and picking, leasing and forgetting then walk memory
         # forward instead of jumping (a quarter to a third less CPU per message).
@@ -193,8 +211,38 @@ class TopicIndex:
             heads,
             strict=True,
         )
-        rows = [(mid, Row(bucket, *values)) for mid, values in zip(mids, columns, strict=True)]
-        return bucket, rows
+        return [(mid, Row(bucket, *values)) for mid, values in zip(mids, columns, strict=True)]
+
+    def revive(self, state: TopicState) -> int:
+        """Index the `unread` messages again from the buffer; returns how many.
+
+        Blocking (reads the buffer): run by the thread that follows the tables. A
+        message settled meanwhile is skipped, and one checkpointed meanwhile has left
+        `unread` (`forget`), so no settled message comes back.
+        """
+        if not self.unread:
+            return 0
+        wanted = sorted(self.unread)
+        t = (
+            DeltaTable(self.buffer_path)
+            .to_pyarrow_dataset()
+            .to_table(
+                columns=["bucket", *_COLUMNS, *_COORDS],
+                filter=pc.field("message_id").isin(wanted),
+            )
+        )
+        found: list[tuple[str, Row]] = []
+        for bucket in pc.unique(t.column("bucket")).to_pylist():
+            found += self._rows(t.filter(pc.equal(t.column("bucket"), bucket)), bucket)
+        revived = 0
+        with self.lock:
+            for mid, row in found:
+                if mid in self.unread and mid not in self.rows and mid not in state.settled:
+                    self.rows[mid] = row
+                    self._pending(state, mid, row)
+                    revived += 1
+            self.unread.difference_update(wanted)
+        return revived
 
     # --- hooks from the Raft state machine ------------------------------------------------
 
@@ -204,13 +252,18 @@ class TopicIndex:
             for mid in mids:
                 row = self.rows.get(mid)
                 if row is None:
-                    continue
-                not_before = state.not_before.get(mid)
-                if not_before is not None:
-                    heapq.heappush(self.delayed, (not_before, mid))
+                    self.unread.add(mid)
                 else:
-                    key = state.sort_key(mid, row.sort_key)
-                    heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
+                    self._pending(state, mid, row)
+
+    def _pending(self, state: TopicState, mid: str, row: Row) -> None:
+        """An entry for a pending message (under the lock): delayed, or at its sort key."""
+        not_before = state.not_before.get(mid)
+        if not_before is not None:
+            heapq.heappush(self.delayed, (not_before, mid))
+        else:
+            key = state.sort_key(mid, row.sort_key)
+            heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
 
     def _add(self, bucket: int, added: list[Entry]) -> None:
         """New rows of a bucket: pushed on its heap while that stays small next to the run,
@@ -235,6 +288,8 @@ class TopicIndex:
             # Entries left behind are dropped when they surface. Popped by a C loop: each
             # row freed is a few cache misses, and the interpreter's own loop adds a fifth.
             deque(map(self.rows.pop, mids, repeat(None)), maxlen=0)
+            if self.unread:
+                self.unread.difference_update(mids)
 
     def rebuild(self, state: TopicState) -> None:
         """After a snapshot replaced the state wholesale: re-derive every entry.
@@ -245,10 +300,12 @@ class TopicIndex:
         when the ledger is as `load` read it (a node starting from its own snapshot).
         """
         settled: set[str] = set()
+        revived: set[str] = set()
         if DeltaTable(self.ledger_path).version() != self.ledger_version:
-            settled = self._settled_ids()
+            settled, revived = self._settled_ids()
         with self.lock:
             deque(map(self.rows.pop, settled & self.rows.keys()), maxlen=0)
+            self.unread |= (revived | state.redriven_at.keys()) - self.rows.keys()
             runs: list[list[Entry]] = [[] for _ in self.runs]
             for mid, row in self.rows.items():
                 key = state.sort_key(mid, row.sort_key)
@@ -364,12 +421,48 @@ class TopicIndex:
             .to_pyarrow_dataset()
             .to_table(
                 columns=["event"],
-                filter=(pc.field("message_id") == mid) & pc.field("event").isin(sorted(TERMINAL)),
+                filter=(pc.field("message_id") == mid) & pc.field("event").isin(SETTLING),
             )
             .column("event")
             .to_pylist()
         )
-        return events[0] if events else None
+        return settled_as(events)
+
+    def dead(self, ids: list[str] | None) -> tuple[int, dict[str, tuple[int, int]], set[str]]:
+        """What the ledger says about deaths, for a redrive of `ids` (None: all).
+
+        Returns the checkpoint seq the ledger was read at; the dead not redriven since,
+        each with its bucket and sort key at its last death; and the ids redriven since
+        their last death. Blocking: call it off the event loop.
+        """
+        table = DeltaTable(self.ledger_path)
+        upto = table.transaction_version(APP_ID) or 0
+        wanted = pc.field("event").isin([LedgerEvent.DEAD, LedgerEvent.REDRIVEN])
+        if ids is not None:
+            wanted &= pc.field("message_id").isin(ids)
+        events = (
+            table.to_pyarrow_dataset()
+            .to_table(columns=["message_id", "bucket", "event", "sort_key", "at"], filter=wanted)
+            .sort_by("at")
+        )
+        deaths: Counter[str] = Counter()
+        last: dict[str, tuple[int, int]] = {}
+        for mid, bucket, event, key, _ in zip(*events.to_pydict().values(), strict=True):
+            if event == LedgerEvent.DEAD:
+                deaths[mid] += 1
+                last[mid] = (bucket, key)
+            else:
+                deaths[mid] -= 1
+        dead = {mid: last[mid] for mid, n in deaths.items() if n > 0}
+        return upto, dead, {mid for mid, n in deaths.items() if n <= 0}
+
+    def pending(self, state: TopicState) -> list[Pick]:
+        """Every indexed message neither settled nor leased, at its row's sort key (a
+        purge's list). Walks the rows: off the event loop, on a copy taken under the lock."""
+        with self.lock:
+            rows = list(self.rows.items())
+        settled, leases = state.settled, state.leases
+        return [(m, r.bucket, r.sort_key) for m, r in rows if m not in settled and m not in leases]
 
     def stats(self, state: TopicState, now: int) -> tuple[dict[int, Stats], int]:
         """Per-bucket pending/deliverable counts and oldest ingestion; delayed count."""
@@ -399,6 +492,20 @@ class TopicIndex:
             out[b] = Stats(pending, deliverable, oldest)
         delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
+
+
+def settled_as(events: list[str]) -> str | None:
+    """A message's settlement from its ledger events, in any order; None while pending.
+
+    Its history is (dead, redriven)* and then at most one terminal event: it is settled
+    when its terminal events outnumber its redrives, as the one that is not a death if
+    there is one, else as dead.
+    """
+    terminal = [e for e in events if e in TERMINAL]
+    if len(terminal) <= events.count(LedgerEvent.REDRIVEN):
+        return None
+    final = [e for e in terminal if e != LedgerEvent.DEAD]
+    return final[0] if final else LedgerEvent.DEAD
 
 
 def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:

@@ -22,13 +22,16 @@ from dejaq.conf.tables import LedgerEvent
 
 
 class Refusal(StrEnum):
-    """Why a message in an ack, nack, extend or reject was refused (HTTP 409)."""
+    """Why a message in an ack, nack, extend or reject was refused (HTTP 409), or why a
+    redrive left it as it was."""
 
     NOT_LEASED = "not_leased"
     EXPIRED = "lease_expired"
     OTHER_CONSUMER = "leased_by_another_consumer"
     SETTLED = "already_settled"
     LEASED = "currently_leased"
+    REDRIVEN = "already_redriven"  # pending again since its last death
+    NOT_DEAD = "not_dead"
 
 
 @dataclass(slots=True)
@@ -77,6 +80,8 @@ class Event:
 
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
+Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
+Backoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
 Grant = tuple[str, int, int]  # (message_id, deliveries, lease deadline ms)
 
 
@@ -100,6 +105,13 @@ class TopicState:
         self.owned: dict[str, list[int]] = {}  # the assignment by consumer (derived)
         self.held: dict[int, Counter[str]] = {}  # bucket -> leases per consumer
         self.totals: Counter[str] = Counter()
+        self.paused = False
+        # The lease rate's token bucket (`max_lease_rate`), refilled up to the latest
+        # leader-stamped time a lease carried: every node counts the same tokens.
+        self.tokens = 0.0
+        self.refilled_at = 0
+        # message_id -> seq of its latest redriven event not yet trimmed (see `trim`).
+        self.redriven_at: dict[str, int] = {}
 
     def __getstate__(self) -> dict:
         """Snapshots hold what they held before `owned`: it is derived, rebuilt on load."""
@@ -108,6 +120,8 @@ class TopicState:
         return state
 
     def __setstate__(self, state: dict) -> None:
+        # Snapshots from before pause, rate limits and redrive hold none of their state.
+        self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         for mid in self.leases:  # snapshots from before leases held the only count
@@ -167,14 +181,29 @@ class TopicState:
             and self.not_before.get(mid, 0) <= now
         )
 
-    def lease(self, consumer: str, now: int, lease_ms: int, picks: list[Pick]) -> list[Grant]:
+    def lease(
+        self,
+        consumer: str,
+        now: int,
+        lease_ms: int,
+        picks: list[Pick],
+        rate: float | None = None,
+    ) -> list[Grant]:
         """Lease the leader's picks that are still available in the consumer's buckets.
 
         Every node runs this per leased message, so each costs two dict lookups of the
         message (settled? then insert unless leased), lookups are hoisted out of the loop
-        and the per-bucket lease counts updated once per bucket.
+        and the per-bucket lease counts updated once per bucket. A paused topic leases
+        nothing; `rate` (messages/s, from the leader's configuration) caps the picks at
+        the tokens in the bucket: both checks once per lease, not per message.
         """
         self.touch(consumer, now)
+        if self.paused:
+            return []
+        if rate is not None:
+            self.tokens = self._tokens_at(now, rate)
+            self.refilled_at = max(self.refilled_at, now)
+            picks = picks[: int(self.tokens)]
         mine = set(self.buckets_of(consumer))
         deadline = now + lease_ms
         leases, settled, deliveries, not_before = (
@@ -209,7 +238,22 @@ class TopicState:
             held[consumer] += count
         self.totals["leased"] += len(grants)
         self.totals["redelivered"] += redelivered
+        if rate is not None:
+            self.tokens -= len(grants)
         return grants
+
+    def lease_budget(self, now: int, rate: float) -> int:
+        """How many messages a lease at `now` may take under `rate`: the leader picks no
+        more, so a limited topic does not pick (and put back) what it cannot grant."""
+        return int(self._tokens_at(now, rate))
+
+    def _tokens_at(self, now: int, rate: float) -> float:
+        """The bucket at `now`: it holds one second's worth (at least 1), as the release
+        job's `max_rate`. A leader stamping an earlier time than the last (a new leader
+        whose clock is behind) refills nothing."""
+        burst = max(rate, 1.0)
+        elapsed = max(0, now - self.refilled_at)
+        return min(self.tokens + elapsed * rate / 1000, burst)
 
     def _drop_lease(self, mid: str) -> Lease:
         lease = self.leases.pop(mid)
@@ -337,24 +381,34 @@ class TopicState:
         mids: list[str],
         delay_ms: int = 0,
         sort_key: int | None = None,
+        backoff: Backoff | None = None,
     ) -> tuple[dict[str, Refusal], list[str]]:
-        """Give leased messages back; returns (refused, messages pending again)."""
+        """Give leased messages back; returns (refused, messages pending again).
+
+        Without a delay, the topic's retry `backoff` (if any) holds each back.
+        """
         refused: dict[str, Refusal] = {}
         pending: list[str] = []
         for mid, lease in self._take_leases(consumer, now, mids, refused):
             self.totals["nacked"] += 1
             if sort_key is not None:
                 self.sort_keys[mid] = sort_key
-            if self._redeliver_or_die(mid, lease, now, "max_deliveries"):
+            retry = None if delay_ms > 0 else backoff
+            if self._redeliver_or_die(mid, lease, now, "max_deliveries", retry):
                 pending.append(mid)
                 if delay_ms > 0:
                     self.not_before[mid] = now + delay_ms
         return refused, pending
 
-    def _redeliver_or_die(self, mid: str, lease: Lease, now: int, reason: str) -> bool:
-        """A lease ended unsettled: the message is pending again, or dead if out of tries."""
+    def _redeliver_or_die(
+        self, mid: str, lease: Lease, now: int, reason: str, backoff: Backoff | None = None
+    ) -> bool:
+        """A lease ended unsettled: the message is pending again (after the retry backoff,
+        if any), or dead if out of tries."""
         if lease.deliveries < self.max_deliveries:
             self.deliveries[mid] = lease.deliveries
+            if backoff is not None and backoff[0] > 0:
+                self.not_before[mid] = now + retry_delay(lease.deliveries, *backoff)
             return True
         self._settle(
             mid,
@@ -402,13 +456,15 @@ class TopicState:
         self.not_before.pop(mid, None)
         return None
 
-    def expire(self, now: int, heartbeat_timeout_ms: int) -> list[str]:
+    def expire(
+        self, now: int, heartbeat_timeout_ms: int, backoff: Backoff | None = None
+    ) -> list[str]:
         """Expire leases past their deadline and silent consumers; returns pending mids."""
         pending: list[str] = []
         for mid in [m for m, lease in self.leases.items() if lease.deadline <= now]:
             lease = self._drop_lease(mid)
             self.totals["expired"] += 1
-            if self._redeliver_or_die(mid, lease, now, "max_deliveries"):
+            if self._redeliver_or_die(mid, lease, now, "max_deliveries", backoff):
                 pending.append(mid)
         silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
         for consumer in silent:
@@ -416,6 +472,64 @@ class TopicState:
         if silent:
             self._rebalance()
         return pending
+
+    def pause(self, paused: bool) -> bool:
+        """Stop (or resume) leasing; acks, nacks, extends and expiry go on. Whether it
+        changed anything."""
+        changed, self.paused = self.paused != paused, paused
+        return changed
+
+    def purge(self, now: int, pending: list[Pick]) -> int:
+        """Cancel the leader's list of the topic's pending messages; returns how many.
+
+        A message leased meanwhile is left to its consumer, as are all leased ones: a
+        worker mid-task can still ack, and a message it gives back is pending again.
+        """
+        cancelled = 0
+        for mid, bucket, sort_key in pending:
+            if mid in self.settled or mid in self.leases:
+                continue
+            key = self.sort_key(mid, sort_key)
+            deliveries = self.deliveries.get(mid, 0)
+            self._settle(mid, bucket, key, LedgerEvent.CANCELLED, now, deliveries)
+            cancelled += 1
+        return cancelled
+
+    def redrive(
+        self, now: int, upto: int, dead: list[Dead], sort_key: int | None = None
+    ) -> tuple[list[str], dict[str, Refusal]] | None:
+        """Dead messages pending again, deliveries from 0, at `sort_key` or the key they
+        died with; returns (redriven, refused), or None to have the leader read again.
+
+        The leader finds the dead in the ledger (checkpointed up to seq `upto`) and in
+        this state's events. Events after `upto` are here unless trimmed since: then the
+        leader's list may be stale (a message redriven and settled since), so nothing is
+        done. A message dead in `settled` died after anything the ledger says; one neither
+        settled nor redriven since is as the ledger says. At most one redrive per death.
+        """
+        if upto < (self.events[0].seq - 1 if self.events else self.seq):
+            return None
+        redriven: list[str] = []
+        refused: dict[str, Refusal] = {}
+        for mid, bucket, key in dead:
+            event = self.settled.get(mid)
+            if event is None and (mid in self.redriven_at or mid in self.leases):
+                refused[mid] = Refusal.REDRIVEN
+                continue
+            if event is not None and event != LedgerEvent.DEAD:
+                refused[mid] = Refusal.SETTLED
+                continue
+            self.settled.pop(mid, None)
+            key = key if sort_key is None else sort_key
+            self.seq += 1
+            self.events.append(Settlement(self.seq, mid, bucket, LedgerEvent.REDRIVEN, key, 0, now))
+            self.redriven_at[mid] = self.seq
+            self.sort_keys[mid] = key
+            self.deliveries.pop(mid, None)
+            self.not_before.pop(mid, None)
+            redriven.append(mid)
+        self.totals[LedgerEvent.REDRIVEN] += len(redriven)
+        return redriven, refused
 
     def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
         return any(lease.deadline <= now for lease in list(self.leases.values())) or any(
@@ -433,9 +547,33 @@ class TopicState:
         cut = bisect_right(events, upto_seq, key=_seq)
         done = events[:cut]
         del events[:cut]
+        if self.redriven_at:
+            return self._trim_redriven(done)
         mids = list(map(_message_id, done))
         deque(map(self.settled.pop, mids, repeat(None)), maxlen=0)
         return mids
+
+    def _trim_redriven(self, done: list[Settlement]) -> list[str]:
+        """`trim` while some message has an untrimmed redrive: a settlement followed by a
+        later redrive of its message no longer says what the message is (pending again,
+        or settled anew), and a redriven event settles nothing: neither is forgotten."""
+        redriven_at, settled = self.redriven_at, self.settled
+        mids: list[str] = []
+        for e in done:
+            mid = e.message_id
+            last = redriven_at.get(mid, 0)
+            if e.event == LedgerEvent.REDRIVEN:
+                if last == e.seq:
+                    del redriven_at[mid]
+            elif last < e.seq:
+                settled.pop(mid, None)
+                mids.append(mid)
+        return mids
+
+
+def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
+    """The wait after the `deliveries`-th delivery failed: base * 2^(deliveries - 1), capped."""
+    return min(max_ms, base_ms << min(deliveries - 1, 48))
 
 
 _seq = itemgetter(0)  # of a Settlement

@@ -396,6 +396,15 @@ class BrokerState(SyncObjConsumer):
             return st.extend(*args)
         if op == "cancel":
             return st.cancel(*args)
+        if op == "purge":
+            return st.purge(*args)
+        if op == "pause":
+            return st.pause(*args)
+        if op == "redrive":
+            result = st.redrive(*args)
+            if result is not None:
+                self.listener.pending(topic, st, result[0])
+            return result
         if op == "trim":
             mids = st.trim(args[0])
             self.listener.gone(topic, mids)

@@ -16,11 +16,12 @@ from typing import Any
 
 from dejaq.broker import message_json
 from dejaq.broker.index import Row, TopicIndex
-from dejaq.broker.leases import Refusal, Settlement, TopicState
+from dejaq.broker.leases import Backoff, Dead, Refusal, Settlement, TopicState
 from dejaq.broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from dejaq.broker.metrics import Metrics
 from dejaq.broker.raft import NotCommitted, RaftNode
 from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
+from dejaq.conf.tables import LedgerEvent
 
 log = logging.getLogger("dejaq.broker")
 
@@ -33,6 +34,10 @@ CHECKPOINT_PERIOD_S = 1.0
 # 17.7 ms at 500, and 50k against 56k msgs/s).
 TRIM_SLICE = 500
 LONG_POLL_STEP_S = 0.02
+# Messages per Raft command of a redrive or purge: each applies in one event-loop tick on
+# every node (about a microsecond a message), as a trim slice does.
+OPS_SLICE = TRIM_SLICE
+REDRIVE_READS = 3  # ledger reads a redrive makes while checkpoints keep trimming under it
 # Every lease and ack allocates objects that live until checkpointed; at CPython's default
 # (a young collection per 700 net allocations) 200k messages at batch 100 cost each node
 # ~8 full collections of ~100 ms and 0.8-1.6 s of GC in all. 10k: none, and 0.3-0.7 s.
@@ -164,11 +169,12 @@ class Broker:
         return self.raft.state.topics[topic]
 
     def _follow_tables(self) -> None:
-        """Every node: index new buffer versions, publish metrics."""
+        """Every node: index new buffer versions and redriven messages, publish metrics."""
         while not self._stopping.wait(FOLLOW_PERIOD_S):
             for name, index in self.indexes.items():
                 try:
                     index.refresh()
+                    index.revive(self.state(name))
                 except Exception:
                     log.exception("refreshing the index of %s failed", name)
             try:  # reads Raft's state while the event loop changes it: never end the thread
@@ -211,11 +217,11 @@ class Broker:
                     raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=2)
                 if not raft.is_leader():
                     continue
-                for name in self.topics:
+                for name, cfg in self.topics.items():
                     st = self.state(name)
                     now = now_ms()
                     if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
-                        args = (now, self.conf.heartbeat_timeout_ms)
+                        args = (now, self.conf.heartbeat_timeout_ms, _backoff(cfg))
                         raft.state.command(name, "expire", args, sync=True, timeout=2)
                 if time.monotonic() - last_checkpoint >= CHECKPOINT_PERIOD_S:
                     last_checkpoint = time.monotonic()
@@ -265,18 +271,21 @@ class Broker:
         started = time.monotonic()
         deadline = started + wait_ms / 1000
         await self._join(topic, consumer)
+        rate = cfg.max_lease_rate
         while True:
             now = now_ms()
             rows: list[Row] = []
-            picks = index.pick(st, st.buckets_of(consumer), n, now, rows)
+            take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
+            picks = index.pick(st, st.buckets_of(consumer), take, now, rows) if take else []
             if picks:
                 try:
-                    grants = await self._commit(topic, "lease", consumer, now, lease_ms, picks)
+                    args = (consumer, now, lease_ms, picks, rate)
+                    grants = await self._commit(topic, "lease", *args)
                 finally:
                     index.release(st, picks)
                 if grants:
                     self._lease_latency[topic].observe(time.monotonic() - started)
-                    timeline = cfg.kind is TopicKind.TIMELINE
+                    timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
                     return message_json.leased_array(picks, rows, grants, timeline)
             if time.monotonic() >= deadline:
                 return "[]"
@@ -295,7 +304,8 @@ class Broker:
         cfg = self.topic(topic)
         if priority is not None and cfg.kind is not TopicKind.PRIORITY:
             raise Problem(422, "invalid nack", "a new priority applies to priority topics only")
-        refused = await self._commit(topic, "nack", consumer, now_ms(), ids, delay_ms, priority)
+        args = (consumer, now_ms(), ids, delay_ms, priority, _backoff(cfg))
+        refused = await self._commit(topic, "nack", *args)
         return Settled(len(ids) - len(refused), refused)
 
     async def extend(
@@ -335,14 +345,91 @@ class Broker:
         self, topic: str, mid: str, priority: int | None, deliver_at: int | None
     ) -> None:
         cfg = self.topic(topic)
-        wanted = priority if cfg.kind is TopicKind.PRIORITY else deliver_at
-        if wanted is None or (priority is not None and deliver_at is not None):
-            field = "priority" if cfg.kind is TopicKind.PRIORITY else "deliver_at"
-            raise Problem(422, "invalid reschedule", f"a {cfg.kind} topic takes only {field}")
+        wanted = _sort_key(cfg, priority, deliver_at, "reschedule", required=True)
         await self._row(topic, mid)
         refused = await self._commit(topic, "reschedule", mid, wanted)
         if refused:
             raise Problem(409, "cannot reschedule", f"{mid}: {refused}", reason=refused)
+
+    async def pause(self, topic: str, paused: bool) -> None:
+        """Stop or resume leasing on every node; a lease long-poll meanwhile waits."""
+        self.topic(topic)
+        await self._commit(topic, "pause", paused)
+
+    async def purge(self, topic: str, confirm: str) -> int:
+        """Cancel every pending message; leased ones are left to their consumers.
+
+        What is pending when the purge starts: messages indexed after it are kept.
+        """
+        self.topic(topic)
+        if confirm != topic:
+            raise Problem(
+                422,
+                "purge not confirmed",
+                f"confirm must be the topic's name, {topic!r}",
+                errors=[{"loc": ["body", "confirm"], "msg": "must be the topic's name"}],
+            )
+        pending = await asyncio.to_thread(self.indexes[topic].pending, self.state(topic))
+        cancelled = 0
+        for i in range(0, len(pending), OPS_SLICE):
+            chunk = pending[i : i + OPS_SLICE]
+            cancelled += await self._commit(topic, "purge", now_ms(), chunk)
+        return cancelled
+
+    async def redrive(
+        self, topic: str, ids: list[str] | None, priority: int | None, deliver_at: int | None
+    ) -> tuple[int, dict[str, Refusal]]:
+        """Dead messages (`ids`, or all) pending again with deliveries reset, at a new
+        priority or deliver_at if given. Returns how many, and why each id left out was.
+        """
+        cfg = self.topic(topic)
+        key = _sort_key(cfg, priority, deliver_at, "redrive", required=False)
+        done: set[str] = set()
+        refused: dict[str, Refusal] = {}
+        for _ in range(REDRIVE_READS):
+            upto, dead, redriven = await asyncio.to_thread(self._dead, topic, ids)
+            todo = [d for d in dead if d[0] not in refused and d[0] not in done]
+            if await self._redrive(topic, upto, todo, key, done, refused):
+                break
+        else:
+            raise Problem(503, "redrive interrupted", "checkpoints kept moving the ledger: retry")
+        if ids is None:
+            return len(done), {}
+        left = [mid for mid in dict.fromkeys(ids) if mid not in done]
+        for mid in left:
+            refused.setdefault(mid, Refusal.REDRIVEN if mid in redriven else Refusal.NOT_DEAD)
+        return len(done), {m: refused[m] for m in left}
+
+    async def _redrive(
+        self,
+        topic: str,
+        upto: int,
+        dead: list[Dead],
+        key: int | None,
+        done: set[str],
+        refused: dict[str, Refusal],
+    ) -> bool:
+        """Commit a redrive of `dead` a slice at a time, into `done` and `refused`; False
+        if the state was trimmed past the ledger read `upto` (the rest needs a new read)."""
+        for i in range(0, len(dead), OPS_SLICE):
+            result = await self._commit(
+                topic, "redrive", now_ms(), upto, dead[i : i + OPS_SLICE], key
+            )
+            if result is None:
+                return False
+            done.update(result[0])
+            refused.update(result[1])
+        return True
+
+    def _dead(self, topic: str, ids: list[str] | None) -> tuple[int, list[Dead], set[str]]:
+        """The dead of `ids` (None: all), from the ledger and then the events not yet in
+        it; the ledger's checkpoint seq; the ids it has redriven since their last death."""
+        upto, dead, redriven = self.indexes[topic].dead(ids)
+        wanted = None if ids is None else set(ids)
+        for e in list(self.state(topic).events):
+            if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted):
+                dead[e.message_id] = (e.bucket, e.sort_key)
+        return upto, [(mid, b, k) for mid, (b, k) in dead.items()], redriven
 
     async def peek(self, topic: str, mid: str) -> dict[str, Any]:
         cfg = self.topic(topic)
@@ -360,7 +447,7 @@ class Broker:
             status = "delayed"
         else:
             status = "pending"
-        timeline = cfg.kind is TopicKind.TIMELINE
+        timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
         deliveries = lease.deliveries if lease else st.deliveries.get(mid, 0)
         msg = message_json.message(row, key, deliveries, 0, timeline)
         msg.update(
@@ -406,6 +493,7 @@ class Broker:
             "name": cfg.name,
             "kind": str(cfg.kind),
             "buckets": cfg.buckets,
+            "paused": st.paused,
             "pending": sum(b["pending"] for b in buckets) + delayed,
             "delayed": delayed,
             "leased": len(st.leases),
@@ -417,6 +505,26 @@ class Broker:
             "consumers": sorted(st.consumers),
             "per_bucket": buckets,
         }
+
+
+def _sort_key(
+    cfg: TopicConfig, priority: int | None, deliver_at: int | None, verb: str, required: bool
+) -> int | None:
+    """The new sort key a request gives: a priority on priority topics, else a deliver_at;
+    422 naming the field a topic of this kind takes if it gives the other (or none)."""
+    field, wanted, other = (
+        ("priority", priority, deliver_at)
+        if cfg.kind is TopicKind.PRIORITY
+        else ("deliver_at", deliver_at, priority)
+    )
+    if other is not None or (required and wanted is None):
+        raise Problem(422, f"invalid {verb}", f"a {cfg.kind} topic takes only {field}")
+    return wanted
+
+
+def _backoff(cfg: TopicConfig) -> Backoff | None:
+    """The topic's retry backoff, as lease commands carry it (None: redeliver at once)."""
+    return (cfg.retry_backoff_ms, cfg.retry_backoff_max_ms) if cfg.retry_backoff_ms else None
 
 
 def _unknown(topic: str, mid: str) -> Problem:

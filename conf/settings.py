@@ -19,6 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 ENV_PREFIX = "DEJAQ_"
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# A cron occurrence can be materialised again until its progress is stored, which happens
+# seconds after it was first sent: the dedup window covers the horizon plus this margin.
+CRON_DEDUP_SLACK_MS = 3600 * 1000
 
 
 class ConfigError(ValueError):
@@ -29,6 +32,13 @@ class TopicKind(StrEnum):
     PRIORITY = "priority"
     TIMELINE = "timeline"
     EVENT_TIME = "event_time"
+    CRON = "cron"
+
+    @property
+    def sorted_as(self) -> TopicKind:
+        """The kind whose sort key and delivery rule apply: a cron topic's messages are
+        its schedules' occurrences, delivered as a timeline (by deliver_at, never early)."""
+        return TopicKind.TIMELINE if self is TopicKind.CRON else self
 
 
 class Delivery(StrEnum):
@@ -66,6 +76,15 @@ class TopicConfig(_Strict):
     release_interval_ms: int = Field(default=250, ge=10, le=60_000)
     max_per_trigger: int = Field(default=10_000, ge=1)
     max_rate: float | None = Field(default=None, gt=0)
+    # Lease broker (delivery: lease): messages per second leased across all consumers (a
+    # token bucket holding one second's worth, at least 1), and the wait before a message
+    # whose lease expired or was nacked without a delay can be leased again:
+    # retry_backoff_ms * 2^(deliveries - 1), at most retry_backoff_max_ms (0: at once).
+    max_lease_rate: float | None = Field(default=None, gt=0)
+    retry_backoff_ms: int = Field(default=0, ge=0)
+    retry_backoff_max_ms: int = Field(default=300_000, ge=0)
+    # Cron topics: how far ahead of their time occurrences become timeline messages.
+    cron_horizon_ms: int = Field(default=5 * 60 * 1000, ge=1000, le=24 * 3600 * 1000)
 
     @field_validator("name")
     @classmethod
@@ -80,7 +99,23 @@ class TopicConfig(_Strict):
             raise ValueError("event_time topics are release-only: set delivery: release")
         if self.delivery is Delivery.RELEASE and not self.output:
             raise ValueError("delivery: release needs an output Kafka topic")
+        if self.retry_backoff_max_ms < self.retry_backoff_ms:
+            raise ValueError("retry_backoff_max_ms must be at least retry_backoff_ms")
+        if self.kind is TopicKind.CRON:
+            self._cron()
         return self
+
+    def _cron(self) -> None:
+        """Occurrences carry their envelope in headers and are deduplicated by id."""
+        jf = self.json_fields
+        if jf is not None and (jf.deliver_at or jf.id):
+            raise ValueError("cron topics take deliver_at and id from headers, not json_fields")
+        least = self.cron_horizon_ms + CRON_DEDUP_SLACK_MS
+        if self.dedup_window_ms < least:
+            raise ValueError(
+                f"dedup_window_ms must be at least cron_horizon_ms + {CRON_DEDUP_SLACK_MS} "
+                f"({least}) on a cron topic, or a re-materialised occurrence is buffered twice"
+            )
 
 
 class KafkaConfig(_Strict):

@@ -22,6 +22,7 @@ class Table(StrEnum):
     LEDGER = "ledger"
     QUARANTINE = "quarantine"
     DEAD_LETTER = "dead_letter"
+    SCHEDULES = "schedules"
 
 
 class LedgerEvent(StrEnum):
@@ -31,6 +32,7 @@ class LedgerEvent(StrEnum):
     CANCELLED = "cancelled"
     RESCHEDULED = "rescheduled"
     RELEASED = "released"
+    REDRIVEN = "redriven"  # a dead message pending again (one per death at most)
 
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
@@ -93,11 +95,28 @@ DEAD_LETTER_SCHEMA = pa.schema(
     ]
 )
 
+# A cron topic's schedules, one row each; `materialised_until`: every occurrence at or
+# before it has been sent to the topic's Kafka input.
+SCHEDULES_SCHEMA = pa.schema(
+    [
+        pa.field("schedule_id", pa.string(), nullable=False),
+        pa.field("cron", pa.string(), nullable=False),
+        pa.field("time_zone", pa.string(), nullable=False),
+        pa.field("key", pa.binary()),
+        pa.field("payload", pa.binary(), nullable=False),
+        pa.field("headers", HEADERS),
+        pa.field("end_at", TIMESTAMP),
+        pa.field("created_at", TIMESTAMP, nullable=False),
+        pa.field("materialised_until", TIMESTAMP, nullable=False),
+    ]
+)
+
 SCHEMAS: dict[Table, pa.Schema] = {
     Table.BUFFER: BUFFER_SCHEMA,
     Table.LEDGER: LEDGER_SCHEMA,
     Table.QUARANTINE: QUARANTINE_SCHEMA,
     Table.DEAD_LETTER: DEAD_LETTER_SCHEMA,
+    Table.SCHEDULES: SCHEDULES_SCHEMA,
 }
 
 # The buffer is read per bucket (the broker's unit of assignment). The ledger is read
@@ -109,6 +128,7 @@ PARTITION_BY: dict[Table, list[str]] = {
     Table.LEDGER: [],
     Table.QUARANTINE: [],
     Table.DEAD_LETTER: [],
+    Table.SCHEDULES: [],
 }
 
 

@@ -53,6 +53,12 @@ def _broker(args: argparse.Namespace) -> int:
     return broker.run(args)
 
 
+def _redrive(args: argparse.Namespace) -> int:
+    from dejaq.jobs import redrive
+
+    return redrive.run(args)
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from dejaq.jobs import cluster
 
@@ -96,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     from dejaq.jobs.broker import add_arguments as broker_arguments
 
     broker_arguments(add("broker", _broker, "Run one node of the HTTP lease broker (Raft)."))
+    from dejaq.jobs.redrive import add_arguments as redrive_arguments
+
+    redrive_arguments(add("redrive", _redrive, "Make a topic's dead letters leasable again."))
     cl = add("cluster", _cluster, "Start a local broker cluster for development.")
     cl.add_argument("action", choices=["up"], help="up: start, print addresses, run until Ctrl-C")
     cl.add_argument("--nodes", type=int, default=3, help="1, 3 or 5 (default 3)")

@@ -79,6 +79,7 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
     The first failing check wins, in a fixed order, so a record gets one stable reason.
     """
     jf = topic.json_fields
+    kind = topic.kind.sorted_as
     df = records
     df = df.withColumn("_prio_raw", _field(HEADER_PRIORITY, jf and jf.priority))
     df = df.withColumn("_at_raw", _field(HEADER_DELIVER_AT, jf and jf.deliver_at))
@@ -99,7 +100,7 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
     )
 
     checks: list[tuple[Column, Reason, Column]] = []
-    if topic.kind is TopicKind.PRIORITY:
+    if kind is TopicKind.PRIORITY:
         checks += [
             (F.col("_prio_raw").isNull(), Reason.MISSING_PRIORITY, F.lit(f"no {HEADER_PRIORITY}")),
             (F.col("_prio_num").isNull(), Reason.INVALID_PRIORITY, F.col("_prio_raw")),
@@ -109,7 +110,7 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
                 F.col("_prio_raw"),
             ),
         ]
-    if topic.kind is TopicKind.TIMELINE:
+    if kind is TopicKind.TIMELINE:
         checks += [
             (
                 F.col("_at_raw").isNull(),
@@ -118,7 +119,7 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
             ),
             (F.col("_at_ms").isNull(), Reason.INVALID_DELIVER_AT, F.col("_at_raw")),
         ]
-    if topic.kind is TopicKind.EVENT_TIME:
+    if kind is TopicKind.EVENT_TIME:
         checks.append(
             (
                 F.col("_evt_raw").isNotNull() & F.col("_evt_ms").isNull(),
@@ -151,7 +152,7 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
         TopicKind.PRIORITY: F.col("_prio_num"),
         TopicKind.TIMELINE: F.col("_at_ms"),
         TopicKind.EVENT_TIME: event_ms,
-    }[topic.kind]
+    }[kind]
     message_id = F.coalesce(
         F.col("_id_raw").cast("string"),
         F.concat_ws(
@@ -163,9 +164,9 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
         F.xxhash64(F.coalesce(F.col("key"), message_id.cast("binary"))), F.lit(topic.buckets)
     )
     in_kind = {
-        "priority": F.col("_prio_num") if topic.kind is TopicKind.PRIORITY else F.lit(None),
-        "deliver_at": F.col("_at_ms") if topic.kind is TopicKind.TIMELINE else F.lit(None),
-        "event_time": event_ms if topic.kind is TopicKind.EVENT_TIME else F.lit(None),
+        "priority": F.col("_prio_num") if kind is TopicKind.PRIORITY else F.lit(None),
+        "deliver_at": F.col("_at_ms") if kind is TopicKind.TIMELINE else F.lit(None),
+        "event_time": event_ms if kind is TopicKind.EVENT_TIME else F.lit(None),
     }
     return df.select(
         message_id.alias("message_id"),

@@ -108,7 +108,7 @@ class Releaser:
         self.settings = settings
         self.topic = topic
         self.output: str = topic.output or ""
-        self.kind = topic.kind
+        self.kind = topic.kind.sorted_as
         buffer_path = ensure_table(settings.warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
         self.buffer = DeltaFollower(buffer_path, BUFFER_SCHEMA)

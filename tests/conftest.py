@@ -88,6 +88,19 @@ def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
     admin.close()
 
 
+@pytest.fixture(scope="module")
+def kafka_source(kafka_bootstrap: str) -> str:
+    """A one-partition Kafka topic per test module, the input of the brokers it starts."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    name = f"broker-in-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(name, 1, 1)])
+    admin.close()
+    return name
+
+
 @pytest.fixture(scope="session")
 def spark():
     from dejaq.pipelines.session import get_spark

@@ -181,6 +181,8 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert sorted(old.buckets_of("a")) == [0, 1] and old.buckets_of("b") == [2, 3]
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
     assert old.deliveries == {} and old.leases["m3"].deliveries == 1, "counted by the lease"
+    assert not old.paused and old.redriven_at == {}, "from before pause and redrive"
+    assert old.lease_budget(10**12, 5.0) == 5, "and before rate limits: a full bucket"
     [event] = old.events
     assert type(event) is Settlement, "made the tuple a checkpoint converts to Arrow"
     assert (event.seq, event.message_id, event.bucket, event.event) == (1, "m1", 0, "acked")

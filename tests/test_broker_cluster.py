@@ -21,8 +21,7 @@ import pytest
 from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
-from kafka.admin import NewTopic
+from kafka import KafkaConsumer, TopicPartition
 from test_broker import buffer_rows, fill
 
 from dejaq.broker.routers.topics import TopicStats
@@ -91,15 +90,6 @@ def leader_of(nodes: list[Node], client: httpx.Client) -> Node | None:
         if info["role"] == "leader":
             return node
     return None
-
-
-@pytest.fixture(scope="module")
-def kafka_source(kafka_bootstrap: str) -> str:
-    name = f"broker-in-{secrets.token_hex(4)}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    admin.create_topics([NewTopic(name, 1, 1)])
-    admin.close()
-    return name
 
 
 @pytest.fixture(scope="module")

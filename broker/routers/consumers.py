@@ -5,23 +5,13 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Path
-from pydantic import BaseModel
 
 from dejaq.broker.app import LeaderBroker
+from dejaq.broker.responses import Heartbeat, Left
 from dejaq.broker.routers._common import TopicName, problems
 
 router = APIRouter(tags=["consumers"])
 ConsumerPath = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
-
-
-class Heartbeat(BaseModel):
-    consumer_id: str
-    buckets: list[int]
-
-
-class Left(BaseModel):
-    consumer_id: str
-    released: int
 
 
 @router.post(

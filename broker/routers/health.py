@@ -5,20 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 
 from dejaq.broker.app import AnyBroker, problem
+from dejaq.broker.responses import Cluster
 
 router = APIRouter(tags=["health"])
-
-
-class Cluster(BaseModel):
-    node_id: str
-    role: str
-    term: int
-    leader: str | None
-    leader_http: str | None
-    nodes: dict[str, str]
 
 
 @router.get("/healthz")

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from dejaq.broker.app import LeaderBroker
+from dejaq.broker.responses import ExtendResult, SettleResult
 from dejaq.broker.routers._common import (
     Body,
     ConsumerId,
@@ -63,14 +64,6 @@ class Nack(Settle):
 
 class Extend(Settle):
     lease_ms: LeaseMs | None = None
-
-
-class SettleResult(BaseModel):
-    settled: int
-
-
-class ExtendResult(SettleResult):
-    lease_deadline: int
 
 
 def _settled(result: Settled, verb: str) -> dict:

@@ -70,19 +70,30 @@ async def batch_limit(request: Request, broker: AnyBroker) -> None:
     _limit(request, max(MAX_BATCH_BODY, broker.conf.max_payload_bytes * 4 // 3 + 64 * 1024))
 
 
-def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
+def decode_payload(b64: str, max_bytes: int) -> bytes:
+    """A request's base64 payload: 422 unless base64, 413 over `max_bytes`."""
     try:
-        payload = base64.b64decode(m.payload, validate=True)
+        payload = base64.b64decode(b64, validate=True)
     except (binascii.Error, ValueError):  # not base64, or not even ASCII
         raise Problem(422, "invalid payload", "payload must be base64") from None
     if len(payload) > max_bytes:
         raise Problem(413, "payload too large", f"{len(payload)} bytes; the limit is {max_bytes}")
-    headers = [(k, v.encode()) for k, v in (m.headers or {}).items() if not k.startswith("dejaq-")]
+    return payload
+
+
+def own_headers(headers: dict[str, str] | None) -> list[tuple[str, bytes]]:
+    """A request's headers; the `dejaq-` ones are the envelope's, which the broker sets."""
+    return [(k, v.encode()) for k, v in (headers or {}).items() if not k.startswith("dejaq-")]
+
+
+def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
+    payload = decode_payload(m.payload, max_bytes)
+    headers = own_headers(m.headers)
     if cfg.kind is TopicKind.PRIORITY:
         if m.priority is None:
             raise Problem(422, "missing priority", f"topic {cfg.name} is a priority topic")
         headers.append(("dejaq-priority", str(m.priority).encode()))
-    elif cfg.kind is TopicKind.TIMELINE:
+    elif cfg.kind.sorted_as is TopicKind.TIMELINE:
         if m.deliver_at is None:
             raise Problem(422, "missing deliver_at", f"topic {cfg.name} is a timeline topic")
         headers.append(("dejaq-deliver-at", str(m.deliver_at).encode()))

@@ -7,45 +7,13 @@ import json
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from pydantic import BaseModel
 
 from dejaq.broker.app import AnyBroker, LeaderBroker
+from dejaq.broker.responses import TopicStats, TopicSummary
 from dejaq.broker.routers._common import TopicName, problems
 from dejaq.broker.service import Broker
 
 router = APIRouter(tags=["topics"])
-
-
-class TopicSummary(BaseModel):
-    name: str
-    kind: str
-    buckets: int
-    sources: list[str]
-
-
-class BucketStats(BaseModel):
-    bucket: int
-    consumer_id: str | None
-    pending: int
-    leased: int
-    deliverable_now: int
-    oldest_age_ms: int | None
-
-
-class TopicStats(BaseModel):
-    name: str
-    kind: str
-    buckets: int
-    pending: int
-    delayed: int
-    leased: int
-    deliverable_now: int
-    acked: int
-    dead: int
-    cancelled: int
-    oldest_age_ms: int | None
-    consumers: list[str]
-    per_bucket: list[BucketStats]
 
 
 @router.get("/topics", response_model=list[TopicSummary])

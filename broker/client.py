@@ -1,0 +1,478 @@
+"""A typed, synchronous client for the broker's HTTP API, over every node of a cluster.
+
+Any node takes any request (followers forward to the leader), so the client sticks to
+one node and moves to the next when it does not answer. A 503 (an election, a node not
+ready) is waited out as its `Retry-After` says. Both are bounded by a deadline per call;
+past it the call raises `Unavailable`. Other error answers raise a `ProblemError` (a
+subclass per status) carrying the RFC 9457 problem details.
+
+A call that may have been applied before its answer was lost (a reset connection, a
+read timeout, a 503 from a node that had forwarded it) is sent again only where that is
+safe; a 409 after such a retry says so (`Conflict.maybe_applied`), since the refusal
+may be the call's own first attempt (an ack's `already_settled`, say).
+"""
+
+from __future__ import annotations
+
+import base64
+import email.utils
+import logging
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import Base64Bytes, BaseModel, Field, TypeAdapter
+
+from dejaq.broker.responses import (
+    Cluster,
+    ExtendResult,
+    Heartbeat,
+    Left,
+    SettleResult,
+    TopicStats,
+    TopicSummary,
+)
+
+log = logging.getLogger("dejaq.client")
+
+RETRYABLE = frozenset({502, 503, 504})
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+ROUND_PAUSE_S = (0.05, 1.0)  # after every node failed once: first pause, longest pause
+
+T = TypeVar("T", bound=BaseModel)
+
+
+# --- results ---------------------------------------------------------------------------------
+
+
+class Message(BaseModel):
+    """A leased message, key and payload decoded."""
+
+    id: str
+    bucket: int
+    sort_key: int
+    priority: int | None
+    deliver_at: int | None = Field(description="epoch ms")
+    key: Base64Bytes | None
+    payload: Base64Bytes
+    deliveries: int
+    lease_deadline: int = Field(description="epoch ms, the broker's clock")
+    held_until: float = Field(
+        default=0.0,
+        description="time.monotonic() before which the lease surely holds: the request's "
+        "send time plus lease_ms, so neither clock skew nor the answer's trip stretches it "
+        "(without a lease_ms: the broker's deadline read on the local clock)",
+    )
+
+
+class Peeked(BaseModel):
+    """A settled message that reached the ledger has only `id` and `status`."""
+
+    id: str
+    status: str
+    bucket: int | None = None
+    sort_key: int | None = None
+    priority: int | None = None
+    deliver_at: int | None = None
+    key: Base64Bytes | None = None
+    payload: Base64Bytes | None = None
+    deliveries: int | None = None
+    lease_deadline: int | None = None
+    consumer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class NewMessage:
+    """A message to produce: the payload is raw bytes, the key a UTF-8 string."""
+
+    payload: bytes
+    key: str | None = None
+    priority: int | None = None
+    deliver_at: int | None = None
+    id: str | None = None
+    headers: dict[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"payload": base64.b64encode(self.payload).decode("ascii")}
+        for name in ("key", "priority", "deliver_at", "id", "headers"):
+            value = getattr(self, name)
+            if value is not None:
+                body[name] = value
+        return body
+
+
+_messages = TypeAdapter(list[Message])
+_topics = TypeAdapter(list[TopicSummary])
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+class BrokerError(Exception):
+    """Any failure of a broker call."""
+
+
+class Unavailable(BrokerError):
+    """No node served the call within its deadline (or it could not safely be retried)."""
+
+
+class ProblemError(BrokerError):
+    """An error answer, with its problem details (RFC 9457)."""
+
+    def __init__(
+        self,
+        status: int,
+        title: str,
+        detail: str = "",
+        type: str = "about:blank",
+        extra: dict[str, Any] | None = None,
+        maybe_applied: bool = False,
+    ) -> None:
+        super().__init__(f"{status} {title}: {detail}" if detail else f"{status} {title}")
+        self.status, self.title, self.detail, self.type = status, title, detail, type
+        self.extra = extra or {}
+        self.maybe_applied = maybe_applied
+
+
+class NotFound(ProblemError):
+    """An unknown topic, message or route."""
+
+
+class Conflict(ProblemError):
+    """Some messages were refused; `refused` maps each id to why (or `reason`, for a
+    single message's cancel or reschedule)."""
+
+    @property
+    def refused(self) -> dict[str, str]:
+        return dict(self.extra.get("refused") or {})
+
+    @property
+    def settled(self) -> int:
+        return int(self.extra.get("settled", 0))
+
+    @property
+    def reason(self) -> str | None:
+        return self.extra.get("reason")
+
+
+class PayloadTooLarge(ProblemError):
+    """Over the broker's payload or request size limit."""
+
+
+class InvalidRequest(ProblemError):
+    """The request failed validation; `errors` names each field (`loc`) and why."""
+
+    @property
+    def errors(self) -> list[dict[str, Any]]:
+        return list(self.extra.get("errors") or [])
+
+
+_BY_STATUS: dict[int, type[ProblemError]] = {
+    404: NotFound,
+    409: Conflict,
+    413: PayloadTooLarge,
+    422: InvalidRequest,
+}
+
+
+def problem_of(answer: httpx.Response, maybe_applied: bool = False) -> ProblemError:
+    """The typed exception for an error answer (problem+json, or any other body)."""
+    try:
+        body = answer.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        body = {"title": answer.reason_phrase, "detail": answer.text[:500]}
+    fields = {k: body.get(k) for k in ("title", "detail", "type")}
+    extra = {k: v for k, v in body.items() if k not in ("title", "detail", "type", "status")}
+    cls = _BY_STATUS.get(answer.status_code, ProblemError)
+    return cls(
+        answer.status_code,
+        str(fields["title"] or answer.reason_phrase),
+        str(fields["detail"] or ""),
+        str(fields["type"] or "about:blank"),
+        extra,
+        maybe_applied,
+    )
+
+
+def retry_after_s(answer: httpx.Response, default: float = 1.0) -> float:
+    """`Retry-After` in seconds: delta-seconds or an HTTP date."""
+    value = answer.headers.get("retry-after")
+    if value is None:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return default
+    return max(0.0, when.timestamp() - time.time())
+
+
+def node_url(node: str) -> str:
+    """A node's base URL; `host:port` alone means plain HTTP."""
+    node = node.rstrip("/")
+    return node if "://" in node else f"http://{node}"
+
+
+@dataclass
+class Answer:
+    response: httpx.Response
+    sent_at: float  # time.monotonic() when the answered attempt was sent
+    maybe_applied: bool  # an earlier attempt may have been applied
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+class Client:
+    """The broker's HTTP API as methods, over a list of node base URLs.
+
+    Thread-safe: a worker's lease-keeping thread shares its client with the handler loop.
+    """
+
+    def __init__(
+        self,
+        nodes: Sequence[str],
+        *,
+        timeout: float = 10.0,
+        deadline: float = 30.0,
+        max_retry_after: float = 5.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        """`timeout` bounds one attempt (plus a lease's `wait_ms`); `deadline` bounds a
+        call, every node and retry included; a `Retry-After` is obeyed up to
+        `max_retry_after` seconds."""
+        if not nodes:
+            raise ValueError("nodes: give at least one node base URL")
+        self.nodes = [node_url(n) for n in nodes]
+        self.timeout, self.deadline, self.max_retry_after = timeout, deadline, max_retry_after
+        self._http = httpx.Client(transport=transport)
+        self._current = 0
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def node(self) -> str:
+        """The node calls go to until it fails."""
+        return self.nodes[self._current]
+
+    def _move_on(self, failed: str) -> None:
+        with self._lock:
+            if self.nodes[self._current] == failed:
+                self._current = (self._current + 1) % len(self.nodes)
+
+    def _send(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        wait_s: float = 0.0,
+        replay_safe: bool = True,
+    ) -> Answer:
+        """One call: across nodes and 503s until the deadline; an answer that is not a
+        retryable 5xx is returned (2xx) or raised (as its `ProblemError`)."""
+        deadline = time.monotonic() + self.deadline + wait_s
+        timeout = httpx.Timeout(self.timeout + wait_s, connect=min(self.timeout, 3.0))
+        maybe_applied = False
+        failures = 0
+        while True:
+            node = self.node
+            sent_at = time.monotonic()
+            try:
+                answer = self._http.request(method, node + path, json=body, timeout=timeout)
+            except NOT_SENT as e:
+                why, pause = f"{node}: {type(e).__name__}", 0.0
+            except httpx.TransportError as e:
+                if not replay_safe:
+                    raise Unavailable(f"{node}: {type(e).__name__}; not safe to retry") from e
+                why, pause, maybe_applied = f"{node}: {type(e).__name__}", 0.0, True
+            else:
+                if answer.status_code not in RETRYABLE:
+                    if answer.is_success:
+                        return Answer(answer, sent_at, maybe_applied)
+                    raise problem_of(answer, maybe_applied)
+                if not replay_safe:
+                    raise problem_of(answer, maybe_applied)
+                why = f"{node}: {answer.status_code} {answer.text[:200]}"
+                pause = min(retry_after_s(answer), self.max_retry_after)
+                maybe_applied = True  # a follower may have forwarded it before failing
+            failures += 1
+            self._move_on(node)
+            if failures % len(self.nodes) == 0:  # every node failed once more: slow down
+                first, longest = ROUND_PAUSE_S
+                pause = max(pause, min(longest, first * 2 ** (failures // len(self.nodes) - 1)))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"{method} {path}: no node served it in time; last: {why}")
+            log.info("%s %s: %s; retrying on %s", method, path, why, self.node)
+            time.sleep(min(pause, left))
+
+    def _json(self, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        return self._send(method, path, body, **kw).response.json()
+
+    def _model(self, model: type[T], method: str, path: str, body: Any = None) -> T:
+        return model.model_validate(self._json(method, path, body))
+
+    # --- leasing -----------------------------------------------------------------------
+
+    def lease(
+        self,
+        topic: str,
+        consumer_id: str,
+        max_messages: int = 1,
+        lease_ms: int | None = None,
+        wait_ms: int = 0,
+    ) -> list[Message]:
+        """Up to `max_messages` of the lowest deliverable sort keys of the consumer's
+        buckets, waiting up to `wait_ms` for some (long poll). Leasing joins the topic."""
+        body: dict[str, Any] = {
+            "consumer_id": consumer_id,
+            "max_messages": max_messages,
+            "wait_ms": wait_ms,
+        }
+        if lease_ms is not None:
+            body["lease_ms"] = lease_ms
+        answer = self._send("POST", f"/v1/topics/{topic}/leases", body, wait_s=wait_ms / 1000)
+        messages = _messages.validate_python(answer.response.json()["messages"])
+        for m in messages:
+            held_ms = lease_ms if lease_ms is not None else m.lease_deadline - _epoch_ms()
+            m.held_until = answer.sent_at + held_ms / 1000
+        return messages
+
+    def _settle(self, topic: str, verb: str, consumer_id: str, ids: Iterable[str], **extra: Any):
+        body = {"consumer_id": consumer_id, "ids": list(ids), **extra}
+        return self._json("POST", f"/v1/topics/{topic}/{verb}", body)
+
+    def ack(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
+        """Done: never delivered again. `Conflict.refused` names the ids refused."""
+        return SettleResult.model_validate(self._settle(topic, "acks", consumer_id, ids))
+
+    def nack(
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str],
+        delay_ms: int = 0,
+        priority: int | None = None,
+    ) -> SettleResult:
+        """Give back for redelivery after `delay_ms`, optionally at a new priority."""
+        extra: dict[str, Any] = {"delay_ms": delay_ms}
+        if priority is not None:
+            extra["priority"] = priority
+        return SettleResult.model_validate(self._settle(topic, "nacks", consumer_id, ids, **extra))
+
+    def extend(
+        self, topic: str, consumer_id: str, ids: Iterable[str], lease_ms: int | None = None
+    ) -> ExtendResult:
+        """Push the leases' deadline to now + `lease_ms` (default: the broker's)."""
+        extra = {} if lease_ms is None else {"lease_ms": lease_ms}
+        got = self._settle(topic, "extensions", consumer_id, ids, **extra)
+        return ExtendResult.model_validate(got)
+
+    def reject(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
+        """Poison: straight to the dead letters."""
+        return SettleResult.model_validate(self._settle(topic, "rejections", consumer_id, ids))
+
+    # --- consumers ---------------------------------------------------------------------
+
+    def heartbeat(self, topic: str, consumer_id: str) -> Heartbeat:
+        """Join or stay alive; the answer lists the buckets the consumer may lease from."""
+        path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}/heartbeat"
+        return self._model(Heartbeat, "POST", path)
+
+    def leave(self, topic: str, consumer_id: str) -> Left:
+        """Leave: the consumer's leases go back to pending, its buckets to the others."""
+        path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}"
+        return self._model(Left, "DELETE", path)
+
+    # --- messages ----------------------------------------------------------------------
+
+    def produce(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        key: str | None = None,
+        priority: int | None = None,
+        deliver_at: int | None = None,
+        id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> str:
+        """One message into the topic's Kafka input; returns its id once Kafka has it."""
+        message = NewMessage(payload, key, priority, deliver_at, id, headers)
+        answer = self._send(
+            "POST", f"/v1/topics/{topic}/messages", message.to_json(), replay_safe=id is not None
+        )
+        return answer.response.json()["ids"][0]
+
+    def produce_batch(self, topic: str, messages: Sequence[NewMessage]) -> list[str]:
+        """Up to 1000 messages; returns their ids once Kafka has all of them.
+
+        Sent again after a lost answer only if every message carries its own id (the
+        buffer keeps the first of a duplicated id): otherwise it raises `Unavailable`.
+        """
+        body = {"messages": [m.to_json() for m in messages]}
+        safe = all(m.id is not None for m in messages)
+        answer = self._send("POST", f"/v1/topics/{topic}/messages/batch", body, replay_safe=safe)
+        return list(answer.response.json()["ids"])
+
+    def peek(self, topic: str, message_id: str) -> Peeked:
+        """A message's status (pending, delayed, leased, acked, dead, cancelled)."""
+        return self._model(Peeked, "GET", _message_path(topic, message_id))
+
+    def cancel(self, topic: str, message_id: str) -> None:
+        """Never deliver a pending or leased message (again)."""
+        self._send("DELETE", _message_path(topic, message_id))
+
+    def reschedule(
+        self,
+        topic: str,
+        message_id: str,
+        *,
+        priority: int | None = None,
+        deliver_at: int | None = None,
+    ) -> None:
+        """A pending message's new priority (priority topics) or deliver_at (timelines)."""
+        body = {
+            k: v for k, v in (("priority", priority), ("deliver_at", deliver_at)) if v is not None
+        }
+        self._send("PATCH", _message_path(topic, message_id), body)
+
+    # --- topics and cluster ------------------------------------------------------------
+
+    def topics(self) -> list[TopicSummary]:
+        """The topics the broker leases from."""
+        return _topics.validate_python(self._json("GET", "/v1/topics"))
+
+    def topic_stats(self, topic: str) -> TopicStats:
+        """Pending, delayed, leased, acked, dead, consumers; per bucket too."""
+        return self._model(TopicStats, "GET", f"/v1/topics/{topic}")
+
+    def cluster(self) -> Cluster:
+        """The current node's view of the cluster: role, term, leader, every node."""
+        return self._model(Cluster, "GET", "/v1/cluster")
+
+
+def _message_path(topic: str, message_id: str) -> str:
+    return f"/v1/topics/{topic}/messages/{quote(message_id, safe='')}"
+
+
+def _epoch_ms() -> int:
+    return time.time_ns() // 1_000_000

@@ -1,0 +1,120 @@
+"""On the Raft leader: cron schedules' occurrences that fall due within the topic's
+horizon become timeline messages on its Kafka input, the path every message takes.
+
+An occurrence is sent with `dejaq-deliver-at` = its time and `dejaq-id` =
+`<schedule id>@<epoch ms>`. The ingest buffers an id once within the topic's dedup
+window, so an occurrence sent again (by a leader that died between sending and storing
+its progress, or by a second node during an election) is buffered once. Progress is
+stored only once Kafka has acknowledged every message of the round: a failed round is
+done again from the previous progress, and no occurrence is skipped.
+
+A schedule is topped up to the full horizon once its next occurrence comes within half
+of it: one firing every second costs a progress commit every half horizon, not every
+second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from dejaq.broker import cron
+from dejaq.broker.schedules import Schedule, ScheduleStore
+from dejaq.broker.service import Broker, Outgoing, Producer, now_ms
+from dejaq.conf.settings import TopicConfig, TopicKind
+
+log = logging.getLogger("dejaq.broker.cron")
+
+PERIOD_S = 1.0
+# Occurrences one schedule sends in a round: after a long outage a fast schedule catches
+# up over several rounds instead of in one Kafka batch of unbounded size.
+MAX_PER_ROUND = 10_000
+
+
+def occurrence_id(schedule_id: str, at_ms: int) -> str:
+    return f"{schedule_id}@{at_ms}"
+
+
+def message(schedule: Schedule, at_ms: int) -> Outgoing:
+    """The occurrence at `at_ms` in the Kafka envelope of a timeline message."""
+    headers = [
+        *schedule.headers,
+        ("dejaq-deliver-at", str(at_ms).encode()),
+        ("dejaq-id", occurrence_id(schedule.schedule_id, at_ms).encode()),
+    ]
+    return Outgoing(schedule.key, schedule.payload, headers)
+
+
+@dataclass
+class Due:
+    """One schedule's share of a round: its messages and the progress they make."""
+
+    schedule: Schedule
+    messages: list[Outgoing]
+    until: int
+
+
+class Materialiser:
+    """Every cron topic's materialisation; `run` does a round a period while this node
+    leads. Any node serves the schedules (`stores`) over HTTP."""
+
+    def __init__(self, broker: Broker, producer: Producer) -> None:
+        self.broker = broker
+        self.producer = producer
+        self.topics = {t.name: t for t in broker.settings.topics if t.kind is TopicKind.CRON}
+        warehouse = broker.settings.warehouse
+        self.stores = {name: ScheduleStore(warehouse, name) for name in self.topics}
+        # (topic, id, created at) → (progress, the first occurrence after it), so a round
+        # costs a dictionary look-up per schedule that is not due.
+        self._next: dict[tuple[str, str, int], tuple[int, int | None]] = {}
+
+    async def run(self) -> None:
+        """Until cancelled. A failed round is logged; the next one does it again."""
+        while True:
+            await asyncio.sleep(PERIOD_S)
+            raft = self.broker.raft
+            if raft is None or not raft.is_leader():
+                continue
+            for name in self.topics:
+                try:
+                    await self.round(name, now_ms())
+                except Exception:
+                    log.exception("materialising cron topic %s failed; retrying", name)
+
+    async def round(self, topic: str, now: int) -> int:
+        """Send what falls due within the horizon, then store the progress; returns how
+        many messages were sent."""
+        cfg, store = self.topics[topic], self.stores[topic]
+        schedules = await asyncio.to_thread(store.all)
+        due = await asyncio.to_thread(self.plan, cfg, schedules.values(), now)
+        if not due:
+            return 0
+        outgoing = [m for d in due for m in d.messages]
+        await self.producer.send(cfg.source[0], outgoing)
+        progress = {(d.schedule.schedule_id, d.schedule.created_at): d.until for d in due}
+        await asyncio.to_thread(store.advance, progress)
+        return len(outgoing)
+
+    def plan(self, cfg: TopicConfig, schedules: Iterable[Schedule], now: int) -> list[Due]:
+        """The schedules whose next occurrence is within half the horizon, each with its
+        occurrences up to the full horizon (or its end)."""
+        horizon = cfg.cron_horizon_ms
+        due: list[Due] = []
+        seen: dict[tuple[str, str, int], tuple[int, int | None]] = {}
+        for s in schedules:
+            tz = cron.zone(s.time_zone)
+            key = (cfg.name, s.schedule_id, s.created_at)
+            progress, first = self._next.get(key, (None, None))
+            if progress != s.materialised_until:
+                first = cron.next_after(s.cron, tz, s.materialised_until)
+            seen[key] = (s.materialised_until, first)
+            upto = now + horizon if s.end_at is None else min(now + horizon, s.end_at)
+            if first is None or first > upto or first > now + horizon // 2:
+                continue
+            times = cron.occurrences(s.cron, tz, s.materialised_until, upto, MAX_PER_ROUND)
+            until = times[-1] if len(times) == MAX_PER_ROUND else upto
+            due.append(Due(s, [message(s, t) for t in times], until))
+        self._next = {k: v for k, v in self._next.items() if k[0] != cfg.name} | seen
+        return due

@@ -1,0 +1,68 @@
+"""Response bodies of the HTTP API that the routes and the Python client share.
+
+Pydantic only: the client (`dejaq.broker.client`) imports this and no server code.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class SettleResult(BaseModel):
+    settled: int
+
+
+class ExtendResult(SettleResult):
+    lease_deadline: int = Field(description="epoch ms, the broker's clock")
+
+
+class Heartbeat(BaseModel):
+    consumer_id: str
+    buckets: list[int]
+
+
+class Left(BaseModel):
+    consumer_id: str
+    released: int
+
+
+class TopicSummary(BaseModel):
+    name: str
+    kind: str
+    buckets: int
+    sources: list[str]
+
+
+class BucketStats(BaseModel):
+    bucket: int
+    consumer_id: str | None
+    pending: int
+    leased: int
+    deliverable_now: int
+    oldest_age_ms: int | None
+
+
+class TopicStats(BaseModel):
+    name: str
+    kind: str
+    buckets: int
+    paused: bool
+    pending: int
+    delayed: int
+    leased: int
+    deliverable_now: int
+    acked: int
+    dead: int
+    cancelled: int
+    oldest_age_ms: int | None
+    consumers: list[str]
+    per_bucket: list[BucketStats]
+
+
+class Cluster(BaseModel):
+    node_id: str
+    role: str
+    term: int
+    leader: str | None
+    leader_http: str | None
+    nodes: dict[str, str]

@@ -1,0 +1,248 @@
+"""A worker: lease from a topic, run a handler per message, settle by the outcome.
+
+Success acks; an exception nacks with exponential backoff, or rejects (dead letter) for
+the exception types named permanent. While a handler runs, a keeper thread extends the
+leases in hand once half of one has passed, and heartbeats so the consumer keeps its
+buckets. On SIGTERM, SIGINT or `stop()` the message in the handler is finished and
+acked, the consumer leaves (its unstarted leases go back to pending, not counted as a
+delivery, and its buckets to the other consumers), and `run()` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dejaq.broker.client import BrokerError, Client, Conflict, Message, ProblemError
+from dejaq.jobs.stopping import stop_on_signals
+
+log = logging.getLogger("dejaq.worker")
+
+Handler = Callable[[Message], object]
+SETTLED = "already_settled"
+ERROR_PAUSE_S = 1.0  # after a failed lease: a broker answering 500 is not asked again at once
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """The nack delay after a failed delivery: base * 2^(deliveries-1), capped, so a
+    message that keeps failing is retried less and less often."""
+
+    base_ms: int = 1000
+    max_ms: int = 300_000
+
+    def delay_ms(self, deliveries: int) -> int:
+        return min(self.max_ms, self.base_ms << max(deliveries - 1, 0))
+
+
+@dataclass
+class Counts:
+    acked: int = 0
+    nacked: int = 0
+    rejected: int = 0
+    lost: int = 0  # refused at settlement (lease expired, taken over): delivered again
+
+
+def default_consumer_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+
+
+class Worker:
+    """Runs `handler` over the messages of `topic` until stopped."""
+
+    def __init__(
+        self,
+        client: Client,
+        topic: str,
+        handler: Handler,
+        *,
+        consumer_id: str | None = None,
+        batch: int = 10,
+        lease_ms: int = 30_000,
+        wait_ms: int = 5_000,
+        backoff: Backoff | None = None,
+        reject_on: tuple[type[BaseException], ...] = (),
+        heartbeat_s: float = 3.0,
+        progress_s: float = 30.0,
+        on_ack: Callable[[Message], object] | None = None,
+    ) -> None:
+        """`heartbeat_s` must stay under the broker's `heartbeat_timeout_ms`; `wait_ms`
+        (the long poll) bounds how long a stop waits while nothing is in hand; `on_ack`
+        is called with each message whose ack the broker confirmed."""
+        self.client, self.topic, self.handler = client, topic, handler
+        self.consumer_id = consumer_id or default_consumer_id()
+        self.batch, self.lease_ms, self.wait_ms = batch, lease_ms, wait_ms
+        self.backoff = backoff or Backoff()
+        self.reject_on = reject_on
+        self.heartbeat_s, self.progress_s = heartbeat_s, progress_s
+        self.on_ack = on_ack
+        self.counts = Counts()
+        self._stop = threading.Event()
+        self._signalled = threading.Event()
+        self._done = threading.Event()
+        self._held: dict[str, Message] = {}
+        self._lock = threading.Lock()
+        self._contact = time.monotonic()
+
+    @property
+    def stopping(self) -> bool:
+        """Asked to stop: a long handler may check this to finish early."""
+        return self._stop.is_set() or self._signalled.is_set()
+
+    def stop(self) -> None:
+        """Finish the message in hand, leave, and return from `run()`."""
+        self._stop.set()
+
+    def run(self) -> None:
+        """Lease and handle until stopped; SIGTERM and SIGINT stop it when run in the
+        main thread."""
+        main = threading.current_thread() is threading.main_thread()
+        signals = stop_on_signals() if main else contextlib.nullcontext(threading.Event())
+        keeper = threading.Thread(target=self._keep, name=f"keeper-{self.consumer_id}")
+        self._done.clear()
+        with signals as signalled:
+            self._signalled = signalled
+            keeper.start()
+            log.info("%s: consuming %s", self.consumer_id, self.topic)
+            try:
+                self._loop()
+            finally:
+                self._done.set()
+                keeper.join()
+                self._leave()
+
+    def _loop(self) -> None:
+        shown = time.monotonic()
+        while not self.stopping:
+            try:
+                messages = self.client.lease(
+                    self.topic, self.consumer_id, self.batch, self.lease_ms, self.wait_ms
+                )
+            except BrokerError as e:
+                if isinstance(e, ProblemError) and e.status < 500:
+                    raise  # a bad topic or request: retrying will not help
+                log.warning("%s: lease failed: %s", self.consumer_id, e)
+                self._stop.wait(ERROR_PAUSE_S)
+                continue
+            self._touched()
+            with self._lock:
+                self._held.update((m.id, m) for m in messages)
+            for m in messages:
+                if self.stopping:
+                    break
+                self._handle(m)
+            with self._lock:
+                self._held.clear()  # unstarted ones, if stopping: the leave releases them
+            if time.monotonic() - shown >= self.progress_s:
+                shown = time.monotonic()
+                log.info("%s: %s", self.consumer_id, self.counts)
+
+    def _handle(self, m: Message) -> None:
+        try:
+            self.handler(m)
+        except self.reject_on as e:
+            log.warning("%s: %s rejected to the dead letters: %r", self.consumer_id, m.id, e)
+            self._settle(m, "rejected", self.client.reject)
+        except Exception as e:
+            delay = self.backoff.delay_ms(m.deliveries)
+            log.warning(
+                "%s: %s failed on delivery %d, again in %d ms: %r",
+                self.consumer_id,
+                m.id,
+                m.deliveries,
+                delay,
+                e,
+            )
+            self._settle(m, "nacked", lambda t, c, ids: self.client.nack(t, c, ids, delay_ms=delay))
+        else:
+            if self._settle(m, "acked", self.client.ack) and self.on_ack is not None:
+                self.on_ack(m)
+        finally:
+            with self._lock:
+                self._held.pop(m.id, None)
+
+    def _settle(
+        self, m: Message, outcome: str, call: Callable[[str, str, list[str]], object]
+    ) -> bool:
+        """Settle one message; True if the broker has it settled by this worker.
+
+        An `already_settled` refusal after a retry is this call's own first attempt when
+        the lease still held: no one else could settle a message leased to us.
+        """
+        try:
+            call(self.topic, self.consumer_id, [m.id])
+        except Conflict as e:
+            why = e.refused.get(m.id, e.title)
+            if not (why == SETTLED and e.maybe_applied and time.monotonic() < m.held_until):
+                self.counts.lost += 1
+                log.warning("%s: %s not %s (%s)", self.consumer_id, m.id, outcome, why)
+                return False
+            log.info(
+                "%s: %s %s by an attempt whose answer was lost", self.consumer_id, m.id, outcome
+            )
+        except BrokerError as e:
+            self.counts.lost += 1
+            log.warning("%s: %s not %s: %s", self.consumer_id, m.id, outcome, e)
+            return False
+        self._touched()
+        setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
+        log.debug("%s: %s %s", self.consumer_id, m.id, outcome)
+        return True
+
+    def _touched(self) -> None:
+        self._contact = time.monotonic()
+
+    def _keep(self) -> None:
+        """Extend the leases in hand past half their time; heartbeat while handling."""
+        half = self.lease_ms / 2000
+        tick = max(0.05, min(half / 2, self.heartbeat_s / 2))
+        while not self._done.wait(tick):
+            now = time.monotonic()
+            with self._lock:
+                held = list(self._held.values())
+            due = [m for m in held if m.held_until - now < half]
+            try:
+                if due:
+                    self._extend(due)
+                elif held and now - self._contact >= self.heartbeat_s:
+                    self.client.heartbeat(self.topic, self.consumer_id)
+                    self._touched()
+            except BrokerError as e:
+                log.warning("%s: keeping leases failed: %s", self.consumer_id, e)
+
+    def _extend(self, due: list[Message]) -> None:
+        sent = time.monotonic()
+        refused: dict[str, str] = {}
+        try:
+            self.client.extend(self.topic, self.consumer_id, [m.id for m in due], self.lease_ms)
+        except Conflict as e:
+            refused = e.refused
+        self._touched()
+        for m in due:
+            if m.id not in refused:
+                m.held_until = sent + self.lease_ms / 1000
+            elif refused[m.id] != SETTLED:  # settled: acked meanwhile
+                log.warning("%s: lease of %s lost: %s", self.consumer_id, m.id, refused[m.id])
+
+    def _leave(self) -> None:
+        try:
+            left = self.client.leave(self.topic, self.consumer_id)
+        except BrokerError as e:
+            log.warning(
+                "%s: leaving %s failed (%s): leases expire", self.consumer_id, self.topic, e
+            )
+            return
+        log.info(
+            "%s: left %s, %d leases released; %s",
+            self.consumer_id,
+            self.topic,
+            left.released,
+            self.counts,
+        )

@@ -1,0 +1,341 @@
+"""The Python client and worker against real 3-node broker clusters (real HTTP, Raft, Delta)."""
+
+from __future__ import annotations
+
+import collections
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import wait_until
+from hypothesis import given
+from hypothesis import strategies as st
+from test_broker import buffer_rows, fill
+from test_broker_cluster import leader_of, start, stop, write_conf
+
+from dejaq.broker import client as api
+from dejaq.broker.client import (
+    Client,
+    Conflict,
+    InvalidRequest,
+    Message,
+    NewMessage,
+    NotFound,
+    PayloadTooLarge,
+)
+from dejaq.broker.worker import Backoff, Worker
+from dejaq.jobs import cluster
+from dejaq.jobs.cluster import Node
+from dejaq.jobs.embedded_kafka import free_port
+
+
+class Transient(Exception):
+    """A failure worth retrying."""
+
+
+class Permanent(Exception):
+    """A message no retry will handle."""
+
+
+@pytest.fixture(scope="module")
+def three(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[tuple]:
+    """A 3-node cluster for the tests that do not kill nodes; each uses its own topic."""
+    tmp_path = tmp_path_factory.mktemp("client")
+    nodes = start(tmp_path, write_conf(tmp_path, kafka_bootstrap, kafka_source, 3000))
+    try:
+        yield nodes, str(tmp_path / "warehouse")
+    finally:
+        stop(nodes)
+
+
+def urls(nodes: list[Node]) -> list[str]:
+    return [n.url for n in nodes]
+
+
+def test_client_models_have_the_routes_fields() -> None:
+    """The client imports no server code; the bodies it decodes (base64 to bytes) must not
+    drift from the routes' (the others are shared: `dejaq.broker.responses`)."""
+    from dejaq.broker.routers.leases import LeasedMessage
+    from dejaq.broker.routers.messages import Peeked
+
+    assert set(Message.model_fields) - {"held_until"} == set(LeasedMessage.model_fields)
+    assert set(api.Peeked.model_fields) == set(Peeked.model_fields)
+
+
+def test_the_client_imports_no_server_code() -> None:
+    code = "import sys, dejaq.broker.worker; print(sorted(sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    loaded = out.stdout
+    for server in ("fastapi", "deltalake", "pysyncobj", "pyspark", "dejaq.broker.service"):
+        assert f"'{server}'" not in loaded, server
+
+
+@given(base=st.integers(1, 10_000), cap=st.integers(1, 10**7), n=st.integers(1, 200))
+def test_backoff_doubles_per_delivery_up_to_the_cap(base: int, cap: int, n: int) -> None:
+    b = Backoff(base_ms=base, max_ms=cap)
+    assert b.delay_ms(1) == min(base, cap)
+    assert b.delay_ms(n + 1) == min(cap, 2 * b.delay_ms(n)) or b.delay_ms(n) == cap
+    assert b.delay_ms(n) <= b.delay_ms(n + 1) <= cap
+
+
+def test_typed_calls_and_typed_errors(three, kafka_source: str) -> None:
+    nodes, warehouse = three
+    fill(warehouse, "jobs", buffer_rows([30, 10, 20, 40], bucket_of=lambda i: 0, prefix="c"))
+    dead = f"127.0.0.1:{free_port()}"  # nothing listens: the client moves on
+    with Client([dead, *urls(nodes)], deadline=20) as c:
+        assert {t.name: t.kind for t in c.topics()}["later"] == "timeline"
+        view = c.cluster()
+        assert view.role in ("leader", "follower") and len(view.nodes) == 3
+        assert c.node != f"http://{dead}"
+        assert c.heartbeat("jobs", "w").buckets == [0, 1, 2, 3]
+
+        got = c.lease("jobs", "w", max_messages=2, lease_ms=60_000, wait_ms=5000)
+        assert [(m.id, m.priority, m.deliveries) for m in got] == [("c1", 10, 1), ("c2", 20, 1)]
+        assert got[0].payload == b"payload-c1" and got[0].key == b"k1"
+        assert got[0].held_until > time.monotonic() + 50
+        ext = c.extend("jobs", "w", ["c1", "c2"], lease_ms=120_000)
+        assert ext.settled == 2 and ext.lease_deadline > got[0].lease_deadline
+        assert c.ack("jobs", "w", ["c1"]).settled == 1
+        with pytest.raises(Conflict) as again:
+            c.ack("jobs", "w", ["c1", "c9"])
+        assert again.value.status == 409 and again.value.settled == 0
+        assert again.value.refused == {"c1": "already_settled", "c9": "not_leased"}
+        assert not again.value.maybe_applied
+
+        assert c.nack("jobs", "w", ["c2"], delay_ms=0, priority=5).settled == 1
+        [back] = c.lease("jobs", "w", lease_ms=60_000, wait_ms=5000)
+        assert (back.id, back.priority, back.deliveries) == ("c2", 5, 2), "new priority, +1"
+        assert c.reject("jobs", "w", ["c2"]).settled == 1
+        assert c.peek("jobs", "c2").status == "dead"
+
+        pending = c.peek("jobs", "c0")
+        assert (pending.status, pending.payload, pending.priority) == ("pending", b"payload-c0", 30)
+        c.reschedule("jobs", "c0", priority=1)
+        assert c.peek("jobs", "c0").sort_key == 1
+        c.cancel("jobs", "c3")
+        assert c.peek("jobs", "c3").status == "cancelled"
+        with pytest.raises(Conflict) as cancelled:
+            c.cancel("jobs", "c3")
+        assert cancelled.value.reason == "already_settled"
+
+        assert c.produce("jobs", b"\x00\xff", priority=7, key="k", id="my-1") == "my-1"
+        ids = c.produce_batch("jobs", [NewMessage(b"a", priority=1), NewMessage(b"b", priority=2)])
+        assert len(ids) == 2 and all(i.startswith(f"{kafka_source}-0-") for i in ids)
+
+        stats = c.topic_stats("jobs")
+        assert (stats.acked, stats.dead, stats.cancelled) == (1, 1, 1)
+        assert stats.consumers == ["w"] and len(stats.per_bucket) == 4
+        assert c.leave("jobs", "w").released == 0
+
+        with pytest.raises(NotFound) as missing:
+            c.lease("nope", "w")
+        assert missing.value.status == 404
+        with pytest.raises(NotFound):
+            c.peek("jobs", "never-buffered")
+        with pytest.raises(InvalidRequest) as invalid:
+            c.lease("jobs", "w", max_messages=1001)
+        assert ["body", "max_messages"] in [e["loc"] for e in invalid.value.errors]
+        with pytest.raises(InvalidRequest) as unsorted:
+            c.produce("jobs", b"x")
+        assert unsorted.value.title == "missing priority"
+        with pytest.raises(PayloadTooLarge):
+            c.produce("jobs", b"x" * 1001, priority=1)
+
+
+def run_workers(workers: list[Worker]) -> list[threading.Thread]:
+    threads = [threading.Thread(target=w.run, name=w.consumer_id) for w in workers]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_workers_survive_a_leader_kill(tmp_path, kafka_bootstrap, kafka_source) -> None:
+    """Every message handled and acked exactly once across a kill -9 of the leader; a
+    handler's exception redelivers with deliveries + 1, a permanent one dead-letters."""
+    total = 600
+    permanent = {f"f{i}" for i in range(0, total, 40)}
+    transient = {f"f{i}" for i in range(3, total, 7)} - permanent
+    expected = {f"f{i}" for i in range(total)} - permanent
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, heartbeat_ms=3000)
+    rows = buffer_rows([i % 50 for i in range(total)], lambda i: i % 8, "f")
+    fill(str(tmp_path / "warehouse"), "fo", rows)
+    nodes = start(tmp_path, conf)
+    lock = threading.Lock()
+    seen: set[str] = set()
+    calls: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
+    acks: list[str] = []
+
+    def handler(m: Message) -> None:
+        with lock:
+            first = m.id not in seen
+            seen.add(m.id)
+            calls[m.id].append((m.deliveries, time.monotonic()))
+        if m.id in permanent:
+            raise Permanent(m.id)
+        if m.id in transient and first:
+            raise Transient(m.id)
+
+    def acked(m: Message) -> None:
+        with lock:
+            acks.append(m.id)
+
+    with httpx.Client() as http:
+        leader = wait_until(lambda: leader_of(nodes, http), what="a leader")
+    # The leader first: its kill leaves the clients facing a dead node, not a 503.
+    order = [leader.url, *(n.url for n in nodes if n is not leader)]
+    clients = [Client(order, deadline=30) for _ in range(3)]
+    workers = [
+        Worker(
+            c,
+            "fo",
+            handler,
+            consumer_id=f"w{i}",
+            batch=5,
+            lease_ms=10_000,
+            wait_ms=500,
+            backoff=Backoff(base_ms=50, max_ms=200),
+            reject_on=(Permanent,),
+            heartbeat_s=0.5,
+            on_ack=acked,
+        )
+        for i, c in enumerate(clients)
+    ]
+    threads = run_workers(workers)
+    try:
+        wait_until(lambda: len(acks) >= total // 4, timeout=60, what="a quarter acked")
+        cluster.stop_node(leader, kill=True)
+        killed = time.monotonic()
+        assert len(acks) < len(expected), "killed mid-run"
+        wait_until(lambda: set(acks) >= expected, timeout=60, what="every message acked")
+        assert {clients[0].peek("fo", m).status for m in permanent} == {"dead"}
+        for w in workers:
+            w.stop()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "each worker returns once stopped"
+        assert clients[0].topic_stats("fo").consumers == [], "each worker left"
+        assert all(c.node != leader.url for c in clients), "each client moved on"
+    finally:
+        for w in workers:
+            w.stop()
+        stop(nodes)
+        for c in clients:
+            c.close()
+    assert [m for m, n in collections.Counter(acks).items() if n > 1] == [], "acked twice"
+    assert set(acks) == expected
+    assert sum(w.counts.rejected for w in workers) == len(permanent)
+    exactly_next = 0
+    for mid in transient:
+        (first, _), (second, at) = calls[mid][:2]
+        assert second > first, mid
+        if at < killed:  # no lease answer can have been lost to the kill in between
+            assert second == first + 1, mid
+            exactly_next += 1
+    assert exactly_next > 0
+
+
+WORKER_SCRIPT = """
+import logging, sys, time
+from dejaq.broker.client import Client
+from dejaq.broker.worker import Worker
+
+logging.basicConfig(level=logging.INFO, stream=sys.stderr)
+
+
+def handler(m):
+    print("started", m.id, flush=True)
+    deadline = time.monotonic() + 30
+    while not worker.stopping and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+worker = Worker(
+    Client(sys.argv[1].split(",")), "rb", handler, consumer_id="sub", batch=3,
+    lease_ms=5000, wait_ms=1000, heartbeat_s=0.5,
+    on_ack=lambda m: print("acked", m.id, flush=True),
+)
+worker.run()
+"""
+
+
+def test_sigterm_finishes_the_message_in_hand_and_leaves(three, tmp_path: Path) -> None:
+    nodes, warehouse = three
+    fill(warehouse, "rb", buffer_rows([1, 2, 3], bucket_of=lambda i: 0, prefix="s"))
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, str(script), ",".join(urls(nodes))],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().split() == ["started", "s0"], proc.stderr.read()
+        with Client(urls(nodes)) as c:
+            assert set(c.heartbeat("rb", "other").buckets) < {0, 1, 2, 3}, "sub has some"
+            proc.terminate()
+            assert proc.wait(30) == 0
+            assert proc.stdout.read().split() == ["acked", "s0"]
+            assert "left rb, 2 leases released" in proc.stderr.read()
+            assert c.peek("rb", "s0").status == "acked"
+            assert c.topic_stats("rb").consumers == ["other"]
+            assert c.heartbeat("rb", "other").buckets == [0, 1, 2, 3], "sub's buckets too"
+            rest = c.lease("rb", "other", max_messages=10, wait_ms=5000)
+            assert [(m.id, m.deliveries) for m in rest] == [("s1", 1), ("s2", 1)], (
+                "released by the leave, not counted as a delivery"
+            )
+            c.ack("rb", "other", ["s1", "s2"])
+            c.leave("rb", "other")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_handler_longer_than_the_lease_keeps_it(three) -> None:
+    nodes, warehouse = three
+    fill(warehouse, "hot", buffer_rows([1], bucket_of=lambda i: 0, prefix="long"))
+    started, release = threading.Event(), threading.Event()
+    handled: list[Message] = []
+    acked: list[str] = []
+
+    def handler(m: Message) -> None:
+        handled.append(m)
+        started.set()
+        assert release.wait(30)
+
+    with Client(urls(nodes)) as c:
+        worker = Worker(
+            c,
+            "hot",
+            handler,
+            consumer_id="slow",
+            lease_ms=1000,
+            wait_ms=500,
+            heartbeat_s=0.3,
+            on_ack=lambda m: acked.append(m.id),
+        )
+        [thread] = run_workers([worker])
+        try:
+            assert started.wait(30)
+            first = handled[0].lease_deadline
+
+            def held_past_first_deadline() -> bool:
+                peeked = c.peek("hot", "long0")
+                assert (peeked.status, peeked.deliveries) == ("leased", 1)
+                return time.time() * 1000 > first + 1000 and peeked.lease_deadline > first + 1000
+
+            wait_until(held_past_first_deadline, timeout=20, what="the lease extended")
+        finally:
+            release.set()
+            wait_until(lambda: acked, timeout=20, what="the ack")
+            worker.stop()
+            thread.join(30)
+        assert acked == ["long0"] and len(handled) == 1
+        assert c.peek("hot", "long0").status == "acked"
+        assert worker.counts.lost == 0

@@ -1,0 +1,400 @@
+"""Cron topics: the expression and time-zone maths, schedules over HTTP on a real 3-node
+cluster, and occurrences through real Kafka, the ingest and the broker, once each."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from zoneinfo import ZoneInfo
+
+import httpx
+import pytest
+from conftest import wait_until
+from deltalake import DeltaTable
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from kafka import KafkaConsumer, TopicPartition
+from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
+
+from dejaq.broker import cron
+from dejaq.broker.materialiser import occurrence_id
+from dejaq.conf.settings import ConfigError, load_settings
+from dejaq.conf.tables import Table, table_path
+from dejaq.jobs import cluster
+from dejaq.pipelines.ingest import IngestJob
+from dejaq.pipelines.session import detect_connectors
+
+BERLIN = ZoneInfo("Europe/Berlin")
+HOUR_MS = 3600 * 1000
+
+
+def ms(at: dt.datetime) -> int:
+    return int(at.timestamp() * 1000)
+
+
+def local(at_ms: int, tz: ZoneInfo) -> dt.datetime:
+    return dt.datetime.fromtimestamp(at_ms / 1000, tz)
+
+
+# --- maths -----------------------------------------------------------------------------
+
+
+def test_a_daily_0230_in_berlin_runs_once_on_both_dst_days() -> None:
+    spring = cron.occurrences(
+        "30 2 * * *", BERLIN, ms(dt.datetime(2026, 3, 28, 12, tzinfo=BERLIN)), 2**62, 3
+    )
+    assert [local(t, BERLIN).isoformat() for t in spring] == [
+        "2026-03-29T03:00:00+02:00",  # 02:30 does not exist that day: as the gap ends
+        "2026-03-30T02:30:00+02:00",
+        "2026-03-31T02:30:00+02:00",
+    ]
+    autumn = cron.occurrences(
+        "30 2 * * *", BERLIN, ms(dt.datetime(2026, 10, 24, 12, tzinfo=BERLIN)), 2**62, 2
+    )
+    assert [local(t, BERLIN).isoformat() for t in autumn] == [
+        "2026-10-25T02:30:00+02:00",  # 02:30 happens twice that day: the first only
+        "2026-10-26T02:30:00+01:00",
+    ]
+
+
+def test_hourly_follows_real_hours_across_the_autumn_change() -> None:
+    day = ms(dt.datetime(2026, 10, 25, tzinfo=BERLIN))
+    hours = cron.occurrences("0 * * * *", BERLIN, day - 1, day + 25 * HOUR_MS - 1, 100)
+    assert len(hours) == 25, "the day has 25 hours"
+    assert all(b - a == HOUR_MS for a, b in itertools.pairwise(hours))
+
+
+def test_seconds_field_and_bounds() -> None:
+    start = ms(dt.datetime(2026, 1, 1, tzinfo=dt.UTC))
+    assert cron.occurrences("*/15 * * * * *", ZoneInfo("UTC"), start, start + 60_000, 10) == [
+        start + 15_000,
+        start + 30_000,
+        start + 45_000,
+        start + 60_000,
+    ], "strictly after the start, up to and including the end"
+    assert len(cron.occurrences("* * * * * *", ZoneInfo("UTC"), start, start + 60_000, 7)) == 7
+    assert cron.next_after("0 0 29 2 *", ZoneInfo("UTC"), start) == ms(
+        dt.datetime(2028, 2, 29, tzinfo=dt.UTC)
+    )
+
+
+@pytest.mark.parametrize(
+    "expr", ["", "* * *", "61 * * * *", "* 24 * * *", "0 0 31 2 *", "x * * * *", "* " * 7]
+)
+def test_invalid_expressions_say_why(expr: str) -> None:
+    with pytest.raises(ValueError, match=r"cron expression|never occurs|at most"):
+        cron.check(expr)
+
+
+@pytest.mark.parametrize("name", ["Mars/Olympus", "", "../etc/passwd", "Europe"])
+def test_unknown_time_zones(name: str) -> None:
+    with pytest.raises(ValueError, match="unknown IANA time zone"):
+        cron.zone(name)
+
+
+def _field(values: st.SearchStrategy[int], top: int) -> st.SearchStrategy[str]:
+    return st.one_of(
+        st.just("*"),
+        st.integers(2, top // 2).map(lambda n: f"*/{n}"),
+        st.lists(values, min_size=1, max_size=3, unique=True).map(
+            lambda v: ",".join(map(str, sorted(v)))
+        ),
+    )
+
+
+# Expressions over seconds, minutes and hours: what a time-zone change can disturb.
+EXPRESSIONS = st.one_of(
+    st.tuples(_field(st.integers(0, 59), 60), _field(st.integers(0, 23), 24)).map(
+        lambda f: f"{f[0]} {f[1]} * * *"
+    ),
+    st.tuples(
+        st.lists(st.integers(0, 59), min_size=1, max_size=2, unique=True),
+        st.lists(st.integers(0, 59), min_size=1, max_size=2, unique=True),
+        _field(st.integers(0, 23), 24),
+    ).map(lambda f: f"{','.join(map(str, f[0]))} {','.join(map(str, f[1]))} {f[2]} * * *"),
+)
+ZONES = st.sampled_from(
+    ["UTC", "Europe/Berlin", "America/New_York", "Australia/Lord_Howe", "Asia/Kathmandu"]
+)
+# Near the 2026 changes of those zones, or anywhere in the decade.
+NEAR = [
+    dt.datetime(2026, 3, 29, 1, tzinfo=dt.UTC),
+    dt.datetime(2026, 10, 25, 1, tzinfo=dt.UTC),
+    dt.datetime(2026, 3, 8, 7, tzinfo=dt.UTC),
+    dt.datetime(2026, 11, 1, 6, tzinfo=dt.UTC),
+    dt.datetime(2026, 4, 4, 15, tzinfo=dt.UTC),
+    dt.datetime(2026, 10, 3, 15, tzinfo=dt.UTC),
+]
+STARTS = st.one_of(
+    st.tuples(st.sampled_from(NEAR), st.integers(-6 * HOUR_MS, 6 * HOUR_MS)).map(
+        lambda p: ms(p[0]) + p[1]
+    ),
+    st.integers(
+        ms(dt.datetime(2020, 1, 1, tzinfo=dt.UTC)), ms(dt.datetime(2030, 1, 1, tzinfo=dt.UTC))
+    ),
+)
+
+
+def _matches(expr: str, at: dt.datetime) -> bool:
+    fields = expr.split()
+    if len(fields) == 5:
+        fields.insert(0, "0")
+    second, minute, hour = fields[:3]
+
+    def ok(spec: str, value: int) -> bool:
+        if spec == "*":
+            return True
+        if spec.startswith("*/"):
+            return value % int(spec[2:]) == 0
+        return value in {int(v) for v in spec.split(",")}
+
+    return ok(second, at.second) and ok(minute, at.minute) and ok(hour, at.hour)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    expr=EXPRESSIONS,
+    zone=ZONES,
+    start=STARTS,
+    span=st.integers(1, 12 * HOUR_MS),
+    cut=st.floats(0, 1),
+)
+def test_occurrences_increase_match_and_resume_without_gaps(
+    expr: str, zone: str, start: int, span: int, cut: float
+) -> None:
+    tz = ZoneInfo(zone)
+    end = start + span
+    got = cron.occurrences(expr, tz, start, end, 100_000)
+    assert all(start < t <= end for t in got), "none before its start, none after its end"
+    assert all(a < b for a, b in itertools.pairwise(got)), "strictly increasing"
+    for t in got:
+        at = local(t, tz)
+        # Debian's special case: a fixed-time job in a skipped hour runs as the gap ends.
+        changed = local(t - 3 * HOUR_MS, tz).utcoffset() != at.utcoffset()
+        assert _matches(expr, at) or changed, f"{at.isoformat()} does not match {expr!r}"
+    middle = start + int(span * cut)
+    resumed = cron.occurrences(expr, tz, start, middle, 100_000) + cron.occurrences(
+        expr, tz, middle, end, 100_000
+    )
+    assert resumed == got, "resuming from any progress neither skips nor repeats"
+
+
+def test_cron_topics_need_a_dedup_window_over_the_horizon(tmp_path: Path) -> None:
+    conf = tmp_path / "c.yaml"
+    conf.write_text(
+        "topics:\n  - {name: c, kind: cron, source: [in], cron_horizon_ms: 600000,"
+        " dedup_window_ms: 60000}\n"
+    )
+    with pytest.raises(ConfigError, match=r"topics\.0\.dedup_window_ms|dedup_window_ms"):
+        load_settings(conf, env={})
+    conf.write_text("topics:\n  - {name: c, kind: cron, source: [in]}\n")
+    topic = load_settings(conf, env={}).topic("c")
+    assert topic.dedup_window_ms >= topic.cron_horizon_ms + 3600 * 1000
+    assert topic.kind.sorted_as == "timeline"
+
+
+# --- over HTTP, on a real cluster --------------------------------------------------------
+
+HORIZON_MS = 60_000
+
+
+@pytest.fixture(scope="module")
+def crons(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[tuple]:
+    source = kafka_source
+    tmp_path = tmp_path_factory.mktemp("cron")
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{kafka_bootstrap}'}}\n"
+        "broker: {max_payload_bytes: 1000}\n"
+        "topics:\n"
+        f"  - {{name: ticks, kind: cron, source: [{source}], buckets: 2,"
+        f" cron_horizon_ms: {HORIZON_MS}}}\n"
+        f"  - {{name: crud, kind: cron, source: [unused-{source}], buckets: 2}}\n"
+        f"  - {{name: plain, kind: priority, source: [{source}]}}\n"
+    )
+    nodes = start(tmp_path, conf)
+    with httpx.Client(timeout=40) as client:
+        try:
+            yield nodes, client, conf
+        finally:
+            stop(nodes)
+
+
+def test_schedules_crud_on_any_node(crons) -> None:
+    nodes, client, _ = crons
+    a, b = follower(nodes, client, 0), follower(nodes, client, 1)
+    url = "/v1/topics/crud/schedules"
+    body = {
+        "id": "nightly.report",
+        "cron": "30 2 * * *",
+        "time_zone": "Europe/Berlin",
+        "payload": base64.b64encode(b"report").decode(),
+        "key": "reports",
+        "headers": {"trace": "t1", "dejaq-id": "ignored"},
+        "end": "2099-01-01T00:00:00+01:00",
+    }
+    made = client.post(a.url + url, json=body)
+    assert made.status_code == 201, made.text
+    got = made.json()
+    assert (got["id"], got["time_zone"], got["key"], got["headers"]) == (
+        "nightly.report",
+        "Europe/Berlin",
+        "reports",
+        {"trace": "t1"},
+    )
+    assert got["end"] == ms(dt.datetime(2099, 1, 1, tzinfo=dt.UTC)) - HOUR_MS
+    assert local(got["next_at"], BERLIN).strftime("%H:%M") in ("02:30", "03:00")
+    assert client.get(f"{b.url}{url}/nightly.report").json() == got, "any node reads it"
+    assert client.post(b.url + url, json=body).status_code == 200, "same again: idempotent"
+    other = client.post(b.url + url, json={**body, "cron": "0 3 * * *"})
+    assert other.status_code == 409 and other.headers["content-type"] == PROBLEM
+
+    generated = client.post(a.url + url, json={"cron": "0 0 * * MON", "payload": ""})
+    assert generated.status_code == 201, generated.text
+    gid = generated.json()["id"]
+    assert len(gid) == 32 and generated.json()["time_zone"] == "UTC"
+    listed = client.get(f"{a.url}{url}").json()["schedules"]
+    assert [s["id"] for s in listed] == sorted([gid, "nightly.report"])
+
+    for node in (a, b):
+        target = gid if node is a else "nightly.report"
+        assert client.delete(f"{node.url}{url}/{target}").status_code == 204
+        gone = client.get(f"{node.url}{url}/{target}")
+        assert gone.status_code == 404 and gone.headers["content-type"] == PROBLEM
+    assert client.delete(f"{a.url}{url}/{gid}").status_code == 404
+    assert client.get(f"{b.url}{url}").json() == {"schedules": []}
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"cron": "61 * * * *"}, "cron"),
+        ({"cron": "* * *"}, "cron"),
+        ({"cron": "0 0 31 2 *"}, "cron"),
+        ({"time_zone": "Mars/Olympus"}, "time_zone"),
+        ({"end": 1000}, "end"),
+        ({"end": "2001-01-01T00:00:00Z"}, "end"),
+        ({"end": "2099-01-01T00:00:00"}, "end"),
+        ({"id": "a@b"}, "id"),
+        ({"payload": "%%%"}, "payload"),
+    ],
+)
+def test_bad_schedules_are_422_naming_the_field(crons, change: dict, field: str) -> None:
+    nodes, client, _ = crons
+    body = {"cron": "* * * * *", "payload": "", **change}
+    got = client.post(f"{follower(nodes, client).url}/v1/topics/crud/schedules", json=body)
+    assert got.status_code == 422 and got.headers["content-type"] == PROBLEM
+    problem = got.json()
+    named = {part for e in problem.get("errors", []) for part in e["loc"]}
+    assert field in named or field in problem["detail"], problem
+
+
+def test_unknown_and_non_cron_topics_are_404(crons) -> None:
+    nodes, client, _ = crons
+    node = follower(nodes, client)
+    for topic in ("nope", "plain"):
+        body = {"cron": "* * * * *", "payload": ""}
+        assert client.post(f"{node.url}/v1/topics/{topic}/schedules", json=body).status_code == 404
+        assert client.get(f"{node.url}/v1/topics/{topic}/schedules").status_code == 404
+
+
+# --- end to end --------------------------------------------------------------------------
+
+
+def input_records(bootstrap: str, topic: str) -> list:
+    """Everything on the input topic so far."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    parts = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+    consumer.assign(parts)
+    consumer.seek_to_beginning(*parts)
+    ends = consumer.end_offsets(parts)
+    out = []
+    while any(consumer.position(p) < ends[p] for p in parts):
+        for batch in consumer.poll(timeout_ms=500).values():
+            out += batch
+    consumer.close()
+    return out
+
+
+def ingest_once(spark, conf: Path) -> None:
+    s = load_settings(conf, env={})
+    query = IngestJob(spark, s, s.topic("ticks"), detect_connectors(spark)).start(once=True)
+    query.awaitTermination(180)
+    assert query.exception() is None
+
+
+def buffered(conf: Path, table: Table) -> list[dict]:
+    path = table_path(load_settings(conf, env={}).warehouse, table, "ticks")
+    return DeltaTable(path).to_pyarrow_table().to_pylist() if DeltaTable.is_deltatable(path) else []
+
+
+def test_occurrences_are_buffered_once_however_often_materialised_and_never_early(
+    crons, spark, kafka_bootstrap: str, kafka_source: str
+) -> None:
+    """Runs last in the module: it kills the leader."""
+    nodes, client, conf = crons
+    url = f"{follower(nodes, client).url}/v1/topics/ticks/schedules"
+    end = int(time.time() * 1000) + 40_000
+    body = {"id": "tick", "cron": "*/2 * * * * *", "payload": "aGk=", "key": "k", "end": end}
+    made = client.post(url, json=body)
+    assert made.status_code == 201, made.text
+    created = made.json()["created_at"]
+    expected = {
+        occurrence_id("tick", t)
+        for t in cron.occurrences(body["cron"], ZoneInfo("UTC"), created, end, 1000)
+    }
+    assert len(expected) >= 15
+
+    wait_until(
+        lambda: client.get(f"{url}/tick").json()["materialised_until"] == end,
+        what="materialised up to its end, the horizon covering it",
+    )
+    first = input_records(kafka_bootstrap, kafka_source)
+    assert Counter(dict(r.headers)["dejaq-id"].decode() for r in first) == Counter(expected), (
+        "the leader alone materialises, each occurrence once"
+    )
+    for r in first:
+        headers = dict(r.headers)
+        assert headers["dejaq-id"].decode() == f"tick@{headers['dejaq-deliver-at'].decode()}"
+        assert (r.key, r.value) == (b"k", b"hi")
+    ingest_once(spark, conf)
+    assert {r["message_id"] for r in buffered(conf, Table.BUFFER)} == expected
+
+    # A leader that sent but died before storing its progress: a new leader sends again.
+    cluster.stop_node(leader_of(nodes, client), kill=True)
+    path = table_path(load_settings(conf, env={}).warehouse, Table.SCHEDULES, "ticks")
+    DeltaTable(path).update(updates={"materialised_until": "created_at"})
+    wait_until(
+        lambda: len(input_records(kafka_bootstrap, kafka_source)) == 2 * len(expected),
+        timeout=60,
+        what="a new leader to materialise the schedule again",
+    )
+    ingest_once(spark, conf)
+    rows = buffered(conf, Table.BUFFER)
+    assert sorted(r["message_id"] for r in rows) == sorted(expected), "buffered once each"
+    assert [r["reason"] for r in buffered(conf, Table.QUARANTINE)] == ["duplicate"] * len(expected)
+
+    leased: dict[str, int] = {}
+    alive = [n for n in nodes if n.proc is not None and n.proc.poll() is None]
+
+    def lease() -> bool:
+        got = client.post(
+            f"{alive[0].url}/v1/topics/ticks/leases",
+            json={"consumer_id": "w", "max_messages": 100, "wait_ms": 2000, "lease_ms": 60_000},
+        )
+        if got.status_code == 200:
+            for m in got.json()["messages"]:
+                assert m["lease_deadline"] - 60_000 >= m["deliver_at"], "never early"
+                assert m["id"] == occurrence_id("tick", m["deliver_at"])
+                assert m["id"] not in leased, "delivered once"
+                leased[m["id"]] = m["deliver_at"]
+        return len(leased) == len(expected)
+
+    wait_until(lease, timeout=90, what="every occurrence to be delivered")
+    assert set(leased) == expected

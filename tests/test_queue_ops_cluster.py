@@ -1,0 +1,204 @@
+"""Queue operations on a real 3-node broker: redrive, pause and resume, purge, the lease rate
+limit and retry backoff, through HTTP (and the `dejaq redrive` command)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from conftest import wait_until
+from deltalake import DeltaTable
+from test_broker import buffer_rows, fill
+from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
+
+from dejaq.conf.tables import Table, ensure_table
+
+RATE = 20
+TWO = lambda i: i % 2  # noqa: E731 (buckets of the 2-bucket topics)
+REDRIVE = [sys.executable, "-m", "dejaq.jobs.cli", "redrive"]
+
+
+@pytest.fixture(scope="module")
+def ops(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[tuple]:
+    tmp_path = tmp_path_factory.mktemp("ops")
+    conf = tmp_path / "dejaq.yaml"
+    src = kafka_source
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{kafka_bootstrap}'}}\n"
+        "broker: {heartbeat_timeout_ms: 5000, lease_ms: 60000}\n"
+        "topics:\n"
+        f"  - {{name: dl, kind: priority, source: [{src}], buckets: 2}}\n"
+        f"  - {{name: ps, kind: priority, source: [{src}], buckets: 2}}\n"
+        f"  - {{name: pg, kind: priority, source: [{src}], buckets: 2}}\n"
+        f"  - {{name: rl, kind: priority, source: [{src}], buckets: 4, max_lease_rate: {RATE}}}\n"
+        f"  - {{name: bo, kind: priority, source: [{src}], buckets: 1,"
+        " retry_backoff_ms: 60000}\n"
+    )
+    nodes = start(tmp_path, conf)
+    with httpx.Client(timeout=40) as client:
+        try:
+            yield nodes, client, str(tmp_path / "warehouse")
+        finally:
+            stop(nodes)
+
+
+def lease(client: httpx.Client, url: str, consumer: str, n: int = 10, wait_ms: int = 3000):
+    body = {"consumer_id": consumer, "max_messages": n, "wait_ms": wait_ms}
+    got = client.post(f"{url}/leases", json=body)
+    assert got.status_code == 200, got.text
+    return got.json()["messages"]
+
+
+def events(warehouse: str, table: Table, topic: str) -> list[dict]:
+    return DeltaTable(ensure_table(warehouse, table, topic)).to_pyarrow_table().to_pylist()
+
+
+def test_a_redriven_dead_letter_is_leasable_again_with_deliveries_reset(ops) -> None:
+    nodes, client, warehouse = ops
+    fill(warehouse, "dl", buffer_rows([5, 6, 7], TWO, "d"))
+    url = f"{follower(nodes, client).url}/v1/topics/dl"
+    ids = [m["id"] for m in lease(client, url, "w")]
+    assert sorted(ids) == ["d0", "d1", "d2"]
+    assert client.post(f"{url}/rejections", json={"consumer_id": "w", "ids": ids}).is_success
+    # Checkpointed into dead_letter/dl: the nodes have forgotten the rows since.
+    wait_until(lambda: len(events(warehouse, Table.DEAD_LETTER, "dl")) == 3, what="dead letters")
+    redrive = f"{url}/dead-letters/redrive"
+    got = client.post(redrive, json={"ids": ["d0", "nope"], "priority": 1})
+    assert got.json() == {"redriven": 1, "skipped": {"nope": "not_dead"}}, got.text
+    [msg] = lease(client, url, "w")
+    assert (msg["id"], msg["deliveries"], msg["priority"]) == ("d0", 1, 1)
+    again = client.post(redrive, json={"ids": ["d0"]})
+    assert again.json() == {"redriven": 0, "skipped": {"d0": "already_redriven"}}
+
+    other = follower(nodes, client, 1).url
+    cli = subprocess.run(
+        [*REDRIVE, "--topic", "dl", "--all", "--broker", other],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (cli.returncode, cli.stdout) == (0, "redriven 2\n"), cli.stderr
+    rest = lease(client, url, "w")
+    assert sorted((m["id"], m["deliveries"], m["priority"]) for m in rest) == [
+        ("d1", 1, 6),
+        ("d2", 1, 7),
+    ]
+    acked = client.post(f"{url}/acks", json={"consumer_id": "w", "ids": ["d0", "d1", "d2"]})
+    assert acked.json() == {"settled": 3}
+    assert client.post(redrive, json={"all": True}).json() == {"redriven": 0, "skipped": {}}
+
+    def ledger() -> list[tuple]:
+        rows = events(warehouse, Table.LEDGER, "dl")
+        return sorted((r["message_id"], r["event"], r["sort_key"]) for r in rows)
+
+    wait_until(lambda: len(ledger()) == 9, what="the ledger to hold every event")
+    assert [e for e in ledger() if e[1] == "redriven"] == [
+        ("d0", "redriven", 1),
+        ("d1", "redriven", 6),
+        ("d2", "redriven", 7),
+    ]
+    assert client.get(f"{url}/messages/d0").json()["status"] == "acked"
+
+
+def test_redrive_takes_one_target_and_the_topics_own_sort_key(ops) -> None:
+    nodes, client, _ = ops
+    url = f"{leader_of(nodes, client).url}/v1/topics/dl/dead-letters/redrive"
+    for body, field in (
+        ({}, "ids"),
+        ({"ids": ["a"], "all": True}, "ids"),
+        ({"all": True, "deliver_at": 5}, "priority"),
+        ({"ids": []}, "ids"),
+    ):
+        got = client.post(url, json=body)
+        assert got.status_code == 422 and got.headers["content-type"] == PROBLEM, got.text
+        assert field in got.text, (body, got.text)
+    unknown = client.post(url.replace("/dl/", "/nope/"), json={"all": True})
+    assert unknown.status_code == 404
+
+
+def test_pause_on_one_node_stops_leasing_on_every_node_while_acks_work(ops) -> None:
+    nodes, client, warehouse = ops
+    fill(warehouse, "ps", buffer_rows([1, 2, 3], TWO, "p"))
+    a, b = follower(nodes, client, 0), follower(nodes, client, 1)
+    held = lease(client, f"{a.url}/v1/topics/ps", "w", n=1)
+    assert [m["id"] for m in held] == ["p0"]
+    assert client.post(f"{b.url}/v1/topics/ps/pause").json() == {"paused": True}
+    for node in nodes:
+        url = f"{node.url}/v1/topics/ps"
+        started = time.monotonic()
+        assert lease(client, url, "w", wait_ms=300) == []
+        assert time.monotonic() - started >= 0.25, "a long-poll waits out its time"
+        assert client.get(url).json()["paused"] is True
+    acked = client.post(f"{a.url}/v1/topics/ps/acks", json={"consumer_id": "w", "ids": ["p0"]})
+    assert acked.json() == {"settled": 1}
+    assert client.post(f"{a.url}/v1/topics/ps/resume").json() == {"paused": False}
+    rest = lease(client, f"{b.url}/v1/topics/ps", "w")
+    assert sorted(m["id"] for m in rest) == ["p1", "p2"]
+    assert client.get(f"{b.url}/v1/topics/ps").json()["paused"] is False
+
+
+def test_purge_needs_the_topic_name_and_leaves_leased_messages(ops) -> None:
+    nodes, client, warehouse = ops
+    fill(warehouse, "pg", buffer_rows([1, 2, 3, 4, 5], TWO, "g"))
+    url = f"{follower(nodes, client).url}/v1/topics/pg"
+    [held] = lease(client, url, "w", n=1)
+    for body in ({}, {"confirm": "jobs"}):
+        refused = client.post(f"{url}/purge", json=body)
+        assert refused.status_code == 422 and refused.headers["content-type"] == PROBLEM
+        assert "confirm" in refused.text, refused.text
+    assert lease(client, url, "w", n=1, wait_ms=0), "nothing was purged"
+    purged = client.post(f"{url}/purge", json={"confirm": "pg"})
+    assert purged.json() == {"cancelled": 3}, purged.text
+    assert lease(client, url, "w", wait_ms=300) == []
+    assert client.get(f"{url}/messages/g4").json()["status"] in ("cancelled", "settled")
+    acked = client.post(f"{url}/acks", json={"consumer_id": "w", "ids": [held["id"]]})
+    assert acked.json() == {"settled": 1}, "a leased message is left to its consumer"
+    stats = client.get(url).json()
+    assert (stats["pending"], stats["cancelled"], stats["acked"]) == (0, 3, 1)
+
+
+def test_the_rate_limit_holds_across_consumers_on_two_nodes(ops) -> None:
+    nodes, _, warehouse = ops
+    fill(warehouse, "rl", buffer_rows(list(range(500)), prefix="r"))
+    granted: list[int] = []
+    stop_at = time.monotonic() + 2.5
+
+    def work(node_url: str, me: str) -> None:
+        with httpx.Client(timeout=20) as c:
+            while time.monotonic() < stop_at:
+                msgs = lease(c, f"{node_url}/v1/topics/rl", me, n=10, wait_ms=200)
+                if msgs:
+                    ids = [m["id"] for m in msgs]
+                    c.post(f"{node_url}/v1/topics/rl/acks", json={"consumer_id": me, "ids": ids})
+                    granted.append(len(msgs))
+
+    workers = [
+        threading.Thread(target=work, args=(node.url, f"c{i}")) for i, node in enumerate(nodes[:2])
+    ]
+    started = time.monotonic()
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join(30)
+    elapsed = time.monotonic() - started
+    total = sum(granted)
+    assert total <= RATE * elapsed + RATE, (total, elapsed)
+    assert total >= RATE, "a burst at least, then the rate"
+    assert len(granted) > 2, "both consumers were served, a few at a time"
+
+
+def test_a_nack_without_delay_waits_out_the_retry_backoff(ops) -> None:
+    nodes, client, warehouse = ops
+    fill(warehouse, "bo", buffer_rows([1], prefix="b", bucket_of=lambda i: 0))
+    url = f"{leader_of(nodes, client).url}/v1/topics/bo"
+    [msg] = lease(client, url, "w")
+    nack = client.post(f"{url}/nacks", json={"consumer_id": "w", "ids": [msg["id"]]})
+    assert nack.json() == {"settled": 1}
+    assert client.get(f"{url}/messages/b0").json()["status"] == "delayed"
+    assert lease(client, url, "w", wait_ms=300) == []
