@@ -19,6 +19,7 @@ import email.utils
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -32,6 +33,9 @@ from dejaq.broker.responses import (
     ExtendResult,
     Heartbeat,
     Left,
+    Paused,
+    Purged,
+    Redriven,
     SettleResult,
     TopicStats,
     TopicSummary,
@@ -85,6 +89,23 @@ class Peeked(BaseModel):
     consumer_id: str | None = None
 
 
+class Schedule(BaseModel):
+    """A cron topic's schedule, payload decoded."""
+
+    id: str
+    cron: str
+    time_zone: str
+    key: str | None
+    payload: Base64Bytes
+    headers: dict[str, str]
+    end: int | None = Field(description="epoch ms")
+    created_at: int = Field(description="epoch ms; occurrences strictly after it")
+    materialised_until: int = Field(
+        description="epoch ms; every occurrence up to it is on the topic's Kafka input"
+    )
+    next_at: int | None = Field(description="epoch ms; the next occurrence, none once ended")
+
+
 @dataclass(frozen=True)
 class NewMessage:
     """A message to produce: the payload is raw bytes, the key a UTF-8 string."""
@@ -107,6 +128,7 @@ class NewMessage:
 
 _messages = TypeAdapter(list[Message])
 _topics = TypeAdapter(list[TopicSummary])
+_schedules = TypeAdapter(list[Schedule])
 
 
 # --- errors ----------------------------------------------------------------------------------
@@ -455,6 +477,84 @@ class Client:
         }
         self._send("PATCH", _message_path(topic, message_id), body)
 
+    # --- operations --------------------------------------------------------------------
+
+    def pause(self, topic: str) -> Paused:
+        """Stop leasing on every node (a lease long-poll waits); settling goes on."""
+        return self._model(Paused, "POST", f"/v1/topics/{topic}/pause")
+
+    def resume(self, topic: str) -> Paused:
+        """Lease again."""
+        return self._model(Paused, "POST", f"/v1/topics/{topic}/resume")
+
+    def purge(self, topic: str, confirm: str) -> Purged:
+        """Cancel every pending message; `confirm` must be the topic's name. Leased ones
+        are left to their consumers. Sent again after a lost answer, it also cancels what
+        became pending meanwhile, as a purge sent that much later would."""
+        return self._model(Purged, "POST", f"/v1/topics/{topic}/purge", {"confirm": confirm})
+
+    def redrive(
+        self,
+        topic: str,
+        ids: Iterable[str] | None = None,
+        *,
+        every: bool = False,
+        priority: int | None = None,
+        deliver_at: int | None = None,
+    ) -> Redriven:
+        """Dead messages (`ids`, or `every` one of the topic) pending again, deliveries
+        from 0, at a new priority or deliver_at if given. Once per death: a retried call
+        counts what the lost attempt redrove as skipped, `already_redriven`."""
+        body: dict[str, Any] = {"all": every}
+        if ids is not None:
+            body["ids"] = list(ids)
+        for name, value in (("priority", priority), ("deliver_at", deliver_at)):
+            if value is not None:
+                body[name] = value
+        return self._model(Redriven, "POST", f"/v1/topics/{topic}/dead-letters/redrive", body)
+
+    # --- schedules (cron topics) -------------------------------------------------------
+
+    def create_schedule(
+        self,
+        topic: str,
+        cron: str,
+        payload: bytes,
+        *,
+        key: str | None = None,
+        time_zone: str = "UTC",
+        headers: dict[str, str] | None = None,
+        end: int | None = None,
+        schedule_id: str | None = None,
+    ) -> Schedule:
+        """From now on, each occurrence of `cron` (in `time_zone`, up to `end`, epoch ms)
+        becomes a message delivered at its time. The id is generated here if not given,
+        so a retry finds the schedule made (same definition: no error)."""
+        body: dict[str, Any] = {
+            "id": uuid.uuid4().hex if schedule_id is None else schedule_id,
+            "cron": cron,
+            "time_zone": time_zone,
+            "payload": base64.b64encode(payload).decode("ascii"),
+        }
+        for name, value in (("key", key), ("headers", headers), ("end", end)):
+            if value is not None:
+                body[name] = value
+        return self._model(Schedule, "POST", f"/v1/topics/{topic}/schedules", body)
+
+    def schedules(self, topic: str) -> list[Schedule]:
+        """Every schedule of a cron topic, by id."""
+        got = self._json("GET", f"/v1/topics/{topic}/schedules")["schedules"]
+        return _schedules.validate_python(got)
+
+    def schedule(self, topic: str, schedule_id: str) -> Schedule:
+        """One schedule, with its next occurrence and how far it is materialised."""
+        return self._model(Schedule, "GET", _schedule_path(topic, schedule_id))
+
+    def delete_schedule(self, topic: str, schedule_id: str) -> None:
+        """Stop the schedule; occurrences already materialised stay. A 404 after a retry
+        (`NotFound.maybe_applied`) may be the lost attempt's own delete."""
+        self._send("DELETE", _schedule_path(topic, schedule_id))
+
     # --- topics and cluster ------------------------------------------------------------
 
     def topics(self) -> list[TopicSummary]:
@@ -472,6 +572,10 @@ class Client:
 
 def _message_path(topic: str, message_id: str) -> str:
     return f"/v1/topics/{topic}/messages/{quote(message_id, safe='')}"
+
+
+def _schedule_path(topic: str, schedule_id: str) -> str:
+    return f"/v1/topics/{topic}/schedules/{quote(schedule_id, safe='')}"
 
 
 def _epoch_ms() -> int:

@@ -66,3 +66,19 @@ class Cluster(BaseModel):
     leader: str | None
     leader_http: str | None
     nodes: dict[str, str]
+
+
+class Paused(BaseModel):
+    paused: bool
+
+
+class Purged(BaseModel):
+    cancelled: int
+
+
+class Redriven(BaseModel):
+    redriven: int
+    skipped: dict[str, str] = Field(
+        description="ids given but left as they were, and why: already_redriven (pending "
+        "again since its last death), already_settled, not_dead"
+    )

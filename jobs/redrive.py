@@ -7,7 +7,7 @@ import datetime as dt
 import json
 import sys
 
-import httpx
+from dejaq.broker.client import BrokerError, Client
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -41,24 +41,19 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    body: dict = {"ids": args.ids} if args.ids else {"all": True}
-    if args.priority is not None:
-        body["priority"] = args.priority
-    if args.deliver_at is not None:
-        body["deliver_at"] = args.deliver_at
-    url = f"{args.broker.rstrip('/')}/v1/topics/{args.topic}/dead-letters/redrive"
     try:
-        answer = httpx.post(url, json=body, timeout=60)
-    except httpx.HTTPError as e:
-        print(f"error: {url}: {type(e).__name__}: {e}", file=sys.stderr)
+        with Client([args.broker], timeout=60) as client:
+            result = client.redrive(
+                args.topic,
+                args.ids,
+                every=args.all,
+                priority=args.priority,
+                deliver_at=args.deliver_at,
+            )
+    except BrokerError as e:
+        print(f"error: {e}", file=sys.stderr)
         return EXIT_FAIL
-    if answer.is_error:
-        problem = answer.json() if answer.headers.get("content-type", "").endswith("json") else {}
-        detail = problem.get("detail") or answer.text
-        print(f"error: {answer.status_code} {problem.get('title', '')}: {detail}", file=sys.stderr)
-        return EXIT_FAIL
-    result = answer.json()
-    print(f"redriven {result['redriven']}")
-    for mid, reason in result["skipped"].items():
+    print(f"redriven {result.redriven}")
+    for mid, reason in result.skipped.items():
         print(f"skipped {json.dumps(mid)}: {reason}")
     return EXIT_OK

@@ -46,7 +46,10 @@ class Permanent(Exception):
 def three(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[tuple]:
     """A 3-node cluster for the tests that do not kill nodes; each uses its own topic."""
     tmp_path = tmp_path_factory.mktemp("client")
-    nodes = start(tmp_path, write_conf(tmp_path, kafka_bootstrap, kafka_source, 3000))
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, 3000)
+    cron_topic = f"  - {{name: sched, kind: cron, source: [unused-{kafka_source}], buckets: 2}}\n"
+    conf.write_text(conf.read_text() + cron_topic)
+    nodes = start(tmp_path, conf)
     try:
         yield nodes, str(tmp_path / "warehouse")
     finally:
@@ -62,9 +65,11 @@ def test_client_models_have_the_routes_fields() -> None:
     drift from the routes' (the others are shared: `dejaq.broker.responses`)."""
     from dejaq.broker.routers.leases import LeasedMessage
     from dejaq.broker.routers.messages import Peeked
+    from dejaq.broker.routers.schedules import ScheduleOut
 
     assert set(Message.model_fields) - {"held_until"} == set(LeasedMessage.model_fields)
     assert set(api.Peeked.model_fields) == set(Peeked.model_fields)
+    assert set(api.Schedule.model_fields) == set(ScheduleOut.model_fields)
 
 
 def test_the_client_imports_no_server_code() -> None:
@@ -145,6 +150,59 @@ def test_typed_calls_and_typed_errors(three, kafka_source: str) -> None:
         assert unsorted.value.title == "missing priority"
         with pytest.raises(PayloadTooLarge):
             c.produce("jobs", b"x" * 1001, priority=1)
+
+
+def test_operations_and_schedules(three) -> None:
+    nodes, warehouse = three
+    fill(warehouse, "fresh", buffer_rows([1, 2, 3], bucket_of=lambda i: 0, prefix="o"))
+    with Client(urls(nodes)) as c:
+        assert c.pause("fresh").paused is True
+        assert c.lease("fresh", "w", wait_ms=200) == [] and c.topic_stats("fresh").paused
+        assert c.resume("fresh").paused is False
+        [dead] = c.lease("fresh", "w", lease_ms=60_000, wait_ms=5000)
+        assert (dead.id, dead.deliveries) == ("o0", 1)
+        c.reject("fresh", "w", [dead.id])
+        redriven = c.redrive("fresh", ["o0", "nope"], priority=9)
+        assert (redriven.redriven, redriven.skipped) == (1, {"nope": "not_dead"})
+        assert c.redrive("fresh", every=True).redriven == 0, "once per death"
+        with pytest.raises(InvalidRequest):
+            c.redrive("fresh", ["o0"], every=True)
+        [again] = c.lease("fresh", "w", lease_ms=60_000, wait_ms=5000)
+        assert (again.id, again.deliveries, again.priority) == ("o1", 1, 2), "o0 sorts by 9 now"
+
+        with pytest.raises(InvalidRequest) as unconfirmed:
+            c.purge("fresh", "jobs")
+        assert ["body", "confirm"] in [e["loc"] for e in unconfirmed.value.errors]
+        assert c.purge("fresh", "fresh").cancelled == 2, "o2 and o0; o1 is leased"
+
+        made = c.create_schedule(
+            "sched",
+            "30 2 1 1 *",
+            b"\x00report",
+            key="r",
+            time_zone="Europe/Berlin",
+            headers={"trace": "t1"},
+            end=4_070_908_800_000,
+            schedule_id="nightly",
+        )
+        assert (made.id, made.payload, made.key, made.headers) == (
+            "nightly",
+            b"\x00report",
+            "r",
+            {"trace": "t1"},
+        )
+        assert made.next_at is not None and made.end == 4_070_908_800_000
+        generated = c.create_schedule("sched", "0 0 1 1 *", b"")
+        assert len(generated.id) == 32 and generated.time_zone == "UTC"
+        assert c.schedule("sched", "nightly") == made
+        assert [s.id for s in c.schedules("sched")] == sorted(["nightly", generated.id])
+        c.delete_schedule("sched", "nightly")
+        with pytest.raises(NotFound):
+            c.schedule("sched", "nightly")
+        assert [s.id for s in c.schedules("sched")] == [generated.id]
+        with pytest.raises(InvalidRequest) as bad:
+            c.create_schedule("sched", "61 * * * *", b"")
+        assert ["body", "cron"] in [e["loc"] for e in bad.value.errors]
 
 
 def run_workers(workers: list[Worker]) -> list[threading.Thread]:

@@ -6,24 +6,17 @@ Each is one or more Raft commands, so every node agrees once the answer is 2xx.
 from __future__ import annotations
 
 from fastapi import APIRouter
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from dejaq.broker.app import LeaderBroker
+from dejaq.broker.responses import Paused, Purged, Redriven
 from dejaq.broker.routers._common import Body, EpochMs, Ids, Priority, TopicName, problems
 
 router = APIRouter(tags=["operations"])
 
 
-class Paused(BaseModel):
-    paused: bool
-
-
 class Purge(Body):
     confirm: str = Field(description="the topic's name: a purge cannot be undone")
-
-
-class Purged(BaseModel):
-    cancelled: int
 
 
 class Redrive(Body):
@@ -37,14 +30,6 @@ class Redrive(Body):
         if (self.ids is not None) == self.all:
             raise ValueError('give either "ids" or "all": true')
         return self
-
-
-class Redriven(BaseModel):
-    redriven: int
-    skipped: dict[str, str] = Field(
-        description="ids given but left as they were, and why: already_redriven (pending "
-        "again since its last death), already_settled, not_dead"
-    )
 
 
 @router.post("/topics/{topic}/pause", response_model=Paused, responses=problems(404, 503))
