@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pytest
@@ -28,6 +30,11 @@ def test_demo_passes_its_checks() -> None:
     assert "FAIL" not in result.stdout
     assert result.stdout.count("ok  ") == 7
     assert "stopped Spark queries, 3 broker nodes and Kafka" in result.stdout
+    # The terminal shows the table and the summary; Spark's and Kafka's logs go to a file.
+    log = re.search(r"logs go to (\S+demo\.log)", result.stdout)
+    assert log, result.stdout[:2000]
+    assert "WARN" not in result.stdout + result.stderr
+    assert "WARN" in Path(log.group(1)).read_text(), "Spark's log lines are in the file"
 
 
 def test_order_check_excuses_only_reminders_the_release_job_held_after_they_fell_due(
