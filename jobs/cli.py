@@ -53,10 +53,15 @@ def _broker(args: argparse.Namespace) -> int:
     return broker.run(args)
 
 
-def _redrive(args: argparse.Namespace) -> int:
-    from dejaq.jobs import redrive
+def _operation(name: str) -> Callable[[argparse.Namespace], int]:
+    """A topic operation of `dejaq.jobs.operations`, imported when it runs."""
 
-    return redrive.run(args)
+    def run(args: argparse.Namespace) -> int:
+        from dejaq.jobs import operations
+
+        return getattr(operations, name)(args)
+
+    return run
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -102,9 +107,16 @@ def _parser() -> argparse.ArgumentParser:
     from dejaq.jobs.broker import add_arguments as broker_arguments
 
     broker_arguments(add("broker", _broker, "Run one node of the HTTP lease broker (Raft)."))
-    from dejaq.jobs.redrive import add_arguments as redrive_arguments
+    from dejaq.jobs import operations
 
-    redrive_arguments(add("redrive", _redrive, "Make a topic's dead letters leasable again."))
+    operations.add_redrive(
+        add("redrive", _operation("redrive"), "Make a topic's dead letters leasable again.")
+    )
+    operations.add_common(add("pause", _operation("pause"), "Stop leasing a topic on every node."))
+    operations.add_common(add("resume", _operation("resume"), "Lease a paused topic again."))
+    operations.add_purge(
+        add("purge", _operation("purge"), "Cancel every pending message of a topic.")
+    )
     cl = add("cluster", _cluster, "Start a local broker cluster for development.")
     cl.add_argument("action", choices=["up"], help="up: start, print addresses, run until Ctrl-C")
     cl.add_argument("--nodes", type=int, default=3, help="1, 3 or 5 (default 3)")

@@ -18,7 +18,7 @@ from dejaq.broker.leases import Refusal, TopicState, retry_delay
 from dejaq.broker.ledger_writer import checkpoint
 from dejaq.conf.settings import TopicConfig
 from dejaq.conf.tables import LedgerEvent
-from dejaq.jobs.redrive import epoch_ms
+from dejaq.jobs.operations import epoch_ms
 
 
 def test_a_paused_topic_leases_nothing_while_acks_nacks_and_extends_go_on() -> None:

@@ -20,7 +20,8 @@ from dejaq.conf.tables import Table, ensure_table
 
 RATE = 20
 TWO = lambda i: i % 2  # noqa: E731 (buckets of the 2-bucket topics)
-REDRIVE = [sys.executable, "-m", "dejaq.jobs.cli", "redrive"]
+DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
+REDRIVE = [*DEJAQ, "redrive"]
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +37,7 @@ def ops(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[t
         f"  - {{name: dl, kind: priority, source: [{src}], buckets: 2}}\n"
         f"  - {{name: ps, kind: priority, source: [{src}], buckets: 2}}\n"
         f"  - {{name: pg, kind: priority, source: [{src}], buckets: 2}}\n"
+        f"  - {{name: cl, kind: priority, source: [{src}], buckets: 2}}\n"
         f"  - {{name: rl, kind: priority, source: [{src}], buckets: 4, max_lease_rate: {RATE}}}\n"
         f"  - {{name: bo, kind: priority, source: [{src}], buckets: 1,"
         " retry_backoff_ms: 60000}\n"
@@ -161,6 +163,27 @@ def test_purge_needs_the_topic_name_and_leaves_leased_messages(ops) -> None:
     assert acked.json() == {"settled": 1}, "a leased message is left to its consumer"
     stats = client.get(url).json()
     assert (stats["pending"], stats["cancelled"], stats["acked"]) == (0, 3, 1)
+
+
+def test_pause_resume_and_purge_from_the_command_line(ops) -> None:
+    nodes, client, warehouse = ops
+    fill(warehouse, "cl", buffer_rows([1, 2], TWO, "c"))
+    url = follower(nodes, client).url
+
+    def dejaq(*args: str) -> subprocess.CompletedProcess:
+        cmd = [*DEJAQ, *args[:1], "--topic", "cl", "--broker", url, *args[1:]]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+    paused = dejaq("pause")
+    assert (paused.returncode, paused.stdout) == (0, "cl: paused\n"), paused.stderr
+    assert client.get(f"{url}/v1/topics/cl").json()["paused"] is True
+    resumed = dejaq("resume")
+    assert (resumed.returncode, resumed.stdout) == (0, "cl: leasing\n"), resumed.stderr
+    wrong = dejaq("purge", "--confirm", "pg")
+    assert wrong.returncode == 1 and "confirm" in wrong.stderr, wrong.stderr
+    purged = dejaq("purge", "--confirm", "cl")
+    assert (purged.returncode, purged.stdout) == (0, "cancelled 2\n"), purged.stderr
+    assert lease(client, f"{url}/v1/topics/cl", "w", wait_ms=300) == []
 
 
 def test_the_rate_limit_holds_across_consumers_on_two_nodes(ops) -> None:

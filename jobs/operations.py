@@ -1,0 +1,107 @@
+"""`dejaq redrive`, `pause`, `resume` and `purge`: a topic's operations, through any broker
+node's HTTP API (the node forwards them to the Raft leader)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from dejaq.broker.client import BrokerError, Client
+
+EXIT_OK, EXIT_FAIL = 0, 1
+
+
+def epoch_ms(value: str) -> int:
+    """Epoch milliseconds, or ISO-8601 with an offset (as the dejaq-deliver-at header)."""
+    if value.isdigit():
+        return int(value)
+    try:
+        at = dt.datetime.fromisoformat(value)
+    except ValueError:
+        at = None
+    if at is None or at.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"expected epoch ms or ISO-8601 with an offset, got {value!r}"
+        )
+    return int(at.timestamp() * 1000)
+
+
+def add_common(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--topic", required=True, help="a lease topic")
+    sp.add_argument("--broker", required=True, metavar="URL", help="any broker node's URL")
+
+
+def add_redrive(sp: argparse.ArgumentParser) -> None:
+    add_common(sp)
+    which = sp.add_mutually_exclusive_group(required=True)
+    which.add_argument("--id", action="append", dest="ids", metavar="ID", help="repeatable")
+    which.add_argument("--all", action="store_true", help="every dead message of the topic")
+    key = sp.add_mutually_exclusive_group()
+    key.add_argument("--priority", type=int, help="new priority (priority topics)")
+    key.add_argument(
+        "--deliver-at", type=epoch_ms, help="new deliver_at, epoch ms or ISO-8601 (timelines)"
+    )
+
+
+def add_purge(sp: argparse.ArgumentParser) -> None:
+    add_common(sp)
+    sp.add_argument(
+        "--confirm", required=True, metavar="TOPIC", help="the topic's name again, to confirm"
+    )
+
+
+def _call(args: argparse.Namespace, call: Callable[[Client], Any]) -> Any:
+    """The call's answer; a broker error is printed and becomes None."""
+    try:
+        with Client([args.broker], timeout=60) as client:
+            return call(client)
+    except BrokerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
+def redrive(args: argparse.Namespace) -> int:
+    result = _call(
+        args,
+        lambda c: c.redrive(
+            args.topic,
+            args.ids,
+            every=args.all,
+            priority=args.priority,
+            deliver_at=args.deliver_at,
+        ),
+    )
+    if result is None:
+        return EXIT_FAIL
+    print(f"redriven {result.redriven}")
+    for mid, reason in result.skipped.items():
+        print(f"skipped {json.dumps(mid)}: {reason}")
+    return EXIT_OK
+
+
+def pause(args: argparse.Namespace) -> int:
+    result = _call(args, lambda c: c.pause(args.topic))
+    if result is None:
+        return EXIT_FAIL
+    print(f"{args.topic}: paused" if result.paused else f"{args.topic}: not paused")
+    return EXIT_OK
+
+
+def resume(args: argparse.Namespace) -> int:
+    result = _call(args, lambda c: c.resume(args.topic))
+    if result is None:
+        return EXIT_FAIL
+    print(f"{args.topic}: paused" if result.paused else f"{args.topic}: leasing")
+    return EXIT_OK
+
+
+def purge(args: argparse.Namespace) -> int:
+    result = _call(args, lambda c: c.purge(args.topic, args.confirm))
+    if result is None:
+        return EXIT_FAIL
+    print(f"cancelled {result.cancelled}")
+    return EXIT_OK
