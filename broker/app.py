@@ -8,6 +8,7 @@ request against the leader's HTTP address and returns the leader's answer.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from contextlib import asynccontextmanager
 from functools import partial
@@ -163,6 +164,8 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
                     yield
                 finally:
                     crons.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await crons
         finally:
             if broker.raft is not None:
                 broker.raft.detach()

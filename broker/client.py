@@ -3,8 +3,10 @@
 Any node takes any request (followers forward to the leader), so the client sticks to
 one node and moves to the next when it does not answer. A 503 (an election, a node not
 ready) is waited out as its `Retry-After` says. Both are bounded by a deadline per call;
-past it the call raises `Unavailable`. Other error answers raise a `ProblemError` (a
-subclass per status) carrying the RFC 9457 problem details.
+past it the call raises `Unavailable`. A call that is not safe to send twice (a produce
+without ids) is not retried: it raises `Unavailable`, or the 503's `ProblemError`. Other
+error answers raise a `ProblemError` (a subclass per status) carrying the RFC 9457
+problem details.
 
 A call that may have been applied before its answer was lost (a reset connection, a
 read timeout, a 503 from a node that had forwarded it) is sent again only where that is
@@ -363,7 +365,11 @@ class Client:
         wait_ms: int = 0,
     ) -> list[Message]:
         """Up to `max_messages` of the lowest deliverable sort keys of the consumer's
-        buckets, waiting up to `wait_ms` for some (long poll). Leasing joins the topic."""
+        buckets, waiting up to `wait_ms` for some (long poll). Leasing joins the topic.
+
+        Sent again after a lost answer: what the lost attempt leased stays leased until
+        it expires, and is then delivered again with one more delivery counted.
+        """
         body: dict[str, Any] = {
             "consumer_id": consumer_id,
             "max_messages": max_messages,
@@ -378,7 +384,9 @@ class Client:
             m.held_until = answer.sent_at + held_ms / 1000
         return messages
 
-    def _settle(self, topic: str, verb: str, consumer_id: str, ids: Iterable[str], **extra: Any):
+    def _settle(
+        self, topic: str, verb: str, consumer_id: str, ids: Iterable[str], **extra: Any
+    ) -> Any:
         body = {"consumer_id": consumer_id, "ids": list(ids), **extra}
         return self._json("POST", f"/v1/topics/{topic}/{verb}", body)
 
@@ -447,8 +455,9 @@ class Client:
     def produce_batch(self, topic: str, messages: Sequence[NewMessage]) -> list[str]:
         """Up to 1000 messages; returns their ids once Kafka has all of them.
 
-        Sent again after a lost answer only if every message carries its own id (the
-        buffer keeps the first of a duplicated id): otherwise it raises `Unavailable`.
+        Sent again after a lost answer or a 503 only if every message carries its own id
+        (the buffer keeps the first of a duplicated id): otherwise it raises
+        `Unavailable`, or the 503's `ProblemError`.
         """
         body = {"messages": [m.to_json() for m in messages]}
         safe = all(m.id is not None for m in messages)

@@ -16,6 +16,7 @@ entries scattered over memory, and was the leader's largest cost per leased mess
 from __future__ import annotations
 
 import heapq
+import logging
 import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Set
@@ -33,6 +34,8 @@ from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.conf.settings import TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent, Table, ensure_table
+
+log = logging.getLogger("dejaq.broker.index")
 
 TERMINAL = {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
 # The events that say whether a message is settled: a redrive undoes one death.
@@ -242,6 +245,13 @@ class TopicIndex:
                     self._pending(state, mid, row)
                     revived += 1
             self.unread.difference_update(wanted)
+        if missing := set(wanted).difference(mid for mid, _ in found):
+            log.warning(
+                "%s: %d redriven messages have no buffer row, so they cannot be leased: %s",
+                self.topic.name,
+                len(missing),
+                sorted(missing)[:10],
+            )
         return revived
 
     # --- hooks from the Raft state machine ------------------------------------------------

@@ -81,7 +81,7 @@ class Event:
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
-Backoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
+RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
 Grant = tuple[str, int, int]  # (message_id, deliveries, lease deadline ms)
 
 
@@ -381,7 +381,7 @@ class TopicState:
         mids: list[str],
         delay_ms: int = 0,
         sort_key: int | None = None,
-        backoff: Backoff | None = None,
+        backoff: RetryBackoff | None = None,
     ) -> tuple[dict[str, Refusal], list[str]]:
         """Give leased messages back; returns (refused, messages pending again).
 
@@ -401,7 +401,7 @@ class TopicState:
         return refused, pending
 
     def _redeliver_or_die(
-        self, mid: str, lease: Lease, now: int, reason: str, backoff: Backoff | None = None
+        self, mid: str, lease: Lease, now: int, reason: str, backoff: RetryBackoff | None = None
     ) -> bool:
         """A lease ended unsettled: the message is pending again (after the retry backoff,
         if any), or dead if out of tries."""
@@ -457,7 +457,7 @@ class TopicState:
         return None
 
     def expire(
-        self, now: int, heartbeat_timeout_ms: int, backoff: Backoff | None = None
+        self, now: int, heartbeat_timeout_ms: int, backoff: RetryBackoff | None = None
     ) -> list[str]:
         """Expire leases past their deadline and silent consumers; returns pending mids."""
         pending: list[str] = []
@@ -479,12 +479,22 @@ class TopicState:
         changed, self.paused = self.paused != paused, paused
         return changed
 
-    def purge(self, now: int, pending: list[Pick]) -> int:
-        """Cancel the leader's list of the topic's pending messages; returns how many.
+    def trimmed_upto(self) -> int:
+        """The last event seq trimmed away: events up to it are in the ledger, not here."""
+        return self.events[0].seq - 1 if self.events else self.seq
 
-        A message leased meanwhile is left to its consumer, as are all leased ones: a
-        worker mid-task can still ack, and a message it gives back is pending again.
+    def purge(self, now: int, upto: int, pending: list[Pick]) -> int | None:
+        """Cancel the leader's list of the topic's pending messages; returns how many, or
+        None to have the leader list them again.
+
+        The list was taken when this state was trimmed up to `upto`. A message on it that
+        settled since is in `settled` unless a trim has forgotten it since: then the list
+        may name a settled message, and nothing is done. A message leased meanwhile is
+        left to its consumer, as are all leased ones: a worker mid-task can still ack,
+        and a message it gives back is pending again.
         """
+        if upto < self.trimmed_upto():
+            return None
         cancelled = 0
         for mid, bucket, sort_key in pending:
             if mid in self.settled or mid in self.leases:
@@ -507,7 +517,7 @@ class TopicState:
         done. A message dead in `settled` died after anything the ledger says; one neither
         settled nor redriven since is as the ledger says. At most one redrive per death.
         """
-        if upto < (self.events[0].seq - 1 if self.events else self.seq):
+        if upto < self.trimmed_upto():
             return None
         redriven: list[str] = []
         refused: dict[str, Refusal] = {}

@@ -76,8 +76,8 @@ AUTH_LOG_EVERY_S = 30.0
 
 
 class SnapshotUnpickler(pickle.Unpickler):
-    """Reads snapshots written before the code lived under the `dejaq` package: they name
-    their classes `broker.leases.TopicState` and so on, now `dejaq.broker.leases...`."""
+    """Loads snapshots whose classes are named by the legacy top-level modules
+    (`broker.leases.TopicState`): they map to the same modules under `dejaq`."""
 
     LEGACY_TOP_LEVEL = frozenset({"broker", "conf", "jobs", "pipelines"})
 

@@ -81,13 +81,12 @@ def _from_row(row: dict) -> Schedule:
 
 def _retrying(commit: Callable[[], T]) -> T:
     """Run a delta-rs commit again when a concurrent one beat it."""
-    for attempt in range(COMMIT_TRIES):
+    for _ in range(COMMIT_TRIES - 1):
         try:
             return commit()
         except CommitFailedError:
-            if attempt == COMMIT_TRIES - 1:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return commit()
 
 
 class ScheduleStore:

@@ -16,7 +16,7 @@ from typing import Any
 
 from dejaq.broker import message_json
 from dejaq.broker.index import Row, TopicIndex
-from dejaq.broker.leases import Backoff, Dead, Refusal, Settlement, TopicState
+from dejaq.broker.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
 from dejaq.broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from dejaq.broker.metrics import Metrics
 from dejaq.broker.raft import NotCommitted, RaftNode
@@ -37,7 +37,7 @@ LONG_POLL_STEP_S = 0.02
 # Messages per Raft command of a redrive or purge: each applies in one event-loop tick on
 # every node (about a microsecond a message), as a trim slice does.
 OPS_SLICE = TRIM_SLICE
-REDRIVE_READS = 3  # ledger reads a redrive makes while checkpoints keep trimming under it
+REDRIVE_READS = 3  # lists a redrive or purge makes while checkpoints keep trimming under it
 # Every lease and ack allocates objects that live until checkpointed; at CPython's default
 # (a young collection per 700 net allocations) 200k messages at batch 100 cost each node
 # ~8 full collections of ~100 ms and 0.8-1.6 s of GC in all. 10k: none, and 0.3-0.7 s.
@@ -369,12 +369,20 @@ class Broker:
                 f"confirm must be the topic's name, {topic!r}",
                 errors=[{"loc": ["body", "confirm"], "msg": "must be the topic's name"}],
             )
-        pending = await asyncio.to_thread(self.indexes[topic].pending, self.state(topic))
         cancelled = 0
-        for i in range(0, len(pending), OPS_SLICE):
-            chunk = pending[i : i + OPS_SLICE]
-            cancelled += await self._commit(topic, "purge", now_ms(), chunk)
-        return cancelled
+        for _ in range(REDRIVE_READS):
+            state = self.state(topic)
+            upto = state.trimmed_upto()
+            pending = await asyncio.to_thread(self.indexes[topic].pending, state)
+            for i in range(0, len(pending), OPS_SLICE):
+                chunk = pending[i : i + OPS_SLICE]
+                done = await self._commit(topic, "purge", now_ms(), upto, chunk)
+                if done is None:  # trimmed since the list was taken: list the rest again
+                    break
+                cancelled += done
+            else:
+                return cancelled
+        raise Problem(503, "purge interrupted", "checkpoints kept trimming under it: retry")
 
     async def redrive(
         self, topic: str, ids: list[str] | None, priority: int | None, deliver_at: int | None
@@ -522,7 +530,7 @@ def _sort_key(
     return wanted
 
 
-def _backoff(cfg: TopicConfig) -> Backoff | None:
+def _backoff(cfg: TopicConfig) -> RetryBackoff | None:
     """The topic's retry backoff, as lease commands carry it (None: redeliver at once)."""
     return (cfg.retry_backoff_ms, cfg.retry_backoff_max_ms) if cfg.retry_backoff_ms else None
 

@@ -228,7 +228,13 @@ class Worker:
         for m in due:
             if m.id not in refused:
                 m.held_until = sent + self.lease_ms / 1000
-            elif refused[m.id] != SETTLED:  # settled: acked meanwhile
+                continue
+            # Lost or settled: nothing left to extend. Its handler still runs; the ack
+            # that follows is refused and logged.
+            with self._lock:
+                self._held.pop(m.id, None)
+            if refused[m.id] != SETTLED:  # settled: acked meanwhile
+                m.held_until = 0.0  # no longer ours: a later `already_settled` is not our ack
                 log.warning("%s: lease of %s lost: %s", self.consumer_id, m.id, refused[m.id])
 
     def _leave(self) -> None:

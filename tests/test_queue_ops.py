@@ -41,11 +41,27 @@ def test_purge_cancels_the_pending_and_leaves_the_leased_to_their_consumer() -> 
     s.ack("c", 1, ["done"])
     s.sort_keys["late"] = 9
     picks = [("p1", 0, 5), ("late", 0, 3), ("held", 0, 1), ("done", 0, 2)]
-    assert s.purge(2, picks) == 2
+    upto = s.trimmed_upto()
+    assert s.purge(2, upto, picks) == 2
     assert s.settled == {"done": "acked", "p1": "cancelled", "late": "cancelled"}
     assert [(e.message_id, e.sort_key) for e in s.events[1:]] == [("p1", 5), ("late", 9)]
     assert s.ack("c", 3, ["held"]) == {}, "a leased message is still its consumer's"
-    assert s.purge(4, picks) == 0, "purged already"
+    assert s.purge(4, upto, picks) == 0, "purged already"
+
+
+def test_a_purge_listed_before_a_trim_is_listed_again_not_applied() -> None:
+    """A message listed as pending, then leased, acked and trimmed (forgotten here) before
+    the purge commits, must not get a second, cancelled, ending."""
+    s = one_bucket_state()
+    upto = s.trimmed_upto()
+    picks = [("m", 0, 1)]
+    leased(s, "c", ["m"], now=0)
+    s.ack("c", 1, ["m"])
+    s.trim(s.seq)
+    assert "m" not in s.settled, "forgotten once checkpointed"
+    assert s.purge(2, upto, picks) is None
+    assert s.events == [] and s.totals["cancelled"] == 0
+    assert s.purge(3, s.trimmed_upto(), []) == 0, "a fresh list is taken and applied"
 
 
 def _rate_history() -> st.SearchStrategy:
