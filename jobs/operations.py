@@ -84,18 +84,18 @@ def redrive(args: argparse.Namespace) -> int:
 
 
 def pause(args: argparse.Namespace) -> int:
-    result = _call(args, lambda c: c.pause(args.topic))
-    if result is None:
-        return EXIT_FAIL
-    print(f"{args.topic}: paused" if result.paused else f"{args.topic}: not paused")
-    return EXIT_OK
+    return _set_paused(args, True)
 
 
 def resume(args: argparse.Namespace) -> int:
-    result = _call(args, lambda c: c.resume(args.topic))
+    return _set_paused(args, False)
+
+
+def _set_paused(args: argparse.Namespace, paused: bool) -> int:
+    result = _call(args, lambda c: c.pause(args.topic) if paused else c.resume(args.topic))
     if result is None:
         return EXIT_FAIL
-    print(f"{args.topic}: paused" if result.paused else f"{args.topic}: leasing")
+    print(f"{args.topic}: {'paused' if result.paused else 'leasing'}")
     return EXIT_OK
 
 
