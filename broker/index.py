@@ -34,12 +34,10 @@ from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.conf.settings import TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent, Table, ensure_table
+from dejaq.pipelines.retention import SETTLING, TERMINAL, is_rewrite, latest_events, watermark
 
 log = logging.getLogger("dejaq.broker.index")
 
-TERMINAL = {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
-# The events that say whether a message is settled: a redrive undoes one death.
-SETTLING = sorted({*TERMINAL, LedgerEvent.REDRIVEN})
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]
 _ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
@@ -73,6 +71,7 @@ class TopicIndex:
         self.timeline = topic.kind.sorted_as is TopicKind.TIMELINE
         self.buffer_path = ensure_table(warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(warehouse, Table.LEDGER, topic.name)
+        self.dead_letter_path = ensure_table(warehouse, Table.DEAD_LETTER, topic.name)
         self.lock = threading.Lock()
         self.rows: dict[str, Row] = {}
         self.runs: list[list[Entry]] = [[] for _ in range(topic.buckets)]  # descending
@@ -81,7 +80,8 @@ class TopicIndex:
         # Pending again with no row here: redriven after the row was forgotten (or not yet
         # read by this node). `revive` reads them from the buffer.
         self.unread: set[str] = set()
-        self.files: set[str] = set()
+        self.files: set[str] = set()  # of the version indexed
+        self.buffer_rows = 0  # in that version, pending or settled
         self.version = -1
         self.ledger_version = -1  # of the last full read of the ledger's settled ids
         self.loaded = False
@@ -90,28 +90,28 @@ class TopicIndex:
     # --- following the tables ---------------------------------------------------------
 
     def load(self) -> None:
-        """First load: settled ids from the ledger, then every buffer file."""
+        """First load: the settled ids in the ledger's tail, then every buffer file."""
+        self._buffer = DeltaTable(self.buffer_path)
         self.refresh(self._settled_ids()[0])
         self.loaded = True
 
     def _settled_ids(self) -> tuple[set[str], set[str]]:
-        """Every id the ledger has settled, and those it has redriven since their last
-        death (pending again); notes the version read (`rebuild`)."""
-        table = DeltaTable(self.ledger_path)
-        self.ledger_version = table.version()
-        ledger = table.to_pyarrow_table(columns=["message_id", "event"])
-        events = ledger.column("event")
-        terminal = pc.is_in(events, value_set=pa.array(sorted(TERMINAL), pa.string()))
-        settled = set(ledger.filter(terminal).column("message_id").to_pylist())
-        redriven = ledger.filter(pc.equal(events, LedgerEvent.REDRIVEN)).column("message_id")
-        if not len(redriven):
-            return settled, set()
-        history: dict[str, list[str]] = {}
-        of_redriven = ledger.filter(pc.is_in(ledger.column("message_id"), value_set=redriven))
-        for mid, event in zip(*of_redriven.to_pydict().values(), strict=True):
-            history.setdefault(mid, []).append(event)
-        revived = {mid for mid, events in history.items() if settled_as(events) is None}
-        return settled - revived, revived
+        """The ids the ledger has settled since the buffer's retention watermark, and
+        those it has redriven since their last death (pending again); notes the ledger
+        version read (`rebuild`).
+
+        Retention has removed every message settled before the watermark from the
+        buffer (`dejaq.pipelines.retention`), so the ledger before it is history no
+        buffer row needs: a start reads the tail, however long the ledger has grown.
+        """
+        assert self._buffer is not None
+        since = watermark(self._buffer)
+        self.ledger_version = DeltaTable(self.ledger_path).version()
+        last = latest_events(self.ledger_path, since)
+        events = last.column("event_last")
+        redriven = pc.equal(events, LedgerEvent.REDRIVEN)
+        settled = set(last.filter(pc.invert(redriven)).column("message_id").to_pylist())
+        return settled, set(last.filter(redriven).column("message_id").to_pylist())
 
     def refresh(self, settled: Set[str] = frozenset()) -> int:
         """Index buffer files added since the last call; returns how many rows were new.
@@ -127,7 +127,7 @@ class TopicIndex:
         version = self._buffer.version()
         if version == self.version:
             return 0
-        unread, seen = self._unseen(version)
+        unread, current = self._unseen(version)
         # Read first, then insert every file of the version under one lock: a lease sees
         # a Delta commit whole or not at all, never some of its buckets.
         files = [self._read_file(path, bucket) for path, bucket in unread]
@@ -146,41 +146,44 @@ class TopicIndex:
             self.rows.update(new_rows)
             for bucket, added in entries.items():
                 self._add(bucket, added)
-        self.files.update(seen)
+        self.files = current
         self.version = version
         return len(new_rows)
 
     def _unseen(self, version: int) -> tuple[list[tuple[str, int]], set[str]]:
-        """Files added up to `version` that this index has not seen: (to read, all).
+        """Files of `version` that this index has not seen: (to read, all of them).
 
-        A compaction (OPTIMIZE) rewrites rows the table already had, settled ones too, so
-        its files are seen but not read: the index keeps no settled ids to skip them by.
-        When appends and a compaction of them arrive in one step, the versions are walked
-        one at a time, so the appended files are read even though the compaction has
-        replaced them (replaced files stay on disk for the table's retention).
+        A compaction (OPTIMIZE) or a retention run rewrites rows the table already had,
+        settled ones too, so its files are seen but not read: the index keeps no settled
+        ids to skip them by. When appends and a rewrite of them arrive in one step, the
+        versions are walked one at a time, so the appended files are read even though
+        the rewrite has replaced them (replaced files stay on disk for the table's
+        retention). Also counts the rows of `version` (`buffer_rows`).
         """
         assert self._buffer is not None
-        operations = {}
+        rewrites: dict[int, bool] = {}
         if self.version >= 0:
             history = self._buffer.history(version - self.version)
-            operations = {h["version"]: h["operation"] for h in history}
+            rewrites = {h["version"]: is_rewrite(h) for h in history}
         steps = [(version, self._buffer)]
-        if "OPTIMIZE" in operations.values():
+        if any(rewrites.values()):
             steps = [
                 (v, DeltaTable(self.buffer_path, version=v))
                 for v in range(self.version + 1, version + 1)
             ]
         unread: list[tuple[str, int]] = []
         seen: set[str] = set()
+        actions: dict[str, list] = {}
         for v, table in steps:
             actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()
             for path, bucket in zip(actions["path"], actions["partition.bucket"], strict=True):
                 if path in self.files or path in seen:
                     continue
                 seen.add(path)
-                if operations.get(v) != "OPTIMIZE":
+                if not rewrites.get(v):
                     unread.append((path, bucket))
-        return unread, seen
+        self.buffer_rows = sum(n or 0 for n in actions["num_records"])
+        return unread, set(actions["path"])
 
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
@@ -226,14 +229,12 @@ class TopicIndex:
         if not self.unread:
             return 0
         wanted = sorted(self.unread)
-        t = (
-            DeltaTable(self.buffer_path)
-            .to_pyarrow_dataset()
-            .to_table(
-                columns=["bucket", *_COLUMNS, *_COORDS],
-                filter=pc.field("message_id").isin(wanted),
-            )
-        )
+        t = _read_ids(self.buffer_path, wanted, "ingested_at")
+        if missing := set(wanted).difference(t.column("message_id").to_pylist()):
+            # Dead long enough for retention to have removed its buffer row: the dead
+            # letters keep the message whole, stamped with its death for an ingestion.
+            dead = _read_ids(self.dead_letter_path, sorted(missing), "dead_at")
+            t = pa.concat_tables([t, _first_per_id(dead)], promote_options="permissive")
         found: list[tuple[str, Row]] = []
         for bucket in pc.unique(t.column("bucket")).to_pylist():
             found += self._rows(t.filter(pc.equal(t.column("bucket"), bucket)), bucket)
@@ -247,7 +248,8 @@ class TopicIndex:
             self.unread.difference_update(wanted)
         if missing := set(wanted).difference(mid for mid, _ in found):
             log.warning(
-                "%s: %d redriven messages have no buffer row, so they cannot be leased: %s",
+                "%s: %d redriven messages have neither a buffer row nor a dead letter, "
+                "so they cannot be leased: %s",
                 self.topic.name,
                 len(missing),
                 sorted(missing)[:10],
@@ -502,6 +504,25 @@ class TopicIndex:
             out[b] = Stats(pending, deliverable, oldest)
         delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
+
+
+def _read_ids(path: str, ids: list[str], ingested_at: str) -> pa.Table:
+    """The rows of `ids` in a table holding buffer columns, `ingested_at` taken from the
+    named column."""
+    columns = ["bucket", *(c for c in _COLUMNS if c != "ingested_at"), *_COORDS, ingested_at]
+    t = (
+        DeltaTable(path)
+        .to_pyarrow_dataset()
+        .to_table(columns=columns, filter=pc.field("message_id").isin(ids))
+    )
+    return t.rename_columns([*columns[:-1], "ingested_at"])
+
+
+def _first_per_id(t: pa.Table) -> pa.Table:
+    """One row per message id (a message that died twice has two dead letters)."""
+    ids = t.column("message_id").to_pylist()
+    first = {mid: i for i, mid in reversed(list(enumerate(ids)))}
+    return t.take(sorted(first.values()))
 
 
 def settled_as(events: list[str]) -> str | None:

@@ -27,8 +27,11 @@ from dejaq.pipelines.compaction import Compacted, maintain
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
-# second under load; every node reads the whole ledger on start.
+# second under load, and a node's start reads the files holding the ledger's tail.
 COMPACT_EVERY = 30
+# Compacted ledger files stay small, so each covers a stretch of time and the tail a
+# start reads (`pipelines.retention.ledger_tail`) is a few files, not the whole history.
+LEDGER_FILE_BYTES = 4 * 1024 * 1024
 
 
 CONVERT_SLICE = 4096  # events per Arrow conversion: the event loop waits ~1 ms at most
@@ -92,14 +95,14 @@ def checkpoint(warehouse: str, topic: str, events: list[Settlement]) -> int:
 
 
 def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
-    """Rewrite the ledger's small files into one (and vacuum old ones); a
-    failure (a deposed leader's late write, say) is logged and the next round retries.
+    """Rewrite the ledger's small files into files of `LEDGER_FILE_BYTES` (and vacuum
+    old ones); a failure (a deposed leader's late write, say) is logged and the next round retries.
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
     between its own checkpoints, as delta-rs compaction requires. Transaction versions
     survive it, so a checkpoint replayed later is still skipped.
     """
-    return maintain(ensure_table(warehouse, Table.LEDGER, topic))
+    return maintain(ensure_table(warehouse, Table.LEDGER, topic), LEDGER_FILE_BYTES)
 
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:

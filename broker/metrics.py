@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, GCCollector, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+)
+
+from dejaq.pipelines.retention import RetentionRun
 
 
 class Metrics:
@@ -12,6 +21,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         GCCollector(registry=r)  # collections per generation: GC pressure shows as latency
+        ProcessCollector(registry=r)  # process_resident_memory_bytes among them
         self.leased = Counter("dejaq_leased_messages", "Messages leased", ["topic"], registry=r)
         self.acked = Counter("dejaq_acked_messages", "Messages acked", ["topic"], registry=r)
         self.nacked = Counter("dejaq_nacked_messages", "Messages nacked", ["topic"], registry=r)
@@ -48,12 +58,44 @@ class Metrics:
             ["topic"],
             registry=r,
         )
+        self.buffer_rows = Gauge(
+            "dejaq_buffer_rows", "Rows in the topic's buffer table", ["topic"], registry=r
+        )
+        self.settled_rows = Gauge(
+            "dejaq_buffer_settled_rows",
+            "Buffer rows of settled messages, waiting for retention to remove them",
+            ["topic"],
+            registry=r,
+        )
+        self.retention_last = Gauge(
+            "dejaq_retention_last_run_timestamp_seconds",
+            "When this node last ran retention (the leader runs it)",
+            ["topic"],
+            registry=r,
+        )
+        self.retention_seconds = Gauge(
+            "dejaq_retention_last_run_seconds", "How long that run took", ["topic"], registry=r
+        )
+        self.retention_removed = Counter(
+            "dejaq_retention_removed_rows",
+            "Settled messages retention removed from the buffer",
+            ["topic"],
+            registry=r,
+        )
 
     def observe_raft(self, role: str, term: int) -> None:
         for r in ("leader", "follower", "candidate"):
             self.raft_role.labels(r).set(1 if r == role else 0)
         self.raft_term.set(term)
 
-    def observe_index(self, sizes: Callable[[], dict[str, int]]) -> None:
-        for topic, n in sizes().items():
-            self.index_size.labels(topic).set(n)
+    def observe_index(self, sizes: dict[str, tuple[int, int]]) -> None:
+        """Per topic: (messages in the index, rows in the buffer version it indexed)."""
+        for topic, (indexed, rows) in sizes.items():
+            self.index_size.labels(topic).set(indexed)
+            self.buffer_rows.labels(topic).set(rows)
+            self.settled_rows.labels(topic).set(max(rows - indexed, 0))
+
+    def observe_retention(self, topic: str, run: RetentionRun) -> None:
+        self.retention_last.labels(topic).set(time.time())
+        self.retention_seconds.labels(topic).set(run.seconds)
+        self.retention_removed.labels(topic).inc(run.removed)

@@ -59,6 +59,20 @@ class TopicStats(BaseModel):
     per_bucket: list[BucketStats]
 
 
+class RetentionView(BaseModel):
+    at_ms: int = Field(description="when the run started, epoch ms")
+    seconds: float
+    removed: int = Field(description="settled messages removed from the buffer")
+    watermark_ms: int = Field(description="every message settled before it is gone")
+
+
+class NodeTopic(BaseModel):
+    indexed: int = Field(description="messages in this node's index")
+    buffer_rows: int = Field(description="rows in the buffer version it indexed")
+    settled_rows: int = Field(description="of those, settled ones waiting for retention")
+    last_retention: RetentionView | None = Field(description="run on this node (the leader)")
+
+
 class Cluster(BaseModel):
     node_id: str
     role: str
@@ -66,6 +80,8 @@ class Cluster(BaseModel):
     leader: str | None
     leader_http: str | None
     nodes: dict[str, str]
+    resident_bytes: int = Field(0, description="this node's resident memory")
+    topics: dict[str, NodeTopic] = {}
 
 
 class Paused(BaseModel):

@@ -69,6 +69,9 @@ class TopicConfig(_Strict):
     output: str | None = None
     json_fields: JsonFields | None = None
     dedup_window_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=0)
+    # How long a settled message (acked, dead, cancelled, released) stays in the buffer
+    # before retention removes it; the ledger keeps its record.
+    settled_retention_ms: int = Field(default=3600 * 1000, ge=0)
     allowed_lateness_ms: int = Field(default=5000, ge=0)
     # Ingest batches between compactions of the buffer's small files (0: never).
     compact_every_batches: int = Field(default=100, ge=0)

@@ -38,7 +38,7 @@ def _release(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from dejaq.jobs import status
 
-    return status.run(args.topic, args.conf_file)
+    return status.run(args.topic, args.conf_file, args.broker)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -99,8 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     from dejaq.jobs.release import add_arguments as release_arguments
 
     release_arguments(add("release", _release, "Release a topic's buffer to Kafka, in order."))
-    st = add("status", _status, "Buffer, quarantine and ingest lag of a topic.")
+    st = add("status", _status, "Buffer, retention, quarantine and ingest lag of a topic.")
     st.add_argument("--topic", required=True, help="a topic name from the configuration")
+    st.add_argument(
+        "--broker", metavar="URL", help="any broker node's URL: adds each node's index and memory"
+    )
     conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
     conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))

@@ -1,11 +1,14 @@
-"""`dejaq status --topic NAME`: how much is buffered, quarantined, and not yet ingested.
+"""`dejaq status --topic NAME [--broker URL]`: how much is buffered, quarantined, and
+not yet ingested; retention's last run; with a broker, each node's index and memory.
 
-Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log
-and Kafka's end offsets, so it answers in a second while the job runs.
+Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log,
+Kafka's end offsets and the nodes' `/v1/cluster`, so it answers in a second while the
+jobs run.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from pathlib import Path
 
@@ -13,8 +16,10 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
 
+from dejaq.broker.client import BrokerError, Client
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import Table, checkpoint_path, table_path
+from dejaq.pipelines.retention import OPERATION, watermark
 
 
 def row_count(path: str) -> int | None:
@@ -68,12 +73,61 @@ def ingest_lag(bootstrap: str, topics: list[str], checkpoint: str) -> dict[str, 
     }
 
 
-def run(topic: str, conf_file: str | None) -> int:
+def last_retention(buffer_path: str, look_back: int = 200) -> str:
+    """The buffer's latest retention commit among its last `look_back`, in words."""
+    try:
+        table = DeltaTable(buffer_path)
+    except TableNotFoundError:
+        return "no table yet"
+    for commit in table.history(look_back):
+        if OPERATION in commit:
+            at = dt.datetime.fromtimestamp(commit["timestamp"] / 1000, dt.UTC)
+            upto = dt.datetime.fromtimestamp(watermark(table) / 1000, dt.UTC)
+            return (
+                f"{at:%Y-%m-%d %H:%M:%S} UTC, removed {commit[OPERATION]} settled; "
+                f"everything settled before {upto:%Y-%m-%d %H:%M:%S} UTC is gone"
+            )
+    return "none yet"
+
+
+def print_nodes(url: str, topic: str) -> None:
+    """Each node's role, resident memory, index and view of the buffer."""
+    with Client([url], timeout=10) as client:
+        nodes = client.cluster().nodes
+    print("nodes")
+    for http in sorted(nodes.values()):
+        try:
+            with Client([f"http://{http}"], timeout=5, deadline=5) as client:
+                view = client.cluster()
+        except BrokerError as e:
+            print(f"  {http:<22} unreachable ({e})")
+            continue
+        t = view.topics.get(topic)
+        line = f"  {view.node_id:<6} {view.role:<9} rss {view.resident_bytes / 2**20:,.0f} MiB"
+        if t is not None:
+            line += (
+                f", index {t.indexed}, buffer rows {t.buffer_rows}, "
+                f"settled awaiting retention {t.settled_rows}"
+            )
+            if t.last_retention is not None:
+                r = t.last_retention
+                line += f", last retention removed {r.removed} in {r.seconds:.2f} s"
+        print(line)
+
+
+def run(topic: str, conf_file: str | None, broker: str | None = None) -> int:
     settings = load_settings(conf_file)
     conf = settings.topic(topic)
     for table in (Table.BUFFER, Table.QUARANTINE):
         n = row_count(table_path(settings.warehouse, table, topic))
         print(f"{table.value:<11} {'no table yet' if n is None else n}")
+    print(f"retention   {last_retention(table_path(settings.warehouse, Table.BUFFER, topic))}")
+    if broker:
+        try:
+            print_nodes(broker, topic)
+        except BrokerError as e:
+            print(f"nodes       unknown: the broker at {broker} does not answer ({e})")
+            return 1
     try:
         lag = ingest_lag(
             settings.kafka.bootstrap,

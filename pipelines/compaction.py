@@ -29,23 +29,24 @@ class Compacted:
     files_vacuumed: int
 
 
-def compact(path: str) -> Compacted:
-    """Compact the table at `path`, then vacuum what is past retention.
+def compact(path: str, target_size: int | None = None) -> Compacted:
+    """Compact the table at `path` into files of about `target_size` bytes (delta-rs's
+    default if None), then vacuum what is past retention.
 
     Run by the table's only appender between its own appends: delta-rs compaction
     fails if any other operation than an append commits meanwhile.
     """
     table = DeltaTable(path)
-    metrics = table.optimize.compact()
+    metrics = table.optimize.compact(target_size=target_size)
     vacuumed = table.vacuum(dry_run=False)
     return Compacted(metrics["numFilesRemoved"], metrics["numFilesAdded"], len(vacuumed))
 
 
-def maintain(path: str) -> Compacted | None:
+def maintain(path: str, target_size: int | None = None) -> Compacted | None:
     """`compact` as maintenance, not data: a failure is logged, not raised (the caller's
     next round tries again), and the caller's own appends go on."""
     try:
-        done = compact(path)
+        done = compact(path, target_size)
     except Exception:
         log.warning("compacting %s failed; the next round tries again", path, exc_info=True)
         return None

@@ -8,6 +8,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dejaq.broker.app import AnyBroker, problem
 from dejaq.broker.responses import Cluster
+from dejaq.broker.service import resident_bytes
 
 router = APIRouter(tags=["health"])
 
@@ -34,7 +35,8 @@ async def metrics(broker: AnyBroker) -> Response:
 
 @router.get("/v1/cluster", response_model=Cluster)
 async def cluster(broker: AnyBroker) -> Cluster:
-    """This node's view: role, term, the leader and every node's HTTP address."""
+    """This node's view: role, term, the leader and every node's HTTP address; its
+    memory, and per topic its index and the buffer's settled rows."""
     raft = broker.raft
     assert raft is not None
     return Cluster(
@@ -44,4 +46,6 @@ async def cluster(broker: AnyBroker) -> Cluster:
         leader=raft.leader(),
         leader_http=raft.leader_http(),
         nodes=dict(raft.state.nodes),
+        resident_bytes=resident_bytes(),
+        topics=broker.node_topics(),
     )

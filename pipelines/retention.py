@@ -1,0 +1,209 @@
+"""Retention: settled messages leave `buffer/<topic>` once past `settled_retention_ms`.
+
+Run by a topic's deliverer, the one writer of its ledger: the broker's leader for a
+lease topic, the release job for a release topic. Spark-free, on delta-rs.
+
+A run reads the ledger's tail since the buffer's retention watermark W, finds the
+messages settled before the cutoff C (the latest event of a message decides: a redrive
+makes it pending again), rewrites each buffer file holding any of them without them,
+and commits the removes, the adds and C as the new W in one Delta commit (the app
+transaction `dejaq-retention`). Everything the buffer still holds was therefore
+pending at C or settled at or after W, so a reader that starts (a broker node, the
+release job) needs the ledger only from W on: the files whose largest `at` reaches W.
+
+The deliverer bounds C by what it has not yet written to the ledger (the broker's
+un-checkpointed events), so no event older than C can reach the ledger after a run.
+Other writers keep going: an append (the ingest) does not conflict with the commit,
+and a concurrent compaction or another run does (Delta's optimistic concurrency): the
+loser fails and the next round tries again. The rewritten files' rows are not new, so
+readers that follow the buffer (`is_rewrite`) do not read them again; the replaced
+files stay for the table's file retention, then vacuum deletes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from urllib.parse import unquote
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
+import pyarrow.fs as pafs
+from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake.exceptions import CommitFailedError
+
+from dejaq.conf.tables import LEDGER_SCHEMA, TIMESTAMP, LedgerEvent
+
+log = logging.getLogger("dejaq.retention")
+
+APP_ID = "dejaq-retention"  # the buffer's app transaction: its version is W, epoch ms
+OPERATION = "dejaq.retention"  # commitInfo's custom metadata key saying what a commit is
+# How far a deliverer's clock may be behind the one that stamped earlier events (a new
+# leader's): events stamped that far before the cutoff still count as after it.
+CLOCK_SKEW_MS = 60_000
+ATTEMPTS = 5
+
+TERMINAL = frozenset(
+    {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
+)
+# The events that say whether a message is settled: a redrive undoes one death.
+SETTLING = sorted({*TERMINAL, LedgerEvent.REDRIVEN})
+
+
+@dataclass(frozen=True)
+class RetentionRun:
+    """One run: when, the new watermark, what it removed and what it cost."""
+
+    at_ms: int
+    watermark_ms: int
+    removed: int
+    files_rewritten: int
+    messages_read: int
+    seconds: float
+
+
+def watermark(buffer: DeltaTable) -> int:
+    """W: every message settled before it has left this buffer version (0: none yet)."""
+    return buffer.transaction_version(APP_ID) or 0
+
+
+def ledger_tail(ledger_path: str, since_ms: int, columns: list[str]) -> pa.Table:
+    """The settling ledger events at or after `since_ms` (epoch ms).
+
+    Reads only the files whose largest `at` reaches it, so its cost follows the tail,
+    not the ledger's history (the broker compacts the ledger into bounded files).
+    """
+    table = DeltaTable(ledger_path)
+    adds = pa.table(table.get_add_actions(flatten=True))
+    since = pa.scalar(since_ms * 1000, TIMESTAMP)
+    if since_ms > 0 and "max.at" in adds.column_names:
+        latest = adds.column("max.at").cast(TIMESTAMP)
+        adds = adds.filter(pc.or_kleene(pc.is_null(latest), pc.greater_equal(latest, since)))
+    fs, root = pafs.FileSystem.from_uri(ledger_path)
+    paths = [f"{root}/{unquote(p)}" for p in adds.column("path").to_pylist()]
+    if not paths:
+        return LEDGER_SCHEMA.empty_table().select(columns)
+    wanted = pc.field("event").isin(SETTLING)
+    if since_ms > 0:
+        wanted &= pc.field("at") >= since
+    dataset = ds.dataset(paths, format="parquet", filesystem=fs)
+    return dataset.to_table(columns=columns, filter=wanted)
+
+
+def latest_events(ledger_path: str, since_ms: int) -> pa.Table:
+    """Each message's latest settling event at or after `since_ms`: message_id,
+    event_last, at_last.
+
+    A message's events are (dead, redriven)* then at most one terminal event, so its
+    latest says what it is; at equal times a redrive follows the death it undoes.
+    """
+    tail = ledger_tail(ledger_path, since_ms, ["message_id", "event", "at"])
+    is_redrive = pc.equal(tail.column("event"), LedgerEvent.REDRIVEN).cast(pa.int8())
+    ordered = tail.append_column("redrive", is_redrive).sort_by(
+        [("message_id", "ascending"), ("at", "ascending"), ("redrive", "ascending")]
+    )
+    return ordered.group_by("message_id", use_threads=False).aggregate(
+        [("event", "last"), ("at", "last")]
+    )
+
+
+def settled_before(last: pa.Table, cutoff_ms: int) -> pa.Array:
+    """The ids whose latest event (`latest_events`) is terminal and before `cutoff_ms`."""
+    cutoff = pa.scalar(cutoff_ms * 1000, TIMESTAMP)
+    done = pc.and_(
+        pc.not_equal(last.column("event_last"), LedgerEvent.REDRIVEN),
+        pc.less(last.column("at_last").cast(TIMESTAMP), cutoff),
+    )
+    return last.filter(done).column("message_id").combine_chunks()
+
+
+def retain(
+    buffer_path: str,
+    ledger_path: str,
+    retention_ms: int,
+    now_ms: int,
+    unwritten_from_ms: int | None = None,
+) -> RetentionRun | None:
+    """Remove the messages settled before `now_ms - retention_ms` from the buffer.
+
+    `unwritten_from_ms`: the earliest `at` of settling events the caller has not yet
+    written to the ledger; the cutoff stays a clock skew before it. Returns None when
+    the cutoff has not moved past the watermark. A commit that loses to a concurrent
+    one (an ingest append lands every second or so) is tried again from a fresh
+    snapshot, up to `ATTEMPTS` times; then the error is raised.
+    """
+    started = time.monotonic()
+    for attempt in range(1, ATTEMPTS + 1):
+        try:
+            done = _run(buffer_path, ledger_path, retention_ms, now_ms, unwritten_from_ms)
+        except CommitFailedError:
+            if attempt == ATTEMPTS:
+                raise
+            continue
+        if done is None:
+            return None
+        removed, rewritten, read, cutoff = done
+        seconds = time.monotonic() - started
+        return RetentionRun(now_ms, cutoff, removed, rewritten, read, seconds)
+    raise AssertionError("unreachable")
+
+
+def _run(
+    buffer_path: str,
+    ledger_path: str,
+    retention_ms: int,
+    now_ms: int,
+    unwritten_from_ms: int | None,
+) -> tuple[int, int, int, int] | None:
+    """One attempt: (rows removed, files rewritten, messages read, new watermark)."""
+    buffer = DeltaTable(buffer_path)
+    upto = watermark(buffer)
+    cutoff = now_ms - retention_ms
+    if unwritten_from_ms is not None:
+        cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
+    if cutoff <= upto:
+        return None
+    last = latest_events(ledger_path, upto)
+    gone = settled_before(last, cutoff)
+    commit = CommitProperties(
+        app_transactions=[Transaction(APP_ID, cutoff)],
+        custom_metadata={OPERATION: str(len(gone))},
+    )
+    if not len(gone):  # nothing to remove: the watermark moves on alone
+        buffer.create_write_transaction(
+            [], mode="append", schema=buffer.schema(), commit_properties=commit
+        )
+        return 0, 0, last.num_rows, cutoff
+    # A hash join of the buffer with the ids: only the files holding one are rewritten.
+    metrics = (
+        buffer.merge(
+            source=pa.table({"message_id": gone}),
+            predicate="t.message_id = s.message_id",
+            source_alias="s",
+            target_alias="t",
+            commit_properties=commit,
+        )
+        .when_matched_delete()
+        .execute()
+    )
+    removed, rewritten = metrics["num_target_rows_deleted"], metrics["num_target_files_removed"]
+    return removed, rewritten, last.num_rows, cutoff
+
+
+def is_rewrite(commit: dict) -> bool:
+    """Whether a history entry is a retention run or a compaction: its added files hold
+    only rows the table had before."""
+    return commit.get("operation") == "OPTIMIZE" or OPERATION in commit
+
+
+def vacuum(path: str) -> int:
+    """Delete the files replaced more than the table's file retention ago; how many.
+
+    Maintenance: a failure is logged, not raised."""
+    try:
+        return len(DeltaTable(path).vacuum(dry_run=False))
+    except Exception:
+        log.warning("vacuuming %s failed; the next round tries again", path, exc_info=True)
+        return 0
