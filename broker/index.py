@@ -21,7 +21,8 @@ import threading
 from collections import Counter, deque
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
+from operator import is_
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -33,13 +34,14 @@ from dejaq.broker import message_json
 from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.conf.settings import TopicConfig, TopicKind
-from dejaq.conf.tables import LedgerEvent, Table, ensure_table
-from dejaq.pipelines.retention import SETTLING, TERMINAL, is_rewrite, latest_events, watermark
+from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.pipelines.retention import SETTLING, TERMINAL, latest_events, rewrites, watermark
 
 log = logging.getLogger("dejaq.broker.index")
 
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]
+_FILE_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _COLUMNS + _COORDS])
 _ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 
@@ -80,6 +82,7 @@ class TopicIndex:
         # Pending again with no row here: redriven after the row was forgotten (or not yet
         # read by this node). `revive` reads them from the buffer.
         self.unread: set[str] = set()
+        self.forgotten: set[str] = set()  # settled without a row here yet (`forget`)
         self.files: set[str] = set()  # of the version indexed
         self.buffer_rows = 0  # in that version, pending or settled
         self.version = -1
@@ -117,9 +120,13 @@ class TopicIndex:
         """Index buffer files added since the last call; returns how many rows were new.
 
         `settled`: the ids in the ledger, on the first load. Later files hold new ids (the
-        ingest drops duplicates within its window), except those a compaction writes,
-        which `_unseen` leaves unread.
+        ingest drops duplicates within its window), except those a compaction or a
+        retention run writes, which `_unseen` leaves unread, and except messages this
+        node has already seen settle and forgot (`forget`): a node that reads a version
+        later than the leader can apply a message's trim before reading its row.
         """
+        with self.lock:  # taken before the version: what it forgot is in that version
+            forgotten, self.forgotten = self.forgotten, set()
         if self._buffer is None:
             self._buffer = DeltaTable(self.buffer_path)
         else:
@@ -138,11 +145,13 @@ class TopicIndex:
         for bucket, rows in files:
             added = entries.setdefault(bucket, [])
             for mid, row in rows:
-                if mid in self.rows or mid in new_rows or mid in settled:
+                if mid in self.rows or mid in new_rows or mid in settled or mid in forgotten:
                     continue  # duplicates by id: first wins
                 new_rows[mid] = row
                 added.append(_entry(row.sort_key, mid, row))
         with self.lock:
+            # Forgotten while the files were read: their entries go stale without a row.
+            deque(map(new_rows.pop, self.forgotten & new_rows.keys()), maxlen=0)
             self.rows.update(new_rows)
             for bucket, added in entries.items():
                 self._add(bucket, added)
@@ -161,12 +170,11 @@ class TopicIndex:
         retention). Also counts the rows of `version` (`buffer_rows`).
         """
         assert self._buffer is not None
-        rewrites: dict[int, bool] = {}
+        rewritten = set()
         if self.version >= 0:
-            history = self._buffer.history(version - self.version)
-            rewrites = {h["version"]: is_rewrite(h) for h in history}
+            rewritten = rewrites(self.buffer_path, range(self.version + 1, version + 1))
         steps = [(version, self._buffer)]
-        if any(rewrites.values()):
+        if rewritten:
             steps = [
                 (v, DeltaTable(self.buffer_path, version=v))
                 for v in range(self.version + 1, version + 1)
@@ -180,14 +188,16 @@ class TopicIndex:
                 if path in self.files or path in seen:
                     continue
                 seen.add(path)
-                if not rewrites.get(v):
+                if v not in rewritten:
                     unread.append((path, bucket))
         self.buffer_rows = sum(n or 0 for n in actions["num_records"])
         return unread, set(actions["path"])
 
     def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
         uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
-        return bucket, self._rows(pq.read_table(uri, columns=_COLUMNS + _COORDS), bucket)
+        t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
+        # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
+        return bucket, self._rows(t.cast(_FILE_SCHEMA), bucket)
 
     def _rows(self, t: pa.Table, bucket: int) -> list[tuple[str, Row]]:
         """Buffer rows of one bucket as index rows, in sort order."""
@@ -295,11 +305,17 @@ class TopicIndex:
             run.sort(reverse=True)
 
     def forget(self, mids: list[str]) -> None:
-        """Settled messages checkpointed into the ledger: gone for good."""
+        """Settled messages checkpointed into the ledger: gone for good.
+
+        One without a row here is remembered until the next `refresh`: its row is in a
+        version this node has not read yet.
+        """
         with self.lock:
             # Entries left behind are dropped when they surface. Popped by a C loop: each
             # row freed is a few cache misses, and the interpreter's own loop adds a fifth.
-            deque(map(self.rows.pop, mids, repeat(None)), maxlen=0)
+            popped = list(map(self.rows.pop, mids, repeat(None)))
+            if None in popped:
+                self.forgotten.update(compress(mids, map(is_, popped, repeat(None))))
             if self.unread:
                 self.unread.difference_update(mids)
 

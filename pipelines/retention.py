@@ -22,6 +22,7 @@ files stay for the table's file retention, then vacuum deletes them.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ OPERATION = "dejaq.retention"  # commitInfo's custom metadata key saying what a 
 # leader's): events stamped that far before the cutoff still count as after it.
 CLOCK_SKEW_MS = 60_000
 ATTEMPTS = 5
+# A run that removes nothing commits its watermark only this far past the last one.
+WATERMARK_STEP_MS = 60_000
 
 TERMINAL = frozenset(
     {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
@@ -130,9 +133,10 @@ def retain(
 
     `unwritten_from_ms`: the earliest `at` of settling events the caller has not yet
     written to the ledger; the cutoff stays a clock skew before it. Returns None when
-    the cutoff has not moved past the watermark. A commit that loses to a concurrent
-    one (an ingest append lands every second or so) is tried again from a fresh
-    snapshot, up to `ATTEMPTS` times; then the error is raised.
+    the cutoff has not moved past the watermark (or, with nothing to remove, not by a
+    `WATERMARK_STEP_MS`). A commit that loses to a concurrent one (an ingest append
+    lands every second or so) is tried again from a fresh snapshot, up to `ATTEMPTS`
+    times; then the error is raised.
     """
     started = time.monotonic()
     for attempt in range(1, ATTEMPTS + 1):
@@ -171,7 +175,9 @@ def _run(
         app_transactions=[Transaction(APP_ID, cutoff)],
         custom_metadata={OPERATION: str(len(gone))},
     )
-    if not len(gone):  # nothing to remove: the watermark moves on alone
+    if not len(gone):  # nothing to remove: the watermark moves on alone, a minute at a time
+        if cutoff - upto < WATERMARK_STEP_MS:
+            return None
         buffer.create_write_transaction(
             [], mode="append", schema=buffer.schema(), commit_properties=commit
         )
@@ -193,9 +199,29 @@ def _run(
 
 
 def is_rewrite(commit: dict) -> bool:
-    """Whether a history entry is a retention run or a compaction: its added files hold
-    only rows the table had before."""
+    """Whether a commit's `commitInfo` says it is a retention run or a compaction: its
+    added files hold only rows the table had before."""
     return commit.get("operation") == "OPTIMIZE" or OPERATION in commit
+
+
+def rewrites(table_path: str, versions: range) -> set[int]:
+    """Which of `versions` are rewrites (`is_rewrite`), from each commit's own log entry.
+
+    Not `DeltaTable.history`: delta-rs 1.6 reads the newest commits of the log but
+    numbers them down from the version the table object is at, so a table that gained
+    a commit meanwhile gets every label shifted by one.
+    """
+    fs, root = pafs.FileSystem.from_uri(table_path)
+    found = set()
+    for v in versions:
+        with fs.open_input_stream(f"{root}/_delta_log/{v:020d}.json") as log_file:
+            for line in log_file.read().decode().splitlines():
+                info = json.loads(line).get("commitInfo") if '"commitInfo"' in line else None
+                if info is not None:
+                    if is_rewrite(info):
+                        found.add(v)
+                    break
+    return found
 
 
 def vacuum(path: str) -> int:

@@ -409,6 +409,27 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert rows == [index.rows["m2"], index.rows["m0"]], "each pick's row, in pick order"
 
 
+def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path) -> None:
+    """A follower can apply a message's trim before it reads the version holding its row
+    (the leader read it first, leased and settled it): the row must not come back as
+    pending there, or that node, once leader, would deliver it again."""
+    warehouse, leader, state = loaded_topic(tmp_path, [1])
+    lagging = TopicIndex(warehouse, topic_conf())
+    lagging.load()
+    fill(warehouse, "jobs", buffer_rows([0, 2], prefix="new"))
+    assert leader.refresh() == 2
+    picks = leader.pick(state, state.buckets_of("c"), 1, now=0)
+    assert [p[0] for p in picks] == ["new0"]
+    state.lease("c", 0, 1000, picks)
+    assert state.ack("c", 1, ["new0"]) == {}
+    mids = state.trim(checkpoint(warehouse, "jobs", state.events))
+    leader.forget(mids)
+    lagging.forget(mids)
+    assert lagging.refresh() == 1
+    assert set(lagging.rows) == set(leader.rows) == {"m0", "new1"}
+    assert not lagging.forgotten, "remembered until the next refresh only"
+
+
 def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -> None:
     """Each checkpoint adds a file (whatever buckets it spans); compacted, the ledger reads
     the same, and a checkpoint replayed after it is still skipped."""

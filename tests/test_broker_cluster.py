@@ -401,8 +401,8 @@ def test_a_follower_stalled_past_the_election_timeout_does_not_depose_the_leader
 class Workers:
     """Lease + ack loops against every node in turn, recording what they saw."""
 
-    def __init__(self, nodes: list[Node], n: int, batch: int) -> None:
-        self.nodes, self.batch = nodes, batch
+    def __init__(self, nodes: list[Node], n: int, batch: int, topic: str = "fo") -> None:
+        self.nodes, self.batch, self.topic = nodes, batch, topic
         self.acked: set[str] = set()
         self.redelivered_after_ack: list[str] = []
         self.errors = 0
@@ -425,7 +425,7 @@ class Workers:
 
     def _once(self, client: httpx.Client, url: str, me: str) -> None:
         got = client.post(
-            f"{url}/v1/topics/fo/leases",
+            f"{url}/v1/topics/{self.topic}/leases",
             json={"consumer_id": me, "max_messages": self.batch, "wait_ms": 200},
         )
         if got.status_code != 200:
@@ -435,7 +435,9 @@ class Workers:
             self.redelivered_after_ack += [m for m in ids if m in self.acked]
         if not ids:
             return
-        done = client.post(f"{url}/v1/topics/fo/acks", json={"consumer_id": me, "ids": ids})
+        done = client.post(
+            f"{url}/v1/topics/{self.topic}/acks", json={"consumer_id": me, "ids": ids}
+        )
         ok = ids if done.status_code == 200 else []
         if done.status_code == 409:
             refused = done.json()["refused"]
@@ -457,7 +459,7 @@ class Workers:
         live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
         with httpx.Client(timeout=10) as client:
             for i in range(len(self.threads)):
-                client.delete(f"{live[0].url}/v1/topics/fo/consumers/w{i}")
+                client.delete(f"{live[0].url}/v1/topics/{self.topic}/consumers/w{i}")
 
 
 def acked(client: httpx.Client, nodes: list[Node]) -> int:

@@ -1,0 +1,115 @@
+"""Retention on a running 3-node broker: real processes, Raft, HTTP and Delta tables.
+
+New rows are appended to the buffer with delta-rs, as the ingest's Python connector
+appends them, from a thread of the test, while workers lease and ack and the leader
+removes settled messages; the Spark ingest beside retention is tested in test_ingest.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import httpx
+from conftest import wait_until
+from deltalake import DeltaTable
+from test_broker import buffer_rows, fill
+from test_broker_cluster import Workers, leader_of, start, stop
+
+from dejaq.conf.tables import Table, ensure_table
+from dejaq.jobs import cluster
+from dejaq.jobs.status import row_count
+
+TOTAL = 3000
+
+
+def write_conf(tmp_path: Path, bootstrap: str, source: str) -> Path:
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        "broker: {heartbeat_timeout_ms: 3000, lease_ms: 5000}\n"
+        "topics:\n"
+        f"  - {{name: ret, kind: priority, source: [{source}], buckets: 8,"
+        " settled_retention_ms: 1000}\n"
+    )
+    return conf
+
+
+def acked(client: httpx.Client, nodes: list[cluster.Node]) -> int:
+    leader = leader_of(nodes, client)
+    return client.get(f"{leader.url}/v1/topics/ret").json()["acked"] if leader else -1
+
+
+def append_in_steps(warehouse: str, started: threading.Event) -> None:
+    """TOTAL rows in 30 appends, as micro-batches land."""
+    step = TOTAL // 30
+    for k in range(30):
+        keys = [(k * step + i) % 100 for i in range(step)]
+        fill(warehouse, "ret", buffer_rows(keys, lambda i: i % 8, prefix=f"r{k}-"))
+        started.set()
+
+
+def test_retention_under_load_then_a_late_node_and_a_full_restart(
+    tmp_path, kafka_bootstrap, kafka_source
+) -> None:
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source)
+    warehouse = str(tmp_path / "warehouse")
+    buffer = ensure_table(warehouse, Table.BUFFER, "ret")
+    nodes = start(tmp_path, conf)
+    try:
+        with httpx.Client(timeout=10) as client:
+            late = next(n for n in nodes if n is not leader_of(nodes, client))
+            cluster.stop_node(late)  # misses everything, starts after retention
+            live = [n for n in nodes if n is not late]
+            started = threading.Event()
+            appender = threading.Thread(target=append_in_steps, args=(warehouse, started))
+            appender.start()
+            started.wait(30)
+            with Workers(live, n=3, batch=20, topic="ret") as w:
+                # An ack whose answer was lost is acked all the same: ask the cluster.
+                wait_until(lambda: acked(client, live) == TOTAL, timeout=120, what="all acked")
+            appender.join()
+            assert w.redelivered_after_ack == [], "an acked message is never delivered again"
+            wait_until(lambda: row_count(buffer) == 0, timeout=60, what="settled rows removed")
+            leader = leader_of(live, client)
+            assert leader is not None
+
+            def view() -> dict:
+                return client.get(f"{leader.url}/v1/cluster").json()["topics"]["ret"]
+
+            wait_until(lambda: view()["buffer_rows"] == 0, what="the leader's index follows")
+            assert view()["last_retention"]["removed"] > 0
+            metrics = client.get(f"{leader.url}/metrics").text
+            assert 'dejaq_retention_removed_rows_total{topic="ret"}' in metrics
+            assert "process_resident_memory_bytes" in metrics
+
+            cluster.start_node(late, nodes, str(conf), dict(os.environ))
+            cluster.wait_ready(nodes)
+            for node in nodes:
+
+                def agrees(node: cluster.Node = node) -> bool:
+                    mine = client.get(f"{node.url}/v1/cluster").json()["topics"]["ret"]
+                    return (mine["indexed"], mine["buffer_rows"], mine["settled_rows"]) == (0, 0, 0)
+
+                wait_until(agrees, timeout=30, what=f"{node.node_id} agrees")
+                stats = client.get(f"{node.url}/v1/topics/ret").json()
+                assert (stats["pending"], stats["acked"]) == (0, TOTAL), node.node_id
+
+        stop(nodes)  # a full restart after retention
+        fill(warehouse, "ret", buffer_rows([5, 6], prefix="after"))
+        for node in nodes:
+            cluster.start_node(node, nodes, str(conf), dict(os.environ))
+        cluster.wait_ready(nodes)
+        with httpx.Client(timeout=10) as client:
+            url = f"{nodes[0].url}/v1/topics/ret"
+            body = {"consumer_id": "late", "max_messages": 1000, "wait_ms": 2000}
+            got = client.post(f"{url}/leases", json=body).json()["messages"]
+            assert sorted(m["id"] for m in got) == ["after0", "after1"], "nothing settled is back"
+            assert client.get(url).json()["acked"] == TOTAL
+    finally:
+        stop(nodes)
+    ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "ret")).to_pyarrow_table()
+    ids = ledger.column("message_id").to_pylist()
+    assert len(ids) == len(set(ids)) == TOTAL, "each message settled once, none lost"
