@@ -8,6 +8,8 @@ removes settled messages; the Spark ingest beside retention is tested in test_in
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -84,6 +86,19 @@ def test_retention_under_load_then_a_late_node_and_a_full_restart(
             metrics = client.get(f"{leader.url}/metrics").text
             assert 'dejaq_retention_removed_rows_total{topic="ret"}' in metrics
             assert "process_resident_memory_bytes" in metrics
+
+            status = ["status", "--topic", "ret", "--conf-file", str(conf), "--broker", leader.url]
+            shown = subprocess.run(
+                [sys.executable, "-m", "dejaq.jobs.cli", *status],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert shown.returncode == 0, shown.stderr
+            assert "buffer      0" in shown.stdout
+            assert "removed" in shown.stdout.split("retention", 1)[1].split("\n", 1)[0]
+            for node in live:
+                assert f"  {node.node_id} " in shown.stdout and " MiB" in shown.stdout
 
             cluster.start_node(late, nodes, str(conf), dict(os.environ))
             cluster.wait_ready(nodes)
