@@ -83,6 +83,7 @@ class TopicIndex:
         # read by this node). `revive` reads them from the buffer.
         self.unread: set[str] = set()
         self.forgotten: set[str] = set()  # settled without a row here yet (`forget`)
+        self.from_dead_letters: set[str] = set()  # rows `revive` found there, not in the buffer
         self.files: set[str] = set()  # of the version indexed
         self.buffer_rows = 0  # in that version, pending or settled
         self.version = -1
@@ -243,8 +244,10 @@ class TopicIndex:
         if missing := set(wanted).difference(t.column("message_id").to_pylist()):
             # Dead long enough for retention to have removed its buffer row: the dead
             # letters keep the message whole, stamped with its death for an ingestion.
-            dead = _read_ids(self.dead_letter_path, sorted(missing), "dead_at")
-            t = pa.concat_tables([t, _first_per_id(dead)], promote_options="permissive")
+            dead = _first_per_id(_read_ids(self.dead_letter_path, sorted(missing), "dead_at"))
+            t = pa.concat_tables([t, dead], promote_options="permissive")
+            with self.lock:
+                self.from_dead_letters.update(dead.column("message_id").to_pylist())
         found: list[tuple[str, Row]] = []
         for bucket in pc.unique(t.column("bucket")).to_pylist():
             found += self._rows(t.filter(pc.equal(t.column("bucket"), bucket)), bucket)
@@ -316,6 +319,8 @@ class TopicIndex:
             popped = list(map(self.rows.pop, mids, repeat(None)))
             if None in popped:
                 self.forgotten.update(compress(mids, map(is_, popped, repeat(None))))
+            if self.from_dead_letters:
+                self.from_dead_letters.difference_update(mids)
             if self.unread:
                 self.unread.difference_update(mids)
 
@@ -323,14 +328,28 @@ class TopicIndex:
         """After a snapshot replaced the state wholesale: re-derive every entry.
 
         The snapshot can cover trims this node never applied (it was behind), so the
-        messages they settled are found in the ledger, written before each trim, and
-        forgotten. Reads the ledger: a snapshot arrives rarely, to a node that lags. Not
+        messages they settled are found in the ledger's tail, written before each trim,
+        and forgotten. Rows it holds that the buffer no longer has are messages that
+        settled before the retention watermark, or died, left the buffer and were
+        redriven since: the whole ledger says which, for them alone. Reads the ledger's
+        tail and the buffer's ids: a snapshot arrives rarely, to a node that lags. Not
         when the ledger is as `load` read it (a node starting from its own snapshot).
         """
         settled: set[str] = set()
         revived: set[str] = set()
         if DeltaTable(self.ledger_path).version() != self.ledger_version:
             settled, revived = self._settled_ids()
+            buffer = DeltaTable(self.buffer_path).to_pyarrow_dataset()
+            buffered = buffer.to_table(columns=["message_id"]).column("message_id")
+            with self.lock:
+                held = self.rows.keys() - self.from_dead_letters
+            if gone := sorted(held.difference(buffered.to_pylist())):
+                last = latest_events(self.ledger_path, 0, gone)
+                redriven = pc.equal(last.column("event_last"), LedgerEvent.REDRIVEN)
+                settled.update(last.filter(pc.invert(redriven)).column("message_id").to_pylist())
+                again = last.filter(redriven).column("message_id").to_pylist()
+                settled.update(again)  # its row here is the buffer's: the dead letter's next
+                revived.update(again)
         with self.lock:
             deque(map(self.rows.pop, settled & self.rows.keys()), maxlen=0)
             self.unread |= (revived | state.redriven_at.keys()) - self.rows.keys()

@@ -72,7 +72,9 @@ def watermark(buffer: DeltaTable) -> int:
     return buffer.transaction_version(APP_ID) or 0
 
 
-def ledger_tail(ledger_path: str, since_ms: int, columns: list[str]) -> pa.Table:
+def ledger_tail(
+    ledger_path: str, since_ms: int, columns: list[str], ids: list[str] | None = None
+) -> pa.Table:
     """The settling ledger events at or after `since_ms` (epoch ms).
 
     Reads only the files whose largest `at` reaches it, so its cost follows the tail,
@@ -89,20 +91,22 @@ def ledger_tail(ledger_path: str, since_ms: int, columns: list[str]) -> pa.Table
     if not paths:
         return LEDGER_SCHEMA.empty_table().select(columns)
     wanted = pc.field("event").isin(SETTLING)
+    if ids is not None:
+        wanted &= pc.field("message_id").isin(ids)
     if since_ms > 0:
         wanted &= pc.field("at") >= since
     dataset = ds.dataset(paths, format="parquet", filesystem=fs)
     return dataset.to_table(columns=columns, filter=wanted)
 
 
-def latest_events(ledger_path: str, since_ms: int) -> pa.Table:
-    """Each message's latest settling event at or after `since_ms`: message_id,
-    event_last, at_last.
+def latest_events(ledger_path: str, since_ms: int, ids: list[str] | None = None) -> pa.Table:
+    """Each message's (of `ids`, if given) latest settling event at or after `since_ms`:
+    message_id, event_last, at_last.
 
     A message's events are (dead, redriven)* then at most one terminal event, so its
     latest says what it is; at equal times a redrive follows the death it undoes.
     """
-    tail = ledger_tail(ledger_path, since_ms, ["message_id", "event", "at"])
+    tail = ledger_tail(ledger_path, since_ms, ["message_id", "event", "at"], ids)
     is_redrive = pc.equal(tail.column("event"), LedgerEvent.REDRIVEN).cast(pa.int8())
     ordered = tail.append_column("redrive", is_redrive).sort_by(
         [("message_id", "ascending"), ("at", "ascending"), ("redrive", "ascending")]

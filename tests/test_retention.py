@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import pickle
 import time
 from pathlib import Path
 
@@ -274,3 +275,29 @@ def test_retention_keeps_every_pending_message_and_a_start_agrees(
     index = TopicIndex(warehouse, topic_conf())
     index.load()
     assert set(index.rows) | index.unread == pending
+
+
+def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
+    tmp_path: Path,
+) -> None:
+    """A snapshot covers trims a lagging node never applied, of messages settled before
+    the retention watermark: the ledger's tail does not name them, the buffer no longer
+    has them, and a message redriven from the dead letters stays."""
+    warehouse, lagging, leader = loaded_topic(tmp_path, [5, 1, 3, 7])
+    leader.lease("c", 0, 1000, [("m1", 1, 1), ("m2", 2, 3), ("m3", 3, 7)])
+    assert leader.ack("c", 1, ["m1", "m2"]) == {}
+    leader.reject("c", 1, ["m3"])
+    leader.trim(checkpoint(warehouse, "jobs", leader.events))  # never reached `lagging`
+    assert run(warehouse, now_ms()) is not None
+    assert buffered(warehouse) == {"m0"}
+    assert leader.redrive(2, leader.trimmed_upto(), [("m3", 3, 7)]) == (["m3"], {})
+    lagging.push(leader, ["m3"])
+    assert lagging.refresh() == 0, "a retention run's files are not read"
+    assert lagging.revive(leader) == 0, "m3 still has its buffer row here"
+    leader.trim(checkpoint(warehouse, "jobs", leader.events))  # the redrive: trimmed too
+    snapshot = pickle.loads(pickle.dumps(leader))
+    lagging.rebuild(snapshot)
+    assert sorted(lagging.rows) == ["m0"] and lagging.unread == {"m3"}
+    assert lagging.revive(snapshot) == 1, "from the dead letters"
+    picks = lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=3)
+    assert [p[0] for p in picks] == ["m0", "m3"]
