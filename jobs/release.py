@@ -1,7 +1,8 @@
 """Release a topic: `spark-submit jobs/release.py --topic NAME [--conf-file F] [--once]`.
 
 Also `dejaq release`. Without --once it runs until SIGTERM or Ctrl-C and stops between
-two micro-batches; with --once it releases what is deliverable now and exits.
+two micro-batches; with --once it releases what is deliverable now and exits. Between
+batches it removes from the buffer what was settled over `settled_retention_ms` ago.
 """
 
 from __future__ import annotations
@@ -63,9 +64,11 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
         job.releaser.finish()
     error = query.exception()
     stats = list(job.releaser.stats)
+    removed = sum(s.retention.removed for s in stats if s.retention is not None)
     print(
         f"release {topic}: {len(stats)} batches, released {sum(s.released for s in stats)}, "
-        f"late {sum(s.late for s in stats)}, pending {len(job.releaser.pending)}",
+        f"late {sum(s.late for s in stats)}, pending {len(job.releaser.pending)}, "
+        f"settled removed from the buffer {removed}",
         flush=True,
     )
     if error is not None:

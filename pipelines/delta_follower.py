@@ -10,35 +10,52 @@ from __future__ import annotations
 from urllib.parse import unquote
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from dejaq.conf.tables import TIMESTAMP
+from dejaq.pipelines.retention import rewrites
+
 
 class DeltaFollower:
-    """The rows of every file a table gains, each file once.
+    """The rows of every file a table gains, each row once.
 
-    Files are tracked by path, so a rewrite (compaction) hands back rows already seen:
-    callers dedup by a row id.
+    A compaction or a retention run rewrites rows the table already had
+    (`retention.rewrites`): its files are seen, not read, so a caller gets each row
+    once and keeps no ids to skip repeats by. When appends and a rewrite of them arrive
+    in one poll, the versions are walked one at a time, so the appended files are read
+    even though the rewrite has replaced them (replaced files stay on disk for the
+    table's file retention). Memory: the paths of the version read (`files`).
     """
 
-    def __init__(self, path: str, schema: pa.Schema) -> None:
+    def __init__(self, path: str, schema: pa.Schema, time_column: str | None = None) -> None:
         self.path = path
         self.schema = schema
+        self.time_column = time_column  # for `since_ms`: its file statistics say when
+        self.files: set[str] = set()  # the paths of version `version`
+        self.files_read = 0  # since this follower started: what its polls cost
         self._table: DeltaTable | None = None
         self._version = -1
-        self._seen: set[str] = set()
 
     @property
     def version(self) -> int:
         """The table version the last poll read up to (-1 before the table exists)."""
         return self._version
 
-    def poll(self, upto: int | None = None) -> pa.Table:
+    @property
+    def table(self) -> DeltaTable | None:
+        """The snapshot the last poll read up to (None before the table exists)."""
+        return self._table
+
+    def poll(self, upto: int | None = None, since_ms: int = 0) -> pa.Table:
         """Rows of files added since the last poll, in the contract's schema.
 
         `upto` stops at that version instead of the newest: stepping through the versions
         one at a time says which version added each row, each file read once.
+        `since_ms`: a file whose `time_column` is before it in every row (by the file's
+        statistics) is seen, not read: the caller has no use for such rows.
         """
         if self._table is None:
             if not DeltaTable.is_deltatable(self.path):
@@ -51,27 +68,62 @@ class DeltaFollower:
         version = self._table.version()
         if version == self._version:
             return self.schema.empty_table()
-        adds = pa.table(self._table.get_add_actions())
-        self._version = version
-        paths = adds.column("path").to_pylist()
-        if "partition" in adds.column_names:
-            values = adds.column("partition").to_pylist()
-        else:
-            values = [{}] * len(paths)
         fs, root = pafs.FileSystem.from_uri(self.path)
         parts = []
-        for path, partition_values in zip(paths, values, strict=True):
-            if path in self._seen:
-                continue
-            self._seen.add(path)
-            data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
-            parts.append(self._conform(data, partition_values or {}))
+        seen: set[str] = set()
+        paths: list[str] = []
+        for table, rewrite in self._steps(version):
+            adds = pa.table(table.get_add_actions(flatten=True))
+            paths = adds.column("path").to_pylist()
+            wanted = self._recent(adds, since_ms)
+            for i, path in enumerate(paths):
+                if path in self.files or path in seen:
+                    continue
+                seen.add(path)
+                if rewrite or not wanted[i]:
+                    continue
+                partition = {
+                    f.name: adds.column(f"partition.{f.name}")[i].as_py()
+                    for f in self.schema
+                    if f"partition.{f.name}" in adds.column_names
+                }
+                data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
+                parts.append(self._conform(data, partition))
+                self.files_read += 1
+        self.files = set(paths)
+        self._version = version
         if not parts:
             return self.schema.empty_table()
         return pa.concat_tables(parts)
 
+    def _steps(self, version: int) -> list[tuple[DeltaTable, bool]]:
+        """The snapshots to look at, each with whether its version is a rewrite: the
+        newest alone, or every new version when a rewrite is among them."""
+        assert self._table is not None
+        if self._version < 0:
+            return [(self._table, False)]
+        new = range(self._version + 1, version + 1)
+        rewritten = rewrites(self.path, new)
+        if not rewritten:
+            return [(self._table, False)]
+        return [
+            (self._table if v == version else DeltaTable(self.path, version=v), v in rewritten)
+            for v in new
+        ]
+
+    def _recent(self, adds: pa.Table, since_ms: int) -> list[bool]:
+        """Per file: whether any of its rows may be at or after `since_ms`."""
+        stat = f"max.{self.time_column}"
+        if since_ms <= 0 or stat not in adds.column_names:
+            return [True] * adds.num_rows
+        latest = adds.column(stat).cast(TIMESTAMP)
+        since = pa.scalar(since_ms * 1000, TIMESTAMP)
+        keep = pc.or_kleene(pc.is_null(latest), pc.greater_equal(latest, since))
+        return keep.to_pylist()
+
     def _conform(self, data: pa.Table, partition_values: dict) -> pa.Table:
-        """Partition values (kept in the log, not the file) added back; contract types."""
+        """Partition values (kept in the log, not the file) added back; contract types
+        (a MERGE writes strings as Arrow views: plain ones here)."""
         n = data.num_rows
         columns = []
         for field in self.schema:

@@ -7,7 +7,6 @@ Order is total: (sort_key, source partition, source offset, source topic, id).
 
 from __future__ import annotations
 
-import datetime as dt
 import heapq
 from dataclasses import dataclass
 
@@ -19,6 +18,8 @@ from dejaq.conf.tables import LedgerEvent
 SETTLED = frozenset(
     {LedgerEvent.RELEASED, LedgerEvent.CANCELLED, LedgerEvent.ACKED, LedgerEvent.DEAD}
 )
+# Stale heap entries (settled or moved messages) tolerated beyond the live ones.
+HEAP_SLACK = 1024
 
 Order = tuple[int, int, int, str, str]
 
@@ -36,6 +37,7 @@ class Message:
     source_topic: str
     source_partition: int
     source_offset: int
+    rescheduled_at: int = -1  # epoch µs of the reschedule in force; -1: none
 
     @property
     def order(self) -> Order:
@@ -48,25 +50,52 @@ class Message:
         )
 
 
-_MIN_AT = dt.datetime.min.replace(tzinfo=dt.UTC)
+@dataclass
+class _Early:
+    """Ledger state for an id whose buffer row is not here: settled, or a new sort key."""
+
+    at: int  # epoch µs of the latest event applied
+    settled: bool
+    sort_key: int | None = None
 
 
 class PendingSet:
     """Pending messages in release order, with ledger cancels and reschedules applied.
 
-    Ledger state is kept for ids whose buffer row is not seen yet too, so the order in
-    which the two tables are read does not matter.
+    Memory follows what is pending, not history. Each buffer row comes once (the
+    follower does not read rewritten files), so no id is kept to skip a message that
+    has left. A ledger event that finds its message here is applied and forgotten, and
+    so is this job's own release read back (`settle` notes those ids until then, a
+    batch or two). Only an event that finds neither is kept (`_early`): it may precede
+    its buffer row, the ledger being read after a buffer version without the row, and
+    the row is settled or moved when it comes.
+
+    The bound: an early entry goes when its row comes, or when the retention watermark
+    of the buffer version read passes the event (`forget_before`). A row the buffer
+    held by then has been read (the follower reads every version up to that one), and
+    retention keeps nothing in the buffer that was settled before its watermark. So
+    `_early` holds at most the events since the watermark (`settled_retention_ms` and
+    a minute or two behind the clock) that found no row: repeated events, and events
+    ahead of their row. A row that comes more than that after its event is pending,
+    here as for retention, which reads the ledger from its watermark on.
     """
 
     def __init__(self) -> None:
         self._messages: dict[str, Message] = {}
         self._heap: list[Order] = []
-        self._settled: set[str] = set()
-        self._rescheduled: dict[str, tuple[dt.datetime, int]] = {}
+        self._early: dict[str, _Early] = {}
+        self._taken: set[str] = set()  # released, their ledger row not read back yet
+        self._watermark_us = 0
         self.max_sort_key: int | None = None
 
     def __len__(self) -> int:
         return len(self._messages)
+
+    @property
+    def remembered(self) -> int:
+        """Ids held besides the pending messages: events early for their row, and
+        releases not yet read back from the ledger."""
+        return len(self._early) + len(self._taken)
 
     def add_buffer_rows(self, rows: pa.Table) -> list[Message]:
         """Add new buffer rows; a repeated id is ignored (first wins). Returns those added."""
@@ -76,10 +105,11 @@ class PendingSet:
             if self.max_sort_key is None or sort_key > self.max_sort_key:
                 self.max_sort_key = sort_key
             mid = row["message_id"]
-            if mid in self._messages or mid in self._settled:
+            if mid in self._messages or mid in self._taken:
                 continue
-            if mid in self._rescheduled:
-                sort_key = self._rescheduled[mid][1]
+            early = self._early.pop(mid, None)
+            if early is not None and early.settled:
+                continue
             m = Message(
                 message_id=mid,
                 bucket=row["bucket"],
@@ -91,6 +121,8 @@ class PendingSet:
                 source_partition=row["source_partition"],
                 source_offset=row["source_offset"],
             )
+            if early is not None and early.sort_key is not None:
+                m.sort_key, m.rescheduled_at = early.sort_key, early.at
             self._messages[mid] = m
             heapq.heappush(self._heap, m.order)
             added.append(m)
@@ -102,20 +134,57 @@ class PendingSet:
         Of several reschedules of one id, the latest (`at`) wins, whatever order the
         ledger's files are read in.
         """
-        for row in rows.to_pylist():
-            mid, event = row["message_id"], row["event"]
-            if event in SETTLED:
-                self._settled.add(mid)
-                self._messages.pop(mid, None)
-            elif event == LedgerEvent.RESCHEDULED and row["sort_key"] is not None:
-                at = row["at"] or _MIN_AT
-                if mid in self._rescheduled and self._rescheduled[mid][0] > at:
-                    continue
-                self._rescheduled[mid] = (at, row["sort_key"])
-                m = self._messages.get(mid)
-                if m is not None and m.sort_key != row["sort_key"]:
-                    m.sort_key = row["sort_key"]
-                    heapq.heappush(self._heap, m.order)
+        columns = (
+            rows.column("message_id").to_pylist(),
+            rows.column("event").to_pylist(),
+            rows.column("sort_key").to_pylist(),
+            rows.column("at").cast(pa.int64()).fill_null(0).to_pylist(),
+        )
+        for mid, event, sort_key, at in zip(*columns, strict=True):
+            settles = event in SETTLED
+            if not settles and (event != LedgerEvent.RESCHEDULED or sort_key is None):
+                continue
+            if mid in self._taken:  # written already: only its own release is news
+                if event == LedgerEvent.RELEASED:
+                    self._taken.discard(mid)
+                continue
+            m = self._messages.get(mid)
+            if m is None:
+                self._remember(mid, at, settles, sort_key)
+            elif settles:
+                del self._messages[mid]
+            elif at >= m.rescheduled_at and m.sort_key != sort_key:
+                m.sort_key, m.rescheduled_at = sort_key, at
+                heapq.heappush(self._heap, m.order)
+        self._trim_heap()
+
+    def _remember(self, mid: str, at: int, settles: bool, sort_key: int | None) -> None:
+        """Keep an event that found no row, unless retention has passed it."""
+        if at < self._watermark_us:
+            return
+        early = self._early.get(mid)
+        if early is None:
+            self._early[mid] = _Early(at, settles, None if settles else sort_key)
+        elif settles:
+            early.settled, early.at, early.sort_key = True, max(at, early.at), None
+        elif not early.settled and at >= early.at:
+            early.at, early.sort_key = at, sort_key
+
+    def forget_before(self, watermark_ms: int) -> None:
+        """The buffer version read has this retention watermark: forget the early events
+        before it (see the class)."""
+        watermark_us = watermark_ms * 1000
+        if watermark_us <= self._watermark_us:
+            return
+        self._watermark_us = watermark_us
+        self._early = {mid: e for mid, e in self._early.items() if e.at >= watermark_us}
+
+    def _trim_heap(self) -> None:
+        """Drop stale heap entries once they outnumber the live ones: a message settled
+        far from the head would otherwise hold its entry until the head reaches it."""
+        if len(self._heap) > 2 * len(self._messages) + HEAP_SLACK:
+            self._heap = [m.order for m in self._messages.values()]
+            heapq.heapify(self._heap)
 
     def _live_top(self) -> Message | None:
         """The first message in order, dropping heap entries that are stale."""
@@ -146,10 +215,10 @@ class PendingSet:
     def put_back(self, messages: list[Message]) -> None:
         """Undo a take whose write failed, so the messages are tried again."""
         for m in messages:
-            if m.message_id not in self._settled:
-                self._messages[m.message_id] = m
-                heapq.heappush(self._heap, m.order)
+            self._messages[m.message_id] = m
+            heapq.heappush(self._heap, m.order)
 
     def settle(self, messages: list[Message]) -> None:
-        """Record messages as released, so a re-read of their buffer rows skips them."""
-        self._settled.update(m.message_id for m in messages)
+        """Note messages as written: their `released` ledger rows, read back later, find
+        no row here and must not be kept as early (see the class)."""
+        self._taken.update(m.message_id for m in messages)

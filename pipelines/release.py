@@ -13,6 +13,12 @@ an idempotent producer, wait for the acks, then append `released` rows to the le
 tagged (app id, batch id). A batch the ledger already has (Spark replays the last batch
 after a crash) releases nothing; a batch killed between the Kafka acks and the ledger
 commit is written again on restart: the only duplicates, and they carry `dejaq-id`.
+
+The job is its topic's one deliverer and the one writer of its ledger, so between
+batches it also runs retention on the buffer (`pipelines.retention`) and compacts the
+ledger. Its costs then follow what is pending: a start reads the buffer (pending rows
+plus the settled retention's tail) and the ledger from the buffer's retention watermark
+on, and the pending set keeps no id of a message once it has left.
 """
 
 from __future__ import annotations
@@ -39,9 +45,11 @@ from dejaq.conf.tables import (
     checkpoint_path,
     ensure_table,
 )
+from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
 from dejaq.pipelines.pending import Message, PendingSet
+from dejaq.pipelines.retention import RetentionRun, retain, vacuum, watermark
 from dejaq.pipelines.timed_sender import TimedSender
 
 log = logging.getLogger("dejaq.release")
@@ -57,6 +65,13 @@ SORT_KEY_HEADER = {
 # How far ahead, in triggers, a timeline batch takes messages to produce at their time:
 # more than one, so a message due just after the next tick is not late by a tick's overhead.
 HORIZON_TRIGGERS = 2
+# Retention runs every settled_retention_ms / 10, and at least once a minute.
+RETENTION_PERIOD_MS = 60_000
+# Ledger appends (one per releasing batch) between compactions of the ledger, into files
+# of about LEDGER_FILE_BYTES (as the broker's): the ledger's tail, which a start of this
+# job and the ingest's dedup seed read, is then a few files, not one per batch.
+LEDGER_COMPACT_EVERY = 100
+LEDGER_FILE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
@@ -73,6 +88,7 @@ class ReleaseStats:
     started_ms: int
     buffer_version: int
     replay: bool = False
+    retention: RetentionRun | None = None  # the retention run after this batch, if any
 
 
 def require_release(topic: TopicConfig) -> None:
@@ -112,7 +128,7 @@ class Releaser:
         buffer_path = ensure_table(settings.warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
         self.buffer = DeltaFollower(buffer_path, BUFFER_SCHEMA)
-        self.ledger = DeltaFollower(self.ledger_path, LEDGER_SCHEMA)
+        self.ledger = DeltaFollower(self.ledger_path, LEDGER_SCHEMA, time_column="at")
         self.pending = PendingSet()
         self.stats: deque[ReleaseStats] = deque(maxlen=1000)
         self.idle = False
@@ -122,6 +138,8 @@ class Releaser:
         self._committed: int | None = None
         self._tokens = max(topic.max_rate or 0.0, 1.0)  # a full bucket to start
         self._refilled = time.monotonic()
+        self._retained: float | None = None  # monotonic time of the last retention run
+        self._appends = 0  # ledger appends since this job started
 
     @property
     def app_id(self) -> str:
@@ -149,11 +167,16 @@ class Releaser:
         """Take in new buffer rows, then the ledger; return how many new rows are late.
 
         The ledger is read after the buffer, so a cancel committed before this call is
-        honoured even for a message whose buffer row arrives in the same call.
+        honoured even for a message whose buffer row arrives in the same call. It is
+        read from the retention watermark of the buffer version read: the buffer holds
+        nothing settled before it, so the first call (a start) reads the ledger's
+        tail, not its history.
         """
         before = self.watermark() if self.kind is TopicKind.EVENT_TIME else None
         added = self.pending.add_buffer_rows(self.buffer.poll())
-        self.pending.apply_ledger_rows(self.ledger.poll())
+        since = watermark(self.buffer.table) if self.buffer.table is not None else 0
+        self.pending.forget_before(since)
+        self.pending.apply_ledger_rows(self.ledger.poll(since_ms=since))
         if before is None:
             return 0
         return sum(1 for m in added if m.sort_key <= before)
@@ -214,6 +237,11 @@ class Releaser:
             },
             schema=LEDGER_SCHEMA,
         )
+        # `at` is the time of recording. A retention cutoff is its run's clock minus
+        # settled_retention_ms, and runs come between batches, so every event recorded
+        # after a run is at or after its cutoff: `retain` needs no bound on unwritten
+        # events here. That holds on a timeline too: the timed sender's acknowledged
+        # messages are recorded at the next batch, stamped with that batch's time.
         write_deltalake(
             self.ledger_path,
             rows,
@@ -224,6 +252,40 @@ class Releaser:
             ),
         )
         self._committed = batch_id
+        self._appends += 1
+        if self._appends % LEDGER_COMPACT_EVERY == 0:
+            maintain(self.ledger_path, LEDGER_FILE_BYTES)
+
+    def run_retention(self) -> RetentionRun | None:
+        """Remove the messages settled more than `settled_retention_ms` ago from the
+        buffer, at most once a retention period; None when not due or nothing moved.
+
+        Maintenance, not data: a failure is logged, not raised, and the next period
+        tries again.
+        """
+        period_ms = min(RETENTION_PERIOD_MS, self.topic.settled_retention_ms / 10)
+        now = time.monotonic()
+        if self._retained is not None and (now - self._retained) * 1000 < period_ms:
+            return None
+        self._retained = now
+        buffer_path = self.buffer.path
+        try:
+            run = retain(buffer_path, self.ledger_path, self.topic.settled_retention_ms, _now_ms())
+        except Exception:
+            log.warning(
+                "retention of %s failed; the next round tries again", self.topic.name, exc_info=True
+            )
+            return None
+        if run is not None and run.removed:
+            vacuum(buffer_path)
+            log.info(
+                "retention of %s: %d settled messages removed from %d files in %.2f s",
+                self.topic.name,
+                run.removed,
+                run.files_rewritten,
+                run.seconds,
+            )
+        return run
 
     def run_batch(self, batch_id: int) -> ReleaseStats:
         """One trigger: refresh, select, produce, record.
@@ -262,6 +324,7 @@ class Releaser:
         self.idle = not taken and not released and not (self._sender and self._sender.busy)
         if self.kind is TopicKind.PRIORITY and len(self.pending):
             self.idle = False
+        run = self.run_retention()
         stats = ReleaseStats(
             batch_id=batch_id,
             released=len(released),
@@ -270,6 +333,7 @@ class Releaser:
             millis=int((time.monotonic() - started) * 1000),
             started_ms=started_ms,
             buffer_version=self.buffer.version,
+            retention=run,
         )
         self.stats.append(stats)
         return stats

@@ -159,9 +159,11 @@ def by_partition(records: list[ConsumerRecord]) -> dict[int, list[ConsumerRecord
     return parts
 
 
-def run_until(releaser: Releaser, done: Callable[[], bool], timeout: float = 60) -> None:
-    """Drive batches the way the streaming query does, until `done`."""
-    batch = iter(range(1_000_000))
+def run_until(
+    releaser: Releaser, done: Callable[[], bool], timeout: float = 60, first: int = 0
+) -> None:
+    """Drive batches the way the streaming query does, from batch id `first`, until `done`."""
+    batch = iter(range(first, 1_000_000))
 
     def step() -> bool:
         releaser.run_batch(next(batch))

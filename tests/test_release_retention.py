@@ -1,0 +1,236 @@
+"""The release job under retention: its costs follow what is pending, not history.
+
+Real Delta tables and real Kafka: released messages leave the buffer, a restart reads
+the ledger's tail only and releases nothing twice, and neither the pending set nor the
+buffer follower keeps anything per message that has left.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from collections import Counter
+from urllib.parse import unquote
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pytest
+from deltalake import DeltaTable
+from test_release import Output, add_buffer, add_ledger, ids, run_until, settings_for
+
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    LEDGER_SCHEMA,
+    TIMESTAMP,
+    LedgerEvent,
+    Table,
+    ensure_table,
+)
+from dejaq.pipelines.compaction import compact
+from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.pending import HEAP_SLACK, PendingSet
+from dejaq.pipelines.release import Releaser
+from dejaq.pipelines.retention import retain, watermark
+
+T0 = dt.datetime(2026, 11, 21, tzinfo=dt.UTC)
+
+
+def rows(mids: list[str], sort_key: int = 5) -> pa.Table:
+    """Buffer rows, in memory, as the follower hands them over."""
+    n = len(mids)
+    return pa.table(
+        {
+            "message_id": mids,
+            "bucket": [0] * n,
+            "sort_key": [sort_key] * n,
+            "priority": [sort_key] * n,
+            "deliver_at": [None] * n,
+            "event_time": [None] * n,
+            "key": [None] * n,
+            "payload": [b"p"] * n,
+            "headers": [[]] * n,
+            "source_topic": ["in"] * n,
+            "source_partition": [0] * n,
+            "source_offset": list(range(n)),
+            "produced_at": [T0] * n,
+            "ingested_at": [T0] * n,
+        },
+        schema=BUFFER_SCHEMA,
+    )
+
+
+def events(mids: list[str], event: str, seconds: int = 0, sort_key: int | None = None) -> pa.Table:
+    n = len(mids)
+    at = T0 + dt.timedelta(seconds=seconds)
+    return pa.table(
+        {
+            "message_id": mids,
+            "bucket": [0] * n,
+            "event": [event] * n,
+            "sort_key": [sort_key] * n,
+            "deliveries": [1] * n,
+            "at": [at] * n,
+        },
+        schema=LEDGER_SCHEMA,
+    )
+
+
+def ms(seconds: int) -> int:
+    return int((T0 + dt.timedelta(seconds=seconds)).timestamp() * 1000)
+
+
+def test_the_pending_set_keeps_no_id_of_a_message_that_has_left() -> None:
+    """100,000 released and read back from the ledger: nothing of them stays; stale
+    heap entries of cancelled messages do not pile up either."""
+    pending = PendingSet()
+    mids = [f"m{i}" for i in range(100_000)]
+    pending.add_buffer_rows(rows(mids))
+    taken = pending.take(len(mids))
+    pending.settle(taken)
+    assert len(pending) == 0 and pending.remembered == len(mids), "until read back"
+    pending.apply_ledger_rows(events(mids, LedgerEvent.RELEASED))
+    assert pending.remembered == 0
+
+    # Repeated events find no row: kept until the retention watermark passes them.
+    pending.apply_ledger_rows(events(mids[:1000], LedgerEvent.CANCELLED, seconds=10))
+    assert pending.remembered == 1000
+    pending.forget_before(ms(11))
+    assert pending.remembered == 0
+    pending.apply_ledger_rows(events(["late"], LedgerEvent.CANCELLED, seconds=5))
+    assert pending.remembered == 0, "an event before the watermark has no row to wait for"
+
+    live = [f"n{i}" for i in range(10_000)]
+    pending.add_buffer_rows(rows(live))
+    pending.apply_ledger_rows(events(live[:9000], LedgerEvent.CANCELLED, seconds=20))
+    assert len(pending) == 1000 and pending.remembered == 0
+    assert len(pending._heap) <= 2 * len(pending) + HEAP_SLACK
+    assert [m.message_id for m in pending.take(5)] == live[9000:9005]
+
+
+def test_an_event_ahead_of_its_row_settles_or_moves_it_when_the_row_comes() -> None:
+    pending = PendingSet()
+    pending.apply_ledger_rows(events(["c1", "c2"], LedgerEvent.CANCELLED, seconds=1))
+    pending.apply_ledger_rows(events(["r"], LedgerEvent.RESCHEDULED, seconds=3, sort_key=7))
+    pending.apply_ledger_rows(events(["r"], LedgerEvent.RESCHEDULED, seconds=2, sort_key=9))
+    assert pending.remembered == 3
+    added = pending.add_buffer_rows(rows(["c1", "r", "x"], sort_key=100))
+    assert [m.message_id for m in added] == ["r", "x"], "the cancel came first"
+    assert added[0].sort_key == 7, "the latest reschedule wins, whatever the read order"
+    assert pending.remembered == 1, "c2's row has not come"
+    pending.apply_ledger_rows(events(["r"], LedgerEvent.RESCHEDULED, seconds=2, sort_key=1))
+    assert pending.next_sort_key() == 7, "an older reschedule does not win"
+    pending.apply_ledger_rows(events(["r"], LedgerEvent.RESCHEDULED, seconds=4, sort_key=1))
+    assert pending.next_sort_key() == 1
+    # Once retention has passed the cancel, its row is not coming any more, and the
+    # id is forgotten: a row that comes later all the same is pending (and retention,
+    # which reads the ledger from its watermark on, keeps it too).
+    pending.forget_before(ms(2))
+    assert pending.remembered == 0
+    assert [m.message_id for m in pending.add_buffer_rows(rows(["c2"]))] == ["c2"]
+
+
+def test_the_follower_reads_each_row_once_through_compactions_and_retention(tmp_path) -> None:
+    """Rewritten files are seen, not read, even when a compaction replaces appended
+    files the follower has not read yet; it holds the paths of one version only."""
+    s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
+    path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    follower = DeltaFollower(path, BUFFER_SCHEMA)
+    first = add_buffer(s, "priority", list(range(10)))
+    first += add_buffer(s, "priority", list(range(10)), first_offset=10)
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first)
+
+    compact(path)  # rewrites what the follower read
+    later = add_buffer(s, "priority", list(range(10)), first_offset=20)
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(later)
+    more = add_buffer(s, "priority", list(range(10)), first_offset=30)
+    more += add_buffer(s, "priority", list(range(10)), first_offset=40)
+    compact(path)  # rewrites appends the follower has not read: they are read once
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(more)
+
+    settled = first[:15]
+    add_ledger(s, [(mid, LedgerEvent.RELEASED, None) for mid in settled])
+    ledger = ensure_table(s.warehouse, Table.LEDGER, "jobs")
+    now_ms = int(dt.datetime.now(dt.UTC).timestamp() * 1000)
+    assert retain(path, ledger, 0, now_ms + 1000).removed == len(settled)
+    assert follower.poll().num_rows == 0, "a retention run's files hold no new row"
+    current = DeltaTable(path)
+    assert follower.files == set(pa.table(current.get_add_actions()).column("path").to_pylist())
+
+    fresh = DeltaFollower(path, BUFFER_SCHEMA)  # a start: reads MERGE-written files too
+    held = fresh.poll()
+    assert sorted(held["message_id"].to_pylist()) == sorted(set(first + later + more) - {*settled})
+    assert held.schema == BUFFER_SCHEMA
+
+
+@pytest.mark.parametrize("kind", ["priority", "timeline"])
+def test_released_messages_leave_the_buffer_and_a_restart_reads_only_the_ledger_tail(
+    kafka_bootstrap, topic_factory, tmp_path, kind
+):
+    """On a timeline the timed sender's messages are recorded a batch later, still
+    after every retention cutoff (sort keys 0..49: due since 1970)."""
+    out = topic_factory(partitions=2)
+    s = settings_for(
+        tmp_path, kafka_bootstrap, kind, out, max_per_trigger=15, settled_retention_ms=3000
+    )
+    topic = s.topic("jobs")
+    buffer_path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    ledger_path = ensure_table(s.warehouse, Table.LEDGER, "jobs")
+
+    def buffered() -> set[str]:
+        return set(DeltaTable(buffer_path).to_pyarrow_table(columns=["message_id"])[0].to_pylist())
+
+    first = add_buffer(s, kind, [i % 50 for i in range(40)])
+    chunks = iter(range(8))
+    arrived: list[str] = []
+    releaser = Releaser(s, topic)
+    output = Output(kafka_bootstrap, out, 2)
+    try:
+
+        def step() -> bool:
+            """New rows keep coming while the job releases and retention runs."""
+            chunk = next(chunks, None)
+            if chunk is not None:
+                offset = 1000 + 10 * chunk
+                arrived.extend(add_buffer(s, kind, [chunk] * 10, first_offset=offset))
+                return False
+            return not len(releaser.pending) and not set(first) & buffered()
+
+        run_until(releaser, step, timeout=90)
+        removed = sum(st.retention.removed for st in releaser.stats if st.retention)
+        assert removed >= len(first), "released messages left the buffer"
+        assert buffered() <= set(arrived)
+        # The last ones are released just before the job stops: still in the buffer.
+        recent = add_buffer(s, kind, [0] * 10, first_offset=2000)
+        next_batch = releaser.stats[-1].batch_id + 1
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, first=next_batch)
+        assert releaser.pending.remembered == 0, "nothing kept of what was released"
+    finally:
+        releaser.finish()
+    released = first + arrived + recent
+    assert set(recent) <= buffered()
+
+    # A restart after retention: the ledger before the buffer's watermark is history,
+    # so its files are deleted from disk; the job must not need them.
+    since = watermark(DeltaTable(buffer_path))
+    adds = pa.table(DeltaTable(ledger_path).get_add_actions(flatten=True))
+    old = adds.filter(pc.less(adds["max.at"].cast(TIMESTAMP), pa.scalar(since * 1000, TIMESTAMP)))
+    for path in old.column("path").to_pylist():
+        os.remove(os.path.join(ledger_path, unquote(path)))
+    assert 0 < old.num_rows < adds.num_rows
+    waiting = add_buffer(s, kind, [3] * 12, first_offset=3000)
+    again = Releaser(s, topic)
+    try:
+        next_batch = releaser.stats[-1].batch_id + 1  # the query's checkpoint goes on
+        run_until(again, lambda: not len(again.pending) and again.idle, first=next_batch)
+        records = output.wait_for(len(released) + len(waiting))
+        output.poll()
+        assert again.pending.remembered == 0
+    finally:
+        again.finish()
+        output.close()
+    appended = sum(1 for st in again.stats if st.released)
+    assert again.ledger.files_read == adds.num_rows - old.num_rows + appended, "the tail only"
+    assert sum(st.released for st in again.stats) == len(waiting)
+    seen = Counter(ids(records))
+    assert set(seen) == set(released + waiting), "nothing lost"
+    assert max(seen.values()) == 1, "nothing released twice"
