@@ -3,14 +3,17 @@
 Only explicit ids (a `dejaq-id` header or a mapped JSON field) can repeat: a default id
 is the record's own Kafka coordinates. Joining every micro-batch with the ids in the
 buffer table costs a scan of the whole window per batch, growing with the table; this
-index costs a dict lookup per explicit id. It is seeded from the buffer table when the job
-starts and learns a batch's ids only once the batch is committed, so a restart or a
-failed batch forgets nothing and invents nothing. Memory: about 200 bytes per explicit
-id within `dedup_window_ms`.
+index costs a dict lookup per explicit id. It is seeded when the job starts from the
+buffer's rows ingested within `dedup_window_ms`, and from the ledger's events of that
+window (a settled message leaves the buffer after `settled_retention_ms`, but its id
+stays taken), and learns a batch's ids only once the batch is committed, so a restart
+or a failed batch forgets nothing and invents nothing. Memory: about 200 bytes per
+explicit id within `dedup_window_ms`.
 """
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -21,6 +24,14 @@ Coordinates = tuple[str, int, int]
 
 IN_BATCH = "id seen earlier in the same batch"
 IN_BUFFER = "id already in the buffer"
+SETTLED = "id already settled"
+
+
+def default_id_pattern(sources: list[str]) -> str:
+    """A regular expression matching the default ids of records from `sources`:
+    `<topic>-<partition>-<offset>`, the id a record without an explicit one gets."""
+    topics = "|".join(re.escape(t) for t in sources)
+    return rf"^(?:{topics})-\d+-\d+$"
 
 
 @dataclass
@@ -32,25 +43,36 @@ class Verdict:
 
 
 class SeenIds:
-    """Explicit ids stored within the window, with the coordinates that stored them.
+    """Explicit ids stored within the window, with the coordinates that stored them
+    (None: settled, seeded from the ledger, which does not keep them).
 
-    A replayed batch finds its own ids with the same coordinates: not duplicates.
+    A replayed batch finds its own ids with the same coordinates: not duplicates. Any
+    record of an id seeded from the ledger is one: the ingest does not judge a batch
+    the buffer already has (see `IngestJob.process_batch`).
     """
 
     def __init__(self, window_ms: int) -> None:
         self.window_ms = window_ms
-        self._ids: dict[str, Coordinates] = {}
+        self._ids: dict[str, Coordinates | None] = {}
         self._expiry: deque[tuple[int, str]] = deque()  # (stored at ms, id), oldest first
 
     def __len__(self) -> int:
         return len(self._ids)
 
-    def load(self, rows: Iterable[tuple[str, str, int, int, int]]) -> None:
-        """Seed from stored rows: (id, topic, partition, offset, ingested at ms)."""
+    def load(self, rows: Iterable[tuple[str, str | None, int | None, int | None, int]]) -> None:
+        """Seed from stored rows: (id, topic, partition, offset, at ms), the buffer's
+        (at: ingested) and the ledger's (no coordinates; at: the event's).
+
+        Each id expires a window after its earliest row and keeps the coordinates of its
+        buffer row where it has one.
+        """
         for mid, topic, partition, offset, at_ms in sorted(rows, key=lambda r: r[4]):
+            here = None if topic is None else (topic, partition, offset)
             if mid not in self._ids:
-                self._ids[mid] = (topic, partition, offset)
+                self._ids[mid] = here
                 self._expiry.append((at_ms, mid))
+            elif self._ids[mid] is None:
+                self._ids[mid] = here
 
     def check(self, batch: pa.Table) -> Verdict:
         """Judge a batch's valid explicit-id rows without changing the index.
@@ -77,9 +99,9 @@ class SeenIds:
             if mid in verdict.kept:
                 verdict.duplicates[here] = IN_BATCH
                 continue
-            stored = self._ids.get(mid) if self.window_ms > 0 else None
-            if stored is not None and stored != here:
-                verdict.duplicates[here] = IN_BUFFER
+            stored = self._ids.get(mid, here) if self.window_ms > 0 else here
+            if stored != here:
+                verdict.duplicates[here] = IN_BUFFER if stored else SETTLED
             else:
                 verdict.kept[mid] = here
         return verdict

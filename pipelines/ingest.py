@@ -3,10 +3,13 @@
 Each micro-batch is parsed once and split in two; both Delta appends carry the
 (app id, batch id) pair, so a batch replayed after a crash is skipped by the table
 that already has it. A record thus lands exactly once in exactly one of the tables.
+The quarantine is appended first, so a batch the buffer has is done: its replay is
+not judged again (the dedup seed has learnt its ids since, see `process_batch`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -14,6 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import pyarrow as pa
+import pyarrow.compute as pc
+from deltalake import DeltaTable
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
@@ -21,7 +26,7 @@ from pyspark.sql.streaming import StreamingQuery
 from dejaq.conf.settings import Settings, TopicConfig
 from dejaq.conf.tables import Table, checkpoint_path, ensure_table, table_path
 from dejaq.pipelines.compaction import maintain
-from dejaq.pipelines.dedup import SeenIds
+from dejaq.pipelines.dedup import SeenIds, default_id_pattern
 from dejaq.pipelines.envelope import (
     COORDINATES,
     Reason,
@@ -31,6 +36,7 @@ from dejaq.pipelines.envelope import (
     parse,
     quarantine_rows,
 )
+from dejaq.pipelines.retention import ledger_tail
 from dejaq.pipelines.session import Connectors
 
 log = logging.getLogger("dejaq.ingest")
@@ -47,6 +53,7 @@ class BatchStats:
     millis: int
     reasons: dict[str, int] = field(default_factory=dict)
     phases_ms: dict[str, int] = field(default_factory=dict)
+    replay: bool = False  # a batch the buffer already had: skipped
 
 
 class _Phases:
@@ -77,6 +84,7 @@ class IngestJob:
     stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=1000))
     _reported: int = -1
     _seen: SeenIds | None = None
+    _stored: int = -1  # the last batch id the buffer had when this job started
 
     @property
     def app_id(self) -> str:
@@ -99,7 +107,9 @@ class IngestJob:
         )
 
     def _load_seen(self) -> SeenIds:
-        """The explicit ids the buffer stored within the dedup window (one read per start)."""
+        """The explicit ids stored within the dedup window (one read per start): the
+        buffer's rows ingested within it, and the ids the ledger settled within it,
+        whose rows retention may have removed from the buffer since."""
         seen = SeenIds(self.topic.dedup_window_ms)
         if self.topic.dedup_window_ms <= 0:
             return seen
@@ -115,8 +125,37 @@ class IngestJob:
             .select("message_id", *COORDINATES, F.unix_millis("ingested_at"))
             .toArrow()
         )
-        seen.load(zip(*(c.to_pylist() for c in stored.columns), strict=True))
+        buffered = zip(*(c.to_pylist() for c in stored.columns), strict=True)
+        since_ms = int(time.time() * 1000) - self.topic.dedup_window_ms
+        seen.load(itertools.chain(buffered, self._settled_ids(since_ms)))
         return seen
+
+    def _settled_ids(self, since_ms: int) -> list[tuple[str, None, None, None, int]]:
+        """The explicit ids with a settling ledger event at or after `since_ms`, and its
+        time: (id, no coordinates, at ms).
+
+        Reads only the ledger files whose largest `at` reaches `since_ms`: the ledger's
+        last dedup window, not its history. Default ids (`<source topic>-<partition>-
+        <offset>`) cannot repeat and are left out.
+        """
+        path = table_path(self.settings.warehouse, Table.LEDGER, self.topic.name)
+        if not DeltaTable.is_deltatable(path):
+            return []
+        tail = ledger_tail(path, since_ms, ["message_id", "at"])
+        default = pc.match_substring_regex(
+            tail.column("message_id"), default_id_pattern(self.topic.source)
+        )
+        tail = tail.filter(pc.invert(default))
+        ids = tail.column("message_id").to_pylist()
+        at_ms = pc.divide(tail.column("at").cast(pa.int64()), 1000).to_pylist()
+        return [(mid, None, None, None, at) for mid, at in zip(ids, at_ms, strict=True)]
+
+    def _last_stored_batch(self, buffer_path: str) -> int:
+        """The last batch id this job's appends gave the buffer (-1: none)."""
+        if not DeltaTable.is_deltatable(buffer_path):
+            return -1
+        version = DeltaTable(buffer_path).transaction_version(self.app_id)
+        return -1 if version is None else version
 
     def _append(self, df: DataFrame, path: str, batch_id: int) -> None:
         (
@@ -128,12 +167,23 @@ class IngestJob:
         )
 
     def process_batch(self, records: DataFrame, batch_id: int) -> None:
-        """Parse, dedup, append to both tables; both appends are idempotent per batch."""
+        """Parse, dedup, append to both tables; both appends are idempotent per batch.
+
+        A batch the buffer already has (Spark replays the last batch after a crash) is
+        skipped whole: the quarantine was appended before it, and judging it again
+        would find its own ids in the dedup seed, from the ledger without coordinates
+        once they are settled, and quarantine its own rows.
+        """
         clock = _Phases()
-        if self._seen is None:
-            self._seen = self._load_seen()
         buffer_path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
         quarantine_path = table_path(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
+        if self._seen is None:
+            self._stored = self._last_stored_batch(buffer_path)
+            self._seen = self._load_seen()
+        if batch_id <= self._stored:
+            log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
+            self.stats.append(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
+            return
         parsed = cached = parse(records, self.topic).persist()
         try:
             # One pass gives both the counts per reason and the ids that dedup must judge.
@@ -163,12 +213,12 @@ class IngestJob:
                 counts[Reason.DUPLICATE.value] = len(verdict.duplicates)
             clock.lap("dedup")
             buffered = counts.pop(None, 0)
-            if buffered:
-                self._append(buffer_rows(parsed), buffer_path, batch_id)
-            clock.lap("write_buffer")
             if counts:
                 self._append(quarantine_rows(parsed), quarantine_path, batch_id)
             clock.lap("write_quarantine")
+            if buffered:
+                self._append(buffer_rows(parsed), buffer_path, batch_id)
+            clock.lap("write_buffer")
             self._seen.commit(verdict, int(time.time() * 1000))
         finally:
             cached.unpersist()
@@ -200,6 +250,8 @@ class IngestJob:
             if stats is None or p.batchId <= self._reported:
                 continue
             self._reported = p.batchId
+            if stats.replay:
+                continue  # logged when skipped
             source = p.sources[0] if p.sources else None
             lag = partition_lag(source.endOffset, source.latestOffset) if source else {}
             lag_text = " ".join(f"{k}={v}" for k, v in sorted(lag.items())) or "-"
