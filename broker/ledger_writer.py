@@ -23,15 +23,12 @@ from dejaq.conf.tables import (
     Table,
     ensure_table,
 )
-from dejaq.pipelines.compaction import Compacted, maintain
+from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, Compacted, maintain
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
 # second under load, and a node's start reads the files holding the ledger's tail.
 COMPACT_EVERY = 30
-# Compacted ledger files stay small, so each covers a stretch of time and the tail a
-# start reads (`pipelines.retention.ledger_tail`) is a few files, not the whole history.
-LEDGER_FILE_BYTES = 4 * 1024 * 1024
 
 
 CONVERT_SLICE = 4096  # events per Arrow conversion: the event loop waits ~1 ms at most

@@ -1,13 +1,14 @@
-"""Small-file compaction of the tables the ingest and the broker append to, with delta-rs.
+"""Small-file compaction of the tables the ingest, the broker and the release job append
+to, with delta-rs.
 
 No Spark here: the broker compacts its ledger with it too.
 
 Every micro-batch adds a file per bucket it touches, so a steady stream leaves
 thousands of small files an hour, and each reader pays per file: the broker's index at
 start and on every refresh, the release job, the dedup seed read. Compaction rewrites
-them into a few per bucket in a commit that changes no data (`dataChange=false`): the
-release follower takes a row once per message id, so a compacted file's rows, all seen
-before, are skipped, and the broker's index does not read an `OPTIMIZE` commit's files.
+them into a few per bucket in a commit that changes no data (`dataChange=false`), whose
+files the readers that follow a table (the broker's index, the release job's follower)
+do not read: every row in them was read before (`pipelines.retention.rewrites`).
 Vacuum then deletes the replaced files once they are older than the table's retention
 (7 days by default), so a reader still on an older version keeps its files.
 """
@@ -20,6 +21,10 @@ from dataclasses import dataclass
 from deltalake import DeltaTable
 
 log = logging.getLogger("dejaq.compaction")
+
+# A ledger's compacted files stay small, so each covers a stretch of time and the tail a
+# start reads (`pipelines.retention.ledger_tail`) is a few files, not the whole history.
+LEDGER_FILE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)

@@ -45,7 +45,7 @@ from dejaq.conf.tables import (
     checkpoint_path,
     ensure_table,
 )
-from dejaq.pipelines.compaction import maintain
+from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
 from dejaq.pipelines.pending import Message, PendingSet
@@ -68,10 +68,9 @@ HORIZON_TRIGGERS = 2
 # Retention runs every settled_retention_ms / 10, and at least once a minute.
 RETENTION_PERIOD_MS = 60_000
 # Ledger appends (one per releasing batch) between compactions of the ledger, into files
-# of about LEDGER_FILE_BYTES (as the broker's): the ledger's tail, which a start of this
-# job and the ingest's dedup seed read, is then a few files, not one per batch.
+# of LEDGER_FILE_BYTES: the ledger's tail, which a start of this job and the ingest's
+# dedup seed read, is then a few files, not one per batch.
 LEDGER_COMPACT_EVERY = 100
-LEDGER_FILE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass
