@@ -15,7 +15,8 @@ listening (`listening_s`: it listens once its indexes are loaded) and to /readyz
 answering 200 (`ready_s`: its Raft election too, a random 0.5-1.5 s more); its RSS once
 ready (VmRSS; VmHWM as `rss_peak_mb`, the high-water mark of loading); and the p50/p99
 latency of one consumer leasing 100 at a time and acking each batch, over 30 leases of
-the head, with the broker's own client.
+the head, with the broker's own client. Before the node starts, the release job's start
+over the same tables (`release_start_s`: its first refresh, in this process).
 
 Each cell runs twice: without retention (the buffer keeps every settled row and the
 node reads the whole ledger, as a buffer nothing has trimmed yet) and with one
@@ -54,7 +55,13 @@ from deltalake import write_deltalake  # noqa: E402
 from test_broker import fill  # noqa: E402
 
 from dejaq.broker.client import Client  # noqa: E402
-from dejaq.conf.settings import BrokerConfig, KafkaConfig, Settings, TopicConfig  # noqa: E402
+from dejaq.conf.settings import (  # noqa: E402
+    BrokerConfig,
+    Delivery,
+    KafkaConfig,
+    Settings,
+    TopicConfig,
+)
 from dejaq.conf.tables import (  # noqa: E402
     BUFFER_SCHEMA,
     HEADERS,
@@ -67,6 +74,7 @@ from dejaq.conf.tables import (  # noqa: E402
 from dejaq.jobs import cluster  # noqa: E402
 from dejaq.jobs.embedded_kafka import wait_for_port  # noqa: E402
 from dejaq.pipelines import retention  # noqa: E402
+from dejaq.pipelines.release import Releaser  # noqa: E402
 
 TOPIC = "growth"
 CONSUMER = "growth-bench"
@@ -167,6 +175,17 @@ def retain(warehouse: str, topic: TopicConfig) -> float:
     return round(time.perf_counter() - t0, 2)
 
 
+def release_start(settings: Settings, topic: TopicConfig) -> tuple[float, int]:
+    """Seconds the release job's first refresh over the cell's tables takes (its start:
+    the buffer, and the ledger from the retention watermark), and what it finds pending.
+    In this process: the release job reads the same tables on its driver."""
+    released = topic.model_copy(update={"delivery": Delivery.RELEASE, "output": f"{TOPIC}-out"})
+    t0 = time.perf_counter()
+    releaser = Releaser(settings, released)
+    releaser.refresh()
+    return round(time.perf_counter() - t0, 2), len(releaser.pending)
+
+
 def proc_status_mb(pid: int) -> dict[str, float]:
     """VmRSS and VmHWM of a process, in MB (Linux /proc)."""
     fields: dict[str, float] = {}
@@ -222,6 +241,7 @@ def run_cell(
             broker=BrokerConfig(lease_ms=30_000, heartbeat_timeout_ms=60_000),
             topics=[topic],
         )
+        release_s, release_pending = release_start(settings, topic)
         conf = tmp / "dejaq.yaml"
         conf.write_text(yaml.safe_dump(settings.model_dump(mode="json", exclude_defaults=True)))
         # The node's settings are the file's alone: no DEJAQ_* variable overrides them.
@@ -260,6 +280,8 @@ def run_cell(
         "lease_p99_ms": pct(took, 0.99),
         "leased": leased,
         "retention_s": retention_s,
+        "release_start_s": release_s,
+        "release_pending": release_pending,
         "write_s": write_s,
     }
     progress(f"S={settled:,} P={pending:,}: {json.dumps(cell)}")
@@ -286,6 +308,7 @@ def ratios(cells: list[dict[str, Any]]) -> dict[str, Any]:
                     ("rss", "rss_mb"),
                     ("listening_s", "listening_s"),
                     ("rss_peak", "rss_peak_mb"),
+                    ("release_start_s", "release_start_s"),
                 )
             }
     return out
