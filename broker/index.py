@@ -128,6 +128,14 @@ class TopicIndex:
         """
         with self.lock:  # taken before the version: what it forgot is in that version
             forgotten, self.forgotten = self.forgotten, set()
+        try:
+            return self._refresh(settled, forgotten)
+        except BaseException:
+            with self.lock:  # kept for the next try
+                self.forgotten |= forgotten
+            raise
+
+    def _refresh(self, settled: Set[str], forgotten: set[str]) -> int:
         if self._buffer is None:
             self._buffer = DeltaTable(self.buffer_path)
         else:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -99,3 +101,12 @@ class Metrics:
         self.retention_last.labels(topic).set(time.time())
         self.retention_seconds.labels(topic).set(run.seconds)
         self.retention_removed.labels(topic).inc(run.removed)
+
+
+def resident_bytes() -> int:
+    """This process's resident memory (Linux; 0 where /proc is absent)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except OSError:
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")

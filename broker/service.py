@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import os
 import threading
 import time
 from collections import Counter
@@ -24,7 +23,8 @@ from dejaq.broker.raft import NotCommitted, RaftNode
 from dejaq.broker.responses import NodeTopic, RetentionView
 from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
-from dejaq.pipelines.retention import RetentionRun, retain, vacuum
+from dejaq.pipelines.compaction import vacuum
+from dejaq.pipelines.retention import RetentionRun, redriven, restore, retain
 
 log = logging.getLogger("dejaq.broker")
 
@@ -47,15 +47,6 @@ REDRIVE_READS = 3  # lists a redrive or purge makes while checkpoints keep trimm
 # (a young collection per 700 net allocations) 200k messages at batch 100 cost each node
 # ~8 full collections of ~100 ms and 0.8-1.6 s of GC in all. 10k: none, and 0.3-0.7 s.
 GC_YOUNG_OBJECTS = 10_000
-
-
-def resident_bytes() -> int:
-    """This process's resident memory (Linux; 0 where /proc is absent)."""
-    try:
-        pages = int(Path("/proc/self/statm").read_text().split()[1])
-    except OSError:
-        return 0
-    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def now_ms() -> int:
@@ -250,6 +241,10 @@ class Broker:
             events = list(self.state(name).events)
             if events:
                 upto = checkpoint(self.settings.warehouse, name, events)
+                if self.state(name).redriven_at:  # before their redrives leave Raft
+                    index = self.indexes[name]
+                    ids = redriven(events)
+                    restore(index.buffer_path, index.dead_letter_path, ids, now_ms())
                 for cut in trim_cuts(events, upto):
                     self.raft.state.command(name, "trim", (cut,), sync=True, timeout=5)
                 self._checkpoints[name] += 1
@@ -281,6 +276,15 @@ class Broker:
                     )
 
     def _retain(self, name: str, cfg: TopicConfig) -> None:
+        """One retention run of a topic, bounded by the events not yet in the ledger.
+
+        Those are known once this node has applied every entry committed before it
+        asked: a command committed through Raft first (the leader's own address, again)
+        orders the question after them. A new leader has not applied the last term's
+        entries yet when it is elected, and a run before them would miss their events.
+        """
+        assert self.raft is not None
+        self.raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=5)
         events = list(self.state(name).events)
         unwritten = min((e.at for e in events), default=None)
         index = self.indexes[name]
@@ -302,6 +306,7 @@ class Broker:
             )
 
     def node_topics(self) -> dict[str, NodeTopic]:
+        """Per topic, this node's index and view of the buffer, and its last retention run."""
         out = {}
         for name, index in self.indexes.items():
             run = self.retention_runs.get(name)

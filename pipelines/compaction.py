@@ -64,3 +64,14 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
             done.files_vacuumed,
         )
     return done
+
+
+def vacuum(path: str) -> int:
+    """Delete the files replaced more than the table's file retention ago; how many.
+
+    Maintenance: a failure is logged, not raised."""
+    try:
+        return len(DeltaTable(path).vacuum(dry_run=False))
+    except Exception:
+        log.warning("vacuuming %s failed; the next round tries again", path, exc_info=True)
+        return 0

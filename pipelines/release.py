@@ -45,11 +45,11 @@ from dejaq.conf.tables import (
     checkpoint_path,
     ensure_table,
 )
-from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain
+from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain, vacuum
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
 from dejaq.pipelines.pending import Message, PendingSet
-from dejaq.pipelines.retention import RetentionRun, retain, vacuum, watermark
+from dejaq.pipelines.retention import RetentionRun, retain, watermark
 from dejaq.pipelines.timed_sender import TimedSender
 
 log = logging.getLogger("dejaq.release")

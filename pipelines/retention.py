@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 import time
 from dataclasses import dataclass
 from urllib.parse import unquote
@@ -32,10 +33,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-from deltalake import CommitProperties, DeltaTable, Transaction
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.conf.tables import LEDGER_SCHEMA, TIMESTAMP, LedgerEvent
+from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, TIMESTAMP, LedgerEvent
 
 log = logging.getLogger("dejaq.retention")
 
@@ -44,7 +45,7 @@ OPERATION = "dejaq.retention"  # commitInfo's custom metadata key saying what a 
 # How far a deliverer's clock may be behind the one that stamped earlier events (a new
 # leader's): events stamped that far before the cutoff still count as after it.
 CLOCK_SKEW_MS = 60_000
-ATTEMPTS = 5
+ATTEMPTS = 8
 # A run that removes nothing commits its watermark only this far past the last one.
 WATERMARK_STEP_MS = 60_000
 
@@ -95,7 +96,9 @@ def ledger_tail(
         wanted &= pc.field("message_id").isin(ids)
     if since_ms > 0:
         wanted &= pc.field("at") >= since
-    dataset = ds.dataset(paths, format="parquet", filesystem=fs)
+    # The contract's schema, not the first file's: a file written with Arrow string views
+    # reads as plain strings, and a ledger once partitioned lacks `bucket` in its files.
+    dataset = ds.dataset(paths, schema=LEDGER_SCHEMA, format="parquet", filesystem=fs)
     return dataset.to_table(columns=columns, filter=wanted)
 
 
@@ -146,16 +149,15 @@ def retain(
     for attempt in range(1, ATTEMPTS + 1):
         try:
             done = _run(buffer_path, ledger_path, retention_ms, now_ms, unwritten_from_ms)
+            break
         except CommitFailedError:
             if attempt == ATTEMPTS:
                 raise
-            continue
-        if done is None:
-            return None
-        removed, rewritten, read, cutoff = done
-        seconds = time.monotonic() - started
-        return RetentionRun(now_ms, cutoff, removed, rewritten, read, seconds)
-    raise AssertionError("unreachable")
+            time.sleep(random.uniform(0.05, 0.5))  # out of step with the appends it lost to
+    if done is None:
+        return None
+    removed, rewritten, read, cutoff = done
+    return RetentionRun(now_ms, cutoff, removed, rewritten, read, time.monotonic() - started)
 
 
 def _run(
@@ -165,9 +167,12 @@ def _run(
     now_ms: int,
     unwritten_from_ms: int | None,
 ) -> tuple[int, int, int, int] | None:
-    """One attempt: (rows removed, files rewritten, messages read, new watermark)."""
-    buffer = DeltaTable(buffer_path)
-    upto = watermark(buffer)
+    """One attempt: (rows removed, files rewritten, messages read, new watermark).
+
+    The buffer is opened again after the ledger is read, so the window in which an
+    append makes the commit fail is the MERGE's alone.
+    """
+    upto = watermark(DeltaTable(buffer_path))
     cutoff = now_ms - retention_ms
     if unwritten_from_ms is not None:
         cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
@@ -175,6 +180,9 @@ def _run(
         return None
     last = latest_events(ledger_path, upto)
     gone = settled_before(last, cutoff)
+    buffer = DeltaTable(buffer_path)
+    if watermark(buffer) != upto:
+        return None  # another run (a deposed leader's) moved it meanwhile
     commit = CommitProperties(
         app_transactions=[Transaction(APP_ID, cutoff)],
         custom_metadata={OPERATION: str(len(gone))},
@@ -202,6 +210,51 @@ def _run(
     return removed, rewritten, last.num_rows, cutoff
 
 
+def redriven(events: list) -> list[str]:
+    """The ids whose latest of `events` (settlements, in seq order) is a redrive."""
+    last = {e.message_id: e.event for e in events}
+    return [mid for mid, event in last.items() if event == LedgerEvent.REDRIVEN]
+
+
+def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int) -> int:
+    """Append the dead letters of redriven `ids` whose buffer row retention has removed
+    back to the buffer; returns how many.
+
+    A pending message then always has a buffer row: a start reads the buffer and the
+    ledger from the watermark only, so a redrive older than the watermark would not be
+    seen, and the message with it. The broker runs this before it trims the redrive
+    from Raft, so a leader dying in between leaves the redrive for the next to restore.
+    """
+    if not ids:
+        return 0
+    buffer = DeltaTable(buffer_path)
+    held = buffer.to_pyarrow_dataset().to_table(
+        columns=["message_id"], filter=pc.field("message_id").isin(ids)
+    )
+    missing = sorted(set(ids).difference(held.column("message_id").to_pylist()))
+    if not missing:
+        return 0
+    dead = (
+        DeltaTable(dead_letter_path)
+        .to_pyarrow_dataset()
+        .to_table(filter=pc.field("message_id").isin(missing))
+    )
+    first = {mid: i for i, mid in reversed(list(enumerate(dead.column("message_id").to_pylist())))}
+    dead = dead.take(sorted(first.values()))
+    ingested = pa.array([now_ms * 1000] * dead.num_rows, pa.int64()).cast(TIMESTAMP)
+    columns = {f.name: ingested if f.name == "ingested_at" else dead[f.name] for f in BUFFER_SCHEMA}
+    rows = pa.table(columns).cast(BUFFER_SCHEMA)
+    partition_by = buffer.metadata().partition_columns
+    write_deltalake(buffer, rows, mode="append", partition_by=partition_by or None)
+    if len(first) < len(missing):
+        log.warning(
+            "%d redriven messages have neither a buffer row nor a dead letter: %s",
+            len(missing) - len(first),
+            sorted(set(missing) - first.keys())[:10],
+        )
+    return len(first)
+
+
 def is_rewrite(commit: dict) -> bool:
     """Whether a commit's `commitInfo` says it is a retention run or a compaction: its
     added files hold only rows the table had before."""
@@ -226,14 +279,3 @@ def rewrites(table_path: str, versions: range) -> set[int]:
                         found.add(v)
                     break
     return found
-
-
-def vacuum(path: str) -> int:
-    """Delete the files replaced more than the table's file retention ago; how many.
-
-    Maintenance: a failure is logged, not raised."""
-    try:
-        return len(DeltaTable(path).vacuum(dry_run=False))
-    except Exception:
-        log.warning("vacuuming %s failed; the next round tries again", path, exc_info=True)
-        return 0

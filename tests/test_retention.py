@@ -301,3 +301,27 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     assert lagging.revive(snapshot) == 1, "from the dead letters"
     picks = lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=3)
     assert [p[0] for p in picks] == ["m0", "m3"]
+
+
+def test_a_redriven_message_gets_its_buffer_row_back_and_survives_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Dead, removed by retention, redriven: its dead letter goes back into the buffer
+    before the redrive leaves Raft, so a node started after the next run, which reads
+    the ledger from a watermark past the redrive, still finds it pending."""
+    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.reject("c", 1, ["m0"])
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    assert run(warehouse, now_ms()) is not None and buffered(warehouse) == {"m1"}
+    assert state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
+    assert retention.redriven(state.events) == ["m0"]
+    checkpoint(warehouse, "jobs", state.events)
+    buffer, dead = (ensure_table(warehouse, t, "jobs") for t in (Table.BUFFER, Table.DEAD_LETTER))
+    assert retention.restore(buffer, dead, ["m0", "m1"], now_ms()) == 1, "m1 has its row"
+    assert retention.restore(buffer, dead, ["m0"], now_ms()) == 0, "once"
+    index.forget(state.trim(state.events[-1].seq))
+    assert run(warehouse, now_ms() + retention.WATERMARK_STEP_MS) is not None
+    fresh = TopicIndex(warehouse, topic_conf())
+    fresh.load()
+    assert sorted(fresh.rows) == ["m0", "m1"]

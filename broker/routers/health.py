@@ -7,8 +7,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from dejaq.broker.app import AnyBroker, problem
+from dejaq.broker.metrics import resident_bytes
 from dejaq.broker.responses import Cluster
-from dejaq.broker.service import resident_bytes
 
 router = APIRouter(tags=["health"])
 
