@@ -170,7 +170,7 @@ def test_released_messages_leave_the_buffer_and_a_restart_reads_only_the_ledger_
     after every retention cutoff (sort keys 0..49: due since 1970)."""
     out = topic_factory(partitions=2)
     s = settings_for(
-        tmp_path, kafka_bootstrap, kind, out, max_per_trigger=15, settled_retention_ms=3000
+        tmp_path, kafka_bootstrap, kind, out, max_per_trigger=15, settled_retention_ms=10_000
     )
     topic = s.topic("jobs")
     buffer_path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
@@ -199,7 +199,8 @@ def test_released_messages_leave_the_buffer_and_a_restart_reads_only_the_ledger_
         removed = sum(st.retention.removed for st in releaser.stats if st.retention)
         assert removed >= len(first), "released messages left the buffer"
         assert buffered() <= set(arrived)
-        # The last ones are released just before the job stops: still in the buffer.
+        # The last ones are released just before the job stops: still in the buffer (their
+        # retention is 10 s away, ample for a loaded machine).
         recent = add_buffer(s, kind, [0] * 10, first_offset=2000)
         next_batch = releaser.stats[-1].batch_id + 1
         run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, first=next_batch)
