@@ -35,7 +35,15 @@ from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.conf.settings import TopicConfig, TopicKind
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
-from dejaq.pipelines.retention import SETTLING, TERMINAL, latest_events, rewrites, watermark
+from dejaq.pipelines.retention import (
+    SETTLING,
+    TERMINAL,
+    first_per_id,
+    latest_events,
+    rewrites,
+    split,
+    watermark,
+)
 
 log = logging.getLogger("dejaq.broker.index")
 
@@ -111,11 +119,8 @@ class TopicIndex:
         assert self._buffer is not None
         since = watermark(self._buffer)
         self.ledger_version = DeltaTable(self.ledger_path).version()
-        last = latest_events(self.ledger_path, since)
-        events = last.column("event_last")
-        redriven = pc.equal(events, LedgerEvent.REDRIVEN)
-        settled = set(last.filter(pc.invert(redriven)).column("message_id").to_pylist())
-        return settled, set(last.filter(redriven).column("message_id").to_pylist())
+        settled, redriven = split(latest_events(self.ledger_path, since))
+        return set(settled), set(redriven)
 
     def refresh(self, settled: Set[str] = frozenset()) -> int:
         """Index buffer files added since the last call; returns how many rows were new.
@@ -252,7 +257,7 @@ class TopicIndex:
         if missing := set(wanted).difference(t.column("message_id").to_pylist()):
             # Dead long enough for retention to have removed its buffer row: the dead
             # letters keep the message whole, stamped with its death for an ingestion.
-            dead = _first_per_id(_read_ids(self.dead_letter_path, sorted(missing), "dead_at"))
+            dead = first_per_id(_read_ids(self.dead_letter_path, sorted(missing), "dead_at"))
             t = pa.concat_tables([t, dead], promote_options="permissive")
             with self.lock:
                 self.from_dead_letters.update(dead.column("message_id").to_pylist())
@@ -352,11 +357,8 @@ class TopicIndex:
             with self.lock:
                 held = self.rows.keys() - self.from_dead_letters
             if gone := sorted(held.difference(buffered.to_pylist())):
-                last = latest_events(self.ledger_path, 0, gone)
-                redriven = pc.equal(last.column("event_last"), LedgerEvent.REDRIVEN)
-                settled.update(last.filter(pc.invert(redriven)).column("message_id").to_pylist())
-                again = last.filter(redriven).column("message_id").to_pylist()
-                settled.update(again)  # its row here is the buffer's: the dead letter's next
+                done, again = split(latest_events(self.ledger_path, 0, gone))
+                settled.update(done, again)  # its row here is the buffer's: the dead letter's next
                 revived.update(again)
         with self.lock:
             deque(map(self.rows.pop, settled & self.rows.keys()), maxlen=0)
@@ -559,13 +561,6 @@ def _read_ids(path: str, ids: list[str], ingested_at: str) -> pa.Table:
         .to_table(columns=columns, filter=pc.field("message_id").isin(ids))
     )
     return t.rename_columns([*columns[:-1], "ingested_at"])
-
-
-def _first_per_id(t: pa.Table) -> pa.Table:
-    """One row per message id (a message that died twice has two dead letters)."""
-    ids = t.column("message_id").to_pylist()
-    first = {mid: i for i, mid in reversed(list(enumerate(ids)))}
-    return t.take(sorted(first.values()))
 
 
 def settled_as(events: list[str]) -> str | None:

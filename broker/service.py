@@ -23,16 +23,13 @@ from dejaq.broker.raft import NotCommitted, RaftNode
 from dejaq.broker.responses import NodeTopic, RetentionView
 from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
-from dejaq.pipelines.compaction import vacuum
-from dejaq.pipelines.retention import RetentionRun, redriven, restore, retain
+from dejaq.pipelines.retention import RetentionRun, period_s, redriven, restore, retain
 
 log = logging.getLogger("dejaq.broker")
 
 FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta commit
 DUTY_PERIOD_S = 0.05
 CHECKPOINT_PERIOD_S = 1.0
-# Retention runs on the leader this often (or a tenth of the topic's retention, if less).
-RETENTION_PERIOD_S = 60.0
 # Settled events forgotten per Raft command after a checkpoint. Each trim stalls every
 # node's event loop while it forgets (about 1 µs an event); at 2,000 the stalls of ~2.5 ms
 # showed in the batch-100 lease p99 (7 interleaved runs each: median 22.3 ms at 2,000,
@@ -264,7 +261,7 @@ class Broker:
             if raft is None or not raft.is_leader():
                 continue
             for name, cfg in self.topics.items():
-                period = min(RETENTION_PERIOD_S, cfg.settled_retention_ms / 10_000)
+                period = period_s(cfg.settled_retention_ms)
                 if time.monotonic() - last.get(name, -period) < period:
                     continue
                 last[name] = time.monotonic()
@@ -295,15 +292,6 @@ class Broker:
             return
         self.retention_runs[name] = run
         self.metrics.observe_retention(name, run)
-        if run.removed:
-            vacuum(index.buffer_path)
-            log.info(
-                "retention of %s: %d settled messages removed from %d files in %.2f s",
-                name,
-                run.removed,
-                run.files_rewritten,
-                run.seconds,
-            )
 
     def node_topics(self) -> dict[str, NodeTopic]:
         """Per topic, this node's index and view of the buffer, and its last retention run."""

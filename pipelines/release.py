@@ -45,11 +45,11 @@ from dejaq.conf.tables import (
     checkpoint_path,
     ensure_table,
 )
-from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain, vacuum
+from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
 from dejaq.pipelines.pending import Message, PendingSet
-from dejaq.pipelines.retention import RetentionRun, retain, watermark
+from dejaq.pipelines.retention import RetentionRun, period_s, retain, watermark
 from dejaq.pipelines.timed_sender import TimedSender
 
 log = logging.getLogger("dejaq.release")
@@ -65,8 +65,6 @@ SORT_KEY_HEADER = {
 # How far ahead, in triggers, a timeline batch takes messages to produce at their time:
 # more than one, so a message due just after the next tick is not late by a tick's overhead.
 HORIZON_TRIGGERS = 2
-# Retention runs every settled_retention_ms / 10, and at least once a minute.
-RETENTION_PERIOD_MS = 60_000
 # Ledger appends (one per releasing batch) between compactions of the ledger, into files
 # of LEDGER_FILE_BYTES: the ledger's tail, which a start of this job and the ingest's
 # dedup seed read, is then a few files, not one per batch.
@@ -262,29 +260,18 @@ class Releaser:
         Maintenance, not data: a failure is logged, not raised, and the next period
         tries again.
         """
-        period_ms = min(RETENTION_PERIOD_MS, self.topic.settled_retention_ms / 10)
+        retention_ms = self.topic.settled_retention_ms
         now = time.monotonic()
-        if self._retained is not None and (now - self._retained) * 1000 < period_ms:
+        if self._retained is not None and now - self._retained < period_s(retention_ms):
             return None
         self._retained = now
-        buffer_path = self.buffer.path
         try:
-            run = retain(buffer_path, self.ledger_path, self.topic.settled_retention_ms, _now_ms())
+            return retain(self.buffer.path, self.ledger_path, retention_ms, _now_ms())
         except Exception:
             log.warning(
                 "retention of %s failed; the next round tries again", self.topic.name, exc_info=True
             )
             return None
-        if run is not None and run.removed:
-            vacuum(buffer_path)
-            log.info(
-                "retention of %s: %d settled messages removed from %d files in %.2f s",
-                self.topic.name,
-                run.removed,
-                run.files_rewritten,
-                run.seconds,
-            )
-        return run
 
     def run_batch(self, batch_id: int) -> ReleaseStats:
         """One trigger: refresh, select, produce, record.

@@ -37,6 +37,7 @@ from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
 from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, TIMESTAMP, LedgerEvent
+from dejaq.pipelines.compaction import vacuum
 
 log = logging.getLogger("dejaq.retention")
 
@@ -46,6 +47,7 @@ OPERATION = "dejaq.retention"  # commitInfo's custom metadata key saying what a 
 # leader's): events stamped that far before the cutoff still count as after it.
 CLOCK_SKEW_MS = 60_000
 ATTEMPTS = 8
+PERIOD_S = 60.0  # a deliverer runs retention at least this often
 # A run that removes nothing commits its watermark only this far past the last one.
 WATERMARK_STEP_MS = 60_000
 
@@ -119,6 +121,27 @@ def latest_events(ledger_path: str, since_ms: int, ids: list[str] | None = None)
     )
 
 
+def split(last: pa.Table) -> tuple[list[str], list[str]]:
+    """The ids of `latest_events`: (settled, redriven since their last death)."""
+    redriven = pc.equal(last.column("event_last"), LedgerEvent.REDRIVEN)
+    ids = last.column("message_id")
+    return ids.filter(pc.invert(redriven)).to_pylist(), ids.filter(redriven).to_pylist()
+
+
+def first_per_id(t: pa.Table) -> pa.Table:
+    """One row per message id, the first (a message that died twice has two dead
+    letters)."""
+    ids = t.column("message_id").to_pylist()
+    first = {mid: i for i, mid in reversed(list(enumerate(ids)))}
+    return t.take(sorted(first.values()))
+
+
+def period_s(retention_ms: int) -> float:
+    """How often a deliverer runs retention: a tenth of the retention, at least once a
+    minute."""
+    return min(PERIOD_S, retention_ms / 10_000)
+
+
 def settled_before(last: pa.Table, cutoff_ms: int) -> pa.Array:
     """The ids whose latest event (`latest_events`) is terminal and before `cutoff_ms`."""
     cutoff = pa.scalar(cutoff_ms * 1000, TIMESTAMP)
@@ -141,9 +164,10 @@ def retain(
     `unwritten_from_ms`: the earliest `at` of settling events the caller has not yet
     written to the ledger; the cutoff stays a clock skew before it. Returns None when
     the cutoff has not moved past the watermark (or, with nothing to remove, not by a
-    `WATERMARK_STEP_MS`). A commit that loses to a concurrent one (an ingest append
-    lands every second or so) is tried again from a fresh snapshot, up to `ATTEMPTS`
-    times; then the error is raised.
+    `WATERMARK_STEP_MS`). A run that removed rows vacuums the buffer's replaced files
+    that are past the table's file retention. A commit that loses to a concurrent one
+    (an ingest append lands every second or so) is tried again from a fresh snapshot,
+    up to `ATTEMPTS` times; then the error is raised.
     """
     started = time.monotonic()
     for attempt in range(1, ATTEMPTS + 1):
@@ -157,7 +181,17 @@ def retain(
     if done is None:
         return None
     removed, rewritten, read, cutoff = done
-    return RetentionRun(now_ms, cutoff, removed, rewritten, read, time.monotonic() - started)
+    run = RetentionRun(now_ms, cutoff, removed, rewritten, read, time.monotonic() - started)
+    if removed:
+        vacuum(buffer_path)
+        log.info(
+            "retention of %s: %d settled messages removed from %d files in %.2f s",
+            buffer_path,
+            removed,
+            rewritten,
+            run.seconds,
+        )
+    return run
 
 
 def _run(
@@ -239,20 +273,19 @@ def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int
         .to_pyarrow_dataset()
         .to_table(filter=pc.field("message_id").isin(missing))
     )
-    first = {mid: i for i, mid in reversed(list(enumerate(dead.column("message_id").to_pylist())))}
-    dead = dead.take(sorted(first.values()))
+    dead = first_per_id(dead)
     ingested = pa.array([now_ms * 1000] * dead.num_rows, pa.int64()).cast(TIMESTAMP)
     columns = {f.name: ingested if f.name == "ingested_at" else dead[f.name] for f in BUFFER_SCHEMA}
     rows = pa.table(columns).cast(BUFFER_SCHEMA)
     partition_by = buffer.metadata().partition_columns
     write_deltalake(buffer, rows, mode="append", partition_by=partition_by or None)
-    if len(first) < len(missing):
+    if dead.num_rows < len(missing):
         log.warning(
             "%d redriven messages have neither a buffer row nor a dead letter: %s",
-            len(missing) - len(first),
-            sorted(set(missing) - first.keys())[:10],
+            len(missing) - dead.num_rows,
+            sorted(set(missing).difference(dead.column("message_id").to_pylist()))[:10],
         )
-    return len(first)
+    return dead.num_rows
 
 
 def is_rewrite(commit: dict) -> bool:

@@ -488,19 +488,29 @@ def test_kill_9_leader_under_load_then_full_restart(tmp_path, kafka_bootstrap, k
             wait_until(lambda: acked(client, nodes) == total, timeout=90, what="all acked")
         assert w.redelivered_after_ack == [], "an acked message is never delivered again"
 
-        stop(nodes)  # full restart: Raft journals and the ledger keep everything
-        fill(warehouse, "fo", buffer_rows([5, 6], prefix="after"))
-        for node in nodes:
-            cluster.start_node(node, nodes, str(conf), dict(os.environ))
-        cluster.wait_ready(nodes)
-        with httpx.Client(timeout=10) as client:
-            url = f"{nodes[0].url}/v1/topics/fo"
-            body = {"consumer_id": "late", "max_messages": 1000, "wait_ms": 2000}
-            got = client.post(f"{url}/leases", json=body).json()["messages"]
-            assert sorted(m["id"] for m in got) == ["after0", "after1"]
-            assert client.get(url).json()["acked"] == total
+        # Full restart: Raft journals and the ledger keep everything.
+        leased, acked_after = restart_then_lease(nodes, conf, warehouse, "fo")
+        assert leased == ["after0", "after1"]
+        assert acked_after == total
     finally:
         stop(nodes)
+
+
+def restart_then_lease(
+    nodes: list[Node], conf: Path, warehouse: str, topic: str
+) -> tuple[list[str], int]:
+    """Stop every node, append two rows ("after0", "after1"), start them all again; the
+    ids one lease then gets, sorted, and the topic's acked count."""
+    stop(nodes)
+    fill(warehouse, topic, buffer_rows([5, 6], prefix="after"))
+    for node in nodes:
+        cluster.start_node(node, nodes, str(conf), dict(os.environ))
+    cluster.wait_ready(nodes)
+    with httpx.Client(timeout=10) as client:
+        url = f"{nodes[0].url}/v1/topics/{topic}"
+        body = {"consumer_id": "late", "max_messages": 1000, "wait_ms": 2000}
+        got = client.post(f"{url}/leases", json=body).json()["messages"]
+        return sorted(m["id"] for m in got), client.get(url).json()["acked"]
 
 
 def test_pipelined_entries_reach_each_follower_once(tmp_path, kafka_bootstrap, kafka_source):
