@@ -43,7 +43,7 @@ from test_broker import buffer_rows, fill  # noqa: E402
 
 from dejaq.broker import message_json  # noqa: E402
 from dejaq.broker.hotpath import _ack_args, _lease_args  # noqa: E402
-from dejaq.broker.index import Row, TopicIndex  # noqa: E402
+from dejaq.broker.index import Taken, TopicIndex  # noqa: E402
 from dejaq.broker.leases import TopicState  # noqa: E402
 from dejaq.broker.ledger_writer import checkpoint  # noqa: E402
 from dejaq.broker.raft import RaftNode  # noqa: E402
@@ -163,14 +163,14 @@ async def measure(
             assert _lease_args(json.loads(body)) is not None
             now = int(time.time() * 1000)
             t = clock.time("leader", "parse requests", t)
-            rows: list[Row] = []
-            picks = index.pick(state, state.buckets_of(me), args.batch, now, rows)
+            taken: list[Taken] = []
+            picks = index.pick(state, state.buckets_of(me), args.batch, now, taken)
             t = clock.time("leader", "pick", t)
             grants = await leader.commit("t", "lease", me, now, 30_000, picks)
             t = time.perf_counter()
             index.release(state, picks)
             t = clock.time("leader", "release picks", t)
-            body = message_json.leased_array(picks, rows, grants, False)
+            body = message_json.leased_array(picks, taken, grants, False)
             t = clock.time("leader", "lease JSON", t)
             ack_body = json.dumps({"consumer_id": me, "ids": [m["id"] for m in json.loads(body)]})
             t = clock.time("client", "read the lease, write the ack", t)  # not counted

@@ -5,7 +5,9 @@ with the Raft state through hooks (`push`, `forget`), so a follower can serve as
 the moment it is elected. Entries are validated lazily against the Raft state when
 they reach the top, which makes every hook idempotent and a duplicate entry harmless.
 It holds nothing of a message once settled and checkpointed: the ledger is the record,
-and a broker that kept even each settled id would grow by ~140 bytes per message.
+and a broker that kept even each settled id would grow by ~140 bytes per message. Nor
+does it hold payloads: each message's rendered JSON is in the node's `HeadStore` on local
+disk, read back when a lease grants it.
 
 Each bucket keeps its entries in two parts: a run, sorted once and taken from its end,
 and a heap for what arrives a few at a time (redeliveries, a trickle of new rows). Taking
@@ -18,11 +20,11 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
-from collections import Counter, deque
-from collections.abc import Iterator, Set
+from collections import Counter
+from collections.abc import Iterable, Iterator, Set
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import is_
+from operator import is_, itemgetter
 from typing import NamedTuple
 
 import pyarrow as pa
@@ -31,6 +33,7 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
 from dejaq.broker import message_json
+from dejaq.broker.head_store import HeadStore, Segment
 from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.conf.settings import TopicConfig, TopicKind
@@ -63,7 +66,13 @@ class Row(NamedTuple):
     partition: int
     offset: int
     ingested_at: int  # epoch ms
-    head: str  # the leased message's JSON, less deliveries and deadline (`message_json`)
+    # Where the message's JSON, less deliveries and deadline (`message_json.head`), is.
+    segment: Segment
+    position: int
+
+
+_segment = itemgetter(5)  # of a Row
+Taken = tuple[int, str]  # a pick's row sort key and head, for the lease's JSON
 
 
 @dataclass
@@ -76,13 +85,14 @@ class Stats:
 class TopicIndex:
     """The pending messages of one topic, ordered per bucket by (sort key, partition, offset)."""
 
-    def __init__(self, warehouse: str, topic: TopicConfig) -> None:
+    def __init__(self, warehouse: str, topic: TopicConfig, heads_dir: str | None = None) -> None:
         self.topic = topic
         self.timeline = topic.kind.sorted_as is TopicKind.TIMELINE
         self.buffer_path = ensure_table(warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(warehouse, Table.LEDGER, topic.name)
         self.dead_letter_path = ensure_table(warehouse, Table.DEAD_LETTER, topic.name)
         self.lock = threading.Lock()
+        self.heads = HeadStore(heads_dir)
         self.rows: dict[str, Row] = {}
         self.runs: list[list[Entry]] = [[] for _ in range(topic.buckets)]  # descending
         self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
@@ -105,6 +115,9 @@ class TopicIndex:
         """First load: the settled ids in the ledger's tail, then every buffer file."""
         self._buffer = DeltaTable(self.buffer_path)
         self.refresh(self._settled_ids()[0])
+        # Arrow's allocator keeps what loading freed (the whole buffer's columns, read once)
+        # for reuse; a node that never reads that much again would hold it for its life.
+        pa.default_memory_pool().release_unused()
         self.loaded = True
 
     def _settled_ids(self) -> tuple[set[str], set[str]]:
@@ -163,12 +176,17 @@ class TopicIndex:
                     continue  # duplicates by id: first wins
                 new_rows[mid] = row
                 added.append(_entry(row.sort_key, mid, row))
+        # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
+        unused = _written(rows for _, rows in files)
+        unused.subtract(Counter(map(_segment, new_rows.values())))
         with self.lock:
             # Forgotten while the files were read: their entries go stale without a row.
-            deque(map(new_rows.pop, self.forgotten & new_rows.keys()), maxlen=0)
+            gone = list(map(new_rows.pop, self.forgotten & new_rows.keys()))
             self.rows.update(new_rows)
             for bucket, added in entries.items():
                 self._add(bucket, added)
+        unused.update(map(_segment, gone))
+        self.heads.release(+unused)
         self.files = current
         self.version = version
         return len(new_rows)
@@ -233,13 +251,18 @@ class TopicIndex:
                 strict=True,
             )
         ]
+        if not heads:
+            return []
+        segment, first = self.heads.write(heads)
+        del heads
         columns = zip(
             keys,
             t.column("source_partition").to_pylist(),
             t.column("source_offset").to_pylist(),
             ingested,
-            heads,
-            strict=True,
+            repeat(segment),
+            range(first, first + len(mids)),
+            strict=False,
         )
         return [(mid, Row(bucket, *values)) for mid, values in zip(mids, columns, strict=True)]
 
@@ -265,13 +288,16 @@ class TopicIndex:
         for bucket in pc.unique(t.column("bucket")).to_pylist():
             found += self._rows(t.filter(pc.equal(t.column("bucket"), bucket)), bucket)
         revived = 0
+        unused = Counter(map(_segment, (row for _, row in found)))
         with self.lock:
             for mid, row in found:
                 if mid in self.unread and mid not in self.rows and mid not in state.settled:
                     self.rows[mid] = row
                     self._pending(state, mid, row)
+                    unused[row.segment] -= 1
                     revived += 1
             self.unread.difference_update(wanted)
+        self.heads.release(+unused)
         if missing := set(wanted).difference(mid for mid, _ in found):
             log.warning(
                 "%s: %d redriven messages have neither a buffer row nor a dead letter, "
@@ -332,6 +358,8 @@ class TopicIndex:
             popped = list(map(self.rows.pop, mids, repeat(None)))
             if None in popped:
                 self.forgotten.update(compress(mids, map(is_, popped, repeat(None))))
+                popped = list(filter(None, popped))
+            self.heads.release(Counter(map(_segment, popped)))
             if self.from_dead_letters:
                 self.from_dead_letters.difference_update(mids)
             if self.unread:
@@ -361,7 +389,8 @@ class TopicIndex:
                 settled.update(done, again)  # its row here is the buffer's: the dead letter's next
                 revived.update(again)
         with self.lock:
-            deque(map(self.rows.pop, settled & self.rows.keys()), maxlen=0)
+            gone = list(map(self.rows.pop, settled & self.rows.keys()))
+            self.heads.release(Counter(map(_segment, gone)))
             self.unread |= (revived | state.redriven_at.keys()) - self.rows.keys()
             runs: list[list[Entry]] = [[] for _ in self.runs]
             for mid, row in self.rows.items():
@@ -381,18 +410,19 @@ class TopicIndex:
         buckets: list[int],
         n: int,
         now: int,
-        rows: list[Row] | None = None,
+        taken: list[Taken] | None = None,
     ) -> list[Pick]:
         """Take the `n` lowest deliverable sort keys across `buckets` out of the index.
 
         The caller commits them as a lease and then calls `release` with the picks, so
         a pick the state machine refused goes back into the index. Two leases in flight
         can pick the same message only through a duplicate entry; the state machine
-        grants it once, and `release` puts the other pick back. `rows`, if given, gets
-        each pick's row, for the lease's JSON: the index may forget a row meanwhile.
+        grants it once, and `release` puts the other pick back. `taken`, if given, gets
+        each pick's row sort key and head, for the lease's JSON: read now, as the index
+        may forget the row (and its head) before the lease commits.
         """
         picks: list[Pick] = []
-        taken = [] if rows is None else rows
+        rows: list[Row] = []
         with self.lock:
             while self.delayed and self.delayed[0][0] <= now:
                 _, mid = heapq.heappop(self.delayed)
@@ -409,13 +439,28 @@ class TopicIndex:
                 key, _, _, mid, row = heads[0]
                 b = row.bucket
                 picks.append((mid, b, key))
-                taken.append(row)
+                rows.append(row)
                 head = next(takers[b], None)
                 if head is None:
                     heapq.heappop(heads)
                 else:
                     heapq.heapreplace(heads, head)
+            if taken is not None and rows:
+                found = self.heads.read([(r.segment, r.position) for r in rows])
+                taken += zip([r.sort_key for r in rows], found, strict=True)
         return picks
+
+    def head(self, mid: str) -> Taken | None:
+        """An indexed message's row sort key and head (None once forgotten): a peek's."""
+        with self.lock:
+            row = self.rows.get(mid)
+            if row is None:
+                return None
+            return row.sort_key, self.heads.read([(row.segment, row.position)])[0]
+
+    def close(self) -> None:
+        """Free the head store's files (they go with the process anyway)."""
+        self.heads.close()
 
     def _taker(self, state: TopicState, bucket: int, now: int) -> Iterator[Entry]:
         """The bucket's deliverable entries, lowest first; stale ones are dropped.
@@ -587,6 +632,15 @@ def _shared(values: list[int]) -> list[int]:
     and an object per row is one more to free, in cold memory, as each row is settled."""
     one: dict[int, int] = {}
     return [one.setdefault(v, v) for v in values]
+
+
+def _written(groups: Iterable[list[tuple[str, Row]]]) -> Counter[Segment]:
+    """Rows per segment: each group's rows were written to one (`TopicIndex._rows`)."""
+    out: Counter[Segment] = Counter()
+    for rows in groups:
+        if rows:
+            out[rows[0][1].segment] += len(rows)
+    return out
 
 
 def _entry(key: int, mid: str, row: Row) -> Entry:

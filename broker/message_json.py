@@ -1,28 +1,21 @@
 """A leased message as JSON: rendered once when its row is indexed, finished per lease.
 
 Formatting JSON (base64, escaping, nine fields) was the lease path's largest cost after
-picking, on the leader's event loop. Each index row keeps its message's fixed fields
-already rendered (`head`, built in the thread that follows the tables); a lease only adds
-what it decides, deliveries and deadline, in one C-level join for the usual case (first
-delivery, the row's own sort key). The same `head` is the row's only copy of key and
-payload, so a row grows only by base64's third and the JSON around them (a 16-byte
-payload's row: 551 bytes, not 490).
+picking, on the leader's event loop. Each message's fixed fields are rendered once
+(`head`, in the thread that follows the tables) into the node's `HeadStore`; a lease
+only adds what it decides, deliveries and deadline, in one C-level join for the usual
+case (first delivery, the row's own sort key).
 """
 
 from __future__ import annotations
 
 import binascii
 import json
-from typing import Any, Protocol
+from typing import Any
 
 from dejaq.broker.leases import Grant, Pick
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
-
-
-class Rendered(Protocol):
-    sort_key: int
-    head: str
 
 
 def _b64(data: bytes) -> str:
@@ -49,12 +42,14 @@ def head(
 
 
 def message(
-    row: Rendered, sort_key: int, deliveries: int, deadline: int, timeline: bool
+    rendered: tuple[int, str], sort_key: int, deliveries: int, deadline: int, timeline: bool
 ) -> dict[str, Any]:
     """The message as a dict, with its current sort key (a nack or reschedule may have
-    changed it): what `leased_array` renders, and what peek shows."""
-    out = json.loads(row.head + "}")
-    if sort_key != row.sort_key:
+    changed it from `rendered`'s, the row's): what `leased_array` renders, and what peek
+    shows. `rendered`: (the row's sort key, its head)."""
+    row_key, head = rendered
+    out = json.loads(head + "}")
+    if sort_key != row_key:
         out.update(
             sort_key=sort_key,
             priority=None if timeline else sort_key,
@@ -65,11 +60,12 @@ def message(
 
 
 def leased_array(
-    picks: list[Pick], rows: list[Rendered], grants: list[Grant], timeline: bool
+    picks: list[Pick], rendered: list[tuple[int, str]], grants: list[Grant], timeline: bool
 ) -> str:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
-    `picks` (id, bucket, sort key) and their `rows` are what the lease asked for;
+    `picks` (id, bucket, sort key) and their `rendered` (row sort key, head) are what
+    the lease asked for;
     `grants` (id, deliveries, deadline), all of one deadline, what it got: the picks it
     took, in pick order, so both are walked together rather than looked up by id.
     """
@@ -81,11 +77,11 @@ def leased_array(
     for mid, deliveries, deadline in grants:
         while picks[i][0] != mid:
             i += 1
-        key, row = picks[i][2], rows[i]
-        if deliveries == 1 and key == row.sort_key:
-            parts.append(row.head)
+        key, (row_key, head) = picks[i][2], rendered[i]
+        if deliveries == 1 and key == row_key:
+            parts.append(head)
             parts.append(first)
         else:
-            msg = message(row, key, deliveries, deadline, timeline)
+            msg = message(rendered[i], key, deliveries, deadline, timeline)
             parts.append(json.dumps(msg) + ", ")
     return "[" + "".join(parts)[:-2] + "]"

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dejaq.broker import message_json
-from dejaq.broker.index import Row, TopicIndex
+from dejaq.broker.index import Row, Taken, TopicIndex
 from dejaq.broker.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
 from dejaq.broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from dejaq.broker.metrics import Metrics
@@ -105,7 +105,10 @@ class Broker:
         self.topics: dict[str, TopicConfig] = {
             t.name: t for t in settings.topics if t.delivery is Delivery.LEASE
         }
-        self.indexes = {n: TopicIndex(settings.warehouse, t) for n, t in self.topics.items()}
+        self.indexes = {
+            n: TopicIndex(settings.warehouse, t, str(data_dir / "heads" / n))
+            for n, t in self.topics.items()
+        }
         self.metrics = Metrics()
         self._lease_latency = {n: self.metrics.lease_latency.labels(n) for n in self.topics}
         self.raft: RaftNode | None = None
@@ -157,6 +160,8 @@ class Broker:
             t.join(5)
         if self.raft is not None:
             self.raft.destroy()
+        for index in self.indexes.values():
+            index.close()
 
     def ready(self) -> tuple[bool, str]:
         if self.raft is None or not all(i.loaded for i in self.indexes.values()):
@@ -347,9 +352,9 @@ class Broker:
         rate = cfg.max_lease_rate
         while True:
             now = now_ms()
-            rows: list[Row] = []
+            taken: list[Taken] = []
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
-            picks = index.pick(st, st.buckets_of(consumer), take, now, rows) if take else []
+            picks = index.pick(st, st.buckets_of(consumer), take, now, taken) if take else []
             if picks:
                 try:
                     args = (consumer, now, lease_ms, picks, rate)
@@ -359,7 +364,7 @@ class Broker:
                 if grants:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
-                    return message_json.leased_array(picks, rows, grants, timeline)
+                    return message_json.leased_array(picks, taken, grants, timeline)
             if time.monotonic() >= deadline:
                 return "[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
@@ -514,8 +519,12 @@ class Broker:
 
     async def peek(self, topic: str, mid: str) -> dict[str, Any]:
         cfg = self.topic(topic)
+        index = self.indexes[topic]
         row = await self._row_or_event(topic, mid)
-        if isinstance(row, str):  # checkpointed: only the ledger's fact remains
+        rendered = None if isinstance(row, str) else index.head(mid)
+        if isinstance(row, str) or rendered is None:  # checkpointed: the ledger's fact alone
+            if not isinstance(row, str):  # just now
+                row = await asyncio.to_thread(index.settled_event, mid) or "pending"
             return {"id": mid, "status": row}
         st = self.state(topic)
         key = st.sort_key(mid, row.sort_key)
@@ -530,7 +539,7 @@ class Broker:
             status = "pending"
         timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
         deliveries = lease.deliveries if lease else st.deliveries.get(mid, 0)
-        msg = message_json.message(row, key, deliveries, 0, timeline)
+        msg = message_json.message(rendered, key, deliveries, 0, timeline)
         msg.update(
             status=status,
             lease_deadline=lease.deadline if lease else None,

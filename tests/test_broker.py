@@ -14,6 +14,7 @@ import pickle
 import threading
 import time
 import tracemalloc
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pysyncobj.serializer import Serializer
 
-from dejaq.broker import message_json
+from dejaq.broker import head_store, message_json
 from dejaq.broker.assignment import rebalance
 from dejaq.broker.index import TopicIndex
 from dejaq.broker.leases import Refusal, Settlement, TopicState
@@ -330,8 +331,8 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
             granted = [(r, p, n) for r, p, n in zip(rows, picks, deliveries, strict=True) if n]
             grants = [(p[0], n, 99) for _, p, n in granted]
             want = [_leased(r, p[2], n, 99, timeline) for r, p, n in granted]
-            picked_rows = [index.rows[p[0]] for p in picks]
-            got = message_json.leased_array(picks, picked_rows, grants, timeline)
+            rendered = [index.head(p[0]) for p in picks]
+            got = message_json.leased_array(picks, rendered, grants, timeline)
             assert got == json.dumps(want) and len(want) == sum(map(bool, deliveries))
 
 
@@ -404,10 +405,11 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert "m1" not in fresh.rows and "m1" not in [e[3] for e in entries]
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
-    rows: list = []
-    picks = index.pick(state, state.buckets_of("c"), 3, now=2, rows=rows)
+    taken: list = []
+    picks = index.pick(state, state.buckets_of("c"), 3, now=2, taken=taken)
     assert [p[0] for p in picks] == ["m2", "m0"]
-    assert rows == [index.rows["m2"], index.rows["m0"]], "each pick's row, in pick order"
+    assert taken == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
+    assert [json.loads(h + "}")["id"] for _, h in taken] == ["m2", "m0"]
 
 
 def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path) -> None:
@@ -463,11 +465,15 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
     assert lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2) == [("m0", 0, 5)]
 
 
-def test_the_index_keeps_nothing_of_a_settled_message(tmp_path: Path) -> None:
+def test_the_index_keeps_nothing_of_a_settled_message(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Memory does not grow with the messages settled: no set of settled ids (the ledger
-    has them), which would grow by ~140 bytes per message for as long as a node runs."""
+    has them), which would grow by ~140 bytes per message for as long as a node runs.
+    Nor does the head store's disk: a segment goes once its messages are settled."""
+    monkeypatch.setattr(head_store, "SEGMENT_BYTES", 64 * 1024)
     warehouse = str(tmp_path / "wh")
-    index = TopicIndex(warehouse, topic_conf())
+    index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
     state = TopicState(4, 5)
     state.touch("c", 0)
     held = []
@@ -479,11 +485,52 @@ def test_the_index_keeps_nothing_of_a_settled_message(tmp_path: Path) -> None:
             assert sum(map(len, acked_batches(index, state, 1000))) == 10_000
             index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
             assert not index.rows and not state.settled and not state.events
+            assert len(index.heads.segments) == 1, "only the segment written last is left"
+            assert index.heads.disk_bytes() < 10_000 * 100, "one file's heads at most"
             gc.collect()  # live memory, not cycles the collector has not reached yet
             held.append(tracemalloc.get_traced_memory()[0])
     finally:
         tracemalloc.stop()
     assert held[2] - held[0] < 10_000 * 20, f"{held}: grew with 20,000 messages settled"
+    assert len(list((tmp_path / "heads").iterdir())) == 0, "unlinked: gone with the process"
+    index.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    writes=st.lists(
+        st.lists(st.text(alphabet='ab{}"', max_size=40), min_size=1, max_size=8),
+        min_size=1,
+        max_size=8,
+    ),
+    data=st.data(),
+)
+def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
+    writes: list[list[str]], data: st.DataObject
+) -> None:
+    """Any heads written in any batches read back in any order, consecutive ones of a
+    segment in one read; a segment goes once every head written to it is released."""
+    old = head_store.SEGMENT_BYTES
+    head_store.SEGMENT_BYTES = 64  # many segments
+    try:
+        store = head_store.HeadStore()
+        places: list[tuple[head_store.Segment, int]] = []
+        heads: list[str] = []
+        for batch in writes:
+            seg, first = store.write(batch)
+            places += [(seg, first + i) for i in range(len(batch))]
+            heads += batch
+        order = data.draw(st.permutations(range(len(heads))))
+        wanted = sorted(order[: data.draw(st.integers(0, len(heads)))])
+        assert store.read([places[i] for i in wanted]) == [heads[i] for i in wanted]
+        assert store.read(places) == heads
+        segments = {seg for seg, _ in places}
+        store.release(Counter(seg for seg, _ in places))
+        assert store.segments == {store.current} & segments, "all freed but the current"
+        store.close()
+        assert not store.segments
+    finally:
+        head_store.SEGMENT_BYTES = old
 
 
 def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:

@@ -1,0 +1,137 @@
+"""Rendered heads of pending messages (`message_json.head`), on local disk.
+
+A node holds every pending message of its topics; in memory, their payloads were most of
+it (a 1 KB payload's head is ~1.4 KB of JSON, a million of them gigabytes per node). The
+index keeps only what ordering needs and where a message's head is; a lease reads the
+heads it grants, a peek the one it shows.
+
+Why a local store and not the buffer table: the buffer's files are in ingestion order, so
+the lowest sort keys of a bucket lie scattered over whole Parquet row groups, and reading
+one message means reading its row group. Here each head is one `pread` from the page
+cache, and the heads of a bucket are written in its sort order, so the picks of a lease,
+mostly consecutive, come in a few reads. The store is a cache: written as the node indexes
+buffer rows, in unlinked temporary files (gone with the process, however it ends), and
+rebuilt from the buffer at start.
+
+Heads are appended to segments of up to SEGMENT_BYTES; a segment is freed once every
+message written to it is settled and forgotten, so its disk follows what is pending
+(plus the messages sharing a segment with a long-pending one).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from array import array
+from collections.abc import Iterable
+from typing import IO
+
+SEGMENT_BYTES = 64 * 1024 * 1024
+
+
+class Segment:
+    """One temporary file of heads; `ends[i]` is where head i ends."""
+
+    __slots__ = ("ends", "file", "live", "size")
+
+    def __init__(self, folder: str | None) -> None:
+        # Closed when the store frees the segment (`HeadStore._free`), not by a block.
+        self.file: IO[bytes] = tempfile.TemporaryFile(  # noqa: SIM115
+            dir=folder, prefix="dejaq-heads-"
+        )
+        self.ends = array("q")
+        self.live = 0  # heads written here whose message is still indexed
+        self.size = 0
+
+    def read(self, first: int, last: int) -> list[str]:
+        """Heads first..last (inclusive), in one read."""
+        start = self.ends[first - 1] if first else 0
+        data = os.pread(self.file.fileno(), self.ends[last] - start, start)
+        out = []
+        at = 0
+        for i in range(first, last + 1):
+            end = self.ends[i] - start
+            out.append(data[at:end].decode("ascii"))
+            at = end
+        return out
+
+
+class HeadStore:
+    """Append heads, read them back by (segment, position), free empty segments.
+
+    One thread writes (the one following the tables); reads and releases come from the
+    event loop, under the index's lock, for messages still indexed: their segments are
+    live. The store's own lock guards only the counts and the segment list.
+    """
+
+    def __init__(self, folder: str | None = None) -> None:
+        if folder is not None:
+            os.makedirs(folder, exist_ok=True)
+        self.folder = folder
+        self.current: Segment | None = None
+        self.segments: set[Segment] = set()
+        self._lock = threading.Lock()
+
+    def write(self, heads: list[str]) -> tuple[Segment, int]:
+        """Append `heads` (ASCII JSON) to one segment; returns it and the first position.
+
+        Each head written counts as live until `release`d.
+        """
+        data = "".join(heads).encode("ascii")
+        with self._lock:
+            seg = self.current
+            if seg is None or seg.size >= SEGMENT_BYTES:
+                if seg is not None and seg.live <= 0:
+                    self._free(seg)
+                seg = self.current = Segment(self.folder)
+                self.segments.add(seg)
+            start, first = seg.size, len(seg.ends)
+            end = start
+            for h in heads:
+                end += len(h)
+                seg.ends.append(end)
+            seg.live += len(heads)
+            seg.size = end
+        # Outside the lock: the positions are read only once the index holds their rows.
+        os.pwrite(seg.file.fileno(), data, start)
+        return seg, first
+
+    def read(self, places: Iterable[tuple[Segment, int]]) -> list[str]:
+        """The heads at `places`, in order; consecutive positions of a segment in one read."""
+        out: list[str] = []
+        run_seg: Segment | None = None
+        first = last = -1
+        for seg, pos in places:
+            if seg is run_seg and pos == last + 1:
+                last = pos
+                continue
+            if run_seg is not None:
+                out += run_seg.read(first, last)
+            run_seg, first, last = seg, pos, pos
+        if run_seg is not None:
+            out += run_seg.read(first, last)
+        return out
+
+    def release(self, counts: dict[Segment, int]) -> None:
+        """Messages settled and forgotten (or never indexed), by segment."""
+        with self._lock:
+            for seg, n in counts.items():
+                seg.live -= n
+                if seg.live <= 0 and seg is not self.current:
+                    self._free(seg)
+
+    def disk_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self.segments)
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in list(self.segments):
+                self._free(seg)
+            self.current = None
+
+    def _free(self, seg: Segment) -> None:
+        if seg in self.segments:
+            self.segments.discard(seg)
+            seg.file.close()
