@@ -24,14 +24,17 @@ import os
 import tempfile
 import threading
 from array import array
-from collections.abc import Iterable
+from operator import itemgetter
 from typing import IO
 
 SEGMENT_BYTES = 64 * 1024 * 1024
+SPAN_PER_HEAD = 4  # wanted heads this close are read as one range, through the others
+SEP = b"\0"  # after each head: JSON escapes every control character, so never inside one
 
 
 class Segment:
-    """One temporary file of heads; `ends[i]` is where head i ends."""
+    """One temporary file of heads, each followed by SEP; `ends[i]` is where head i's
+    separator ends."""
 
     __slots__ = ("ends", "file", "live", "size")
 
@@ -44,17 +47,12 @@ class Segment:
         self.live = 0  # heads written here whose message is still indexed
         self.size = 0
 
-    def read(self, first: int, last: int) -> list[str]:
-        """Heads first..last (inclusive), in one read."""
-        start = self.ends[first - 1] if first else 0
-        data = os.pread(self.file.fileno(), self.ends[last] - start, start)
-        out = []
-        at = 0
-        for i in range(first, last + 1):
-            end = self.ends[i] - start
-            out.append(data[at:end].decode("ascii"))
-            at = end
-        return out
+    def read(self, first: int, last: int) -> list[bytes]:
+        """Heads first..last (inclusive): one read, split in C."""
+        ends = self.ends
+        start = ends[first - 1] if first else 0
+        data = os.pread(self.file.fileno(), ends[last] - start - 1, start)
+        return data.split(SEP)
 
 
 class HeadStore:
@@ -78,7 +76,7 @@ class HeadStore:
 
         Each head written counts as live until `release`d.
         """
-        data = "".join(heads).encode("ascii")
+        data = "\0".join(heads).encode("ascii") + SEP
         with self._lock:
             seg = self.current
             if seg is None or seg.size >= SEGMENT_BYTES:
@@ -89,7 +87,7 @@ class HeadStore:
             start, first = seg.size, len(seg.ends)
             end = start
             for h in heads:
-                end += len(h)
+                end += len(h) + 1
                 seg.ends.append(end)
             seg.live += len(heads)
             seg.size = end
@@ -97,21 +95,23 @@ class HeadStore:
         os.pwrite(seg.file.fileno(), data, start)
         return seg, first
 
-    def read(self, places: Iterable[tuple[Segment, int]]) -> list[str]:
-        """The heads at `places`, in order; consecutive positions of a segment in one read."""
-        out: list[str] = []
-        run_seg: Segment | None = None
-        first = last = -1
+    def read(self, places: list[tuple[Segment, int]]) -> list[bytes]:
+        """The heads at `places`, in that order (ASCII JSON).
+
+        On the lease path, per granted message: a lease's picks interleave its buckets
+        by sort key, and each bucket's heads lie in sort order in a segment, so the
+        heads wanted are read as a few ranges, each split in C.
+        """
+        segments = set(map(_segment, places))
+        if len(segments) == 1:
+            (seg,) = segments
+            positions = list(map(_position, places))
+            return list(map(_ranges(seg, sorted(positions)).__getitem__, positions))
+        by_segment: dict[Segment, list[int]] = {seg: [] for seg in segments}
         for seg, pos in places:
-            if seg is run_seg and pos == last + 1:
-                last = pos
-                continue
-            if run_seg is not None:
-                out += run_seg.read(first, last)
-            run_seg, first, last = seg, pos, pos
-        if run_seg is not None:
-            out += run_seg.read(first, last)
-        return out
+            by_segment[seg].append(pos)
+        found = {seg: _ranges(seg, sorted(positions)) for seg, positions in by_segment.items()}
+        return [found[seg][pos] for seg, pos in places]
 
     def release(self, counts: dict[Segment, int]) -> None:
         """Messages settled and forgotten (or never indexed), by segment."""
@@ -135,3 +135,21 @@ class HeadStore:
         if seg in self.segments:
             self.segments.discard(seg)
             seg.file.close()
+
+
+_segment = itemgetter(0)
+_position = itemgetter(1)
+
+
+def _ranges(seg: Segment, positions: list[int]) -> dict[int, bytes]:
+    """The heads at sorted `positions` of `seg` (and any between two of them less than
+    SPAN_PER_HEAD apart), by position: a read per range."""
+    found: dict[int, bytes] = {}
+    first = last = positions[0]
+    for pos in positions:
+        if pos - last > SPAN_PER_HEAD:
+            found.update(zip(range(first, last + 1), seg.read(first, last), strict=True))
+            first = pos
+        last = pos
+    found.update(zip(range(first, last + 1), seg.read(first, last), strict=True))
+    return found

@@ -115,7 +115,7 @@ class HotPath:
                     consumer, n, lease_ms, wait_ms = args
                     lease_ms = lease_ms or self.broker.conf.lease_ms
                     messages = await self.broker.lease(topic, consumer, n, lease_ms, wait_ms)
-                    return await _send(send, 200, f'{{"messages": {messages}}}'.encode())
+                    return await _send(send, 200, b'{"messages": %s}' % messages)
             else:
                 args = _ack_args(parsed)
                 if args is not None:

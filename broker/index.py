@@ -72,7 +72,9 @@ class Row(NamedTuple):
 
 
 _segment = itemgetter(5)  # of a Row
-Taken = tuple[int, str]  # a pick's row sort key and head, for the lease's JSON
+_place = itemgetter(5, 6)  # (segment, position) of a Row
+_sort_key = itemgetter(1)  # of a Row
+Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
 
 @dataclass
@@ -164,7 +166,7 @@ class TopicIndex:
         unread, current = self._unseen(version)
         # Read first, then insert every file of the version under one lock: a lease sees
         # a Delta commit whole or not at all, never some of its buckets.
-        files = [self._read_file(path, bucket) for path, bucket in unread]
+        files = self._read_files(unread)
         # The per-row work happens before taking the lock, which the event loop (Raft
         # applies, leases) also takes: under it, only C-level inserts.
         new_rows: dict[str, Row] = {}
@@ -225,11 +227,21 @@ class TopicIndex:
         self.buffer_rows = sum(n or 0 for n in actions["num_records"])
         return unread, set(actions["path"])
 
-    def _read_file(self, path: str, bucket: int) -> tuple[int, list[tuple[str, Row]]]:
-        uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
-        t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
-        # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
-        return bucket, self._rows(t.cast(_FILE_SCHEMA), bucket)
+    def _read_files(self, unread: list[tuple[str, int]]) -> list[tuple[int, list[tuple[str, Row]]]]:
+        """Index rows of the files, a bucket at a time and in its sort order.
+
+        A bucket's heads are written in that order, so a lease, which takes a bucket's
+        lowest keys, reads them as one range of the head store. Between two copies of an
+        id in one bucket's new files the lower sort key wins (the ingest drops such
+        duplicates before they reach the buffer: this only keeps the index consistent).
+        """
+        tables: dict[int, list[pa.Table]] = {}
+        for path, bucket in unread:
+            uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
+            t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
+            # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
+            tables.setdefault(bucket, []).append(t.cast(_FILE_SCHEMA))
+        return [(b, self._rows(pa.concat_tables(ts), b)) for b, ts in tables.items()]
 
     def _rows(self, t: pa.Table, bucket: int) -> list[tuple[str, Row]]:
         """Buffer rows of one bucket as index rows, in sort order."""
@@ -446,8 +458,8 @@ class TopicIndex:
                 else:
                     heapq.heapreplace(heads, head)
             if taken is not None and rows:
-                found = self.heads.read([(r.segment, r.position) for r in rows])
-                taken += zip([r.sort_key for r in rows], found, strict=True)
+                found = self.heads.read(list(map(_place, rows)))
+                taken += zip(map(_sort_key, rows), found, strict=True)
         return picks
 
     def head(self, mid: str) -> Taken | None:

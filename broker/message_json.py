@@ -42,13 +42,13 @@ def head(
 
 
 def message(
-    rendered: tuple[int, str], sort_key: int, deliveries: int, deadline: int, timeline: bool
+    rendered: tuple[int, bytes], sort_key: int, deliveries: int, deadline: int, timeline: bool
 ) -> dict[str, Any]:
     """The message as a dict, with its current sort key (a nack or reschedule may have
     changed it from `rendered`'s, the row's): what `leased_array` renders, and what peek
     shows. `rendered`: (the row's sort key, its head)."""
     row_key, head = rendered
-    out = json.loads(head + "}")
+    out = json.loads(head + b"}")
     if sort_key != row_key:
         out.update(
             sort_key=sort_key,
@@ -60,8 +60,8 @@ def message(
 
 
 def leased_array(
-    picks: list[Pick], rendered: list[tuple[int, str]], grants: list[Grant], timeline: bool
-) -> str:
+    picks: list[Pick], rendered: list[tuple[int, bytes]], grants: list[Grant], timeline: bool
+) -> bytes:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
     `picks` (id, bucket, sort key) and their `rendered` (row sort key, head) are what
@@ -70,8 +70,8 @@ def leased_array(
     took, in pick order, so both are walked together rather than looked up by id.
     """
     if not grants:
-        return "[]"
-    first = f', "deliveries": 1, "lease_deadline": {grants[0][2]}}}, '
+        return b"[]"
+    first = b', "deliveries": 1, "lease_deadline": %d}, ' % grants[0][2]
     parts = []
     i = 0
     for mid, deliveries, deadline in grants:
@@ -83,5 +83,5 @@ def leased_array(
             parts.append(first)
         else:
             msg = message(rendered[i], key, deliveries, deadline, timeline)
-            parts.append(json.dumps(msg) + ", ")
-    return "[" + "".join(parts)[:-2] + "]"
+            parts.append(json.dumps(msg).encode() + b", ")
+    return b"[" + b"".join(parts)[:-2] + b"]"

@@ -339,7 +339,7 @@ class Broker:
         if seen is None or now_ms() - seen > self.conf.heartbeat_timeout_ms // 3:
             await self._commit(topic, "touch", consumer, now_ms())
 
-    async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> str:
+    async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> bytes:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
 
         Returns the JSON array of leased messages, formatted by `message_json`.
@@ -366,7 +366,7 @@ class Broker:
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
                     return message_json.leased_array(picks, taken, grants, timeline)
             if time.monotonic() >= deadline:
-                return "[]"
+                return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
             await self._join(topic, consumer)
 

@@ -20,7 +20,10 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT,...",
         help="the other nodes' Raft addresses (this node's own is ignored); none: one node",
     )
-    sp.add_argument("--data-dir", help="Raft journal and snapshots (default: broker.data_dir/ID)")
+    sp.add_argument(
+        "--data-dir",
+        help="Raft journal, snapshots, pending messages' heads (default: broker.data_dir/ID)",
+    )
     sp.add_argument(
         "--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or the packaged one)"
     )

@@ -333,7 +333,7 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
             want = [_leased(r, p[2], n, 99, timeline) for r, p, n in granted]
             rendered = [index.head(p[0]) for p in picks]
             got = message_json.leased_array(picks, rendered, grants, timeline)
-            assert got == json.dumps(want) and len(want) == sum(map(bool, deliveries))
+            assert got == json.dumps(want).encode() and len(want) == sum(map(bool, deliveries))
 
 
 def _leased(row: dict, key: int, deliveries: int, deadline: int, timeline: bool) -> dict:
@@ -409,7 +409,7 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     picks = index.pick(state, state.buckets_of("c"), 3, now=2, taken=taken)
     assert [p[0] for p in picks] == ["m2", "m0"]
     assert taken == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
-    assert [json.loads(h + "}")["id"] for _, h in taken] == ["m2", "m0"]
+    assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m2", "m0"]
 
 
 def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path) -> None:
@@ -522,8 +522,11 @@ def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
             heads += batch
         order = data.draw(st.permutations(range(len(heads))))
         wanted = sorted(order[: data.draw(st.integers(0, len(heads)))])
-        assert store.read([places[i] for i in wanted]) == [heads[i] for i in wanted]
-        assert store.read(places) == heads
+        encoded = [h.encode() for h in heads]
+        wanted_places = [places[i] for i in wanted]
+        assert store.read(wanted_places) == [encoded[i] for i in wanted]
+        assert store.read(wanted_places[::-1]) == [encoded[i] for i in wanted[::-1]]
+        assert store.read(places) == encoded
         segments = {seg for seg, _ in places}
         store.release(Counter(seg for seg, _ in places))
         assert store.segments == {store.current} & segments, "all freed but the current"

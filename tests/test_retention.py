@@ -181,7 +181,7 @@ def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_lett
     taken: list = []
     picks = index.pick(state, state.buckets_of("c"), 2, now=3, taken=taken)
     assert [p[0] for p in picks] == ["m0", "m1"]
-    assert base64.b64encode(b"payload-m0").decode() in taken[0][1], "the dead letter's payload"
+    assert base64.b64encode(b"payload-m0") in taken[0][1], "the dead letter's payload"
 
 
 def test_a_commit_beaten_by_an_append_is_tried_again(
