@@ -55,6 +55,7 @@ _COORDS = ["source_partition", "source_offset"]
 _FILE_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _COLUMNS + _COORDS])
 _ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
+HEAD_SLICE = 8192  # rows rendered and written to the head store at once
 
 # (sort key, partition, offset, message id, row): valid while `rows[id] is row`
 Entry = tuple[int, int, int, str, "Row"]
@@ -73,6 +74,7 @@ class Row(NamedTuple):
 
 _segment = itemgetter(5)  # of a Row
 _place = itemgetter(5, 6)  # (segment, position) of a Row
+_row = itemgetter(1)  # of an (id, Row)
 _sort_key = itemgetter(1)  # of a Row
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
@@ -235,13 +237,16 @@ class TopicIndex:
         id in one bucket's new files the lower sort key wins (the ingest drops such
         duplicates before they reach the buffer: this only keeps the index consistent).
         """
-        tables: dict[int, list[pa.Table]] = {}
+        paths: dict[int, list[str]] = {}
         for path, bucket in unread:
             uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
-            t = pq.read_table(uri, columns=_COLUMNS + _COORDS)
-            # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
-            tables.setdefault(bucket, []).append(t.cast(_FILE_SCHEMA))
-        return [(b, self._rows(pa.concat_tables(ts), b)) for b, ts in tables.items()]
+            paths.setdefault(bucket, []).append(uri)
+        # A bucket at a time: a first load holds one bucket's columns, not the buffer's.
+        # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
+        return [
+            (b, self._rows(pa.concat_tables(map(_read_columns, uris)), b))
+            for b, uris in paths.items()
+        ]
 
     def _rows(self, t: pa.Table, bucket: int) -> list[tuple[str, Row]]:
         """Buffer rows of one bucket as index rows, in sort order."""
@@ -252,31 +257,36 @@ class TopicIndex:
         mids = t.column("message_id").to_pylist()
         keys = _shared(t.column("sort_key").to_pylist())
         ingested = _shared(_ms(t.column("ingested_at")))
-        heads = [
-            message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
-            for mid, key, payload, sort_key, at in zip(
-                mids,
-                t.column("key").to_pylist(),
-                t.column("payload").to_pylist(),
-                keys,
-                _ms(t.column("deliver_at")),
-                strict=True,
-            )
-        ]
-        if not heads:
-            return []
-        segment, first = self.heads.write(heads)
-        del heads
+        places: list[tuple[Segment, int]] = []
+        for start in range(0, len(mids), HEAD_SLICE):  # payloads a slice at a time
+            part = t.slice(start, HEAD_SLICE)
+            heads = [
+                message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
+                for mid, key, payload, sort_key, at in zip(
+                    mids[start : start + HEAD_SLICE],
+                    part.column("key").to_pylist(),
+                    part.column("payload").to_pylist(),
+                    keys[start : start + HEAD_SLICE],
+                    _ms(part.column("deliver_at")),
+                    strict=True,
+                )
+            ]
+            segment, first = self.heads.write(heads)
+            places += zip(repeat(segment), range(first, first + len(heads)))
         columns = zip(
             keys,
             t.column("source_partition").to_pylist(),
             t.column("source_offset").to_pylist(),
             ingested,
-            repeat(segment),
-            range(first, first + len(mids)),
-            strict=False,
+            places,
+            strict=True,
         )
-        return [(mid, Row(bucket, *values)) for mid, values in zip(mids, columns, strict=True)]
+        return [
+            (mid, Row(bucket, key, partition, offset, at, segment, position))
+            for mid, (key, partition, offset, at, (segment, position)) in zip(
+                mids, columns, strict=True
+            )
+        ]
 
     def revive(self, state: TopicState) -> int:
         """Index the `unread` messages again from the buffer; returns how many.
@@ -646,12 +656,15 @@ def _shared(values: list[int]) -> list[int]:
     return [one.setdefault(v, v) for v in values]
 
 
+def _read_columns(uri: str) -> pa.Table:
+    return pq.read_table(uri, columns=_COLUMNS + _COORDS).cast(_FILE_SCHEMA)
+
+
 def _written(groups: Iterable[list[tuple[str, Row]]]) -> Counter[Segment]:
-    """Rows per segment: each group's rows were written to one (`TopicIndex._rows`)."""
+    """Rows per segment."""
     out: Counter[Segment] = Counter()
     for rows in groups:
-        if rows:
-            out[rows[0][1].segment] += len(rows)
+        out.update(map(_segment, map(_row, rows)))
     return out
 
 
