@@ -63,6 +63,12 @@ class Metrics:
         self.buffer_rows = Gauge(
             "dejaq_buffer_rows", "Rows in the topic's buffer table", ["topic"], registry=r
         )
+        self.head_store = Gauge(
+            "dejaq_head_store_bytes",
+            "Local disk held by the rendered JSON of the topic's pending messages",
+            ["topic"],
+            registry=r,
+        )
         self.settled_rows = Gauge(
             "dejaq_buffer_settled_rows",
             "Buffer rows of settled messages, waiting for retention to remove them",
@@ -90,10 +96,12 @@ class Metrics:
             self.raft_role.labels(r).set(1 if r == role else 0)
         self.raft_term.set(term)
 
-    def observe_index(self, sizes: dict[str, tuple[int, int]]) -> None:
-        """Per topic: (messages in the index, rows in the buffer version it indexed)."""
-        for topic, (indexed, rows) in sizes.items():
+    def observe_index(self, sizes: dict[str, tuple[int, int, int]]) -> None:
+        """Per topic: (messages in the index, rows in the buffer version it indexed, bytes
+        in its head store)."""
+        for topic, (indexed, rows, head_bytes) in sizes.items():
             self.index_size.labels(topic).set(indexed)
+            self.head_store.labels(topic).set(head_bytes)
             self.buffer_rows.labels(topic).set(rows)
             self.settled_rows.labels(topic).set(max(rows - indexed, 0))
 

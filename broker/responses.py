@@ -70,6 +70,9 @@ class NodeTopic(BaseModel):
     indexed: int = Field(description="messages in this node's index")
     buffer_rows: int = Field(description="rows in the buffer version it indexed")
     settled_rows: int = Field(description="of those, settled ones waiting for retention")
+    head_store_bytes: int = Field(
+        0, description="local disk held by its pending messages' rendered JSON"
+    )
     last_retention: RetentionView | None = Field(description="run on this node (the leader)")
 
 

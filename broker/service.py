@@ -195,7 +195,9 @@ class Broker:
             return
         m = self.metrics
         m.observe_raft(self.raft.role(), self.raft.term())
-        m.observe_index({n: (len(i.rows), i.buffer_rows) for n, i in self.indexes.items()})
+        m.observe_index(
+            {n: (len(i.rows), i.buffer_rows, i.heads.disk_bytes()) for n, i in self.indexes.items()}
+        )
         counters = {
             "leased": m.leased,
             "acked": m.acked,
@@ -308,6 +310,7 @@ class Broker:
                 indexed=indexed,
                 buffer_rows=index.buffer_rows,
                 settled_rows=max(index.buffer_rows - indexed, 0),
+                head_store_bytes=index.heads.disk_bytes(),
                 last_retention=None
                 if run is None
                 else RetentionView(

@@ -107,7 +107,8 @@ def print_nodes(url: str, topic: str) -> None:
         if t is not None:
             line += (
                 f", index {t.indexed}, buffer rows {t.buffer_rows}, "
-                f"settled awaiting retention {t.settled_rows}"
+                f"settled awaiting retention {t.settled_rows}, "
+                f"head store {t.head_store_bytes / 2**20:,.1f} MiB"
             )
             if t.last_retention is not None:
                 r = t.last_retention

@@ -321,6 +321,7 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
         'dejaq_raft_role{role="leader"} 1.0',
         "dejaq_raft_term",
         "dejaq_index_messages",
+        "dejaq_head_store_bytes",
         "dejaq_event_loop_lag_seconds_bucket",
         'python_gc_collections_total{generation="2"}',
     ):
