@@ -14,12 +14,14 @@ buffer rows, in unlinked temporary files (gone with the process, however it ends
 rebuilt from the buffer at start.
 
 Heads are appended to segments of up to SEGMENT_BYTES; a segment is freed once every
-message written to it is settled and forgotten, so its disk follows what is pending
-(plus the messages sharing a segment with a long-pending one).
+message written to it is settled and forgotten. A few long-pending messages would keep
+whole segments of settled ones: the index moves the live heads of a segment that is
+mostly settled (`sparse`) to the current one, so the disk follows what is pending.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import tempfile
 import threading
@@ -29,6 +31,8 @@ from typing import IO
 
 SEGMENT_BYTES = 64 * 1024 * 1024
 SPAN_PER_HEAD = 4  # wanted heads this close are read as one range, through the others
+SPARSE = 4  # a full segment with fewer than 1/SPARSE of its heads live is compacted
+_numbers = itertools.count()
 SEP = b"\0"  # after each head: JSON escapes every control character, so never inside one
 
 
@@ -36,9 +40,10 @@ class Segment:
     """One temporary file of heads, each followed by SEP; `ends[i]` is where head i's
     separator ends."""
 
-    __slots__ = ("ends", "file", "live", "size")
+    __slots__ = ("ends", "file", "live", "number", "size")
 
     def __init__(self, folder: str | None) -> None:
+        self.number = next(_numbers)
         # Closed when the store frees the segment (`HeadStore._free`), not by a block.
         self.file: IO[bytes] = tempfile.TemporaryFile(  # noqa: SIM115
             dir=folder, prefix="dejaq-heads-"
@@ -46,6 +51,11 @@ class Segment:
         self.ends = array("q")
         self.live = 0  # heads written here whose message is still indexed
         self.size = 0
+
+    def __lt__(self, other: Segment) -> bool:
+        """Ordered as written: two index entries of one message (its row moved, or read
+        again) may compare down to their rows' segments."""
+        return self.number < other.number
 
     def read(self, first: int, last: int) -> list[bytes]:
         """Heads first..last (inclusive): one read, split in C."""
@@ -120,6 +130,15 @@ class HeadStore:
                 seg.live -= n
                 if seg.live <= 0 and seg is not self.current:
                     self._free(seg)
+
+    def sparse(self) -> list[Segment]:
+        """Full segments holding fewer than 1/SPARSE live heads: worth moving them."""
+        with self._lock:
+            return [
+                s
+                for s in self.segments
+                if s is not self.current and 0 < s.live * SPARSE < len(s.ends)
+            ]
 
     def disk_bytes(self) -> int:
         with self._lock:

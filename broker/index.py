@@ -76,6 +76,13 @@ _segment = itemgetter(5)  # of a Row
 _place = itemgetter(5, 6)  # (segment, position) of a Row
 _row = itemgetter(1)  # of an (id, Row)
 _sort_key = itemgetter(1)  # of a Row
+
+
+def _order_of(item: tuple[str, Row]) -> tuple[int, int, int, int]:
+    row = item[1]
+    return row.bucket, row.sort_key, row.partition, row.offset
+
+
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
 
@@ -483,6 +490,46 @@ class TopicIndex:
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
         self.heads.close()
+
+    def compact_heads(self, state: TopicState) -> int:
+        """Move the heads still live in mostly settled segments to the current one, so
+        those segments go; returns how many moved. Run by the thread that follows the
+        tables, like `revive`: a moved message gets a new row, and a new entry if it is
+        pending (its old ones go stale)."""
+        sparse = set(self.heads.sparse())
+        if not sparse:
+            return 0
+        with self.lock:
+            items = list(self.rows.items())  # a C-level copy; the walk is outside the lock
+        found = [(mid, row) for mid, row in items if row.segment in sparse]
+        del items
+        with self.lock:  # still indexed, so their segments are still open
+            rows = [(mid, row) for mid, row in found if self.rows.get(mid) is row]
+            rows.sort(key=_order_of)  # a bucket's in its sort order, as a first write
+            heads = self.heads.read(list(map(_place, map(_row, rows)))) if rows else []
+        # This thread alone adds rows: a sparse segment no row names is read by nothing.
+        if orphans := sparse.difference(map(_segment, map(_row, rows))):
+            log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
+            self.heads.release({s: s.live for s in orphans})
+        if not rows:
+            return 0
+        new, first = self.heads.write([h.decode("ascii") for h in heads])
+        del heads
+        unused: Counter[Segment] = Counter()
+        moved = 0
+        with self.lock:
+            for i, (mid, row) in enumerate(rows):
+                if self.rows.get(mid) is not row:
+                    unused[new] += 1  # settled, or moved, meanwhile
+                    continue
+                moved_row = row._replace(segment=new, position=first + i)
+                self.rows[mid] = moved_row
+                unused[row.segment] += 1
+                if mid not in state.leases and mid not in state.settled:
+                    self._pending(state, mid, moved_row)
+                moved += 1
+        self.heads.release(unused)
+        return moved
 
     def _taker(self, state: TopicState, bucket: int, now: int) -> Iterator[Entry]:
         """The bucket's deliverable entries, lowest first; stale ones are dropped.

@@ -183,6 +183,7 @@ class Broker:
                 try:
                     index.refresh()
                     index.revive(self.state(name))
+                    index.compact_heads(self.state(name))
                 except Exception:
                     log.exception("refreshing the index of %s failed", name)
             try:  # reads Raft's state while the event loop changes it: never end the thread

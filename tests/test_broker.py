@@ -736,3 +736,39 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
         for node in nodes:
             node.destroy()
     assert in_log_at_apply == {"a": 2, "b": 1}
+
+
+def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A few long-pending messages do not keep whole segments of settled ones on disk:
+    their heads move, and they lease in order with the same JSON as before."""
+    monkeypatch.setattr(head_store, "SEGMENT_BYTES", 4096)
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([i % 50 for i in range(400)]))
+    index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
+    index.load()
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    keep = {f"m{i}" for i in range(0, 400, 25)}
+    before = {mid: index.head(mid) for mid in keep}
+    picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
+    grants = state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep])
+    index.release(state, picks)
+    assert state.ack("c", 1, [g[0] for g in grants]) == {}
+    index.forget(state.trim(state.seq))
+    assert index.heads.sparse(), "mostly settled segments, kept by a few messages"
+    disk = index.heads.disk_bytes()
+    # The segment that was current is compacted once the moved heads have filled another.
+    moved = [index.compact_heads(state) for _ in range(3)]
+    assert len(keep) <= sum(moved) <= 2 * len(keep) and moved[-1] == 0, moved
+    assert not index.heads.sparse() and index.heads.disk_bytes() < disk / 4
+    assert {mid: index.head(mid) for mid in keep} == before
+    taken: list = []
+    again = index.pick(state, state.buckets_of("c"), 1000, now=2, taken=taken)
+    assert sorted(p[0] for p in again) == sorted(keep), "each once, none lost"
+    assert [json.loads(h + b"}")["id"] for _, h in taken] == [p[0] for p in again]
+    for bucket in range(4):
+        keys = [p[2] for p in again if p[1] == bucket]
+        assert keys == sorted(keys), "in order within each bucket"
+    index.close()
