@@ -7,11 +7,11 @@ heads it grants, a peek the one it shows.
 
 Why a local store and not the buffer table: the buffer's files are in ingestion order, so
 the lowest sort keys of a bucket lie scattered over whole Parquet row groups, and reading
-one message means reading its row group. Here each head is one `pread` from the page
-cache, and the heads of a bucket are written in its sort order, so the picks of a lease,
-mostly consecutive, come in a few reads. The store is a cache: written as the node indexes
-buffer rows, in unlinked temporary files (gone with the process, however it ends), and
-rebuilt from the buffer at start.
+one message means reading its row group. Here the heads of a bucket are written in its
+sort order, so the picks of a lease, mostly consecutive, come in a few `pread`s from the
+page cache. The store is a cache: written as the node indexes buffer rows, in unlinked
+temporary files (gone with the process, however it ends), and rebuilt from the buffer at
+start.
 
 Heads are appended to segments of up to SEGMENT_BYTES; a segment is freed once every
 message written to it is settled and forgotten. A few long-pending messages would keep
@@ -31,7 +31,7 @@ from typing import IO
 
 SEGMENT_BYTES = 64 * 1024 * 1024
 SPAN_PER_HEAD = 4  # wanted heads this close are read as one range, through the others
-SPARSE = 4  # a full segment with fewer than 1/SPARSE of its heads live is compacted
+SPARSE = 4  # a segment no longer written with under 1/SPARSE of its heads live is compacted
 _numbers = itertools.count()
 SEP = b"\0"  # after each head: JSON escapes every control character, so never inside one
 
