@@ -7,12 +7,15 @@ they reach the top, which makes every hook idempotent and a duplicate entry harm
 It holds nothing of a message once settled and checkpointed: the ledger is the record,
 and a broker that kept even each settled id would grow by ~140 bytes per message. Nor
 does it hold payloads: each message's rendered JSON is in the node's `HeadStore` on local
-disk, read back when a lease grants it.
+disk, read back when a lease grants it. What it holds of a pending message is in columns
+(`RowStore`): its id, a token, and the fields ordering needs.
 
-Each bucket keeps its entries in two parts: a run, sorted once and taken from its end,
-and a heap for what arrives a few at a time (redeliveries, a trickle of new rows). Taking
-the lowest of a run costs one list pop; a heap pop of the same bucket walks ~log2(n)
-entries scattered over memory, and was the leader's largest cost per leased message.
+Each bucket keeps its entries in two parts: a run, sorted once and taken from its low
+end, and a heap for what arrives a few at a time (redeliveries, a trickle of new rows).
+A run is an array of tokens; only its next few are Python tuples (`Run.front`), made as
+a lease reaches them. Taking the lowest of a run costs one list pop; a heap pop of the
+same bucket walks ~log2(n) entries scattered over memory, and was the leader's largest
+cost per leased message.
 """
 
 from __future__ import annotations
@@ -21,12 +24,12 @@ import heapq
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterable, Iterator, Set
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
 from itertools import compress, repeat
-from operator import is_, itemgetter
-from typing import NamedTuple
+from operator import is_
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -36,6 +39,7 @@ from dejaq.broker import message_json
 from dejaq.broker.head_store import HeadStore, Segment
 from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
+from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore
 from dejaq.conf.settings import TopicConfig, TopicKind
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
 from dejaq.pipelines.retention import (
@@ -56,34 +60,31 @@ _FILE_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _COLUMNS + _COORDS])
 _ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 8192  # rows rendered and written to the head store at once
+FRONT = 256  # a run's tokens made entries at once
 
-# (sort key, partition, offset, message id, row): valid while `rows[id] is row`
-Entry = tuple[int, int, int, str, "Row"]
-
-
-class Row(NamedTuple):
-    bucket: int
-    sort_key: int
-    partition: int
-    offset: int
-    ingested_at: int  # epoch ms
-    # Where the message's JSON, less deliveries and deadline (`message_json.head`), is.
-    segment: Segment
-    position: int
-
-
-_segment = itemgetter(5)  # of a Row
-_place = itemgetter(5, 6)  # (segment, position) of a Row
-_row = itemgetter(1)  # of an (id, Row)
-_sort_key = itemgetter(1)  # of a Row
-
-
-def _order_of(item: tuple[str, Row]) -> tuple[int, int, int, int]:
-    row = item[1]
-    return row.bucket, row.sort_key, row.partition, row.offset
-
-
+# (sort key, partition, offset, message id, token, bucket): valid while
+# `rows[message id] == token`
+Entry = tuple[int, int, int, str, int, int]
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
+
+
+class Run:
+    """A bucket's rows sorted once: tokens in order, the next few of them as entries."""
+
+    __slots__ = ("front", "next", "tokens")
+
+    def __init__(self, tokens: np.ndarray | None = None) -> None:
+        self.tokens = np.zeros(0, np.int64) if tokens is None else tokens
+        self.next = 0  # tokens before it are in `front` or taken
+        self.front: list[Entry] = []  # descending: the lowest is popped off the end
+
+    def __len__(self) -> int:
+        return len(self.front) + len(self.tokens) - self.next
+
+    def rest(self) -> np.ndarray:
+        """Every token not yet taken, the front's too."""
+        front = np.fromiter((e[4] for e in reversed(self.front)), np.int64, len(self.front))
+        return np.concatenate([front, self.tokens[self.next :]])
 
 
 @dataclass
@@ -104,8 +105,9 @@ class TopicIndex:
         self.dead_letter_path = ensure_table(warehouse, Table.DEAD_LETTER, topic.name)
         self.lock = threading.Lock()
         self.heads = HeadStore(heads_dir)
-        self.rows: dict[str, Row] = {}
-        self.runs: list[list[Entry]] = [[] for _ in range(topic.buckets)]  # descending
+        self.store = RowStore()
+        self.rows = self.store.tokens  # message id -> token: what is indexed
+        self.runs = [Run() for _ in range(topic.buckets)]
         self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
         # Pending again with no row here: redriven after the row was forgotten (or not yet
@@ -175,32 +177,43 @@ class TopicIndex:
         unread, current = self._unseen(version)
         # Read first, then insert every file of the version under one lock: a lease sees
         # a Delta commit whole or not at all, never some of its buckets.
-        files = self._read_files(unread)
-        # The per-row work happens before taking the lock, which the event loop (Raft
-        # applies, leases) also takes: under it, only C-level inserts.
-        new_rows: dict[str, Row] = {}
-        entries: dict[int, list[Entry]] = {}
-        for bucket, rows in files:
-            added = entries.setdefault(bucket, [])
-            for mid, row in rows:
-                if mid in self.rows or mid in new_rows or mid in settled or mid in forgotten:
-                    continue  # duplicates by id: first wins
-                new_rows[mid] = row
-                added.append(_entry(row.sort_key, mid, row))
+        batches = self._read_files(unread)
+        # The per-row checks happen before taking the lock, which the event loop (Raft
+        # applies, leases) also takes: under it, column copies and C-level inserts.
+        rows, seen = self.rows, set()
+        kept: list[tuple[int, Batch, np.ndarray]] = []
+        for bucket, batch in batches:
+            # Duplicates by id: first wins. A mask, not a list of positions: an int object
+            # per row, made while the ids are, would leave the heap fragmented.
+            new = np.fromiter(
+                (
+                    not (mid in rows or mid in seen or mid in settled or mid in forgotten)
+                    and seen.add(mid) is None
+                    for mid in batch.mids
+                ),
+                bool,
+                len(batch.mids),
+            )
+            kept.append((bucket, batch, np.flatnonzero(new)))
         # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
-        unused = _written(rows for _, rows in files)
-        unused.subtract(Counter(map(_segment, new_rows.values())))
+        unused: Counter[Segment] = Counter()
+        added = 0
         with self.lock:
-            # Forgotten while the files were read: their entries go stale without a row.
-            gone = list(map(new_rows.pop, self.forgotten & new_rows.keys()))
-            self.rows.update(new_rows)
-            for bucket, added in entries.items():
-                self._add(bucket, added)
-        unused.update(map(_segment, gone))
+            # Forgotten while the files were read: not indexed.
+            gone = self.forgotten & seen
+            for bucket, batch, keep in kept:
+                if gone:
+                    keep = keep[[batch.mids[i] not in gone for i in keep.tolist()]]
+                if len(keep) < len(batch.mids):
+                    unused.update(batch.segments)
+                    unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
+                if len(keep):
+                    self._add(bucket, self.store.add(bucket, batch, keep))
+                    added += len(keep)
         self.heads.release(+unused)
         self.files = current
         self.version = version
-        return len(new_rows)
+        return added
 
     def _unseen(self, version: int) -> tuple[list[tuple[str, int]], set[str]]:
         """Files of `version` that this index has not seen: (to read, all of them).
@@ -236,8 +249,8 @@ class TopicIndex:
         self.buffer_rows = sum(n or 0 for n in actions["num_records"])
         return unread, set(actions["path"])
 
-    def _read_files(self, unread: list[tuple[str, int]]) -> list[tuple[int, list[tuple[str, Row]]]]:
-        """Index rows of the files, a bucket at a time and in its sort order.
+    def _read_files(self, unread: list[tuple[str, int]]) -> list[tuple[int, Batch]]:
+        """Rows of the files, a bucket at a time and in its sort order, heads written.
 
         A bucket's heads are written in that order, so a lease, which takes a bucket's
         lowest keys, reads them as one range of the head store. Between two copies of an
@@ -251,20 +264,17 @@ class TopicIndex:
         # A bucket at a time: a first load holds one bucket's columns, not the buffer's.
         # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
         return [
-            (b, self._rows(pa.concat_tables(map(_read_columns, uris)), b))
+            (b, self._batch(pa.concat_tables(map(_read_columns, uris)), b))
             for b, uris in paths.items()
         ]
 
-    def _rows(self, t: pa.Table, bucket: int) -> list[tuple[str, Row]]:
-        """Buffer rows of one bucket as index rows, in sort order."""
-        # In the order leases will take them: Python objects made one after another lie
-        # one after another in memory, and picking, leasing and forgetting then walk memory
-        # forward instead of jumping (a quarter to a third less CPU per message).
+    def _batch(self, t: pa.Table, bucket: int) -> Batch:
+        """Buffer rows of one bucket in sort order, their heads written to the store."""
         t = t.take(pc.sort_indices(t, sort_keys=_ORDER))
         mids = t.column("message_id").to_pylist()
-        keys = _shared(t.column("sort_key").to_pylist())
-        ingested = _shared(_ms(t.column("ingested_at")))
-        places: list[tuple[Segment, int]] = []
+        keys = t.column("sort_key").to_numpy()
+        segments: list[Segment] = []
+        positions = np.empty(len(mids), np.int64)
         for start in range(0, len(mids), HEAD_SLICE):  # payloads a slice at a time
             part = t.slice(start, HEAD_SLICE)
             heads = [
@@ -273,27 +283,23 @@ class TopicIndex:
                     mids[start : start + HEAD_SLICE],
                     part.column("key").to_pylist(),
                     part.column("payload").to_pylist(),
-                    keys[start : start + HEAD_SLICE],
+                    keys[start : start + HEAD_SLICE].tolist(),
                     _ms(part.column("deliver_at")),
                     strict=True,
                 )
             ]
             segment, first = self.heads.write(heads)
-            places += zip(repeat(segment), range(first, first + len(heads)))
-        columns = zip(
+            segments += repeat(segment, len(heads))
+            positions[start : start + len(heads)] = np.arange(first, first + len(heads))
+        return Batch(
+            mids,
             keys,
-            t.column("source_partition").to_pylist(),
-            t.column("source_offset").to_pylist(),
-            ingested,
-            places,
-            strict=True,
+            t.column("source_partition").to_numpy(),
+            t.column("source_offset").to_numpy(),
+            pc.divide(pc.cast(t.column("ingested_at"), pa.int64()), 1000).to_numpy(),
+            segments,
+            positions,
         )
-        return [
-            (mid, Row(bucket, key, partition, offset, at, segment, position))
-            for mid, (key, partition, offset, at, (segment, position)) in zip(
-                mids, columns, strict=True
-            )
-        ]
 
     def revive(self, state: TopicState) -> int:
         """Index the `unread` messages again from the buffer; returns how many.
@@ -313,21 +319,34 @@ class TopicIndex:
             t = pa.concat_tables([t, dead], promote_options="permissive")
             with self.lock:
                 self.from_dead_letters.update(dead.column("message_id").to_pylist())
-        found: list[tuple[str, Row]] = []
-        for bucket in pc.unique(t.column("bucket")).to_pylist():
-            found += self._rows(t.filter(pc.equal(t.column("bucket"), bucket)), bucket)
+        batches = [
+            (bucket, self._batch(t.filter(pc.equal(t.column("bucket"), bucket)), bucket))
+            for bucket in pc.unique(t.column("bucket")).to_pylist()
+        ]
+        found = {mid for _, batch in batches for mid in batch.mids}
+        unused: Counter[Segment] = Counter()
         revived = 0
-        unused = Counter(map(_segment, (row for _, row in found)))
         with self.lock:
-            for mid, row in found:
-                if mid in self.unread and mid not in self.rows and mid not in state.settled:
-                    self.rows[mid] = row
-                    self._pending(state, mid, row)
-                    unused[row.segment] -= 1
-                    revived += 1
+            for bucket, batch in batches:
+                unused.update(batch.segments)
+                keep = np.array(
+                    [
+                        i
+                        for i, mid in enumerate(batch.mids)
+                        if mid in self.unread and mid not in self.rows and mid not in state.settled
+                    ],
+                    np.int64,
+                )
+                if not len(keep):
+                    continue
+                unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
+                tokens = self.store.add(bucket, batch, keep)
+                for i, token in zip(keep.tolist(), tokens.tolist(), strict=True):
+                    self._pending(state, batch.mids[i], token)
+                revived += len(keep)
             self.unread.difference_update(wanted)
         self.heads.release(+unused)
-        if missing := set(wanted).difference(mid for mid, _ in found):
+        if missing := set(wanted).difference(found):
             log.warning(
                 "%s: %d redriven messages have neither a buffer row nor a dead letter, "
                 "so they cannot be leased: %s",
@@ -343,37 +362,59 @@ class TopicIndex:
         """Messages pending again (lease expired, nacked, rescheduled, consumer left)."""
         with self.lock:
             for mid in mids:
-                row = self.rows.get(mid)
-                if row is None:
+                token = self.rows.get(mid)
+                if token is None:
                     self.unread.add(mid)
                 else:
-                    self._pending(state, mid, row)
+                    self._pending(state, mid, token)
 
-    def _pending(self, state: TopicState, mid: str, row: Row) -> None:
+    def _pending(self, state: TopicState, mid: str, token: int) -> None:
         """An entry for a pending message (under the lock): delayed, or at its sort key."""
         not_before = state.not_before.get(mid)
         if not_before is not None:
             heapq.heappush(self.delayed, (not_before, mid))
         else:
+            row = self.store.row(token)
             key = state.sort_key(mid, row.sort_key)
-            heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
+            heapq.heappush(self.heaps[row.bucket], _entry(key, mid, token, row))
 
-    def _add(self, bucket: int, added: list[Entry]) -> None:
-        """New rows of a bucket: pushed on its heap while that stays small next to the run,
-        else merged, heap and all, into the run.
+    def _add(self, bucket: int, tokens: np.ndarray) -> None:
+        """New rows of a bucket (tokens in their sort order): pushed on its heap while
+        that stays small next to the run, else merged into the run.
 
-        The run is sorted descending; list.sort finds the sorted part already there and
-        merges the rest into it in about linear time, once per run/8 rows added.
+        A merge sorts the run's tokens, the new ones and the heap's entries at their
+        row's own key (the others, re-keyed by a nack or a reschedule, stay in the heap):
+        once per run/8 rows added.
         """
         run, heap = self.runs[bucket], self.heaps[bucket]
-        if len(heap) + len(added) < max(RUN_MIN, len(run) // 8):
-            for entry in added:
+        if len(heap) + len(tokens) < max(RUN_MIN, len(run) // 8):
+            for entry in self._entries(tokens, bucket):
                 heapq.heappush(heap, entry)
-        else:
-            run.extend(heap)
-            run.extend(added)
-            heap.clear()
-            run.sort(reverse=True)
+            return
+        base = self.store.sort_key
+        own = [e for e in heap if e[0] == base[e[4] & HANDLE_MASK]]
+        heap[:] = [e for e in heap if e[0] != base[e[4] & HANDLE_MASK]]
+        heapq.heapify(heap)
+        merged = np.concatenate([run.rest(), np.fromiter((e[4] for e in own), np.int64), tokens])
+        self.runs[bucket] = Run(self.store.order(merged))
+
+    def _entries(self, tokens: np.ndarray, bucket: int) -> list[Entry]:
+        """Entries of `tokens` at their rows' own keys, in the tokens' order. A token
+        whose handle was reused names the handle's new message with the old token: a
+        stale entry, dropped when it surfaces."""
+        store = self.store
+        h = tokens & HANDLE_MASK
+        return list(
+            zip(
+                store.sort_key[h].tolist(),
+                store.partition[h].tolist(),
+                store.offset[h].tolist(),
+                map(store.ids.__getitem__, h.tolist()),
+                tokens.tolist(),
+                repeat(bucket),
+                strict=False,
+            )
+        )
 
     def forget(self, mids: list[str]) -> None:
         """Settled messages checkpointed into the ledger: gone for good.
@@ -382,13 +423,12 @@ class TopicIndex:
         version this node has not read yet.
         """
         with self.lock:
-            # Entries left behind are dropped when they surface. Popped by a C loop: each
-            # row freed is a few cache misses, and the interpreter's own loop adds a fifth.
+            # Entries left behind are dropped when they surface. Popped by a C loop.
             popped = list(map(self.rows.pop, mids, repeat(None)))
             if None in popped:
                 self.forgotten.update(compress(mids, map(is_, popped, repeat(None))))
                 popped = list(filter(None, popped))
-            self.heads.release(Counter(map(_segment, popped)))
+            self.heads.release(self.store.free(popped))
             if self.from_dead_letters:
                 self.from_dead_letters.difference_update(mids)
             if self.unread:
@@ -419,15 +459,21 @@ class TopicIndex:
                 revived.update(again)
         with self.lock:
             gone = list(map(self.rows.pop, settled & self.rows.keys()))
-            self.heads.release(Counter(map(_segment, gone)))
+            self.heads.release(self.store.free(gone))
             self.unread |= (revived | state.redriven_at.keys()) - self.rows.keys()
-            runs: list[list[Entry]] = [[] for _ in self.runs]
-            for mid, row in self.rows.items():
-                key = state.sort_key(mid, row.sort_key)
-                runs[row.bucket].append(_entry(key, mid, row))
-            for run in runs:
-                run.sort(reverse=True)
-            self.runs, self.heaps = runs, [[] for _ in self.heaps]
+            # Re-keyed messages go to the heaps at their keys; the others to the runs.
+            overrides = state.sort_keys
+            heaps: list[list[Entry]] = [[] for _ in self.heaps]
+            for mid in overrides.keys() & self.rows.keys():
+                token = self.rows[mid]
+                row = self.store.row(token)
+                heaps[row.bucket].append(_entry(overrides[mid], mid, token, row))
+            tokens = np.fromiter((t for m, t in self.rows.items() if m not in overrides), np.int64)
+            buckets = self.store.bucket[tokens & HANDLE_MASK]
+            self.runs = [Run(self.store.order(tokens[buckets == b])) for b in range(len(heaps))]
+            for heap in heaps:
+                heapq.heapify(heap)
+            self.heaps = heaps
             self.delayed = [(nb, mid) for mid, nb in state.not_before.items()]
             heapq.heapify(self.delayed)
 
@@ -451,82 +497,94 @@ class TopicIndex:
         may forget the row (and its head) before the lease commits.
         """
         picks: list[Pick] = []
-        rows: list[Row] = []
+        tokens: list[int] = []
         with self.lock:
             while self.delayed and self.delayed[0][0] <= now:
                 _, mid = heapq.heappop(self.delayed)
-                row = self.rows.get(mid)
-                if row is None:
+                token = self.rows.get(mid)
+                if token is None:
                     continue
+                row = self.store.row(token)
                 key = state.sort_key(mid, row.sort_key)
-                heapq.heappush(self.heaps[row.bucket], _entry(key, mid, row))
+                heapq.heappush(self.heaps[row.bucket], _entry(key, mid, token, row))
             # The buckets' heads, ordered by entry (ids differ: no two compare equal).
             takers = {b: self._taker(state, b, now) for b in buckets}
             heads = [head for t in takers.values() if (head := next(t, None)) is not None]
             heapq.heapify(heads)
             while heads and len(picks) < n:
-                key, _, _, mid, row = heads[0]
-                b = row.bucket
+                key, _, _, mid, token, b = heads[0]
                 picks.append((mid, b, key))
-                rows.append(row)
+                tokens.append(token)
                 head = next(takers[b], None)
                 if head is None:
                     heapq.heappop(heads)
                 else:
                     heapq.heapreplace(heads, head)
-            if taken is not None and rows:
-                found = self.heads.read(list(map(_place, rows)))
-                taken += zip(map(_sort_key, rows), found, strict=True)
+            if taken is not None and tokens:
+                h = np.array(tokens, np.int64) & HANDLE_MASK
+                found = self.heads.read(self.store.places(h))
+                taken += zip(self.store.sort_key[h].tolist(), found, strict=True)
         return picks
+
+    def row(self, mid: str) -> Row | None:
+        """An indexed message's row (None once forgotten)."""
+        with self.lock:
+            token = self.rows.get(mid)
+            return None if token is None else self.store.row(token)
 
     def head(self, mid: str) -> Taken | None:
         """An indexed message's row sort key and head (None once forgotten): a peek's."""
         with self.lock:
-            row = self.rows.get(mid)
-            if row is None:
+            token = self.rows.get(mid)
+            if token is None:
                 return None
-            return row.sort_key, self.heads.read([(row.segment, row.position)])[0]
+            return self.store.row(token).sort_key, self.heads.read([self.store.place(token)])[0]
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
         self.heads.close()
 
-    def compact_heads(self, state: TopicState) -> int:
+    def compact_heads(self) -> int:
         """Move the heads still live in mostly settled segments to the current one, so
         those segments go; returns how many moved. Run by the thread that follows the
-        tables, like `revive`: a moved message gets a new row, and a new entry if it is
-        pending (its old ones go stale)."""
+        tables, which alone adds rows: a moved message keeps its handle and entries,
+        only its head's place changes."""
         sparse = set(self.heads.sparse())
         if not sparse:
             return 0
+        store = self.store
         with self.lock:
-            items = list(self.rows.items())  # a C-level copy; the walk is outside the lock
-        found = [(mid, row) for mid, row in items if row.segment in sparse]
-        del items
+            segments = list(store.segments)  # a C-level copy; the walk is outside the lock
+        handles = [h for h, s in enumerate(segments) if s in sparse]
+        del segments
         with self.lock:  # still indexed, so their segments are still open
-            rows = [(mid, row) for mid, row in found if self.rows.get(mid) is row]
-            rows.sort(key=_order_of)  # a bucket's in its sort order, as a first write
-            heads = self.heads.read(list(map(_place, map(_row, rows)))) if rows else []
-        # This thread alone adds rows: a sparse segment no row names is read by nothing.
-        if orphans := sparse.difference(map(_segment, map(_row, rows))):
+            tokens = np.array([self.rows.get(store.ids[h], -1) for h in handles], np.int64)
+            tokens = store.order(tokens[tokens >= 0])
+            # A bucket's in its sort order, as a first write.
+            h = tokens & HANDLE_MASK
+            tokens = tokens[np.argsort(store.bucket[h], kind="stable")]
+            h = tokens & HANDLE_MASK
+            places = store.places(h)
+            heads = self.heads.read(places) if places else []
+        if orphans := sparse.difference(s for s, _ in places):
             log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
             self.heads.release({s: s.live for s in orphans})
-        if not rows:
+        if not places:
             return 0
-        new, first = self.heads.write([h.decode("ascii") for h in heads])
+        new, first = self.heads.write([head.decode("ascii") for head in heads])
         del heads
         unused: Counter[Segment] = Counter()
         moved = 0
         with self.lock:
-            for i, (mid, row) in enumerate(rows):
-                if self.rows.get(mid) is not row:
-                    unused[new] += 1  # settled, or moved, meanwhile
+            for i, (token, handle, (old, _)) in enumerate(
+                zip(tokens.tolist(), h.tolist(), places, strict=True)
+            ):
+                if self.rows.get(store.ids[handle]) != token:
+                    unused[new] += 1  # settled meanwhile
                     continue
-                moved_row = row._replace(segment=new, position=first + i)
-                self.rows[mid] = moved_row
-                unused[row.segment] += 1
-                if mid not in state.leases and mid not in state.settled:
-                    self._pending(state, mid, moved_row)
+                store.segments[handle] = new
+                store.position[handle] = first + i
+                unused[old] += 1
                 moved += 1
         self.heads.release(unused)
         return moved
@@ -542,42 +600,59 @@ class TopicIndex:
         drops an override): no key to check.
         """
         run, heap = self.runs[bucket], self.heaps[bucket]
-        rows, timeline = self.rows, self.timeline
+        front = run.front
+        rows, timeline, base = self.rows, self.timeline, self.store.sort_key
         settled, leases, not_before, overrides = (
             state.settled,
             state.leases,
             state.not_before,
             state.sort_keys,
         )
-        while run or heap:
-            in_run = bool(run) and (not heap or run[-1] < heap[0])
-            entry = run[-1] if in_run else heap[0]
-            key, _, _, mid, row = entry
+        while True:
+            if not front and run.next < len(run.tokens):
+                self._fill(run, bucket)
+            if not front and not heap:
+                return
+            in_run = bool(front) and (not heap or front[-1] < heap[0])
+            entry = front[-1] if in_run else heap[0]
+            key, _, _, mid, token, _ = entry
             stale = (
-                rows.get(mid) is not row
+                rows.get(mid) != token
                 or mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)
-                or (overrides and key != overrides.get(mid, row.sort_key))
+                or (overrides and key != overrides.get(mid, int(base[token & HANDLE_MASK])))
             )
             if not stale:
                 if timeline and key > now:
                     return
                 yield entry
             if in_run:  # dropped if stale, taken if the caller resumed past it
-                run.pop()
+                front.pop()
             else:
                 heapq.heappop(heap)
+
+    def _fill(self, run: Run, bucket: int) -> None:
+        """The run's next tokens as entries. Once most of the run is taken, the taken
+        part of its array goes."""
+        tokens = run.tokens[run.next : run.next + FRONT]
+        run.next += len(tokens)
+        entries = self._entries(tokens, bucket)
+        entries.reverse()
+        run.front.extend(entries)
+        if run.next > FRONT * 16 and 2 * run.next > len(run.tokens):
+            run.tokens, run.next = run.tokens[run.next :].copy(), 0
 
     def release(self, state: TopicState, picks: list[Pick]) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
         with self.lock:
             for mid, bucket, key in picks:
                 if mid in state.leases or mid in state.settled:
-                    continue  # the usual case: taken, and its row not read (a cache miss)
-                row = self.rows.get(mid)
-                if row is not None:
-                    heapq.heappush(self.heaps[bucket], _entry(key, mid, row))
+                    continue  # the usual case: taken
+                token = self.rows.get(mid)
+                if token is not None:
+                    row = self.store.row(token)
+                    heapq.heappush(self.heaps[bucket], _entry(key, mid, token, row))
 
     # --- reads -----------------------------------------------------------------------
 
@@ -629,34 +704,56 @@ class TopicIndex:
 
     def pending(self, state: TopicState) -> list[Pick]:
         """Every indexed message neither settled nor leased, at its row's sort key (a
-        purge's list). Walks the rows: off the event loop, on a copy taken under the lock."""
+        purge's list). Off the event loop, on a copy taken under the lock."""
         with self.lock:
-            rows = list(self.rows.items())
+            mids = list(self.rows)
+            tokens = np.fromiter(self.rows.values(), np.int64, len(mids))
+            h = tokens & HANDLE_MASK
+            buckets, keys = self.store.bucket[h].tolist(), self.store.sort_key[h].tolist()
         settled, leases = state.settled, state.leases
-        return [(m, r.bucket, r.sort_key) for m, r in rows if m not in settled and m not in leases]
+        return [
+            (m, b, k)
+            for m, b, k in zip(mids, buckets, keys, strict=True)
+            if m not in settled and m not in leases
+        ]
 
     def stats(self, state: TopicState, now: int) -> tuple[dict[int, Stats], int]:
         """Per-bucket pending/deliverable counts and oldest ingestion; delayed count."""
         # Walks every entry: on a copy, so the lock (and the event loop waiting for it)
-        # is held for a list copy, not for the walk. Rows checkpointed meanwhile are
-        # skipped; the counts are a moment's view either way.
+        # is held for copies, not for the walk. Rows checkpointed meanwhile are skipped;
+        # the counts are a moment's view either way.
+        store = self.store
         with self.lock:
-            heaps = [run + heap for run, heap in zip(self.runs, self.heaps, strict=True)]
+            parts = []
+            for run, heap in zip(self.runs, self.heaps, strict=True):
+                tokens = np.concatenate([run.rest(), np.fromiter((e[4] for e in heap), np.int64)])
+                h = tokens & HANDLE_MASK
+                base = store.sort_key[h]
+                keys = base.copy()
+                keys[len(run) :] = [e[0] for e in heap]
+                parts.append(
+                    (
+                        list(map(store.ids.__getitem__, h.tolist())),
+                        tokens.tolist(),
+                        keys.tolist(),
+                        base.tolist(),
+                        store.ingested_at[h].tolist(),
+                    )
+                )
             delayed_ids = [m for _, m in self.delayed]
         rows = self.rows
         out: dict[int, Stats] = {}
-        for b, heap in enumerate(heaps):
+        for b, columns in enumerate(parts):
             seen: set[str] = set()
             pending = deliverable = 0
             oldest: int | None = None
-            for key, _, _, mid, row in heap:
-                if rows.get(mid) is not row or mid in seen or mid in state.settled:
+            for mid, token, key, base_key, at in zip(*columns, strict=True):
+                if rows.get(mid) != token or mid in seen or mid in state.settled:
                     continue
-                if mid in state.leases or key != state.sort_key(mid, row.sort_key):
+                if mid in state.leases or key != state.sort_key(mid, base_key):
                     continue
                 seen.add(mid)
                 pending += 1
-                at = row.ingested_at
                 oldest = at if oldest is None else min(oldest, at)
                 if state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now):
                     deliverable += 1
@@ -696,24 +793,9 @@ def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
     return [None if us is None else us // 1000 for us in pc.cast(timestamps, "int64").to_pylist()]
 
 
-def _shared(values: list[int]) -> list[int]:
-    """Equal values as one int object: a file's rows share priorities and ingestion times,
-    and an object per row is one more to free, in cold memory, as each row is settled."""
-    one: dict[int, int] = {}
-    return [one.setdefault(v, v) for v in values]
-
-
 def _read_columns(uri: str) -> pa.Table:
     return pq.read_table(uri, columns=_COLUMNS + _COORDS).cast(_FILE_SCHEMA)
 
 
-def _written(groups: Iterable[list[tuple[str, Row]]]) -> Counter[Segment]:
-    """Rows per segment."""
-    out: Counter[Segment] = Counter()
-    for rows in groups:
-        out.update(map(_segment, map(_row, rows)))
-    return out
-
-
-def _entry(key: int, mid: str, row: Row) -> Entry:
-    return (key, row.partition, row.offset, mid, row)
+def _entry(key: int, mid: str, token: int, row: Row) -> Entry:
+    return (key, row.partition, row.offset, mid, token, row.bucket)

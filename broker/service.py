@@ -5,6 +5,7 @@ forward to the leader otherwise)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import gc
 import logging
 import threading
@@ -15,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from dejaq.broker import message_json
-from dejaq.broker.index import Row, Taken, TopicIndex
+from dejaq.broker.index import Taken, TopicIndex
 from dejaq.broker.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
 from dejaq.broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
 from dejaq.broker.metrics import Metrics
 from dejaq.broker.raft import NotCommitted, RaftNode
 from dejaq.broker.responses import NodeTopic, RetentionView
+from dejaq.broker.row_store import Row
 from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
 from dejaq.pipelines.retention import RetentionRun, period_s, redriven, restore, retain
@@ -140,6 +142,7 @@ class Broker:
         # each full collection walks them all (~100 ms for 200k rows, stalling requests).
         gc.freeze()
         gc.set_threshold(GC_YOUNG_OBJECTS, 10, 10)
+        _return_free_heap()
         self.raft = RaftNode(
             self.raft_addr,
             self.peers,
@@ -183,7 +186,7 @@ class Broker:
                 try:
                     index.refresh()
                     index.revive(self.state(name))
-                    index.compact_heads(self.state(name))
+                    index.compact_heads()
                 except Exception:
                     log.exception("refreshing the index of %s failed", name)
             try:  # reads Raft's state while the event loop changes it: never end the thread
@@ -401,7 +404,7 @@ class Broker:
         """The message's index row or, once settled and checkpointed (the index forgets
         it), the ledger's event; 404 if unknown."""
         index = self.indexes[topic]
-        row = index.rows.get(mid)
+        row = index.row(mid)
         if row is not None:
             return row
         event = await asyncio.to_thread(index.settled_event, mid)
@@ -679,3 +682,15 @@ class Producer:
     def close(self) -> None:
         if self._producer is not None:
             self._producer.close(timeout=5)
+
+
+def _return_free_heap() -> None:
+    """Give the C heap that loading freed back to the system. Loading makes and drops
+    a payload and a head per row; glibc keeps such freed memory for reuse, and a node
+    that never loads that much again would hold it (tens of MB per million rows) for
+    its life. Nothing to do on another C library."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)

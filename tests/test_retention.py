@@ -126,7 +126,7 @@ def test_a_start_after_retention_reads_only_the_ledger_tail(tmp_path: Path) -> N
         if n == 3:
             break
     settled_now = [m for m, _, _ in index.pick(state, state.buckets_of("c"), 10, now=0)]
-    state.lease("c", 0, 10**15, [(m, index.rows[m].bucket, 0) for m in settled_now])
+    state.lease("c", 0, 10**15, [(m, index.row(m).bucket, 0) for m in settled_now])
     assert state.ack("c", now_ms(), settled_now) == {}
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
     done = run(warehouse, now_ms())
