@@ -73,9 +73,6 @@ class RowStore:
         self._free = array("q")
         self._batches = 0
 
-    def __len__(self) -> int:
-        return len(self.tokens)
-
     def add(self, bucket: int, batch: Batch, keep: np.ndarray) -> np.ndarray:
         """Store the rows `keep` (positions in `batch`) of `bucket`; returns their tokens.
 
