@@ -205,8 +205,7 @@ class TopicIndex:
                 if gone:
                     keep = keep[[batch.mids[i] not in gone for i in keep.tolist()]]
                 if len(keep) < len(batch.mids):
-                    unused.update(batch.segments)
-                    unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
+                    unused.update(_unindexed(batch, keep))
                 if len(keep):
                     self._add(bucket, self.store.add(bucket, batch, keep))
                     added += len(keep)
@@ -328,7 +327,6 @@ class TopicIndex:
         revived = 0
         with self.lock:
             for bucket, batch in batches:
-                unused.update(batch.segments)
                 keep = np.array(
                     [
                         i
@@ -337,9 +335,9 @@ class TopicIndex:
                     ],
                     np.int64,
                 )
+                unused.update(_unindexed(batch, keep))
                 if not len(keep):
                     continue
-                unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
                 tokens = self.store.add(bucket, batch, keep)
                 for i, token in zip(keep.tolist(), tokens.tolist(), strict=True):
                     self._pending(state, batch.mids[i], token)
@@ -795,6 +793,13 @@ def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
 
 def _read_columns(uri: str) -> pa.Table:
     return pq.read_table(uri, columns=_COLUMNS + _COORDS).cast(_FILE_SCHEMA)
+
+
+def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
+    """Heads written for the rows of `batch` not among `keep`, by segment: to release."""
+    unused = Counter(batch.segments)
+    unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
+    return unused
 
 
 def _entry(key: int, mid: str, token: int, row: Row) -> Entry:
