@@ -268,7 +268,8 @@ def phase_topics(args: argparse.Namespace, run: int) -> list[tuple[str, int, int
 @contextmanager
 def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
     """`ceiling_server`, what HTTP alone costs on this machine: (address, pids)."""
-    from dejaq.jobs.embedded_kafka import free_port, wait_for_port
+    from dejaq.jobs.embedded_kafka import wait_for_port
+    from dejaq.jobs.ports import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, __file__, "--ceiling-server", str(port)])
@@ -283,7 +284,8 @@ def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
 @contextmanager
 def raft_floor(data_dir: Path) -> Iterator[tuple[str, dict[str, int]]]:
     """3 `raft_floor_server`s: (their leader's address, pids)."""
-    from dejaq.jobs.embedded_kafka import free_port, wait_for_port
+    from dejaq.jobs.embedded_kafka import wait_for_port
+    from dejaq.jobs.ports import free_port
 
     http = [free_port() for _ in range(3)]
     raft = [f"127.0.0.1:{free_port()}" for _ in range(3)]

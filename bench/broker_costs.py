@@ -49,7 +49,7 @@ from dejaq.broker.ledger_writer import checkpoint  # noqa: E402
 from dejaq.broker.raft import RaftNode  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
 from dejaq.conf.settings import BrokerConfig, TopicConfig  # noqa: E402
-from dejaq.jobs.embedded_kafka import free_port  # noqa: E402
+from dejaq.jobs.ports import free_port  # noqa: E402
 
 BUCKETS = 64
 CHECKPOINT_EVENTS = 50_000  # about a second's acks at the live rate, as the broker's 1 s

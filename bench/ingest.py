@@ -36,7 +36,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from dejaq.conf.settings import Settings
 from dejaq.conf.tables import Table, table_path
-from dejaq.jobs import embedded_kafka
+from dejaq.jobs import embedded_kafka, ports
 from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
 from dejaq.pipelines.session import JVM, PYTHON_CONNECTORS, Connectors, detect_connectors, get_spark
 
@@ -243,7 +243,7 @@ def main() -> None:
         return
 
     work = Path(tempfile.mkdtemp(prefix="dejaq-bench-ingest-"))
-    port = embedded_kafka.free_port()
+    port = ports.free_port()
     kafka = embedded_kafka.start(port, work / "kafka")
     try:
         bootstrap = f"127.0.0.1:{port}"

@@ -32,7 +32,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from dejaq.conf.settings import TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
-from dejaq.jobs import embedded_kafka
+from dejaq.jobs import embedded_kafka, ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -219,7 +219,7 @@ def main() -> int:
     import pyspark
 
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
-        port = embedded_kafka.free_port()
+        port = ports.free_port()
         kafka = embedded_kafka.start(port, Path(tmp) / "kafka")
         bootstrap = f"127.0.0.1:{port}"
         try:

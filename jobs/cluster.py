@@ -13,7 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from dejaq.jobs.embedded_kafka import free_port, stop
+from dejaq.jobs.embedded_kafka import stop
+from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
 

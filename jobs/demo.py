@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import random
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -29,7 +30,7 @@ from rich.table import Table as RichTable
 
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
-from dejaq.jobs import cluster, embedded_kafka
+from dejaq.jobs import cluster, embedded_kafka, ports
 from dejaq.jobs.logs import stderr_to
 from dejaq.jobs.status import row_count
 from dejaq.pipelines.delta_follower import DeltaFollower
@@ -46,6 +47,7 @@ WORKERS = 2
 PARTITIONS = 4
 TIMEOUT_S = 240
 INGEST_SETTLE_S = 60
+LOG_TAIL_LINES = 40  # shown when the demo fails: the cause is usually in the last lines
 
 
 @dataclass
@@ -229,8 +231,13 @@ def run(conf_file: str | None) -> int:
     log_file = work / "demo.log"
     console.print(f"[bold]demo[/]: work dir {work}")
     console.print(f"demo: Spark's, Kafka's and the brokers' logs go to {log_file}")
-    with stderr_to(log_file):
-        return _run(console, work)
+    try:
+        with stderr_to(log_file):
+            return _run(console, work)
+    except Exception:
+        lines = log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        print(f"demo: the last lines of {log_file}:", *lines, sep="\n", file=sys.stderr)
+        raise
 
 
 def _run(console: Console, work: Path) -> int:
@@ -244,7 +251,7 @@ def _run(console: Console, work: Path) -> int:
     threads: list[threading.Thread] = []
     queries = []
     nodes: list[cluster.Node] = []
-    port = embedded_kafka.free_port()
+    port = ports.free_port()
     console.print(f"demo: embedded Apache Kafka on 127.0.0.1:{port}")
     kafka = embedded_kafka.start(port, work / "kafka")
     started = time.monotonic()

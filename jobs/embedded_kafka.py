@@ -19,18 +19,13 @@ import uuid
 from pathlib import Path
 
 from dejaq.conf import jvm
+from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
 PR_SET_PDEATHSIG = 1
 HEAP = ["-Xms256m", "-Xmx512m"]
 READY_TIMEOUT_S = 90
 LOG_FILE = "kafka.log"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(

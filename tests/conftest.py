@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from dejaq.jobs.embedded_kafka import answers, free_port, wait_for_port
+from dejaq.jobs.embedded_kafka import answers, wait_for_port
+from dejaq.jobs.ports import free_port
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "condition") -> object:

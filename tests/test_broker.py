@@ -754,7 +754,7 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
 
     from dejaq.broker.raft import RaftNode
     from dejaq.conf.settings import BrokerConfig
-    from dejaq.jobs.embedded_kafka import free_port
+    from dejaq.jobs.ports import free_port
 
     topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=4)
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]

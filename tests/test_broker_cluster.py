@@ -27,7 +27,7 @@ from test_broker import buffer_rows, fill
 from dejaq.broker.routers.topics import TopicStats
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
-from dejaq.jobs.embedded_kafka import free_port
+from dejaq.jobs.ports import free_port
 
 PROBLEM = "application/problem+json"
 

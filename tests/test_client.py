@@ -31,7 +31,7 @@ from dejaq.broker.client import (
 from dejaq.broker.worker import Backoff, Worker
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
-from dejaq.jobs.embedded_kafka import free_port
+from dejaq.jobs.ports import free_port
 
 
 class Transient(Exception):

@@ -12,7 +12,8 @@ import pytest
 import uvicorn
 
 from dejaq.broker.http_server import SETTINGS, GatheringTransport
-from dejaq.jobs.embedded_kafka import free_port, wait_for_port
+from dejaq.jobs.embedded_kafka import wait_for_port
+from dejaq.jobs.ports import free_port
 
 
 async def app(scope, receive, send) -> None:
