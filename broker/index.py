@@ -199,6 +199,7 @@ class TopicIndex:
         unused: Counter[Segment] = Counter()
         added = 0
         with self.lock:
+            self.store.reserve(sum(len(keep) for _, _, keep in kept))
             # Forgotten while the files were read: not indexed.
             gone = self.forgotten & seen
             for bucket, batch, keep in kept:

@@ -4,7 +4,7 @@ message, in NumPy arrays by handle.
 A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in its
 bucket's run), a node over a million pending messages ~700 MB. Here a message costs its
 id (the key of `tokens`, which every Raft command names it by), one int (its token), and
-about 40 bytes of columns. Handles of settled messages are reused; a token carries its
+34 bytes of columns. Handles of settled messages are reused; a token carries its
 handle and the batch that stored it, so an entry naming a handle since reused is told
 from the handle's new message: each token is stored once, `tokens[mid] == token` says an
 entry is still its message's.
@@ -47,12 +47,12 @@ class Batch(NamedTuple):
 
 
 _COLUMNS = {
-    "bucket": np.int32,
+    "bucket": np.int16,  # a topic has at most 4096
     "sort_key": np.int64,
     "partition": np.int32,
     "offset": np.int64,
     "ingested_at": np.int64,
-    "position": np.int64,
+    "position": np.int32,  # a head's place in its segment, of at most 64 MB
 }
 
 
@@ -64,12 +64,12 @@ class RowStore:
         self.tokens: dict[str, int] = {}  # message id -> its token
         self.ids: list[str] = []  # by handle; "" once free
         self.segments: list[Segment | None] = []  # by handle
-        self.bucket = np.zeros(0, np.int32)
-        self.sort_key = np.zeros(0, np.int64)
-        self.partition = np.zeros(0, np.int32)
-        self.offset = np.zeros(0, np.int64)
-        self.ingested_at = np.zeros(0, np.int64)
-        self.position = np.zeros(0, np.int64)
+        self.bucket = np.zeros(0, _COLUMNS["bucket"])
+        self.sort_key = np.zeros(0, _COLUMNS["sort_key"])
+        self.partition = np.zeros(0, _COLUMNS["partition"])
+        self.offset = np.zeros(0, _COLUMNS["offset"])
+        self.ingested_at = np.zeros(0, _COLUMNS["ingested_at"])
+        self.position = np.zeros(0, _COLUMNS["position"])
         self._free = array("q")
         self._batches = 0
 
@@ -106,6 +106,11 @@ class RowStore:
         self.tokens.update(zip(mids, tokens.tolist(), strict=True))
         return tokens
 
+    def reserve(self, n: int) -> None:
+        """Room for `n` more rows, before adding them a bucket at a time: a first load's
+        columns are then sized for the whole buffer, with nothing idle."""
+        self._grow(len(self.ids) + max(0, n - len(self._free)))
+
     def _grow(self, size: int) -> None:
         """Columns for `size` handles: capacity grows by a quarter, so a load's appends
         copy each column a few times, not once per batch, and at most a fifth of it is
@@ -113,7 +118,9 @@ class RowStore:
         capacity = len(self.sort_key)
         if size <= capacity:
             return
-        capacity = max(size, capacity + capacity // 4, 1024)
+        self._resize(max(size, capacity + capacity // 4, 1024))
+
+    def _resize(self, capacity: int) -> None:
         for name, dtype in _COLUMNS.items():
             column = np.zeros(capacity, dtype)
             old = getattr(self, name)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.abc
 import logging
 import sys
 from pathlib import Path
@@ -36,7 +37,19 @@ def _address(value: str, flag: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class _WithoutPandas(importlib.abc.MetaPathFinder):
+    """Refuses pandas, which the broker never calls: pyarrow imports it on its first
+    array-like check, for tens of MB per node. pyarrow takes the refusal for an absent
+    pandas and carries on without its pandas conversions."""
+
+    def find_spec(self, name: str, path: object, target: object = None) -> None:
+        if name == "pandas" or name.startswith("pandas."):
+            raise ImportError("the broker runs without pandas", name=name)
+
+
 def run(args: argparse.Namespace) -> int:
+    if "pandas" not in sys.modules:
+        sys.meta_path.insert(0, _WithoutPandas())
     import uvicorn
 
     from dejaq.broker.app import create_app

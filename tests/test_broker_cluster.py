@@ -365,6 +365,17 @@ def test_hot_path_answers_as_the_routes_do(three) -> None:
         assert hot[0] < 500 and (hot[0] < 400 or hot[1] == PROBLEM), (path, body, hot)
 
 
+def test_nodes_run_without_pandas(three) -> None:
+    """pyarrow imports pandas on its first array-like check, tens of MB per node of a
+    library the broker never calls: a node refuses it. Checked once the nodes have
+    leased, acked and served every route above (Linux: the maps of the node's PID)."""
+    nodes, _, _ = three
+    for node in nodes:
+        maps = Path(f"/proc/{node.proc.pid}/maps").read_text()
+        assert "/pyarrow/" in maps
+        assert "/pandas/" not in maps
+
+
 def cluster_info(client: httpx.Client, node: Node) -> dict | None:
     try:
         return client.get(f"{node.url}/v1/cluster", timeout=5).json()
