@@ -26,8 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from itertools import compress, repeat
-from operator import is_
+from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
@@ -39,7 +38,7 @@ from dejaq.broker import message_json
 from dejaq.broker.head_store import HeadStore, Segment
 from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
-from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore
+from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
 from dejaq.conf.settings import TopicConfig, TopicKind
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
 from dejaq.pipelines.retention import (
@@ -62,8 +61,8 @@ RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its 
 HEAD_SLICE = 8192  # rows rendered and written to the head store at once
 FRONT = 256  # a run's tokens made entries at once
 
-# (sort key, partition, offset, message id, token, bucket): valid while
-# `rows[message id] == token`
+# (sort key, partition, offset, message id, token, bucket): valid while the token is
+# its handle's (`RowStore.token`)
 Entry = tuple[int, int, int, str, int, int]
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
@@ -106,7 +105,7 @@ class TopicIndex:
         self.lock = threading.Lock()
         self.heads = HeadStore(heads_dir)
         self.store = RowStore()
-        self.rows = self.store.tokens  # message id -> token: what is indexed
+        self.rows = StoredIds(self.store)  # message id -> token: what is indexed
         self.runs = [Run() for _ in range(topic.buckets)]
         self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
@@ -179,22 +178,29 @@ class TopicIndex:
         # a Delta commit whole or not at all, never some of its buckets.
         batches = self._read_files(unread)
         # The per-row checks happen before taking the lock, which the event loop (Raft
-        # applies, leases) also takes: under it, column copies and C-level inserts.
-        rows, seen = self.rows, set()
+        # applies, leases) also takes: under it, column copies and inserts. The id table
+        # is read outside it: only this thread adds to it, so an id not found stays
+        # unindexed until the insert below.
+        seen: set[str] = set()
         kept: list[tuple[int, Batch, np.ndarray]] = []
         for bucket, batch in batches:
             # Duplicates by id: first wins. A mask, not a list of positions: an int object
             # per row, made while the ids are, would leave the heap fragmented.
             new = np.fromiter(
                 (
-                    not (mid in rows or mid in seen or mid in settled or mid in forgotten)
+                    not (mid in seen or mid in settled or mid in forgotten)
                     and seen.add(mid) is None
                     for mid in batch.mids
                 ),
                 bool,
                 len(batch.mids),
             )
-            kept.append((bucket, batch, np.flatnonzero(new)))
+            keep = np.flatnonzero(new)
+            if len(self.rows) and len(keep):  # indexed already (by `revive`)
+                keep = keep[
+                    self.store.tokens(list(map(batch.mids.__getitem__, keep.tolist()))) == 0
+                ]
+            kept.append((bucket, batch, keep))
         # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
         unused: Counter[Segment] = Counter()
         added = 0
@@ -324,6 +330,7 @@ class TopicIndex:
             for bucket in pc.unique(t.column("bucket")).to_pylist()
         ]
         found = {mid for _, batch in batches for mid in batch.mids}
+        found_here: set[str] = set()  # a row read twice is indexed once
         unused: Counter[Segment] = Counter()
         revived = 0
         with self.lock:
@@ -332,7 +339,11 @@ class TopicIndex:
                     [
                         i
                         for i, mid in enumerate(batch.mids)
-                        if mid in self.unread and mid not in self.rows and mid not in state.settled
+                        if mid in self.unread
+                        and mid not in self.rows
+                        and mid not in state.settled
+                        and mid not in found_here
+                        and found_here.add(mid) is None
                     ],
                     np.int64,
                 )
@@ -361,7 +372,7 @@ class TopicIndex:
         """Messages pending again (lease expired, nacked, rescheduled, consumer left)."""
         with self.lock:
             for mid in mids:
-                token = self.rows.get(mid)
+                token = self.store.get(mid)
                 if token is None:
                     self.unread.add(mid)
                 else:
@@ -422,12 +433,10 @@ class TopicIndex:
         version this node has not read yet.
         """
         with self.lock:
-            # Entries left behind are dropped when they surface. Popped by a C loop.
-            popped = list(map(self.rows.pop, mids, repeat(None)))
-            if None in popped:
-                self.forgotten.update(compress(mids, map(is_, popped, repeat(None))))
-                popped = list(filter(None, popped))
-            self.heads.release(self.store.free(popped))
+            # Entries left behind are dropped when they surface.
+            released, missing = self.store.forget(mids)
+            self.forgotten.update(missing)
+            self.heads.release(released)
             if self.from_dead_letters:
                 self.from_dead_letters.difference_update(mids)
             if self.unread:
@@ -451,25 +460,28 @@ class TopicIndex:
             buffer = DeltaTable(self.buffer_path).to_pyarrow_dataset()
             buffered = buffer.to_table(columns=["message_id"]).column("message_id")
             with self.lock:
-                held = self.rows.keys() - self.from_dead_letters
+                held = set(self.rows) - self.from_dead_letters
             if gone := sorted(held.difference(buffered.to_pylist())):
                 done, again = split(latest_events(self.ledger_path, 0, gone))
                 settled.update(done, again)  # its row here is the buffer's: the dead letter's next
                 revived.update(again)
+        store = self.store
         with self.lock:
-            gone = list(map(self.rows.pop, settled & self.rows.keys()))
-            self.heads.release(self.store.free(gone))
-            self.unread |= (revived | state.redriven_at.keys()) - self.rows.keys()
+            self.heads.release(store.forget(list(settled))[0])
+            self.unread |= {m for m in revived | state.redriven_at.keys() if m not in self.rows}
             # Re-keyed messages go to the heaps at their keys; the others to the runs.
             overrides = state.sort_keys
             heaps: list[list[Entry]] = [[] for _ in self.heaps]
-            for mid in overrides.keys() & self.rows.keys():
-                token = self.rows[mid]
-                row = self.store.row(token)
-                heaps[row.bucket].append(_entry(overrides[mid], mid, token, row))
-            tokens = np.fromiter((t for m, t in self.rows.items() if m not in overrides), np.int64)
-            buckets = self.store.bucket[tokens & HANDLE_MASK]
-            self.runs = [Run(self.store.order(tokens[buckets == b])) for b in range(len(heaps))]
+            for mid in overrides:
+                token = store.get(mid)
+                if token is not None:
+                    row = store.row(token)
+                    heaps[row.bucket].append(_entry(overrides[mid], mid, token, row))
+            h = store.stored()
+            h = h[[store.ids[i] not in overrides for i in h.tolist()]]
+            tokens = store.token[h]
+            buckets = store.bucket[h]
+            self.runs = [Run(store.order(tokens[buckets == b])) for b in range(len(heaps))]
             for heap in heaps:
                 heapq.heapify(heap)
             self.heaps = heaps
@@ -500,7 +512,7 @@ class TopicIndex:
         with self.lock:
             while self.delayed and self.delayed[0][0] <= now:
                 _, mid = heapq.heappop(self.delayed)
-                token = self.rows.get(mid)
+                token = self.store.get(mid)
                 if token is None:
                     continue
                 row = self.store.row(token)
@@ -528,13 +540,13 @@ class TopicIndex:
     def row(self, mid: str) -> Row | None:
         """An indexed message's row (None once forgotten)."""
         with self.lock:
-            token = self.rows.get(mid)
+            token = self.store.get(mid)
             return None if token is None else self.store.row(token)
 
     def head(self, mid: str) -> Taken | None:
         """An indexed message's row sort key and head (None once forgotten): a peek's."""
         with self.lock:
-            token = self.rows.get(mid)
+            token = self.store.get(mid)
             if token is None:
                 return None
             return self.store.row(token).sort_key, self.heads.read([self.store.place(token)])[0]
@@ -557,8 +569,8 @@ class TopicIndex:
         handles = [h for h, s in enumerate(segments) if s in sparse]
         del segments
         with self.lock:  # still indexed, so their segments are still open
-            tokens = np.array([self.rows.get(store.ids[h], -1) for h in handles], np.int64)
-            tokens = store.order(tokens[tokens >= 0])
+            tokens = store.token[np.array(handles, np.int64)]
+            tokens = store.order(tokens[tokens != 0])
             # A bucket's in its sort order, as a first write.
             h = tokens & HANDLE_MASK
             tokens = tokens[np.argsort(store.bucket[h], kind="stable")]
@@ -578,7 +590,7 @@ class TopicIndex:
             for i, (token, handle, (old, _)) in enumerate(
                 zip(tokens.tolist(), h.tolist(), places, strict=True)
             ):
-                if self.rows.get(store.ids[handle]) != token:
+                if store.token[handle] != token:
                     unused[new] += 1  # settled meanwhile
                     continue
                 store.segments[handle] = new
@@ -600,7 +612,7 @@ class TopicIndex:
         """
         run, heap = self.runs[bucket], self.heaps[bucket]
         front = run.front
-        rows, timeline, base = self.rows, self.timeline, self.store.sort_key
+        stored, timeline, base = self.store.token, self.timeline, self.store.sort_key
         settled, leases, not_before, overrides = (
             state.settled,
             state.leases,
@@ -616,7 +628,7 @@ class TopicIndex:
             entry = front[-1] if in_run else heap[0]
             key, _, _, mid, token, _ = entry
             stale = (
-                rows.get(mid) != token
+                stored[token & HANDLE_MASK] != token
                 or mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)
@@ -648,7 +660,7 @@ class TopicIndex:
             for mid, bucket, key in picks:
                 if mid in state.leases or mid in state.settled:
                     continue  # the usual case: taken
-                token = self.rows.get(mid)
+                token = self.store.get(mid)
                 if token is not None:
                     row = self.store.row(token)
                     heapq.heappush(self.heaps[bucket], _entry(key, mid, token, row))
@@ -705,9 +717,8 @@ class TopicIndex:
         """Every indexed message neither settled nor leased, at its row's sort key (a
         purge's list). Off the event loop, on a copy taken under the lock."""
         with self.lock:
-            mids = list(self.rows)
-            tokens = np.fromiter(self.rows.values(), np.int64, len(mids))
-            h = tokens & HANDLE_MASK
+            h = self.store.stored()
+            mids = list(map(self.store.ids.__getitem__, h.tolist()))
             buckets, keys = self.store.bucket[h].tolist(), self.store.sort_key[h].tolist()
         settled, leases = state.settled, state.leases
         return [
@@ -733,21 +744,20 @@ class TopicIndex:
                 parts.append(
                     (
                         list(map(store.ids.__getitem__, h.tolist())),
-                        tokens.tolist(),
+                        (store.token[h] == tokens).tolist(),
                         keys.tolist(),
                         base.tolist(),
                         store.ingested_at[h].tolist(),
                     )
                 )
             delayed_ids = [m for _, m in self.delayed]
-        rows = self.rows
         out: dict[int, Stats] = {}
         for b, columns in enumerate(parts):
             seen: set[str] = set()
             pending = deliverable = 0
             oldest: int | None = None
-            for mid, token, key, base_key, at in zip(*columns, strict=True):
-                if rows.get(mid) != token or mid in seen or mid in state.settled:
+            for mid, live, key, base_key, at in zip(*columns, strict=True):
+                if not live or mid in seen or mid in state.settled:
                     continue
                 if mid in state.leases or key != state.sort_key(mid, base_key):
                     continue

@@ -3,22 +3,24 @@ message, in NumPy arrays by handle.
 
 A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in its
 bucket's run), a node over a million pending messages ~700 MB. Here a message costs its
-id (the key of `tokens`, which every Raft command names it by), one int (its token), and
-34 bytes of columns. Handles of settled messages are reused; a token carries its
+id (a str, which every Raft command names it by), 42 bytes of columns and 4 to 8 of the
+id table (`IdTable`). Handles of settled messages are reused; a token carries its
 handle and the batch that stored it, so an entry naming a handle since reused is told
-from the handle's new message: each token is stored once, `tokens[mid] == token` says an
-entry is still its message's.
+from the handle's new message: `token[handle] == token` says an entry is still its
+message's (0: the handle is free).
 """
 
 from __future__ import annotations
 
 from array import array
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import numpy as np
 
 from dejaq.broker.head_store import Segment
+from dejaq.broker.id_table import IdTable
 
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1
@@ -47,6 +49,7 @@ class Batch(NamedTuple):
 
 
 _COLUMNS = {
+    "token": np.int64,  # the stored message's; 0 while the handle is free
     "bucket": np.int16,  # a topic has at most 4096
     "sort_key": np.int64,
     "partition": np.int32,
@@ -57,13 +60,14 @@ _COLUMNS = {
 
 
 class RowStore:
-    """Handles, their columns and the id -> token map. The caller (`TopicIndex`) holds
-    its lock around every call that changes them."""
+    """Handles, their columns and the id table. The caller (`TopicIndex`) holds its lock
+    around every call that changes them."""
 
     def __init__(self) -> None:
-        self.tokens: dict[str, int] = {}  # message id -> its token
         self.ids: list[str] = []  # by handle; "" once free
+        self.table = IdTable(self.ids)
         self.segments: list[Segment | None] = []  # by handle
+        self.token = np.zeros(0, _COLUMNS["token"])
         self.bucket = np.zeros(0, _COLUMNS["bucket"])
         self.sort_key = np.zeros(0, _COLUMNS["sort_key"])
         self.partition = np.zeros(0, _COLUMNS["partition"])
@@ -76,7 +80,7 @@ class RowStore:
     def add(self, bucket: int, batch: Batch, keep: np.ndarray) -> np.ndarray:
         """Store the rows `keep` (positions in `batch`) of `bucket`; returns their tokens.
 
-        The caller has checked that no id in `keep` is stored already.
+        The caller has checked that no id in `keep` is stored already (`tokens`).
         """
         n = len(keep)
         reused = min(n, len(self._free))
@@ -103,8 +107,41 @@ class RowStore:
         segs += segments[reused:]
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
-        self.tokens.update(zip(mids, tokens.tolist(), strict=True))
+        self.token[handles] = tokens
+        self.table.insert(handles)
         return tokens
+
+    def get(self, mid: str) -> int | None:
+        """The token of a stored message."""
+        h = self.table.get(mid)
+        return None if h is None else int(self.token[h])
+
+    def tokens(self, mids: list[str]) -> np.ndarray:
+        """The token of each message, 0 for one not stored."""
+        handles, _ = self.table.find(mids)
+        return np.where(handles >= 0, self.token[np.maximum(handles, 0)], 0)
+
+    def stored(self) -> np.ndarray:
+        """The handles of every stored message."""
+        return np.flatnonzero(self.token[: len(self.ids)])
+
+    def forget(self, mids: list[str]) -> tuple[Counter[Segment], list[str]]:
+        """Messages no longer indexed: their handles are free for reuse. Returns their
+        heads to release, by segment, and the ids of `mids` that were not stored."""
+        handles, slots = self.table.find(mids)
+        hit = handles >= 0
+        missing = [] if hit.all() else [m for m, h in zip(mids, hit.tolist(), strict=True) if not h]
+        slots, first = np.unique(slots[hit], return_index=True)  # an id named twice
+        handles = handles[hit][first]
+        self.table.delete(slots)
+        self.token[handles] = 0
+        ids, segs = self.ids, self.segments
+        released: Counter[Segment] = Counter(map(segs.__getitem__, handles.tolist()))
+        for h in handles.tolist():
+            ids[h] = ""
+            segs[h] = None
+        self._free.extend(handles.tolist())
+        return released, missing
 
     def reserve(self, n: int) -> None:
         """Room for `n` more rows, before adding them a bucket at a time: a first load's
@@ -126,18 +163,6 @@ class RowStore:
             old = getattr(self, name)
             column[: len(old)] = old
             setattr(self, name, column)
-
-    def free(self, tokens: list[int]) -> Counter[Segment]:
-        """Handles of messages no longer indexed (already popped from `tokens`), for
-        reuse; returns their heads to release, by segment."""
-        handles = [t & HANDLE_MASK for t in tokens]
-        ids, segs = self.ids, self.segments
-        released: Counter[Segment] = Counter(map(segs.__getitem__, handles))
-        for h in handles:
-            ids[h] = ""
-            segs[h] = None
-        self._free.extend(handles)
-        return released
 
     def row(self, token: int) -> Row:
         h = token & HANDLE_MASK
@@ -170,3 +195,26 @@ class RowStore:
         token last (the order among duplicates of one message's coordinates)."""
         h = tokens & HANDLE_MASK
         return tokens[np.lexsort((tokens, self.offset[h], self.partition[h], self.sort_key[h]))]
+
+
+class StoredIds(Mapping[str, int]):
+    """The store's id -> token map as a Mapping, for reads that want one (tests, the
+    node's status): each call probes the id table."""
+
+    def __init__(self, store: RowStore) -> None:
+        self.store = store
+
+    def __getitem__(self, mid: str) -> int:
+        token = self.store.get(mid)
+        if token is None:
+            raise KeyError(mid)
+        return token
+
+    def __contains__(self, mid: object) -> bool:
+        return isinstance(mid, str) and self.store.table.get(mid) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return map(self.store.ids.__getitem__, self.store.stored().tolist())
+
+    def __len__(self) -> int:
+        return len(self.store.table)

@@ -839,3 +839,53 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
         keys = [p[2] for p in again if p[1] == bucket]
         assert keys == sorted(keys), "in order within each bucket"
     index.close()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    steps=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 60), max_size=25)), max_size=30)
+)
+def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[bool, list[int]]]) -> None:
+    """Stored and forgotten ids, handles reused as the row store reuses them, in a table
+    that starts at 4 slots: collisions, deleted slots and rebuilds at every size."""
+    import numpy as np
+
+    from dejaq.broker import id_table
+
+    small, id_table.MIN_SLOTS = id_table.MIN_SLOTS, 4
+    try:
+        ids: list[str] = []
+        free: list[int] = []
+        table = id_table.IdTable(ids)
+        model: dict[str, int] = {}
+        for store, numbers in steps:
+            mids = [f"m{n}" for n in numbers]
+            if store:
+                new = [m for m in dict.fromkeys(mids) if m not in model]
+                handles = []
+                for mid in new:
+                    h = free.pop() if free else len(ids)
+                    if h == len(ids):
+                        ids.append(mid)
+                    else:
+                        ids[h] = mid
+                    model[mid] = h
+                    handles.append(h)
+                table.insert(np.array(handles, np.int64))
+            else:
+                handles, slots = table.find(mids)
+                assert handles.tolist() == [model.get(m, -1) for m in mids]
+                hit = handles >= 0
+                slots, first = np.unique(slots[hit], return_index=True)
+                table.delete(slots)
+                for h in handles[hit][first].tolist():
+                    del model[ids[h]]
+                    ids[h] = ""
+                    free.append(h)
+            assert len(table) == len(model)
+            probe = [f"m{n}" for n in range(61)]
+            assert [table.get(m) for m in probe] == [model.get(m) for m in probe]
+            assert table.find(probe)[0].tolist() == [model.get(m, -1) for m in probe]
+            assert 4 * (table.live + table.deleted) <= 3 * len(table.slots)
+    finally:
+        id_table.MIN_SLOTS = small

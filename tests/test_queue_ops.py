@@ -260,7 +260,7 @@ def test_revive_skips_what_settled_or_was_checkpointed_meanwhile(tmp_path: Path)
     fill(warehouse, "jobs", buffer_rows([3, 4], bucket_of=lambda i: 0))
     index = TopicIndex(warehouse, topic_conf())
     index.load()
-    index.rows.clear()  # as if both had been forgotten
+    index.forget(["m0", "m1"])  # both checkpointed, as if settled before
     state = TopicState(4, 5)
     state.settled["m0"] = LedgerEvent.ACKED
     index.push(state, ["m0", "m1"])
