@@ -7,13 +7,18 @@ them, by handle: a slot matches an id when the id at its handle is equal. Positi
 come from Python's str hash, which each str caches and which differs between processes:
 the table is a node's own, rebuilt from its handles at start.
 
-Linear probing, vectorised: a call over k ids walks every id one slot per pass, a pass
-being a few NumPy operations. Deleted slots are reused only by a rebuild, which runs
-when used slots pass three quarters, into a table at most half full.
+Linear probing. A look-up of many ids takes one vectorised step (a few NumPy
+operations), which settles nearly all of them, then probes the rest one at a time.
+Deleted slots are reused only by a rebuild, when used slots would pass three quarters,
+into a table at most half full. A rebuild over a million ids takes a fraction of a
+second: `make_room` does it before an insert, outside the caller's lock.
 """
 
 from __future__ import annotations
 
+import threading
+from contextlib import AbstractContextManager
+from itertools import compress
 from operator import eq
 
 import numpy as np
@@ -31,6 +36,7 @@ class IdTable:
         self.slots = np.zeros(MIN_SLOTS, np.int32)
         self.live = 0
         self.deleted = 0
+        self._deleting: list[np.ndarray] | None = None  # handles deleted during a rebuild
 
     def __len__(self) -> int:
         return self.live
@@ -48,78 +54,107 @@ class IdTable:
                 return s - 1
             i = (i + 1) & mask
 
+    def _slot(self, mid: str, i: int) -> int:
+        """The slot of `mid` probing from slot `i`, or -1."""
+        slots, ids = self.slots, self.ids
+        mask = len(slots) - 1
+        while True:
+            s = int(slots[i])
+            if s == EMPTY:
+                return -1
+            if s > 0 and ids[s - 1] == mid:
+                return i
+            i = (i + 1) & mask
+
     def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
         n = len(mids)
         slots, ids = self.slots, self.ids
         mask = len(slots) - 1
-        pos = np.fromiter(map(hash, mids), np.int64, n) & mask
-        found = np.full(n, -1, np.int64)
-        todo = np.arange(n)
-        while len(todo):
-            at = pos[todo]
-            s = slots[at].astype(np.int64)
-            live = np.flatnonzero(s > 0)
-            same = np.fromiter(
-                map(
-                    eq,
-                    map(ids.__getitem__, (s[live] - 1).tolist()),
-                    map(mids.__getitem__, todo[live].tolist()),
-                ),
-                bool,
-                len(live),
-            )
-            hit = live[same]
-            found[todo[hit]] = at[hit]
-            go_on = s != EMPTY
-            go_on[hit] = False
-            todo = todo[go_on]
-            pos[todo] = (pos[todo] + 1) & mask
+        found = np.fromiter(map(hash, mids), np.int64, n) & mask
+        s = slots[found].astype(np.int64)
+        live = s > 0
+        live[live] = np.fromiter(
+            map(eq, map(ids.__getitem__, (s[live] - 1).tolist()), compress(mids, live)),
+            bool,
+        )
+        # At its first slot, or not stored: the rest walk on, one at a time.
+        for k in np.flatnonzero(~live & (s != EMPTY)).tolist():
+            found[k] = self._slot(mids[k], (int(found[k]) + 1) & mask)
+        found[(s == EMPTY)] = -1
         handles = np.where(found >= 0, slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
         return handles, found
 
+    def _full(self, n: int) -> bool:
+        return 4 * (self.live + self.deleted + n) > 3 * len(self.slots)
+
+    def make_room(self, n: int, lock: AbstractContextManager | threading.Lock) -> None:
+        """Room for `n` inserts, by a rebuild if need be, called outside `lock` (which
+        every other call to this table is made under) by the one thread that inserts.
+
+        The new table is built from the handles stored when it starts; those deleted
+        meanwhile are noted as they go and deleted from it under the lock, as it
+        replaces the old table.
+        """
+        with lock:
+            if not self._full(n):
+                return
+            kept = self.slots[self.slots > 0].astype(np.int64) - 1
+            self._deleting = []
+        try:
+            slots = self._built(kept, n)
+        except BaseException:
+            with lock:
+                self._deleting = None
+            raise
+        with lock:
+            deleting, self._deleting = self._deleting or [], None
+            if deleting:
+                used = np.flatnonzero(slots > 0)
+                gone = np.isin(slots[used] - 1, np.concatenate(deleting))
+                slots[used[gone]] = DELETED
+            deleted = sum(map(len, deleting))
+            self.slots, self.live, self.deleted = slots, len(kept) - deleted, deleted
+
     def insert(self, handles: np.ndarray) -> None:
         """Store `handles`, whose ids are in `ids` and none of them stored already."""
-        if 4 * (self.live + self.deleted + len(handles)) > 3 * len(self.slots):
-            self._rebuild(self.live + len(handles))
-        self._place(handles)
+        if self._full(len(handles)):
+            self.slots = self._built(self.slots[self.slots > 0].astype(np.int64) - 1, len(handles))
+            self.deleted = 0
+        _place(self.slots, self.ids, handles)
         self.live += len(handles)
 
     def delete(self, slots: np.ndarray) -> None:
         """Empty `slots` (as `find` returned them, each a stored id's)."""
+        if self._deleting is not None:  # a rebuild is under way
+            self._deleting.append(self.slots[slots].astype(np.int64) - 1)
         self.slots[slots] = DELETED
         self.live -= len(slots)
         self.deleted += len(slots)
 
-    def rebuild(self, handles: np.ndarray) -> None:
-        """A fresh table of `handles` alone: the stored ones, after wholesale changes."""
-        self.live = self.deleted = 0
-        self.slots = np.zeros(_size_for(len(handles)), np.int32)
-        self.insert(handles)
+    def _built(self, handles: np.ndarray, more: int) -> np.ndarray:
+        """A table of `handles` with room for `more`."""
+        slots = np.zeros(_size_for(len(handles) + more), np.int32)
+        _place(slots, self.ids, handles)
+        return slots
 
-    def _rebuild(self, live: int) -> None:
-        kept = self.slots[self.slots > 0].astype(np.int64) - 1
-        self.slots = np.zeros(_size_for(live), np.int32)
-        self.deleted = 0
-        self._place(kept)
 
-    def _place(self, handles: np.ndarray) -> None:
-        """Each handle into the first empty slot from its id's position; of two handles
-        wanting one slot in a pass, the first takes it and the other walks on."""
-        slots, ids = self.slots, self.ids
-        mask = len(slots) - 1
-        n = len(handles)
-        pos = np.fromiter(map(hash, map(ids.__getitem__, handles.tolist())), np.int64, n) & mask
-        todo = np.arange(n)
-        while len(todo):
-            at = pos[todo]
-            free = np.flatnonzero(slots[at] == EMPTY)
-            taken, first = np.unique(at[free], return_index=True)
-            slots[taken] = handles[todo[free[first]]] + 1
-            go_on = np.ones(len(todo), bool)
-            go_on[free[first]] = False
-            todo = todo[go_on]
-            pos[todo] = (pos[todo] + 1) & mask
+def _place(slots: np.ndarray, ids: list[str], handles: np.ndarray) -> None:
+    """Each handle into the first empty slot from its id's position; of two handles
+    wanting one slot in a pass, the first takes it and the other walks on."""
+    mask = len(slots) - 1
+    n = len(handles)
+    pos = np.fromiter(map(hash, map(ids.__getitem__, handles.tolist())), np.int64, n) & mask
+    todo = np.arange(n)
+    while len(todo):
+        at = pos[todo]
+        free = np.flatnonzero(slots[at] == EMPTY)
+        taken, first = np.unique(at[free], return_index=True)
+        slots[taken] = handles[todo[free[first]]] + 1
+        go_on = np.ones(len(todo), bool)
+        go_on[free[first]] = False
+        todo = todo[go_on]
+        pos[todo] = (pos[todo] + 1) & mask
 
 
 def _size_for(live: int) -> int:

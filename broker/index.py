@@ -201,11 +201,13 @@ class TopicIndex:
                     self.store.tokens(list(map(batch.mids.__getitem__, keep.tolist()))) == 0
                 ]
             kept.append((bucket, batch, keep))
+        adding = sum(len(keep) for _, _, keep in kept)
+        self.store.table.make_room(adding, self.lock)
         # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
         unused: Counter[Segment] = Counter()
         added = 0
         with self.lock:
-            self.store.reserve(sum(len(keep) for _, _, keep in kept))
+            self.store.reserve(adding)
             # Forgotten while the files were read: not indexed.
             gone = self.forgotten & seen
             for bucket, batch, keep in kept:
@@ -628,7 +630,7 @@ class TopicIndex:
             entry = front[-1] if in_run else heap[0]
             key, _, _, mid, token, _ = entry
             stale = (
-                stored[token & HANDLE_MASK] != token
+                stored.item(token & HANDLE_MASK) != token
                 or mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)

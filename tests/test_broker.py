@@ -843,11 +843,18 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
 
 @settings(max_examples=200, deadline=None)
 @given(
-    steps=st.lists(st.tuples(st.booleans(), st.lists(st.integers(0, 60), max_size=25)), max_size=30)
+    steps=st.lists(
+        st.tuples(
+            st.sampled_from(["store", "forget", "rebuild while forgetting"]),
+            st.lists(st.integers(0, 60), max_size=25),
+        ),
+        max_size=30,
+    )
 )
-def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[bool, list[int]]]) -> None:
+def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]) -> None:
     """Stored and forgotten ids, handles reused as the row store reuses them, in a table
-    that starts at 4 slots: collisions, deleted slots and rebuilds at every size."""
+    that starts at 4 slots: collisions, deleted slots and rebuilds at every size, and
+    rebuilds outside the lock (`make_room`) while the event loop forgets ids."""
     import numpy as np
 
     from dejaq.broker import id_table
@@ -858,9 +865,21 @@ def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[bool, list[int]]
         free: list[int] = []
         table = id_table.IdTable(ids)
         model: dict[str, int] = {}
-        for store, numbers in steps:
+
+        def forget(mids: list[str]) -> None:
+            handles, slots = table.find(mids)
+            assert handles.tolist() == [model.get(m, -1) for m in mids]
+            hit = handles >= 0
+            slots, first = np.unique(slots[hit], return_index=True)
+            table.delete(slots)
+            for h in handles[hit][first].tolist():
+                del model[ids[h]]
+                ids[h] = ""
+                free.append(h)
+
+        for op, numbers in steps:
             mids = [f"m{n}" for n in numbers]
-            if store:
+            if op == "store":
                 new = [m for m in dict.fromkeys(mids) if m not in model]
                 handles = []
                 for mid in new:
@@ -872,16 +891,22 @@ def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[bool, list[int]]
                     model[mid] = h
                     handles.append(h)
                 table.insert(np.array(handles, np.int64))
+            elif op == "forget":
+                forget(mids)
             else:
-                handles, slots = table.find(mids)
-                assert handles.tolist() == [model.get(m, -1) for m in mids]
-                hit = handles >= 0
-                slots, first = np.unique(slots[hit], return_index=True)
-                table.delete(slots)
-                for h in handles[hit][first].tolist():
-                    del model[ids[h]]
-                    ids[h] = ""
-                    free.append(h)
+                built = table._built
+
+                def forgetting(
+                    handles: np.ndarray, more: int, mids: list[str] = mids, built=built
+                ) -> np.ndarray:
+                    forget(mids)  # as the event loop would, between the lock's two holds
+                    return built(handles, more)
+
+                table._built = forgetting  # type: ignore[method-assign]
+                # The fewest inserts that call for a rebuild: it doubles the table.
+                room = 3 * len(table.slots) // 4 - table.live - table.deleted + 1
+                table.make_room(room if len(table.slots) < 4096 else 0, threading.Lock())
+                del table._built
             assert len(table) == len(model)
             probe = [f"m{n}" for n in range(61)]
             assert [table.get(m) for m in probe] == [model.get(m) for m in probe]
