@@ -75,7 +75,7 @@ class IdTable:
         s = slots[found].astype(np.int64)
         live = s > 0
         live[live] = np.fromiter(
-            map(eq, map(ids.__getitem__, (s[live] - 1).tolist()), compress(mids, live)),
+            map(eq, map(ids.__getitem__, (s[live] - 1).tolist()), compress(mids, live.tolist())),
             bool,
         )
         # At its first slot, or not stored: the rest walk on, one at a time.
