@@ -155,9 +155,7 @@ class RowStore:
         capacity = len(self.sort_key)
         if size <= capacity:
             return
-        self._resize(max(size, capacity + capacity // 4, 1024))
-
-    def _resize(self, capacity: int) -> None:
+        capacity = max(size, capacity + capacity // 4, 1024)
         for name, dtype in _COLUMNS.items():
             column = np.zeros(capacity, dtype)
             old = getattr(self, name)
