@@ -43,16 +43,8 @@ class IdTable:
 
     def get(self, mid: str) -> int | None:
         """The handle of `mid`, if stored: one id, probed in Python."""
-        slots, ids = self.slots, self.ids
-        mask = len(slots) - 1
-        i = hash(mid) & mask
-        while True:
-            s = int(slots[i])
-            if s == EMPTY:
-                return None
-            if s > 0 and ids[s - 1] == mid:
-                return s - 1
-            i = (i + 1) & mask
+        i = self._slot(mid, hash(mid) & (len(self.slots) - 1))
+        return None if i < 0 else int(self.slots[i]) - 1
 
     def _slot(self, mid: str, i: int) -> int:
         """The slot of `mid` probing from slot `i`, or -1."""
