@@ -1,11 +1,12 @@
 """Message id -> handle, as an open-addressing hash table in one NumPy array.
 
 A dict from id to token cost ~60 bytes per message besides the id (its slot, ~30, and
-the token's int object, 32); here a message costs 4 to 8 bytes of slots. A slot holds
-a handle + 1 (0: empty, -1: deleted). The ids themselves stay where the row store keeps
-them, by handle: a slot matches an id when the id at its handle is equal. Positions
-come from Python's str hash, which each str caches and which differs between processes:
-the table is a node's own, rebuilt from its handles at start.
+the token's int object, 32); here a message costs 5 to 16 bytes of int32 slots (the
+table is a quarter to three quarters full). A slot holds a handle + 1 (0: empty, -1:
+deleted). The ids themselves stay where the row store keeps them, by handle: a slot
+matches an id when the id at its handle is equal. Positions come from Python's str
+hash, which each str caches and which differs between processes: the table is a node's
+own, rebuilt from its handles at start.
 
 Linear probing. A look-up of many ids takes one vectorised step (a few NumPy
 operations), which settles nearly all of them, then probes the rest one at a time.

@@ -3,8 +3,8 @@ message, in NumPy arrays by handle.
 
 A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in its
 bucket's run), a node over a million pending messages ~700 MB. Here a message costs its
-id (a str, which every Raft command names it by), 42 bytes of columns and 4 to 8 of the
-id table (`IdTable`). Handles of settled messages are reused; a token carries its
+id (a str, which every Raft command names it by), 42 bytes of columns and 5 to 16 of
+the id table (`IdTable`). Handles of settled messages are reused; a token carries its
 handle and the batch that stored it, so an entry naming a handle since reused is told
 from the handle's new message: `token[handle] == token` says an entry is still its
 message's (0: the handle is free).
