@@ -17,7 +17,6 @@ second: `make_room` does it before an insert, outside the caller's lock.
 
 from __future__ import annotations
 
-import threading
 from contextlib import AbstractContextManager
 from itertools import compress
 from operator import eq
@@ -74,14 +73,14 @@ class IdTable:
         # At its first slot, or not stored: the rest walk on, one at a time.
         for k in np.flatnonzero(~live & (s != EMPTY)).tolist():
             found[k] = self._slot(mids[k], (int(found[k]) + 1) & mask)
-        found[(s == EMPTY)] = -1
+        found[s == EMPTY] = -1
         handles = np.where(found >= 0, slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
         return handles, found
 
     def _full(self, n: int) -> bool:
         return 4 * (self.live + self.deleted + n) > 3 * len(self.slots)
 
-    def make_room(self, n: int, lock: AbstractContextManager | threading.Lock) -> None:
+    def make_room(self, n: int, lock: AbstractContextManager) -> None:
         """Room for `n` inserts, by a rebuild if need be, called outside `lock` (which
         every other call to this table is made under) by the one thread that inserts.
 
@@ -92,7 +91,7 @@ class IdTable:
         with lock:
             if not self._full(n):
                 return
-            kept = self.slots[self.slots > 0].astype(np.int64) - 1
+            kept = self._stored()
             self._deleting = []
         try:
             slots = self._built(kept, n)
@@ -112,7 +111,7 @@ class IdTable:
     def insert(self, handles: np.ndarray) -> None:
         """Store `handles`, whose ids are in `ids` and none of them stored already."""
         if self._full(len(handles)):
-            self.slots = self._built(self.slots[self.slots > 0].astype(np.int64) - 1, len(handles))
+            self.slots = self._built(self._stored(), len(handles))
             self.deleted = 0
         _place(self.slots, self.ids, handles)
         self.live += len(handles)
@@ -124,6 +123,10 @@ class IdTable:
         self.slots[slots] = DELETED
         self.live -= len(slots)
         self.deleted += len(slots)
+
+    def _stored(self) -> np.ndarray:
+        """The handles the table holds."""
+        return self.slots[self.slots > 0].astype(np.int64) - 1
 
     def _built(self, handles: np.ndarray, more: int) -> np.ndarray:
         """A table of `handles` with room for `more`."""

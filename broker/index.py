@@ -196,7 +196,7 @@ class TopicIndex:
                 len(batch.mids),
             )
             keep = np.flatnonzero(new)
-            if len(self.rows) and len(keep):  # indexed already (by `revive`)
+            if len(self.store.table) and len(keep):  # indexed already (by `revive`)
                 keep = keep[
                     self.store.tokens(list(map(batch.mids.__getitem__, keep.tolist()))) == 0
                 ]
@@ -342,7 +342,7 @@ class TopicIndex:
                         i
                         for i, mid in enumerate(batch.mids)
                         if mid in self.unread
-                        and mid not in self.rows
+                        and self.store.get(mid) is None
                         and mid not in state.settled
                         and mid not in found_here
                         and found_here.add(mid) is None
@@ -470,7 +470,7 @@ class TopicIndex:
         store = self.store
         with self.lock:
             self.heads.release(store.forget(list(settled))[0])
-            self.unread |= {m for m in revived | state.redriven_at.keys() if m not in self.rows}
+            self.unread |= {m for m in revived | state.redriven_at.keys() if store.get(m) is None}
             # Re-keyed messages go to the heaps at their keys; the others to the runs.
             overrides = state.sort_keys
             heaps: list[list[Entry]] = [[] for _ in self.heaps]

@@ -136,11 +136,12 @@ class RowStore:
         self.table.delete(slots)
         self.token[handles] = 0
         ids, segs = self.ids, self.segments
-        released: Counter[Segment] = Counter(map(segs.__getitem__, handles.tolist()))
-        for h in handles.tolist():
+        freed = handles.tolist()
+        released: Counter[Segment] = Counter(map(segs.__getitem__, freed))
+        for h in freed:
             ids[h] = ""
             segs[h] = None
-        self._free.extend(handles.tolist())
+        self._free.extend(freed)
         return released, missing
 
     def reserve(self, n: int) -> None:
