@@ -386,9 +386,14 @@ class TopicIndex:
         if not_before is not None:
             heapq.heappush(self.delayed, (not_before, mid))
         else:
-            row = self.store.row(token)
-            key = state.sort_key(mid, row.sort_key)
-            heapq.heappush(self.heaps[row.bucket], _entry(key, mid, token, row))
+            self._due(state, mid, token)
+
+    def _due(self, state: TopicState, mid: str, token: int) -> None:
+        """An entry at the message's sort key in force, on its bucket's heap (under the
+        lock)."""
+        row = self.store.row(token)
+        key = state.sort_key(mid, row.sort_key)
+        heapq.heappush(self.heaps[row.bucket], _entry(key, mid, token, row))
 
     def _add(self, bucket: int, tokens: np.ndarray) -> None:
         """New rows of a bucket (tokens in their sort order): pushed on its heap while
@@ -404,8 +409,11 @@ class TopicIndex:
                 heapq.heappush(heap, entry)
             return
         base = self.store.sort_key
-        own = [e for e in heap if e[0] == base[e[4] & HANDLE_MASK]]
-        heap[:] = [e for e in heap if e[0] != base[e[4] & HANDLE_MASK]]
+        own: list[Entry] = []
+        rekeyed: list[Entry] = []
+        for e in heap:
+            (own if e[0] == base[e[4] & HANDLE_MASK] else rekeyed).append(e)
+        heap[:] = rekeyed
         heapq.heapify(heap)
         merged = np.concatenate([run.rest(), np.fromiter((e[4] for e in own), np.int64), tokens])
         self.runs[bucket] = Run(self.store.order(merged))
@@ -515,11 +523,8 @@ class TopicIndex:
             while self.delayed and self.delayed[0][0] <= now:
                 _, mid = heapq.heappop(self.delayed)
                 token = self.store.get(mid)
-                if token is None:
-                    continue
-                row = self.store.row(token)
-                key = state.sort_key(mid, row.sort_key)
-                heapq.heappush(self.heaps[row.bucket], _entry(key, mid, token, row))
+                if token is not None:
+                    self._due(state, mid, token)
             # The buckets' heads, ordered by entry (ids differ: no two compare equal).
             takers = {b: self._taker(state, b, now) for b in buckets}
             heads = [head for t in takers.values() if (head := next(t, None)) is not None]
