@@ -24,7 +24,7 @@ import heapq
 import logging
 import threading
 from collections import Counter
-from collections.abc import Iterator, Set
+from collections.abc import Set
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -525,23 +525,46 @@ class TopicIndex:
                 token = self.store.get(mid)
                 if token is not None:
                     self._due(state, mid, token)
-            # The buckets' heads, ordered by entry (ids differ: no two compare equal).
-            takers = {b: self._taker(state, b, now) for b in buckets}
-            heads = [head for t in takers.values() if (head := next(t, None)) is not None]
-            heapq.heapify(heads)
-            while heads and len(picks) < n:
-                key, _, _, mid, token, b = heads[0]
-                picks.append((mid, b, key))
-                tokens.append(token)
-                head = next(takers[b], None)
-                if head is None:
-                    heapq.heappop(heads)
+            # Each bucket's lowest entry, stale or not; only the lowest of them all is
+            # checked (ids differ: no two compare equal). A lease of one message checks
+            # an entry or two, not one per bucket of the consumer.
+            tops = [top for b in buckets if (top := self._top(b)) is not None]
+            heapq.heapify(tops)
+            stored, timeline, base = self.store.token, self.timeline, self.store.sort_key
+            settled, leases, not_before, overrides = (
+                state.settled,
+                state.leases,
+                state.not_before,
+                state.sort_keys,
+            )
+            while tops and len(picks) < n:
+                entry = tops[0]
+                key, _, _, mid, token, b = entry
+                # Stale: settled (checkpointed: its row is gone), leased, delayed by a
+                # nack (the delayed heap holds it) or re-keyed (a newer entry holds it).
+                # Without overrides every live entry has its row's own sort key (only
+                # settling drops an override): no key to check.
+                stale = (
+                    stored.item(token & HANDLE_MASK) != token
+                    or mid in settled
+                    or mid in leases
+                    or (not_before and not_before.get(mid, 0) > now)
+                    or (overrides and key != overrides.get(mid, int(base[token & HANDLE_MASK])))
+                )
+                if not stale:
+                    if timeline and key > now:  # the bucket has nothing due
+                        heapq.heappop(tops)
+                        continue
+                    picks.append((mid, b, key))
+                    tokens.append(token)
+                self._drop(b, entry)
+                top = self._top(b)
+                if top is None:
+                    heapq.heappop(tops)
                 else:
-                    heapq.heapreplace(heads, head)
+                    heapq.heapreplace(tops, top)
             if taken is not None and tokens:
-                h = np.array(tokens, np.int64) & HANDLE_MASK
-                found = self.heads.read(self.store.places(h))
-                taken += zip(self.store.sort_key[h].tolist(), found, strict=True)
+                taken += self._taken(tokens)
         return picks
 
     def row(self, mid: str) -> Row | None:
@@ -607,48 +630,36 @@ class TopicIndex:
         self.heads.release(unused)
         return moved
 
-    def _taker(self, state: TopicState, bucket: int, now: int) -> Iterator[Entry]:
-        """The bucket's deliverable entries, lowest first; stale ones are dropped.
-
-        Each is taken out of the bucket when the generator resumes past it, so a head
-        the caller does not take stays. Stale: settled (checkpointed: its row is gone),
-        leased, delayed by a nack (the delayed heap holds it) or re-keyed (a newer entry
-        holds it). Runs once per leased message: a generator keeps its lookups hoisted.
-        Without overrides every live entry has its row's own sort key (only settling
-        drops an override): no key to check.
-        """
+    def _top(self, bucket: int) -> Entry | None:
+        """The bucket's lowest entry, stale or not (under the lock)."""
         run, heap = self.runs[bucket], self.heaps[bucket]
         front = run.front
-        stored, timeline, base = self.store.token, self.timeline, self.store.sort_key
-        settled, leases, not_before, overrides = (
-            state.settled,
-            state.leases,
-            state.not_before,
-            state.sort_keys,
-        )
-        while True:
-            if not front and run.next < len(run.tokens):
-                self._fill(run, bucket)
-            if not front and not heap:
-                return
-            in_run = bool(front) and (not heap or front[-1] < heap[0])
-            entry = front[-1] if in_run else heap[0]
-            key, _, _, mid, token, _ = entry
-            stale = (
-                stored.item(token & HANDLE_MASK) != token
-                or mid in settled
-                or mid in leases
-                or (not_before and not_before.get(mid, 0) > now)
-                or (overrides and key != overrides.get(mid, int(base[token & HANDLE_MASK])))
-            )
-            if not stale:
-                if timeline and key > now:
-                    return
-                yield entry
-            if in_run:  # dropped if stale, taken if the caller resumed past it
-                front.pop()
-            else:
-                heapq.heappop(heap)
+        if not front and run.next < len(run.tokens):
+            self._fill(run, bucket)
+        if front and (not heap or front[-1] < heap[0]):
+            return front[-1]
+        return heap[0] if heap else None
+
+    def _drop(self, bucket: int, top: Entry) -> None:
+        """Take the bucket's lowest entry, `top` as `_top` gave it, out of the bucket."""
+        heap = self.heaps[bucket]
+        if heap and heap[0] is top:
+            heapq.heappop(heap)
+        else:
+            self.runs[bucket].front.pop()
+
+    def _taken(self, tokens: list[int]) -> list[Taken]:
+        """The picks' row sort keys and heads. One pick, the usual lease at batch 1, is
+        read without the NumPy calls and the grouping by segment that many picks pay
+        for (~1.5 µs against ~6)."""
+        store = self.store
+        if len(tokens) == 1:
+            h = tokens[0] & HANDLE_MASK
+            segment, position = store.place(tokens[0])
+            return [(int(store.sort_key[h]), segment.read(position, position)[0])]
+        h = np.array(tokens, np.int64) & HANDLE_MASK
+        found = self.heads.read(store.places(h))
+        return list(zip(store.sort_key[h].tolist(), found, strict=True))
 
     def _fill(self, run: Run, bucket: int) -> None:
         """The run's next tokens as entries. Once most of the run is taken, the taken

@@ -458,8 +458,10 @@ def acked_batches(index: TopicIndex, state: TopicState, n: int) -> Iterator[list
 
 def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [5, 1, 3])
-    picks = index.pick(state, state.buckets_of("c"), 1, now=0)
+    taken: list = []
+    picks = index.pick(state, state.buckets_of("c"), 1, now=0, taken=taken)
     assert picks == [("m1", 1, 1)], "lowest sort key first"
+    assert taken == [index.head("m1")], "a lone pick's head, read on its own"
     state.lease("c", 0, 1000, picks)
     assert state.ack("c", 1, ["m1"]) == {}
     upto = checkpoint(warehouse, "jobs", list(state.events))
@@ -472,7 +474,7 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert "m1" not in fresh.rows and "m1" not in fresh.store.ids, "not stored at all"
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
-    taken: list = []
+    taken = []
     picks = index.pick(state, state.buckets_of("c"), 3, now=2, taken=taken)
     assert [p[0] for p in picks] == ["m2", "m0"]
     assert taken == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
