@@ -112,6 +112,9 @@ class HeadStore:
         by sort key, and each bucket's heads lie in sort order in a segment, so the
         heads wanted are read as a few ranges, each split in C.
         """
+        if len(places) == 1:  # a peek, or a lease of one message: no grouping
+            seg, pos = places[0]
+            return seg.read(pos, pos)
         segments = set(map(_segment, places))
         if len(segments) == 1:
             (seg,) = segments
