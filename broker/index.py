@@ -752,6 +752,7 @@ class TopicIndex:
         # the counts are a moment's view either way.
         store = self.store
         with self.lock:
+            ids = store.ids.copy()  # by handle: a handle freed meanwhile may be another's
             parts = []
             for run, heap in zip(self.runs, self.heaps, strict=True):
                 tokens = np.concatenate([run.rest(), np.fromiter((e[4] for e in heap), np.int64)])
@@ -759,22 +760,16 @@ class TopicIndex:
                 base = store.sort_key[h]
                 keys = base.copy()
                 keys[len(run) :] = [e[0] for e in heap]
-                parts.append(
-                    (
-                        list(map(store.ids.__getitem__, h.tolist())),
-                        (store.token[h] == tokens).tolist(),
-                        keys.tolist(),
-                        base.tolist(),
-                        store.ingested_at[h].tolist(),
-                    )
-                )
+                parts.append((h, store.token[h] == tokens, keys, base, store.ingested_at[h]))
             delayed_ids = [m for _, m in self.delayed]
         out: dict[int, Stats] = {}
-        for b, columns in enumerate(parts):
+        for b, (h, *columns) in enumerate(parts):
             seen: set[str] = set()
             pending = deliverable = 0
             oldest: int | None = None
-            for mid, live, key, base_key, at in zip(*columns, strict=True):
+            mids = map(ids.__getitem__, h.tolist())
+            lists = [c.tolist() for c in columns]
+            for mid, live, key, base_key, at in zip(mids, *lists, strict=True):
                 if not live or mid in seen or mid in state.settled:
                     continue
                 if mid in state.leases or key != state.sort_key(mid, base_key):
