@@ -7,16 +7,19 @@ PHASES (batch 1 with 8 and with 64 workers, batch 100 with 8), the parameters an
 machine. Batch 1 is bound by latency with few workers (each waits out a Raft commit per
 request) and by CPU with many, when group commit shares each Raft round among them.
 
-Each phase runs R times (3), DejaQ and both baselines in turn (one system up at a
+Each phase runs R times (3), DejaQ and every baseline in turn (one system up at a
 time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` lists them
 all): this VM's speed drifts by a third over minutes, and one run of each would compare
 moments, not systems.
 
-Two baselines run in the same run, with the same clients and phases. HTTP alone:
+The baselines run in the same run, with the same clients and phases. HTTP alone:
 uvicorn as the broker runs it, answering lease and ack from a counter with no Raft,
 state or index. The Raft floor: the same on 3 nodes, each lease and ack first committing
 one tiny command through the broker's own Raft layer. No broker on this stack can beat
-the first, nor one that replicates each request before answering the second.
+the first, nor one that replicates each request before answering the second. The
+Raft floor carrying DejaQ's commands: the same again, each command holding what DejaQ's
+lease and ack must replicate (a lease's picks, an ack's ids; or each id as an integer
+handle), applied as nothing: what any state design of DejaQ's can reach at best.
 Messages are written straight into the Delta buffer (as the ingest job would), so the
 numbers are the broker's alone. Workers talk to the leader (a follower would forward
 each request: one more hop) over keep-alive HTTP/1.1 with a minimal client on uvloop,
@@ -40,8 +43,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
+from hashlib import blake2b
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -151,13 +156,17 @@ def _proc(addr: str, topic: str, names: list[str], batch: int, target: int, secs
     q.put(out)
 
 
-def canned_app(raft=None):
+def canned_app(raft=None, carry: str | None = None):
     """The baselines' ASGI app: lease and ack answered from a counter, in the broker's JSON.
 
     With a `RaftNode`, each lease and ack first commits one command through it, a node
-    that does not lead answers 503, and GET /role says which it is.
+    that does not lead answers 503, and GET /role says which it is. The command is a
+    consumer's heartbeat (the smallest change of state), or with `carry` what DejaQ's
+    commands must hold, which every node then applies as nothing (`carried`): "ids"
+    carries a lease's picks (id, bucket, sort key) and an ack's ids as DejaQ does,
+    "handles" each id as an 8-byte deterministic hash, packed, as integer handles would.
     """
-    ids = itertools.count()
+    counter = itertools.count()
     payload = base64.b64encode(b"x" * 16).decode()
 
     async def app(scope, receive, send) -> None:
@@ -167,23 +176,31 @@ def canned_app(raft=None):
             body += message.get("body", b"")
             if not message.get("more_body"):
                 break
-        status, answer = 200, None
+        status, answer, ids = 200, None, []
         if scope["path"] == "/role":
             answer = {"leader": raft is not None and raft.is_leader()}
         else:
             request = json.loads(body)
+            if scope["path"].endswith("/leases"):
+                topic = scope["path"].split("/")[3]  # ids shaped as the DejaQ run's
+                ids = [f"{topic}-{next(counter)}" for _ in range(request["max_messages"])]
             if raft is not None:
                 if raft.is_leader():
                     now = int(time.time() * 1000)
-                    await raft.commit("floor", "touch", request["consumer_id"], now)
+                    consumer = request["consumer_id"]
+                    if carry is None:
+                        await raft.commit("floor", "touch", consumer, now)
+                    else:
+                        data = carried(carry, ids or request["ids"], lease=bool(ids))
+                        await raft.commit("floor", "purge", now, CARRY_UPTO, (consumer, data))
                 else:
                     status, answer = 503, {"title": "not the leader"}
-        if answer is None and scope["path"].endswith("/leases"):
+        if answer is None and ids:
             deadline = int(time.time() * 1000) + 30_000
             answer = {
                 "messages": [
                     {
-                        "id": f"c{next(ids)}",
+                        "id": mid,
                         "bucket": 0,
                         "sort_key": 1,
                         "priority": 1,
@@ -193,7 +210,7 @@ def canned_app(raft=None):
                         "deliveries": 1,
                         "lease_deadline": deadline,
                     }
-                    for _ in range(request["max_messages"])
+                    for mid in ids
                 ]
             }
         elif answer is None:
@@ -204,6 +221,27 @@ def canned_app(raft=None):
         await send({"type": "http.response.body", "body": data})
 
     return app
+
+
+# A purge made from a view older than any state (`TopicState.purge`): every node refuses
+# it at once, unread, so the command's cost is its replication alone.
+CARRY_UPTO = -1
+
+
+def carried(carry: str, ids: list[str], lease: bool) -> object:
+    """What a lease (picks) or an ack (ids) of DejaQ's must replicate, as `carry` says.
+
+    Handles: a lease's come with its picks (an index would hold each row's), packed with
+    their buckets and sort keys; an ack's are made from the ids it names, as the leader
+    would have to (an 8-byte deterministic hash each).
+    """
+    if carry == "ids":
+        return [(mid, i % 16, i) for i, mid in enumerate(ids)] if lease else ids
+    if not lease:
+        return b"".join(blake2b(mid.encode(), digest_size=8).digest() for mid in ids)
+    n = len(ids)
+    keys = array("q", range(n)).tobytes()
+    return array("q", range(n)).tobytes(), array("h", [i % 16 for i in range(n)]).tobytes(), keys
 
 
 def serve(app, port: int, raft=None) -> None:
@@ -233,19 +271,20 @@ class _NoIndex:
 def raft_floor_server(spec: str) -> None:
     """One node of the Raft floor: the broker's HTTP and Raft, and nothing else.
 
-    Lease and ack each commit one command, a consumer's heartbeat (the smallest change of
-    state), through the broker's own `RaftNode`: group commit, PySyncObj on the event loop,
-    AES-GCM. What replication costs before any index, lease or message of DejaQ's.
+    Lease and ack each commit one command through the broker's own `RaftNode`: group
+    commit, PySyncObj on the event loop, AES-GCM. What replication costs before any
+    index, lease or message of DejaQ's; with `carry`, what replicating DejaQ's commands
+    costs before any of its state.
     """
     from dejaq.broker.raft import RaftNode
     from dejaq.conf.settings import BrokerConfig, TopicConfig
 
-    me, http_port, raft_addrs, data_dir = json.loads(spec)
+    me, http_port, raft_addrs, data_dir, carry = json.loads(spec)
     topic = TopicConfig(name="floor", kind="priority", source=["floor"], buckets=16)
     broker = BrokerConfig(raft_password=os.environ["DEJAQ_BROKER_RAFT_PASSWORD"])
     peers = [a for i, a in enumerate(raft_addrs) if i != me]
     raft = RaftNode(raft_addrs[me], peers, [topic], broker, Path(data_dir), _NoIndex())
-    serve(canned_app(raft), http_port, raft)
+    serve(canned_app(raft, carry), http_port, raft)
 
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
@@ -282,7 +321,7 @@ def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
 
 
 @contextmanager
-def raft_floor(data_dir: Path) -> Iterator[tuple[str, dict[str, int]]]:
+def raft_floor(data_dir: Path, carry: str | None = None) -> Iterator[tuple[str, dict[str, int]]]:
     """3 `raft_floor_server`s: (their leader's address, pids)."""
     from dejaq.jobs.embedded_kafka import wait_for_port
     from dejaq.jobs.ports import free_port
@@ -291,7 +330,12 @@ def raft_floor(data_dir: Path) -> Iterator[tuple[str, dict[str, int]]]:
     raft = [f"127.0.0.1:{free_port()}" for _ in range(3)]
     servers = [
         subprocess.Popen(
-            [sys.executable, __file__, "--raft-floor-server", json.dumps([i, http[i], raft, d])]
+            [
+                sys.executable,
+                __file__,
+                "--raft-floor-server",
+                json.dumps([i, http[i], raft, d, carry]),
+            ]
         )
         for i, d in enumerate(str(data_dir / f"floor{i}") for i in range(3))
     ]
@@ -463,7 +507,7 @@ def main() -> int:
         return 0
 
     os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
-    runs: dict[str, list[dict]] = {"dejaq": [], "floor": [], "http": []}
+    runs: dict[str, list[dict]] = {k: [] for k in ("dejaq", "floor", "ids", "handles", "http")}
     setup: list[dict] = []
 
     def phases(name: str, addr: str, prefix: str, pids: dict[str, int], run: int) -> None:
@@ -477,11 +521,13 @@ def main() -> int:
             with dejaq(args, Path(tmp), run) as (leader, pids, seconds):
                 setup.append(seconds)
                 phases("dejaq", leader, "b", pids, run)
-            with raft_floor(Path(tmp) / f"floor-{run}") as (floor_leader, floor_pids):
-                phases("floor", floor_leader, "f", floor_pids, run)
+            for carry in (None, "ids", "handles"):
+                floor_dir = Path(tmp) / f"floor-{carry}-{run}"
+                with raft_floor(floor_dir, carry) as (floor_leader, floor_pids):
+                    phases(carry or "floor", floor_leader, "f", floor_pids, run)
             with http_ceiling() as (http_addr, http_pids):
                 phases("http", http_addr, "c", http_pids, run)
-    results, floor, baseline = (_medians(runs[k]) for k in ("dejaq", "floor", "http"))
+    results, floor, ids, handles, baseline = (_medians(runs[k]) for k in runs)
     print(
         json.dumps(
             {
@@ -492,6 +538,11 @@ def main() -> int:
                 "floor_http_and_raft": floor,
                 "vs_floor": _ratios(results, floor),
                 "floor_vs_baseline": _ratios(floor, baseline),
+                "floor_carrying_ids": ids,
+                "floor_carrying_handles": handles,
+                "vs_floor_carrying_ids": _ratios(results, ids),
+                "carrying_ids_vs_floor": _ratios(ids, floor),
+                "carrying_handles_vs_floor": _ratios(handles, floor),
                 "parameters": {
                     "nodes": 3,
                     "phases": [{"batch": b, "workers": w} for b, w in PHASES],
