@@ -40,7 +40,15 @@ from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
 from dejaq.conf.settings import TopicConfig, TopicKind
-from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    LedgerEvent,
+    Table,
+    conform,
+    ensure_table,
+    matching,
+    scan,
+)
 from dejaq.pipelines.retention import (
     SETTLING,
     TERMINAL,
@@ -319,11 +327,13 @@ class TopicIndex:
         if not self.unread:
             return 0
         wanted = sorted(self.unread)
-        t = _read_ids(self.buffer_path, wanted, "ingested_at")
+        t = _read_ids(self.buffer_path, Table.BUFFER, wanted, "ingested_at")
         if missing := set(wanted).difference(t.column("message_id").to_pylist()):
             # Dead long enough for retention to have removed its buffer row: the dead
             # letters keep the message whole, stamped with its death for an ingestion.
-            dead = first_per_id(_read_ids(self.dead_letter_path, sorted(missing), "dead_at"))
+            dead = first_per_id(
+                _read_ids(self.dead_letter_path, Table.DEAD_LETTER, sorted(missing), "dead_at")
+            )
             t = pa.concat_tables([t, dead], promote_options="permissive")
             with self.lock:
                 self.from_dead_letters.update(dead.column("message_id").to_pylist())
@@ -467,8 +477,7 @@ class TopicIndex:
         revived: set[str] = set()
         if DeltaTable(self.ledger_path).version() != self.ledger_version:
             settled, revived = self._settled_ids()
-            buffer = DeltaTable(self.buffer_path).to_pyarrow_dataset()
-            buffered = buffer.to_table(columns=["message_id"]).column("message_id")
+            buffered = scan(self.buffer_path, Table.BUFFER, ["message_id"]).column("message_id")
             with self.lock:
                 held = set(self.rows) - self.from_dead_letters
             if gone := sorted(held.difference(buffered.to_pylist())):
@@ -691,17 +700,9 @@ class TopicIndex:
         The index forgets settled messages, so a question about one (peek, cancel,
         reschedule: rare) reads the ledger. Blocking: call it off the event loop.
         """
-        events = (
-            DeltaTable(self.ledger_path)
-            .to_pyarrow_dataset()
-            .to_table(
-                columns=["event"],
-                filter=(pc.field("message_id") == mid) & pc.field("event").isin(SETTLING),
-            )
-            .column("event")
-            .to_pylist()
-        )
-        return settled_as(events)
+        wanted = matching(Table.LEDGER, message_id=[mid], event=SETTLING)
+        events = scan(self.ledger_path, Table.LEDGER, ["event"], wanted).column("event")
+        return settled_as(events.to_pylist())
 
     def dead(self, ids: list[str] | None) -> tuple[int, dict[str, tuple[int, int]], set[str]]:
         """What the ledger says about deaths, for a redrive of `ids` (None: all).
@@ -712,14 +713,10 @@ class TopicIndex:
         """
         table = DeltaTable(self.ledger_path)
         upto = table.transaction_version(APP_ID) or 0
-        wanted = pc.field("event").isin([LedgerEvent.DEAD, LedgerEvent.REDRIVEN])
-        if ids is not None:
-            wanted &= pc.field("message_id").isin(ids)
-        events = (
-            table.to_pyarrow_dataset()
-            .to_table(columns=["message_id", "bucket", "event", "sort_key", "at"], filter=wanted)
-            .sort_by("at")
-        )
+        deaths = [LedgerEvent.DEAD, LedgerEvent.REDRIVEN]
+        wanted = matching(Table.LEDGER, event=deaths, message_id=ids)
+        columns = ["message_id", "bucket", "event", "sort_key", "at"]
+        events = scan(table, Table.LEDGER, columns, wanted).sort_by("at")
         deaths: Counter[str] = Counter()
         last: dict[str, tuple[int, int]] = {}
         for mid, bucket, event, key, _ in zip(*events.to_pydict().values(), strict=True):
@@ -784,15 +781,11 @@ class TopicIndex:
         return out, delayed
 
 
-def _read_ids(path: str, ids: list[str], ingested_at: str) -> pa.Table:
+def _read_ids(path: str, table: Table, ids: list[str], ingested_at: str) -> pa.Table:
     """The rows of `ids` in a table holding buffer columns, `ingested_at` taken from the
     named column."""
     columns = ["bucket", *(c for c in _COLUMNS if c != "ingested_at"), *_COORDS, ingested_at]
-    t = (
-        DeltaTable(path)
-        .to_pyarrow_dataset()
-        .to_table(columns=columns, filter=pc.field("message_id").isin(ids))
-    )
+    t = scan(path, table, columns, matching(table, message_id=ids))
     return t.rename_columns([*columns[:-1], "ingested_at"])
 
 
@@ -816,7 +809,7 @@ def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
 
 
 def _read_columns(uri: str) -> pa.Table:
-    return pq.read_table(uri, columns=_COLUMNS + _COORDS).cast(_FILE_SCHEMA)
+    return conform(pq.read_table(uri, columns=_COLUMNS + _COORDS), _FILE_SCHEMA)
 
 
 def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:

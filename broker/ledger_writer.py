@@ -9,6 +9,8 @@ its successor sees the tag and only trims: the ledger never gets a row twice.
 from __future__ import annotations
 
 import datetime as dt
+from bisect import bisect_right
+from operator import itemgetter
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -22,6 +24,8 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     ensure_table,
+    matching,
+    scan,
 )
 from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, Compacted, maintain
 
@@ -48,6 +52,9 @@ SETTLEMENT = pa.struct(
 )
 
 
+_seq = itemgetter(0)  # of a Settlement
+
+
 def _ts(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
 
@@ -61,34 +68,57 @@ def _commit(upto: int) -> CommitProperties:
 
 
 def checkpoint(warehouse: str, topic: str, events: list[Settlement]) -> int:
-    """Write `events` (ascending seq) to the ledger and dead letters; return the last seq.
+    """Write `events` (ascending seq) to the ledger, then their dead letters; return the
+    last seq. The leader runs the two steps apart, to go on trimming while dead letters
+    fail (`broker.service`)."""
+    upto = write_ledger(warehouse, topic, events)
+    write_dead_letters(warehouse, topic, events)
+    return upto
 
-    The events become Arrow in C, a slice at a time: a conversion holds the GIL it shares
-    with the event loop, and all of a checkpoint's tens of thousands at once kept
+
+def write_ledger(warehouse: str, topic: str, events: list[Settlement]) -> int:
+    """Write `events` (ascending seq) past the ledger's tag to it; return the last seq.
+
+    The table is tagged with the last seq it holds and gets only the events past it, so
+    a checkpoint after one whose trim was lost (a leader change) writes no row twice.
+    The events become Arrow in C, a slice at a time: a conversion holds the GIL it
+    shares with the event loop, and all of a checkpoint's tens of thousands at once kept
     requests and heartbeats waiting ~15 ms.
     """
     upto = events[-1].seq
-    ledger = ensure_table(warehouse, Table.LEDGER, topic)
-    dead_path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
-    settled = pa.Table.from_batches(
-        [
-            pa.RecordBatch.from_struct_array(pa.array(events[i : i + CONVERT_SLICE], SETTLEMENT))
-            for i in range(0, len(events), CONVERT_SLICE)
-        ]
-    )
-    if pc.any(pc.equal(settled["event"], LedgerEvent.DEAD)).as_py() and (
-        _written(dead_path) < upto
-    ):
-        dead = [e for e in events if e.event == LedgerEvent.DEAD]
-        rows = _dead_letters(warehouse, topic, dead)
-        write_deltalake(dead_path, rows, mode="append", commit_properties=_commit(upto))
-    table = DeltaTable(ledger)  # opened once: for its transaction version and to write
-    if (table.transaction_version(APP_ID) or 0) < upto:
+    table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))
+    written = table.transaction_version(APP_ID) or 0
+    if written < upto:
+        new = events[bisect_right(events, written, key=_seq) :]
+        settled = pa.Table.from_batches(
+            [
+                pa.RecordBatch.from_struct_array(pa.array(new[i : i + CONVERT_SLICE], SETTLEMENT))
+                for i in range(0, len(new), CONVERT_SLICE)
+            ]
+        )
         at = pc.multiply(settled["at"], 1000).cast(TIMESTAMP)
         columns = {f: at if f == "at" else settled[f] for f in LEDGER_SCHEMA.names}
         rows = pa.table(columns, schema=LEDGER_SCHEMA)
         write_deltalake(table, rows, mode="append", commit_properties=_commit(upto))
     return upto
+
+
+def deaths(events: list[Settlement]) -> list[Settlement]:
+    """The events of `events` that need a dead letter."""
+    return [e for e in events if e.event == LedgerEvent.DEAD]
+
+
+def write_dead_letters(warehouse: str, topic: str, events: list[Settlement]) -> None:
+    """Write the dead letters of the deaths among `events` past the table's tag, tagged
+    with the last seq of `events`. Raises if a dead message's row cannot be read."""
+    dead = deaths(events)
+    if not dead:
+        return
+    path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
+    done = _written(path)
+    if dead := [e for e in dead if e.seq > done]:
+        rows = _dead_letters(warehouse, topic, dead)
+        write_deltalake(path, rows, mode="append", commit_properties=_commit(events[-1].seq))
 
 
 def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
@@ -104,9 +134,9 @@ def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:
     """The buffer rows of the dead messages, with deliveries, reason and time of death."""
-    buffer = DeltaTable(ensure_table(warehouse, Table.BUFFER, topic)).to_pyarrow_dataset()
+    buffer = ensure_table(warehouse, Table.BUFFER, topic)
     by_id = {e.message_id: e for e in dead}
-    found = buffer.to_table(filter=pc.field("message_id").isin(list(by_id)))
+    found = scan(buffer, Table.BUFFER, where=matching(Table.BUFFER, message_id=by_id))
     out: list[dict] = []
     seen: set[str] = set()
     for row in found.to_pylist():

@@ -21,7 +21,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.conf.tables import SCHEDULES_SCHEMA, TIMESTAMP, Table, ensure_table
+from dejaq.conf.tables import SCHEDULES_SCHEMA, TIMESTAMP, Table, ensure_table, scan
 from dejaq.pipelines.compaction import maintain
 
 COMMIT_TRIES = 5  # a deposed leader's late write can conflict once or twice, not more
@@ -104,7 +104,7 @@ class ScheduleStore:
         """Every schedule by id, as of the table's latest version."""
         table = DeltaTable(self.path)
         if table.version() != self._version:
-            rows = table.to_pyarrow_table().to_pylist()
+            rows = scan(table, Table.SCHEDULES).to_pylist()
             self._rows = {r["schedule_id"]: _from_row(r) for r in rows}
             self._version = table.version()
         return dict(self._rows)

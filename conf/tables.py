@@ -7,10 +7,14 @@ two readers, no drift.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from enum import StrEnum
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.dataset as ds
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
@@ -170,3 +174,69 @@ def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> 
     except CommitFailedError:
         if not DeltaTable.is_deltatable(path):
             raise
+
+
+# --- reading: the contract's types, whatever wrote the files --------------------------
+#
+# Each writer stores the contract in its own Arrow types: Spark and delta-rs appends as
+# plain strings, a delta-rs MERGE or compaction (DataFusion) as string views. A dataset
+# over mixed files reads every column as the contract types it is given, but a filter
+# is also checked against each file's column statistics in the file's own type, and
+# Arrow has no kernel comparing a string with a string view: every filter names its
+# columns through `column`, which compares in the contract's type.
+
+
+Rows = TypeVar("Rows", pa.Table, pa.RecordBatch)
+
+
+def column(table: Table, name: str) -> pc.Expression:
+    """`name` in the contract's type, for a filter that holds on any file of `table`."""
+    return pc.field(name).cast(SCHEMAS[table].field(name).type)
+
+
+def matching(table: Table, **values: Collection[Any] | None) -> pc.Expression:
+    """Rows whose column `name` holds one of `values[name]`, for every name given a
+    collection (None: any value)."""
+    found = [column(table, name).isin(list(v)) for name, v in values.items() if v is not None]
+    if not found:
+        raise ValueError("matching needs at least one column's values")
+    out = found[0]
+    for more in found[1:]:
+        out &= more
+    return out
+
+
+def dataset(source: str | DeltaTable, table: Table) -> ds.Dataset:
+    """The table's current files as one dataset of the contract's types."""
+    delta = source if isinstance(source, DeltaTable) else DeltaTable(source)
+    return delta.to_pyarrow_dataset(schema=SCHEMAS[table])
+
+
+def scan(
+    source: str | DeltaTable,
+    table: Table,
+    columns: list[str] | None = None,
+    where: pc.Expression | None = None,
+) -> pa.Table:
+    """The rows of `table` (a path or an open snapshot) matching `where` (built from
+    `column` or `matching`), in the contract's types."""
+    return dataset(source, table).to_table(columns=columns, filter=where)
+
+
+def conform(
+    data: Rows, schema: pa.Schema, partition_values: Mapping[str, Any] | None = None
+) -> Rows:
+    """A file's rows as `schema` (a table's contract, or a projection of it): partition
+    values, which Delta keeps in its log and not in the file, put back; columns the file
+    lacks (written before they existed) as nulls; the rest cast to the contract's type."""
+    n = data.num_rows
+    partition_values = partition_values or {}
+    columns = []
+    for field in schema:
+        if field.name in partition_values:
+            columns.append(pa.array([partition_values[field.name]] * n).cast(field.type))
+        elif field.name in data.schema.names:
+            columns.append(data.column(field.name).cast(field.type))
+        else:
+            columns.append(pa.nulls(n, type=field.type))
+    return type(data).from_arrays(columns, schema=schema)

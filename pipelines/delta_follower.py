@@ -15,7 +15,7 @@ import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from dejaq.conf.tables import TIMESTAMP
+from dejaq.conf.tables import TIMESTAMP, conform
 from dejaq.pipelines.retention import rewrites
 
 
@@ -88,7 +88,7 @@ class DeltaFollower:
                     if f"partition.{f.name}" in adds.column_names
                 }
                 data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
-                parts.append(self._conform(data, partition))
+                parts.append(conform(data, self.schema, partition))
                 self.files_read += 1
         self.files = set(paths)
         self._version = version
@@ -120,18 +120,3 @@ class DeltaFollower:
         since = pa.scalar(since_ms * 1000, TIMESTAMP)
         keep = pc.or_kleene(pc.is_null(latest), pc.greater_equal(latest, since))
         return keep.to_pylist()
-
-    def _conform(self, data: pa.Table, partition_values: dict) -> pa.Table:
-        """Partition values (kept in the log, not the file) added back; contract types
-        (a MERGE writes strings as Arrow views: plain ones here)."""
-        n = data.num_rows
-        columns = []
-        for field in self.schema:
-            if field.name in partition_values:
-                value = partition_values[field.name]
-                columns.append(pa.array([value] * n).cast(field.type))
-            elif field.name in data.column_names:
-                columns.append(data.column(field.name).cast(field.type))
-            else:
-                columns.append(pa.nulls(n, type=field.type))
-        return pa.Table.from_arrays(columns, schema=self.schema)

@@ -22,7 +22,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
@@ -44,7 +44,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
-from dejaq.conf.tables import create_if_missing
+from dejaq.conf.tables import conform, create_if_missing
 
 log = logging.getLogger(__name__)
 
@@ -237,22 +237,7 @@ class DeltaReader(DataSourceReader):
             parquet = pq.ParquetFile(f"{root}/{rel_path}", filesystem=fs)
             present = [n for n in target.names if n in parquet.schema_arrow.names]
             for batch in parquet.iter_batches(columns=present):
-                yield _conform_read(batch, target, partition_values)
-
-
-def _conform_read(
-    batch: pa.RecordBatch, target: pa.Schema, partition_values: Mapping[str, Any]
-) -> pa.RecordBatch:
-    n = batch.num_rows
-    columns = []
-    for field in target:
-        if field.name in partition_values:
-            columns.append(pa.array([partition_values[field.name]] * n, type=field.type))
-        elif field.name in batch.schema.names:
-            columns.append(batch.column(field.name).cast(field.type))
-        else:  # a column added to the table after this file was written
-            columns.append(pa.nulls(n, type=field.type))
-    return pa.RecordBatch.from_arrays(columns, schema=target)
+                yield conform(batch, target, partition_values)
 
 
 # --------------------------------------------------------------------------- write

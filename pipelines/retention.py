@@ -36,7 +36,16 @@ import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, TIMESTAMP, LedgerEvent
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    LEDGER_SCHEMA,
+    TIMESTAMP,
+    LedgerEvent,
+    Table,
+    column,
+    matching,
+    scan,
+)
 from dejaq.pipelines.compaction import vacuum
 
 log = logging.getLogger("dejaq.retention")
@@ -93,13 +102,11 @@ def ledger_tail(
     paths = [f"{root}/{unquote(p)}" for p in adds.column("path").to_pylist()]
     if not paths:
         return LEDGER_SCHEMA.empty_table().select(columns)
-    wanted = pc.field("event").isin(SETTLING)
-    if ids is not None:
-        wanted &= pc.field("message_id").isin(ids)
+    wanted = matching(Table.LEDGER, event=SETTLING, message_id=ids)
     if since_ms > 0:
-        wanted &= pc.field("at") >= since
-    # The contract's schema, not the first file's: a file written with Arrow string views
-    # reads as plain strings, and a ledger once partitioned lacks `bucket` in its files.
+        wanted &= column(Table.LEDGER, "at") >= since
+    # The contract's schema, not the first file's: a ledger once partitioned lacks
+    # `bucket` in its files.
     dataset = ds.dataset(paths, schema=LEDGER_SCHEMA, format="parquet", filesystem=fs)
     return dataset.to_table(columns=columns, filter=wanted)
 
@@ -262,18 +269,12 @@ def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int
     if not ids:
         return 0
     buffer = DeltaTable(buffer_path)
-    held = buffer.to_pyarrow_dataset().to_table(
-        columns=["message_id"], filter=pc.field("message_id").isin(ids)
-    )
+    held = scan(buffer, Table.BUFFER, ["message_id"], matching(Table.BUFFER, message_id=ids))
     missing = sorted(set(ids).difference(held.column("message_id").to_pylist()))
     if not missing:
         return 0
-    dead = (
-        DeltaTable(dead_letter_path)
-        .to_pyarrow_dataset()
-        .to_table(filter=pc.field("message_id").isin(missing))
-    )
-    dead = first_per_id(dead)
+    wanted = matching(Table.DEAD_LETTER, message_id=missing)
+    dead = first_per_id(scan(dead_letter_path, Table.DEAD_LETTER, where=wanted))
     ingested = pa.array([now_ms * 1000] * dead.num_rows, pa.int64()).cast(TIMESTAMP)
     columns = {f.name: ingested if f.name == "ingested_at" else dead[f.name] for f in BUFFER_SCHEMA}
     rows = pa.table(columns).cast(BUFFER_SCHEMA)
