@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
@@ -112,6 +112,7 @@ class TopicState:
         self.refilled_at = 0
         # message_id -> seq of its latest redriven event not yet trimmed (see `trim`).
         self.redriven_at: dict[str, int] = {}
+        self.trimmed = 0  # the highest seq a trim reached (events it kept stay below it)
 
     def __getstate__(self) -> dict:
         """Snapshots hold what they held before `owned`: it is derived, rebuilt on load."""
@@ -122,6 +123,7 @@ class TopicState:
     def __setstate__(self, state: dict) -> None:
         # Snapshots from before pause, rate limits and redrive hold none of their state.
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
+        self.trimmed = 0
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         for mid in self.leases:  # snapshots from before leases held the only count
@@ -480,8 +482,9 @@ class TopicState:
         return changed
 
     def trimmed_upto(self) -> int:
-        """The last event seq trimmed away: events up to it are in the ledger, not here."""
-        return self.events[0].seq - 1 if self.events else self.seq
+        """The last event seq trimmed away: events up to it are in the ledger, and here
+        only those a trim kept."""
+        return max(self.trimmed, self.events[0].seq - 1 if self.events else self.seq)
 
     def purge(self, now: int, upto: int, pending: list[Pick]) -> int | None:
         """Cancel the leader's list of the topic's pending messages; returns how many, or
@@ -546,17 +549,24 @@ class TopicState:
             seen + heartbeat_timeout_ms <= now for seen in list(self.consumers.values())
         )
 
-    def trim(self, upto_seq: int) -> list[str]:
+    def trim(self, upto_seq: int, keep: Collection[int] = ()) -> list[str]:
         """Forget events checkpointed into the ledger; returns their message ids.
 
         Events are appended in `seq` order, so the checkpointed ones are a prefix. It is
         cut off in place: a checkpoint is trimmed in slices, and copying the rest of the
-        list each time touched every later event once per slice.
+        list each time touched every later event once per slice. The events of seqs in
+        `keep` (deaths whose dead letter is not written yet) stay, at the front, for the
+        next checkpoint to try again.
         """
         events = self.events
         cut = bisect_right(events, upto_seq, key=_seq)
         done = events[:cut]
         del events[:cut]
+        self.trimmed = max(self.trimmed, upto_seq)
+        if keep:
+            kept = set(keep)
+            events[:0] = [e for e in done if e.seq in kept]
+            done = [e for e in done if e.seq not in kept]
         if self.redriven_at:
             return self._trim_redriven(done)
         mids = list(map(_message_id, done))

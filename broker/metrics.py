@@ -15,12 +15,14 @@ from prometheus_client import (
     ProcessCollector,
 )
 
+from dejaq.broker.checkpoints import Lag
 from dejaq.pipelines.retention import RetentionRun
 
 
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
+        self._failures_seen: dict[str, int] = {}
         r = self.registry
         GCCollector(registry=r)  # collections per generation: GC pressure shows as latency
         ProcessCollector(registry=r)  # process_resident_memory_bytes among them
@@ -54,6 +56,36 @@ class Metrics:
             "dejaq_raft_role", "1 for this node's current Raft role", ["role"], registry=r
         )
         self.raft_term = Gauge("dejaq_raft_term", "Current Raft term", registry=r)
+        self.raft_log = Gauge(
+            "dejaq_raft_log_entries",
+            "Entries in this node's Raft log (compacted into a snapshot now and then)",
+            registry=r,
+        )
+        self.ledger_lag = Gauge(
+            "dejaq_ledger_lag_seconds",
+            "Age of the oldest settled event not yet checkpointed into the ledger "
+            "(0: none); alert when it stays above a minute",
+            ["topic"],
+            registry=r,
+        )
+        self.ledger_unwritten = Gauge(
+            "dejaq_ledger_unwritten_events",
+            "Settled events held in Raft, not yet checkpointed into the ledger",
+            ["topic"],
+            registry=r,
+        )
+        self.dead_letters_unwritten = Gauge(
+            "dejaq_dead_letters_unwritten",
+            "Deaths in the ledger whose dead letters are not written yet (kept in Raft)",
+            ["topic"],
+            registry=r,
+        )
+        self.checkpoint_failures = Counter(
+            "dejaq_checkpoint_failures",
+            "Failed checkpoint attempts (ledger or dead letters) on this node as leader",
+            ["topic"],
+            registry=r,
+        )
         self.index_size = Gauge(
             "dejaq_index_messages",
             "Messages in the index (pending, delayed or leased; settled ones leave at checkpoint)",
@@ -91,10 +123,21 @@ class Metrics:
             registry=r,
         )
 
-    def observe_raft(self, role: str, term: int) -> None:
+    def observe_ledger(self, topic: str, lag: Lag, now_ms: int, failures: int) -> None:
+        """The ledger's lag behind Raft, and this node's checkpoint failures in all."""
+        age = 0.0 if lag.oldest_ms is None else max(now_ms - lag.oldest_ms, 0) / 1000
+        self.ledger_lag.labels(topic).set(age)
+        self.ledger_unwritten.labels(topic).set(lag.events)
+        self.dead_letters_unwritten.labels(topic).set(lag.unwritten_dead_letters)
+        if (delta := failures - self._failures_seen.get(topic, 0)) > 0:
+            self.checkpoint_failures.labels(topic).inc(delta)
+            self._failures_seen[topic] = failures
+
+    def observe_raft(self, role: str, term: int, log_entries: int) -> None:
         for r in ("leader", "follower", "candidate"):
             self.raft_role.labels(r).set(1 if r == role else 0)
         self.raft_term.set(term)
+        self.raft_log.set(log_entries)
 
     def observe_index(self, sizes: dict[str, tuple[int, int, int]]) -> None:
         """Per topic: (messages in the index, rows in the buffer version it indexed, bytes

@@ -406,7 +406,7 @@ class BrokerState(SyncObjConsumer):
                 self.listener.pending(topic, st, result[0])
             return result
         if op == "trim":
-            mids = st.trim(args[0])
+            mids = st.trim(*args)
             self.listener.gone(topic, mids)
             return mids
         if op == "nack":
@@ -572,6 +572,10 @@ class RaftNode:
 
     def term(self) -> int:
         return self.sync.raftCurrentTerm
+
+    def log_entries(self) -> int:
+        """Entries in the Raft log (PySyncObj compacts it into a snapshot now and then)."""
+        return self.sync.getStatus()["log_len"]
 
     async def commit(self, topic: str, op: str, *args: Any) -> Any:
         """Replicate a command; return its result once a majority has it.

@@ -66,6 +66,16 @@ class RetentionView(BaseModel):
     watermark_ms: int = Field(description="every message settled before it is gone")
 
 
+class LedgerLag(BaseModel):
+    events: int = Field(description="settled events in Raft not yet in the ledger")
+    oldest_ms: int | None = Field(description="epoch ms of the oldest of them")
+    unwritten_dead_letters: int = Field(
+        description="deaths in the ledger whose dead letters wait in Raft"
+    )
+    checkpoint_failures: int = Field(description="failed checkpoints on this node as leader")
+    failing: str | None = Field(description="checkpoints failing for minutes: since when, why")
+
+
 class NodeTopic(BaseModel):
     indexed: int = Field(description="messages in this node's index")
     buffer_rows: int = Field(description="rows in the buffer version it indexed")
@@ -74,6 +84,7 @@ class NodeTopic(BaseModel):
         0, description="local disk held by its pending messages' rendered JSON"
     )
     last_retention: RetentionView | None = Field(description="run on this node (the leader)")
+    ledger_lag: LedgerLag | None = Field(None, description="the ledger behind Raft")
 
 
 class Cluster(BaseModel):

@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from dejaq.broker import message_json
+from dejaq.broker.checkpoints import Health, checkpoint, lag
 from dejaq.broker.index import Taken, TopicIndex
 from dejaq.broker.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
-from dejaq.broker.ledger_writer import COMPACT_EVERY, checkpoint, compact_ledger
+from dejaq.broker.ledger_writer import COMPACT_EVERY, compact_ledger
 from dejaq.broker.metrics import Metrics
 from dejaq.broker.raft import NotCommitted, RaftNode
-from dejaq.broker.responses import NodeTopic, RetentionView
+from dejaq.broker.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.row_store import Row
 from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
@@ -118,6 +119,7 @@ class Broker:
         self._threads: list[threading.Thread] = []
         self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
         self._checkpoints: Counter[str] = Counter()
+        self.checkpoint_health = {n: Health() for n in self.topics}
         self.retention_runs: dict[str, RetentionRun] = {}  # the last one per topic, here
 
     # --- Listener: hooks from applied Raft commands ---------------------------------------
@@ -173,7 +175,12 @@ class Broker:
             return False, "no Raft leader"
         if not self.raft.sync.isReady():
             return False, "Raft log not yet applied"
-        return True, "ready"
+        alerts = [
+            f"checkpoints of {name} {alert}"
+            for name, health in self.checkpoint_health.items()
+            if (alert := health.alert()) is not None
+        ]
+        return True, "; ".join(["ready", *alerts])
 
     def state(self, topic: str) -> TopicState:
         assert self.raft is not None
@@ -198,7 +205,10 @@ class Broker:
         if self.raft is None:
             return
         m = self.metrics
-        m.observe_raft(self.raft.role(), self.raft.term())
+        m.observe_raft(self.raft.role(), self.raft.term(), self.raft.log_entries())
+        now = now_ms()
+        for name, health in self.checkpoint_health.items():
+            m.observe_ledger(name, lag(self.state(name)), now, health.failures)
         m.observe_index(
             {n: (len(i.rows), i.buffer_rows, i.heads.disk_bytes()) for n, i in self.indexes.items()}
         )
@@ -244,20 +254,31 @@ class Broker:
                 log.exception("leader duties failed; retrying")
 
     def _checkpoint(self) -> None:
-        assert self.raft is not None
+        """Each topic on its own: one whose store fails does not hold up the others."""
         for name in self.topics:
-            events = list(self.state(name).events)
-            if events:
-                upto = checkpoint(self.settings.warehouse, name, events)
-                if self.state(name).redriven_at:  # before their redrives leave Raft
-                    index = self.indexes[name]
-                    ids = redriven(events)
-                    restore(index.buffer_path, index.dead_letter_path, ids, now_ms())
-                for cut in trim_cuts(events, upto):
-                    self.raft.state.command(name, "trim", (cut,), sync=True, timeout=5)
-                self._checkpoints[name] += 1
-                if self._checkpoints[name] % COMPACT_EVERY == 0:
-                    compact_ledger(self.settings.warehouse, name)
+            try:
+                self._checkpoint_topic(name)
+            except Exception:  # logged once per streak by its `Health`
+                continue
+
+    def _checkpoint_topic(self, name: str) -> None:
+        assert self.raft is not None
+        events = list(self.state(name).events)
+        if not events:
+            return
+        health = self.checkpoint_health[name]
+        upto, keep = checkpoint(self.settings.warehouse, name, events, health)
+        if keep and upto <= self.state(name).trimmed:
+            return  # only deaths a trim kept, and their dead letters still fail
+        if self.state(name).redriven_at:  # before their redrives leave Raft
+            index = self.indexes[name]
+            restore(index.buffer_path, index.dead_letter_path, redriven(events), now_ms())
+        for cut in trim_cuts(events, upto):
+            args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
+            self.raft.state.command(name, "trim", args, sync=True, timeout=5)
+        self._checkpoints[name] += 1
+        if self._checkpoints[name] % COMPACT_EVERY == 0:
+            compact_ledger(self.settings.warehouse, name)
 
     def _retention(self) -> None:
         """On the leader: remove settled messages from the buffers (`pipelines.retention`).
@@ -310,7 +331,18 @@ class Broker:
         for name, index in self.indexes.items():
             run = self.retention_runs.get(name)
             indexed = len(index.rows)
+            behind = lag(self.state(name)) if self.raft is not None else None
+            health = self.checkpoint_health[name]
             out[name] = NodeTopic(
+                ledger_lag=None
+                if behind is None
+                else LedgerLag(
+                    events=behind.events,
+                    oldest_ms=behind.oldest_ms,
+                    unwritten_dead_letters=behind.unwritten_dead_letters,
+                    checkpoint_failures=health.failures,
+                    failing=health.alert(),
+                ),
                 indexed=indexed,
                 buffer_rows=index.buffer_rows,
                 settled_rows=max(index.buffer_rows - indexed, 0),

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import time
 from pathlib import Path
 
 from deltalake import DeltaTable
@@ -113,6 +114,15 @@ def print_nodes(url: str, topic: str) -> None:
             if t.last_retention is not None:
                 r = t.last_retention
                 line += f", last retention removed {r.removed} in {r.seconds:.2f} s"
+            if (lag := t.ledger_lag) is not None:
+                age = 0 if lag.oldest_ms is None else max(time.time() * 1000 - lag.oldest_ms, 0)
+                line += (
+                    f"\n         ledger behind by {lag.events} events ({age / 1000:.1f} s), "
+                    f"{lag.unwritten_dead_letters} dead letters unwritten, "
+                    f"{lag.checkpoint_failures} checkpoint failures"
+                )
+                if lag.failing:
+                    line += f"\n         CHECKPOINTS FAILING {lag.failing}"
         print(line)
 
 

@@ -1,0 +1,108 @@
+"""The leader's checkpoints of settled events, and how far behind they are.
+
+A checkpoint writes the Raft-held events to `ledger/<topic>`, then the dead letters of
+the deaths among them, then trims them from Raft. The ledger settles messages: it goes
+first, and a dead letter that cannot be written never holds it back. Deaths whose dead
+letters failed are kept in Raft by the trim (`TopicState.trim`'s `keep`) and tried again
+with a backoff, while everything else is trimmed: retention cannot remove their buffer
+rows meanwhile (it stops before the oldest event still in Raft). Failures are logged
+once per streak and per message id, counted, and shown (`Lag`) on `/metrics`,
+`/v1/cluster`, `/readyz` and `dejaq status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from dejaq.broker.leases import Settlement, TopicState
+from dejaq.broker.ledger_writer import deaths, write_dead_letters, write_ledger
+
+log = logging.getLogger("dejaq.broker.checkpoints")
+
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 60.0
+# A checkpoint failing this long shows in `/readyz`'s detail: an operator's alert.
+FAILING_ALERT_S = 180.0
+
+
+@dataclass
+class Health:
+    """A topic's checkpoints: the current streak of failures, if any."""
+
+    failures: int = 0  # in all, since the node started: a counter
+    streak: int = 0  # consecutive failed attempts
+    failing_since: float | None = None  # wall-clock seconds of the streak's first
+    last_error: str = ""
+    retry_at: float = 0.0  # monotonic: dead letters are not tried before it
+    logged: set[str] = field(default_factory=set)  # ids named in a log line this streak
+
+    def failed(self, what: str, error: Exception, ids: list[str]) -> None:
+        self.failures += 1
+        self.streak += 1
+        self.last_error = f"{what}: {type(error).__name__}: {error}"
+        if self.failing_since is None:
+            self.failing_since = time.time()
+            log.error("checkpoint %s failed; retrying with backoff", what, exc_info=error)
+        delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(self.streak - 1, 16))
+        self.retry_at = time.monotonic() + delay
+        if new := [i for i in ids if i not in self.logged]:
+            self.logged.update(new)
+            log.warning("%s: %d messages wait for it: %s", what, len(new), new[:20])
+
+    def ok(self) -> None:
+        if self.failing_since is not None:
+            log.info("checkpoints work again after %.0f s", time.time() - self.failing_since)
+        self.streak, self.failing_since, self.last_error = 0, None, ""
+        self.retry_at = 0.0
+        self.logged.clear()
+
+    def alert(self) -> str | None:
+        """Why an operator should look, once failures have lasted `FAILING_ALERT_S`."""
+        if self.failing_since is None or time.time() - self.failing_since < FAILING_ALERT_S:
+            return None
+        return f"failing for {time.time() - self.failing_since:.0f} s ({self.last_error})"
+
+
+@dataclass(frozen=True)
+class Lag:
+    """How far the ledger is behind this node's Raft state, for one topic."""
+
+    events: int  # settled events in Raft, not yet written to the ledger
+    oldest_ms: int | None  # `at` of the oldest of them, epoch ms
+    unwritten_dead_letters: int  # deaths in the ledger whose dead letters wait in Raft
+
+
+def lag(state: TopicState) -> Lag:
+    """Read on any node: every node applies the same trims."""
+    events = list(state.events)  # the event loop appends meanwhile
+    kept = bisect_right(events, state.trimmed, key=lambda e: e.seq)
+    rest = events[kept:]
+    return Lag(len(rest), min((e.at for e in rest), default=None), kept)
+
+
+def checkpoint(
+    warehouse: str, topic: str, events: list[Settlement], health: Health
+) -> tuple[int, list[int]]:
+    """Write `events` to the ledger and their dead letters: (the last seq the ledger
+    holds, the seqs of deaths to keep in Raft). Raises if the ledger write fails."""
+    try:
+        upto = write_ledger(warehouse, topic, events)
+    except Exception as e:
+        health.failed(f"ledger of {topic}", e, [])
+        raise
+    dead = deaths(events)
+    if not dead:
+        health.ok()
+        return upto, []
+    if time.monotonic() < health.retry_at:
+        return upto, [e.seq for e in dead]
+    try:
+        write_dead_letters(warehouse, topic, events)
+    except Exception as e:
+        health.failed(f"dead letters of {topic}", e, [d.message_id for d in dead])
+        return upto, [e.seq for e in dead]
+    health.ok()
+    return upto, []

@@ -1,0 +1,81 @@
+"""A checkpoint writes what it can: a dead letter that cannot be written holds back no
+ack, stays in Raft for the next try, and shows as lag."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+from test_broker import loaded_topic
+
+from dejaq.broker.checkpoints import Health, Lag, checkpoint, lag
+from dejaq.conf.tables import LedgerEvent, Table, scan, table_path
+
+
+def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    warehouse, index, state = loaded_topic(tmp_path, [1, 2, 3, 4])
+    picks = index.pick(state, state.buckets_of("c"), 4, now=0)
+    state.lease("c", 0, 1000, picks)
+    assert state.reject("c", 1, ["m0"]) == {}
+    assert state.ack("c", 1, ["m1", "m2"]) == {}
+    # A real failure of the store under the dead letters: their table's folder is a file.
+    dead_path = Path(table_path(warehouse, Table.DEAD_LETTER, "jobs"))
+    shutil.rmtree(dead_path)
+    dead_path.write_text("not a Delta table")
+    health = Health()
+    with caplog.at_level(logging.WARNING, "dejaq.broker.checkpoints"):
+        upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
+    death = next(e.seq for e in state.events if e.message_id == "m0")
+    assert keep == [death]
+    index.forget(state.trim(upto, keep))
+    ledger = scan(table_path(warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
+    events = zip(ledger["message_id"].to_pylist(), ledger["event"].to_pylist(), strict=True)
+    assert sorted(events) == [
+        ("m0", LedgerEvent.DEAD),
+        ("m1", LedgerEvent.ACKED),
+        ("m2", LedgerEvent.ACKED),
+    ], "the acks are written, and the death"
+    assert [e.message_id for e in state.events] == ["m0"], "only the death stays in Raft"
+    assert state.trimmed_upto() == upto
+    assert lag(state) == Lag(events=0, oldest_ms=None, unwritten_dead_letters=1)
+    assert health.failures == 1 and health.streak == 1
+    assert [r.getMessage() for r in caplog.records if "m0" in r.getMessage()] != []
+
+    # Later events are written and trimmed while the death waits; no second log line.
+    assert state.ack("c", 2, ["m3"]) == {}
+    caplog.clear()
+    upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
+    index.forget(state.trim(upto, keep))
+    assert keep == [death] and [e.message_id for e in state.events] == ["m0"]
+    assert not [r for r in caplog.records if "m0" in r.getMessage()], "logged once"
+    assert health.alert() is None, "not failing for minutes yet"
+
+    dead_path.unlink()  # the store is back: the next try after the backoff writes it
+
+    def retried() -> bool:
+        upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
+        index.forget(state.trim(upto, keep))
+        return not keep
+
+    wait_until(retried, timeout=10, what="the dead letter written after the backoff")
+    assert state.events == [] and health.streak == 0
+    assert lag(state) == Lag(events=0, oldest_ms=None, unwritten_dead_letters=0)
+    dead = scan(str(dead_path), Table.DEAD_LETTER)
+    assert dead["message_id"].to_pylist() == ["m0"]
+    assert dead["payload"].to_pylist() == [b"payload-m0"]
+    ledger = scan(table_path(warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
+    assert ledger.num_rows == 4, "no ledger row written twice"
+
+
+def test_lag_counts_events_not_yet_checkpointed(tmp_path: Path) -> None:
+    _, index, state = loaded_topic(tmp_path, [1, 2])
+    now = int(time.time() * 1000)
+    state.lease("c", now, 1000, index.pick(state, state.buckets_of("c"), 2, now=now))
+    assert state.ack("c", now, ["m0", "m1"]) == {}
+    assert lag(state) == Lag(events=2, oldest_ms=now, unwritten_dead_letters=0)
