@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from functools import partial
 from typing import Annotated, Any
@@ -25,6 +27,10 @@ from dejaq.broker.service import Broker, Problem, Producer
 FORWARDED = "x-dejaq-forwarded"
 PROBLEM = "application/problem+json"
 FORWARD_WAIT_S = 3.0  # an election takes 0.5-1.5 s; a client should not see it
+# A leader that has not answered a forward this long (beyond a long poll's wait) is
+# taken for stalled (a stopped process still accepts connections): the client hears a
+# 503 and tries again, by then at the leader elected in its place.
+FORWARD_STALL_S = 2.0
 LEADER_POLL_S = 0.05
 NOT_LEADER = "not leader"
 
@@ -57,9 +63,11 @@ async def on_leader(request: Request, broker: AnyBroker) -> Broker:
 LeaderBroker = Annotated[Broker, Depends(on_leader)]
 
 
-def problem(status: int, title: str, detail: str = "", **extra: Any) -> JSONResponse:
+def problem(
+    status: int, title: str, detail: str = "", retry_after: int = 1, **extra: Any
+) -> JSONResponse:
     body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
-    headers = {"retry-after": "1"} if status == 503 else None
+    headers = {"retry-after": str(retry_after)} if status == 503 else None
     return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
@@ -111,13 +119,23 @@ async def _forward(request: Request, exc: Exception) -> Response:
         if target is None:
             return problem(503, "no leader", "no Raft leader is known yet: retry shortly")
         try:
-            answer = await client.request(
-                request.method,
-                f"http://{target}{request.url.path}",
-                params=request.query_params,
-                content=body,
-                headers={"content-type": request.headers.get("content-type", ""), FORWARDED: "1"},
+            answer = await _ask(
+                broker,
+                target,
+                client.request(
+                    request.method,
+                    f"http://{target}{request.url.path}",
+                    params=request.query_params,
+                    content=body,
+                    headers={
+                        "content-type": request.headers.get("content-type", ""),
+                        FORWARDED: "1",
+                    },
+                ),
+                FORWARD_STALL_S + _long_poll_s(body),
             )
+        except LeaderStalled as e:
+            return problem(503, "leader unreachable", str(e), retry_after=0)
         except httpx.ConnectError as e:
             if time.monotonic() < deadline:
                 await asyncio.sleep(LEADER_POLL_S)
@@ -132,6 +150,43 @@ async def _forward(request: Request, exc: Exception) -> Response:
             k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")
         }
         return Response(answer.content, status_code=answer.status_code, headers=keep)
+
+
+class LeaderStalled(Exception):
+    """The leader a request was forwarded to stopped answering, or was replaced."""
+
+
+def _long_poll_s(body: bytes) -> float:
+    """A request's long-poll wait (a lease's `wait_ms`), which its answer may take."""
+    if b'"wait_ms"' not in body:
+        return 0.0
+    try:
+        wait = json.loads(body).get("wait_ms", 0)
+    except (ValueError, AttributeError):
+        return 0.0
+    return wait / 1000 if isinstance(wait, int) and 0 <= wait <= 30_000 else 0.0
+
+
+async def _ask(
+    broker: Broker, target: str, sending: Awaitable[httpx.Response], patience_s: float
+) -> httpx.Response:
+    """The leader's answer, unless it takes `patience_s` or Raft elects another leader
+    first: either way the request may or may not have been applied (as after a lost
+    answer), which the client knows how to retry."""
+    task = asyncio.ensure_future(sending)
+    give_up = time.monotonic() + patience_s
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LEADER_POLL_S)
+            if done:
+                return task.result()
+            leader = broker.raft.leader_http() if broker.raft is not None else None
+            if leader is not None and leader != target:
+                raise LeaderStalled(f"{target} was replaced by {leader} as leader")
+            if time.monotonic() >= give_up:
+                raise LeaderStalled(f"{target} did not answer in {patience_s:.1f} s")
+    finally:
+        task.cancel()
 
 
 class BrokerApp(FastAPI):

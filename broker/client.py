@@ -267,17 +267,22 @@ class Client:
         nodes: Sequence[str],
         *,
         timeout: float = 10.0,
+        stall_s: float = 2.0,
         deadline: float = 30.0,
         max_retry_after: float = 5.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        """`timeout` bounds one attempt (plus a lease's `wait_ms`); `deadline` bounds a
-        call, every node and retry included; a `Retry-After` is obeyed up to
-        `max_retry_after` seconds."""
+        """`timeout` bounds one attempt; `stall_s` one attempt of a worker's calls (lease,
+        ack, nack, extend, reject, heartbeat, leave), which the broker answers in
+        milliseconds: a node silent for longer is taken for stalled (a stopped process
+        still accepts connections) and the call moves to the next node. A lease's
+        `wait_ms` is added to either. `deadline` bounds a call, every node and retry
+        included; a `Retry-After` is obeyed up to `max_retry_after` seconds."""
         if not nodes:
             raise ValueError("nodes: give at least one node base URL")
         self.nodes = [node_url(n) for n in nodes]
         self.timeout, self.deadline, self.max_retry_after = timeout, deadline, max_retry_after
+        self.stall_s = stall_s
         self._http = httpx.Client(transport=transport)
         self._current = 0
         self._lock = threading.Lock()
@@ -309,11 +314,14 @@ class Client:
         *,
         wait_s: float = 0.0,
         replay_safe: bool = True,
+        worker: bool = False,
     ) -> Answer:
         """One call: across nodes and 503s until the deadline; an answer that is not a
-        retryable 5xx is returned (2xx) or raised (as its `ProblemError`)."""
+        retryable 5xx is returned (2xx) or raised (as its `ProblemError`). `worker`: one
+        of a worker's calls, given `stall_s` per attempt."""
         deadline = time.monotonic() + self.deadline + wait_s
-        timeout = httpx.Timeout(self.timeout + wait_s, connect=min(self.timeout, 3.0))
+        attempt = self.stall_s if worker else self.timeout
+        timeout = httpx.Timeout(attempt + wait_s, connect=min(attempt, 3.0))
         maybe_applied = False
         failures = 0
         while True:
@@ -377,7 +385,9 @@ class Client:
         }
         if lease_ms is not None:
             body["lease_ms"] = lease_ms
-        answer = self._send("POST", f"/v1/topics/{topic}/leases", body, wait_s=wait_ms / 1000)
+        answer = self._send(
+            "POST", f"/v1/topics/{topic}/leases", body, wait_s=wait_ms / 1000, worker=True
+        )
         messages = _messages.validate_python(answer.response.json()["messages"])
         for m in messages:
             held_ms = lease_ms if lease_ms is not None else m.lease_deadline - _epoch_ms()
@@ -388,7 +398,7 @@ class Client:
         self, topic: str, verb: str, consumer_id: str, ids: Iterable[str], **extra: Any
     ) -> Any:
         body = {"consumer_id": consumer_id, "ids": list(ids), **extra}
-        return self._json("POST", f"/v1/topics/{topic}/{verb}", body)
+        return self._json("POST", f"/v1/topics/{topic}/{verb}", body, worker=True)
 
     def ack(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
         """Done: never delivered again. `Conflict.refused` names the ids refused."""
@@ -425,12 +435,12 @@ class Client:
     def heartbeat(self, topic: str, consumer_id: str) -> Heartbeat:
         """Join or stay alive; the answer lists the buckets the consumer may lease from."""
         path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}/heartbeat"
-        return self._model(Heartbeat, "POST", path)
+        return Heartbeat.model_validate(self._json("POST", path, worker=True))
 
     def leave(self, topic: str, consumer_id: str) -> Left:
         """Leave: the consumer's leases go back to pending, its buckets to the others."""
         path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}"
-        return self._model(Left, "DELETE", path)
+        return Left.model_validate(self._json("DELETE", path, worker=True))
 
     # --- messages ----------------------------------------------------------------------
 

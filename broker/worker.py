@@ -66,7 +66,7 @@ class Worker:
         consumer_id: str | None = None,
         batch: int = 10,
         lease_ms: int = 30_000,
-        wait_ms: int = 5_000,
+        wait_ms: int = 1_000,
         backoff: Backoff | None = None,
         reject_on: tuple[type[BaseException], ...] = (),
         heartbeat_s: float = 3.0,

@@ -24,7 +24,9 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, TopicPartition
 from test_broker import buffer_rows, fill
 
+from dejaq.broker.client import Client
 from dejaq.broker.routers.topics import TopicStats
+from dejaq.broker.worker import Worker
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -504,6 +506,55 @@ def test_kill_9_leader_under_load_then_full_restart(tmp_path, kafka_bootstrap, k
         leased, acked_after = restart_then_lease(nodes, conf, warehouse, "fo")
         assert leased == ["after0", "after1"]
         assert acked_after == total
+    finally:
+        stop(nodes)
+
+
+def test_a_stopped_leader_is_failed_over_before_it_wakes(
+    tmp_path, kafka_bootstrap, kafka_source
+) -> None:
+    """A SIGSTOPped leader still accepts connections: requests sent or forwarded to it
+    must give up on it within about an election timeout, not wait for it to wake."""
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, heartbeat_ms=5000)
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "fo", buffer_rows(list(range(2000)), lambda i: i % 8, "f"))
+    nodes = start(tmp_path, conf)
+    try:
+        with httpx.Client(timeout=30) as http:
+            leader = wait_until(lambda: leader_of(nodes, http), what="a leader")
+            others = [n for n in nodes if n is not leader]
+            acked: list[float] = []
+            worker = Worker(
+                Client([n.url for n in [leader, *others]]),
+                "fo",
+                lambda m: None,
+                batch=5,
+                lease_ms=10_000,
+                on_ack=lambda m: acked.append(time.monotonic()),
+            )
+            runner = threading.Thread(target=worker.run)
+            runner.start()
+            try:
+                wait_until(lambda: len(acked) >= 20, what="the worker under way")
+                os.kill(leader.proc.pid, signal.SIGSTOP)
+                stopped = time.monotonic()
+                try:
+                    forwarded = http.post(
+                        f"{others[0].url}/v1/topics/fo/leases",
+                        json={"consumer_id": "probe", "max_messages": 1},
+                    )
+                    answered = time.monotonic() - stopped
+                    # Leases go on while the old leader is still stopped.
+                    wait_until(
+                        lambda: acked[-1] > stopped + 0.5, timeout=8, what="leases elsewhere"
+                    )
+                finally:
+                    os.kill(leader.proc.pid, signal.SIGCONT)
+            finally:
+                worker.stop()
+                runner.join(30)
+        assert forwarded.status_code in (200, 503), forwarded.text
+        assert answered < 5.0, f"a forward to the stopped leader waited {answered:.1f} s"
     finally:
         stop(nodes)
 
