@@ -6,6 +6,8 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The pinned JVM jars (jvm/<set>/pom.xml), copied from Maven Central into jvm/lib/<set>.
 JARS := jvm/lib/spark/.fetched jvm/lib/kafka/.fetched
+# Debian's Chromium, for the test that renders the broker's /docs page in a real browser.
+BROWSER := .venv/.chromium
 SETUP := $(STAMP) $(JARS)
 
 .PHONY: demo test lint format bench clean java
@@ -33,7 +35,13 @@ jvm/lib/%/.fetched: jvm/%/pom.xml
 demo: $(SETUP)
 	$(BIN)/dejaq demo
 
-test: $(SETUP)
+$(BROWSER): $(STAMP)
+	@command -v chromium >/dev/null || { \
+	  [ "$$(id -u)" = 0 ] || { echo "error: the tests need Chromium (Debian: apt-get install chromium)" >&2; exit 1; }; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium >/dev/null; }
+	@touch $@
+
+test: $(SETUP) $(BROWSER)
 	$(BIN)/python -m pytest
 
 lint: $(SETUP)

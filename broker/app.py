@@ -14,16 +14,22 @@ import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from functools import partial
+from pathlib import Path
 from typing import Annotated, Any
 
+import fastapi_offline
 import httpx
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.openapi.docs import get_swagger_ui_html
+from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dejaq.broker.service import Broker, Problem, Producer
 
+# The Swagger UI files fastapi-offline ships (its own app factory is not used).
+OFFLINE_DOCS = Path(fastapi_offline.__file__).parent / "static"
 FORWARDED = "x-dejaq-forwarded"
 PROBLEM = "application/problem+json"
 FORWARD_WAIT_S = 3.0  # an election takes 0.5-1.5 s; a client should not see it
@@ -199,11 +205,39 @@ class BrokerApp(FastAPI):
         await self.hot(scope, receive, send)
 
 
+DOCS_ASSETS = "/docs-assets"
+
+
+def _serve_docs(app: FastAPI) -> None:
+    """`/docs`, Swagger UI from files the node serves itself: FastAPI's own page loads
+    them from a CDN, and is blank offline or behind a firewall."""
+    app.mount(DOCS_ASSETS, StaticFiles(directory=OFFLINE_DOCS), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(
+            openapi_url=app.openapi_url or "/openapi.json",
+            title=f"{app.title} - Swagger UI",
+            swagger_js_url=f"{DOCS_ASSETS}/swagger-ui-bundle.js",
+            swagger_css_url=f"{DOCS_ASSETS}/swagger-ui.css",
+            swagger_favicon_url=f"{DOCS_ASSETS}/favicon.png",
+        )
+
+
 def create_app(broker: Broker, producer: Producer) -> FastAPI:
     """The HTTP API of one node; the caller starts and stops `broker`."""
     from dejaq.broker.hotpath import HotPath
     from dejaq.broker.materialiser import Materialiser
-    from dejaq.broker.routers import admin, consumers, health, leases, messages, schedules, topics
+    from dejaq.broker.routers import (
+        admin,
+        consumers,
+        health,
+        leases,
+        listings,
+        messages,
+        schedules,
+        topics,
+    )
 
     materialiser = Materialiser(broker, producer)
 
@@ -231,7 +265,10 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
         version="1",
         summary="Lease the lowest sort keys of a reorder buffer; ack, nack, extend, reject.",
         lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
     )
+    _serve_docs(app)
     app.state.broker = broker
     app.state.producer = producer
     app.state.materialiser = materialiser
@@ -246,6 +283,7 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
         consumers.router,
         schedules.router,
         admin.router,
+        listings.router,
     ):
         app.include_router(router, prefix="/v1")
     app.include_router(health.router)

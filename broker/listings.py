@@ -1,0 +1,110 @@
+"""Pages of a topic's dead letters and quarantine, for an operator looking for ids to
+redrive or records to fix: read from the Delta tables (no Spark), oldest first.
+
+A page is read in two steps: the sort columns of the whole table (small), then the
+page's rows alone. A cursor is the last row's sort values, so a page holds still while
+new rows are appended after it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from dejaq.conf.tables import Table, column, scan
+
+MAX_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class Page:
+    rows: list[dict[str, Any]]
+    next: str | None  # the cursor of the next page; None at the end
+
+
+# Per table: the columns a page is ordered by (time first), and a row's identity.
+ORDER: dict[Table, list[str]] = {
+    Table.DEAD_LETTER: ["dead_at", "message_id"],
+    Table.QUARANTINE: ["quarantined_at", "source_topic", "source_partition", "source_offset"],
+}
+
+
+class BadCursor(ValueError):
+    pass
+
+
+def page(path: str, table: Table, limit: int, after: str | None = None) -> Page:
+    """Up to `limit` rows of `table` after the cursor `after`, in time order."""
+    order = ORDER[table]
+    keys = scan(path, table, order).sort_by([(c, "ascending") for c in order])
+    start = 0 if after is None else _position(keys, order, _decode(after, len(order)))
+    chosen = keys.slice(start, limit)
+    if chosen.num_rows == 0:
+        return Page([], None)
+    wanted = None
+    for name in order:
+        values = column(table, name).isin(pc.unique(chosen.column(name)).to_pylist())
+        wanted = values if wanted is None else wanted & values
+    found = scan(path, table, where=wanted).sort_by([(c, "ascending") for c in order])
+    on_page = set(_tuples(chosen, order))  # the isin sets also match rows off the page
+    rows = [
+        r for r, k in zip(found.to_pylist(), _tuples(found, order), strict=True) if k in on_page
+    ]
+    more = start + chosen.num_rows < keys.num_rows
+    last = {c: rows[-1][c] for c in order}
+    return Page([_json_row(r) for r in rows], _encode(last, order) if more else None)
+
+
+def _tuples(t: pa.Table, order: list[str]) -> list[tuple]:
+    return list(zip(*(t.column(c).to_pylist() for c in order), strict=True))
+
+
+def _position(keys: pa.Table, order: list[str], last: list[Any]) -> int:
+    """How many of the sorted `keys` sort at or before `last`."""
+    target = tuple(last)
+    return sum(1 for r in _tuples(keys, order) if tuple(map(_comparable, r)) <= target)
+
+
+def _comparable(value: Any) -> Any:
+    return value.timestamp() if hasattr(value, "timestamp") else value
+
+
+def _encode(last: dict[str, Any], order: list[str]) -> str:
+    values = [_comparable(last[c]) for c in order]
+    return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
+
+
+def _decode(cursor: str, n: int) -> list[Any]:
+    try:
+        values = json.loads(base64.urlsafe_b64decode(cursor.encode()))
+    except ValueError as e:
+        raise BadCursor("not a cursor this listing gave") from e
+    if not isinstance(values, list) or len(values) != n:
+        raise BadCursor("not a cursor this listing gave")
+    return values
+
+
+def _json_row(row: dict[str, Any]) -> dict[str, Any]:
+    """Bytes as base64 (keys also as UTF-8 where they are), times as epoch ms."""
+    out: dict[str, Any] = {}
+    for name, value in row.items():
+        if isinstance(value, bytes):
+            out[name] = base64.b64encode(value).decode()
+        elif hasattr(value, "timestamp"):
+            out[name] = int(value.timestamp() * 1000)
+        elif name == "headers" and value is not None:
+            out[name] = [
+                {
+                    "key": h["key"],
+                    "value": None if h["value"] is None else base64.b64encode(h["value"]).decode(),
+                }
+                for h in value
+            ]
+        else:
+            out[name] = value
+    return out

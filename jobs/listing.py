@@ -1,0 +1,48 @@
+"""`dejaq dead` and `dejaq quarantine`: a topic's dead letters or quarantined records, a
+page at a time, as JSON lines, read from the warehouse (no broker, no Spark)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI builds its parser without pyarrow and deltalake
+    from dejaq.conf.tables import Table
+
+EXIT_OK, EXIT_USAGE = 0, 2
+
+
+def add_arguments(sp: argparse.ArgumentParser) -> None:
+    sp.add_argument("--topic", required=True, help="a topic name from the configuration")
+    sp.add_argument("--limit", type=int, default=100, help="rows, 1..1000 (default 100)")
+    sp.add_argument("--after", metavar="CURSOR", help="where the last page said to go on")
+    sp.add_argument(
+        "--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or the packaged one)"
+    )
+
+
+def run(table: Table, args: argparse.Namespace) -> int:
+    """One JSON object a line on stdout, oldest first; on stderr, how to get the next page."""
+    from dejaq.broker.listings import MAX_PAGE, BadCursor, page
+    from dejaq.conf.settings import load_settings
+    from dejaq.conf.tables import Table, ensure_table
+
+    if not 1 <= args.limit <= MAX_PAGE:
+        print(f"error: --limit must be 1..{MAX_PAGE}", file=sys.stderr)
+        return EXIT_USAGE
+    settings = load_settings(args.conf_file)
+    settings.topic(args.topic)
+    path = ensure_table(settings.warehouse, table, args.topic)
+    try:
+        got = page(path, table, args.limit, args.after)
+    except BadCursor as e:
+        print(f"error: --after: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    for row in got.rows:
+        print(json.dumps(row))
+    if got.next is not None:
+        command = "dead" if table is Table.DEAD_LETTER else "quarantine"
+        print(f"more: dejaq {command} --topic {args.topic} --after {got.next}", file=sys.stderr)
+    return EXIT_OK

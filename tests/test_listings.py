@@ -1,0 +1,101 @@
+"""Dead letters and quarantine, listed a page at a time from real Delta tables, through
+the module and `dejaq dead` / `dejaq quarantine`."""
+
+from __future__ import annotations
+
+import base64
+import datetime as dt
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import write_deltalake
+from test_broker import loaded_topic
+
+from dejaq.broker.checkpoints import Health, checkpoint
+from dejaq.broker.listings import BadCursor, page
+from dejaq.conf.tables import QUARANTINE_SCHEMA, Table, ensure_table
+
+DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
+
+
+def quarantine_rows(n: int) -> pa.Table:
+    at = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    return pa.Table.from_pylist(
+        [
+            {
+                "key": b"k",
+                "value": f"bad-{i}".encode(),
+                "headers": [{"key": "dejaq-priority", "value": b"high"}],
+                "source_topic": "in",
+                "source_partition": 0,
+                "source_offset": i,
+                "produced_at": at,
+                "reason": "invalid_priority",
+                "detail": "high",
+                "quarantined_at": at + dt.timedelta(seconds=i // 2),  # ties, broken by offset
+            }
+            for i in range(n)
+        ],
+        schema=QUARANTINE_SCHEMA,
+    )
+
+
+def test_dead_letters_come_in_order_of_death_a_page_at_a_time(tmp_path: Path) -> None:
+    warehouse, index, state = loaded_topic(tmp_path, [5, 4, 3, 2, 1])
+    state.lease("c", 0, 1000, index.pick(state, state.buckets_of("c"), 5, now=0))
+    for at, mid in enumerate(["m3", "m0", "m4", "m1", "m2"], start=1):
+        assert state.reject("c", at, [mid]) == {}
+    checkpoint(warehouse, "jobs", list(state.events), Health())
+    path = ensure_table(warehouse, Table.DEAD_LETTER, "jobs")
+    seen, after = [], None
+    while True:
+        got = page(path, Table.DEAD_LETTER, 2, after)
+        assert len(got.rows) <= 2
+        seen += got.rows
+        if got.next is None:
+            break
+        after = got.next
+    assert [r["message_id"] for r in seen] == ["m3", "m0", "m4", "m1", "m2"]
+    assert [r["dead_at"] for r in seen] == [1, 2, 3, 4, 5]
+    assert base64.b64decode(seen[0]["payload"]) == b"payload-m3"
+    assert seen[0]["reason"] == "rejected"
+    with pytest.raises(BadCursor):
+        page(path, Table.DEAD_LETTER, 2, "garbage")
+
+
+def test_quarantine_command_pages_through_every_record(tmp_path: Path) -> None:
+    warehouse = tmp_path / "wh"
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {warehouse}\ntopics:\n  - {{name: jobs, kind: priority, source: [in]}}\n"
+    )
+    path = ensure_table(str(warehouse), Table.QUARANTINE, "jobs")
+    write_deltalake(path, quarantine_rows(5), mode="append")
+    base = [*DEJAQ, "quarantine", "--topic", "jobs", "--limit", "2", "--conf-file", str(conf)]
+    offsets, after, pages = [], [], 0
+    while True:
+        cli = subprocess.run([*base, *after], capture_output=True, text=True, timeout=60)
+        assert cli.returncode == 0, cli.stderr
+        pages += 1
+        rows = [json.loads(line) for line in cli.stdout.splitlines()]
+        assert rows and all(r["reason"] == "invalid_priority" for r in rows)
+        offsets += [r["source_offset"] for r in rows]
+        if not cli.stderr:
+            break
+        more = cli.stderr.strip()
+        assert more.startswith("more: dejaq quarantine --topic jobs --after ")
+        after = ["--after", more.rsplit(" ", 1)[1]]
+    assert (offsets, pages) == ([0, 1, 2, 3, 4], 3)
+    bad = subprocess.run([*base, "--after", "x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--after" in bad.stderr
+    empty = subprocess.run(
+        [*DEJAQ, "dead", "--topic", "jobs", "--conf-file", str(conf)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (empty.returncode, empty.stdout, empty.stderr) == (0, "", "")
