@@ -35,6 +35,7 @@ from dejaq.broker.responses import (
     ExtendResult,
     Heartbeat,
     Left,
+    NackResult,
     Paused,
     Purged,
     Redriven,
@@ -411,12 +412,13 @@ class Client:
         ids: Iterable[str],
         delay_ms: int = 0,
         priority: int | None = None,
-    ) -> SettleResult:
-        """Give back for redelivery after `delay_ms`, optionally at a new priority."""
+    ) -> NackResult:
+        """Give back for redelivery after `delay_ms`, optionally at a new priority; those
+        out of deliveries go to the dead letters instead (`dead`)."""
         extra: dict[str, Any] = {"delay_ms": delay_ms}
         if priority is not None:
             extra["priority"] = priority
-        return SettleResult.model_validate(self._settle(topic, "nacks", consumer_id, ids, **extra))
+        return NackResult.model_validate(self._settle(topic, "nacks", consumer_id, ids, **extra))
 
     def extend(
         self, topic: str, consumer_id: str, ids: Iterable[str], lease_ms: int | None = None

@@ -412,7 +412,8 @@ class BrokerState(SyncObjConsumer):
         if op == "nack":
             refused, pending = st.nack(*args)
             self.listener.pending(topic, st, pending)
-            return refused
+            again = set(pending)
+            return refused, [m for m in args[2] if m not in refused and m not in again]
         if op == "leave":
             pending = st.leave(*args)
         elif op == "expire":
@@ -473,6 +474,7 @@ class RaftNode:
         listener: Listener,
     ) -> None:
         self.raft_addr = raft_addr
+        self.members = frozenset([raft_addr, *peers])
         self.state = BrokerState(topics, broker.max_deliveries, listener)
         conf = raft_conf(broker, data_dir, multi_node=bool(peers))
         self.poller = LoopPoller()
@@ -572,6 +574,11 @@ class RaftNode:
 
     def term(self) -> int:
         return self.sync.raftCurrentTerm
+
+    def http_addresses(self) -> dict[str, str]:
+        """The HTTP address of each member by its Raft address. The replicated map keeps
+        every address a node ever registered: after a restart on other ports, the old."""
+        return {r: h for r, h in self.state.nodes.items() if r in self.members}
 
     def log_entries(self) -> int:
         """Entries in the Raft log (PySyncObj compacts it into a snapshot now and then)."""

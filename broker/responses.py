@@ -12,6 +12,12 @@ class SettleResult(BaseModel):
     settled: int
 
 
+class NackResult(SettleResult):
+    dead: list[str] = Field(
+        [], description="of these ids, those out of deliveries: sent to the dead letters"
+    )
+
+
 class ExtendResult(SettleResult):
     lease_deadline: int = Field(description="epoch ms, the broker's clock")
 

@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +72,7 @@ class Problem(Exception):
 class Settled:
     ok: int
     refused: dict[str, Refusal]
+    dead: list[str] = field(default_factory=list)  # of a nack: out of deliveries
 
     def settled_or_409(self, verb: str) -> int:
         """How many were settled; a 409 naming each refused id and why, if any was."""
@@ -422,8 +423,8 @@ class Broker:
         if priority is not None and cfg.kind is not TopicKind.PRIORITY:
             raise Problem(422, "invalid nack", "a new priority applies to priority topics only")
         args = (consumer, now_ms(), ids, delay_ms, priority, _backoff(cfg))
-        refused = await self._commit(topic, "nack", *args)
-        return Settled(len(ids) - len(refused), refused)
+        refused, dead = await self._commit(topic, "nack", *args)
+        return Settled(len(ids) - len(refused), refused, dead)
 
     async def extend(
         self, topic: str, consumer: str, ids: list[str], lease_ms: int

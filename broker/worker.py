@@ -47,6 +47,7 @@ class Counts:
     acked: int = 0
     nacked: int = 0
     rejected: int = 0
+    dead: int = 0  # of the nacked: out of deliveries, dead-lettered by the broker
     lost: int = 0  # refused at settlement (lease expired, taken over): delivered again
 
 
@@ -152,15 +153,25 @@ class Worker:
             self._settle(m, "rejected", self.client.reject)
         except Exception as e:
             delay = self.backoff.delay_ms(m.deliveries)
-            log.warning(
-                "%s: %s failed on delivery %d, again in %d ms: %r",
-                self.consumer_id,
-                m.id,
-                m.deliveries,
-                delay,
-                e,
-            )
-            self._settle(m, "nacked", lambda t, c, ids: self.client.nack(t, c, ids, delay_ms=delay))
+            dead: list[str] = []
+
+            def nack(topic: str, consumer: str, ids: list[str]) -> None:
+                dead.extend(self.client.nack(topic, consumer, ids, delay_ms=delay).dead)
+
+            if self._settle(m, "nacked", nack):
+                if dead:  # the broker's last allowed delivery
+                    self.counts.dead += 1
+                    again = "out of deliveries: dead-lettered"
+                else:
+                    again = f"again in {delay} ms"
+                log.warning(
+                    "%s: %s failed on delivery %d, %s: %r",
+                    self.consumer_id,
+                    m.id,
+                    m.deliveries,
+                    again,
+                    e,
+                )
         else:
             if self._settle(m, "acked", self.client.ack) and self.on_ack is not None:
                 self.on_ack(m)

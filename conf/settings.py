@@ -6,9 +6,10 @@ stack trace twenty minutes into a job.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from importlib.resources import files
 from pathlib import Path
@@ -181,8 +182,14 @@ def default_conf_file() -> Path:
     return Path(str(files("dejaq.conf").joinpath("dejaq.yaml")))
 
 
-def _env_overrides(model: type[BaseModel], env: Mapping[str, str], path: tuple[str, ...] = ()):
-    """Yield (key path, raw value) for every scalar leaf set as DEJAQ_<PATH>.
+# Variables of the prefix that are not settings: where the configuration and the jars are.
+NOT_SETTINGS = frozenset({"DEJAQ_CONF_FILE", "DEJAQ_JARS_DIR"})
+
+
+def _env_overrides(
+    model: type[BaseModel], env: Mapping[str, str], path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], str]]:
+    """Yield (key path, variable name) for every scalar leaf, set in `env` or not.
 
     Names are generated from the model, not parsed from the variable, so keys with
     underscores stay unambiguous.
@@ -193,9 +200,20 @@ def _env_overrides(model: type[BaseModel], env: Mapping[str, str], path: tuple[s
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             yield from _env_overrides(sub, env, key)
         elif name != "topics":
-            var = ENV_PREFIX + "_".join(key).upper()
-            if var in env:
-                yield key, env[var]
+            yield key, ENV_PREFIX + "_".join(key).upper()
+
+
+def _unknown_variables(env: Mapping[str, str], known: set[str]) -> list[str]:
+    """A line per DEJAQ_ variable that names no setting: a misspelt override would
+    otherwise be ignored without a word."""
+    lines = []
+    for var in sorted(v for v in env if v.startswith(ENV_PREFIX)):
+        if var in known or var in NOT_SETTINGS:
+            continue
+        near = difflib.get_close_matches(var, sorted(known | NOT_SETTINGS), n=1)
+        hint = f" (did you mean {near[0]}?)" if near else ""
+        lines.append(f"  {var}: unknown setting{hint}")
+    return lines
 
 
 def _set(data: dict[str, Any], key: tuple[str, ...], value: str) -> None:
@@ -207,15 +225,19 @@ def _set(data: dict[str, Any], key: tuple[str, ...], value: str) -> None:
     data[key[-1]] = value
 
 
-def _describe(err: ValidationError, source: str) -> str:
-    lines = [f"invalid configuration in {source}:"]
+def _describe(err: ValidationError, path: Path, from_env: Mapping[tuple[str, ...], str]) -> str:
+    """A line per error, naming the key and where its value came from."""
+    lines = []
+    sources = set()
     for e in err.errors():
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        lines.append(f"  {loc}: {msg}")
-    return "\n".join(lines)
+        var = from_env.get(tuple(str(p) for p in e["loc"]))
+        sources.add("the environment" if var else str(path))
+        lines.append(f"  {loc}: {msg}" + (f" (from the environment: {var})" if var else ""))
+    return "\n".join([f"invalid configuration in {' and '.join(sorted(sources))}:", *lines])
 
 
 def load_settings(
@@ -232,9 +254,13 @@ def load_settings(
         raise ConfigError(f"configuration file {path} is not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
-    for key, value in _env_overrides(Settings, env):
-        _set(data, key, value)
+    variables = dict(_env_overrides(Settings, env))
+    if unknown := _unknown_variables(env, set(variables.values())):
+        raise ConfigError("\n".join(["invalid configuration in the environment:", *unknown]))
+    from_env = {key: var for key, var in variables.items() if var in env}
+    for key, var in from_env.items():
+        _set(data, key, env[var])
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, str(path))) from None
+        raise ConfigError(_describe(e, path, from_env)) from None

@@ -64,6 +64,18 @@ def _operation(name: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _listing(table: str) -> Callable[[argparse.Namespace], int]:
+    """`dejaq dead` or `dejaq quarantine`, imported when it runs."""
+
+    def run(args: argparse.Namespace) -> int:
+        from dejaq.conf.tables import Table
+        from dejaq.jobs import listing
+
+        return listing.run(Table(table), args)
+
+    return run
+
+
 def _cluster(args: argparse.Namespace) -> int:
     from dejaq.jobs import cluster
 
@@ -120,10 +132,22 @@ def _parser() -> argparse.ArgumentParser:
     operations.add_purge(
         add("purge", _operation("purge"), "Cancel every pending message of a topic.")
     )
+    from dejaq.jobs.listing import add_arguments as listing_arguments
+
+    listing_arguments(add("dead", _listing("dead_letter"), "List a topic's dead letters."))
+    listing_arguments(
+        add("quarantine", _listing("quarantine"), "List a topic's quarantined records.")
+    )
     cl = add("cluster", _cluster, "Start a local broker cluster for development.")
     cl.add_argument("action", choices=["up"], help="up: start, print addresses, run until Ctrl-C")
     cl.add_argument("--nodes", type=int, default=3, help="1, 3 or 5 (default 3)")
     cl.add_argument("--data-dir", default=".dejaq/cluster", help="the nodes' Raft data")
+    from dejaq.jobs.cluster import HTTP_PORT, RAFT_PORT
+
+    cl.add_argument(
+        "--http-port", type=int, default=HTTP_PORT, help="node i's HTTP port is this + i - 1"
+    )
+    cl.add_argument("--raft-port", type=int, default=RAFT_PORT, help="node i's Raft port, likewise")
     conf_file(cl)
     return p
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -31,17 +32,41 @@ class Node:
         return f"http://{self.http}"
 
 
-def plan(n: int, data_dir: Path) -> list[Node]:
-    """Addresses on free ports for `n` nodes."""
+HTTP_PORT, RAFT_PORT = 8001, 8101  # `cluster up`'s: node i serves on 8000+i, Raft 8100+i
+
+
+def plan(
+    n: int, data_dir: Path, http_port: int | None = None, raft_port: int | None = None
+) -> list[Node]:
+    """Addresses for `n` nodes: node i on `http_port` + i - 1 and `raft_port` + i - 1, or
+    on free ports where a base is None (tests, benchmarks)."""
+
+    def port(base: int | None, i: int) -> int:
+        return free_port() if base is None else base + i - 1
+
     return [
         Node(
             f"n{i}",
-            f"127.0.0.1:{free_port()}",
-            f"127.0.0.1:{free_port()}",
+            f"127.0.0.1:{port(http_port, i)}",
+            f"127.0.0.1:{port(raft_port, i)}",
             data_dir / f"n{i}",
         )
         for i in range(1, n + 1)
     ]
+
+
+def taken(nodes: list[Node]) -> list[str]:
+    """The addresses of `nodes` that something already listens on."""
+    busy = []
+    for address in (a for n in nodes for a in (n.http, n.raft)):
+        host, port = address.rsplit(":", 1)
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, int(port)))
+            except OSError:
+                busy.append(address)
+    return busy
 
 
 def node_command(node: Node, nodes: list[Node], conf_file: str | None) -> list[str]:
@@ -103,11 +128,19 @@ def wait_ready(nodes: list[Node], timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
-def up(n: int, data_dir: Path, conf_file: str | None) -> list[Node]:
+def up(
+    n: int,
+    data_dir: Path,
+    conf_file: str | None,
+    http_port: int | None = None,
+    raft_port: int | None = None,
+) -> list[Node]:
     """Start `n` nodes sharing one Raft password (the configured one, else a fresh one)."""
     env = dict(os.environ)
     env.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
-    nodes = plan(n, data_dir)
+    nodes = plan(n, data_dir, http_port, raft_port)
+    if busy := taken(nodes):
+        raise PortsTaken(busy)
     for node in nodes:
         start_node(node, nodes, conf_file, env)
     try:
@@ -119,16 +152,36 @@ def up(n: int, data_dir: Path, conf_file: str | None) -> list[Node]:
     return nodes
 
 
+class PortsTaken(Exception):
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__(
+            f"already in use: {', '.join(addresses)} (another cluster running? "
+            "pick others with --http-port and --raft-port)"
+        )
+
+
+def client_line(nodes: list[Node]) -> str:
+    """The worker client's constructor for these nodes, to paste."""
+    return f"Client([{', '.join(repr(n.url) for n in nodes)}])"
+
+
 def run(args: argparse.Namespace) -> int:
-    """Foreground: print the HTTP addresses, serve until SIGTERM or Ctrl-C."""
+    """Foreground: print the HTTP addresses, serve until SIGTERM, SIGHUP or Ctrl-C."""
     if args.nodes not in (1, 3, 5):
         print("error: --nodes must be 1, 3 or 5", file=sys.stderr)
         return 2
     with stop_on_signals() as stopping:
-        nodes = up(args.nodes, Path(args.data_dir), args.conf_file)
+        try:
+            nodes = up(
+                args.nodes, Path(args.data_dir), args.conf_file, args.http_port, args.raft_port
+            )
+        except PortsTaken as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         for node in nodes:
             print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
-        print("SIGTERM or Ctrl-C stops the cluster", flush=True)
+        print(f"workers: {client_line(nodes)}", flush=True)
+        print("SIGTERM, SIGHUP or Ctrl-C stops the cluster", flush=True)
         status = 0
         while not stopping.wait(0.5):
             exited = [n for n in nodes if n.proc is not None and n.proc.poll() is not None]

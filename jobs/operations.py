@@ -10,7 +10,9 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from dejaq.broker.client import BrokerError, Client
+import httpx
+
+from dejaq.broker.client import BrokerError, Client, Unavailable
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -54,10 +56,26 @@ def add_purge(sp: argparse.ArgumentParser) -> None:
     )
 
 
+PROBE_TIMEOUT_S = 2.0
+
+
+def connect(url: str, timeout: float = 60.0) -> Client:
+    """A client of the node at `url`, once it answers at all: a command given a wrong
+    address fails at once, not after the client's retries (meant to ride out a node's
+    restart) have run out."""
+    client = Client([url], timeout=timeout, deadline=10.0)
+    try:
+        httpx.get(f"{client.node}/healthz", timeout=PROBE_TIMEOUT_S)
+    except httpx.HTTPError as e:
+        client.close()
+        raise Unavailable(f"no broker node answers at {url} ({type(e).__name__})") from e
+    return client
+
+
 def _call(args: argparse.Namespace, call: Callable[[Client], Any]) -> Any:
     """The call's answer; a broker error is printed and becomes None."""
     try:
-        with Client([args.broker], timeout=60) as client:
+        with connect(args.broker) as client:
             return call(client)
     except BrokerError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -79,8 +97,8 @@ def redrive(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     print(f"redriven {result.redriven}")
     for mid, reason in result.skipped.items():
-        print(f"skipped {json.dumps(mid)}: {reason}")
-    return EXIT_OK
+        print(f"error: {json.dumps(mid)} not redriven: {reason}", file=sys.stderr)
+    return EXIT_FAIL if result.skipped else EXIT_OK
 
 
 def pause(args: argparse.Namespace) -> int:

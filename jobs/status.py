@@ -17,9 +17,11 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
 
-from dejaq.broker.client import BrokerError, Client
+from dejaq.broker.client import BrokerError
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import Table, checkpoint_path, table_path
+from dejaq.jobs.doctor import kafka_answers
+from dejaq.jobs.operations import connect
 from dejaq.pipelines.retention import OPERATION, watermark
 
 
@@ -49,7 +51,9 @@ def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
 def kafka_end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[str, int]]:
     from kafka import KafkaConsumer, TopicPartition
 
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, request_timeout_ms=5000)
+    consumer = KafkaConsumer(
+        bootstrap_servers=bootstrap, request_timeout_ms=5000, bootstrap_timeout_ms=3000
+    )
     try:
         tps = [
             TopicPartition(t, p)
@@ -93,12 +97,12 @@ def last_retention(buffer_path: str, look_back: int = 200) -> str:
 
 def print_nodes(url: str, topic: str) -> None:
     """Each node's role, resident memory, index and view of the buffer."""
-    with Client([url], timeout=10) as client:
+    with connect(url, timeout=10) as client:
         nodes = client.cluster().nodes
     print("nodes")
     for http in sorted(nodes.values()):
         try:
-            with Client([f"http://{http}"], timeout=5, deadline=5) as client:
+            with connect(f"http://{http}", timeout=5) as client:
                 view = client.cluster()
         except BrokerError as e:
             print(f"  {http:<22} unreachable ({e})")
@@ -139,6 +143,10 @@ def run(topic: str, conf_file: str | None, broker: str | None = None) -> int:
         except BrokerError as e:
             print(f"nodes       unknown: the broker at {broker} does not answer ({e})")
             return 1
+    answers, why = kafka_answers(settings.kafka.bootstrap)
+    if not answers:
+        print(f"ingest lag  unknown: {why}")
+        return 1
     try:
         lag = ingest_lag(
             settings.kafka.bootstrap,

@@ -17,14 +17,16 @@ STOP_WAIT_SECONDS = 120
 
 @contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
-    """SIGTERM and SIGINT set the event instead of ending the process, while inside.
+    """SIGTERM, SIGINT and SIGHUP (its terminal closed) set the event instead of ending
+    the process, while inside.
 
     The command then stops its own work in order (a batch boundary, a child's SIGTERM);
     the previous handlers are back afterwards.
     """
     stopping = threading.Event()
     previous = {
-        s: signal.signal(s, lambda *_: stopping.set()) for s in (signal.SIGTERM, signal.SIGINT)
+        s: signal.signal(s, lambda *_: stopping.set())
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
     }
     try:
         yield stopping

@@ -6,7 +6,9 @@ import base64
 import itertools
 import json
 import os
+import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -330,7 +332,36 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
         assert name in text
     spec = client.get(f"{leader.url}/openapi.json").json()
     assert "/v1/topics/{topic}/leases" in spec["paths"]
-    assert client.get(f"{leader.url}/docs").status_code == 200
+    page = client.get(f"{leader.url}/docs")
+    assert page.status_code == 200
+    assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)
+    assert assets and all(a.startswith("/docs-assets/") for a in assets), assets
+    for asset in assets:
+        assert client.get(f"{leader.url}{asset}").status_code == 200, asset
+
+
+def test_docs_render_in_a_browser_with_no_network_beyond_the_node(three) -> None:
+    """Swagger UI from the node's own files: a real Chromium renders the operations
+    (this machine reaches no CDN, so a page that needed one would stay blank)."""
+    nodes, _, _ = three
+    chromium = shutil.which("chromium")
+    assert chromium is not None, "the set-up step installs Debian's chromium"
+    dom = subprocess.run(
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            f"{nodes[0].url}/docs",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    ).stdout
+    assert "swagger-ui" in dom
+    assert "/v1/topics/{topic}/leases" in dom, "the operations rendered"
 
 
 def test_hot_path_answers_as_the_routes_do(three) -> None:
@@ -690,10 +721,95 @@ def test_a_peer_on_the_old_wire_format_is_refused_and_named(
 CLUSTER_UP = [sys.executable, "-m", "dejaq.jobs.cli", "cluster", "up"]
 
 
+def ports(n: int) -> list[str]:
+    """`cluster up`'s port options: runs of `n` free ports for HTTP and for Raft."""
+
+    def base(avoid: range = range(0)) -> int:
+        while True:
+            first = free_port()
+            run = range(first, first + n)
+            if not set(run) & set(avoid) and not cluster.taken(
+                cluster.plan(n, Path(), first, first)
+            ):
+                return first
+
+    http = base()
+    return ["--http-port", str(http), "--raft-port", str(base(range(http, http + n)))]
+
+
+def cluster_up(
+    tmp_path: Path, conf: Path, options: list[str]
+) -> tuple[subprocess.Popen, list[str]]:
+    """`dejaq cluster up --nodes 3`; the process and the lines it printed up to "stops"."""
+    proc = subprocess.Popen(
+        [
+            *CLUSTER_UP,
+            "--nodes",
+            "3",
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--conf-file",
+            str(conf),
+            *options,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    lines = []
+    while not (lines and "stops the cluster" in lines[-1]):
+        line = proc.stdout.readline()
+        assert line, proc.stderr.read()
+        lines.append(line.rstrip("\n"))
+    return proc, lines
+
+
+def test_cluster_up_on_fixed_ports_prints_a_client_line_and_stops_on_sighup(tmp_path) -> None:
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    options = ports(3)
+    http = int(options[1])
+    proc, lines = cluster_up(tmp_path, conf, options)
+    try:
+        urls = [f"http://127.0.0.1:{http + i}" for i in range(3)]
+        assert [line.split()[1] for line in lines[:3]] == urls
+        assert lines[3] == f"workers: Client({urls!r})"
+        taken = subprocess.run(
+            [*CLUSTER_UP, "--nodes", "3", "--data-dir", str(tmp_path / "d"), *options],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert taken.returncode == 2
+        assert f"already in use: 127.0.0.1:{http}" in taken.stderr
+        proc.send_signal(signal.SIGHUP)  # the terminal closed
+        assert proc.wait(30) == 0
+        for url in urls:
+            with pytest.raises(httpx.ConnectError):
+                httpx.get(f"{url}/healthz", timeout=2)
+        # Again on the same data, other ports: the cluster names its nodes as they are now.
+        proc, lines = cluster_up(tmp_path, conf, ports(3))
+        now = {line.split()[1].removeprefix("http://") for line in lines[:3]}
+        info = httpx.get(f"http://{sorted(now)[0]}/v1/cluster", timeout=10).json()
+        assert set(info["nodes"].values()) == now
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)
+
+
 def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
     conf = write_conf(tmp_path, "127.0.0.1:9", "in")
     proc = subprocess.Popen(
-        [*CLUSTER_UP, "--nodes", "1", "--data-dir", str(tmp_path / "c"), "--conf-file", str(conf)],
+        [
+            *CLUSTER_UP,
+            "--nodes",
+            "1",
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--conf-file",
+            str(conf),
+            *ports(1),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -715,7 +831,16 @@ def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
 def test_cluster_up_fails_when_a_broker_dies(tmp_path) -> None:
     conf = write_conf(tmp_path, "127.0.0.1:9", "in")
     proc = subprocess.Popen(
-        [*CLUSTER_UP, "--nodes", "1", "--data-dir", str(tmp_path / "c"), "--conf-file", str(conf)],
+        [
+            *CLUSTER_UP,
+            "--nodes",
+            "1",
+            "--data-dir",
+            str(tmp_path / "c"),
+            "--conf-file",
+            str(conf),
+            *ports(1),
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,8 @@ def run(
         ["status"],
         ["broker"],
         ["cluster"],
+        ["dead"],
+        ["quarantine"],
     ],
 )
 def test_help_everywhere(command: list[str]) -> None:
@@ -60,6 +63,17 @@ def test_unknown_topic_names_the_configured_ones() -> None:
     result = run("status", "--topic", "nope")
     assert result.returncode == 2
     assert "unknown topic 'nope' (configured: orders, reminders)" in result.stderr
+
+
+def test_status_with_kafka_down_says_so_at_once(tmp_path: Path) -> None:
+    nowhere = f"127.0.0.1:{free_port()}"
+    env = {"DEJAQ_KAFKA_BOOTSTRAP": nowhere, "DEJAQ_WAREHOUSE": str(tmp_path / "wh")}
+    started = time.monotonic()
+    result = run("status", "--topic", "orders", env=env, timeout=60)
+    took = time.monotonic() - started
+    assert result.returncode == 1
+    assert f"ingest lag  unknown: nothing listens at {nowhere}" in result.stdout
+    assert took < 10, f"{took:.1f} s: Kafka's client waited out its own timeouts"
 
 
 def start_kafka(port: int, data_dir: Path) -> subprocess.Popen:

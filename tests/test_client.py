@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import subprocess
 import sys
 import threading
@@ -397,3 +398,30 @@ def test_a_handler_longer_than_the_lease_keeps_it(three) -> None:
         assert acked == ["long0"] and len(handled) == 1
         assert c.peek("hot", "long0").status == "acked"
         assert worker.counts.lost == 0
+
+
+def test_a_failure_on_the_last_delivery_says_it_was_dead_lettered(
+    three, caplog: pytest.LogCaptureFixture
+) -> None:
+    nodes, warehouse = three
+    fill(warehouse, "ord", buffer_rows([1], bucket_of=lambda i: 0, prefix="doomed"))
+    tries: list[int] = []
+
+    def handler(m: Message) -> None:
+        tries.append(m.deliveries)
+        raise Transient("never works")
+
+    with Client(urls(nodes)) as c, caplog.at_level(logging.WARNING, "dejaq.worker"):
+        worker = Worker(c, "ord", handler, wait_ms=200, backoff=Backoff(base_ms=10, max_ms=20))
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: worker.counts.dead == 1, timeout=30, what="the last delivery")
+        finally:
+            worker.stop()
+            thread.join(30)
+        assert tries == [1, 2, 3, 4, 5], "max_deliveries is 5"
+        assert c.peek("ord", "doomed0").status == "dead"
+    said = [r.getMessage() for r in caplog.records if "doomed0 failed" in r.getMessage()]
+    assert len(said) == 5
+    assert all("again in" in line for line in said[:4])
+    assert "out of deliveries: dead-lettered" in said[4] and "again" not in said[4]

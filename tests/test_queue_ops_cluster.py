@@ -17,6 +17,7 @@ from test_broker import buffer_rows, fill
 from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
 
 from dejaq.conf.tables import Table, ensure_table
+from dejaq.jobs.ports import free_port
 
 RATE = 20
 TWO = lambda i: i % 2  # noqa: E731 (buckets of the 2-bucket topics)
@@ -70,6 +71,13 @@ def test_a_redriven_dead_letter_is_leasable_again_with_deliveries_reset(ops) -> 
     assert client.post(f"{url}/rejections", json={"consumer_id": "w", "ids": ids}).is_success
     # Checkpointed into dead_letter/dl: the nodes have forgotten the rows since.
     wait_until(lambda: len(events(warehouse, Table.DEAD_LETTER, "dl")) == 3, what="dead letters")
+    first = client.get(f"{url}/dead-letters", params={"limit": 2}).json()
+    rest = client.get(f"{url}/dead-letters", params={"after": first["next"]}).json()
+    listed = [r["message_id"] for r in first["rows"] + rest["rows"]]
+    assert sorted(listed) == ["d0", "d1", "d2"] and rest["next"] is None
+    assert client.get(f"{url}/quarantine").json() == {"rows": [], "next": None}
+    bad = client.get(f"{url}/dead-letters", params={"after": "x"})
+    assert bad.status_code == 422 and bad.headers["content-type"] == PROBLEM
     redrive = f"{url}/dead-letters/redrive"
     got = client.post(redrive, json={"ids": ["d0", "nope"], "priority": 1})
     assert got.json() == {"redriven": 1, "skipped": {"nope": "not_dead"}}, got.text
@@ -86,6 +94,13 @@ def test_a_redriven_dead_letter_is_leasable_again_with_deliveries_reset(ops) -> 
         timeout=60,
     )
     assert (cli.returncode, cli.stdout) == (0, "redriven 2\n"), cli.stderr
+    named = [*REDRIVE, "--topic", "dl", "--id", "d1", "--id", "nope", "--broker", other]
+    cli = subprocess.run(named, capture_output=True, text=True, timeout=60)
+    assert (cli.returncode, cli.stdout) == (1, "redriven 0\n"), "nothing named was redriven"
+    assert cli.stderr.splitlines() == [
+        'error: "d1" not redriven: already_redriven',
+        'error: "nope" not redriven: not_dead',
+    ]
     rest = lease(client, url, "w")
     assert sorted((m["id"], m["deliveries"], m["priority"]) for m in rest) == [
         ("d1", 1, 6),
@@ -106,6 +121,21 @@ def test_a_redriven_dead_letter_is_leasable_again_with_deliveries_reset(ops) -> 
         ("d2", "redriven", 7),
     ]
     assert client.get(f"{url}/messages/d0").json()["status"] == "acked"
+
+
+def test_a_command_given_a_wrong_broker_address_fails_at_once() -> None:
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    cli = subprocess.run(
+        [*DEJAQ, "pause", "--topic", "dl", "--broker", nowhere],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    took = time.monotonic() - started
+    assert cli.returncode == 1
+    assert cli.stderr.startswith(f"error: no broker node answers at {nowhere}"), cli.stderr
+    assert took < 10, f"{took:.1f} s: the client's retries ran out first"
 
 
 def test_redrive_takes_one_target_and_the_topics_own_sort_key(ops) -> None:

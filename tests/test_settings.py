@@ -67,6 +67,28 @@ def test_invalid_config_names_the_key(tmp_path: Path, text: str, env: dict, mess
     assert message in str(err.value)
 
 
+def test_the_environment_is_named_for_what_it_set(tmp_path: Path) -> None:
+    conf = write(tmp_path, "broker: {max_deliveries: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_settings(conf, env={"DEJAQ_BROKER_LEASE_MS": "abc"})
+    first, line = str(err.value).splitlines()
+    assert first == "invalid configuration in the environment:"
+    assert line.startswith("  broker.lease_ms: Input should be a valid integer")
+    assert line.endswith("(from the environment: DEJAQ_BROKER_LEASE_MS)")
+    with pytest.raises(ConfigError, match=f"invalid configuration in {conf}:"):
+        load_settings(write(tmp_path, "broker: {max_deliveries: x}\n"), env={})
+
+
+def test_a_misspelt_variable_is_an_error_not_ignored() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_settings(default_conf_file(), env={"DEJAQ_KAFKA_BOOTSTRAPS": "x:1"})
+    assert str(err.value).splitlines()[1] == (
+        "  DEJAQ_KAFKA_BOOTSTRAPS: unknown setting (did you mean DEJAQ_KAFKA_BOOTSTRAP?)"
+    )
+    env = {"DEJAQ_CONF_FILE": str(default_conf_file()), "DEJAQ_JARS_DIR": "/j", "OTHER": "1"}
+    assert load_settings(env=env).kafka.bootstrap == "127.0.0.1:9092"
+
+
 def test_missing_file_and_unknown_topic(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         load_settings(tmp_path / "nope.yaml", env={})

@@ -45,7 +45,7 @@ async def cluster(broker: AnyBroker) -> Cluster:
         term=raft.term(),
         leader=raft.leader(),
         leader_http=raft.leader_http(),
-        nodes=dict(raft.state.nodes),
+        nodes=raft.http_addresses(),
         resident_bytes=resident_bytes(),
         topics=broker.node_topics(),
     )

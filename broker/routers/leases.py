@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from dejaq.broker.app import LeaderBroker
-from dejaq.broker.responses import ExtendResult, SettleResult
+from dejaq.broker.responses import ExtendResult, NackResult, SettleResult
 from dejaq.broker.routers._common import (
     Body,
     ConsumerId,
@@ -90,12 +90,12 @@ async def ack(topic: TopicName, body: Settle, broker: LeaderBroker):
 
 
 @router.post(
-    "/topics/{topic}/nacks", response_model=SettleResult, responses=problems(404, 409, 422, 503)
+    "/topics/{topic}/nacks", response_model=NackResult, responses=problems(404, 409, 422, 503)
 )
 async def nack(topic: TopicName, body: Nack, broker: LeaderBroker):
     """Give back for redelivery, optionally after `delay_ms` or with a new priority."""
     result = await broker.nack(topic, body.consumer_id, body.ids, body.delay_ms, body.priority)
-    return _settled(result, "nacked")
+    return {**_settled(result, "nacked"), "dead": result.dead}
 
 
 @router.post(
