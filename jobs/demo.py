@@ -208,7 +208,8 @@ def _pending(url: str) -> int:
 
 def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
     t = RichTable(title=f"DejaQ demo - {elapsed:.0f}s")
-    for col in ("produced", "buffered", "leased", "acked", "released", "early", "lateness p50/p99"):
+    columns = ("records in", "buffered", "leased", "acked", "released", "early", "lateness p50/p99")
+    for col in columns:
         t.add_column(col, justify="right")
     lat = sorted(c.lateness_ms)
     late = f"{lat[len(lat) // 2]} / {lat[int(len(lat) * 0.99) - 1]} ms" if lat else "-"
@@ -273,7 +274,10 @@ def _run(console: Console, work: Path) -> int:
         release = ReleaseJob(spark, settings, settings.topic("reminders"))
         queries.append(release.start())
         priorities = _produce_orders(bootstrap, c)
-        console.print(f"demo: produced {c.produced} orders; first priorities {priorities[:8]}")
+        console.print(
+            f"demo: produced {len(priorities)} orders and {BAD_MESSAGES // 2} malformed records"
+            f" (for the quarantine); first priorities {priorities[:8]}"
+        )
         buffers = {
             n: table_path(settings.warehouse, Table.BUFFER, n) for n in ("orders", "reminders")
         }

@@ -328,8 +328,14 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
         "dejaq_head_store_bytes",
         "dejaq_event_loop_lag_seconds_bucket",
         'python_gc_collections_total{generation="2"}',
+        'dejaq_ledger_lag_seconds{topic="jobs"}',
+        'dejaq_ledger_unwritten_events{topic="jobs"}',
+        'dejaq_dead_letters_unwritten{topic="jobs"}',
+        "dejaq_raft_log_entries",
     ):
         assert name in text
+    info = client.get(f"{leader.url}/v1/cluster").json()
+    assert info["topics"]["jobs"]["ledger_lag"]["checkpoint_failures"] == 0
     spec = client.get(f"{leader.url}/openapi.json").json()
     assert "/v1/topics/{topic}/leases" in spec["paths"]
     page = client.get(f"{leader.url}/docs")
