@@ -252,6 +252,6 @@ def test_a_nack_without_delay_waits_out_the_retry_backoff(ops) -> None:
     url = f"{leader_of(nodes, client).url}/v1/topics/bo"
     [msg] = lease(client, url, "w")
     nack = client.post(f"{url}/nacks", json={"consumer_id": "w", "ids": [msg["id"]]})
-    assert nack.json() == {"settled": 1}
+    assert nack.json() == {"settled": 1, "dead": []}
     assert client.get(f"{url}/messages/b0").json()["status"] == "delayed"
     assert lease(client, url, "w", wait_ms=300) == []
