@@ -177,7 +177,7 @@ def test_expiry_nack_extend_reject_cancel_reschedule(three) -> None:
     assert ext.status_code == 200
     assert client.post(f"{url}/rejections", json={"consumer_id": "w", "ids": ["t1"]}).is_success
     nack = client.post(f"{url}/nacks", json={"consumer_id": "w", "ids": ["t0"], "delay_ms": 0})
-    assert nack.json() == {"settled": 1}
+    assert nack.json() == {"settled": 1, "dead": []}
     assert lease_all(client, url, "w") == {"t0": 2}, "nacked: at once, deliveries + 1"
     # t2's lease (300 ms) expires: it comes back with deliveries 2.
     assert wait_until(lambda: lease_all(client, url, "w"), timeout=10, what="expiry") == {"t2": 2}
