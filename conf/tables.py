@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
@@ -207,9 +208,18 @@ def matching(table: Table, **values: Collection[Any] | None) -> pc.Expression:
 
 
 def dataset(source: str | DeltaTable, table: Table) -> ds.Dataset:
-    """The table's current files as one dataset of the contract's types."""
+    """The table's current files as one dataset of the contract's types.
+
+    Read through Arrow's own filesystem for the table's URI, not delta-rs's default
+    (a Python filesystem that Arrow's I/O threads call back into): a process that exits
+    while those threads wind down aborted now and then ("terminate called without an
+    active exception").
+    """
     delta = source if isinstance(source, DeltaTable) else DeltaTable(source)
-    return delta.to_pyarrow_dataset(schema=SCHEMAS[table])
+    fs, root = pafs.FileSystem.from_uri(delta.table_uri)
+    return delta.to_pyarrow_dataset(
+        schema=SCHEMAS[table], filesystem=pafs.SubTreeFileSystem(root, fs)
+    )
 
 
 def scan(
