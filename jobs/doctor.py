@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from dejaq.conf import jvm
-from dejaq.conf.settings import load_settings
+from dejaq.conf.settings import Settings, load_settings
+from dejaq.jobs.logs import one_line, stderr_to
 
 
 def java_version() -> tuple[int | None, str]:
@@ -51,6 +55,45 @@ def _jar_sets() -> list[str]:
     return [f"{s}: {len(jvm.jars(s))} jars" for s in (jvm.SPARK, jvm.KAFKA)]
 
 
+def warehouse_location(warehouse: str) -> str:
+    """A URI as it is; a folder as the absolute path the jobs will write to."""
+    return warehouse if "://" in warehouse else str(Path(warehouse).expanduser().resolve())
+
+
+def check_spark(settings: Settings) -> bool:
+    """Start Spark and report the connectors it has, its start-up chatter kept to a log.
+
+    Spark's JVM inherits descriptor 2 when it starts, so the log file gets its warnings
+    for as long as it runs; the file is removed again unless Spark failed to start.
+    """
+    from dejaq.pipelines.session import detect_connectors, get_spark, jvm_versions
+
+    fd, path = tempfile.mkstemp(prefix="dejaq-doctor-", suffix=".log")
+    os.close(fd)
+    log_file = Path(path)
+    mode = settings.spark.connectors
+    with stderr_to(log_file):
+        try:
+            spark = get_spark("dejaq-doctor", settings.spark.master, connectors=mode)
+        except Exception as e:
+            print(f"         FAIL Spark did not start: {one_line(e)} (its log: {log_file})")
+            return False
+    log_file.unlink()
+    ok = True
+    try:
+        connectors = detect_connectors(spark, mode)
+    except RuntimeError as e:
+        ok = False
+        print(f"         FAIL {e}")
+    else:
+        for line in connectors.describe().splitlines():
+            print(f"         {line}")
+    versions = jvm_versions(spark)
+    for name in ("delta", "spark-sql-kafka", "kafka-clients"):
+        print(f"         {name} {versions.get(name, 'not on the classpath')}")
+    return ok
+
+
 def run(conf_file: str | None) -> int:
     settings = load_settings(conf_file)
     ok = True
@@ -62,29 +105,15 @@ def run(conf_file: str | None) -> int:
 
     import pyspark
 
-    print(f"spark    {pyspark.__version__} (master {settings.spark.master})")
+    print(f"spark    {pyspark.__version__} (master {settings.spark.master})", flush=True)
     if java_ok:
-        from dejaq.pipelines.session import detect_connectors, get_spark, jvm_versions
-
-        mode = settings.spark.connectors
-        spark = get_spark("dejaq-doctor", settings.spark.master, connectors=mode)
-        try:
-            connectors = detect_connectors(spark, mode)
-        except RuntimeError as e:
-            ok = False
-            print(f"         FAIL {e}")
-        else:
-            for line in connectors.describe().splitlines():
-                print(f"         {line}")
-        versions = jvm_versions(spark)
-        for name in ("delta", "spark-sql-kafka", "kafka-clients"):
-            print(f"         {name} {versions.get(name, 'not on the classpath')}")
+        ok &= check_spark(settings)
     print(f"jars     {jvm.jars_dir()} ({', '.join(_jar_sets())})")
     kafka_jar = next((p.name for p in jvm.jars(jvm.KAFKA) if p.name.startswith("kafka_")), None)
     print(f"         embedded Kafka: {kafka_jar or 'not fetched'}")
     kafka_ok, kafka_text = kafka_answers(settings.kafka.bootstrap)
     ok &= kafka_ok
     print(f"kafka    {'ok  ' if kafka_ok else 'FAIL'} {kafka_text}")
-    print(f"warehouse {settings.warehouse}")
+    print(f"warehouse {warehouse_location(settings.warehouse)}")
     print(f"platform {platform.platform()}")
     return 0 if ok else 1

@@ -1,7 +1,8 @@
 """Ingest a topic: `spark-submit jobs/ingest.py --topic NAME [--conf-file F] [--once]`.
 
-Also `dejaq ingest`. Without --once it runs until SIGTERM or Ctrl-C and stops between
-two micro-batches; with --once it reads everything available now and exits.
+Also `dejaq ingest`. Without --once it waits for its Kafka input topics to exist, then
+runs until SIGTERM or Ctrl-C and stops between two micro-batches; with --once it reads
+everything available now and exits (a missing input topic is an error then).
 """
 
 from __future__ import annotations
@@ -9,11 +10,17 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import threading
+import time
+from collections.abc import Sequence
 
 from dejaq.conf.settings import ConfigError, load_settings
 from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
 
 log = logging.getLogger("dejaq.ingest")
+
+TOPIC_POLL_SECONDS = 1.0  # how soon a topic that appears is seen
+WAITING_EVERY_SECONDS = 10.0  # how often the waiting line is repeated
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -28,16 +35,84 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+def missing_topics(bootstrap: str, topics: Sequence[str]) -> list[str]:
+    """The topics Kafka does not have; raises KafkaError when it does not answer."""
+    from kafka import KafkaAdminClient
+
+    admin = KafkaAdminClient(
+        bootstrap_servers=bootstrap, request_timeout_ms=5000, bootstrap_timeout_ms=5000
+    )
+    try:
+        existing = set(admin.list_topics())
+    finally:
+        admin.close()
+    return [t for t in topics if t not in existing]
+
+
+def _topics(missing: list[str]) -> tuple[str, str]:
+    """(`Kafka topic a` or `Kafka topics a, b`, and the pronoun for it)."""
+    if len(missing) == 1:
+        return f"Kafka topic {missing[0]}", "it"
+    return f"Kafka topics {', '.join(missing)}", "them"
+
+
+def wait_for_topics(bootstrap: str, topics: Sequence[str], stopping: threading.Event) -> bool:
+    """Return once Kafka has every topic (True), or when `stopping` is set first (False).
+
+    Spark's Kafka source fails the query when a subscribed topic is missing, and
+    creating it here would guess its partitions, so the job waits for whoever owns the
+    topic (or a producer, where Kafka creates topics on first use), saying so every
+    WAITING_EVERY_SECONDS.
+    """
+    from kafka.errors import KafkaError
+
+    said = -WAITING_EVERY_SECONDS
+    while True:
+        try:
+            missing = missing_topics(bootstrap, topics)
+        except KafkaError as e:
+            waiting_for = f"Kafka at {bootstrap} to answer ({type(e).__name__})"
+        else:
+            if not missing:
+                return True
+            subject, it = _topics(missing)
+            waiting_for = f"{subject} to exist (create {it} or produce to {it})"
+        if time.monotonic() - said >= WAITING_EVERY_SECONDS:
+            log.info("waiting for %s", waiting_for)
+            said = time.monotonic()
+        if stopping.wait(TOPIC_POLL_SECONDS):
+            return False
+
+
+def unreadable_topics(bootstrap: str, topics: Sequence[str]) -> str | None:
+    """Why a --once run cannot read every input topic now, or None."""
+    from kafka.errors import KafkaError
+
+    try:
+        missing = missing_topics(bootstrap, topics)
+    except KafkaError as e:
+        return f"Kafka at {bootstrap} does not answer ({type(e).__name__})"
+    if not missing:
+        return None
+    subject, it = _topics(missing)
+    verb = "does" if len(missing) == 1 else "do"
+    return f"{subject} {verb} not exist (create {it} or produce to {it})"
+
+
 def run(
     topic: str, conf_file: str | None, once: bool, max_offsets_per_trigger: int | None = None
 ) -> int:
-    from dejaq.jobs.logs import setup
+    from py4j.protocol import Py4JError
+    from pyspark.errors import PySparkException, StreamingQueryException
+
+    from dejaq.jobs.logs import one_line, query_failure, setup
     from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
     from dejaq.pipelines.session import detect_connectors, get_spark
 
     setup()
     settings = load_settings(conf_file)
     topic_conf = settings.topic(topic)
+    bootstrap = settings.kafka.bootstrap
     mode = settings.spark.connectors
     spark = get_spark(f"dejaq-ingest-{topic}", settings.spark.master, settings.spark.ui, mode)
     connectors = detect_connectors(spark, mode)
@@ -55,16 +130,32 @@ def run(
         max_offsets_per_trigger=max_offsets_per_trigger or DEFAULT_MAX_OFFSETS_PER_TRIGGER,
     )
     with stop_on_signals() as stopping:
-        query = job.start(once)
+        if once:
+            why = unreadable_topics(bootstrap, topic_conf.source)
+            if why is not None:
+                print(f"error: ingest {topic}: {why}", file=sys.stderr)
+                return 1
+        elif not wait_for_topics(bootstrap, topic_conf.source, stopping):
+            log.info("ingest %s: stopped before its Kafka topics existed", topic)
+            return 0
+        try:
+            query = job.start(once)
+        except (PySparkException, Py4JError) as e:
+            log.error("ingest %s: the query did not start", topic, exc_info=True)
+            print(f"error: ingest {topic} failed to start: {one_line(e)}", file=sys.stderr)
+            return 1
         log.info("ingest %s: started (query %s)", topic, query.id)
-        while query.isActive and not stopping.is_set():
-            query.awaitTermination(0.5)
-            job.report(query)
-        if stopping.is_set():
+        try:
+            while query.isActive and not stopping.is_set():
+                query.awaitTermination(0.5)
+                job.report(query)
+        except StreamingQueryException:
+            log.info("ingest %s: the query failed", topic)  # Spark has logged its stack
+        if query.isActive:
             log.info("ingest %s: stopping after the current batch", topic)
             stop_between_batches(query)
         job.report(query)
-    error = query.exception()
+    error = query_failure(query)
     totals = [sum(getattr(s, f) for s in job.stats) for f in ("rows_in", "buffered", "quarantined")]
     print(
         f"ingest {topic}: {len(job.stats)} batches, in {totals[0]}, "

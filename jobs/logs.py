@@ -8,6 +8,12 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # `dejaq kafka` and the broker log without Spark
+    from pyspark.sql.streaming import StreamingQuery
+
+_PYTHON_TRACEBACK = "Traceback (most recent call last):"
 
 
 def setup(level: int = logging.INFO) -> None:
@@ -38,3 +44,29 @@ def stderr_to(path: Path) -> Iterator[Path]:
         sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
+
+
+def query_failure(query: StreamingQuery) -> str | None:
+    """Why a streaming query failed, in one line, or None if it did not.
+
+    The root cause's class and message, from the JVM's exception chain: the query's own
+    exception wraps it in the query's plan, and Spark has logged the whole stack already.
+    A Python error (in foreachBatch, a Python source) comes as a traceback in the
+    message; its last line names it.
+    """
+    failed = query._jsq.exception()
+    if not failed.isDefined():
+        return None
+    cause = failed.get()
+    while cause.getCause() is not None:
+        cause = cause.getCause()
+    text = str(cause.toString())
+    if _PYTHON_TRACEBACK in text:
+        return text.strip().splitlines()[-1].strip()
+    return text.strip().splitlines()[0]
+
+
+def one_line(error: BaseException) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0]}" if lines else type(error).__name__

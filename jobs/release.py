@@ -23,7 +23,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(topic: str, conf_file: str | None, once: bool) -> int:
-    from dejaq.jobs.logs import setup
+    from pyspark.errors import StreamingQueryException
+
+    from dejaq.jobs.logs import query_failure, setup
     from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
     from dejaq.pipelines.release import ReleaseJob, require_release
     from dejaq.pipelines.session import get_spark
@@ -50,11 +52,14 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
         with stop_on_signals() as stopping:
             query = job.start()
             log.info("release %s: started (query %s)", topic, query.id)
-            while query.isActive and not stopping.is_set():
-                query.awaitTermination(0.2)
-                job.report()
-                if once and job.releaser.idle:
-                    stopping.set()
+            try:
+                while query.isActive and not stopping.is_set():
+                    query.awaitTermination(0.2)
+                    job.report()
+                    if once and job.releaser.idle:
+                        stopping.set()
+            except StreamingQueryException:
+                log.info("release %s: the query failed", topic)  # Spark has logged its stack
             if query.isActive:
                 if not once:
                     log.info("release %s: stopping after the current batch", topic)
@@ -62,7 +67,7 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
             job.report()
     finally:
         job.releaser.finish()
-    error = query.exception()
+    error = query_failure(query)
     stats = list(job.releaser.stats)
     removed = sum(s.retention.removed for s in stats if s.retention is not None)
     print(

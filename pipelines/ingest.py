@@ -243,11 +243,14 @@ class IngestJob:
 
         Read from the query's own progress on the caller's thread, so the line is there
         before the job exits (a listener's events arrive asynchronously, possibly never).
+        An idle trigger reports progress under the id of the batch that has not run yet
+        and took milliseconds; only a trigger that ran its batch (`addBatch`) times it,
+        so a batch is logged once that progress has come.
         """
         by_id = {s.batch_id: s for s in self.stats}
         for p in query.recentProgress:
             stats = by_id.get(p.batchId)
-            if stats is None or p.batchId <= self._reported:
+            if stats is None or p.batchId <= self._reported or "addBatch" not in p.durationMs:
                 continue
             self._reported = p.batchId
             if stats.replay:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pyspark import SparkConf, SparkContext
@@ -68,14 +69,19 @@ PYTHON_CONNECTORS = Connectors(kafka=PY_KAFKA_FORMAT, delta=PY_DELTA_FORMAT)
 
 
 def get_spark(
-    app_name: str = "dejaq", master: str = "local[2]", ui: bool = False, connectors: str = AUTO
+    app_name: str = "dejaq",
+    master: str = "local[2]",
+    ui: bool = False,
+    connectors: str = AUTO,
+    conf: Mapping[str, str] | None = None,
 ) -> SparkSession:
     """The process's SparkSession, with Python workers on this interpreter.
 
     Without PYSPARK_PYTHON the workers start on the system python, cannot import
     pyarrow, and the query hangs for a minute before failing. Only the first call in a
     process configures the session (a later builder's settings are ignored), so the
-    jars are set here or not at all.
+    jars are set here or not at all. `conf` adds settings to a session this call starts;
+    a Spark already running in the process (a notebook's on Databricks) keeps its own.
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -100,6 +106,9 @@ def get_spark(
     # Under spark-submit the master comes from its --master; ours is only the default.
     if not given.contains("spark.master"):
         builder = builder.master(master)
+    if SparkContext._active_spark_context is None:
+        for key, value in (conf or {}).items():
+            builder = builder.config(key, value)
     if given.get("spark.master", master).startswith("local") and not given.contains(
         SNAPSHOT_PARTITIONS
     ):

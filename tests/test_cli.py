@@ -137,6 +137,27 @@ def test_doctor_reports_connectors_and_kafka(kafka_bootstrap: str) -> None:
     assert f"kafka    ok   {kafka_bootstrap} answers" in result.stdout
 
 
+def test_doctor_prints_its_report_and_nothing_else(kafka_bootstrap: str, tmp_path: Path) -> None:
+    """Spark's start-up lines go to a log that is removed once Spark has started, and the
+    default warehouse (./warehouse) shows as the folder the jobs would write to."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = subprocess.run(
+        [*DEJAQ, "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        cwd=tmp_path,
+        env={**os.environ, "DEJAQ_KAFKA_BOOTSTRAP": kafka_bootstrap, "TMPDIR": str(temp)},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""
+    labels = [line.split()[0] for line in result.stdout.splitlines() if not line.startswith(" ")]
+    assert labels == ["python", "java", "spark", "jars", "kafka", "warehouse", "platform"]
+    assert f"warehouse {tmp_path / 'warehouse'}\n" in result.stdout
+    assert list(temp.glob("dejaq-doctor-*")) == []
+
+
 def test_doctor_without_jars_reports_the_python_fallback(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:

@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
+import uuid
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from conftest import wait_until
 from deltalake import DeltaTable, write_deltalake
-from kafka import KafkaProducer
+from kafka import KafkaAdminClient, KafkaProducer
+from kafka.admin import NewTopic
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame
 
 from dejaq.broker.index import TopicIndex
@@ -31,10 +38,11 @@ from dejaq.conf.tables import (
     ensure_table,
     table_path,
 )
+from dejaq.jobs.logs import query_failure
 from dejaq.jobs.status import row_count
 from dejaq.pipelines.dedup import SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
-from dejaq.pipelines.ingest import IngestJob
+from dejaq.pipelines.ingest import BatchStats, IngestJob
 from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain
 from dejaq.pipelines.session import detect_connectors
@@ -385,3 +393,200 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
     replaying.process_batch(batch(len(first), len(first) + 2), 1)
     assert [(s.batch_id, s.replay) for s in replaying.stats] == [(1, True)]
     assert sum(counts()) + run.removed == len(first) + 2
+
+
+class Lines:
+    """A running job's stderr, read line by line as it comes (so the pipe never fills)."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._reader.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            self.lines.append(line.rstrip("\n"))
+
+    def having(self, text: str) -> list[str]:
+        return [line for line in self.lines if text in line]
+
+    def join(self) -> list[str]:
+        self._reader.join(timeout=60)
+        return self.lines
+
+
+def start_ingest_reading(conf: Path, *extra: str) -> tuple[subprocess.Popen, Lines]:
+    proc = subprocess.Popen(
+        [*DEJAQ, "ingest", "--topic", "jobs", "--conf-file", str(conf), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=job_env(),
+    )
+    return proc, Lines(proc)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+def admin(kafka_bootstrap: str) -> Iterator[KafkaAdminClient]:
+    client = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    yield client
+    client.close()
+
+
+def test_ingest_waits_for_its_input_topic_then_ingests(kafka_bootstrap, admin, tmp_path):
+    source = f"late-{uuid.uuid4().hex[:10]}"
+    conf = write_conf(tmp_path, kafka_bootstrap, source)
+    settings = load_settings(conf, env={})
+    waiting = f"waiting for Kafka topic {source} to exist (create it or produce to it)"
+
+    once = subprocess.run(
+        [*DEJAQ, "ingest", "--topic", "jobs", "--conf-file", str(conf), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=job_env(),
+    )
+    assert once.returncode == 1, once.stderr[-3000:]
+    assert once.stderr.splitlines()[-1] == (
+        f"error: ingest jobs: Kafka topic {source} does not exist (create it or produce to it)"
+    )
+
+    proc, err = start_ingest_reading(conf)
+    try:
+        wait_until(lambda: err.having(waiting), timeout=180, what="the waiting line")
+        admin.create_topics([NewTopic(source, 3, 1)])
+        try:
+            produce(kafka_bootstrap, source, [good(i) for i in range(30)])
+            buffer_path = table_path(settings.warehouse, Table.BUFFER, "jobs")
+            wait_until(
+                lambda: row_count(buffer_path) == 30, timeout=180, what="the records buffered"
+            )
+            stop(proc)
+        finally:
+            admin.delete_topics([source])
+    finally:
+        stop(proc)
+    lines = err.join()
+    assert proc.returncode == 0, "\n".join(lines[-50:])
+    assert len(err.having(waiting)) == 1, "said once, not once a poll"
+    assert not err.having("UnknownTopicOrPartition"), "the query started after the topic"
+
+
+def test_a_failed_query_ends_with_one_line_naming_the_cause(
+    kafka_bootstrap, admin, topic_factory, tmp_path
+):
+    """The input topic is deleted under a running ingest: Spark's Kafka source fails the
+    query; the job ends with exit code 1 and one line, the stack only in the log above."""
+    source = topic_factory(partitions=1)
+    conf = write_conf(tmp_path, kafka_bootstrap, source)
+    settings = load_settings(conf, env={})
+    produce(kafka_bootstrap, source, [good(i) for i in range(10)], partitions=1)
+    proc, err = start_ingest_reading(conf)
+    try:
+        buffer_path = table_path(settings.warehouse, Table.BUFFER, "jobs")
+        wait_until(lambda: row_count(buffer_path) == 10, timeout=180, what="the first batch")
+        admin.delete_topics([source])
+        proc.wait(180)
+    finally:
+        stop(proc)
+    lines = err.join()
+    assert proc.returncode == 1, "\n".join(lines[-50:])
+    assert lines[-1] == (
+        "error: ingest jobs failed: org.apache.kafka.common.errors."
+        "UnknownTopicOrPartitionException: This server does not host this topic-partition."
+    )
+    assert not err.having("Traceback"), "no Python traceback"
+    assert err.having("ERROR MicroBatchExecution"), "Spark's log has the stack"
+
+
+def test_a_python_error_in_a_batch_is_named_by_its_last_traceback_line(spark):
+    def fail(batch: DataFrame, batch_id: int) -> None:
+        raise ValueError(f"no good: batch {batch_id}")
+
+    query = spark.readStream.format("rate").load().writeStream.foreachBatch(fail).start()
+    try:
+        with pytest.raises(StreamingQueryException):
+            query.awaitTermination(120)
+    finally:
+        query.stop()
+    assert query_failure(query) == "ValueError: no good: batch 0"
+
+
+class Captured(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_batch_line_reports_how_long_the_batch_took(
+    spark, kafka_bootstrap, topic_factory, tmp_path
+):
+    """Between two batches an idle trigger reports progress, under the next batch's id,
+    that took milliseconds; the next batch's line still gives that batch's duration."""
+    source = topic_factory(partitions=1)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    job = IngestJob(spark, settings, settings.topic("jobs"), detect_connectors(spark))
+
+    def ran(batch_id: int) -> object:
+        return next(
+            (
+                p
+                for p in query.recentProgress
+                if p.batchId == batch_id and "addBatch" in p.durationMs
+            ),
+            None,
+        )
+
+    def idle(batch_id: int) -> bool:
+        return any(
+            p.batchId == batch_id and "addBatch" not in p.durationMs for p in query.recentProgress
+        )
+
+    def landed(rows: int) -> BatchStats | None:
+        """The batch that brought the buffer to `rows`, once its progress is in."""
+        if sum(s.rows_in for s in job.stats) < rows or not ran(job.stats[-1].batch_id):
+            return None
+        return job.stats[-1]
+
+    captured = Captured()
+    logger = logging.getLogger("dejaq.ingest")
+    logger.addHandler(captured)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    query = job.start(once=False)
+    try:
+        produce(kafka_bootstrap, source, [good(i) for i in range(10)], partitions=1)
+        first = wait_until(lambda: landed(10), timeout=180, what="the first records")
+        next_id = first.batch_id + 1
+        wait_until(lambda: idle(next_id), timeout=120, what="an idle trigger's progress")
+        produce(kafka_bootstrap, source, [good(i) for i in range(10, 20)], partitions=1)
+        wait_until(lambda: landed(20), timeout=180, what="the second records")
+        job.report(query)
+    finally:
+        query.stop()
+        logger.removeHandler(captured)
+        logger.setLevel(level)
+    logged = {
+        int(m.group(1)): int(m.group(2))
+        for m in (re.search(r" batch (\d+): .*, (\d+) ms, lag ", t) for t in captured.messages)
+        if m
+    }
+    assert sorted(logged) == [s.batch_id for s in job.stats]
+    for stats in job.stats:
+        progress = ran(stats.batch_id)
+        assert logged[stats.batch_id] == progress.batchDuration
+        assert logged[stats.batch_id] >= progress.durationMs["triggerExecution"] >= stats.millis

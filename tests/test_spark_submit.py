@@ -1,0 +1,180 @@
+"""The README's `spark-submit` lines, run as written but for what a laptop must change.
+
+The commands come from README.md itself (the `sh` block of "Running on a cluster"), so
+the test fails when the README drifts from what runs. Adapted: the venv's spark-submit,
+`--master local[2]`, the pinned jars of jvm/lib/spark for `--packages` (the README's
+alternative; `--packages` would resolve against Maven Central at every run), a
+configuration in tmp_path for the README's, and `--once` so the job ends.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from dejaq.conf import jvm
+from dejaq.conf.settings import load_settings
+from dejaq.conf.tables import Table, table_path
+from dejaq.jobs.status import row_count
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+POM = ROOT / "jvm" / "spark" / "pom.xml"
+SECTION = "The jobs are ordinary PySpark entry points"
+JVM_CONNECTORS = "Kafka: JVM (format 'kafka'); Delta: JVM (format 'delta')"
+
+
+def readme_commands() -> dict[str, list[str]]:
+    """The spark-submit commands of the section's first `sh` block, by script path."""
+    text = README.read_text()
+    at = text.find(SECTION)
+    assert at >= 0, f"README.md has no {SECTION!r}"
+    block = re.search(r"```sh\n(.*?)```", text[at:], re.DOTALL)
+    assert block, f"no ```sh block after {SECTION!r}"
+    commands: dict[str, list[str]] = {}
+    for line in block.group(1).replace("\\\n", " ").splitlines():
+        argv = shlex.split(line, comments=True)
+        if argv and argv[0] == "spark-submit":
+            script = next(a for a in argv if a.endswith(".py"))
+            commands[script] = argv
+    return commands
+
+
+def pinned_packages() -> set[str]:
+    """group:artifact:version of each dependency jvm/spark/pom.xml pins."""
+    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
+    fields = ("groupId", "artifactId", "version")
+    return {
+        ":".join(d.findtext(f"m:{f}", "", ns) for f in fields)
+        for d in ET.parse(POM).getroot().findall("m:dependencies/m:dependency", ns)
+    }
+
+
+def adapt(argv: list[str], conf: Path) -> list[str]:
+    """The README's command, runnable here (see the module's docstring)."""
+    script = next(i for i, a in enumerate(argv) if a.endswith(".py"))
+    launcher, job = argv[1:script], argv[script:]
+    local = [str(Path(sys.executable).parent / "spark-submit")]
+    if "--master" not in launcher:
+        local += ["--master", "local[2]"]
+    options = iter(launcher)
+    for option in options:
+        if option == "--packages":
+            assert set(next(options).split(",")) == pinned_packages()
+            local += ["--jars", ",".join(str(p) for p in jvm.require(jvm.SPARK))]
+        else:
+            local.append(option)
+    job = [str(conf) if prev == "--conf-file" else a for prev, a in pairwise(job)]
+    return local + job + ([] if "--once" in job else ["--once"])
+
+
+def pairwise(argv: list[str]) -> list[tuple[str, str]]:
+    """(the argument before, the argument) for each argument."""
+    return list(zip(["", *argv[:-1]], argv, strict=True))
+
+
+def topic_of(argv: list[str]) -> str:
+    return argv[argv.index("--topic") + 1]
+
+
+def submit(argv: list[str]) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,  # the README's script paths are the repository's
+        env={**os.environ, "PYSPARK_PYTHON": sys.executable},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def produce_priorities(bootstrap: str, topic: str, priorities: list[int]) -> None:
+    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    for i, prio in enumerate(priorities):
+        producer.send(
+            topic,
+            key=f"k{i}".encode(),
+            value=f"v{i}".encode(),
+            headers=[("dejaq-priority", str(prio).encode())],
+            partition=0,
+        )
+    producer.flush()
+    producer.close()
+
+
+def test_readme_packages_are_the_pinned_connectors() -> None:
+    for argv in readme_commands().values():
+        if "--packages" in argv:
+            packages = argv[argv.index("--packages") + 1]
+            assert set(packages.split(",")) == pinned_packages(), "README vs jvm/spark/pom.xml"
+
+
+def test_readme_ingest_line_lands_records_in_the_buffer(
+    kafka_bootstrap, topic_factory, tmp_path
+) -> None:
+    command = readme_commands().get("jobs/ingest.py")
+    assert command, "README shows no spark-submit line for jobs/ingest.py"
+    name, source = topic_of(command), topic_factory(partitions=1)
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{kafka_bootstrap}'}}\n"
+        f"topics:\n  - {{name: {name}, kind: priority, source: [{source}], buckets: 4}}\n"
+    )
+    produce_priorities(kafka_bootstrap, source, list(range(20)))
+
+    result = submit(adapt(command, conf))
+
+    assert JVM_CONNECTORS in result.stdout + result.stderr, "--jars gave Spark the connectors"
+    settings = load_settings(conf, env={})
+    assert row_count(table_path(settings.warehouse, Table.BUFFER, name)) == 20
+
+
+def test_readme_release_line_releases_in_order(kafka_bootstrap, topic_factory, tmp_path) -> None:
+    commands = readme_commands()
+    if "jobs/release.py" not in commands:
+        pytest.skip("README shows no spark-submit line for jobs/release.py")
+    release = commands["jobs/release.py"]
+    name = topic_of(release)
+    # The README's ingest line, for the release line's topic: it fills the buffer.
+    ingest = [name if prev == "--topic" else a for prev, a in pairwise(commands["jobs/ingest.py"])]
+    source, out = topic_factory(partitions=1), topic_factory(partitions=1)
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{kafka_bootstrap}'}}\n"
+        f"topics:\n  - {{name: {name}, kind: priority, source: [{source}], buckets: 4,"
+        f" delivery: release, output: {out}}}\n"
+    )
+    priorities = [7, 3, 9, 1, 5, 0, 8, 2, 6, 4]
+    produce_priorities(kafka_bootstrap, source, priorities)
+
+    submit(adapt(ingest, conf))
+    submit(adapt(release, conf))
+
+    consumer = KafkaConsumer(bootstrap_servers=kafka_bootstrap, enable_auto_commit=False)
+    records: list = []
+    try:
+        consumer.assign([TopicPartition(out, 0)])
+        consumer.seek_to_beginning()
+
+        def polled() -> bool:
+            records.extend(r for rs in consumer.poll(timeout_ms=200).values() for r in rs)
+            return len(records) >= len(priorities)
+
+        wait_until(polled, timeout=60, what="the released records")
+    finally:
+        consumer.close()
+    released = [priorities[int(r.value.decode().removeprefix("v"))] for r in records]
+    assert released == sorted(priorities)
