@@ -126,6 +126,9 @@ class TopicIndex:
         self.buffer_rows = 0  # in that version, pending or settled
         self.version = -1
         self.ledger_version = -1  # of the last full read of the ledger's settled ids
+        # Rows `revive` indexed since that read: a journal replayed at start can revive a
+        # message that a later entry, or the snapshot that replaces the state, settles.
+        self.revived_since_read = False
         self.loaded = False
         self._buffer: DeltaTable | None = None
 
@@ -151,6 +154,7 @@ class TopicIndex:
         """
         assert self._buffer is not None
         since = watermark(self._buffer)
+        self.revived_since_read = False
         self.ledger_version = DeltaTable(self.ledger_path).version()
         settled, redriven = split(latest_events(self.ledger_path, since))
         return set(settled), set(redriven)
@@ -366,6 +370,7 @@ class TopicIndex:
                 for i, token in zip(keep.tolist(), tokens.tolist(), strict=True):
                     self._pending(state, batch.mids[i], token)
                 revived += len(keep)
+                self.revived_since_read = True
             self.unread.difference_update(wanted)
         self.heads.release(+unused)
         if missing := set(wanted).difference(found):
@@ -471,11 +476,13 @@ class TopicIndex:
         settled before the retention watermark, or died, left the buffer and were
         redriven since: the whole ledger says which, for them alone. Reads the ledger's
         tail and the buffer's ids: a snapshot arrives rarely, to a node that lags. Not
-        when the ledger is as `load` read it (a node starting from its own snapshot).
+        when the ledger is as `load` read it and nothing was revived since (a node
+        starting from its own snapshot).
         """
         settled: set[str] = set()
         revived: set[str] = set()
-        if DeltaTable(self.ledger_path).version() != self.ledger_version:
+        ledger_moved = DeltaTable(self.ledger_path).version() != self.ledger_version
+        if ledger_moved or self.revived_since_read:
             settled, revived = self._settled_ids()
             buffered = scan(self.buffer_path, Table.BUFFER, ["message_id"]).column("message_id")
             with self.lock:
@@ -487,7 +494,10 @@ class TopicIndex:
         store = self.store
         with self.lock:
             self.heads.release(store.forget(list(settled))[0])
-            self.unread |= {m for m in revived | state.redriven_at.keys() if store.get(m) is None}
+            # What earlier commands pushed without a row is history the snapshot replaced
+            # (a journal replayed over tables that had settled it since): pending without
+            # a row now means redriven since its row left, and nothing else.
+            self.unread = {m for m in revived | state.redriven_at.keys() if store.get(m) is None}
             # Re-keyed messages go to the heaps at their keys; the others to the runs.
             overrides = state.sort_keys
             heaps: list[list[Entry]] = [[] for _ in self.heaps]

@@ -534,6 +534,36 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
     assert lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2) == [("m0", 0, 5)]
 
 
+def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -> None:
+    """A restarted node replays its journal over an index loaded from the tables: an old
+    expiry pushes a message whose row the index never took (the ledger had settled it),
+    and the trim that settles it for good comes inside the leader's snapshot. The
+    message must not come back as pending (it did: leased again after its ack)."""
+    warehouse, _, leader = loaded_topic(tmp_path, [5, 1, 3])
+    leader.lease("c", 0, 1000, [("m1", 1, 1)])
+    leader.ack("c", 1, ["m1"])
+    leader.trim(checkpoint(warehouse, "jobs", leader.events))
+    node = TopicIndex(warehouse, topic_conf())
+    node.load()
+    assert sorted(node.rows) == ["m0", "m2"]
+    replayed = TopicState(4, 5)  # the journal's older state: m1 expired, pending again
+    node.push(replayed, ["m1"])
+    snapshot = pickle.loads(pickle.dumps(leader))
+    node.rebuild(snapshot)
+    assert node.revive(snapshot) == 0
+    assert sorted(node.rows) == ["m0", "m2"]
+    snapshot.touch("c", 2)
+    assert [p[0] for p in node.pick(snapshot, snapshot.buckets_of("c"), 3, now=2)] == ["m2", "m0"]
+
+    # The follow thread revives m1 while the replay has it pending, before the snapshot.
+    node = TopicIndex(warehouse, topic_conf())
+    node.load()
+    node.push(replayed, ["m1"])
+    assert node.revive(replayed) == 1
+    node.rebuild(snapshot)
+    assert sorted(node.rows) == ["m0", "m2"], "the ledger, unchanged since load, settled m1"
+
+
 def test_the_index_keeps_nothing_of_a_settled_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
