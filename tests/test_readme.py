@@ -1,0 +1,167 @@
+"""The README's quick start, run as a new user would: its commands in order, its snippets
+taken from the README itself, on the addresses it shows (Kafka on 9092, the broker on
+8001-8003), in an empty folder. Then its HTTP API examples against the same cluster.
+
+Adapted only where a terminal differs from a test: `. .venv/bin/activate` becomes the
+venv's bin first on PATH, a trailing `&` a background process stopped (by its PID) at
+the end, and Python's output is unbuffered so the worker's lines arrive as printed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import wait_until
+
+from dejaq.jobs.embedded_kafka import answers
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def section(title: str) -> str:
+    """The README's text under `## title`, up to the next `## `."""
+    start = README.index(f"## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else None]
+
+
+def blocks(text: str) -> list[tuple[str, str]]:
+    """The fenced code blocks of `text`: (language, code)."""
+    return re.findall(r"```(\w*)\n(.*?)```", text, flags=re.S)
+
+
+def command(line: str) -> str:
+    """A shell line without its trailing comment."""
+    return re.sub(r"\s+#.*$", "", line).strip()
+
+
+class Terminal:
+    """The user's shell: the venv activated, in an empty folder, jobs in the background."""
+
+    def __init__(self, cwd: Path) -> None:
+        self.cwd = cwd
+        venv_bin = Path(sys.executable).parent
+        self.env = {
+            **os.environ,
+            "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONUNBUFFERED": "1",
+        }
+        self.jobs: list[subprocess.Popen] = []
+        self.logs = cwd / "logs"
+        self.logs.mkdir()
+
+    def background(self, line: str) -> subprocess.Popen:
+        out = (self.logs / f"job{len(self.jobs)}.log").open("w")
+        job = subprocess.Popen(
+            ["bash", "-c", f"exec {line}"],
+            cwd=self.cwd,
+            env=self.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.jobs.append(job)
+        return job
+
+    def run(self, script: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            ["bash", "-c", script],
+            cwd=self.cwd,
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def python(self, code: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=self.cwd,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+    def log(self, job: subprocess.Popen) -> str:
+        return (self.logs / f"job{self.jobs.index(job)}.log").read_text()
+
+    def close(self) -> None:
+        for job in reversed(self.jobs):  # cluster, ingest, then Kafka: as `kill %3 %2 %1`
+            if job.poll() is None:
+                job.send_signal(signal.SIGTERM)
+                try:
+                    job.wait(120)
+                except subprocess.TimeoutExpired:
+                    job.kill()
+                    job.wait()
+
+
+@pytest.fixture
+def terminal(tmp_path: Path) -> Iterator[Terminal]:
+    t = Terminal(tmp_path)
+    try:
+        yield t
+    finally:
+        t.close()
+
+
+def test_the_quick_start_works_as_written(terminal: Terminal) -> None:
+    quick = blocks(section("Quickstart (five minutes)"))
+    assert [lang for lang, _ in quick] == ["sh", "python", "sh", "python"]
+    (_, start), (_, produce), (_, status), (_, work) = quick
+    lines = [command(line) for line in start.splitlines()]
+    assert lines[0] == ". .venv/bin/activate"
+    jobs = {}
+    for line in lines[1:]:
+        assert line.endswith(" &"), line
+        jobs[line.split()[1]] = terminal.background(line.removesuffix(" &"))
+    kafka, ingest, cluster = jobs["kafka"], jobs["ingest"], jobs["cluster"]
+    wait_until(lambda: answers("127.0.0.1:9092"), timeout=120, what="Kafka on 9092")
+    wait_until(
+        lambda: "stops the cluster" in terminal.log(cluster) or cluster.poll() is not None,
+        timeout=120,
+        what="the cluster up",
+    )
+    assert cluster.poll() is None, terminal.log(cluster)
+    assert "workers: Client(['http://127.0.0.1:8001'," in terminal.log(cluster)
+
+    producer = terminal.python(produce)
+    assert producer.wait(60) == 0, producer.stderr.read()
+    [status_line] = [command(line) for line in status.splitlines()]
+
+    def buffered() -> bool:
+        assert ingest.poll() is None, terminal.log(ingest)
+        out = terminal.run(status_line).stdout
+        return re.search(r"^buffer\s+5$", out, flags=re.M) is not None
+
+    wait_until(buffered, timeout=180, what="the five orders in the buffer")
+
+    worker = terminal.python(work)
+    printed: list[str] = []
+    try:
+        while len(printed) < 5:
+            line = worker.stdout.readline()
+            assert line, worker.stderr.read()
+            printed.append(line.strip())
+    finally:
+        worker.send_signal(signal.SIGTERM)
+    assert worker.wait(60) == 0, worker.stderr.read()
+    assert printed == ["1 job 3", "3 job 1", "5 job 4", "7 job 0", "9 job 2"]
+    assert re.search(r"# 1 job 3, 3 job 1, 5 job 4, 7 job 0, 9 job 2", work), "as it says"
+
+    [(_, api)] = [b for b in blocks(section("HTTP API")) if b[0] == "sh"]
+    said = terminal.run(f"set -euo pipefail\n{api}")
+    assert said.returncode == 0, said.stderr
+    assert '{"settled":1}' in said.stdout, said.stdout
+    assert said.stdout.rstrip().endswith('{"rows":[],"next":null}')
+    for job in (kafka, ingest, cluster):
+        assert job.poll() is None, terminal.log(job)
