@@ -744,14 +744,14 @@ def ports(n: int) -> list[str]:
 
 
 def cluster_up(
-    tmp_path: Path, conf: Path, options: list[str]
+    tmp_path: Path, conf: Path, options: list[str], nodes: int = 3
 ) -> tuple[subprocess.Popen, list[str]]:
-    """`dejaq cluster up --nodes 3`; the process and the lines it printed up to "stops"."""
+    """`dejaq cluster up`; the process and the lines it printed up to "stops"."""
     proc = subprocess.Popen(
         [
             *CLUSTER_UP,
             "--nodes",
-            "3",
+            str(nodes),
             "--data-dir",
             str(tmp_path / "c"),
             "--conf-file",
@@ -805,22 +805,8 @@ def test_cluster_up_on_fixed_ports_prints_a_client_line_and_stops_on_sighup(tmp_
 
 def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
     conf = write_conf(tmp_path, "127.0.0.1:9", "in")
-    proc = subprocess.Popen(
-        [
-            *CLUSTER_UP,
-            "--nodes",
-            "1",
-            "--data-dir",
-            str(tmp_path / "c"),
-            "--conf-file",
-            str(conf),
-            *ports(1),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    proc, (line, *_) = cluster_up(tmp_path, conf, ports(1), nodes=1)
     try:
-        line = proc.stdout.readline()
         assert line.startswith("n1: http://127.0.0.1:"), line
         url = line.split()[1]
         assert httpx.get(f"{url}/readyz", timeout=5).status_code == 200
@@ -836,23 +822,9 @@ def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:
 
 def test_cluster_up_fails_when_a_broker_dies(tmp_path) -> None:
     conf = write_conf(tmp_path, "127.0.0.1:9", "in")
-    proc = subprocess.Popen(
-        [
-            *CLUSTER_UP,
-            "--nodes",
-            "1",
-            "--data-dir",
-            str(tmp_path / "c"),
-            "--conf-file",
-            str(conf),
-            *ports(1),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    proc, (line, *_) = cluster_up(tmp_path, conf, ports(1), nodes=1)
     try:
-        assert proc.stdout.readline().startswith("n1: http://127.0.0.1:")
+        assert line.startswith("n1: http://127.0.0.1:")
         children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
         assert len(children) == 1, "one broker process"
         os.kill(int(children[0]), signal.SIGKILL)
