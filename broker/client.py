@@ -328,6 +328,7 @@ class Client:
         while True:
             node = self.node
             sent_at = time.monotonic()
+            stay = False
             try:
                 answer = self._http.request(method, node + path, json=body, timeout=timeout)
             except NOT_SENT as e:
@@ -346,8 +347,13 @@ class Client:
                 why = f"{node}: {answer.status_code} {answer.text[:200]}"
                 pause = min(retry_after_s(answer), self.max_retry_after)
                 maybe_applied = True  # a follower may have forwarded it before failing
+                # Retry-After 0: the node gave up on a stalled leader and knows the new
+                # one (or is it): asked again, it forwards there, where another node
+                # might be the stalled one.
+                stay = answer.headers.get("retry-after") == "0"
             failures += 1
-            self._move_on(node)
+            if not stay:
+                self._move_on(node)
             if failures % len(self.nodes) == 0:  # every node failed once more: slow down
                 first, longest = ROUND_PAUSE_S
                 pause = max(pause, min(longest, first * 2 ** (failures // len(self.nodes) - 1)))

@@ -140,6 +140,13 @@ class TopicState:
             self._rebalance()
         return joined
 
+    def _seen(self, consumer: str, now: int) -> None:
+        """A settle or extend is a sign of life of a member, and not a way back in: a
+        consumer the heartbeat expiry removed rejoins by its next lease or heartbeat
+        (`touch`), which rebalances; re-added here it would own no bucket for good."""
+        if consumer in self.consumers:
+            self.consumers[consumer] = max(self.consumers[consumer], now)
+
     def leave(self, consumer: str, now: int) -> list[str]:
         """Remove a consumer and hand its leases back (not counted as a failed delivery)."""
         if self.consumers.pop(consumer, None) is None:
@@ -358,7 +365,7 @@ class TopicState:
         if seq != self.seq:
             self.totals[acked] += seq - self.seq
             self.seq = seq
-        self.consumers[consumer] = max(self.consumers.get(consumer, now), now)
+        self._seen(consumer, now)
         return refused
 
     def reject(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
@@ -433,7 +440,7 @@ class TopicState:
                 refused[mid] = lease
             else:
                 lease.deadline = now + lease_ms
-        self.consumers[consumer] = max(self.consumers.get(consumer, now), now)
+        self._seen(consumer, now)
         return refused, now + lease_ms
 
     def cancel(self, now: int, mid: str, bucket: int, sort_key: int) -> Refusal | None:

@@ -140,7 +140,7 @@ def first_per_id(t: pa.Table) -> pa.Table:
     letters)."""
     ids = t.column("message_id").to_pylist()
     first = {mid: i for i, mid in reversed(list(enumerate(ids)))}
-    return t.take(sorted(first.values()))
+    return t.take(pa.array(sorted(first.values()), pa.int64()))
 
 
 def period_s(retention_ms: int) -> float:

@@ -131,6 +131,25 @@ def test_consumers_join_leave_and_time_out() -> None:
     assert list(s.consumers) == ["c3"] and set(s.assignment.values()) == {"c3"}
 
 
+def test_a_consumer_timed_out_rejoins_with_buckets_not_through_an_ack() -> None:
+    """A consumer the heartbeat expiry removed while it held a lease still acks it; the
+    ack must not re-add it (it would own no bucket for good): its next lease joins."""
+    s = TopicState(buckets=4, max_deliveries=5)
+    s.touch("a", 0)
+    s.touch("b", 0)
+    [bucket, *_] = s.buckets_of("b")
+    s.lease("b", 0, 10_000, [("m", bucket, 1)])
+    s.touch("a", 900)
+    assert s.expire(1000, heartbeat_timeout_ms=999) == []
+    assert list(s.consumers) == ["a"] and set(s.assignment.values()) == {"a"}
+    assert s.ack("b", 1001, ["m"]) == {}
+    assert list(s.consumers) == ["a"], "an ack is no way back in"
+    assert sorted(s.buckets_of("a")) == [0, 1, 2, 3]
+    assert s.extend("b", 1002, ["m"], 1000)[0] == {"m": Refusal.SETTLED}
+    assert s.touch("b", 1003) is True, "its next lease or heartbeat joins"
+    assert len(s.buckets_of("b")) == 2 and len(s.buckets_of("a")) == 2
+
+
 @given(
     buckets=st.integers(1, 64),
     before=st.sets(st.sampled_from("abcdefgh"), max_size=8),

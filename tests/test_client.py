@@ -425,3 +425,22 @@ def test_a_failure_on_the_last_delivery_says_it_was_dead_lettered(
     assert len(said) == 5
     assert all("again in" in line for line in said[:4])
     assert "out of deliveries: dead-lettered" in said[4] and "again" not in said[4]
+
+
+def test_a_503_with_retry_after_0_is_asked_again_on_the_same_node() -> None:
+    """A node that gave up on a stalled leader answers 503 with Retry-After 0: it knows
+    the new leader, or is it. Asked again it serves; the next node may be the stalled
+    one. A mock transport stands in for the race (a leader elected while a forward to
+    its predecessor hangs), which real processes give only now and then."""
+    hits: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        hits.append(request.url.host)
+        if request.url.host == "a" and hits.count("a") == 1:
+            headers = {"retry-after": "0", "content-type": "application/problem+json"}
+            return httpx.Response(503, json={"title": "leader unreachable"}, headers=headers)
+        return httpx.Response(200, json={"messages": []})
+
+    with Client(["http://a", "http://b"], transport=httpx.MockTransport(answer)) as c:
+        assert c.lease("jobs", "w") == []
+    assert hits == ["a", "a"]

@@ -325,3 +325,12 @@ def test_a_redriven_message_gets_its_buffer_row_back_and_survives_a_restart(
     fresh = TopicIndex(warehouse, topic_conf())
     fresh.load()
     assert sorted(fresh.rows) == ["m0", "m1"]
+
+
+def test_first_per_id_of_no_rows_is_no_rows() -> None:
+    empty = ledger_rows([])
+    assert retention.first_per_id(empty).num_rows == 0
+    rows = ledger_rows([("a", "dead", 1), ("b", "dead", 2), ("a", "dead", 3)])
+    assert retention.first_per_id(rows).column("at").to_pylist() == [
+        r["at"] for r in rows.to_pylist()[:2]
+    ]
