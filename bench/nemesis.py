@@ -819,6 +819,8 @@ def sample(
             with contextlib.suppress(Exception):  # a table mid-commit: the next sample
                 point["ledger_rows"] = row_count(ledger)
                 point["buffer_rows"] = row_count(buffer)
+            if (lag := leader_ledger_lag(http, urls)) is not None:
+                point["ledger_lag_s"] = lag
             s = topic_stats(http, urls)
             if s:
                 point.update({k: s[k] for k in ("pending", "delayed", "leased", "deliverable_now")})
@@ -832,6 +834,38 @@ def sample(
                     for b in s["per_bucket"]
                 ]
             out.append(point)
+
+
+def leader_ledger_lag(http: httpx.Client, urls: list[str]) -> float | None:
+    """`dejaq_ledger_lag_seconds` on the node that leads (a follower behind in applying
+    trims would show events the leader has long checkpointed)."""
+    for url in urls:
+        try:
+            text = http.get(f"{url}/metrics").text
+        except httpx.HTTPError:
+            continue
+        if 'dejaq_raft_role{role="leader"} 1.0' in text:
+            found = re.findall(r"^dejaq_ledger_lag_seconds(?:{[^}]*})? (\S+)$", text, re.M)
+            return max((float(v) for v in found), default=None)
+    return None
+
+
+def ledger_lag(progress: list[dict], faults: list[Fault], since: float) -> dict[str, Any]:
+    """The leader's ledger lag over the run, and per fault the lag at the first sample
+    30 s or more after it (goal: under 10 s)."""
+    lags = [(p["t_s"], p["ledger_lag_s"]) for p in progress if "ledger_lag_s" in p]
+    after = []
+    for f in faults:
+        later = [lag for t, lag in lags if t >= f.at - since + 30]
+        if later:
+            after.append(later[0])
+    return {
+        "max_s": max((lag for _, lag in lags), default=None),
+        "samples": len(lags),
+        "samples_over_10s": sum(1 for _, lag in lags if lag >= 10),
+        "thirty_s_after_fault_max_s": max(after, default=None),
+        "faults_still_over_10s_after_30s": sum(1 for lag in after if lag >= 10),
+    }
 
 
 def start_cluster(tmp: Path, conf: Path, attempts: int = 3) -> Cluster:
@@ -1027,6 +1061,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     c: Cluster | None = None
     nemesis: Nemesis | None = None
     load: Load | None = None
+    since = time.time()
     http = httpx.Client(timeout=10)
     try:
         c = start_cluster(tmp, conf)
@@ -1065,6 +1100,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         ids = message_ids(args.seed, args.messages)
         figures["fates"] = dict(Counter(load.fates.of(m) for m in ids))
         figures["progress"] = load.progress
+        figures["ledger_lag"] = ledger_lag(load.progress, faults, since)
+        led = [f for f in faults if f.role == "leader" and "max_no_lease_gap_s" in f.extra]
+        figures["leader_faults"] = {
+            "count": len(led),
+            "max_no_lease_gap_s": max((f.extra["max_no_lease_gap_s"] for f in led), default=None),
+            "over_3s": sum(1 for f in led if f.extra["max_no_lease_gap_s"] > 3.0),
+        }
         idle = [(p["t_s"], p["without_buckets"]) for p in load.progress if p.get("without_buckets")]
         figures["consumers_without_buckets"] = {"samples": len(idle), "first": idle[:3]}
         figures["clients"] = {
