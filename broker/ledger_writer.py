@@ -59,10 +59,6 @@ def _ts(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
 
 
-def _written(path: str) -> int:
-    return DeltaTable(path).transaction_version(APP_ID) or 0
-
-
 def _commit(upto: int) -> CommitProperties:
     return CommitProperties(app_transactions=[Transaction(APP_ID, upto)])
 
@@ -86,8 +82,8 @@ def write_ledger(warehouse: str, topic: str, events: list[Settlement]) -> int:
     requests and heartbeats waiting ~15 ms.
     """
     upto = events[-1].seq
-    table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))
-    written = table.transaction_version(APP_ID) or 0
+    table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))  # one snapshot: see
+    written = table.transaction_version(APP_ID) or 0  # `write_dead_letters`
     if written < upto:
         new = events[bisect_right(events, written, key=_seq) :]
         settled = pa.Table.from_batches(
@@ -114,11 +110,14 @@ def write_dead_letters(warehouse: str, topic: str, events: list[Settlement]) -> 
     dead = deaths(events)
     if not dead:
         return
-    path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
-    done = _written(path)
+    # One snapshot for the tag and the write: a deposed leader's late write, made from
+    # a snapshot older than its successor's commit of the same app id, then fails
+    # (delta-rs refuses it as a concurrent transaction) instead of adding rows twice.
+    table = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, topic))
+    done = table.transaction_version(APP_ID) or 0
     if dead := [e for e in dead if e.seq > done]:
         rows = _dead_letters(warehouse, topic, dead)
-        write_deltalake(path, rows, mode="append", commit_properties=_commit(events[-1].seq))
+        write_deltalake(table, rows, mode="append", commit_properties=_commit(events[-1].seq))
 
 
 def compact_ledger(warehouse: str, topic: str) -> Compacted | None:

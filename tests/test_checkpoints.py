@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 
@@ -12,7 +13,9 @@ import pytest
 from conftest import wait_until
 from test_broker import loaded_topic
 
+from dejaq.broker import ledger_writer
 from dejaq.broker.checkpoints import Health, Lag, checkpoint, lag
+from dejaq.broker.ledger_writer import write_dead_letters, write_ledger
 from dejaq.conf.tables import LedgerEvent, Table, scan, table_path
 
 
@@ -79,3 +82,44 @@ def test_lag_counts_events_not_yet_checkpointed(tmp_path: Path) -> None:
     state.lease("c", now, 1000, index.pick(state, state.buckets_of("c"), 2, now=now))
     assert state.ack("c", now, ["m0", "m1"]) == {}
     assert lag(state) == Lag(events=2, oldest_ms=now, unwritten_dead_letters=0)
+
+
+def test_a_deposed_leaders_late_dead_letters_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader stopped between reading the dead letters' tag and writing them resumes
+    after its successor wrote the same deaths: its write must fail, not add them twice.
+    The stop is placed with a wrapper around the buffer read, the one step between."""
+    warehouse, index, state = loaded_topic(tmp_path, [1, 2])
+    state.lease("c", 0, 1000, index.pick(state, state.buckets_of("c"), 2, now=0))
+    assert state.reject("c", 1, ["m0", "m1"]) == {}
+    events = list(state.events)
+    write_ledger(warehouse, "jobs", events)
+    reading, resume = threading.Event(), threading.Event()
+    read_rows = ledger_writer._dead_letters
+
+    def stopped_while_reading(*args):
+        rows = read_rows(*args)
+        if threading.current_thread().name == "deposed":
+            reading.set()
+            assert resume.wait(30)
+        return rows
+
+    monkeypatch.setattr(ledger_writer, "_dead_letters", stopped_while_reading)
+    failed: list[BaseException] = []
+
+    def deposed() -> None:
+        try:
+            write_dead_letters(warehouse, "jobs", events)
+        except Exception as e:
+            failed.append(e)
+
+    old = threading.Thread(target=deposed, name="deposed")
+    old.start()
+    assert reading.wait(30)
+    write_dead_letters(warehouse, "jobs", events)  # the successor
+    resume.set()
+    old.join(30)
+    assert [type(e).__name__ for e in failed] == ["CommitFailedError"]
+    dead = scan(table_path(warehouse, Table.DEAD_LETTER, "jobs"), Table.DEAD_LETTER)
+    assert sorted(dead["message_id"].to_pylist()) == ["m0", "m1"]
