@@ -297,7 +297,8 @@ def test_max_rate_caps_a_trigger_at_one_second_of_tokens(kafka_bootstrap, topic_
         releaser.finish()
         output.close()
     assert first.released == 20, "a full bucket: one second's worth"
-    assert second.released <= 2, "then only what the rate refilled"
+    refilled = 20 * (second.started_ms - first.started_ms) / 1000  # tokens since the first
+    assert second.released <= refilled + 1, "then only what the rate refilled"
     assert [int(header(r, "dejaq-priority")) for r in records[:20]] == list(range(20))
 
 
