@@ -154,12 +154,32 @@ class BrokerConfig(_Strict):
     data_dir: str = "./.dejaq/broker"
 
 
+# Schemes whose store gives no put-if-absent to every engine that writes a table.
+UNSAFE_WAREHOUSES = ("s3://", "s3a://", "s3n://")
+
+
 class Settings(_Strict):
     warehouse: str = "./warehouse"
     kafka: KafkaConfig = KafkaConfig()
     spark: SparkConfig = SparkConfig()
     broker: BrokerConfig = BrokerConfig()
     topics: list[TopicConfig] = []
+
+    @field_validator("warehouse")
+    @classmethod
+    def _warehouse(cls, v: str) -> str:
+        """Refused where a commit could be lost: the buffer has two writing engines (the
+        ingest's Spark and the broker's delta-rs retention), and delta-spark's S3 log
+        store has no put-if-absent, so on S3 two commits of one version can both
+        "succeed" and one of them vanishes with its messages."""
+        if v.lower().startswith(UNSAFE_WAREHOUSES):
+            raise ValueError(
+                "an S3 warehouse is not supported: the buffer is written by Spark and by "
+                "delta-rs, and delta-spark cannot commit to S3 safely beside another "
+                "writer, so a commit (an ingest batch, a retention run) could be lost. "
+                "Use a local or shared file system, ADLS (abfss://) or GCS (gs://)"
+            )
+        return v
 
     @model_validator(mode="after")
     def _unique_topics(self) -> Settings:

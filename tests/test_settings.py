@@ -27,10 +27,10 @@ def test_env_overrides_leaf_keys() -> None:
     env = {
         "DEJAQ_KAFKA_BOOTSTRAP": "10.0.0.1:9093",
         "DEJAQ_SPARK_UI": "true",
-        "DEJAQ_WAREHOUSE": "s3://b/w",
+        "DEJAQ_WAREHOUSE": "gs://b/w",
     }
     s = load_settings(default_conf_file(), env=env)
-    assert (s.kafka.bootstrap, s.spark.ui, s.warehouse) == ("10.0.0.1:9093", True, "s3://b/w")
+    assert (s.kafka.bootstrap, s.spark.ui, s.warehouse) == ("10.0.0.1:9093", True, "gs://b/w")
 
 
 def test_conf_file_from_env(tmp_path: Path) -> None:
@@ -58,6 +58,8 @@ def test_conf_file_from_env(tmp_path: Path) -> None:
             "repeated: a",
         ),
         ("- just\n- a list\n", {}, "mapping at the top level"),
+        ("warehouse: s3://bucket/dejaq\n", {}, "warehouse: an S3 warehouse is not supported"),
+        ("", {"DEJAQ_WAREHOUSE": "S3A://b/w"}, "could be lost"),
         ("kafka: [unclosed\n", {}, "not valid YAML"),
     ],
 )
