@@ -12,11 +12,11 @@ SETUP := $(STAMP) $(JARS)
 
 .PHONY: demo test lint format bench clean java
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml client/pyproject.toml
 	@$(MAKE) --no-print-directory java
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ./client -e '.[dev]'
 	@touch $(STAMP)
 
 java:

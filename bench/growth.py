@@ -55,7 +55,7 @@ import yaml  # noqa: E402
 from deltalake import write_deltalake  # noqa: E402
 from test_broker import fill  # noqa: E402
 
-from dejaq.broker.client import Client  # noqa: E402
+from dejaq.client import Client  # noqa: E402
 from dejaq.conf.settings import (  # noqa: E402
     BrokerConfig,
     Delivery,

@@ -62,9 +62,8 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.broker.client import BrokerError, Client, Conflict, Message
-from dejaq.broker.responses import ExtendResult, Left, SettleResult
-from dejaq.broker.worker import Backoff, Worker
+from dejaq.client import Backoff, BrokerError, Client, Conflict, Message, Worker
+from dejaq.client.models import ExtendResult, Left, SettleResult
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node

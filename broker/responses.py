@@ -1,6 +1,7 @@
-"""Response bodies of the HTTP API that the routes and the Python client share.
+"""Response bodies of the HTTP API, as the routes declare them in the OpenAPI.
 
-Pydantic only: the client (`dejaq.broker.client`) imports this and no server code.
+The worker client (`dejaq.client.models`) decodes them into dataclasses of the same
+fields, without pydantic; a test keeps the two alike.
 """
 
 from __future__ import annotations

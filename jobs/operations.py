@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from dejaq.broker.client import BrokerError, Client, Unavailable
+from dejaq.client import BrokerError, Client, Unavailable
 
 EXIT_OK, EXIT_FAIL = 0, 1
 

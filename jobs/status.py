@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
 
-from dejaq.broker.client import BrokerError
+from dejaq.client import BrokerError
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs.doctor import kafka_answers

@@ -2,37 +2,17 @@
 
 from __future__ import annotations
 
-import signal
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
+
+from dejaq.client.stopping import stop_on_signals
 
 if TYPE_CHECKING:  # `dejaq kafka` and `dejaq cluster` use this module without Spark
     from pyspark.sql.streaming import StreamingQuery
 
+__all__ = ["stop_between_batches", "stop_on_signals"]
+
 STOP_WAIT_SECONDS = 120
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """SIGTERM, SIGINT and SIGHUP (its terminal closed) set the event instead of ending
-    the process, while inside.
-
-    The command then stops its own work in order (a batch boundary, a child's SIGTERM);
-    the previous handlers are back afterwards.
-    """
-    stopping = threading.Event()
-    previous = {
-        s: signal.signal(s, lambda *_: stopping.set())
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    }
-    try:
-        yield stopping
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def stop_between_batches(query: StreamingQuery) -> None:

@@ -26,9 +26,8 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, TopicPartition
 from test_broker import buffer_rows, fill
 
-from dejaq.broker.client import Client
 from dejaq.broker.routers.topics import TopicStats
-from dejaq.broker.worker import Worker
+from dejaq.client import Client, Worker
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import shutil
 import subprocess
 import sys
 import threading
@@ -19,8 +20,8 @@ from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
 from test_broker_cluster import leader_of, start, stop, write_conf
 
-from dejaq.broker import client as api
-from dejaq.broker.client import (
+from dejaq.client import (
+    Backoff,
     Client,
     Conflict,
     InvalidRequest,
@@ -28,8 +29,8 @@ from dejaq.broker.client import (
     NewMessage,
     NotFound,
     PayloadTooLarge,
+    Worker,
 )
-from dejaq.broker.worker import Backoff, Worker
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -62,23 +63,54 @@ def urls(nodes: list[Node]) -> list[str]:
 
 
 def test_client_models_have_the_routes_fields() -> None:
-    """The client imports no server code; the bodies it decodes (base64 to bytes) must not
-    drift from the routes' (the others are shared: `dejaq.broker.responses`)."""
+    """The client's dataclasses mirror the routes' response models: a field the broker
+    adds or renames fails here, not in a worker."""
+    import dataclasses
+
+    from dejaq.broker import responses
     from dejaq.broker.routers.leases import LeasedMessage
     from dejaq.broker.routers.messages import Peeked
     from dejaq.broker.routers.schedules import ScheduleOut
+    from dejaq.client import models
 
-    assert set(Message.model_fields) - {"held_until"} == set(LeasedMessage.model_fields)
-    assert set(api.Peeked.model_fields) == set(Peeked.model_fields)
-    assert set(api.Schedule.model_fields) == set(ScheduleOut.model_fields)
+    pairs = [(models.Message, LeasedMessage), (models.Peeked, Peeked)]
+    pairs.append((models.Schedule, ScheduleOut))
+    shared = [
+        name
+        for name, value in vars(responses).items()
+        if isinstance(value, type) and value.__module__ == responses.__name__
+    ]
+    assert len(shared) == 15, shared
+    pairs += [(getattr(models, n), getattr(responses, n)) for n in shared]
+    for mine, theirs in pairs:
+        fields = {f.name for f in dataclasses.fields(mine) if f.init}
+        assert fields == set(theirs.model_fields), mine.__name__
 
 
-def test_the_client_imports_no_server_code() -> None:
-    code = "import sys, dejaq.broker.worker; print(sorted(sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    loaded = out.stdout
-    for server in ("fastapi", "deltalake", "pysyncobj", "pyspark", "dejaq.broker.service"):
-        assert f"'{server}'" not in loaded, server
+def test_the_client_is_its_own_small_distribution(tmp_path: Path) -> None:
+    """`pip install ./client` in a bare venv: httpx and its own dependencies come, and
+    importing the client and the worker loads no Spark, NumPy, pyarrow or pydantic."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    py = str(venv / "bin" / "python")
+    source = tmp_path / "client"  # pip builds in the tree: not in the checkout's
+    shutil.copytree(Path(__file__).resolve().parents[1] / "client", source)
+    pip = [py, "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, str(source)], check=True)
+    listed = subprocess.run(
+        [py, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
+    ).stdout.lower()
+    installed = {line.split("==")[0] for line in listed.split()}
+    assert {"dejaq-client", "httpx"} <= installed
+    for heavy in ("pyspark", "numpy", "pyarrow", "pandas", "pydantic", "deltalake", "fastapi"):
+        assert heavy not in installed, heavy
+    code = (
+        "import sys; from dejaq.client import Client, Worker, Backoff; "
+        "c = Client(['127.0.0.1:1'], deadline=0.5); print(sorted(sys.modules))"
+    )
+    out = subprocess.run([py, "-c", code], capture_output=True, text=True, check=True).stdout
+    for server in ("pyspark", "numpy", "pyarrow", "pydantic", "dejaq.broker"):
+        assert f"'{server}'" not in out, server
 
 
 @given(base=st.integers(1, 10_000), cap=st.integers(1, 10**7), n=st.integers(1, 200))
@@ -300,8 +332,7 @@ def test_workers_survive_a_leader_kill(tmp_path, kafka_bootstrap, kafka_source) 
 
 WORKER_SCRIPT = """
 import logging, sys, time
-from dejaq.broker.client import Client
-from dejaq.broker.worker import Worker
+from dejaq.client import Client, Worker
 
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 

@@ -17,8 +17,9 @@ may be the call's own first attempt (an ack's `already_settled`, say).
 from __future__ import annotations
 
 import base64
-import email.utils
 import logging
+import os
+import ssl
 import threading
 import time
 import uuid
@@ -28,217 +29,35 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
-from pydantic import Base64Bytes, BaseModel, Field, TypeAdapter
 
-from dejaq.broker.responses import (
+from dejaq.client.errors import Unavailable, problem_of, retry_after_s
+from dejaq.client.models import (
     Cluster,
     ExtendResult,
     Heartbeat,
     Left,
+    Message,
     NackResult,
+    NewMessage,
     Paused,
+    Peeked,
     Purged,
     Redriven,
+    Schedule,
     SettleResult,
     TopicStats,
     TopicSummary,
+    decode,
 )
 
 log = logging.getLogger("dejaq.client")
 
+TOKEN_VARIABLE = "DEJAQ_TOKEN"
 RETRYABLE = frozenset({502, 503, 504})
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 ROUND_PAUSE_S = (0.05, 1.0)  # after every node failed once: first pause, longest pause
 
-T = TypeVar("T", bound=BaseModel)
-
-
-# --- results ---------------------------------------------------------------------------------
-
-
-class Message(BaseModel):
-    """A leased message, key and payload decoded."""
-
-    id: str
-    bucket: int
-    sort_key: int
-    priority: int | None
-    deliver_at: int | None = Field(description="epoch ms")
-    key: Base64Bytes | None
-    payload: Base64Bytes
-    deliveries: int
-    lease_deadline: int = Field(description="epoch ms, the broker's clock")
-    held_until: float = Field(
-        default=0.0,
-        description="time.monotonic() before which the lease surely holds: the request's "
-        "send time plus lease_ms, so neither clock skew nor the answer's trip stretches it "
-        "(without a lease_ms: the broker's deadline read on the local clock)",
-    )
-
-
-class Peeked(BaseModel):
-    """A settled message that reached the ledger has only `id` and `status`."""
-
-    id: str
-    status: str
-    bucket: int | None = None
-    sort_key: int | None = None
-    priority: int | None = None
-    deliver_at: int | None = None
-    key: Base64Bytes | None = None
-    payload: Base64Bytes | None = None
-    deliveries: int | None = None
-    lease_deadline: int | None = None
-    consumer_id: str | None = None
-
-
-class Schedule(BaseModel):
-    """A cron topic's schedule, payload decoded."""
-
-    id: str
-    cron: str
-    time_zone: str
-    key: str | None
-    payload: Base64Bytes
-    headers: dict[str, str]
-    end: int | None = Field(description="epoch ms")
-    created_at: int = Field(description="epoch ms; occurrences strictly after it")
-    materialised_until: int = Field(
-        description="epoch ms; every occurrence up to it is on the topic's Kafka input"
-    )
-    next_at: int | None = Field(description="epoch ms; the next occurrence, none once ended")
-
-
-@dataclass(frozen=True)
-class NewMessage:
-    """A message to produce: the payload is raw bytes, the key a UTF-8 string."""
-
-    payload: bytes
-    key: str | None = None
-    priority: int | None = None
-    deliver_at: int | None = None
-    id: str | None = None
-    headers: dict[str, str] | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"payload": base64.b64encode(self.payload).decode("ascii")}
-        for name in ("key", "priority", "deliver_at", "id", "headers"):
-            value = getattr(self, name)
-            if value is not None:
-                body[name] = value
-        return body
-
-
-_messages = TypeAdapter(list[Message])
-_topics = TypeAdapter(list[TopicSummary])
-_schedules = TypeAdapter(list[Schedule])
-
-
-# --- errors ----------------------------------------------------------------------------------
-
-
-class BrokerError(Exception):
-    """Any failure of a broker call."""
-
-
-class Unavailable(BrokerError):
-    """No node served the call within its deadline (or it could not safely be retried)."""
-
-
-class ProblemError(BrokerError):
-    """An error answer, with its problem details (RFC 9457)."""
-
-    def __init__(
-        self,
-        status: int,
-        title: str,
-        detail: str = "",
-        type: str = "about:blank",
-        extra: dict[str, Any] | None = None,
-        maybe_applied: bool = False,
-    ) -> None:
-        super().__init__(f"{status} {title}: {detail}" if detail else f"{status} {title}")
-        self.status, self.title, self.detail, self.type = status, title, detail, type
-        self.extra = extra or {}
-        self.maybe_applied = maybe_applied
-
-
-class NotFound(ProblemError):
-    """An unknown topic, message or route."""
-
-
-class Conflict(ProblemError):
-    """Some messages were refused; `refused` maps each id to why (or `reason`, for a
-    single message's cancel or reschedule)."""
-
-    @property
-    def refused(self) -> dict[str, str]:
-        return dict(self.extra.get("refused") or {})
-
-    @property
-    def settled(self) -> int:
-        return int(self.extra.get("settled", 0))
-
-    @property
-    def reason(self) -> str | None:
-        return self.extra.get("reason")
-
-
-class PayloadTooLarge(ProblemError):
-    """Over the broker's payload or request size limit."""
-
-
-class InvalidRequest(ProblemError):
-    """The request failed validation; `errors` names each field (`loc`) and why."""
-
-    @property
-    def errors(self) -> list[dict[str, Any]]:
-        return list(self.extra.get("errors") or [])
-
-
-_BY_STATUS: dict[int, type[ProblemError]] = {
-    404: NotFound,
-    409: Conflict,
-    413: PayloadTooLarge,
-    422: InvalidRequest,
-}
-
-
-def problem_of(answer: httpx.Response, maybe_applied: bool = False) -> ProblemError:
-    """The typed exception for an error answer (problem+json, or any other body)."""
-    try:
-        body = answer.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        body = {"title": answer.reason_phrase, "detail": answer.text[:500]}
-    fields = {k: body.get(k) for k in ("title", "detail", "type")}
-    extra = {k: v for k, v in body.items() if k not in ("title", "detail", "type", "status")}
-    cls = _BY_STATUS.get(answer.status_code, ProblemError)
-    return cls(
-        answer.status_code,
-        str(fields["title"] or answer.reason_phrase),
-        str(fields["detail"] or ""),
-        str(fields["type"] or "about:blank"),
-        extra,
-        maybe_applied,
-    )
-
-
-def retry_after_s(answer: httpx.Response, default: float = 1.0) -> float:
-    """`Retry-After` in seconds: delta-seconds or an HTTP date."""
-    value = answer.headers.get("retry-after")
-    if value is None:
-        return default
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        pass
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError):
-        return default
-    return max(0.0, when.timestamp() - time.time())
+T = TypeVar("T")
 
 
 def node_url(node: str) -> str:
@@ -267,24 +86,33 @@ class Client:
         self,
         nodes: Sequence[str],
         *,
+        token: str | None = None,
+        verify: bool | str | ssl.SSLContext = True,
         timeout: float = 10.0,
         stall_s: float = 2.0,
         deadline: float = 30.0,
         max_retry_after: float = 5.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        """`timeout` bounds one attempt; `stall_s` one attempt of a worker's calls (lease,
-        ack, nack, extend, reject, heartbeat, leave), which the broker answers in
-        milliseconds: a node silent for longer is taken for stalled (a stopped process
-        still accepts connections) and the call moves to the next node. A lease's
-        `wait_ms` is added to either. `deadline` bounds a call, every node and retry
-        included; a `Retry-After` is obeyed up to `max_retry_after` seconds."""
+        """`token`: an API key, sent as a bearer token (default: `$DEJAQ_TOKEN`, if set).
+        `verify`: how `https://` nodes are checked: True (the system's CAs), a CA file's
+        path, an `ssl.SSLContext`, or False (not at all). `timeout` bounds one attempt;
+        `stall_s` one attempt of a worker's calls (lease, ack, nack, extend, reject,
+        heartbeat, leave), which the broker answers in milliseconds: a node silent for
+        longer is taken for stalled (a stopped process still accepts connections) and
+        the call moves to the next node. A lease's `wait_ms` is added to either.
+        `deadline` bounds a call, every node and retry included; a `Retry-After` is
+        obeyed up to `max_retry_after` seconds."""
         if not nodes:
             raise ValueError("nodes: give at least one node base URL")
         self.nodes = [node_url(n) for n in nodes]
         self.timeout, self.deadline, self.max_retry_after = timeout, deadline, max_retry_after
         self.stall_s = stall_s
-        self._http = httpx.Client(transport=transport)
+        token = token if token is not None else os.environ.get(TOKEN_VARIABLE) or None
+        headers = {"authorization": f"Bearer {token}"} if token else None
+        if isinstance(verify, str):
+            verify = ssl.create_default_context(cafile=verify)
+        self._http = httpx.Client(transport=transport, headers=headers, verify=verify)
         self._current = 0
         self._lock = threading.Lock()
 
@@ -367,7 +195,7 @@ class Client:
         return self._send(method, path, body, **kw).response.json()
 
     def _model(self, model: type[T], method: str, path: str, body: Any = None) -> T:
-        return model.model_validate(self._json(method, path, body))
+        return decode(model, self._json(method, path, body))
 
     # --- leasing -----------------------------------------------------------------------
 
@@ -395,7 +223,7 @@ class Client:
         answer = self._send(
             "POST", f"/v1/topics/{topic}/leases", body, wait_s=wait_ms / 1000, worker=True
         )
-        messages = _messages.validate_python(answer.response.json()["messages"])
+        messages = decode(list[Message], answer.response.json()["messages"])
         for m in messages:
             held_ms = lease_ms if lease_ms is not None else m.lease_deadline - _epoch_ms()
             m.held_until = answer.sent_at + held_ms / 1000
@@ -409,7 +237,7 @@ class Client:
 
     def ack(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
         """Done: never delivered again. `Conflict.refused` names the ids refused."""
-        return SettleResult.model_validate(self._settle(topic, "acks", consumer_id, ids))
+        return decode(SettleResult, self._settle(topic, "acks", consumer_id, ids))
 
     def nack(
         self,
@@ -424,7 +252,7 @@ class Client:
         extra: dict[str, Any] = {"delay_ms": delay_ms}
         if priority is not None:
             extra["priority"] = priority
-        return NackResult.model_validate(self._settle(topic, "nacks", consumer_id, ids, **extra))
+        return decode(NackResult, self._settle(topic, "nacks", consumer_id, ids, **extra))
 
     def extend(
         self, topic: str, consumer_id: str, ids: Iterable[str], lease_ms: int | None = None
@@ -432,23 +260,23 @@ class Client:
         """Push the leases' deadline to now + `lease_ms` (default: the broker's)."""
         extra = {} if lease_ms is None else {"lease_ms": lease_ms}
         got = self._settle(topic, "extensions", consumer_id, ids, **extra)
-        return ExtendResult.model_validate(got)
+        return decode(ExtendResult, got)
 
     def reject(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
         """Poison: straight to the dead letters."""
-        return SettleResult.model_validate(self._settle(topic, "rejections", consumer_id, ids))
+        return decode(SettleResult, self._settle(topic, "rejections", consumer_id, ids))
 
     # --- consumers ---------------------------------------------------------------------
 
     def heartbeat(self, topic: str, consumer_id: str) -> Heartbeat:
         """Join or stay alive; the answer lists the buckets the consumer may lease from."""
         path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}/heartbeat"
-        return Heartbeat.model_validate(self._json("POST", path, worker=True))
+        return decode(Heartbeat, self._json("POST", path, worker=True))
 
     def leave(self, topic: str, consumer_id: str) -> Left:
         """Leave: the consumer's leases go back to pending, its buckets to the others."""
         path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}"
-        return Left.model_validate(self._json("DELETE", path, worker=True))
+        return decode(Left, self._json("DELETE", path, worker=True))
 
     # --- messages ----------------------------------------------------------------------
 
@@ -571,7 +399,7 @@ class Client:
     def schedules(self, topic: str) -> list[Schedule]:
         """Every schedule of a cron topic, by id."""
         got = self._json("GET", f"/v1/topics/{topic}/schedules")["schedules"]
-        return _schedules.validate_python(got)
+        return decode(list[Schedule], got)
 
     def schedule(self, topic: str, schedule_id: str) -> Schedule:
         """One schedule, with its next occurrence and how far it is materialised."""
@@ -586,7 +414,7 @@ class Client:
 
     def topics(self) -> list[TopicSummary]:
         """The topics the broker leases from."""
-        return _topics.validate_python(self._json("GET", "/v1/topics"))
+        return decode(list[TopicSummary], self._json("GET", "/v1/topics"))
 
     def topic_stats(self, topic: str) -> TopicStats:
         """Pending, delayed, leased, acked, dead, consumers; per bucket too."""

@@ -20,8 +20,10 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from dejaq.broker.client import BrokerError, Client, Conflict, Message, ProblemError
-from dejaq.jobs.stopping import stop_on_signals
+from dejaq.client.api import Client
+from dejaq.client.errors import BrokerError, Conflict, ProblemError
+from dejaq.client.models import Message
+from dejaq.client.stopping import stop_on_signals
 
 log = logging.getLogger("dejaq.worker")
 
