@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import ssl
 import time
 from collections.abc import Awaitable
 from contextlib import asynccontextmanager
@@ -26,11 +27,12 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from dejaq.broker.access import FORWARDED, ROUTES, Guard, forward_tag
+from dejaq.broker.keys import KeyRing
 from dejaq.broker.service import Broker, Problem, Producer
 
 # The Swagger UI files fastapi-offline ships (its own app factory is not used).
 OFFLINE_DOCS = Path(fastapi_offline.__file__).parent / "static"
-FORWARDED = "x-dejaq-forwarded"
 PROBLEM = "application/problem+json"
 FORWARD_WAIT_S = 3.0  # an election takes 0.5-1.5 s; a client should not see it
 # A leader that has not answered a forward this long (beyond a long poll's wait) is
@@ -130,12 +132,12 @@ async def _forward(request: Request, exc: Exception) -> Response:
                 target,
                 client.request(
                     request.method,
-                    f"http://{target}{request.url.path}",
+                    f"{request.app.state.scheme}://{target}{request.url.path}",
                     params=request.query_params,
                     content=body,
                     headers={
                         "content-type": request.headers.get("content-type", ""),
-                        FORWARDED: "1",
+                        FORWARDED: request.app.state.forward_tag,
                     },
                 ),
                 FORWARD_STALL_S + _long_poll_s(body),
@@ -196,13 +198,14 @@ async def _ask(
 
 
 class BrokerApp(FastAPI):
-    """FastAPI, with lease and ack offered to `broker.hotpath` before FastAPI's own
-    per-request machinery (telemetry checks, middleware stack, routing) runs."""
+    """FastAPI, behind the key check (`broker.access`, when keys are on) and with lease
+    and ack offered to `broker.hotpath` before FastAPI's own per-request machinery
+    (telemetry checks, middleware stack, routing) runs."""
 
-    hot: Any
+    front: Any
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        await self.hot(scope, receive, send)
+        await self.front(scope, receive, send)
 
 
 DOCS_ASSETS = "/docs-assets"
@@ -246,7 +249,7 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
         if broker.raft is not None:
             broker.raft.attach(asyncio.get_running_loop())
         try:
-            async with httpx.AsyncClient(timeout=40) as client:
+            async with httpx.AsyncClient(timeout=40, verify=_verify(broker)) as client:
                 app.state.http = client
                 crons = asyncio.create_task(materialiser.run())
                 try:
@@ -287,5 +290,54 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     ):
         app.include_router(router, prefix="/v1")
     app.include_router(health.router)
-    app.hot = HotPath(partial(FastAPI.__call__, app), broker)
+    conf = broker.conf
+    app.state.scheme = "https" if conf.tls.on else "http"
+    password = conf.raft_password
+    app.state.forward_tag = forward_tag(password, broker.http_addr) if password else "1"
+    app.front = HotPath(partial(FastAPI.__call__, app), broker)
+    if conf.keys_file is not None:
+        app.front = Guard(
+            app.front,
+            KeyRing(Path(conf.keys_file)),
+            password,
+            lambda: set(broker.raft.http_addresses().values()) if broker.raft else set(),
+            conf.metrics_open,
+        )
+        _declare_security(app, conf.metrics_open)
     return app
+
+
+def _verify(broker: Broker) -> ssl.SSLContext | bool:
+    """How a follower checks the leader it forwards to: the cluster's CA, if given."""
+    tls = broker.conf.tls
+    return ssl.create_default_context(cafile=tls.ca) if tls.ca is not None else True
+
+
+def _declare_security(app: FastAPI, metrics_open: bool) -> None:
+    """The OpenAPI names the bearer scheme, and on each operation the role it needs."""
+    roles = {(m, p): r for m, p, r in ROUTES}
+    schema = app.openapi()
+    schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+    schemes["apiKey"] = {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a DejaQ API key (`dejaq keys add`); roles per topic",
+    }
+    for path, operations in schema["paths"].items():
+        for method, operation in operations.items():
+            key = (method.upper(), path)
+            if key not in roles or (path == "/metrics" and metrics_open):
+                continue
+            operation["security"] = [{"apiKey": []}]
+            role = roles[key]
+            operation["x-dejaq-role"] = role
+            if role is not None:
+                note = f"Needs an API key with the role `{role}`"
+                where = " on the topic." if "{topic}" in path else "."
+                operation["description"] = f"{operation.get('description', '')}\n\n{note}{where}"
+            operation.setdefault("responses", {}).update(
+                {
+                    "401": {"description": "no API key, or an unknown or revoked one"},
+                    "403": {"description": "the key lacks the role on this topic"},
+                }
+            )

@@ -143,10 +143,43 @@ class SparkConfig(_Strict):
     connectors: Literal["auto", "jvm", "python"] = "auto"
 
 
+class TlsConfig(_Strict):
+    """PEM files for the broker's HTTPS: this node's certificate and key, and the CA that
+    signed the nodes' certificates (a follower verifies the leader with it)."""
+
+    cert: str | None = None
+    key: str | None = None
+    ca: str | None = None
+
+    @model_validator(mode="after")
+    def _pair(self) -> TlsConfig:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("give both cert and key (PEM files), or neither")
+        if self.ca is not None and self.cert is None:
+            raise ValueError("ca is for verifying the nodes' certificates: give cert and key")
+        for name in ("cert", "key", "ca"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        return self
+
+    @property
+    def on(self) -> bool:
+        return self.cert is not None
+
+
 class BrokerConfig(_Strict):
-    """The HTTP lease broker; `raft_password` is required for more than one node."""
+    """The HTTP lease broker; `raft_password` is required for more than one node.
+
+    `keys_file` turns on API keys (`dejaq keys add`); a node bound beyond loopback
+    without it refuses to start unless `insecure` says it is meant to be open.
+    """
 
     raft_password: str | None = None
+    keys_file: str | None = None
+    insecure: bool = False
+    metrics_open: bool = False  # /metrics without a key (a scraper on a trusted network)
+    tls: TlsConfig = TlsConfig()
     lease_ms: int = Field(default=30_000, ge=1, le=12 * 3600 * 1000)
     max_deliveries: int = Field(default=5, ge=1)
     heartbeat_timeout_ms: int = Field(default=10_000, ge=100)
@@ -202,8 +235,9 @@ def default_conf_file() -> Path:
     return Path(str(files("dejaq.conf").joinpath("dejaq.yaml")))
 
 
-# Variables of the prefix that are not settings: where the configuration and the jars are.
-NOT_SETTINGS = frozenset({"DEJAQ_CONF_FILE", "DEJAQ_JARS_DIR"})
+# Variables of the prefix that are not settings: where the configuration and the jars are,
+# and the API key the CLI and the worker client send.
+NOT_SETTINGS = frozenset({"DEJAQ_CONF_FILE", "DEJAQ_JARS_DIR", "DEJAQ_TOKEN"})
 
 
 def _env_overrides(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.abc
+import ipaddress
 import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -35,6 +37,15 @@ def _address(value: str, flag: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"{flag} expects HOST:PORT, got {value!r}")
     return host, int(port)
+
+
+def _loopback(host: str) -> bool:
+    """Whether only this machine can reach `host` (a name is resolved)."""
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    return all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
 
 
 class _WithoutPandas(importlib.abc.MetaPathFinder):
@@ -76,6 +87,15 @@ def run(args: argparse.Namespace) -> int:
             "broker.raft_password is required for a multi-node cluster "
             "(set it in the configuration or as DEJAQ_BROKER_RAFT_PASSWORD)"
         )
+    conf = settings.broker
+    if not _loopback(host) and conf.keys_file is None and not conf.insecure:
+        print(
+            f"error: --http {args.http} is reachable beyond this machine and no API keys are "
+            "configured: set broker.keys_file (and add keys with `dejaq keys add`), or set "
+            "broker.insecure: true if this node is meant to be open to anyone who reaches it",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
     # The event loop (HTTP and Raft) shares the GIL with the threads that follow the
     # buffer table and checkpoint the ledger: get it back within 0.5 ms, not the default
     # 5 ms, so requests and heartbeats do not queue behind those threads' Python loops.
@@ -83,11 +103,13 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(settings, args.node_id, args.http, args.raft, peers, data_dir)
+    tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
+    scheme = "https" if conf.tls.on else "http"
     broker.start()
-    print(f"broker {args.node_id}: http://{args.http} raft {args.raft}", flush=True)
+    print(f"broker {args.node_id}: {scheme}://{args.http} raft {args.raft}", flush=True)
     try:
         app = create_app(broker, Producer(settings.kafka.bootstrap))
-        uvicorn.run(app, host=host, port=port, **SETTINGS)
+        uvicorn.run(app, host=host, port=port, **SETTINGS, **tls)
     finally:
         broker.stop()
     return 0

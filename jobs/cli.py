@@ -38,7 +38,7 @@ def _release(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from dejaq.jobs import status
 
-    return status.run(args.topic, args.conf_file, args.broker)
+    return status.run(args.topic, args.conf_file, args.broker, args.token, args.cacert)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -74,6 +74,12 @@ def _listing(table: str) -> Callable[[argparse.Namespace], int]:
         return listing.run(Table(table), args)
 
     return run
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from dejaq.jobs import keys
+
+    return keys.run(args)
 
 
 def _cluster(args: argparse.Namespace) -> int:
@@ -113,16 +119,18 @@ def _parser() -> argparse.ArgumentParser:
     release_arguments(add("release", _release, "Release a topic's buffer to Kafka, in order."))
     st = add("status", _status, "Buffer, retention, quarantine and ingest lag of a topic.")
     st.add_argument("--topic", required=True, help="a topic name from the configuration")
-    st.add_argument(
-        "--broker", metavar="URL", help="any broker node's URL: adds each node's index and memory"
-    )
+    from dejaq.jobs import operations
+
+    operations.add_node(st, required=False)
     conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
     conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))
     from dejaq.jobs.broker import add_arguments as broker_arguments
 
     broker_arguments(add("broker", _broker, "Run one node of the HTTP lease broker (Raft)."))
-    from dejaq.jobs import operations
+    from dejaq.jobs.keys import add_arguments as keys_arguments
+
+    keys_arguments(add("keys", _keys, "Add, list or revoke the broker's API keys."))
 
     operations.add_redrive(
         add("redrive", _operation("redrive"), "Make a topic's dead letters leasable again.")

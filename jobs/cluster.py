@@ -6,6 +6,7 @@ import argparse
 import os
 import secrets
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import httpx
 
+from dejaq.conf.settings import load_settings
 from dejaq.jobs.embedded_kafka import stop
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
@@ -26,10 +28,15 @@ class Node:
     raft: str
     data_dir: Path
     proc: subprocess.Popen | None = None
+    scheme: str = "http"
+    ca: str | None = None  # verifies an https node's certificate
 
     @property
     def url(self) -> str:
-        return f"http://{self.http}"
+        return f"{self.scheme}://{self.http}"
+
+    def verify(self) -> ssl.SSLContext | bool:
+        return ssl.create_default_context(cafile=self.ca) if self.ca else True
 
 
 HTTP_PORT, RAFT_PORT = 8001, 8101  # `cluster up`'s: node i serves on 8000+i, Raft 8100+i
@@ -110,7 +117,7 @@ def ready(nodes: list[Node]) -> bool:
         if n.proc is None or n.proc.poll() is not None:
             continue
         try:
-            if httpx.get(f"{n.url}/readyz", timeout=1).status_code != 200:
+            if httpx.get(f"{n.url}/readyz", timeout=1, verify=n.verify()).status_code != 200:
                 return False
         except httpx.HTTPError:
             return False
@@ -138,7 +145,10 @@ def up(
     """Start `n` nodes sharing one Raft password (the configured one, else a fresh one)."""
     env = dict(os.environ)
     env.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
+    tls = load_settings(conf_file, env).broker.tls
     nodes = plan(n, data_dir, http_port, raft_port)
+    for node in nodes:
+        node.scheme, node.ca = ("https" if tls.on else "http"), tls.ca
     if busy := taken(nodes):
         raise PortsTaken(busy)
     for node in nodes:

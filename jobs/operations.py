@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import ssl
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -32,9 +33,16 @@ def epoch_ms(value: str) -> int:
     return int(at.timestamp() * 1000)
 
 
+def add_node(sp: argparse.ArgumentParser, required: bool = True) -> None:
+    """--broker, and how to reach it: --token and --cacert."""
+    sp.add_argument("--broker", required=required, metavar="URL", help="any broker node's URL")
+    sp.add_argument("--token", help="an API key (default: $DEJAQ_TOKEN)")
+    sp.add_argument("--cacert", metavar="PEM", help="the CA that signed an https:// node's cert")
+
+
 def add_common(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--topic", required=True, help="a lease topic")
-    sp.add_argument("--broker", required=True, metavar="URL", help="any broker node's URL")
+    add_node(sp)
 
 
 def add_redrive(sp: argparse.ArgumentParser) -> None:
@@ -59,13 +67,16 @@ def add_purge(sp: argparse.ArgumentParser) -> None:
 PROBE_TIMEOUT_S = 2.0
 
 
-def connect(url: str, timeout: float = 60.0) -> Client:
+def connect(
+    url: str, timeout: float = 60.0, token: str | None = None, cacert: str | None = None
+) -> Client:
     """A client of the node at `url`, once it answers at all: a command given a wrong
     address fails at once, not after the client's retries (meant to ride out a node's
     restart) have run out."""
-    client = Client([url], timeout=timeout, deadline=10.0)
+    verify = ssl.create_default_context(cafile=cacert) if cacert else True
+    client = Client([url], token=token, verify=verify, timeout=timeout, deadline=10.0)
     try:
-        httpx.get(f"{client.node}/healthz", timeout=PROBE_TIMEOUT_S)
+        httpx.get(f"{client.node}/healthz", timeout=PROBE_TIMEOUT_S, verify=verify)
     except httpx.HTTPError as e:
         client.close()
         raise Unavailable(f"no broker node answers at {url} ({type(e).__name__})") from e
@@ -75,7 +86,7 @@ def connect(url: str, timeout: float = 60.0) -> Client:
 def _call(args: argparse.Namespace, call: Callable[[Client], Any]) -> Any:
     """The call's answer; a broker error is printed and becomes None."""
     try:
-        with connect(args.broker) as client:
+        with connect(args.broker, token=args.token, cacert=args.cacert) as client:
             return call(client)
     except BrokerError as e:
         print(f"error: {e}", file=sys.stderr)

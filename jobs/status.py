@@ -95,14 +95,15 @@ def last_retention(buffer_path: str, look_back: int = 200) -> str:
     return "none yet"
 
 
-def print_nodes(url: str, topic: str) -> None:
+def print_nodes(url: str, topic: str, token: str | None, cacert: str | None) -> None:
     """Each node's role, resident memory, index and view of the buffer."""
-    with connect(url, timeout=10) as client:
+    with connect(url, timeout=10, token=token, cacert=cacert) as client:
         nodes = client.cluster().nodes
+        scheme = client.node.partition("://")[0]
     print("nodes")
     for http in sorted(nodes.values()):
         try:
-            with connect(f"http://{http}", timeout=5) as client:
+            with connect(f"{scheme}://{http}", timeout=5, token=token, cacert=cacert) as client:
                 view = client.cluster()
         except BrokerError as e:
             print(f"  {http:<22} unreachable ({e})")
@@ -130,7 +131,13 @@ def print_nodes(url: str, topic: str) -> None:
         print(line)
 
 
-def run(topic: str, conf_file: str | None, broker: str | None = None) -> int:
+def run(
+    topic: str,
+    conf_file: str | None,
+    broker: str | None = None,
+    token: str | None = None,
+    cacert: str | None = None,
+) -> int:
     settings = load_settings(conf_file)
     conf = settings.topic(topic)
     for table in (Table.BUFFER, Table.QUARANTINE):
@@ -139,7 +146,7 @@ def run(topic: str, conf_file: str | None, broker: str | None = None) -> int:
     print(f"retention   {last_retention(table_path(settings.warehouse, Table.BUFFER, topic))}")
     if broker:
         try:
-            print_nodes(broker, topic)
+            print_nodes(broker, topic, token, cacert)
         except BrokerError as e:
             print(f"nodes       unknown: the broker at {broker} does not answer ({e})")
             return 1

@@ -1,0 +1,206 @@
+"""API keys: who may call the broker, as what role, on which topics.
+
+A key is `dq_<id>_<secret>`. The key file holds, per key, its id, a name, the SHA-256 of
+its secret (never the secret: a stolen file lets no one in; the secret is 32 random
+bytes, so a plain hash is as strong as a slow one) and its grants: roles on topic
+globs. Every node reads the file its configuration names and reads it again when it
+changes, so `dejaq keys add` and `revoke` take effect within a second, with no restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import fnmatch
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dejaq.conf.settings import ConfigError
+
+ROLES = ("produce", "consume", "operate", "read", "monitor")
+PREFIX = "dq"
+RELOAD_EVERY_S = 1.0
+FORMAT = 1
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-@")
+
+
+class KeyFileError(ConfigError):
+    """The key file is unreadable or malformed, or a key operation is invalid."""
+
+
+@dataclass(frozen=True)
+class Grant:
+    role: str
+    topics: tuple[str, ...]  # globs: `orders`, `orders.*`, `*`
+
+
+@dataclass(frozen=True)
+class Key:
+    id: str
+    name: str
+    sha256: str
+    grants: tuple[Grant, ...]
+    created_at: int  # epoch ms
+
+    def allows(self, role: str, topic: str | None) -> bool:
+        """Whether a grant gives `role` on `topic` (any topic's grant, for a topic-less
+        route such as /metrics)."""
+        for grant in self.grants:
+            if grant.role != role:
+                continue
+            if topic is None or any(fnmatch.fnmatchcase(topic, g) for g in grant.topics):
+                return True
+        return False
+
+    def describe(self) -> dict[str, Any]:
+        """What `dejaq keys list` shows: everything but the hash."""
+        grants = [{"role": g.role, "topics": list(g.topics)} for g in self.grants]
+        return {"name": self.name, "id": self.id, "created_at": self.created_at, "grants": grants}
+
+
+def digest(secret: str) -> str:
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def split_token(token: str) -> tuple[str, str] | None:
+    """(id, secret) of a well-formed key, else None."""
+    prefix, _, rest = token.partition("_")
+    key_id, _, secret = rest.partition("_")
+    if prefix != PREFIX or not key_id or not secret:
+        return None
+    return key_id, secret
+
+
+def read_keys(path: Path) -> dict[str, Key]:
+    """The keys in `path` by id; an absent file holds none."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        raise KeyFileError(f"key file {path}: {e}") from None
+    try:
+        keys = [
+            Key(
+                id=k["id"],
+                name=k["name"],
+                sha256=k["sha256"],
+                grants=tuple(Grant(g["role"], tuple(g["topics"])) for g in k["grants"]),
+                created_at=int(k["created_at"]),
+            )
+            for k in data["keys"]
+        ]
+    except (KeyError, TypeError) as e:
+        raise KeyFileError(f"key file {path}: malformed ({type(e).__name__}: {e})") from None
+    return {k.id: k for k in keys}
+
+
+def _write(path: Path, keys: dict[str, Key]) -> None:
+    """Atomically, owner-only: a reader sees the old file or the new one."""
+    body = json.dumps({"format": FORMAT, "keys": [asdict(k) for k in keys.values()]}, indent=1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(body + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """One key-file change at a time (two `dejaq keys add` at once keep both keys)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def add_key(path: Path, name: str, roles: Sequence[str], topics: Sequence[str]) -> str:
+    """A new key named `name` with `roles` on `topics`; returns the key, which is
+    stored nowhere and cannot be shown again."""
+    if not name or not set(name) <= _NAME_CHARS or len(name) > 100:
+        raise KeyFileError(f"key name {name!r}: 1-100 of letters, digits and ._-@")
+    unknown = [r for r in roles if r not in ROLES]
+    if unknown or not roles:
+        raise KeyFileError(f"roles: give one or more of {', '.join(ROLES)} (got {list(roles)})")
+    if not topics or any(not t for t in topics):
+        raise KeyFileError("topics: give one or more topic names or globs ('*' for every one)")
+    with _locked(path):
+        keys = read_keys(path)
+        if any(k.name == name for k in keys.values()):
+            raise KeyFileError(f"a key named {name!r} exists: revoke it first, or pick a name")
+        key_id, secret = secrets.token_hex(6), secrets.token_urlsafe(32)
+        grants = tuple(Grant(r, tuple(topics)) for r in dict.fromkeys(roles))
+        keys[key_id] = Key(key_id, name, digest(secret), grants, time.time_ns() // 1_000_000)
+        _write(path, keys)
+    return f"{PREFIX}_{key_id}_{secret}"
+
+
+def revoke_key(path: Path, name: str) -> Key:
+    """Remove the key named `name` (or of that id); nodes refuse it within a second."""
+    with _locked(path):
+        keys = read_keys(path)
+        found = [k for k in keys.values() if name in (k.name, k.id)]
+        if not found:
+            raise KeyFileError(f"no key named {name!r} in {path}")
+        del keys[found[0].id]
+        _write(path, keys)
+    return found[0]
+
+
+class KeyRing:
+    """The keys of one file, read again when it changes (looked at once a second)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._keys: dict[str, Key] = {}
+        self._seen: tuple[int, int, int] | None = None
+        self._checked = 0.0
+        self.reload()
+
+    def _signature(self) -> tuple[int, int, int] | None:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def reload(self) -> None:
+        """Read the file if it changed. A malformed file keeps the keys in force (a
+        half-edited file must not open the door or shut it), and raises at start."""
+        signature = self._signature()
+        if signature == self._seen and self._seen is not None:
+            return
+        keys = read_keys(self.path)
+        with self._lock:
+            self._keys, self._seen = keys, signature
+
+    def authenticate(self, token: str) -> Key | None:
+        """The key `token` is, compared in constant time; None for any other token."""
+        now = time.monotonic()
+        if now - self._checked >= RELOAD_EVERY_S:
+            self._checked = now
+            with contextlib.suppress(KeyFileError):
+                self.reload()
+        parts = split_token(token)
+        key = self._keys.get(parts[0]) if parts is not None else None
+        expected = key.sha256 if key is not None else "0" * 64
+        given = digest(parts[1]) if parts is not None else "1" * 64
+        return key if hmac.compare_digest(expected, given) and key is not None else None

@@ -1,0 +1,288 @@
+"""Who may do what, on real nodes: TLS on every node's HTTP, API keys as bearer tokens,
+a role per route on the route's topic, forwards taken from cluster nodes only."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import ssl
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import wait_until
+from test_broker import buffer_rows, fill
+from test_broker_cluster import leader_of
+
+from dejaq.broker.access import ROUTES, forward_tag
+from dejaq.broker.keys import KeyFileError, add_key, read_keys, revoke_key, split_token
+from dejaq.client import Client, Forbidden, Unauthorized, Unavailable, Worker
+from dejaq.jobs import cluster
+from dejaq.jobs.certificates import new_authority
+from dejaq.jobs.ports import free_port
+
+ROLES = ("produce", "consume", "operate", "read", "monitor")
+PARAMS = {"topic": "jobs", "message_id": "a1", "consumer_id": "c1", "schedule_id": "s1"}
+
+
+def write_secure_conf(tmp: Path, bootstrap: str, source: str) -> tuple[Path, Path, Path]:
+    """A configuration with TLS and keys on; returns (conf, CA file, keys file)."""
+    ca = new_authority(tmp / "pki")
+    node = ca.issue(tmp / "pki", "node", ["127.0.0.1", "localhost"])
+    keys = tmp / "keys.json"
+    conf = tmp / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        "broker:\n"
+        "  lease_ms: 5000\n"
+        f"  keys_file: {keys}\n"
+        f"  tls: {{cert: {node.cert}, key: {node.key}, ca: {ca.cert}}}\n"
+        "topics:\n"
+        f"  - {{name: jobs, kind: priority, source: [{source}], buckets: 4}}\n"
+        f"  - {{name: other, kind: priority, source: [{source}], buckets: 4}}\n"
+    )
+    return conf, ca.cert, keys
+
+
+@pytest.fixture(scope="module")
+def secure(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[dict]:
+    tmp: Path = tmp_path_factory.mktemp("access")
+    conf, ca, keys_file = write_secure_conf(tmp, kafka_bootstrap, kafka_source)
+    keys = {role: add_key(keys_file, role, [role], ["jobs"]) for role in ROLES}
+    keys["all"] = add_key(keys_file, "all", list(ROLES), ["*"])
+    fill(str(tmp / "warehouse"), "jobs", buffer_rows(list(range(20)), prefix="a"))
+    os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(8))
+    logs = tmp / "logs"
+    logs.mkdir()
+    nodes = cluster.plan(3, tmp / "raft")
+    env = dict(os.environ)
+    for node in nodes:
+        node.scheme, node.ca = "https", str(ca)
+        with (logs / f"{node.node_id}.log").open("w") as log:
+            node.proc = subprocess.Popen(
+                cluster.node_command(node, nodes, str(conf)),
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+    try:
+        cluster.wait_ready(nodes)
+        verify = ssl.create_default_context(cafile=str(ca))
+        with httpx.Client(timeout=30, verify=verify) as http:
+            yield {
+                "nodes": nodes,
+                "keys": keys,
+                "keys_file": keys_file,
+                "ca": ca,
+                "http": http,
+                "logs": logs,
+                "tmp": tmp,
+            }
+    finally:
+        for node in nodes:
+            cluster.stop_node(node)
+
+
+def secret_of(key: str) -> str:
+    parts = split_token(key)
+    assert parts is not None
+    return parts[1]
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+def operations(http: httpx.Client, url: str) -> list[tuple[str, str]]:
+    spec = http.get(f"{url}/openapi.json").json()
+    return [(m.upper(), p) for p, ops in spec["paths"].items() for m in ops]
+
+
+def test_every_route_declares_and_enforces_its_role(secure) -> None:
+    """Each operation of the OpenAPI, with no key, a wrong key, a key of every other role
+    and the right one: 401, 401, 403, and never 401/403 with the right one."""
+    http, nodes, keys = secure["http"], secure["nodes"], secure["keys"]
+    url = nodes[0].url
+    spec = http.get(f"{url}/openapi.json").json()
+    assert spec["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+    table = {(m, p): r for m, p, r in ROUTES}
+    ops = operations(http, url)
+    assert {(m, p) for m, p in ops if p not in ("/healthz", "/readyz")} == set(table)
+    for method, path in ops:
+        target = url + path.format(**PARAMS)
+        role = table.get((method, path))
+        if path in ("/healthz", "/readyz"):
+            assert http.request(method, target).status_code == 200
+            continue
+        assert spec["paths"][path][method.lower()]["security"] == [{"apiKey": []}]
+        answers = {
+            "none": http.request(method, target),
+            "wrong": http.request(method, target, headers=bearer("dq_0000_nope")),
+            "garbage": http.request(method, target, headers=bearer("not a key at all")),
+        }
+        for name, answer in answers.items():
+            assert answer.status_code == 401, (method, path, name, answer.text)
+            problem = answer.json()
+            assert answer.headers["content-type"] == "application/problem+json"
+            assert answer.headers["www-authenticate"].startswith("Bearer")
+            if role is not None:
+                assert f"role '{role}'" in problem["detail"]
+        for other in ROLES:
+            answer = http.request(method, target, headers=bearer(keys[other]))
+            if role is None or other == role:
+                assert answer.status_code not in (401, 403), (method, path, other, answer.text)
+            else:
+                assert answer.status_code == 403, (method, path, other, answer.text)
+                assert f"role '{role}'" in answer.json()["detail"]
+
+
+def test_a_role_holds_on_its_topics_only(secure) -> None:
+    http, url, keys = secure["http"], secure["nodes"][0].url, secure["keys"]
+    body = {"consumer_id": "c", "max_messages": 1}
+    refused = http.post(f"{url}/v1/topics/other/leases", json=body, headers=bearer(keys["consume"]))
+    assert refused.status_code == 403
+    assert "role 'consume' on topic 'other'" in refused.json()["detail"]
+    allowed = http.post(f"{url}/v1/topics/other/leases", json=body, headers=bearer(keys["all"]))
+    assert allowed.status_code == 200
+
+
+def test_a_follower_forwards_over_tls_and_a_forged_forward_is_refused(secure) -> None:
+    http, nodes, keys = secure["http"], secure["nodes"], secure["keys"]
+    verify = ssl.create_default_context(cafile=str(secure["ca"]))
+    with httpx.Client(verify=verify, headers=bearer(keys["monitor"])) as monitor:
+        leader = wait_until(lambda: leader_of(nodes, monitor), what="a leader")
+    follower = next(n for n in nodes if n is not leader)
+    body = {"consumer_id": "fw", "max_messages": 2}
+    via = http.post(
+        f"{follower.url}/v1/topics/jobs/leases", json=body, headers=bearer(keys["consume"])
+    )
+    assert via.status_code == 200 and len(via.json()["messages"]) == 2
+    lease = f"{leader.url}/v1/topics/jobs/leases"
+    for forged in ("1", f"{follower.http} {'0' * 64}", forward_tag("guess", follower.http)):
+        answer = http.post(lease, json=body, headers={"x-dejaq-forwarded": forged})
+        assert answer.status_code == 401, forged
+        assert answer.json()["title"] == "not a cluster node"
+    # A key does not make a forged forward acceptable either.
+    answer = http.post(lease, json=body, headers={**bearer(keys["all"]), "x-dejaq-forwarded": "1"})
+    assert answer.status_code == 401
+
+
+def test_a_client_that_does_not_trust_the_ca_is_refused(secure, tmp_path: Path) -> None:
+    other = new_authority(tmp_path / "other")
+    urls = [n.url for n in secure["nodes"]]
+    untrusting = Client(urls, token=secure["keys"]["read"], verify=str(other.cert), deadline=2)
+    with untrusting as c, pytest.raises(Unavailable, match="ConnectError"):
+        c.topic_stats("jobs")
+    with Client(urls, token=secure["keys"]["read"], verify=str(secure["ca"])) as c:
+        assert c.topic_stats("jobs").name == "jobs"
+
+
+def test_the_worker_client_with_a_key_and_typed_refusals(secure) -> None:
+    urls, keys = [n.url for n in secure["nodes"]], secure["keys"]
+    ca = str(secure["ca"])
+    anonymous = Client(urls, verify=ca, deadline=5)
+    with anonymous, pytest.raises(Unauthorized, match="role 'read' on topic 'jobs'"):
+        anonymous.topic_stats("jobs")
+    reader = Client(urls, token=keys["read"], verify=ca)
+    with reader, pytest.raises(Forbidden, match="role 'consume'"):
+        reader.lease("jobs", "w", 1)
+    handled: list[str] = []
+    with Client(urls, token=keys["consume"], verify=ca) as client:
+        worker = Worker(
+            client,
+            "jobs",
+            lambda m: handled.append(m.id),
+            batch=5,
+            wait_ms=200,
+            on_ack=lambda m: len(handled) >= 3 and worker.stop(),
+        )
+        worker.run()
+    assert len(handled) >= 3 and worker.counts.acked >= 3
+
+
+def test_a_revoked_key_stops_working_on_every_node_within_seconds(secure) -> None:
+    http, nodes, keys_file = secure["http"], secure["nodes"], secure["keys_file"]
+    key = add_key(keys_file, "short-lived", ["read"], ["jobs"])
+
+    def status(node: cluster.Node) -> int:
+        return http.get(f"{node.url}/v1/topics/jobs", headers=bearer(key)).status_code
+
+    wait_until(lambda: all(status(n) == 200 for n in nodes), 10, "the new key on every node")
+    revoke_key(keys_file, "short-lived")
+    wait_until(lambda: all(status(n) == 401 for n in nodes), 10, "the key refused everywhere")
+
+
+def test_no_key_or_secret_reaches_a_log(secure) -> None:
+    """Runs after the others in this module: every key they sent, refused or not."""
+    logs = "".join(p.read_text() for p in secure["logs"].iterdir())
+    assert "broker n1" in logs  # the logs are the nodes' own
+    stored = secure["keys_file"].read_text()
+    for key in secure["keys"].values():
+        secret = secret_of(key)
+        assert len(secret) == 43 and secret not in logs
+        assert secret not in stored  # only hashes are kept
+    assert oct(secure["keys_file"].stat().st_mode & 0o777) == "0o600"
+
+
+# --- keys, the file and the CLI --------------------------------------------------------------
+
+
+def dejaq(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dejaq.jobs.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_keys_cli_adds_lists_and_revokes(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    added = dejaq(
+        "keys", "add", "w1", "--role", "consume", "--topic", "orders*", "--keys-file", str(path)
+    )
+    assert added.returncode == 0, added.stderr
+    key = added.stdout.strip()
+    assert re.fullmatch(r"dq_[0-9a-f]{12}_[A-Za-z0-9_-]{43}", key)
+    assert "shown once" in added.stderr
+    (stored,) = read_keys(path).values()
+    assert stored.allows("consume", "orders.eu") and not stored.allows("consume", "jobs")
+    assert not stored.allows("operate", "orders")
+    listed = dejaq("keys", "list", "--keys-file", str(path))
+    assert (
+        listed.returncode == 0 and "w1" in listed.stdout and "consume on orders*" in listed.stdout
+    )
+    assert secret_of(key) not in listed.stdout + path.read_text()
+    again = dejaq("keys", "add", "w1", "--role", "read", "--keys-file", str(path))
+    assert again.returncode == 2 and "exists" in again.stderr
+    bad = dejaq("keys", "add", "w2", "--keys-file", str(path))
+    assert bad.returncode == 2 and "roles" in bad.stderr
+    assert dejaq("keys", "revoke", "w1", "--keys-file", str(path)).returncode == 0
+    assert read_keys(path) == {}
+    gone = dejaq("keys", "revoke", "w1", "--keys-file", str(path))
+    assert gone.returncode == 2 and "no key named" in gone.stderr
+
+
+def test_a_malformed_key_file_is_refused_with_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(json.dumps({"keys": [{"id": "x"}]}))
+    with pytest.raises(KeyFileError, match=str(path)):
+        read_keys(path)
+
+
+def test_a_node_beyond_loopback_without_keys_refuses_to_start(tmp_path: Path) -> None:
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(f"warehouse: {tmp_path / 'w'}\ntopics: []\n")
+    args = ["broker", "--node-id", "x", "--http", f"0.0.0.0:{free_port()}"]
+    args += ["--raft", f"127.0.0.1:{free_port()}", "--conf-file", str(conf)]
+    args += ["--data-dir", str(tmp_path / "d")]
+    refused = dejaq(*args)
+    assert refused.returncode == 2
+    assert "broker.keys_file" in refused.stderr and "broker.insecure" in refused.stderr
