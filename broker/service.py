@@ -24,7 +24,8 @@ from dejaq.broker.metrics import Metrics
 from dejaq.broker.raft import NotCommitted, RaftNode
 from dejaq.broker.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.row_store import Row
-from dejaq.conf.settings import Delivery, Settings, TopicConfig, TopicKind
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
 from dejaq.pipelines.retention import RetentionRun, period_s, redriven, restore, retain
 
@@ -673,8 +674,8 @@ class Outgoing:
 class Producer:
     """Produce to a topic's Kafka input, so HTTP messages take the same ingest path."""
 
-    def __init__(self, bootstrap: str) -> None:
-        self.bootstrap = bootstrap
+    def __init__(self, kafka: KafkaConfig) -> None:
+        self.kafka = kafka
         self._producer: Any = None
         self._lock = threading.Lock()
 
@@ -684,7 +685,7 @@ class Producer:
                 from kafka import KafkaProducer
 
                 self._producer = KafkaProducer(
-                    bootstrap_servers=self.bootstrap,
+                    **python_config(self.kafka),
                     acks="all",
                     linger_ms=2,
                     max_request_size=64 * 1024 * 1024,

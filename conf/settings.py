@@ -16,7 +16,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 ENV_PREFIX = "DEJAQ_"
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
@@ -123,7 +131,54 @@ class TopicConfig(_Strict):
 
 
 class KafkaConfig(_Strict):
+    """Where Kafka is and how to log in: every Kafka client of the project uses this (see
+    `conf.kafka_clients`). The password is a `SecretStr`: it never prints."""
+
     bootstrap: str = "127.0.0.1:9092"
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = "PLAINTEXT"
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] | None = None
+    sasl_username: str | None = None
+    sasl_password: SecretStr | None = None
+    ssl_cafile: str | None = None  # PEM: the CA that signed the brokers' certificates
+    ssl_certfile: str | None = None  # PEM: a client certificate, for mutual TLS
+    ssl_keyfile: str | None = None  # PEM (PKCS#8): its key
+    ssl_check_hostname: bool = True
+
+    @property
+    def sasl(self) -> bool:
+        return self.security_protocol.startswith("SASL_")
+
+    @property
+    def tls(self) -> bool:
+        return self.security_protocol.endswith("SSL")
+
+    @model_validator(mode="after")
+    def _security(self) -> KafkaConfig:
+        sasl = ("sasl_mechanism", "sasl_username", "sasl_password")
+        if self.sasl:
+            missing = [name for name in sasl if getattr(self, name) is None]
+            if missing:
+                raise ValueError(
+                    f"security_protocol {self.security_protocol} needs {', '.join(missing)}"
+                )
+        elif given := [name for name in sasl if getattr(self, name) is not None]:
+            raise ValueError(
+                f"{', '.join(given)} given, but {self.security_protocol} has no SASL: "
+                "set security_protocol to SASL_SSL or SASL_PLAINTEXT"
+            )
+        files = ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+        if not self.tls and (given := [n for n in files if getattr(self, n) is not None]):
+            raise ValueError(
+                f"{', '.join(given)} given, but {self.security_protocol} has no TLS: "
+                "set security_protocol to SSL or SASL_SSL"
+            )
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together (mutual TLS)")
+        for name in files:
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        return self
 
     @field_validator("bootstrap")
     @classmethod

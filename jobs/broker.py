@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from dejaq.broker.app import create_app
     from dejaq.broker.http_server import SETTINGS
     from dejaq.broker.service import Broker, Producer
+    from dejaq.conf.kafka_clients import check_login
     from dejaq.conf.settings import ConfigError, load_settings
 
     settings = load_settings(args.conf_file)
@@ -87,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
             "broker.raft_password is required for a multi-node cluster "
             "(set it in the configuration or as DEJAQ_BROKER_RAFT_PASSWORD)"
         )
+    check_login(settings.kafka)
     conf = settings.broker
     if not _loopback(host) and conf.keys_file is None and not conf.insecure:
         print(
@@ -108,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     broker.start()
     print(f"broker {args.node_id}: {scheme}://{args.http} raft {args.raft}", flush=True)
     try:
-        app = create_app(broker, Producer(settings.kafka.bootstrap))
+        app = create_app(broker, Producer(settings.kafka))
         uvicorn.run(app, host=host, port=port, **SETTINGS, **tls)
     finally:
         broker.stop()

@@ -14,7 +14,7 @@ EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 def _kafka(args: argparse.Namespace) -> int:
     from dejaq.jobs import embedded_kafka
 
-    return embedded_kafka.run(args.port, Path(args.data_dir))
+    return embedded_kafka.run(args.port, Path(args.data_dir), args.secure)
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -110,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
     k = add("kafka", _kafka, "Run Apache Kafka (one KRaft node) on 127.0.0.1 in the foreground.")
     k.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
     k.add_argument("--data-dir", default=".dejaq/kafka", help="where the broker keeps its data")
+    k.add_argument(
+        "--secure",
+        action="store_true",
+        help="SASL_SSL (SCRAM and PLAIN) with certificates made here; settings in client.env",
+    )
 
     from dejaq.jobs.ingest import add_arguments as ingest_arguments
 

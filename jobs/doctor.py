@@ -13,7 +13,8 @@ import tempfile
 from pathlib import Path
 
 from dejaq.conf import jvm
-from dejaq.conf.settings import Settings, load_settings
+from dejaq.conf.kafka_clients import check_login, python_config
+from dejaq.conf.settings import ConfigError, KafkaConfig, Settings, load_settings
 from dejaq.jobs.logs import one_line, stderr_to
 
 
@@ -27,10 +28,22 @@ def java_version() -> tuple[int | None, str]:
     return (int(m.group(1)) if m else None), out.splitlines()[0] if out else "no output"
 
 
-def kafka_answers(bootstrap: str, timeout_ms: int = 3000) -> tuple[bool, str]:
+def kafka_answers(kafka: KafkaConfig, timeout_ms: int = 3000) -> tuple[bool, str]:
+    """Whether Kafka answers, logged in as configured, and a line saying so (the login
+    named, never its password)."""
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
+    bootstrap = kafka.bootstrap
+    login = kafka.security_protocol
+    if kafka.sasl:
+        login += f", {kafka.sasl_mechanism} as {kafka.sasl_username}"
+    if kafka.ssl_cafile:
+        login += f", CA {kafka.ssl_cafile}"
+    try:
+        check_login(kafka, timeout_ms)
+    except ConfigError as e:
+        return False, str(e)
     for server in bootstrap.split(","):
         host, _, port = server.strip().rpartition(":")
         try:
@@ -41,14 +54,14 @@ def kafka_answers(bootstrap: str, timeout_ms: int = 3000) -> tuple[bool, str]:
     else:
         return False, f"nothing listens at {bootstrap}"
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
+        admin = KafkaAdminClient(**python_config(kafka), request_timeout_ms=timeout_ms)
     except KafkaError as e:
-        return False, f"no answer from {bootstrap}: {type(e).__name__}"
+        return False, f"no answer from {bootstrap} ({login}): {type(e).__name__}"
     try:
         topics = admin.list_topics()
     finally:
         admin.close()
-    return True, f"{bootstrap} answers ({len(topics)} topics)"
+    return True, f"{bootstrap} answers ({login}; {len(topics)} topics)"
 
 
 def _jar_sets() -> list[str]:
@@ -111,7 +124,7 @@ def run(conf_file: str | None) -> int:
     print(f"jars     {jvm.jars_dir()} ({', '.join(_jar_sets())})")
     kafka_jar = next((p.name for p in jvm.jars(jvm.KAFKA) if p.name.startswith("kafka_")), None)
     print(f"         embedded Kafka: {kafka_jar or 'not fetched'}")
-    kafka_ok, kafka_text = kafka_answers(settings.kafka.bootstrap)
+    kafka_ok, kafka_text = kafka_answers(settings.kafka)
     ok &= kafka_ok
     print(f"kafka    {'ok  ' if kafka_ok else 'FAIL'} {kafka_text}")
     print(f"warehouse {warehouse_location(settings.warehouse)}")

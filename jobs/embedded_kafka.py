@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import base64
 import ctypes
+import json
+import secrets
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dejaq.conf import jvm
@@ -61,17 +64,105 @@ def _cluster_id() -> str:
             return text
 
 
-def server_properties(port: int, controller_port: int, log_dir: Path) -> str:
-    """One broker that is its own controller (a static quorum of one), on 127.0.0.1."""
+class SecureMismatch(Exception):
+    """A data dir made without --secure, started with it."""
+
+
+USER = "dejaq"  # the SCRAM (and PLAIN) user clients log in as
+SECURE_FILE = "secure.json"
+CLIENT_ENV = "client.env"
+
+
+@dataclass(frozen=True)
+class Secure:
+    """`dejaq kafka --secure`: a SASL_SSL listener, TLS from a CA made here, one user
+    (`dejaq`) for SCRAM-SHA-256, SCRAM-SHA-512 and PLAIN, and an inter-broker user. Made
+    on the first start and kept in the data dir, so a restart serves the same."""
+
+    ca: Path
+    keystore: Path  # the broker's key, then its certificate: Kafka's PEM key store
+    password: str
+    broker_password: str
+
+    @classmethod
+    def load_or_create(cls, data_dir: Path) -> Secure:
+        state = data_dir / SECURE_FILE
+        if state.exists():
+            saved = json.loads(state.read_text())
+            return cls(
+                Path(saved["ca"]),
+                Path(saved["keystore"]),
+                saved["password"],
+                saved["broker_password"],
+            )
+        from dejaq.jobs.certificates import new_authority
+
+        pki = data_dir / "pki"
+        ca = new_authority(pki, "dejaq-kafka-ca")
+        issued = ca.issue(pki, "kafka", ["127.0.0.1", "localhost"])
+        keystore = pki / "kafka-keystore.pem"
+        keystore.touch(mode=0o600)
+        keystore.write_bytes(issued.key.read_bytes() + issued.cert.read_bytes())
+        secure = cls(ca.cert, keystore, secrets.token_urlsafe(18), secrets.token_urlsafe(18))
+        state.touch(mode=0o600)
+        state.write_text(json.dumps({k: str(v) for k, v in asdict(secure).items()}))
+        return secure
+
+    def server_properties(self) -> dict[str, str]:
+        plain = (
+            "org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f'username="broker" password="{self.broker_password}" '
+            f'user_broker="{self.broker_password}" user_{USER}="{self.password}";'
+        )
+        scram = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        return {
+            "sasl.enabled.mechanisms": "PLAIN,SCRAM-SHA-256,SCRAM-SHA-512",
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "listener.name.sasl_ssl.plain.sasl.jaas.config": plain,
+            "listener.name.sasl_ssl.scram-sha-256.sasl.jaas.config": scram,
+            "listener.name.sasl_ssl.scram-sha-512.sasl.jaas.config": scram,
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(self.keystore),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.ca),
+            "ssl.client.auth": "requested",  # a client certificate, if sent, is checked
+        }
+
+    def format_arguments(self) -> list[str]:
+        """The SCRAM credentials, written into the metadata log when it is formatted."""
+        return [
+            arg
+            for mechanism in ("SCRAM-SHA-256", "SCRAM-SHA-512")
+            for arg in ("--add-scram", f"{mechanism}=[name={USER},password={self.password}]")
+        ]
+
+    def client_settings(self, bootstrap: str) -> dict[str, str]:
+        """The `kafka:` settings that reach this broker, as environment variables."""
+        return {
+            "DEJAQ_KAFKA_BOOTSTRAP": bootstrap,
+            "DEJAQ_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "DEJAQ_KAFKA_SASL_MECHANISM": "SCRAM-SHA-256",
+            "DEJAQ_KAFKA_SASL_USERNAME": USER,
+            "DEJAQ_KAFKA_SASL_PASSWORD": self.password,
+            "DEJAQ_KAFKA_SSL_CAFILE": str(self.ca),
+        }
+
+
+def server_properties(
+    port: int, controller_port: int, log_dir: Path, secure: Secure | None = None
+) -> str:
+    """One broker that is its own controller (a static quorum of one), on 127.0.0.1;
+    `secure`: its one client listener is SASL_SSL instead of PLAINTEXT."""
+    listener = "SASL_SSL" if secure else "PLAINTEXT"
     props = {
         "process.roles": "broker,controller",
         "node.id": "1",
         "controller.quorum.voters": f"1@127.0.0.1:{controller_port}",
-        "listeners": f"PLAINTEXT://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
-        "advertised.listeners": f"PLAINTEXT://127.0.0.1:{port}",
+        "listeners": f"{listener}://127.0.0.1:{port},CONTROLLER://127.0.0.1:{controller_port}",
+        "advertised.listeners": f"{listener}://127.0.0.1:{port}",
         "controller.listener.names": "CONTROLLER",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
+        "inter.broker.listener.name": listener,
+        "listener.security.protocol.map": f"CONTROLLER:PLAINTEXT,{listener}:{listener}",
         "log.dirs": str(log_dir),
         "num.partitions": "1",
         "offsets.topic.replication.factor": "1",
@@ -83,6 +174,8 @@ def server_properties(port: int, controller_port: int, log_dir: Path) -> str:
         "share.coordinator.state.topic.min.isr": "1",
         "group.initial.rebalance.delay.ms": "0",
     }
+    if secure is not None:
+        props.update(secure.server_properties())
     return "".join(f"{k}={v}\n" for k, v in props.items())
 
 
@@ -122,7 +215,7 @@ def _java(data_dir: Path, main: str, *args: str) -> list[str]:
     ]
 
 
-def prepare(port: int, data_dir: Path) -> Path:
+def prepare(port: int, data_dir: Path, secure: bool = False) -> Path:
     """Write the configuration for this start; format the storage on first use.
 
     Ports may change between starts: a static quorum keeps no listener in the metadata
@@ -132,9 +225,17 @@ def prepare(port: int, data_dir: Path) -> Path:
     log_dir = data_dir / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     config = data_dir / "server.properties"
-    config.write_text(server_properties(port, free_port(), log_dir))
+    formatted = (log_dir / "meta.properties").exists()
+    if secure and formatted and not (data_dir / SECURE_FILE).exists():
+        raise SecureMismatch(
+            f"{data_dir} holds a Kafka made without --secure (it has no SCRAM users): "
+            "give --secure another --data-dir"
+        )
+    security = Secure.load_or_create(data_dir) if secure else None
+    config.touch(mode=0o600)  # it holds the users' passwords when secure
+    config.write_text(server_properties(port, free_port(), log_dir, security))
     (data_dir / "log4j2.properties").write_text(log4j_properties(data_dir / LOG_FILE))
-    if not (log_dir / "meta.properties").exists():
+    if not formatted:
         fmt = _java(
             data_dir,
             "kafka.tools.StorageTool",
@@ -143,6 +244,7 @@ def prepare(port: int, data_dir: Path) -> Path:
             _cluster_id(),
             "--config",
             str(config),
+            *(security.format_arguments() if security else []),
         )
         done = subprocess.run(fmt, capture_output=True, text=True, stdin=subprocess.DEVNULL)
         if done.returncode != 0:
@@ -150,13 +252,19 @@ def prepare(port: int, data_dir: Path) -> Path:
     return config
 
 
-def answers(bootstrap: str, timeout_ms: int = 2000) -> bool:
-    """Whether a broker at `bootstrap` answers a metadata request (not just a connect)."""
+def answers(bootstrap: str, timeout_ms: int = 2000, env: dict[str, str] | None = None) -> bool:
+    """Whether a broker at `bootstrap` answers a metadata request (not just a connect);
+    `env`: the `DEJAQ_KAFKA_*` settings of a secured one."""
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
+    from dejaq.conf.kafka_clients import python_config
+    from dejaq.conf.settings import KafkaConfig
+
+    settings = {k.removeprefix("DEJAQ_KAFKA_").lower(): v for k, v in (env or {}).items()}
+    config = python_config(KafkaConfig.model_validate({**settings, "bootstrap": bootstrap}))
     try:
-        admin = KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=timeout_ms)
+        admin = KafkaAdminClient(**config, request_timeout_ms=timeout_ms)
     except KafkaError:
         return False
     try:
@@ -177,10 +285,12 @@ def _check_free(port: int) -> None:
             raise OSError(f"127.0.0.1:{port} is already in use: {e.strerror}") from None
 
 
-def start(port: int, data_dir: Path) -> subprocess.Popen:
-    """Start Kafka; return once it answers on 127.0.0.1:port (its log: data_dir/kafka.log)."""
+def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
+    """Start Kafka; return once it answers on 127.0.0.1:port (its log: data_dir/kafka.log).
+    `secure`: on SASL_SSL, its client settings in data_dir/client.env."""
     _check_free(port)
-    config = prepare(port, data_dir)
+    config = prepare(port, data_dir, secure)
+    env = client_env(data_dir, port) if secure else None
     proc = subprocess.Popen(
         _java(data_dir.resolve(), "kafka.Kafka", str(config)),
         stdout=subprocess.DEVNULL,
@@ -190,7 +300,7 @@ def start(port: int, data_dir: Path) -> subprocess.Popen:
     try:
         wait_for_port(port, timeout=READY_TIMEOUT_S, proc=proc)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not answers(f"127.0.0.1:{port}"):
+        while not answers(f"127.0.0.1:{port}", env=env):
             if proc.poll() is not None:
                 raise RuntimeError(f"Kafka exited with code {proc.returncode}: see {data_dir}")
             if time.monotonic() > deadline:
@@ -218,17 +328,33 @@ def stop(proc: subprocess.Popen, timeout: float = 30, kill: bool = False) -> int
     return proc.returncode
 
 
-def run(port: int | None, data_dir: Path) -> int:
+def client_env(data_dir: Path, port: int) -> dict[str, str]:
+    """A secured broker's client settings, also written (owner-only) to data_dir/client.env
+    for a shell to `source`."""
+    settings = Secure.load_or_create(data_dir.resolve()).client_settings(f"127.0.0.1:{port}")
+    path = data_dir / CLIENT_ENV
+    path.touch(mode=0o600)
+    path.write_text("".join(f"export {k}={v}\n" for k, v in settings.items()))
+    return settings
+
+
+def run(port: int | None, data_dir: Path, secure: bool = False) -> int:
     """Foreground: print the bootstrap address, serve until SIGTERM or Ctrl-C."""
     port = port or free_port()
     # Before the broker starts: a SIGTERM as soon as the port answers must still stop it.
     with stop_on_signals() as stopping:
         try:
-            proc = start(port, data_dir)
-        except OSError as e:  # a busy port, jars not fetched
+            proc = start(port, data_dir, secure)
+        except (OSError, SecureMismatch) as e:  # a busy port, jars not fetched
             print(f"error: {e}", file=sys.stderr)
             return 1
         print(f"kafka bootstrap: 127.0.0.1:{port}", flush=True)
+        if secure:
+            print(
+                f"SASL_SSL, SCRAM-SHA-256 user {USER}: its settings are in "
+                f"{(data_dir / CLIENT_ENV).resolve()} (source it)",
+                flush=True,
+            )
         print(
             f"data dir: {data_dir.resolve()}  (log: {LOG_FILE}; SIGTERM or Ctrl-C stops it)",
             flush=True,

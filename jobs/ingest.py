@@ -14,7 +14,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from dejaq.conf.settings import ConfigError, load_settings
+from dejaq.conf.kafka_clients import check_login, python_config
+from dejaq.conf.settings import ConfigError, KafkaConfig, load_settings
 from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
 
 log = logging.getLogger("dejaq.ingest")
@@ -35,12 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-def missing_topics(bootstrap: str, topics: Sequence[str]) -> list[str]:
+def missing_topics(kafka: KafkaConfig, topics: Sequence[str]) -> list[str]:
     """The topics Kafka does not have; raises KafkaError when it does not answer."""
     from kafka import KafkaAdminClient
 
     admin = KafkaAdminClient(
-        bootstrap_servers=bootstrap, request_timeout_ms=5000, bootstrap_timeout_ms=5000
+        **python_config(kafka), request_timeout_ms=5000, bootstrap_timeout_ms=5000
     )
     try:
         existing = set(admin.list_topics())
@@ -56,7 +57,7 @@ def _topics(missing: list[str]) -> tuple[str, str]:
     return f"Kafka topics {', '.join(missing)}", "them"
 
 
-def wait_for_topics(bootstrap: str, topics: Sequence[str], stopping: threading.Event) -> bool:
+def wait_for_topics(kafka: KafkaConfig, topics: Sequence[str], stopping: threading.Event) -> bool:
     """Return once Kafka has every topic (True), or when `stopping` is set first (False).
 
     Spark's Kafka source fails the query when a subscribed topic is missing, and
@@ -69,9 +70,9 @@ def wait_for_topics(bootstrap: str, topics: Sequence[str], stopping: threading.E
     said = -WAITING_EVERY_SECONDS
     while True:
         try:
-            missing = missing_topics(bootstrap, topics)
+            missing = missing_topics(kafka, topics)
         except KafkaError as e:
-            waiting_for = f"Kafka at {bootstrap} to answer ({type(e).__name__})"
+            waiting_for = f"Kafka at {kafka.bootstrap} to answer ({type(e).__name__})"
         else:
             if not missing:
                 return True
@@ -84,14 +85,14 @@ def wait_for_topics(bootstrap: str, topics: Sequence[str], stopping: threading.E
             return False
 
 
-def unreadable_topics(bootstrap: str, topics: Sequence[str]) -> str | None:
+def unreadable_topics(kafka: KafkaConfig, topics: Sequence[str]) -> str | None:
     """Why a --once run cannot read every input topic now, or None."""
     from kafka.errors import KafkaError
 
     try:
-        missing = missing_topics(bootstrap, topics)
+        missing = missing_topics(kafka, topics)
     except KafkaError as e:
-        return f"Kafka at {bootstrap} does not answer ({type(e).__name__})"
+        return f"Kafka at {kafka.bootstrap} does not answer ({type(e).__name__})"
     if not missing:
         return None
     subject, it = _topics(missing)
@@ -112,7 +113,7 @@ def run(
     setup()
     settings = load_settings(conf_file)
     topic_conf = settings.topic(topic)
-    bootstrap = settings.kafka.bootstrap
+    check_login(settings.kafka)
     mode = settings.spark.connectors
     spark = get_spark(f"dejaq-ingest-{topic}", settings.spark.master, settings.spark.ui, mode)
     connectors = detect_connectors(spark, mode)
@@ -131,11 +132,11 @@ def run(
     )
     with stop_on_signals() as stopping:
         if once:
-            why = unreadable_topics(bootstrap, topic_conf.source)
+            why = unreadable_topics(settings.kafka, topic_conf.source)
             if why is not None:
                 print(f"error: ingest {topic}: {why}", file=sys.stderr)
                 return 1
-        elif not wait_for_topics(bootstrap, topic_conf.source, stopping):
+        elif not wait_for_topics(settings.kafka, topic_conf.source, stopping):
             log.info("ingest %s: stopped before its Kafka topics existed", topic)
             return 0
         try:

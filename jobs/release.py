@@ -11,6 +11,7 @@ import argparse
 import logging
 import sys
 
+from dejaq.conf.kafka_clients import check_login
 from dejaq.conf.settings import load_settings
 
 log = logging.getLogger("dejaq.release")
@@ -32,6 +33,7 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
 
     setup()
     settings = load_settings(conf_file)
+    check_login(settings.kafka)
     topic_conf = settings.topic(topic)
     require_release(topic_conf)  # before Spark starts: a usage error should be quick
     spark = get_spark(

@@ -18,7 +18,8 @@ from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
 
 from dejaq.client import BrokerError
-from dejaq.conf.settings import load_settings
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.settings import KafkaConfig, load_settings
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs.doctor import kafka_answers
 from dejaq.jobs.operations import connect
@@ -48,11 +49,11 @@ def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
     return {}
 
 
-def kafka_end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[str, int]]:
+def kafka_end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[str, dict[str, int]]:
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(
-        bootstrap_servers=bootstrap, request_timeout_ms=5000, bootstrap_timeout_ms=3000
+        **python_config(kafka), request_timeout_ms=5000, bootstrap_timeout_ms=3000
     )
     try:
         tps = [
@@ -69,11 +70,11 @@ def kafka_end_offsets(bootstrap: str, topics: list[str]) -> dict[str, dict[str, 
     return out
 
 
-def ingest_lag(bootstrap: str, topics: list[str], checkpoint: str) -> dict[str, int]:
+def ingest_lag(kafka: KafkaConfig, topics: list[str], checkpoint: str) -> dict[str, int]:
     done = committed_offsets(checkpoint)
     return {
         f"{t}/{p}": end - done.get(t, {}).get(p, 0)
-        for t, parts in kafka_end_offsets(bootstrap, topics).items()
+        for t, parts in kafka_end_offsets(kafka, topics).items()
         for p, end in sorted(parts.items(), key=lambda kv: int(kv[0]))
     }
 
@@ -150,13 +151,13 @@ def run(
         except BrokerError as e:
             print(f"nodes       unknown: the broker at {broker} does not answer ({e})")
             return 1
-    answers, why = kafka_answers(settings.kafka.bootstrap)
+    answers, why = kafka_answers(settings.kafka)
     if not answers:
         print(f"ingest lag  unknown: {why}")
         return 1
     try:
         lag = ingest_lag(
-            settings.kafka.bootstrap,
+            settings.kafka,
             conf.source,
             checkpoint_path(settings.warehouse, "ingest", topic),
         )

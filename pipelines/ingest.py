@@ -23,6 +23,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 
+from dejaq.conf.kafka_clients import jvm_options, python_source_options
 from dejaq.conf.settings import Settings, TopicConfig
 from dejaq.conf.tables import Table, checkpoint_path, ensure_table, table_path
 from dejaq.pipelines.compaction import maintain
@@ -95,9 +96,11 @@ class IngestJob:
         return checkpoint_path(self.settings.warehouse, "ingest", self.topic.name)
 
     def source(self) -> DataFrame:
+        kafka = self.settings.kafka
+        security = jvm_options(kafka) if self.connectors.jvm_kafka else python_source_options(kafka)
         return (
             self.spark.readStream.format(self.connectors.kafka)
-            .option("kafka.bootstrap.servers", self.settings.kafka.bootstrap)
+            .options(**security)
             .option("subscribe", ",".join(self.topic.source))
             .option("startingOffsets", "earliest")
             .option("includeHeaders", "true")

@@ -36,6 +36,7 @@ from kafka import KafkaProducer
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
+from dejaq.conf.kafka_clients import python_source_options
 from dejaq.conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
@@ -145,7 +146,7 @@ class Releaser:
     def producer(self) -> KafkaProducer:
         if self._producer is None:
             self._producer = KafkaProducer(
-                **producer_config({"kafka.bootstrap.servers": self.settings.kafka.bootstrap}),
+                **producer_config(python_source_options(self.settings.kafka)),
                 linger_ms=0,
             )
         return self._producer

@@ -1,0 +1,200 @@
+"""The pipeline against a secured Kafka: `dejaq kafka --secure` (SASL_SSL, SCRAM, a CA made
+for it), one `kafka:` section reaching every client (Spark's JVM and Python sources, the
+release job, the broker's producer, `status`, `doctor`), and a wrong password or CA
+failing at start with the setting named."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
+from kafka.admin import NewTopic
+
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.settings import KafkaConfig
+from dejaq.conf.tables import Table, table_path
+from dejaq.jobs import cluster, embedded_kafka
+from dejaq.jobs.certificates import new_authority
+from dejaq.jobs.ports import free_port
+from dejaq.jobs.status import row_count
+
+DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
+
+
+@pytest.fixture(scope="module")
+def secure_kafka(tmp_path_factory) -> Iterator[dict[str, str]]:
+    """A secured embedded Kafka; yields its client settings as DEJAQ_KAFKA_* variables."""
+    data_dir = tmp_path_factory.mktemp("secure-kafka")
+    port = free_port()
+    proc = embedded_kafka.start(port, data_dir, secure=True)
+    try:
+        settings = embedded_kafka.client_env(data_dir, port)
+        assert (data_dir / embedded_kafka.CLIENT_ENV).stat().st_mode & 0o777 == 0o600
+        yield settings
+    finally:
+        embedded_kafka.stop(proc)
+
+
+def kafka_config(env: dict[str, str]) -> dict:
+    settings = {k.removeprefix("DEJAQ_KAFKA_").lower(): v for k, v in env.items()}
+    return python_config(KafkaConfig.model_validate(settings))
+
+
+def dejaq(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [*DEJAQ, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={
+            **os.environ,
+            "PYSPARK_PYTHON": sys.executable,
+            "PYSPARK_DRIVER_PYTHON": sys.executable,
+            **env,
+        },
+    )
+
+
+def test_a_plain_client_is_refused(secure_kafka: dict[str, str]) -> None:
+    """The listener really asks for a login: a client without one gets nowhere."""
+    from kafka.errors import KafkaError
+
+    with pytest.raises(KafkaError):
+        KafkaAdminClient(
+            bootstrap_servers=secure_kafka["DEJAQ_KAFKA_BOOTSTRAP"],
+            request_timeout_ms=3000,
+            bootstrap_timeout_ms=3000,
+        ).list_topics()
+
+
+def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp_path) -> None:
+    config = kafka_config(secure_kafka)
+    suffix = secrets.token_hex(3)
+    sources = {name: f"{name}-in-{suffix}" for name in ("jvm", "py", "rel")}
+    output = f"rel-out-{suffix}"
+    admin = KafkaAdminClient(**config)
+    admin.create_topics([NewTopic(t, 2, 1) for t in [*sources.values(), output]])
+    admin.close()
+    producer = KafkaProducer(**config, acks="all")
+    for name, source in sources.items():
+        for i in range(20):
+            headers = [("dejaq-priority", str(i % 5).encode())]
+            if name == "rel":
+                headers = [("dejaq-deliver-at", b"0")]
+            producer.send(
+                source, key=f"k{i}".encode(), value=f"{name}{i}".encode(), headers=headers
+            )
+    producer.flush()
+    producer.close()
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        "topics:\n"
+        f"  - {{name: jvm, kind: priority, source: [{sources['jvm']}], buckets: 2}}\n"
+        f"  - {{name: py, kind: priority, source: [{sources['py']}], buckets: 2}}\n"
+        f"  - {{name: rel, kind: timeline, source: [{sources['rel']}], buckets: 2,"
+        f" delivery: release, output: {output}}}\n"
+    )
+    outputs: list[str] = []
+    for topic, connectors in (("jvm", "jvm"), ("py", "python"), ("rel", "auto")):
+        env = {**secure_kafka, "DEJAQ_SPARK_CONNECTORS": connectors}
+        done = dejaq("ingest", "--topic", topic, "--once", "--conf-file", str(conf), env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "buffered 20" in done.stdout, done.stdout
+        outputs.append(done.stdout + done.stderr)
+        buffer = table_path(str(tmp_path / "warehouse"), Table.BUFFER, topic)
+        assert row_count(buffer) == 20
+    released = dejaq(
+        "release", "--topic", "rel", "--once", "--conf-file", str(conf), env=secure_kafka
+    )
+    assert released.returncode == 0, released.stderr[-3000:]
+    outputs.append(released.stdout + released.stderr)
+    consumer = KafkaConsumer(
+        output, **config, auto_offset_reset="earliest", consumer_timeout_ms=10000
+    )
+    got = {m.value.decode() for m in consumer}
+    consumer.close()
+    assert got == {f"rel{i}" for i in range(20)}
+    status = dejaq("status", "--topic", "jvm", "--conf-file", str(conf), env=secure_kafka)
+    assert status.returncode == 0, status.stdout + status.stderr
+    assert ["ingest", "lag", "0"] in [line.split() for line in status.stdout.splitlines()]
+    doctor = dejaq("doctor", "--conf-file", str(conf), env=secure_kafka)
+    assert "SASL_SSL, SCRAM-SHA-256 as dejaq" in doctor.stdout, doctor.stdout
+    outputs += [status.stdout + status.stderr, doctor.stdout + doctor.stderr]
+    password = secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"]
+    for text in outputs:
+        assert password not in text
+
+
+def test_the_brokers_producer_logs_in(
+    secure_kafka: dict[str, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message sent over HTTP reaches the secured Kafka through the node's producer."""
+    source = f"http-in-{secrets.token_hex(3)}"
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"topics: [{{name: web, kind: priority, source: [{source}], buckets: 2}}]\n"
+    )
+    for name, value in secure_kafka.items():
+        monkeypatch.setenv(name, value)
+    nodes = cluster.up(1, tmp_path / "raft", str(conf))
+    try:
+        answer = httpx.post(
+            f"{nodes[0].url}/v1/topics/web/messages",
+            json={"payload": "aHR0cA==", "id": "over-http", "priority": 1},
+            timeout=30,
+        )
+        assert answer.status_code == 201, answer.text
+    finally:
+        cluster.stop_node(nodes[0])
+    consumer = KafkaConsumer(
+        source,
+        **kafka_config(secure_kafka),
+        auto_offset_reset="earliest",
+        consumer_timeout_ms=10000,
+    )
+    ids = [dict(m.headers).get("dejaq-id") for m in consumer]
+    consumer.close()
+    assert ids == [b"over-http"]
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ("DEJAQ_KAFKA_SASL_PASSWORD", "kafka.sasl_password"),
+        ("DEJAQ_KAFKA_SSL_CAFILE", "kafka.ssl_cafile"),
+    ],
+)
+def test_a_wrong_login_fails_at_start_naming_the_setting(
+    secure_kafka: dict[str, str], tmp_path: Path, setting: str, named: str
+) -> None:
+    wrong = "not-the-password"
+    if setting == "DEJAQ_KAFKA_SSL_CAFILE":
+        wrong = str(new_authority(tmp_path / "other").cert)
+    env = {**secure_kafka, setting: wrong}
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        "topics: [{name: t, kind: priority, source: [nowhere]}]\n"
+    )
+    addresses = ["--http", f"127.0.0.1:{free_port()}", "--raft", f"127.0.0.1:{free_port()}"]
+    for command in (
+        ["ingest", "--topic", "t", "--once"],
+        ["release", "--topic", "t", "--once"],
+        ["broker", "--node-id", "x", "--data-dir", str(tmp_path / "node"), *addresses],
+    ):
+        started = time.monotonic()
+        done = dejaq(*command, "--conf-file", str(conf), env=env, timeout=60)
+        took = time.monotonic() - started
+        assert done.returncode == 2, (command, done.stderr[-2000:])
+        assert named in done.stderr and took < 45, (command, took, done.stderr[-2000:])
+        assert secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"] not in done.stdout + done.stderr
