@@ -12,7 +12,10 @@ time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` list
 all): this VM's speed drifts by a third over minutes, and one run of each would compare
 moments, not systems.
 
-The baselines run in the same run, with the same clients and phases. HTTP alone:
+The same DejaQ secured (`secured`: TLS on every node's HTTP and API keys on, each
+client sending its key over TLS) runs beside it, and `secured_vs_results` is its
+ratio: what security costs. The baselines run in the same run, with the same clients
+and phases. HTTP alone:
 uvicorn as the broker runs it, answering lease and ack from a counter with no Raft,
 state or index. The Raft floor: the same on 3 nodes, each lease and ack first committing
 one tiny command through the broker's own Raft layer. No broker on this stack can beat
@@ -39,6 +42,7 @@ import os
 import platform
 import re
 import secrets
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -46,6 +50,7 @@ import time
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
 
@@ -65,15 +70,23 @@ class Http(asyncio.Protocol):
     brokers, used about as much CPU per batch-1 message as the leader did.
     """
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, host: str, port: int, access: Access | None = None) -> None:
+        self.host, self.port, self.access = host, port, access
         self.buffer = bytearray()
         self.status = self.length = 0
         self.waiter: asyncio.Future | None = None
+        self.head = f"Host: {host}\r\nContent-Type: application/json\r\n"
+        if access is not None:
+            self.head += f"Authorization: Bearer {access.token}\r\n"
 
     async def connect(self) -> None:
         loop = asyncio.get_running_loop()
-        self.transport, _ = await loop.create_connection(lambda: self, self.host, self.port)
+        tls = None
+        if self.access is not None:
+            tls = ssl.create_default_context(cafile=self.access.ca)
+        self.transport, _ = await loop.create_connection(
+            lambda: self, self.host, self.port, ssl=tls
+        )
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -99,8 +112,7 @@ class Http(asyncio.Protocol):
         data = json.dumps(body).encode()
         self.waiter = asyncio.get_running_loop().create_future()
         self.transport.write(
-            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\n\r\n".encode()
+            f"POST {path} HTTP/1.1\r\n{self.head}Content-Length: {len(data)}\r\n\r\n".encode()
             + data
         )
         status, payload = await self.waiter
@@ -108,10 +120,17 @@ class Http(asyncio.Protocol):
 
 
 async def _worker(
-    addr: str, topic: str, me: str, batch: int, stop_at: float, out: dict, acked
+    addr: str,
+    topic: str,
+    me: str,
+    batch: int,
+    stop_at: float,
+    out: dict,
+    acked,
+    access: Access | None,
 ) -> None:
     host, port = addr.rsplit(":", 1)
-    http = Http(host, int(port))
+    http = Http(host, int(port), access)
     await http.connect()
     lease_path, ack_path = f"/v1/topics/{topic}/leases", f"/v1/topics/{topic}/acks"
     while time.monotonic() < stop_at:
@@ -140,12 +159,24 @@ async def _worker(
             out["errors"] += 1
 
 
-def _proc(addr: str, topic: str, names: list[str], batch: int, target: int, secs: float, q, acked):
+def _proc(
+    addr: str,
+    topic: str,
+    names: list[str],
+    batch: int,
+    target: int,
+    secs: float,
+    q,
+    acked,
+    access: Access | None,
+):
     out = {"lease": [], "ack": [], "done": 0, "errors": 0, "target": target}
 
     async def main() -> None:
         stop_at = time.monotonic() + secs
-        await asyncio.gather(*(_worker(addr, topic, n, batch, stop_at, out, acked) for n in names))
+        await asyncio.gather(
+            *(_worker(addr, topic, n, batch, stop_at, out, acked, access) for n in names)
+        )
 
     import uvloop
 
@@ -288,6 +319,7 @@ def raft_floor_server(spec: str) -> None:
 
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
+SYSTEMS = ("dejaq", "secured", "floor", "ids", "handles", "http")
 
 
 def phase_topics(args: argparse.Namespace, run: int) -> list[tuple[str, int, int, int]]:
@@ -353,22 +385,48 @@ def raft_floor(data_dir: Path, carry: str | None = None) -> Iterator[tuple[str, 
             server.wait(10)
 
 
+@dataclass(frozen=True)
+class Access:
+    """A secured broker: the CA its certificates chain to, and a key with `consume`."""
+
+    ca: str
+    token: str
+
+
 @contextmanager
-def dejaq(args: argparse.Namespace, tmp_path: Path, run: int) -> Iterator[tuple[str, dict, dict]]:
+def dejaq(
+    args: argparse.Namespace, tmp_path: Path, run: int, secure: bool = False
+) -> Iterator[tuple[str, dict, dict, Access | None]]:
     """A 3-node broker over the topics of run `run`, filled as the ingest job would:
-    (leader's address, pids, set-up seconds)."""
+    (leader's address, pids, set-up seconds, how to reach it). `secure`: TLS on its
+    HTTP and API keys on, the clients sending a key over TLS."""
     import httpx
     from test_broker import buffer_rows, fill
 
+    from dejaq.broker.keys import add_key
     from dejaq.jobs import cluster
+    from dejaq.jobs.certificates import new_authority
 
+    tmp_path = tmp_path / ("secure" if secure else "plain")
     warehouse = tmp_path / "warehouse"
     conf = tmp_path / f"dejaq-{run}.yaml"
     topics = [t for t, _, _, _ in phase_topics(args, run)]
+    security, access, headers, verify = "", None, {}, True
+    if secure:
+        ca = new_authority(tmp_path / "pki")
+        node = ca.issue(tmp_path / "pki", "node", ["127.0.0.1"])
+        keys = tmp_path / "keys.json"
+        token = add_key(keys, f"bench-{run}", ["consume", "monitor"], ["*"])
+        security = (
+            f", keys_file: {keys}, tls: {{cert: {node.cert}, key: {node.key}, ca: {ca.cert}}}"
+        )
+        access, headers = Access(str(ca.cert), token), {"authorization": f"Bearer {token}"}
+        verify = ssl.create_default_context(cafile=str(ca.cert))
+    tmp_path.mkdir(parents=True, exist_ok=True)
     conf.write_text(
         f"warehouse: {warehouse}\n"
         "kafka: {bootstrap: '127.0.0.1:9'}\n"
-        "broker: {lease_ms: 30000, heartbeat_timeout_ms: 30000}\n"
+        f"broker: {{lease_ms: 30000, heartbeat_timeout_ms: 30000{security}}}\n"
         "topics:\n"
         + "".join(
             f"  - {{name: b{t}, kind: priority, source: [{t}-in], buckets: {args.buckets}}}\n"
@@ -390,14 +448,16 @@ def dejaq(args: argparse.Namespace, tmp_path: Path, run: int) -> Iterator[tuple[
     nodes = cluster.up(3, tmp_path / f"raft-{run}", str(conf))
     up_s = time.perf_counter() - t0
     try:
-        leader = httpx.get(f"{nodes[0].url}/v1/cluster").json()["leader_http"]
+        cluster_view = httpx.get(f"{nodes[0].url}/v1/cluster", headers=headers, verify=verify)
+        leader = cluster_view.json()["leader_http"]
         followers = [n for n in nodes if n.http != leader]
         pids = {
             "leader": next(n.proc.pid for n in nodes if n.http == leader),
             "follower_1": followers[0].proc.pid,
             "follower_2": followers[1].proc.pid,
         }
-        yield leader, pids, {"fill_delta": round(fill_s, 1), "cluster_up": round(up_s, 1)}
+        seconds = {"fill_delta": round(fill_s, 1), "cluster_up": round(up_s, 1)}
+        yield leader, pids, seconds, access
     finally:
         for node in nodes:
             cluster.stop_node(node)
@@ -447,13 +507,23 @@ def cpu_seconds(pid: int) -> float:
 
 
 def run_phase(
-    addr: str, topic: str, batch: int, n: int, workers: int, procs: int, secs: float, pids
+    addr: str,
+    topic: str,
+    batch: int,
+    n: int,
+    workers: int,
+    procs: int,
+    secs: float,
+    pids,
+    access: Access | None = None,
 ):
     q: mp.Queue = mp.Queue()
     acked = mp.Value("q", 0)
     names = [f"{topic}-w{i}" for i in range(workers)]
     ps = [
-        mp.Process(target=_proc, args=(addr, topic, names[i::procs], batch, n, secs, q, acked))
+        mp.Process(
+            target=_proc, args=(addr, topic, names[i::procs], batch, n, secs, q, acked, access)
+        )
         for i in range(procs)
     ]
     cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
@@ -494,6 +564,12 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=2, help="client processes")
     ap.add_argument("--seconds", type=float, default=30, help="cap per phase")
     ap.add_argument("--runs", type=int, default=3, help="of each phase, systems interleaved")
+    ap.add_argument(
+        "--systems",
+        default=",".join(SYSTEMS),
+        help="which to run, of: dejaq, secured (TLS and API keys on), floor, ids, handles, "
+        "http (default: all)",
+    )
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -507,42 +583,63 @@ def main() -> int:
         return 0
 
     os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
-    runs: dict[str, list[dict]] = {k: [] for k in ("dejaq", "floor", "ids", "handles", "http")}
+    systems = [s.strip() for s in args.systems.split(",")]
+    if unknown := set(systems) - set(SYSTEMS):
+        ap.error(f"--systems: unknown {sorted(unknown)}; known: {', '.join(SYSTEMS)}")
+    runs: dict[str, list[dict]] = {k: [] for k in SYSTEMS}
     setup: list[dict] = []
 
-    def phases(name: str, addr: str, prefix: str, pids: dict[str, int], run: int) -> None:
+    def phases(
+        name: str, addr: str, prefix: str, pids: dict[str, int], run: int, access=None
+    ) -> None:
         for topic, batch, workers, n in phase_topics(args, run):
             runs[name].append(
-                run_phase(addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids)
+                run_phase(
+                    addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids, access
+                )
             )
 
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
         for run in range(args.runs):  # one system up at a time, in turn
-            with dejaq(args, Path(tmp), run) as (leader, pids, seconds):
-                setup.append(seconds)
-                phases("dejaq", leader, "b", pids, run)
+            for name in ("dejaq", "secured"):
+                if name in systems:
+                    secure = name == "secured"
+                    with dejaq(args, Path(tmp), run, secure) as (leader, pids, seconds, access):
+                        setup.append({name: seconds})
+                        phases(name, leader, "b", pids, run, access)
             for carry in (None, "ids", "handles"):
+                if (carry or "floor") not in systems:
+                    continue
                 floor_dir = Path(tmp) / f"floor-{carry}-{run}"
                 with raft_floor(floor_dir, carry) as (floor_leader, floor_pids):
                     phases(carry or "floor", floor_leader, "f", floor_pids, run)
-            with http_ceiling() as (http_addr, http_pids):
-                phases("http", http_addr, "c", http_pids, run)
-    results, floor, ids, handles, baseline = (_medians(runs[k]) for k in runs)
+            if "http" in systems:
+                with http_ceiling() as (http_addr, http_pids):
+                    phases("http", http_addr, "c", http_pids, run)
+    medians = {k: _medians(v) if v else [] for k, v in runs.items()}
+    results, secured = medians["dejaq"], medians["secured"]
+    floor, ids, handles, baseline = (medians[k] for k in ("floor", "ids", "handles", "http"))
+
+    def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
+        return _ratios(mine, theirs) if mine and theirs else None
+
     print(
         json.dumps(
             {
                 "benchmark": "broker lease+ack, 3 nodes",
                 "results": results,
+                "secured_tls_and_keys": secured,
+                "secured_vs_results": ratios(secured, results),
                 "baseline_http_only": baseline,
-                "vs_baseline": _ratios(results, baseline),
+                "vs_baseline": ratios(results, baseline),
                 "floor_http_and_raft": floor,
-                "vs_floor": _ratios(results, floor),
-                "floor_vs_baseline": _ratios(floor, baseline),
+                "vs_floor": ratios(results, floor),
+                "floor_vs_baseline": ratios(floor, baseline),
                 "floor_carrying_ids": ids,
                 "floor_carrying_handles": handles,
-                "vs_floor_carrying_ids": _ratios(results, ids),
-                "carrying_ids_vs_floor": _ratios(ids, floor),
-                "carrying_handles_vs_floor": _ratios(handles, floor),
+                "vs_floor_carrying_ids": ratios(results, ids),
+                "carrying_ids_vs_floor": ratios(ids, floor),
+                "carrying_handles_vs_floor": ratios(handles, floor),
                 "parameters": {
                     "nodes": 3,
                     "phases": [{"batch": b, "workers": w} for b, w in PHASES],
@@ -553,6 +650,8 @@ def main() -> int:
                     "payload_bytes": 16,
                     "seconds_cap": args.seconds,
                     "runs": args.runs,
+                    "systems": systems,
+                    "date": time.strftime("%Y-%m-%d"),
                     "target": "leader",
                 },
                 "setup_seconds": setup,

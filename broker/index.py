@@ -39,7 +39,7 @@ from dejaq.broker.head_store import HeadStore, Segment
 from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
-from dejaq.conf.settings import TopicConfig, TopicKind
+from dejaq.conf.settings import ConfigError, TopicConfig, TopicKind
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LedgerEvent,
@@ -196,6 +196,12 @@ class TopicIndex:
         seen: set[str] = set()
         kept: list[tuple[int, Batch, np.ndarray]] = []
         for bucket, batch in batches:
+            if not 0 <= bucket < self.topic.buckets:
+                raise ConfigError(
+                    f"topics[{self.topic.name}].buckets is {self.topic.buckets}, but the buffer "
+                    f"holds messages in bucket {bucket}: a topic's buckets cannot be lowered "
+                    "while messages in the higher ones are pending or retained"
+                )
             # Duplicates by id: first wins. A mask, not a list of positions: an int object
             # per row, made while the ids are, would leave the heap fragmented.
             new = np.fromiter(

@@ -62,6 +62,19 @@ class Authority:
         return Issued(_write_cert(folder, name, cert), _write_key(folder, name, key))
 
 
+def run(folder: Path, hosts: list[str]) -> int:
+    """`dejaq certs DIR HOST...`: a CA in DIR (made once, then reused) and a certificate
+    for HOSTs signed by it, for nodes serving HTTPS; prints the files."""
+    ca = Authority(folder / "ca.pem", folder / "ca-key.pem")
+    if not ca.cert.exists():
+        ca = new_authority(folder)
+    issued = ca.issue(folder, "node", hosts or ["127.0.0.1", "localhost"], client=True)
+    print(f"ca:   {ca.cert}  (give it to clients: --cacert, Client(verify=...))")
+    print(f"cert: {issued.cert}")
+    print(f"key:  {issued.key}")
+    return 0
+
+
 def new_authority(folder: Path, name: str = "dejaq-local-ca") -> Authority:
     """A fresh self-signed CA in `folder` (`ca.pem`, `ca-key.pem`)."""
     key = ec.generate_private_key(ec.SECP256R1())

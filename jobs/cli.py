@@ -76,6 +76,12 @@ def _listing(table: str) -> Callable[[argparse.Namespace], int]:
     return run
 
 
+def _certs(args: argparse.Namespace) -> int:
+    from dejaq.jobs import certificates
+
+    return certificates.run(Path(args.dir), args.hosts)
+
+
 def _keys(args: argparse.Namespace) -> int:
     from dejaq.jobs import keys
 
@@ -136,6 +142,9 @@ def _parser() -> argparse.ArgumentParser:
     from dejaq.jobs.keys import add_arguments as keys_arguments
 
     keys_arguments(add("keys", _keys, "Add, list or revoke the broker's API keys."))
+    ce = add("certs", _certs, "Make a local CA and a certificate for nodes serving HTTPS.")
+    ce.add_argument("dir", help="where the PEM files go (a CA there is reused)")
+    ce.add_argument("hosts", nargs="*", help="names and addresses (default: 127.0.0.1 localhost)")
 
     operations.add_redrive(
         add("redrive", _operation("redrive"), "Make a topic's dead letters leasable again.")

@@ -172,7 +172,8 @@ class PortsTaken(Exception):
 
 def client_line(nodes: list[Node]) -> str:
     """The worker client's constructor for these nodes, to paste."""
-    return f"Client([{', '.join(repr(n.url) for n in nodes)}])"
+    verify = f", verify={nodes[0].ca!r}" if nodes and nodes[0].ca else ""
+    return f"Client([{', '.join(repr(n.url) for n in nodes)}]{verify})"
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ from dejaq.broker.assignment import rebalance
 from dejaq.broker.index import TopicIndex
 from dejaq.broker.leases import Refusal, Settlement, TopicState
 from dejaq.broker.ledger_writer import checkpoint, compact_ledger
-from dejaq.conf.settings import TopicConfig
+from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
 
 _offsets = itertools.count()
@@ -278,6 +278,16 @@ def drain(
         keys = {m: k for m, _, k in picks}
         batches.append([keys[m] for m, _, _ in grants])
     return batches
+
+
+def test_buckets_lowered_below_the_buffers_are_refused_by_name(tmp_path) -> None:
+    """Rows in a bucket the configuration no longer has: a clear error, not an IndexError
+    that crashes every node at start."""
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows([1, 2, 3, 4]))  # buckets 0..3
+    index = TopicIndex(warehouse, topic_conf(buckets=2))
+    with pytest.raises(ConfigError, match=r"topics\[jobs\]\.buckets is 2.*bucket [23]"):
+        index.load()
 
 
 @settings(

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +166,66 @@ def test_the_quick_start_works_as_written(terminal: Terminal) -> None:
     assert said.stdout.rstrip().endswith('{"rows":[],"next":null}')
     for job in (kafka, ingest, cluster):
         assert job.poll() is None, terminal.log(job)
+
+
+class Shell(Terminal):
+    """A shell whose `export` and `source` last: each line runs in bash with the
+    environment the lines before left, which it then reads back."""
+
+    def line(self, line: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        dump = self.cwd / ".env-after"
+        done = self.run(f"set -e\n{line}\nenv -0 > {dump}", timeout)
+        assert done.returncode == 0, (line, done.stderr)
+        self.env = dict(item.split("=", 1) for item in dump.read_text().split("\0") if "=" in item)
+        return done
+
+
+def test_the_secure_set_up_works_as_written(tmp_path: Path) -> None:
+    shell = Shell(tmp_path)
+    try:
+        secure = blocks(section("Secure set-up"))
+        assert [lang for lang, _ in secure] == ["sh", "sh", "sh", "python"]
+        (_, kafka), (_, setup), (_, calls), (_, work) = secure
+        lines = [command(line) for line in kafka.splitlines()]
+        assert lines[0] == ". .venv/bin/activate" and lines[1].endswith(" &")
+        kafka_job = shell.background(lines[1].removesuffix(" &"))
+        wait_until(
+            lambda: "kafka bootstrap: 127.0.0.1:9093" in shell.log(kafka_job),
+            timeout=120,
+            what="the secured Kafka",
+        )
+        for line in (command(line) for line in setup.splitlines()):
+            if line.endswith(" &"):
+                shell.background(line.removesuffix(" &"))
+            else:
+                shell.line(line)
+        assert shell.env["DEJAQ_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
+        assert (tmp_path / "worker-1.key").read_text().startswith("dq_")
+        cluster = shell.jobs[-1]
+        wait_until(
+            lambda: "stops the cluster" in shell.log(cluster) or cluster.poll() is not None,
+            timeout=120,
+            what="the secured cluster up",
+        )
+        assert "Client(['https://127.0.0.1:8441'," in shell.log(cluster), shell.log(cluster)
+        said = shell.line(calls.replace("\\\n", ""))
+        assert '{"ids":["orders-in-0-0"]}' in said.stdout, said.stdout
+        assert "send 'Authorization: Bearer <key>'; this call needs role 'read'" in said.stdout
+        assert "nodes" in said.stdout and "ingest lag" in said.stdout, said.stdout
+        worker = shell.python(work)
+        watchdog = threading.Timer(180, worker.kill)  # a worker that never prints fails
+        watchdog.start()
+        try:
+            assert worker.stdout.readline().strip() == "hello", worker.stderr.read()
+        finally:
+            watchdog.cancel()
+            worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.stderr.read()
+        password = shell.env["DEJAQ_KAFKA_SASL_PASSWORD"]
+        for log in shell.logs.iterdir():
+            assert password not in log.read_text()
+            assert shell.env["DEJAQ_TOKEN"].split("_", 2)[2] not in log.read_text()
+        for job in shell.jobs:
+            assert job.poll() is None, shell.log(job)
+    finally:
+        shell.close()
