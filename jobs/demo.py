@@ -9,6 +9,7 @@ and the exit code is non-zero if any fails. Every process it started is stopped.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import statistics
@@ -20,7 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
 from deltalake import DeltaTable
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table as RichTable
 
+from dejaq.client import BrokerError, Client
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
 from dejaq.jobs import cluster, embedded_kafka, ports
@@ -135,34 +136,26 @@ def _produce_reminders(bootstrap: str, c: Counters) -> None:
 
 
 def _worker(name: str, urls: list[str], c: Counters, stop: threading.Event) -> None:
-    """Lease 50 at a time from any node, ack them; remember the order they came in."""
-    client = httpx.Client(timeout=35)
-    body = {"consumer_id": name}
-    node = 0
-    while not stop.is_set():
-        url = urls[node % len(urls)]
-        try:
-            r = client.post(
-                f"{url}/v1/topics/orders/leases", json={**body, "max_messages": 50, "wait_ms": 500}
-            )
-            if r.status_code != 200:
-                node += 1
-                continue
-            batch = r.json()["messages"]
+    """Lease 50 at a time with the worker client (any node, failing over), ack them;
+    remember the order they came in."""
+    with Client(urls, deadline=10) as client:
+        while not stop.is_set():
+            try:
+                batch = client.lease("orders", name, 50, wait_ms=500)
+            except BrokerError:
+                continue  # no node served it within the deadline: the next lease tries again
             if not batch:
                 continue
             c.leased += len(batch)
-            c.leases.setdefault(name, []).append([m["sort_key"] for m in batch])
-            ids = [m["id"] for m in batch]
-            a = client.post(f"{url}/v1/topics/orders/acks", json={**body, "ids": ids})
-            if a.status_code == 200:
+            c.leases.setdefault(name, []).append([m.sort_key for m in batch])
+            ids = [m.id for m in batch]
+            try:
+                client.ack("orders", name, ids)
+            except BrokerError as e:
+                c.errors.append(f"ack: {str(e)[:200]}")
+            else:
                 c.acked += len(ids)
                 c.acked_ids.update(ids)
-            else:
-                c.errors.append(f"ack {a.status_code}: {a.text[:200]}")
-        except httpx.HTTPError:
-            node += 1
-    client.close()
 
 
 def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
@@ -185,25 +178,19 @@ def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
     consumer.close()
 
 
-def _join(urls: list[str], consumer: str, deadline: float) -> None:
-    """Heartbeat once (through any node) so the consumer holds its buckets before leasing."""
-    for url in itertools.cycle(urls):
-        try:
-            r = httpx.post(f"{url}/v1/topics/orders/consumers/{consumer}/heartbeat", timeout=5)
-        except httpx.HTTPError:
-            r = None
-        if (r is not None and r.status_code == 200) or time.monotonic() > deadline:
-            return
-        time.sleep(0.2)
+def _join(urls: list[str], consumer: str) -> None:
+    """Heartbeat once so the consumer holds its buckets before leasing."""
+    with Client(urls, deadline=10) as client, contextlib.suppress(BrokerError):
+        client.heartbeat("orders", consumer)
 
 
 def _pending(url: str) -> int:
     """Orders the broker's index holds (0 while it is not ready)."""
-    try:
-        r = httpx.get(f"{url}/v1/topics/orders", timeout=5)
-    except httpx.HTTPError:
-        return 0
-    return r.json()["pending"] if r.status_code == 200 else 0
+    with Client([url], deadline=5) as client:
+        try:
+            return client.topic_stats("orders").pending
+        except BrokerError:
+            return 0
 
 
 def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
@@ -298,7 +285,7 @@ def _run(console: Console, work: Path) -> int:
             # Workers join before any leases and start once the broker holds every order,
             # so no bucket changes hands mid-run and each worker's leases show pure order.
             for i in range(WORKERS):
-                _join(urls, f"w{i}", deadline)
+                _join(urls, f"w{i}")
             for i in range(WORKERS):
                 threads.append(threading.Thread(target=_worker, args=(f"w{i}", urls, c, stop)))
                 threads[-1].start()

@@ -22,7 +22,7 @@ from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import KafkaConfig
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import cluster, embedded_kafka
-from dejaq.jobs.certificates import new_authority
+from dejaq.jobs.certificates import Authority, new_authority
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.status import row_count
 
@@ -103,9 +103,20 @@ def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp
         f"  - {{name: rel, kind: timeline, source: [{sources['rel']}], buckets: 2,"
         f" delivery: release, output: {output}}}\n"
     )
+    # Mutual TLS too: a client certificate from Kafka's CA, which the listener checks
+    # when one is sent, given to both ingests (the JVM's inline PEM key store, and
+    # kafka-python's certfile and keyfile).
+    ca = Path(secure_kafka["DEJAQ_KAFKA_SSL_CAFILE"])
+    client = Authority(ca, ca.with_name("ca-key.pem")).issue(tmp_path, "client", ["dejaq"], True)
+    mutual = {
+        "DEJAQ_KAFKA_SSL_CERTFILE": str(client.cert),
+        "DEJAQ_KAFKA_SSL_KEYFILE": str(client.key),
+    }
     outputs: list[str] = []
     for topic, connectors in (("jvm", "jvm"), ("py", "python"), ("rel", "auto")):
         env = {**secure_kafka, "DEJAQ_SPARK_CONNECTORS": connectors}
+        if topic != "rel":
+            env.update(mutual)
         done = dejaq("ingest", "--topic", topic, "--once", "--conf-file", str(conf), env=env)
         assert done.returncode == 0, done.stderr[-3000:]
         assert "buffered 20" in done.stdout, done.stdout
