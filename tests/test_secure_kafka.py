@@ -17,9 +17,10 @@ import httpx
 import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
+from pydantic import SecretStr
 
-from dejaq.conf.kafka_clients import python_config
-from dejaq.conf.settings import KafkaConfig
+from dejaq.conf.kafka_clients import check_login, python_config
+from dejaq.conf.settings import ConfigError, KafkaConfig
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import cluster, embedded_kafka
 from dejaq.jobs.certificates import Authority, new_authority
@@ -73,6 +74,23 @@ def test_a_plain_client_is_refused(secure_kafka: dict[str, str]) -> None:
             request_timeout_ms=3000,
             bootstrap_timeout_ms=3000,
         ).list_topics()
+
+
+@pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
+def test_every_sasl_mechanism_logs_in(secure_kafka: dict[str, str], mechanism: str) -> None:
+    """Each mechanism the `kafka:` section offers, through the start-up check and a
+    producer's round trip."""
+    env = {**secure_kafka, "DEJAQ_KAFKA_SASL_MECHANISM": mechanism}
+    settings = {k.removeprefix("DEJAQ_KAFKA_").lower(): v for k, v in env.items()}
+    kafka = KafkaConfig.model_validate(settings)
+    check_login(kafka)
+    producer = KafkaProducer(**python_config(kafka), acks="all")
+    sent = producer.send(f"mechanisms-{secrets.token_hex(3)}", b"x").get(timeout=30)
+    producer.close()
+    assert sent.offset == 0
+    wrong = kafka.model_copy(update={"sasl_password": SecretStr("wrong")})
+    with pytest.raises(ConfigError, match=r"kafka\.sasl_password"):
+        check_login(wrong)
 
 
 def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp_path) -> None:
