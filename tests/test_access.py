@@ -22,7 +22,7 @@ from test_broker_cluster import leader_of
 from dejaq.broker.access import ROUTES, forward_tag
 from dejaq.broker.keys import KeyFileError, add_key, read_keys, revoke_key, split_token
 from dejaq.client import Client, Forbidden, Unauthorized, Unavailable, Worker
-from dejaq.jobs import cluster
+from dejaq.jobs import cluster, embedded_kafka
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
 
@@ -286,3 +286,30 @@ def test_a_node_beyond_loopback_without_keys_refuses_to_start(tmp_path: Path) ->
     refused = dejaq(*args)
     assert refused.returncode == 2
     assert "broker.keys_file" in refused.stderr and "broker.insecure" in refused.stderr
+
+
+def test_an_insecure_node_beyond_loopback_starts_when_told_so(tmp_path: Path) -> None:
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(f"warehouse: {tmp_path / 'w'}\nbroker: {{insecure: true}}\ntopics: []\n")
+    port = free_port()
+    args = ["--http", f"0.0.0.0:{port}", "--raft", f"127.0.0.1:{free_port()}"]
+    args += ["--conf-file", str(conf), "--data-dir", str(tmp_path / "d")]
+    node = subprocess.Popen(
+        [sys.executable, "-m", "dejaq.jobs.cli", "broker", "--node-id", "open", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+    def healthy() -> bool:
+        assert node.poll() is None, node.stderr.read() if node.stderr else ""
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, 60, "the open node")
+        topics = httpx.get(f"http://127.0.0.1:{port}/v1/topics", timeout=5)
+        assert topics.status_code == 200  # open: no key asked for
+    finally:
+        embedded_kafka.stop(node)  # SIGTERM by its PID, SIGKILL if it does not go
