@@ -225,5 +225,5 @@ def test_a_wrong_login_fails_at_start_naming_the_setting(
         done = dejaq(*command, "--conf-file", str(conf), env=env, timeout=60)
         took = time.monotonic() - started
         assert done.returncode == 2, (command, done.stderr[-2000:])
-        assert named in done.stderr and took < 45, (command, took, done.stderr[-2000:])
+        assert named in done.stderr and took < 20, (command, took, done.stderr[-2000:])
         assert secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"] not in done.stdout + done.stderr
