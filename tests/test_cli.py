@@ -45,6 +45,11 @@ def run(
         ["cluster"],
         ["dead"],
         ["quarantine"],
+        ["keys"],
+        ["certs"],
+        ["redrive"],
+        ["pause"],
+        ["purge"],
     ],
 )
 def test_help_everywhere(command: list[str]) -> None:
