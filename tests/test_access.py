@@ -16,12 +16,23 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import wait_until
+from hypothesis import given
+from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
 from test_broker_cluster import leader_of
 
-from dejaq.broker.access import ROUTES, forward_tag
-from dejaq.broker.keys import KeyFileError, add_key, read_keys, revoke_key, split_token
+from dejaq.broker.access import ROUTES, forward_tag, required
+from dejaq.broker.keys import (
+    Grant,
+    Key,
+    KeyFileError,
+    add_key,
+    read_keys,
+    revoke_key,
+    split_token,
+)
 from dejaq.client import Client, Forbidden, Unauthorized, Unavailable, Worker
+from dejaq.conf.settings import TOPIC_NAME
 from dejaq.jobs import cluster, embedded_kafka
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
@@ -228,6 +239,31 @@ def test_no_key_or_secret_reaches_a_log(secure) -> None:
         assert len(secret) == 43 and secret not in logs
         assert secret not in stored  # only hashes are kept
     assert oct(secure["keys_file"].stat().st_mode & 0o777) == "0o600"
+
+
+@given(
+    topic=st.from_regex(TOPIC_NAME, fullmatch=True),
+    other=st.from_regex(r"[\x21-\x2e\x30-\x7e]{1,40}", fullmatch=True),
+)
+def test_each_route_needs_its_role_on_its_own_topic(topic: str, other: str) -> None:
+    """Whatever the topic's name and the ids in the path, a route is matched to its own
+    role and topic, never to another route's."""
+    for method, path, role in ROUTES:
+        params = {k: other for k in ("message_id", "consumer_id", "schedule_id")}
+        concrete = path.format(topic=topic, **params)
+        assert required(method, concrete) == (role, topic if "{topic}" in path else None)
+
+
+def test_a_grant_holds_on_its_globs_only() -> None:
+    (key,) = [k for k in [_key(("consume", ("orders.*", "jobs")), ("read", ("*",)))]]
+    assert key.allows("consume", "orders.eu") and key.allows("consume", "jobs")
+    assert not key.allows("consume", "orders") and not key.allows("consume", "jobs2")
+    assert key.allows("read", "anything") and not key.allows("operate", "jobs")
+    assert key.allows("consume", None) and not key.allows("monitor", None)
+
+
+def _key(*grants: tuple[str, tuple[str, ...]]) -> Key:
+    return Key("id", "name", "0" * 64, tuple(Grant(r, t) for r, t in grants), 0)
 
 
 # --- keys, the file and the CLI --------------------------------------------------------------
