@@ -7,8 +7,9 @@ and the API's own docs stay open; `/metrics` needs `monitor` unless configured o
 
 A follower authorizes a request once and forwards it with a tag only the cluster's
 nodes can make (an HMAC under the Raft password of the follower's HTTP address); the
-leader takes a forward from a member with a valid tag, and from nobody else, whatever
-headers a client sends.
+leader takes a forward with a valid tag, and from nobody else, whatever headers a client
+sends. The tag alone proves the sender a node: a node that has just started forwards
+before its address is in the replicated state, and must not be refused for it.
 """
 
 from __future__ import annotations
@@ -97,12 +98,11 @@ class Guard:
         app: ASGIApp,
         keys: KeyRing,
         password: str | None,
-        members: Callable[[], set[str]],
         metrics_open: bool = False,
     ) -> None:
-        """`members`: the HTTP addresses of the cluster's nodes now."""
+        """`password`: the Raft password, under which nodes tag their forwards."""
         self.app, self.keys, self.password = app, keys, password
-        self.members, self.metrics_open = members, metrics_open
+        self.metrics_open = metrics_open
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -119,7 +119,7 @@ class Guard:
             elif name == _FORWARDED:
                 forwarded = value
         if forwarded is not None:
-            if self._from_member(forwarded):
+            if self._from_node(forwarded):
                 return await self.app(scope, receive, send)  # authorized where it arrived
             return await _refuse(
                 send, 401, "not a cluster node", "forwarded requests are taken from nodes only"
@@ -139,9 +139,9 @@ class Guard:
             return await _refuse(send, 403, "role required", detail)
         return await self.app(scope, receive, send)
 
-    def _from_member(self, forwarded: bytes) -> bool:
+    def _from_node(self, forwarded: bytes) -> bool:
         sender, _, _ = forwarded.decode("latin-1").partition(" ")
-        if self.password is None or sender not in self.members():
+        if self.password is None or not sender:
             return False
         expected = forward_tag(self.password, sender).encode("latin-1")
         return hmac.compare_digest(expected, forwarded)

@@ -300,7 +300,6 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
             app.front,
             KeyRing(Path(conf.keys_file)),
             password,
-            lambda: set(broker.raft.http_addresses().values()) if broker.raft else set(),
             conf.metrics_open,
         )
         _declare_security(app, conf.metrics_open)
