@@ -25,6 +25,9 @@ consumer's leave). Liveness: the longest time without a lease answer after each 
 the ledger holding every settled message within 30 s of the load stopping, dead letters
 equal to the ledger's dead events, the buffer drained by retention, the nodes agreeing.
 
+`--secure` runs the same with TLS on every node's HTTP and API keys on: the workers and
+the checker then go through HTTPS with a key, and every forward through its node tag.
+
 Prints one JSON object; exit code 1 if a safety count is not 0 or the run failed.
 Only PIDs this run started are ever signalled; everything is stopped at the end.
 """
@@ -46,6 +49,7 @@ import re
 import secrets
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -62,10 +66,12 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
+from dejaq.broker.keys import ROLES, add_key
 from dejaq.client import Backoff, BrokerError, Client, Conflict, Message, Worker
 from dejaq.client.models import ExtendResult, Left, SettleResult
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
 from dejaq.jobs import cluster
+from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.status import row_count
 
@@ -174,6 +180,29 @@ class Journal:
                 rec = self.current.get((consumer, mid))
                 if rec is not None and deadline_ms > rec.deadline_ms:
                     rec.deadline_ms = deadline_ms
+
+
+@dataclass
+class Access:
+    """How this run reaches the nodes: plain HTTP, or (`--secure`) HTTPS verified against
+    the run's own CA with an API key holding every role."""
+
+    token: str | None = None
+    ca: str | None = None
+
+    def http(self, **kw: Any) -> httpx.Client:
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else None
+        return httpx.Client(headers=headers, verify=self.verify(), **kw)
+
+    def verify(self) -> ssl.SSLContext | bool:
+        return ssl.create_default_context(cafile=self.ca) if self.ca else True
+
+    def client(self, nodes: Sequence[str], **kw: Any) -> dict[str, Any]:
+        """The `Client` arguments for `nodes`."""
+        return {"nodes": nodes, "token": self.token, "verify": self.verify(), **kw}
+
+
+ACCESS = Access()  # `--secure` replaces it before anything connects
 
 
 class RecordingClient(Client):
@@ -396,6 +425,8 @@ class Cluster:
     def __init__(self, tmp: Path, conf: Path) -> None:
         self.tmp, self.conf = tmp, conf
         self.nodes = cluster.plan(3, tmp / "raft")
+        for node in self.nodes:
+            node.scheme, node.ca = ("https", ACCESS.ca) if ACCESS.ca else ("http", None)
         self.stopped: set[str] = set()  # SIGSTOPped now
         # Only the Raft password from the environment: a DEJAQ_WAREHOUSE of the caller's
         # would override the run's own configuration.
@@ -493,7 +524,7 @@ class Nemesis:
 
     def __init__(self, c: Cluster, rng: random.Random, down_s: float) -> None:
         self.c, self.rng, self.down_s = c, rng, down_s
-        self.http = httpx.Client()
+        self.http = ACCESS.http()
         self.stalls = 0
 
     def _role(self, node: Node) -> str | None:
@@ -674,7 +705,7 @@ def ledger_rows_of(warehouse: str, n: int) -> dict[str, list[tuple]]:
 def statuses(nodes: list[str], ids: list[str]) -> dict[str, str]:
     """Each message's status by peek (any node: the client moves on if one fails)."""
     out: dict[str, str] = {}
-    with Client(nodes, timeout=10, deadline=60) as client:
+    with Client(**ACCESS.client(nodes, timeout=10, deadline=60)) as client:
 
         def peek(mid: str) -> tuple[str, str]:
             try:
@@ -756,12 +787,22 @@ def log_findings(paths: list[Path]) -> dict[str, Any]:
 
 
 def write_conf(tmp: Path, args: argparse.Namespace) -> Path:
+    """The run's configuration; with `--secure`, TLS and API keys on, and `ACCESS` set to
+    a key of every role and the run's CA."""
+    global ACCESS
     conf = tmp / "dejaq.yaml"
+    secure = ""
+    if args.secure:
+        ca = new_authority(tmp / "pki")
+        node = ca.issue(tmp / "pki", "node", ["127.0.0.1"])
+        keys = tmp / "keys.json"
+        ACCESS = Access(add_key(keys, "nemesis", list(ROLES), ["*"]), str(ca.cert))
+        secure = f", keys_file: {keys}, tls: {{cert: {node.cert}, key: {node.key}, ca: {ca.cert}}}"
     conf.write_text(
         f"warehouse: {tmp / 'warehouse'}\n"
         f"kafka: {{bootstrap: '{args.bootstrap}'}}\n"
         f"broker: {{heartbeat_timeout_ms: {args.heartbeat_ms}, lease_ms: {args.lease_ms},"
-        f" max_deliveries: {args.max_deliveries}}}\n"
+        f" max_deliveries: {args.max_deliveries}{secure}}}\n"
         "topics:\n"
         f"  - {{name: {TOPIC}, kind: priority, source: [{TOPIC}-in], buckets: {args.buckets},"
         f" settled_retention_ms: {args.retention_ms}}}\n"
@@ -812,7 +853,7 @@ def sample(
     [owner, pending, leased, deliverable], so a lease that stops granting shows why."""
     ledger = ensure_table(warehouse, Table.LEDGER, TOPIC)
     buffer = ensure_table(warehouse, Table.BUFFER, TOPIC)
-    with httpx.Client(timeout=2) as http:
+    with ACCESS.http(timeout=2) as http:
         while not stop.wait(5.0):
             point: dict[str, Any] = {"t_s": round(time.time() - since), "acked_2xx": len(j.acked)}
             with contextlib.suppress(Exception):  # a table mid-commit: the next sample
@@ -901,7 +942,7 @@ class Load:
         self.stop_appending, self.stop_sampling = threading.Event(), threading.Event()
         self.workers = [
             NemesisWorker(
-                RecordingClient(urls[i % 3 :] + urls[: i % 3], journal),
+                RecordingClient(journal=journal, **ACCESS.client(urls[i % 3 :] + urls[: i % 3])),
                 TOPIC,
                 self.fates.handle,
                 fates=self.fates,
@@ -1061,7 +1102,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     nemesis: Nemesis | None = None
     load: Load | None = None
     since = time.time()
-    http = httpx.Client(timeout=10)
+    http = ACCESS.http(timeout=10)
     try:
         c = start_cluster(tmp, conf)
         urls = [n.url for n in c.nodes]
@@ -1073,9 +1114,13 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         load.appender.join()
 
         def drained() -> bool:
+            """Every message settled, by the replicated totals: a node's pending count
+            alone reads 0 before its index has taken the last append."""
             s = topic_stats(http, urls)
-            done = load.appended["rows"] == args.messages
-            return bool(s) and done and s["pending"] + s["delayed"] + s["leased"] == 0
+            if not s or load.appended["rows"] != args.messages:
+                return False
+            settled = s["acked"] + s["dead"] + s["cancelled"]
+            return settled == args.messages and s["pending"] + s["delayed"] + s["leased"] == 0
 
         ok, took = poll(drained, args.drain_s, 0.5)
         figures["drain"] = {"drained": bool(ok), "seconds": round(took, 1)}
@@ -1148,6 +1193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bootstrap", default="127.0.0.1:9", help="Kafka (lease topics need none)")
     p.add_argument("--tmp", help="parent folder of the run's folder (default: the system's)")
     p.add_argument("--keep", action="store_true", help="keep the run's folder (logs, tables)")
+    p.add_argument("--secure", action="store_true", help="TLS on every node's HTTP and API keys on")
     args = p.parse_args(argv)
 
     def terminated(*_: object) -> None:
