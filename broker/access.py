@@ -31,7 +31,7 @@ _FORWARDED = FORWARDED.encode()
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
 OPEN_PREFIX = "/docs-assets/"
 METRICS = "/metrics"
-BEARER = "Bearer"
+BEARER = "bearer"
 
 # (method, path, role): the role a key needs on the path's {topic}, or on any topic for
 # topic-less paths; None: any valid key (the list of topics' names).
@@ -127,7 +127,7 @@ class Guard:
         role, topic = required(scope["method"], path)
         needs = f"; this call needs {_grant(role, topic)}" if role is not None else ""
         scheme, _, token = (authorization or b"").decode("latin-1").partition(" ")
-        if scheme != BEARER or not token.strip():
+        if scheme.lower() != BEARER or not token.strip():  # auth schemes ignore case
             return await _refuse(
                 send, 401, "API key required", f"send 'Authorization: Bearer <key>'{needs}"
             )

@@ -161,6 +161,8 @@ def test_a_role_holds_on_its_topics_only(secure) -> None:
     assert "role 'consume' on topic 'other'" in refused.json()["detail"]
     allowed = http.post(f"{url}/v1/topics/other/leases", json=body, headers=bearer(keys["all"]))
     assert allowed.status_code == 200
+    lower = {"authorization": f"bearer {keys['all']}"}  # the scheme's case does not matter
+    assert http.post(f"{url}/v1/topics/other/leases", json=body, headers=lower).status_code == 200
 
 
 def test_a_follower_forwards_over_tls_and_a_forged_forward_is_refused(secure) -> None:
