@@ -291,7 +291,7 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
         app.include_router(router, prefix="/v1")
     app.include_router(health.router)
     conf = broker.conf
-    app.state.scheme = "https" if conf.tls.on else "http"
+    app.state.scheme = conf.tls.scheme
     password = conf.raft_password
     app.state.forward_tag = forward_tag(password, broker.http_addr) if password else "1"
     app.front = HotPath(partial(FastAPI.__call__, app), broker)

@@ -222,6 +222,11 @@ class TlsConfig(_Strict):
     def on(self) -> bool:
         return self.cert is not None
 
+    @property
+    def scheme(self) -> str:
+        """What the nodes serve: https with a certificate, else http."""
+        return "https" if self.on else "http"
+
 
 class BrokerConfig(_Strict):
     """The HTTP lease broker; `raft_password` is required for more than one node.

@@ -106,9 +106,8 @@ def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(settings, args.node_id, args.http, args.raft, peers, data_dir)
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
-    scheme = "https" if conf.tls.on else "http"
     broker.start()
-    print(f"broker {args.node_id}: {scheme}://{args.http} raft {args.raft}", flush=True)
+    print(f"broker {args.node_id}: {conf.tls.scheme}://{args.http} raft {args.raft}", flush=True)
     try:
         app = create_app(broker, Producer(settings.kafka))
         uvicorn.run(app, host=host, port=port, **SETTINGS, **tls)

@@ -148,7 +148,7 @@ def up(
     tls = load_settings(conf_file, env).broker.tls
     nodes = plan(n, data_dir, http_port, raft_port)
     for node in nodes:
-        node.scheme, node.ca = ("https" if tls.on else "http"), tls.ca
+        node.scheme, node.ca = tls.scheme, tls.ca
     if busy := taken(nodes):
         raise PortsTaken(busy)
     for node in nodes:

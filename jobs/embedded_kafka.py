@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from dejaq.conf import jvm
+from dejaq.conf.settings import KafkaConfig, load_settings
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
@@ -252,17 +253,15 @@ def prepare(port: int, data_dir: Path, secure: bool = False) -> Path:
     return config
 
 
-def answers(bootstrap: str, timeout_ms: int = 2000, env: dict[str, str] | None = None) -> bool:
+def answers(bootstrap: str, timeout_ms: int = 2000, kafka: KafkaConfig | None = None) -> bool:
     """Whether a broker at `bootstrap` answers a metadata request (not just a connect);
-    `env`: the `DEJAQ_KAFKA_*` settings of a secured one."""
+    `kafka`: how to log in to a secured one."""
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
     from dejaq.conf.kafka_clients import python_config
-    from dejaq.conf.settings import KafkaConfig
 
-    settings = {k.removeprefix("DEJAQ_KAFKA_").lower(): v for k, v in (env or {}).items()}
-    config = python_config(KafkaConfig.model_validate({**settings, "bootstrap": bootstrap}))
+    config = python_config(kafka) if kafka is not None else {"bootstrap_servers": bootstrap}
     try:
         admin = KafkaAdminClient(**config, request_timeout_ms=timeout_ms)
     except KafkaError:
@@ -290,7 +289,8 @@ def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
     `secure`: on SASL_SSL, its client settings in data_dir/client.env."""
     _check_free(port)
     config = prepare(port, data_dir, secure)
-    env = client_env(data_dir, port) if secure else None
+    # The settings a shell would `source`, read as the jobs read them.
+    kafka = load_settings(env=client_env(data_dir, port)).kafka if secure else None
     proc = subprocess.Popen(
         _java(data_dir.resolve(), "kafka.Kafka", str(config)),
         stdout=subprocess.DEVNULL,
@@ -300,7 +300,7 @@ def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
     try:
         wait_for_port(port, timeout=READY_TIMEOUT_S, proc=proc)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not answers(f"127.0.0.1:{port}", env=env):
+        while not answers(f"127.0.0.1:{port}", kafka=kafka):
             if proc.poll() is not None:
                 raise RuntimeError(f"Kafka exited with code {proc.returncode}: see {data_dir}")
             if time.monotonic() > deadline:

@@ -20,7 +20,7 @@ from kafka.admin import NewTopic
 from pydantic import SecretStr
 
 from dejaq.conf.kafka_clients import check_login, python_config
-from dejaq.conf.settings import ConfigError, KafkaConfig
+from dejaq.conf.settings import ConfigError, load_settings
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import cluster, embedded_kafka
 from dejaq.jobs.certificates import Authority, new_authority
@@ -45,8 +45,9 @@ def secure_kafka(tmp_path_factory) -> Iterator[dict[str, str]]:
 
 
 def kafka_config(env: dict[str, str]) -> dict:
-    settings = {k.removeprefix("DEJAQ_KAFKA_").lower(): v for k, v in env.items()}
-    return python_config(KafkaConfig.model_validate(settings))
+    """kafka-python's arguments for the `DEJAQ_KAFKA_*` settings `env`, read as the jobs
+    read them."""
+    return python_config(load_settings(env=env).kafka)
 
 
 def dejaq(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.CompletedProcess:
@@ -80,9 +81,7 @@ def test_a_plain_client_is_refused(secure_kafka: dict[str, str]) -> None:
 def test_every_sasl_mechanism_logs_in(secure_kafka: dict[str, str], mechanism: str) -> None:
     """Each mechanism the `kafka:` section offers, through the start-up check and a
     producer's round trip."""
-    env = {**secure_kafka, "DEJAQ_KAFKA_SASL_MECHANISM": mechanism}
-    settings = {k.removeprefix("DEJAQ_KAFKA_").lower(): v for k, v in env.items()}
-    kafka = KafkaConfig.model_validate(settings)
+    kafka = load_settings(env={**secure_kafka, "DEJAQ_KAFKA_SASL_MECHANISM": mechanism}).kafka
     check_login(kafka)
     producer = KafkaProducer(**python_config(kafka), acks="all")
     sent = producer.send(f"mechanisms-{secrets.token_hex(3)}", b"x").get(timeout=30)
