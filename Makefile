@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # The pinned JVM jars (jvm/<set>/pom.xml), copied from Maven Central into jvm/lib/<set>.
-JARS := jvm/lib/spark/.fetched jvm/lib/kafka/.fetched
+JARS := jvm/lib/spark/.fetched jvm/lib/s3a/.fetched jvm/lib/kafka/.fetched jvm/lib/s3proxy/.fetched
 # Debian's Chromium, for the test that renders the broker's /docs page in a real browser.
 BROWSER := .venv/.chromium
 SETUP := $(STAMP) $(JARS)

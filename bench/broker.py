@@ -14,8 +14,13 @@ moments, not systems.
 
 The same DejaQ secured (`secured`: TLS on every node's HTTP and API keys on, each
 client sending its key over TLS) runs beside it, and `secured_vs_results` is its
-ratio: what security costs. The baselines run in the same run, with the same clients
-and phases. HTTP alone:
+ratio: what security costs. So does the same DejaQ with its warehouse on an
+S3-compatible server (`s3`: `dejaq s3`, S3Proxy over a local folder; the nodes' Raft and
+head stores stay on disk), with `s3_vs_results`, and the requests its nodes send the
+store (the server's own counts by S3 operation): idle, per node and second, over
+IDLE_SECONDS before the phases (once the nodes' start-up reads are done), and per phase
+under load. The baselines run in the
+same run, with the same clients and phases. HTTP alone:
 uvicorn as the broker runs it, answering lease and ack from a counter with no Raft,
 state or index. The Raft floor: the same on 3 nodes, each lease and ack first committing
 one tiny command through the broker's own Raft layer. No broker on this stack can beat
@@ -49,7 +54,7 @@ import tempfile
 import time
 from array import array
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
@@ -319,7 +324,9 @@ def raft_floor_server(spec: str) -> None:
 
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
-SYSTEMS = ("dejaq", "secured", "floor", "ids", "handles", "http")
+SYSTEMS = ("dejaq", "secured", "s3", "floor", "ids", "handles", "http")
+IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
+IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
 
 
 def phase_topics(args: argparse.Namespace, run: int) -> list[tuple[str, int, int, int]]:
@@ -339,7 +346,7 @@ def phase_topics(args: argparse.Namespace, run: int) -> list[tuple[str, int, int
 @contextmanager
 def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
     """`ceiling_server`, what HTTP alone costs on this machine: (address, pids)."""
-    from dejaq.jobs.embedded_kafka import wait_for_port
+    from dejaq.jobs.children import wait_for_port
     from dejaq.jobs.ports import free_port
 
     port = free_port()
@@ -355,7 +362,7 @@ def http_ceiling() -> Iterator[tuple[str, dict[str, int]]]:
 @contextmanager
 def raft_floor(data_dir: Path, carry: str | None = None) -> Iterator[tuple[str, dict[str, int]]]:
     """3 `raft_floor_server`s: (their leader's address, pids)."""
-    from dejaq.jobs.embedded_kafka import wait_for_port
+    from dejaq.jobs.children import wait_for_port
     from dejaq.jobs.ports import free_port
 
     http = [free_port() for _ in range(3)]
@@ -393,13 +400,53 @@ class Access:
     token: str
 
 
+@dataclass(frozen=True)
+class Store:
+    """The S3 server a system's warehouse is on: its settings, and its data folder (where
+    its request counts are read)."""
+
+    env: dict[str, str]
+    data_dir: Path
+
+    def requests(self) -> dict[str, int]:
+        from dejaq.jobs import embedded_s3
+
+        return embedded_s3.requests(self.data_dir)
+
+
+@contextmanager
+def s3_server(tmp_path: Path) -> Iterator[Store]:
+    """`dejaq s3` for the `s3` system; this process reaches it as a job would."""
+    from dejaq.conf.settings import load_settings
+    from dejaq.conf.storage import export
+    from dejaq.jobs import children, embedded_s3, ports
+
+    proc, env = embedded_s3.start(ports.free_port(), tmp_path / "s3")
+    os.environ.update({k: v for k, v in env.items() if k.startswith("AWS_")})
+    export(load_settings(env=env))
+    try:
+        yield Store(env, tmp_path / "s3")
+    finally:
+        children.stop(proc)
+
+
+def per_second(before: dict[str, int], after: dict[str, int], seconds: float) -> dict:
+    made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
+    return {"requests": made, "per_s": round(sum(made.values()) / seconds, 2)}
+
+
 @contextmanager
 def dejaq(
-    args: argparse.Namespace, tmp_path: Path, run: int, secure: bool = False
+    args: argparse.Namespace,
+    tmp_path: Path,
+    run: int,
+    secure: bool = False,
+    store: Store | None = None,
 ) -> Iterator[tuple[str, dict, dict, Access | None]]:
     """A 3-node broker over the topics of run `run`, filled as the ingest job would:
     (leader's address, pids, set-up seconds, how to reach it). `secure`: TLS on its
-    HTTP and API keys on, the clients sending a key over TLS."""
+    HTTP and API keys on, the clients sending a key over TLS. `store`: the warehouse in
+    its bucket."""
     import httpx
     from test_broker import buffer_rows, fill
 
@@ -407,8 +454,12 @@ def dejaq(
     from dejaq.jobs import cluster
     from dejaq.jobs.certificates import new_authority
 
-    tmp_path = tmp_path / ("secure" if secure else "plain")
-    warehouse = tmp_path / "warehouse"
+    tmp_path = tmp_path / ("secure" if secure else "s3" if store else "plain")
+    warehouse = f"s3://dejaq/bench-{run}" if store else str(tmp_path / "warehouse")
+    storage = ""
+    if store:
+        endpoint = store.env["DEJAQ_STORAGE_ENDPOINT"]
+        storage = f"storage: {{endpoint: '{endpoint}', path_style: true}}\n"
     conf = tmp_path / f"dejaq-{run}.yaml"
     topics = [t for t, _, _, _ in phase_topics(args, run)]
     security, access, headers, verify = "", None, {}, True
@@ -425,6 +476,7 @@ def dejaq(
     tmp_path.mkdir(parents=True, exist_ok=True)
     conf.write_text(
         f"warehouse: {warehouse}\n"
+        f"{storage}"
         "kafka: {bootstrap: '127.0.0.1:9'}\n"
         f"broker: {{lease_ms: 30000, heartbeat_timeout_ms: 30000{security}}}\n"
         "topics:\n"
@@ -439,7 +491,7 @@ def dejaq(
         for start in range(0, n, 50_000):
             keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
             fill(
-                str(warehouse),
+                warehouse,
                 topic,
                 buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"),
             )
@@ -567,8 +619,8 @@ def main() -> int:
     ap.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help="which to run, of: dejaq, secured (TLS and API keys on), floor, ids, handles, "
-        "http (default: all)",
+        help="which to run, of: dejaq, secured (TLS and API keys on), s3 (the warehouse on "
+        "`dejaq s3`), floor, ids, handles, http (default: all)",
     )
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
@@ -590,23 +642,54 @@ def main() -> int:
     setup: list[dict] = []
 
     def phases(
-        name: str, addr: str, prefix: str, pids: dict[str, int], run: int, access=None
+        name: str,
+        addr: str,
+        prefix: str,
+        pids: dict[str, int],
+        run: int,
+        access=None,
+        only: str | None = None,
     ) -> None:
         for topic, batch, workers, n in phase_topics(args, run):
+            if only is not None and topic != only:
+                continue
             runs[name].append(
                 run_phase(
                     addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids, access
                 )
             )
 
-    with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp:
+    requests: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
+        store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
         for run in range(args.runs):  # one system up at a time, in turn
-            for name in ("dejaq", "secured"):
-                if name in systems:
-                    secure = name == "secured"
-                    with dejaq(args, Path(tmp), run, secure) as (leader, pids, seconds, access):
-                        setup.append({name: seconds})
+            for name in ("dejaq", "secured", "s3"):
+                if name not in systems:
+                    continue
+                on = store if name == "s3" else None
+                with dejaq(args, Path(tmp), run, name == "secured", on) as (
+                    leader,
+                    pids,
+                    seconds,
+                    access,
+                ):
+                    setup.append({name: seconds})
+                    if on is None:
                         phases(name, leader, "b", pids, run, access)
+                        continue
+                    time.sleep(IDLE_SETTLE_S)
+                    before, t0 = on.requests(), time.monotonic()
+                    time.sleep(IDLE_SECONDS)  # the measured window: nodes up, nothing to do
+                    idle = per_second(before, on.requests(), time.monotonic() - t0)
+                    idle["per_node_per_s"] = round(idle["per_s"] / 3, 2)
+                    loaded = {}
+                    for topic, batch, workers, _ in phase_topics(args, run):
+                        before, t0 = on.requests(), time.monotonic()
+                        phases(name, leader, "b", pids, run, access, only=topic)
+                        loaded[f"batch_{batch}_workers_{workers}"] = per_second(
+                            before, on.requests(), time.monotonic() - t0
+                        )
+                    requests.append({"run": run, "idle": idle, "under_load": loaded})
             for carry in (None, "ids", "handles"):
                 if (carry or "floor") not in systems:
                     continue
@@ -617,7 +700,7 @@ def main() -> int:
                 with http_ceiling() as (http_addr, http_pids):
                     phases("http", http_addr, "c", http_pids, run)
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
-    results, secured = medians["dejaq"], medians["secured"]
+    results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
     floor, ids, handles, baseline = (medians[k] for k in ("floor", "ids", "handles", "http"))
 
     def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
@@ -630,6 +713,9 @@ def main() -> int:
                 "results": results,
                 "secured_tls_and_keys": secured,
                 "secured_vs_results": ratios(secured, results),
+                "s3_warehouse": on_s3,
+                "s3_vs_results": ratios(on_s3, results),
+                "s3_requests": requests,
                 "baseline_http_only": baseline,
                 "vs_baseline": ratios(results, baseline),
                 "floor_http_and_raft": floor,

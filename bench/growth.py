@@ -73,7 +73,7 @@ from dejaq.conf.tables import (  # noqa: E402
     ensure_table,
 )
 from dejaq.jobs import cluster  # noqa: E402
-from dejaq.jobs.embedded_kafka import wait_for_port  # noqa: E402
+from dejaq.jobs.children import wait_for_port  # noqa: E402
 from dejaq.pipelines import retention  # noqa: E402
 from dejaq.pipelines.release import Releaser  # noqa: E402
 

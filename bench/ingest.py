@@ -8,8 +8,14 @@ embedded Apache Kafka, then measures in the same run:
 - ingest on the JVM path (`format("kafka")`, `format("delta")`) and on the Python Data
   Source path (kafka-python, delta-rs): `IngestJob` with availableNow (what
   `dejaq ingest --once` runs), each on its own copy of the topic, with each batch's phases;
+- the floor in the buffer's shape: the same copy writing what the ingest writes, the raw
+  records as a bucket-partitioned, idempotent (app id, batch id) append through the
+  ingest's own writer (delta-rs), without parsing, dedup or quarantine;
 - visibility latency on the JVM path: a continuous ingest while a producer writes at a
   steady rate; a message is visible when the Delta commit holding it is readable.
+With `--s3`, the JVM ingest and its visibility again with the warehouse on an
+S3-compatible server (`dejaq s3`), as ratios to the same run on local disk, with the
+requests the store served (its own counts by S3 operation).
 Prints one JSON object.
 """
 
@@ -33,12 +39,21 @@ import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import KafkaAdminClient, NewTopic
+from pyspark.sql import functions as F
 
 from dejaq.conf.settings import Settings
+from dejaq.conf.storage import export, spark_conf
 from dejaq.conf.tables import Table, table_path
-from dejaq.jobs import embedded_kafka, ports
+from dejaq.jobs import children, embedded_kafka, embedded_s3, ports
 from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
-from dejaq.pipelines.session import JVM, PYTHON_CONNECTORS, Connectors, detect_connectors, get_spark
+from dejaq.pipelines.session import (
+    JVM,
+    PY_DELTA_FORMAT,
+    PYTHON_CONNECTORS,
+    Connectors,
+    detect_connectors,
+    get_spark,
+)
 
 WARMUP_MESSAGES = 20_000
 
@@ -111,6 +126,44 @@ def plain_copy(spark, bootstrap: str, topic: str, warehouse: Path) -> dict:
     return {"rows": rows, "seconds": round(seconds, 2), "msgs_per_s": round(rows / seconds)}
 
 
+def shaped_copy(spark, bootstrap: str, topic: str, warehouse: Path, buckets: int = 16) -> dict:
+    """The copy again, written as the ingest writes the buffer: each micro-batch's raw
+    records with a bucket column, appended partitioned by bucket through `dejaq_delta`
+    with its (app id, batch id)."""
+    path = str(warehouse / "shaped_copy")
+
+    def append(batch, batch_id: int) -> None:
+        bucket = F.pmod(F.xxhash64("key"), F.lit(buckets)).cast("int")
+        (
+            batch.withColumn("bucket", bucket)
+            .write.format(PY_DELTA_FORMAT)
+            .mode("append")
+            .option("partitionBy", "bucket")
+            .option("txnAppId", "shaped-copy")
+            .option("txnVersion", str(batch_id))
+            .save(path)
+        )
+
+    started = time.perf_counter()
+    query = (
+        spark.readStream.format("kafka")
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", topic)
+        .option("startingOffsets", "earliest")
+        .option("includeHeaders", "true")
+        .option("maxOffsetsPerTrigger", str(DEFAULT_MAX_OFFSETS_PER_TRIGGER))
+        .load()
+        .writeStream.foreachBatch(append)
+        .option("checkpointLocation", str(warehouse / "_checkpoints" / "shaped_copy"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    seconds = time.perf_counter() - started
+    rows = DeltaTable(path).to_pyarrow_dataset().count_rows()
+    return {"rows": rows, "seconds": round(seconds, 2), "msgs_per_s": round(rows / seconds)}
+
+
 def ingest(spark, settings: Settings, topic: str, connectors: Connectors, per_trigger: int) -> dict:
     """`IngestJob` with availableNow (what `dejaq ingest --once` runs), timed end to end."""
     job = IngestJob(spark, settings, settings.topic(topic), connectors, per_trigger)
@@ -141,10 +194,13 @@ def ingest(spark, settings: Settings, topic: str, connectors: Connectors, per_tr
     }
 
 
-def settings_for(warehouse: Path, bootstrap: str, topics: dict[str, str]) -> Settings:
+def settings_for(
+    warehouse: Path | str, bootstrap: str, topics: dict[str, str], storage: dict | None = None
+) -> Settings:
     return Settings.model_validate(
         {
             "warehouse": str(warehouse),
+            "storage": storage or {},
             "kafka": {"bootstrap": bootstrap},
             "topics": [
                 {"name": name, "kind": "priority", "source": [src]} for name, src in topics.items()
@@ -234,6 +290,7 @@ def main() -> None:
     )
     p.add_argument("--latency-messages", type=int, default=3000)
     p.add_argument("--latency-rate", type=int, default=300)
+    p.add_argument("--s3", action="store_true", help="also ingest into a warehouse on `dejaq s3`")
     p.add_argument(
         "--baseline-consumer", nargs=2, metavar=("BOOTSTRAP", "TOPIC"), help=argparse.SUPPRESS
     )
@@ -245,16 +302,31 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="dejaq-bench-ingest-"))
     port = ports.free_port()
     kafka = embedded_kafka.start(port, work / "kafka")
+    store = s3_settings = None
     try:
+        if args.s3:
+            store, s3_env = embedded_s3.start(ports.free_port(), work / "s3")
+            os.environ.update({k: v for k, v in s3_env.items() if k.startswith("AWS_")})
+            s3_settings = settings_for(
+                s3_env["DEJAQ_WAREHOUSE"],
+                f"127.0.0.1:{port}",
+                {"jvm": "bench-in", "latency": "latency-s3-in"},
+                {"endpoint": s3_env["DEJAQ_STORAGE_ENDPOINT"], "path_style": True},
+            )
+            export(s3_settings)
         bootstrap = f"127.0.0.1:{port}"
-        for name in ("bench-in", "latency-in", "warmup-in"):
+        for name in ("bench-in", "latency-in", "latency-s3-in", "warmup-in"):
             create_topic(bootstrap, name, args.partitions)
         produce(bootstrap, "warmup-in", WARMUP_MESSAGES, args.payload_bytes)
         produce_rate = produce(bootstrap, "bench-in", args.messages, args.payload_bytes)
         baseline = run_baseline(bootstrap, "bench-in")
 
         t0 = time.perf_counter()
-        spark = get_spark("dejaq-bench-ingest", connectors=JVM)
+        spark = get_spark(
+            "dejaq-bench-ingest",
+            connectors=JVM,
+            conf=spark_conf(s3_settings) if s3_settings else None,
+        )
         jvm_connectors = detect_connectors(spark, JVM)
         spark.range(1).collect()
         startup_s = time.perf_counter() - t0
@@ -277,6 +349,7 @@ def main() -> None:
         ingest(spark, settings, "warmup-python", PYTHON_CONNECTORS, args.max_offsets_per_trigger)
         warmup_s = time.perf_counter() - t0
         floor = plain_copy(spark, bootstrap, "bench-in", work / "warehouse")
+        shaped = shaped_copy(spark, bootstrap, "bench-in", work / "warehouse")
         jvm_ingest = ingest(spark, settings, "jvm", jvm_connectors, args.max_offsets_per_trigger)
         py_ingest = ingest(
             spark, settings, "python", PYTHON_CONNECTORS, args.max_offsets_per_trigger
@@ -284,6 +357,30 @@ def main() -> None:
         latency = visibility_latency(
             spark, settings, "latency", jvm_connectors, args.latency_messages, args.latency_rate
         )
+        on_s3 = None
+        if s3_settings is not None:
+            before = embedded_s3.requests(work / "s3")
+            s3_ingest = ingest(
+                spark, s3_settings, "jvm", jvm_connectors, args.max_offsets_per_trigger
+            )
+            ingest_requests = per_second(before, embedded_s3.requests(work / "s3"), s3_ingest)
+            s3_latency = visibility_latency(
+                spark,
+                s3_settings,
+                "latency",
+                jvm_connectors,
+                args.latency_messages,
+                args.latency_rate,
+            )
+            on_s3 = {
+                "ingest": s3_ingest,
+                "ingest_vs_local": round(s3_ingest["msgs_per_s"] / jvm_ingest["msgs_per_s"], 3),
+                "ingest_requests": ingest_requests,
+                "visibility_latency": s3_latency,
+                "visibility_p50_vs_local": round(s3_latency["p50_ms"] / latency["p50_ms"], 3),
+                "visibility_p99_vs_local": round(s3_latency["p99_ms"] / latency["p99_ms"], 3),
+                "store": "S3Proxy 4.1.0 (filesystem) on 127.0.0.1",
+            }
         base_rate = baseline["msgs_per_s"]
         print(
             json.dumps(
@@ -308,6 +405,11 @@ def main() -> None:
                     "ingest_vs_plain_copy": round(
                         jvm_ingest["msgs_per_s"] / floor["msgs_per_s"], 3
                     ),
+                    "spark_shaped_copy": shaped,
+                    "ingest_vs_shaped_copy": round(
+                        jvm_ingest["msgs_per_s"] / shaped["msgs_per_s"], 3
+                    ),
+                    "s3_warehouse": on_s3,
                     "python_ingest_vs_baseline": round(py_ingest["msgs_per_s"] / base_rate, 3),
                     "visibility_latency": latency,
                     "produce_msgs_per_s": round(produce_rate),
@@ -325,7 +427,15 @@ def main() -> None:
         )
         spark.stop()
     finally:
-        embedded_kafka.stop(kafka)
+        children.stop(kafka)
+        if store is not None:
+            children.stop(store)
+
+
+def per_second(before: dict[str, int], after: dict[str, int], timed: dict) -> dict:
+    """The store's requests between two counts, in all and per second of `timed`."""
+    made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
+    return {"requests": made, "per_s": round(sum(made.values()) / timed["seconds"], 2)}
 
 
 if __name__ == "__main__":

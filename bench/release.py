@@ -32,7 +32,7 @@ from kafka.admin import KafkaAdminClient, NewTopic
 
 from dejaq.conf.settings import TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
-from dejaq.jobs import embedded_kafka, ports
+from dejaq.jobs import children, embedded_kafka, ports
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -248,7 +248,7 @@ def main() -> int:
                 "priority": priority(warehouse, bootstrap, conf, args.priority_messages),
             }
         finally:
-            embedded_kafka.stop(kafka)
+            children.stop(kafka)
     result["parameters"] = {
         "release_interval_ms": args.interval_ms,
         "max_per_trigger": 10000,

@@ -40,6 +40,7 @@ from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
 from dejaq.conf.settings import ConfigError, TopicConfig, TopicKind
+from dejaq.conf.table_watch import TableWatch
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LedgerEvent,
@@ -110,6 +111,7 @@ class TopicIndex:
         self.buffer_path = ensure_table(warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(warehouse, Table.LEDGER, topic.name)
         self.dead_letter_path = ensure_table(warehouse, Table.DEAD_LETTER, topic.name)
+        self.watch = TableWatch(self.buffer_path)
         self.lock = threading.Lock()
         self.heads = HeadStore(heads_dir)
         self.store = RowStore()
@@ -180,7 +182,7 @@ class TopicIndex:
     def _refresh(self, settled: Set[str], forgotten: set[str]) -> int:
         if self._buffer is None:
             self._buffer = DeltaTable(self.buffer_path)
-        else:
+        elif self.watch.moved(self._buffer.version()):
             self._buffer.update_incremental()
         version = self._buffer.version()
         if version == self.version:

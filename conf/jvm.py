@@ -1,8 +1,10 @@
 """Where the pinned JVM jars live: `jvm/lib/<set>`, copied by `make` from `jvm/<set>/pom.xml`.
 
-Two sets: `spark` (Delta Lake and Spark's Kafka source, handed to Spark as `spark.jars`)
-and `kafka` (Apache Kafka, run by `dejaq kafka`). `DEJAQ_JARS_DIR` points elsewhere, for
-an installation that keeps the jars outside the source tree.
+Four sets: `spark` (Delta Lake and Spark's Kafka source, handed to Spark as `spark.jars`),
+`s3a` (Hadoop's S3 filesystem, added to them for an `s3://` warehouse), `kafka` (Apache
+Kafka, run by `dejaq kafka`) and `s3proxy` (the S3-compatible server `dejaq s3` runs).
+`DEJAQ_JARS_DIR` points elsewhere, for an installation that keeps the jars outside the
+source tree.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from pathlib import Path
 JARS_DIR_ENV = "DEJAQ_JARS_DIR"
 SPARK = "spark"
 KAFKA = "kafka"
+S3A = "s3a"
+S3PROXY = "s3proxy"
 
 
 def jars_dir() -> Path:

@@ -247,12 +247,34 @@ class BrokerConfig(_Strict):
     data_dir: str = "./.dejaq/broker"
 
 
-# Schemes whose store gives no put-if-absent to every engine that writes a table.
-UNSAFE_WAREHOUSES = ("s3://", "s3a://", "s3n://")
+class StorageConfig(_Strict):
+    """How every engine reaches an `s3://` warehouse (see `conf.storage`).
+
+    Credentials are not settings: each engine takes them from the standard AWS
+    variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or from
+    `profile`, so no configuration file or log line holds a secret.
+    """
+
+    endpoint: str | None = None  # an S3-compatible server; None: AWS (or $AWS_ENDPOINT_URL)
+    region: str = "us-east-1"
+    path_style: bool = False  # bucket in the path, not the host name (most non-AWS servers)
+    profile: str | None = None  # a profile of ~/.aws/config and ~/.aws/credentials
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^https?://[^/\s]+/?$", v):
+            raise ValueError(f"expected http(s)://host[:port], got {v!r}")
+        return v.rstrip("/") if v else v
+
+
+# Spark's own names for S3; the warehouse says s3://, which every engine reads as S3.
+HADOOP_S3_SCHEMES = ("s3a://", "s3n://")
 
 
 class Settings(_Strict):
     warehouse: str = "./warehouse"
+    storage: StorageConfig = StorageConfig()
     kafka: KafkaConfig = KafkaConfig()
     spark: SparkConfig = SparkConfig()
     broker: BrokerConfig = BrokerConfig()
@@ -261,18 +283,18 @@ class Settings(_Strict):
     @field_validator("warehouse")
     @classmethod
     def _warehouse(cls, v: str) -> str:
-        """Refused where a commit could be lost: the buffer has two writing engines (the
-        ingest's Spark and the broker's delta-rs retention), and delta-spark's S3 log
-        store has no put-if-absent, so on S3 two commits of one version can both
-        "succeed" and one of them vanishes with its messages."""
-        if v.lower().startswith(UNSAFE_WAREHOUSES):
+        """One name per store: delta-rs and pyarrow know `s3://`, and Spark is given
+        S3A for it, so the tables' paths read the same to every engine."""
+        if v.lower().startswith(HADOOP_S3_SCHEMES):
             raise ValueError(
-                "an S3 warehouse is not supported: the buffer is written by Spark and by "
-                "delta-rs, and delta-spark cannot commit to S3 safely beside another "
-                "writer, so a commit (an ingest batch, a retention run) could be lost. "
-                "Use a local or shared file system, ADLS (abfss://) or GCS (gs://)"
+                f"write the S3 warehouse as s3://{v.split('://', 1)[1]}: every engine "
+                "reads s3://, and Spark is given S3A for it"
             )
         return v
+
+    @property
+    def on_s3(self) -> bool:
+        return self.warehouse.lower().startswith("s3://")
 
     @model_validator(mode="after")
     def _unique_topics(self) -> Settings:

@@ -20,6 +20,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 from dejaq.conf.settings import TOPIC_NAME
+from dejaq.conf.storage import filesystem
 
 
 class Table(StrEnum):
@@ -216,7 +217,7 @@ def dataset(source: str | DeltaTable, table: Table) -> ds.Dataset:
     active exception").
     """
     delta = source if isinstance(source, DeltaTable) else DeltaTable(source)
-    fs, root = pafs.FileSystem.from_uri(delta.table_uri)
+    fs, root = filesystem(delta.table_uri)
     return delta.to_pyarrow_dataset(
         schema=SCHEMAS[table], filesystem=pafs.SubTreeFileSystem(root, fs)
     )

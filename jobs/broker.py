@@ -68,8 +68,10 @@ def run(args: argparse.Namespace) -> int:
     from dejaq.broker.service import Broker, Producer
     from dejaq.conf.kafka_clients import check_login
     from dejaq.conf.settings import ConfigError, load_settings
+    from dejaq.conf.storage import export
 
     settings = load_settings(args.conf_file)
+    export(settings)
     try:
         host, port = _address(args.http, "--http")
         _address(args.raft, "--raft")

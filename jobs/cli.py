@@ -1,5 +1,5 @@
-"""The `dejaq` command. Each subcommand imports what it needs, so `dejaq kafka` and
-`dejaq broker` start without loading Spark."""
+"""The `dejaq` command. Each subcommand imports what it needs, so `dejaq kafka`, `dejaq s3`
+and `dejaq broker` start without loading Spark."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def _kafka(args: argparse.Namespace) -> int:
     from dejaq.jobs import embedded_kafka
 
     return embedded_kafka.run(args.port, Path(args.data_dir), args.secure)
+
+
+def _s3(args: argparse.Namespace) -> int:
+    from dejaq.jobs import embedded_s3
+
+    return embedded_s3.run(args.port, Path(args.data_dir))
 
 
 def _doctor(args: argparse.Namespace) -> int:
@@ -44,7 +50,7 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from dejaq.jobs import demo
 
-    return demo.run(args.conf_file)
+    return demo.run(args.conf_file, args.s3)
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -121,6 +127,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="SASL_SSL (SCRAM and PLAIN) with certificates made here; settings in client.env",
     )
+    s3 = add("s3", _s3, "Run an S3-compatible server (S3Proxy) on 127.0.0.1 in the foreground.")
+    s3.add_argument(
+        "--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)"
+    )
+    s3.add_argument("--data-dir", default=".dejaq/s3", help="where its buckets and key are kept")
 
     from dejaq.jobs.ingest import add_arguments as ingest_arguments
 
@@ -135,7 +146,13 @@ def _parser() -> argparse.ArgumentParser:
     operations.add_node(st, required=False)
     conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
-    conf_file(add("demo", _demo, "Run the pipeline end to end on embedded parts."))
+    demo = add("demo", _demo, "Run the pipeline end to end on embedded parts.")
+    conf_file(demo)
+    demo.add_argument(
+        "--s3",
+        action="store_true",
+        help="keep the warehouse on an S3-compatible server it starts (`dejaq s3`), not on disk",
+    )
     from dejaq.jobs.broker import add_arguments as broker_arguments
 
     broker_arguments(add("broker", _broker, "Run one node of the HTTP lease broker (Raft)."))

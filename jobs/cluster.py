@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 
 from dejaq.conf.settings import load_settings
-from dejaq.jobs.embedded_kafka import stop
+from dejaq.jobs.children import stop
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import random
 import statistics
 import sys
@@ -31,7 +32,7 @@ from rich.table import Table as RichTable
 from dejaq.client import BrokerError, Client
 from dejaq.conf.settings import load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
-from dejaq.jobs import cluster, embedded_kafka, ports
+from dejaq.jobs import children, cluster, embedded_kafka, ports
 from dejaq.jobs.logs import stderr_to
 from dejaq.jobs.status import row_count
 from dejaq.pipelines.delta_follower import DeltaFollower
@@ -68,11 +69,18 @@ class Counters:
     errors: list[str] = field(default_factory=list)
 
 
-def _conf(work: Path, bootstrap: str) -> Path:
+def _conf(work: Path, bootstrap: str, s3: dict[str, str] | None) -> Path:
+    """The demo's configuration: a local warehouse, or the S3 server's bucket."""
     conf = work / "dejaq.yaml"
+    if s3 is None:
+        where = f"warehouse: {work / 'warehouse'}\n"
+    else:
+        where = (
+            f"warehouse: {s3['DEJAQ_WAREHOUSE']}\n"
+            f"storage: {{endpoint: '{s3['DEJAQ_STORAGE_ENDPOINT']}', path_style: true}}\n"
+        )
     conf.write_text(
-        f"warehouse: {work / 'warehouse'}\n"
-        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        where + f"kafka: {{bootstrap: '{bootstrap}'}}\n"
         "topics:\n"
         "  - {name: orders, kind: priority, source: [orders-in], buckets: 8, delivery: lease}\n"
         "  - {name: reminders, kind: timeline, source: [reminders-in], buckets: 8,"
@@ -212,8 +220,9 @@ def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
     return t
 
 
-def run(conf_file: str | None) -> int:
-    """The demo in a fresh work folder; every log but the display's goes to a file there."""
+def run(conf_file: str | None, s3: bool = False) -> int:
+    """The demo in a fresh work folder; every log but the display's goes to a file there.
+    `s3`: the warehouse in a bucket of an S3-compatible server (`dejaq s3`) it starts."""
     console = Console()
     work = Path(tempfile.mkdtemp(prefix="dejaq-demo-"))
     log_file = work / "demo.log"
@@ -221,14 +230,16 @@ def run(conf_file: str | None) -> int:
     console.print(f"demo: Spark's, Kafka's and the brokers' logs go to {log_file}")
     try:
         with stderr_to(log_file):
-            return _run(console, work)
+            return _run(console, work, s3)
     except Exception:
         lines = log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         print(f"demo: the last lines of {log_file}:", *lines, sep="\n", file=sys.stderr)
         raise
 
 
-def _run(console: Console, work: Path) -> int:
+def _run(console: Console, work: Path, s3: bool) -> int:
+    from dejaq.conf.storage import export, spark_conf
+    from dejaq.jobs import embedded_s3
     from dejaq.jobs.logs import setup
     from dejaq.pipelines.ingest import IngestJob
     from dejaq.pipelines.release import ReleaseJob
@@ -242,17 +253,30 @@ def _run(console: Console, work: Path) -> int:
     port = ports.free_port()
     console.print(f"demo: embedded Apache Kafka on 127.0.0.1:{port}")
     kafka = embedded_kafka.start(port, work / "kafka")
+    store = None
     started = time.monotonic()
     try:
         bootstrap = f"127.0.0.1:{port}"
-        conf = _conf(work, bootstrap)
+        s3_settings = None
+        if s3:
+            store, s3_settings = embedded_s3.start(ports.free_port(), work / "s3")
+            # The key as the AWS variables, for this process's engines and the nodes'.
+            os.environ.update({k: v for k, v in s3_settings.items() if k.startswith("AWS_")})
+            console.print(
+                f"demo: S3-compatible server (S3Proxy) at {s3_settings['DEJAQ_STORAGE_ENDPOINT']},"
+                f" warehouse {s3_settings['DEJAQ_WAREHOUSE']}"
+            )
+        conf = _conf(work, bootstrap, s3_settings)
         settings = load_settings(conf)
+        export(settings)
         _create_topics(bootstrap)
         nodes = cluster.up(3, work / "cluster", str(conf))
         console.print(f"demo: 3-node broker at {', '.join(n.url for n in nodes)}")
         setup()
         mode = settings.spark.connectors
-        spark = get_spark("dejaq-demo", settings.spark.master, connectors=mode)
+        spark = get_spark(
+            "dejaq-demo", settings.spark.master, connectors=mode, conf=spark_conf(settings)
+        )
         connectors = detect_connectors(spark, mode)
         for name in ("orders", "reminders"):
             queries.append(
@@ -318,8 +342,11 @@ def _run(console: Console, work: Path) -> int:
             q.stop()
         for node in nodes:
             cluster.stop_node(node)
-        embedded_kafka.stop(kafka)
-        console.print("demo: stopped Spark queries, 3 broker nodes and Kafka")
+        children.stop(kafka)
+        if store is not None:
+            children.stop(store)
+        what = "Kafka and the S3 server" if store is not None else "Kafka"
+        console.print(f"demo: stopped Spark queries, 3 broker nodes and {what}")
 
 
 def _held_late(

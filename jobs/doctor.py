@@ -15,6 +15,7 @@ from pathlib import Path
 from dejaq.conf import jvm
 from dejaq.conf.kafka_clients import check_login, python_config
 from dejaq.conf.settings import ConfigError, KafkaConfig, Settings, load_settings
+from dejaq.conf.storage import describe, export, spark_conf
 from dejaq.jobs.logs import one_line, stderr_to
 
 
@@ -65,7 +66,8 @@ def kafka_answers(kafka: KafkaConfig, timeout_ms: int = 3000) -> tuple[bool, str
 
 
 def _jar_sets() -> list[str]:
-    return [f"{s}: {len(jvm.jars(s))} jars" for s in (jvm.SPARK, jvm.KAFKA)]
+    sets = (jvm.SPARK, jvm.S3A, jvm.KAFKA, jvm.S3PROXY)
+    return [f"{s}: {len(jvm.jars(s))} jars" for s in sets]
 
 
 def warehouse_location(warehouse: str) -> str:
@@ -87,7 +89,9 @@ def check_spark(settings: Settings) -> bool:
     mode = settings.spark.connectors
     with stderr_to(log_file):
         try:
-            spark = get_spark("dejaq-doctor", settings.spark.master, connectors=mode)
+            spark = get_spark(
+                "dejaq-doctor", settings.spark.master, connectors=mode, conf=spark_conf(settings)
+            )
         except Exception as e:
             print(f"         FAIL Spark did not start: {one_line(e)} (its log: {log_file})")
             return False
@@ -109,6 +113,7 @@ def check_spark(settings: Settings) -> bool:
 
 def run(conf_file: str | None) -> int:
     settings = load_settings(conf_file)
+    export(settings)
     ok = True
     print(f"python   {sys.version.split()[0]} ({sys.executable})")
     major, text = java_version()
@@ -127,6 +132,7 @@ def run(conf_file: str | None) -> int:
     kafka_ok, kafka_text = kafka_answers(settings.kafka)
     ok &= kafka_ok
     print(f"kafka    {'ok  ' if kafka_ok else 'FAIL'} {kafka_text}")
-    print(f"warehouse {warehouse_location(settings.warehouse)}")
+    where = describe(settings) if settings.on_s3 else warehouse_location(settings.warehouse)
+    print(f"warehouse {where}")
     print(f"platform {platform.platform()}")
     return 0 if ok else 1

@@ -9,11 +9,8 @@ against an external Kafka (`DEJAQ_KAFKA_BOOTSTRAP`).
 from __future__ import annotations
 
 import base64
-import ctypes
 import json
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,38 +20,13 @@ from pathlib import Path
 
 from dejaq.conf import jvm
 from dejaq.conf.settings import KafkaConfig, load_settings
+from dejaq.jobs.children import check_free, die_with_parent, stop, wait_for_port
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
-PR_SET_PDEATHSIG = 1
 HEAP = ["-Xms256m", "-Xmx512m"]
 READY_TIMEOUT_S = 90
 LOG_FILE = "kafka.log"
-
-
-def wait_for_port(
-    port: int, timeout: float, proc: subprocess.Popen | None = None, what: str = "Kafka broker"
-) -> None:
-    """Block until 127.0.0.1:port accepts a connection, the process dies, or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"{what} exited with code {proc.returncode} before listening")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGTERM it if this process dies, even by SIGKILL (Linux).
-
-    A test or demo killed hard must not leave a broker holding its port.
-    """
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _cluster_id() -> str:
@@ -275,19 +247,10 @@ def answers(bootstrap: str, timeout_ms: int = 2000, kafka: KafkaConfig | None = 
     return True
 
 
-def _check_free(port: int) -> None:
-    """Fail at once on a busy port: another broker there would answer in this one's place."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise OSError(f"127.0.0.1:{port} is already in use: {e.strerror}") from None
-
-
 def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
     """Start Kafka; return once it answers on 127.0.0.1:port (its log: data_dir/kafka.log).
     `secure`: on SASL_SSL, its client settings in data_dir/client.env."""
-    _check_free(port)
+    check_free(port)
     config = prepare(port, data_dir, secure)
     # The settings a shell would `source`, read as the jobs read them.
     kafka = load_settings(env=client_env(data_dir, port)).kafka if secure else None
@@ -295,7 +258,7 @@ def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
         _java(data_dir.resolve(), "kafka.Kafka", str(config)),
         stdout=subprocess.DEVNULL,
         stdin=subprocess.DEVNULL,
-        preexec_fn=_die_with_parent,
+        preexec_fn=die_with_parent,
     )
     try:
         wait_for_port(port, timeout=READY_TIMEOUT_S, proc=proc)
@@ -310,22 +273,6 @@ def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
         stop(proc)
         raise
     return proc
-
-
-def stop(proc: subprocess.Popen, timeout: float = 30, kill: bool = False) -> int:
-    """Stop a process we started, by its PID: SIGTERM (Kafka shuts down cleanly, a broker
-    node leaves cleanly), then SIGKILL if it does not go; or SIGKILL at once."""
-    if proc.poll() is None:
-        if kill:
-            proc.kill()
-        else:
-            proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode
 
 
 def client_env(data_dir: Path, port: int) -> dict[str, str]:

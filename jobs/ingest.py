@@ -106,6 +106,7 @@ def run(
     from py4j.protocol import Py4JError
     from pyspark.errors import PySparkException, StreamingQueryException
 
+    from dejaq.conf.storage import export, spark_conf
     from dejaq.jobs.logs import one_line, query_failure, setup
     from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
     from dejaq.pipelines.session import detect_connectors, get_spark
@@ -115,7 +116,14 @@ def run(
     topic_conf = settings.topic(topic)
     check_login(settings.kafka)
     mode = settings.spark.connectors
-    spark = get_spark(f"dejaq-ingest-{topic}", settings.spark.master, settings.spark.ui, mode)
+    export(settings)
+    spark = get_spark(
+        f"dejaq-ingest-{topic}",
+        settings.spark.master,
+        settings.spark.ui,
+        mode,
+        conf=spark_conf(settings),
+    )
     connectors = detect_connectors(spark, mode)
     log.info(
         "ingest %s from %s; %s",

@@ -26,6 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(topic: str, conf_file: str | None, once: bool) -> int:
     from pyspark.errors import StreamingQueryException
 
+    from dejaq.conf.storage import export, spark_conf
     from dejaq.jobs.logs import query_failure, setup
     from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
     from dejaq.pipelines.release import ReleaseJob, require_release
@@ -36,11 +37,13 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
     check_login(settings.kafka)
     topic_conf = settings.topic(topic)
     require_release(topic_conf)  # before Spark starts: a usage error should be quick
+    export(settings)
     spark = get_spark(
         f"dejaq-release-{topic}",
         settings.spark.master,
         settings.spark.ui,
         settings.spark.connectors,
+        conf=spark_conf(settings),
     )
     job = ReleaseJob(spark, settings, topic_conf)
     log.info(

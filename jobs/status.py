@@ -13,6 +13,7 @@ import json
 import time
 from pathlib import Path
 
+import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
@@ -20,6 +21,7 @@ from kafka.errors import KafkaError
 from dejaq.client import BrokerError
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import KafkaConfig, load_settings
+from dejaq.conf.storage import describe, export, filesystem
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs.doctor import kafka_answers
 from dejaq.jobs.operations import connect
@@ -38,15 +40,20 @@ def row_count(path: str) -> int | None:
 
 
 def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
-    """The source offsets of the last micro-batch in a Structured Streaming checkpoint."""
-    offsets_dir = Path(checkpoint) / "offsets"
-    batches = sorted((int(p.name) for p in offsets_dir.glob("*") if p.name.isdigit()), reverse=True)
-    commits = Path(checkpoint) / "commits"
-    for batch in batches:
-        if (commits / str(batch)).exists():
-            lines = (offsets_dir / str(batch)).read_text().splitlines()
-            return json.loads(lines[2]) if len(lines) > 2 else {}
-    return {}
+    """The source offsets of the last micro-batch in a Structured Streaming checkpoint
+    (a folder or an object-store prefix)."""
+    fs, root = filesystem(checkpoint if "://" in checkpoint else str(Path(checkpoint).resolve()))
+
+    def batches(folder: str) -> set[int]:
+        found = fs.get_file_info(pafs.FileSelector(f"{root}/{folder}", allow_not_found=True))
+        return {int(f.base_name) for f in found if f.base_name.isdigit()}
+
+    committed = batches("offsets") & batches("commits")
+    if not committed:
+        return {}
+    with fs.open_input_stream(f"{root}/offsets/{max(committed)}") as f:
+        lines = f.read().decode().splitlines()
+    return json.loads(lines[2]) if len(lines) > 2 else {}
 
 
 def kafka_end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[str, dict[str, int]]:
@@ -140,11 +147,13 @@ def run(
     cacert: str | None = None,
 ) -> int:
     settings = load_settings(conf_file)
+    export(settings)
     conf = settings.topic(topic)
     for table in (Table.BUFFER, Table.QUARANTINE):
         n = row_count(table_path(settings.warehouse, table, topic))
         print(f"{table.value:<11} {'no table yet' if n is None else n}")
     print(f"retention   {last_retention(table_path(settings.warehouse, Table.BUFFER, topic))}")
+    print(f"warehouse   {describe(settings)}")
     if broker:
         try:
             print_nodes(broker, topic, token, cacert)

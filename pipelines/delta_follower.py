@@ -11,10 +11,11 @@ from urllib.parse import unquote
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
+from dejaq.conf.storage import filesystem
+from dejaq.conf.table_watch import TableWatch
 from dejaq.conf.tables import TIMESTAMP, conform
 from dejaq.pipelines.retention import rewrites
 
@@ -38,6 +39,7 @@ class DeltaFollower:
         self.files_read = 0  # since this follower started: what its polls cost
         self._table: DeltaTable | None = None
         self._version = -1
+        self.watch = TableWatch(path)
 
     @property
     def version(self) -> int:
@@ -62,13 +64,15 @@ class DeltaFollower:
                 return self.schema.empty_table()
             self._table = DeltaTable(self.path, version=upto)
         elif upto is None:
+            if not self.watch.moved(self._table.version()):
+                return self.schema.empty_table()
             self._table.update_incremental()
         else:
             self._table.load_as_version(upto)
         version = self._table.version()
         if version == self._version:
             return self.schema.empty_table()
-        fs, root = pafs.FileSystem.from_uri(self.path)
+        fs, root = filesystem(self.path)
         parts = []
         seen: set[str] = set()
         paths: list[str] = []

@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import os
+import random
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -32,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, CommitProperties, Transaction
 from pyspark.sql.datasource import (
     DataSource,
@@ -44,6 +46,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
+from dejaq.conf.storage import filesystem, has_folders
 from dejaq.conf.tables import conform, create_if_missing
 
 log = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ FILES_PER_PARTITION = 4
 # Longer strings get a truncated min and no max, so one big value cannot bloat the log.
 STATS_STRING_PREFIX = 32
 HIVE_NULL = "__HIVE_DEFAULT_PARTITION__"
+# An append commits again after losing to this many concurrent rewrites in a row.
+COMMIT_ATTEMPTS = 20
 
 
 class DeltaDataSource(DataSource):
@@ -126,7 +131,7 @@ class DeltaDataSource(DataSource):
             )
         return DeltaTable(path, version=int(version))
 
-    def _open_for_write(self, schema: StructType) -> _Table:
+    def _open_for_write(self, schema: StructType) -> WriteTarget:
         """Create the table from the DataFrame's schema if needed; check it matches."""
         path = self._path()
         requested = _names(self.options.get("partitionBy"))
@@ -135,7 +140,7 @@ class DeltaDataSource(DataSource):
             _check_partition_columns(path, arrow, requested)
             create_if_missing(path, arrow, requested)
         delta = DeltaTable(path)
-        table = _Table(path, _arrow_schema(delta), tuple(delta.metadata().partition_columns))
+        table = WriteTarget(path, _arrow_schema(delta), tuple(delta.metadata().partition_columns))
         if requested and tuple(requested) != table.partition_by:
             raise ValueError(
                 f"partitionBy={requested} but Delta table {path} is partitioned by "
@@ -147,7 +152,7 @@ class DeltaDataSource(DataSource):
 
 
 @dataclass(frozen=True)
-class _Table:
+class WriteTarget:
     """What a write task needs to know about the table (picklable)."""
 
     path: str
@@ -232,7 +237,7 @@ class DeltaReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         # Spark accepts only batches whose Arrow schema equals this one exactly.
         target = to_arrow_schema(self.schema, timezone="UTC")
-        fs, root = pafs.FileSystem.from_uri(self.path)
+        fs, root = filesystem(self.path)
         for rel_path, partition_values in partition.value:
             parquet = pq.ParquetFile(f"{root}/{rel_path}", filesystem=fs)
             present = [n for n in target.names if n in parquet.schema_arrow.names]
@@ -253,7 +258,7 @@ class DeltaCommitMessage(WriterCommitMessage):
 class DeltaBatchWriter(DataSourceArrowWriter):
     """`mode("append")` adds files; `mode("overwrite")` also removes all current ones."""
 
-    def __init__(self, table: _Table, overwrite: bool, txn: tuple[str, int] | None) -> None:
+    def __init__(self, table: WriteTarget, overwrite: bool, txn: tuple[str, int] | None) -> None:
         self.table = table
         self.overwrite = overwrite
         self.txn = txn
@@ -272,7 +277,7 @@ class DeltaBatchWriter(DataSourceArrowWriter):
 class DeltaStreamWriter(DataSourceStreamArrowWriter):
     """Appends each micro-batch in one commit tagged with (appId, batchId), exactly once."""
 
-    def __init__(self, table: _Table, app_id: str) -> None:
+    def __init__(self, table: WriteTarget, app_id: str) -> None:
         self.table = table
         self.app_id = app_id
 
@@ -291,40 +296,54 @@ def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
 
 
 def _commit(
-    table: _Table, actions: list[AddAction], mode: str, txn: tuple[str, int] | None
+    table: WriteTarget, actions: list[AddAction], mode: str, txn: tuple[str, int] | None
 ) -> None:
-    """One Delta commit; with txn=(app id, batch id), none if the table already has it."""
-    delta = DeltaTable(table.path)
-    properties = None
-    if txn is not None:
-        app_id, batch_id = txn
-        committed = delta.transaction_version(app_id)
-        if committed is not None and committed >= batch_id:
-            # Spark crashed after our commit but before its own: the replay's files are orphans.
-            log.warning(
-                "appId %s batch %d is already in %s (up to batch %d): skipping the replay",
-                app_id,
-                batch_id,
-                table.path,
-                committed,
+    """One Delta commit; with txn=(app id, batch id), none if the table already has it.
+
+    An append loses its commit to a concurrent rewrite of files it did not touch (a
+    retention run, a compaction: delta-rs counts the whole snapshot as read), though its
+    rows depend on nothing it read: it is committed again on a fresh snapshot.
+    """
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        delta = DeltaTable(table.path)
+        properties = None
+        if txn is not None:
+            app_id, batch_id = txn
+            committed = delta.transaction_version(app_id)
+            if committed is not None and committed >= batch_id:
+                # Spark crashed after our commit but before its own: the replay's files
+                # are orphans.
+                log.warning(
+                    "appId %s batch %d is already in %s (up to batch %d): skipping the replay",
+                    app_id,
+                    batch_id,
+                    table.path,
+                    committed,
+                )
+                return
+            properties = CommitProperties(
+                app_transactions=[Transaction(app_id, batch_id)],
+                custom_metadata={"dejaq.appId": app_id, "dejaq.batchId": batch_id},
+            )
+        if not actions and mode == "append":
+            return  # an empty batch: no commit, no version to record
+        try:
+            delta.create_write_transaction(
+                actions,
+                mode=mode,
+                schema=delta.schema(),  # the table's own, so the commit changes no metadata
+                partition_by=list(table.partition_by),
+                commit_properties=properties,
             )
             return
-        properties = CommitProperties(
-            app_transactions=[Transaction(app_id, batch_id)],
-            custom_metadata={"dejaq.appId": app_id, "dejaq.batchId": batch_id},
-        )
-    if not actions and mode == "append":
-        return  # an empty batch: no commit, no version to record
-    delta.create_write_transaction(
-        actions,
-        mode=mode,
-        schema=delta.schema(),  # the table's own, so the commit changes no metadata
-        partition_by=list(table.partition_by),
-        commit_properties=properties,
-    )
+        except CommitFailedError as e:
+            if mode != "append" or attempt == COMMIT_ATTEMPTS:
+                raise
+            log.info("append to %s lost its commit (%s): committing again", table.path, e)
+            time.sleep(random.uniform(0.01, 0.2))
 
 
-def _log_orphans(table: _Table, messages: list[WriterCommitMessage | None], what: str) -> None:
+def _log_orphans(table: WriteTarget, messages: list[WriterCommitMessage | None], what: str) -> None:
     log.warning(
         "%s into %s aborted: the files its tasks wrote (%d from tasks that finished) stay "
         "uncommitted until VACUUM removes them",
@@ -334,7 +353,7 @@ def _log_orphans(table: _Table, messages: list[WriterCommitMessage | None], what
     )
 
 
-def _write_files(table: _Table, batches: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
+def _write_files(table: WriteTarget, batches: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
     """One parquet file per partition value this task sees; nothing is visible until commit.
 
     The task's rows are gathered first, so each file gets one row group instead of a
@@ -343,7 +362,7 @@ def _write_files(table: _Table, batches: Iterator[pa.RecordBatch]) -> DeltaCommi
     conformed = [_conform_write(b, table) for b in batches if b.num_rows]
     if not conformed:
         return DeltaCommitMessage([])
-    fs, root = pafs.FileSystem.from_uri(table.path)
+    fs, root = filesystem(table.path)
     rows = pa.Table.from_batches(conformed)
     return DeltaCommitMessage(
         [
@@ -353,7 +372,7 @@ def _write_files(table: _Table, batches: Iterator[pa.RecordBatch]) -> DeltaCommi
     )
 
 
-def _conform_write(batch: pa.RecordBatch, table: _Table) -> pa.RecordBatch:
+def _conform_write(batch: pa.RecordBatch, table: WriteTarget) -> pa.RecordBatch:
     """The table's column order and types (e.g. the session time zone becomes UTC)."""
     for field in table.schema:
         nulls = batch.column(field.name).null_count
@@ -384,7 +403,7 @@ class _DataFile:
     """A parquet file being written by a task, and the Delta stats of its rows."""
 
     def __init__(
-        self, fs: pafs.FileSystem, root: str, table: _Table, values: tuple[Any, ...]
+        self, fs: pafs.FileSystem, root: str, table: WriteTarget, values: tuple[Any, ...]
     ) -> None:
         self.partition_values = {
             c: None if v is None else str(v)
@@ -397,7 +416,8 @@ class _DataFile:
         self.path = "/".join([*folders, f"part-{uuid.uuid4()}.parquet"])
         self.fs = fs
         self.full_path = f"{root}/{self.path}"
-        fs.create_dir(self.full_path.rsplit("/", 1)[0], recursive=True)
+        if has_folders(fs):
+            fs.create_dir(self.full_path.rsplit("/", 1)[0], recursive=True)
         self.file_schema = table.file_schema
         self.stats = _Stats(table.file_schema)
 

@@ -5,6 +5,12 @@ Each micro-batch is parsed once and split in two; both Delta appends carry the
 that already has it. A record thus lands exactly once in exactly one of the tables.
 The quarantine is appended first, so a batch the buffer has is done: its replay is
 not judged again (the dedup seed has learnt its ids since, see `process_batch`).
+
+Both tables are written by delta-rs only, whichever connectors read: executors write
+the files, the driver commits them (`pipelines.delta_source`). Retention and compaction
+rewrite the buffer with delta-rs too, so on S3 every commit is a conditional create
+that the store refuses to a second writer of the same version, which then retries;
+delta-spark's S3 log store has no such guard beside another writer.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ from dejaq.pipelines.envelope import (
     quarantine_rows,
 )
 from dejaq.pipelines.retention import ledger_tail
-from dejaq.pipelines.session import Connectors
+from dejaq.pipelines.session import PY_DELTA_FORMAT, Connectors
 
 log = logging.getLogger("dejaq.ingest")
 
@@ -161,8 +167,11 @@ class IngestJob:
         return -1 if version is None else version
 
     def _append(self, df: DataFrame, path: str, batch_id: int) -> None:
+        """Through delta-rs whatever the connectors: a table's writers must share one
+        engine on S3 (see the module's docstring), and this one also skips the JVM
+        connector's rebuild of the table's state on every commit."""
         (
-            df.write.format(self.connectors.delta)
+            df.write.format(PY_DELTA_FORMAT)
             .mode("append")
             .option("txnAppId", self.app_id)
             .option("txnVersion", str(batch_id))

@@ -32,10 +32,10 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
+from dejaq.conf.storage import filesystem
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LEDGER_SCHEMA,
@@ -98,7 +98,7 @@ def ledger_tail(
     if since_ms > 0 and "max.at" in adds.column_names:
         latest = adds.column("max.at").cast(TIMESTAMP)
         adds = adds.filter(pc.or_kleene(pc.is_null(latest), pc.greater_equal(latest, since)))
-    fs, root = pafs.FileSystem.from_uri(ledger_path)
+    fs, root = filesystem(ledger_path)
     paths = [f"{root}/{unquote(p)}" for p in adds.column("path").to_pylist()]
     if not paths:
         return LEDGER_SCHEMA.empty_table().select(columns)
@@ -302,7 +302,7 @@ def rewrites(table_path: str, versions: range) -> set[int]:
     numbers them down from the version the table object is at, so a table that gained
     a commit meanwhile gets every label shifted by one.
     """
-    fs, root = pafs.FileSystem.from_uri(table_path)
+    fs, root = filesystem(table_path)
     found = set()
     for v in versions:
         with fs.open_input_stream(f"{root}/_delta_log/{v:020d}.json") as log_file:

@@ -36,10 +36,10 @@ _DELTA_DEFAULTS = {
     "spark.databricks.delta.properties.defaults.enableInCommitTimestamps": "false",
 }
 
-# Delta rebuilds a table's state (its files and its (app id, version) pairs, which every
-# idempotent append checks) with a shuffle into this many tasks, 50 by default: sized for
-# a cluster. On a local master that is 50 tasks of scheduling per micro-batch, ~2.5 s of
-# each small ingest batch; two tasks do the same in ~0.3 s.
+# Delta rebuilds a table's state (its files and its (app id, version) pairs) for every
+# JVM read with a shuffle into this many tasks, 50 by default: sized for a cluster. On a
+# local master that is 50 tasks of scheduling, ~2.5 s for a small table (the ingest's
+# dedup seed, a notebook's query); two tasks do the same in ~0.3 s.
 SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
 LOCAL_SNAPSHOT_PARTITIONS = "2"
 
@@ -80,8 +80,9 @@ def get_spark(
     Without PYSPARK_PYTHON the workers start on the system python, cannot import
     pyarrow, and the query hangs for a minute before failing. Only the first call in a
     process configures the session (a later builder's settings are ignored), so the
-    jars are set here or not at all. `conf` adds settings to a session this call starts;
-    a Spark already running in the process (a notebook's on Databricks) keeps its own.
+    jars are set here or not at all. `conf` adds settings to a session this call starts
+    (its `spark.jars` join the connectors'); a Spark already running in the process (a
+    notebook's on Databricks) keeps its own.
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -101,14 +102,17 @@ def get_spark(
     if _launched():
         SparkContext._ensure_initialized()  # connect to it: its conf is then visible
     given = SparkConf()
-    for key, value in {**_DELTA_DEFAULTS, **_connector_conf(connectors, given)}.items():
+    settings = {**_DELTA_DEFAULTS, **_connector_conf(connectors, given)}
+    if SparkContext._active_spark_context is None:
+        for key, value in (conf or {}).items():
+            if key == "spark.jars" and settings.get(key):
+                value = f"{settings[key]},{value}"  # both sets: the connectors' and these
+            settings[key] = value
+    for key, value in settings.items():
         builder = builder.config(key, value)
     # Under spark-submit the master comes from its --master; ours is only the default.
     if not given.contains("spark.master"):
         builder = builder.master(master)
-    if SparkContext._active_spark_context is None:
-        for key, value in (conf or {}).items():
-            builder = builder.config(key, value)
     if given.get("spark.master", master).startswith("local") and not given.contains(
         SNAPSHOT_PARTITIONS
     ):

@@ -10,11 +10,13 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from dejaq.jobs.embedded_kafka import answers, wait_for_port
+from dejaq.jobs.children import wait_for_port
+from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
 
 
@@ -114,3 +116,48 @@ def spark():
 @pytest.fixture
 def warehouse(tmp_path: Path) -> str:
     return str(tmp_path / "warehouse")
+
+
+@pytest.fixture
+def s3_env(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """This process, and the nodes and jobs it starts, reach the server as a job would:
+    its storage section as the AWS variables, and its key."""
+    from dejaq.conf.settings import load_settings
+    from dejaq.conf.storage import environment
+
+    variables = {**environment(load_settings(env=s3.env).storage), **s3.env}
+    for name, value in variables.items():
+        if name.startswith("AWS_"):
+            monkeypatch.setenv(name, value)
+    return s3.env
+
+
+@dataclass(frozen=True)
+class S3Server:
+    env: dict[str, str]  # its client.env: the warehouse, the storage section, the key
+    data_dir: Path  # its buckets, and its request counts (`embedded_s3.requests`)
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
+    """A real S3-compatible server: `dejaq s3` on a free port."""
+    port = free_port()
+    data_dir = tmp_path_factory.mktemp("s3")
+    command = ["s3", "--port", str(port), "--data-dir", str(data_dir)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dejaq.jobs.cli", *command],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        wait_until(lambda: "s3 endpoint" in proc.stdout.readline(), 90, "dejaq s3 to serve")
+        lines = (data_dir / "client.env").read_text().splitlines()
+        yield S3Server(dict(line.removeprefix("export ").split("=", 1) for line in lines), data_dir)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -33,7 +33,7 @@ from dejaq.broker.keys import (
 )
 from dejaq.client import Client, Forbidden, Unauthorized, Unavailable, Worker
 from dejaq.conf.settings import TOPIC_NAME
-from dejaq.jobs import cluster, embedded_kafka
+from dejaq.jobs import children, cluster
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
 
@@ -350,4 +350,4 @@ def test_an_insecure_node_beyond_loopback_starts_when_told_so(tmp_path: Path) ->
         topics = httpx.get(f"http://127.0.0.1:{port}/v1/topics", timeout=5)
         assert topics.status_code == 200  # open: no key asked for
     finally:
-        embedded_kafka.stop(node)  # SIGTERM by its PID, SIGKILL if it does not go
+        children.stop(node)  # SIGTERM by its PID, SIGKILL if it does not go

@@ -35,10 +35,19 @@ from dejaq.jobs.ports import free_port
 PROBLEM = "application/problem+json"
 
 
-def write_conf(tmp_path: Path, bootstrap: str, source: str, heartbeat_ms: int = 1500) -> Path:
+def write_conf(
+    tmp_path: Path,
+    bootstrap: str,
+    source: str,
+    heartbeat_ms: int = 1500,
+    warehouse: str | None = None,
+    storage: str = "",
+) -> Path:
+    """`storage`: the YAML of a `storage:` section, for an `s3://` warehouse."""
     conf = tmp_path / "dejaq.yaml"
     conf.write_text(
-        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"warehouse: {warehouse or tmp_path / 'warehouse'}\n"
+        f"{storage}"
         f"kafka: {{bootstrap: '{bootstrap}'}}\n"
         f"broker: {{heartbeat_timeout_ms: {heartbeat_ms}, max_payload_bytes: 1000,"
         " lease_ms: 2000}\n"
@@ -517,9 +526,19 @@ def acked(client: httpx.Client, nodes: list[Node]) -> int:
     return client.get(f"{leader.url}/v1/topics/fo").json()["acked"] if leader else -1
 
 
-def test_kill_9_leader_under_load_then_full_restart(tmp_path, kafka_bootstrap, kafka_source):
-    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, heartbeat_ms=3000)
-    warehouse = str(tmp_path / "warehouse")
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_kill_9_leader_under_load_then_full_restart(
+    store: str, request: pytest.FixtureRequest, tmp_path, kafka_bootstrap, kafka_source
+):
+    """`s3`: the warehouse on the S3 server, the nodes' Raft and head stores on disk."""
+    warehouse, storage = str(tmp_path / "warehouse"), ""
+    if store == "s3":
+        s3 = request.getfixturevalue("s3_env")
+        warehouse = f"s3://dejaq/{tmp_path.name}"
+        storage = f"storage: {{endpoint: '{s3['DEJAQ_STORAGE_ENDPOINT']}', path_style: true}}\n"
+    conf = write_conf(
+        tmp_path, kafka_bootstrap, kafka_source, 3000, warehouse=warehouse, storage=storage
+    )
     total = 3000
     fill(warehouse, "fo", buffer_rows([i % 100 for i in range(total)], lambda i: i % 8, "f"))
     nodes = start(tmp_path, conf)

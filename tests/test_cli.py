@@ -13,7 +13,8 @@ import pytest
 from conftest import wait_until
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
-from dejaq.jobs.embedded_kafka import answers, wait_for_port
+from dejaq.jobs.children import wait_for_port
+from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]

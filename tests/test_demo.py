@@ -17,9 +17,11 @@ from dejaq.pipelines.release import ReleaseStats
 
 
 @pytest.mark.slow
-def test_demo_passes_its_checks() -> None:
+@pytest.mark.parametrize("where", [[], ["--s3"]], ids=["local", "s3"])
+def test_demo_passes_its_checks(where: list[str]) -> None:
+    """`--s3`: the same run with its warehouse on the S3 server it starts."""
     result = subprocess.run(
-        [sys.executable, "-m", "dejaq.jobs.cli", "demo"],
+        [sys.executable, "-m", "dejaq.jobs.cli", "demo", *where],
         capture_output=True,
         text=True,
         timeout=600,
@@ -30,6 +32,9 @@ def test_demo_passes_its_checks() -> None:
     assert "FAIL" not in result.stdout
     assert result.stdout.count("ok  ") == 7
     assert "stopped Spark queries, 3 broker nodes and Kafka" in result.stdout
+    if where:
+        assert "warehouse s3://dejaq/warehouse" in result.stdout
+        assert "and the S3 server" in result.stdout
     # The terminal shows the table and the summary; Spark's and Kafka's logs go to a file.
     log = re.search(r"logs go to (\S+demo\.log)", result.stdout)
     assert log, result.stdout[:2000]

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 
 from dejaq.broker.http_server import SETTINGS, GatheringTransport
-from dejaq.jobs.embedded_kafka import wait_for_port
+from dejaq.jobs.children import wait_for_port
 from dejaq.jobs.ports import free_port
 
 

@@ -229,3 +229,66 @@ def test_the_secure_set_up_works_as_written(tmp_path: Path) -> None:
             assert job.poll() is None, shell.log(job)
     finally:
         shell.close()
+
+
+def test_the_s3_warehouse_works_as_written(tmp_path: Path) -> None:
+    """Deploying's S3 lines in a shell, then the quick start's producer and worker: the
+    tables land in the S3 server's bucket and nothing on local disk."""
+    shell = Shell(tmp_path)
+    try:
+        deploying = blocks(section("Deploying"))
+        at = next(i for i, (_, code) in enumerate(deploying) if "dejaq s3 --port" in code)
+        (_, server), (_, steps) = deploying[at], deploying[at + 1]
+        lines = [command(line) for line in server.splitlines()]
+        assert lines[0] == ". .venv/bin/activate" and lines[1].endswith(" &")
+        s3_job = shell.background(lines[1].removesuffix(" &"))
+        wait_until(
+            lambda: "s3 endpoint: http://127.0.0.1:9000" in shell.log(s3_job),
+            timeout=120,
+            what="dejaq s3",
+        )
+        for line in (command(line) for line in steps.splitlines()):
+            if not line.endswith(" &"):
+                said = shell.line(line)
+                continue
+            job = shell.background(line.removesuffix(" &"))
+            if line.startswith("dejaq kafka"):
+                wait_until(lambda: answers("127.0.0.1:9092"), timeout=120, what="Kafka")
+            if line.startswith("dejaq cluster"):
+                wait_until(
+                    lambda job=job: "stops the cluster" in shell.log(job) or job.poll() is not None,
+                    timeout=120,
+                    what="the cluster up",
+                )
+        assert "warehouse   s3://dejaq/warehouse at http://127.0.0.1:9000" in said.stdout
+        assert shell.env["AWS_SECRET_ACCESS_KEY"] not in said.stdout + said.stderr
+
+        quick = blocks(section("Quickstart (five minutes)"))
+        (_, produce), (_, work) = quick[1], quick[3]
+        producer = shell.python(produce)
+        assert producer.wait(60) == 0, producer.stderr.read()
+        wait_until(
+            lambda: re.search(
+                r"^buffer\s+5$", shell.run("dejaq status --topic orders").stdout, flags=re.M
+            ),
+            timeout=180,
+            what="the five orders in the bucket's buffer",
+        )
+        worker = shell.python(work)
+        printed: list[str] = []
+        try:
+            while len(printed) < 5:
+                line = worker.stdout.readline()
+                assert line, worker.stderr.read()
+                printed.append(line.strip())
+        finally:
+            worker.send_signal(signal.SIGTERM)
+        assert worker.wait(60) == 0, worker.stderr.read()
+        assert printed == ["1 job 3", "3 job 1", "5 job 4", "7 job 0", "9 job 2"]
+        bucket = tmp_path / ".dejaq" / "s3" / "buckets" / "dejaq" / "warehouse"
+        assert list((bucket / "buffer" / "orders" / "_delta_log").glob("*.json"))
+        assert not (tmp_path / "warehouse").exists(), "no table on local disk"
+        for job in shell.jobs:
+            assert job.poll() is None, shell.log(job)
+    finally:
+        shell.close()

@@ -22,7 +22,7 @@ from pydantic import SecretStr
 from dejaq.conf.kafka_clients import check_login, python_config
 from dejaq.conf.settings import ConfigError, load_settings
 from dejaq.conf.tables import Table, table_path
-from dejaq.jobs import cluster, embedded_kafka
+from dejaq.jobs import children, cluster, embedded_kafka
 from dejaq.jobs.certificates import Authority, new_authority
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.status import row_count
@@ -41,7 +41,7 @@ def secure_kafka(tmp_path_factory) -> Iterator[dict[str, str]]:
         assert (data_dir / embedded_kafka.CLIENT_ENV).stat().st_mode & 0o777 == 0o600
         yield settings
     finally:
-        embedded_kafka.stop(proc)
+        children.stop(proc)
 
 
 def kafka_config(env: dict[str, str]) -> dict:

@@ -58,8 +58,9 @@ def test_conf_file_from_env(tmp_path: Path) -> None:
             "repeated: a",
         ),
         ("- just\n- a list\n", {}, "mapping at the top level"),
-        ("warehouse: s3://bucket/dejaq\n", {}, "warehouse: an S3 warehouse is not supported"),
-        ("", {"DEJAQ_WAREHOUSE": "S3A://b/w"}, "could be lost"),
+        ("warehouse: s3a://bucket/dejaq\n", {}, "warehouse: write the S3 warehouse as s3://"),
+        ("storage: {endpoint: minio:9000}\n", {}, "storage.endpoint: expected http(s)://"),
+        ("", {"DEJAQ_WAREHOUSE": "S3A://b/w"}, "write the S3 warehouse as s3://b/w"),
         ("kafka: [unclosed\n", {}, "not valid YAML"),
     ],
 )

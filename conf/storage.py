@@ -1,0 +1,116 @@
+"""The `storage:` section, handed to every engine that reads or writes the warehouse.
+
+Spark-free. delta-rs (object_store) and pyarrow read S3's endpoint, region and
+addressing from the standard AWS variables, and so do the processes a job starts (Spark's
+local Python workers, the broker's nodes): `export` sets them from the section once, at a
+job's start. Spark's S3A reads Hadoop settings instead: `spark_conf` gives them, and the
+same variables for the executors' Python workers of a cluster. Credentials are never
+copied: each engine finds them itself (AWS variables, a profile, an instance role).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+import pyarrow.fs as pafs
+
+from dejaq.conf import jvm
+from dejaq.conf.settings import Settings, StorageConfig
+
+S3A = "org.apache.hadoop.fs.s3a.S3AFileSystem"
+# Secrets among the standard variables: never printed, never handed on by this module.
+SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def endpoint(storage: StorageConfig, env: MutableMapping[str, str] | None = None) -> str | None:
+    """The configured endpoint, else the one the AWS variables name (None: AWS itself)."""
+    env = os.environ if env is None else env
+    return storage.endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+
+
+def environment(
+    storage: StorageConfig, env: MutableMapping[str, str] | None = None
+) -> dict[str, str]:
+    """The AWS variables (none of them secret) that tell delta-rs and pyarrow the section."""
+    found = endpoint(storage, env)
+    variables = {
+        "AWS_REGION": storage.region,
+        "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": str(not storage.path_style).lower(),
+    }
+    if found:
+        variables["AWS_ENDPOINT_URL"] = found
+        variables["AWS_ALLOW_HTTP"] = str(found.startswith("http://")).lower()
+    if storage.profile:
+        variables["AWS_PROFILE"] = storage.profile
+    return variables
+
+
+def export(settings: Settings) -> None:
+    """Set this process's AWS variables from the section (a job does it once, at start),
+    for its own engines and for the processes it starts."""
+    if settings.on_s3:
+        os.environ.update(environment(settings.storage))
+
+
+def spark_conf(settings: Settings) -> dict[str, str]:
+    """Spark settings that reach an `s3://` warehouse: S3A for the `s3` scheme, the
+    section as S3A settings, the variables for executors, and the S3A jars (used where
+    this process starts Spark; a cluster's own Spark brings its own)."""
+    if not settings.on_s3:
+        return {}
+    storage = settings.storage
+    conf = {
+        "spark.hadoop.fs.s3.impl": S3A,
+        "spark.hadoop.fs.s3a.endpoint.region": storage.region,
+        "spark.hadoop.fs.s3a.path.style.access": str(storage.path_style).lower(),
+        "spark.jars": ",".join(str(p) for p in jvm.require(jvm.S3A)),
+    }
+    if found := endpoint(storage):
+        conf["spark.hadoop.fs.s3a.endpoint"] = found
+    if storage.profile:
+        conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
+            "software.amazon.awssdk.auth.credentials.ProfileCredentialsProvider"
+        )
+    for name, value in environment(storage).items():
+        conf[f"spark.executorEnv.{name}"] = value
+    return conf
+
+
+def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+    """pyarrow's filesystem for `uri` and the path in it; S3 as the AWS variables say
+    (pyarrow itself reads only the credentials from them)."""
+    if uri.lower().startswith("s3://"):
+        virtual = os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() == "true"
+        options: dict[str, Any] = {"force_virtual_addressing": virtual}
+        if region := os.environ.get("AWS_REGION"):
+            options["region"] = region
+        if found := os.environ.get("AWS_ENDPOINT_URL"):
+            scheme, _, host = found.rpartition("://")
+            options.update(endpoint_override=host, scheme=scheme or "https")
+        return pafs.S3FileSystem(**options), uri[len("s3://") :].rstrip("/")
+    return pafs.FileSystem.from_uri(uri)
+
+
+def has_folders(fs: pafs.FileSystem) -> bool:
+    """Whether a file's folder must exist first: not on an object store, where making
+    one only adds a marker object (and a request)."""
+    return fs.type_name not in ("s3", "gcs", "abfs")
+
+
+def describe(settings: Settings) -> str:
+    """A line for `doctor` and `status`: where the warehouse is and how it is reached,
+    naming where credentials come from, never their value."""
+    if not settings.on_s3:
+        return settings.warehouse
+    storage = settings.storage
+    where = endpoint(storage) or "AWS"
+    if storage.profile:
+        creds = f"profile {storage.profile}"
+    elif os.environ.get("AWS_ACCESS_KEY_ID"):
+        creds = f"key {os.environ['AWS_ACCESS_KEY_ID']} from AWS_ACCESS_KEY_ID"
+    else:
+        creds = "the AWS default chain"
+    style = "path-style" if storage.path_style else "virtual-hosted"
+    return f"{settings.warehouse} at {where} ({storage.region}, {style}; credentials: {creds})"
