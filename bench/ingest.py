@@ -56,6 +56,7 @@ from dejaq.pipelines.session import (
 )
 
 WARMUP_MESSAGES = 20_000
+PHASES = ("read_parse", "dedup", "write_quarantine", "write_buffer")  # of an ingest batch
 
 
 def produce(bootstrap: str, topic: str, n: int, payload: int, seed: int = 1) -> float:
@@ -103,11 +104,9 @@ def run_baseline(bootstrap: str, topic: str) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def plain_copy(spark, bootstrap: str, topic: str, warehouse: Path) -> dict:
-    """Spark's own Kafka → Delta copy of the topic, no parsing: the floor for ingest."""
-    path = str(warehouse / "plain_copy")
-    started = time.perf_counter()
-    query = (
+def kafka_stream(spark, bootstrap: str, topic: str):
+    """The topic from the start, as the ingest reads it (JVM connector, headers)."""
+    return (
         spark.readStream.format("kafka")
         .option("kafka.bootstrap.servers", bootstrap)
         .option("subscribe", topic)
@@ -115,6 +114,15 @@ def plain_copy(spark, bootstrap: str, topic: str, warehouse: Path) -> dict:
         .option("includeHeaders", "true")
         .option("maxOffsetsPerTrigger", str(DEFAULT_MAX_OFFSETS_PER_TRIGGER))
         .load()
+    )
+
+
+def plain_copy(spark, bootstrap: str, topic: str, warehouse: Path) -> dict:
+    """Spark's own Kafka → Delta copy of the topic, no parsing: the floor for ingest."""
+    path = str(warehouse / "plain_copy")
+    started = time.perf_counter()
+    query = (
+        kafka_stream(spark, bootstrap, topic)
         .writeStream.format("delta")
         .option("checkpointLocation", str(warehouse / "_checkpoints" / "plain_copy"))
         .trigger(availableNow=True)
@@ -146,13 +154,7 @@ def shaped_copy(spark, bootstrap: str, topic: str, warehouse: Path, buckets: int
 
     started = time.perf_counter()
     query = (
-        spark.readStream.format("kafka")
-        .option("kafka.bootstrap.servers", bootstrap)
-        .option("subscribe", topic)
-        .option("startingOffsets", "earliest")
-        .option("includeHeaders", "true")
-        .option("maxOffsetsPerTrigger", str(DEFAULT_MAX_OFFSETS_PER_TRIGGER))
-        .load()
+        kafka_stream(spark, bootstrap, topic)
         .writeStream.foreachBatch(append)
         .option("checkpointLocation", str(warehouse / "_checkpoints" / "shaped_copy"))
         .trigger(availableNow=True)
@@ -269,11 +271,16 @@ def visibility_latency(
     watcher.stopping.set()
     watcher.join()
     lat = sorted(watcher.visible_at[m] - sent_at[m] for m in sent_at if m in watcher.visible_at)
+    batches = [s for s in job.stats if s.buffered]
+    phases = {k: round(statistics.median(s.phases_ms.get(k, 0) for s in batches)) for k in PHASES}
     return {
         "visible": len(lat),
         "p50_ms": round(statistics.median(lat) * 1000),
         "p99_ms": round(lat[int(len(lat) * 0.99) - 1] * 1000),
         "trigger": "processingTime 1 second",
+        "batches": len(batches),
+        "batch_ms_p50": round(statistics.median(s.millis for s in batches)),
+        "batch_phases_ms_p50": phases,
     }
 
 

@@ -11,7 +11,7 @@ copied: each engine finds them itself (AWS variables, a profile, an instance rol
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping
 from typing import Any
 
 import pyarrow.fs as pafs
@@ -20,19 +20,15 @@ from dejaq.conf import jvm
 from dejaq.conf.settings import Settings, StorageConfig
 
 S3A = "org.apache.hadoop.fs.s3a.S3AFileSystem"
-# Secrets among the standard variables: never printed, never handed on by this module.
-SECRET_VARIABLES = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
-def endpoint(storage: StorageConfig, env: MutableMapping[str, str] | None = None) -> str | None:
+def endpoint(storage: StorageConfig, env: Mapping[str, str] | None = None) -> str | None:
     """The configured endpoint, else the one the AWS variables name (None: AWS itself)."""
     env = os.environ if env is None else env
     return storage.endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
 
 
-def environment(
-    storage: StorageConfig, env: MutableMapping[str, str] | None = None
-) -> dict[str, str]:
+def environment(storage: StorageConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The AWS variables (none of them secret) that tell delta-rs and pyarrow the section."""
     found = endpoint(storage, env)
     variables = {
@@ -56,8 +52,8 @@ def export(settings: Settings) -> None:
 
 def spark_conf(settings: Settings) -> dict[str, str]:
     """Spark settings that reach an `s3://` warehouse: S3A for the `s3` scheme, the
-    section as S3A settings, the variables for executors, and the S3A jars (used where
-    this process starts Spark; a cluster's own Spark brings its own)."""
+    section as S3A settings, the variables for executors, and the S3A jars where they
+    were fetched (used where this process starts Spark; a cluster brings its own)."""
     if not settings.on_s3:
         return {}
     storage = settings.storage
@@ -65,8 +61,9 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         "spark.hadoop.fs.s3.impl": S3A,
         "spark.hadoop.fs.s3a.endpoint.region": storage.region,
         "spark.hadoop.fs.s3a.path.style.access": str(storage.path_style).lower(),
-        "spark.jars": ",".join(str(p) for p in jvm.require(jvm.S3A)),
     }
+    if jars := jvm.jars(jvm.S3A):
+        conf["spark.jars"] = ",".join(str(p) for p in jars)
     if found := endpoint(storage):
         conf["spark.hadoop.fs.s3a.endpoint"] = found
     if storage.profile:

@@ -8,6 +8,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 PR_SET_PDEATHSIG = 1
@@ -61,3 +62,15 @@ def stop(proc: subprocess.Popen, timeout: float = 30, kill: bool = False) -> int
             proc.kill()
             proc.wait()
     return proc.returncode
+
+
+def serve(proc: subprocess.Popen, stopping: threading.Event, what: str) -> int:
+    """Foreground: wait until `stopping` is set (a signal) or the server exits; stop it.
+    0 when stopped, 1 (said on stderr) when it exited by itself."""
+    while not stopping.is_set() and proc.poll() is None:
+        stopping.wait(0.5)
+    if proc.poll() is not None:
+        print(f"error: {what} exited with code {proc.returncode}", file=sys.stderr)
+        return 1
+    stop(proc)
+    return 0

@@ -12,10 +12,12 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pyarrow.fs as pafs
+
 from dejaq.conf import jvm
 from dejaq.conf.kafka_clients import check_login, python_config
 from dejaq.conf.settings import ConfigError, KafkaConfig, Settings, load_settings
-from dejaq.conf.storage import describe, export, spark_conf
+from dejaq.conf.storage import describe, export, filesystem, spark_conf
 from dejaq.jobs.logs import one_line, stderr_to
 
 
@@ -63,6 +65,17 @@ def kafka_answers(kafka: KafkaConfig, timeout_ms: int = 3000) -> tuple[bool, str
     finally:
         admin.close()
     return True, f"{bootstrap} answers ({login}; {len(topics)} topics)"
+
+
+def store_answers(settings: Settings) -> tuple[bool, str]:
+    """Whether the object store lists the warehouse with the key the engines will use,
+    and a line naming the endpoint and where the key comes from (never the secret)."""
+    fs, root = filesystem(settings.warehouse)
+    try:
+        fs.get_file_info(pafs.FileSelector(root, allow_not_found=True))
+    except OSError as e:
+        return False, f"{describe(settings)}: {one_line(e)}"
+    return True, describe(settings)
 
 
 def _jar_sets() -> list[str]:
@@ -132,7 +145,11 @@ def run(conf_file: str | None) -> int:
     kafka_ok, kafka_text = kafka_answers(settings.kafka)
     ok &= kafka_ok
     print(f"kafka    {'ok  ' if kafka_ok else 'FAIL'} {kafka_text}")
-    where = describe(settings) if settings.on_s3 else warehouse_location(settings.warehouse)
-    print(f"warehouse {where}")
+    if settings.on_s3:
+        store_ok, store_text = store_answers(settings)
+        ok &= store_ok
+        print(f"warehouse {'ok  ' if store_ok else 'FAIL'} {store_text}")
+    else:
+        print(f"warehouse {warehouse_location(settings.warehouse)}")
     print(f"platform {platform.platform()}")
     return 0 if ok else 1

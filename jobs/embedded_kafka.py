@@ -20,7 +20,7 @@ from pathlib import Path
 
 from dejaq.conf import jvm
 from dejaq.conf.settings import KafkaConfig, load_settings
-from dejaq.jobs.children import check_free, die_with_parent, stop, wait_for_port
+from dejaq.jobs.children import check_free, die_with_parent, serve, stop, wait_for_port
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
@@ -306,11 +306,7 @@ def run(port: int | None, data_dir: Path, secure: bool = False) -> int:
             f"data dir: {data_dir.resolve()}  (log: {LOG_FILE}; SIGTERM or Ctrl-C stops it)",
             flush=True,
         )
-        while not stopping.is_set() and proc.poll() is None:
-            stopping.wait(0.5)
-        if proc.poll() is not None:
-            print(f"error: Kafka exited with code {proc.returncode}", file=sys.stderr)
+        if serve(proc, stopping, "Kafka"):
             return 1
-        stop(proc)
     print("kafka stopped", flush=True)
     return 0

@@ -22,7 +22,7 @@ from pathlib import Path
 import httpx
 
 from dejaq.conf import jvm
-from dejaq.jobs.children import check_free, die_with_parent, stop, wait_for_port
+from dejaq.jobs.children import check_free, die_with_parent, serve, stop, wait_for_port
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
@@ -191,11 +191,7 @@ def run(port: int | None, data_dir: Path) -> int:
             flush=True,
         )
         print(f"data dir: {data_dir.resolve()}  (log: {LOG_FILE}; SIGTERM or Ctrl-C stops it)")
-        while not stopping.is_set() and proc.poll() is None:
-            stopping.wait(0.5)
-        if proc.poll() is not None:
-            print(f"error: S3Proxy exited with code {proc.returncode}", file=sys.stderr)
+        if serve(proc, stopping, "S3Proxy"):
             return 1
-        stop(proc)
     print("s3 stopped", flush=True)
     return 0

@@ -198,22 +198,18 @@ class IngestJob:
             return
         parsed = cached = parse(records, self.topic).persist()
         try:
-            # One pass gives both the counts per reason and the ids that dedup must judge.
+            # One pass (one stage, no shuffle) gives both the counts per reason and the ids
+            # that dedup must judge: each row's reason, and its id where one is to judge.
             valid_id = F.col("reason").isNull() & explicit_id()
-            summary = (
-                parsed.groupBy("reason")
-                .agg(
-                    F.count("*").alias("n"),
-                    F.collect_list(
-                        F.when(valid_id, F.struct("message_id", *COORDINATES, "produced_at"))
-                    ).alias("ids"),
-                )
-                .toArrow()
-            )
+            judged = ["message_id", *COORDINATES, "produced_at"]
+            summary = parsed.select(
+                "reason", *(F.when(valid_id, F.col(c)).alias(c) for c in judged)
+            ).toArrow()
             clock.lap("read_parse")
-            reasons, sizes = (summary.column(c).to_pylist() for c in ("reason", "n"))
+            tally = summary.group_by("reason", use_threads=False).aggregate([([], "count_all")])
+            reasons, sizes = (tally.column(c).to_pylist() for c in ("reason", "count_all"))
             counts = dict(zip(reasons, sizes, strict=True))
-            ids = pa.Table.from_struct_array(summary.column("ids").combine_chunks().flatten())
+            ids = summary.filter(pc.is_valid(summary.column("message_id"))).select(judged)
             verdict = self._seen.check(ids)
             if verdict.duplicates:
                 dupes = self.spark.createDataFrame(

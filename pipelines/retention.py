@@ -13,9 +13,11 @@ release job) needs the ledger only from W on: the files whose largest `at` reach
 
 The deliverer bounds C by what it has not yet written to the ledger (the broker's
 un-checkpointed events), so no event older than C can reach the ledger after a run.
-Other writers keep going: an append (the ingest) does not conflict with the commit,
-and a concurrent compaction or another run does (Delta's optimistic concurrency): the
-loser fails and the next round tries again. The rewritten files' rows are not new, so
+Other writers keep going, all on delta-rs (Delta's optimistic concurrency, a put-if-absent
+commit on every store): an ingest append that commits first makes the run's commit
+fail, and the run tries again; one that commits second commits again on top of it
+(`pipelines.delta_source`); a concurrent compaction or another run: the loser fails
+and the next round tries again. The rewritten files' rows are not new, so
 readers that follow the buffer (`is_rewrite`) do not read them again; the replaced
 files stay for the table's file retention, then vacuum deletes them.
 """

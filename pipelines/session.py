@@ -81,8 +81,8 @@ def get_spark(
     pyarrow, and the query hangs for a minute before failing. Only the first call in a
     process configures the session (a later builder's settings are ignored), so the
     jars are set here or not at all. `conf` adds settings to a session this call starts
-    (its `spark.jars` join the connectors'); a Spark already running in the process (a
-    notebook's on Databricks) keeps its own.
+    (its `spark.jars` join the connectors'), except those its launcher gave; a Spark
+    already running in the process (a notebook's on Databricks) keeps its own.
     """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
@@ -105,6 +105,8 @@ def get_spark(
     settings = {**_DELTA_DEFAULTS, **_connector_conf(connectors, given)}
     if SparkContext._active_spark_context is None:
         for key, value in (conf or {}).items():
+            if given.contains(key):
+                continue  # the launcher's (spark-submit --conf, a cluster's own) wins
             if key == "spark.jars" and settings.get(key):
                 value = f"{settings[key]},{value}"  # both sets: the connectors' and these
             settings[key] = value

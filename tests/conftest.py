@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dejaq.jobs.children import wait_for_port
+from dejaq.jobs.children import stop, wait_for_port
 from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
 
@@ -61,12 +61,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         wait_until(lambda: answers(bootstrap), timeout=90, what="Kafka to answer")
         yield bootstrap
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, timeout=20)
 
 
 @pytest.fixture
@@ -155,9 +150,4 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
         lines = (data_dir / "client.env").read_text().splitlines()
         yield S3Server(dict(line.removeprefix("export ").split("=", 1) for line in lines), data_dir)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, timeout=20)

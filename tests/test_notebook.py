@@ -7,12 +7,18 @@ import os
 from pathlib import Path
 
 import nbformat
+import pytest
+from deltalake import DeltaTable
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_quickstart_notebook_runs(kafka_bootstrap: str, monkeypatch, tmp_path: Path) -> None:
+@pytest.mark.parametrize("store", ["local", "s3"])
+def test_quickstart_notebook_runs(
+    store: str, request: pytest.FixtureRequest, kafka_bootstrap: str, monkeypatch, tmp_path: Path
+) -> None:
+    """`s3`: its warehouse, and so its Spark SQL reads, on the S3 server."""
     # The kernel starts in an empty folder with its own temporary folder, so whatever
     # the notebook leaves behind in either shows.
     cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
@@ -20,6 +26,11 @@ def test_quickstart_notebook_runs(kafka_bootstrap: str, monkeypatch, tmp_path: P
     temp.mkdir()
     monkeypatch.setenv("TMPDIR", str(temp))
     monkeypatch.setenv("DEJAQ_KAFKA_BOOTSTRAP", kafka_bootstrap)
+    if store == "s3":
+        s3 = request.getfixturevalue("s3_env")
+        for name in ("DEJAQ_STORAGE_ENDPOINT", "DEJAQ_STORAGE_PATH_STYLE"):
+            monkeypatch.setenv(name, s3[name])
+        monkeypatch.setenv("DEJAQ_WAREHOUSE", f"s3://dejaq/{tmp_path.name}")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
     NotebookClient(
@@ -30,5 +41,8 @@ def test_quickstart_notebook_runs(kafka_bootstrap: str, monkeypatch, tmp_path: P
     text = "".join(o.get("text", "") for o in outputs)
     assert "quarantined 1" in text
     assert "leased and acked 300 messages" in text
+    if store == "s3":
+        buffer = DeltaTable(f"s3://dejaq/{tmp_path.name}/buffer/orders")
+        assert buffer.to_pyarrow_table().num_rows == 300, "its buffer is in the bucket"
     assert list(cwd.iterdir()) == [], "nothing left in the working folder"
     assert list(temp.glob("dejaq-quickstart-*")) == [], "its temporary folder removed"

@@ -115,6 +115,25 @@ def terminal(tmp_path: Path) -> Iterator[Terminal]:
         t.close()
 
 
+QUICK_START_ORDER = ["1 job 3", "3 job 1", "5 job 4", "7 job 0", "9 job 2"]
+
+
+def quick_start_worker(terminal: Terminal, work: str) -> list[str]:
+    """Run the quick start's worker until it has printed five lines, stop it by SIGTERM
+    (it must exit 0); the lines."""
+    worker = terminal.python(work)
+    printed: list[str] = []
+    try:
+        while len(printed) < 5:
+            line = worker.stdout.readline()
+            assert line, worker.stderr.read()
+            printed.append(line.strip())
+    finally:
+        worker.send_signal(signal.SIGTERM)
+    assert worker.wait(60) == 0, worker.stderr.read()
+    return printed
+
+
 def test_the_quick_start_works_as_written(terminal: Terminal) -> None:
     quick = blocks(section("Quickstart (five minutes)"))
     assert [lang for lang, _ in quick] == ["sh", "python", "sh", "python"]
@@ -146,17 +165,7 @@ def test_the_quick_start_works_as_written(terminal: Terminal) -> None:
 
     wait_until(buffered, timeout=180, what="the five orders in the buffer")
 
-    worker = terminal.python(work)
-    printed: list[str] = []
-    try:
-        while len(printed) < 5:
-            line = worker.stdout.readline()
-            assert line, worker.stderr.read()
-            printed.append(line.strip())
-    finally:
-        worker.send_signal(signal.SIGTERM)
-    assert worker.wait(60) == 0, worker.stderr.read()
-    assert printed == ["1 job 3", "3 job 1", "5 job 4", "7 job 0", "9 job 2"]
+    assert quick_start_worker(terminal, work) == QUICK_START_ORDER
     assert re.search(r"# 1 job 3, 3 job 1, 5 job 4, 7 job 0, 9 job 2", work), "as it says"
 
     [(_, api)] = [b for b in blocks(section("HTTP API")) if b[0] == "sh"]
@@ -274,17 +283,7 @@ def test_the_s3_warehouse_works_as_written(tmp_path: Path) -> None:
             timeout=180,
             what="the five orders in the bucket's buffer",
         )
-        worker = shell.python(work)
-        printed: list[str] = []
-        try:
-            while len(printed) < 5:
-                line = worker.stdout.readline()
-                assert line, worker.stderr.read()
-                printed.append(line.strip())
-        finally:
-            worker.send_signal(signal.SIGTERM)
-        assert worker.wait(60) == 0, worker.stderr.read()
-        assert printed == ["1 job 3", "3 job 1", "5 job 4", "7 job 0", "9 job 2"]
+        assert quick_start_worker(shell, work) == QUICK_START_ORDER
         bucket = tmp_path / ".dejaq" / "s3" / "buckets" / "dejaq" / "warehouse"
         assert list((bucket / "buffer" / "orders" / "_delta_log").glob("*.json"))
         assert not (tmp_path / "warehouse").exists(), "no table on local disk"

@@ -327,6 +327,25 @@ def test_ingest_lands_records_on_s3(
     assert secret not in run.stdout + run.stderr + status.stdout + status.stderr
 
 
+def test_doctor_checks_the_store_with_the_key_and_never_prints_the_secret(
+    s3_env: dict[str, str], warehouse_s3: str, kafka_bootstrap: str
+) -> None:
+    doctor = [sys.executable, "-m", "dejaq.jobs.cli", "doctor"]
+    env = job_env(s3_env, warehouse_s3, DEJAQ_KAFKA_BOOTSTRAP=kafka_bootstrap)
+    good = subprocess.run(doctor, env=env, capture_output=True, text=True, timeout=180)
+    assert good.returncode == 0, good.stdout + good.stderr
+    line = next(x for x in good.stdout.splitlines() if x.startswith("warehouse"))
+    assert line.startswith("warehouse ok") and s3_env["DEJAQ_STORAGE_ENDPOINT"] in line
+    assert s3_env["AWS_ACCESS_KEY_ID"] in line, "which key, by its id"
+    wrong = {**env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}
+    bad = subprocess.run(doctor, env=wrong, capture_output=True, text=True, timeout=180)
+    assert bad.returncode == 1
+    assert "warehouse FAIL" in bad.stdout, bad.stdout
+    for run in (good, bad):
+        assert s3_env["AWS_SECRET_ACCESS_KEY"] not in run.stdout + run.stderr
+        assert "not-the-secret" not in run.stdout + run.stderr
+
+
 @pytest.mark.slow
 def test_kill_9_of_the_ingest_on_s3_loses_and_duplicates_nothing(
     s3_env: dict[str, str], warehouse_s3: str, kafka_bootstrap: str, topic_factory, tmp_path
