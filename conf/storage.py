@@ -77,10 +77,11 @@ def spark_conf(settings: Settings) -> dict[str, str]:
 
 def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     """pyarrow's filesystem for `uri` and the path in it; S3 as the AWS variables say
-    (pyarrow itself reads only the credentials from them)."""
+    (pyarrow itself reads only the credentials from them), each file stored whole."""
     if uri.lower().startswith("s3://"):
         virtual = os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() == "true"
-        options: dict[str, Any] = {"force_virtual_addressing": virtual}
+        # A file written whole goes up in one PUT, not a multipart upload of three requests.
+        options: dict[str, Any] = {"force_virtual_addressing": virtual, "allow_delayed_open": True}
         if region := os.environ.get("AWS_REGION"):
             options["region"] = region
         if found := os.environ.get("AWS_ENDPOINT_URL"):

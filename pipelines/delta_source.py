@@ -422,14 +422,18 @@ class _DataFile:
         self.stats = _Stats(table.file_schema)
 
     def write_all(self, rows: pa.Table) -> AddAction:
+        """The file is made in memory, then stored whole: on an object store one PUT (a
+        task's file per bucket is small), and its size known without asking."""
         rows = rows.cast(self.file_schema)
-        pq.write_table(
-            rows, self.full_path, filesystem=self.fs, row_group_size=max(rows.num_rows, 1)
-        )
+        made = pa.BufferOutputStream()
+        pq.write_table(rows, made, row_group_size=max(rows.num_rows, 1))
+        data = made.getvalue()
+        with self.fs.open_output_stream(self.full_path) as out:
+            out.write(data)
         self.stats.add(rows)
         return AddAction(
             path=self.path,
-            size=self.fs.get_file_info(self.full_path).size,
+            size=data.size,
             partition_values=self.partition_values,
             modification_time=int(time.time() * 1000),
             data_change=True,

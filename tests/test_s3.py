@@ -379,6 +379,22 @@ def test_kill_9_of_the_ingest_on_s3_loses_and_duplicates_nothing(
     assert quarantine.to_pyarrow_table().num_rows == 1
 
 
+# --- what the store is asked ---------------------------------------------------------------
+
+
+def test_an_ingest_append_stores_each_file_in_one_put(s3: S3Server, warehouse_s3: str) -> None:
+    """Its Parquet files, one per bucket, each one PUT (no multipart upload, no HEAD of
+    what was written), then the commit: one more PUT, a conditional create."""
+    buffer = ensure_table(warehouse_s3, Table.BUFFER, "jobs")
+    before = embedded_s3.requests(s3.data_dir)
+    ingest_append(buffer, buffer_rows(list(range(8))), "dejaq-ingest-jobs", 0)  # 4 buckets
+    after = embedded_s3.requests(s3.data_dir)
+    made = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+    assert made.get("PutObject") == 4 + 1, made
+    assert "CreateMultipartUpload" not in made and "UploadPart" not in made, made
+    assert len(buffer_ids(buffer)) == 8
+
+
 # --- what following a table costs ---------------------------------------------------------
 
 
