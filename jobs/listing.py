@@ -27,12 +27,14 @@ def run(table: Table, args: argparse.Namespace) -> int:
     """One JSON object a line on stdout, oldest first; on stderr, how to get the next page."""
     from dejaq.broker.listings import MAX_PAGE, BadCursor, page
     from dejaq.conf.settings import load_settings
+    from dejaq.conf.storage import export
     from dejaq.conf.tables import Table, ensure_table
 
     if not 1 <= args.limit <= MAX_PAGE:
         print(f"error: --limit must be 1..{MAX_PAGE}", file=sys.stderr)
         return EXIT_USAGE
     settings = load_settings(args.conf_file)
+    export(settings)
     settings.topic(args.topic)
     path = ensure_table(settings.warehouse, table, args.topic)
     try:

@@ -5,6 +5,7 @@ the jobs reach it through the one `storage:` section."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import subprocess
 import sys
@@ -323,6 +324,16 @@ def test_ingest_lands_records_on_s3(
     assert status.returncode == 0, status.stderr
     assert "buffer      40" in status.stdout and "ingest lag  0" in status.stdout
     assert s3_env["DEJAQ_STORAGE_ENDPOINT"] in status.stdout
+    listed = subprocess.run(
+        [*cli, "quarantine", "--topic", "jobs", "--conf-file", str(conf)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert listed.returncode == 0, listed.stderr
+    [row] = [json.loads(line) for line in listed.stdout.splitlines()]
+    assert row["reason"] == "invalid_priority", row
     secret = s3_env["AWS_SECRET_ACCESS_KEY"]
     assert secret not in run.stdout + run.stderr + status.stdout + status.stderr
 
