@@ -256,7 +256,7 @@ class StorageConfig(_Strict):
     """
 
     endpoint: str | None = None  # an S3-compatible server; None: AWS (or $AWS_ENDPOINT_URL)
-    region: str = "us-east-1"
+    region: str | None = None  # None: $AWS_REGION, else us-east-1
     path_style: bool = False  # bucket in the path, not the host name (most non-AWS servers)
     profile: str | None = None  # a profile of ~/.aws/config and ~/.aws/credentials
 

@@ -28,11 +28,17 @@ def endpoint(storage: StorageConfig, env: Mapping[str, str] | None = None) -> st
     return storage.endpoint or env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
 
 
+def region(storage: StorageConfig, env: Mapping[str, str] | None = None) -> str:
+    """The configured region, else the one the AWS variables name, else us-east-1."""
+    env = os.environ if env is None else env
+    return storage.region or env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION") or "us-east-1"
+
+
 def environment(storage: StorageConfig, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The AWS variables (none of them secret) that tell delta-rs and pyarrow the section."""
     found = endpoint(storage, env)
     variables = {
-        "AWS_REGION": storage.region,
+        "AWS_REGION": region(storage, env),
         "AWS_VIRTUAL_HOSTED_STYLE_REQUEST": str(not storage.path_style).lower(),
     }
     if found:
@@ -59,7 +65,7 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     storage = settings.storage
     conf = {
         "spark.hadoop.fs.s3.impl": S3A,
-        "spark.hadoop.fs.s3a.endpoint.region": storage.region,
+        "spark.hadoop.fs.s3a.endpoint.region": region(storage),
         "spark.hadoop.fs.s3a.path.style.access": str(storage.path_style).lower(),
     }
     if jars := jvm.jars(jvm.S3A):
@@ -111,4 +117,4 @@ def describe(settings: Settings) -> str:
     else:
         creds = "the AWS default chain"
     style = "path-style" if storage.path_style else "virtual-hosted"
-    return f"{settings.warehouse} at {where} ({storage.region}, {style}; credentials: {creds})"
+    return f"{settings.warehouse} at {where} ({region(storage)}, {style}; credentials: {creds})"

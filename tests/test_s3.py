@@ -26,8 +26,8 @@ from test_broker import buffer_rows
 
 from dejaq.broker.leases import Settlement
 from dejaq.broker.ledger_writer import write_ledger
-from dejaq.conf.settings import ConfigError, load_settings
-from dejaq.conf.storage import describe, environment, spark_conf
+from dejaq.conf.settings import ConfigError, StorageConfig, load_settings
+from dejaq.conf.storage import describe, environment, region, spark_conf
 from dejaq.conf.table_watch import IDLE_PROBE_MAX_S, TableWatch
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table, table_path
 from dejaq.jobs import embedded_s3
@@ -90,6 +90,16 @@ def test_the_storage_section_reaches_every_engine_and_no_secret_does(s3: S3Serve
     assert not any(secret in v for v in [*variables.values(), *conf.values()])
     assert env["DEJAQ_STORAGE_ENDPOINT"] in describe(settings)
     assert spark_conf(load_settings(env={})) == {}, "a local warehouse needs nothing"
+
+
+def test_the_region_is_the_sections_else_the_aws_variables() -> None:
+    """A region the environment names is kept unless the section names one."""
+    given = {"AWS_REGION": "ap-south-1"}
+    assert region(StorageConfig(region="eu-west-1"), given) == "eu-west-1"
+    assert region(StorageConfig(), given) == "ap-south-1"
+    assert region(StorageConfig(), {"AWS_DEFAULT_REGION": "sa-east-1"}) == "sa-east-1"
+    assert region(StorageConfig(), {}) == "us-east-1"
+    assert environment(StorageConfig(), given)["AWS_REGION"] == "ap-south-1"
 
 
 @pytest.mark.parametrize("scheme", ["s3a", "s3n"])
