@@ -10,6 +10,7 @@ copied to executors but the CA file). Spark-free: the broker uses it too.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -98,13 +99,17 @@ def check_login(kafka: KafkaConfig, timeout_ms: int = CHECK_TIMEOUT_MS) -> None:
 
     if not (kafka.sasl or kafka.tls):
         return
-    seen = _Failures()
+    # Only this check's threads count: an earlier check's client, refused and left to run
+    # out, goes on logging its refusals meanwhile.
+    client_id = f"dejaq-login-check-{secrets.token_hex(4)}"
+    seen = _Failures({client_id, f"kafka-io-{client_id}"})
     outcome: list[BaseException | None] = []
 
     def login() -> None:
         try:
             admin = KafkaAdminClient(
                 **python_config(kafka),
+                client_id=client_id,
                 request_timeout_ms=timeout_ms,
                 bootstrap_timeout_ms=timeout_ms,
             )
@@ -123,7 +128,7 @@ def check_login(kafka: KafkaConfig, timeout_ms: int = CHECK_TIMEOUT_MS) -> None:
     try:
         # kafka-python goes on retrying a refused login until its timeout; the refusal
         # is known from its log at once, and the thread is left to run out alone.
-        threading.Thread(target=login, name="kafka-login-check", daemon=True).start()
+        threading.Thread(target=login, name=client_id, daemon=True).start()
         seen.done.wait(timeout_ms / 1000 + LOGIN_SLACK_S)
     finally:
         log.removeHandler(seen)
@@ -138,13 +143,16 @@ class _Failures(logging.Handler):
     """kafka-python retries a refused login until its timeout and then says only that it
     could not bootstrap; the reason is in what it logs on the way."""
 
-    def __init__(self) -> None:
+    def __init__(self, threads: set[str]) -> None:
         super().__init__(logging.ERROR)
+        self.threads = threads  # the names of the threads whose records count
         self.errors: list[str] = []
         self.refused = False
         self.done = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
+        if record.threadName not in self.threads:
+            return
         message = record.getMessage()
         self.errors.append(message)
         if any(word in message.lower() for word in REFUSALS):
