@@ -251,14 +251,14 @@ class StorageConfig(_Strict):
     """How every engine reaches an `s3://` warehouse (see `conf.storage`).
 
     Credentials are not settings: each engine takes them from the standard AWS
-    variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or from
-    `profile`, so no configuration file or log line holds a secret.
+    variables (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN) or the
+    instance's role, so no configuration file or log line holds a secret. Not from an
+    AWS profile: delta-rs 1.6 does not read them.
     """
 
     endpoint: str | None = None  # an S3-compatible server; None: AWS (or $AWS_ENDPOINT_URL)
     region: str | None = None  # None: $AWS_REGION, else us-east-1
     path_style: bool = False  # bucket in the path, not the host name (most non-AWS servers)
-    profile: str | None = None  # a profile of ~/.aws/config and ~/.aws/credentials
 
     @field_validator("endpoint")
     @classmethod

@@ -5,7 +5,7 @@ addressing from the standard AWS variables, and so do the processes a job starts
 local Python workers, the broker's nodes): `export` sets them from the section once, at a
 job's start. Spark's S3A reads Hadoop settings instead: `spark_conf` gives them, and the
 same variables for the executors' Python workers of a cluster. Credentials are never
-copied: each engine finds them itself (AWS variables, a profile, an instance role).
+copied: each engine finds them itself (the AWS variables, or the instance's role).
 """
 
 from __future__ import annotations
@@ -44,8 +44,6 @@ def environment(storage: StorageConfig, env: Mapping[str, str] | None = None) ->
     if found:
         variables["AWS_ENDPOINT_URL"] = found
         variables["AWS_ALLOW_HTTP"] = str(found.startswith("http://")).lower()
-    if storage.profile:
-        variables["AWS_PROFILE"] = storage.profile
     return variables
 
 
@@ -72,10 +70,6 @@ def spark_conf(settings: Settings) -> dict[str, str]:
         conf["spark.jars"] = ",".join(str(p) for p in jars)
     if found := endpoint(storage):
         conf["spark.hadoop.fs.s3a.endpoint"] = found
-    if storage.profile:
-        conf["spark.hadoop.fs.s3a.aws.credentials.provider"] = (
-            "software.amazon.awssdk.auth.credentials.ProfileCredentialsProvider"
-        )
     for name, value in environment(storage).items():
         conf[f"spark.executorEnv.{name}"] = value
     return conf
@@ -88,8 +82,8 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
         virtual = os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() == "true"
         # A file written whole goes up in one PUT, not a multipart upload of three requests.
         options: dict[str, Any] = {"force_virtual_addressing": virtual, "allow_delayed_open": True}
-        if region := os.environ.get("AWS_REGION"):
-            options["region"] = region
+        if named := os.environ.get("AWS_REGION"):
+            options["region"] = named
         if found := os.environ.get("AWS_ENDPOINT_URL"):
             scheme, _, host = found.rpartition("://")
             options.update(endpoint_override=host, scheme=scheme or "https")
@@ -110,11 +104,9 @@ def describe(settings: Settings) -> str:
         return settings.warehouse
     storage = settings.storage
     where = endpoint(storage) or "AWS"
-    if storage.profile:
-        creds = f"profile {storage.profile}"
-    elif os.environ.get("AWS_ACCESS_KEY_ID"):
+    if os.environ.get("AWS_ACCESS_KEY_ID"):
         creds = f"key {os.environ['AWS_ACCESS_KEY_ID']} from AWS_ACCESS_KEY_ID"
     else:
-        creds = "the AWS default chain"
+        creds = "the instance's role"
     style = "path-style" if storage.path_style else "virtual-hosted"
     return f"{settings.warehouse} at {where} ({region(storage)}, {style}; credentials: {creds})"
