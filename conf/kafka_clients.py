@@ -19,6 +19,7 @@ from dejaq.conf.settings import ConfigError, KafkaConfig
 
 CHECK_TIMEOUT_MS = 8000
 LOGIN_SLACK_S = 5.0  # beyond kafka-python's own timeout, for its thread to return
+CHECK_CLIENT = "dejaq-login-check-"  # the client id prefix of `check_login`'s clients
 # What kafka-python's log says when TLS refuses Kafka's certificate, or Kafka the login.
 REFUSALS = ("certificate", "authentication")
 LOGIN_MODULES = {
@@ -99,10 +100,10 @@ def check_login(kafka: KafkaConfig, timeout_ms: int = CHECK_TIMEOUT_MS) -> None:
 
     if not (kafka.sasl or kafka.tls):
         return
-    # Only this check's threads count: an earlier check's client, refused and left to run
-    # out, goes on logging its refusals meanwhile.
-    client_id = f"dejaq-login-check-{secrets.token_hex(4)}"
-    seen = _Failures({client_id, f"kafka-io-{client_id}"})
+    # An earlier check's client, refused and left to run out, goes on logging refusals
+    # meanwhile: records from its threads (named for its client id) do not count.
+    client_id = f"{CHECK_CLIENT}{secrets.token_hex(4)}"
+    seen = _Failures(client_id)
     outcome: list[BaseException | None] = []
 
     def login() -> None:
@@ -143,16 +144,17 @@ class _Failures(logging.Handler):
     """kafka-python retries a refused login until its timeout and then says only that it
     could not bootstrap; the reason is in what it logs on the way."""
 
-    def __init__(self, threads: set[str]) -> None:
+    def __init__(self, client_id: str) -> None:
         super().__init__(logging.ERROR)
-        self.threads = threads  # the names of the threads whose records count
+        self.client_id = client_id  # in the names of this check's threads
         self.errors: list[str] = []
         self.refused = False
         self.done = threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.threadName not in self.threads:
-            return
+        thread = record.threadName or ""
+        if CHECK_CLIENT in thread and self.client_id not in thread:
+            return  # another check's client
         message = record.getMessage()
         self.errors.append(message)
         if any(word in message.lower() for word in REFUSALS):
