@@ -311,37 +311,23 @@ def test_ingest_lands_records_on_s3(
         DEJAQ_KAFKA_BOOTSTRAP=kafka_bootstrap,
         DEJAQ_SPARK_CONNECTORS=connectors,
     )
-    cli = [sys.executable, "-m", "dejaq.jobs.cli"]
-    run = subprocess.run(
-        [*cli, "ingest", "--topic", "jobs", "--once", "--conf-file", str(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def dejaq(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "dejaq.jobs.cli", *args, "--conf-file", str(conf)]
+        return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+    run = dejaq("ingest", "--topic", "jobs", "--once", timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "buffered 40, quarantined 1" in run.stdout
     buffer = DeltaTable(table_path(warehouse_s3, Table.BUFFER, "jobs"))
     assert buffer.to_pyarrow_table().num_rows == 40
     quarantine = DeltaTable(table_path(warehouse_s3, Table.QUARANTINE, "jobs"))
     assert quarantine.to_pyarrow_table().num_rows == 1
-    status = subprocess.run(
-        [*cli, "status", "--topic", "jobs", "--conf-file", str(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    status = dejaq("status", "--topic", "jobs")
     assert status.returncode == 0, status.stderr
     assert "buffer      40" in status.stdout and "ingest lag  0" in status.stdout
     assert s3_env["DEJAQ_STORAGE_ENDPOINT"] in status.stdout
-    listed = subprocess.run(
-        [*cli, "quarantine", "--topic", "jobs", "--conf-file", str(conf)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    listed = dejaq("quarantine", "--topic", "jobs")
     assert listed.returncode == 0, listed.stderr
     [row] = [json.loads(line) for line in listed.stdout.splitlines()]
     assert row["reason"] == "invalid_priority", row
