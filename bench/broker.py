@@ -431,7 +431,9 @@ def s3_server(tmp_path: Path) -> Iterator[Store]:
 
 
 def per_second(before: dict[str, int], after: dict[str, int], seconds: float) -> dict:
-    made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
+    from dejaq.jobs.embedded_s3 import requests_between
+
+    made = requests_between(before, after)
     return {"requests": made, "per_s": round(sum(made.values()) / seconds, 2)}
 
 

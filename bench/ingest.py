@@ -441,7 +441,7 @@ def main() -> None:
 
 def per_second(before: dict[str, int], after: dict[str, int], timed: dict) -> dict:
     """The store's requests between two counts, in all and per second of `timed`."""
-    made = {op: after[op] - before.get(op, 0) for op in after if after[op] > before.get(op, 0)}
+    made = embedded_s3.requests_between(before, after)
     return {"requests": made, "per_s": round(sum(made.values()) / timed["seconds"], 2)}
 
 

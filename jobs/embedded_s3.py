@@ -132,6 +132,11 @@ def requests(data_dir: Path) -> dict[str, int]:
     return counts
 
 
+def requests_between(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """The requests served between two `requests` counts, by operation (none left at 0)."""
+    return {op: n - before.get(op, 0) for op, n in after.items() if n > before.get(op, 0)}
+
+
 def answers(port: int) -> bool:
     """Whether the server answers HTTP (an unsigned request gets S3's 403: it is up)."""
     try:

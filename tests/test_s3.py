@@ -394,7 +394,7 @@ def test_an_ingest_append_stores_each_file_in_one_put(s3: S3Server, warehouse_s3
     before = embedded_s3.requests(s3.data_dir)
     ingest_append(buffer, buffer_rows(list(range(8))), "dejaq-ingest-jobs", 0)  # 4 buckets
     after = embedded_s3.requests(s3.data_dir)
-    made = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+    made = embedded_s3.requests_between(before, after)
     assert made.get("PutObject") == 4 + 1, made
     assert "CreateMultipartUpload" not in made and "UploadPart" not in made, made
     assert len(buffer_ids(buffer)) == 8
@@ -421,7 +421,7 @@ def test_following_an_idle_table_costs_a_request_a_second_at_most(
         polls += 1
         time.sleep(0.05)  # the follower's poll interval, shortened
     after = embedded_s3.requests(data_dir)
-    made = {op: after[op] - before.get(op, 0) for op in after if after[op] - before.get(op, 0)}
+    made = embedded_s3.requests_between(before, after)
     assert polls >= 60
     assert made == {"HeadObject": watch.probes}, made
     assert watch.probes <= 4 + 3, "backed off to one probe a second"
