@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from dejaq.broker.app import create_app
     from dejaq.broker.http_server import SETTINGS
     from dejaq.broker.service import Broker, Producer
-    from dejaq.conf.kafka_clients import check_login
+    from dejaq.conf.kafka_login import check_login
     from dejaq.conf.settings import ConfigError, load_settings
     from dejaq.conf.storage import export
 

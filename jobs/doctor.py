@@ -15,7 +15,8 @@ from pathlib import Path
 import pyarrow.fs as pafs
 
 from dejaq.conf import jvm
-from dejaq.conf.kafka_clients import check_login, python_config
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import ConfigError, KafkaConfig, Settings, load_settings
 from dejaq.conf.storage import describe, export, filesystem, spark_conf
 from dejaq.jobs.logs import one_line, stderr_to

@@ -14,7 +14,8 @@ import threading
 import time
 from collections.abc import Sequence
 
-from dejaq.conf.kafka_clients import check_login, python_config
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import ConfigError, KafkaConfig, load_settings
 from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
 

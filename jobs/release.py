@@ -11,7 +11,7 @@ import argparse
 import logging
 import sys
 
-from dejaq.conf.kafka_clients import check_login
+from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import load_settings
 
 log = logging.getLogger("dejaq.release")

@@ -19,7 +19,8 @@ from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from pydantic import SecretStr
 
-from dejaq.conf.kafka_clients import check_login, python_config
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import ConfigError, load_settings
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import children, cluster, embedded_kafka
@@ -88,8 +89,36 @@ def test_every_sasl_mechanism_logs_in(secure_kafka: dict[str, str], mechanism: s
     producer.close()
     assert sent.offset == 0
     wrong = kafka.model_copy(update={"sasl_password": SecretStr("wrong")})
-    with pytest.raises(ConfigError, match=r"kafka\.sasl_password"):
-        check_login(wrong)
+    for _ in range(10):  # Kafka closes the connection right after refusing: every time
+        with pytest.raises(ConfigError, match=rf"kafka\.sasl_password: .*{mechanism}"):
+            check_login(wrong)
+
+
+@pytest.mark.parametrize(
+    ("update", "named"),
+    [
+        ({"sasl_mechanism": "GSSAPI"}, r"kafka\.sasl_mechanism: .* takes PLAIN"),
+        ({"security_protocol": "SASL_PLAINTEXT"}, r"kafka\.security_protocol: "),
+        ({"ssl_cafile": "other"}, r"kafka\.ssl_cafile: .* not trusted"),
+    ],
+)
+def test_the_login_check_names_the_setting_to_fix(
+    secure_kafka: dict[str, str], tmp_path: Path, update: dict[str, str], named: str
+) -> None:
+    kafka = load_settings(env=secure_kafka).kafka
+    if update.get("ssl_cafile"):
+        update = {"ssl_cafile": str(new_authority(tmp_path / "other").cert)}
+    with pytest.raises(ConfigError, match=named):
+        check_login(kafka.model_copy(update=update))
+
+
+def test_the_login_check_leaves_a_silent_kafka_to_the_caller(
+    secure_kafka: dict[str, str],
+) -> None:
+    """Nothing listening is not a wrong setting: the jobs wait for Kafka as they do for a
+    plain one."""
+    kafka = load_settings(env=secure_kafka).kafka
+    check_login(kafka.model_copy(update={"bootstrap": f"127.0.0.1:{free_port()}"}))
 
 
 def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp_path) -> None:
