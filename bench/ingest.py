@@ -56,7 +56,7 @@ from dejaq.pipelines.session import (
 )
 
 WARMUP_MESSAGES = 20_000
-PHASES = ("read_parse", "dedup", "write_quarantine", "write_buffer")  # of an ingest batch
+PHASES = ("read_parse_write", "dedup", "commit_quarantine", "commit_buffer")  # of a batch
 
 
 def produce(bootstrap: str, topic: str, n: int, payload: int, seed: int = 1) -> float:

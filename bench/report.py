@@ -63,6 +63,13 @@ HEADLINES = (
         "ingest",
         "ingest (JVM connectors)",
         "ingest.msgs_per_s",
+        "Spark's copy in the buffer's shape (by bucket, idempotent)",
+        "spark_shaped_copy.msgs_per_s",
+    ),
+    Headline(
+        "ingest",
+        "ingest (JVM connectors)",
+        "ingest.msgs_per_s",
         "one kafka-python consumer",
         "baseline_kafka_python_consumer.msgs_per_s",
     ),

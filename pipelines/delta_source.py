@@ -139,8 +139,7 @@ class DeltaDataSource(DataSource):
             arrow = to_arrow_schema(schema, timezone="UTC")
             _check_partition_columns(path, arrow, requested)
             create_if_missing(path, arrow, requested)
-        delta = DeltaTable(path)
-        table = WriteTarget(path, _arrow_schema(delta), tuple(delta.metadata().partition_columns))
+        table = WriteTarget.of(path)
         if requested and tuple(requested) != table.partition_by:
             raise ValueError(
                 f"partitionBy={requested} but Delta table {path} is partitioned by "
@@ -158,6 +157,12 @@ class WriteTarget:
     path: str
     schema: pa.Schema
     partition_by: tuple[str, ...]
+
+    @classmethod
+    def of(cls, path: str) -> WriteTarget:
+        """An existing table's."""
+        delta = DeltaTable(path)
+        return cls(path, _arrow_schema(delta), tuple(delta.metadata().partition_columns))
 
     @property
     def file_schema(self) -> pa.Schema:
@@ -264,11 +269,11 @@ class DeltaBatchWriter(DataSourceArrowWriter):
         self.txn = txn
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
-        return _write_files(self.table, iterator)
+        return DeltaCommitMessage(write_files(self.table, _gathered(iterator)))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         mode = "overwrite" if self.overwrite else "append"
-        _commit(self.table, _actions(messages), mode, self.txn)
+        commit(self.table, _actions(messages), mode, self.txn)
 
     def abort(self, messages: list[WriterCommitMessage | None]) -> None:
         _log_orphans(self.table, messages, "batch write")
@@ -282,10 +287,10 @@ class DeltaStreamWriter(DataSourceStreamArrowWriter):
         self.app_id = app_id
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
-        return _write_files(self.table, iterator)
+        return DeltaCommitMessage(write_files(self.table, _gathered(iterator)))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
-        _commit(self.table, _actions(messages), "append", (self.app_id, batchId))
+        commit(self.table, _actions(messages), "append", (self.app_id, batchId))
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         _log_orphans(self.table, messages, f"appId {self.app_id} batch {batchId}")
@@ -295,7 +300,7 @@ def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
     return [a for m in messages if isinstance(m, DeltaCommitMessage) for a in m.actions]
 
 
-def _commit(
+def commit(
     table: WriteTarget, actions: list[AddAction], mode: str, txn: tuple[str, int] | None
 ) -> None:
     """One Delta commit; with txn=(app id, batch id), none if the table already has it.
@@ -353,35 +358,35 @@ def _log_orphans(table: WriteTarget, messages: list[WriterCommitMessage | None],
     )
 
 
-def _write_files(table: WriteTarget, batches: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
-    """One parquet file per partition value this task sees; nothing is visible until commit.
+def _gathered(batches: Iterator[pa.RecordBatch]) -> pa.Table | None:
+    """A task's rows in one table, so each file gets one row group instead of a sliver
+    per Arrow batch per partition value: faster to write, and to read back."""
+    chunks = [b for b in batches if b.num_rows]
+    return pa.Table.from_batches(chunks) if chunks else None
 
-    The task's rows are gathered first, so each file gets one row group instead of a
-    sliver per Arrow batch per partition value: faster to write, and to read back.
-    """
-    conformed = [_conform_write(b, table) for b in batches if b.num_rows]
-    if not conformed:
-        return DeltaCommitMessage([])
+
+def write_files(table: WriteTarget, rows: pa.Table | None) -> list[AddAction]:
+    """One parquet file per partition value in `rows`; nothing is visible until commit."""
+    if rows is None or not rows.num_rows:
+        return []
+    rows = _conform_write(rows, table)
     fs, root = filesystem(table.path)
-    rows = pa.Table.from_batches(conformed)
-    return DeltaCommitMessage(
-        [
-            _DataFile(fs, root, table, values).write_all(part)
-            for values, part in _split(rows, table.partition_by)
-        ]
-    )
+    return [
+        _DataFile(fs, root, table, values).write_all(part)
+        for values, part in _split(rows, table.partition_by)
+    ]
 
 
-def _conform_write(batch: pa.RecordBatch, table: WriteTarget) -> pa.RecordBatch:
+def _conform_write(rows: pa.Table, table: WriteTarget) -> pa.Table:
     """The table's column order and types (e.g. the session time zone becomes UTC)."""
     for field in table.schema:
-        nulls = batch.column(field.name).null_count
+        nulls = rows.column(field.name).null_count
         if not field.nullable and nulls:
             raise ValueError(
                 f"column {field.name!r} is NOT NULL in Delta table {table.path} "
                 f"but {nulls} rows have null"
             )
-    return batch.select(table.schema.names).cast(table.schema)
+    return rows.select(table.schema.names).cast(table.schema)
 
 
 def _split(

@@ -1,8 +1,10 @@
-"""Kafka records → buffer rows or quarantine rows, as Spark SQL expressions.
+"""Kafka records → parsed rows, each a buffer row or carrying the reason it is not,
+as Spark SQL expressions.
 
 Parsing runs in the JVM (no Python per record) and never raises: every value is
 checked with `try_*` casts and patterns, and a record that fails a check carries a
-reason code instead. `in = buffer + quarantine` follows from `split` being a partition.
+reason code instead. `pipelines.batch_files` splits the parsed rows between the
+buffer and the quarantine on whether `reason` is null: `in = buffer + quarantine`.
 """
 
 from __future__ import annotations
@@ -11,10 +13,8 @@ from enum import StrEnum
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.types import from_arrow_schema
 
 from dejaq.conf.settings import TopicConfig, TopicKind
-from dejaq.conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
 
 HEADER_PRIORITY = "dejaq-priority"
 HEADER_DELIVER_AT = "dejaq-deliver-at"
@@ -27,8 +27,6 @@ MAX_EPOCH_MS = 253_402_300_799_999
 ISO_WITH_OFFSET = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})$"
 
 COORDINATES = ["source_topic", "source_partition", "source_offset"]
-BUFFER_SPARK_SCHEMA = from_arrow_schema(BUFFER_SCHEMA)
-QUARANTINE_SPARK_SCHEMA = from_arrow_schema(QUARANTINE_SCHEMA)
 
 
 class Reason(StrEnum):
@@ -60,44 +58,62 @@ def _field(header: str, json_field: str | None) -> Column:
 
 def _epoch_ms(raw: Column) -> Column:
     """Epoch milliseconds from decimal ms or ISO-8601 with an offset; null if neither."""
-    as_number = F.when(raw.rlike(r"^-?\d{1,16}$"), F.expr("try_cast(_raw AS BIGINT)"))
-    as_iso = F.when(
-        raw.rlike(ISO_WITH_OFFSET), F.unix_millis(F.expr("try_cast(_raw AS TIMESTAMP)"))
-    )
+    as_number = F.when(raw.rlike(r"^-?\d{1,16}$"), raw.try_cast("bigint"))
+    as_iso = F.when(raw.rlike(ISO_WITH_OFFSET), F.unix_millis(raw.try_cast("timestamp")))
     ms = F.coalesce(as_number, as_iso)
     return F.when((ms >= 0) & (ms <= MAX_EPOCH_MS), ms)
 
 
-def _with_raw(df: DataFrame, out: str, raw: Column, fn) -> DataFrame:
-    """Apply `fn` to `raw` bound as `_raw` (so SQL snippets can name it), into `out`."""
-    return df.withColumn("_raw", raw).withColumn(out, fn(F.col("_raw"))).drop("_raw")
+class Parser:
+    """One topic's parse: Kafka-schema rows → every buffer column but `ingested_at`,
+    plus `reason` and `detail` (null when valid), and `judge`: valid, with an id the
+    producer set, which dedup must judge (see `explicit_id`).
+
+    The first failing check wins, in a fixed order, so a record gets one stable reason.
+    Its expressions are built once and applied to each micro-batch: building them takes
+    the driver some 1,700 calls into the JVM, more than a small batch's own work. For
+    the same reason the time of ingest is the writer's (`pipelines.batch_files`): the
+    literal Spark makes of `current_timestamp()` differs in every batch, so its code
+    would be generated and compiled anew each time.
+    """
+
+    def __init__(self, topic: TopicConfig) -> None:
+        self.raw, self.numbers, self.columns = _projections(topic)
+
+    def __call__(self, records: DataFrame) -> DataFrame:
+        return records.withColumns(self.raw).withColumns(self.numbers).select(*self.columns)
 
 
 def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
-    """Kafka-schema rows → every buffer column plus `reason` and `detail` (null when valid).
+    """`records` parsed for `topic` (see `Parser`)."""
+    return Parser(topic)(records)
 
-    The first failing check wins, in a fixed order, so a record gets one stable reason.
-    """
+
+def _projections(
+    topic: TopicConfig,
+) -> tuple[dict[str, Column], dict[str, Column], list[Column]]:
+    """The raw envelope fields, the numbers read from them, and the parsed columns."""
     jf = topic.json_fields
     kind = topic.kind.sorted_as
-    df = records
-    df = df.withColumn("_prio_raw", _field(HEADER_PRIORITY, jf and jf.priority))
-    df = df.withColumn("_at_raw", _field(HEADER_DELIVER_AT, jf and jf.deliver_at))
-    df = df.withColumn("_evt_raw", _field(HEADER_EVENT_TIME, jf and jf.event_time))
     id_bytes = (
         F.get_json_object(F.col("value").cast("string"), f"$.{jf.id}").cast("binary")
         if jf and jf.id
         else _header(HEADER_ID)
     )
-    df = df.withColumn("_id_raw", id_bytes)
-    df = _with_raw(df, "_at_ms", F.col("_at_raw"), _epoch_ms)
-    df = _with_raw(df, "_evt_ms", F.col("_evt_raw"), _epoch_ms)
-    df = df.withColumn(
-        "_prio_num",
-        F.when(
-            F.col("_prio_raw").rlike(r"^\s*-?\d{1,18}\s*$"), F.expr("try_cast(_prio_raw AS BIGINT)")
+    raw = {
+        "_prio_raw": _field(HEADER_PRIORITY, jf and jf.priority),
+        "_at_raw": _field(HEADER_DELIVER_AT, jf and jf.deliver_at),
+        "_evt_raw": _field(HEADER_EVENT_TIME, jf and jf.event_time),
+        "_id_raw": id_bytes,
+    }
+    numbers = {
+        "_at_ms": _epoch_ms(F.col("_at_raw")),
+        "_evt_ms": _epoch_ms(F.col("_evt_raw")),
+        "_prio_num": F.when(
+            F.col("_prio_raw").rlike(r"^\s*-?\d{1,18}\s*$"),
+            F.col("_prio_raw").try_cast("bigint"),
         ),
-    )
+    }
 
     checks: list[tuple[Column, Reason, Column]] = []
     if kind is TopicKind.PRIORITY:
@@ -145,7 +161,7 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
     detail = F.lit(None).cast("string")
     for failed, code, why in reversed(checks):
         reason = F.when(failed, F.lit(code.value)).otherwise(reason)
-        detail = F.when(failed, why.cast("string")).otherwise(detail)
+        detail = F.when(failed, F.make_valid_utf8(why.cast("string"))).otherwise(detail)
 
     event_ms = F.coalesce(F.col("_evt_ms"), F.unix_millis("timestamp"))
     sort_key = {
@@ -153,12 +169,10 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
         TopicKind.TIMELINE: F.col("_at_ms"),
         TopicKind.EVENT_TIME: event_ms,
     }[kind]
-    message_id = F.coalesce(
-        F.col("_id_raw").cast("string"),
-        F.concat_ws(
-            "-", "topic", F.col("partition").cast("string"), F.col("offset").cast("string")
-        ),
+    default_id = F.concat_ws(
+        "-", "topic", F.col("partition").cast("string"), F.col("offset").cast("string")
     )
+    message_id = F.coalesce(F.col("_id_raw").cast("string"), default_id)
     # Null keys spread by id; a key always lands in the same bucket, which keeps its order.
     bucket = F.pmod(
         F.xxhash64(F.coalesce(F.col("key"), message_id.cast("binary"))), F.lit(topic.buckets)
@@ -168,23 +182,27 @@ def parse(records: DataFrame, topic: TopicConfig) -> DataFrame:
         "deliver_at": F.col("_at_ms") if kind is TopicKind.TIMELINE else F.lit(None),
         "event_time": event_ms if kind is TopicKind.EVENT_TIME else F.lit(None),
     }
-    return df.select(
-        message_id.alias("message_id"),
-        bucket.cast("int").alias("bucket"),
-        sort_key.cast("bigint").alias("sort_key"),
-        in_kind["priority"].cast("int").alias("priority"),
-        F.timestamp_millis(in_kind["deliver_at"]).alias("deliver_at"),
-        F.timestamp_millis(in_kind["event_time"]).alias("event_time"),
-        "key",
-        F.col("value").alias("payload"),
-        "headers",
-        F.col("topic").alias("source_topic"),
-        F.col("partition").alias("source_partition"),
-        F.col("offset").alias("source_offset"),
-        F.col("timestamp").alias("produced_at"),
-        F.current_timestamp().alias("ingested_at"),
-        reason.alias("reason"),
-        detail.alias("detail"),
+    return (
+        raw,
+        numbers,
+        [
+            message_id.alias("message_id"),
+            bucket.cast("int").alias("bucket"),
+            sort_key.cast("bigint").alias("sort_key"),
+            in_kind["priority"].cast("int").alias("priority"),
+            F.timestamp_millis(in_kind["deliver_at"]).alias("deliver_at"),
+            F.timestamp_millis(in_kind["event_time"]).alias("event_time"),
+            "key",
+            F.col("value").alias("payload"),
+            "headers",
+            F.col("topic").alias("source_topic"),
+            F.col("partition").alias("source_partition"),
+            F.col("offset").alias("source_offset"),
+            F.col("timestamp").alias("produced_at"),
+            reason.alias("reason"),
+            detail.alias("detail"),
+            (reason.isNull() & (message_id != default_id)).alias("judge"),
+        ],
     )
 
 
@@ -198,38 +216,3 @@ def explicit_id() -> Column:
         "-", "source_topic", F.col("source_partition").cast("string"), F.col("source_offset")
     )
     return F.col("message_id") != default
-
-
-def flag_duplicates(parsed: DataFrame, dupes: DataFrame) -> DataFrame:
-    """Set reason `duplicate` on the rows of `parsed` whose coordinates are in `dupes`.
-
-    `dupes` holds the coordinates and a `detail` per duplicate (see pipelines/dedup.py);
-    they are few next to a batch, so they are broadcast instead of shuffling it.
-    """
-    marks = F.broadcast(dupes.withColumnRenamed("detail", "_dup_detail"))
-    joined = parsed.join(marks, on=COORDINATES, how="left")
-    dup = F.col("_dup_detail").isNotNull()
-    return joined.select(
-        *[c for c in parsed.columns if c not in ("reason", "detail")],
-        F.when(dup, F.lit(Reason.DUPLICATE.value)).otherwise(F.col("reason")).alias("reason"),
-        F.coalesce(F.col("_dup_detail"), F.col("detail")).alias("detail"),
-    )
-
-
-def buffer_rows(parsed: DataFrame) -> DataFrame:
-    return _conform(parsed.where(F.col("reason").isNull()), BUFFER_SPARK_SCHEMA)
-
-
-def quarantine_rows(parsed: DataFrame) -> DataFrame:
-    bad = parsed.where(F.col("reason").isNotNull())
-    return _conform(
-        bad.withColumnRenamed("payload", "value").withColumn(
-            "quarantined_at", F.col("ingested_at")
-        ),
-        QUARANTINE_SPARK_SCHEMA,
-    )
-
-
-def _conform(df: DataFrame, schema) -> DataFrame:
-    """Exactly the contract's columns, order and types."""
-    return df.select(*[F.col(f.name).cast(f.dataType).alias(f.name) for f in schema.fields])

@@ -1,6 +1,8 @@
 """Kafka → `buffer/<topic>` and `quarantine/<topic>`, one micro-batch at a time.
 
-Each micro-batch is parsed once and split in two; both Delta appends carry the
+Each micro-batch is read, parsed and written in one Spark stage, its records split
+between the two tables' files (`pipelines.batch_files`); the driver then judges the
+explicit ids and commits each table's files. Both Delta commits carry the
 (app id, batch id) pair, so a batch replayed after a crash is skipped by the table
 that already has it. A record thus lands exactly once in exactly one of the tables.
 The quarantine is appended first, so a batch the buffer has is done: its replay is
@@ -15,6 +17,7 @@ delta-spark's S3 log store has no such guard beside another writer.
 
 from __future__ import annotations
 
+import datetime as dt
 import itertools
 import json
 import logging
@@ -32,19 +35,13 @@ from pyspark.sql.streaming import StreamingQuery
 from dejaq.conf.kafka_clients import jvm_options, python_source_options
 from dejaq.conf.settings import Settings, TopicConfig
 from dejaq.conf.tables import Table, checkpoint_path, ensure_table, table_path
+from dejaq.pipelines.batch_files import RESULT_DDL, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import SeenIds, default_id_pattern
-from dejaq.pipelines.envelope import (
-    COORDINATES,
-    Reason,
-    buffer_rows,
-    explicit_id,
-    flag_duplicates,
-    parse,
-    quarantine_rows,
-)
+from dejaq.pipelines.delta_source import WriteTarget, commit
+from dejaq.pipelines.envelope import COORDINATES, Parser, explicit_id
 from dejaq.pipelines.retention import ledger_tail
-from dejaq.pipelines.session import PY_DELTA_FORMAT, Connectors
+from dejaq.pipelines.session import Connectors
 
 log = logging.getLogger("dejaq.ingest")
 
@@ -92,6 +89,7 @@ class IngestJob:
     _reported: int = -1
     _seen: SeenIds | None = None
     _stored: int = -1  # the last batch id the buffer had when this job started
+    _parse: Parser | None = None
 
     @property
     def app_id(self) -> str:
@@ -166,20 +164,9 @@ class IngestJob:
         version = DeltaTable(buffer_path).transaction_version(self.app_id)
         return -1 if version is None else version
 
-    def _append(self, df: DataFrame, path: str, batch_id: int) -> None:
-        """Through delta-rs whatever the connectors: a table's writers must share one
-        engine on S3 (see the module's docstring), and this one also skips the JVM
-        connector's rebuild of the table's state on every commit."""
-        (
-            df.write.format(PY_DELTA_FORMAT)
-            .mode("append")
-            .option("txnAppId", self.app_id)
-            .option("txnVersion", str(batch_id))
-            .save(path)
-        )
-
     def process_batch(self, records: DataFrame, batch_id: int) -> None:
-        """Parse, dedup, append to both tables; both appends are idempotent per batch.
+        """Parse and write, dedup, commit to both tables; both commits are idempotent
+        per batch.
 
         A batch the buffer already has (Spark replays the last batch after a crash) is
         skipped whole: the quarantine was appended before it, and judging it again
@@ -196,40 +183,28 @@ class IngestJob:
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
             self.stats.append(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
             return
-        parsed = cached = parse(records, self.topic).persist()
-        try:
-            # One pass (one stage, no shuffle) gives both the counts per reason and the ids
-            # that dedup must judge: each row's reason, and its id where one is to judge.
-            valid_id = F.col("reason").isNull() & explicit_id()
-            judged = ["message_id", *COORDINATES, "produced_at"]
-            summary = parsed.select(
-                "reason", *(F.when(valid_id, F.col(c)).alias(c) for c in judged)
-            ).toArrow()
-            clock.lap("read_parse")
-            tally = summary.group_by("reason", use_threads=False).aggregate([([], "count_all")])
-            reasons, sizes = (tally.column(c).to_pylist() for c in ("reason", "count_all"))
-            counts = dict(zip(reasons, sizes, strict=True))
-            ids = summary.filter(pc.is_valid(summary.column("message_id"))).select(judged)
-            verdict = self._seen.check(ids)
-            if verdict.duplicates:
-                dupes = self.spark.createDataFrame(
-                    [(*c, why) for c, why in verdict.duplicates.items()],
-                    parsed.select(*COORDINATES).schema.add("detail", "string"),
-                )
-                parsed = flag_duplicates(parsed, dupes)
-                counts[None] -= len(verdict.duplicates)
-                counts[Reason.DUPLICATE.value] = len(verdict.duplicates)
-            clock.lap("dedup")
-            buffered = counts.pop(None, 0)
-            if counts:
-                self._append(quarantine_rows(parsed), quarantine_path, batch_id)
-            clock.lap("write_quarantine")
-            if buffered:
-                self._append(buffer_rows(parsed), buffer_path, batch_id)
-            clock.lap("write_buffer")
-            self._seen.commit(verdict, int(time.time() * 1000))
-        finally:
-            cached.unpersist()
+        buffer, quarantine = WriteTarget.of(buffer_path), WriteTarget.of(quarantine_path)
+        if self._parse is None:
+            self._parse = Parser(self.topic)
+        # No more tasks than cores (fewer stay as they are): each writes a file per
+        # bucket, and tasks beyond those that run at once only make more, smaller files.
+        records = records.coalesce(self.spark.sparkContext.defaultParallelism)
+        write = task(buffer, quarantine, dt.datetime.now(dt.UTC))
+        results = self._parse(records).mapInArrow(write, RESULT_DDL).toArrow()
+        files = BatchFiles.read(results)
+        clock.lap("read_parse_write")
+        verdict = self._seen.check(files.judged)
+        if verdict.duplicates:
+            files.move_duplicates(buffer, quarantine, verdict.duplicates)
+        clock.lap("dedup")
+        counts = dict(files.counts)
+        buffered = counts.pop(VALID, 0)
+        txn = (self.app_id, batch_id)
+        commit(quarantine, files.quarantine, "append", txn)
+        clock.lap("commit_quarantine")
+        commit(buffer, files.buffer, "append", txn)
+        clock.lap("commit_buffer")
+        self._seen.commit(verdict, int(time.time() * 1000))
         every = self.topic.compact_every_batches
         if every and (batch_id + 1) % every == 0:
             for path in (buffer_path, quarantine_path):

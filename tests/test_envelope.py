@@ -6,20 +6,13 @@ import datetime as dt
 
 import pytest
 from chispa import assert_df_equality
-from chispa.schema_comparer import assert_schema_equality
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dejaq.conf.settings import JsonFields, TopicConfig
-from dejaq.pipelines.envelope import (
-    BUFFER_SPARK_SCHEMA,
-    COORDINATES,
-    QUARANTINE_SPARK_SCHEMA,
-    buffer_rows,
-    flag_duplicates,
-    parse,
-    quarantine_rows,
-)
+from dejaq.conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
+from dejaq.pipelines.batch_files import buffer_part, quarantine_part
+from dejaq.pipelines.envelope import parse
 
 KAFKA_DDL = (
     "key binary, value binary, topic string, partition int, offset long, timestamp timestamp,"
@@ -62,8 +55,9 @@ def test_priority_records_become_buffer_rows(spark) -> None:
             (b"k1", b"d", [("dejaq-priority", b"9"), ("x", b"y"), ("dejaq-priority", b"65535")]),
         ],
     )
-    out = buffer_rows(parse(df, PRIORITY))
-    assert_schema_equality(out.schema, BUFFER_SPARK_SCHEMA, ignore_nullable=True)
+    rows = buffer_part(parse(df, PRIORITY).toArrow(), T0)
+    assert rows.schema.equals(BUFFER_SCHEMA)
+    out = spark.createDataFrame(rows)
     expected = spark.createDataFrame(
         [
             ("in-0-0", 7, 7, b"a"),
@@ -104,13 +98,14 @@ def test_priority_records_become_buffer_rows(spark) -> None:
 def test_bad_priority_records_are_quarantined_with_a_reason(spark, headers, value, reason) -> None:
     parsed = parse(records(spark, [(b"k", value, headers)]), PRIORITY)
     assert reasons(parsed) == [(0, reason)]
-    q = quarantine_rows(parsed)
-    assert_schema_equality(q.schema, QUARANTINE_SPARK_SCHEMA, ignore_nullable=True)
-    assert q.count() == (reason is not None)
+    q = quarantine_part(parsed.toArrow(), T0)
+    assert q.schema.equals(QUARANTINE_SCHEMA)
+    assert q.num_rows == (reason is not None)
     if reason:
-        row = q.first()
-        assert (row.key, row.value, row.source_offset) == (b"k", value, 0)
-        assert [(h.key, bytes(h.value)) for h in row.headers] == list(headers.items())
+        row = q.to_pylist()[0]
+        assert (row["key"], row["value"], row["source_offset"]) == (b"k", value, 0)
+        assert row["reason"] == reason and row["quarantined_at"] == T0
+        assert [(h["key"], h["value"]) for h in row["headers"]] == list(headers.items())
 
 
 @pytest.mark.parametrize(
@@ -176,27 +171,6 @@ def test_json_field_mapping(spark) -> None:
     ]
 
 
-def test_flag_duplicates_marks_exactly_the_given_coordinates(spark) -> None:
-    df = records(spark, [(b"k", b"a", {"dejaq-priority": b"1", "dejaq-id": b"same"})] * 3)
-    parsed = parse(df, PRIORITY)
-    dupes = spark.createDataFrame(
-        [("in", 0, 2, "id seen earlier in the same batch")],
-        parsed.select(*COORDINATES).schema.add("detail", "string"),
-    )
-    flagged = flag_duplicates(parsed, dupes)
-    assert_schema_equality(flagged.schema, parsed.schema, ignore_nullable=True)
-    expected = spark.createDataFrame(
-        [(0, None, None), (1, None, None), (2, "duplicate", "id seen earlier in the same batch")],
-        "source_offset long, reason string, detail string",
-    )
-    assert_df_equality(
-        flagged.select("source_offset", "reason", "detail"),
-        expected,
-        ignore_row_order=True,
-        ignore_nullable=True,
-    )
-
-
 header_values = st.one_of(
     st.binary(max_size=24), st.integers(-10, 70000).map(lambda i: str(i).encode())
 )
@@ -218,16 +192,15 @@ record = st.tuples(
     topic=st.sampled_from([PRIORITY, TIMELINE, EVENTS]),
 )
 def test_any_bytes_become_exactly_one_buffer_or_quarantine_row(spark, batch, topic) -> None:
-    parsed = parse(records(spark, batch), topic).cache()
-    buffered = buffer_rows(parsed).collect()
-    quarantined = quarantine_rows(parsed).collect()
+    parsed = parse(records(spark, batch), topic).toArrow()
+    buffered = buffer_part(parsed, T0).to_pylist()
+    quarantined = quarantine_part(parsed, T0).to_pylist()
     assert len(buffered) + len(quarantined) == len(batch)
-    offsets = sorted([r.source_offset for r in buffered] + [r.source_offset for r in quarantined])
+    offsets = sorted(r["source_offset"] for r in buffered + quarantined)
     assert offsets == list(range(len(batch)))
-    assert all(r.reason for r in quarantined)
+    assert all(r["reason"] for r in quarantined)
     for r in buffered:
-        raw = batch[r.source_offset][2].get("dejaq-priority")
+        raw = batch[r["source_offset"]][2].get("dejaq-priority")
         if topic is PRIORITY:
-            assert r.priority == int(raw) == r.sort_key and 0 <= r.priority <= 65535
-        assert r.sort_key is not None and 0 <= r.bucket < topic.buckets
-    parsed.unpersist()
+            assert r["priority"] == int(raw) == r["sort_key"] and 0 <= r["priority"] <= 65535
+        assert r["sort_key"] is not None and 0 <= r["bucket"] < topic.buckets
