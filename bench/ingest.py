@@ -136,14 +136,15 @@ def plain_copy(spark, bootstrap: str, topic: str, warehouse: Path) -> dict:
 
 def shaped_copy(spark, bootstrap: str, topic: str, warehouse: Path, buckets: int = 16) -> dict:
     """The copy again, written as the ingest writes the buffer: each micro-batch's raw
-    records with a bucket column, appended partitioned by bucket through `dejaq_delta`
-    with its (app id, batch id)."""
+    records with a bucket column, in no more tasks than cores, appended partitioned by
+    bucket through `dejaq_delta` with its (app id, batch id)."""
     path = str(warehouse / "shaped_copy")
 
     def append(batch, batch_id: int) -> None:
         bucket = F.pmod(F.xxhash64("key"), F.lit(buckets)).cast("int")
         (
-            batch.withColumn("bucket", bucket)
+            batch.coalesce(spark.sparkContext.defaultParallelism)
+            .withColumn("bucket", bucket)
             .write.format(PY_DELTA_FORMAT)
             .mode("append")
             .option("partitionBy", "bucket")
