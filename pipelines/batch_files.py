@@ -22,11 +22,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake.transaction import AddAction
+from pyspark.sql.pandas.types import from_arrow_schema
 
 from dejaq.conf.storage import filesystem
 from dejaq.conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA, TIMESTAMP, conform
 from dejaq.pipelines.dedup import Coordinates
-from dejaq.pipelines.delta_source import WriteTarget, write_files
+from dejaq.pipelines.delta_source import WriteTarget, gathered, write_files
 from dejaq.pipelines.envelope import COORDINATES, Reason
 
 # What a task returns: a row per file (`table` set), per reason (`reason`, `rows`), and
@@ -48,11 +49,7 @@ RESULT_SCHEMA = pa.schema(
         ("produced_at", pa.int64()),  # microseconds: Kafka order among equal ids
     ]
 )
-RESULT_DDL = (
-    "table string, path string, size long, partition_values string, modification_time long, "
-    "stats string, reason string, rows long, message_id string, source_topic string, "
-    "source_partition int, source_offset long, produced_at long"
-)
+RESULT_SPARK_SCHEMA = from_arrow_schema(RESULT_SCHEMA)  # what `mapInArrow` is told
 BUFFER = "buffer"
 QUARANTINE = "quarantine"
 VALID = "valid"  # the `reason` of the count of buffered rows
@@ -93,10 +90,9 @@ def task(
     row of the batch is ingested `at`, the driver's time when the batch began."""
 
     def write(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        chunks = [b for b in batches if b.num_rows]
-        if not chunks:
+        rows = gathered(batches)
+        if rows is None:
             return
-        rows = pa.Table.from_batches(chunks)
         kept = buffer_part(rows, at)
         results = [_files(BUFFER, write_files(buffer, kept))]
         bad = quarantine_part(rows, at)

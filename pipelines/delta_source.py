@@ -269,7 +269,7 @@ class DeltaBatchWriter(DataSourceArrowWriter):
         self.txn = txn
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
-        return DeltaCommitMessage(write_files(self.table, _gathered(iterator)))
+        return DeltaCommitMessage(write_files(self.table, gathered(iterator)))
 
     def commit(self, messages: list[WriterCommitMessage | None]) -> None:
         mode = "overwrite" if self.overwrite else "append"
@@ -287,7 +287,7 @@ class DeltaStreamWriter(DataSourceStreamArrowWriter):
         self.app_id = app_id
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> DeltaCommitMessage:
-        return DeltaCommitMessage(write_files(self.table, _gathered(iterator)))
+        return DeltaCommitMessage(write_files(self.table, gathered(iterator)))
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
         commit(self.table, _actions(messages), "append", (self.app_id, batchId))
@@ -358,7 +358,7 @@ def _log_orphans(table: WriteTarget, messages: list[WriterCommitMessage | None],
     )
 
 
-def _gathered(batches: Iterator[pa.RecordBatch]) -> pa.Table | None:
+def gathered(batches: Iterator[pa.RecordBatch]) -> pa.Table | None:
     """A task's rows in one table, so each file gets one row group instead of a sliver
     per Arrow batch per partition value: faster to write, and to read back."""
     chunks = [b for b in batches if b.num_rows]

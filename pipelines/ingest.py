@@ -35,7 +35,7 @@ from pyspark.sql.streaming import StreamingQuery
 from dejaq.conf.kafka_clients import jvm_options, python_source_options
 from dejaq.conf.settings import Settings, TopicConfig
 from dejaq.conf.tables import Table, checkpoint_path, ensure_table, table_path
-from dejaq.pipelines.batch_files import RESULT_DDL, VALID, BatchFiles, task
+from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import SeenIds, default_id_pattern
 from dejaq.pipelines.delta_source import WriteTarget, commit
@@ -90,6 +90,9 @@ class IngestJob:
     _seen: SeenIds | None = None
     _stored: int = -1  # the last batch id the buffer had when this job started
     _parse: Parser | None = None
+    # The two tables as their writers need them (schema, partitioning), read once: the
+    # contract fixes both, and on an object store each read is requests.
+    _targets: tuple[WriteTarget, WriteTarget] | None = None
 
     @property
     def app_id(self) -> str:
@@ -183,14 +186,16 @@ class IngestJob:
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
             self.stats.append(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
             return
-        buffer, quarantine = WriteTarget.of(buffer_path), WriteTarget.of(quarantine_path)
         if self._parse is None:
             self._parse = Parser(self.topic)
+        if self._targets is None:
+            self._targets = WriteTarget.of(buffer_path), WriteTarget.of(quarantine_path)
+        buffer, quarantine = self._targets
         # No more tasks than cores (fewer stay as they are): each writes a file per
         # bucket, and tasks beyond those that run at once only make more, smaller files.
         records = records.coalesce(self.spark.sparkContext.defaultParallelism)
         write = task(buffer, quarantine, dt.datetime.now(dt.UTC))
-        results = self._parse(records).mapInArrow(write, RESULT_DDL).toArrow()
+        results = self._parse(records).mapInArrow(write, RESULT_SPARK_SCHEMA).toArrow()
         files = BatchFiles.read(results)
         clock.lap("read_parse_write")
         verdict = self._seen.check(files.judged)

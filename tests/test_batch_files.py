@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from test_envelope import PRIORITY, records
 
 from dejaq.conf.tables import Table, ensure_table
-from dejaq.pipelines.batch_files import RESULT_DDL, VALID, BatchFiles, task
+from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.dedup import IN_BATCH, SeenIds
 from dejaq.pipelines.delta_source import WriteTarget, commit
 from dejaq.pipelines.envelope import parse
@@ -33,7 +33,7 @@ def write_batch(spark, rows, warehouse: str) -> tuple[BatchFiles, WriteTarget, W
     df = records(spark, rows[:half]).union(records(spark, rows[half:], partition=1))
     parsed = parse(df.repartition(2), PRIORITY)
     write = task(buffer, quarantine, dt.datetime.now(dt.UTC))
-    results = parsed.mapInArrow(write, RESULT_DDL).toArrow()
+    results = parsed.mapInArrow(write, RESULT_SPARK_SCHEMA).toArrow()
     return BatchFiles.read(results), buffer, quarantine
 
 
