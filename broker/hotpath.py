@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from dejaq.broker.app import problem
+from dejaq.broker.routers._common import MAX_RECEIPT
 from dejaq.broker.service import Broker, Problem
 
 Scope = MutableMapping[str, Any]
@@ -53,22 +54,28 @@ def _lease_args(body: Any) -> tuple[str, int, int | None, int] | None:
     return consumer, n, lease_ms, wait_ms
 
 
-def _ack_args(body: Any) -> tuple[str, list[str]] | None:
-    """(consumer, ids) of a valid Settle, else None."""
+def _ack_args(body: Any) -> tuple[str, list[str] | list[int], bool] | None:
+    """(consumer, ids or receipts, whether receipts) of a valid Settle, else None."""
     if type(body) is not dict or len(body) != 2:
         return None
-    consumer, ids = body.get("consumer_id"), body.get("ids")
-    if (
-        type(consumer) is not str
-        or not _CONSUMER.fullmatch(consumer)
-        or type(ids) is not list
-        or not 1 <= len(ids) <= 1000
-    ):
+    consumer = body.get("consumer_id")
+    if type(consumer) is not str or not _CONSUMER.fullmatch(consumer):
+        return None
+    receipts = body.get("receipts")
+    if receipts is not None:
+        if type(receipts) is not list or not 1 <= len(receipts) <= 1000:
+            return None
+        for r in receipts:
+            if type(r) is not int or not 0 <= r <= MAX_RECEIPT:
+                return None
+        return consumer, receipts, True
+    ids = body.get("ids")
+    if type(ids) is not list or not 1 <= len(ids) <= 1000:
         return None
     for mid in ids:
         if type(mid) is not str or not 1 <= len(mid) <= 1000 or not _unicode(mid):
             return None
-    return consumer, ids
+    return consumer, ids, False
 
 
 def _unicode(text: str) -> bool:

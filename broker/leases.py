@@ -36,11 +36,112 @@ class Refusal(StrEnum):
 
 @dataclass(slots=True)
 class Lease:
+    """One leased message, as a peek shows it (and as snapshots before lease records
+    held each lease)."""
+
     consumer: str
     bucket: int
     sort_key: int
     deadline: int
     deliveries: int
+
+
+# How a lease record's position ended (0 while it is leased), and what a receipt naming
+# it is told afterwards.
+LEASED, ACKED, REJECTED, NACKED, EXPIRED, RELEASED, CANCELLED, DEAD = range(8)
+_REFUSAL_AFTER = {
+    ACKED: Refusal.SETTLED,
+    REJECTED: Refusal.SETTLED,
+    CANCELLED: Refusal.SETTLED,
+    DEAD: Refusal.SETTLED,
+    EXPIRED: Refusal.EXPIRED,
+    NACKED: Refusal.NOT_LEASED,
+    RELEASED: Refusal.NOT_LEASED,
+}
+POSITION_BITS = 10  # a lease holds at most 1000 messages (`max_messages`)
+POSITION_MASK = (1 << POSITION_BITS) - 1
+
+
+class LeaseRecord:
+    """The messages one lease command granted, by position: what a receipt names.
+
+    One object per lease, not per message: its columns hold references to the strings
+    and ints the command brought, and a byte per message says whether it is still
+    leased. A receipt is `lid << POSITION_BITS | position`: every node resolves it from
+    its own copy of the record, without looking the message up by id.
+    """
+
+    __slots__ = (
+        "_positions",
+        "buckets",
+        "consumer",
+        "deadline",
+        "deadlines",
+        "deliveries",
+        "ended",
+        "lid",
+        "live",
+        "mids",
+        "sort_keys",
+    )
+    _PICKLED = __slots__[1:]  # positions by id are derived
+
+    def __init__(self, lid: int, consumer: str, deadline: int) -> None:
+        self.lid, self.consumer, self.deadline = lid, consumer, deadline
+        self.mids: list[str] = []
+        self.buckets: list[int] = []
+        self.sort_keys: list[int] = []
+        self.deliveries: list[int] = []
+        self.ended = bytearray()  # per position: LEASED, or how its lease ended
+        self.deadlines: dict[int, int] | None = None  # positions extended on their own
+        self.live = 0
+        self._positions: dict[str, int] | None = None  # by id: made when an id is named
+
+    def __len__(self) -> int:
+        return len(self.mids)
+
+    def __getstate__(self) -> tuple:
+        return tuple(getattr(self, f) for f in self._PICKLED)
+
+    def __setstate__(self, state: tuple) -> None:
+        for f, value in zip(self._PICKLED, state, strict=True):
+            setattr(self, f, value)
+        self._positions = None
+
+    def receipt(self, pos: int) -> int:
+        return self.lid << POSITION_BITS | pos
+
+    def position(self, mid: str) -> int:
+        """Where a message of this lease is: ids are the slower way to name it."""
+        if self._positions is None:
+            self._positions = {m: i for i, m in enumerate(self.mids)}
+        return self._positions[mid]
+
+    def deadline_of(self, pos: int) -> int:
+        return self.deadline if self.deadlines is None else self.deadlines.get(pos, self.deadline)
+
+    def earliest(self) -> int:
+        """The earliest deadline of a position still leased."""
+        if self.deadlines is None:
+            return self.deadline
+        ended = self.ended
+        return min(self.deadline_of(p) for p in range(len(ended)) if not ended[p])
+
+    def lease(self, pos: int) -> Lease:
+        return Lease(
+            self.consumer,
+            self.buckets[pos],
+            self.sort_keys[pos],
+            self.deadline_of(pos),
+            self.deliveries[pos],
+        )
+
+    def grants(self) -> list[Grant]:
+        """(id, deliveries, deadline) of each message granted, in pick order."""
+        return [
+            (m, n, self.deadline_of(p))
+            for p, (m, n) in enumerate(zip(self.mids, self.deliveries, strict=True))
+        ]
 
 
 class Settlement(NamedTuple):
@@ -91,7 +192,12 @@ class TopicState:
     def __init__(self, buckets: int, max_deliveries: int) -> None:
         self.buckets = buckets
         self.max_deliveries = max_deliveries
-        self.leases: dict[str, Lease] = {}
+        self.leases: dict[str, LeaseRecord] = {}  # leased message -> its lease's record
+        # Every lease's record by lid, until its messages' leases ended and the events of
+        # that are trimmed (`ending`): a receipt resolves as long as an id would.
+        self.records: dict[int, LeaseRecord] = {}
+        self.lids = 0
+        self.ending: deque[tuple[int, int]] = deque()  # (seq to trim past, lid)
         # Unsettled messages delivered at least once and not leased now (a lease holds its
         # own count): leasing and acking a first delivery, the usual case, touch no entry.
         self.deliveries: dict[str, int] = {}
@@ -124,11 +230,23 @@ class TopicState:
         # Snapshots from before pause, rate limits and redrive hold none of their state.
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
         self.trimmed = 0
+        self.records, self.lids, self.ending = {}, 0, deque()
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid, None)
         self.events = [e.settlement() if isinstance(e, Event) else e for e in self.events]
+        old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
+        for mid, lease in old:  # from before lease records: a record each
+            self.lids += 1
+            record = LeaseRecord(self.lids, lease.consumer, lease.deadline)
+            record.mids.append(mid)
+            record.buckets.append(lease.bucket)
+            record.sort_keys.append(lease.sort_key)
+            record.deliveries.append(lease.deliveries)
+            record.ended.append(LEASED)
+            record.live = 1
+            self.records[record.lid] = self.leases[mid] = record
 
     # --- consumers -------------------------------------------------------------------
 
@@ -151,11 +269,13 @@ class TopicState:
         """Remove a consumer and hand its leases back (not counted as a failed delivery)."""
         if self.consumers.pop(consumer, None) is None:
             return []
-        released = [m for m, lease in self.leases.items() if lease.consumer == consumer]
-        for mid in released:
-            lease = self._drop_lease(mid)
-            if lease.deliveries > 1:
-                self.deliveries[mid] = lease.deliveries - 1
+        released: list[str] = []
+        for record in [r for r in self.records.values() if r.live and r.consumer == consumer]:
+            for pos in _live(record):
+                mid = self._end(record, pos, RELEASED)
+                if record.deliveries[pos] > 1:
+                    self.deliveries[mid] = record.deliveries[pos] - 1
+                released.append(mid)
         self._rebalance()
         return released
 
@@ -197,31 +317,37 @@ class TopicState:
         lease_ms: int,
         picks: list[Pick],
         rate: float | None = None,
-    ) -> list[Grant]:
-        """Lease the leader's picks that are still available in the consumer's buckets.
+    ) -> LeaseRecord:
+        """Lease the leader's picks that are still available in the consumer's buckets;
+        returns the lease's record (empty if nothing was granted).
 
         Every node runs this per leased message, so each costs two dict lookups of the
-        message (settled? then insert unless leased), lookups are hoisted out of the loop
-        and the per-bucket lease counts updated once per bucket. A paused topic leases
-        nothing; `rate` (messages/s, from the leader's configuration) caps the picks at
-        the tokens in the bucket: both checks once per lease, not per message.
+        message (settled? then insert unless leased) and list appends into the record,
+        no object of its own. A paused topic leases nothing; `rate` (messages/s, from
+        the leader's configuration) caps the picks at the tokens in the bucket: both
+        checks once per lease, not per message.
         """
         self.touch(consumer, now)
+        record = LeaseRecord(self.lids + 1, consumer, now + lease_ms)
         if self.paused:
-            return []
+            return record
         if rate is not None:
             self.tokens = self._tokens_at(now, rate)
             self.refilled_at = max(self.refilled_at, now)
             picks = picks[: int(self.tokens)]
         mine = set(self.buckets_of(consumer))
-        deadline = now + lease_ms
         leases, settled, deliveries, not_before = (
             self.leases,
             self.settled,
             self.deliveries,
             self.not_before,
         )
-        grants: list[Grant] = []
+        mids, buckets, keys, counts = (
+            record.mids,
+            record.buckets,
+            record.sort_keys,
+            record.deliveries,
+        )
         per_bucket: dict[int, int] = {}
         redelivered = 0
         for mid, bucket, sort_key in picks:
@@ -232,24 +358,32 @@ class TopicState:
                 if not_before.get(mid, 0) > now:
                     continue
                 not_before.pop(mid, None)
-            n = deliveries.pop(mid, 0) + 1 if deliveries else 1
-            lease = Lease(consumer, bucket, sort_key, deadline, n)
-            if leases.setdefault(mid, lease) is not lease:
+            if leases.setdefault(mid, record) is not record:
                 continue  # leased already
+            n = deliveries.pop(mid, 0) + 1 if deliveries else 1
             if n > 1:
                 redelivered += 1
+            mids.append(mid)
+            buckets.append(bucket)
+            keys.append(sort_key)
+            counts.append(n)
             per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
-            grants.append((mid, n, deadline))
+        if not mids:
+            return record
+        self.lids = record.lid
+        self.records[record.lid] = record
+        record.ended = bytearray(len(mids))
+        record.live = len(mids)
         for bucket, count in per_bucket.items():
             held = self.held.get(bucket)
             if held is None:
                 held = self.held[bucket] = Counter()
             held[consumer] += count
-        self.totals["leased"] += len(grants)
+        self.totals["leased"] += len(mids)
         self.totals["redelivered"] += redelivered
         if rate is not None:
-            self.tokens -= len(grants)
-        return grants
+            self.tokens -= len(mids)
+        return record
 
     def lease_budget(self, now: int, rate: float) -> int:
         """How many messages a lease at `now` may take under `rate`: the leader picks no
@@ -264,25 +398,70 @@ class TopicState:
         elapsed = max(0, now - self.refilled_at)
         return min(self.tokens + elapsed * rate / 1000, burst)
 
-    def _drop_lease(self, mid: str) -> Lease:
-        lease = self.leases.pop(mid)
-        held = self.held[lease.bucket]
-        held[lease.consumer] -= 1
-        if held[lease.consumer] <= 0:
-            del held[lease.consumer]
-        return lease
+    def lease_of(self, mid: str) -> Lease | None:
+        """A leased message's lease (a peek's view)."""
+        record = self.leases.get(mid)
+        return None if record is None else record.lease(record.position(mid))
 
-    def _check(self, consumer: str, mid: str, now: int) -> Lease | Refusal:
-        if mid in self.settled:
-            return Refusal.SETTLED
-        lease = self.leases.get(mid)
-        if lease is None:
-            return Refusal.NOT_LEASED
-        if lease.consumer != consumer:
-            return Refusal.OTHER_CONSUMER
-        if lease.deadline <= now:
-            return Refusal.EXPIRED
-        return lease
+    def _end(self, record: LeaseRecord, pos: int, how: int) -> str:
+        """End one message's lease (`how`: ACKED, EXPIRED...); returns its id."""
+        record.ended[pos] = how
+        record.live -= 1
+        if not record.live:  # once the events of its end are trimmed, the record goes
+            self.ending.append((self.seq + 1, record.lid))
+        mid = record.mids[pos]
+        del self.leases[mid]
+        held = self.held[record.buckets[pos]]
+        held[record.consumer] -= 1
+        if held[record.consumer] <= 0:
+            del held[record.consumer]
+        return mid
+
+    def _held(
+        self,
+        consumer: str,
+        now: int,
+        mids: list[str],
+        receipts: list[int] | None,
+        refused: dict[str | int, Refusal],
+    ) -> Iterator[tuple[LeaseRecord, int]]:
+        """The (record, position) of each message named, by id or by `receipts`, whose
+        lease `consumer` holds; the others go into `refused` with the reason.
+
+        Lazy, so each message is dealt with before the next is checked: one named twice
+        is refused the second time.
+        """
+        if receipts is not None:
+            records = self.records
+            for receipt in receipts:
+                record = records.get(receipt >> POSITION_BITS)
+                pos = receipt & POSITION_MASK
+                if record is None or pos >= len(record.ended):
+                    refused[receipt] = Refusal.NOT_LEASED
+                elif record.ended[pos]:
+                    refused[receipt] = _REFUSAL_AFTER[record.ended[pos]]
+                elif record.consumer != consumer:
+                    refused[receipt] = Refusal.OTHER_CONSUMER
+                elif record.deadline_of(pos) <= now:
+                    refused[receipt] = Refusal.EXPIRED
+                else:
+                    yield record, pos
+            return
+        for mid in mids:
+            if mid in self.settled:
+                refused[mid] = Refusal.SETTLED
+                continue
+            record = self.leases.get(mid)
+            if record is None:
+                refused[mid] = Refusal.NOT_LEASED
+                continue
+            pos = record.position(mid)
+            if record.consumer != consumer:
+                refused[mid] = Refusal.OTHER_CONSUMER
+            elif record.deadline_of(pos) <= now:
+                refused[mid] = Refusal.EXPIRED
+            else:
+                yield record, pos
 
     def _settle(
         self,
@@ -304,81 +483,58 @@ class TopicState:
         self.not_before.pop(mid, None)
         self.totals[event] += 1
 
-    def _take_leases(
-        self, consumer: str, now: int, mids: list[str], refused: dict[str, Refusal]
-    ) -> Iterator[tuple[str, Lease]]:
-        """Each message whose lease `consumer` holds, with the lease now dropped.
-
-        The others go into `refused` with the reason. Lazy, so each message is settled
-        before the next is checked: an id given twice is refused the second time.
-        """
-        for mid in mids:
-            lease = self._check(consumer, mid, now)
-            if isinstance(lease, Refusal):
-                refused[mid] = lease
-                continue
-            self._drop_lease(mid)
-            yield mid, lease
-
-    def ack(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
+    def ack(
+        self, consumer: str, now: int, mids: list[str], receipts: list[int] | None = None
+    ) -> dict[str | int, Refusal]:
         """Settle leased messages for good; returns the refused ones with the reason.
 
-        The hottest transition after `lease`, so `_take_leases`, `_check` and `_settle`
-        are inlined, with the same refusals: an id given twice is refused the second
-        time. The lease is popped first (a settled message has none), so an ack costs two
-        dict lookups of the message, and the per-bucket lease counts are updated once per
-        bucket. A leased message has no delay and no count outside its lease: only an
-        override (a nack's new priority) is left to drop.
+        The hottest transition after `lease`: a leased message has no delay and no count
+        outside its lease, so only an override (a nack's new priority) is left to drop.
         """
-        refused: dict[str, Refusal] = {}
-        buckets: list[int] = []
-        leases, settled, events, held = self.leases, self.settled, self.events, self.held
-        sort_keys = self.sort_keys
-        acked, seq = LedgerEvent.ACKED, self.seq
-        for mid in mids:
-            lease = leases.pop(mid, None)
-            if lease is None:
-                refused[mid] = Refusal.SETTLED if mid in settled else Refusal.NOT_LEASED
-                continue
-            if lease.consumer != consumer or lease.deadline <= now:
-                leases[mid] = lease  # refused: the lease stands
-                refused[mid] = (
-                    Refusal.OTHER_CONSUMER if lease.consumer != consumer else Refusal.EXPIRED
-                )
-                continue
-            buckets.append(lease.bucket)
+        refused: dict[str | int, Refusal] = {}
+        events, settled, sort_keys = self.events, self.settled, self.sort_keys
+        acked, first = LedgerEvent.ACKED, self.seq
+        seq = first
+        for record, pos in self._held(consumer, now, mids, receipts, refused):
+            mid = self._end(record, pos, ACKED)
             seq += 1
             events.append(
                 _settlement(
                     Settlement,
-                    (seq, mid, lease.bucket, acked, lease.sort_key, lease.deliveries, now, None),
+                    (
+                        seq,
+                        mid,
+                        record.buckets[pos],
+                        acked,
+                        record.sort_keys[pos],
+                        record.deliveries[pos],
+                        now,
+                        None,
+                    ),
                 )
             )
+            self.seq = seq
             settled[mid] = acked
             if sort_keys:
                 sort_keys.pop(mid, None)
-        for bucket, count in Counter(buckets).items():
-            counts = held[bucket]
-            counts[consumer] -= count
-            if counts[consumer] <= 0:
-                del counts[consumer]
-        if seq != self.seq:
-            self.totals[acked] += seq - self.seq
-            self.seq = seq
+        self.totals[acked] += seq - first
         self._seen(consumer, now)
         return refused
 
-    def reject(self, consumer: str, now: int, mids: list[str]) -> dict[str, Refusal]:
+    def reject(
+        self, consumer: str, now: int, mids: list[str], receipts: list[int] | None = None
+    ) -> dict[str | int, Refusal]:
         """Send leased messages straight to the dead letters."""
-        refused: dict[str, Refusal] = {}
-        for mid, lease in self._take_leases(consumer, now, mids, refused):
+        refused: dict[str | int, Refusal] = {}
+        for record, pos in self._held(consumer, now, mids, receipts, refused):
+            mid = self._end(record, pos, REJECTED)
             self._settle(
                 mid,
-                lease.bucket,
-                lease.sort_key,
+                record.buckets[pos],
+                record.sort_keys[pos],
                 LedgerEvent.DEAD,
                 now,
-                lease.deliveries,
+                record.deliveries[pos],
                 "rejected",
             )
         return refused
@@ -391,65 +547,85 @@ class TopicState:
         delay_ms: int = 0,
         sort_key: int | None = None,
         backoff: RetryBackoff | None = None,
-    ) -> tuple[dict[str, Refusal], list[str]]:
-        """Give leased messages back; returns (refused, messages pending again).
+        receipts: list[int] | None = None,
+    ) -> tuple[dict[str | int, Refusal], list[str], list[str]]:
+        """Give leased messages back; returns (refused, pending again, dead).
 
         Without a delay, the topic's retry `backoff` (if any) holds each back.
         """
-        refused: dict[str, Refusal] = {}
+        refused: dict[str | int, Refusal] = {}
         pending: list[str] = []
-        for mid, lease in self._take_leases(consumer, now, mids, refused):
+        dead: list[str] = []
+        for record, pos in self._held(consumer, now, mids, receipts, refused):
             self.totals["nacked"] += 1
+            mid = record.mids[pos]
             if sort_key is not None:
                 self.sort_keys[mid] = sort_key
             retry = None if delay_ms > 0 else backoff
-            if self._redeliver_or_die(mid, lease, now, "max_deliveries", retry):
+            if self._redeliver_or_die(record, pos, NACKED, now, retry):
                 pending.append(mid)
                 if delay_ms > 0:
                     self.not_before[mid] = now + delay_ms
-        return refused, pending
+            else:
+                dead.append(mid)
+        return refused, pending, dead
 
     def _redeliver_or_die(
-        self, mid: str, lease: Lease, now: int, reason: str, backoff: RetryBackoff | None = None
+        self,
+        record: LeaseRecord,
+        pos: int,
+        how: int,
+        now: int,
+        backoff: RetryBackoff | None = None,
     ) -> bool:
-        """A lease ended unsettled: the message is pending again (after the retry backoff,
-        if any), or dead if out of tries."""
-        if lease.deliveries < self.max_deliveries:
-            self.deliveries[mid] = lease.deliveries
+        """A lease ended unsettled (`how`): the message is pending again (after the retry
+        backoff, if any), or dead if out of tries."""
+        deliveries = record.deliveries[pos]
+        if deliveries < self.max_deliveries:
+            mid = self._end(record, pos, how)
+            self.deliveries[mid] = deliveries
             if backoff is not None and backoff[0] > 0:
-                self.not_before[mid] = now + retry_delay(lease.deliveries, *backoff)
+                self.not_before[mid] = now + retry_delay(deliveries, *backoff)
             return True
+        mid = self._end(record, pos, DEAD)
         self._settle(
             mid,
-            lease.bucket,
-            self.sort_key(mid, lease.sort_key),
+            record.buckets[pos],
+            self.sort_key(mid, record.sort_keys[pos]),
             LedgerEvent.DEAD,
             now,
-            lease.deliveries,
-            reason,
+            deliveries,
+            "max_deliveries",
         )
         return False
 
     def extend(
-        self, consumer: str, now: int, mids: list[str], lease_ms: int
-    ) -> tuple[dict[str, Refusal], int]:
-        refused: dict[str, Refusal] = {}
-        for mid in mids:
-            lease = self._check(consumer, mid, now)
-            if isinstance(lease, Refusal):
-                refused[mid] = lease
-            else:
-                lease.deadline = now + lease_ms
+        self,
+        consumer: str,
+        now: int,
+        mids: list[str],
+        lease_ms: int,
+        receipts: list[int] | None = None,
+    ) -> tuple[dict[str | int, Refusal], int]:
+        refused: dict[str | int, Refusal] = {}
+        deadline = now + lease_ms
+        for record, pos in self._held(consumer, now, mids, receipts, refused):
+            if record.deadlines is None:
+                record.deadlines = {}
+            record.deadlines[pos] = deadline
         self._seen(consumer, now)
-        return refused, now + lease_ms
+        return refused, deadline
 
     def cancel(self, now: int, mid: str, bucket: int, sort_key: int) -> Refusal | None:
         """Cancel a message whether pending or leased (its holder's ack then gets 409)."""
         if mid in self.settled:
             return Refusal.SETTLED
         deliveries = self.deliveries.get(mid, 0)
-        if mid in self.leases:
-            deliveries = self._drop_lease(mid).deliveries
+        record = self.leases.get(mid)
+        if record is not None:
+            pos = record.position(mid)
+            deliveries = record.deliveries[pos]
+            self._end(record, pos, CANCELLED)
         self._settle(
             mid, bucket, self.sort_key(mid, sort_key), LedgerEvent.CANCELLED, now, deliveries
         )
@@ -470,11 +646,14 @@ class TopicState:
     ) -> list[str]:
         """Expire leases past their deadline and silent consumers; returns pending mids."""
         pending: list[str] = []
-        for mid in [m for m, lease in self.leases.items() if lease.deadline <= now]:
-            lease = self._drop_lease(mid)
-            self.totals["expired"] += 1
-            if self._redeliver_or_die(mid, lease, now, "max_deliveries", backoff):
-                pending.append(mid)
+        due = [r for r in self.records.values() if r.live and r.earliest() <= now]
+        for record in due:
+            for pos in _live(record):
+                if record.deadline_of(pos) > now:
+                    continue
+                self.totals["expired"] += 1
+                if self._redeliver_or_die(record, pos, EXPIRED, now, backoff):
+                    pending.append(record.mids[pos])
         silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
         for consumer in silent:
             del self.consumers[consumer]
@@ -552,7 +731,8 @@ class TopicState:
         return redriven, refused
 
     def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
-        return any(lease.deadline <= now for lease in list(self.leases.values())) or any(
+        records = list(self.records.values())
+        return any(r.live and r.earliest() <= now for r in records) or any(
             seen + heartbeat_timeout_ms <= now for seen in list(self.consumers.values())
         )
 
@@ -565,6 +745,9 @@ class TopicState:
         `keep` (deaths whose dead letter is not written yet) stay, at the front, for the
         next checkpoint to try again.
         """
+        ending, records = self.ending, self.records
+        while ending and ending[0][0] <= upto_seq:
+            records.pop(ending.popleft()[1], None)
         events = self.events
         cut = bisect_right(events, upto_seq, key=_seq)
         done = events[:cut]
@@ -605,6 +788,12 @@ def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
 
 _seq = itemgetter(0)  # of a Settlement
 _message_id = itemgetter(1)
+
+
+def _live(record: LeaseRecord) -> list[int]:
+    """The positions of a record still leased."""
+    ended = record.ended
+    return [p for p in range(len(ended)) if not ended[p]]
 
 
 def _owners(assignment: dict[int, str]) -> dict[str, list[int]]:

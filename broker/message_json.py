@@ -13,7 +13,7 @@ import binascii
 import json
 from typing import Any
 
-from dejaq.broker.leases import Grant, Pick
+from dejaq.broker.leases import LeaseRecord, Pick
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
@@ -42,11 +42,16 @@ def head(
 
 
 def message(
-    rendered: tuple[int, bytes], sort_key: int, deliveries: int, deadline: int, timeline: bool
+    rendered: tuple[int, bytes],
+    sort_key: int,
+    deliveries: int,
+    deadline: int,
+    timeline: bool,
+    receipt: int | None = None,
 ) -> dict[str, Any]:
     """The message as a dict, with its current sort key (a nack or reschedule may have
-    changed it from `rendered`'s, the row's): what `leased_array` renders, and what peek
-    shows. `rendered`: (the row's sort key, its head)."""
+    changed it from `rendered`'s, the row's): what `leased_array` renders (with the
+    lease's `receipt`), and what peek shows. `rendered`: (the row's sort key, its head)."""
     row_key, head = rendered
     out = json.loads(head + b"}")
     if sort_key != row_key:
@@ -56,32 +61,36 @@ def message(
             deliver_at=sort_key if timeline else out["deliver_at"],
         )
     out.update(deliveries=deliveries, lease_deadline=deadline)
+    if receipt is not None:
+        out["receipt"] = receipt
     return out
 
 
 def leased_array(
-    picks: list[Pick], rendered: list[tuple[int, bytes]], grants: list[Grant], timeline: bool
+    picks: list[Pick], rendered: list[tuple[int, bytes]], lease: LeaseRecord, timeline: bool
 ) -> bytes:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
     `picks` (id, bucket, sort key) and their `rendered` (row sort key, head) are what
-    the lease asked for;
-    `grants` (id, deliveries, deadline), all of one deadline, what it got: the picks it
-    took, in pick order, so both are walked together rather than looked up by id.
+    the lease asked for; `lease`, what it got: the picks it took, in pick order, so both
+    are walked together rather than looked up by id.
     """
-    if not grants:
+    if not lease.mids:
         return b"[]"
-    first = b', "deliveries": 1, "lease_deadline": %d}, ' % grants[0][2]
+    deadline = lease.deadline
+    first = b', "deliveries": 1, "lease_deadline": %d, "receipt": %%d}, ' % deadline
     parts = []
     i = 0
-    for mid, deliveries, deadline in grants:
+    receipt = lease.receipt(0)
+    for mid, deliveries in zip(lease.mids, lease.deliveries, strict=True):
         while picks[i][0] != mid:
             i += 1
         key, (row_key, head) = picks[i][2], rendered[i]
         if deliveries == 1 and key == row_key:
             parts.append(head)
-            parts.append(first)
+            parts.append(first % receipt)
         else:
-            msg = message(rendered[i], key, deliveries, deadline, timeline)
+            msg = message(rendered[i], key, deliveries, deadline, timeline, receipt)
             parts.append(json.dumps(msg).encode() + b", ")
+        receipt += 1
     return b"[" + b"".join(parts)[:-2] + b"]"

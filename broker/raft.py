@@ -410,10 +410,9 @@ class BrokerState(SyncObjConsumer):
             self.listener.gone(topic, mids)
             return mids
         if op == "nack":
-            refused, pending = st.nack(*args)
+            refused, pending, dead = st.nack(*args)
             self.listener.pending(topic, st, pending)
-            again = set(pending)
-            return refused, [m for m in args[2] if m not in refused and m not in again]
+            return refused, dead
         if op == "leave":
             pending = st.leave(*args)
         elif op == "expire":

@@ -72,7 +72,7 @@ class Problem(Exception):
 @dataclass
 class Settled:
     ok: int
-    refused: dict[str, Refusal]
+    refused: dict[str | int, Refusal]  # by id, or by receipt
     dead: list[str] = field(default_factory=list)  # of a nack: out of deliveries
 
     def settled_or_409(self, verb: str) -> int:
@@ -83,7 +83,7 @@ class Settled:
                 f"some messages could not be {verb}",
                 "; ".join(f"{m}: {r}" for m, r in self.refused.items()),
                 settled=self.ok,
-                refused={m: str(r) for m, r in self.refused.items()},
+                refused={str(m): str(r) for m, r in self.refused.items()},
             )
         return self.ok
 
@@ -399,39 +399,50 @@ class Broker:
             if picks:
                 try:
                     args = (consumer, now, lease_ms, picks, rate)
-                    grants = await self._commit(topic, "lease", *args)
+                    granted = await self._commit(topic, "lease", *args)
                 finally:
                     index.release(st, picks)
-                if grants:
+                if granted:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
-                    return message_json.leased_array(picks, taken, grants, timeline)
+                    return message_json.leased_array(picks, taken, granted, timeline)
             if time.monotonic() >= deadline:
                 return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
             await self._join(topic, consumer)
 
-    async def settle(self, topic: str, op: str, consumer: str, ids: list[str]) -> Settled:
-        """ack or reject."""
+    async def settle(
+        self, topic: str, op: str, consumer: str, ids: Named, receipts: bool = False
+    ) -> Settled:
+        """ack or reject the messages named by `ids`, or by receipt if `receipts`."""
         self.topic(topic)
-        refused = await self._commit(topic, op, consumer, now_ms(), ids)
+        refused = await self._commit(topic, op, consumer, now_ms(), *_named(ids, receipts))
         return Settled(len(ids) - len(refused), refused)
 
     async def nack(
-        self, topic: str, consumer: str, ids: list[str], delay_ms: int, priority: int | None
+        self,
+        topic: str,
+        consumer: str,
+        ids: Named,
+        delay_ms: int,
+        priority: int | None,
+        receipts: bool = False,
     ) -> Settled:
         cfg = self.topic(topic)
         if priority is not None and cfg.kind is not TopicKind.PRIORITY:
             raise Problem(422, "invalid nack", "a new priority applies to priority topics only")
-        args = (consumer, now_ms(), ids, delay_ms, priority, _backoff(cfg))
+        mids, named = _named(ids, receipts)
+        args = (consumer, now_ms(), mids, delay_ms, priority, _backoff(cfg), named)
         refused, dead = await self._commit(topic, "nack", *args)
         return Settled(len(ids) - len(refused), refused, dead)
 
     async def extend(
-        self, topic: str, consumer: str, ids: list[str], lease_ms: int
+        self, topic: str, consumer: str, ids: Named, lease_ms: int, receipts: bool = False
     ) -> tuple[Settled, int]:
         self.topic(topic)
-        refused, deadline = await self._commit(topic, "extend", consumer, now_ms(), ids, lease_ms)
+        mids, named = _named(ids, receipts)
+        args = (consumer, now_ms(), mids, lease_ms, named)
+        refused, deadline = await self._commit(topic, "extend", *args)
         return Settled(len(ids) - len(refused), refused), deadline
 
     async def _row_or_event(self, topic: str, mid: str) -> Row | str:
@@ -569,7 +580,7 @@ class Broker:
             return {"id": mid, "status": row}
         st = self.state(topic)
         key = st.sort_key(mid, row.sort_key)
-        lease = st.leases.get(mid)
+        lease = st.lease_of(mid)
         if mid in st.settled:
             status = st.settled[mid]
         elif lease is not None:
@@ -602,9 +613,7 @@ class Broker:
         st, index = self.state(topic), self.indexes[topic]
         now = now_ms()
         per_bucket, delayed = index.stats(st, now)
-        leased: dict[int, int] = {}
-        for lease in list(st.leases.values()):
-            leased[lease.bucket] = leased.get(lease.bucket, 0) + 1
+        leased = {b: sum(list(held.values())) for b, held in list(st.held.items())}
         buckets = []
         for b, s in per_bucket.items():
             buckets.append(
@@ -651,6 +660,15 @@ def _sort_key(
     if other is not None or (required and wanted is None):
         raise Problem(422, f"invalid {verb}", f"a {cfg.kind} topic takes only {field}")
     return wanted
+
+
+Named = list[str] | list[int]  # message ids, or the receipts of their leases
+
+
+def _named(ids: Named, receipts: bool) -> tuple[list[str], list[int] | None]:
+    """A settling command's (ids, receipts) arguments: the ids it names, or none and
+    the receipts. Commands from before receipts carried ids alone."""
+    return ([], ids) if receipts else (ids, None)  # type: ignore[return-value]
 
 
 def _backoff(cfg: TopicConfig) -> RetryBackoff | None:

@@ -29,7 +29,13 @@ from dejaq.broker import head_store, message_json
 from dejaq.broker import index as index_module
 from dejaq.broker.assignment import rebalance
 from dejaq.broker.index import TopicIndex
-from dejaq.broker.leases import Refusal, Settlement, TopicState
+from dejaq.broker.leases import (
+    POSITION_BITS,
+    LeaseRecord,
+    Refusal,
+    Settlement,
+    TopicState,
+)
 from dejaq.broker.ledger_writer import checkpoint, compact_ledger
 from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
@@ -75,7 +81,7 @@ def fill(warehouse: str, topic: str, rows: pa.Table) -> None:
 
 
 def leased(state: TopicState, consumer: str, mids: list[str], now: int, lease_ms: int = 1000):
-    return state.lease(consumer, now, lease_ms, [(m, 0, 1) for m in mids])
+    return state.lease(consumer, now, lease_ms, [(m, 0, 1) for m in mids]).grants()
 
 
 def one_bucket_state(max_deliveries: int = 5) -> TopicState:
@@ -100,7 +106,7 @@ def test_expiry_redelivers_then_dead_letters_at_max_deliveries() -> None:
     assert s.expire(1000, heartbeat_timeout_ms=10**9) == ["a"]
     assert s.deliveries == {"a": 1}, "pending again, its count kept"
     assert leased(s, "c1", ["a"], now=1001) == [("a", 2, 2001)], "deliveries + 1"
-    assert s.deliveries == {} and s.leases["a"].deliveries == 2, "the lease holds it"
+    assert s.deliveries == {} and s.lease_of("a").deliveries == 2, "the lease holds it"
     assert s.expire(2001, heartbeat_timeout_ms=10**9) == [], "second expiry: dead"
     assert s.settled == {"a": "dead"}
     assert s.events[-1].reason == "max_deliveries" and s.events[-1].deliveries == 2
@@ -109,7 +115,7 @@ def test_expiry_redelivers_then_dead_letters_at_max_deliveries() -> None:
 def test_nack_delay_priority_and_reject() -> None:
     s = one_bucket_state()
     leased(s, "c1", ["a", "b"], now=0)
-    assert s.nack("c1", 5, ["a"], delay_ms=100, sort_key=7) == ({}, ["a"])
+    assert s.nack("c1", 5, ["a"], delay_ms=100, sort_key=7) == ({}, ["a"], [])
     assert not s.is_available("a", 104) and s.is_available("a", 105)
     assert s.sort_key("a", 1) == 7
     assert s.reject("c1", 6, ["b"]) == {}
@@ -202,7 +208,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert old.owned == {"a": [0, 1], "b": [2, 3]}
     assert sorted(old.buckets_of("a")) == [0, 1] and old.buckets_of("b") == [2, 3]
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
-    assert old.deliveries == {} and old.leases["m3"].deliveries == 1, "counted by the lease"
+    assert old.deliveries == {} and old.lease_of("m3").deliveries == 1, "counted by the lease"
     assert not old.paused and old.redriven_at == {}, "from before pause and redrive"
     assert old.lease_budget(10**12, 5.0) == 5, "and before rate limits: a full bucket"
     [event] = old.events
@@ -273,7 +279,7 @@ def drain(
     left = float("inf") if limit is None else limit
     while left and (picks := index.pick(state, state.buckets_of("c"), int(min(n, left)), now)):
         left -= len(picks)
-        grants = state.lease("c", now, 10**9, picks)
+        grants = state.lease("c", now, 10**9, picks).grants()
         index.release(state, picks)
         keys = {m: k for m, _, k in picks}
         batches.append([keys[m] for m, _, _ in grants])
@@ -390,7 +396,7 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
         picks = index.pick(state, state.buckets_of("c"), nacked, now=r)
         state.lease("c", r, 10**9, picks)
         index.release(state, picks)
-        refused, again = state.nack("c", r, [m for m, _, _ in picks], sort_key=nack_key)
+        refused, again, _ = state.nack("c", r, [m for m, _, _ in picks], sort_key=nack_key)
         assert not refused
         index.push(state, again)
         model.update(dict.fromkeys(again, nack_key))
@@ -426,10 +432,18 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
                 for r, k in zip(rows, shifts, strict=True)
             ]
             granted = [(r, p, n) for r, p, n in zip(rows, picks, deliveries, strict=True) if n]
-            grants = [(p[0], n, 99) for _, p, n in granted]
-            want = [_leased(r, p[2], n, 99, timeline) for r, p, n in granted]
+            lease = LeaseRecord(lid=5, consumer="c", deadline=99)
+            for _, (mid, bucket, key), n in granted:
+                lease.mids.append(mid)
+                lease.buckets.append(bucket)
+                lease.sort_keys.append(key)
+                lease.deliveries.append(n)
+            want = [
+                {**_leased(r, p[2], n, 99, timeline), "receipt": 5 << POSITION_BITS | i}
+                for i, (r, p, n) in enumerate(granted)
+            ]
             rendered = [index.head(p[0]) for p in picks]
-            got = message_json.leased_array(picks, rendered, grants, timeline)
+            got = message_json.leased_array(picks, rendered, lease, timeline)
             assert got == json.dumps(want).encode() and len(want) == sum(map(bool, deliveries))
 
 
@@ -700,9 +714,15 @@ def test_ack_twice_in_one_batch_and_trim_by_slices() -> None:
 @given(
     st.lists(st.text(min_size=1, max_size=8) | st.sampled_from(["\ud800", "x\udfffy"]), max_size=6),
     st.integers(0, 2000),
+    st.lists(
+        st.integers(-2, 2**54) | st.sampled_from([True, 1.0, "7", None, 2**53 - 1, 2**53]),
+        max_size=4,
+    ),
 )
-@settings(max_examples=60, deadline=None)
-def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int) -> None:
+@settings(max_examples=80, deadline=None)
+def test_hot_path_takes_only_what_the_models_accept(
+    ids: list[str], n: int, receipts: list
+) -> None:
     """The hot path answers a body only if FastAPI's models would accept it as is."""
     from pydantic import ValidationError
 
@@ -727,9 +747,21 @@ def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int) -> N
     except ValidationError:
         assert _ack_args(body) is None
     else:
-        assert _ack_args(body) == ("w", ids)
+        assert _ack_args(body) == ("w", ids, False)
+    body = {"consumer_id": "w", "receipts": receipts}
+    taken = _ack_args(body)
+    try:
+        model = Settle(**body)
+    except ValidationError:
+        assert taken is None
+    else:  # the hot path may leave a body needing coercion (1.0, True) to the models
+        assert taken is None or taken == ("w", model.receipts, True) == ("w", receipts, True)
     assert _lease_args({"consumer_id": "w", "extra": 1}) is None
     assert _ack_args({"consumer_id": "w", "ids": ids, "x": 1}) is None
+    both = {"consumer_id": "w", "ids": ["a"], "receipts": [1]}
+    with pytest.raises(ValidationError, match="either receipts or ids"):
+        Settle(**both)
+    assert _ack_args(both) is None
 
 
 def test_raft_messages_stay_zlib_and_sealed(caplog: pytest.LogCaptureFixture) -> None:
@@ -881,7 +913,7 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     keep = {f"m{i}" for i in range(0, 400, 25)}
     before = {mid: index.head(mid) for mid in keep}
     picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
-    grants = state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep])
+    grants = state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]).grants()
     index.release(state, picks)
     assert state.ack("c", 1, [g[0] for g in grants]) == {}
     index.forget(state.trim(state.seq))

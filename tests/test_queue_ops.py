@@ -28,7 +28,7 @@ def test_a_paused_topic_leases_nothing_while_acks_nacks_and_extends_go_on() -> N
     assert leased(s, "c", ["d"], now=1) == []
     assert s.ack("c", 2, ["a"]) == {}
     assert s.extend("c", 3, ["b"], 5000)[0] == {}
-    assert s.nack("c", 4, ["c"]) == ({}, ["c"])
+    assert s.nack("c", 4, ["c"]) == ({}, ["c"], [])
     assert leased(s, "c", ["c", "d"], now=5) == [], "nacked: pending, but not leased"
     assert s.expire(5001, heartbeat_timeout_ms=10**9) == []
     assert s.pause(False)
@@ -136,9 +136,10 @@ def test_backoff_never_lets_a_message_out_early(
             for mid, deliveries, _ in leased(s, "c", mids, now, lease_ms=300):
                 assert now >= earliest.get(mid, 0), (mid, deliveries, now, earliest)
             continue
-        held = {m: lease.deliveries for m, lease in s.leases.items() if lease.deadline > now}
+        leases = {m: s.lease_of(m) for m in s.leases}
+        held = {m: lease.deliveries for m, lease in leases.items() if lease.deadline > now}
         if op == "expire":
-            due = {m: lease.deliveries for m, lease in s.leases.items() if lease.deadline <= now}
+            due = {m: lease.deliveries for m, lease in leases.items() if lease.deadline <= now}
             s.expire(now, 10**9, backoff)
             for mid, deliveries in due.items():
                 earliest[mid] = now + min(cap, base * 2 ** (deliveries - 1))

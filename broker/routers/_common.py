@@ -13,6 +13,9 @@ TopicName = Annotated[str, Path(description="a lease topic", pattern=TOPIC_NAME.
 ConsumerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
 MessageId = Annotated[str, Field(min_length=1, max_length=1000)]
 Ids = Annotated[list[MessageId], Field(min_length=1, max_length=1000)]
+MAX_RECEIPT = 2**53 - 1  # exact in every JSON reader
+Receipt = Annotated[int, Field(ge=0, le=MAX_RECEIPT)]
+Receipts = Annotated[list[Receipt], Field(min_length=1, max_length=1000)]
 Priority = Annotated[int, Field(ge=0, le=65535, description="0..65535, lower first")]
 EpochMs = Annotated[int, Field(ge=0, le=253_402_300_799_999, description="epoch milliseconds")]
 LeaseMs = Annotated[int, Field(ge=1, le=12 * 3600 * 1000)]

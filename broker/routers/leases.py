@@ -2,7 +2,10 @@
 
 Every change is Raft-committed before the 2xx. A batch settles the messages it can; if
 any was refused (not leased, expired, another consumer's, already settled) the answer
-is 409 with the reason per message id.
+is 409 with the reason per message id (or receipt).
+
+A settling request names its messages by the receipts their lease gave (the fast way:
+every node finds a receipt's message in the lease's own record) or by id.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from dejaq.broker.app import LeaderBroker
 from dejaq.broker.responses import ExtendResult, NackResult, SettleResult
@@ -21,6 +24,7 @@ from dejaq.broker.routers._common import (
     Ids,
     LeaseMs,
     Priority,
+    Receipts,
     TopicName,
     problems,
 )
@@ -46,6 +50,9 @@ class LeasedMessage(BaseModel):
     payload: str = Field(description="base64")
     deliveries: int
     lease_deadline: int = Field(description="epoch ms")
+    receipt: int = Field(
+        description="names this delivery in an ack, nack, extend or reject, as `receipts`"
+    )
 
 
 class Leased(BaseModel):
@@ -54,7 +61,23 @@ class Leased(BaseModel):
 
 class Settle(Body):
     consumer_id: ConsumerId
-    ids: Ids
+    receipts: Receipts | None = Field(
+        default=None, description="the leased messages' receipts (the faster way)"
+    )
+    ids: Ids | None = Field(default=None, description="or the messages' ids")
+
+    @model_validator(mode="after")
+    def _one_way(self) -> Settle:
+        if (self.ids is None) == (self.receipts is None):
+            raise ValueError("give either receipts or ids")
+        return self
+
+    def named(self) -> tuple[list[str] | list[int], bool]:
+        """The messages named, and whether by receipt."""
+        if self.receipts is not None:
+            return self.receipts, True
+        assert self.ids is not None
+        return self.ids, False
 
 
 class Nack(Settle):
@@ -86,7 +109,8 @@ async def lease(topic: TopicName, body: LeaseRequest, broker: LeaderBroker):
 )
 async def ack(topic: TopicName, body: Settle, broker: LeaderBroker):
     """Done: never delivered again."""
-    return _settled(await broker.settle(topic, "ack", body.consumer_id, body.ids), "acked")
+    result = await broker.settle(topic, "ack", body.consumer_id, *body.named())
+    return _settled(result, "acked")
 
 
 @router.post(
@@ -94,7 +118,10 @@ async def ack(topic: TopicName, body: Settle, broker: LeaderBroker):
 )
 async def nack(topic: TopicName, body: Nack, broker: LeaderBroker):
     """Give back for redelivery, optionally after `delay_ms` or with a new priority."""
-    result = await broker.nack(topic, body.consumer_id, body.ids, body.delay_ms, body.priority)
+    named, receipts = body.named()
+    result = await broker.nack(
+        topic, body.consumer_id, named, body.delay_ms, body.priority, receipts
+    )
     return {**_settled(result, "nacked"), "dead": result.dead}
 
 
@@ -106,7 +133,8 @@ async def nack(topic: TopicName, body: Nack, broker: LeaderBroker):
 async def extend(topic: TopicName, body: Extend, broker: LeaderBroker):
     """Push the lease deadline to now + `lease_ms`."""
     lease_ms = body.lease_ms or broker.conf.lease_ms
-    result, deadline = await broker.extend(topic, body.consumer_id, body.ids, lease_ms)
+    named, receipts = body.named()
+    result, deadline = await broker.extend(topic, body.consumer_id, named, lease_ms, receipts)
     return {**_settled(result, "extended"), "lease_deadline": deadline}
 
 
@@ -117,4 +145,5 @@ async def extend(topic: TopicName, body: Extend, broker: LeaderBroker):
 )
 async def reject(topic: TopicName, body: Settle, broker: LeaderBroker):
     """Poison: straight to the dead letters, no more deliveries."""
-    return _settled(await broker.settle(topic, "reject", body.consumer_id, body.ids), "rejected")
+    result = await broker.settle(topic, "reject", body.consumer_id, *body.named())
+    return _settled(result, "rejected")

@@ -230,41 +230,76 @@ class Client:
         return messages
 
     def _settle(
-        self, topic: str, verb: str, consumer_id: str, ids: Iterable[str], **extra: Any
+        self,
+        topic: str,
+        verb: str,
+        consumer_id: str,
+        ids: Iterable[str] | None,
+        receipts: Iterable[int] | None,
+        **extra: Any,
     ) -> Any:
-        body = {"consumer_id": consumer_id, "ids": list(ids), **extra}
+        if (ids is None) == (receipts is None):
+            raise ValueError("name the messages by ids or by receipts (one of the two)")
+        named = {"ids": list(ids)} if ids is not None else {"receipts": list(receipts or ())}
+        body = {"consumer_id": consumer_id, **named, **extra}
         return self._json("POST", f"/v1/topics/{topic}/{verb}", body, worker=True)
 
-    def ack(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
-        """Done: never delivered again. `Conflict.refused` names the ids refused."""
-        return decode(SettleResult, self._settle(topic, "acks", consumer_id, ids))
+    def ack(
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str] | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
+    ) -> SettleResult:
+        """Done: never delivered again. The messages are named by `ids` or by the
+        `receipts` their lease gave (`Message.receipt`, the faster way); in a
+        `Conflict`, `refused` is keyed by what was given (a receipt as a string)."""
+        return decode(SettleResult, self._settle(topic, "acks", consumer_id, ids, receipts))
 
     def nack(
         self,
         topic: str,
         consumer_id: str,
-        ids: Iterable[str],
+        ids: Iterable[str] | None = None,
         delay_ms: int = 0,
         priority: int | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
     ) -> NackResult:
         """Give back for redelivery after `delay_ms`, optionally at a new priority; those
-        out of deliveries go to the dead letters instead (`dead`)."""
+        out of deliveries go to the dead letters instead (`dead`, by id)."""
         extra: dict[str, Any] = {"delay_ms": delay_ms}
         if priority is not None:
             extra["priority"] = priority
-        return decode(NackResult, self._settle(topic, "nacks", consumer_id, ids, **extra))
+        got = self._settle(topic, "nacks", consumer_id, ids, receipts, **extra)
+        return decode(NackResult, got)
 
     def extend(
-        self, topic: str, consumer_id: str, ids: Iterable[str], lease_ms: int | None = None
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str] | None = None,
+        lease_ms: int | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
     ) -> ExtendResult:
         """Push the leases' deadline to now + `lease_ms` (default: the broker's)."""
         extra = {} if lease_ms is None else {"lease_ms": lease_ms}
-        got = self._settle(topic, "extensions", consumer_id, ids, **extra)
+        got = self._settle(topic, "extensions", consumer_id, ids, receipts, **extra)
         return decode(ExtendResult, got)
 
-    def reject(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
+    def reject(
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str] | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
+    ) -> SettleResult:
         """Poison: straight to the dead letters."""
-        return decode(SettleResult, self._settle(topic, "rejections", consumer_id, ids))
+        got = self._settle(topic, "rejections", consumer_id, ids, receipts)
+        return decode(SettleResult, got)
 
     # --- consumers ---------------------------------------------------------------------
 

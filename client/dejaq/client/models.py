@@ -63,6 +63,9 @@ class Message:
     payload: bytes
     deliveries: int
     lease_deadline: int  # epoch ms, the broker's clock
+    # Names this delivery in an ack, nack, extend or reject (`receipts=`): the broker
+    # finds it in the lease's record, faster than by id. None from a broker without them.
+    receipt: int | None = None
     # time.monotonic() before which the lease surely holds: the request's send time plus
     # lease_ms, so neither clock skew nor the answer's trip stretches it (without a
     # lease_ms: the broker's deadline read on the local clock).

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from dejaq.client.api import Client
 from dejaq.client.errors import BrokerError, Conflict, ProblemError
@@ -157,8 +158,8 @@ class Worker:
             delay = self.backoff.delay_ms(m.deliveries)
             dead: list[str] = []
 
-            def nack(topic: str, consumer: str, ids: list[str]) -> None:
-                dead.extend(self.client.nack(topic, consumer, ids, delay_ms=delay).dead)
+            def nack(topic: str, consumer: str, **named: Any) -> None:
+                dead.extend(self.client.nack(topic, consumer, delay_ms=delay, **named).dead)
 
             if self._settle(m, "nacked", nack):
                 if dead:  # the broker's last allowed delivery
@@ -181,18 +182,18 @@ class Worker:
             with self._lock:
                 self._held.pop(m.id, None)
 
-    def _settle(
-        self, m: Message, outcome: str, call: Callable[[str, str, list[str]], object]
-    ) -> bool:
-        """Settle one message; True if the broker has it settled by this worker.
+    def _settle(self, m: Message, outcome: str, call: Callable[..., object]) -> bool:
+        """Settle one message, by its receipt; True if the broker has it settled by this
+        worker.
 
         An `already_settled` refusal after a retry is this call's own first attempt when
         the lease still held: no one else could settle a message leased to us.
         """
+        named, [key] = _named([m])
         try:
-            call(self.topic, self.consumer_id, [m.id])
+            call(self.topic, self.consumer_id, **named)
         except Conflict as e:
-            why = e.refused.get(m.id, e.title)
+            why = e.refused.get(key, e.title)
             if not (why == SETTLED and e.maybe_applied and time.monotonic() < m.held_until):
                 self.counts.lost += 1
                 log.warning("%s: %s not %s (%s)", self.consumer_id, m.id, outcome, why)
@@ -233,22 +234,24 @@ class Worker:
     def _extend(self, due: list[Message]) -> None:
         sent = time.monotonic()
         refused: dict[str, str] = {}
+        named, keys = _named(due)
         try:
-            self.client.extend(self.topic, self.consumer_id, [m.id for m in due], self.lease_ms)
+            self.client.extend(self.topic, self.consumer_id, lease_ms=self.lease_ms, **named)
         except Conflict as e:
             refused = e.refused
         self._touched()
-        for m in due:
-            if m.id not in refused:
+        for m, key in zip(due, keys, strict=True):
+            why = refused.get(key)
+            if why is None:
                 m.held_until = sent + self.lease_ms / 1000
                 continue
             # Lost or settled: nothing left to extend. Its handler still runs; the ack
             # that follows is refused and logged.
             with self._lock:
                 self._held.pop(m.id, None)
-            if refused[m.id] != SETTLED:  # settled: acked meanwhile
+            if why != SETTLED:  # settled: acked meanwhile
                 m.held_until = 0.0  # no longer ours: a later `already_settled` is not our ack
-                log.warning("%s: lease of %s lost: %s", self.consumer_id, m.id, refused[m.id])
+                log.warning("%s: lease of %s lost: %s", self.consumer_id, m.id, why)
 
     def _leave(self) -> None:
         try:
@@ -265,3 +268,13 @@ class Worker:
             left.released,
             self.counts,
         )
+
+
+def _named(messages: list[Message]) -> tuple[dict[str, list], list[str]]:
+    """How a settling call names `messages` (by receipt, or by id where the broker gave
+    none), and the key of each in a 409's `refused`."""
+    if all(m.receipt is not None for m in messages):
+        receipts = [m.receipt for m in messages]
+        return {"receipts": receipts}, [str(r) for r in receipts]
+    ids = [m.id for m in messages]
+    return {"ids": ids}, ids
