@@ -720,9 +720,7 @@ def test_ack_twice_in_one_batch_and_trim_by_slices() -> None:
     ),
 )
 @settings(max_examples=80, deadline=None)
-def test_hot_path_takes_only_what_the_models_accept(
-    ids: list[str], n: int, receipts: list
-) -> None:
+def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int, receipts: list) -> None:
     """The hot path answers a body only if FastAPI's models would accept it as is."""
     from pydantic import ValidationError
 
