@@ -12,7 +12,9 @@ time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` list
 all): this VM's speed drifts by a third over minutes, and one run of each would compare
 moments, not systems.
 
-The same DejaQ secured (`secured`: TLS on every node's HTTP and API keys on, each
+The same DejaQ with its workers acking by the receipts their leases gave instead of by
+id (`receipts`, `acking_by_receipt`) runs beside it, and `receipts_vs_results` is its
+ratio. The same DejaQ secured (`secured`: TLS on every node's HTTP and API keys on, each
 client sending its key over TLS) runs beside it, and `secured_vs_results` is its
 ratio: what security costs. So does the same DejaQ with its warehouse on an
 S3-compatible server (`s3`: `dejaq s3`, S3Proxy over a local folder; the nodes' Raft and
@@ -133,6 +135,7 @@ async def _worker(
     out: dict,
     acked,
     access: Access | None,
+    by_receipt: bool,
 ) -> None:
     host, port = addr.rsplit(":", 1)
     http = Http(host, int(port), access)
@@ -144,20 +147,25 @@ async def _worker(
             lease_path, {"consumer_id": me, "max_messages": batch, "wait_ms": 100}
         )
         t1 = time.perf_counter()
-        ids = [m["id"] for m in got.get("messages", [])] if status == 200 else []
-        if not ids:
+        messages = got.get("messages", []) if status == 200 else []
+        if not messages:
             if status != 200:
                 out["errors"] += 1
             if acked.value >= out["target"]:
                 return
             continue
         out["lease"].append(t1 - t0)
-        status, _ = await http.post(ack_path, {"consumer_id": me, "ids": ids})
+        named = (
+            {"receipts": [m["receipt"] for m in messages]}
+            if by_receipt
+            else {"ids": [m["id"] for m in messages]}
+        )
+        status, _ = await http.post(ack_path, {"consumer_id": me, **named})
         out["ack"].append(time.perf_counter() - t1)
         if status == 200:
-            out["done"] += len(ids)
+            out["done"] += len(messages)
             with acked.get_lock():
-                acked.value += len(ids)
+                acked.value += len(messages)
                 if acked.value >= out["target"]:
                     return
         else:
@@ -174,13 +182,17 @@ def _proc(
     q,
     acked,
     access: Access | None,
+    by_receipt: bool,
 ):
     out = {"lease": [], "ack": [], "done": 0, "errors": 0, "target": target}
 
     async def main() -> None:
         stop_at = time.monotonic() + secs
         await asyncio.gather(
-            *(_worker(addr, topic, n, batch, stop_at, out, acked, access) for n in names)
+            *(
+                _worker(addr, topic, n, batch, stop_at, out, acked, access, by_receipt)
+                for n in names
+            )
         )
 
     import uvloop
@@ -324,7 +336,7 @@ def raft_floor_server(spec: str) -> None:
 
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
-SYSTEMS = ("dejaq", "secured", "s3", "floor", "ids", "handles", "http")
+SYSTEMS = ("dejaq", "receipts", "secured", "s3", "floor", "ids", "handles", "http")
 IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
 IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
 
@@ -442,13 +454,13 @@ def dejaq(
     args: argparse.Namespace,
     tmp_path: Path,
     run: int,
-    secure: bool = False,
+    name: str,
     store: Store | None = None,
 ) -> Iterator[tuple[str, dict, dict, Access | None]]:
     """A 3-node broker over the topics of run `run`, filled as the ingest job would:
-    (leader's address, pids, set-up seconds, how to reach it). `secure`: TLS on its
-    HTTP and API keys on, the clients sending a key over TLS. `store`: the warehouse in
-    its bucket."""
+    (leader's address, pids, set-up seconds, how to reach it). `name` "secured": TLS on
+    its HTTP and API keys on, the clients sending a key over TLS. `store`: the warehouse
+    in its bucket."""
     import httpx
     from test_broker import buffer_rows, fill
 
@@ -456,7 +468,8 @@ def dejaq(
     from dejaq.jobs import cluster
     from dejaq.jobs.certificates import new_authority
 
-    tmp_path = tmp_path / ("secure" if secure else "s3" if store else "plain")
+    secure = name == "secured"
+    tmp_path = tmp_path / name
     warehouse = f"s3://dejaq/bench-{run}" if store else str(tmp_path / "warehouse")
     storage = ""
     if store:
@@ -570,13 +583,15 @@ def run_phase(
     secs: float,
     pids,
     access: Access | None = None,
+    by_receipt: bool = False,
 ):
     q: mp.Queue = mp.Queue()
     acked = mp.Value("q", 0)
     names = [f"{topic}-w{i}" for i in range(workers)]
     ps = [
         mp.Process(
-            target=_proc, args=(addr, topic, names[i::procs], batch, n, secs, q, acked, access)
+            target=_proc,
+            args=(addr, topic, names[i::procs], batch, n, secs, q, acked, access, by_receipt),
         )
         for i in range(procs)
     ]
@@ -621,7 +636,8 @@ def main() -> int:
     ap.add_argument(
         "--systems",
         default=",".join(SYSTEMS),
-        help="which to run, of: dejaq, secured (TLS and API keys on), s3 (the warehouse on "
+        help="which to run, of: dejaq, receipts (DejaQ, its workers acking by receipt), "
+        "secured (TLS and API keys on), s3 (the warehouse on "
         "`dejaq s3`), floor, ids, handles, http (default: all)",
     )
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
@@ -657,7 +673,16 @@ def main() -> int:
                 continue
             runs[name].append(
                 run_phase(
-                    addr, prefix + topic, batch, n, workers, args.procs, args.seconds, pids, access
+                    addr,
+                    prefix + topic,
+                    batch,
+                    n,
+                    workers,
+                    args.procs,
+                    args.seconds,
+                    pids,
+                    access,
+                    by_receipt=name == "receipts",
                 )
             )
 
@@ -665,11 +690,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
         store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
         for run in range(args.runs):  # one system up at a time, in turn
-            for name in ("dejaq", "secured", "s3"):
+            for name in ("dejaq", "receipts", "secured", "s3"):
                 if name not in systems:
                     continue
                 on = store if name == "s3" else None
-                with dejaq(args, Path(tmp), run, name == "secured", on) as (
+                with dejaq(args, Path(tmp), run, name, on) as (
                     leader,
                     pids,
                     seconds,
@@ -703,6 +728,7 @@ def main() -> int:
                     phases("http", http_addr, "c", http_pids, run)
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
+    by_receipt = medians["receipts"]
     floor, ids, handles, baseline = (medians[k] for k in ("floor", "ids", "handles", "http"))
 
     def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
@@ -713,6 +739,9 @@ def main() -> int:
             {
                 "benchmark": "broker lease+ack, 3 nodes",
                 "results": results,
+                "acking_by_receipt": by_receipt,
+                "receipts_vs_results": ratios(by_receipt, results),
+                "receipts_vs_floor": ratios(by_receipt, floor),
                 "secured_tls_and_keys": secured,
                 "secured_vs_results": ratios(secured, results),
                 "s3_warehouse": on_s3,

@@ -358,8 +358,10 @@ class TopicState:
                 if not_before.get(mid, 0) > now:
                     continue
                 not_before.pop(mid, None)
-            if leases.setdefault(mid, record) is not record:
-                continue  # leased already
+            before = len(leases)
+            leases.setdefault(mid, record)
+            if len(leases) == before:
+                continue  # leased already (or picked twice)
             n = deliveries.pop(mid, 0) + 1 if deliveries else 1
             if n > 1:
                 redelivered += 1

@@ -148,7 +148,16 @@ def test_typed_calls_and_typed_errors(three, kafka_source: str) -> None:
         assert c.nack("jobs", "w", ["c2"], delay_ms=0, priority=5).settled == 1
         [back] = c.lease("jobs", "w", lease_ms=60_000, wait_ms=5000)
         assert (back.id, back.priority, back.deliveries) == ("c2", 5, 2), "new priority, +1"
-        assert c.reject("jobs", "w", ["c2"]).settled == 1
+        assert c.extend("jobs", "w", receipts=[back.receipt], lease_ms=90_000).settled == 1
+        assert c.reject("jobs", "w", receipts=[back.receipt]).settled == 1
+        with pytest.raises(Conflict) as stale:  # the first delivery's receipt, nacked since
+            c.ack("jobs", "w", receipts=[got[1].receipt, back.receipt])
+        assert stale.value.refused == {
+            str(got[1].receipt): "not_leased",
+            str(back.receipt): "already_settled",
+        }
+        with pytest.raises(ValueError, match="ids or by receipts"):
+            c.ack("jobs", "w", ["c2"], receipts=[back.receipt])
         assert c.peek("jobs", "c2").status == "dead"
 
         pending = c.peek("jobs", "c0")

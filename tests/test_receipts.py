@@ -1,0 +1,143 @@
+"""Receipts: a lease names each message it grants, and ack, nack, extend and reject take
+those names, resolved on every node from the lease's record instead of by id."""
+
+from __future__ import annotations
+
+import pickle
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dejaq.broker.leases import POSITION_BITS, LeaseRecord, Refusal, TopicState
+
+MIDS = [f"m{i}" for i in range(6)]
+
+
+def lease(s: TopicState, consumer: str, mids: list[str], now: int, ms: int = 100) -> LeaseRecord:
+    return s.lease(consumer, now, ms, [(m, 0, i) for i, m in enumerate(mids)])
+
+
+def receipts(record: LeaseRecord) -> dict[str, int]:
+    return {m: record.receipt(p) for p, m in enumerate(record.mids)}
+
+
+def test_a_receipt_names_one_delivery_and_is_refused_with_the_reason_an_id_would_get() -> None:
+    s = TopicState(buckets=1, max_deliveries=5)
+    first = receipts(lease(s, "c", ["a", "b", "c"], now=0))
+    assert s.ack("c", 1, [], [first["a"], first["a"]]) == {first["a"]: Refusal.SETTLED}
+    assert s.ack("d", 1, [], [first["b"]]) == {first["b"]: Refusal.OTHER_CONSUMER}
+    unknown = (99 << POSITION_BITS) | 1
+    beyond = first["c"] + 5
+    assert s.ack("c", 1, [], [unknown, beyond]) == {
+        unknown: Refusal.NOT_LEASED,
+        beyond: Refusal.NOT_LEASED,
+    }
+    assert s.ack("c", 100, [], [first["b"]]) == {first["b"]: Refusal.EXPIRED}, "at the deadline"
+    assert s.nack("c", 5, [], receipts=[first["c"]]) == ({}, ["c"], [])
+    assert s.ack("c", 6, [], [first["c"]]) == {first["c"]: Refusal.NOT_LEASED}, "given back"
+    assert s.settled == {"a": "acked"} and s.totals["acked"] == 1
+
+
+def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_again() -> None:
+    """By id, a worker could settle a redelivery it never saw; by receipt it cannot."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    old = receipts(lease(s, "c", ["a"], now=0))["a"]
+    assert s.expire(100, 10**9) == ["a"]
+    again = lease(s, "c", ["a"], now=101)
+    new = receipts(again)["a"]
+    assert again.deliveries == [2] and new != old
+    assert s.ack("c", 102, [], [old]) == {old: Refusal.EXPIRED}
+    assert s.ack("c", 102, [], [new]) == {}
+    [event] = s.events
+    assert (event.message_id, event.deliveries) == ("a", 2)
+
+
+def test_extend_by_receipt_moves_only_the_messages_named() -> None:
+    s = TopicState(buckets=1, max_deliveries=5)
+    named = receipts(lease(s, "c", ["a", "b"], now=0, ms=100))
+    assert s.extend("c", 50, [], 1000, [named["a"]]) == ({}, 1050)
+    assert s.lease_of("a").deadline == 1050 and s.lease_of("b").deadline == 100
+    assert s.expire(100, 10**9) == ["b"]
+    assert s.reject("c", 200, [], [named["a"], named["b"]]) == {named["b"]: Refusal.EXPIRED}
+    assert s.settled == {"a": "dead"}
+
+
+def test_records_go_once_their_events_are_trimmed() -> None:
+    """The state holds a record while a receipt of it can still be answered as an id
+    would be: until the events of its end reach the ledger (`trim`)."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    for i in range(50):
+        named = receipts(lease(s, "c", [f"x{i}", f"y{i}"], now=i))
+        assert s.ack("c", i, [], list(named.values())) == {}
+    assert len(s.records) == 50 and not s.leases
+    s.trim(s.seq)
+    assert s.records == {} and not s.ending
+    assert s.ack("c", 60, [], [named[f"x{49}"]]) == {named["x49"]: Refusal.NOT_LEASED}
+
+
+def test_receipts_survive_a_snapshot() -> None:
+    s = TopicState(buckets=1, max_deliveries=5)
+    named = receipts(lease(s, "c", ["a", "b"], now=0))
+    s.extend("c", 1, [], 500, [named["b"]])
+    again = pickle.loads(pickle.dumps(s))
+    assert again.leases["a"] is again.records[1], "one record, shared"
+    assert again.ack("c", 2, ["a"]) == {}, "by id, through the rebuilt positions"
+    assert again.ack("c", 2, [], [named["a"], named["b"]]) == {named["a"]: Refusal.SETTLED}
+    assert again.lease_of("b") is None and again.settled == {"a": "acked", "b": "acked"}
+
+
+@st.composite
+def histories(draw: st.DrawFn) -> list[tuple[str, list[int], int]]:
+    ops = st.sampled_from(["lease", "ack", "nack", "reject", "extend", "expire", "trim"])
+    return draw(
+        st.lists(
+            st.tuples(ops, st.lists(st.integers(0, len(MIDS) - 1), max_size=4), st.integers(1, 60)),
+            max_size=30,
+        )
+    )
+
+
+@given(histories())
+@settings(max_examples=150, deadline=None)
+def test_receipts_settle_what_ids_settle(history: list[tuple[str, list[int], int]]) -> None:
+    """The same history applied twice, naming messages by id in one state and by the
+    receipt of their latest lease in the other, leaves both states the same, with the
+    same refusals (a message leased again after its lease expired: its new receipt)."""
+    by_id, by_receipt = TopicState(1, 3), TopicState(1, 3)
+    latest: dict[str, int] = {}
+    now = 0
+    for op, picked, dt in history:
+        now += dt
+        mids = [MIDS[i] for i in picked]
+        if op == "lease":
+            lease(by_id, "c", mids, now)
+            latest.update(receipts(lease(by_receipt, "c", mids, now)))
+            continue
+        if op == "expire":
+            assert by_id.expire(now, 10**9) == by_receipt.expire(now, 10**9)
+            continue
+        if op == "trim":
+            assert by_id.trim(by_id.seq) == by_receipt.trim(by_receipt.seq)
+            continue
+        named = [m for m in mids if m in latest]
+        ids, rs = named, [latest[m] for m in named]
+        if op == "ack":
+            got = by_id.ack("c", now, ids), by_receipt.ack("c", now, [], rs)
+        elif op == "reject":
+            got = by_id.reject("c", now, ids), by_receipt.reject("c", now, [], rs)
+        elif op == "extend":
+            got = by_id.extend("c", now, ids, 50)[0], by_receipt.extend("c", now, [], 50, rs)[0]
+        else:
+            a, b = by_id.nack("c", now, ids), by_receipt.nack("c", now, [], receipts=rs)
+            assert a[1:] == b[1:]
+            got = a[0], b[0]
+        refused_ids, refused_receipts = got
+        back = {r: m for m, r in zip(ids, rs, strict=True)}
+        assert {back[r] for r in refused_receipts} == set(refused_ids)
+        for r, why in refused_receipts.items():
+            if by_id.lease_of(back[r]) is not None or why is Refusal.OTHER_CONSUMER:
+                assert refused_ids[back[r]] == why
+    for field in ("settled", "deliveries", "not_before", "sort_keys", "totals", "held"):
+        assert getattr(by_id, field) == getattr(by_receipt, field), field
+    assert by_id.events == by_receipt.events
+    assert set(by_id.leases) == set(by_receipt.leases)
