@@ -5,12 +5,13 @@
 Three real Raft nodes (the broker's `RaftNode`: PySyncObj over TCP, AES-GCM, group
 commit) share one event loop, each with its own `TopicIndex` over the same Delta buffer,
 wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked on the
-leader's index, committed, rendered as the lease JSON) and ack it (the body parsed as
-the hot path parses it); the leader checkpoints into the ledger and trims in slices as
-the broker does. Each step is timed where it runs, on which node (the methods are wrapped for the
-run, as a profiler would), and the process's CPU is split into those steps and the rest:
-Raft's transport, sealing, pickling and ticks, and the loop. No HTTP and no clients
-(`bench/broker.py` measures the live system); one thread, so no step waits on another.
+leader's index, committed, rendered as the lease JSON) and ack it by its receipts
+(the body parsed as the hot path parses it); the leader checkpoints into the ledger and
+trims in slices as the broker does. Each step is timed where it runs, on which node (the
+methods are wrapped for the run, as a profiler would), and the process's CPU is split
+into those steps and the rest: Raft's transport, sealing, pickling and ticks, and the
+loop. No HTTP and no clients (`bench/broker.py` measures the live system); one thread,
+so no step waits on another.
 
 Baseline in the same run, on the same nodes, alternated with the main run in slices
 (this VM's speed drifts): each request commits one tiny command instead, a consumer's
@@ -172,12 +173,14 @@ async def measure(
             t = clock.time("leader", "release picks", t)
             body = message_json.leased_array(picks, taken, grants, False)
             t = clock.time("leader", "lease JSON", t)
-            ack_body = json.dumps({"consumer_id": me, "ids": [m["id"] for m in json.loads(body)]})
+            receipts = [m["receipt"] for m in json.loads(body)]
+            ack_body = json.dumps({"consumer_id": me, "receipts": receipts})
             t = clock.time("client", "read the lease, write the ack", t)  # not counted
             ack = _ack_args(json.loads(ack_body))
             assert ack is not None
             clock.time("leader", "parse requests", t)
-            refused = await leader.commit("t", "ack", me, int(time.time() * 1000), ack[1])
+            now = int(time.time() * 1000)
+            refused = await leader.commit("t", "ack", me, now, [], ack[1])
             assert not refused, refused
             if len(state.events) >= CHECKPOINT_EVENTS:
                 await checkpoint_and_trim()

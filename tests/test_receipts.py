@@ -4,6 +4,7 @@ those names, resolved on every node from the lease's record instead of by id."""
 from __future__ import annotations
 
 import pickle
+from collections import deque
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -50,6 +51,30 @@ def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_
     assert s.ack("c", 102, [], [new]) == {}
     [event] = s.events
     assert (event.message_id, event.deliveries) == ("a", 2)
+
+
+def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave() -> None:
+    """A run of consecutive receipts of one lease is settled in bulk: the same events,
+    marks and counts as acking each message in turn."""
+    states = [TopicState(buckets=2, max_deliveries=5) for _ in range(3)]
+    for s in states:
+        s.touch("c", 0)
+        s.lease("c", 0, 100, [(f"m{i}", i % 2, 10 - i) for i in range(8)])
+    bulk, single, by_id = states
+    named = list(range(1 << POSITION_BITS | 2, 1 << POSITION_BITS | 6))  # positions 2..5
+    assert bulk.ack("c", 5, [], named) == {}
+    for r in named:
+        assert single.ack("c", 5, [], [r]) == {}
+    assert by_id.ack("c", 5, ["m2", "m3", "m4", "m5"]) == {}
+    for other in (single, by_id):
+        for field in ("events", "settled", "held", "totals", "seq", "ending"):
+            assert getattr(bulk, field) == getattr(other, field), field
+        assert bulk.records[1].ended == other.records[1].ended
+    assert bulk.ack("c", 6, [], [named[0] - 2, named[0] - 1, *named]) == {
+        r: Refusal.SETTLED for r in named
+    }, "a run with settled positions: one at a time, as ids are"
+    assert bulk.ack("c", 6, [], [named[-1] + 2, named[-1] + 1]) == {}, "out of order: also"
+    assert bulk.ending == deque([(8, 1)]) and not bulk.leases
 
 
 def test_extend_by_receipt_moves_only_the_messages_named() -> None:
