@@ -211,6 +211,7 @@ class RecordingClient(Client):
     def __init__(self, nodes: Sequence[str], journal: Journal, **kw: Any) -> None:
         super().__init__(nodes, **kw)
         self.journal = journal
+        self.receipts: dict[int, str] = {}  # the id each receipt leased names
 
     def lease(
         self,
@@ -228,15 +229,39 @@ class RecordingClient(Client):
                 self.journal.lease_failures += 1
             raise
         self.journal.leased(consumer_id, messages, lease_ms)
+        with self.journal.lock:
+            self.receipts.update((m.receipt, m.id) for m in messages if m.receipt is not None)
         return messages
 
-    def _recorded(self, verb: str, consumer_id: str, ids: Iterable[str], call: Callable) -> Any:
-        ids = list(ids)
+    def _ids(
+        self, ids: Iterable[str] | None, receipts: Iterable[int] | None
+    ) -> tuple[list[str], dict[str, str], dict[str, Any]]:
+        """The ids a settling call names (by id or by receipt), each one's key in a 409's
+        `refused`, and the call's own naming argument."""
+        if receipts is not None:
+            receipts = list(receipts)
+            mids = [self.receipts[r] for r in receipts]
+            return (
+                mids,
+                {str(r): m for r, m in zip(receipts, mids, strict=True)},
+                {"receipts": receipts},
+            )
+        mids = list(ids or ())
+        return mids, {m: m for m in mids}, {"ids": mids}
+
+    def _recorded(
+        self,
+        verb: str,
+        consumer_id: str,
+        named: tuple[list[str], dict[str, str], dict[str, Any]],
+        call: Callable,
+    ) -> Any:
+        ids, keys, argument = named
         sent = now_ms()
         try:
-            out = call(ids)
+            out = call(**argument)
         except Conflict as e:
-            refused = e.refused
+            refused = {keys[k]: why for k, why in e.refused.items()}
             maybe = [
                 m for m in ids if e.maybe_applied or refused.get(m) in (None, "already_settled")
             ]
@@ -253,47 +278,75 @@ class RecordingClient(Client):
         self.journal.settled(verb, ids, now_ms() + 1)
         return out
 
-    def ack(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
+    def ack(
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str] | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
+    ) -> SettleResult:
         return self._recorded(
-            "acks", consumer_id, ids, lambda i: Client.ack(self, topic, consumer_id, i)
+            "acks",
+            consumer_id,
+            self._ids(ids, receipts),
+            lambda **named: Client.ack(self, topic, consumer_id, **named),
         )
 
-    def reject(self, topic: str, consumer_id: str, ids: Iterable[str]) -> SettleResult:
+    def reject(
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str] | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
+    ) -> SettleResult:
         return self._recorded(
             "rejections",
             consumer_id,
-            ids,
-            lambda i: Client.reject(self, topic, consumer_id, i),
+            self._ids(ids, receipts),
+            lambda **named: Client.reject(self, topic, consumer_id, **named),
         )
 
     def nack(
         self,
         topic: str,
         consumer_id: str,
-        ids: Iterable[str],
+        ids: Iterable[str] | None = None,
         delay_ms: int = 0,
         priority: int | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
     ) -> SettleResult:
         return self._recorded(
             "nacks",
             consumer_id,
-            ids,
-            lambda i: Client.nack(self, topic, consumer_id, i, delay_ms, priority),
+            self._ids(ids, receipts),
+            lambda **named: Client.nack(
+                self, topic, consumer_id, delay_ms=delay_ms, priority=priority, **named
+            ),
         )
 
     def extend(
-        self, topic: str, consumer_id: str, ids: Iterable[str], lease_ms: int | None = None
+        self,
+        topic: str,
+        consumer_id: str,
+        ids: Iterable[str] | None = None,
+        lease_ms: int | None = None,
+        *,
+        receipts: Iterable[int] | None = None,
     ) -> ExtendResult:
-        ids = list(ids)
+        mids, keys, argument = self._ids(ids, receipts)
         sent = now_ms()
         try:
-            out = super().extend(topic, consumer_id, ids, lease_ms)
+            out = super().extend(topic, consumer_id, lease_ms=lease_ms, **argument)
         except Conflict as e:
             # The kept ones' new deadline is not in a 409: at least the send time's.
-            kept = [m for m in ids if m not in e.refused]
+            refused = {keys[k] for k in e.refused}
+            kept = [m for m in mids if m not in refused]
             self.journal.extended(consumer_id, kept, sent + (lease_ms or 0))
             raise
-        self.journal.extended(consumer_id, ids, out.lease_deadline)
+        self.journal.extended(consumer_id, mids, out.lease_deadline)
         return out
 
     def leave(self, topic: str, consumer_id: str) -> Left:
