@@ -60,6 +60,9 @@ _REFUSAL_AFTER = {
 }
 POSITION_BITS = 10  # a lease holds at most 1000 messages (`max_messages`)
 POSITION_MASK = (1 << POSITION_BITS) - 1
+# Receipts in an ack for its bulk path (`TopicState._ack_run`): its fixed cost (~6 µs)
+# pays from about 10 messages on (16: 1.07 against 1.27 µs a message one at a time).
+BULK_MIN = 16
 
 
 class LeaseRecord:
@@ -493,7 +496,8 @@ class TopicState:
         The hottest transition after `lease`: a leased message has no delay and no count
         outside its lease, so only an override (a nack's new priority) is left to drop.
         """
-        if receipts and (record := self._run_of(consumer, now, receipts)) is not None:
+        bulk = receipts is not None and len(receipts) >= BULK_MIN
+        if bulk and (record := self._run_of(consumer, now, receipts)) is not None:
             self._ack_run(record, receipts[0] & POSITION_MASK, len(receipts), now)
             self._seen(consumer, now)
             return {}

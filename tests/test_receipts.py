@@ -6,10 +6,11 @@ from __future__ import annotations
 import pickle
 from collections import deque
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dejaq.broker.leases import POSITION_BITS, LeaseRecord, Refusal, TopicState
+from dejaq.broker.leases import BULK_MIN, POSITION_BITS, LeaseRecord, Refusal, TopicState
 
 MIDS = [f"m{i}" for i in range(6)]
 
@@ -53,19 +54,29 @@ def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_
     assert (event.message_id, event.deliveries) == ("a", 2)
 
 
-def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave() -> None:
+def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A run of consecutive receipts of one lease is settled in bulk: the same events,
     marks and counts as acking each message in turn."""
+    runs: list[int] = []
+    bulk_ack = TopicState._ack_run
+    monkeypatch.setattr(
+        TopicState,
+        "_ack_run",
+        lambda s, r, start, n, now: runs.append(n) or bulk_ack(s, r, start, n, now),
+    )
     states = [TopicState(buckets=2, max_deliveries=5) for _ in range(3)]
+    n = BULK_MIN + 4
     for s in states:
         s.touch("c", 0)
-        s.lease("c", 0, 100, [(f"m{i}", i % 2, 10 - i) for i in range(8)])
+        s.lease("c", 0, 100, [(f"m{i}", i % 2, 100 - i) for i in range(n)])
     bulk, single, by_id = states
-    named = list(range(1 << POSITION_BITS | 2, 1 << POSITION_BITS | 6))  # positions 2..5
-    assert bulk.ack("c", 5, [], named) == {}
+    named = list(range(1 << POSITION_BITS | 2, 1 << POSITION_BITS | (n - 2)))  # 2..n-3
+    assert bulk.ack("c", 5, [], named) == {} and runs == [len(named)]
     for r in named:
         assert single.ack("c", 5, [], [r]) == {}
-    assert by_id.ack("c", 5, ["m2", "m3", "m4", "m5"]) == {}
+    assert by_id.ack("c", 5, [f"m{i}" for i in range(2, n - 2)]) == {}
     for other in (single, by_id):
         for field in ("events", "settled", "held", "totals", "seq", "ending"):
             assert getattr(bulk, field) == getattr(other, field), field
@@ -74,7 +85,13 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
         r: Refusal.SETTLED for r in named
     }, "a run with settled positions: one at a time, as ids are"
     assert bulk.ack("c", 6, [], [named[-1] + 2, named[-1] + 1]) == {}, "out of order: also"
-    assert bulk.ending == deque([(8, 1)]) and not bulk.leases
+    assert bulk.ending == deque([(n, 1)]) and not bulk.leases
+    again = TopicState(buckets=2, max_deliveries=5)
+    again.touch("c", 0)
+    whole = again.lease("c", 0, 100, [(f"m{i}", i % 2, i) for i in range(n)])
+    assert again.ack("c", 1, [], [whole.receipt(p) for p in range(n)]) == {}
+    assert again.ending == deque([(n, 1)]) and again.held == {0: {}, 1: {}}
+    assert [e.seq for e in again.events] == list(range(1, n + 1)) and runs[-1] == n
 
 
 def test_extend_by_receipt_moves_only_the_messages_named() -> None:
