@@ -58,6 +58,7 @@ _REFUSAL_AFTER = {
     NACKED: Refusal.NOT_LEASED,
     RELEASED: Refusal.NOT_LEASED,
 }
+SETTLING = (ACKED, REJECTED, CANCELLED, DEAD)
 POSITION_BITS = 10  # a lease holds at most 1000 messages (`max_messages`)
 POSITION_MASK = (1 << POSITION_BITS) - 1
 # Receipts in an ack for its bulk path (`TopicState._ack_run`): its fixed cost (~6 µs)
@@ -409,11 +410,19 @@ class TopicState:
         return None if record is None else record.lease(record.position(mid))
 
     def _end(self, record: LeaseRecord, pos: int, how: int) -> str:
-        """End one message's lease (`how`: ACKED, EXPIRED...); returns its id."""
+        """End one message's lease (`how`: ACKED, EXPIRED...); returns its id.
+
+        The record's last end removes it: once the events of its settled messages are
+        trimmed (a receipt is answered as long as an id is), or at once if none settled
+        (all pending again): with no event to checkpoint, no trim would ever come.
+        """
         record.ended[pos] = how
         record.live -= 1
-        if not record.live:  # once the events of its end are trimmed, the record goes
-            self.ending.append((self.seq + 1, record.lid))
+        if not record.live:
+            if any(code in record.ended for code in SETTLING):
+                self.ending.append((self.seq + 1, record.lid))
+            else:
+                del self.records[record.lid]
         mid = record.mids[pos]
         del self.leases[mid]
         held = self.held[record.buckets[pos]]

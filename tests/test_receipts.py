@@ -43,13 +43,17 @@ def test_a_receipt_names_one_delivery_and_is_refused_with_the_reason_an_id_would
 def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_again() -> None:
     """By id, a worker could settle a redelivery it never saw; by receipt it cannot."""
     s = TopicState(buckets=1, max_deliveries=5)
-    old = receipts(lease(s, "c", ["a"], now=0))["a"]
+    first = receipts(lease(s, "c", ["a", "b"], now=0, ms=100))
+    s.extend("c", 50, [], 1000, [first["b"]])
     assert s.expire(100, 10**9) == ["a"]
     again = lease(s, "c", ["a"], now=101)
     new = receipts(again)["a"]
-    assert again.deliveries == [2] and new != old
-    assert s.ack("c", 102, [], [old]) == {old: Refusal.EXPIRED}
+    assert again.deliveries == [2] and new != first["a"]
+    assert s.ack("c", 102, [], [first["a"]]) == {first["a"]: Refusal.EXPIRED}
     assert s.ack("c", 102, [], [new]) == {}
+    assert s.nack("c", 103, [], receipts=[first["b"]])[0] == {}
+    assert 1 not in s.records, "all of the first lease back to pending: nothing to keep"
+    assert s.ack("c", 104, [], [first["a"]]) == {first["a"]: Refusal.NOT_LEASED}
     [event] = s.events
     assert (event.message_id, event.deliveries) == ("a", 2)
 
@@ -114,6 +118,10 @@ def test_records_go_once_their_events_are_trimmed() -> None:
     assert len(s.records) == 50 and not s.leases
     s.trim(s.seq)
     assert s.records == {} and not s.ending
+    for i in range(50):  # never settled: no trim comes, and none is needed
+        named = receipts(lease(s, "c", [f"x{i}"], now=100 + i))
+        assert s.nack("c", 100 + i, [], receipts=list(named.values()))[0] == {}
+    assert s.records == {} and not s.ending and s.deliveries["x49"] == 1
     assert s.ack("c", 60, [], [named[f"x{49}"]]) == {named["x49"]: Refusal.NOT_LEASED}
 
 
