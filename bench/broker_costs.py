@@ -167,7 +167,7 @@ async def measure(
             taken: list[Taken] = []
             picks = index.pick(state, state.buckets_of(me), args.batch, now, taken)
             t = clock.time("leader", "pick", t)
-            grants = await leader.commit("t", "lease", me, now, 30_000, picks)
+            grants = await leader.commit("t", "lease", me, now, 30_000, picks, None, True)
             t = time.perf_counter()
             index.release(state, picks)
             t = clock.time("leader", "release picks", t)

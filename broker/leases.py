@@ -128,8 +128,9 @@ class LeaseRecord:
         """The earliest deadline of a position still leased."""
         if self.deadlines is None:
             return self.deadline
-        ended = self.ended
-        return min(self.deadline_of(p) for p in range(len(ended)) if not ended[p])
+        ended = self.ended  # read while the event loop may end the last (`needs_expiry`)
+        live = (self.deadline_of(p) for p in range(len(ended)) if not ended[p])
+        return min(live, default=self.deadline)
 
     def lease(self, pos: int) -> Lease:
         return Lease(
@@ -200,7 +201,10 @@ class TopicState:
         # Every lease's record by lid, until its messages' leases ended and the events of
         # that are trimmed (`ending`): a receipt resolves as long as an id would.
         self.records: dict[int, LeaseRecord] = {}
-        self.lids = 0
+        # Leases from before receipts (old snapshots, old journal entries) are numbered
+        # down from -1: no receipt names them, and nodes whose snapshots were taken at
+        # different points may number them differently without disagreeing on anything.
+        self.unnumbered = 0
         self.ending: deque[tuple[int, int]] = deque()  # (seq to trim past, lid)
         # Unsettled messages delivered at least once and not leased now (a lease holds its
         # own count): leasing and acking a first delivery, the usual case, touch no entry.
@@ -234,7 +238,7 @@ class TopicState:
         # Snapshots from before pause, rate limits and redrive hold none of their state.
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
         self.trimmed = 0
-        self.records, self.lids, self.ending = {}, 0, deque()
+        self.records, self.unnumbered, self.ending = {}, 0, deque()
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         for mid in self.leases:  # snapshots from before leases held the only count
@@ -242,8 +246,8 @@ class TopicState:
         self.events = [e.settlement() if isinstance(e, Event) else e for e in self.events]
         old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
         for mid, lease in old:  # from before lease records: a record each
-            self.lids += 1
-            record = LeaseRecord(self.lids, lease.consumer, lease.deadline)
+            self.unnumbered -= 1
+            record = LeaseRecord(self.unnumbered, lease.consumer, lease.deadline)
             record.mids.append(mid)
             record.buckets.append(lease.bucket)
             record.sort_keys.append(lease.sort_key)
@@ -321,9 +325,12 @@ class TopicState:
         lease_ms: int,
         picks: list[Pick],
         rate: float | None = None,
+        lid: int | None = None,
     ) -> LeaseRecord:
         """Lease the leader's picks that are still available in the consumer's buckets;
-        returns the lease's record (empty if nothing was granted).
+        returns the lease's record (empty if nothing was granted), numbered `lid` (the
+        cluster's lease count, `BrokerState`), or unnumbered for a command from before
+        receipts.
 
         Every node runs this per leased message, so each costs two dict lookups of the
         message (settled? then insert unless leased) and list appends into the record,
@@ -332,7 +339,8 @@ class TopicState:
         checks once per lease, not per message.
         """
         self.touch(consumer, now)
-        record = LeaseRecord(self.lids + 1, consumer, now + lease_ms)
+        numbered = lid is not None
+        record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
         if self.paused:
             return record
         if rate is not None:
@@ -376,7 +384,8 @@ class TopicState:
             per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
         if not mids:
             return record
-        self.lids = record.lid
+        if not numbered:
+            self.unnumbered = record.lid
         self.records[record.lid] = record
         record.ended = bytearray(len(mids))
         record.live = len(mids)
@@ -419,8 +428,10 @@ class TopicState:
         record.ended[pos] = how
         record.live -= 1
         if not record.live:
-            if any(code in record.ended for code in SETTLING):
+            if how in SETTLING:  # its event comes next
                 self.ending.append((self.seq + 1, record.lid))
+            elif any(code in record.ended for code in SETTLING):
+                self.ending.append((self.seq, record.lid))
             else:
                 del self.records[record.lid]
         mid = record.mids[pos]
@@ -571,8 +582,9 @@ class TopicState:
             settled[mid] = acked
             if sort_keys:
                 sort_keys.pop(mid, None)
-        self.totals[acked] += seq - self.seq
-        self.seq = seq
+        if seq != self.seq:
+            self.totals[acked] += seq - self.seq
+            self.seq = seq
         self._seen(consumer, now)
         return refused
 
@@ -853,7 +865,8 @@ class TopicState:
         next checkpoint to try again.
         """
         ending, records = self.ending, self.records
-        while ending and ending[0][0] <= upto_seq:
+        done = min(upto_seq, min(keep) - 1) if keep else upto_seq  # kept deaths: kept
+        while ending and ending[0][0] <= done:
             records.pop(ending.popleft()[1], None)
         events = self.events
         cut = bisect_right(events, upto_seq, key=_seq)

@@ -358,9 +358,14 @@ class BrokerState(SyncObjConsumer):
             t.name: TopicState(t.buckets, max_deliveries) for t in topics
         }
         self.nodes: dict[str, str] = {}
+        # Leases granted by numbered lease commands, every topic's: a lease's number (its
+        # receipts') is the same on every node and names one lease in the whole cluster.
+        self.lids = 0
 
     def _deserialize(self, data: dict[str, Any]) -> None:
         super()._deserialize(data)
+        if "lids" not in data:  # a snapshot from before receipts numbered no lease
+            self.lids = 0
         for name, t in self.topic_conf.items():
             self.topics.setdefault(name, TopicState(t.buckets, self.max_deliveries))
         self.listener.reset(self.topics)
@@ -387,7 +392,12 @@ class BrokerState(SyncObjConsumer):
     def _apply(self, topic: str, op: str, args: tuple) -> Any:
         st = self.topics[topic]
         if op == "lease":
-            return st.lease(*args)
+            if len(args) < 6:  # from before receipts: unnumbered
+                return st.lease(*args)
+            *args, numbered = args
+            if numbered:
+                self.lids += 1
+            return st.lease(*args, lid=self.lids if numbered else None)
         if op in ("ack", "reject"):
             return getattr(st, op)(*args)
         if op == "touch":

@@ -398,7 +398,7 @@ class Broker:
             picks = index.pick(st, st.buckets_of(consumer), take, now, taken) if take else []
             if picks:
                 try:
-                    args = (consumer, now, lease_ms, picks, rate)
+                    args = (consumer, now, lease_ms, picks, rate, True)  # numbered
                     granted = await self._commit(topic, "lease", *args)
                 finally:
                     index.release(st, picks)

@@ -4,19 +4,36 @@ those names, resolved on every node from the lease's record instead of by id."""
 from __future__ import annotations
 
 import pickle
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Iterator
+from itertools import count
+from weakref import WeakKeyDictionary
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_broker import topic_conf
 
-from dejaq.broker.leases import BULK_MIN, POSITION_BITS, LeaseRecord, Refusal, TopicState
+from dejaq.broker.leases import (
+    BULK_MIN,
+    POSITION_BITS,
+    Lease,
+    LeaseRecord,
+    Refusal,
+    TopicState,
+)
+from dejaq.broker.raft import BrokerState
 
 MIDS = [f"m{i}" for i in range(6)]
 
 
+LIDS: WeakKeyDictionary[TopicState, Iterator[int]] = WeakKeyDictionary()
+
+
 def lease(s: TopicState, consumer: str, mids: list[str], now: int, ms: int = 100) -> LeaseRecord:
-    return s.lease(consumer, now, ms, [(m, 0, i) for i, m in enumerate(mids)])
+    """A lease numbered as the cluster's count (`BrokerState.lids`) numbers them: 1, 2..."""
+    lid = next(LIDS.setdefault(s, count(1)))
+    return s.lease(consumer, now, ms, [(m, 0, i) for i, m in enumerate(mids)], lid=lid)
 
 
 def receipts(record: LeaseRecord) -> dict[str, int]:
@@ -74,7 +91,7 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
     n = BULK_MIN + 4
     for s in states:
         s.touch("c", 0)
-        s.lease("c", 0, 100, [(f"m{i}", i % 2, 100 - i) for i in range(n)])
+        s.lease("c", 0, 100, [(f"m{i}", i % 2, 100 - i) for i in range(n)], lid=1)
     bulk, single, by_id = states
     named = list(range(1 << POSITION_BITS | 2, 1 << POSITION_BITS | (n - 2)))  # 2..n-3
     assert bulk.ack("c", 5, [], named) == {} and runs == [len(named)]
@@ -92,7 +109,7 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
     assert bulk.ending == deque([(n, 1)]) and not bulk.leases
     again = TopicState(buckets=2, max_deliveries=5)
     again.touch("c", 0)
-    whole = again.lease("c", 0, 100, [(f"m{i}", i % 2, i) for i in range(n)])
+    whole = again.lease("c", 0, 100, [(f"m{i}", i % 2, i) for i in range(n)], lid=1)
     assert again.ack("c", 1, [], [whole.receipt(p) for p in range(n)]) == {}
     assert again.ending == deque([(n, 1)]) and again.held == {0: {}, 1: {}}
     assert [e.seq for e in again.events] == list(range(1, n + 1)) and runs[-1] == n
@@ -118,6 +135,13 @@ def test_records_go_once_their_events_are_trimmed() -> None:
     assert len(s.records) == 50 and not s.leases
     s.trim(s.seq)
     assert s.records == {} and not s.ending
+    dead = receipts(lease(s, "c", ["d"], now=70))["d"]
+    s.reject("c", 71, [], [dead])
+    s.trim(s.seq, keep=[s.seq])  # its dead letter not written yet: the death stays
+    assert s.ack("c", 72, [], [dead]) == {dead: Refusal.SETTLED}
+    assert s.ack("c", 72, ["d"]) == {"d": Refusal.SETTLED}
+    s.trim(s.seq)
+    assert s.records == {} and not s.ending
     for i in range(50):  # never settled: no trim comes, and none is needed
         named = receipts(lease(s, "c", [f"x{i}"], now=100 + i))
         assert s.nack("c", 100 + i, [], receipts=list(named.values()))[0] == {}
@@ -134,6 +158,54 @@ def test_receipts_survive_a_snapshot() -> None:
     assert again.ack("c", 2, ["a"]) == {}, "by id, through the rebuilt positions"
     assert again.ack("c", 2, [], [named["a"], named["b"]]) == {named["a"]: Refusal.SETTLED}
     assert again.lease_of("b") is None and again.settled == {"a": "acked", "b": "acked"}
+
+
+class NoIndex:
+    """The Raft state's listener: no index to tell."""
+
+    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
+    def gone(self, topic: str, mids: list[str]) -> None: ...
+    def reset(self, states: dict[str, TopicState]) -> None: ...
+
+
+def from_before_receipts(mids: list[str]) -> TopicState:
+    """A topic's state as a broker from before lease records pickled it: `mids` leased."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    s.touch("c", 0)
+    s.leases = {m: Lease("c", 0, i, 10_000, 1) for i, m in enumerate(mids)}  # type: ignore[misc]
+    s.held = {0: Counter({"c": len(mids)})}
+    return pickle.loads(pickle.dumps(s))
+
+
+def test_nodes_whose_snapshots_predate_receipts_at_different_points_number_leases_alike() -> None:
+    """Each node compacts its log on its own: after an upgrade, one node replays from an
+    older snapshot the lease a later snapshot of another node holds. Leases from before
+    receipts are numbered apart (no receipt names them), so the next lease has the same
+    number, and its receipt the same message, on both."""
+    nodes = [BrokerState([topic_conf("t", buckets=1)], 5, NoIndex()) for _ in range(2)]
+    older, later = nodes
+    older.topics["t"] = from_before_receipts(["m0", "m1"])
+    older._apply("t", "lease", ("c", 1, 10_000, [("m2", 0, 2), ("m3", 0, 3)], None))
+    later.topics["t"] = from_before_receipts(["m0", "m1", "m2", "m3"])
+    for node in nodes:
+        assert sorted(node.topics["t"].leases) == ["m0", "m1", "m2", "m3"]
+        assert all(lid < 0 for lid in node.topics["t"].records)
+        new = node._apply("t", "lease", ("c", 2, 10_000, [("m4", 0, 4)], None, True))
+        assert node.lids == new.lid == 1
+        assert node._apply("t", "ack", ("c", 3, [], [new.receipt(0)])) == {}
+        assert node.topics["t"].settled == {"m4": "acked"}
+
+
+def test_a_receipt_names_one_lease_in_the_whole_cluster() -> None:
+    """Leases are numbered across topics: a receipt given to another topic's route names
+    nothing there."""
+    node = BrokerState([topic_conf("t", buckets=1), topic_conf("u", buckets=1)], 5, NoIndex())
+    on_t = node._apply("t", "lease", ("c", 1, 10_000, [("a", 0, 1)], None, True))
+    on_u = node._apply("u", "lease", ("c", 1, 10_000, [("a", 0, 1)], None, True))
+    assert (on_t.lid, on_u.lid) == (1, 2)
+    wrong = on_t.receipt(0)
+    assert node._apply("u", "ack", ("c", 2, [], [wrong])) == {wrong: Refusal.NOT_LEASED}
+    assert node.topics["u"].lease_of("a") is not None
 
 
 @st.composite
