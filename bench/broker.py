@@ -461,7 +461,6 @@ def dejaq(
     (leader's address, pids, set-up seconds, how to reach it). `name` "secured": TLS on
     its HTTP and API keys on, the clients sending a key over TLS. `store`: the warehouse
     in its bucket."""
-    import httpx
     from test_broker import buffer_rows, fill
 
     from dejaq.broker.keys import add_key
@@ -515,8 +514,7 @@ def dejaq(
     nodes = cluster.up(3, tmp_path / f"raft-{run}", str(conf))
     up_s = time.perf_counter() - t0
     try:
-        cluster_view = httpx.get(f"{nodes[0].url}/v1/cluster", headers=headers, verify=verify)
-        leader = cluster_view.json()["leader_http"]
+        leader = leader_of(nodes, headers, verify)
         followers = [n for n in nodes if n.http != leader]
         pids = {
             "leader": next(n.proc.pid for n in nodes if n.http == leader),
@@ -528,6 +526,25 @@ def dejaq(
     finally:
         for node in nodes:
             cluster.stop_node(node)
+
+
+def leader_of(nodes: list, headers: dict, verify: object, timeout: float = 30) -> str:
+    """The HTTP address of the nodes' leader, once they agree on one that is among them:
+    `cluster up` returns when every node is ready, and an election can still follow."""
+    import httpx
+
+    addresses = {n.http for n in nodes}
+    deadline = time.monotonic() + timeout
+    while True:
+        views = [
+            httpx.get(f"{n.url}/v1/cluster", headers=headers, verify=verify).json() for n in nodes
+        ]
+        leaders = {v.get("leader_http") for v in views}
+        if len(leaders) == 1 and (leader := leaders.pop()) in addresses:
+            return leader
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no leader the {len(nodes)} nodes agree on after {timeout} s")
+        time.sleep(0.1)
 
 
 def _medians(runs: list[dict]) -> list[dict]:
