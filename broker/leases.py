@@ -141,13 +141,6 @@ class LeaseRecord:
             self.deliveries[pos],
         )
 
-    def grants(self) -> list[Grant]:
-        """(id, deliveries, deadline) of each message granted, in pick order."""
-        return [
-            (m, n, self.deadline_of(p))
-            for p, (m, n) in enumerate(zip(self.mids, self.deliveries, strict=True))
-        ]
-
 
 class Settlement(NamedTuple):
     """A settled message waiting to be checkpointed into the ledger (and dead letters).
@@ -188,7 +181,6 @@ class Event:
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
-Grant = tuple[str, int, int]  # (message_id, deliveries, lease deadline ms)
 
 
 class TopicState:
@@ -456,35 +448,30 @@ class TopicState:
         Lazy, so each message is dealt with before the next is checked: one named twice
         is refused the second time.
         """
-        if receipts is not None:
-            records = self.records
-            for receipt in receipts:
-                record = records.get(receipt >> POSITION_BITS)
-                pos = receipt & POSITION_MASK
+        by_receipt = receipts is not None
+        for key in receipts if by_receipt else mids:
+            if by_receipt:
+                record = self.records.get(key >> POSITION_BITS)
+                pos = key & POSITION_MASK
                 if record is None or pos >= len(record.ended):
-                    refused[receipt] = Refusal.NOT_LEASED
-                elif record.ended[pos]:
-                    refused[receipt] = _REFUSAL_AFTER[record.ended[pos]]
-                elif record.consumer != consumer:
-                    refused[receipt] = Refusal.OTHER_CONSUMER
-                elif record.deadline_of(pos) <= now:
-                    refused[receipt] = Refusal.EXPIRED
-                else:
-                    yield record, pos
-            return
-        for mid in mids:
-            if mid in self.settled:
-                refused[mid] = Refusal.SETTLED
-                continue
-            record = self.leases.get(mid)
-            if record is None:
-                refused[mid] = Refusal.NOT_LEASED
-                continue
-            pos = record.position(mid)
+                    refused[key] = Refusal.NOT_LEASED
+                    continue
+                if record.ended[pos]:
+                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
+                    continue
+            else:
+                if key in self.settled:
+                    refused[key] = Refusal.SETTLED
+                    continue
+                record = self.leases.get(key)
+                if record is None:
+                    refused[key] = Refusal.NOT_LEASED
+                    continue
+                pos = record.position(key)
             if record.consumer != consumer:
-                refused[mid] = Refusal.OTHER_CONSUMER
+                refused[key] = Refusal.OTHER_CONSUMER
             elif record.deadline_of(pos) <= now:
-                refused[mid] = Refusal.EXPIRED
+                refused[key] = Refusal.EXPIRED
             else:
                 yield record, pos
 

@@ -81,7 +81,15 @@ def fill(warehouse: str, topic: str, rows: pa.Table) -> None:
 
 
 def leased(state: TopicState, consumer: str, mids: list[str], now: int, lease_ms: int = 1000):
-    return state.lease(consumer, now, lease_ms, [(m, 0, 1) for m in mids]).grants()
+    return grants(state.lease(consumer, now, lease_ms, [(m, 0, 1) for m in mids]))
+
+
+def grants(lease: LeaseRecord) -> list[tuple[str, int, int]]:
+    """(id, deliveries, deadline) of each message a lease granted, in pick order."""
+    return [
+        (m, n, lease.deadline_of(p))
+        for p, (m, n) in enumerate(zip(lease.mids, lease.deliveries, strict=True))
+    ]
 
 
 def one_bucket_state(max_deliveries: int = 5) -> TopicState:
@@ -279,10 +287,10 @@ def drain(
     left = float("inf") if limit is None else limit
     while left and (picks := index.pick(state, state.buckets_of("c"), int(min(n, left)), now)):
         left -= len(picks)
-        grants = state.lease("c", now, 10**9, picks).grants()
+        granted = grants(state.lease("c", now, 10**9, picks))
         index.release(state, picks)
         keys = {m: k for m, _, k in picks}
-        batches.append([keys[m] for m, _, _ in grants])
+        batches.append([keys[m] for m, _, _ in granted])
     return batches
 
 
@@ -911,9 +919,9 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     keep = {f"m{i}" for i in range(0, 400, 25)}
     before = {mid: index.head(mid) for mid in keep}
     picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
-    grants = state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]).grants()
+    granted = grants(state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]))
     index.release(state, picks)
-    assert state.ack("c", 1, [g[0] for g in grants]) == {}
+    assert state.ack("c", 1, [g[0] for g in granted]) == {}
     index.forget(state.trim(state.seq))
     assert index.heads.sparse(), "mostly settled segments, kept by a few messages"
     disk = index.heads.disk_bytes()
