@@ -392,12 +392,10 @@ class BrokerState(SyncObjConsumer):
     def _apply(self, topic: str, op: str, args: tuple) -> Any:
         st = self.topics[topic]
         if op == "lease":
-            if len(args) < 6:  # from before receipts: unnumbered
+            if len(args) == 5:  # from before receipts: unnumbered
                 return st.lease(*args)
-            *args, numbered = args
-            if numbered:
-                self.lids += 1
-            return st.lease(*args, lid=self.lids if numbered else None)
+            self.lids += 1  # a numbered lease: its sixth argument says so
+            return st.lease(*args[:5], lid=self.lids)
         if op in ("ack", "reject"):
             return getattr(st, op)(*args)
         if op == "touch":
