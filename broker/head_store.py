@@ -30,6 +30,7 @@ from operator import itemgetter
 from typing import IO
 
 SEGMENT_BYTES = 64 * 1024 * 1024
+END_MAX = (1 << 32) - 1  # the largest offset `Segment.ends` holds
 SPAN_PER_HEAD = 4  # wanted heads this close are read as one range, through the others
 SPARSE = 4  # a segment no longer written with under 1/SPARSE of its heads live is compacted
 _numbers = itertools.count()
@@ -38,7 +39,8 @@ SEP = b"\0"  # after each head: JSON escapes every control character, so never i
 
 class Segment:
     """One temporary file of heads, each followed by SEP; `ends[i]` is where head i's
-    separator ends."""
+    separator ends (4 bytes a head: a segment stops taking writes at SEGMENT_BYTES, and
+    one that a write would take past 4 GB is not written to)."""
 
     __slots__ = ("ends", "file", "live", "number", "size")
 
@@ -48,7 +50,7 @@ class Segment:
         self.file: IO[bytes] = tempfile.TemporaryFile(  # noqa: SIM115
             dir=folder, prefix="dejaq-heads-"
         )
-        self.ends = array("q")
+        self.ends = array("I")
         self.live = 0  # heads written here whose message is still indexed
         self.size = 0
 
@@ -89,7 +91,7 @@ class HeadStore:
         data = "\0".join(heads).encode("ascii") + SEP
         with self._lock:
             seg = self.current
-            if seg is None or seg.size >= SEGMENT_BYTES:
+            if seg is None or seg.size >= SEGMENT_BYTES or seg.size + len(data) > END_MAX:
                 if seg is not None and seg.live <= 0:
                     self._free(seg)
                 seg = self.current = Segment(self.folder)

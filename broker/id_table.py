@@ -1,38 +1,55 @@
-"""Message id -> handle, as an open-addressing hash table in one NumPy array.
+"""Message ids by handle, and handles by id, in NumPy arrays.
 
-A dict from id to token cost ~60 bytes per message besides the id (its slot, ~30, and
-the token's int object, 32); here a message costs 5 to 16 bytes of int32 slots (the
-table is a quarter to three quarters full). A slot holds a handle + 1 (0: empty, -1:
-deleted). The ids themselves stay where the row store keeps them, by handle: a slot
-matches an id when the id at its handle is equal. Positions come from Python's str
-hash, which each str caches and which differs between processes: the table is a node's
-own, rebuilt from its handles at start.
+An id as a Python str cost ~64 bytes per pending message (the object, ~49 bytes plus its
+length, and its slot in a list by handle): the largest part of what a node holds per
+message. Here the ids are one fixed-width bytes column (NumPy "S"), by handle: an id
+costs the column's width, 8 bytes for ids of up to 8, the column widening in steps of 8
+to the longest id it holds, at most WIDEST. An id longer than that, or ending in a NUL
+byte (which the column cannot tell from its padding), is kept whole in `long`, by
+handle, and in the column as an 8-byte digest of it.
 
-Linear probing. A look-up of many ids takes one vectorised step (a few NumPy
-operations), which settles nearly all of them, then probes the rest one at a time.
-Deleted slots are reused only by a rebuild, when used slots would pass three quarters,
-into a table at most half full. A rebuild over a million ids takes a fraction of a
-second: `make_room` does it before an insert, outside the caller's lock.
+Handles by id: an open-addressing hash table in one int32 array. A dict from id to token
+cost ~60 bytes per message; here a message costs 5 to 16 bytes of int32 slots (the table
+is a quarter to three quarters full). A slot holds a handle + 1 (0: empty, -1:
+deleted), and matches an id when the column at its handle is equal (and, for an id in
+`long`, the whole id is). Positions come from a hash of the column's bytes, computed for
+many ids in one vectorised pass and seeded per process, so ids cannot be chosen ahead to
+collide: the table is a node's own, rebuilt from its handles at start.
+
+Linear probing. A look-up of many ids takes one vectorised step, which settles nearly
+all of them, then probes the rest one at a time. Deleted slots are reused only by a
+rebuild, when used slots would pass three quarters, into a table at most half full. A
+rebuild over a million ids takes a fraction of a second: `make_room` does it before an
+insert, outside the caller's lock.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
 from contextlib import AbstractContextManager
-from itertools import compress
-from operator import eq
 
 import numpy as np
 
 EMPTY = 0
 DELETED = -1
 MIN_SLOTS = 1024
+STEP = 8  # the column's width grows in words of 8 bytes, which the hash reads whole
+WIDEST = 64
+_SEED = int.from_bytes(os.urandom(8), "little")
+_MIX = 0x9E3779B97F4A7C15
+_FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
+_U64 = (1 << 64) - 1
 
 
 class IdTable:
-    """Handles by id. `ids` is the row store's list of ids by handle, read, not owned."""
+    """The id column and the table of handles by id; the row store grows the column with
+    its other columns, and holds its lock around every call that changes either."""
 
-    def __init__(self, ids: list[str]) -> None:
-        self.ids = ids
+    def __init__(self) -> None:
+        self.ids = np.zeros(0, f"S{STEP}")  # by handle; a freed handle keeps its old id
+        self.long: dict[int, str] = {}  # ids the column holds as a digest, by handle
         self.slots = np.zeros(MIN_SLOTS, np.int32)
         self.live = 0
         self.deleted = 0
@@ -41,38 +58,101 @@ class IdTable:
     def __len__(self) -> int:
         return self.live
 
+    # --- the column ------------------------------------------------------------------
+
+    def grow(self, capacity: int) -> None:
+        """Room in the column for `capacity` handles."""
+        column = np.zeros(capacity, self.ids.dtype)
+        column[: len(self.ids)] = self.ids
+        self.ids = column
+
+    def mids(self, handles: np.ndarray) -> list[str]:
+        """The id at each handle."""
+        return decode(self.ids, self.long, handles)
+
+    def insert(self, handles: np.ndarray, mids: list[str]) -> None:
+        """Store `mids` at `handles`, none of them stored already, and index them."""
+        keys, long, _ = self._keys(mids, grow=True)
+        if keys.dtype != self.ids.dtype:  # the positions of every id stored change
+            self.ids = self.ids.astype(keys.dtype)
+            self.slots = self._built(self._stored(), len(handles))
+            self.deleted = 0
+        elif self._full(len(handles)):
+            self.slots = self._built(self._stored(), len(handles))
+            self.deleted = 0
+        self.ids[handles] = keys
+        for i in np.flatnonzero(long).tolist():
+            self.long[int(handles[i])] = mids[i]
+        _place(self.slots, self.ids, handles)
+        self.live += len(handles)
+
+    def _keys(
+        self, mids: list[str], grow: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Each id as the column holds it; which of them are in `long`; and which cannot
+        be stored at the column's width (longer than it, not long). With `grow`, the
+        width is the column's or the longest short id's, whichever is wider."""
+        raw = [m.encode() for m in mids]
+        lengths = np.fromiter(map(len, raw), np.int64, len(raw))
+        long = lengths > WIDEST
+        if b"\0" in b"".join(raw):
+            long |= np.fromiter((r.endswith(b"\0") for r in raw), bool, len(raw))
+        for i in np.flatnonzero(long).tolist():
+            raw[i] = hashlib.blake2b(raw[i], digest_size=STEP).digest()
+        width = self.ids.dtype.itemsize
+        short = lengths[~long]
+        if grow and len(short) and short.max() > width:
+            width = -(-int(short.max()) // STEP) * STEP
+        return np.array(raw, f"S{width}"), long, ~long & (lengths > width)
+
+    # --- the table -------------------------------------------------------------------
+
     def get(self, mid: str) -> int | None:
         """The handle of `mid`, if stored: one id, probed in Python."""
-        i = self._slot(mid, hash(mid) & (len(self.slots) - 1))
+        (key,), long, absent = self._keys([mid])
+        if absent[0]:
+            return None
+        i = self._slot(mid, key, bool(long[0]), _position(key, self.ids.dtype.itemsize))
         return None if i < 0 else int(self.slots[i]) - 1
 
-    def _slot(self, mid: str, i: int) -> int:
-        """The slot of `mid` probing from slot `i`, or -1."""
+    def _slot(self, mid: str, key: bytes, long: bool, position: int) -> int:
+        """The slot of `mid` (as the column holds it: `key`) probing from `position`, or -1."""
         slots, ids = self.slots, self.ids
         mask = len(slots) - 1
+        i = position & mask
         while True:
             s = int(slots[i])
             if s == EMPTY:
                 return -1
-            if s > 0 and ids[s - 1] == mid:
+            if s > 0 and ids[s - 1] == key and self._whole(s - 1, mid, long):
                 return i
             i = (i + 1) & mask
 
+    def _whole(self, handle: int, mid: str, long: bool) -> bool:
+        """Whether an id whose key the column at `handle` matches is the one stored."""
+        if long or handle in self.long:
+            return self.long.get(handle) == mid
+        return True
+
     def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
-        n = len(mids)
-        slots, ids = self.slots, self.ids
+        keys, long, absent = self._keys(mids)
+        slots = self.slots
         mask = len(slots) - 1
-        found = np.fromiter(map(hash, mids), np.int64, n) & mask
+        found = _positions(keys) & mask
         s = slots[found].astype(np.int64)
+        s[absent] = EMPTY
         live = s > 0
-        live[live] = np.fromiter(
-            map(eq, map(ids.__getitem__, (s[live] - 1).tolist()), compress(mids, live.tolist())),
-            bool,
-        )
+        at = np.flatnonzero(live)
+        match = self.ids[s[at] - 1] == keys[at]
+        if self.long or long.any():
+            for j in np.flatnonzero(match).tolist():
+                k = int(at[j])
+                match[j] = self._whole(int(s[k]) - 1, mids[k], bool(long[k]))
+        live[at] = match
         # At its first slot, or not stored: the rest walk on, one at a time.
         for k in np.flatnonzero(~live & (s != EMPTY)).tolist():
-            found[k] = self._slot(mids[k], (int(found[k]) + 1) & mask)
+            found[k] = self._slot(mids[k], keys[k], bool(long[k]), int(found[k]) + 1)
         found[s == EMPTY] = -1
         handles = np.where(found >= 0, slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
         return handles, found
@@ -108,18 +188,14 @@ class IdTable:
             deleted = sum(map(len, deleting))
             self.slots, self.live, self.deleted = slots, len(kept) - deleted, deleted
 
-    def insert(self, handles: np.ndarray) -> None:
-        """Store `handles`, whose ids are in `ids` and none of them stored already."""
-        if self._full(len(handles)):
-            self.slots = self._built(self._stored(), len(handles))
-            self.deleted = 0
-        _place(self.slots, self.ids, handles)
-        self.live += len(handles)
-
     def delete(self, slots: np.ndarray) -> None:
         """Empty `slots` (as `find` returned them, each a stored id's)."""
+        handles = self.slots[slots].astype(np.int64) - 1
         if self._deleting is not None:  # a rebuild is under way
-            self._deleting.append(self.slots[slots].astype(np.int64) - 1)
+            self._deleting.append(handles)
+        if self.long:
+            for h in handles.tolist():
+                self.long.pop(h, None)
         self.slots[slots] = DELETED
         self.live -= len(slots)
         self.deleted += len(slots)
@@ -135,13 +211,48 @@ class IdTable:
         return slots
 
 
-def _place(slots: np.ndarray, ids: list[str], handles: np.ndarray) -> None:
+def decode(ids: np.ndarray, long: dict[int, str], handles: np.ndarray) -> list[str]:
+    """The id at each handle of a column (`IdTable.ids`, or a copy of it with `long`)."""
+    keys = ids[handles].tolist()
+    if not long:
+        return list(map(bytes.decode, keys))
+    return [
+        long[h] if h in long else key.decode()
+        for h, key in zip(handles.tolist(), keys, strict=True)
+    ]
+
+
+def _positions(keys: np.ndarray) -> np.ndarray:
+    """The hash of each key (a fixed-width bytes array whose width is a multiple of 8),
+    word by word, then mixed so that its low bits, a table's position, depend on all."""
+    words = np.ascontiguousarray(keys).view("<u8").reshape(len(keys), keys.dtype.itemsize // 8)
+    h = np.full(len(keys), _SEED, np.uint64)
+    for k in range(words.shape[1]):
+        h ^= words[:, k]
+        h *= np.uint64(_MIX)
+    for c in _FMIX:
+        h ^= h >> np.uint64(33)
+        h *= np.uint64(c)
+    h ^= h >> np.uint64(33)
+    return (h >> np.uint64(1)).astype(np.int64)
+
+
+def _position(key: bytes, width: int) -> int:
+    """`_positions` of one key, in Python: a probe of one id makes no arrays."""
+    h = _SEED
+    for (word,) in struct.iter_unpack("<Q", key.ljust(width, b"\0")):
+        h = ((h ^ word) * _MIX) & _U64
+    for c in _FMIX:
+        h = ((h ^ (h >> 33)) * c) & _U64
+    return (h ^ (h >> 33)) >> 1
+
+
+def _place(slots: np.ndarray, ids: np.ndarray, handles: np.ndarray) -> None:
     """Each handle into the first empty slot from its id's position; of two handles
     wanting one slot in a pass, the first takes it and the other walks on."""
     mask = len(slots) - 1
-    n = len(handles)
-    pos = np.fromiter(map(hash, map(ids.__getitem__, handles.tolist())), np.int64, n) & mask
-    todo = np.arange(n)
+    pos = _positions(ids[handles]) & mask
+    todo = np.arange(len(handles))
     while len(todo):
         at = pos[todo]
         free = np.flatnonzero(slots[at] == EMPTY)

@@ -24,7 +24,7 @@ import heapq
 import logging
 import threading
 from collections import Counter
-from collections.abc import Set
+from collections.abc import Iterator, Set
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -36,6 +36,7 @@ from deltalake import DeltaTable
 
 from dejaq.broker import message_json
 from dejaq.broker.head_store import HeadStore, Segment
+from dejaq.broker.id_table import decode
 from dejaq.broker.leases import Pick, TopicState
 from dejaq.broker.ledger_writer import APP_ID
 from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
@@ -66,8 +67,10 @@ _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_
 _COORDS = ["source_partition", "source_offset"]
 _FILE_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _COLUMNS + _COORDS])
 _ORDER = [("sort_key", "ascending"), *((c, "ascending") for c in _COORDS)]
+_ORDER_COLUMNS = [c for c, _ in _ORDER]
+_ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
-HEAD_SLICE = 8192  # rows rendered and written to the head store at once
+HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
 FRONT = 256  # a run's tokens made entries at once
 
 # (sort key, partition, offset, message id, token, bucket): valid while the token is
@@ -140,9 +143,6 @@ class TopicIndex:
         """First load: the settled ids in the ledger's tail, then every buffer file."""
         self._buffer = DeltaTable(self.buffer_path)
         self.refresh(self._settled_ids()[0])
-        # Arrow's allocator keeps what loading freed (the whole buffer's columns, read once)
-        # for reuse; a node that never reads that much again would hold it for its life.
-        pa.default_memory_pool().release_unused()
         self.loaded = True
 
     def _settled_ids(self) -> tuple[set[str], set[str]]:
@@ -188,9 +188,45 @@ class TopicIndex:
         if version == self.version:
             return 0
         unread, current = self._unseen(version)
+        paths: dict[int, list[str]] = {}
+        for path, bucket, _ in unread:
+            if not 0 <= bucket < self.topic.buckets:
+                raise ConfigError(
+                    f"topics[{self.topic.name}].buckets is {self.topic.buckets}, but the buffer "
+                    f"holds messages in bucket {bucket}: a topic's buckets cannot be lowered "
+                    "while messages in the higher ones are pending or retained"
+                )
+            uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
+            paths.setdefault(bucket, []).append(uri)
         # Read first, then insert every file of the version under one lock: a lease sees
-        # a Delta commit whole or not at all, never some of its buckets.
-        batches = self._read_files(unread)
+        # a Delta commit whole or not at all, never some of its buckets. Except on the
+        # first load, before the node serves or applies anything: there a bucket at a
+        # time, so that a load holds one bucket's rows, not the buffer's.
+        groups = [list(paths.items())] if self.loaded else [[item] for item in paths.items()]
+        if len(groups) > 1:
+            # Sized once for what the load will likely add (every row it reads, but the
+            # settled), not grown a bucket at a time: each growth copies the columns.
+            expected = max(0, sum(rows for _, _, rows in unread) - len(settled))
+            self.store.table.make_room(expected, self.lock)
+            with self.lock:
+                self.store.reserve(expected)
+        added = 0
+        for group in groups:
+            added += self._index(group, settled, forgotten)
+            # Arrow's allocator keeps what a bucket's reading freed for reuse: a load of
+            # many buckets would hold the most any of them took, and a node that never
+            # reads that much again would hold it for its life.
+            pa.default_memory_pool().release_unused()
+        self.files = current
+        self.version = version
+        return added
+
+    def _index(
+        self, buckets: list[tuple[int, list[str]]], settled: Set[str], forgotten: set[str]
+    ) -> int:
+        """Read the files of `buckets` and index their rows not indexed, settled or
+        forgotten already; returns how many."""
+        batches = [(bucket, self._read_bucket(bucket, uris)) for bucket, uris in buckets]
         # The per-row checks happen before taking the lock, which the event loop (Raft
         # applies, leases) also takes: under it, column copies and inserts. The id table
         # is read outside it: only this thread adds to it, so an id not found stays
@@ -198,12 +234,6 @@ class TopicIndex:
         seen: set[str] = set()
         kept: list[tuple[int, Batch, np.ndarray]] = []
         for bucket, batch in batches:
-            if not 0 <= bucket < self.topic.buckets:
-                raise ConfigError(
-                    f"topics[{self.topic.name}].buckets is {self.topic.buckets}, but the buffer "
-                    f"holds messages in bucket {bucket}: a topic's buckets cannot be lowered "
-                    "while messages in the higher ones are pending or retained"
-                )
             # Duplicates by id: first wins. A mask, not a list of positions: an int object
             # per row, made while the ids are, would leave the heap fragmented.
             new = np.fromiter(
@@ -239,12 +269,11 @@ class TopicIndex:
                     self._add(bucket, self.store.add(bucket, batch, keep))
                     added += len(keep)
         self.heads.release(+unused)
-        self.files = current
-        self.version = version
         return added
 
-    def _unseen(self, version: int) -> tuple[list[tuple[str, int]], set[str]]:
-        """Files of `version` that this index has not seen: (to read, all of them).
+    def _unseen(self, version: int) -> tuple[list[tuple[str, int, int]], set[str]]:
+        """Files of `version` that this index has not seen: (to read, with their bucket
+        and row count; all of them).
 
         A compaction (OPTIMIZE) or a retention run rewrites rows the table already had,
         settled ones too, so its files are seen but not read: the index keeps no settled
@@ -263,68 +292,134 @@ class TopicIndex:
                 (v, DeltaTable(self.buffer_path, version=v))
                 for v in range(self.version + 1, version + 1)
             ]
-        unread: list[tuple[str, int]] = []
+        unread: list[tuple[str, int, int]] = []
         seen: set[str] = set()
         actions: dict[str, list] = {}
         for v, table in steps:
             actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()
-            for path, bucket in zip(actions["path"], actions["partition.bucket"], strict=True):
+            for path, bucket, rows in zip(
+                actions["path"], actions["partition.bucket"], actions["num_records"], strict=True
+            ):
                 if path in self.files or path in seen:
                     continue
                 seen.add(path)
                 if v not in rewritten:
-                    unread.append((path, bucket))
+                    unread.append((path, bucket, rows or 0))
         self.buffer_rows = sum(n or 0 for n in actions["num_records"])
         return unread, set(actions["path"])
 
-    def _read_files(self, unread: list[tuple[str, int]]) -> list[tuple[int, Batch]]:
-        """Rows of the files, a bucket at a time and in its sort order, heads written.
+    def _read_bucket(self, bucket: int, uris: list[str]) -> Batch:
+        """Rows of one bucket's files in sort order, their heads written, read a slice of
+        rows at a time: a load holds one slice's payloads, not the bucket's (a million
+        1 KB messages in 16 buckets are 64 MB a bucket).
 
-        A bucket's heads are written in that order, so a lease, which takes a bucket's
-        lowest keys, reads them as one range of the head store. Between two copies of an
-        id in one bucket's new files the lower sort key wins (the ingest drops such
+        A bucket's heads end up in its sort order, so a lease, which takes a bucket's
+        lowest keys, reads them as one range of the head store. Rows the files hold in
+        another order have their heads written in file order to a scratch store first,
+        then copied from it in sort order a slice at a time. Between two copies of an id
+        in one bucket's new files the lower sort key wins (the ingest drops such
         duplicates before they reach the buffer: this only keeps the index consistent).
         """
-        paths: dict[int, list[str]] = {}
-        for path, bucket in unread:
-            uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
-            paths.setdefault(bucket, []).append(uri)
-        # A bucket at a time: a first load holds one bucket's columns, not the buffer's.
-        # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
-        return [
-            (b, self._batch(pa.concat_tables(map(_read_columns, uris)), b))
-            for b, uris in paths.items()
+        keys = pa.concat_tables(
+            conform(pq.read_table(uri, columns=_ORDER_COLUMNS), _ORDER_SCHEMA) for uri in uris
+        )
+        order = pc.sort_indices(keys, sort_keys=_ORDER).to_numpy()
+        del keys
+        sorted_already = bool((order[1:] > order[:-1]).all())
+        store = self.heads if sorted_already else HeadStore(self.heads.folder)
+        try:
+            mids: list[str] = []
+            segments: list[Segment] = []
+            parts: list[tuple[np.ndarray, ...]] = []
+            for uri in uris:
+                for rows in _slices(uri):
+                    part_mids = rows.column("message_id").to_pylist()
+                    part_segments, positions = self._render(store, rows, part_mids, bucket)
+                    mids += part_mids
+                    segments += part_segments
+                    parts.append(
+                        (
+                            rows.column("sort_key").to_numpy(),
+                            rows.column("source_partition").to_numpy(),
+                            rows.column("source_offset").to_numpy(),
+                            _ingested_ms(rows.column("ingested_at")),
+                            positions,
+                        )
+                    )
+            columns = [np.concatenate(c) for c in zip(*parts, strict=True)] or [
+                np.zeros(0, dtype) for dtype in (np.int64, np.int32, np.int64, np.int64, np.int64)
+            ]
+            del parts
+            if not sorted_already:
+                mids = list(map(mids.__getitem__, order.tolist()))
+                columns = [c[order] for c in columns]
+                segments, columns[-1] = self._copy_heads(
+                    store, list(map(segments.__getitem__, order.tolist())), columns[-1]
+                )
+        finally:
+            if store is not self.heads:
+                store.close()
+        return Batch(mids, *columns[:4], segments, columns[4])
+
+    def _render(
+        self, store: HeadStore, rows: pa.Table, mids: list[str], bucket: int
+    ) -> tuple[list[Segment], np.ndarray]:
+        """Write the heads of `rows` to `store`, in the rows' order; returns where."""
+        heads = [
+            message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
+            for mid, key, payload, sort_key, at in zip(
+                mids,
+                rows.column("key").to_pylist(),
+                rows.column("payload").to_pylist(),
+                rows.column("sort_key").to_pylist(),
+                _ms(rows.column("deliver_at")),
+                strict=True,
+            )
         ]
+        segment, first = store.write(heads)
+        return [segment] * len(heads), np.arange(first, first + len(heads))
+
+    def _copy_heads(
+        self, scratch: HeadStore, segments: list[Segment], positions: np.ndarray
+    ) -> tuple[list[Segment], np.ndarray]:
+        """Copy the heads at these places of `scratch` to the node's store, in this
+        order, a slice at a time; returns their new places."""
+        copied: list[Segment] = []
+        moved = np.empty(len(positions), np.int64)
+        for start in range(0, len(positions), HEAD_SLICE):
+            places = list(
+                zip(
+                    segments[start : start + HEAD_SLICE],
+                    positions[start : start + HEAD_SLICE].tolist(),
+                    strict=True,
+                )
+            )
+            heads = [head.decode("ascii") for head in scratch.read(places)]
+            segment, first = self.heads.write(heads)
+            copied += repeat(segment, len(heads))
+            moved[start : start + len(heads)] = np.arange(first, first + len(heads))
+        return copied, moved
 
     def _batch(self, t: pa.Table, bucket: int) -> Batch:
-        """Buffer rows of one bucket in sort order, their heads written to the store."""
+        """Buffer rows of one bucket in sort order, their heads written to the store: a
+        table read whole (`revive`'s few rows)."""
         t = t.take(pc.sort_indices(t, sort_keys=_ORDER))
         mids = t.column("message_id").to_pylist()
-        keys = t.column("sort_key").to_numpy()
         segments: list[Segment] = []
         positions = np.empty(len(mids), np.int64)
         for start in range(0, len(mids), HEAD_SLICE):  # payloads a slice at a time
             part = t.slice(start, HEAD_SLICE)
-            heads = [
-                message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
-                for mid, key, payload, sort_key, at in zip(
-                    mids[start : start + HEAD_SLICE],
-                    part.column("key").to_pylist(),
-                    part.column("payload").to_pylist(),
-                    keys[start : start + HEAD_SLICE].tolist(),
-                    _ms(part.column("deliver_at")),
-                    strict=True,
-                )
-            ]
-            segment, first = self.heads.write(heads)
-            segments += repeat(segment, len(heads))
-            positions[start : start + len(heads)] = np.arange(first, first + len(heads))
+            part_segments, part_positions = self._render(
+                self.heads, part, mids[start : start + HEAD_SLICE], bucket
+            )
+            segments += part_segments
+            positions[start : start + len(part_segments)] = part_positions
         return Batch(
             mids,
-            keys,
+            t.column("sort_key").to_numpy(),
             t.column("source_partition").to_numpy(),
             t.column("source_offset").to_numpy(),
-            pc.divide(pc.cast(t.column("ingested_at"), pa.int64()), 1000).to_numpy(),
+            _ingested_ms(t.column("ingested_at")),
             segments,
             positions,
         )
@@ -452,7 +547,7 @@ class TopicIndex:
                 store.sort_key[h].tolist(),
                 store.partition[h].tolist(),
                 store.offset[h].tolist(),
-                map(store.ids.__getitem__, h.tolist()),
+                store.table.mids(h),
                 tokens.tolist(),
                 repeat(bucket),
                 strict=False,
@@ -515,7 +610,7 @@ class TopicIndex:
                     row = store.row(token)
                     heaps[row.bucket].append(_entry(overrides[mid], mid, token, row))
             h = store.stored()
-            h = h[[store.ids[i] not in overrides for i in h.tolist()]]
+            h = h[[m not in overrides for m in store.table.mids(h)]]
             tokens = store.token[h]
             buckets = store.bucket[h]
             self.runs = [Run(store.order(tokens[buckets == b])) for b in range(len(heaps))]
@@ -625,11 +720,12 @@ class TopicIndex:
             return 0
         store = self.store
         with self.lock:
-            segments = list(store.segments)  # a C-level copy; the walk is outside the lock
-        handles = [h for h, s in enumerate(segments) if s in sparse]
-        del segments
+            numbers = store.segment[: store.size].copy()
+        # Freed handles keep their last segment's number: the tokens below drop them.
+        handles = np.flatnonzero(np.isin(numbers, [s.number for s in sparse]))
+        del numbers
         with self.lock:  # still indexed, so their segments are still open
-            tokens = store.token[np.array(handles, np.int64)]
+            tokens = store.token[handles]
             tokens = store.order(tokens[tokens != 0])
             # A bucket's in its sort order, as a first write.
             h = tokens & HANDLE_MASK
@@ -653,8 +749,7 @@ class TopicIndex:
                 if store.token[handle] != token:
                     unused[new] += 1  # settled meanwhile
                     continue
-                store.segments[handle] = new
-                store.position[handle] = first + i
+                store.move(handle, new, first + i)
                 unused[old] += 1
                 moved += 1
         self.heads.release(unused)
@@ -751,7 +846,7 @@ class TopicIndex:
         purge's list). Off the event loop, on a copy taken under the lock."""
         with self.lock:
             h = self.store.stored()
-            mids = list(map(self.store.ids.__getitem__, h.tolist()))
+            mids = self.store.table.mids(h)
             buckets, keys = self.store.bucket[h].tolist(), self.store.sort_key[h].tolist()
         settled, leases = state.settled, state.leases
         return [
@@ -767,7 +862,8 @@ class TopicIndex:
         # the counts are a moment's view either way.
         store = self.store
         with self.lock:
-            ids = store.ids.copy()  # by handle: a handle freed meanwhile may be another's
+            # By handle: a handle freed meanwhile may be another's.
+            ids, long = store.table.ids.copy(), dict(store.table.long)
             parts = []
             for run, heap in zip(self.runs, self.heaps, strict=True):
                 tokens = np.concatenate([run.rest(), np.fromiter((e[4] for e in heap), np.int64)])
@@ -782,7 +878,7 @@ class TopicIndex:
             seen: set[str] = set()
             pending = deliverable = 0
             oldest: int | None = None
-            mids = map(ids.__getitem__, h.tolist())
+            mids = decode(ids, long, h)
             lists = [c.tolist() for c in columns]
             for mid, live, key, base_key, at in zip(mids, *lists, strict=True):
                 if not live or mid in seen or mid in state.settled:
@@ -826,8 +922,17 @@ def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
     return [None if us is None else us // 1000 for us in pc.cast(timestamps, "int64").to_pylist()]
 
 
-def _read_columns(uri: str) -> pa.Table:
-    return conform(pq.read_table(uri, columns=_COLUMNS + _COORDS), _FILE_SCHEMA)
+def _slices(uri: str) -> Iterator[pa.Table]:
+    """A buffer file's rows, HEAD_SLICE at a time, as `_FILE_SCHEMA`."""
+    file = pq.ParquetFile(uri)
+    columns = [c for c in _COLUMNS + _COORDS if c in file.schema_arrow.names]
+    for rows in file.iter_batches(HEAD_SLICE, columns=columns):
+        # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
+        yield conform(pa.Table.from_batches([rows]), _FILE_SCHEMA)
+
+
+def _ingested_ms(column: pa.ChunkedArray) -> np.ndarray:
+    return pc.divide(pc.cast(column, pa.int64()), 1000).to_numpy()
 
 
 def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:

@@ -2,9 +2,10 @@
 message, in NumPy arrays by handle.
 
 A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in its
-bucket's run), a node over a million pending messages ~700 MB. Here a message costs its
-id (a str, which every Raft command names it by), 42 bytes of columns and 5 to 16 of
-the id table (`IdTable`). Handles of settled messages are reused; a token carries its
+bucket's run), a node over a million pending messages ~700 MB. Here a message costs 46
+bytes of columns, and its id's width and 5 to 16 bytes of slots in the id table
+(`IdTable`). A head's segment is a column of numbers too, not a list of references:
+`segments` maps the numbers in use to their segments. Handles of settled messages are reused; a token carries its
 handle and the batch that stored it, so an entry naming a handle since reused is told
 from the handle's new message: `token[handle] == token` says an entry is still its
 message's (0: the handle is free).
@@ -56,6 +57,7 @@ _COLUMNS = {
     "offset": np.int64,
     "ingested_at": np.int64,
     "position": np.int32,  # a head's place in its segment, of at most 64 MB
+    "segment": np.int32,  # its head's segment's number (`Segment.number`)
 }
 
 
@@ -64,9 +66,11 @@ class RowStore:
     around every call that changes them."""
 
     def __init__(self) -> None:
-        self.ids: list[str] = []  # by handle; "" once free
-        self.table = IdTable(self.ids)
-        self.segments: list[Segment | None] = []  # by handle
+        self.size = 0  # handles made, free or not
+        self.table = IdTable()
+        # The segments the `segment` column names, and how many stored rows name each.
+        self.segments: dict[int, Segment] = {}
+        self._rows_in: Counter[int] = Counter()
         self.token = np.zeros(0, _COLUMNS["token"])
         self.bucket = np.zeros(0, _COLUMNS["bucket"])
         self.sort_key = np.zeros(0, _COLUMNS["sort_key"])
@@ -74,6 +78,7 @@ class RowStore:
         self.offset = np.zeros(0, _COLUMNS["offset"])
         self.ingested_at = np.zeros(0, _COLUMNS["ingested_at"])
         self.position = np.zeros(0, _COLUMNS["position"])
+        self.segment = np.zeros(0, _COLUMNS["segment"])
         self._free = array("q")
         self._batches = 0
 
@@ -87,9 +92,10 @@ class RowStore:
         handles = np.empty(n, np.int64)
         handles[:reused] = self._free[len(self._free) - reused :]
         del self._free[len(self._free) - reused :]
-        size = len(self.ids)
+        size = self.size
         handles[reused:] = np.arange(size, size + n - reused)
         self._grow(size + n - reused)
+        self.size = size + n - reused
         self.bucket[handles] = bucket
         for name in ("sort_key", "partition", "offset", "ingested_at", "position"):
             getattr(self, name)[handles] = getattr(batch, name)[keep]
@@ -100,15 +106,14 @@ class RowStore:
             mids = list(map(batch.mids.__getitem__, at))
             segments = list(map(batch.segments.__getitem__, at))
             del at  # before the tokens are made: ints freed between them would leave holes
-        ids, segs = self.ids, self.segments
-        for i, h in enumerate(handles[:reused].tolist()):
-            ids[h], segs[h] = mids[i], segments[i]
-        ids += mids[reused:]
-        segs += segments[reused:]
+        self.segment[handles] = np.fromiter((s.number for s in segments), np.int32, n)
+        for seg, count in Counter(segments).items():
+            self.segments[seg.number] = seg
+            self._rows_in[seg.number] += count
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
         self.token[handles] = tokens
-        self.table.insert(handles)
+        self.table.insert(handles, mids)
         return tokens
 
     def get(self, mid: str) -> int | None:
@@ -123,7 +128,7 @@ class RowStore:
 
     def stored(self) -> np.ndarray:
         """The handles of every stored message."""
-        return np.flatnonzero(self.token[: len(self.ids)])
+        return np.flatnonzero(self.token[: self.size])
 
     def forget(self, mids: list[str]) -> tuple[Counter[Segment], list[str]]:
         """Messages no longer indexed: their handles are free for reuse. Returns their
@@ -135,19 +140,30 @@ class RowStore:
         handles = handles[hit][first]
         self.table.delete(slots)
         self.token[handles] = 0
-        ids, segs = self.ids, self.segments
-        freed = handles.tolist()
-        released: Counter[Segment] = Counter(map(segs.__getitem__, freed))
-        for h in freed:
-            ids[h] = ""
-            segs[h] = None
-        self._free.extend(freed)
+        released = Counter(map(self.segments.__getitem__, self.segment[handles].tolist()))
+        for seg, count in released.items():
+            self._moved_out(seg.number, count)
+        self._free.extend(handles.tolist())
         return released, missing
+
+    def move(self, handle: int, segment: Segment, position: int) -> None:
+        """A stored row's head, copied to `segment` at `position`."""
+        self._moved_out(int(self.segment[handle]), 1)
+        self.segment[handle] = segment.number
+        self.position[handle] = position
+        self.segments[segment.number] = segment
+        self._rows_in[segment.number] += 1
+
+    def _moved_out(self, number: int, count: int) -> None:
+        """`count` rows no longer name segment `number`."""
+        self._rows_in[number] -= count
+        if self._rows_in[number] <= 0:
+            del self._rows_in[number], self.segments[number]
 
     def reserve(self, n: int) -> None:
         """Room for `n` more rows, before adding them a bucket at a time: a first load's
         columns are then sized for the whole buffer, with nothing idle."""
-        self._grow(len(self.ids) + max(0, n - len(self._free)))
+        self._grow(self.size + max(0, n - len(self._free)))
 
     def _grow(self, size: int) -> None:
         """Columns for `size` handles: capacity grows by a quarter, so a load's appends
@@ -162,6 +178,7 @@ class RowStore:
             old = getattr(self, name)
             column[: len(old)] = old
             setattr(self, name, column)
+        self.table.grow(capacity)
 
     def row(self, token: int) -> Row:
         h = token & HANDLE_MASK
@@ -175,15 +192,13 @@ class RowStore:
 
     def place(self, token: int) -> tuple[Segment, int]:
         h = token & HANDLE_MASK
-        seg = self.segments[h]
-        assert seg is not None, "a stored message has a head"
-        return seg, int(self.position[h])
+        return self.segments[int(self.segment[h])], int(self.position[h])
 
     def places(self, handles: np.ndarray) -> list[tuple[Segment, int]]:
         """(segment, position) of each handle's head, in order."""
         return list(
             zip(
-                map(self.segments.__getitem__, handles.tolist()),
+                map(self.segments.__getitem__, self.segment[handles].tolist()),
                 self.position[handles].tolist(),
                 strict=True,
             )
@@ -213,7 +228,7 @@ class StoredIds(Mapping[str, int]):
         return isinstance(mid, str) and self.store.table.get(mid) is not None
 
     def __iter__(self) -> Iterator[str]:
-        return map(self.store.ids.__getitem__, self.store.stored().tolist())
+        return iter(self.store.table.mids(self.store.stored()))
 
     def __len__(self) -> int:
         return len(self.store.table)

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
@@ -320,6 +321,47 @@ def test_leases_come_in_sort_key_order(tmp_path_factory, keys: list[int], n: int
     assert all(len(b) == n for b in batches[:-1])
 
 
+def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files whose rows are not in sort order, read 7 rows at a time: every head is its
+    message's, each bucket's heads lie in sort order in the store, the file-order copies
+    are gone, and ids of every shape the id table stores apart are found, leased and
+    forgotten. Then a settled load's segments are all released."""
+    monkeypatch.setattr(index_module, "HEAD_SLICE", 7)  # the slice size, made small
+    warehouse = str(tmp_path)
+    keys = [(i * 37) % 101 for i in range(60)]
+    renamed = {f"m{i}": _id(i) for i in range(30)}
+    first = buffer_rows(keys[:30])
+    at = first.schema.get_field_index("message_id")
+    mids = pa.array([renamed[m] for m in first.column(at).to_pylist()], pa.string())
+    fill(warehouse, "jobs", first.set_column(at, BUFFER_SCHEMA.field("message_id"), mids))
+    fill(warehouse, "jobs", buffer_rows(keys[30:], prefix="s"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    store = index.store
+    assert len(index.rows) == 60
+    for bucket in range(4):
+        h = store.stored()[store.bucket[store.stored()] == bucket]
+        h = h[np.lexsort((store.offset[h], store.partition[h], store.sort_key[h]))]
+        assert len(set(store.segment[h].tolist())) == 1, "a bucket's heads in one segment"
+        assert (np.diff(store.position[h]) == 1).all(), "in the bucket's sort order"
+    expected = sum(len(head) + 1 for head in index.heads.read(store.places(store.stored())))
+    assert index.heads.disk_bytes() == expected, "no scratch store and no copy left"
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    taken: list = []
+    picks = index.pick(state, state.buckets_of("c"), 100, 0, taken)
+    assert sorted(p[0] for p in picks) == sorted([*renamed.values(), *(f"s{i}" for i in range(30))])
+    for (mid, _, key), (row_key, head) in zip(picks, taken, strict=True):
+        shown = json.loads(head + b"}")
+        assert (shown["id"], shown["sort_key"]) == (mid, key) and key == row_key
+    assert [p[2] for p in picks] == sorted(keys)
+    assert index.row(_id(2)) is not None and index.row("x" * 70) is None
+    index.forget([p[0] for p in picks])
+    assert len(index.rows) == 0 and store.segments == {}, "every segment released"
+
+
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -522,7 +564,8 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     index.forget(state.trim(upto))
     fresh = TopicIndex(warehouse, topic_conf())
     fresh.load()
-    assert "m1" not in fresh.rows and "m1" not in fresh.store.ids, "not stored at all"
+    stored = fresh.store.table.mids(fresh.store.stored())
+    assert "m1" not in fresh.rows and "m1" not in stored, "not stored at all"
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
     taken = []
@@ -940,6 +983,13 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     index.close()
 
 
+def _id(n: int) -> str:
+    """Ids of every shape the id table stores apart: short ones, ones that widen its
+    column, ones past its widest (kept whole, the column holding a digest), ones ending
+    in a NUL byte (which the column's padding would hide), and non-ASCII ones."""
+    return [f"m{n}", f"message-{n:04}", "x" * 70 + str(n), f"n{n}\0", f"é{n}"][n % 5]
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     steps=st.lists(
@@ -953,16 +1003,17 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
 def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]) -> None:
     """Stored and forgotten ids, handles reused as the row store reuses them, in a table
     that starts at 4 slots: collisions, deleted slots and rebuilds at every size, and
-    rebuilds outside the lock (`make_room`) while the event loop forgets ids."""
+    rebuilds outside the lock (`make_room`) while the event loop forgets ids. Probes
+    include ids that were never stored, and ids that share a stored one's first bytes."""
     import numpy as np
 
     from dejaq.broker import id_table
 
     small, id_table.MIN_SLOTS = id_table.MIN_SLOTS, 4
     try:
-        ids: list[str] = []
         free: list[int] = []
-        table = id_table.IdTable(ids)
+        size = 0
+        table = id_table.IdTable()
         model: dict[str, int] = {}
 
         def forget(mids: list[str]) -> None:
@@ -970,26 +1021,25 @@ def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]
             assert handles.tolist() == [model.get(m, -1) for m in mids]
             hit = handles >= 0
             slots, first = np.unique(slots[hit], return_index=True)
+            gone = handles[hit][first]
+            for mid in table.mids(gone):
+                del model[mid]
             table.delete(slots)
-            for h in handles[hit][first].tolist():
-                del model[ids[h]]
-                ids[h] = ""
-                free.append(h)
+            free.extend(gone.tolist())
 
         for op, numbers in steps:
-            mids = [f"m{n}" for n in numbers]
+            mids = [_id(n) for n in numbers]
             if op == "store":
                 new = [m for m in dict.fromkeys(mids) if m not in model]
                 handles = []
                 for mid in new:
-                    h = free.pop() if free else len(ids)
-                    if h == len(ids):
-                        ids.append(mid)
-                    else:
-                        ids[h] = mid
+                    h = free.pop() if free else size
+                    size = max(size, h + 1)
                     model[mid] = h
                     handles.append(h)
-                table.insert(np.array(handles, np.int64))
+                if len(table.ids) < size:
+                    table.grow(size)
+                table.insert(np.array(handles, np.int64), new)
             elif op == "forget":
                 forget(mids)
             else:
@@ -1007,9 +1057,11 @@ def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]
                 table.make_room(room if len(table.slots) < 4096 else 0, threading.Lock())
                 del table._built
             assert len(table) == len(model)
-            probe = [f"m{n}" for n in range(61)]
+            probe = [_id(n) for n in range(61)] + ["m", "x" * 70, "n1", "message-00"]
             assert [table.get(m) for m in probe] == [model.get(m) for m in probe]
             assert table.find(probe)[0].tolist() == [model.get(m, -1) for m in probe]
+            stored = np.array(sorted(model.values()), np.int64)
+            assert table.mids(stored) == sorted(model, key=model.__getitem__)
             assert 4 * (table.live + table.deleted) <= 3 * len(table.slots)
     finally:
         id_table.MIN_SLOTS = small
