@@ -37,6 +37,7 @@ DELETED = -1
 MIN_SLOTS = 1024
 STEP = 8  # the column's width grows in words of 8 bytes, which the hash reads whole
 WIDEST = 64
+FEW = 8  # ids probed one at a time in Python: fewer than this cost more in NumPy calls
 _SEED = int.from_bytes(os.urandom(8), "little")
 _MIX = 0x9E3779B97F4A7C15
 _FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
@@ -98,7 +99,7 @@ class IdTable:
         if b"\0" in b"".join(raw):
             long |= np.fromiter((r.endswith(b"\0") for r in raw), bool, len(raw))
         for i in np.flatnonzero(long).tolist():
-            raw[i] = hashlib.blake2b(raw[i], digest_size=STEP).digest()
+            raw[i] = _digest(raw[i])
         width = self.ids.dtype.itemsize
         short = lengths[~long]
         if grow and len(short) and short.max() > width:
@@ -108,12 +109,20 @@ class IdTable:
     # --- the table -------------------------------------------------------------------
 
     def get(self, mid: str) -> int | None:
-        """The handle of `mid`, if stored: one id, probed in Python."""
-        (key,), long, absent = self._keys([mid])
-        if absent[0]:
-            return None
-        i = self._slot(mid, key, bool(long[0]), _position(key, self.ids.dtype.itemsize))
-        return None if i < 0 else int(self.slots[i]) - 1
+        """The handle of `mid`, if stored."""
+        slot = self._find_one(mid)
+        return None if slot < 0 else int(self.slots[slot]) - 1
+
+    def _find_one(self, mid: str) -> int:
+        """The slot of `mid`, or -1: one id, probed in Python, with no arrays made."""
+        raw = mid.encode()
+        width = self.ids.dtype.itemsize
+        long = len(raw) > WIDEST or raw.endswith(b"\0")
+        if long:  # as the column holds it: without the padding's NUL bytes
+            raw = _digest(raw).rstrip(b"\0")
+        elif len(raw) > width:
+            return -1
+        return self._slot(mid, raw, long, _position(raw, width))
 
     def _slot(self, mid: str, key: bytes, long: bool, position: int) -> int:
         """The slot of `mid` (as the column holds it: `key`) probing from `position`, or -1."""
@@ -136,6 +145,12 @@ class IdTable:
 
     def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
+        if len(mids) < FEW:
+            found = np.array([self._find_one(m) for m in mids], np.int64)
+            handles = np.where(
+                found >= 0, self.slots[np.maximum(found, 0)].astype(np.int64) - 1, -1
+            )
+            return handles, found
         keys, long, absent = self._keys(mids)
         slots = self.slots
         mask = len(slots) - 1
@@ -209,6 +224,11 @@ class IdTable:
         slots = np.zeros(_size_for(len(handles) + more), np.int32)
         _place(slots, self.ids, handles)
         return slots
+
+
+def _digest(raw: bytes) -> bytes:
+    """What the column holds of an id it does not hold whole."""
+    return hashlib.blake2b(raw, digest_size=STEP).digest()
 
 
 def decode(ids: np.ndarray, long: dict[int, str], handles: np.ndarray) -> list[str]:

@@ -5,10 +5,10 @@ A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in i
 bucket's run), a node over a million pending messages ~700 MB. Here a message costs 46
 bytes of columns, and its id's width and 5 to 16 bytes of slots in the id table
 (`IdTable`). A head's segment is a column of numbers too, not a list of references:
-`segments` maps the numbers in use to their segments. Handles of settled messages are reused; a token carries its
-handle and the batch that stored it, so an entry naming a handle since reused is told
-from the handle's new message: `token[handle] == token` says an entry is still its
-message's (0: the handle is free).
+`segments` maps the numbers in use to their segments. Handles of settled messages are
+reused; a token carries its handle and the batch that stored it, so an entry naming a
+handle since reused is told from the handle's new message: `token[handle] == token`
+says an entry is still its message's (0: the handle is free).
 """
 
 from __future__ import annotations

@@ -61,6 +61,7 @@ class _WithoutPandas(importlib.abc.MetaPathFinder):
 def run(args: argparse.Namespace) -> int:
     if "pandas" not in sys.modules:
         sys.meta_path.insert(0, _WithoutPandas())
+    import pyarrow as pa
     import uvicorn
 
     from dejaq.broker.app import create_app
@@ -104,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     # buffer table and checkpoint the ledger: get it back within 0.5 ms, not the default
     # 5 ms, so requests and heartbeats do not queue behind those threads' Python loops.
     sys.setswitchinterval(0.0005)
+    # Arrow's default allocator (mimalloc) keeps tens of MB of what a start's reads
+    # freed, even when asked to release them; the C library's gives them back: a node's
+    # memory then follows what it holds, not the most its start read at once.
+    pa.set_memory_pool(pa.system_memory_pool())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(settings, args.node_id, args.http, args.raft, peers, data_dir)
