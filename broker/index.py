@@ -342,7 +342,7 @@ class TopicIndex:
                             rows.column("sort_key").to_numpy(),
                             rows.column("source_partition").to_numpy(),
                             rows.column("source_offset").to_numpy(),
-                            _ingested_ms(rows.column("ingested_at")),
+                            _epoch_s(rows.column("ingested_at")),
                             positions,
                         )
                     )
@@ -419,7 +419,7 @@ class TopicIndex:
             t.column("sort_key").to_numpy(),
             t.column("source_partition").to_numpy(),
             t.column("source_offset").to_numpy(),
-            _ingested_ms(t.column("ingested_at")),
+            _epoch_s(t.column("ingested_at")),
             segments,
             positions,
         )
@@ -890,7 +890,7 @@ class TopicIndex:
                 oldest = at if oldest is None else min(oldest, at)
                 if state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now):
                     deliverable += 1
-            out[b] = Stats(pending, deliverable, oldest)
+            out[b] = Stats(pending, deliverable, None if oldest is None else oldest * 1000)
         delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
 
@@ -931,8 +931,9 @@ def _slices(uri: str) -> Iterator[pa.Table]:
         yield conform(pa.Table.from_batches([rows]), _FILE_SCHEMA)
 
 
-def _ingested_ms(column: pa.ChunkedArray) -> np.ndarray:
-    return pc.divide(pc.cast(column, pa.int64()), 1000).to_numpy()
+def _epoch_s(column: pa.ChunkedArray) -> np.ndarray:
+    """Epoch seconds of a microsecond timestamp column."""
+    return pc.divide(pc.cast(column, pa.int64()), 1_000_000).to_numpy()
 
 
 def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:

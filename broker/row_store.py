@@ -2,7 +2,7 @@
 message, in NumPy arrays by handle.
 
 A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in its
-bucket's run), a node over a million pending messages ~700 MB. Here a message costs 46
+bucket's run), a node over a million pending messages ~700 MB. Here a message costs 42
 bytes of columns, and its id's width and 5 to 16 bytes of slots in the id table
 (`IdTable`). A head's segment is a column of numbers too, not a list of references:
 `segments` maps the numbers in use to their segments. Handles of settled messages are
@@ -34,7 +34,7 @@ class Row(NamedTuple):
     sort_key: int  # the row's own: a nack or a reschedule overrides it in the Raft state
     partition: int
     offset: int
-    ingested_at: int  # epoch ms
+    ingested_at: int  # epoch ms, to the second
 
 
 class Batch(NamedTuple):
@@ -44,7 +44,7 @@ class Batch(NamedTuple):
     sort_key: np.ndarray  # int64
     partition: np.ndarray  # int32
     offset: np.ndarray  # int64
-    ingested_at: np.ndarray  # int64, epoch ms
+    ingested_at: np.ndarray  # epoch seconds
     segments: list[Segment]  # where each row's head is: (segments[i], position[i])
     position: np.ndarray  # int64
 
@@ -55,7 +55,7 @@ _COLUMNS = {
     "sort_key": np.int64,
     "partition": np.int32,
     "offset": np.int64,
-    "ingested_at": np.int64,
+    "ingested_at": np.uint32,  # epoch seconds: an age in metrics needs no finer
     "position": np.int32,  # a head's place in its segment, of at most 64 MB
     "segment": np.int32,  # its head's segment's number (`Segment.number`)
 }
@@ -187,7 +187,7 @@ class RowStore:
             int(self.sort_key[h]),
             int(self.partition[h]),
             int(self.offset[h]),
-            int(self.ingested_at[h]),
+            int(self.ingested_at[h]) * 1000,
         )
 
     def place(self, token: int) -> tuple[Segment, int]:

@@ -862,6 +862,7 @@ def test_index_row_work_and_walks_run_outside_its_lock(tmp_path: Path) -> None:
     """The event loop takes the index lock for every lease and every applied Raft command:
     a refresh or `stats` may hold it for C-level inserts and copies, not for per-row work."""
     warehouse = str(tmp_path / "wh")
+    before_ms = int(time.time() * 1000)
     fill(warehouse, "jobs", buffer_rows([1, 2, 3], prefix="a"))
     index = TopicIndex(warehouse, topic_conf())
     index.load()
@@ -877,6 +878,8 @@ def test_index_row_work_and_walks_run_outside_its_lock(tmp_path: Path) -> None:
     took = time.perf_counter() - started
     assert sum(s.pending for s in stats.values()) == 50_003 and delayed == 0
     assert max(lock.held) < took / 5, (lock.held, took)
+    oldest = min(s.oldest_ingested_ms for s in stats.values() if s.oldest_ingested_ms)
+    assert before_ms - 1000 < oldest <= time.time() * 1000, "ingestion times kept to the second"
 
 
 class _NoIndex:
