@@ -321,7 +321,8 @@ class TopicIndex:
         duplicates before they reach the buffer: this only keeps the index consistent).
         """
         keys = pa.concat_tables(
-            conform(pq.read_table(uri, columns=_ORDER_COLUMNS), _ORDER_SCHEMA) for uri in uris
+            conform(pq.read_table(uri, columns=_ORDER_COLUMNS, use_threads=False), _ORDER_SCHEMA)
+            for uri in uris
         )
         order = pc.sort_indices(keys, sort_keys=_ORDER).to_numpy()
         del keys
@@ -926,7 +927,7 @@ def _slices(uri: str) -> Iterator[pa.Table]:
     """A buffer file's rows, HEAD_SLICE at a time, as `_FILE_SCHEMA`."""
     file = pq.ParquetFile(uri)
     columns = [c for c in _COLUMNS + _COORDS if c in file.schema_arrow.names]
-    for rows in file.iter_batches(HEAD_SLICE, columns=columns):
+    for rows in file.iter_batches(HEAD_SLICE, columns=columns, use_threads=False):
         # delta-rs's MERGE (retention) writes strings as Arrow views: plain ones here.
         yield conform(pa.Table.from_batches([rows]), _FILE_SCHEMA)
 
