@@ -213,10 +213,11 @@ class TopicIndex:
         added = 0
         for group in groups:
             added += self._index(group, settled, forgotten)
-            # Arrow's allocator keeps what a bucket's reading freed for reuse: a load of
-            # many buckets would hold the most any of them took, and a node that never
-            # reads that much again would hold it for its life.
-            pa.default_memory_pool().release_unused()
+            if not self.loaded:
+                # Arrow's allocator keeps what a bucket's reading freed for reuse: a load
+                # would hold the most any bucket took, and a node that never reads that
+                # much again would hold it for its life.
+                pa.default_memory_pool().release_unused()
         self.files = current
         self.version = version
         return added
