@@ -1,9 +1,6 @@
-"""The broker's FastAPI application: routers, shared state, errors as problem+json.
-
-Any node takes any request. A route that needs the leader's state depends on
-`on_leader`; on a follower that raises `ForwardToLeader`, and its handler replays the
-request against the leader's HTTP address and returns the leader's answer.
-"""
+"""The broker's FastAPI application: routers, shared state, errors as problem+json,
+and the forwarding of leader-only requests (`dependencies.on_leader`) to the leader:
+replayed against its HTTP address, its answer returned."""
 
 from __future__ import annotations
 
@@ -16,67 +13,42 @@ from collections.abc import Awaitable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import fastapi_offline
 import httpx
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dejaq.broker.access import FORWARDED, ROUTES, Guard, forward_tag
+from dejaq.broker.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
+from dejaq.broker.hotpath import HotPath
 from dejaq.broker.keys import KeyRing
+from dejaq.broker.materialiser import Materialiser
+from dejaq.broker.routers import (
+    admin,
+    consumers,
+    health,
+    leases,
+    listings,
+    messages,
+    schedules,
+    topics,
+)
 from dejaq.broker.service import Broker, Problem, Producer
 
 # The Swagger UI files fastapi-offline ships (its own app factory is not used).
 OFFLINE_DOCS = Path(fastapi_offline.__file__).parent / "static"
-PROBLEM = "application/problem+json"
 FORWARD_WAIT_S = 3.0  # an election takes 0.5-1.5 s; a client should not see it
 # A leader that has not answered a forward this long (beyond a long poll's wait) is
 # taken for stalled (a stopped process still accepts connections): the client hears a
 # 503 and tries again, by then at the leader elected in its place.
 FORWARD_STALL_S = 2.0
 LEADER_POLL_S = 0.05
-NOT_LEADER = "not leader"
-
-
-class ForwardToLeader(Exception):
-    """This node is not the leader: the request goes to the one that is."""
-
-
-async def get_broker(request: Request) -> Broker:
-    return request.app.state.broker
-
-
-async def get_producer(request: Request) -> Producer:
-    return request.app.state.producer
-
-
-AnyBroker = Annotated[Broker, Depends(get_broker)]
-AnyProducer = Annotated[Producer, Depends(get_producer)]
-
-
-async def on_leader(request: Request, broker: AnyBroker) -> Broker:
-    """Dependency of leader-only routes."""
-    if broker.raft is not None and broker.raft.is_leader():
-        return broker
-    if request.headers.get(FORWARDED):
-        raise Problem(503, NOT_LEADER, "the node this was forwarded to is no longer leader")
-    raise ForwardToLeader()
-
-
-LeaderBroker = Annotated[Broker, Depends(on_leader)]
-
-
-def problem(
-    status: int, title: str, detail: str = "", retry_after: int = 1, **extra: Any
-) -> JSONResponse:
-    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
-    headers = {"retry-after": str(retry_after)} if status == 503 else None
-    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
 
 
 async def _on_problem(request: Request, exc: Exception) -> Response:
@@ -229,19 +201,6 @@ def _serve_docs(app: FastAPI) -> None:
 
 def create_app(broker: Broker, producer: Producer) -> FastAPI:
     """The HTTP API of one node; the caller starts and stops `broker`."""
-    from dejaq.broker.hotpath import HotPath
-    from dejaq.broker.materialiser import Materialiser
-    from dejaq.broker.routers import (
-        admin,
-        consumers,
-        health,
-        leases,
-        listings,
-        messages,
-        schedules,
-        topics,
-    )
-
     materialiser = Materialiser(broker, producer)
 
     @asynccontextmanager

@@ -14,7 +14,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from dejaq.broker.app import problem
+from dejaq.broker.dependencies import problem
 from dejaq.broker.routers._common import MAX_RECEIPT
 from dejaq.broker.service import Broker, Problem
 

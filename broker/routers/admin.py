@@ -8,7 +8,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
-from dejaq.broker.app import LeaderBroker
+from dejaq.broker.dependencies import LeaderBroker
 from dejaq.broker.responses import Paused, Purged, Redriven
 from dejaq.broker.routers._common import Body, EpochMs, Ids, Priority, TopicName, problems
 

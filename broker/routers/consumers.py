@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from dejaq.broker.app import LeaderBroker
+from dejaq.broker.dependencies import LeaderBroker
 from dejaq.broker.responses import Heartbeat, Left
 from dejaq.broker.routers._common import TopicName, problems
 

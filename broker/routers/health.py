@@ -6,7 +6,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dejaq.broker.app import AnyBroker, problem
+from dejaq.broker.dependencies import AnyBroker, problem
 from dejaq.broker.metrics import resident_bytes
 from dejaq.broker.responses import Cluster
 

@@ -16,7 +16,7 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, model_validator
 
-from dejaq.broker.app import LeaderBroker
+from dejaq.broker.dependencies import LeaderBroker
 from dejaq.broker.responses import ExtendResult, NackResult, SettleResult
 from dejaq.broker.routers._common import (
     Body,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from dejaq.broker.app import AnyBroker
+from dejaq.broker.dependencies import AnyBroker
 from dejaq.broker.listings import MAX_PAGE, BadCursor, page
 from dejaq.broker.routers._common import TopicName, problems
 from dejaq.broker.service import Broker, Problem

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from dejaq.broker import cron
-from dejaq.broker.app import LeaderBroker, on_leader
+from dejaq.broker.dependencies import LeaderBroker, on_leader
 from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.routers._common import Body, EpochMs, TopicName, problems
 from dejaq.broker.routers.messages import body_limit, decode_payload, own_headers

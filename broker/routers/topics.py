@@ -8,7 +8,7 @@ import json
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from dejaq.broker.app import AnyBroker, LeaderBroker
+from dejaq.broker.dependencies import AnyBroker, LeaderBroker
 from dejaq.broker.responses import TopicStats, TopicSummary
 from dejaq.broker.routers._common import TopicName, problems
 from dejaq.broker.service import Broker

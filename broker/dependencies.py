@@ -1,0 +1,56 @@
+"""What the broker's routes depend on: the node's broker and producer, the leader, and
+errors as problem+json. Apart from the app module, so routers never import the app.
+
+Any node takes any request. A route that needs the leader's state depends on
+`on_leader`; on a follower that raises `ForwardToLeader`, and the app's handler replays
+the request against the leader's HTTP address and returns the leader's answer.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import Depends, Request
+from fastapi.responses import JSONResponse
+
+from dejaq.broker.access import FORWARDED
+from dejaq.broker.service import Broker, Problem, Producer
+
+PROBLEM = "application/problem+json"
+NOT_LEADER = "not leader"
+
+
+class ForwardToLeader(Exception):
+    """This node is not the leader: the request goes to the one that is."""
+
+
+async def get_broker(request: Request) -> Broker:
+    return request.app.state.broker
+
+
+async def get_producer(request: Request) -> Producer:
+    return request.app.state.producer
+
+
+AnyBroker = Annotated[Broker, Depends(get_broker)]
+AnyProducer = Annotated[Producer, Depends(get_producer)]
+
+
+async def on_leader(request: Request, broker: AnyBroker) -> Broker:
+    """Dependency of leader-only routes."""
+    if broker.raft is not None and broker.raft.is_leader():
+        return broker
+    if request.headers.get(FORWARDED):
+        raise Problem(503, NOT_LEADER, "the node this was forwarded to is no longer leader")
+    raise ForwardToLeader()
+
+
+LeaderBroker = Annotated[Broker, Depends(on_leader)]
+
+
+def problem(
+    status: int, title: str, detail: str = "", retry_after: int = 1, **extra: Any
+) -> JSONResponse:
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, **extra}
+    headers = {"retry-after": str(retry_after)} if status == 503 else None
+    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
