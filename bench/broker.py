@@ -297,7 +297,7 @@ def serve(app, port: int, raft=None) -> None:
     import uvicorn
     import uvloop
 
-    from dejaq.broker.http_server import SETTINGS
+    from dejaq.broker.api.http_server import SETTINGS
 
     async def main() -> None:
         if raft is not None:
@@ -324,7 +324,7 @@ def raft_floor_server(spec: str) -> None:
     index, lease or message of DejaQ's; with `carry`, what replicating DejaQ's commands
     costs before any of its state.
     """
-    from dejaq.broker.raft import RaftNode
+    from dejaq.broker.state.raft import RaftNode
     from dejaq.conf.settings import BrokerConfig, TopicConfig
 
     me, http_port, raft_addrs, data_dir, carry = json.loads(spec)
@@ -463,7 +463,7 @@ def dejaq(
     in its bucket."""
     from test_broker import buffer_rows, fill
 
-    from dejaq.broker.keys import add_key
+    from dejaq.broker.api.keys import add_key
     from dejaq.jobs import cluster
     from dejaq.jobs.certificates import new_authority
 

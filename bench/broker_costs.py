@@ -42,13 +42,13 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 from pysyncobj import SyncObj  # noqa: E402
 from test_broker import buffer_rows, fill  # noqa: E402
 
-from dejaq.broker import message_json  # noqa: E402
-from dejaq.broker.hotpath import _ack_args, _lease_args  # noqa: E402
-from dejaq.broker.index import Taken, TopicIndex  # noqa: E402
-from dejaq.broker.leases import TopicState  # noqa: E402
-from dejaq.broker.ledger_writer import checkpoint  # noqa: E402
-from dejaq.broker.raft import RaftNode  # noqa: E402
+from dejaq.broker.api.hotpath import _ack_args, _lease_args  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
+from dejaq.broker.state.leases import TopicState  # noqa: E402
+from dejaq.broker.state.raft import RaftNode  # noqa: E402
+from dejaq.broker.storage import message_json  # noqa: E402
+from dejaq.broker.storage.index import Taken, TopicIndex  # noqa: E402
+from dejaq.broker.storage.ledger_writer import checkpoint  # noqa: E402
 from dejaq.conf.settings import BrokerConfig, TopicConfig  # noqa: E402
 from dejaq.jobs.ports import free_port  # noqa: E402
 

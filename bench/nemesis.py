@@ -66,7 +66,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.broker.keys import ROLES, add_key
+from dejaq.broker.api.keys import ROLES, add_key
 from dejaq.client import Backoff, BrokerError, Client, Conflict, Message, Worker
 from dejaq.client.models import ExtendResult, Left, SettleResult
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table

@@ -20,12 +20,12 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dejaq.broker import cron
-from dejaq.broker.schedules import Schedule, ScheduleStore
 from dejaq.broker.service import Broker, Outgoing, Producer, now_ms
+from dejaq.broker.state import cron
+from dejaq.broker.state.schedules import Schedule, ScheduleStore
 from dejaq.conf.settings import TopicConfig, TopicKind
 
-log = logging.getLogger("dejaq.broker.cron")
+log = logging.getLogger("dejaq.broker.state.cron")
 
 PERIOD_S = 1.0
 # Occurrences one schedule sends in a round: after a long outage a fast schedule catches

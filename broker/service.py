@@ -15,15 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dejaq.broker import message_json
-from dejaq.broker.checkpoints import Health, checkpoint, lag
-from dejaq.broker.index import Taken, TopicIndex
-from dejaq.broker.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
-from dejaq.broker.ledger_writer import COMPACT_EVERY, compact_ledger
-from dejaq.broker.metrics import Metrics
-from dejaq.broker.raft import NotCommitted, RaftNode
-from dejaq.broker.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.row_store import Row
+from dejaq.broker.api.metrics import Metrics
+from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
+from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
+from dejaq.broker.state.raft import NotCommitted, RaftNode
+from dejaq.broker.storage import message_json
+from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
+from dejaq.broker.storage.index import Taken, TopicIndex
+from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, compact_ledger
+from dejaq.broker.storage.row_store import Row
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent

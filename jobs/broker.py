@@ -64,8 +64,8 @@ def run(args: argparse.Namespace) -> int:
     import pyarrow as pa
     import uvicorn
 
-    from dejaq.broker.app import create_app
-    from dejaq.broker.http_server import SETTINGS
+    from dejaq.broker.api.app import create_app
+    from dejaq.broker.api.http_server import SETTINGS
     from dejaq.broker.service import Broker, Producer
     from dejaq.conf.kafka_login import check_login
     from dejaq.conf.settings import ConfigError, load_settings

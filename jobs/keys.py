@@ -12,7 +12,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from dejaq.broker.keys import ROLES, add_key, read_keys, revoke_key
+from dejaq.broker.api.keys import ROLES, add_key, read_keys, revoke_key
 from dejaq.conf.settings import ConfigError, load_settings
 
 EXIT_OK = 0

@@ -25,7 +25,7 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
 
 def run(table: Table, args: argparse.Namespace) -> int:
     """One JSON object a line on stdout, oldest first; on stderr, how to get the next page."""
-    from dejaq.broker.listings import MAX_PAGE, BadCursor, page
+    from dejaq.broker.storage.listings import MAX_PAGE, BadCursor, page
     from dejaq.conf.settings import load_settings
     from dejaq.conf.storage import export
     from dejaq.conf.tables import Table, ensure_table

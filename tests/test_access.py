@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
 from test_broker_cluster import leader_of
 
-from dejaq.broker.access import ROUTES, forward_tag, required
-from dejaq.broker.keys import (
+from dejaq.broker.api.access import ROUTES, forward_tag, required
+from dejaq.broker.api.keys import (
     Grant,
     Key,
     KeyFileError,

@@ -26,18 +26,18 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pysyncobj.serializer import Serializer
 
-from dejaq.broker import head_store, message_json
-from dejaq.broker import index as index_module
-from dejaq.broker.assignment import rebalance
-from dejaq.broker.index import TopicIndex
-from dejaq.broker.leases import (
+from dejaq.broker.state.assignment import rebalance
+from dejaq.broker.state.leases import (
     POSITION_BITS,
     LeaseRecord,
     Refusal,
     Settlement,
     TopicState,
 )
-from dejaq.broker.ledger_writer import checkpoint, compact_ledger
+from dejaq.broker.storage import head_store, message_json
+from dejaq.broker.storage import index as index_module
+from dejaq.broker.storage.index import TopicIndex
+from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
 from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
 
@@ -210,7 +210,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     named by their module before the `dejaq` package): consumers a and b, a holds m2 and
     acked m1, b holds m3. A restarted cluster must read it through PySyncObj's own
     serializer, and what it writes now must read back the same."""
-    importlib.import_module("dejaq.broker.raft")  # hands PySyncObj's serializer its loader
+    importlib.import_module("dejaq.broker.state.raft")  # hands PySyncObj's serializer its loader
     snapshot = tmp_path / "snapshot"
     snapshot.write_bytes(gzip.compress(OLD_SNAPSHOT))
     old = Serializer(str(snapshot), 0, False, None, None, None).deserialize()
@@ -228,6 +228,27 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     again = pickle.loads(pickle.dumps(old))
     assert again.events == old.events and again.owned == old.owned
     assert again.buckets_of("a") == old.buckets_of("a")
+
+
+def test_a_snapshot_naming_the_broker_modules_before_their_grouping_loads(
+    tmp_path: Path,
+) -> None:
+    """A snapshot written before the broker's modules were grouped by concern names its
+    classes `dejaq.broker.leases.*`: they load from `dejaq.broker.state.leases`."""
+    importlib.import_module("dejaq.broker.state.raft")  # hands PySyncObj's serializer its loader
+    state = TopicState(4, 5)
+    leased(state, "a", ["m1", "m2"], now=0)
+    state.ack("a", 1, ["m1"])
+    # Protocol 2 names a class as text, module and name, so the old names can be put back.
+    data = pickle.dumps(state, protocol=2)
+    assert b"dejaq.broker.state.leases" in data
+    snapshot = tmp_path / "snapshot"
+    snapshot.write_bytes(
+        gzip.compress(data.replace(b"dejaq.broker.state.leases", b"dejaq.broker.leases"))
+    )
+    old = Serializer(str(snapshot), 0, False, None, None, None).deserialize()
+    assert type(old) is TopicState and sorted(old.leases) == ["m2"]
+    assert old.settled == {"m1": "acked"} and old.events == state.events
 
 
 def free_buckets(s: TopicState, consumer: str) -> set[int]:
@@ -746,7 +767,7 @@ def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
 def test_consumer_ids_are_bounded(bad: str) -> None:
     from pydantic import ValidationError
 
-    from dejaq.broker.routers.leases import LeaseRequest
+    from dejaq.broker.api.routers.leases import LeaseRequest
 
     with pytest.raises(ValidationError):
         LeaseRequest(consumer_id=bad)
@@ -775,8 +796,8 @@ def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int, rece
     """The hot path answers a body only if FastAPI's models would accept it as is."""
     from pydantic import ValidationError
 
-    from dejaq.broker.hotpath import _ack_args, _lease_args
-    from dejaq.broker.routers.leases import LeaseRequest, Settle
+    from dejaq.broker.api.hotpath import _ack_args, _lease_args
+    from dejaq.broker.api.routers.leases import LeaseRequest, Settle
 
     for body in ({"consumer_id": "w", "max_messages": n}, {"consumer_id": "w", "wait_ms": n}):
         try:
@@ -820,7 +841,7 @@ def test_raft_messages_stay_zlib_and_sealed(caplog: pytest.LogCaptureFixture) ->
     from cryptography.exceptions import InvalidTag
     from pysyncobj.encryptor import getEncryptor
 
-    from dejaq.broker.raft import AeadEncryptor, _RaftZlib
+    from dejaq.broker.state.raft import AeadEncryptor, _RaftZlib
 
     for size in (0, 100, 70_000):
         data = os.urandom(size)
@@ -897,7 +918,7 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     """
     import asyncio
 
-    from dejaq.broker.raft import RaftNode
+    from dejaq.broker.state.raft import RaftNode
     from dejaq.conf.settings import BrokerConfig
     from dejaq.jobs.ports import free_port
 
@@ -1010,7 +1031,7 @@ def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]
     include ids that were never stored, and ids that share a stored one's first bytes."""
     import numpy as np
 
-    from dejaq.broker import id_table
+    from dejaq.broker.storage import id_table
 
     small, id_table.MIN_SLOTS = id_table.MIN_SLOTS, 4
     try:

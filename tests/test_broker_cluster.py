@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, TopicPartition
 from test_broker import buffer_rows, fill
 
-from dejaq.broker.routers.topics import TopicStats
+from dejaq.broker.api.routers.topics import TopicStats
 from dejaq.client import Client, Worker
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node

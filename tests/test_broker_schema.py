@@ -18,7 +18,7 @@ from kafka import KafkaAdminClient
 from kafka.admin import NewTopic
 from test_broker import buffer_rows, fill
 
-from dejaq.broker.keys import ROLES, add_key
+from dejaq.broker.api.keys import ROLES, add_key
 from dejaq.jobs import cluster
 from dejaq.jobs.certificates import new_authority
 

@@ -13,9 +13,9 @@ import pytest
 from conftest import wait_until
 from test_broker import loaded_topic
 
-from dejaq.broker import ledger_writer
-from dejaq.broker.checkpoints import Health, Lag, checkpoint, lag
-from dejaq.broker.ledger_writer import write_dead_letters, write_ledger
+from dejaq.broker.storage import ledger_writer
+from dejaq.broker.storage.checkpoints import Health, Lag, checkpoint, lag
+from dejaq.broker.storage.ledger_writer import write_dead_letters, write_ledger
 from dejaq.conf.tables import LedgerEvent, Table, scan, table_path
 
 
@@ -32,7 +32,7 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
     shutil.rmtree(dead_path)
     dead_path.write_text("not a Delta table")
     health = Health()
-    with caplog.at_level(logging.WARNING, "dejaq.broker.checkpoints"):
+    with caplog.at_level(logging.WARNING, "dejaq.broker.storage.checkpoints"):
         upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
     death = next(e.seq for e in state.events if e.message_id == "m0")
     assert keep == [death]

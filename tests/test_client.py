@@ -67,10 +67,10 @@ def test_client_models_have_the_routes_fields() -> None:
     adds or renames fails here, not in a worker."""
     import dataclasses
 
-    from dejaq.broker import responses
-    from dejaq.broker.routers.leases import LeasedMessage
-    from dejaq.broker.routers.messages import Peeked
-    from dejaq.broker.routers.schedules import ScheduleOut
+    from dejaq.broker.api import responses
+    from dejaq.broker.api.routers.leases import LeasedMessage
+    from dejaq.broker.api.routers.messages import Peeked
+    from dejaq.broker.api.routers.schedules import ScheduleOut
     from dejaq.client import models
 
     pairs = [(models.Message, LeasedMessage), (models.Peeked, Peeked)]

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 from kafka import KafkaConsumer, TopicPartition
 from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
 
-from dejaq.broker import cron
 from dejaq.broker.materialiser import occurrence_id
+from dejaq.broker.state import cron
 from dejaq.conf.settings import ConfigError, load_settings
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import cluster

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import uvicorn
 
-from dejaq.broker.http_server import SETTINGS, GatheringTransport
+from dejaq.broker.api.http_server import SETTINGS, GatheringTransport
 from dejaq.jobs.children import wait_for_port
 from dejaq.jobs.ports import free_port
 

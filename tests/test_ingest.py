@@ -25,9 +25,9 @@ from kafka.admin import NewTopic
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame
 
-from dejaq.broker.index import TopicIndex
-from dejaq.broker.leases import TopicState
-from dejaq.broker.ledger_writer import checkpoint
+from dejaq.broker.state.leases import TopicState
+from dejaq.broker.storage.index import TopicIndex
+from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf import jvm
 from dejaq.conf.settings import Settings, load_settings
 from dejaq.conf.tables import (

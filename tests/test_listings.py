@@ -15,8 +15,8 @@ import pytest
 from deltalake import write_deltalake
 from test_broker import loaded_topic
 
-from dejaq.broker.checkpoints import Health, checkpoint
-from dejaq.broker.listings import BadCursor, page
+from dejaq.broker.storage.checkpoints import Health, checkpoint
+from dejaq.broker.storage.listings import BadCursor, page
 from dejaq.conf.tables import QUARANTINE_SCHEMA, Table, ensure_table
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]

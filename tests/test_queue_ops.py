@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 from test_broker import buffer_rows, fill, leased, loaded_topic, one_bucket_state, topic_conf
 
-from dejaq.broker.index import TopicIndex
-from dejaq.broker.leases import Refusal, TopicState, retry_delay
-from dejaq.broker.ledger_writer import checkpoint
+from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
+from dejaq.broker.storage.index import TopicIndex
+from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.settings import TopicConfig
 from dejaq.conf.tables import LedgerEvent
 from dejaq.jobs.operations import epoch_ms

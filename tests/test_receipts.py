@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import topic_conf
 
-from dejaq.broker.leases import (
+from dejaq.broker.state.leases import (
     BULK_MIN,
     POSITION_BITS,
     Lease,
@@ -22,7 +22,7 @@ from dejaq.broker.leases import (
     Refusal,
     TopicState,
 )
-from dejaq.broker.raft import BrokerState
+from dejaq.broker.state.raft import BrokerState
 
 MIDS = [f"m{i}" for i in range(6)]
 

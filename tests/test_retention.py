@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_broker import acked_batches, buffer_rows, fill, loaded_topic, topic_conf
 
-from dejaq.broker.index import TopicIndex
-from dejaq.broker.ledger_writer import checkpoint
+from dejaq.broker.storage.index import TopicIndex
+from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
 from dejaq.pipelines import retention
 from dejaq.pipelines.retention import retain, watermark

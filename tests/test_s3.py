@@ -24,8 +24,8 @@ from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from test_broker import buffer_rows
 
-from dejaq.broker.leases import Settlement
-from dejaq.broker.ledger_writer import write_ledger
+from dejaq.broker.state.leases import Settlement
+from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.settings import ConfigError, StorageConfig, load_settings
 from dejaq.conf.storage import describe, environment, region, spark_conf
 from dejaq.conf.table_watch import IDLE_PROBE_MAX_S, TableWatch

@@ -24,9 +24,9 @@ from pyspark.sql import SparkSession
 from test_broker import buffer_rows, fill, topic_conf
 from test_delta_engines import spark_append
 
-from dejaq.broker.index import TopicIndex
-from dejaq.broker.leases import TopicState
-from dejaq.broker.ledger_writer import checkpoint, compact_ledger
+from dejaq.broker.state.leases import TopicState
+from dejaq.broker.storage.index import TopicIndex
+from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LEDGER_SCHEMA,

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
-from dejaq.broker.access import FORWARDED
+from dejaq.broker.api.access import FORWARDED
 from dejaq.broker.service import Broker, Problem, Producer
 
 PROBLEM = "application/problem+json"

@@ -8,9 +8,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
-from dejaq.broker.dependencies import LeaderBroker
-from dejaq.broker.responses import Paused, Purged, Redriven
-from dejaq.broker.routers._common import Body, EpochMs, Ids, Priority, TopicName, problems
+from dejaq.broker.api.dependencies import LeaderBroker
+from dejaq.broker.api.responses import Paused, Purged, Redriven
+from dejaq.broker.api.routers._common import Body, EpochMs, Ids, Priority, TopicName, problems
 
 router = APIRouter(tags=["operations"])
 

@@ -14,13 +14,13 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
-from dejaq.broker import cron
-from dejaq.broker.dependencies import LeaderBroker, on_leader
+from dejaq.broker.api.dependencies import LeaderBroker, on_leader
+from dejaq.broker.api.routers._common import Body, EpochMs, TopicName, problems
+from dejaq.broker.api.routers.messages import body_limit, decode_payload, own_headers
 from dejaq.broker.materialiser import Materialiser
-from dejaq.broker.routers._common import Body, EpochMs, TopicName, problems
-from dejaq.broker.routers.messages import body_limit, decode_payload, own_headers
-from dejaq.broker.schedules import Schedule, ScheduleStore
 from dejaq.broker.service import Problem, now_ms
+from dejaq.broker.state import cron
+from dejaq.broker.state.schedules import Schedule, ScheduleStore
 
 router = APIRouter(tags=["schedules"])
 

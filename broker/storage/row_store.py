@@ -20,8 +20,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from dejaq.broker.head_store import Segment
-from dejaq.broker.id_table import IdTable
+from dejaq.broker.storage.head_store import Segment
+from dejaq.broker.storage.id_table import IdTable
 
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1

@@ -8,10 +8,10 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, Field
 
-from dejaq.broker.dependencies import AnyBroker
-from dejaq.broker.listings import MAX_PAGE, BadCursor, page
-from dejaq.broker.routers._common import TopicName, problems
+from dejaq.broker.api.dependencies import AnyBroker
+from dejaq.broker.api.routers._common import TopicName, problems
 from dejaq.broker.service import Broker, Problem
+from dejaq.broker.storage.listings import MAX_PAGE, BadCursor, page
 from dejaq.conf.settings import ConfigError
 from dejaq.conf.tables import Table, ensure_table
 

@@ -16,9 +16,9 @@ from fastapi import APIRouter
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, model_validator
 
-from dejaq.broker.dependencies import LeaderBroker
-from dejaq.broker.responses import ExtendResult, NackResult, SettleResult
-from dejaq.broker.routers._common import (
+from dejaq.broker.api.dependencies import LeaderBroker
+from dejaq.broker.api.responses import ExtendResult, NackResult, SettleResult
+from dejaq.broker.api.routers._common import (
     Body,
     ConsumerId,
     Ids,

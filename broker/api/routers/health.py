@@ -6,9 +6,9 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from dejaq.broker.dependencies import AnyBroker, problem
-from dejaq.broker.metrics import resident_bytes
-from dejaq.broker.responses import Cluster
+from dejaq.broker.api.dependencies import AnyBroker, problem
+from dejaq.broker.api.metrics import resident_bytes
+from dejaq.broker.api.responses import Cluster
 
 router = APIRouter(tags=["health"])
 

@@ -8,9 +8,9 @@ import json
 from fastapi import APIRouter
 from fastapi.responses import Response
 
-from dejaq.broker.dependencies import AnyBroker, LeaderBroker
-from dejaq.broker.responses import TopicStats, TopicSummary
-from dejaq.broker.routers._common import TopicName, problems
+from dejaq.broker.api.dependencies import AnyBroker, LeaderBroker
+from dejaq.broker.api.responses import TopicStats, TopicSummary
+from dejaq.broker.api.routers._common import TopicName, problems
 from dejaq.broker.service import Broker
 
 router = APIRouter(tags=["topics"])

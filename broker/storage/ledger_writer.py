@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from dejaq.broker.leases import Settlement
+from dejaq.broker.state.leases import Settlement
 from dejaq.conf.tables import (
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,

@@ -17,7 +17,7 @@ from itertools import repeat
 from operator import itemgetter
 from typing import NamedTuple
 
-from dejaq.broker.assignment import rebalance
+from dejaq.broker.state.assignment import rebalance
 from dejaq.conf.tables import LedgerEvent
 
 

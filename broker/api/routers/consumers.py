@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path
 
-from dejaq.broker.dependencies import LeaderBroker
-from dejaq.broker.responses import Heartbeat, Left
-from dejaq.broker.routers._common import TopicName, problems
+from dejaq.broker.api.dependencies import LeaderBroker
+from dejaq.broker.api.responses import Heartbeat, Left
+from dejaq.broker.api.routers._common import TopicName, problems
 
 router = APIRouter(tags=["consumers"])
 ConsumerPath = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]

@@ -14,8 +14,8 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from dejaq.broker.dependencies import problem
-from dejaq.broker.routers._common import MAX_RECEIPT
+from dejaq.broker.api.dependencies import problem
+from dejaq.broker.api.routers._common import MAX_RECEIPT
 from dejaq.broker.service import Broker, Problem
 
 Scope = MutableMapping[str, Any]

@@ -17,10 +17,10 @@ import time
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from dejaq.broker.leases import Settlement, TopicState
-from dejaq.broker.ledger_writer import deaths, write_dead_letters, write_ledger
+from dejaq.broker.state.leases import Settlement, TopicState
+from dejaq.broker.storage.ledger_writer import deaths, write_dead_letters, write_ledger
 
-log = logging.getLogger("dejaq.broker.checkpoints")
+log = logging.getLogger("dejaq.broker.storage.checkpoints")
 
 BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0

@@ -34,12 +34,12 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from deltalake import DeltaTable
 
-from dejaq.broker import message_json
-from dejaq.broker.head_store import HeadStore, Segment
-from dejaq.broker.id_table import decode
-from dejaq.broker.leases import Pick, TopicState
-from dejaq.broker.ledger_writer import APP_ID
-from dejaq.broker.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
+from dejaq.broker.state.leases import Pick, TopicState
+from dejaq.broker.storage import message_json
+from dejaq.broker.storage.head_store import HeadStore, Segment
+from dejaq.broker.storage.id_table import decode
+from dejaq.broker.storage.ledger_writer import APP_ID
+from dejaq.broker.storage.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
 from dejaq.conf.settings import ConfigError, TopicConfig, TopicKind
 from dejaq.conf.table_watch import TableWatch
 from dejaq.conf.tables import (
@@ -61,7 +61,7 @@ from dejaq.pipelines.retention import (
     watermark,
 )
 
-log = logging.getLogger("dejaq.broker.index")
+log = logging.getLogger("dejaq.broker.storage.index")
 
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]

@@ -29,7 +29,7 @@ import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import pysyncobj.pickle
 import pysyncobj.serializer
@@ -50,10 +50,10 @@ from pysyncobj import (
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _RAFT_STATE
 
-from dejaq.broker.leases import TopicState
+from dejaq.broker.state.leases import TopicState
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
-log = logging.getLogger("dejaq.broker.raft")
+log = logging.getLogger("dejaq.broker.state.raft")
 
 # `_RaftZlib`, `AeadEncryptor`, `LoopPoller` and `_SyncObj` stand in for internals of this
 # release (module globals, name-mangled methods, the transport's encryptor hooks).
@@ -77,14 +77,20 @@ AUTH_LOG_EVERY_S = 30.0
 
 class SnapshotUnpickler(pickle.Unpickler):
     """Loads snapshots whose classes are named by the legacy top-level modules
-    (`broker.leases.TopicState`): they map to the same modules under `dejaq`."""
+    (`broker.leases.TopicState`): they map to the same modules under `dejaq`; and those
+    named by the broker's modules before they were grouped by concern
+    (`dejaq.broker.leases`): they map to the modules' places now."""
 
     LEGACY_TOP_LEVEL = frozenset({"broker", "conf", "jobs", "pipelines"})
+    MOVED: ClassVar[dict[str, str]] = {
+        f"dejaq.broker.{name}": f"dejaq.broker.state.{name}"
+        for name in ("assignment", "cron", "leases", "raft", "schedules")
+    }
 
     def find_class(self, module: str, name: str) -> Any:
         if module.partition(".")[0] in self.LEGACY_TOP_LEVEL:
             module = f"dejaq.{module}"
-        return super().find_class(module, name)
+        return super().find_class(self.MOVED.get(module, module), name)
 
 
 class _SnapshotPickle:

@@ -13,7 +13,7 @@ import binascii
 import json
 from typing import Any
 
-from dejaq.broker.leases import LeaseRecord, Pick
+from dejaq.broker.state.leases import LeaseRecord, Pick
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 

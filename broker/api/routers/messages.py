@@ -9,8 +9,8 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, Field
 
-from dejaq.broker.dependencies import AnyBroker, AnyProducer, LeaderBroker
-from dejaq.broker.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
+from dejaq.broker.api.dependencies import AnyBroker, AnyProducer, LeaderBroker
+from dejaq.broker.api.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
 from dejaq.broker.service import Broker, Outgoing, Problem, Producer
 from dejaq.conf.settings import TopicConfig, TopicKind
 

@@ -24,12 +24,11 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dejaq.broker.access import FORWARDED, ROUTES, Guard, forward_tag
-from dejaq.broker.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
-from dejaq.broker.hotpath import HotPath
-from dejaq.broker.keys import KeyRing
-from dejaq.broker.materialiser import Materialiser
-from dejaq.broker.routers import (
+from dejaq.broker.api.access import FORWARDED, ROUTES, Guard, forward_tag
+from dejaq.broker.api.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
+from dejaq.broker.api.hotpath import HotPath
+from dejaq.broker.api.keys import KeyRing
+from dejaq.broker.api.routers import (
     admin,
     consumers,
     health,
@@ -39,6 +38,7 @@ from dejaq.broker.routers import (
     schedules,
     topics,
 )
+from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.service import Broker, Problem, Producer
 
 # The Swagger UI files fastapi-offline ships (its own app factory is not used).

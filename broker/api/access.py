@@ -21,7 +21,7 @@ import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from dejaq.broker.keys import KeyRing
+from dejaq.broker.api.keys import KeyRing
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]

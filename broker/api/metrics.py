@@ -15,7 +15,7 @@ from prometheus_client import (
     ProcessCollector,
 )
 
-from dejaq.broker.checkpoints import Lag
+from dejaq.broker.storage.checkpoints import Lag
 from dejaq.pipelines.retention import RetentionRun
 
 

@@ -1,0 +1,2 @@
+"""The replicated state: the Raft node and the state machine it applies (leases,
+consumers and their buckets, schedules)."""
