@@ -74,11 +74,10 @@ class IdTable:
     def insert(self, handles: np.ndarray, mids: list[str]) -> None:
         """Store `mids` at `handles`, none of them stored already, and index them."""
         keys, long, _ = self._keys(mids, grow=True)
-        if keys.dtype != self.ids.dtype:  # the positions of every id stored change
+        widened = keys.dtype != self.ids.dtype  # the positions of every id stored change
+        if widened:
             self.ids = self.ids.astype(keys.dtype)
-            self.slots = self._built(self._stored(), len(handles))
-            self.deleted = 0
-        elif self._full(len(handles)):
+        if widened or self._full(len(handles)):
             self.slots = self._built(self._stored(), len(handles))
             self.deleted = 0
         self.ids[handles] = keys
@@ -145,12 +144,17 @@ class IdTable:
 
     def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
-        if len(mids) < FEW:
-            found = np.array([self._find_one(m) for m in mids], np.int64)
-            handles = np.where(
-                found >= 0, self.slots[np.maximum(found, 0)].astype(np.int64) - 1, -1
-            )
-            return handles, found
+        found = (
+            np.array([self._find_one(m) for m in mids], np.int64)
+            if len(mids) < FEW
+            else self._find_many(mids)
+        )
+        handles = np.where(found >= 0, self.slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
+        return handles, found
+
+    def _find_many(self, mids: list[str]) -> np.ndarray:
+        """The slot of each id, or -1: probed in one vectorised step, then the ids not at
+        their first slot one at a time."""
         keys, long, absent = self._keys(mids)
         slots = self.slots
         mask = len(slots) - 1
@@ -169,8 +173,7 @@ class IdTable:
         for k in np.flatnonzero(~live & (s != EMPTY)).tolist():
             found[k] = self._slot(mids[k], keys[k], bool(long[k]), int(found[k]) + 1)
         found[s == EMPTY] = -1
-        handles = np.where(found >= 0, slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
-        return handles, found
+        return found
 
     def _full(self, n: int) -> bool:
         return 4 * (self.live + self.deleted + n) > 3 * len(self.slots)

@@ -108,8 +108,7 @@ class RowStore:
             del at  # before the tokens are made: ints freed between them would leave holes
         self.segment[handles] = np.fromiter((s.number for s in segments), np.int32, n)
         for seg, count in Counter(segments).items():
-            self.segments[seg.number] = seg
-            self._rows_in[seg.number] += count
+            self._moved_in(seg, count)
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
         self.token[handles] = tokens
@@ -151,8 +150,12 @@ class RowStore:
         self._moved_out(int(self.segment[handle]), 1)
         self.segment[handle] = segment.number
         self.position[handle] = position
+        self._moved_in(segment, 1)
+
+    def _moved_in(self, segment: Segment, count: int) -> None:
+        """`count` more rows name `segment`."""
         self.segments[segment.number] = segment
-        self._rows_in[segment.number] += 1
+        self._rows_in[segment.number] += count
 
     def _moved_out(self, number: int, count: int) -> None:
         """`count` rows no longer name segment `number`."""
