@@ -413,6 +413,31 @@ def test_leases_stay_in_order_as_new_rows_arrive(
     assert rest == sorted(sorted(first)[len(head) :] + second)
 
 
+def test_a_run_token_whose_handle_went_to_a_later_message_hides_no_lower_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message cancelled while its token lay in its bucket's run, forgotten, and its
+    handle given to a message read since, at a higher key: the run's entries are made
+    without the old token, which would carry the new message's key at the old one's
+    place and hide the keys after it. So 17 leases before 18 (another bucket's)."""
+    monkeypatch.setattr(index_module, "RUN_MIN", 1)  # two rows of a bucket make a run
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows([5, 17, 18], lambda i: (1, 1, 2)[i], "a"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    handle = index.store.get("a0") & index_module.HANDLE_MASK
+    row = index.row("a0")
+    assert row is not None and state.cancel(0, "a0", row.bucket, row.sort_key) is None
+    index.forget(state.trim(state.seq))
+    fill(warehouse, "jobs", buffer_rows([31], lambda i: 0, "b"))
+    assert index.refresh() == 1
+    assert index.store.get("b0") & index_module.HANDLE_MASK == handle, "the handle reused"
+    picks = index.pick(state, state.buckets_of("c"), 4, now=0)
+    assert picks == [("a1", 1, 17), ("a2", 2, 18), ("b0", 0, 31)]
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

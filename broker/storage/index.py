@@ -536,12 +536,12 @@ class TopicIndex:
         heap[:] = rekeyed
         heapq.heapify(heap)
         merged = np.concatenate([run.rest(), np.fromiter((e[4] for e in own), np.int64), tokens])
+        merged = merged[self.store.token[merged & HANDLE_MASK] == merged]  # stale: dropped
         self.runs[bucket] = Run(self.store.order(merged))
 
     def _entries(self, tokens: np.ndarray, bucket: int) -> list[Entry]:
-        """Entries of `tokens` at their rows' own keys, in the tokens' order. A token
-        whose handle was reused names the handle's new message with the old token: a
-        stale entry, dropped when it surfaces."""
+        """Entries of `tokens` at their rows' own keys, in the tokens' order: tokens
+        still their messages' (see `_fill`)."""
         store = self.store
         h = tokens & HANDLE_MASK
         return list(
@@ -786,13 +786,21 @@ class TopicIndex:
         return list(zip(store.sort_key[h].tolist(), found, strict=True))
 
     def _fill(self, run: Run, bucket: int) -> None:
-        """The run's next tokens as entries. Once most of the run is taken, the taken
-        part of its array goes."""
-        tokens = run.tokens[run.next : run.next + FRONT]
-        run.next += len(tokens)
-        entries = self._entries(tokens, bucket)
-        entries.reverse()
-        run.front.extend(entries)
+        """The run's next tokens still their messages' as entries, into its empty front.
+        Once most of the run is taken, the taken part of its array goes.
+
+        A token whose message settled and whose handle went to a message read since is
+        dropped here, not made an entry: the entry would carry the new message's sort
+        key at the old one's place in the run, and a key higher than those after it
+        would hide them from `pick` until it surfaced.
+        """
+        stored = self.store.token
+        while not run.front and run.next < len(run.tokens):
+            tokens = run.tokens[run.next : run.next + FRONT]
+            run.next += len(tokens)
+            entries = self._entries(tokens[stored[tokens & HANDLE_MASK] == tokens], bucket)
+            entries.reverse()
+            run.front.extend(entries)
         if run.next > FRONT * 16 and 2 * run.next > len(run.tokens):
             run.tokens, run.next = run.tokens[run.next :].copy(), 0
 
