@@ -16,11 +16,11 @@ deleted), and matches an id when the column at its handle is equal (and, for an 
 many ids in one vectorised pass and seeded per process, so ids cannot be chosen ahead to
 collide: the table is a node's own, rebuilt from its handles at start.
 
-Linear probing. A look-up of many ids takes one vectorised step, which settles nearly
-all of them, then probes the rest one at a time. Deleted slots are reused only by a
-rebuild, when used slots would pass three quarters, into a table at most half full. A
-rebuild over a million ids takes a fraction of a second: `make_room` does it before an
-insert, outside the caller's lock.
+Linear probing. A look-up of many ids walks their chains in vectorised steps, a slot
+a step, until fewer than FEW are left, which are probed one at a time. Deleted slots
+are reused only by a rebuild, when used slots would pass three quarters, into a table
+at most half full. A rebuild over a million ids takes a fraction of a second:
+`make_room` does it before an insert, outside the caller's lock.
 """
 
 from __future__ import annotations
@@ -153,26 +153,33 @@ class IdTable:
         return handles, found
 
     def _find_many(self, mids: list[str]) -> np.ndarray:
-        """The slot of each id, or -1: probed in one vectorised step, then the ids not at
-        their first slot one at a time."""
+        """The slot of each id, or -1: probed a slot a step for all ids at once, each
+        step for those still walking, down to the few left, probed one at a time.
+
+        After many deletes most chains cross deleted slots: walking every id past its
+        first slot in Python made this most of what forgetting a message costs."""
         keys, long, absent = self._keys(mids)
-        slots = self.slots
+        slots, ids = self.slots, self.ids
         mask = len(slots) - 1
-        found = _positions(keys) & mask
-        s = slots[found].astype(np.int64)
-        s[absent] = EMPTY
-        live = s > 0
-        at = np.flatnonzero(live)
-        match = self.ids[s[at] - 1] == keys[at]
-        if self.long or long.any():
-            for j in np.flatnonzero(match).tolist():
-                k = int(at[j])
-                match[j] = self._whole(int(s[k]) - 1, mids[k], bool(long[k]))
-        live[at] = match
-        # At its first slot, or not stored: the rest walk on, one at a time.
-        for k in np.flatnonzero(~live & (s != EMPTY)).tolist():
-            found[k] = self._slot(mids[k], keys[k], bool(long[k]), int(found[k]) + 1)
-        found[s == EMPTY] = -1
+        whole = bool(self.long) or bool(long.any())
+        found = np.full(len(mids), -1, np.int64)
+        at = _positions(keys) & mask
+        todo = np.flatnonzero(~absent)
+        at = at[todo]
+        while len(todo) >= FEW:
+            s = slots[at].astype(np.int64)
+            live = np.flatnonzero(s > 0)
+            hit = np.zeros(len(todo), bool)
+            hit[live] = ids[s[live] - 1] == keys[todo[live]]
+            if whole:
+                for j in np.flatnonzero(hit).tolist():
+                    k = int(todo[j])
+                    hit[j] = self._whole(int(s[j]) - 1, mids[k], bool(long[k]))
+            found[todo[hit]] = at[hit]
+            walk = ~hit & (s != EMPTY)
+            todo, at = todo[walk], (at[walk] + 1) & mask
+        for k, position in zip(todo.tolist(), at.tolist(), strict=True):
+            found[k] = self._slot(mids[k], keys[k], bool(long[k]), position)
         return found
 
     def _full(self, n: int) -> bool:
