@@ -1032,6 +1032,32 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     index.close()
 
 
+def test_the_id_column_narrows_once_its_longest_ids_are_settled(tmp_path: Path) -> None:
+    """One long id widens every row's id in the column; once it settles and its row is
+    forgotten, the thread that follows the tables narrows the column back, and every
+    message pending still leases, in order, with its own head."""
+    warehouse = str(tmp_path)
+    long_id = "a-message-id-of-thirty-nine-bytes-long-"
+    fill(warehouse, "jobs", buffer_rows([3, 1, 2], prefix="m"))
+    fill(warehouse, "jobs", buffer_rows([0], prefix=long_id))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    assert index.store.table.ids.dtype.itemsize == 40
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    row = index.row(f"{long_id}0")
+    assert row is not None and state.cancel(0, f"{long_id}0", row.bucket, 0) is None
+    index.forget(state.trim(state.seq))
+    index.narrow_ids()
+    assert index.store.table.ids.dtype.itemsize == 8
+    taken: list = []
+    picks = index.pick(state, state.buckets_of("c"), 10, now=0, taken=taken)
+    assert [(m, k) for m, _, k in picks] == [("m1", 1), ("m2", 2), ("m0", 3)]
+    assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m1", "m2", "m0"]
+    assert index.row(f"{long_id}0") is None and index.row("m") is None
+    index.close()
+
+
 def _id(n: int) -> str:
     """Ids of every shape the id table stores apart: short ones, ones that widen its
     column, ones past its widest (kept whole, the column holding a digest), ones ending
@@ -1039,11 +1065,17 @@ def _id(n: int) -> str:
     return [f"m{n}", f"message-{n:04}", "x" * 70 + str(n), f"n{n}\0", f"é{n}"][n % 5]
 
 
+def _words(mid: str) -> int:
+    """The 8-byte words of column an id needs: a digest's one if kept whole."""
+    raw = mid.encode()
+    return 1 if len(raw) > 64 or raw.endswith(b"\0") else max(1, -(-len(raw) // 8))
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     steps=st.lists(
         st.tuples(
-            st.sampled_from(["store", "forget", "rebuild while forgetting"]),
+            st.sampled_from(["store", "forget", "rebuild while forgetting", "narrow"]),
             st.lists(st.integers(0, 60), max_size=25),
         ),
         max_size=30,
@@ -1052,8 +1084,10 @@ def _id(n: int) -> str:
 def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]) -> None:
     """Stored and forgotten ids, handles reused as the row store reuses them, in a table
     that starts at 4 slots: collisions, deleted slots and rebuilds at every size, and
-    rebuilds outside the lock (`make_room`) while the event loop forgets ids. Probes
-    include ids that were never stored, and ids that share a stored one's first bytes."""
+    rebuilds outside the lock (`make_room`, and `narrow` once the widest ids are gone)
+    while the event loop forgets ids. Probes include ids that were never stored, and
+    ids that share a stored one's first bytes. The column is never narrower than the
+    ids stored need, and after a narrow no wider."""
     import numpy as np
 
     from dejaq.broker.storage import id_table
@@ -1095,16 +1129,31 @@ def test_the_id_table_finds_what_a_dict_would(steps: list[tuple[str, list[int]]]
                 built = table._built
 
                 def forgetting(
-                    handles: np.ndarray, more: int, mids: list[str] = mids, built=built
+                    ids: np.ndarray,
+                    handles: np.ndarray,
+                    more: int,
+                    mids: list[str] = mids,
+                    built=built,
                 ) -> np.ndarray:
                     forget(mids)  # as the event loop would, between the lock's two holds
-                    return built(handles, more)
+                    return built(ids, handles, more)
 
                 table._built = forgetting  # type: ignore[method-assign]
-                # The fewest inserts that call for a rebuild: it doubles the table.
-                room = 3 * len(table.slots) // 4 - table.live - table.deleted + 1
-                table.make_room(room if len(table.slots) < 4096 else 0, threading.Lock())
+                if op == "narrow":  # to what the ids stored as it starts need
+                    need = id_table.STEP * max([1, *map(_words, model)])
+                    width = table.ids.dtype.itemsize
+                    table.narrow(threading.Lock())
+                    assert table.ids.dtype.itemsize == min(width, need)
+                else:
+                    # The fewest inserts that call for a rebuild: it doubles the table.
+                    room = 3 * len(table.slots) // 4 - table.live - table.deleted + 1
+                    table.make_room(room if len(table.slots) < 4096 else 0, threading.Lock())
                 del table._built
+            words = {m: _words(m) for m in model}
+            assert table.words.tolist() == [
+                sum(1 for w in words.values() if w == n) for n in range(len(table.words))
+            ]
+            assert table.ids.dtype.itemsize >= id_table.STEP * max([1, *words.values()])
             assert len(table) == len(model)
             probe = [_id(n) for n in range(61)] + ["m", "x" * 70, "n1", "message-00"]
             assert [table.get(m) for m in probe] == [model.get(m) for m in probe]

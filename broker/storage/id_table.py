@@ -54,6 +54,9 @@ class IdTable:
         self.slots = np.zeros(MIN_SLOTS, np.int32)
         self.live = 0
         self.deleted = 0
+        # Stored ids by the words of column they need (index 1..WIDEST // STEP): the
+        # column narrows again once the ids that widened it are gone (`narrow`).
+        self.words = np.zeros(WIDEST // STEP + 1, np.int64)
         self._deleting: list[np.ndarray] | None = None  # handles deleted during a rebuild
 
     def __len__(self) -> int:
@@ -78,13 +81,14 @@ class IdTable:
         if widened:
             self.ids = self.ids.astype(keys.dtype)
         if widened or self._full(len(handles)):
-            self.slots = self._built(self._stored(), len(handles))
+            self.slots = self._built(self.ids, self._stored(), len(handles))
             self.deleted = 0
         self.ids[handles] = keys
         for i in np.flatnonzero(long).tolist():
             self.long[int(handles[i])] = mids[i]
         _place(self.slots, self.ids, handles)
         self.live += len(handles)
+        self.words += _words_of(keys, long)
 
     def _keys(
         self, mids: list[str], grow: bool = False
@@ -187,19 +191,38 @@ class IdTable:
 
     def make_room(self, n: int, lock: AbstractContextManager) -> None:
         """Room for `n` inserts, by a rebuild if need be, called outside `lock` (which
-        every other call to this table is made under) by the one thread that inserts.
-
-        The new table is built from the handles stored when it starts; those deleted
-        meanwhile are noted as they go and deleted from it under the lock, as it
-        replaces the old table.
-        """
+        every other call to this table is made under) by the one thread that inserts."""
         with lock:
             if not self._full(n):
                 return
             kept = self._stored()
             self._deleting = []
+        self._rebuild(lock, kept, self.ids.dtype.itemsize, n)
+
+    def narrow(self, lock: AbstractContextManager) -> int | None:
+        """The column at the width its longest stored id needs, once the ids that made it
+        wider are gone: a node's memory follows the ids pending, not the longest id it
+        ever held. Called as `make_room` is; returns the new width, None if unchanged."""
+        with lock:
+            width = STEP * max(1, int(np.flatnonzero(self.words)[-1]) if self.words.any() else 1)
+            if width >= self.ids.dtype.itemsize:
+                return None
+            kept = self._stored()
+            self._deleting = []
+        self._rebuild(lock, kept, width, 0)
+        return width
+
+    def _rebuild(
+        self, lock: AbstractContextManager, kept: np.ndarray, width: int, more: int
+    ) -> None:
+        """A new table of `kept` (the handles stored when `_deleting` was opened) with
+        room for `more`, its column at `width`, built outside `lock`: the handles
+        deleted meanwhile are noted as they go, and deleted from it under the lock, as
+        it replaces the old table. A narrower column cuts the ids of freed handles,
+        which no slot names."""
         try:
-            slots = self._built(kept, n)
+            ids = self.ids if width == self.ids.dtype.itemsize else self.ids.astype(f"S{width}")
+            slots = self._built(ids, kept, more)
         except BaseException:
             with lock:
                 self._deleting = None
@@ -211,13 +234,20 @@ class IdTable:
                 gone = np.isin(slots[used] - 1, np.concatenate(deleting))
                 slots[used[gone]] = DELETED
             deleted = sum(map(len, deleting))
-            self.slots, self.live, self.deleted = slots, len(kept) - deleted, deleted
+            self.ids, self.slots = ids, slots
+            self.live, self.deleted = len(kept) - deleted, deleted
 
     def delete(self, slots: np.ndarray) -> None:
         """Empty `slots` (as `find` returned them, each a stored id's)."""
         handles = self.slots[slots].astype(np.int64) - 1
         if self._deleting is not None:  # a rebuild is under way
             self._deleting.append(handles)
+        long = (
+            np.fromiter(map(self.long.__contains__, handles.tolist()), bool, len(handles))
+            if self.long
+            else np.zeros(len(handles), bool)
+        )
+        self.words -= _words_of(self.ids[handles], long)
         if self.long:
             for h in handles.tolist():
                 self.long.pop(h, None)
@@ -229,16 +259,25 @@ class IdTable:
         """The handles the table holds."""
         return self.slots[self.slots > 0].astype(np.int64) - 1
 
-    def _built(self, handles: np.ndarray, more: int) -> np.ndarray:
-        """A table of `handles` with room for `more`."""
+    @staticmethod
+    def _built(ids: np.ndarray, handles: np.ndarray, more: int) -> np.ndarray:
+        """A table of `handles` (ids in column `ids`) with room for `more`."""
         slots = np.zeros(_size_for(len(handles) + more), np.int32)
-        _place(slots, self.ids, handles)
+        _place(slots, ids, handles)
         return slots
 
 
 def _digest(raw: bytes) -> bytes:
     """What the column holds of an id it does not hold whole."""
     return hashlib.blake2b(raw, digest_size=STEP).digest()
+
+
+def _words_of(keys: np.ndarray, long: np.ndarray) -> np.ndarray:
+    """How many ids of `keys` (as the column holds them) need each count of words: an
+    id in `long` needs its digest's one."""
+    words = np.maximum(-(-np.char.str_len(keys) // STEP), 1)
+    words[long] = 1
+    return np.bincount(words, minlength=WIDEST // STEP + 1)
 
 
 def decode(ids: np.ndarray, long: dict[int, str], handles: np.ndarray) -> list[str]:

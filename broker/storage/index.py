@@ -768,6 +768,13 @@ class TopicIndex:
         self.heads.release(unused)
         return moved
 
+    def narrow_ids(self) -> None:
+        """Narrow the id column once the longest ids in it are gone (`IdTable.narrow`).
+        Run by the thread that follows the tables, which alone adds rows."""
+        width = self.store.table.narrow(self.lock)
+        if width is not None:
+            log.info("%s: id column narrowed to %d bytes", self.topic.name, width)
+
     def _top(self, bucket: int) -> Entry | None:
         """The bucket's lowest entry, stale or not (under the lock)."""
         run, heap = self.runs[bucket], self.heaps[bucket]
