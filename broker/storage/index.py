@@ -683,7 +683,7 @@ class TopicIndex:
                     picks.append((mid, b, key))
                     tokens.append(token)
                 # `_drop(b, entry)` and `_top(b)`, inlined: two calls a message were a
-                # third of a pick at batch 100.
+                # tenth of a pick at batch 100.
                 run, heap = runs[b], heaps[b]
                 front = run.front
                 if heap and heap[0] is entry:
