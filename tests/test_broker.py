@@ -1032,6 +1032,30 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     index.close()
 
 
+def test_a_followers_runs_hold_what_is_pending_not_every_message_it_saw(
+    tmp_path: Path,
+) -> None:
+    """A follower never picks: the messages the leader leased and acked leave its index
+    by `forget` alone, and new rows are merged into its runs. The merges drop the tokens
+    of the forgotten: runs stay the size of what is pending, round after round, and a
+    follower made leader has no history of settled messages to walk first."""
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows(list(range(400)), prefix="r0-"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    for r in range(1, 6):
+        index.forget([f"r{r - 1}-{i}" for i in range(400)])
+        fill(warehouse, "jobs", buffer_rows(list(range(400)), prefix=f"r{r}-"))
+        assert index.refresh() == 400
+        held = sum(len(run) for run in index.runs) + sum(map(len, index.heaps))
+        assert held == len(index.store.table) == 400, f"round {r}"
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
+    assert sorted(m for m, _, _ in picks) == sorted(f"r5-{i}" for i in range(400))
+    index.close()
+
+
 def test_the_id_column_narrows_once_its_longest_ids_are_settled(tmp_path: Path) -> None:
     """One long id widens every row's id in the column; once it settles and its row is
     forgotten, the thread that follows the tables narrows the column back, and every
