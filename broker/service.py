@@ -197,6 +197,7 @@ class Broker:
                     index.revive(self.state(name))
                     index.compact_heads()
                     index.narrow_ids()
+                    index.shrink()
                 except Exception:
                     log.exception("refreshing the index of %s failed", name)
             try:  # reads Raft's state while the event loop changes it: never end the thread

@@ -36,6 +36,7 @@ from dejaq.broker.state.leases import (
 )
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage import index as index_module
+from dejaq.broker.storage import row_store as row_store_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
 from dejaq.conf.settings import ConfigError, TopicConfig
@@ -463,11 +464,14 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
 ) -> None:
     """A settled message's handle goes to a row read later, while entries naming it may
     still lie in a run (a cancelled message's): they never lease the new message out of
-    order, twice, or with another's head. Checked against a model of what is pending.
-    Small buckets get runs, and runs make entries of 3 tokens at a time, so most of a
-    run is tokens alone."""
+    order, twice, or with another's head. Rows are renumbered (`shrink`) whenever that
+    halves the columns: the tokens in runs and heaps, re-keyed ones too, move along.
+    Checked against a model of what is pending. Small buckets get runs, and runs make
+    entries of 3 tokens at a time, so most of a run is tokens alone."""
     monkeypatch.setattr(index_module, "FRONT", 3)
     monkeypatch.setattr(index_module, "RUN_MIN", 2)
+    monkeypatch.setattr(row_store_module, "MIN_HANDLES", 8)  # renumbered whenever that
+    monkeypatch.setattr(row_store_module, "SHRINK_MIN", 1)  # halves the columns
     warehouse = str(tmp_path_factory.mktemp("wh"))
     index = TopicIndex(warehouse, topic_conf())
     state = TopicState(4, 5)
@@ -497,6 +501,9 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
         index.push(state, again)
         model.update(dict.fromkeys(again, nack_key))
         index.forget(state.trim(state.seq))
+        index.shrink()
+        n = len(index.rows)
+        assert len(index.store.token) <= 2 * max(n + n // 4, 8), "shrunk"
     taken: list = []
     picks = index.pick(state, state.buckets_of("c"), 10_000, now=len(rounds), taken=taken)
     assert sorted(m for m, _, _ in picks) == sorted(model), "each pending message once"
@@ -1053,6 +1060,45 @@ def test_a_followers_runs_hold_what_is_pending_not_every_message_it_saw(
     state.touch("c", 0)
     picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
     assert sorted(m for m, _, _ in picks) == sorted(f"r5-{i}" for i in range(400))
+    index.close()
+
+
+def test_a_node_holds_what_is_pending_after_a_backlog_drains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6,000 rows read, 5,500 of them settled and forgotten: the rows left are
+    renumbered from handle 0, so the columns and the id table shrink to them, and
+    whatever was leased, re-keyed or pending leases as before, with its own head, as do
+    rows read afterwards."""
+    monkeypatch.setattr(row_store_module, "SHRINK_MIN", 1000)
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows([i % 997 for i in range(6000)], prefix="m"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    assert len(index.store.token) >= 6000
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    leased = index.pick(state, state.buckets_of("c"), 5500, now=0)
+    state.lease("c", 0, 10**9, leased)
+    index.release(state, leased)
+    assert state.ack("c", 0, [m for m, _, _ in leased[:5490]]) == {}
+    _, again, _ = state.nack("c", 0, [m for m, _, _ in leased[5490:]], sort_key=0)
+    index.push(state, again)  # re-keyed, on a heap
+    index.forget(state.trim(state.seq))
+    index.shrink()
+    assert len(index.rows) == 510
+    assert len(index.store.token) == 1024 and len(index.store.table.ids) == 1024
+    assert len(index.store.table.slots) == 1024
+    fill(warehouse, "jobs", buffer_rows([0, 0], prefix="late"))
+    assert index.refresh() == 2
+    taken: list = []
+    picks = index.pick(state, state.buckets_of("c"), 1000, now=0, taken=taken)
+    acked = {m for m, _, _ in leased[:5490]}
+    pending = [f"m{i}" for i in range(6000) if f"m{i}" not in acked]
+    assert sorted(m for m, _, _ in picks) == sorted([*pending, "late0", "late1"])
+    assert [k for _, _, k in picks] == sorted(k for _, _, k in picks)
+    assert [m for m, _, _ in picks[:12]].count("late0") == 1, "at key 0, with the re-keyed"
+    assert [json.loads(h + b"}")["id"] for _, h in taken] == [m for m, _, _ in picks]
     index.close()
 
 

@@ -237,6 +237,20 @@ class IdTable:
             self.ids, self.slots = ids, slots
             self.live, self.deleted = len(kept) - deleted, deleted
 
+    def renumber(self, handles: np.ndarray, capacity: int) -> None:
+        """The ids at `handles` (every stored one, ascending) at handles 0 to n - 1, in
+        a column of `capacity` and a table sized for them: `RowStore.shrink`, under the
+        lock, by the thread that inserts (so no rebuild is under way)."""
+        n = len(handles)
+        ids = np.zeros(capacity, self.ids.dtype)
+        ids[:n] = self.ids[handles]
+        if self.long:
+            at = dict(zip(handles.tolist(), range(n), strict=True))
+            self.long = {at[h]: mid for h, mid in self.long.items()}
+        self.ids = ids
+        self.slots = self._built(ids, np.arange(n), 0)
+        self.live, self.deleted = n, 0
+
     def delete(self, slots: np.ndarray) -> None:
         """Empty `slots` (as `find` returned them, each a stored id's)."""
         handles = self.slots[slots].astype(np.int64) - 1

@@ -26,7 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from itertools import repeat
+from itertools import compress, repeat
 
 import numpy as np
 import pyarrow as pa
@@ -774,6 +774,34 @@ class TopicIndex:
         width = self.store.table.narrow(self.lock)
         if width is not None:
             log.info("%s: id column narrowed to %d bytes", self.topic.name, width)
+
+    def shrink(self) -> None:
+        """Renumber the rows once most handles are idle (`RowStore.shrink`), and move
+        the tokens the runs and heaps hold to the new handles, dropping stale ones. Run
+        by the thread that follows the tables, which alone adds rows; under the lock,
+        as the tokens must move with the rows (at most a few hundred ms for a million)."""
+        with self.lock:
+            before, size = self.store.token, self.store.size
+            new = self.store.shrink()
+            if new is None:
+                return
+
+            def moved(tokens: np.ndarray) -> np.ndarray:
+                tokens = tokens[before[tokens & HANDLE_MASK] == tokens]
+                return (tokens & ~HANDLE_MASK) | new[tokens & HANDLE_MASK]
+
+            self.runs = [Run(moved(run.rest())) for run in self.runs]
+            for heap in self.heaps:
+                tokens = np.fromiter((e[4] for e in heap), np.int64, len(heap))
+                live = (before[tokens & HANDLE_MASK] == tokens).tolist()
+                heap[:] = [
+                    (*e[:4], token, e[5])
+                    for e, token in zip(compress(heap, live), moved(tokens).tolist(), strict=True)
+                ]
+                heapq.heapify(heap)
+        log.info(
+            "%s: rows renumbered: %d handles down to %d", self.topic.name, size, len(self.rows)
+        )
 
     def _top(self, bucket: int) -> Entry | None:
         """The bucket's lowest entry, stale or not (under the lock)."""

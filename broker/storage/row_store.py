@@ -25,6 +25,10 @@ from dejaq.broker.storage.id_table import IdTable
 
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1
+MIN_HANDLES = 1024  # the columns' least capacity
+# Handles a shrink must save to be worth renumbering the stored rows: at least this
+# many, and at least half the columns (`RowStore.shrink`).
+SHRINK_MIN = 1 << 16
 
 
 class Row(NamedTuple):
@@ -175,13 +179,39 @@ class RowStore:
         capacity = len(self.sort_key)
         if size <= capacity:
             return
-        capacity = max(size, capacity + capacity // 4, 1024)
+        capacity = max(size, capacity + capacity // 4, MIN_HANDLES)
         for name, dtype in _COLUMNS.items():
             column = np.zeros(capacity, dtype)
             old = getattr(self, name)
             column[: len(old)] = old
             setattr(self, name, column)
         self.table.grow(capacity)
+
+    def shrink(self) -> np.ndarray | None:
+        """Renumber the stored rows' handles from 0 and cut the columns and the id table
+        to them, once that saves half the columns and SHRINK_MIN handles at least: after
+        a backlog drains, a node holds what is pending, not the most it ever held.
+
+        Returns each old handle's new one (-1 if it was free), for the caller to move
+        the tokens it holds (`TopicIndex.shrink`): a token keeps its batch and takes its
+        row's new handle. None if not worth it.
+        """
+        handles = self.stored()
+        n = len(handles)
+        capacity = max(n + n // 4, MIN_HANDLES)  # as `_grow` would leave them
+        if len(self.token) - capacity < SHRINK_MIN or 2 * capacity > len(self.token):
+            return None
+        new = np.full(self.size, -1, np.int64)
+        new[handles] = np.arange(n)
+        for name, dtype in _COLUMNS.items():
+            column = np.zeros(capacity, dtype)
+            column[:n] = getattr(self, name)[handles]
+            setattr(self, name, column)
+        self.token[:n] = (self.token[:n] & ~HANDLE_MASK) | np.arange(n)
+        self.table.renumber(handles, capacity)
+        self.size = n
+        self._free = array("q")
+        return new
 
     def row(self, token: int) -> Row:
         h = token & HANDLE_MASK
