@@ -776,7 +776,7 @@ class TopicIndex:
             log.info("%s: id column narrowed to %d bytes", self.topic.name, width)
 
     def shrink(self) -> None:
-        """Renumber the rows once most handles are idle (`RowStore.shrink`), and move
+        """Renumber the rows once that halves the columns (`RowStore.shrink`), and move
         the tokens the runs and heaps hold to the new handles, dropping stale ones. Run
         by the thread that follows the tables, which alone adds rows; under the lock,
         as the tokens must move with the rows (at most a few hundred ms for a million)."""

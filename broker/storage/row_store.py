@@ -196,11 +196,11 @@ class RowStore:
         the tokens it holds (`TopicIndex.shrink`): a token keeps its batch and takes its
         row's new handle. None if not worth it.
         """
-        handles = self.stored()
-        n = len(handles)
+        n = len(self.table)
         capacity = max(n + n // 4, MIN_HANDLES)  # as `_grow` would leave them
         if len(self.token) - capacity < SHRINK_MIN or 2 * capacity > len(self.token):
             return None
+        handles = self.stored()
         new = np.full(self.size, -1, np.int64)
         new[handles] = np.arange(n)
         for name, dtype in _COLUMNS.items():
