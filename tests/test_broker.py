@@ -1067,9 +1067,9 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """6,000 rows read, 5,500 of them settled and forgotten: the rows left are
-    renumbered from handle 0, so the columns and the id table shrink to them, and
-    whatever was leased, re-keyed or pending leases as before, with its own head, as do
-    rows read afterwards."""
+    renumbered from handle 0 (once no more are left than a shrink renumbers), so the
+    columns and the id table shrink to them, and whatever was leased, re-keyed or
+    pending leases as before, with its own head, as do rows read afterwards."""
     monkeypatch.setattr(row_store_module, "SHRINK_MIN", 1000)
     warehouse = str(tmp_path)
     fill(warehouse, "jobs", buffer_rows([i % 997 for i in range(6000)], prefix="m"))
@@ -1085,6 +1085,10 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     _, again, _ = state.nack("c", 0, [m for m, _, _ in leased[5490:]], sort_key=0)
     index.push(state, again)  # re-keyed, on a heap
     index.forget(state.trim(state.seq))
+    monkeypatch.setattr(row_store_module, "SHRINK_MAX_ROWS", 509)
+    index.shrink()
+    assert len(index.store.token) >= 6000, "more rows left than a shrink renumbers"
+    monkeypatch.setattr(row_store_module, "SHRINK_MAX_ROWS", 510)
     index.shrink()
     assert len(index.rows) == 510
     assert len(index.store.token) == 1024 and len(index.store.table.ids) == 1024

@@ -29,6 +29,10 @@ MIN_HANDLES = 1024  # the columns' least capacity
 # Handles a shrink must save to be worth renumbering the stored rows: at least this
 # many, and at least half the columns (`RowStore.shrink`).
 SHRINK_MIN = 1 << 16
+# The most rows a shrink renumbers: it holds the index lock, and so the event loop, for
+# ~0.3 s with 500,000 left (2 cores, beside a test run), and a leader silent for 0.5 s
+# may be replaced (`broker.state.raft.ELECTION_TIMEOUT_S`).
+SHRINK_MAX_ROWS = 500_000
 
 
 class Row(NamedTuple):
@@ -189,8 +193,9 @@ class RowStore:
 
     def shrink(self) -> np.ndarray | None:
         """Renumber the stored rows' handles from 0 and cut the columns and the id table
-        to them, once that saves half the columns and SHRINK_MIN handles at least: after
-        a backlog drains, a node holds what is pending, not the most it ever held.
+        to them, once that saves half the columns and SHRINK_MIN handles at least, with
+        at most SHRINK_MAX_ROWS left: after a backlog drains, a node holds what is
+        pending, not the most it ever held.
 
         Returns each old handle's new one (-1 if it was free), for the caller to move
         the tokens it holds (`TopicIndex.shrink`): a token keeps its batch and takes its
@@ -198,7 +203,8 @@ class RowStore:
         """
         n = len(self.table)
         capacity = max(n + n // 4, MIN_HANDLES)  # as `_grow` would leave them
-        if len(self.token) - capacity < SHRINK_MIN or 2 * capacity > len(self.token):
+        saved = len(self.token) - capacity
+        if n > SHRINK_MAX_ROWS or saved < SHRINK_MIN or 2 * capacity > len(self.token):
             return None
         handles = self.stored()
         new = np.full(self.size, -1, np.int64)
