@@ -39,7 +39,14 @@ from dejaq.broker.storage import message_json
 from dejaq.broker.storage.head_store import HeadStore, Segment
 from dejaq.broker.storage.id_table import decode
 from dejaq.broker.storage.ledger_writer import APP_ID
-from dejaq.broker.storage.row_store import HANDLE_MASK, Batch, Row, RowStore, StoredIds
+from dejaq.broker.storage.row_store import (
+    HANDLE_MASK,
+    Batch,
+    Row,
+    RowStore,
+    StoredIds,
+    current,
+)
 from dejaq.conf.settings import ConfigError, TopicConfig, TopicKind
 from dejaq.conf.table_watch import TableWatch
 from dejaq.conf.tables import (
@@ -536,7 +543,7 @@ class TopicIndex:
         heap[:] = rekeyed
         heapq.heapify(heap)
         merged = np.concatenate([run.rest(), np.fromiter((e[4] for e in own), np.int64), tokens])
-        merged = merged[self.store.token[merged & HANDLE_MASK] == merged]  # stale: dropped
+        merged = merged[current(self.store.token, merged)]  # stale: dropped
         self.runs[bucket] = Run(self.store.order(merged))
 
     def _entries(self, tokens: np.ndarray, bucket: int) -> list[Entry]:
@@ -787,16 +794,18 @@ class TopicIndex:
                 return
 
             def moved(tokens: np.ndarray) -> np.ndarray:
-                tokens = tokens[before[tokens & HANDLE_MASK] == tokens]
                 return (tokens & ~HANDLE_MASK) | new[tokens & HANDLE_MASK]
 
-            self.runs = [Run(moved(run.rest())) for run in self.runs]
+            rests = map(Run.rest, self.runs)
+            self.runs = [Run(moved(tokens[current(before, tokens)])) for tokens in rests]
             for heap in self.heaps:
                 tokens = np.fromiter((e[4] for e in heap), np.int64, len(heap))
-                live = (before[tokens & HANDLE_MASK] == tokens).tolist()
+                live = current(before, tokens)
                 heap[:] = [
                     (*e[:4], token, e[5])
-                    for e, token in zip(compress(heap, live), moved(tokens).tolist(), strict=True)
+                    for e, token in zip(
+                        compress(heap, live.tolist()), moved(tokens[live]).tolist(), strict=True
+                    )
                 ]
                 heapq.heapify(heap)
         log.info(
@@ -840,11 +849,10 @@ class TopicIndex:
         key at the old one's place in the run, and a key higher than those after it
         would hide them from `pick` until it surfaced.
         """
-        stored = self.store.token
         while not run.front and run.next < len(run.tokens):
             tokens = run.tokens[run.next : run.next + FRONT]
             run.next += len(tokens)
-            entries = self._entries(tokens[stored[tokens & HANDLE_MASK] == tokens], bucket)
+            entries = self._entries(tokens[current(self.store.token, tokens)], bucket)
             entries.reverse()
             run.front.extend(entries)
         if run.next > FRONT * 16 and 2 * run.next > len(run.tokens):
@@ -927,7 +935,7 @@ class TopicIndex:
                 base = store.sort_key[h]
                 keys = base.copy()
                 keys[len(run) :] = [e[0] for e in heap]
-                parts.append((h, store.token[h] == tokens, keys, base, store.ingested_at[h]))
+                parts.append((h, current(store.token, tokens), keys, base, store.ingested_at[h]))
             delayed_ids = [m for _, m in self.delayed]
         out: dict[int, Stats] = {}
         for b, (h, *columns) in enumerate(parts):

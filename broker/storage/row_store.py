@@ -35,6 +35,12 @@ SHRINK_MIN = 1 << 16
 SHRINK_MAX_ROWS = 500_000
 
 
+def current(token: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Which of `tokens` are still their messages' in `token` (a store's token column):
+    not those of handles freed or reused since."""
+    return token[tokens & HANDLE_MASK] == tokens
+
+
 class Row(NamedTuple):
     """One indexed message's fields, as a peek, a cancel or a reschedule asks them."""
 
