@@ -10,14 +10,21 @@ JARS := jvm/lib/spark/.fetched jvm/lib/s3a/.fetched jvm/lib/kafka/.fetched jvm/l
 BROWSER := .venv/.chromium
 SETUP := $(STAMP) $(JARS)
 
-.PHONY: demo test lint format bench clean java
+.PHONY: demo test lint format bench clean java rust
 
-$(STAMP): pyproject.toml client/pyproject.toml
-	@$(MAKE) --no-print-directory java
+# The broker's compiled core (broker/core: Rust through PyO3, built by maturin with the
+# crates pinned in its Cargo.lock) is built again only when its sources change.
+CORE := broker/core/pyproject.toml broker/core/Cargo.toml broker/core/Cargo.lock $(wildcard broker/core/src/*.rs)
+
+$(STAMP): pyproject.toml client/pyproject.toml $(CORE)
+	@$(MAKE) --no-print-directory java rust
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --disable-pip-version-check --upgrade pip
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ./client -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ./client ./broker/core -e '.[dev]'
 	@touch $(STAMP)
+
+rust:
+	@command -v cargo >/dev/null || { echo "error: Rust's cargo is required to build the broker's core (broker/core); install it with rustup (https://rustup.rs)" >&2; exit 1; }
 
 java:
 	@command -v java >/dev/null || { echo "error: Java 17+ is required by Spark and was not found on PATH (Debian: apt-get install openjdk-17-jre-headless)" >&2; exit 1; }
@@ -47,13 +54,15 @@ test: $(SETUP) $(BROWSER)
 lint: $(SETUP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	cd broker/core && cargo fmt --check && cargo clippy --release --locked -- -D warnings
 
 format: $(SETUP)
 	$(BIN)/ruff format .
 	$(BIN)/ruff check --fix .
+	cd broker/core && cargo fmt
 
 bench: $(SETUP)
 	$(BIN)/python bench/report.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache warehouse .dejaq jvm/lib
+	rm -rf $(VENV) .pytest_cache warehouse .dejaq jvm/lib broker/core/target

@@ -466,9 +466,7 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
     still lie in a run (a cancelled message's): they never lease the new message out of
     order, twice, or with another's head. Rows are renumbered (`shrink`) whenever that
     halves the columns: the tokens in runs and heaps, re-keyed ones too, move along.
-    Checked against a model of what is pending. Small buckets get runs, and runs make
-    entries of 3 tokens at a time, so most of a run is tokens alone."""
-    monkeypatch.setattr(index_module, "FRONT", 3)
+    Checked against a model of what is pending. Small buckets get runs."""
     monkeypatch.setattr(index_module, "RUN_MIN", 2)
     monkeypatch.setattr(row_store_module, "MIN_HANDLES", 8)  # renumbered whenever that
     monkeypatch.setattr(row_store_module, "SHRINK_MIN", 1)  # halves the columns
@@ -1054,8 +1052,7 @@ def test_a_followers_runs_hold_what_is_pending_not_every_message_it_saw(
         index.forget([f"r{r - 1}-{i}" for i in range(400)])
         fill(warehouse, "jobs", buffer_rows(list(range(400)), prefix=f"r{r}-"))
         assert index.refresh() == 400
-        held = sum(len(run) for run in index.runs) + sum(map(len, index.heaps))
-        assert held == len(index.store.table) == 400, f"round {r}"
+        assert len(index.order) == len(index.store.table) == 400, f"round {r}"
     state = TopicState(4, 5)
     state.touch("c", 0)
     picks = index.pick(state, state.buckets_of("c"), 1000, now=0)

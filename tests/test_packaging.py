@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 LAYOUT = ("conf", "broker", "jobs", "pipelines")
@@ -26,3 +27,29 @@ def test_only_dejaq_is_importable_outside_the_repo_and_its_data_files_come_along
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["orders", "dejaq.jobs.cli"]
+
+
+def test_the_three_wheels_build_as_deploying_says(tmp_path: Path) -> None:
+    """`pip wheel --no-deps ./client ./broker/core .`, from the checkout: the worker
+    client's, the compiled core's (its extension module inside) and dejaq's."""
+    root = Path(__file__).resolve().parent.parent
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
+    subprocess.run(
+        [
+            *pip,
+            "wheel",
+            "--no-deps",
+            "--wheel-dir",
+            str(tmp_path),
+            "./client",
+            "./broker/core",
+            ".",
+        ],
+        cwd=root,
+        check=True,
+        timeout=900,
+    )
+    wheels = {w.name.split("-")[0]: w for w in tmp_path.glob("*.whl")}
+    assert sorted(wheels) == ["dejaq", "dejaq_client", "dejaq_core"]
+    with zipfile.ZipFile(wheels["dejaq_core"]) as core:
+        assert any(n.startswith("dejaq_core") and n.endswith(".so") for n in core.namelist())

@@ -10,12 +10,11 @@ does it hold payloads: each message's rendered JSON is in the node's `HeadStore`
 disk, read back when a lease grants it. What it holds of a pending message is in columns
 (`RowStore`): its id, a token, and the fields ordering needs.
 
-Each bucket keeps its entries in two parts: a run, sorted once and taken from its low
-end, and a heap for what arrives a few at a time (redeliveries, a trickle of new rows).
-A run is an array of tokens; only its next few are Python tuples (`Run.front`), made as
-a lease reaches them. Taking the lowest of a run costs one list pop; a heap pop of the
-same bucket walks ~log2(n) entries scattered over memory, and was the leader's largest
-cost per leased message.
+Each bucket's order is kept by the compiled core (`dejaq_core.Order`): a run of tokens,
+sorted once and taken from its low end, and a heap of entries for what arrives a few at
+a time (redeliveries, re-keyed messages, a trickle of new rows). Picking walks them with
+no Python object per entry: a pick in Python, a tuple per entry made as a lease reached
+it, was the leader's largest cost per leased message.
 """
 
 from __future__ import annotations
@@ -26,12 +25,13 @@ import threading
 from collections import Counter
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from itertools import compress, repeat
+from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
+from dejaq_core import Order
 from deltalake import DeltaTable
 
 from dejaq.broker.state.leases import Pick, TopicState
@@ -78,31 +78,8 @@ _ORDER_COLUMNS = [c for c, _ in _ORDER]
 _ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
-FRONT = 256  # a run's tokens made entries at once
-
-# (sort key, partition, offset, message id, token, bucket): valid while the token is
-# its handle's (`RowStore.token`)
-Entry = tuple[int, int, int, str, int, int]
+NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
-
-
-class Run:
-    """A bucket's rows sorted once: tokens in order, the next few of them as entries."""
-
-    __slots__ = ("front", "next", "tokens")
-
-    def __init__(self, tokens: np.ndarray | None = None) -> None:
-        self.tokens = np.zeros(0, np.int64) if tokens is None else tokens
-        self.next = 0  # tokens before it are in `front` or taken
-        self.front: list[Entry] = []  # descending: the lowest is popped off the end
-
-    def __len__(self) -> int:
-        return len(self.front) + len(self.tokens) - self.next
-
-    def rest(self) -> np.ndarray:
-        """Every token not yet taken, the front's too."""
-        front = np.fromiter((e[4] for e in reversed(self.front)), np.int64, len(self.front))
-        return np.concatenate([front, self.tokens[self.next :]])
 
 
 @dataclass
@@ -126,8 +103,8 @@ class TopicIndex:
         self.heads = HeadStore(heads_dir)
         self.store = RowStore()
         self.rows = StoredIds(self.store)  # message id -> token: what is indexed
-        self.runs = [Run() for _ in range(topic.buckets)]
-        self.heaps: list[list[Entry]] = [[] for _ in range(topic.buckets)]
+        # Entries are valid while their token is its handle's (`RowStore.token`).
+        self.order = Order(topic.buckets)
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
         # Pending again with no row here: redriven after the row was forgotten (or not yet
         # read by this node). `revive` reads them from the buffer.
@@ -520,48 +497,21 @@ class TopicIndex:
         lock)."""
         row = self.store.row(token)
         key = state.sort_key(mid, row.sort_key)
-        heapq.heappush(self.heaps[row.bucket], _entry(key, mid, token, row))
+        self.order.push(row.bucket, key, row.partition, row.offset, token)
 
     def _add(self, bucket: int, tokens: np.ndarray) -> None:
-        """New rows of a bucket (tokens in their sort order): pushed on its heap while
-        that stays small next to the run, else merged into the run.
+        """New rows of a bucket: pushed on its heap while that stays small next to the
+        run, else merged into the run, with the heap's entries at their row's own key
+        (the others, re-keyed by a nack or a reschedule, stay in the heap): a sort once
+        per run/8 rows added. A merge drops the tokens of messages forgotten since, or
+        a follower's runs (it never picks) would hold every message it ever saw."""
+        self.order.add(bucket, tokens, RUN_MIN, *self._columns())
 
-        A merge sorts the run's tokens, the new ones and the heap's entries at their
-        row's own key (the others, re-keyed by a nack or a reschedule, stay in the heap):
-        once per run/8 rows added.
-        """
-        run, heap = self.runs[bucket], self.heaps[bucket]
-        if len(heap) + len(tokens) < max(RUN_MIN, len(run) // 8):
-            for entry in self._entries(tokens, bucket):
-                heapq.heappush(heap, entry)
-            return
-        base = self.store.sort_key
-        own: list[Entry] = []
-        rekeyed: list[Entry] = []
-        for e in heap:
-            (own if e[0] == base[e[4] & HANDLE_MASK] else rekeyed).append(e)
-        heap[:] = rekeyed
-        heapq.heapify(heap)
-        merged = np.concatenate([run.rest(), np.fromiter((e[4] for e in own), np.int64), tokens])
-        merged = merged[current(self.store.token, merged)]  # stale: dropped
-        self.runs[bucket] = Run(self.store.order(merged))
-
-    def _entries(self, tokens: np.ndarray, bucket: int) -> list[Entry]:
-        """Entries of `tokens` at their rows' own keys, in the tokens' order: tokens
-        still their messages' (see `_fill`)."""
+    def _columns(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The columns the order reads a token's place from (under the lock: a growth
+        or a shrink replaces them)."""
         store = self.store
-        h = tokens & HANDLE_MASK
-        return list(
-            zip(
-                store.sort_key[h].tolist(),
-                store.partition[h].tolist(),
-                store.offset[h].tolist(),
-                store.table.mids(h),
-                tokens.tolist(),
-                repeat(bucket),
-                strict=False,
-            )
-        )
+        return store.token, store.sort_key, store.partition, store.offset
 
     def forget(self, mids: list[str]) -> None:
         """Settled messages checkpointed into the ledger: gone for good.
@@ -612,20 +562,19 @@ class TopicIndex:
             self.unread = {m for m in revived | state.redriven_at.keys() if store.get(m) is None}
             # Re-keyed messages go to the heaps at their keys; the others to the runs.
             overrides = state.sort_keys
-            heaps: list[list[Entry]] = [[] for _ in self.heaps]
+            heaps: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.topic.buckets)]
             for mid in overrides:
                 token = store.get(mid)
                 if token is not None:
                     row = store.row(token)
-                    heaps[row.bucket].append(_entry(overrides[mid], mid, token, row))
+                    heaps[row.bucket].append((overrides[mid], row.partition, row.offset, token))
             h = store.stored()
             h = h[[m not in overrides for m in store.table.mids(h)]]
             tokens = store.token[h]
             buckets = store.bucket[h]
-            self.runs = [Run(store.order(tokens[buckets == b])) for b in range(len(heaps))]
-            for heap in heaps:
-                heapq.heapify(heap)
-            self.heaps = heaps
+            for b, heap in enumerate(heaps):
+                run = store.order(tokens[buckets == b])
+                self.order.replace(b, run, np.array(heap, np.int64).reshape(-1))
             self.delayed = [(nb, mid) for mid, nb in state.not_before.items()]
             heapq.heapify(self.delayed)
 
@@ -656,55 +605,39 @@ class TopicIndex:
                 token = self.store.get(mid)
                 if token is not None:
                     self._due(state, mid, token)
-            # Each bucket's lowest entry, stale or not; only the lowest of them all is
-            # checked (ids differ: no two compare equal). A lease of one message checks
-            # an entry or two, not one per bucket of the consumer.
-            tops = [top for b in buckets if (top := self._top(b)) is not None]
-            heapq.heapify(tops)
-            stored, timeline, base = self.store.token, self.timeline, self.store.sort_key
+            store, columns = self.store, self._columns()
             settled, leases, not_before, overrides = (
                 state.settled,
                 state.leases,
                 state.not_before,
                 state.sort_keys,
             )
-            runs, heaps = self.runs, self.heaps
-            while tops and len(picks) < n:
-                entry = tops[0]
-                key, _, _, mid, token, b = entry
-                # Stale: settled (checkpointed: its row is gone), leased, delayed by a
-                # nack (the delayed heap holds it) or re-keyed (a newer entry holds it).
-                # Without overrides every live entry has its row's own sort key (only
-                # settling drops an override): no key to check.
-                stale = (
-                    stored.item(token & HANDLE_MASK) != token
-                    or mid in settled
-                    or mid in leases
-                    or (not_before and not_before.get(mid, 0) > now)
-                    or (overrides and key != overrides.get(mid, int(base[token & HANDLE_MASK])))
-                )
-                if not stale:
-                    if timeline and key > now:  # the bucket has nothing due
-                        heapq.heappop(tops)
+            due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
+            while len(picks) < n:
+                # The lowest entries whose tokens are still their messages', as many as
+                # are still wanted: each is a pick, or stale by the state and dropped.
+                wanted = n - len(picks)
+                found, keys, buckets_of, handles = self.order.pop(buckets, wanted, due, *columns)
+                mids = store.table.mids(np.frombuffer(handles, np.int64))
+                for mid, key, b, token in zip(mids, keys, buckets_of, found, strict=True):
+                    # Stale: settled, leased, delayed by a nack (the delayed heap holds
+                    # it) or re-keyed (a newer entry holds it). Without overrides every
+                    # live entry has its row's own sort key (only settling drops an
+                    # override): no key to check.
+                    if (
+                        mid in settled
+                        or mid in leases
+                        or (not_before and not_before.get(mid, 0) > now)
+                        or (
+                            overrides
+                            and key != overrides.get(mid, int(store.sort_key[token & HANDLE_MASK]))
+                        )
+                    ):
                         continue
                     picks.append((mid, b, key))
                     tokens.append(token)
-                # `_drop(b, entry)` and `_top(b)`, inlined: two calls a message were a
-                # tenth of a pick at batch 100.
-                run, heap = runs[b], heaps[b]
-                front = run.front
-                if heap and heap[0] is entry:
-                    heapq.heappop(heap)
-                else:
-                    front.pop()
-                if not front and run.next < len(run.tokens):
-                    self._fill(run, b)
-                if front and (not heap or front[-1] < heap[0]):
-                    heapq.heapreplace(tops, front[-1])
-                elif heap:
-                    heapq.heapreplace(tops, heap[0])
-                else:
-                    heapq.heappop(tops)
+                if len(found) < wanted:
+                    break
             if taken is not None and tokens:
                 taken += self._taken(tokens)
         return picks
@@ -784,7 +717,7 @@ class TopicIndex:
 
     def shrink(self) -> None:
         """Renumber the rows once that halves the columns (`RowStore.shrink`), and move
-        the tokens the runs and heaps hold to the new handles, dropping stale ones. Run
+        the tokens the order holds to the new handles, dropping stale ones. Run
         by the thread that follows the tables, which alone adds rows; under the lock,
         as the tokens must move with the rows (at most a few hundred ms for a million)."""
         with self.lock:
@@ -796,39 +729,27 @@ class TopicIndex:
             def moved(tokens: np.ndarray) -> np.ndarray:
                 return (tokens & ~HANDLE_MASK) | new[tokens & HANDLE_MASK]
 
-            rests = map(Run.rest, self.runs)
-            self.runs = [Run(moved(tokens[current(before, tokens)])) for tokens in rests]
-            for heap in self.heaps:
-                tokens = np.fromiter((e[4] for e in heap), np.int64, len(heap))
+            store = self.store
+            for b in range(self.topic.buckets):
+                tokens, keys = self._entries(b)
+                ran = len(tokens) - len(keys)
                 live = current(before, tokens)
-                heap[:] = [
-                    (*e[:4], token, e[5])
-                    for e, token in zip(
-                        compress(heap, live.tolist()), moved(tokens[live]).tolist(), strict=True
-                    )
-                ]
-                heapq.heapify(heap)
+                run = moved(tokens[:ran][live[:ran]])
+                heap = moved(tokens[ran:][live[ran:]])
+                h = heap & HANDLE_MASK
+                # A heap entry keeps its key (a re-keyed message's); its coordinates
+                # are its row's.
+                rows = [keys[live[ran:]], store.partition[h], store.offset[h], heap]
+                self.order.replace(b, run, np.column_stack(rows).astype(np.int64).reshape(-1))
         log.info(
             "%s: rows renumbered: %d handles down to %d", self.topic.name, size, len(self.rows)
         )
 
-    def _top(self, bucket: int) -> Entry | None:
-        """The bucket's lowest entry, stale or not (under the lock)."""
-        run, heap = self.runs[bucket], self.heaps[bucket]
-        front = run.front
-        if not front and run.next < len(run.tokens):
-            self._fill(run, bucket)
-        if front and (not heap or front[-1] < heap[0]):
-            return front[-1]
-        return heap[0] if heap else None
-
-    def _drop(self, bucket: int, top: Entry) -> None:
-        """Take the bucket's lowest entry, `top` as `_top` gave it, out of the bucket."""
-        heap = self.heaps[bucket]
-        if heap and heap[0] is top:
-            heapq.heappop(heap)
-        else:
-            self.runs[bucket].front.pop()
+    def _entries(self, bucket: int) -> tuple[np.ndarray, np.ndarray]:
+        """A bucket's tokens (its run's in order, then its heap's) and its heap entries'
+        keys (under the lock)."""
+        tokens, keys = self.order.entries(bucket)
+        return np.frombuffer(tokens, np.int64), np.frombuffer(keys, np.int64)
 
     def _taken(self, tokens: list[int]) -> list[Taken]:
         """The picks' row sort keys and heads. One pick, the usual lease at batch 1, is
@@ -840,24 +761,6 @@ class TopicIndex:
         found = self.heads.read(store.places(h))
         return list(zip(store.sort_key[h].tolist(), found, strict=True))
 
-    def _fill(self, run: Run, bucket: int) -> None:
-        """The run's next tokens still their messages' as entries, into its empty front.
-        Once most of the run is taken, the taken part of its array goes.
-
-        A token whose message settled and whose handle went to a message read since is
-        dropped here, not made an entry: the entry would carry the new message's sort
-        key at the old one's place in the run, and a key higher than those after it
-        would hide them from `pick` until it surfaced.
-        """
-        while not run.front and run.next < len(run.tokens):
-            tokens = run.tokens[run.next : run.next + FRONT]
-            run.next += len(tokens)
-            entries = self._entries(tokens[current(self.store.token, tokens)], bucket)
-            entries.reverse()
-            run.front.extend(entries)
-        if run.next > FRONT * 16 and 2 * run.next > len(run.tokens):
-            run.tokens, run.next = run.tokens[run.next :].copy(), 0
-
     def release(self, state: TopicState, picks: list[Pick]) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
         with self.lock:
@@ -867,7 +770,7 @@ class TopicIndex:
                 token = self.store.get(mid)
                 if token is not None:
                     row = self.store.row(token)
-                    heapq.heappush(self.heaps[bucket], _entry(key, mid, token, row))
+                    self.order.push(bucket, key, row.partition, row.offset, token)
 
     # --- reads -----------------------------------------------------------------------
 
@@ -929,12 +832,12 @@ class TopicIndex:
             # By handle: a handle freed meanwhile may be another's.
             ids, long = store.table.ids.copy(), dict(store.table.long)
             parts = []
-            for run, heap in zip(self.runs, self.heaps, strict=True):
-                tokens = np.concatenate([run.rest(), np.fromiter((e[4] for e in heap), np.int64)])
+            for b in range(self.topic.buckets):
+                tokens, heap_keys = self._entries(b)
                 h = tokens & HANDLE_MASK
                 base = store.sort_key[h]
                 keys = base.copy()
-                keys[len(run) :] = [e[0] for e in heap]
+                keys[len(tokens) - len(heap_keys) :] = heap_keys
                 parts.append((h, current(store.token, tokens), keys, base, store.ingested_at[h]))
             delayed_ids = [m for _, m in self.delayed]
         out: dict[int, Stats] = {}
@@ -1005,7 +908,3 @@ def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
     unused = Counter(batch.segments)
     unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
     return unused
-
-
-def _entry(key: int, mid: str, token: int, row: Row) -> Entry:
-    return (key, row.partition, row.offset, mid, token, row.bucket)

@@ -1,0 +1,12 @@
+//! DejaQ broker's compiled core: per-message state the index keeps outside the Python
+//! heap, updated a lease or a batch of rows at a time.
+
+use pyo3::prelude::*;
+
+mod order;
+
+#[pymodule]
+fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<order::Order>()?;
+    Ok(())
+}

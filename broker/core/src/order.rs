@@ -1,0 +1,344 @@
+//! Each bucket's pending rows in lease order, as tokens: no Python object per row.
+//!
+//! A bucket keeps a run, tokens sorted once and taken from its low end, and a heap of
+//! entries for what arrives a few at a time (redeliveries, re-keyed messages, a trickle
+//! of new rows). A run's token carries no key: its row's columns (the index's NumPy
+//! arrays, passed to each call) say where it sorts. A heap entry carries its key, as a
+//! nack or a reschedule may have moved it from its row's own.
+//!
+//! A token is its row's handle and the batch that stored it; `token[handle] == token`
+//! says it is still its message's. Tokens that are not are dropped as they surface:
+//! their message settled, and the handle may since stand for another.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use pyo3::buffer::{PyBuffer, ReadOnlyCell};
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+const HANDLE_MASK: i64 = (1 << 32) - 1;
+/// A run's taken part goes once it passes this many tokens and half the run.
+const COMPACT_AFTER: usize = 4096;
+
+/// Where a row sorts: (sort key, partition, offset), the token last (the order among
+/// duplicates of one message's coordinates), as `RowStore.order` sorts.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+struct Entry {
+    key: i64,
+    partition: i64,
+    offset: i64,
+    token: i64,
+}
+
+/// The row store's columns for one call, borrowed from the NumPy arrays.
+struct Columns<'a> {
+    token: &'a [ReadOnlyCell<i64>],
+    sort_key: &'a [ReadOnlyCell<i64>],
+    partition: &'a [ReadOnlyCell<i32>],
+    offset: &'a [ReadOnlyCell<i64>],
+}
+
+fn slice<'a, T: pyo3::buffer::Element>(
+    py: Python<'a>,
+    buffer: &'a PyBuffer<T>,
+    name: &str,
+) -> PyResult<&'a [ReadOnlyCell<T>]> {
+    buffer
+        .as_slice(py)
+        .ok_or_else(|| PyValueError::new_err(format!("the {name} column is not contiguous")))
+}
+
+impl<'a> Columns<'a> {
+    fn new(
+        py: Python<'a>,
+        token: &'a PyBuffer<i64>,
+        sort_key: &'a PyBuffer<i64>,
+        partition: &'a PyBuffer<i32>,
+        offset: &'a PyBuffer<i64>,
+    ) -> PyResult<Self> {
+        let columns = Columns {
+            token: slice(py, token, "token")?,
+            sort_key: slice(py, sort_key, "sort_key")?,
+            partition: slice(py, partition, "partition")?,
+            offset: slice(py, offset, "offset")?,
+        };
+        let n = columns.token.len();
+        if columns.sort_key.len() != n || columns.partition.len() != n || columns.offset.len() != n
+        {
+            return Err(PyValueError::new_err("the columns differ in length"));
+        }
+        Ok(columns)
+    }
+
+    /// Whether `token` is still its message's.
+    fn current(&self, token: i64) -> bool {
+        let h = (token & HANDLE_MASK) as usize;
+        self.token.get(h).is_some_and(|t| t.get() == token)
+    }
+
+    /// A current token's entry at its row's own key.
+    fn entry(&self, token: i64) -> Entry {
+        let h = (token & HANDLE_MASK) as usize;
+        Entry {
+            key: self.sort_key[h].get(),
+            partition: self.partition[h].get() as i64,
+            offset: self.offset[h].get(),
+            token,
+        }
+    }
+}
+
+#[derive(Default)]
+struct Bucket {
+    run: Vec<i64>,
+    next: usize, // tokens before it are taken
+    heap: BinaryHeap<Reverse<Entry>>,
+}
+
+impl Bucket {
+    fn len(&self) -> usize {
+        self.run.len() - self.next + self.heap.len()
+    }
+
+    /// The lowest entry still its message's, and whether it is the heap's; the stale
+    /// ones before it are dropped.
+    fn top(&mut self, c: &Columns) -> Option<(Entry, bool)> {
+        while self.next < self.run.len() && !c.current(self.run[self.next]) {
+            self.next += 1;
+        }
+        while let Some(Reverse(e)) = self.heap.peek() {
+            if c.current(e.token) {
+                break;
+            }
+            self.heap.pop();
+        }
+        let run = (self.next < self.run.len()).then(|| c.entry(self.run[self.next]));
+        let heap = self.heap.peek().map(|Reverse(e)| *e);
+        match (run, heap) {
+            (Some(r), Some(h)) if h <= r => Some((h, true)),
+            (Some(r), _) => Some((r, false)),
+            (None, Some(h)) => Some((h, true)),
+            (None, None) => None,
+        }
+    }
+
+    /// Take the entry `top` gave.
+    fn take(&mut self, from_heap: bool) {
+        if from_heap {
+            self.heap.pop();
+            return;
+        }
+        self.next += 1;
+        if self.next > COMPACT_AFTER && 2 * self.next > self.run.len() {
+            self.run.drain(..self.next);
+            self.next = 0;
+        }
+    }
+
+    /// Every token not taken: the run's in order, then the heap's.
+    fn tokens(&self) -> impl Iterator<Item = i64> + '_ {
+        self.run[self.next..]
+            .iter()
+            .copied()
+            .chain(self.heap.iter().map(|Reverse(e)| e.token))
+    }
+}
+
+/// The order of one topic's pending rows, per bucket.
+#[pyclass(module = "dejaq_core")]
+pub struct Order {
+    buckets: Vec<Bucket>,
+}
+
+impl Order {
+    fn bucket(&mut self, b: usize) -> PyResult<&mut Bucket> {
+        let n = self.buckets.len();
+        self.buckets
+            .get_mut(b)
+            .ok_or_else(|| PyIndexError::new_err(format!("bucket {b} of {n}")))
+    }
+}
+
+#[pymethods]
+impl Order {
+    #[new]
+    fn new(buckets: usize) -> Self {
+        Order {
+            buckets: (0..buckets).map(|_| Bucket::default()).collect(),
+        }
+    }
+
+    /// New rows of `bucket` (tokens of stored rows): pushed on its heap while that
+    /// stays under max(run_min, run/8), else merged with the run, the heap's entries at
+    /// their row's own key and the new rows into one sorted run (once per run/8 rows
+    /// added). Tokens no longer their messages' are dropped by the merge.
+    #[allow(clippy::too_many_arguments)]
+    fn add(
+        &mut self,
+        py: Python<'_>,
+        bucket: usize,
+        tokens: PyBuffer<i64>,
+        run_min: usize,
+        token: PyBuffer<i64>,
+        sort_key: PyBuffer<i64>,
+        partition: PyBuffer<i32>,
+        offset: PyBuffer<i64>,
+    ) -> PyResult<()> {
+        let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
+        let new: Vec<i64> = slice(py, &tokens, "tokens")?
+            .iter()
+            .map(|t| t.get())
+            .collect();
+        if let Some(&t) = new.iter().find(|&&t| !c.current(t)) {
+            return Err(PyValueError::new_err(format!("token {t} is not stored")));
+        }
+        let b = self.bucket(bucket)?;
+        let run_len = b.run.len() - b.next;
+        if b.heap.len() + new.len() < run_min.max(run_len / 8) {
+            b.heap.extend(new.into_iter().map(|t| Reverse(c.entry(t))));
+            return Ok(());
+        }
+        let (own, rekeyed): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut b.heap)
+            .into_iter()
+            .map(|Reverse(e)| e)
+            .partition(|e| c.current(e.token) && c.entry(e.token).key == e.key);
+        b.heap = rekeyed.into_iter().map(Reverse).collect();
+        let mut merged: Vec<i64> = b.run[b.next..]
+            .iter()
+            .copied()
+            .filter(|&t| c.current(t))
+            .chain(own.iter().map(|e| e.token))
+            .chain(new)
+            .collect();
+        merged.sort_unstable_by_key(|&t| c.entry(t));
+        b.run = merged;
+        b.next = 0;
+        Ok(())
+    }
+
+    /// One entry at `key` (a pending message's key in force) on its bucket's heap.
+    fn push(
+        &mut self,
+        bucket: usize,
+        key: i64,
+        partition: i64,
+        offset: i64,
+        token: i64,
+    ) -> PyResult<()> {
+        let entry = Entry {
+            key,
+            partition,
+            offset,
+            token,
+        };
+        self.bucket(bucket)?.heap.push(Reverse(entry));
+        Ok(())
+    }
+
+    /// Take up to `n` of the lowest entries across `buckets` whose tokens are still
+    /// their messages', in order; stale ones met on the way are dropped. A bucket whose
+    /// lowest key is above `max_key` has nothing due and gives none. Returns the
+    /// entries' tokens, keys and buckets, and their handles as int64 bytes.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn pop<'py>(
+        &mut self,
+        py: Python<'py>,
+        buckets: Vec<usize>,
+        n: usize,
+        max_key: i64,
+        token: PyBuffer<i64>,
+        sort_key: PyBuffer<i64>,
+        partition: PyBuffer<i32>,
+        offset: PyBuffer<i64>,
+    ) -> PyResult<(Vec<i64>, Vec<i64>, Vec<usize>, Bound<'py, PyBytes>)> {
+        let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
+        let mut tops = BinaryHeap::with_capacity(buckets.len());
+        for &b in &buckets {
+            if let Some((e, heap)) = self.bucket(b)?.top(&c) {
+                tops.push(Reverse((e, b, heap)));
+            }
+        }
+        let mut tokens = Vec::with_capacity(n.min(1024));
+        let mut keys = Vec::with_capacity(n.min(1024));
+        let mut from = Vec::with_capacity(n.min(1024));
+        while tokens.len() < n {
+            let Some(Reverse((e, b, heap))) = tops.pop() else {
+                break;
+            };
+            if e.key > max_key {
+                continue; // and so is every other of the bucket's
+            }
+            let bucket = &mut self.buckets[b];
+            bucket.take(heap);
+            tokens.push(e.token);
+            keys.push(e.key);
+            from.push(b);
+            if let Some((e, heap)) = bucket.top(&c) {
+                tops.push(Reverse((e, b, heap)));
+            }
+        }
+        let handles: Vec<u8> = tokens
+            .iter()
+            .flat_map(|t| (t & HANDLE_MASK).to_ne_bytes())
+            .collect();
+        Ok((tokens, keys, from, PyBytes::new(py, &handles)))
+    }
+
+    /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
+    /// and the heap's entries' keys, in the same order as its tokens.
+    fn entries<'py>(
+        &mut self,
+        py: Python<'py>,
+        bucket: usize,
+    ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
+        let b = self.bucket(bucket)?;
+        let tokens: Vec<u8> = b.tokens().flat_map(i64::to_ne_bytes).collect();
+        let keys: Vec<u8> = b
+            .heap
+            .iter()
+            .flat_map(|Reverse(e)| e.key.to_ne_bytes())
+            .collect();
+        Ok((PyBytes::new(py, &tokens), PyBytes::new(py, &keys)))
+    }
+
+    /// Replace a bucket: `run`, tokens already in order, and heap entries given as
+    /// int64 (key, partition, offset, token) rows, flattened.
+    fn replace(
+        &mut self,
+        py: Python<'_>,
+        bucket: usize,
+        run: PyBuffer<i64>,
+        heap: PyBuffer<i64>,
+    ) -> PyResult<()> {
+        let run: Vec<i64> = slice(py, &run, "run")?.iter().map(|t| t.get()).collect();
+        let flat = slice(py, &heap, "heap")?;
+        if flat.len() % 4 != 0 {
+            return Err(PyValueError::new_err("heap entries are rows of 4 int64"));
+        }
+        let heap = flat
+            .chunks_exact(4)
+            .map(|e| {
+                Reverse(Entry {
+                    key: e[0].get(),
+                    partition: e[1].get(),
+                    offset: e[2].get(),
+                    token: e[3].get(),
+                })
+            })
+            .collect();
+        *self.bucket(bucket)? = Bucket { run, next: 0, heap };
+        Ok(())
+    }
+
+    /// Entries held in `bucket` (stale ones not yet dropped included).
+    fn held(&self, bucket: usize) -> usize {
+        self.buckets.get(bucket).map_or(0, Bucket::len)
+    }
+
+    /// Entries held in all buckets.
+    fn __len__(&self) -> usize {
+        self.buckets.iter().map(Bucket::len).sum()
+    }
+}

@@ -1,0 +1,135 @@
+"""The compiled core's per-bucket order (`dejaq_core.Order`) against a model: a multiset
+of entries, taken lowest first across the buckets asked, never one whose token is no
+longer its message's, never one above the key limit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from dejaq_core import Order
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+BITS = 32
+BUCKETS = 3
+
+
+class Rows:
+    """The row store's columns, as `RowStore` keeps them: a token per handle, 0 when free."""
+
+    def __init__(self, size: int = 64) -> None:
+        self.token = np.zeros(size, np.int64)
+        self.sort_key = np.zeros(size, np.int64)
+        self.partition = np.zeros(size, np.int32)
+        self.offset = np.zeros(size, np.int64)
+        self.batches = 0
+
+    def columns(self) -> tuple[np.ndarray, ...]:
+        return self.token, self.sort_key, self.partition, self.offset
+
+    def store(self, keys: list[tuple[int, int]]) -> np.ndarray:
+        """Rows at free handles, lowest first; returns their tokens."""
+        self.batches += 1
+        handles = np.flatnonzero(self.token == 0)[: len(keys)]
+        for h, (key, partition) in zip(handles.tolist(), keys, strict=True):
+            self.sort_key[h], self.partition[h], self.offset[h] = key, partition, h
+            self.token[h] = (self.batches << BITS) | h
+        return self.token[handles].copy()
+
+    def entry(self, token: int, key: int | None = None) -> tuple[int, int, int, int]:
+        h = token & ((1 << BITS) - 1)
+        own = int(self.sort_key[h])
+        return (own if key is None else key, int(self.partition[h]), int(self.offset[h]), token)
+
+    def current(self, token: int) -> bool:
+        return int(self.token[token & ((1 << BITS) - 1)]) == token
+
+
+operations = st.lists(
+    st.one_of(
+        st.tuples(
+            st.just("add"),
+            st.integers(0, BUCKETS - 1),
+            st.lists(st.tuples(st.integers(0, 20), st.integers(0, 2)), min_size=1, max_size=12),
+        ),
+        st.tuples(st.just("forget"), st.integers(0, 63)),
+        st.tuples(st.just("rekey"), st.integers(0, 63), st.integers(0, 20)),
+        st.tuples(
+            st.just("pop"),
+            st.lists(st.integers(0, BUCKETS - 1), min_size=1, max_size=BUCKETS, unique=True),
+            st.integers(0, 10),
+            st.integers(0, 25),
+        ),
+    ),
+    max_size=40,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(operations=operations, run_min=st.integers(1, 8))
+def test_pop_takes_the_lowest_current_entries_of_the_buckets_asked(
+    operations: list[tuple], run_min: int
+) -> None:
+    rows = Rows()
+    order = Order(BUCKETS)
+    model: list[tuple[tuple[int, int, int, int], int]] = []  # (entry, bucket)
+    bucket_of: dict[int, int] = {}  # token -> bucket
+    for op in operations:
+        if op[0] == "add" and (rows.token == 0).sum() >= len(op[2]):
+            tokens = rows.store(sorted(op[2]))
+            order.add(op[1], tokens, run_min, *rows.columns())
+            for token in tokens.tolist():
+                bucket_of[token] = op[1]
+                model.append((rows.entry(token), op[1]))
+        elif op[0] == "forget":
+            rows.token[op[1]] = 0
+        elif op[0] == "rekey" and rows.token[op[1]]:
+            token = int(rows.token[op[1]])
+            entry = rows.entry(token, op[2])
+            order.push(bucket_of[token], *entry)
+            model.append((entry, bucket_of[token]))
+        elif op[0] == "pop":
+            _, buckets, n, max_key = op
+            found, keys, from_, handles = order.pop(buckets, n, max_key, *rows.columns())
+            model = [(e, b) for e, b in model if rows.current(e[3])]
+            due = sorted((e, b) for e, b in model if b in buckets and e[0] <= max_key)[:n]
+            assert list(zip(found, keys, from_, strict=True)) == [(e[3], e[0], b) for e, b in due]
+            assert np.frombuffer(handles, np.int64).tolist() == [t & 0xFFFFFFFF for t in found]
+            for taken in due:
+                model.remove(taken)
+        live = [e for e, _ in model if rows.current(e[3])]
+        assert len(order) >= len(live), "no current entry is lost"
+    found, *_ = order.pop(list(range(BUCKETS)), 10_000, 1 << 62, *rows.columns())
+    assert sorted(found) == sorted(e[3] for e, _ in model if rows.current(e[3]))
+
+
+def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:
+    """New rows past the heap's share merge into the run; an entry re-keyed by a nack
+    stays at its new key, and its row's own entry (still in the run) is the caller's to
+    judge stale."""
+    rows = Rows()
+    order = Order(1)
+    first = rows.store([(5, 0), (9, 0)])
+    order.add(0, first, 1, *rows.columns())
+    order.push(0, *rows.entry(int(first[1]), 1))  # the message at 9, nacked to key 1
+    order.add(0, rows.store([(3, 0), (7, 0)]), 1, *rows.columns())
+    tokens, heap_keys = (np.frombuffer(b, np.int64) for b in order.entries(0))
+    assert heap_keys.tolist() == [1]
+    assert len(tokens) == 5
+    _, keys, _, _ = order.pop([0], 10, 100, *rows.columns())
+    assert keys == [1, 3, 5, 7, 9]
+
+
+def test_bad_calls_are_refused_with_a_clear_error() -> None:
+    rows = Rows()
+    order = Order(2)
+    tokens = rows.store([(1, 0)])
+    with pytest.raises(IndexError, match="bucket 2 of 2"):
+        order.add(2, tokens, 1, *rows.columns())
+    with pytest.raises(ValueError, match="not stored"):
+        order.add(0, tokens + 1, 1, *rows.columns())
+    with pytest.raises(ValueError, match="rows of 4"):
+        order.replace(0, tokens, np.zeros(3, np.int64))
+    with pytest.raises(ValueError, match="differ in length"):
+        order.pop([0], 1, 10, rows.token[:3], rows.sort_key, rows.partition, rows.offset)
+    assert len(order) == 0
