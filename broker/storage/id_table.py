@@ -16,7 +16,9 @@ deleted), and matches an id when the column at its handle is equal (and, for an 
 many ids in one vectorised pass and seeded per process, so ids cannot be chosen ahead to
 collide: the table is a node's own, rebuilt from its handles at start.
 
-Linear probing. A look-up of many ids walks their chains in vectorised steps, a slot
+Linear probing. Look-ups run in the compiled core (`dejaq_core.find_slots`), which
+hashes and probes each id as it reads it, with no array or bytes object per id; where
+the table holds ids as digests, many ids walk their chains in vectorised steps, a slot
 a step, until fewer than FEW are left, which are probed one at a time. Deleted slots
 are reused only by a rebuild, when used slots would pass three quarters, into a table
 at most half full. A rebuild over a million ids takes a fraction of a second:
@@ -31,6 +33,7 @@ import struct
 from contextlib import AbstractContextManager
 
 import numpy as np
+from dejaq_core import find_slots
 
 EMPTY = 0
 DELETED = -1
@@ -38,6 +41,7 @@ MIN_SLOTS = 1024
 STEP = 8  # the column's width grows in words of 8 bytes, which the hash reads whole
 WIDEST = 64
 FEW = 8  # ids probed one at a time in Python: fewer than this cost more in NumPy calls
+ASK = -2  # `find_slots`: an id the column holds as a digest, for Python to look up
 _SEED = int.from_bytes(os.urandom(8), "little")
 _MIX = 0x9E3779B97F4A7C15
 _FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
@@ -113,8 +117,18 @@ class IdTable:
 
     def get(self, mid: str) -> int | None:
         """The handle of `mid`, if stored."""
-        slot = self._find_one(mid)
+        slot = self._find_one(mid) if self.long else self._found([mid])[0]
+        if slot == ASK:
+            slot = self._find_one(mid)
         return None if slot < 0 else int(self.slots[slot]) - 1
+
+    def _found(self, mids: list[str]) -> np.ndarray:
+        """The slot of each id, or -1, or ASK for one the column holds as a digest: by the
+        compiled core, for a table that holds no id as one."""
+        width = self.ids.dtype.itemsize
+        return np.frombuffer(
+            find_slots(mids, self.slots, self.ids.view(np.uint8), width, _SEED), np.int64
+        )
 
     def _find_one(self, mid: str) -> int:
         """The slot of `mid`, or -1: one id, probed in Python, with no arrays made."""
@@ -148,11 +162,14 @@ class IdTable:
 
     def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
-        found = (
-            np.array([self._find_one(m) for m in mids], np.int64)
-            if len(mids) < FEW
-            else self._find_many(mids)
-        )
+        if not self.long:
+            found = self._found(mids).copy()
+            for i in np.flatnonzero(found == ASK).tolist():
+                found[i] = self._find_one(mids[i])
+        elif len(mids) < FEW:
+            found = np.array([self._find_one(m) for m in mids], np.int64)
+        else:
+            found = self._find_many(mids)
         handles = np.where(found >= 0, self.slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
         return handles, found
 

@@ -3,10 +3,12 @@
 
 use pyo3::prelude::*;
 
+mod ids;
 mod order;
 
 #[pymodule]
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
+    m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     Ok(())
 }

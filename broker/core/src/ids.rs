@@ -1,0 +1,98 @@
+//! Look-ups in the index's id table (`broker/storage/id_table.py`): each id's slot, found
+//! by the same hash and linear probing as the table was built with, without making an
+//! array or a bytes object per id.
+
+use pyo3::buffer::{PyBuffer, ReadOnlyCell};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString};
+
+const WIDEST: usize = 64; // the longest id the column holds whole (`id_table.WIDEST`)
+const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
+const FMIX: [u64; 2] = [0xFF51_AFD7_ED55_8CCD, 0xC4CE_B9FE_1A85_EC53];
+const EMPTY: i32 = 0;
+/// An id the caller must look up itself: one the column holds as a digest.
+const ASK: i64 = -2;
+
+/// The position of an id padded with NUL bytes to `width` (a multiple of 8), as
+/// `id_table._positions` computes it for a column: hashed word by word, then mixed.
+fn hash(raw: &[u8], width: usize, seed: u64) -> u64 {
+    let mut h = seed;
+    for start in (0..width).step_by(8) {
+        let mut word = [0u8; 8];
+        if start < raw.len() {
+            let end = raw.len().min(start + 8);
+            word[..end - start].copy_from_slice(&raw[start..end]);
+        }
+        h ^= u64::from_le_bytes(word);
+        h = h.wrapping_mul(MIX);
+    }
+    for c in FMIX {
+        h ^= h >> 33;
+        h = h.wrapping_mul(c);
+    }
+    (h ^ (h >> 33)) >> 1
+}
+
+/// Whether the column's `width` bytes at `handle` hold `raw`, NUL-padded.
+fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> bool {
+    let Some(key) = ids.get(handle * width..(handle + 1) * width) else {
+        return false;
+    };
+    key[..raw.len()].iter().zip(raw).all(|(a, b)| a.get() == *b)
+        && key[raw.len()..].iter().all(|a| a.get() == 0)
+}
+
+/// The slot of each id in `mids` (-1: not stored; -2: held as a digest, for the caller
+/// to look up), as int64 bytes. `slots` is the table (a handle + 1 per used slot, -1
+/// deleted), `ids` the column's bytes (`width` per handle) and `seed` the hash's. For a
+/// table that holds no id as a digest.
+#[pyfunction]
+pub fn find_slots<'py>(
+    py: Python<'py>,
+    mids: &Bound<'py, PyAny>,
+    slots: PyBuffer<i32>,
+    ids: PyBuffer<u8>,
+    width: usize,
+    seed: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let table = slots
+        .as_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the id table is not contiguous"))?;
+    let column = ids
+        .as_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the id column is not contiguous"))?;
+    if table.is_empty() || !table.len().is_power_of_two() || width == 0 || !width.is_multiple_of(8)
+    {
+        return Err(PyValueError::new_err(
+            "the table's size must be a power of two and the width a multiple of 8",
+        ));
+    }
+    let mask = table.len() - 1;
+    let mut found: Vec<u8> = Vec::new();
+    for mid in mids.try_iter()? {
+        let mid = mid?;
+        let raw = mid.downcast::<PyString>()?.to_str()?.as_bytes();
+        let slot = if raw.len() > WIDEST || raw.last() == Some(&0) {
+            ASK
+        } else if raw.len() > width {
+            -1
+        } else {
+            let mut i = (hash(raw, width, seed) as usize) & mask;
+            let mut probes = 0;
+            loop {
+                let s = table[i].get();
+                probes += 1;
+                if s == EMPTY || probes > table.len() {
+                    break -1;
+                }
+                if s > 0 && holds(column, (s - 1) as usize, width, raw) {
+                    break i as i64;
+                }
+                i = (i + 1) & mask;
+            }
+        };
+        found.extend_from_slice(&slot.to_ne_bytes());
+    }
+    Ok(PyBytes::new(py, &found))
+}
