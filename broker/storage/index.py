@@ -606,41 +606,58 @@ class TopicIndex:
                 if token is not None:
                     self._due(state, mid, token)
             store, columns = self.store, self._columns()
-            settled, leases, not_before, overrides = (
-                state.settled,
-                state.leases,
-                state.not_before,
-                state.sort_keys,
-            )
             due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
             while len(picks) < n:
                 # The lowest entries whose tokens are still their messages', as many as
                 # are still wanted: each is a pick, or stale by the state and dropped.
                 wanted = n - len(picks)
                 found, keys, buckets_of, handles = self.order.pop(buckets, wanted, due, *columns)
-                mids = store.table.mids(np.frombuffer(handles, np.int64))
-                for mid, key, b, token in zip(mids, keys, buckets_of, found, strict=True):
-                    # Stale: settled, leased, delayed by a nack (the delayed heap holds
-                    # it) or re-keyed (a newer entry holds it). Without overrides every
-                    # live entry has its row's own sort key (only settling drops an
-                    # override): no key to check.
-                    if (
-                        mid in settled
-                        or mid in leases
-                        or (not_before and not_before.get(mid, 0) > now)
-                        or (
-                            overrides
-                            and key != overrides.get(mid, int(store.sort_key[token & HANDLE_MASK]))
-                        )
-                    ):
-                        continue
-                    picks.append((mid, b, key))
-                    tokens.append(token)
+                h = np.frombuffer(handles, np.int64)
+                mids = store.table.mids(h)
+                if _none_stale(state, mids, keys, store.sort_key[h]):
+                    # The usual case: taken in C-level passes, as `_take` would take them.
+                    picks += zip(mids, buckets_of, keys, strict=True)
+                    tokens += found
+                else:
+                    self._take(state, now, mids, keys, buckets_of, found, picks, tokens)
                 if len(found) < wanted:
                     break
             if taken is not None and tokens:
                 taken += self._taken(tokens)
         return picks
+
+    def _take(
+        self,
+        state: TopicState,
+        now: int,
+        mids: list[str],
+        keys: list[int],
+        buckets: list[int],
+        found: list[int],
+        picks: list[Pick],
+        tokens: list[int],
+    ) -> None:
+        """A pop's entries into `picks` and their `tokens`, one by one, the stale ones
+        dropped (under the lock): settled, leased, delayed by a nack (the delayed heap
+        holds it) or re-keyed (a newer entry holds it). Without overrides every live
+        entry has its row's own sort key (only settling drops an override)."""
+        settled, leases, not_before, overrides = (
+            state.settled,
+            state.leases,
+            state.not_before,
+            state.sort_keys,
+        )
+        own = self.store.sort_key
+        for mid, key, b, token in zip(mids, keys, buckets, found, strict=True):
+            if (
+                mid in settled
+                or mid in leases
+                or (not_before and not_before.get(mid, 0) > now)
+                or (overrides and key != overrides.get(mid, int(own[token & HANDLE_MASK])))
+            ):
+                continue
+            picks.append((mid, b, key))
+            tokens.append(token)
 
     def row(self, mid: str) -> Row | None:
         """An indexed message's row (None once forgotten)."""
@@ -908,3 +925,15 @@ def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
     unused = Counter(batch.segments)
     unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
     return unused
+
+
+def _none_stale(state: TopicState, mids: list[str], keys: list[int], own: np.ndarray) -> bool:
+    """Whether none of a pop's entries is stale by the state (`pick`'s loop): none
+    settled, leased or delayed, each at its key in force. Set operations in C."""
+    overrides = state.sort_keys
+    return (
+        state.settled.keys().isdisjoint(mids)
+        and state.leases.keys().isdisjoint(mids)
+        and state.not_before.keys().isdisjoint(mids)
+        and (not overrides or (overrides.keys().isdisjoint(mids) and own.tolist() == keys))
+    )
