@@ -128,11 +128,15 @@ impl Bucket {
     fn take(&mut self, from_heap: bool) {
         if from_heap {
             self.heap.pop();
+            if self.heap.capacity() > 64 && 4 * self.heap.len() < self.heap.capacity() {
+                self.heap.shrink_to_fit(); // as a run's: what is left, not the peak
+            }
             return;
         }
         self.next += 1;
         if self.next > COMPACT_AFTER && 2 * self.next > self.run.len() {
             self.run.drain(..self.next);
+            self.run.shrink_to_fit(); // a drained run holds what is left, not its peak
             self.next = 0;
         }
     }
@@ -205,6 +209,7 @@ impl Order {
             .map(|Reverse(e)| e)
             .partition(|e| c.current(e.token) && c.entry(e.token).key == e.key);
         b.heap = rekeyed.into_iter().map(Reverse).collect();
+        b.heap.shrink_to_fit();
         let mut merged: Vec<i64> = b.run[b.next..]
             .iter()
             .copied()
@@ -213,6 +218,7 @@ impl Order {
             .chain(new)
             .collect();
         merged.sort_unstable_by_key(|&t| c.entry(t));
+        merged.shrink_to_fit();
         b.run = merged;
         b.next = 0;
         Ok(())
