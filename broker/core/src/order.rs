@@ -210,16 +210,18 @@ impl Order {
             .partition(|e| c.current(e.token) && c.entry(e.token).key == e.key);
         b.heap = rekeyed.into_iter().map(Reverse).collect();
         b.heap.shrink_to_fit();
-        let mut merged: Vec<i64> = b.run[b.next..]
+        // Each token's place read once, not at every comparison: a merge of a whole
+        // bucket at start sorts a million, whose rows lie all over the columns.
+        let mut merged: Vec<Entry> = b.run[b.next..]
             .iter()
             .copied()
             .filter(|&t| c.current(t))
             .chain(own.iter().map(|e| e.token))
             .chain(new)
+            .map(|t| c.entry(t))
             .collect();
-        merged.sort_unstable_by_key(|&t| c.entry(t));
-        merged.shrink_to_fit();
-        b.run = merged;
+        merged.sort_unstable();
+        b.run = merged.iter().map(|e| e.token).collect();
         b.next = 0;
         Ok(())
     }
