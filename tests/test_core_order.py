@@ -22,10 +22,19 @@ class Rows:
         self.sort_key = np.zeros(size, np.int64)
         self.partition = np.zeros(size, np.int32)
         self.offset = np.zeros(size, np.int64)
+        self.ids = np.zeros(size, "S8")  # as `IdTable.ids`, and the ids it holds apart
+        self.long: dict[int, str] = {}
         self.batches = 0
 
     def columns(self) -> tuple[np.ndarray, ...]:
         return self.token, self.sort_key, self.partition, self.offset
+
+    def id_columns(self) -> tuple:
+        return self.ids.view(np.uint8), self.ids.dtype.itemsize, self.long
+
+    def mid(self, token: int) -> str:
+        h = token & ((1 << BITS) - 1)
+        return self.long.get(h) or self.ids[h].decode()
 
     def store(self, keys: list[tuple[int, int]]) -> np.ndarray:
         """Rows at free handles, lowest first; returns their tokens."""
@@ -34,6 +43,11 @@ class Rows:
         for h, (key, partition) in zip(handles.tolist(), keys, strict=True):
             self.sort_key[h], self.partition[h], self.offset[h] = key, partition, h
             self.token[h] = (self.batches << BITS) | h
+            mid = f"é{self.batches}.{h}"  # some ids held apart, as a long one's are
+            self.ids[h] = mid.encode()[:8]
+            self.long.pop(h, None)
+            if h % 3 == 0:
+                self.long[h] = mid + "-" * 70
         return self.token[handles].copy()
 
     def entry(self, token: int, key: int | None = None) -> tuple[int, int, int, int]:
@@ -90,16 +104,21 @@ def test_pop_takes_the_lowest_current_entries_of_the_buckets_asked(
             model.append((entry, bucket_of[token]))
         elif op[0] == "pop":
             _, buckets, n, max_key = op
-            found, keys, from_, handles = order.pop(buckets, n, max_key, *rows.columns())
+            mids, keys, from_, found, own = order.pop(
+                buckets, n, max_key, *rows.columns(), *rows.id_columns()
+            )
             model = [(e, b) for e, b in model if rows.current(e[3])]
             due = sorted((e, b) for e, b in model if b in buckets and e[0] <= max_key)[:n]
             assert list(zip(found, keys, from_, strict=True)) == [(e[3], e[0], b) for e, b in due]
-            assert np.frombuffer(handles, np.int64).tolist() == [t & 0xFFFFFFFF for t in found]
+            assert mids == [rows.mid(t) for t in found]
+            assert own == [rows.entry(t)[0] for t in found]
             for taken in due:
                 model.remove(taken)
         live = [e for e, _ in model if rows.current(e[3])]
         assert len(order) >= len(live), "no current entry is lost"
-    found, *_ = order.pop(list(range(BUCKETS)), 10_000, 1 << 62, *rows.columns())
+    _, _, _, found, _ = order.pop(
+        list(range(BUCKETS)), 10_000, 1 << 62, *rows.columns(), *rows.id_columns()
+    )
     assert sorted(found) == sorted(e[3] for e, _ in model if rows.current(e[3]))
 
 
@@ -116,7 +135,7 @@ def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:
     tokens, heap_keys = (np.frombuffer(b, np.int64) for b in order.entries(0))
     assert heap_keys.tolist() == [1]
     assert len(tokens) == 5
-    _, keys, _, _ = order.pop([0], 10, 100, *rows.columns())
+    _, keys, _, _, _ = order.pop([0], 10, 100, *rows.columns(), *rows.id_columns())
     assert keys == [1, 3, 5, 7, 9]
 
 
@@ -131,5 +150,7 @@ def test_bad_calls_are_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="rows of 4"):
         order.replace(0, tokens, np.zeros(3, np.int64))
     with pytest.raises(ValueError, match="differ in length"):
-        order.pop([0], 1, 10, rows.token[:3], rows.sort_key, rows.partition, rows.offset)
+        order.pop([0], 1, 10, rows.token[:3], *rows.columns()[1:], *rows.id_columns())
+    with pytest.raises(ValueError, match="id column does not match"):
+        order.pop([0], 1, 10, *rows.columns(), rows.ids[:3].view(np.uint8), 8, {})
     assert len(order) == 0

@@ -79,6 +79,7 @@ _ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
 NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
+FEW = 8  # picks taken one by one: set operations over fewer cost more than the steps
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
 
@@ -605,21 +606,22 @@ class TopicIndex:
                 token = self.store.get(mid)
                 if token is not None:
                     self._due(state, mid, token)
-            store, columns = self.store, self._columns()
+            columns, table = self._columns(), self.store.table
+            ids = (table.ids.view(np.uint8), table.ids.dtype.itemsize, table.long)
             due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
             while len(picks) < n:
                 # The lowest entries whose tokens are still their messages', as many as
                 # are still wanted: each is a pick, or stale by the state and dropped.
                 wanted = n - len(picks)
-                found, keys, buckets_of, handles = self.order.pop(buckets, wanted, due, *columns)
-                h = np.frombuffer(handles, np.int64)
-                mids = store.table.mids(h)
-                if _none_stale(state, mids, keys, store.sort_key[h]):
-                    # The usual case: taken in C-level passes, as `_take` would take them.
+                mids, keys, buckets_of, found, own = self.order.pop(
+                    buckets, wanted, due, *columns, *ids
+                )
+                if len(mids) >= FEW and _none_stale(state, mids, keys, own):
+                    # The usual lease of many: taken in C-level passes, as `_take` would.
                     picks += zip(mids, buckets_of, keys, strict=True)
                     tokens += found
                 else:
-                    self._take(state, now, mids, keys, buckets_of, found, picks, tokens)
+                    self._take(state, now, mids, keys, buckets_of, found, own, picks, tokens)
                 if len(found) < wanted:
                     break
             if taken is not None and tokens:
@@ -634,6 +636,7 @@ class TopicIndex:
         keys: list[int],
         buckets: list[int],
         found: list[int],
+        own: list[int],
         picks: list[Pick],
         tokens: list[int],
     ) -> None:
@@ -647,13 +650,12 @@ class TopicIndex:
             state.not_before,
             state.sort_keys,
         )
-        own = self.store.sort_key
-        for mid, key, b, token in zip(mids, keys, buckets, found, strict=True):
+        for mid, key, b, token, base in zip(mids, keys, buckets, found, own, strict=True):
             if (
                 mid in settled
                 or mid in leases
                 or (not_before and not_before.get(mid, 0) > now)
-                or (overrides and key != overrides.get(mid, int(own[token & HANDLE_MASK])))
+                or (overrides and key != overrides.get(mid, base))
             ):
                 continue
             picks.append((mid, b, key))
@@ -927,7 +929,7 @@ def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
     return unused
 
 
-def _none_stale(state: TopicState, mids: list[str], keys: list[int], own: np.ndarray) -> bool:
+def _none_stale(state: TopicState, mids: list[str], keys: list[int], own: list[int]) -> bool:
     """Whether none of a pop's entries is stale by the state (`pick`'s loop): none
     settled, leased or delayed, each at its key in force. Set operations in C."""
     overrides = state.sort_keys
@@ -935,5 +937,5 @@ def _none_stale(state: TopicState, mids: list[str], keys: list[int], own: np.nda
         state.settled.keys().isdisjoint(mids)
         and state.leases.keys().isdisjoint(mids)
         and state.not_before.keys().isdisjoint(mids)
-        and (not overrides or (overrides.keys().isdisjoint(mids) and own.tolist() == keys))
+        and (not overrides or (overrides.keys().isdisjoint(mids) and own == keys))
     )

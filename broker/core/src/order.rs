@@ -16,9 +16,11 @@ use std::collections::BinaryHeap;
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 const HANDLE_MASK: i64 = (1 << 32) - 1;
+/// The widest id the id column holds (`id_table.WIDEST`).
+const WIDEST: usize = 64;
 /// A run's taken part goes once it passes this many tokens and half the run.
 const COMPACT_AFTER: usize = 4096;
 
@@ -248,7 +250,9 @@ impl Order {
     /// Take up to `n` of the lowest entries across `buckets` whose tokens are still
     /// their messages', in order; stale ones met on the way are dropped. A bucket whose
     /// lowest key is above `max_key` has nothing due and gives none. Returns the
-    /// entries' tokens, keys and buckets, and their handles as int64 bytes.
+    /// entries' message ids (from the id column `ids`, `width` bytes a handle, or from
+    /// `long`, the ids it holds as digests, by handle), keys, buckets and tokens, and
+    /// their rows' own keys.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn pop<'py>(
         &mut self,
@@ -260,18 +264,31 @@ impl Order {
         sort_key: PyBuffer<i64>,
         partition: PyBuffer<i32>,
         offset: PyBuffer<i64>,
-    ) -> PyResult<(Vec<i64>, Vec<i64>, Vec<usize>, Bound<'py, PyBytes>)> {
+        ids: PyBuffer<u8>,
+        width: usize,
+        long: &Bound<'py, PyDict>,
+    ) -> PyResult<(
+        Vec<Bound<'py, PyString>>,
+        Vec<i64>,
+        Vec<usize>,
+        Vec<i64>,
+        Vec<i64>,
+    )> {
         let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
+        let column = slice(py, &ids, "id")?;
+        if width == 0 || width > WIDEST || column.len() != width * c.token.len() {
+            return Err(PyValueError::new_err(
+                "the id column does not match the others",
+            ));
+        }
         let mut tops = BinaryHeap::with_capacity(buckets.len());
         for &b in &buckets {
             if let Some((e, heap)) = self.bucket(b)?.top(&c) {
                 tops.push(Reverse((e, b, heap)));
             }
         }
-        let mut tokens = Vec::with_capacity(n.min(1024));
-        let mut keys = Vec::with_capacity(n.min(1024));
-        let mut from = Vec::with_capacity(n.min(1024));
-        while tokens.len() < n {
+        let mut taken = Vec::with_capacity(n.min(1024));
+        while taken.len() < n {
             let Some(Reverse((e, b, heap))) = tops.pop() else {
                 break;
             };
@@ -280,18 +297,40 @@ impl Order {
             }
             let bucket = &mut self.buckets[b];
             bucket.take(heap);
-            tokens.push(e.token);
-            keys.push(e.key);
-            from.push(b);
+            taken.push((e, b));
             if let Some((e, heap)) = bucket.top(&c) {
                 tops.push(Reverse((e, b, heap)));
             }
         }
-        let handles: Vec<u8> = tokens
-            .iter()
-            .flat_map(|t| (t & HANDLE_MASK).to_ne_bytes())
-            .collect();
-        Ok((tokens, keys, from, PyBytes::new(py, &handles)))
+        let mut mids = Vec::with_capacity(taken.len());
+        for (e, _) in &taken {
+            let h = (e.token & HANDLE_MASK) as usize;
+            if !long.is_empty() {
+                if let Some(mid) = long.get_item(h)? {
+                    mids.push(mid.downcast_into::<PyString>()?);
+                    continue;
+                }
+            }
+            let mut raw = [0u8; WIDEST];
+            for (to, from) in raw.iter_mut().zip(&column[h * width..(h + 1) * width]) {
+                *to = from.get();
+            }
+            let len = raw[..width]
+                .iter()
+                .rposition(|&b| b != 0)
+                .map_or(0, |i| i + 1);
+            let mid = std::str::from_utf8(&raw[..len])
+                .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
+            mids.push(PyString::new(py, mid));
+        }
+        let own = taken.iter().map(|(e, _)| c.entry(e.token).key).collect();
+        Ok((
+            mids,
+            taken.iter().map(|(e, _)| e.key).collect(),
+            taken.iter().map(|&(_, b)| b).collect(),
+            taken.iter().map(|(e, _)| e.token).collect(),
+            own,
+        ))
     }
 
     /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
