@@ -439,6 +439,23 @@ def test_a_run_token_whose_handle_went_to_a_later_message_hides_no_lower_key(
     assert picks == [("a1", 1, 17), ("a2", 2, 18), ("b0", 0, 31)]
 
 
+def test_a_message_rescheduled_while_pending_leases_at_its_new_key_only(tmp_path: Path) -> None:
+    """A reschedule pushes an entry at the new key while the row's own entry stays in its
+    bucket's run: that one is stale (the override says so) and dropped when met, so the
+    message leases once, at its new place."""
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows([1, 5, 9], lambda i: 0, "a"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    assert state.reschedule("a1", 20) is None
+    index.push(state, ["a1"])
+    picks = index.pick(state, state.buckets_of("c"), 10, now=0)
+    assert picks == [("a0", 0, 1), ("a2", 0, 9), ("a1", 0, 20)]
+    index.close()
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

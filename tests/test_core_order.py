@@ -1,6 +1,6 @@
 """The compiled core's per-bucket order (`dejaq_core.Order`) against a model: a multiset
 of entries, taken lowest first across the buckets asked, never one whose token is no
-longer its message's, never one above the key limit."""
+longer its message's or that the state makes stale, never one above the key limit."""
 
 from __future__ import annotations
 
@@ -73,10 +73,13 @@ operations = st.lists(
             st.lists(st.integers(0, BUCKETS - 1), min_size=1, max_size=BUCKETS, unique=True),
             st.integers(0, 10),
             st.integers(0, 25),
+            st.sets(st.integers(0, 63), max_size=8),  # handles whose messages settled
         ),
     ),
     max_size=40,
 )
+
+NO_STATE = ({}, {}, {}, {})
 
 
 @settings(max_examples=300, deadline=None)
@@ -103,21 +106,26 @@ def test_pop_takes_the_lowest_current_entries_of_the_buckets_asked(
             order.push(bucket_of[token], *entry)
             model.append((entry, bucket_of[token]))
         elif op[0] == "pop":
-            _, buckets, n, max_key = op
-            mids, keys, from_, found, own = order.pop(
-                buckets, n, max_key, *rows.columns(), *rows.id_columns()
+            _, buckets, n, max_key, gone = op
+            settled = {rows.mid(int(rows.token[h])): "acked" for h in gone if rows.token[h]}
+            state = (settled, {}, {}, {})
+            picks, found = order.pick(
+                buckets, n, max_key, 0, state, *rows.columns(), *rows.id_columns()
             )
             model = [(e, b) for e, b in model if rows.current(e[3])]
-            due = sorted((e, b) for e, b in model if b in buckets and e[0] <= max_key)[:n]
-            assert list(zip(found, keys, from_, strict=True)) == [(e[3], e[0], b) for e, b in due]
-            assert mids == [rows.mid(t) for t in found]
-            assert own == [rows.entry(t)[0] for t in found]
-            for taken in due:
-                model.remove(taken)
+            taken = []
+            for e, b in sorted((e, b) for e, b in model if b in buckets and e[0] <= max_key):
+                if len(taken) == n:
+                    break
+                model.remove((e, b))  # met: taken, or stale and dropped
+                if rows.mid(e[3]) not in settled:
+                    taken.append((e, b))
+            assert found == [e[3] for e, _ in taken]
+            assert picks == [(rows.mid(e[3]), b, e[0]) for e, b in taken]
         live = [e for e, _ in model if rows.current(e[3])]
         assert len(order) >= len(live), "no current entry is lost"
-    _, _, _, found, _ = order.pop(
-        list(range(BUCKETS)), 10_000, 1 << 62, *rows.columns(), *rows.id_columns()
+    _, found = order.pick(
+        list(range(BUCKETS)), 10_000, 1 << 62, 0, NO_STATE, *rows.columns(), *rows.id_columns()
     )
     assert sorted(found) == sorted(e[3] for e, _ in model if rows.current(e[3]))
 
@@ -135,8 +143,8 @@ def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:
     tokens, heap_keys = (np.frombuffer(b, np.int64) for b in order.entries(0))
     assert heap_keys.tolist() == [1]
     assert len(tokens) == 5
-    _, keys, _, _, _ = order.pop([0], 10, 100, *rows.columns(), *rows.id_columns())
-    assert keys == [1, 3, 5, 7, 9]
+    picks, _ = order.pick([0], 10, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())
+    assert [key for _, _, key in picks] == [1, 3, 5, 7, 9]
 
 
 def test_bad_calls_are_refused_with_a_clear_error() -> None:
@@ -150,7 +158,7 @@ def test_bad_calls_are_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="rows of 4"):
         order.replace(0, tokens, np.zeros(3, np.int64))
     with pytest.raises(ValueError, match="differ in length"):
-        order.pop([0], 1, 10, rows.token[:3], *rows.columns()[1:], *rows.id_columns())
+        order.pick([0], 1, 10, 0, NO_STATE, rows.token[:3], *rows.columns()[1:], *rows.id_columns())
     with pytest.raises(ValueError, match="id column does not match"):
-        order.pop([0], 1, 10, *rows.columns(), rows.ids[:3].view(np.uint8), 8, {})
+        order.pick([0], 1, 10, 0, NO_STATE, *rows.columns(), rows.ids[:3].view(np.uint8), 8, {})
     assert len(order) == 0

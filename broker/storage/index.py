@@ -79,7 +79,6 @@ _ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
 NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
-FEW = 8  # picks taken one by one: set operations over fewer cost more than the steps
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
 
@@ -598,68 +597,31 @@ class TopicIndex:
         each pick's row sort key and head, for the lease's JSON: read now, as the index
         may forget the row (and its head) before the lease commits.
         """
-        picks: list[Pick] = []
-        tokens: list[int] = []
         with self.lock:
             while self.delayed and self.delayed[0][0] <= now:
                 _, mid = heapq.heappop(self.delayed)
                 token = self.store.get(mid)
                 if token is not None:
                     self._due(state, mid, token)
-            columns, table = self._columns(), self.store.table
-            ids = (table.ids.view(np.uint8), table.ids.dtype.itemsize, table.long)
+            table = self.store.table
             due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
-            while len(picks) < n:
-                # The lowest entries whose tokens are still their messages', as many as
-                # are still wanted: each is a pick, or stale by the state and dropped.
-                wanted = n - len(picks)
-                mids, keys, buckets_of, found, own = self.order.pop(
-                    buckets, wanted, due, *columns, *ids
-                )
-                if len(mids) >= FEW and _none_stale(state, mids, keys, own):
-                    # The usual lease of many: taken in C-level passes, as `_take` would.
-                    picks += zip(mids, buckets_of, keys, strict=True)
-                    tokens += found
-                else:
-                    self._take(state, now, mids, keys, buckets_of, found, own, picks, tokens)
-                if len(found) < wanted:
-                    break
+            # Stale entries are dropped as they are met: settled, leased, delayed by a
+            # nack (the delayed heap holds it) or re-keyed (a newer entry holds it).
+            state_maps = (state.settled, state.leases, state.not_before, state.sort_keys)
+            picks, tokens = self.order.pick(
+                buckets,
+                n,
+                due,
+                now,
+                state_maps,
+                *self._columns(),
+                table.ids.view(np.uint8),
+                table.ids.dtype.itemsize,
+                table.long,
+            )
             if taken is not None and tokens:
                 taken += self._taken(tokens)
         return picks
-
-    def _take(
-        self,
-        state: TopicState,
-        now: int,
-        mids: list[str],
-        keys: list[int],
-        buckets: list[int],
-        found: list[int],
-        own: list[int],
-        picks: list[Pick],
-        tokens: list[int],
-    ) -> None:
-        """A pop's entries into `picks` and their `tokens`, one by one, the stale ones
-        dropped (under the lock): settled, leased, delayed by a nack (the delayed heap
-        holds it) or re-keyed (a newer entry holds it). Without overrides every live
-        entry has its row's own sort key (only settling drops an override)."""
-        settled, leases, not_before, overrides = (
-            state.settled,
-            state.leases,
-            state.not_before,
-            state.sort_keys,
-        )
-        for mid, key, b, token, base in zip(mids, keys, buckets, found, own, strict=True):
-            if (
-                mid in settled
-                or mid in leases
-                or (not_before and not_before.get(mid, 0) > now)
-                or (overrides and key != overrides.get(mid, base))
-            ):
-                continue
-            picks.append((mid, b, key))
-            tokens.append(token)
 
     def row(self, mid: str) -> Row | None:
         """An indexed message's row (None once forgotten)."""
@@ -927,15 +889,3 @@ def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
     unused = Counter(batch.segments)
     unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
     return unused
-
-
-def _none_stale(state: TopicState, mids: list[str], keys: list[int], own: list[int]) -> bool:
-    """Whether none of a pop's entries is stale by the state (`pick`'s loop): none
-    settled, leased or delayed, each at its key in force. Set operations in C."""
-    overrides = state.sort_keys
-    return (
-        state.settled.keys().isdisjoint(mids)
-        and state.leases.keys().isdisjoint(mids)
-        and state.not_before.keys().isdisjoint(mids)
-        and (not overrides or (overrides.keys().isdisjoint(mids) and own == keys))
-    )

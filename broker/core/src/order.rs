@@ -92,6 +92,34 @@ impl<'a> Columns<'a> {
     }
 }
 
+/// The id of a stored row's token: from `long` if the column holds it as a digest,
+/// else the column's `width` bytes at its handle, without their NUL padding.
+fn id_of<'py>(
+    py: Python<'py>,
+    token: i64,
+    column: &[ReadOnlyCell<u8>],
+    width: usize,
+    long: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyString>> {
+    let h = (token & HANDLE_MASK) as usize;
+    if !long.is_empty() {
+        if let Some(mid) = long.get_item(h)? {
+            return Ok(mid.downcast_into::<PyString>()?);
+        }
+    }
+    let mut raw = [0u8; WIDEST];
+    for (to, from) in raw.iter_mut().zip(&column[h * width..(h + 1) * width]) {
+        *to = from.get();
+    }
+    let len = raw[..width]
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(0, |i| i + 1);
+    let mid = std::str::from_utf8(&raw[..len])
+        .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
+    Ok(PyString::new(py, mid))
+}
+
 #[derive(Default)]
 struct Bucket {
     run: Vec<i64>,
@@ -247,19 +275,28 @@ impl Order {
         Ok(())
     }
 
-    /// Take up to `n` of the lowest entries across `buckets` whose tokens are still
-    /// their messages', in order; stale ones met on the way are dropped. A bucket whose
-    /// lowest key is above `max_key` has nothing due and gives none. Returns the
-    /// entries' message ids (from the id column `ids`, `width` bytes a handle, or from
-    /// `long`, the ids it holds as digests, by handle), keys, buckets and tokens, and
-    /// their rows' own keys.
+    /// Take the `n` lowest deliverable entries across `buckets`, in order: `TopicIndex.pick`
+    /// in one call. An entry is stale, and dropped as it is met, when its token is no
+    /// longer its message's, or by the Raft state: its message `settled`, in `leases`,
+    /// held back in `not_before` past `now`, or re-keyed (its key not the one in force:
+    /// its override in `overrides`, else its row's own). A bucket whose lowest key is
+    /// above `max_key` has nothing due and gives none. Ids come from the id column
+    /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
+    /// handle. Returns the picks, (id, bucket, key), and their tokens.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    fn pop<'py>(
+    fn pick<'py>(
         &mut self,
         py: Python<'py>,
         buckets: Vec<usize>,
         n: usize,
         max_key: i64,
+        now: i64,
+        state: (
+            Bound<'py, PyDict>,
+            Bound<'py, PyDict>,
+            Bound<'py, PyDict>,
+            Bound<'py, PyDict>,
+        ),
         token: PyBuffer<i64>,
         sort_key: PyBuffer<i64>,
         partition: PyBuffer<i32>,
@@ -267,13 +304,8 @@ impl Order {
         ids: PyBuffer<u8>,
         width: usize,
         long: &Bound<'py, PyDict>,
-    ) -> PyResult<(
-        Vec<Bound<'py, PyString>>,
-        Vec<i64>,
-        Vec<usize>,
-        Vec<i64>,
-        Vec<i64>,
-    )> {
+    ) -> PyResult<(Vec<(Bound<'py, PyString>, usize, i64)>, Vec<i64>)> {
+        let (settled, leases, not_before, overrides) = state;
         let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
         let column = slice(py, &ids, "id")?;
         if width == 0 || width > WIDEST || column.len() != width * c.token.len() {
@@ -287,8 +319,9 @@ impl Order {
                 tops.push(Reverse((e, b, heap)));
             }
         }
-        let mut taken = Vec::with_capacity(n.min(1024));
-        while taken.len() < n {
+        let mut picks = Vec::with_capacity(n.min(1024));
+        let mut tokens = Vec::with_capacity(n.min(1024));
+        while picks.len() < n {
             let Some(Reverse((e, b, heap))) = tops.pop() else {
                 break;
             };
@@ -297,40 +330,28 @@ impl Order {
             }
             let bucket = &mut self.buckets[b];
             bucket.take(heap);
-            taken.push((e, b));
-            if let Some((e, heap)) = bucket.top(&c) {
-                tops.push(Reverse((e, b, heap)));
+            if let Some((next, heap)) = bucket.top(&c) {
+                tops.push(Reverse((next, b, heap)));
+            }
+            let mid = id_of(py, e.token, column, width, long)?;
+            let stale = settled.contains(&mid)?
+                || leases.contains(&mid)?
+                || (!not_before.is_empty()
+                    && match not_before.get_item(&mid)? {
+                        Some(at) => at.extract::<i64>()? > now,
+                        None => false,
+                    })
+                || (!overrides.is_empty()
+                    && match overrides.get_item(&mid)? {
+                        Some(key) => key.extract::<i64>()? != e.key,
+                        None => c.entry(e.token).key != e.key,
+                    });
+            if !stale {
+                picks.push((mid, b, e.key));
+                tokens.push(e.token);
             }
         }
-        let mut mids = Vec::with_capacity(taken.len());
-        for (e, _) in &taken {
-            let h = (e.token & HANDLE_MASK) as usize;
-            if !long.is_empty() {
-                if let Some(mid) = long.get_item(h)? {
-                    mids.push(mid.downcast_into::<PyString>()?);
-                    continue;
-                }
-            }
-            let mut raw = [0u8; WIDEST];
-            for (to, from) in raw.iter_mut().zip(&column[h * width..(h + 1) * width]) {
-                *to = from.get();
-            }
-            let len = raw[..width]
-                .iter()
-                .rposition(|&b| b != 0)
-                .map_or(0, |i| i + 1);
-            let mid = std::str::from_utf8(&raw[..len])
-                .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
-            mids.push(PyString::new(py, mid));
-        }
-        let own = taken.iter().map(|(e, _)| c.entry(e.token).key).collect();
-        Ok((
-            mids,
-            taken.iter().map(|(e, _)| e.key).collect(),
-            taken.iter().map(|&(_, b)| b).collect(),
-            taken.iter().map(|(e, _)| e.token).collect(),
-            own,
-        ))
+        Ok((picks, tokens))
     }
 
     /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
