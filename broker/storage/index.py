@@ -12,9 +12,9 @@ disk, read back when a lease grants it. What it holds of a pending message is in
 
 Each bucket's order is kept by the compiled core (`dejaq_core.Order`): a run of tokens,
 sorted once and taken from its low end, and a heap of entries for what arrives a few at
-a time (redeliveries, re-keyed messages, a trickle of new rows). Picking walks them with
-no Python object per entry: a pick in Python, a tuple per entry made as a lease reached
-it, was the leader's largest cost per leased message.
+a time (redeliveries, re-keyed messages, a trickle of new rows). A pick walks them and
+checks what it meets against the Raft state there, making a Python object only of what
+it takes: picking is the leader's largest step per leased message.
 """
 
 from __future__ import annotations
