@@ -69,7 +69,7 @@ operations = st.lists(
         st.tuples(st.just("forget"), st.integers(0, 63)),
         st.tuples(st.just("rekey"), st.integers(0, 63), st.integers(0, 20)),
         st.tuples(
-            st.just("pop"),
+            st.just("pick"),
             st.lists(st.integers(0, BUCKETS - 1), min_size=1, max_size=BUCKETS, unique=True),
             st.integers(0, 10),
             st.integers(0, 25),
@@ -84,7 +84,7 @@ NO_STATE = ({}, {}, {}, {})
 
 @settings(max_examples=300, deadline=None)
 @given(operations=operations, run_min=st.integers(1, 8))
-def test_pop_takes_the_lowest_current_entries_of_the_buckets_asked(
+def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
     operations: list[tuple], run_min: int
 ) -> None:
     rows = Rows()
@@ -105,7 +105,7 @@ def test_pop_takes_the_lowest_current_entries_of_the_buckets_asked(
             entry = rows.entry(token, op[2])
             order.push(bucket_of[token], *entry)
             model.append((entry, bucket_of[token]))
-        elif op[0] == "pop":
+        elif op[0] == "pick":
             _, buckets, n, max_key, gone = op
             settled = {rows.mid(int(rows.token[h])): "acked" for h in gone if rows.token[h]}
             state = (settled, {}, {}, {})

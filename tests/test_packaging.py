@@ -34,7 +34,7 @@ def test_the_three_wheels_build_as_deploying_says(tmp_path: Path) -> None:
     client's, the compiled core's (its extension module inside) and dejaq's."""
     root = Path(__file__).resolve().parent.parent
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "--quiet"]
-    subprocess.run(
+    result = subprocess.run(
         [
             *pip,
             "wheel",
@@ -46,9 +46,11 @@ def test_the_three_wheels_build_as_deploying_says(tmp_path: Path) -> None:
             ".",
         ],
         cwd=root,
-        check=True,
+        capture_output=True,
+        text=True,
         timeout=900,
     )
+    assert result.returncode == 0, result.stdout + result.stderr
     wheels = {w.name.split("-")[0]: w for w in tmp_path.glob("*.whl")}
     assert sorted(wheels) == ["dejaq", "dejaq_client", "dejaq_core"]
     with zipfile.ZipFile(wheels["dejaq_core"]) as core:
