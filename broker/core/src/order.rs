@@ -314,8 +314,13 @@ impl Order {
             ));
         }
         let mut tops = BinaryHeap::with_capacity(buckets.len());
+        let mut asked = vec![false; self.buckets.len()];
         for &b in &buckets {
-            if let Some((e, heap)) = self.bucket(b)?.top(&c) {
+            let bucket = self.bucket(b)?;
+            if std::mem::replace(&mut asked[b], true) {
+                continue; // named twice: one top per bucket, or one entry would be taken twice
+            }
+            if let Some((e, heap)) = bucket.top(&c) {
                 tops.push(Reverse((e, b, heap)));
             }
         }
