@@ -207,7 +207,7 @@ impl Order {
     /// New rows of `bucket` (tokens of stored rows): pushed on its heap while that
     /// stays under max(run_min, run/8), else merged with the run, the heap's entries at
     /// their row's own key and the new rows into one sorted run (once per run/8 rows
-    /// added). Tokens no longer their messages' are dropped by the merge.
+    /// added). Tokens no longer their messages', the heap's too, are dropped by the merge.
     #[allow(clippy::too_many_arguments)]
     fn add(
         &mut self,
@@ -234,10 +234,13 @@ impl Order {
             b.heap.extend(new.into_iter().map(|t| Reverse(c.entry(t))));
             return Ok(());
         }
+        // The heap's stale entries go too: a follower never picks, so an entry left in
+        // its heap would stay for the life of the process.
         let (own, rekeyed): (Vec<Entry>, Vec<Entry>) = std::mem::take(&mut b.heap)
             .into_iter()
             .map(|Reverse(e)| e)
-            .partition(|e| c.current(e.token) && c.entry(e.token).key == e.key);
+            .filter(|e| c.current(e.token))
+            .partition(|e| c.entry(e.token).key == e.key);
         b.heap = rekeyed.into_iter().map(Reverse).collect();
         b.heap.shrink_to_fit();
         // Each token's place read once, not at every comparison: a merge of a whole
