@@ -1,13 +1,14 @@
 //! Look-ups in the index's id table (`broker/storage/id_table.py`): each id's slot, found
 //! by the same hash and linear probing as the table was built with, without making an
-//! array or a bytes object per id.
+//! array or a bytes object per id; and an id read back from the column by its handle.
 
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
-const WIDEST: usize = 64; // the longest id the column holds whole (`id_table.WIDEST`)
+/// The longest id the column holds whole (`id_table.WIDEST`).
+pub(crate) const WIDEST: usize = 64;
 const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 const FMIX: [u64; 2] = [0xFF51_AFD7_ED55_8CCD, 0xC4CE_B9FE_1A85_EC53];
 const EMPTY: i32 = 0;
@@ -95,4 +96,31 @@ pub fn find_slots<'py>(
         found.extend_from_slice(&slot.to_ne_bytes());
     }
     Ok(PyBytes::new(py, &found))
+}
+
+/// The id at handle `h`: from `long` if the column holds it as a digest, else the
+/// column's `width` bytes at `h`, without their NUL padding.
+pub(crate) fn id_of<'py>(
+    py: Python<'py>,
+    h: usize,
+    column: &[ReadOnlyCell<u8>],
+    width: usize,
+    long: &Bound<'py, PyDict>,
+) -> PyResult<Bound<'py, PyString>> {
+    if !long.is_empty() {
+        if let Some(mid) = long.get_item(h)? {
+            return Ok(mid.downcast_into::<PyString>()?);
+        }
+    }
+    let mut raw = [0u8; WIDEST];
+    for (to, from) in raw.iter_mut().zip(&column[h * width..(h + 1) * width]) {
+        *to = from.get();
+    }
+    let len = raw[..width]
+        .iter()
+        .rposition(|&b| b != 0)
+        .map_or(0, |i| i + 1);
+    let mid = std::str::from_utf8(&raw[..len])
+        .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
+    Ok(PyString::new(py, mid))
 }

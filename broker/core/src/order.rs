@@ -13,14 +13,14 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use crate::ids::{id_of, WIDEST};
+
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 const HANDLE_MASK: i64 = (1 << 32) - 1;
-/// The widest id the id column holds (`id_table.WIDEST`).
-const WIDEST: usize = 64;
 /// A run's taken part goes once it passes this many tokens and half the run.
 const COMPACT_AFTER: usize = 4096;
 
@@ -90,34 +90,6 @@ impl<'a> Columns<'a> {
             token,
         }
     }
-}
-
-/// The id of a stored row's token: from `long` if the column holds it as a digest,
-/// else the column's `width` bytes at its handle, without their NUL padding.
-fn id_of<'py>(
-    py: Python<'py>,
-    token: i64,
-    column: &[ReadOnlyCell<u8>],
-    width: usize,
-    long: &Bound<'py, PyDict>,
-) -> PyResult<Bound<'py, PyString>> {
-    let h = (token & HANDLE_MASK) as usize;
-    if !long.is_empty() {
-        if let Some(mid) = long.get_item(h)? {
-            return Ok(mid.downcast_into::<PyString>()?);
-        }
-    }
-    let mut raw = [0u8; WIDEST];
-    for (to, from) in raw.iter_mut().zip(&column[h * width..(h + 1) * width]) {
-        *to = from.get();
-    }
-    let len = raw[..width]
-        .iter()
-        .rposition(|&b| b != 0)
-        .map_or(0, |i| i + 1);
-    let mid = std::str::from_utf8(&raw[..len])
-        .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
-    Ok(PyString::new(py, mid))
 }
 
 #[derive(Default)]
@@ -341,7 +313,7 @@ impl Order {
             if let Some((next, heap)) = bucket.top(&c) {
                 tops.push(Reverse((next, b, heap)));
             }
-            let mid = id_of(py, e.token, column, width, long)?;
+            let mid = id_of(py, (e.token & HANDLE_MASK) as usize, column, width, long)?;
             let stale = settled.contains(&mid)?
                 || leases.contains(&mid)?
                 || (!not_before.is_empty()
@@ -406,11 +378,6 @@ impl Order {
             .collect();
         *self.bucket(bucket)? = Bucket { run, next: 0, heap };
         Ok(())
-    }
-
-    /// Entries held in `bucket` (stale ones not yet dropped included).
-    fn held(&self, bucket: usize) -> usize {
-        self.buckets.get(bucket).map_or(0, Bucket::len)
     }
 
     /// Entries held in all buckets.
