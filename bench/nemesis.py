@@ -1088,6 +1088,13 @@ def check_tables(
     lost = [m for m, st in final.items() if st not in SETTLED]
     missing = {m for m, st in final.items() if st in SETTLED} - set(in_ledger)
     dead_ledger = sum(1 for e in in_ledger.values() if e == "dead")
+    # A checkpoint writes the ledger first and the dead letters after it (retried with
+    # a backoff if they fail), so they may follow the ledger's catching up by seconds.
+    _, dead_took = poll(
+        lambda: read(warehouse, Table.DEAD_LETTER, ["message_id"]).num_rows >= dead_ledger,
+        args.ledger_s,
+        1.0,
+    )
     dead_rows = read(warehouse, Table.DEAD_LETTER, ["message_id", "reason"])
     out["lost"] = len(lost)
     out["lost_examples"] = [(m, final[m]) for m in lost[:5]]
@@ -1106,6 +1113,7 @@ def check_tables(
     out["dead_letter"] = {
         "rows": dead_rows.num_rows,
         "equals_ledger_dead": dead_rows.num_rows == dead_ledger,
+        "seconds_after_ledger": round(dead_took, 1),
         "distinct_ids": len(set(dead_rows.column("message_id").to_pylist())),
         "reasons": dict(Counter(dead_rows.column("reason").to_pylist())),
     }
