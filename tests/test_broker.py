@@ -220,6 +220,8 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
     assert old.deliveries == {} and old.lease_of("m3").deliveries == 1, "counted by the lease"
     assert not old.paused and old.redriven_at == {}, "from before pause and redrive"
+    assert old.held == {0: {}, 1: {"a": 1}, 2: {"b": 1}}, "counts above 0 only"
+    assert all(type(h) is dict for h in old.held.values()), "plain dicts, as a new state's"
     assert old.lease_budget(10**12, 5.0) == 5, "and before rate limits: a full bucket"
     [event] = old.events
     assert type(event) is Settlement, "made the tuple a checkpoint converts to Arrow"

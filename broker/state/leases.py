@@ -209,7 +209,9 @@ class TopicState:
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
         self.assignment: dict[int, str] = {}
         self.owned: dict[str, list[int]] = {}  # the assignment by consumer (derived)
-        self.held: dict[int, Counter[str]] = {}  # bucket -> leases per consumer
+        # bucket -> leases per consumer, each count above 0: plain dicts, as Counter's
+        # Python-level `__delitem__` cost every ack that ended a consumer's last lease.
+        self.held: dict[int, dict[str, int]] = {}
         self.totals: Counter[str] = Counter()
         self.paused = False
         # The lease rate's token bucket (`max_lease_rate`), refilled up to the latest
@@ -233,6 +235,7 @@ class TopicState:
         self.records, self.unnumbered, self.ending = {}, 0, deque()
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
+        self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid, None)
         self.events = [e.settlement() if isinstance(e, Event) else e for e in self.events]
@@ -288,8 +291,7 @@ class TopicState:
         out = []
         for b in self.owned.get(consumer, ()):
             h = held.get(b)
-            mine_alone = not h or (len(h) == 1 and consumer in h)
-            if mine_alone or not any(n for c, n in h.items() if c != consumer):
+            if not h or (len(h) == 1 and consumer in h):
                 out.append(b)
         return out
 
@@ -384,8 +386,8 @@ class TopicState:
         for bucket, count in per_bucket.items():
             held = self.held.get(bucket)
             if held is None:
-                held = self.held[bucket] = Counter()
-            held[consumer] += count
+                held = self.held[bucket] = {}
+            held[consumer] = held.get(consumer, 0) + count
         self.totals["leased"] += len(mids)
         self.totals["redelivered"] += redelivered
         if rate is not None:
@@ -428,10 +430,7 @@ class TopicState:
                 del self.records[record.lid]
         mid = record.mids[pos]
         del self.leases[mid]
-        held = self.held[record.buckets[pos]]
-        held[record.consumer] -= 1
-        if held[record.consumer] <= 0:
-            del held[record.consumer]
+        _unhold(self.held[record.buckets[pos]], record.consumer, 1)
         return mid
 
     def _held(
@@ -547,8 +546,10 @@ class TopicState:
             del leases[mid]
             bucket = record.buckets[pos]
             counts = held[bucket]
-            counts[consumer] -= 1
-            if counts[consumer] <= 0:
+            left = counts[consumer] - 1
+            if left > 0:
+                counts[consumer] = left
+            else:
                 del counts[consumer]
             seq += 1
             events.append(
@@ -606,10 +607,7 @@ class TopicState:
             self.ending.append((seq + n, record.lid))
         deque(map(self.leases.pop, mids), maxlen=0)
         for bucket, count in Counter(buckets).items():
-            held = self.held[bucket]
-            held[record.consumer] -= count
-            if held[record.consumer] <= 0:
-                del held[record.consumer]
+            _unhold(self.held[bucket], record.consumer, count)
         columns = zip(
             range(seq + 1, seq + n + 1),
             mids,
@@ -895,6 +893,15 @@ def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
 
 _seq = itemgetter(0)  # of a Settlement
 _message_id = itemgetter(1)
+
+
+def _unhold(counts: dict[str, int], consumer: str, n: int) -> None:
+    """`n` fewer leases held by `consumer` in a bucket; at none it is no longer named."""
+    left = counts[consumer] - n
+    if left > 0:
+        counts[consumer] = left
+    else:
+        del counts[consumer]
 
 
 def _live(record: LeaseRecord) -> list[int]:
