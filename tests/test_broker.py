@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
+from dejaq_core import read_heads
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -370,7 +371,7 @@ def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
         h = h[np.lexsort((store.offset[h], store.partition[h], store.sort_key[h]))]
         assert len(set(store.segment[h].tolist())) == 1, "a bucket's heads in one segment"
         assert (np.diff(store.position[h]) == 1).all(), "in the bucket's sort order"
-    expected = sum(len(head) + 1 for head in index.heads.read(store.places(store.stored())))
+    expected = sum(len(head) + 1 for _, head in store.heads(store.stored().tolist()))
     assert index.heads.disk_bytes() == expected, "no scratch store and no copy left"
     state = TopicState(4, 5)
     state.touch("c", 0)
@@ -786,10 +787,19 @@ def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
         order = data.draw(st.permutations(range(len(heads))))
         wanted = sorted(order[: data.draw(st.integers(0, len(heads)))])
         encoded = [h.encode() for h in heads]
-        wanted_places = [places[i] for i in wanted]
-        assert store.read(wanted_places) == [encoded[i] for i in wanted]
-        assert store.read(wanted_places[::-1]) == [encoded[i] for i in wanted[::-1]]
-        assert store.read(places) == encoded
+
+        def read(rows: list[int]) -> list[bytes]:
+            return head_store.read([places[i][0] for i in rows], [places[i][1] for i in rows])
+
+        assert read(wanted) == [encoded[i] for i in wanted]
+        assert read(wanted[::-1]) == [encoded[i] for i in wanted[::-1]]
+        assert read(list(range(len(heads)))) == encoded
+        if places:  # what the row store passes: columns by row, segments by number
+            keys, numbers, positions = (np.zeros(1, t) for t in (np.int64, np.int32, np.int32))
+            with pytest.raises(IndexError, match="no row at handle 1"):
+                read_heads([1], keys, numbers, positions, {}, head_store.SPAN_PER_HEAD)
+            with pytest.raises(ValueError, match="no head segment 0"):
+                read_heads([0], keys, numbers, positions, {}, head_store.SPAN_PER_HEAD)
         segments = {seg for seg, _ in places}
         store.release(Counter(seg for seg, _ in places))
         assert store.segments == {store.current} & segments, "all freed but the current"

@@ -26,8 +26,10 @@ import os
 import tempfile
 import threading
 from array import array
-from operator import itemgetter
 from typing import IO
+
+import numpy as np
+from dejaq_core import read_heads
 
 SEGMENT_BYTES = 64 * 1024 * 1024
 END_MAX = (1 << 32) - 1  # the largest offset `Segment.ends` holds
@@ -59,16 +61,9 @@ class Segment:
         again) may compare down to their rows' segments."""
         return self.number < other.number
 
-    def read(self, first: int, last: int) -> list[bytes]:
-        """Heads first..last (inclusive): one read, split in C."""
-        ends = self.ends
-        start = ends[first - 1] if first else 0
-        data = os.pread(self.file.fileno(), ends[last] - start - 1, start)
-        return data.split(SEP)
-
 
 class HeadStore:
-    """Append heads, read them back by (segment, position), free empty segments.
+    """Append heads, free empty segments; `RowStore.heads` reads them back.
 
     One thread writes (the one following the tables); reads and releases come from the
     event loop, under the index's lock, for messages still indexed: their segments are
@@ -107,27 +102,6 @@ class HeadStore:
         os.pwrite(seg.file.fileno(), data, start)
         return seg, first
 
-    def read(self, places: list[tuple[Segment, int]]) -> list[bytes]:
-        """The heads at `places`, in that order (ASCII JSON).
-
-        On the lease path, per granted message: a lease's picks interleave its buckets
-        by sort key, and each bucket's heads lie in sort order in a segment, so the
-        heads wanted are read as a few ranges, each split in C.
-        """
-        if len(places) == 1:  # a peek, or a lease of one message: no grouping
-            seg, pos = places[0]
-            return seg.read(pos, pos)
-        segments = set(map(_segment, places))
-        if len(segments) == 1:
-            (seg,) = segments
-            positions = list(map(_position, places))
-            return list(map(_ranges(seg, sorted(positions)).__getitem__, positions))
-        by_segment: dict[Segment, list[int]] = {seg: [] for seg in segments}
-        for seg, pos in places:
-            by_segment[seg].append(pos)
-        found = {seg: _ranges(seg, sorted(positions)) for seg, positions in by_segment.items()}
-        return [found[seg][pos] for seg, pos in places]
-
     def release(self, counts: dict[Segment, int]) -> None:
         """Messages settled and forgotten (or never indexed), by segment."""
         with self._lock:
@@ -161,19 +135,12 @@ class HeadStore:
             seg.file.close()
 
 
-_segment = itemgetter(0)
-_position = itemgetter(1)
-
-
-def _ranges(seg: Segment, positions: list[int]) -> dict[int, bytes]:
-    """The heads at sorted `positions` of `seg` (and any between two of them less than
-    SPAN_PER_HEAD apart), by position: a read per range."""
-    found: dict[int, bytes] = {}
-    first = last = positions[0]
-    for pos in positions:
-        if pos - last > SPAN_PER_HEAD:
-            found.update(zip(range(first, last + 1), seg.read(first, last), strict=True))
-            first = pos
-        last = pos
-    found.update(zip(range(first, last + 1), seg.read(first, last), strict=True))
-    return found
+def read(segments: list[Segment], positions: list[int]) -> list[bytes]:
+    """The heads at these places, in this order: what `RowStore.heads` reads by row, read
+    by place (a copy between stores)."""
+    numbers = np.fromiter((s.number for s in segments), np.int32, len(segments))
+    places = np.array(positions, np.int32)
+    unkeyed = np.zeros(len(segments), np.int64)
+    by_number = {s.number: s for s in segments}
+    rows = list(range(len(segments)))
+    return [h for _, h in read_heads(rows, unkeyed, numbers, places, by_number, SPAN_PER_HEAD)]

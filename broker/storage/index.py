@@ -35,7 +35,7 @@ from dejaq_core import Order
 from deltalake import DeltaTable
 
 from dejaq.broker.state.leases import Pick, TopicState
-from dejaq.broker.storage import message_json
+from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import HeadStore, Segment
 from dejaq.broker.storage.id_table import decode
 from dejaq.broker.storage.ledger_writer import APP_ID
@@ -340,7 +340,7 @@ class TopicIndex:
                 mids = list(map(mids.__getitem__, order.tolist()))
                 columns = [c[order] for c in columns]
                 segments, columns[-1] = self._copy_heads(
-                    store, list(map(segments.__getitem__, order.tolist())), columns[-1]
+                    list(map(segments.__getitem__, order.tolist())), columns[-1]
                 )
         finally:
             if store is not self.heads:
@@ -366,21 +366,16 @@ class TopicIndex:
         return [segment] * len(heads), np.arange(first, first + len(heads))
 
     def _copy_heads(
-        self, scratch: HeadStore, segments: list[Segment], positions: np.ndarray
+        self, segments: list[Segment], positions: np.ndarray
     ) -> tuple[list[Segment], np.ndarray]:
-        """Copy the heads at these places of `scratch` to the node's store, in this
-        order, a slice at a time; returns their new places."""
+        """Copy the heads at these places of a scratch store to the node's store, in
+        this order, a slice at a time; returns their new places."""
         copied: list[Segment] = []
         moved = np.empty(len(positions), np.int64)
         for start in range(0, len(positions), HEAD_SLICE):
-            places = list(
-                zip(
-                    segments[start : start + HEAD_SLICE],
-                    positions[start : start + HEAD_SLICE].tolist(),
-                    strict=True,
-                )
-            )
-            heads = [head.decode("ascii") for head in scratch.read(places)]
+            end = start + HEAD_SLICE
+            found = head_store.read(segments[start:end], positions[start:end].tolist())
+            heads = [head.decode("ascii") for head in found]
             segment, first = self.heads.write(heads)
             copied += repeat(segment, len(heads))
             moved[start : start + len(heads)] = np.arange(first, first + len(heads))
@@ -637,8 +632,7 @@ class TopicIndex:
 
     def _head(self, token: int) -> Taken:
         """A stored message's row sort key and head (under the lock)."""
-        h = token & HANDLE_MASK
-        return int(self.store.sort_key[h]), self.heads.read([self.store.place(token)])[0]
+        return self.store.heads([token])[0]
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
@@ -665,26 +659,26 @@ class TopicIndex:
             h = tokens & HANDLE_MASK
             tokens = tokens[np.argsort(store.bucket[h], kind="stable")]
             h = tokens & HANDLE_MASK
-            places = store.places(h)
-            heads = self.heads.read(places) if places else []
-        if orphans := sparse.difference(s for s, _ in places):
+            old = list(map(store.segments.__getitem__, store.segment[h].tolist()))
+            heads = [head for _, head in store.heads(tokens.tolist())]
+        if orphans := sparse.difference(old):
             log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
             self.heads.release({s: s.live for s in orphans})
-        if not places:
+        if not heads:
             return 0
         new, first = self.heads.write([head.decode("ascii") for head in heads])
         del heads
         unused: Counter[Segment] = Counter()
         moved = 0
         with self.lock:
-            for i, (token, handle, (old, _)) in enumerate(
-                zip(tokens.tolist(), h.tolist(), places, strict=True)
+            for i, (token, handle, segment) in enumerate(
+                zip(tokens.tolist(), h.tolist(), old, strict=True)
             ):
                 if store.token[handle] != token:
                     unused[new] += 1  # settled meanwhile
                     continue
                 store.move(handle, new, first + i)
-                unused[old] += 1
+                unused[segment] += 1
                 moved += 1
         self.heads.release(unused)
         return moved
@@ -733,14 +727,8 @@ class TopicIndex:
         return np.frombuffer(tokens, np.int64), np.frombuffer(keys, np.int64)
 
     def _taken(self, tokens: list[int]) -> list[Taken]:
-        """The picks' row sort keys and heads. One pick, the usual lease at batch 1, is
-        read as a peek reads, without the NumPy calls many picks pay for."""
-        if len(tokens) == 1:
-            return [self._head(tokens[0])]
-        store = self.store
-        h = np.array(tokens, np.int64) & HANDLE_MASK
-        found = self.heads.read(store.places(h))
-        return list(zip(store.sort_key[h].tolist(), found, strict=True))
+        """The picks' row sort keys and heads."""
+        return self.store.heads(tokens)
 
     def release(self, state: TopicState, picks: list[Pick]) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""

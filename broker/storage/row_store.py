@@ -19,8 +19,9 @@ from collections.abc import Iterator, Mapping
 from typing import NamedTuple
 
 import numpy as np
+from dejaq_core import read_heads
 
-from dejaq.broker.storage.head_store import Segment
+from dejaq.broker.storage.head_store import SPAN_PER_HEAD, Segment
 from dejaq.broker.storage.id_table import IdTable
 
 HANDLE_BITS = 32
@@ -235,18 +236,13 @@ class RowStore:
             int(self.ingested_at[h]) * 1000,
         )
 
-    def place(self, token: int) -> tuple[Segment, int]:
-        h = token & HANDLE_MASK
-        return self.segments[int(self.segment[h])], int(self.position[h])
+    def heads(self, tokens: list[int]) -> list[tuple[int, bytes]]:
+        """The row sort key and head of each token's row, in order (`dejaq_core.read_heads`:
+        a `pread` per run of nearby heads, and no Python object but the heads).
 
-    def places(self, handles: np.ndarray) -> list[tuple[Segment, int]]:
-        """(segment, position) of each handle's head, in order."""
-        return list(
-            zip(
-                map(self.segments.__getitem__, self.segment[handles].tolist()),
-                self.position[handles].tolist(),
-                strict=True,
-            )
+        The caller holds the index's lock: the rows stay, so their segments stay open."""
+        return read_heads(
+            tokens, self.sort_key, self.segment, self.position, self.segments, SPAN_PER_HEAD
         )
 
     def order(self, tokens: np.ndarray) -> np.ndarray:

@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod heads;
 mod ids;
 mod order;
 
@@ -10,5 +11,6 @@ mod order;
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
     Ok(())
 }

@@ -20,7 +20,8 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
-const HANDLE_MASK: i64 = (1 << 32) - 1;
+/// A token's handle: its low 32 bits (`row_store.HANDLE_MASK`).
+pub(crate) const HANDLE_MASK: i64 = (1 << 32) - 1;
 /// A run's taken part goes once it passes this many tokens and half the run.
 const COMPACT_AFTER: usize = 4096;
 
@@ -42,7 +43,7 @@ struct Columns<'a> {
     offset: &'a [ReadOnlyCell<i64>],
 }
 
-fn slice<'a, T: pyo3::buffer::Element>(
+pub(crate) fn slice<'a, T: pyo3::buffer::Element>(
     py: Python<'a>,
     buffer: &'a PyBuffer<T>,
     name: &str,

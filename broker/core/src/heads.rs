@@ -1,0 +1,121 @@
+//! Heads read back from the head store (`broker/storage/head_store.py`) for a lease's
+//! picks: no Python object but the heads themselves.
+//!
+//! A segment is a file of heads, each followed by a NUL byte, and `ends[i]` is where
+//! head i's NUL ends. A bucket's heads lie in its sort order, so a lease's picks are a
+//! few runs of nearby positions: each run is one `pread`, split here.
+
+use std::fs::File;
+use std::mem::ManuallyDrop;
+use std::os::fd::FromRawFd;
+use std::os::unix::fs::FileExt;
+
+use pyo3::buffer::{PyBuffer, ReadOnlyCell};
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::order::{slice, HANDLE_MASK};
+
+/// The row sort key and head of each token's row, in the order of `tokens`.
+///
+/// `sort_key`, `segment` and `position` are the row store's columns (by handle, a
+/// token's low 32 bits), `segments` its segments by number (`Segment`: `file`, `ends`).
+/// Wanted heads at most `span` positions apart are read as one range, through those
+/// between them.
+#[pyfunction]
+pub fn read_heads<'py>(
+    py: Python<'py>,
+    tokens: Vec<i64>,
+    sort_key: PyBuffer<i64>,
+    segment: PyBuffer<i32>,
+    position: PyBuffer<i32>,
+    segments: &Bound<'py, PyDict>,
+    span: usize,
+) -> PyResult<Vec<(i64, Bound<'py, PyBytes>)>> {
+    let keys = slice(py, &sort_key, "sort_key")?;
+    let numbers = slice(py, &segment, "segment")?;
+    let positions = slice(py, &position, "position")?;
+    // (segment, position, where in `tokens`), sorted: each segment's wanted heads in order.
+    let mut wanted = Vec::with_capacity(tokens.len());
+    for (i, &token) in tokens.iter().enumerate() {
+        let h = (token & HANDLE_MASK) as usize;
+        let (Some(n), Some(p)) = (numbers.get(h), positions.get(h)) else {
+            return Err(PyIndexError::new_err(format!("no row at handle {h}")));
+        };
+        wanted.push((n.get(), p.get() as usize, i));
+    }
+    wanted.sort_unstable();
+    let mut heads: Vec<Option<Bound<'py, PyBytes>>> = vec![None; tokens.len()];
+    for group in wanted.chunk_by(|a, b| a.0 == b.0) {
+        let seg = segments
+            .get_item(group[0].0)?
+            .ok_or_else(|| PyValueError::new_err(format!("no head segment {}", group[0].0)))?;
+        let fd: i32 = seg.getattr("file")?.call_method0("fileno")?.extract()?;
+        let ends = PyBuffer::<u32>::get(&seg.getattr("ends")?)?;
+        let ends = slice(py, &ends, "ends")?;
+        // A segment's file stays open while a row names it; the caller holds the lock
+        // that keeps it so. Borrowed, never closed here.
+        let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
+        for run in group.chunk_by(|a, b| b.1 - a.1 <= span) {
+            read_run(py, &file, ends, run, &mut heads)?;
+        }
+    }
+    tokens
+        .iter()
+        .zip(heads)
+        .map(|(&token, head)| {
+            let key = keys[(token & HANDLE_MASK) as usize].get();
+            Ok((key, head.expect("every wanted head is read")))
+        })
+        .collect()
+}
+
+/// One range of a segment, first to last wanted position: read, and each wanted head
+/// cut out of it into `heads`.
+fn read_run<'py>(
+    py: Python<'py>,
+    file: &File,
+    ends: &[ReadOnlyCell<u32>],
+    run: &[(i32, usize, usize)],
+    heads: &mut [Option<Bound<'py, PyBytes>>],
+) -> PyResult<()> {
+    let end_of = |pos: usize| -> PyResult<usize> {
+        ends.get(pos)
+            .map(|e| e.get() as usize)
+            .ok_or_else(|| PyIndexError::new_err(format!("no head at position {pos}")))
+    };
+    let start_of = |pos: usize| -> PyResult<usize> {
+        if pos == 0 {
+            Ok(0)
+        } else {
+            end_of(pos - 1)
+        }
+    };
+    let (first, last) = (run[0].1, run[run.len() - 1].1);
+    let start = start_of(first)?;
+    let end = end_of(last)?;
+    if end < start {
+        return Err(PyValueError::new_err(format!(
+            "the ends are out of order at {last}"
+        )));
+    }
+    let mut data = vec![0u8; end - start];
+    file.read_exact_at(&mut data, start as u64)?;
+    for &(_, pos, i) in run {
+        let (from, to) = (
+            start_of(pos)?.checked_sub(start),
+            end_of(pos)?.checked_sub(start),
+        );
+        let head = from
+            .zip(to)
+            .and_then(|(from, to)| data.get(from..to.checked_sub(1)?));
+        let Some(head) = head else {
+            return Err(PyValueError::new_err(format!(
+                "the ends are out of order at {pos}"
+            )));
+        };
+        heads[i] = Some(PyBytes::new(py, head));
+    }
+    Ok(())
+}
