@@ -377,10 +377,12 @@ class Broker:
         except NotCommitted as e:
             raise Problem(503, "not committed", str(e)) from None
 
-    async def _join(self, topic: str, consumer: str) -> None:
+    def _must_join(self, topic: str, consumer: str) -> bool:
+        """Whether a lease must first commit the consumer's heartbeat (`touch`): it is new,
+        or a third of its heartbeat timeout has passed. A check, not a coroutine: most
+        leases need none, and a coroutine per lease cost more than the check."""
         seen = self.state(topic).consumers.get(consumer)
-        if seen is None or now_ms() - seen > self.conf.heartbeat_timeout_ms // 3:
-            await self._commit(topic, "touch", consumer, now_ms())
+        return seen is None or now_ms() - seen > self.conf.heartbeat_timeout_ms // 3
 
     async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> bytes:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
@@ -391,7 +393,8 @@ class Broker:
         index, st = self.indexes[topic], self.state(topic)
         started = time.monotonic()
         deadline = started + wait_ms / 1000
-        await self._join(topic, consumer)
+        if self._must_join(topic, consumer):
+            await self._commit(topic, "touch", consumer, now_ms())
         rate = cfg.max_lease_rate
         while True:
             now = now_ms()
@@ -399,11 +402,13 @@ class Broker:
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
             picks = index.pick(st, st.buckets_of(consumer), take, now, taken) if take else []
             if picks:
+                granted = None
                 try:
                     args = (consumer, now, lease_ms, picks, rate, True)  # numbered
                     granted = await self._commit(topic, "lease", *args)
                 finally:
-                    index.release(st, picks)
+                    if granted is None or len(granted) < len(picks):  # some to put back
+                        index.release(st, picks)
                 if granted:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
@@ -411,7 +416,8 @@ class Broker:
             if time.monotonic() >= deadline:
                 return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
-            await self._join(topic, consumer)
+            if self._must_join(topic, consumer):
+                await self._commit(topic, "touch", consumer, now_ms())
 
     async def settle(
         self, topic: str, op: str, consumer: str, ids: Named, receipts: bool = False
