@@ -303,6 +303,48 @@ def topic_conf(name: str = "jobs", kind: str = "priority", buckets: int = 4) -> 
     return TopicConfig(name=name, kind=kind, source=[f"{name}-in"], buckets=buckets)
 
 
+def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:
+    """A lease picks, then commits; a pause applied just before its command grants it
+    nothing. Its picks, already out of the index, must go back: left out, they would
+    never lease again until the node restarted. One node, in process, its own Raft."""
+    import asyncio
+
+    from dejaq.broker.service import Broker, now_ms
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([5, 3, 9], lambda i: 0))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf()])
+    raft = f"127.0.0.1:{free_port()}"
+    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
+    broker.start()
+
+    async def scenario() -> tuple[bytes, list[dict]]:
+        assert broker.raft is not None
+        broker.raft.attach(asyncio.get_running_loop())
+        deadline = time.monotonic() + 30
+        while not broker.raft.is_leader():
+            assert time.monotonic() < deadline, "no Raft leader within 30 s"
+            await asyncio.sleep(0.01)
+        await broker.raft.commit("jobs", "touch", "w", now_ms())  # a member: no join
+        # Both start in this order in the loop's next step: the pause is in the log
+        # before the lease's command, and applied after its pick.
+        paused = asyncio.create_task(broker.raft.commit("jobs", "pause", True))
+        refused = asyncio.create_task(broker.lease("jobs", "w", 3, 30_000, 0))
+        assert await paused is True
+        first = await refused
+        await broker.raft.commit("jobs", "pause", False)
+        return first, json.loads(await broker.lease("jobs", "w", 3, 30_000, 0))
+
+    try:
+        first, leased = asyncio.run(scenario())
+    finally:
+        broker.stop()
+    assert first == b"[]", "paused before the lease applied: nothing granted"
+    assert [m["sort_key"] for m in leased] == [3, 5, 9], "every pick back, in order"
+
+
 def drain(
     index: TopicIndex, state: TopicState, n: int, now: int, limit: int | None = None
 ) -> list[list[int]]:

@@ -38,12 +38,14 @@ pub fn read_heads<'py>(
     let positions = slice(py, &position, "position")?;
     // (segment, position, where in `tokens`), sorted: each segment's wanted heads in order.
     let mut wanted = Vec::with_capacity(tokens.len());
+    let mut row_keys = Vec::with_capacity(tokens.len());
     for (i, &token) in tokens.iter().enumerate() {
         let h = (token & HANDLE_MASK) as usize;
-        let (Some(n), Some(p)) = (numbers.get(h), positions.get(h)) else {
+        let (Some(k), Some(n), Some(p)) = (keys.get(h), numbers.get(h), positions.get(h)) else {
             return Err(PyIndexError::new_err(format!("no row at handle {h}")));
         };
         wanted.push((n.get(), p.get() as usize, i));
+        row_keys.push(k.get());
     }
     wanted.sort_unstable();
     let mut heads: Vec<Option<Bound<'py, PyBytes>>> = vec![None; tokens.len()];
@@ -61,14 +63,11 @@ pub fn read_heads<'py>(
             read_run(py, &file, ends, run, &mut heads)?;
         }
     }
-    tokens
-        .iter()
+    Ok(row_keys
+        .into_iter()
         .zip(heads)
-        .map(|(&token, head)| {
-            let key = keys[(token & HANDLE_MASK) as usize].get();
-            Ok((key, head.expect("every wanted head is read")))
-        })
-        .collect()
+        .map(|(key, head)| (key, head.expect("every wanted head is read")))
+        .collect())
 }
 
 /// One range of a segment, first to last wanted position: read, and each wanted head
