@@ -318,6 +318,7 @@ def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_pat
     settings = Settings(warehouse=warehouse, topics=[topic_conf()])
     raft = f"127.0.0.1:{free_port()}"
     broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
+    collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
     broker.start()
 
     async def scenario() -> tuple[bytes, list[dict]]:
@@ -341,6 +342,8 @@ def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_pat
         first, leased = asyncio.run(scenario())
     finally:
         broker.stop()
+        gc.unfreeze()
+        gc.set_threshold(*collecting)
     assert first == b"[]", "paused before the lease applied: nothing granted"
     assert [m["sort_key"] for m in leased] == [3, 5, 9], "every pick back, in order"
 
