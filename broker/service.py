@@ -393,10 +393,10 @@ class Broker:
         index, st = self.indexes[topic], self.state(topic)
         started = time.monotonic()
         deadline = started + wait_ms / 1000
-        if self._must_join(topic, consumer):
-            await self._commit(topic, "touch", consumer, now_ms())
         rate = cfg.max_lease_rate
         while True:
+            if self._must_join(topic, consumer):
+                await self._commit(topic, "touch", consumer, now_ms())
             now = now_ms()
             taken: list[Taken] = []
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
@@ -416,8 +416,6 @@ class Broker:
             if time.monotonic() >= deadline:
                 return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
-            if self._must_join(topic, consumer):
-                await self._commit(topic, "touch", consumer, now_ms())
 
     async def settle(
         self, topic: str, op: str, consumer: str, ids: Named, receipts: bool = False

@@ -615,7 +615,7 @@ class TopicIndex:
                 table.long,
             )
             if taken is not None and tokens:
-                taken += self._taken(tokens)
+                taken += self.store.heads(tokens)
         return picks
 
     def row(self, mid: str) -> Row | None:
@@ -628,11 +628,7 @@ class TopicIndex:
         """An indexed message's row sort key and head (None once forgotten): a peek's."""
         with self.lock:
             token = self.store.get(mid)
-            return None if token is None else self._head(token)
-
-    def _head(self, token: int) -> Taken:
-        """A stored message's row sort key and head (under the lock)."""
-        return self.store.heads([token])[0]
+            return None if token is None else self.store.heads([token])[0]
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
@@ -725,10 +721,6 @@ class TopicIndex:
         keys (under the lock)."""
         tokens, keys = self.order.entries(bucket)
         return np.frombuffer(tokens, np.int64), np.frombuffer(keys, np.int64)
-
-    def _taken(self, tokens: list[int]) -> list[Taken]:
-        """The picks' row sort keys and heads."""
-        return self.store.heads(tokens)
 
     def release(self, state: TopicState, picks: list[Pick]) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
