@@ -187,7 +187,7 @@ async def measure(
 
     async def checkpoint_and_trim() -> None:
         t = time.perf_counter()
-        events = list(state.events)
+        events = state.events.view()
         upto = checkpoint(str(args.warehouse), "t", events)
         clock.time("leader", "checkpoint (a thread, live)", t)
         for cut in trim_cuts(events, upto):

@@ -12,13 +12,15 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, Settlement, TopicState
+from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, TopicState
 from dejaq.broker.state.raft import NotCommitted, RaftNode
+from dejaq.broker.state.settlements import Run, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.index import Taken, TopicIndex
@@ -54,11 +56,11 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def trim_cuts(events: list[Settlement], upto: int) -> list[int]:
-    """Where to trim a checkpoint of `events` up to `upto`, a slice per Raft command: each
+def trim_cuts(runs: list[Run], upto: int) -> list[int]:
+    """Where to trim a checkpoint of `runs` up to `upto`, a slice per Raft command: each
     applies in one event-loop tick on every node, so requests wait milliseconds behind
     it, not tens of them."""
-    return [*(e.seq for e in events[TRIM_SLICE - 1 :: TRIM_SLICE]), upto]
+    return [*islice(seqs(runs), TRIM_SLICE - 1, None, TRIM_SLICE), upto]
 
 
 class Problem(Exception):
@@ -267,7 +269,7 @@ class Broker:
 
     def _checkpoint_topic(self, name: str) -> None:
         assert self.raft is not None
-        events = list(self.state(name).events)
+        events = self.state(name).events.view()
         if not events:
             return
         health = self.checkpoint_health[name]
@@ -276,7 +278,8 @@ class Broker:
             return  # only deaths a trim kept, and their dead letters still fail
         if self.state(name).redriven_at:  # before their redrives leave Raft
             index = self.indexes[name]
-            restore(index.buffer_path, index.dead_letter_path, redriven(events), now_ms())
+            again = redriven(settlements(events))
+            restore(index.buffer_path, index.dead_letter_path, again, now_ms())
         for cut in trim_cuts(events, upto):
             args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
             self.raft.state.command(name, "trim", args, sync=True, timeout=5)
@@ -318,8 +321,8 @@ class Broker:
         """
         assert self.raft is not None
         self.raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=5)
-        events = list(self.state(name).events)
-        unwritten = min((e.at for e in events), default=None)
+        runs = self.state(name).events.view()
+        unwritten = min((r.at for r in runs), default=None)
         index = self.indexes[name]
         run = retain(
             index.buffer_path, index.ledger_path, cfg.settled_retention_ms, now_ms(), unwritten
@@ -570,7 +573,7 @@ class Broker:
         it; the ledger's checkpoint seq; the ids it has redriven since their last death."""
         upto, dead, redriven = self.indexes[topic].dead(ids)
         wanted = None if ids is None else set(ids)
-        for e in list(self.state(topic).events):
+        for e in self.state(topic).events:
             if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted):
                 dead[e.message_id] = (e.bucket, e.sort_key)
         return upto, [(mid, b, k) for mid, (b, k) in dead.items()], redriven

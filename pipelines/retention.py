@@ -28,6 +28,7 @@ import json
 import logging
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from urllib.parse import unquote
 
@@ -253,7 +254,7 @@ def _run(
     return removed, rewritten, last.num_rows, cutoff
 
 
-def redriven(events: list) -> list[str]:
+def redriven(events: Iterable) -> list[str]:
     """The ids whose latest of `events` (settlements, in seq order) is a redrive."""
     last = {e.message_id: e.event for e in events}
     return [mid for mid, event in last.items() if event == LedgerEvent.REDRIVEN]

@@ -8,16 +8,14 @@ the network. The pending messages themselves live in the node-local index
 
 from __future__ import annotations
 
-from bisect import bisect_right
 from collections import Counter, deque
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
-from itertools import repeat
-from operator import itemgetter
-from typing import NamedTuple
+from itertools import chain, repeat
 
 from dejaq.broker.state.assignment import rebalance
+from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
 
@@ -142,42 +140,6 @@ class LeaseRecord:
         )
 
 
-class Settlement(NamedTuple):
-    """A settled message waiting to be checkpointed into the ledger (and dead letters).
-
-    A tuple: every node makes one per settled message, in the ack loop as a plain tuple
-    is made (`_settlement`, not the Python-level `__new__`); a checkpoint converts a list
-    of them to Arrow in one pass (`broker.ledger_writer.SETTLEMENT`).
-    """
-
-    seq: int
-    message_id: str
-    bucket: int
-    event: str
-    sort_key: int
-    deliveries: int
-    at: int
-    reason: str | None = None
-
-
-_settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
-
-
-class Event:
-    """A `Settlement` as Raft snapshots written before it held them (pickled as a list of
-    the field values): unpickled, then made a `Settlement` by `TopicState.__setstate__`.
-    """
-
-    __slots__ = Settlement._fields
-
-    def __setstate__(self, state: list) -> None:
-        for f, value in zip(self.__slots__, state, strict=True):
-            setattr(self, f, value)
-
-    def settlement(self) -> Settlement:
-        return Settlement(*(getattr(self, f) for f in self.__slots__))
-
-
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
@@ -204,7 +166,7 @@ class TopicState:
         self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
         self.not_before: dict[str, int] = {}  # nack with delay
         self.settled: dict[str, str] = {}  # message_id -> event, until checkpointed
-        self.events: list[Settlement] = []
+        self.events = EventLog()
         self.seq = 0
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
         self.assignment: dict[int, str] = {}
@@ -238,7 +200,10 @@ class TopicState:
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid, None)
-        self.events = [e.settlement() if isinstance(e, Event) else e for e in self.events]
+        if not isinstance(self.events, EventLog):  # from before runs: a list of events
+            self.events = EventLog.of(
+                e.settlement() if isinstance(e, Event) else e for e in self.events
+            )
         old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
         for mid, lease in old:  # from before lease records: a record each
             self.unnumbered -= 1
@@ -511,9 +476,12 @@ class TopicState:
             self._seen(consumer, now)
             return {}
         refused: dict[str | int, Refusal] = {}
-        leases, records, settled, events = self.leases, self.records, self.settled, self.events
+        leases, records, settled = self.leases, self.records, self.settled
         sort_keys, ending, held = self.sort_keys, self.ending, self.held
         acked, seq = LedgerEvent.ACKED, self.seq
+        run = Run(seq + 1, [], [], acked, [], [], now)  # this ack's events, as columns
+        run_mids, run_buckets = run.message_ids, run.buckets
+        run_keys, run_deliveries = run.sort_keys, run.deliveries
         by_receipt = receipts is not None
         for key in receipts if by_receipt else mids:
             if by_receipt:
@@ -552,25 +520,15 @@ class TopicState:
             else:
                 del counts[consumer]
             seq += 1
-            events.append(
-                _settlement(
-                    Settlement,
-                    (
-                        seq,
-                        mid,
-                        bucket,
-                        acked,
-                        record.sort_keys[pos],
-                        record.deliveries[pos],
-                        now,
-                        None,
-                    ),
-                )
-            )
+            run_mids.append(mid)
+            run_buckets.append(bucket)
+            run_keys.append(record.sort_keys[pos])
+            run_deliveries.append(record.deliveries[pos])
             settled[mid] = acked
             if sort_keys:
                 sort_keys.pop(mid, None)
         if seq != self.seq:
+            self.events.add(run)
             self.totals[acked] += seq - self.seq
             self.seq = seq
         self._seen(consumer, now)
@@ -608,17 +566,8 @@ class TopicState:
         deque(map(self.leases.pop, mids), maxlen=0)
         for bucket, count in Counter(buckets).items():
             _unhold(self.held[bucket], record.consumer, count)
-        columns = zip(
-            range(seq + 1, seq + n + 1),
-            mids,
-            buckets,
-            repeat(acked),
-            record.sort_keys[start:end],
-            record.deliveries[start:end],
-            repeat(now),
-            repeat(None),
-        )
-        self.events.extend(map(tuple.__new__, repeat(Settlement), columns))
+        keys, counts = record.sort_keys[start:end], record.deliveries[start:end]
+        self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
         self.settled.update(zip(mids, repeat(acked)))
         if self.sort_keys:
             deque(map(self.sort_keys.pop, mids, repeat(None)), maxlen=0)
@@ -774,7 +723,8 @@ class TopicState:
     def trimmed_upto(self) -> int:
         """The last event seq trimmed away: events up to it are in the ledger, and here
         only those a trim kept."""
-        return max(self.trimmed, self.events[0].seq - 1 if self.events else self.seq)
+        first = self.events.first()
+        return max(self.trimmed, self.seq if first is None else first - 1)
 
     def purge(self, now: int, upto: int, pending: list[Pick]) -> int | None:
         """Cancel the leader's list of the topic's pending messages; returns how many, or
@@ -843,32 +793,23 @@ class TopicState:
     def trim(self, upto_seq: int, keep: Collection[int] = ()) -> list[str]:
         """Forget events checkpointed into the ledger; returns their message ids.
 
-        Events are appended in `seq` order, so the checkpointed ones are a prefix. It is
-        cut off in place: a checkpoint is trimmed in slices, and copying the rest of the
-        list each time touched every later event once per slice. The events of seqs in
-        `keep` (deaths whose dead letter is not written yet) stay, at the front, for the
-        next checkpoint to try again.
+        Events are appended in `seq` order, so the checkpointed ones are a prefix of the
+        runs (`EventLog.cut`). The events of seqs in `keep` (deaths whose dead letter is
+        not written yet) stay, at the front, for the next checkpoint to try again.
         """
         ending, records = self.ending, self.records
         done = min(upto_seq, min(keep) - 1) if keep else upto_seq  # kept deaths: kept
         while ending and ending[0][0] <= done:
             records.pop(ending.popleft()[1], None)
-        events = self.events
-        cut = bisect_right(events, upto_seq, key=_seq)
-        done = events[:cut]
-        del events[:cut]
+        done_runs = self.events.cut(upto_seq, keep)
         self.trimmed = max(self.trimmed, upto_seq)
-        if keep:
-            kept = set(keep)
-            events[:0] = [e for e in done if e.seq in kept]
-            done = [e for e in done if e.seq not in kept]
         if self.redriven_at:
-            return self._trim_redriven(done)
-        mids = list(map(_message_id, done))
+            return self._trim_redriven(settlements(done_runs))
+        mids = list(chain.from_iterable(r.message_ids for r in done_runs))
         deque(map(self.settled.pop, mids, repeat(None)), maxlen=0)
         return mids
 
-    def _trim_redriven(self, done: list[Settlement]) -> list[str]:
+    def _trim_redriven(self, done: Iterable[Settlement]) -> list[str]:
         """`trim` while some message has an untrimmed redrive: a settlement followed by a
         later redrive of its message no longer says what the message is (pending again,
         or settled anew), and a redriven event settles nothing: neither is forgotten."""
@@ -889,10 +830,6 @@ class TopicState:
 def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
     """The wait after the `deliveries`-th delivery failed: base * 2^(deliveries - 1), capped."""
     return min(max_ms, base_ms << min(deliveries - 1, 48))
-
-
-_seq = itemgetter(0)  # of a Settlement
-_message_id = itemgetter(1)
 
 
 def _unhold(counts: dict[str, int], consumer: str, n: int) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from dejaq.broker.state.leases import Settlement, TopicState
+from dejaq.broker.state.leases import TopicState
+from dejaq.broker.state.settlements import Events, as_runs
 from dejaq.broker.storage.ledger_writer import deaths, write_dead_letters, write_ledger
 
 log = logging.getLogger("dejaq.broker.storage.checkpoints")
@@ -77,17 +77,18 @@ class Lag:
 
 def lag(state: TopicState) -> Lag:
     """Read on any node: every node applies the same trims."""
-    events = list(state.events)  # the event loop appends meanwhile
-    kept = bisect_right(events, state.trimmed, key=lambda e: e.seq)
-    rest = events[kept:]
-    return Lag(len(rest), min((e.at for e in rest), default=None), kept)
+    runs = state.events.view()  # the event loop appends meanwhile
+    trimmed = state.trimmed  # deaths a trim kept are below it, each a run
+    kept = sum(len(r.message_ids) for r in runs if r.last <= trimmed)
+    rest = [r for r in runs if r.last > trimmed]
+    unwritten = sum(len(r.message_ids) for r in rest)
+    return Lag(unwritten, min((r.at for r in rest), default=None), kept)
 
 
-def checkpoint(
-    warehouse: str, topic: str, events: list[Settlement], health: Health
-) -> tuple[int, list[int]]:
+def checkpoint(warehouse: str, topic: str, events: Events, health: Health) -> tuple[int, list[int]]:
     """Write `events` to the ledger and their dead letters: (the last seq the ledger
     holds, the seqs of deaths to keep in Raft). Raises if the ledger write fails."""
+    events = as_runs(events)
     try:
         upto = write_ledger(warehouse, topic, events)
     except Exception as e:
