@@ -20,7 +20,7 @@ from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, TopicState
 from dejaq.broker.state.raft import NotCommitted, RaftNode
-from dejaq.broker.state.settlements import Run, seqs, settlements
+from dejaq.broker.state.settlements import Entry, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.index import Taken, TopicIndex
@@ -56,11 +56,11 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
-def trim_cuts(runs: list[Run], upto: int) -> list[int]:
-    """Where to trim a checkpoint of `runs` up to `upto`, a slice per Raft command: each
+def trim_cuts(entries: list[Entry], upto: int) -> list[int]:
+    """Where to trim a checkpoint of `entries` up to `upto`, a slice per Raft command: each
     applies in one event-loop tick on every node, so requests wait milliseconds behind
     it, not tens of them."""
-    return [*islice(seqs(runs), TRIM_SLICE - 1, None, TRIM_SLICE), upto]
+    return [*islice(seqs(entries), TRIM_SLICE - 1, None, TRIM_SLICE), upto]
 
 
 class Problem(Exception):
@@ -321,8 +321,8 @@ class Broker:
         """
         assert self.raft is not None
         self.raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=5)
-        runs = self.state(name).events.view()
-        unwritten = min((r.at for r in runs), default=None)
+        entries = self.state(name).events.view()
+        unwritten = min((e.at for e in entries), default=None)
         index = self.indexes[name]
         run = retain(
             index.buffer_path, index.ledger_path, cfg.settled_retention_ms, now_ms(), unwritten

@@ -12,7 +12,7 @@ from collections import Counter, deque
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
-from itertools import chain, repeat
+from itertools import repeat
 
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
@@ -140,6 +140,8 @@ class LeaseRecord:
         )
 
 
+_settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
+
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
@@ -201,7 +203,7 @@ class TopicState:
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid, None)
         if not isinstance(self.events, EventLog):  # from before runs: a list of events
-            self.events = EventLog.of(
+            self.events = EventLog(
                 e.settlement() if isinstance(e, Event) else e for e in self.events
             )
         old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
@@ -479,9 +481,7 @@ class TopicState:
         leases, records, settled = self.leases, self.records, self.settled
         sort_keys, ending, held = self.sort_keys, self.ending, self.held
         acked, seq = LedgerEvent.ACKED, self.seq
-        run = Run(seq + 1, [], [], acked, [], [], now)  # this ack's events, as columns
-        run_mids, run_buckets = run.message_ids, run.buckets
-        run_keys, run_deliveries = run.sort_keys, run.deliveries
+        events: list[Settlement] = []
         by_receipt = receipts is not None
         for key in receipts if by_receipt else mids:
             if by_receipt:
@@ -520,15 +520,26 @@ class TopicState:
             else:
                 del counts[consumer]
             seq += 1
-            run_mids.append(mid)
-            run_buckets.append(bucket)
-            run_keys.append(record.sort_keys[pos])
-            run_deliveries.append(record.deliveries[pos])
+            events.append(
+                _settlement(
+                    Settlement,
+                    (
+                        seq,
+                        mid,
+                        bucket,
+                        acked,
+                        record.sort_keys[pos],
+                        record.deliveries[pos],
+                        now,
+                        None,
+                    ),
+                )
+            )
             settled[mid] = acked
             if sort_keys:
                 sort_keys.pop(mid, None)
         if seq != self.seq:
-            self.events.add(run)
+            self.events.extend(events)
             self.totals[acked] += seq - self.seq
             self.seq = seq
         self._seen(consumer, now)
@@ -801,11 +812,16 @@ class TopicState:
         done = min(upto_seq, min(keep) - 1) if keep else upto_seq  # kept deaths: kept
         while ending and ending[0][0] <= done:
             records.pop(ending.popleft()[1], None)
-        done_runs = self.events.cut(upto_seq, keep)
+        done = self.events.cut(upto_seq, keep)
         self.trimmed = max(self.trimmed, upto_seq)
         if self.redriven_at:
-            return self._trim_redriven(settlements(done_runs))
-        mids = list(chain.from_iterable(r.message_ids for r in done_runs))
+            return self._trim_redriven(settlements(done))
+        mids: list[str] = []
+        for e in done:
+            if type(e) is Settlement:
+                mids.append(e.message_id)
+            else:
+                mids += e.message_ids
         deque(map(self.settled.pop, mids, repeat(None)), maxlen=0)
         return mids
 

@@ -1,21 +1,27 @@
-"""Settled messages waiting to be checkpointed into the ledger, as runs of columns.
+"""Settled messages waiting to be checkpointed into the ledger: one tuple per event, or
+one run of columns for a bulk ack's events.
 
-Every node keeps them, and every ack adds to them: a bulk ack of a whole lease is one
-`Run` holding slices of the lease record's columns, not an object per message. Only
-the leader reads them whole, a checkpoint at a time, into Arrow columns
+Every node keeps them, and every ack adds to them. A bulk ack of a whole lease is one
+`Run` holding slices of the lease record's columns, not an object per message; a
+smaller settle adds a `Settlement` per message, as a run's lists would cost it more.
+Only the leader reads them whole, a checkpoint at a time, into Arrow columns
 (`broker.ledger_writer`); the other readers (a redrive's look for the dead, tests) see
 `Settlement`s.
 """
 
 from __future__ import annotations
 
+import threading
+from bisect import bisect_right
 from collections.abc import Collection, Iterable, Iterator
 from itertools import chain, repeat
+from operator import itemgetter
 from typing import NamedTuple
 
 
 class Settlement(NamedTuple):
-    """One settled message, as the ledger gets it: how readers see a `Run`'s events."""
+    """One settled message, as the ledger gets it. Made in the ack loop as a plain tuple
+    is (`tuple.__new__(Settlement, fields)`), not through the Python-level `__new__`."""
 
     seq: int
     message_id: str
@@ -44,7 +50,7 @@ class Event:
 
 class Run(NamedTuple):
     """Settled messages of consecutive seqs from `seq` on, settled alike (event, time,
-    reason): the columns are the message's own, by position. Never changed once made:
+    reason): the columns are the messages' own, by position. Never changed once made:
     a checkpoint thread reads runs while the event loop adds and trims them."""
 
     seq: int
@@ -55,10 +61,6 @@ class Run(NamedTuple):
     deliveries: list[int]
     at: int
     reason: str | None = None
-
-    @property
-    def last(self) -> int:
-        return self.seq + len(self.message_ids) - 1
 
     def settlements(self) -> Iterator[Settlement]:
         n = len(self.message_ids)
@@ -74,109 +76,118 @@ class Run(NamedTuple):
         )
         return map(Settlement._make, zip(*columns, strict=True))
 
-    def after(self, seq: int) -> Run:
-        """The part of the run past `seq` (which it holds)."""
-        k = seq - self.seq + 1
+    def part(self, start: int, end: int) -> Run:
+        """Its events of seqs start..end-1 (which it holds)."""
+        i, j = start - self.seq, end - self.seq
         return self._replace(
-            seq=seq + 1,
-            message_ids=self.message_ids[k:],
-            buckets=self.buckets[k:],
-            sort_keys=self.sort_keys[k:],
-            deliveries=self.deliveries[k:],
-        )
-
-    def upto(self, seq: int) -> Run:
-        """The part of the run up to `seq` (which it holds)."""
-        k = seq - self.seq + 1
-        return self._replace(
-            message_ids=self.message_ids[:k],
-            buckets=self.buckets[:k],
-            sort_keys=self.sort_keys[:k],
-            deliveries=self.deliveries[:k],
+            seq=start,
+            message_ids=self.message_ids[i:j],
+            buckets=self.buckets[i:j],
+            sort_keys=self.sort_keys[i:j],
+            deliveries=self.deliveries[i:j],
         )
 
 
-def single(e: Settlement) -> Run:
-    return Run(
-        e.seq, [e.message_id], [e.bucket], e.event, [e.sort_key], [e.deliveries], e.at, e.reason
-    )
+Entry = Settlement | Run
+_first_seq = itemgetter(0)  # of either
 
 
-def settlements(runs: Iterable[Run]) -> Iterator[Settlement]:
-    return chain.from_iterable(r.settlements() for r in runs)
+def last(e: Entry) -> int:
+    """The seq of the last event of `e`."""
+    return e.seq if type(e) is Settlement else e.seq + len(e.message_ids) - 1
 
 
-def past(runs: list[Run], seq: int) -> list[Run]:
-    """The events of `runs` (ascending seqs) after `seq`."""
-    out = [r for r in runs if r.last > seq]
-    if out and out[0].seq <= seq:
-        out[0] = out[0].after(seq)
+def count(e: Entry) -> int:
+    return 1 if type(e) is Settlement else len(e.message_ids)
+
+
+def settlements(entries: Iterable[Entry]) -> Iterator[Settlement]:
+    for e in entries:
+        if type(e) is Settlement:
+            yield e
+        else:
+            yield from e.settlements()
+
+
+def past(entries: list[Entry], seq: int) -> list[Entry]:
+    """The events of `entries` (ascending seqs) after `seq`."""
+    out = [e for e in entries if last(e) > seq]
+    if out and out[0].seq <= seq:  # a run holding `seq`
+        out[0] = out[0].part(seq + 1, last(out[0]) + 1)
     return out
 
 
-def seqs(runs: Iterable[Run]) -> Iterator[int]:
-    return chain.from_iterable(range(r.seq, r.last + 1) for r in runs)
+def seqs(entries: Iterable[Entry]) -> Iterator[int]:
+    return chain.from_iterable(range(e.seq, last(e) + 1) for e in entries)
 
 
 class EventLog:
-    """The runs not yet trimmed, in ascending seq. `runs` is replaced or appended to, a
-    whole run at a time, so `list(log.runs)` (one C call under the GIL) is a consistent
-    view for another thread."""
+    """The events not yet trimmed, in ascending seq.
 
-    __slots__ = ("runs", "size")
+    The event loop adds and cuts entries; a checkpoint thread reads them (`view`).
+    Adding is one append or extend; a cut changes the list in place (no copy of the
+    rest: a backlog trimmed in slices would copy it once per slice) under a lock the
+    views take too, so a view never holds part of a cut."""
 
-    def __init__(self, runs: Iterable[Run] = ()) -> None:
-        self.runs: list[Run] = list(runs)
-        self.size = sum(len(r.message_ids) for r in self.runs)
+    __slots__ = ("_lock", "entries", "size")
 
-    @classmethod
-    def of(cls, events: Iterable[Settlement]) -> EventLog:
-        return cls(map(single, events))
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        self.entries: list[Entry] = list(entries)
+        self.size = sum(map(count, self.entries))
+        self._lock = threading.Lock()
 
-    def __getstate__(self) -> list[Run]:
-        return self.runs
+    def __getstate__(self) -> list[Entry]:
+        return self.entries
 
-    def __setstate__(self, runs: list[Run]) -> None:
-        self.runs = runs
-        self.size = sum(len(r.message_ids) for r in runs)
+    def __setstate__(self, entries: list[Entry]) -> None:
+        self.__init__(entries)
 
     def add(self, run: Run) -> None:
         if run.message_ids:
-            self.runs.append(run)
+            self.entries.append(run)
             self.size += len(run.message_ids)
 
     def append(self, e: Settlement) -> None:
-        self.add(single(e))
+        self.entries.append(e)
+        self.size += 1
 
-    def view(self) -> list[Run]:
-        """The runs as they are now, for a reader in another thread: `runs` is appended
-        to, or replaced whole, by the event loop."""
-        return list(self.runs)
+    def extend(self, events: list[Settlement]) -> None:
+        self.entries += events
+        self.size += len(events)
+
+    def view(self) -> list[Entry]:
+        """The entries as they are now, for a reader in another thread."""
+        with self._lock:
+            return list(self.entries)
 
     def first(self) -> int | None:
         """The seq of the first event, if any."""
-        runs = self.runs
-        return runs[0].seq if runs else None
+        entries = self.entries
+        return entries[0].seq if entries else None
 
-    def cut(self, upto: int, keep: Collection[int] = ()) -> list[Run]:
+    def cut(self, upto: int, keep: Collection[int] = ()) -> list[Entry]:
         """Remove the events up to seq `upto` but those of the seqs in `keep`, which stay
-        in front; returns the removed. The runs are replaced in one step, so a reader's
-        view holds all of them or none."""
-        runs = self.runs
-        n = 0
-        while n < len(runs) and runs[n].last <= upto:
-            n += 1
-        done, rest = runs[:n], runs[n:]
-        if rest and rest[0].seq <= upto:
-            done.append(rest[0].upto(upto))
-            rest[0] = rest[0].after(upto)
+        in front; returns the removed."""
+        entries = self.entries
+        n = bisect_right(entries, upto, key=_first_seq)  # the entries starting by `upto`
+        done = entries[:n]
+        rest = None
+        if n and last(entries[n - 1]) > upto:  # a run holding `upto`
+            n -= 1
+            run = done.pop()
+            done.append(run.part(run.seq, upto + 1))
+            rest = run.part(upto + 1, last(run) + 1)
+        kept: list[Entry] = []
         if keep:
-            kept = set(keep)
+            wanted = set(keep)
             events = list(settlements(done))
-            rest[:0] = [single(e) for e in events if e.seq in kept]
-            done = [single(e) for e in events if e.seq not in kept]
-        self.runs = rest
-        self.size -= sum(len(r.message_ids) for r in done)
+            kept = [e for e in events if e.seq in wanted]
+            done = [e for e in events if e.seq not in wanted]
+        with self._lock:
+            if rest is not None:
+                entries[n] = rest
+            entries[:n] = kept
+        self.size -= sum(map(count, done))
         return done
 
     def __len__(self) -> int:
@@ -196,15 +207,10 @@ class EventLog:
     __hash__ = None  # type: ignore[assignment]
 
 
-# What the ledger's writers take: a log, its runs, or settlements (each its own run).
-Events = EventLog | list[Run] | list[Settlement]
+# What the ledger's writers take: a log, its entries, or settlements.
+Events = EventLog | list[Entry]
 
 
-def as_runs(events: Events) -> list[Run]:
-    """`events` as runs: a log's as they are now (`EventLog.view`), runs as they are,
-    settlements a run each."""
-    if isinstance(events, EventLog):
-        return events.view()
-    if all(isinstance(e, Run) for e in events):
-        return list(events)
-    return [single(e) for e in events]
+def entries_of(events: Events) -> list[Entry]:
+    """`events` as entries: a log's as they are now (`EventLog.view`), others as given."""
+    return events.view() if isinstance(events, EventLog) else list(events)

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 
 from dejaq.broker.state.leases import TopicState
-from dejaq.broker.state.settlements import Events, as_runs
+from dejaq.broker.state.settlements import Events, count, entries_of, last
 from dejaq.broker.storage.ledger_writer import deaths, write_dead_letters, write_ledger
 
 log = logging.getLogger("dejaq.broker.storage.checkpoints")
@@ -77,18 +77,17 @@ class Lag:
 
 def lag(state: TopicState) -> Lag:
     """Read on any node: every node applies the same trims."""
-    runs = state.events.view()  # the event loop appends meanwhile
-    trimmed = state.trimmed  # deaths a trim kept are below it, each a run
-    kept = sum(len(r.message_ids) for r in runs if r.last <= trimmed)
-    rest = [r for r in runs if r.last > trimmed]
-    unwritten = sum(len(r.message_ids) for r in rest)
-    return Lag(unwritten, min((r.at for r in rest), default=None), kept)
+    entries = state.events.view()  # the event loop appends meanwhile
+    trimmed = state.trimmed  # deaths a trim kept are below it
+    kept = sum(count(e) for e in entries if last(e) <= trimmed)
+    rest = [e for e in entries if last(e) > trimmed]
+    return Lag(sum(map(count, rest)), min((e.at for e in rest), default=None), kept)
 
 
 def checkpoint(warehouse: str, topic: str, events: Events, health: Health) -> tuple[int, list[int]]:
     """Write `events` to the ledger and their dead letters: (the last seq the ledger
     holds, the seqs of deaths to keep in Raft). Raises if the ledger write fails."""
-    events = as_runs(events)
+    events = entries_of(events)
     try:
         upto = write_ledger(warehouse, topic, events)
     except Exception as e:

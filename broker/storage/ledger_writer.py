@@ -15,7 +15,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 
-from dejaq.broker.state.settlements import Events, Run, Settlement, as_runs, past, settlements
+from dejaq.broker.state.settlements import (
+    Entry,
+    Events,
+    Settlement,
+    entries_of,
+    last,
+    past,
+    settlements,
+)
 from dejaq.conf.tables import (
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
@@ -49,9 +57,9 @@ def checkpoint(warehouse: str, topic: str, events: Events) -> int:
     """Write `events` (ascending seq) to the ledger, then their dead letters; return the
     last seq. The leader runs the two steps apart, to go on trimming while dead letters
     fail (`broker.service`)."""
-    runs = as_runs(events)
-    upto = write_ledger(warehouse, topic, runs)
-    write_dead_letters(warehouse, topic, runs)
+    entries = entries_of(events)
+    upto = write_ledger(warehouse, topic, entries)
+    write_dead_letters(warehouse, topic, entries)
     return upto
 
 
@@ -60,37 +68,45 @@ def write_ledger(warehouse: str, topic: str, events: Events) -> int:
 
     The table is tagged with the last seq it holds and gets only the events past it, so
     a checkpoint after one whose trim was lost (a leader change) writes no row twice.
-    The runs' columns become Arrow in C, a slice at a time: a conversion holds the GIL
-    it shares with the event loop, and all of a checkpoint's tens of thousands at once
-    kept requests and heartbeats waiting ~15 ms.
+    The columns become Arrow in C, a slice at a time: a conversion holds the GIL it
+    shares with the event loop, and all of a checkpoint's tens of thousands at once kept
+    requests and heartbeats waiting ~15 ms.
     """
-    runs = as_runs(events)
-    upto = runs[-1].last
+    entries = entries_of(events)
+    upto = last(entries[-1])
     table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))  # one snapshot: see
     written = table.transaction_version(APP_ID) or 0  # `write_dead_letters`
     if written < upto:
-        rows = pa.table(_ledger_columns(past(runs, written)), schema=LEDGER_SCHEMA)
+        rows = pa.table(_ledger_columns(past(entries, written)), schema=LEDGER_SCHEMA)
         write_deltalake(table, rows, mode="append", commit_properties=_commit(upto))
     return upto
 
 
-def _ledger_columns(runs: list[Run]) -> dict[str, pa.ChunkedArray]:
-    """The ledger's columns of `runs`: each run's own columns joined, its event and time
-    repeated; no Python object is made per event."""
+def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray]:
+    """The ledger's columns of `entries`: a run's own columns joined, its event and time
+    repeated; no Python object is made per event of a run."""
     mids: list[str] = []
     buckets: list[int] = []
     events: list[str] = []
     keys: list[int] = []
     counts: list[int] = []
     at: list[int] = []
-    for r in runs:
-        n = len(r.message_ids)
-        mids += r.message_ids
-        buckets += r.buckets
-        events += repeat(r.event, n)
-        keys += r.sort_keys
-        counts += r.deliveries
-        at += repeat(r.at, n)
+    for e in entries:
+        if type(e) is Settlement:
+            mids.append(e.message_id)
+            buckets.append(e.bucket)
+            events.append(e.event)
+            keys.append(e.sort_key)
+            counts.append(e.deliveries)
+            at.append(e.at)
+            continue
+        n = len(e.message_ids)
+        mids += e.message_ids
+        buckets += e.buckets
+        events += repeat(e.event, n)
+        keys += e.sort_keys
+        counts += e.deliveries
+        at += repeat(e.at, n)
     ms = _arrow(at, pa.int64())
     return {
         "message_id": _arrow(mids, pa.string()),
@@ -110,15 +126,15 @@ def _arrow(values: list, kind: pa.DataType) -> pa.ChunkedArray:
 
 def deaths(events: Events) -> list[Settlement]:
     """The events of `events` that need a dead letter."""
-    dead = [r for r in as_runs(events) if r.event == LedgerEvent.DEAD]
+    dead = [e for e in entries_of(events) if e.event == LedgerEvent.DEAD]
     return list(settlements(dead))
 
 
 def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
     """Write the dead letters of the deaths among `events` past the table's tag, tagged
     with the last seq of `events`. Raises if a dead message's row cannot be read."""
-    runs = as_runs(events)
-    dead = deaths(runs)
+    entries = entries_of(events)
+    dead = deaths(entries)
     if not dead:
         return
     # One snapshot for the tag and the write: a deposed leader's late write, made from
@@ -128,7 +144,7 @@ def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
     done = table.transaction_version(APP_ID) or 0
     if dead := [e for e in dead if e.seq > done]:
         rows = _dead_letters(warehouse, topic, dead)
-        write_deltalake(table, rows, mode="append", commit_properties=_commit(runs[-1].last))
+        write_deltalake(table, rows, mode="append", commit_properties=_commit(last(entries[-1])))
 
 
 def compact_ledger(warehouse: str, topic: str) -> Compacted | None:

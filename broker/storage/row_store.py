@@ -154,10 +154,14 @@ class RowStore:
         handles = handles[hit][first]
         self.table.delete(slots)
         self.token[handles] = 0
-        released = Counter(map(self.segments.__getitem__, self.segment[handles].tolist()))
+        # Counted in NumPy, a few segments: no Python object per message.
+        numbers, counts = np.unique(self.segment[handles], return_counts=True)
+        released = Counter(
+            {self.segments[n]: c for n, c in zip(numbers.tolist(), counts.tolist(), strict=True)}
+        )
         for seg, count in released.items():
             self._moved_out(seg.number, count)
-        self._free.extend(handles.tolist())
+        self._free.frombytes(handles.astype(np.int64).tobytes())
         return released, missing
 
     def move(self, handle: int, segment: Segment, position: int) -> None:
