@@ -115,6 +115,77 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
     assert [e.seq for e in again.events] == list(range(1, n + 1)) and runs[-1] == n
 
 
+KINDS = ("pending", "leased", "settled", "delayed", "again")
+# What each of 40 messages is before a lease (pending, leased by another consumer,
+# settled, delayed by a nack, or nacked and pending again); the lease picks those
+# available, and one more that spoils it (or none), at a place among them.
+histories = st.tuples(
+    st.lists(st.sampled_from(KINDS), min_size=40, max_size=40),
+    st.sampled_from(["none", "leased", "settled", "delayed", "theirs", "twice"]),
+    st.integers(0, 40),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(histories)
+def test_a_lease_granted_whole_leaves_what_granting_each_pick_leaves(history) -> None:
+    """The bulk grant (`_grant_all`) takes a lease only when every pick is available,
+    and otherwise changes nothing for the one-at-a-time grant: either way ends in the
+    same state."""
+    kinds, spoiler, at = history
+    fast, slow = (TopicState(buckets=2, max_deliveries=5) for _ in range(2))
+    for s in (fast, slow):
+        s.touch("c", 0)
+        s.touch("other", 0)
+        for i, kind in enumerate(kinds):
+            if kind == "settled":
+                s.cancel(0, f"m{i}", 1, i)
+            elif kind != "pending":
+                s.lease("other", 0, 1000, [(f"m{i}", 1, i)], lid=100 + i)
+                if kind != "leased":
+                    s.nack("other", 1, [f"m{i}"], delay_ms=50 if kind == "delayed" else 0)
+    assert fast.buckets_of("c") == [0] and fast.buckets_of("other") == [1]
+    picks = [(f"m{i}", 0, i) for i, k in enumerate(kinds) if k in ("pending", "again")]
+    if spoiler == "twice" and picks:
+        picks.insert(at % len(picks), picks[at % len(picks)])
+    elif spoiler == "theirs" and picks:
+        picks[at % len(picks)] = (picks[at % len(picks)][0], 1, 0)
+    elif spoiler in kinds:
+        spoilt = [(f"m{i}", 0, i) for i, k in enumerate(kinds) if k == spoiler]
+        picks[at % (len(picks) + 1) : at % (len(picks) + 1)] = spoilt[:1]
+    spoilt = spoiler != "none" and picks != [
+        (f"m{i}", 0, i) for i, k in enumerate(kinds) if k in ("pending", "again")
+    ]
+    bulk: list = []
+    grant_all = fast._grant_all
+    fast._grant_all = lambda *a: bulk.append(grant_all(*a)) or bulk[-1]
+    slow._grant_all = lambda *a: None
+    records = [s.lease("c", 10, 100, picks, lid=500) for s in (fast, slow)]
+    columns = [(r.mids, r.buckets, r.sort_keys, r.deliveries, r.live) for r in records]
+    assert columns[0] == columns[1]
+    for field in ("deliveries", "not_before", "settled", "held", "totals"):
+        assert getattr(fast, field) == getattr(slow, field), field
+    assert fast.records.keys() == slow.records.keys()
+    assert {m: r.lid for m, r in fast.leases.items()} == {m: r.lid for m, r in slow.leases.items()}
+    if len(picks) >= BULK_MIN:
+        assert (bulk[-1] is None) == spoilt, "granted whole exactly when all are available"
+
+
+def test_a_lease_of_available_picks_is_granted_whole() -> None:
+    s = TopicState(buckets=1, max_deliveries=5)
+    picks = [(f"m{i}", 0, i) for i in range(BULK_MIN)]
+    s.touch("c", 0)
+    s.lease("c", 0, 100, picks[:1], lid=1)
+    s.nack("c", 1, ["m0"])
+    calls: list = []
+    grant_all = s._grant_all
+    s._grant_all = lambda *a: calls.append(grant_all(*a)) or calls[-1]
+    record = s.lease("c", 2, 100, picks, lid=2)
+    assert calls[0] is not None and record.mids == [m for m, _, _ in picks]
+    assert record.deliveries == [2] + [1] * (BULK_MIN - 1) and s.totals["redelivered"] == 1
+    assert s.held == {0: {"c": BULK_MIN}} and not s.deliveries
+
+
 def test_extend_by_receipt_moves_only_the_messages_named() -> None:
     s = TopicState(buckets=1, max_deliveries=5)
     named = receipts(lease(s, "c", ["a", "b"], now=0, ms=100))
