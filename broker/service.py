@@ -18,7 +18,7 @@ from typing import Any
 
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, TopicState
+from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, TopicState, consecutive
 from dejaq.broker.state.raft import NotCommitted, RaftNode
 from dejaq.broker.state.settlements import Entry, seqs, settlements
 from dejaq.broker.storage import message_json
@@ -674,10 +674,10 @@ def _sort_key(
 Named = list[str] | list[int]  # message ids, or the receipts of their leases
 
 
-def _named(ids: Named, receipts: bool) -> tuple[list[str], list[int] | None]:
+def _named(ids: Named, receipts: bool) -> tuple[list[str], list[int] | range | None]:
     """A settling command's (ids, receipts) arguments: the ids it names, or none and
     the receipts. Commands from before receipts carried ids alone."""
-    return ([], ids) if receipts else (ids, None)  # type: ignore[return-value]
+    return ([], consecutive(ids)) if receipts else (ids, None)  # type: ignore[arg-type]
 
 
 def _backoff(cfg: TopicConfig) -> RetryBackoff | None:

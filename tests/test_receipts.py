@@ -21,6 +21,7 @@ from dejaq.broker.state.leases import (
     LeaseRecord,
     Refusal,
     TopicState,
+    consecutive,
 )
 from dejaq.broker.state.raft import BrokerState
 
@@ -113,6 +114,26 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
     assert again.ack("c", 1, [], [whole.receipt(p) for p in range(n)]) == {}
     assert again.ending == deque([(n, 1)]) and again.held == {0: {}, 1: {}}
     assert [e.seq for e in again.events] == list(range(1, n + 1)) and runs[-1] == n
+
+
+def test_a_whole_lease_s_receipts_travel_as_a_range_and_settle_as_the_list() -> None:
+    """The leader sends a worker's consecutive receipts as a range (two ints in the
+    Raft command); every node settles it as the list, in bulk or one at a time."""
+    n = BULK_MIN + 3
+    whole = [1 << POSITION_BITS | p for p in range(n)]
+    assert consecutive(whole) == range(whole[0], whole[-1] + 1)
+    assert type(consecutive([*whole[:-1], whole[0]])) is list, "named twice: as it is"
+    assert type(consecutive(whole[: BULK_MIN - 1])) is list, "short: as it is"
+    states = [TopicState(buckets=1, max_deliveries=5) for _ in range(2)]
+    for s in states:
+        s.touch("c", 0)
+        s.lease("c", 0, 100, [(f"m{i}", 0, i) for i in range(n)], lid=1)
+    by_range, by_list = states
+    assert by_range.ack("c", 1, [], consecutive(whole[2:])) == by_list.ack("c", 1, [], whole[2:])
+    assert by_range.events == by_list.events and len(by_range.events.entries) == 1, "in bulk"
+    spread = range(whole[0], whole[0] + 2 * n)  # into positions no lease granted
+    assert by_range.ack("c", 2, [], spread) == by_list.ack("c", 2, [], list(spread))
+    assert by_range.settled == by_list.settled and by_range.events == by_list.events
 
 
 KINDS = ("pending", "leased", "settled", "delayed", "again")

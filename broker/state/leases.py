@@ -607,7 +607,8 @@ class TopicState:
         start, n = first & POSITION_MASK, len(receipts)
         if start + n > len(record.mids) or record.ended[start : start + n] != bytes(n):
             return None
-        return record if receipts == list(range(first, first + n)) else None
+        span = range(first, first + n)  # a range if the leader sent one (`consecutive`)
+        return record if receipts == (span if type(receipts) is range else list(span)) else None
 
     def _ack_run(self, record: LeaseRecord, start: int, n: int, now: int) -> None:
         """Ack positions start..start+n of `record`, all leased: `ack`'s loop as C-level
@@ -887,6 +888,17 @@ class TopicState:
                 settled.pop(mid, None)
                 mids.append(mid)
         return mids
+
+
+def consecutive(receipts: list[int]) -> list[int] | range:
+    """Receipts as a Raft command carries them: a whole lease's, in order (a worker
+    acking its batch), as a range, two ints instead of one per message; others as
+    they are. Every transition taking receipts reads a range as the list it stands for.
+    """
+    if len(receipts) < BULK_MIN:
+        return receipts
+    span = range(receipts[0], receipts[0] + len(receipts))
+    return span if receipts == list(span) else receipts
 
 
 def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
