@@ -11,6 +11,7 @@ import importlib
 import itertools
 import json
 import pickle
+import random
 import threading
 import time
 import tracemalloc
@@ -1108,6 +1109,66 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     for bucket in range(4):
         keys = [p[2] for p in again if p[1] == bucket]
         assert keys == sorted(keys), "in order within each bucket"
+    index.close()
+
+
+def test_heads_read_through_gaps_are_the_heads_read_apart(tmp_path: Path) -> None:
+    """A compaction reads heads through the gaps between them (`COMPACT_SPAN`), in
+    `pread`s capped at 1 MB each: whatever the span, each token gets its own row's head,
+    in the order asked, over a segment several times the cap."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([i % 500 for i in range(30_000)]))
+    index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
+    index.load()
+    store = index.store
+    assert index.heads.disk_bytes() > 3 << 20, "a run through it all would pass the cap"
+    tokens = store.token[store.stored()].tolist()
+    rng = random.Random(7)
+    for n in (1, 50, 5_000, len(tokens)):
+        wanted = rng.sample(tokens, n)
+        apart = store.heads(wanted, 0)
+        assert len(apart) == n
+        for span in (head_store.SPAN_PER_HEAD, head_store.COMPACT_SPAN, 1 << 30):
+            assert store.heads(wanted, span) == apart, (n, span)
+    index.close()
+
+
+def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compaction copies heads outside the index's lock: a message forgotten meanwhile
+    (the event loop settled it) is not moved, its new copy counts as unused, and once
+    the rest are forgotten too no segment but the current one is left."""
+    monkeypatch.setattr(head_store, "SEGMENT_BYTES", 4096)
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([i % 50 for i in range(400)]))
+    index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
+    index.load()
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    keep = sorted(f"m{i}" for i in range(0, 400, 25))
+    gone, stay = keep[::2], keep[1::2]
+    picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
+    granted = grants(state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]))
+    index.release(state, picks)
+    assert state.ack("c", 1, [g[0] for g in granted]) == {}
+    index.forget(state.trim(state.seq))
+    write = index.heads.write
+
+    def write_while_settling(heads: list[str]) -> tuple:
+        written = write(heads)
+        if gone[0] in index.rows:
+            index.forget(gone)
+        return written
+
+    monkeypatch.setattr(index.heads, "write", write_while_settling)
+    moved = index.compact_heads()
+    assert 0 < moved <= len(stay) and gone[0] not in index.rows, moved
+    again = index.pick(state, state.buckets_of("c"), 1000, now=2)
+    assert sorted(p[0] for p in again) == stay, "the rest lease, each once"
+    index.forget(stay)
+    assert index.heads.segments == {index.heads.current}, "every other segment freed"
+    assert index.store.segments == {}, "no row names a segment"
     index.close()
 
 

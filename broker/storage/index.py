@@ -655,27 +655,21 @@ class TopicIndex:
             h = tokens & HANDLE_MASK
             tokens = tokens[np.argsort(store.bucket[h], kind="stable")]
             h = tokens & HANDLE_MASK
-            old = list(map(store.segments.__getitem__, store.segment[h].tolist()))
-            heads = [head for _, head in store.heads(tokens.tolist())]
-        if orphans := sparse.difference(old):
+            held = {store.segments[n] for n in np.unique(store.segment[h]).tolist()}
+            heads = [head for _, head in store.heads(tokens.tolist(), head_store.COMPACT_SPAN)]
+        if orphans := sparse.difference(held):
             log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
             self.heads.release({s: s.live for s in orphans})
         if not heads:
             return 0
         new, first = self.heads.write([head.decode("ascii") for head in heads])
         del heads
-        unused: Counter[Segment] = Counter()
-        moved = 0
         with self.lock:
-            for i, (token, handle, segment) in enumerate(
-                zip(tokens.tolist(), h.tolist(), old, strict=True)
-            ):
-                if store.token[handle] != token:
-                    unused[new] += 1  # settled meanwhile
-                    continue
-                store.move(handle, new, first + i)
-                unused[segment] += 1
-                moved += 1
+            still = current(store.token, tokens)  # not settled and forgotten meanwhile
+            unused = store.move(h[still], new, first + np.flatnonzero(still))
+        moved = int(np.count_nonzero(still))
+        if moved < len(still):
+            unused[new] += len(still) - moved
         self.heads.release(unused)
         return moved
 

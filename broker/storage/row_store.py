@@ -154,22 +154,32 @@ class RowStore:
         handles = handles[hit][first]
         self.table.delete(slots)
         self.token[handles] = 0
-        # Counted in NumPy, a few segments: no Python object per message.
-        numbers, counts = np.unique(self.segment[handles], return_counts=True)
-        released = Counter(
-            {self.segments[n]: c for n, c in zip(numbers.tolist(), counts.tolist(), strict=True)}
-        )
-        for seg, count in released.items():
-            self._moved_out(seg.number, count)
+        released = self._leave(handles)
         self._free.frombytes(handles.astype(np.int64).tobytes())
         return released, missing
 
-    def move(self, handle: int, segment: Segment, position: int) -> None:
-        """A stored row's head, copied to `segment` at `position`."""
-        self._moved_out(int(self.segment[handle]), 1)
-        self.segment[handle] = segment.number
-        self.position[handle] = position
-        self._moved_in(segment, 1)
+    def move(
+        self, handles: np.ndarray, segment: Segment, positions: np.ndarray
+    ) -> Counter[Segment]:
+        """Stored rows' heads, copied to `segment` at `positions`. Returns the segments
+        the rows left, by rows, for the caller to release their heads there."""
+        left = self._leave(handles)
+        self.segment[handles] = segment.number
+        self.position[handles] = positions
+        if len(handles):
+            self._moved_in(segment, len(handles))
+        return left
+
+    def _leave(self, handles: np.ndarray) -> Counter[Segment]:
+        """The segments `handles`' rows name, by rows, which no longer count them.
+        Counted in NumPy, a few segments: no Python object per message."""
+        numbers, counts = np.unique(self.segment[handles], return_counts=True)
+        left = Counter(
+            {self.segments[n]: c for n, c in zip(numbers.tolist(), counts.tolist(), strict=True)}
+        )
+        for seg, count in left.items():
+            self._moved_out(seg.number, count)
+        return left
 
     def _moved_in(self, segment: Segment, count: int) -> None:
         """`count` more rows name `segment`."""
@@ -240,14 +250,13 @@ class RowStore:
             int(self.ingested_at[h]) * 1000,
         )
 
-    def heads(self, tokens: list[int]) -> list[tuple[int, bytes]]:
+    def heads(self, tokens: list[int], span: int = SPAN_PER_HEAD) -> list[tuple[int, bytes]]:
         """The row sort key and head of each token's row, in order (`dejaq_core.read_heads`:
-        a `pread` per run of nearby heads, and no Python object but the heads).
+        a `pread` per run of heads at most `span` apart, and no Python object but the
+        heads).
 
         The caller holds the index's lock: the rows stay, so their segments stay open."""
-        return read_heads(
-            tokens, self.sort_key, self.segment, self.position, self.segments, SPAN_PER_HEAD
-        )
+        return read_heads(tokens, self.sort_key, self.segment, self.position, self.segments, span)
 
     def order(self, tokens: np.ndarray) -> np.ndarray:
         """`tokens` sorted as their rows are ordered: (sort key, partition, offset), the

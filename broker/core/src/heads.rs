@@ -59,8 +59,15 @@ pub fn read_heads<'py>(
         // A segment's file stays open while a row names it; the caller holds the lock
         // that keeps it so. Borrowed, never closed here.
         let file = ManuallyDrop::new(unsafe { File::from_raw_fd(fd) });
-        for run in group.chunk_by(|a, b| b.1 - a.1 <= span) {
-            read_run(py, &file, ends, run, &mut heads)?;
+        let mut first = 0;
+        for k in 1..=group.len() {
+            let split = k == group.len()
+                || group[k].1 - group[k - 1].1 > span
+                || extent(ends, group[first].1, group[k].1)? > RUN_BYTES_MAX;
+            if split {
+                read_run(py, &file, ends, &group[first..k], &mut heads)?;
+                first = k;
+            }
         }
     }
     Ok(row_keys
@@ -68,6 +75,21 @@ pub fn read_heads<'py>(
         .zip(heads)
         .map(|(key, head)| (key, head.expect("every wanted head is read")))
         .collect())
+}
+
+/// The most bytes one `pread` takes: a wide `span` (a compaction's) reads through many
+/// unwanted heads, and a run as long as a segment would be a buffer as large.
+const RUN_BYTES_MAX: usize = 1 << 20;
+
+/// The bytes from head `first`'s start to head `last`'s end.
+fn extent(ends: &[ReadOnlyCell<u32>], first: usize, last: usize) -> PyResult<usize> {
+    let at = |pos: usize| -> PyResult<usize> {
+        ends.get(pos)
+            .map(|e| e.get() as usize)
+            .ok_or_else(|| PyIndexError::new_err(format!("no head at position {pos}")))
+    };
+    let start = if first == 0 { 0 } else { at(first - 1)? };
+    Ok(at(last)?.saturating_sub(start))
 }
 
 /// One range of a segment, first to last wanted position: read, and each wanted head
