@@ -16,7 +16,7 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -1133,13 +1133,33 @@ def test_heads_read_through_gaps_are_the_heads_read_apart(tmp_path: Path) -> Non
     index.close()
 
 
+class _SettleAfter:
+    """The index's lock, which runs `then` once after its `n`th release: the event loop
+    settling messages between two of a compaction's holds of the lock."""
+
+    def __init__(self, lock: threading.Lock, n: int, then: Callable[[], None]) -> None:
+        self.lock, self.left, self.then = lock, n, then
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.lock.release()
+        self.left -= 1
+        if self.left == 0:
+            self.then()
+
+
+@pytest.mark.parametrize("when", ["between reads", "during the write"])
 def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, when: str
 ) -> None:
-    """Compaction copies heads outside the index's lock: a message forgotten meanwhile
-    (the event loop settled it) is not moved, its new copy counts as unused, and once
-    the rest are forgotten too no segment but the current one is left."""
+    """Compaction reads heads a slice per hold of the index's lock and writes them with
+    the lock free: a message forgotten meanwhile (the event loop settled it) is not
+    read or not moved, a copy written counts as unused, and once the rest are
+    forgotten too no segment but the current one is left."""
     monkeypatch.setattr(head_store, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(index_module, "COMPACT_READ", 1)
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows([i % 50 for i in range(400)]))
     index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
@@ -1147,23 +1167,42 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
     state = TopicState(4, 5)
     state.touch("c", 0)
     keep = sorted(f"m{i}" for i in range(0, 400, 25))
-    gone, stay = keep[::2], keep[1::2]
+    gone = keep[::2]
     picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
     granted = grants(state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]))
     index.release(state, picks)
     assert state.ack("c", 1, [g[0] for g in granted]) == {}
     index.forget(state.trim(state.seq))
-    write = index.heads.write
+    if when == "between reads":
+        # After the first read, every message not read yet settles: their segments are
+        # freed, and a read of one of them would fail.
+        read: list[int] = []
+        heads_of = index.store.heads
 
-    def write_while_settling(heads: list[str]) -> tuple:
-        written = write(heads)
-        if gone[0] in index.rows:
+        def reading(tokens: list[int], span: int) -> list:
+            read.extend(tokens)
+            return heads_of(tokens, span)
+
+        def settle_the_rest() -> None:
+            gone[:] = [m for m in keep if index.rows[m] not in read]
             index.forget(gone)
-        return written
 
-    monkeypatch.setattr(index.heads, "write", write_while_settling)
+        monkeypatch.setattr(index.store, "heads", reading)
+        # Its holds of the lock: the segments, the order, then a read each.
+        monkeypatch.setattr(index, "lock", _SettleAfter(index.lock, 3, settle_the_rest))
+    else:
+        write = index.heads.write
+
+        def write_while_settling(heads: list[str]) -> tuple:
+            written = write(heads)
+            index.forget(gone)
+            return written
+
+        monkeypatch.setattr(index.heads, "write", write_while_settling)
     moved = index.compact_heads()
+    stay = [m for m in keep if m not in gone]
     assert 0 < moved <= len(stay) and gone[0] not in index.rows, moved
+    monkeypatch.undo()
     again = index.pick(state, state.buckets_of("c"), 1000, now=2)
     assert sorted(p[0] for p in again) == stay, "the rest lease, each once"
     index.forget(stay)

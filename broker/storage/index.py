@@ -78,6 +78,7 @@ _ORDER_COLUMNS = [c for c, _ in _ORDER]
 _ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
+COMPACT_READ = 2048  # heads a compaction reads per hold of the index lock
 NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
@@ -648,21 +649,21 @@ class TopicIndex:
         # Freed handles keep their last segment's number: the tokens below drop them.
         handles = np.flatnonzero(np.isin(numbers, [s.number for s in sparse]))
         del numbers
-        with self.lock:  # still indexed, so their segments are still open
+        with self.lock:
             tokens = store.token[handles]
             tokens = store.order(tokens[tokens != 0])
             # A bucket's in its sort order, as a first write.
             h = tokens & HANDLE_MASK
             tokens = tokens[np.argsort(store.bucket[h], kind="stable")]
-            h = tokens & HANDLE_MASK
             held = {store.segments[n] for n in np.unique(store.segment[h]).tolist()}
-            heads = [head for _, head in store.heads(tokens.tolist(), head_store.COMPACT_SPAN)]
         if orphans := sparse.difference(held):
             log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
             self.heads.release({s: s.live for s in orphans})
+        tokens, heads = self._read_heads(tokens)
         if not heads:
             return 0
-        new, first = self.heads.write([head.decode("ascii") for head in heads])
+        h = tokens & HANDLE_MASK
+        new, first = self.heads.write(heads)
         del heads
         with self.lock:
             still = current(store.token, tokens)  # not settled and forgotten meanwhile
@@ -672,6 +673,21 @@ class TopicIndex:
             unused[new] += len(still) - moved
         self.heads.release(unused)
         return moved
+
+    def _read_heads(self, tokens: np.ndarray) -> tuple[np.ndarray, list[str]]:
+        """The heads of `tokens` still indexed, and those tokens: read COMPACT_READ at a
+        time under the lock, which keeps their segments open. A lease waits for the lock,
+        and with it the event loop and Raft's heartbeats: ~100,000 heads held it for a
+        few hundred ms."""
+        kept, heads = [], []
+        for start in range(0, len(tokens), COMPACT_READ):
+            with self.lock:
+                part = tokens[start : start + COMPACT_READ]
+                part = part[current(self.store.token, part)]  # not settled meanwhile
+                read = self.store.heads(part.tolist(), head_store.COMPACT_SPAN)
+            kept.append(part)
+            heads += [head.decode("ascii") for _, head in read]
+        return np.concatenate(kept) if kept else tokens, heads
 
     def narrow_ids(self) -> None:
         """Narrow the id column once the longest ids in it are gone (`IdTable.narrow`).
