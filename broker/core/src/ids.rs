@@ -70,27 +70,52 @@ pub fn find_slots<'py>(
         ));
     }
     let mask = table.len() - 1;
-    let mut found: Vec<u8> = Vec::new();
-    for mid in mids.try_iter()? {
-        let mid = mid?;
-        let raw = mid.downcast::<PyString>()?.to_str()?.as_bytes();
-        let slot = if raw.len() > WIDEST || raw.last() == Some(&0) {
-            ASK
-        } else if raw.len() > width {
-            -1
-        } else {
-            let mut i = (hash(raw, width, seed) as usize) & mask;
-            let mut probes = 0;
-            loop {
-                let s = table[i].get();
-                probes += 1;
-                if s == EMPTY || probes > table.len() {
-                    break -1;
+    let strs = mids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    let mut raws = Vec::with_capacity(strs.len());
+    for mid in &strs {
+        raws.push(mid.downcast::<PyString>()?.to_str()?.as_bytes());
+    }
+    // Each id's first slot, where the walk starts (None: not looked up here). A table of
+    // a million ids misses the cache at almost every probe: the first slots, and the
+    // column at their handles, are read in passes of independent loads first, so the
+    // CPU overlaps those misses instead of waiting each one out in turn.
+    let starts: Vec<Option<usize>> = raws
+        .iter()
+        .map(|raw| {
+            (raw.len() <= width && raw.len() <= WIDEST && raw.last() != Some(&0))
+                .then(|| (hash(raw, width, seed) as usize) & mask)
+        })
+        .collect();
+    let firsts: Vec<i32> = starts
+        .iter()
+        .map(|start| start.map_or(EMPTY, |i| table[i].get()))
+        .collect();
+    let mut touched = 0u8;
+    for &s in &firsts {
+        if let Some(byte) = column.get((s.max(1) - 1) as usize * width) {
+            touched ^= byte.get();
+        }
+    }
+    std::hint::black_box(touched);
+    let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
+    for (raw, start) in raws.iter().zip(&starts) {
+        let slot = match start {
+            None if raw.len() > WIDEST || raw.last() == Some(&0) => ASK,
+            None => -1,
+            Some(start) => {
+                let mut i = *start;
+                let mut probes = 0;
+                loop {
+                    let s = table[i].get();
+                    probes += 1;
+                    if s == EMPTY || probes > table.len() {
+                        break -1;
+                    }
+                    if s > 0 && holds(column, (s - 1) as usize, width, raw) {
+                        break i as i64;
+                    }
+                    i = (i + 1) & mask;
                 }
-                if s > 0 && holds(column, (s - 1) as usize, width, raw) {
-                    break i as i64;
-                }
-                i = (i + 1) & mask;
             }
         };
         found.extend_from_slice(&slot.to_ne_bytes());
