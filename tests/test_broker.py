@@ -1076,11 +1076,11 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     assert in_log_at_apply == {"a": 2, "b": 1}
 
 
-def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_before(
+def _mostly_settled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A few long-pending messages do not keep whole segments of settled ones on disk:
-    their heads move, and they lease in order with the same JSON as before."""
+) -> tuple[TopicIndex, TopicState, list[str]]:
+    """An index of 400 messages in segments of ~20 heads, all but every 25th leased,
+    acked and forgotten: mostly settled segments, kept by the few left (returned)."""
     monkeypatch.setattr(head_store, "SEGMENT_BYTES", 4096)
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows([i % 50 for i in range(400)]))
@@ -1088,13 +1088,22 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     index.load()
     state = TopicState(4, 5)
     state.touch("c", 0)
-    keep = {f"m{i}" for i in range(0, 400, 25)}
-    before = {mid: index.head(mid) for mid in keep}
+    keep = sorted(f"m{i}" for i in range(0, 400, 25))
     picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
     granted = grants(state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]))
     index.release(state, picks)
     assert state.ack("c", 1, [g[0] for g in granted]) == {}
     index.forget(state.trim(state.seq))
+    return index, state, keep
+
+
+def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_before(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A few long-pending messages do not keep whole segments of settled ones on disk:
+    their heads move, and they lease in order with the same JSON as before."""
+    index, state, keep = _mostly_settled(tmp_path, monkeypatch)
+    before = {mid: index.head(mid) for mid in keep}
     assert index.heads.sparse(), "mostly settled segments, kept by a few messages"
     disk = index.heads.disk_bytes()
     # The segment that was current is compacted once the moved heads have filled another.
@@ -1158,21 +1167,9 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
     the lock free: a message forgotten meanwhile (the event loop settled it) is not
     read or not moved, a copy written counts as unused, and once the rest are
     forgotten too no segment but the current one is left."""
-    monkeypatch.setattr(head_store, "SEGMENT_BYTES", 4096)
     monkeypatch.setattr(index_module, "COMPACT_READ", 1)
-    warehouse = str(tmp_path / "wh")
-    fill(warehouse, "jobs", buffer_rows([i % 50 for i in range(400)]))
-    index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
-    index.load()
-    state = TopicState(4, 5)
-    state.touch("c", 0)
-    keep = sorted(f"m{i}" for i in range(0, 400, 25))
+    index, state, keep = _mostly_settled(tmp_path, monkeypatch)
     gone = keep[::2]
-    picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
-    granted = grants(state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]))
-    index.release(state, picks)
-    assert state.ack("c", 1, [g[0] for g in granted]) == {}
-    index.forget(state.trim(state.seq))
     if when == "between reads":
         # After the first read, every message not read yet settles: their segments are
         # freed, and a read of one of them would fail.
