@@ -677,8 +677,8 @@ class TopicIndex:
     def _read_heads(self, tokens: np.ndarray) -> tuple[np.ndarray, list[str]]:
         """The heads of `tokens` still indexed, and those tokens: read COMPACT_READ at a
         time under the lock, which keeps their segments open. A lease waits for the lock,
-        and with it the event loop and Raft's heartbeats: ~100,000 heads held it for a
-        few hundred ms."""
+        and with it the event loop and Raft's heartbeats: ~100,000 heads read in one hold
+        would keep it a few hundred ms."""
         kept, heads = [], []
         for start in range(0, len(tokens), COMPACT_READ):
             with self.lock:

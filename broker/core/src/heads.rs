@@ -81,15 +81,25 @@ pub fn read_heads<'py>(
 /// unwanted heads, and a run as long as a segment would be a buffer as large.
 const RUN_BYTES_MAX: usize = 1 << 20;
 
+/// Where head `pos` ends, its separator included.
+fn end_of(ends: &[ReadOnlyCell<u32>], pos: usize) -> PyResult<usize> {
+    ends.get(pos)
+        .map(|e| e.get() as usize)
+        .ok_or_else(|| PyIndexError::new_err(format!("no head at position {pos}")))
+}
+
+/// Where head `pos` starts: where the one before it ends.
+fn start_of(ends: &[ReadOnlyCell<u32>], pos: usize) -> PyResult<usize> {
+    if pos == 0 {
+        Ok(0)
+    } else {
+        end_of(ends, pos - 1)
+    }
+}
+
 /// The bytes from head `first`'s start to head `last`'s end.
 fn extent(ends: &[ReadOnlyCell<u32>], first: usize, last: usize) -> PyResult<usize> {
-    let at = |pos: usize| -> PyResult<usize> {
-        ends.get(pos)
-            .map(|e| e.get() as usize)
-            .ok_or_else(|| PyIndexError::new_err(format!("no head at position {pos}")))
-    };
-    let start = if first == 0 { 0 } else { at(first - 1)? };
-    Ok(at(last)?.saturating_sub(start))
+    Ok(end_of(ends, last)?.saturating_sub(start_of(ends, first)?))
 }
 
 /// One range of a segment, first to last wanted position: read, and each wanted head
@@ -101,21 +111,9 @@ fn read_run<'py>(
     run: &[(i32, usize, usize)],
     heads: &mut [Option<Bound<'py, PyBytes>>],
 ) -> PyResult<()> {
-    let end_of = |pos: usize| -> PyResult<usize> {
-        ends.get(pos)
-            .map(|e| e.get() as usize)
-            .ok_or_else(|| PyIndexError::new_err(format!("no head at position {pos}")))
-    };
-    let start_of = |pos: usize| -> PyResult<usize> {
-        if pos == 0 {
-            Ok(0)
-        } else {
-            end_of(pos - 1)
-        }
-    };
     let (first, last) = (run[0].1, run[run.len() - 1].1);
-    let start = start_of(first)?;
-    let end = end_of(last)?;
+    let start = start_of(ends, first)?;
+    let end = end_of(ends, last)?;
     if end < start {
         return Err(PyValueError::new_err(format!(
             "the ends are out of order at {last}"
@@ -125,8 +123,8 @@ fn read_run<'py>(
     file.read_exact_at(&mut data, start as u64)?;
     for &(_, pos, i) in run {
         let (from, to) = (
-            start_of(pos)?.checked_sub(start),
-            end_of(pos)?.checked_sub(start),
+            start_of(ends, pos)?.checked_sub(start),
+            end_of(ends, pos)?.checked_sub(start),
         );
         let head = from
             .zip(to)

@@ -75,15 +75,20 @@ pub fn find_slots<'py>(
     for mid in &strs {
         raws.push(mid.downcast::<PyString>()?.to_str()?.as_bytes());
     }
-    // Each id's first slot, where the walk starts (None: not looked up here). A table of
-    // a million ids misses the cache at almost every probe: the first slots, and the
-    // column at their handles, are read in passes of independent loads first, so the
-    // CPU overlaps those misses instead of waiting each one out in turn.
-    let starts: Vec<Option<usize>> = raws
+    // Each id's first slot, where the walk starts, or its answer if it is not looked up
+    // here. A table of a million ids misses the cache at almost every probe: the first
+    // slots, and the column at their handles, are read in passes of independent loads
+    // first, so the CPU overlaps those misses instead of waiting each one out in turn.
+    let starts: Vec<Result<usize, i64>> = raws
         .iter()
         .map(|raw| {
-            (raw.len() <= width && raw.len() <= WIDEST && raw.last() != Some(&0))
-                .then(|| (hash(raw, width, seed) as usize) & mask)
+            if raw.len() > WIDEST || raw.last() == Some(&0) {
+                Err(ASK)
+            } else if raw.len() > width {
+                Err(-1)
+            } else {
+                Ok((hash(raw, width, seed) as usize) & mask)
+            }
         })
         .collect();
     let firsts: Vec<i32> = starts
@@ -99,11 +104,10 @@ pub fn find_slots<'py>(
     std::hint::black_box(touched);
     let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     for (raw, start) in raws.iter().zip(&starts) {
-        let slot = match start {
-            None if raw.len() > WIDEST || raw.last() == Some(&0) => ASK,
-            None => -1,
-            Some(start) => {
-                let mut i = *start;
+        let slot = match *start {
+            Err(answer) => answer,
+            Ok(start) => {
+                let mut i = start;
                 let mut probes = 0;
                 loop {
                     let s = table[i].get();
