@@ -433,6 +433,30 @@ def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
     assert len(index.rows) == 0 and store.segments == {}, "every segment released"
 
 
+def test_an_id_forgotten_twice_in_one_trim_frees_its_handle_and_head_once(tmp_path: Path) -> None:
+    """A trim can name a message twice (and one this node has no row for): its handle is
+    freed once, so no later row shares it, and its head's segment counts it once, so the
+    segment is not released while other rows' heads are in it."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows(list(range(40))))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    store = index.store
+    index.forget(["m1", "m1", "m2", "nowhere", "m2", "m3", "m1"])
+    assert len(store._free) == 3 and len(set(store._free)) == 3, "each handle freed once"
+    assert len(index.rows) == 37 and index.forgotten == {"nowhere"}
+    assert sum(store._rows_in.values()) == 37, "each head left its segment once"
+    fill(warehouse, "jobs", buffer_rows(list(range(100, 103)), prefix="n"))
+    index.refresh()
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    taken: list = []
+    picks = index.pick(state, state.buckets_of("c"), 100, 0, taken)
+    expected = {f"m{i}" for i in range(40)} - {"m1", "m2", "m3"} | {"n0", "n1", "n2"}
+    assert sorted(p[0] for p in picks) == sorted(expected)
+    assert [json.loads(h + b"}")["id"] for _, h in taken] == [p[0] for p in picks]
+
+
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

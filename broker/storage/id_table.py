@@ -17,7 +17,8 @@ many ids in one vectorised pass and seeded per process, so ids cannot be chosen 
 collide: the table is a node's own, rebuilt from its handles at start.
 
 Linear probing. Look-ups run in the compiled core (`dejaq_core.find_slots`), which
-hashes and probes each id as it reads it, with no array or bytes object per id; where
+hashes and probes each id as it reads it, with no array or bytes object per id, and so
+do inserts and rebuilds (`dejaq_core.place_slots`); where
 the table holds ids as digests, many ids walk their chains in vectorised steps, a slot
 a step, until fewer than FEW are left, which are probed one at a time. Deleted slots
 are reused only by a rebuild, when used slots would pass three quarters, into a table
@@ -33,7 +34,7 @@ import struct
 from contextlib import AbstractContextManager
 
 import numpy as np
-from dejaq_core import find_slots
+from dejaq_core import find_slots, place_slots
 
 EMPTY = 0
 DELETED = -1
@@ -348,20 +349,10 @@ def _position(key: bytes, width: int) -> int:
 
 
 def _place(slots: np.ndarray, ids: np.ndarray, handles: np.ndarray) -> None:
-    """Each handle into the first empty slot from its id's position; of two handles
-    wanting one slot in a pass, the first takes it and the other walks on."""
-    mask = len(slots) - 1
-    pos = _positions(ids[handles]) & mask
-    todo = np.arange(len(handles))
-    while len(todo):
-        at = pos[todo]
-        free = np.flatnonzero(slots[at] == EMPTY)
-        taken, first = np.unique(at[free], return_index=True)
-        slots[taken] = handles[todo[free[first]]] + 1
-        go_on = np.ones(len(todo), bool)
-        go_on[free[first]] = False
-        todo = todo[go_on]
-        pos[todo] = (pos[todo] + 1) & mask
+    """Each handle into the first empty slot from its id's position, by the compiled
+    core, which hashes as `_positions` does."""
+    handles = np.ascontiguousarray(handles, np.int64)
+    place_slots(slots, ids.view(np.uint8), ids.dtype.itemsize, _SEED, handles)
 
 
 def _size_for(live: int) -> int:

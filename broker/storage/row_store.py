@@ -150,13 +150,24 @@ class RowStore:
         handles, slots = self.table.find(mids)
         hit = handles >= 0
         missing = [] if hit.all() else [m for m, h in zip(mids, hit.tolist(), strict=True) if not h]
-        slots, first = np.unique(slots[hit], return_index=True)  # an id named twice
-        handles = handles[hit][first]
+        handles, slots = handles[hit], slots[hit]
+        once = self._once(handles)
+        if not once.all():  # an id named twice
+            handles, slots = handles[once], slots[once]
         self.table.delete(slots)
         self.token[handles] = 0
         released = self._leave(handles)
         self._free.frombytes(handles.astype(np.int64).tobytes())
         return released, missing
+
+    def _once(self, handles: np.ndarray) -> np.ndarray:
+        """Which of `handles` (stored ones) to keep so that each is kept once: each
+        writes its place into the token column and keeps it if it reads its own back.
+        Scatters, not the sort of `np.unique`: a trim forgets tens of thousands at once.
+        The caller zeroes those tokens next, holding the lock."""
+        places = -1 - np.arange(len(handles))
+        self.token[handles] = places
+        return self.token[handles] == places
 
     def move(
         self, handles: np.ndarray, segment: Segment, positions: np.ndarray
@@ -173,9 +184,17 @@ class RowStore:
     def _leave(self, handles: np.ndarray) -> Counter[Segment]:
         """The segments `handles`' rows name, by rows, which no longer count them.
         Counted in NumPy, a few segments: no Python object per message."""
-        numbers, counts = np.unique(self.segment[handles], return_counts=True)
+        numbers = self.segment[handles]
+        if not len(numbers):
+            return Counter()
+        low = int(numbers.min())
+        counts = np.bincount(numbers - low)
+        named = np.flatnonzero(counts)
         left = Counter(
-            {self.segments[n]: c for n, c in zip(numbers.tolist(), counts.tolist(), strict=True)}
+            {
+                self.segments[low + n]: c
+                for n, c in zip(named.tolist(), counts[named].tolist(), strict=True)
+            }
         )
         for seg, count in left.items():
             self._moved_out(seg.number, count)

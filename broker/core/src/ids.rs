@@ -127,6 +127,73 @@ pub fn find_slots<'py>(
     Ok(PyBytes::new(py, &found))
 }
 
+/// Index `handles` (stored in the column: `width` bytes each) in `slots`: each into the
+/// first empty slot from its id's position, in order, as `find_slots` walks. Positions
+/// are computed for all first and their slots read in a pass of independent loads, as
+/// in `find_slots`; a table too full to take them all is an error (the caller sizes it).
+#[pyfunction]
+pub fn place_slots(
+    py: Python<'_>,
+    slots: PyBuffer<i32>,
+    ids: PyBuffer<u8>,
+    width: usize,
+    seed: u64,
+    handles: PyBuffer<i64>,
+) -> PyResult<()> {
+    let table = slots
+        .as_mut_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the id table is not writable and contiguous"))?;
+    let column = ids
+        .as_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the id column is not contiguous"))?;
+    let handles = handles
+        .as_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the handles are not contiguous"))?;
+    if table.is_empty()
+        || !table.len().is_power_of_two()
+        || width == 0
+        || width > WIDEST
+        || !width.is_multiple_of(8)
+    {
+        return Err(PyValueError::new_err(
+            "the table's size must be a power of two and the width a multiple of 8",
+        ));
+    }
+    let mask = table.len() - 1;
+    let mut starts = Vec::with_capacity(handles.len());
+    for h in handles {
+        let h = h.get();
+        let key = usize::try_from(h)
+            .ok()
+            .and_then(|h| column.get(h * width..(h + 1) * width))
+            .filter(|_| h < i64::from(i32::MAX))
+            .ok_or_else(|| PyValueError::new_err(format!("no handle {h} in the id column")))?;
+        let mut raw = [0u8; WIDEST];
+        for (to, from) in raw.iter_mut().zip(key) {
+            *to = from.get();
+        }
+        starts.push((hash(&raw[..width], width, seed) as usize) & mask);
+    }
+    let mut touched = 0i32;
+    for &i in &starts {
+        touched ^= table[i].get();
+    }
+    std::hint::black_box(touched);
+    for (h, &start) in handles.iter().zip(&starts) {
+        let mut i = start;
+        let mut probes = 0;
+        while table[i].get() != EMPTY {
+            probes += 1;
+            if probes >= table.len() {
+                return Err(PyValueError::new_err("the id table has no empty slot left"));
+            }
+            i = (i + 1) & mask;
+        }
+        table[i].set(h.get() as i32 + 1);
+    }
+    Ok(())
+}
+
 /// The id at handle `h`: from `long` if the column holds it as a digest, else the
 /// column's `width` bytes at `h`, without their NUL padding.
 pub(crate) fn id_of<'py>(

@@ -11,6 +11,7 @@ mod order;
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
     Ok(())
 }
