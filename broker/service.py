@@ -18,7 +18,14 @@ from typing import Any
 
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.state.leases import Dead, Refusal, RetryBackoff, TopicState, consecutive
+from dejaq.broker.state.leases import (
+    Dead,
+    Refusal,
+    RetryBackoff,
+    TopicState,
+    consecutive,
+    packed,
+)
 from dejaq.broker.state.raft import NotCommitted, RaftNode
 from dejaq.broker.state.settlements import Entry, seqs, settlements
 from dejaq.broker.storage import message_json
@@ -407,7 +414,7 @@ class Broker:
             if picks:
                 granted = None
                 try:
-                    args = (consumer, now, lease_ms, picks, rate, True)  # numbered
+                    args = (consumer, now, lease_ms, packed(picks), rate, True)  # numbered
                     granted = await self._commit(topic, "lease", *args)
                 finally:
                     if granted is None or len(granted) < len(picks):  # some to put back

@@ -22,6 +22,7 @@ from dejaq.broker.state.leases import (
     Refusal,
     TopicState,
     consecutive,
+    packed,
 )
 from dejaq.broker.state.raft import BrokerState
 
@@ -286,6 +287,47 @@ def test_nodes_whose_snapshots_predate_receipts_at_different_points_number_lease
         assert node.lids == new.lid == 1
         assert node._apply("t", "ack", ("c", 3, [], [new.receipt(0)])) == {}
         assert node.topics["t"].settled == {"m4": "acked"}
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    picks=st.lists(
+        st.tuples(
+            st.sampled_from([*MIDS, "ü" * 9, ""]),
+            st.integers(0, 3),
+            st.integers(-(2**63), 2**63 - 1),
+        ),
+        max_size=40,
+    ),
+    settled=st.sets(st.sampled_from(MIDS)),
+    rate=st.none() | st.floats(1, 50),
+)
+def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
+    picks: list[tuple[str, int, int]], settled: set[str], rate: float | None
+) -> None:
+    """A lease command carries its picks packed (`packed`); journals from before hold a
+    list of (id, bucket, sort key). Both grant the same messages with the same keys, on
+    the bulk path and the one-at-a-time one (settled, duplicate, foreign-bucket picks),
+    under a rate limit too."""
+    states = []
+    for form in (list, packed):
+        node = BrokerState([topic_conf("t", buckets=4)], 5, NoIndex())
+        s = node.topics["t"]
+        s.touch("other", 0)  # owns some buckets: their picks are not granted to "c"
+        for mid in sorted(settled):
+            s.cancel(0, mid, 0, 0)
+        record = node._apply("t", "lease", ("c", 1, 10_000, form(picks), rate, True))
+        states.append((record, s))
+    (a, sa), (b, sb) = states
+    assert (a.mids, a.buckets, a.sort_keys, a.deliveries) == (
+        b.mids,
+        b.buckets,
+        b.sort_keys,
+        b.deliveries,
+    )
+    assert sa.leases.keys() == sb.leases.keys() and sa.held == sb.held
+    assert set(a.mids).isdisjoint(settled)
+    assert all(isinstance(k, int) for k in a.sort_keys + a.buckets)
 
 
 def test_a_receipt_names_one_lease_in_the_whole_cluster() -> None:

@@ -8,6 +8,8 @@ the network. The pending messages themselves live in the node-local index
 
 from __future__ import annotations
 
+import sys
+from array import array
 from collections import Counter, deque
 from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
@@ -143,6 +145,11 @@ class LeaseRecord:
 _settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
+# A lease command's picks: their ids, and their buckets and sort keys as little-endian
+# uint16 and int64 bytes (`packed`). Three objects for Raft to pickle, and every node to
+# unpickle, where a list of `Pick`s is a tuple and three objects per message; commands
+# from before carry such a list, and `TopicState.lease` takes either.
+Picks = tuple[list[str], bytes, bytes]
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
 
@@ -284,11 +291,12 @@ class TopicState:
         consumer: str,
         now: int,
         lease_ms: int,
-        picks: list[Pick],
+        picks: Picks | list[Pick],
         rate: float | None = None,
         lid: int | None = None,
     ) -> LeaseRecord:
-        """Lease the leader's picks that are still available in the consumer's buckets;
+        """Lease the leader's picks (`Picks`, or a list of `Pick`s) that are still
+        available in the consumer's buckets;
         returns the lease's record (empty if nothing was granted), numbered `lid` (the
         cluster's lease count, `BrokerState`), or unnumbered for a command from before
         receipts.
@@ -305,13 +313,16 @@ class TopicState:
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
         if self.paused:
             return record
+        mids, buckets, keys = unpacked(picks)
         if rate is not None:
             self.tokens = self._tokens_at(now, rate)
             self.refilled_at = max(self.refilled_at, now)
-            picks = picks[: int(self.tokens)]
+            allowed = int(self.tokens)
+            mids, buckets, keys = mids[:allowed], buckets[:allowed], keys[:allowed]
         mine = set(self.buckets_of(consumer))
-        granted = self._grant_all(record, picks, mine) if len(picks) >= BULK_MIN else None
-        per_bucket, redelivered = granted or self._grant_each(record, picks, mine, now)
+        columns = (mids, buckets, keys)
+        granted = self._grant_all(record, *columns, mine) if len(mids) >= BULK_MIN else None
+        per_bucket, redelivered = granted or self._grant_each(record, *columns, mine, now)
         mids = record.mids
         if not mids:
             return record
@@ -332,12 +343,16 @@ class TopicState:
         return record
 
     def _grant_all(
-        self, record: LeaseRecord, picks: list[Pick], mine: set[int]
+        self,
+        record: LeaseRecord,
+        mids: list[str],
+        buckets: list[int],
+        keys: list[int],
+        mine: set[int],
     ) -> tuple[dict[int, int], int] | None:
         """Grant every pick into `record` if each is available (in `mine`, neither
         settled, delayed nor leased, named once): (leases per bucket, redeliveries).
         None, and nothing changed, if one is not: `_grant_each` then sorts them out."""
-        mids, buckets, keys = map(list, zip(*picks, strict=True))
         leases, not_before = self.leases, self.not_before
         if (
             not mine.issuperset(buckets)
@@ -366,7 +381,13 @@ class TopicState:
         return Counter(buckets), redelivered
 
     def _grant_each(
-        self, record: LeaseRecord, picks: list[Pick], mine: set[int], now: int
+        self,
+        record: LeaseRecord,
+        picks_mids: list[str],
+        picks_buckets: list[int],
+        picks_keys: list[int],
+        mine: set[int],
+        now: int,
     ) -> tuple[dict[int, int], int]:
         """Grant the picks still available into `record`, one at a time: a message
         leased, settled, delayed, out of the consumer's buckets, or picked twice is left
@@ -385,7 +406,7 @@ class TopicState:
         )
         per_bucket: dict[int, int] = {}
         redelivered = 0
-        for mid, bucket, sort_key in picks:
+        for mid, bucket, sort_key in zip(picks_mids, picks_buckets, picks_keys, strict=True):
             if bucket not in mine or mid in settled:
                 continue
             # A leased message has neither a delay nor a count outside its lease.
@@ -888,6 +909,29 @@ class TopicState:
                 settled.pop(mid, None)
                 mids.append(mid)
         return mids
+
+
+def packed(picks: list[Pick]) -> Picks:
+    """The leader's picks as a lease command carries them (`Picks`)."""
+    mids, buckets, keys = map(list, zip(*picks, strict=True)) if picks else ([], [], [])
+    return mids, _little(array("H", buckets)).tobytes(), _little(array("q", keys)).tobytes()
+
+
+def unpacked(picks: Picks | list[Pick]) -> tuple[list[str], list[int], list[int]]:
+    """A lease command's picks as (ids, buckets, sort keys): from `Picks`, or from a list
+    of `Pick`s, as commands from before `Picks` carry them."""
+    if isinstance(picks, list):
+        mids, buckets, keys = map(list, zip(*picks, strict=True)) if picks else ([], [], [])
+        return mids, buckets, keys
+    mids, buckets, keys = picks
+    return mids, _little(array("H", buckets)).tolist(), _little(array("q", keys)).tolist()
+
+
+def _little(a: array) -> array:
+    """`a` from or to little-endian order, in place."""
+    if sys.byteorder == "big":
+        a.byteswap()
+    return a
 
 
 def consecutive(receipts: list[int]) -> list[int] | range:
