@@ -305,10 +305,12 @@ def test_nodes_whose_snapshots_predate_receipts_at_different_points_number_lease
 def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
     picks: list[tuple[str, int, int]], settled: set[str], rate: float | None
 ) -> None:
-    """A lease command carries its picks packed (`packed`); journals from before hold a
-    list of (id, bucket, sort key). Both grant the same messages with the same keys, on
+    """A lease command carries its picks packed (`packed`, from `BULK_MIN` picks);
+    journals from before hold a list of (id, bucket, sort key). Both grant the same
+    messages with the same keys, on
     the bulk path and the one-at-a-time one (settled, duplicate, foreign-bucket picks),
     under a rate limit too."""
+    assert isinstance(packed(picks), tuple) == (len(picks) >= BULK_MIN)
     states = []
     for form in (list, packed):
         node = BrokerState([topic_conf("t", buckets=4)], 5, NoIndex())

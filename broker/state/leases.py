@@ -911,9 +911,12 @@ class TopicState:
         return mids
 
 
-def packed(picks: list[Pick]) -> Picks:
-    """The leader's picks as a lease command carries them (`Picks`)."""
-    mids, buckets, keys = map(list, zip(*picks, strict=True)) if picks else ([], [], [])
+def packed(picks: list[Pick]) -> Picks | list[Pick]:
+    """The leader's picks as a lease command carries them: `Picks`, or fewer than
+    `BULK_MIN` as they are (packing one costs 3 µs, three times what its tuple does)."""
+    if len(picks) < BULK_MIN:
+        return picks
+    mids, buckets, keys = map(list, zip(*picks, strict=True))
     return mids, _little(array("H", buckets)).tobytes(), _little(array("q", keys)).tobytes()
 
 
