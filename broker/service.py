@@ -52,7 +52,8 @@ LONG_POLL_STEP_S = 0.02
 # Messages per Raft command of a redrive or purge: each applies in one event-loop tick on
 # every node (about a microsecond a message), as a trim slice does.
 OPS_SLICE = TRIM_SLICE
-REDRIVE_READS = 3  # lists a redrive or purge makes while checkpoints keep trimming under it
+# Reads a redrive, purge, cancel or reschedule makes while checkpoints keep trimming under it
+REDRIVE_READS = 3
 # Every lease and ack allocates objects that live until checkpointed; at CPython's default
 # (a young collection per 700 net allocations) 200k messages at batch 100 cost each node
 # ~8 full collections of ~100 ms and 0.8-1.6 s of GC in all. 10k: none, and 0.3-0.7 s.
@@ -414,7 +415,8 @@ class Broker:
             if picks:
                 granted = None
                 try:
-                    args = (consumer, now, lease_ms, packed(picks), rate, True)  # numbered
+                    # Numbered (True), and made from the state at `seq`: see `TopicState.lease`.
+                    args = (consumer, now, lease_ms, packed(picks), rate, True, st.seq)
                     granted = await self._commit(topic, "lease", *args)
                 finally:
                     if granted is None or len(granted) < len(picks):  # some to put back
@@ -482,8 +484,15 @@ class Broker:
 
     async def cancel(self, topic: str, mid: str) -> None:
         self.topic(topic)
-        row = await self._row(topic, mid)
-        refused = await self._commit(topic, "cancel", now_ms(), mid, row.bucket, row.sort_key)
+        for _ in range(REDRIVE_READS):
+            row = await self._row(topic, mid)
+            seen = self.state(topic).seq
+            args = (now_ms(), mid, row.bucket, row.sort_key, seen)
+            refused = await self._commit(topic, "cancel", *args)
+            if refused != Refusal.TRIMMED:
+                break
+        else:
+            raise Problem(503, "cancel interrupted", "checkpoints kept trimming under it: retry")
         if refused:
             raise Problem(409, "cannot cancel", f"{mid}: {refused}", reason=refused)
 
@@ -492,8 +501,16 @@ class Broker:
     ) -> None:
         cfg = self.topic(topic)
         wanted = _sort_key(cfg, priority, deliver_at, "reschedule", required=True)
-        await self._row(topic, mid)
-        refused = await self._commit(topic, "reschedule", mid, wanted)
+        for _ in range(REDRIVE_READS):
+            await self._row(topic, mid)
+            seen = self.state(topic).seq
+            refused = await self._commit(topic, "reschedule", mid, wanted, seen)
+            if refused != Refusal.TRIMMED:
+                break
+        else:
+            raise Problem(
+                503, "reschedule interrupted", "checkpoints kept trimming under it: retry"
+            )
         if refused:
             raise Problem(409, "cannot reschedule", f"{mid}: {refused}", reason=refused)
 

@@ -35,7 +35,9 @@ from dejaq.broker.state.leases import (
     Refusal,
     Settlement,
     TopicState,
+    packed,
 )
+from dejaq.broker.state.raft import BrokerState
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage import row_store as row_store_module
@@ -485,6 +487,55 @@ def test_leases_stay_in_order_as_new_rows_arrive(
     rest = [k for b in drain(index, state, n, now=0) for k in b]
     assert head == sorted(first)[: len(head)] and len(head) == min(taken, len(first))
     assert rest == sorted(sorted(first)[len(head) :] + second)
+
+
+def test_a_lease_whose_picks_may_have_settled_and_been_trimmed_since_grants_none(
+    tmp_path: Path,
+) -> None:
+    """The leader picks, then commits: a cancel, its checkpoint's trim (the message is
+    forgotten, `settled` no longer names it) and only then the lease may apply. The
+    lease carries the seq its picks were made at; once a trim passed it, `settled` can
+    no longer tell, and the lease grants nothing (the leader puts the picks back). One
+    made before that trim is granted as before."""
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows([5, 6, 7], lambda i: 0))
+    node = BrokerState([topic_conf(buckets=1)], 5, _NoIndex())
+    index, state = TopicIndex(warehouse, topic_conf(buckets=1)), node.topics["jobs"]
+    index.load()
+    state.touch("c", 0)
+    picks = index.pick(state, state.buckets_of("c"), 2, now=0)
+    seen = state.seq
+    assert [p[0] for p in picks] == ["m0", "m1"]
+    assert node._apply("jobs", "cancel", (1, "m0", 0, 5)) is None
+    index.forget(node._apply("jobs", "trim", (state.seq,)))
+    granted = node._apply("jobs", "lease", ("c", 2, 1000, packed(picks), None, True, seen))
+    assert granted.mids == [] and not state.leases, "m0 was cancelled: nothing granted"
+    index.release(state, picks)
+    again = index.pick(state, state.buckets_of("c"), 2, now=3)
+    assert [p[0] for p in again] == ["m1", "m2"], "m1 back in the index, m0 gone"
+    seen = state.seq
+    granted = node._apply("jobs", "lease", ("c", 4, 1000, packed(again), None, True, seen))
+    assert granted.mids == ["m1", "m2"]
+
+
+def test_a_cancel_or_reschedule_made_before_a_trim_passed_it_is_sent_back() -> None:
+    """The leader finds a message's row, then commits a cancel or reschedule; meanwhile
+    the message is acked and its ack trimmed (`settled` forgets it). Applied, the cancel
+    would settle it a second time and the reschedule leave an override that nothing
+    removes: both are refused as made from a trimmed view (the leader reads again).
+    Commands from before they carried `seen` apply as they did."""
+    state = TopicState(1, 5)
+    state.touch("c", 0)
+    record = state.lease("c", 0, 1000, [("m0", 0, 5), ("m1", 0, 6)], lid=1)
+    seen = state.seq
+    assert state.ack("c", 1, [], [record.receipt(0)]) == {}
+    assert state.trim(state.seq) == ["m0"] and "m0" not in state.settled
+    assert state.cancel(2, "m0", 0, 5, seen) == Refusal.TRIMMED
+    assert state.reschedule("m0", 9, seen) == Refusal.TRIMMED
+    assert state.seq == 1 and not state.sort_keys, "nothing settled or re-keyed"
+    assert state.cancel(2, "m1", 0, 6, state.seq) is None, "a fresh view is applied"
+    assert state.settled == {"m1": "cancelled"}
+    assert state.reschedule("m2", 9) is None and state.sort_keys == {"m2": 9}
 
 
 def test_a_run_token_whose_handle_went_to_a_later_message_hides_no_lower_key(

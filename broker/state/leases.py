@@ -32,6 +32,10 @@ class Refusal(StrEnum):
     LEASED = "currently_leased"
     REDRIVEN = "already_redriven"  # pending again since its last death
     NOT_DEAD = "not_dead"
+    # Made from a view of the state that a trim has passed since (`seen`): what the
+    # message is can no longer be told here, so the leader reads it again. No client
+    # is told this one.
+    TRIMMED = "trimmed_since_read"
 
 
 @dataclass(slots=True)
@@ -294,6 +298,7 @@ class TopicState:
         picks: Picks | list[Pick],
         rate: float | None = None,
         lid: int | None = None,
+        seen: int | None = None,
     ) -> LeaseRecord:
         """Lease the leader's picks (`Picks`, or a list of `Pick`s) that are still
         available in the consumer's buckets;
@@ -307,11 +312,16 @@ class TopicState:
         Neither makes an object per message. A paused topic leases nothing; `rate`
         (messages/s, from the leader's configuration) caps the picks at the tokens in
         the bucket: both checks once per lease, not per message.
+
+        `seen` is the seq the leader's state was at when it picked (None in commands
+        from before it was carried). A message settled since is in `settled` until a
+        trim forgets it; once a trim has passed `seen`, a pick settled and trimmed
+        meanwhile would look pending, so nothing is granted and the leader picks again.
         """
         self.touch(consumer, now)
         numbered = lid is not None
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
-        if self.paused:
+        if self.paused or _trimmed_past(self, seen):
             return record
         mids, buckets, keys = unpacked(picks)
         if rate is not None:
@@ -748,8 +758,17 @@ class TopicState:
         self._seen(consumer, now)
         return refused, deadline
 
-    def cancel(self, now: int, mid: str, bucket: int, sort_key: int) -> Refusal | None:
-        """Cancel a message whether pending or leased (its holder's ack then gets 409)."""
+    def cancel(
+        self, now: int, mid: str, bucket: int, sort_key: int, seen: int | None = None
+    ) -> Refusal | None:
+        """Cancel a message whether pending or leased (its holder's ack then gets 409).
+
+        `seen`: the seq at which the leader found the message's row (None in commands
+        from before it was carried). A message settled since is in `settled` until a
+        trim forgets it; past such a trim it could be settled a second time.
+        """
+        if _trimmed_past(self, seen):
+            return Refusal.TRIMMED
         if mid in self.settled:
             return Refusal.SETTLED
         deliveries = self.deliveries.get(mid, 0)
@@ -763,8 +782,11 @@ class TopicState:
         )
         return None
 
-    def reschedule(self, mid: str, sort_key: int) -> Refusal | None:
-        """Give a pending message a new sort key (priority or deliver_at)."""
+    def reschedule(self, mid: str, sort_key: int, seen: int | None = None) -> Refusal | None:
+        """Give a pending message a new sort key (priority or deliver_at). `seen` as in
+        `cancel`: past a trim, a message settled since would keep its override for good."""
+        if _trimmed_past(self, seen):
+            return Refusal.TRIMMED
         if mid in self.settled:
             return Refusal.SETTLED
         if mid in self.leases:
@@ -951,6 +973,12 @@ def consecutive(receipts: list[int]) -> list[int] | range:
 def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
     """The wait after the `deliveries`-th delivery failed: base * 2^(deliveries - 1), capped."""
     return min(max_ms, base_ms << min(deliveries - 1, 48))
+
+
+def _trimmed_past(state: TopicState, seen: int | None) -> bool:
+    """Whether a trim has passed seq `seen` (the state a command was made from): a
+    message settled after it may be forgotten, no longer in `settled`."""
+    return seen is not None and state.trimmed_upto() > seen
 
 
 def _unhold(counts: dict[str, int], consumer: str, n: int) -> None:

@@ -401,7 +401,8 @@ class BrokerState(SyncObjConsumer):
             if len(args) == 5:  # from before receipts: unnumbered
                 return st.lease(*args)
             self.lids += 1  # a numbered lease: its sixth argument says so
-            return st.lease(*args[:5], lid=self.lids)
+            seen = args[6] if len(args) > 6 else None  # from before the pick's seq: None
+            return st.lease(*args[:5], lid=self.lids, seen=seen)
         if op in ("ack", "reject"):
             return getattr(st, op)(*args)
         if op == "touch":
