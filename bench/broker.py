@@ -211,7 +211,7 @@ def canned_app(raft=None, carry: str | None = None):
     that does not lead answers 503, and GET /role says which it is. The command is a
     consumer's heartbeat (the smallest change of state), or with `carry` what DejaQ's
     commands must hold, which every node then applies as nothing (`carried`): "ids"
-    carries a lease's picks (id, bucket, sort key) and an ack's ids as DejaQ does,
+    carries a lease's picks (ids, buckets, sort keys, packed) and an ack's ids as DejaQ does,
     "handles" each id as an 8-byte deterministic hash, packed, as integer handles would.
     """
     counter = itertools.count()
@@ -284,7 +284,9 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
     would have to (an 8-byte deterministic hash each).
     """
     if carry == "ids":
-        return [(mid, i % 16, i) for i, mid in enumerate(ids)] if lease else ids
+        from dejaq.broker.state.leases import packed
+
+        return packed([(mid, i % 16, i) for i, mid in enumerate(ids)]) if lease else ids
     if not lease:
         return b"".join(blake2b(mid.encode(), digest_size=8).digest() for mid in ids)
     n = len(ids)
