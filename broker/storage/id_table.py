@@ -118,18 +118,17 @@ class IdTable:
 
     def get(self, mid: str) -> int | None:
         """The handle of `mid`, if stored."""
-        slot = self._find_one(mid) if self.long else self._found([mid])[0]
+        slot = self._find_one(mid) if self.long else int(self._found([mid])[0][0])
         if slot == ASK:
             slot = self._find_one(mid)
         return None if slot < 0 else int(self.slots[slot]) - 1
 
-    def _found(self, mids: list[str]) -> np.ndarray:
-        """The slot of each id, or -1, or ASK for one the column holds as a digest: by the
-        compiled core, for a table that holds no id as one."""
+    def _found(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The slot of each id, or -1, or ASK for one the column holds as a digest, and
+        its handle, or -1: by the compiled core, for a table that holds no id as one."""
         width = self.ids.dtype.itemsize
-        return np.frombuffer(
-            find_slots(mids, self.slots, self.ids.view(np.uint8), width, _SEED), np.int64
-        )
+        slots, handles = find_slots(mids, self.slots, self.ids.view(np.uint8), width, _SEED)
+        return np.frombuffer(slots, np.int64), np.frombuffer(handles, np.int64)
 
     def _find_one(self, mid: str) -> int:
         """The slot of `mid`, or -1: one id, probed in Python, with no arrays made."""
@@ -164,8 +163,12 @@ class IdTable:
     def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
         if not self.long:
-            found = self._found(mids).copy()
-            for i in np.flatnonzero(found == ASK).tolist():
+            found, handles = self._found(mids)
+            asked = np.flatnonzero(found == ASK)
+            if not len(asked):
+                return handles, found
+            found = found.copy()
+            for i in asked.tolist():
                 found[i] = self._find_one(mids[i])
         elif len(mids) < FEW:
             found = np.array([self._find_one(m) for m in mids], np.int64)

@@ -45,9 +45,10 @@ fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> b
 }
 
 /// The slot of each id in `mids` (-1: not stored; -2: held as a digest, for the caller
-/// to look up), as int64 bytes. `slots` is the table (a handle + 1 per used slot, -1
-/// deleted), `ids` the column's bytes (`width` per handle) and `seed` the hash's. For a
-/// table that holds no id as a digest.
+/// to look up), and its handle (-1 unless found), as two int64 bytes: the walk has read
+/// the slot, so the caller does not read the table again. `slots` is the table (a
+/// handle + 1 per used slot, -1 deleted), `ids` the column's bytes (`width` per handle)
+/// and `seed` the hash's. For a table that holds no id as a digest.
 #[pyfunction]
 pub fn find_slots<'py>(
     py: Python<'py>,
@@ -56,7 +57,7 @@ pub fn find_slots<'py>(
     ids: PyBuffer<u8>,
     width: usize,
     seed: u64,
-) -> PyResult<Bound<'py, PyBytes>> {
+) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let table = slots
         .as_slice(py)
         .ok_or_else(|| PyValueError::new_err("the id table is not contiguous"))?;
@@ -103,9 +104,10 @@ pub fn find_slots<'py>(
     }
     std::hint::black_box(touched);
     let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
+    let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     for (raw, start) in raws.iter().zip(&starts) {
-        let slot = match *start {
-            Err(answer) => answer,
+        let (slot, handle) = match *start {
+            Err(answer) => (answer, -1),
             Ok(start) => {
                 let mut i = start;
                 let mut probes = 0;
@@ -113,18 +115,19 @@ pub fn find_slots<'py>(
                     let s = table[i].get();
                     probes += 1;
                     if s == EMPTY || probes > table.len() {
-                        break -1;
+                        break (-1, -1);
                     }
                     if s > 0 && holds(column, (s - 1) as usize, width, raw) {
-                        break i as i64;
+                        break (i as i64, i64::from(s) - 1);
                     }
                     i = (i + 1) & mask;
                 }
             }
         };
         found.extend_from_slice(&slot.to_ne_bytes());
+        handles.extend_from_slice(&handle.to_ne_bytes());
     }
-    Ok(PyBytes::new(py, &found))
+    Ok((PyBytes::new(py, &found), PyBytes::new(py, &handles)))
 }
 
 /// Index `handles` (stored in the column: `width` bytes each) in `slots`: each into the
