@@ -7,6 +7,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+use crate::order::slice;
+
 /// The longest id the column holds whole (`id_table.WIDEST`).
 pub(crate) const WIDEST: usize = 64;
 const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
@@ -35,6 +37,22 @@ fn hash(raw: &[u8], width: usize, seed: u64) -> u64 {
     (h ^ (h >> 33)) >> 1
 }
 
+/// The mask of a table of `len` slots over a column `width` bytes wide: a power of two
+/// and a multiple of 8 up to WIDEST, or the caller passed something else.
+fn mask_of(len: usize, width: usize) -> PyResult<usize> {
+    if len == 0
+        || !len.is_power_of_two()
+        || width == 0
+        || width > WIDEST
+        || !width.is_multiple_of(8)
+    {
+        return Err(PyValueError::new_err(
+            "the table's size must be a power of two and the width a multiple of 8 up to 64",
+        ));
+    }
+    Ok(len - 1)
+}
+
 /// Whether the column's `width` bytes at `handle` hold `raw`, NUL-padded.
 fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> bool {
     let Some(key) = ids.get(handle * width..(handle + 1) * width) else {
@@ -58,19 +76,9 @@ pub fn find_slots<'py>(
     width: usize,
     seed: u64,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
-    let table = slots
-        .as_slice(py)
-        .ok_or_else(|| PyValueError::new_err("the id table is not contiguous"))?;
-    let column = ids
-        .as_slice(py)
-        .ok_or_else(|| PyValueError::new_err("the id column is not contiguous"))?;
-    if table.is_empty() || !table.len().is_power_of_two() || width == 0 || !width.is_multiple_of(8)
-    {
-        return Err(PyValueError::new_err(
-            "the table's size must be a power of two and the width a multiple of 8",
-        ));
-    }
-    let mask = table.len() - 1;
+    let table = slice(py, &slots, "id table's")?;
+    let column = slice(py, &ids, "id")?;
+    let mask = mask_of(table.len(), width)?;
     let strs = mids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
     let mut raws = Vec::with_capacity(strs.len());
     for mid in &strs {
@@ -146,23 +154,9 @@ pub fn place_slots(
     let table = slots
         .as_mut_slice(py)
         .ok_or_else(|| PyValueError::new_err("the id table is not writable and contiguous"))?;
-    let column = ids
-        .as_slice(py)
-        .ok_or_else(|| PyValueError::new_err("the id column is not contiguous"))?;
-    let handles = handles
-        .as_slice(py)
-        .ok_or_else(|| PyValueError::new_err("the handles are not contiguous"))?;
-    if table.is_empty()
-        || !table.len().is_power_of_two()
-        || width == 0
-        || width > WIDEST
-        || !width.is_multiple_of(8)
-    {
-        return Err(PyValueError::new_err(
-            "the table's size must be a power of two and the width a multiple of 8",
-        ));
-    }
-    let mask = table.len() - 1;
+    let column = slice(py, &ids, "id")?;
+    let handles = slice(py, &handles, "handle")?;
+    let mask = mask_of(table.len(), width)?;
     let mut starts = Vec::with_capacity(handles.len());
     for h in handles {
         let h = h.get();
