@@ -935,7 +935,8 @@ class TopicState:
 
 def packed(picks: list[Pick]) -> Picks | list[Pick]:
     """The leader's picks as a lease command carries them: `Picks`, or fewer than
-    `BULK_MIN` as they are (packing one costs 3 µs, three times what its tuple does)."""
+    `BULK_MIN` as they are (packing one costs 3 µs, three times what pickling its tuple
+    does)."""
     if len(picks) < BULK_MIN:
         return picks
     mids, buckets, keys = map(list, zip(*picks, strict=True))

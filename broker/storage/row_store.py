@@ -163,8 +163,8 @@ class RowStore:
     def _once(self, handles: np.ndarray) -> np.ndarray:
         """Which of `handles` (stored ones) to keep so that each is kept once: each
         writes its place into the token column and keeps it if it reads its own back.
-        Scatters, not the sort of `np.unique`: a trim forgets tens of thousands at once.
-        The caller zeroes those tokens next, holding the lock."""
+        Scatters rather than `np.unique`'s sort: every node forgets on every trim. The
+        caller zeroes those tokens next, holding the lock."""
         places = -1 - np.arange(len(handles))
         self.token[handles] = places
         return self.token[handles] == places
