@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
@@ -482,17 +483,26 @@ class Broker:
             raise Problem(409, "already settled", f"{mid} is {found}", reason=Refusal.SETTLED)
         return found
 
-    async def cancel(self, topic: str, mid: str) -> None:
-        self.topic(topic)
+    async def _commit_on_row(
+        self, topic: str, mid: str, op: str, args: Callable[[Row], tuple]
+    ) -> Refusal | None:
+        """Commit `op` on a message found in the index (404 or 409 if it is not): its
+        arguments made from the row, then the seq the row was found at. Refused as
+        trimmed if a trim passed that seq (the message may have settled and been
+        forgotten meanwhile): the row is read again."""
         for _ in range(REDRIVE_READS):
             row = await self._row(topic, mid)
             seen = self.state(topic).seq
-            args = (now_ms(), mid, row.bucket, row.sort_key, seen)
-            refused = await self._commit(topic, "cancel", *args)
+            refused = await self._commit(topic, op, *args(row), seen)
             if refused != Refusal.TRIMMED:
-                break
-        else:
-            raise Problem(503, "cancel interrupted", "checkpoints kept trimming under it: retry")
+                return refused
+        raise Problem(503, f"{op} interrupted", "checkpoints kept trimming under it: retry")
+
+    async def cancel(self, topic: str, mid: str) -> None:
+        self.topic(topic)
+        refused = await self._commit_on_row(
+            topic, mid, "cancel", lambda row: (now_ms(), mid, row.bucket, row.sort_key)
+        )
         if refused:
             raise Problem(409, "cannot cancel", f"{mid}: {refused}", reason=refused)
 
@@ -501,16 +511,7 @@ class Broker:
     ) -> None:
         cfg = self.topic(topic)
         wanted = _sort_key(cfg, priority, deliver_at, "reschedule", required=True)
-        for _ in range(REDRIVE_READS):
-            await self._row(topic, mid)
-            seen = self.state(topic).seq
-            refused = await self._commit(topic, "reschedule", mid, wanted, seen)
-            if refused != Refusal.TRIMMED:
-                break
-        else:
-            raise Problem(
-                503, "reschedule interrupted", "checkpoints kept trimming under it: retry"
-            )
+        refused = await self._commit_on_row(topic, mid, "reschedule", lambda _: (mid, wanted))
         if refused:
             raise Problem(409, "cannot reschedule", f"{mid}: {refused}", reason=refused)
 

@@ -939,7 +939,7 @@ def packed(picks: list[Pick]) -> Picks | list[Pick]:
     does)."""
     if len(picks) < BULK_MIN:
         return picks
-    mids, buckets, keys = map(list, zip(*picks, strict=True))
+    mids, buckets, keys = unpacked(picks)
     return mids, _little(array("H", buckets)).tobytes(), _little(array("q", keys)).tobytes()
 
 
