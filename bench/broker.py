@@ -279,19 +279,22 @@ CARRY_UPTO = -1
 def carried(carry: str, ids: list[str], lease: bool) -> object:
     """What a lease (picks) or an ack (ids) of DejaQ's must replicate, as `carry` says.
 
-    Handles: a lease's come with its picks (an index would hold each row's), packed with
-    their buckets and sort keys; an ack's are made from the ids it names, as the leader
+    Ids: a lease's come with their buckets and sort keys packed, as DejaQ's picks do
+    (`leases.Picks`). Handles: a lease's come with its picks (an index would hold each
+    row's), packed the same way; an ack's are made from the ids it names, as the leader
     would have to (an 8-byte deterministic hash each).
     """
-    if carry == "ids":
-        from dejaq.broker.state.leases import packed
-
-        return packed([(mid, i % 16, i) for i, mid in enumerate(ids)]) if lease else ids
+    if carry == "ids" and not lease:
+        return ids
     if not lease:
         return b"".join(blake2b(mid.encode(), digest_size=8).digest() for mid in ids)
     n = len(ids)
-    keys = array("q", range(n)).tobytes()
-    return array("q", range(n)).tobytes(), array("h", [i % 16 for i in range(n)]).tobytes(), keys
+    buckets, keys = array("H", [i % 16 for i in range(n)]), array("q", range(n))
+    if sys.byteorder == "big":
+        buckets.byteswap()
+        keys.byteswap()
+    named = ids if carry == "ids" else array("q", range(n)).tobytes()
+    return named, buckets.tobytes(), keys.tobytes()
 
 
 def serve(app, port: int, raft=None) -> None:

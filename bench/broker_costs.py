@@ -4,9 +4,9 @@
 
 Three real Raft nodes (the broker's `RaftNode`: PySyncObj over TCP, AES-GCM, group
 commit) share one event loop, each with its own `TopicIndex` over the same Delta buffer,
-wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked on the
-leader's index, packed and committed, rendered as the lease JSON) and ack it by its receipts
-(the body parsed as the hot path parses it); the leader checkpoints into the ledger and
+wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked and
+packed by the leader's index, committed, rendered as the lease JSON) and ack it by its
+receipts (the body parsed as the hot path parses it); the leader checkpoints into the ledger and
 trims in slices as the broker does. Each step is timed where it runs, on which node (the
 methods are wrapped for the run, as a profiler would), and the process's CPU is split
 into those steps and the rest: Raft's transport, sealing, pickling and ticks, and the
@@ -44,7 +44,7 @@ from test_broker import buffer_rows, fill  # noqa: E402
 
 from dejaq.broker.api.hotpath import _ack_args, _lease_args  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
-from dejaq.broker.state.leases import TopicState, packed  # noqa: E402
+from dejaq.broker.state.leases import TopicState  # noqa: E402
 from dejaq.broker.state.raft import RaftNode  # noqa: E402
 from dejaq.broker.storage import message_json  # noqa: E402
 from dejaq.broker.storage.index import Taken, TopicIndex  # noqa: E402
@@ -167,12 +167,12 @@ async def measure(
             taken: list[Taken] = []
             picks = index.pick(state, state.buckets_of(me), args.batch, now, taken)
             t = clock.time("leader", "pick", t)
-            lease = (me, now, 30_000, packed(picks), None, True, state.seq)  # as `Broker.lease`
-            clock.time("leader", "pack picks", t)
+            lease = (me, now, 30_000, picks, None, True, state.seq)  # as `Broker.lease`
             grants = await leader.commit("t", "lease", *lease)
             t = time.perf_counter()
-            index.release(state, picks)
-            t = clock.time("leader", "release picks", t)
+            if len(grants) < len(picks[0]):  # as `Broker.lease`: only what was not granted
+                index.release(state, picks)
+                t = clock.time("leader", "release picks", t)
             body = message_json.leased_array(picks, taken, grants, False)
             t = clock.time("leader", "lease JSON", t)
             receipts = [m["receipt"] for m in json.loads(body)]

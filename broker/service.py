@@ -25,7 +25,6 @@ from dejaq.broker.state.leases import (
     RetryBackoff,
     TopicState,
     consecutive,
-    packed,
 )
 from dejaq.broker.state.raft import NotCommitted, RaftNode
 from dejaq.broker.state.settlements import Entry, seqs, settlements
@@ -412,15 +411,15 @@ class Broker:
             now = now_ms()
             taken: list[Taken] = []
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
-            picks = index.pick(st, st.buckets_of(consumer), take, now, taken) if take else []
-            if picks:
+            picks = index.pick(st, st.buckets_of(consumer), take, now, taken) if take else None
+            if picks and picks[0]:
                 granted = None
                 try:
                     # Numbered (True), and made from the state at `seq`: see `TopicState.lease`.
-                    args = (consumer, now, lease_ms, packed(picks), rate, True, st.seq)
+                    args = (consumer, now, lease_ms, picks, rate, True, st.seq)
                     granted = await self._commit(topic, "lease", *args)
                 finally:
-                    if granted is None or len(granted) < len(picks):  # some to put back
+                    if granted is None or len(granted) < len(picks[0]):  # some to put back
                         index.release(st, picks)
                 if granted:
                     self._lease_latency[topic].observe(time.monotonic() - started)

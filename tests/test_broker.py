@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pytest
-from dejaq_core import read_heads
+from dejaq_core import read_heads, render_leased
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -32,10 +32,12 @@ from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.leases import (
     POSITION_BITS,
     LeaseRecord,
+    Pick,
+    Picks,
     Refusal,
     Settlement,
     TopicState,
-    packed,
+    unpacked,
 )
 from dejaq.broker.state.raft import BrokerState
 from dejaq.broker.storage import head_store, message_json
@@ -81,6 +83,19 @@ def fill(warehouse: str, topic: str, rows: pa.Table) -> None:
     """Append to buffer/<topic> as the ingest job would (delta-rs, partitioned by bucket)."""
     path = ensure_table(warehouse, Table.BUFFER, topic)
     write_deltalake(path, rows, mode="append", partition_by=["bucket"])
+
+
+def packed(picks: list[Pick]) -> Picks:
+    """A list of (id, bucket, sort key) as a lease command carries picks, as the index
+    picks them."""
+    mids = [m for m, _, _ in picks]
+    buckets = b"".join(b.to_bytes(2, "little") for _, b, _ in picks)
+    return mids, buckets, b"".join(k.to_bytes(8, "little", signed=True) for _, _, k in picks)
+
+
+def listed(picks: Picks) -> list[Pick]:
+    """Picks as a list of (id, bucket, sort key)."""
+    return list(zip(*unpacked(picks), strict=True))
 
 
 # --- state machine ------------------------------------------------------------------------
@@ -359,7 +374,9 @@ def drain(
     state.touch("c", now)
     batches: list[list[int]] = []
     left = float("inf") if limit is None else limit
-    while left and (picks := index.pick(state, state.buckets_of("c"), int(min(n, left)), now)):
+    while left and (
+        picks := listed(index.pick(state, state.buckets_of("c"), int(min(n, left)), now))
+    ):
         left -= len(picks)
         granted = grants(state.lease("c", now, 10**9, picks))
         index.release(state, picks)
@@ -424,7 +441,7 @@ def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
     state = TopicState(4, 5)
     state.touch("c", 0)
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 100, 0, taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 100, 0, taken))
     assert sorted(p[0] for p in picks) == sorted([*renamed.values(), *(f"s{i}" for i in range(30))])
     for (mid, _, key), (row_key, head) in zip(picks, taken, strict=True):
         shown = json.loads(head + b"}")
@@ -453,7 +470,7 @@ def test_an_id_forgotten_twice_in_one_trim_frees_its_handle_and_head_once(tmp_pa
     state = TopicState(4, 5)
     state.touch("c", 0)
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 100, 0, taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 100, 0, taken))
     expected = {f"m{i}" for i in range(40)} - {"m1", "m2", "m3"} | {"n0", "n1", "n2"}
     assert sorted(p[0] for p in picks) == sorted(expected)
     assert [json.loads(h + b"}")["id"] for _, h in taken] == [p[0] for p in picks]
@@ -503,7 +520,7 @@ def test_a_lease_whose_picks_may_have_settled_and_been_trimmed_since_grants_none
     index, state = TopicIndex(warehouse, topic_conf(buckets=1)), node.topics["jobs"]
     index.load()
     state.touch("c", 0)
-    picks = index.pick(state, state.buckets_of("c"), 2, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 2, now=0))
     seen = state.seq
     assert [p[0] for p in picks] == ["m0", "m1"]
     assert node._apply("jobs", "cancel", (1, "m0", 0, 5)) is None
@@ -511,7 +528,7 @@ def test_a_lease_whose_picks_may_have_settled_and_been_trimmed_since_grants_none
     granted = node._apply("jobs", "lease", ("c", 2, 1000, packed(picks), None, True, seen))
     assert granted.mids == [] and not state.leases, "m0 was cancelled: nothing granted"
     index.release(state, picks)
-    again = index.pick(state, state.buckets_of("c"), 2, now=3)
+    again = listed(index.pick(state, state.buckets_of("c"), 2, now=3))
     assert [p[0] for p in again] == ["m1", "m2"], "m1 back in the index, m0 gone"
     seen = state.seq
     granted = node._apply("jobs", "lease", ("c", 4, 1000, packed(again), None, True, seen))
@@ -559,7 +576,7 @@ def test_a_run_token_whose_handle_went_to_a_later_message_hides_no_lower_key(
     fill(warehouse, "jobs", buffer_rows([31], lambda i: 0, "b"))
     assert index.refresh() == 1
     assert index.store.get("b0") & index_module.HANDLE_MASK == handle, "the handle reused"
-    picks = index.pick(state, state.buckets_of("c"), 4, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 4, now=0))
     assert picks == [("a1", 1, 17), ("a2", 2, 18), ("b0", 0, 31)]
 
 
@@ -575,7 +592,7 @@ def test_a_message_rescheduled_while_pending_leases_at_its_new_key_only(tmp_path
     state.touch("c", 0)
     assert state.reschedule("a1", 20) is None
     index.push(state, ["a1"])
-    picks = index.pick(state, state.buckets_of("c"), 10, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
     assert picks == [("a0", 0, 1), ("a2", 0, 9), ("a1", 0, 20)]
     index.close()
 
@@ -621,7 +638,7 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
             fill(warehouse, "jobs", buffer_rows(keys, prefix=f"r{r}-"))
             model.update({f"r{r}-{i}": k for i, k in enumerate(keys)})
         index.load() if r == 0 else index.refresh()
-        picks = index.pick(state, state.buckets_of("c"), acked, now=r)
+        picks = listed(index.pick(state, state.buckets_of("c"), acked, now=r))
         assert [k for _, _, k in picks] == sorted(model.values())[:acked], "the lowest"
         assert len(state.lease("c", r, 10**9, picks)) == len(picks)
         index.release(state, picks)
@@ -632,7 +649,7 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
         for mid in middle[:cancelled]:
             row = index.row(mid)
             assert row is not None and state.cancel(r, mid, row.bucket, model.pop(mid)) is None
-        picks = index.pick(state, state.buckets_of("c"), nacked, now=r)
+        picks = listed(index.pick(state, state.buckets_of("c"), nacked, now=r))
         state.lease("c", r, 10**9, picks)
         index.release(state, picks)
         refused, again, _ = state.nack("c", r, [m for m, _, _ in picks], sort_key=nack_key)
@@ -644,7 +661,7 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
         n = len(index.rows)
         assert len(index.store.token) <= 2 * max(n + n // 4, 8), "shrunk"
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 10_000, now=len(rounds), taken=taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 10_000, now=len(rounds), taken=taken))
     assert sorted(m for m, _, _ in picks) == sorted(model), "each pending message once"
     assert [k for _, _, k in picks] == sorted(model.values()), "in sort key order"
     assert [k for _, _, k in picks] == [model[m] for m, _, _ in picks]
@@ -666,6 +683,7 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
         index.load()
         for shifts, deliveries in (
             ([0] * 4, [1] * 4),
+            ([0, 0, 0, 1], [1] * 4),  # first deliveries, one at another key
             ([0, 1, 0, 1], [1, 1, 3, 2]),
             ([0] * 4, [0, 1, 0, 2]),  # 0: picked, not granted (leased meanwhile, say)
         ):
@@ -685,8 +703,18 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
                 for i, (r, p, n) in enumerate(granted)
             ]
             rendered = [index.head(p[0]) for p in picks]
-            got = message_json.leased_array(picks, rendered, lease, timeline)
+            got = message_json.leased_array(packed(picks), rendered, lease, timeline)
             assert got == json.dumps(want).encode() and len(want) == sum(map(bool, deliveries))
+
+
+def test_a_lease_rendered_from_heads_its_keys_do_not_match_is_refused() -> None:
+    """The core renders a lease from one head per pick: keys for another number of
+    picks are a caller's error, named, not a lease cut short."""
+    with pytest.raises(ValueError, match="16 bytes of sort keys for 1 heads"):
+        render_leased([(5, b'{"id": "m0"')], bytes(16), 99, 1)
+    assert render_leased([(5, b'{"id": "m0"')], (6).to_bytes(8, "little"), 99, 1) is None
+    whole = render_leased([(5, b'{"id": "m0"')], (5).to_bytes(8, "little"), 99, 1)
+    assert json.loads(whole) == [{"id": "m0", "deliveries": 1, "lease_deadline": 99, "receipt": 1}]
 
 
 def _leased(row: dict, key: int, deliveries: int, deadline: int, timeline: bool) -> dict:
@@ -733,7 +761,7 @@ def loaded_topic(tmp_path: Path, keys: list[int]) -> tuple[str, TopicIndex, Topi
 
 def acked_batches(index: TopicIndex, state: TopicState, n: int) -> Iterator[list[str]]:
     """Lease everything in batches of n as consumer "c" and ack each batch; its ids."""
-    while picks := index.pick(state, state.buckets_of("c"), n, now=0):
+    while picks := listed(index.pick(state, state.buckets_of("c"), n, now=0)):
         state.lease("c", 0, 1000, picks)
         index.release(state, picks)
         mids = [m for m, _, _ in picks]
@@ -744,7 +772,7 @@ def acked_batches(index: TopicIndex, state: TopicState, n: int) -> Iterator[list
 def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [5, 1, 3])
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 1, now=0, taken=taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 1, now=0, taken=taken))
     assert picks == [("m1", 1, 1)], "lowest sort key first"
     assert taken == [index.head("m1")], "a lone pick's head, read on its own"
     state.lease("c", 0, 1000, picks)
@@ -761,7 +789,7 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
     taken = []
-    picks = index.pick(state, state.buckets_of("c"), 3, now=2, taken=taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 3, now=2, taken=taken))
     assert [p[0] for p in picks] == ["m2", "m0"]
     assert taken == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
     assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m2", "m0"]
@@ -776,7 +804,7 @@ def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path
     lagging.load()
     fill(warehouse, "jobs", buffer_rows([0, 2], prefix="new"))
     assert leader.refresh() == 2
-    picks = leader.pick(state, state.buckets_of("c"), 1, now=0)
+    picks = listed(leader.pick(state, state.buckets_of("c"), 1, now=0))
     assert [p[0] for p in picks] == ["new0"]
     state.lease("c", 0, 1000, picks)
     assert state.ack("c", 1, ["new0"]) == {}
@@ -817,7 +845,7 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
     snapshot = pickle.loads(pickle.dumps(leader))
     lagging.rebuild(snapshot)
     assert sorted(lagging.rows) == ["m0"]
-    assert lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2) == [("m0", 0, 5)]
+    assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2)) == [("m0", 0, 5)]
 
 
 def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -> None:
@@ -839,7 +867,10 @@ def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -
     assert node.revive(snapshot) == 0
     assert sorted(node.rows) == ["m0", "m2"]
     snapshot.touch("c", 2)
-    assert [p[0] for p in node.pick(snapshot, snapshot.buckets_of("c"), 3, now=2)] == ["m2", "m0"]
+    assert [p[0] for p in listed(node.pick(snapshot, snapshot.buckets_of("c"), 3, now=2))] == [
+        "m2",
+        "m0",
+    ]
 
     # The follow thread revives m1 while the replay has it pending, before the snapshot.
     node = TopicIndex(warehouse, topic_conf())
@@ -1164,7 +1195,7 @@ def _mostly_settled(
     state = TopicState(4, 5)
     state.touch("c", 0)
     keep = sorted(f"m{i}" for i in range(0, 400, 25))
-    picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 1000, now=0))
     granted = grants(state.lease("c", 0, 10_000, [p for p in picks if p[0] not in keep]))
     index.release(state, picks)
     assert state.ack("c", 1, [g[0] for g in granted]) == {}
@@ -1187,7 +1218,7 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     assert not index.heads.sparse() and index.heads.disk_bytes() < disk / 4
     assert {mid: index.head(mid) for mid in keep} == before
     taken: list = []
-    again = index.pick(state, state.buckets_of("c"), 1000, now=2, taken=taken)
+    again = listed(index.pick(state, state.buckets_of("c"), 1000, now=2, taken=taken))
     assert sorted(p[0] for p in again) == sorted(keep), "each once, none lost"
     assert [json.loads(h + b"}")["id"] for _, h in taken] == [p[0] for p in again]
     for bucket in range(4):
@@ -1275,7 +1306,7 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
     stay = [m for m in keep if m not in gone]
     assert 0 < moved <= len(stay) and gone[0] not in index.rows, moved
     monkeypatch.undo()
-    again = index.pick(state, state.buckets_of("c"), 1000, now=2)
+    again = listed(index.pick(state, state.buckets_of("c"), 1000, now=2))
     assert sorted(p[0] for p in again) == stay, "the rest lease, each once"
     index.forget(stay)
     assert index.heads.segments == {index.heads.current}, "every other segment freed"
@@ -1304,7 +1335,7 @@ def test_a_followers_runs_hold_what_is_pending_not_every_message_it_saw(
             assert len(index.order) == len(index.store.table) == 400, f"round {r}"
     state = TopicState(4, 5)
     state.touch("c", 0)
-    picks = index.pick(state, state.buckets_of("c"), 1000, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 1000, now=0))
     assert sorted(m for m, _, _ in picks) == sorted(f"r5-{i}" for i in range(400))
     index.close()
 
@@ -1324,7 +1355,7 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     assert len(index.store.token) >= 6000
     state = TopicState(4, 5)
     state.touch("c", 0)
-    leased = index.pick(state, state.buckets_of("c"), 5500, now=0)
+    leased = listed(index.pick(state, state.buckets_of("c"), 5500, now=0))
     state.lease("c", 0, 10**9, leased)
     index.release(state, leased)
     assert state.ack("c", 0, [m for m, _, _ in leased[:5490]]) == {}
@@ -1342,7 +1373,7 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     fill(warehouse, "jobs", buffer_rows([0, 0], prefix="late"))
     assert index.refresh() == 2
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 1000, now=0, taken=taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 1000, now=0, taken=taken))
     acked = {m for m, _, _ in leased[:5490]}
     pending = [f"m{i}" for i in range(6000) if f"m{i}" not in acked]
     assert sorted(m for m, _, _ in picks) == sorted([*pending, "late0", "late1"])
@@ -1371,7 +1402,7 @@ def test_the_id_column_narrows_once_its_longest_ids_are_settled(tmp_path: Path) 
     index.narrow_ids()
     assert index.store.table.ids.dtype.itemsize == 8
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 10, now=0, taken=taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0, taken=taken))
     assert [(m, k) for m, _, k in picks] == [("m1", 1), ("m2", 2), ("m0", 3)]
     assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m1", "m2", "m0"]
     assert index.row(f"{long_id}0") is None and index.row("m") is None

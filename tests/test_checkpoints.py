@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_until
-from test_broker import loaded_topic
+from test_broker import listed, loaded_topic
 
 from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.checkpoints import Health, Lag, checkpoint, lag
@@ -23,7 +23,7 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [1, 2, 3, 4])
-    picks = index.pick(state, state.buckets_of("c"), 4, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 4, now=0))
     state.lease("c", 0, 1000, picks)
     assert state.reject("c", 1, ["m0"]) == {}
     assert state.ack("c", 1, ["m1", "m2"]) == {}
@@ -79,7 +79,7 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
 def test_lag_counts_events_not_yet_checkpointed(tmp_path: Path) -> None:
     _, index, state = loaded_topic(tmp_path, [1, 2])
     now = int(time.time() * 1000)
-    state.lease("c", now, 1000, index.pick(state, state.buckets_of("c"), 2, now=now))
+    state.lease("c", now, 1000, listed(index.pick(state, state.buckets_of("c"), 2, now=now)))
     assert state.ack("c", now, ["m0", "m1"]) == {}
     assert lag(state) == Lag(events=2, oldest_ms=now, unwritten_dead_letters=0)
 
@@ -91,7 +91,7 @@ def test_a_deposed_leaders_late_dead_letters_are_refused(
     after its successor wrote the same deaths: its write must fail, not add them twice.
     The stop is placed with a wrapper around the buffer read, the one step between."""
     warehouse, index, state = loaded_topic(tmp_path, [1, 2])
-    state.lease("c", 0, 1000, index.pick(state, state.buckets_of("c"), 2, now=0))
+    state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 2, now=0)))
     assert state.reject("c", 1, ["m0", "m1"]) == {}
     events = list(state.events)
     write_ledger(warehouse, "jobs", events)

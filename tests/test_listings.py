@@ -13,7 +13,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import write_deltalake
-from test_broker import loaded_topic
+from test_broker import listed, loaded_topic
 
 from dejaq.broker.storage.checkpoints import Health, checkpoint
 from dejaq.broker.storage.listings import BadCursor, page
@@ -46,7 +46,7 @@ def quarantine_rows(n: int) -> pa.Table:
 
 def test_dead_letters_come_in_order_of_death_a_page_at_a_time(tmp_path: Path) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [5, 4, 3, 2, 1])
-    state.lease("c", 0, 1000, index.pick(state, state.buckets_of("c"), 5, now=0))
+    state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 5, now=0)))
     for at, mid in enumerate(["m3", "m0", "m4", "m1", "m2"], start=1):
         assert state.reject("c", at, [mid]) == {}
     checkpoint(warehouse, "jobs", list(state.events), Health())

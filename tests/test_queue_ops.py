@@ -11,7 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-from test_broker import buffer_rows, fill, leased, loaded_topic, one_bucket_state, topic_conf
+from test_broker import (
+    buffer_rows,
+    fill,
+    leased,
+    listed,
+    loaded_topic,
+    one_bucket_state,
+    topic_conf,
+)
 
 from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
 from dejaq.broker.storage.index import TopicIndex
@@ -233,7 +241,7 @@ def test_a_snapshot_keeps_pause_tokens_and_redrives() -> None:
 
 def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_path: Path) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [5, 1])
-    picks = index.pick(state, state.buckets_of("c"), 1, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 1, now=0))
     state.lease("c", 0, 1000, picks)
     state.reject("c", 1, ["m1"])
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
@@ -243,9 +251,9 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     redrive = state.redrive(2, upto, [("m1", *found["m1"])], sort_key=0)
     assert redrive == (["m1"], {})
     index.push(state, redrive[0])
-    assert index.unread == {"m1"} and index.pick(state, [1], 5, now=3) == []
+    assert index.unread == {"m1"} and listed(index.pick(state, [1], 5, now=3)) == []
     assert index.revive(state) == 1 and index.unread == set()
-    assert index.pick(state, state.buckets_of("c"), 1, now=3) == [("m1", 1, 0)]
+    assert listed(index.pick(state, state.buckets_of("c"), 1, now=3)) == [("m1", 1, 0)]
     assert index.settled_event("m1") == "dead", "the ledger has not seen the redrive yet"
 
     checkpoint(warehouse, "jobs", state.events)

@@ -12,7 +12,7 @@ from weakref import WeakKeyDictionary
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_broker import topic_conf
+from test_broker import packed, topic_conf
 
 from dejaq.broker.state.leases import (
     BULK_MIN,
@@ -22,7 +22,6 @@ from dejaq.broker.state.leases import (
     Refusal,
     TopicState,
     consecutive,
-    packed,
 )
 from dejaq.broker.state.raft import BrokerState
 
@@ -305,12 +304,10 @@ def test_nodes_whose_snapshots_predate_receipts_at_different_points_number_lease
 def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
     picks: list[tuple[str, int, int]], settled: set[str], rate: float | None
 ) -> None:
-    """A lease command carries its picks packed (`packed`, from `BULK_MIN` picks);
-    journals from before hold a list of (id, bucket, sort key). Both grant the same
-    messages with the same keys, on
-    the bulk path and the one-at-a-time one (settled, duplicate, foreign-bucket picks),
-    under a rate limit too."""
-    assert isinstance(packed(picks), tuple) == (len(picks) >= BULK_MIN)
+    """A lease command carries its picks packed, as the index picks them; journals from
+    before hold a list of (id, bucket, sort key). Both grant the same messages with the
+    same keys, on the bulk path (from `BULK_MIN` picks) and the one-at-a-time one
+    (settled, duplicate, foreign-bucket picks), under a rate limit too."""
     states = []
     for form in (list, packed):
         node = BrokerState([topic_conf("t", buckets=4)], 5, NoIndex())

@@ -14,7 +14,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_broker import acked_batches, buffer_rows, fill, loaded_topic, topic_conf
+from test_broker import acked_batches, buffer_rows, fill, listed, loaded_topic, topic_conf
 
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
@@ -125,7 +125,7 @@ def test_a_start_after_retention_reads_only_the_ledger_tail(tmp_path: Path) -> N
         index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
         if n == 3:
             break
-    settled_now = [m for m, _, _ in index.pick(state, state.buckets_of("c"), 10, now=0)]
+    settled_now = [m for m, _, _ in listed(index.pick(state, state.buckets_of("c"), 10, now=0))]
     state.lease("c", 0, 10**15, [(m, index.row(m).bucket, 0) for m in settled_now])
     assert state.ack("c", now_ms(), settled_now) == {}
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
@@ -151,7 +151,7 @@ def test_the_index_does_not_read_a_retention_runs_rewritten_files(tmp_path: Path
     batches = acked_batches(index, state, 10)
     next(batches)
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))  # at epoch ms 1
-    picks = index.pick(state, state.buckets_of("c"), 10, now=0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
     state.lease("c", 0, 10**15, picks)
     index.release(state, picks)
     assert state.ack("c", now_ms(), [m for m, _, _ in picks]) == {}
@@ -179,7 +179,7 @@ def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_lett
     index.push(state, ["m0"])
     assert index.revive(state) == 1
     taken: list = []
-    picks = index.pick(state, state.buckets_of("c"), 2, now=3, taken=taken)
+    picks = listed(index.pick(state, state.buckets_of("c"), 2, now=3, taken=taken))
     assert [p[0] for p in picks] == ["m0", "m1"]
     assert base64.b64encode(b"payload-m0") in taken[0][1], "the dead letter's payload"
 
@@ -299,7 +299,7 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     lagging.rebuild(snapshot)
     assert sorted(lagging.rows) == ["m0"] and lagging.unread == {"m3"}
     assert lagging.revive(snapshot) == 1, "from the dead letters"
-    picks = lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=3)
+    picks = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=3))
     assert [p[0] for p in picks] == ["m0", "m3"]
 
 

@@ -150,9 +150,10 @@ _settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Pyth
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 # A lease command's picks: their ids, and their buckets and sort keys as little-endian
-# uint16 and int64 bytes (`packed`). Three objects for Raft to pickle, and every node to
-# unpickle, where a list of `Pick`s is a tuple and three objects per message; commands
-# from before carry such a list, and `TopicState.lease` takes either.
+# uint16 and int64 bytes, as the leader's index picks them (`TopicIndex.pick`). Three
+# objects for Raft to pickle, and every node to unpickle, where a list of `Pick`s is a
+# tuple and three objects per message; commands from before carry such a list, and
+# `TopicState.lease` takes either.
 Picks = tuple[list[str], bytes, bytes]
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
@@ -931,16 +932,6 @@ class TopicState:
                 settled.pop(mid, None)
                 mids.append(mid)
         return mids
-
-
-def packed(picks: list[Pick]) -> Picks | list[Pick]:
-    """The leader's picks as a lease command carries them: `Picks`, or fewer than
-    `BULK_MIN` as they are (packing one costs 3 µs, three times what pickling its tuple
-    does)."""
-    if len(picks) < BULK_MIN:
-        return picks
-    mids, buckets, keys = unpacked(picks)
-    return mids, _little(array("H", buckets)).tobytes(), _little(array("q", keys)).tobytes()
 
 
 def unpacked(picks: Picks | list[Pick]) -> tuple[list[str], list[int], list[int]]:

@@ -34,7 +34,7 @@ import pyarrow.parquet as pq
 from dejaq_core import Order
 from deltalake import DeltaTable
 
-from dejaq.broker.state.leases import Pick, TopicState
+from dejaq.broker.state.leases import Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import HeadStore, Segment
 from dejaq.broker.storage.id_table import decode
@@ -583,8 +583,9 @@ class TopicIndex:
         n: int,
         now: int,
         taken: list[Taken] | None = None,
-    ) -> list[Pick]:
-        """Take the `n` lowest deliverable sort keys across `buckets` out of the index.
+    ) -> Picks:
+        """Take the `n` lowest deliverable sort keys across `buckets` out of the index,
+        as a lease command carries them (`Picks`: the core packs them as it picks).
 
         The caller commits them as a lease and then calls `release` with the picks, so
         a pick the state machine refused goes back into the index. Two leases in flight
@@ -732,10 +733,10 @@ class TopicIndex:
         tokens, keys = self.order.entries(bucket)
         return np.frombuffer(tokens, np.int64), np.frombuffer(keys, np.int64)
 
-    def release(self, state: TopicState, picks: list[Pick]) -> None:
+    def release(self, state: TopicState, picks: Picks) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
         with self.lock:
-            for mid, bucket, key in picks:
+            for mid, bucket, key in zip(*unpacked(picks), strict=True):
                 if mid in state.leases or mid in state.settled:
                     continue  # the usual case: taken
                 token = self.store.get(mid)

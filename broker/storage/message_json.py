@@ -3,21 +3,21 @@
 Formatting JSON (base64, escaping, nine fields) was the lease path's largest cost after
 picking, on the leader's event loop. Each message's fixed fields are rendered once
 (`head`, in the thread that follows the tables) into the node's `HeadStore`; a lease
-only adds what it decides, deliveries and deadline, in one C-level join for the usual
-case (first delivery, the row's own sort key).
+only adds what it decides, deliveries, deadline and receipt: in the compiled core, in
+one pass, for the usual case (first delivery, the row's own sort key).
 """
 
 from __future__ import annotations
 
 import binascii
 import json
-from operator import eq, itemgetter
 from typing import Any
 
-from dejaq.broker.state.leases import LeaseRecord, Pick
+from dejaq_core import render_leased
+
+from dejaq.broker.state.leases import LeaseRecord, Picks, unpacked
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
-_pick_key, _row_key, _head = itemgetter(2), itemgetter(0), itemgetter(1)
 
 
 def _b64(data: bytes) -> str:
@@ -69,35 +69,31 @@ def message(
 
 
 def leased_array(
-    picks: list[Pick], rendered: list[tuple[int, bytes]], lease: LeaseRecord, timeline: bool
+    picks: Picks, rendered: list[tuple[int, bytes]], lease: LeaseRecord, timeline: bool
 ) -> bytes:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
-    `picks` (id, bucket, sort key) and their `rendered` (row sort key, head) are what
-    the lease asked for; `lease`, what it got: the picks it took, in pick order, so both
-    are walked together rather than looked up by id.
+    `picks` and their `rendered` (row sort key, head) are what the lease asked for;
+    `lease`, what it got: the picks it took, in pick order, so both are walked together
+    rather than looked up by id.
     """
     if not lease.mids:
         return b"[]"
-    deadline = lease.deadline
-    first = b', "deliveries": 1, "lease_deadline": %d, "receipt": %%d}, ' % deadline
-    receipt = lease.receipt(0)
+    deadline, receipt = lease.deadline, lease.receipt(0)
+    mids, _, keys = picks
     n = len(lease.mids)
-    if (  # every pick granted on first delivery at its row's key: C-level passes only
-        n == len(picks)
-        and lease.deliveries.count(1) == n
-        and all(map(eq, map(_pick_key, picks), map(_row_key, rendered)))
-    ):
-        parts = [b""] * (2 * n)
-        parts[::2] = map(_head, rendered)
-        parts[1::2] = map(first.__mod__, range(receipt, receipt + n))
-        return b"[" + b"".join(parts)[:-2] + b"]"
+    if n == len(mids) and lease.deliveries.count(1) == n:  # every pick, first delivery
+        whole = render_leased(rendered, keys, deadline, receipt)
+        if whole is not None:  # each at its row's own key
+            return whole
+    first = b', "deliveries": 1, "lease_deadline": %d, "receipt": %%d}, ' % deadline
+    keys = unpacked(picks)[2]
     parts = []
     i = 0
     for mid, deliveries in zip(lease.mids, lease.deliveries, strict=True):
-        while picks[i][0] != mid:
+        while mids[i] != mid:
             i += 1
-        key, (row_key, head) = picks[i][2], rendered[i]
+        key, (row_key, head) = keys[i], rendered[i]
         if deliveries == 1 and key == row_key:
             parts.append(head)
             parts.append(first % receipt)

@@ -1,10 +1,12 @@
 //! DejaQ broker's compiled core: per-message state the index keeps outside the Python
-//! heap, updated a lease or a batch of rows at a time.
+//! heap, updated a lease or a batch of rows at a time, and the lease's answer rendered
+//! from it.
 
 use pyo3::prelude::*;
 
 mod heads;
 mod ids;
+mod lease_json;
 mod order;
 
 #[pymodule]
@@ -13,5 +15,6 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
+    m.add_function(wrap_pyfunction!(lease_json::render_leased, m)?)?;
     Ok(())
 }

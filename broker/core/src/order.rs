@@ -20,6 +20,13 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+/// Picks as a lease command carries them (`leases.Picks`): ids, buckets, sort keys.
+type Picks<'py> = (
+    Vec<Bound<'py, PyString>>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
+
 /// A token's handle: its low 32 bits (`row_store.HANDLE_MASK`).
 pub(crate) const HANDLE_MASK: i64 = (1 << 32) - 1;
 /// A run's taken part goes once it passes this many tokens and half the run.
@@ -258,7 +265,9 @@ impl Order {
     /// its override in `overrides`, else its row's own). A bucket whose lowest key is
     /// above `max_key` has nothing due and gives none. Ids come from the id column
     /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
-    /// handle. Returns the picks, (id, bucket, key), and their tokens.
+    /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
+    /// ids, and their buckets and keys as little-endian uint16 and int64 bytes; and
+    /// their tokens.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn pick<'py>(
         &mut self,
@@ -280,7 +289,7 @@ impl Order {
         ids: PyBuffer<u8>,
         width: usize,
         long: &Bound<'py, PyDict>,
-    ) -> PyResult<(Vec<(Bound<'py, PyString>, usize, i64)>, Vec<i64>)> {
+    ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
         let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
         let column = slice(py, &ids, "id")?;
@@ -300,9 +309,11 @@ impl Order {
                 tops.push(Reverse((e, b, heap)));
             }
         }
-        let mut picks = Vec::with_capacity(n.min(1024));
+        let mut mids = Vec::with_capacity(n.min(1024));
+        let mut picked_buckets = Vec::with_capacity(2 * n.min(1024));
+        let mut keys = Vec::with_capacity(8 * n.min(1024));
         let mut tokens = Vec::with_capacity(n.min(1024));
-        while picks.len() < n {
+        while mids.len() < n {
             let Some(Reverse((e, b, heap))) = tops.pop() else {
                 break;
             };
@@ -328,10 +339,19 @@ impl Order {
                         None => c.entry(e.token).key != e.key,
                     });
             if !stale {
-                picks.push((mid, b, e.key));
+                let bucket = u16::try_from(b)
+                    .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
+                mids.push(mid);
+                picked_buckets.extend_from_slice(&bucket.to_le_bytes());
+                keys.extend_from_slice(&e.key.to_le_bytes());
                 tokens.push(e.token);
             }
         }
+        let picks = (
+            mids,
+            PyBytes::new(py, &picked_buckets),
+            PyBytes::new(py, &keys),
+        );
         Ok((picks, tokens))
     }
 
