@@ -52,7 +52,8 @@ LONG_POLL_STEP_S = 0.02
 # Messages per Raft command of a redrive or purge: each applies in one event-loop tick on
 # every node (about a microsecond a message), as a trim slice does.
 OPS_SLICE = TRIM_SLICE
-# Reads a redrive, purge, cancel or reschedule makes while checkpoints keep trimming under it
+# Reads a redrive, purge, cancel or reschedule makes, and picks a lease makes, while
+# checkpoints keep trimming under it
 REDRIVE_READS = 3
 # Every lease and ack allocates objects that live until checkpointed; at CPython's default
 # (a young collection per 700 net allocations) 200k messages at batch 100 cost each node
@@ -398,13 +399,18 @@ class Broker:
     async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> bytes:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
 
-        Returns the JSON array of leased messages, formatted by `message_json`.
+        Returns the JSON array of leased messages, formatted by `message_json`. A lease
+        whose command granted none of its picks (a trim passed the view they were picked
+        from, or the consumer's buckets moved) picks again at once, up to REDRIVE_READS
+        times, whatever `wait_ms`: messages are pending, and an empty answer would tell
+        the worker there are none.
         """
         cfg = self.topic(topic)
         index, st = self.indexes[topic], self.state(topic)
         started = time.monotonic()
         deadline = started + wait_ms / 1000
         rate = cfg.max_lease_rate
+        repicks = 0
         while True:
             if self._must_join(topic, consumer):
                 await self._commit(topic, "touch", consumer, now_ms())
@@ -425,6 +431,9 @@ class Broker:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
                     return message_json.leased_array(picks, taken, granted, timeline)
+                if repicks < REDRIVE_READS:
+                    repicks += 1
+                    continue
             if time.monotonic() >= deadline:
                 return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)

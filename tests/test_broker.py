@@ -366,6 +366,54 @@ def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_pat
     assert [m["sort_key"] for m in leased] == [3, 5, 9], "every pick back, in order"
 
 
+def test_a_lease_refused_for_a_trimmed_view_picks_again_even_when_not_waiting(
+    tmp_path: Path,
+) -> None:
+    """A lease picks, then commits; a cancel and the trim that forgets it apply between
+    the two, so the lease's view is past and it grants nothing. The other picks are
+    pending: a worker that asked not to wait gets them, not an empty answer that says
+    the topic is drained. One node, in process, its own Raft."""
+    import asyncio
+
+    from dejaq.broker.service import Broker, now_ms
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([5, 3, 9], lambda i: 0))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf()])
+    raft = f"127.0.0.1:{free_port()}"
+    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
+    collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
+    broker.start()
+
+    async def scenario() -> tuple[object, list[dict]]:
+        assert broker.raft is not None
+        broker.raft.attach(asyncio.get_running_loop())
+        deadline = time.monotonic() + 30
+        while not broker.raft.is_leader():
+            assert time.monotonic() < deadline, "no Raft leader within 30 s"
+            await asyncio.sleep(0.01)
+        await broker.raft.commit("jobs", "touch", "w", now_ms())  # a member: no join
+        state = broker.state("jobs")
+        # All three start in this order in the loop's next step: the cancel and its trim
+        # are in the log before the lease's command, and applied after its pick of m0.
+        cancelled = asyncio.create_task(broker.raft.commit("jobs", "cancel", 1, "m0", 0, 5))
+        trimmed = asyncio.create_task(broker.raft.commit("jobs", "trim", state.seq + 1))
+        leased = asyncio.create_task(broker.lease("jobs", "w", 3, 30_000, 0))
+        assert await cancelled is None and await trimmed == ["m0"]
+        return state.trimmed_upto(), json.loads(await leased)
+
+    try:
+        trimmed_upto, leased = asyncio.run(scenario())
+    finally:
+        broker.stop()
+        gc.unfreeze()
+        gc.set_threshold(*collecting)
+    assert trimmed_upto == 1, "m0's cancel was trimmed before the lease applied"
+    assert [m["id"] for m in leased] == ["m1", "m2"], "picked again: m0 gone, the rest leased"
+
+
 def drain(
     index: TopicIndex, state: TopicState, n: int, now: int, limit: int | None = None
 ) -> list[list[int]]:
