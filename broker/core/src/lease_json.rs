@@ -1,6 +1,7 @@
 //! A lease's JSON array, rendered from its picks' heads (`broker/storage/message_json.py`)
-//! in one pass: formatting each message's receipt and joining the parts cost the leader
-//! more in Python than picking them did.
+//! in one pass. In Python, a bytes format per receipt and the join cost the leader
+//! 1.2 µs a message at batch 100 (`bench/broker_costs.py`), half what picking did;
+//! here about 0.5.
 
 use std::io::Write;
 
