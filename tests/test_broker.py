@@ -16,8 +16,9 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -49,6 +50,7 @@ from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
 
 _offsets = itertools.count()
+T = TypeVar("T")
 
 
 def buffer_rows(
@@ -321,10 +323,9 @@ def topic_conf(name: str = "jobs", kind: str = "priority", buckets: int = 4) -> 
     return TopicConfig(name=name, kind=kind, source=[f"{name}-in"], buckets=buckets)
 
 
-def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:
-    """A lease picks, then commits; a pause applied just before its command grants it
-    nothing. Its picks, already out of the index, must go back: left out, they would
-    never lease again until the node restarted. One node, in process, its own Raft."""
+def on_one_node(tmp_path: Path, scenario: Callable[[Any], Awaitable[T]]) -> T:
+    """Run `scenario` with a one-node broker (in process, its own Raft) over messages
+    m0, m1, m2 at sort keys 5, 3, 9 in bucket 0, once it leads and "w" is a member."""
     import asyncio
 
     from dejaq.broker.service import Broker, now_ms
@@ -339,7 +340,7 @@ def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_pat
     collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
     broker.start()
 
-    async def scenario() -> tuple[bytes, list[dict]]:
+    async def run() -> T:
         assert broker.raft is not None
         broker.raft.attach(asyncio.get_running_loop())
         deadline = time.monotonic() + 30
@@ -347,6 +348,23 @@ def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_pat
             assert time.monotonic() < deadline, "no Raft leader within 30 s"
             await asyncio.sleep(0.01)
         await broker.raft.commit("jobs", "touch", "w", now_ms())  # a member: no join
+        return await scenario(broker)
+
+    try:
+        return asyncio.run(run())
+    finally:
+        broker.stop()
+        gc.unfreeze()
+        gc.set_threshold(*collecting)
+
+
+def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:
+    """A lease picks, then commits; a pause applied just before its command grants it
+    nothing. Its picks, already out of the index, must go back: left out, they would
+    never lease again until the node restarted."""
+    import asyncio
+
+    async def scenario(broker: Any) -> tuple[bytes, list[dict]]:
         # Both start in this order in the loop's next step: the pause is in the log
         # before the lease's command, and applied after its pick.
         paused = asyncio.create_task(broker.raft.commit("jobs", "pause", True))
@@ -356,12 +374,7 @@ def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_pat
         await broker.raft.commit("jobs", "pause", False)
         return first, json.loads(await broker.lease("jobs", "w", 3, 30_000, 0))
 
-    try:
-        first, leased = asyncio.run(scenario())
-    finally:
-        broker.stop()
-        gc.unfreeze()
-        gc.set_threshold(*collecting)
+    first, leased = on_one_node(tmp_path, scenario)
     assert first == b"[]", "paused before the lease applied: nothing granted"
     assert [m["sort_key"] for m in leased] == [3, 5, 9], "every pick back, in order"
 
@@ -372,29 +385,10 @@ def test_a_lease_refused_for_a_trimmed_view_picks_again_even_when_not_waiting(
     """A lease picks, then commits; a cancel and the trim that forgets it apply between
     the two, so the lease's view is past and it grants nothing. The other picks are
     pending: a worker that asked not to wait gets them, not an empty answer that says
-    the topic is drained. One node, in process, its own Raft."""
+    the topic is drained."""
     import asyncio
 
-    from dejaq.broker.service import Broker, now_ms
-    from dejaq.conf.settings import Settings
-    from dejaq.jobs.ports import free_port
-
-    warehouse = str(tmp_path / "warehouse")
-    fill(warehouse, "jobs", buffer_rows([5, 3, 9], lambda i: 0))
-    settings = Settings(warehouse=warehouse, topics=[topic_conf()])
-    raft = f"127.0.0.1:{free_port()}"
-    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
-    collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
-    broker.start()
-
-    async def scenario() -> tuple[object, list[dict]]:
-        assert broker.raft is not None
-        broker.raft.attach(asyncio.get_running_loop())
-        deadline = time.monotonic() + 30
-        while not broker.raft.is_leader():
-            assert time.monotonic() < deadline, "no Raft leader within 30 s"
-            await asyncio.sleep(0.01)
-        await broker.raft.commit("jobs", "touch", "w", now_ms())  # a member: no join
+    async def scenario(broker: Any) -> tuple[int, list[dict]]:
         state = broker.state("jobs")
         # All three start in this order in the loop's next step: the cancel and its trim
         # are in the log before the lease's command, and applied after its pick of m0.
@@ -404,12 +398,7 @@ def test_a_lease_refused_for_a_trimmed_view_picks_again_even_when_not_waiting(
         assert await cancelled is None and await trimmed == ["m0"]
         return state.trimmed_upto(), json.loads(await leased)
 
-    try:
-        trimmed_upto, leased = asyncio.run(scenario())
-    finally:
-        broker.stop()
-        gc.unfreeze()
-        gc.set_threshold(*collecting)
+    trimmed_upto, leased = on_one_node(tmp_path, scenario)
     assert trimmed_upto == 1, "m0's cancel was trimmed before the lease applied"
     assert [m["id"] for m in leased] == ["m1", "m2"], "picked again: m0 gone, the rest leased"
 
