@@ -6,12 +6,12 @@ Three real Raft nodes (the broker's `RaftNode`: PySyncObj over TCP, AES-GCM, gro
 commit) share one event loop, each with its own `TopicIndex` over the same Delta buffer,
 wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked and
 packed by the leader's index, committed, rendered as the lease JSON) and ack it by its
-receipts (the body parsed as the hot path parses it); the leader checkpoints into the ledger and
-trims in slices as the broker does. Each step is timed where it runs, on which node (the
-methods are wrapped for the run, as a profiler would), and the process's CPU is split
-into those steps and the rest: Raft's transport, sealing, pickling and ticks, and the
-loop. No HTTP and no clients (`bench/broker.py` measures the live system); one thread,
-so no step waits on another.
+receipts (the body parsed as the hot path parses it); the leader checkpoints into the
+ledger and trims in slices as the broker does. Each step is timed where it runs, on which
+node (the methods are wrapped for the run, as a profiler would), and the process's CPU
+is split into those steps and the rest: Raft's transport, sealing, pickling and ticks,
+and the loop. No HTTP and no clients (`bench/broker.py` measures the live system); one
+thread, so no step waits on another.
 
 Baseline in the same run, on the same nodes, alternated with the main run in slices
 (this VM's speed drifts): each request commits one tiny command instead, a consumer's
