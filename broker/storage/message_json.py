@@ -80,10 +80,10 @@ def leased_array(
     if not lease.mids:
         return b"[]"
     deadline, receipt = lease.deadline, lease.receipt(0)
-    mids, _, keys = picks
+    mids, _, packed_keys = picks
     n = len(lease.mids)
     if n == len(mids) and lease.deliveries.count(1) == n:  # every pick, first delivery
-        whole = render_leased(rendered, keys, deadline, receipt)
+        whole = render_leased(rendered, packed_keys, deadline, receipt)
         if whole is not None:  # each at its row's own key
             return whole
     first = b', "deliveries": 1, "lease_deadline": %d, "receipt": %%d}, ' % deadline
