@@ -623,8 +623,8 @@ class Broker:
         st = self.state(topic)
         key = st.sort_key(mid, row.sort_key)
         lease = st.lease_of(mid)
-        if mid in st.settled:
-            status = st.settled[mid]
+        if (event := st.settled_event(mid)) is not None:
+            status = event
         elif lease is not None:
             status = "leased"
         elif st.not_before.get(mid, 0) > now_ms():
@@ -678,7 +678,7 @@ class Broker:
             "paused": st.paused,
             "pending": sum(b["pending"] for b in buckets) + delayed,
             "delayed": delayed,
-            "leased": len(st.leases),
+            "leased": sum(leased.values()),
             "deliverable_now": sum(b["deliverable_now"] for b in buckets),
             "acked": st.totals.get("acked", 0),
             "dead": st.totals.get("dead", 0),

@@ -18,6 +18,7 @@ from test_broker import (
     listed,
     loaded_topic,
     one_bucket_state,
+    settled_of,
     topic_conf,
 )
 
@@ -51,7 +52,7 @@ def test_purge_cancels_the_pending_and_leaves_the_leased_to_their_consumer() -> 
     picks = [("p1", 0, 5), ("late", 0, 3), ("held", 0, 1), ("done", 0, 2)]
     upto = s.trimmed_upto()
     assert s.purge(2, upto, picks) == 2
-    assert s.settled == {"done": "acked", "p1": "cancelled", "late": "cancelled"}
+    assert settled_of(s) == {"done": "acked", "p1": "cancelled", "late": "cancelled"}
     assert [(e.message_id, e.sort_key) for e in s.events[1:]] == [("p1", 5), ("late", 9)]
     assert s.ack("c", 3, ["held"]) == {}, "a leased message is still its consumer's"
     assert s.purge(4, upto, picks) == 0, "purged already"

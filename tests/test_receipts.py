@@ -12,7 +12,7 @@ from weakref import WeakKeyDictionary
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_broker import packed, topic_conf
+from test_broker import leased_ids, packed, settled_of, topic_conf
 
 from dejaq.broker.state.leases import (
     BULK_MIN,
@@ -55,7 +55,7 @@ def test_a_receipt_names_one_delivery_and_is_refused_with_the_reason_an_id_would
     assert s.ack("c", 100, [], [first["b"]]) == {first["b"]: Refusal.EXPIRED}, "at the deadline"
     assert s.nack("c", 5, [], receipts=[first["c"]]) == ({}, ["c"], [])
     assert s.ack("c", 6, [], [first["c"]]) == {first["c"]: Refusal.NOT_LEASED}, "given back"
-    assert s.settled == {"a": "acked"} and s.totals["acked"] == 1
+    assert settled_of(s) == {"a": "acked"} and s.totals["acked"] == 1
 
 
 def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_again() -> None:
@@ -103,11 +103,13 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
         for field in ("events", "settled", "held", "totals", "seq", "ending"):
             assert getattr(bulk, field) == getattr(other, field), field
         assert bulk.records[1].ended == other.records[1].ended
+        assert settled_of(bulk) == settled_of(other) and bulk.leases.keys() == other.leases.keys()
     assert bulk.ack("c", 6, [], [named[0] - 2, named[0] - 1, *named]) == {
         r: Refusal.SETTLED for r in named
     }, "a run with settled positions: one at a time, as ids are"
     assert bulk.ack("c", 6, [], [named[-1] + 2, named[-1] + 1]) == {}, "out of order: also"
-    assert bulk.ending == deque([(n, 1)]) and not bulk.leases
+    assert bulk.ending == deque([(n, 1)]) and not leased_ids(bulk)
+    assert settled_of(bulk) == {f"m{i}": "acked" for i in range(n)}
     again = TopicState(buckets=2, max_deliveries=5)
     again.touch("c", 0)
     whole = again.lease("c", 0, 100, [(f"m{i}", i % 2, i) for i in range(n)], lid=1)
@@ -133,7 +135,7 @@ def test_a_whole_lease_s_receipts_travel_as_a_range_and_settle_as_the_list() -> 
     assert by_range.events == by_list.events and len(by_range.events.entries) == 1, "in bulk"
     spread = range(whole[0], whole[0] + 2 * n)  # into positions no lease granted
     assert by_range.ack("c", 2, [], spread) == by_list.ack("c", 2, [], list(spread))
-    assert by_range.settled == by_list.settled and by_range.events == by_list.events
+    assert settled_of(by_range) == settled_of(by_list) and by_range.events == by_list.events
 
 
 KINDS = ("pending", "leased", "settled", "delayed", "again")
@@ -224,9 +226,9 @@ def test_records_go_once_their_events_are_trimmed() -> None:
     for i in range(50):
         named = receipts(lease(s, "c", [f"x{i}", f"y{i}"], now=i))
         assert s.ack("c", i, [], list(named.values())) == {}
-    assert len(s.records) == 50 and not s.leases
+    assert len(s.records) == 50 and not leased_ids(s) and len(settled_of(s)) == 100
     s.trim(s.seq)
-    assert s.records == {} and not s.ending
+    assert s.records == {} and not s.ending and not s.leases, "acks go with their trim"
     dead = receipts(lease(s, "c", ["d"], now=70))["d"]
     s.reject("c", 71, [], [dead])
     s.trim(s.seq, keep=[s.seq])  # its dead letter not written yet: the death stays
@@ -241,6 +243,37 @@ def test_records_go_once_their_events_are_trimmed() -> None:
     assert s.ack("c", 60, [], [named[f"x{49}"]]) == {named["x49"]: Refusal.NOT_LEASED}
 
 
+def test_an_acked_message_is_settled_to_every_path_until_its_trim() -> None:
+    """An ack's mark lives in its lease's record, which `leases` keeps naming until the
+    trim of the ack's event: every path that asks for a message by id must still see it
+    settled (never leased, cancelled, rescheduled or redriven again), and the trim must
+    take it out, also when a redrive of the same message is untrimmed."""
+    s = TopicState(buckets=1, max_deliveries=1)
+    many = [f"m{i}" for i in range(BULK_MIN)]
+    named = receipts(lease(s, "c", [*many, "one", "dies"], now=0))
+    assert s.ack("c", 1, [], [named[m] for m in many]) == {}, "in bulk"
+    assert s.ack("c", 1, ["one"]) == {}, "by id"
+    assert s.nack("c", 1, [], receipts=[named["dies"]]) == ({}, [], ["dies"])
+    assert leased_ids(s) == set()
+    for mid in [*many, "one"]:
+        assert s.settled_event(mid) == "acked" and not s.is_available(mid, 2)
+        assert s.lease_of(mid) is None
+        assert s.cancel(2, mid, 0, 0) is Refusal.SETTLED
+        assert s.reschedule(mid, 5) is Refusal.SETTLED
+    assert s.ack("c", 2, ["one", "m0"]) == {"one": Refusal.SETTLED, "m0": Refusal.SETTLED}
+    assert s.nack("c", 2, ["m1"])[0] == {"m1": Refusal.SETTLED}
+    assert s.redrive(2, s.seq, [("m2", 0, 0), ("dies", 0, 0)]) == (
+        ["dies"],
+        {"m2": Refusal.SETTLED},
+    )
+    again = s.lease("c", 3, 100, [(m, 0, 0) for m in [*many, "one", "dies"]], lid=99)
+    assert again.mids == ["dies"], "neither the bulk nor the one-at-a-time grant takes them"
+    assert leased_ids(s) == {"dies"} and s.ack("c", 4, ["dies"]) == {}
+    assert sorted(s.trim(s.seq)) == sorted([*many, "one", "dies"]), "its death: redriven"
+    assert s.leases == {} and s.settled == {} and s.redriven_at == {}
+    assert s.settled_event("one") is None and s.is_available("one", 5), "forgotten: the ledger's"
+
+
 def test_receipts_survive_a_snapshot() -> None:
     s = TopicState(buckets=1, max_deliveries=5)
     named = receipts(lease(s, "c", ["a", "b"], now=0))
@@ -249,7 +282,7 @@ def test_receipts_survive_a_snapshot() -> None:
     assert again.leases["a"] is again.records[1], "one record, shared"
     assert again.ack("c", 2, ["a"]) == {}, "by id, through the rebuilt positions"
     assert again.ack("c", 2, [], [named["a"], named["b"]]) == {named["a"]: Refusal.SETTLED}
-    assert again.lease_of("b") is None and again.settled == {"a": "acked", "b": "acked"}
+    assert again.lease_of("b") is None and settled_of(again) == {"a": "acked", "b": "acked"}
 
 
 class NoIndex:
@@ -285,7 +318,7 @@ def test_nodes_whose_snapshots_predate_receipts_at_different_points_number_lease
         new = node._apply("t", "lease", ("c", 2, 10_000, [("m4", 0, 4)], None, True))
         assert node.lids == new.lid == 1
         assert node._apply("t", "ack", ("c", 3, [], [new.receipt(0)])) == {}
-        assert node.topics["t"].settled == {"m4": "acked"}
+        assert settled_of(node.topics["t"]) == {"m4": "acked"}
 
 
 @settings(max_examples=150, deadline=None)
@@ -394,5 +427,6 @@ def test_receipts_settle_what_ids_settle(history: list[tuple[str, list[int], int
                 assert refused_ids[back[r]] == why
     for field in ("settled", "deliveries", "not_before", "sort_keys", "totals", "held"):
         assert getattr(by_id, field) == getattr(by_receipt, field), field
+    assert settled_of(by_id) == settled_of(by_receipt)
     assert by_id.events == by_receipt.events
     assert set(by_id.leases) == set(by_receipt.leases)

@@ -165,7 +165,10 @@ class TopicState:
     def __init__(self, buckets: int, max_deliveries: int) -> None:
         self.buckets = buckets
         self.max_deliveries = max_deliveries
-        self.leases: dict[str, LeaseRecord] = {}  # leased message -> its lease's record
+        # message -> its lease's record, while leased and, once acked, until the trim of
+        # its event: an ack's settled mark is the record's `ended` byte, so the ack path
+        # touches no table by id, and the lease path's one probe finds leased and acked.
+        self.leases: dict[str, LeaseRecord] = {}
         # Every lease's record by lid, until its messages' leases ended and the events of
         # that are trimmed (`ending`): a receipt resolves as long as an id would.
         self.records: dict[int, LeaseRecord] = {}
@@ -179,7 +182,9 @@ class TopicState:
         self.deliveries: dict[str, int] = {}
         self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
         self.not_before: dict[str, int] = {}  # nack with delay
-        self.settled: dict[str, str] = {}  # message_id -> event, until checkpointed
+        # message_id -> event, until checkpointed: settled other than by an ack (those
+        # are in `leases`), see `settled_event`.
+        self.settled: dict[str, str] = {}
         self.events = EventLog()
         self.seq = 0
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
@@ -283,6 +288,14 @@ class TopicState:
     def sort_key(self, mid: str, base: int) -> int:
         return self.sort_keys.get(mid, base)
 
+    def settled_event(self, mid: str) -> str | None:
+        """What settled the message, if its event is not trimmed yet: `settled`, or an
+        ack marked in its lease's record."""
+        event = self.settled.get(mid)
+        if event is not None or (record := self.leases.get(mid)) is None:
+            return event
+        return LedgerEvent.ACKED if record.ended[record.position(mid)] == ACKED else None
+
     def is_available(self, mid: str, now: int) -> bool:
         """Neither leased nor settled nor held back by a nack delay."""
         return (
@@ -315,9 +328,10 @@ class TopicState:
         the bucket: both checks once per lease, not per message.
 
         `seen` is the seq the leader's state was at when it picked (None in commands
-        from before it was carried). A message settled since is in `settled` until a
-        trim forgets it; once a trim has passed `seen`, a pick settled and trimmed
-        meanwhile would look pending, so nothing is granted and the leader picks again.
+        from before it was carried). A message settled since is known as settled
+        (`settled_event`) until a trim forgets it; once a trim has passed `seen`, a pick
+        settled and trimmed meanwhile would look pending, so nothing is granted and the
+        leader picks again.
         """
         self.touch(consumer, now)
         numbered = lid is not None
@@ -455,7 +469,9 @@ class TopicState:
     def lease_of(self, mid: str) -> Lease | None:
         """A leased message's lease (a peek's view)."""
         record = self.leases.get(mid)
-        return None if record is None else record.lease(record.position(mid))
+        if record is None or record.ended[pos := record.position(mid)]:
+            return None
+        return record.lease(pos)
 
     def _end(self, record: LeaseRecord, pos: int, how: int) -> str:
         """End one message's lease (`how`: ACKED, EXPIRED...); returns its id.
@@ -512,6 +528,9 @@ class TopicState:
                     refused[key] = Refusal.NOT_LEASED
                     continue
                 pos = record.position(key)
+                if record.ended[pos]:  # acked
+                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
+                    continue
             if record.consumer != consumer:
                 refused[key] = Refusal.OTHER_CONSUMER
             elif record.deadline_of(pos) <= now:
@@ -548,7 +567,8 @@ class TopicState:
         receipts is settled in bulk; otherwise `_held`, `_end` and `_settle` are inlined
         (a generator and two calls per message cost a third more at batch 100). A leased
         message has no delay and no count outside its lease, so only an override (a
-        nack's new priority) is left to drop.
+        nack's new priority) is left to drop. An acked message stays in `leases`, marked
+        ACKED in its record, until the trim of its event: no table by id is written.
         """
         bulk = receipts is not None and len(receipts) >= BULK_MIN
         if bulk and (record := self._run_of(consumer, now, receipts)) is not None:
@@ -579,6 +599,9 @@ class TopicState:
                     refused[key] = Refusal.SETTLED if mid in settled else Refusal.NOT_LEASED
                     continue
                 pos = record.position(mid)
+                if record.ended[pos]:  # acked
+                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
+                    continue
             if record.consumer != consumer:
                 refused[key] = Refusal.OTHER_CONSUMER
                 continue
@@ -589,7 +612,6 @@ class TopicState:
             record.live -= 1
             if not record.live:
                 ending.append((seq + 1, record.lid))
-            del leases[mid]
             bucket = record.buckets[pos]
             counts = held[bucket]
             left = counts[consumer] - 1
@@ -613,7 +635,6 @@ class TopicState:
                     ),
                 )
             )
-            settled[mid] = acked
             if sort_keys:
                 sort_keys.pop(mid, None)
         if seq != self.seq:
@@ -653,12 +674,10 @@ class TopicState:
         record.live -= n
         if not record.live:
             self.ending.append((seq + n, record.lid))
-        deque(map(self.leases.pop, mids), maxlen=0)
         for bucket, count in Counter(buckets).items():
             _unhold(self.held[bucket], record.consumer, count)
         keys, counts = record.sort_keys[start:end], record.deliveries[start:end]
         self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
-        self.settled.update(zip(mids, repeat(acked)))
         if self.sort_keys:
             deque(map(self.sort_keys.pop, mids, repeat(None)), maxlen=0)
         self.seq = seq + n
@@ -765,12 +784,12 @@ class TopicState:
         """Cancel a message whether pending or leased (its holder's ack then gets 409).
 
         `seen`: the seq at which the leader found the message's row (None in commands
-        from before it was carried). A message settled since is in `settled` until a
-        trim forgets it; past such a trim it could be settled a second time.
+        from before it was carried). A message settled since is known as settled until
+        a trim forgets it; past such a trim it could be settled a second time.
         """
         if _trimmed_past(self, seen):
             return Refusal.TRIMMED
-        if mid in self.settled:
+        if self.settled_event(mid) is not None:
             return Refusal.SETTLED
         deliveries = self.deliveries.get(mid, 0)
         record = self.leases.get(mid)
@@ -788,7 +807,7 @@ class TopicState:
         `cancel`: past a trim, a message settled since would keep its override for good."""
         if _trimmed_past(self, seen):
             return Refusal.TRIMMED
-        if mid in self.settled:
+        if self.settled_event(mid) is not None:
             return Refusal.SETTLED
         if mid in self.leases:
             return Refusal.LEASED
@@ -832,9 +851,9 @@ class TopicState:
         """Cancel the leader's list of the topic's pending messages; returns how many, or
         None to have the leader list them again.
 
-        The list was taken when this state was trimmed up to `upto`. A message on it that
-        settled since is in `settled` unless a trim has forgotten it since: then the list
-        may name a settled message, and nothing is done. A message leased meanwhile is
+        The list was taken when this state was trimmed up to `upto`. A message on it
+        that settled since is known as settled unless a trim has forgotten it since: then
+        the list may name a settled message, and nothing is done. A message leased meanwhile is
         left to its consumer, as are all leased ones: a worker mid-task can still ack,
         and a message it gives back is pending again.
         """
@@ -867,7 +886,7 @@ class TopicState:
         redriven: list[str] = []
         refused: dict[str, Refusal] = {}
         for mid, bucket, key in dead:
-            event = self.settled.get(mid)
+            event = self.settled_event(mid)
             if event is None and (mid in self.redriven_at or mid in self.leases):
                 refused[mid] = Refusal.REDRIVEN
                 continue
@@ -908,19 +927,24 @@ class TopicState:
         if self.redriven_at:
             return self._trim_redriven(settlements(done))
         mids: list[str] = []
+        acked: list[str] = []  # in `leases`, by their records; the others in `settled`
+        others: list[str] = []
         for e in done:
             if type(e) is Settlement:
                 mids.append(e.message_id)
+                (acked if e.event == LedgerEvent.ACKED else others).append(e.message_id)
             else:
                 mids += e.message_ids
-        deque(map(self.settled.pop, mids, repeat(None)), maxlen=0)
+                (acked if e.event == LedgerEvent.ACKED else others).extend(e.message_ids)
+        deque(map(self.leases.pop, acked, repeat(None)), maxlen=0)
+        deque(map(self.settled.pop, others, repeat(None)), maxlen=0)
         return mids
 
     def _trim_redriven(self, done: Iterable[Settlement]) -> list[str]:
         """`trim` while some message has an untrimmed redrive: a settlement followed by a
         later redrive of its message no longer says what the message is (pending again,
         or settled anew), and a redriven event settles nothing: neither is forgotten."""
-        redriven_at, settled = self.redriven_at, self.settled
+        redriven_at, settled, leases = self.redriven_at, self.settled, self.leases
         mids: list[str] = []
         for e in done:
             mid = e.message_id
@@ -929,7 +953,7 @@ class TopicState:
                 if last == e.seq:
                     del redriven_at[mid]
             elif last < e.seq:
-                settled.pop(mid, None)
+                (leases if e.event == LedgerEvent.ACKED else settled).pop(mid, None)
                 mids.append(mid)
         return mids
 
@@ -969,7 +993,7 @@ def retry_delay(deliveries: int, base_ms: int, max_ms: int) -> int:
 
 def _trimmed_past(state: TopicState, seen: int | None) -> bool:
     """Whether a trim has passed seq `seen` (the state a command was made from): a
-    message settled after it may be forgotten, no longer in `settled`."""
+    message settled after it may be forgotten, no longer known as settled."""
     return seen is not None and state.trimmed_upto() > seen
 
 

@@ -442,7 +442,7 @@ class TopicIndex:
                         for i, mid in enumerate(batch.mids)
                         if mid in self.unread
                         and self.store.get(mid) is None
-                        and mid not in state.settled
+                        and state.settled_event(mid) is None
                         and mid not in found_here
                         and found_here.add(mid) is None
                     ],
