@@ -853,9 +853,9 @@ class TopicState:
 
         The list was taken when this state was trimmed up to `upto`. A message on it
         that settled since is known as settled unless a trim has forgotten it since: then
-        the list may name a settled message, and nothing is done. A message leased meanwhile is
-        left to its consumer, as are all leased ones: a worker mid-task can still ack,
-        and a message it gives back is pending again.
+        the list may name a settled message, and nothing is done. A message leased
+        meanwhile is left to its consumer, as are all leased ones: a worker mid-task can
+        still ack, and a message it gives back is pending again.
         """
         if upto < self.trimmed_upto():
             return None
