@@ -122,9 +122,8 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray]:
 
 def _arrow(values: list, kind: pa.DataType) -> pa.ChunkedArray:
     """`values` as Arrow, converted a slice at a time, with the GIL offered to the event
-    loop after each. Without the offer a thread waiting for it gets it only once the
-    switch interval (5 ms) has passed, and not inside a C call: a second's checkpoint
-    then added ~10 ms to the batch-100 lease p99 (`bench/broker.py`)."""
+    loop after each rather than left to the switch interval: without the offer, a
+    second's checkpoint added 4-5 ms to the batch-100 lease p99 (`bench/broker.py`)."""
     chunks = []
     for i in range(0, len(values), CONVERT_SLICE):
         chunks.append(pa.array(values[i : i + CONVERT_SLICE], kind))
