@@ -1171,20 +1171,15 @@ class _NoIndex:
     def reset(self, states: dict[str, TopicState]) -> None: ...
 
 
-def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Path) -> None:
-    """Three real Raft nodes (PySyncObj over TCP, in one event loop). A command waiting
-    while another is in flight is in the leader's log by the time the leader applies
-    the first: the followers get it while the leader applies (`RaftNode._all_committed`).
-    """
-    import asyncio
-
+def _raft_nodes(tmp_path: Path) -> list:
+    """Three real Raft nodes (PySyncObj over TCP), not yet attached to a loop."""
     from dejaq.broker.state.raft import RaftNode
     from dejaq.conf.settings import BrokerConfig
     from dejaq.jobs.ports import free_port
 
     topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=4)
     addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
-    nodes = [
+    return [
         RaftNode(
             a,
             [p for p in addrs if p != a],
@@ -1195,18 +1190,32 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
         )
         for i, a in enumerate(addrs)
     ]
-    in_log_at_apply: dict[str, int] = {}
 
-    async def until(condition, what: str, step: float = 0.005) -> None:
-        deadline = asyncio.get_running_loop().time() + 30
-        while not condition():
-            assert asyncio.get_running_loop().time() < deadline, f"no {what} within 30 s"
-            await asyncio.sleep(step)
+
+async def _until(condition: Callable[[], object], what: str, step: float = 0.005) -> None:
+    """Wait on the running loop for `condition`, for at most 30 s."""
+    import asyncio
+
+    deadline = asyncio.get_running_loop().time() + 30
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"no {what} within 30 s"
+        await asyncio.sleep(step)
+
+
+def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Path) -> None:
+    """Three real Raft nodes (PySyncObj over TCP, in one event loop). A command waiting
+    while another is in flight is in the leader's log by the time the leader applies
+    the first: the followers get it while the leader applies (`RaftNode._all_committed`).
+    """
+    import asyncio
+
+    nodes = _raft_nodes(tmp_path)
+    in_log_at_apply: dict[str, int] = {}
 
     async def scenario() -> list:
         for node in nodes:
             node.attach(asyncio.get_running_loop())
-        await until(lambda: any(n.is_leader() for n in nodes), "leader")
+        await _until(lambda: any(n.is_leader() for n in nodes), "leader")
         leader = next(n for n in nodes if n.is_leader())
         await leader.commit("t", "touch", "warm-up", 0)
         state, sync = leader.state.topics["t"], leader.sync
@@ -1219,7 +1228,7 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
 
         state.touch = recording
         first = asyncio.ensure_future(leader.commit("t", "touch", "a", 1))
-        await until(lambda: leader._uncommitted, "group in flight", step=0)  # a loop turn
+        await _until(lambda: leader._uncommitted, "group in flight", step=0)  # a loop turn
         second = asyncio.ensure_future(leader.commit("t", "touch", "b", 2))
         return await asyncio.gather(first, second)
 
@@ -1229,6 +1238,61 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
         for node in nodes:
             node.destroy()
     assert in_log_at_apply == {"a": 2, "b": 1}
+
+
+def test_a_tick_past_the_election_deadline_reads_the_heartbeats_waiting_first(
+    tmp_path: Path,
+) -> None:
+    """A follower's process can stop anywhere, also inside a tick after it read the clock:
+    then the tick finds the election deadline passed while the leader's heartbeats sit
+    unread in its sockets. The tick must read them before it starts an election. Here the
+    follower's loop stops watching its sockets and ticking until its deadline has passed
+    and a heartbeat waits; then one tick runs, as the first after such a stop would."""
+    import asyncio
+    import select as select_module
+
+    from pysyncobj.monotonic import monotonic as raft_clock  # PySyncObj's deadlines
+
+    nodes = _raft_nodes(tmp_path)
+
+    def heartbeat_waiting(node) -> bool:
+        ready = select_module.poll()
+        for fd in node.poller._subs:
+            ready.register(fd, select_module.POLLIN)
+        return bool(ready.poll(0))
+
+    async def scenario() -> tuple[int, tuple[int, str], tuple[int, str], int]:
+        loop = asyncio.get_running_loop()
+        for node in nodes:
+            node.attach(loop)
+        await _until(lambda: any(n.is_leader() for n in nodes), "leader")
+        leader = next(n for n in nodes if n.is_leader())
+        stalled = next(n for n in nodes if not n.is_leader())
+        await leader.commit("t", "touch", "warm-up", 0)
+        await _until(lambda: stalled.leader() == leader.raft_addr, "a follower of the leader")
+        term, before = leader.term(), (stalled.term(), stalled.role())
+        stalled.detach()
+        sync = stalled.sync
+        await _until(
+            lambda: (
+                sync._SyncObj__raftElectionDeadline < raft_clock() and heartbeat_waiting(stalled)
+            ),
+            "the deadline passed with a heartbeat waiting",
+        )
+        sync.doTick(0)
+        after = (stalled.term(), stalled.role())
+        stalled.attach(loop)
+        await leader.commit("t", "touch", "after", 1)
+        return term, before, after, leader.term()
+
+    try:
+        term, before, after, term_after = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert before == (term, "follower")
+    assert after == before, "the follower started an election"
+    assert term_after == term, "the leader was deposed"
 
 
 def _mostly_settled(

@@ -47,6 +47,7 @@ from pysyncobj import (
     SyncObjException,
     replicated,
 )
+from pysyncobj.monotonic import monotonic as raft_clock
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _RAFT_STATE
 
@@ -69,7 +70,6 @@ MAX_GROUP = 256  # commands per entry
 COMMIT_TIMEOUT_S = 5.0
 TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
 ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader for 300 ms
-STALL_S = 0.1  # a tick this late reads the Raft sockets first (see `RaftNode._tick`)
 WARN_LAG_S = ELECTION_TIMEOUT_S[0] / 2
 COMPRESS_MIN_BYTES = 64 * 1024  # smaller Raft messages travel as stored (uncompressed) zlib
 AUTH_LOG_EVERY_S = 30.0
@@ -317,6 +317,22 @@ class _SyncObj(SyncObj):
         _apply_log_entries(self)
         return False
 
+    def _SyncObj__connectedToAnyone(self) -> bool:  # overrides SyncObj.__connectedToAnyone
+        """Asked by a tick only once the election deadline has passed: read what peers sent
+        first, so a follower whose process stalled (a pause, a stop, a starved core) does
+        not start an election that heartbeats already in its sockets would have prevented.
+        After a stall the loop runs its timers, so a tick, before it reads the sockets.
+
+        The clock is read before the sockets: a stall between the two cannot make
+        heartbeats that arrived during it look late, wherever in the tick it lands. (Raft's
+        deadlines are on PySyncObj's clock, CLOCK_MONOTONIC_RAW, not `time.monotonic`.)
+        """
+        now = raft_clock()
+        self._loop_poller.drain()
+        if self._SyncObj__raftElectionDeadline >= now:
+            return False
+        return _connected_to_anyone(self)
+
     def _SyncObj__onMessageReceived(self, node: Any, message: dict) -> None:
         """Keep a follower's next index from moving back on an older entry's success.
 
@@ -337,6 +353,7 @@ class _SyncObj(SyncObj):
 
 _apply_log_entries = SyncObj._SyncObj__applyLogEntries  # type: ignore[attr-defined]
 _on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
+_connected_to_anyone = SyncObj._SyncObj__connectedToAnyone  # type: ignore[attr-defined]
 
 
 class Listener(Protocol):
@@ -510,7 +527,6 @@ class RaftNode:
         self._flush_due = False
         self._ticker: asyncio.TimerHandle | None = None
         self._due = 0.0
-        self._last_tick = time.monotonic()
         self._pending: list[tuple[tuple[str, str, tuple], asyncio.Future, float]] = []
         self._in_flight: dict[int, asyncio.TimerHandle] = {}  # by group: until applied
         self._uncommitted: set[int] = set()  # groups holding an in-flight slot
@@ -536,17 +552,8 @@ class RaftNode:
             self._loop.call_soon(self._tick)
 
     def _tick(self) -> None:
-        """After a stall the loop runs timers before reading sockets, and PySyncObj checks
-        the election deadline first thing in a tick: read what peers sent meanwhile, so a
-        follower whose loop stalled does not start an election the leader's heartbeats,
-        already received, would have prevented."""
         self._tick_due = False
-        now = time.monotonic()
-        stalled = now - self._last_tick > STALL_S
-        self._last_tick = now
         try:
-            if stalled:
-                self.poller.drain()
             self.sync.doTick(0)
         except Exception:
             log.exception("Raft tick failed")
