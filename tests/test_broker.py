@@ -1249,17 +1249,10 @@ def test_a_tick_past_the_election_deadline_reads_the_heartbeats_waiting_first(
     follower's loop stops watching its sockets and ticking until its deadline has passed
     and a heartbeat waits; then one tick runs, as the first after such a stop would."""
     import asyncio
-    import select as select_module
 
     from pysyncobj.monotonic import monotonic as raft_clock  # PySyncObj's deadlines
 
     nodes = _raft_nodes(tmp_path)
-
-    def heartbeat_waiting(node) -> bool:
-        ready = select_module.poll()
-        for fd in node.poller._subs:
-            ready.register(fd, select_module.POLLIN)
-        return bool(ready.poll(0))
 
     async def scenario() -> tuple[int, tuple[int, str], tuple[int, str], int]:
         loop = asyncio.get_running_loop()
@@ -1275,7 +1268,7 @@ def test_a_tick_past_the_election_deadline_reads_the_heartbeats_waiting_first(
         sync = stalled.sync
         await _until(
             lambda: (
-                sync._SyncObj__raftElectionDeadline < raft_clock() and heartbeat_waiting(stalled)
+                sync._SyncObj__raftElectionDeadline < raft_clock() and stalled.poller.readable()
             ),
             "the deadline passed with a heartbeat waiting",
         )

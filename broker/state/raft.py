@@ -229,13 +229,17 @@ class LoopPoller:
     def poll(self, timeout: float) -> None:
         """The loop polls; PySyncObj's tick ends here."""
 
-    def drain(self) -> None:
-        """Handle the Raft sockets that are readable now, ahead of the loop's I/O phase."""
+    def readable(self) -> list[int]:
+        """The Raft sockets watched for reading that have something to read now."""
         ready = select.poll()
         for fd, (_, mask) in self._subs.items():
             if mask & POLL_EVENT_TYPE.READ:
                 ready.register(fd, select.POLLIN)
-        for fd, _ in ready.poll(0):
+        return [fd for fd, _ in ready.poll(0)]
+
+    def drain(self) -> None:
+        """Handle the Raft sockets that are readable now, ahead of the loop's I/O phase."""
+        for fd in self.readable():
             sub = self._subs.get(fd)
             if sub is not None:
                 self._call(sub[0], fd, POLL_EVENT_TYPE.READ)
