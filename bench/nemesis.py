@@ -28,7 +28,8 @@ equal to the ledger's dead events, the buffer drained by retention, the nodes ag
 `--secure` runs the same with TLS on every node's HTTP and API keys on: the workers and
 the checker then go through HTTPS with a key, and every forward through its node tag.
 
-Prints one JSON object; exit code 1 if a safety count is not 0 or the run failed.
+Prints one JSON object; exit code 1 if a safety count is not 0 or the run failed. A run
+that fails a check (`failed_checks`) keeps its folder, with the nodes' logs, as `folder`.
 Only PIDs this run started are ever signalled; everything is stopped at the end.
 """
 
@@ -964,6 +965,27 @@ def ledger_lag(progress: list[dict], faults: list[Fault], since: float) -> dict[
     }
 
 
+def lag_recovered(progress: list[dict], start_s: float) -> bool:
+    """Whether a ledger lag under 10 s was sampled after `start_s` (run seconds)."""
+    return any(p["t_s"] > start_s and p.get("ledger_lag_s", 10) < 10 for p in progress)
+
+
+def failed_checks(out: dict[str, Any]) -> list[str]:
+    """The liveness checks a run failed, beside its safety counts and errors."""
+    f = out["figures"]
+    checks = {
+        "errors": not out["errors"],
+        "safety": all(f.get(k) == 0 for k in ("lost", "leased_after_ack", "double_leased")),
+        "ledger_caught_up": f.get("ledger", {}).get("caught_up"),
+        "buffer_drained": f.get("buffer", {}).get("drained"),
+        "nodes_agree": f.get("nodes_agree"),
+        "ledger_lag_under_10s_within_30s_of_each_fault": (
+            f.get("ledger_lag", {}).get("faults_not_under_10s_within_30s") == 0
+        ),
+    }
+    return [name for name, ok in checks.items() if not ok]
+
+
 def start_cluster(tmp: Path, conf: Path, attempts: int = 3) -> Cluster:
     """Three nodes on fresh ports, ready. A node that exits at start (a port another
     process took between `plan` and the bind: a test suite beside the run) gets the
@@ -1188,6 +1210,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
 
         ok, took = poll(drained, args.drain_s, 0.5)
         figures["drain"] = {"drained": bool(ok), "seconds": round(took, 1)}
+        if faults:
+            # Each fault's lowest ledger lag in the 30 s after it is judged: sampling goes on
+            # until the last fault's window holds a lag under 10 s, or ends, so a lag taken
+            # while all three nodes restart is not that window's only sample.
+            last = max(f.at for f in faults)
+            poll(lambda: lag_recovered(load.progress, last - since), last + 30 - time.time(), 1)
         load.stop()
         gaps(journal, faults, time.time(), args.fault_every)
         figures.update(check_tables(args, warehouse, urls, http, journal))
@@ -1266,10 +1294,15 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminated)
     tmp = Path(tempfile.mkdtemp(prefix="dejaq-nemesis-", dir=args.tmp))
     started = time.time()
+    out: dict[str, Any] | None = None
+    failed: list[str] = []
     try:
         out = run(args, tmp)
+        failed = failed_checks(out)
     finally:
-        if not args.keep:
+        # A failed run keeps its folder: the nodes' logs say what the figures cannot.
+        keep = args.keep or bool(failed)
+        if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
     f = out["figures"]
     safety = {k: f.get(k) for k in ("lost", "leased_after_ack", "double_leased")}
@@ -1285,7 +1318,8 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "platform": platform.platform(),
         },
-        "folder": str(tmp) if args.keep else None,
+        "failed_checks": failed,
+        "folder": str(tmp) if keep else None,
         **out,
     }
     print(json.dumps(report, indent=1, default=str))
