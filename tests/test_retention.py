@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import logging
 import pickle
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_broker import acked_batches, buffer_rows, fill, listed, loaded_topic, topic_conf
 
+from dejaq.broker.state.leases import TopicState
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
@@ -182,6 +184,30 @@ def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_lett
     picks = listed(index.pick(state, state.buckets_of("c"), 2, now=3, taken=taken))
     assert [p[0] for p in picks] == ["m0", "m1"]
     assert base64.b64encode(b"payload-m0") in taken[0][1], "the dead letter's payload"
+
+
+def test_a_node_catching_up_does_not_call_a_message_the_ledger_settled_unleasable(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A restarted node applies a lease's expiry before the later ack of the message,
+    whose row retention has removed: it is not indexed, and not warned about. A message
+    neither in the buffer, the dead letters nor the ledger still is."""
+    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.ack("c", 1, ["m0"])
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    assert run(warehouse, now_ms()) is not None
+    assert buffered(warehouse) == {"m1"}
+    restarted = TopicIndex(warehouse, topic_conf())
+    restarted.load()
+    replaying = TopicState(4, 5)
+    replaying.touch("c", 0)
+    restarted.push(replaying, ["m0", "unknown"])
+    with caplog.at_level(logging.WARNING, logger="dejaq.broker.storage.index"):
+        assert restarted.revive(replaying) == 0
+    assert restarted.unread == set() and set(restarted.rows) == {"m1"}
+    warned = [r.getMessage() for r in caplog.records if "cannot be leased" in r.getMessage()]
+    assert len(warned) == 1 and "['unknown']" in warned[0], warned
 
 
 def test_a_commit_beaten_by_an_append_is_tried_again(

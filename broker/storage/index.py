@@ -459,6 +459,12 @@ class TopicIndex:
             self.unread.difference_update(wanted)
         self.heads.release(+unused)
         if missing := set(wanted).difference(found):
+            # A node catching up (a restart applying its log) makes pending again what a
+            # later entry settles, and retention may have removed those rows since: the
+            # ledger holds them settled, and that entry will forget them here.
+            settled, _ = split(latest_events(self.ledger_path, 0, sorted(missing)))
+            missing.difference_update(settled)
+        if missing:
             log.warning(
                 "%s: %d redriven messages have neither a buffer row nor a dead letter, "
                 "so they cannot be leased: %s",
