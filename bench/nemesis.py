@@ -82,8 +82,10 @@ SETTLED = frozenset({"acked", "dead", "cancelled"})
 LOG_PATTERNS = (
     "Traceback",
     "ArrowNotImplementedError",
-    "leader duties failed",
+    "leader duties",
     "retention of",
+    "not committed",
+    "cannot be leased",
     "refreshing the index",
     "possible divergence",
     "truncating already-applied",

@@ -26,7 +26,7 @@ from dejaq.broker.state.leases import (
     TopicState,
     consecutive,
 )
-from dejaq.broker.state.raft import NotCommitted, RaftNode
+from dejaq.broker.state.raft import NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
@@ -253,7 +253,7 @@ class Broker:
                 if raft.leader() is None:
                     continue
                 if raft.state.nodes.get(self.raft_addr) != self.http_addr:
-                    raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=2)
+                    committed(raft.state.register, self.raft_addr, self.http_addr, timeout=2)
                 if not raft.is_leader():
                     continue
                 for name, cfg in self.topics.items():
@@ -261,10 +261,12 @@ class Broker:
                     now = now_ms()
                     if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
                         args = (now, self.conf.heartbeat_timeout_ms, _backoff(cfg))
-                        raft.state.command(name, "expire", args, sync=True, timeout=2)
+                        committed(raft.state.command, name, "expire", args, timeout=2)
                 if time.monotonic() - last_checkpoint >= CHECKPOINT_PERIOD_S:
                     last_checkpoint = time.monotonic()
                     self._checkpoint()
+            except NotCommitted as e:  # a leader change: the next round asks again
+                log.warning("leader duties: %s; retrying", e)
             except Exception:
                 log.exception("leader duties failed; retrying")
 
@@ -291,7 +293,7 @@ class Broker:
             restore(index.buffer_path, index.dead_letter_path, again, now_ms())
         for cut in trim_cuts(events, upto):
             args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
-            self.raft.state.command(name, "trim", args, sync=True, timeout=5)
+            committed(self.raft.state.command, name, "trim", args, timeout=5)
         self._checkpoints[name] += 1
         if self._checkpoints[name] % COMPACT_EVERY == 0:
             compact_ledger(self.settings.warehouse, name)
@@ -315,6 +317,8 @@ class Broker:
                 last[name] = time.monotonic()
                 try:
                     self._retain(name, cfg)
+                except NotCommitted as e:
+                    log.warning("retention of %s: %s; the next round tries again", name, e)
                 except Exception:
                     log.warning(
                         "retention of %s failed; the next round tries again", name, exc_info=True
@@ -329,7 +333,7 @@ class Broker:
         entries yet when it is elected, and a run before them would miss their events.
         """
         assert self.raft is not None
-        self.raft.state.register(self.raft_addr, self.http_addr, sync=True, timeout=5)
+        committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
         entries = self.state(name).events.view()
         unwritten = min((e.at for e in entries), default=None)
         index = self.indexes[name]

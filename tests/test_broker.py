@@ -1626,3 +1626,32 @@ def test_the_id_table_finds_what_a_dict_would(
             assert 4 * (table.live + table.deleted) <= 3 * len(table.slots)
     finally:
         id_table.MIN_SLOTS = small
+
+
+def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> None:
+    """One node of three up: no leader. A replicated call from a duty thread fails with
+    NotCommitted, PySyncObj's reason in words: a leader change is a line in the log, not
+    a traceback of a bare code."""
+    import asyncio
+
+    from dejaq.broker.state.raft import NotCommitted, committed
+
+    nodes = _raft_nodes(tmp_path)
+
+    def register() -> str:
+        try:
+            committed(nodes[0].state.register, "127.0.0.1:1", "http://127.0.0.1:2", timeout=0.5)
+        except NotCommitted as e:
+            return str(e)
+        return "committed"
+
+    async def scenario() -> str:
+        nodes[0].attach(asyncio.get_running_loop())
+        return await asyncio.to_thread(register)
+
+    try:
+        said = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert said == "Raft command not committed within 0.5 s (no leader, or no majority)"

@@ -372,6 +372,36 @@ class NotCommitted(RuntimeError):
     """The command did not reach a majority (no leader, leader changed, timeout)."""
 
 
+# PySyncObj's reasons for not committing a command, as a log line or a 503 says them.
+_FAILURES = {
+    FAIL_REASON.QUEUE_FULL: "the leader's command queue is full",
+    FAIL_REASON.MISSING_LEADER: "there is no leader (an election is under way)",
+    FAIL_REASON.DISCARDED: "a new leader was elected before it committed",
+    FAIL_REASON.NOT_LEADER: "this node stopped leading before it committed",
+    FAIL_REASON.LEADER_CHANGED: "the leader changed before it committed",
+    FAIL_REASON.REQUEST_DENIED: "Raft denied it",
+    FAIL_REASON.UNKNOWN_OUTCOME: "its outcome is unknown",
+}
+
+
+def not_committed(reason: int) -> NotCommitted:
+    """A command's failure, with PySyncObj's reason (a FAIL_REASON) in words."""
+    return NotCommitted(f"Raft command not committed: {_FAILURES.get(reason, reason)}")
+
+
+def committed(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    """Call a replicated method of `BrokerState` and wait for its result, from a thread
+    other than the event loop; NotCommitted if a majority did not take it."""
+    try:
+        return method(*args, sync=True, timeout=timeout)
+    except SyncObjException as e:
+        if e.errorCode == "Timeout":  # PySyncObj holds commands while there is no leader
+            raise NotCommitted(
+                f"Raft command not committed within {timeout:g} s (no leader, or no majority)"
+            ) from None
+        raise not_committed(e.errorCode) from None
+
+
 class BrokerState(SyncObjConsumer):
     """Replicated: per-topic lease state and the Raft-to-HTTP address book."""
 
@@ -687,4 +717,4 @@ def _resolve(fut: asyncio.Future, result: Any, err: int) -> None:
     if err == FAIL_REASON.SUCCESS:
         fut.set_result(result)
     else:
-        fut.set_exception(NotCommitted(f"Raft refused the command (reason {err})"))
+        fut.set_exception(not_committed(err))
