@@ -52,6 +52,7 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
 
     # Later events are written and trimmed while the death waits; no second log line.
     assert state.ack("c", 2, ["m3"]) == {}
+    assert lag(state) == Lag(events=1, oldest_ms=2, unwritten_dead_letters=1)
     caplog.clear()
     upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
     index.forget(state.trim(upto, keep))

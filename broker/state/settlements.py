@@ -160,6 +160,14 @@ class EventLog:
         with self._lock:
             return list(self.entries)
 
+    def past(self, seq: int) -> tuple[list[Entry], Entry | None]:
+        """The entries up to `seq` (the deaths a trim kept stay in front), and the first
+        after them: for a reader in another thread, without a copy of the rest."""
+        with self._lock:
+            entries = self.entries
+            n = bisect_right(entries, seq, key=last)
+            return entries[:n], entries[n] if n < len(entries) else None
+
     def first(self) -> int | None:
         """The seq of the first event, if any."""
         entries = self.entries
