@@ -15,7 +15,8 @@ listening (`listening_s`: it listens once its indexes are loaded) and to /readyz
 answering 200 (`ready_s`: its Raft election too, a random 0.5-1.5 s more); its RSS once
 ready (VmRSS; VmHWM as `rss_peak_mb`, the high-water mark of loading); and the p50/p99
 latency of one consumer leasing 100 at a time and acking each batch, over 30 leases of
-the head, with the broker's own client. Before the node starts, the release job's start
+the head, with the broker's own client; then the share of a core the node uses over 5 s
+with nothing asked of it (`idle_cpu_pct`: following the tables, metrics, Raft's ticks). Before the node starts, the release job's start
 over the same tables (`release_start_s`: its first refresh, in this process).
 
 Each cell runs twice: without retention (the buffer keeps every settled row and the
@@ -85,6 +86,7 @@ INGESTED_AGO_MS = 3 * 3600 * 1000
 ACKED_AGO_MS = 2 * 3600 * 1000  # past a retention of an hour
 LEASE_BATCH = 100
 LEASES = 30
+IDLE_S = 5.0
 READY_TIMEOUT_S = 1800
 DEFAULT_SETTLED = [100_000, 400_000, 1_600_000]
 DEFAULT_PENDING = [10_000]
@@ -197,6 +199,21 @@ def proc_status_mb(pid: int) -> dict[str, float]:
     return fields
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def idle_cpu_pct(pid: int, seconds: float) -> float:
+    """The share of one core a process uses over `seconds` with nothing asked of it: a
+    node's background work (following tables, metrics, ticks) should follow what is
+    pending, not the history."""
+    before = cpu_seconds(pid)
+    time.sleep(seconds)  # the measuring window, not a wait for anything
+    return round((cpu_seconds(pid) - before) / seconds * 100, 1)
+
+
 def pct(values: list[float], p: float) -> float:
     """The p-th quantile (nearest rank) in ms."""
     values = sorted(values)
@@ -272,6 +289,7 @@ def run_cell(
             memory = proc_status_mb(node.proc.pid)
             progress(f"S={settled:,} P={pending:,}: ready in {ready_s} s, {memory}")
             took, leased = lease_latency(node.url, max(1, min(LEASES, pending // LEASE_BATCH)))
+            idle = idle_cpu_pct(node.proc.pid, IDLE_S)
         finally:
             cluster.stop_node(node)
     finally:
@@ -287,6 +305,7 @@ def run_cell(
         "lease_p50_ms": pct(took, 0.5),
         "lease_p99_ms": pct(took, 0.99),
         "leased": leased,
+        "idle_cpu_pct": idle,
         "retention_s": retention_s,
         "release_start_s": release_s,
         "release_pending": release_pending,

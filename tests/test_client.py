@@ -87,6 +87,40 @@ def test_client_models_have_the_routes_fields() -> None:
         assert fields == set(theirs.model_fields), mine.__name__
 
 
+def test_decode_makes_nested_models_from_json() -> None:
+    """Unions with None, bytes from base64, lists and dicts, dataclasses in dataclasses:
+    each type's decoder is built once and serves every object after."""
+    from dejaq.client import models
+
+    message = {
+        "id": "m1",
+        "bucket": 2,
+        "sort_key": 7,
+        "priority": None,
+        "deliver_at": None,
+        "key": None,
+        "payload": "cGF5bG9hZA==",
+        "deliveries": 1,
+        "lease_deadline": 99,
+        "receipt": 1025,
+        "added_by_a_newer_broker": True,
+    }
+    got = models.decode(list[Message], [message, {**message, "id": "m2", "key": "aw=="}])
+    assert [(m.id, m.key, m.payload, m.receipt) for m in got] == [
+        ("m1", None, b"payload", 1025),
+        ("m2", b"k", b"payload", 1025),
+    ]
+    bucket = {"bucket": 0, "consumer_id": None, "pending": 1, "leased": 0}
+    bucket |= {"deliverable_now": 1, "oldest_age_ms": None}
+    counts = {"pending": 1, "delayed": 0, "leased": 0, "deliverable_now": 1, "acked": 3}
+    counts |= {"dead": 0, "cancelled": 0, "oldest_age_ms": 5, "consumers": ["c"]}
+    stats = {"name": "t", "kind": "priority", "buckets": 1, "paused": False, **counts}
+    decoded = models.decode(models.TopicStats, {**stats, "per_bucket": [bucket]})
+    assert decoded.per_bucket == [models.BucketStats(**bucket)] and decoded.consumers == ["c"]
+    skipped = {"redriven": 1, "skipped": {"m9": "not_dead"}}
+    assert models.decode(models.Redriven, skipped) == models.Redriven(1, {"m9": "not_dead"})
+
+
 def test_the_client_is_its_own_small_distribution(tmp_path: Path) -> None:
     """`pip install ./client` in a bare venv: httpx and its own dependencies come, and
     importing the client and the worker loads no Spark, NumPy, pyarrow or pydantic."""

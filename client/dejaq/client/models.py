@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, get_args, get_origin, get_type_hints
 
@@ -19,31 +21,34 @@ T = TypeVar("T")
 
 def decode(cls: type[T], data: Any) -> T:
     """`data` (parsed JSON) as an instance of the dataclass `cls`, nested ones included."""
-    return _value(cls, data)
+    return _decoder(cls)(data)
 
 
-def _value(tp: Any, data: Any) -> Any:
+@functools.cache
+def _decoder(tp: Any) -> Callable[[Any], Any]:
+    """A function from parsed JSON to `tp`, built once per type: resolving the
+    annotations (strings here) and unions for every object cost a worker ~0.35 ms a
+    leased message."""
     origin = get_origin(tp)
     if origin in (typing.Union, types.UnionType):
-        if data is None:
-            return None
-        return _value(next(a for a in get_args(tp) if a is not type(None)), data)
+        inner = _decoder(next(a for a in get_args(tp) if a is not type(None)))
+        return lambda data: None if data is None else inner(data)
     if origin is list:
-        (item,) = get_args(tp)
-        return [_value(item, d) for d in data]
+        item = _decoder(get_args(tp)[0])
+        return lambda data: [item(d) for d in data]
     if origin is dict:
-        _, item = get_args(tp)
-        return {k: _value(item, v) for k, v in data.items()}
+        value = _decoder(get_args(tp)[1])
+        return lambda data: {k: value(v) for k, v in data.items()}
     if tp is bytes:
-        return base64.b64decode(data)
+        return base64.b64decode
     if dataclasses.is_dataclass(tp):
         hints = get_type_hints(tp)
-        known = {
-            f.name: _value(hints[f.name], data[f.name])
-            for f in dataclasses.fields(tp)
-            if f.init and f.name in data
-        }
-        return tp(**known)
+        fields = [(f.name, _decoder(hints[f.name])) for f in dataclasses.fields(tp) if f.init]
+        return lambda data: tp(**{name: f(data[name]) for name, f in fields if name in data})
+    return _as_is
+
+
+def _as_is(data: Any) -> Any:
     return data
 
 
