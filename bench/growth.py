@@ -16,8 +16,10 @@ answering 200 (`ready_s`: its Raft election too, a random 0.5-1.5 s more); its R
 ready (VmRSS; VmHWM as `rss_peak_mb`, the high-water mark of loading); and the p50/p99
 latency of one consumer leasing 100 at a time and acking each batch, over 30 leases of
 the head, with the broker's own client; then the share of a core the node uses over 5 s
-with nothing asked of it (`idle_cpu_pct`: following the tables, metrics, Raft's ticks). Before the node starts, the release job's start
-over the same tables (`release_start_s`: its first refresh, in this process).
+with nothing asked of it (`idle_cpu_pct`: following the tables, metrics, Raft's ticks;
+and, in a cell without a retention run before it starts, its own first one). Before the
+node starts, the release job's start over the same tables (`release_start_s`: its first
+refresh, in this process).
 
 Each cell runs twice: without retention (the buffer keeps every settled row and the
 node reads the whole ledger, as a buffer nothing has trimmed yet) and with one
