@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from test_broker import acked_batches, buffer_rows, fill, listed, loaded_topic, topic_conf
 
 from dejaq.broker.state.leases import TopicState
+from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
@@ -186,12 +187,13 @@ def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_lett
     assert base64.b64encode(b"payload-m0") in taken[0][1], "the dead letter's payload"
 
 
-def test_a_node_catching_up_does_not_call_a_message_the_ledger_settled_unleasable(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_node_catching_up_warns_only_of_rows_no_trim_forgets(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A restarted node applies a lease's expiry before the later ack of the message,
-    whose row retention has removed: it is not indexed, and not warned about. A message
-    neither in the buffer, the dead letters nor the ledger still is."""
+    """A restarted node applies a lease's expiry before the later ack and trim of the
+    message, whose row retention has removed: it is not indexed, and the trim forgets it
+    before it is warned of. A message pending again with a row nowhere, that no trim
+    forgets, is warned of once the grace has passed."""
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.ack("c", 1, ["m0"])
@@ -203,11 +205,20 @@ def test_a_node_catching_up_does_not_call_a_message_the_ledger_settled_unleasabl
     replaying = TopicState(4, 5)
     replaying.touch("c", 0)
     restarted.push(replaying, ["m0", "unknown"])
+
+    def warned() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "cannot be leased" in r.getMessage()]
+
     with caplog.at_level(logging.WARNING, logger="dejaq.broker.storage.index"):
         assert restarted.revive(replaying) == 0
-    assert restarted.unread == set() and set(restarted.rows) == {"m1"}
-    warned = [r.getMessage() for r in caplog.records if "cannot be leased" in r.getMessage()]
-    assert len(warned) == 1 and "['unknown']" in warned[0], warned
+        assert restarted.unread == set() and set(restarted.rows) == {"m1"}
+        assert warned() == [], "within the grace"
+        restarted.forget(["m0"])  # the replayed trim of its ack
+        monkeypatch.setattr(index_module, "UNFOUND_GRACE_S", 0.0)
+        restarted.revive(replaying)
+        restarted.revive(replaying)
+    assert len(warned()) == 1 and "['unknown']" in warned()[0], warned()
+    assert restarted.unfound == {}
 
 
 def test_a_commit_beaten_by_an_append_is_tried_again(

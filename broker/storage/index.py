@@ -22,6 +22,7 @@ from __future__ import annotations
 import heapq
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its 
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
 COMPACT_READ = 2048  # heads a compaction reads per hold of the index lock
 NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
+# How long a message pending again may have a row nowhere before it is warned of: a node
+# catching up forgets those a later entry settles within seconds (`TopicIndex.revive`).
+UNFOUND_GRACE_S = 60.0
 Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
 
@@ -111,6 +115,9 @@ class TopicIndex:
         # read by this node). `revive` reads them from the buffer.
         self.unread: set[str] = set()
         self.forgotten: set[str] = set()  # settled without a row here yet (`forget`)
+        # Pending again, `revive` found no row: id -> when (time.monotonic), until a trim
+        # forgets it or it is warned of (`_warn_unfound`).
+        self.unfound: dict[str, float] = {}
         self.from_dead_letters: set[str] = set()  # rows `revive` found there, not in the buffer
         self.files: set[str] = set()  # of the version indexed
         self.buffer_rows = 0  # in that version, pending or settled
@@ -413,6 +420,8 @@ class TopicIndex:
         message settled meanwhile is skipped, and one checkpointed meanwhile has left
         `unread` (`forget`), so no settled message comes back.
         """
+        if self.unfound:
+            self._warn_unfound()
         if not self.unread:
             return 0
         wanted = sorted(self.unread)
@@ -459,20 +468,30 @@ class TopicIndex:
             self.unread.difference_update(wanted)
         self.heads.release(+unused)
         if missing := set(wanted).difference(found):
-            # A node catching up (a restart applying its log) makes pending again what a
-            # later entry settles, and retention may have removed those rows since: the
-            # ledger holds them settled, and that entry will forget them here.
-            settled, _ = split(latest_events(self.ledger_path, 0, sorted(missing)))
-            missing.difference_update(settled)
-        if missing:
+            now = time.monotonic()
+            with self.lock:
+                for mid in missing:
+                    self.unfound.setdefault(mid, now)
+        return revived
+
+    def _warn_unfound(self) -> None:
+        """Warn of the messages pending again with a row nowhere that no trim has
+        forgotten within UNFOUND_GRACE_S. A node catching up (a restart applying its log)
+        makes pending again what a later entry settles, whose row retention may have
+        removed since; that entry's trim comes next, and forgets it (`forget`)."""
+        now = time.monotonic()
+        with self.lock:
+            late = sorted(m for m, t in self.unfound.items() if now - t >= UNFOUND_GRACE_S)
+            for mid in late:
+                del self.unfound[mid]
+        if late:
             log.warning(
-                "%s: %d redriven messages have neither a buffer row nor a dead letter, "
+                "%s: %d messages pending again have neither a buffer row nor a dead letter, "
                 "so they cannot be leased: %s",
                 self.topic.name,
-                len(missing),
-                sorted(missing)[:10],
+                len(late),
+                late[:10],
             )
-        return revived
 
     # --- hooks from the Raft state machine ------------------------------------------------
 
@@ -530,6 +549,9 @@ class TopicIndex:
                 self.from_dead_letters.difference_update(mids)
             if self.unread:
                 self.unread.difference_update(mids)
+            if self.unfound:
+                for mid in mids:
+                    self.unfound.pop(mid, None)
 
     def rebuild(self, state: TopicState) -> None:
         """After a snapshot replaced the state wholesale: re-derive every entry.
@@ -562,6 +584,7 @@ class TopicIndex:
             # (a journal replayed over tables that had settled it since): pending without
             # a row now means redriven since its row left, and nothing else.
             self.unread = {m for m in revived | state.redriven_at.keys() if store.get(m) is None}
+            self.unfound.clear()
             # Re-keyed messages go to the heaps at their keys; the others to the runs.
             overrides = state.sort_keys
             heaps: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.topic.buckets)]
