@@ -168,15 +168,22 @@ def test_the_index_does_not_read_a_retention_runs_rewritten_files(tmp_path: Path
     assert len(index.files) == len(DeltaTable(index.buffer_path).file_uris())
 
 
-def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_letters(
-    tmp_path: Path,
-) -> None:
+def m0_settled_and_retained(tmp_path: Path, settle: str) -> tuple[str, TopicIndex, TopicState]:
+    """Topic "jobs" with m0 and m1; m0 leased, settled by `settle` ("ack" or "reject"),
+    checkpointed, and its buffer row removed by a retention run."""
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
-    state.reject("c", 1, ["m0"])
+    getattr(state, settle)("c", 1, ["m0"])
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
     assert run(warehouse, now_ms()) is not None
     assert buffered(warehouse) == {"m1"}
+    return warehouse, index, state
+
+
+def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_letters(
+    tmp_path: Path,
+) -> None:
+    _, index, state = m0_settled_and_retained(tmp_path, "reject")
     done = state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)])
     assert done == (["m0"], {})
     index.push(state, ["m0"])
@@ -194,12 +201,7 @@ def test_a_node_catching_up_warns_only_of_rows_no_trim_forgets(
     message, whose row retention has removed: it is not indexed, and the trim forgets it
     before it is warned of. A message pending again with a row nowhere, that no trim
     forgets, is warned of once the grace has passed."""
-    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
-    state.lease("c", 0, 100, [("m0", 0, 4)])
-    state.ack("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
-    assert run(warehouse, now_ms()) is not None
-    assert buffered(warehouse) == {"m1"}
+    warehouse, _, _ = m0_settled_and_retained(tmp_path, "ack")
     restarted = TopicIndex(warehouse, topic_conf())
     restarted.load()
     replaying = TopicState(4, 5)
