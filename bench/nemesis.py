@@ -972,12 +972,15 @@ def lag_recovered(progress: list[dict], start_s: float) -> bool:
     return any(p["t_s"] > start_s and p.get("ledger_lag_s", 10) < 10 for p in progress)
 
 
+SAFETY = ("lost", "leased_after_ack", "double_leased")  # counts a safe run has at 0
+
+
 def failed_checks(out: dict[str, Any]) -> list[str]:
     """The liveness checks a run failed, beside its safety counts and errors."""
     f = out["figures"]
     checks = {
         "errors": not out["errors"],
-        "safety": all(f.get(k) == 0 for k in ("lost", "leased_after_ack", "double_leased")),
+        "safety": all(f.get(k) == 0 for k in SAFETY),
         "ledger_caught_up": f.get("ledger", {}).get("caught_up"),
         "buffer_drained": f.get("buffer", {}).get("drained"),
         "nodes_agree": f.get("nodes_agree"),
@@ -1296,22 +1299,24 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, terminated)
     tmp = Path(tempfile.mkdtemp(prefix="dejaq-nemesis-", dir=args.tmp))
     started = time.time()
-    out: dict[str, Any] | None = None
-    failed: list[str] = []
+    # A run that fails a check, or raises, keeps its folder: the nodes' logs say what
+    # the figures cannot.
+    keep = True
     try:
         out = run(args, tmp)
         failed = failed_checks(out)
-    finally:
-        # A failed run keeps its folder: the nodes' logs say what the figures cannot.
         keep = args.keep or bool(failed)
-        if not keep:
+    finally:
+        if keep:
+            print(f"nemesis: the run's folder is kept: {tmp}", file=sys.stderr)
+        else:
             shutil.rmtree(tmp, ignore_errors=True)
     f = out["figures"]
-    safety = {k: f.get(k) for k in ("lost", "leased_after_ack", "double_leased")}
+    safety = {k: f.get(k) for k in SAFETY}
     report = {
         "bench": "nemesis",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "safe": all(v == 0 for v in safety.values()) and not out["errors"],
+        "safe": not {"errors", "safety"}.intersection(failed),
         "safety": safety,
         "parameters": {**vars(args), "kafka_needed": False},
         "wall_s": round(time.time() - started, 1),
