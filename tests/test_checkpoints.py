@@ -85,12 +85,14 @@ def test_lag_counts_events_not_yet_checkpointed(tmp_path: Path) -> None:
     assert lag(state) == Lag(events=2, oldest_ms=now, unwritten_dead_letters=0)
 
 
-def test_a_deposed_leaders_late_dead_letters_are_refused(
+def test_a_deposed_leaders_late_dead_letters_are_refused_then_found_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A leader stopped between reading the dead letters' tag and writing them resumes
-    after its successor wrote the same deaths: its write must fail, not add them twice.
-    The stop is placed with a wrapper around the buffer read, the one step between."""
+    after its successor wrote the same deaths: its commit is refused, not added twice,
+    and its second attempt, from a new snapshot, finds them written, adds nothing and
+    raises nothing. The stop is placed with a wrapper around the buffer read, the one
+    step between."""
     warehouse, index, state = loaded_topic(tmp_path, [1, 2])
     state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 2, now=0)))
     assert state.reject("c", 1, ["m0", "m1"]) == {}
@@ -107,6 +109,17 @@ def test_a_deposed_leaders_late_dead_letters_are_refused(
         return rows
 
     monkeypatch.setattr(ledger_writer, "_dead_letters", stopped_while_reading)
+    refused: list[BaseException] = []
+    write = ledger_writer.write_deltalake
+
+    def counted(*args, **kwargs):
+        try:
+            return write(*args, **kwargs)
+        except Exception as e:
+            refused.append(e)
+            raise
+
+    monkeypatch.setattr(ledger_writer, "write_deltalake", counted)
     failed: list[BaseException] = []
 
     def deposed() -> None:
@@ -121,6 +134,7 @@ def test_a_deposed_leaders_late_dead_letters_are_refused(
     write_dead_letters(warehouse, "jobs", events)  # the successor
     resume.set()
     old.join(30)
-    assert [type(e).__name__ for e in failed] == ["CommitFailedError"]
+    assert failed == []
+    assert [type(e).__name__ for e in refused] == ["CommitFailedError"]
     dead = scan(table_path(warehouse, Table.DEAD_LETTER, "jobs"), Table.DEAD_LETTER)
     assert sorted(dead["message_id"].to_pylist()) == ["m0", "m1"]

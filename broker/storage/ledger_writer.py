@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections.abc import Callable
 from itertools import repeat
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
+from deltalake.exceptions import CommitFailedError
 
 from dejaq.broker.state.settlements import (
     Entry,
@@ -43,6 +45,9 @@ APP_ID = "dejaq-broker"
 COMPACT_EVERY = 30
 
 
+# Attempts at one checkpoint's commit, each refused because another writer's commit of
+# the same tag came first (`_append_tagged`), before it fails.
+COMMIT_ATTEMPTS = 3
 CONVERT_SLICE = 4096  # events per Arrow conversion, ~0.3 ms holding the GIL
 
 
@@ -76,12 +81,40 @@ def write_ledger(warehouse: str, topic: str, events: Events) -> int:
     """
     entries = entries_of(events)
     upto = last(entries[-1])
-    table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))  # one snapshot: see
-    written = table.transaction_version(APP_ID) or 0  # `write_dead_letters`
-    if written < upto:
-        rows = pa.table(_ledger_columns(past(entries, written)), schema=LEDGER_SCHEMA)
-        write_deltalake(table, rows, mode="append", commit_properties=_commit(upto))
+
+    def rows_past(written: int) -> pa.Table:
+        return pa.table(_ledger_columns(past(entries, written)), schema=LEDGER_SCHEMA)
+
+    _append_tagged(ensure_table(warehouse, Table.LEDGER, topic), upto, rows_past)
     return upto
+
+
+def _append_tagged(path: str, upto: int, rows_past: Callable[[int], pa.Table | None]) -> None:
+    """Append `rows_past(tag)` to the table at `path` in a commit tagged `upto`, unless
+    its tag already reaches `upto`.
+
+    The tag and the write share one snapshot: a writer whose snapshot is older than
+    another's commit of the same app id (a deposed leader's late checkpoint, made after
+    its successor's) is refused by delta-rs as a concurrent transaction instead of
+    adding rows twice. The refused writer reads a new snapshot and decides again: its
+    successor's commit mostly holds its events already, and it writes nothing and
+    raises nothing (a failure would be logged and counted as one, and alert nobody
+    usefully).
+    """
+    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+        table = DeltaTable(path)
+        done = table.transaction_version(APP_ID) or 0
+        if done >= upto:
+            return
+        rows = rows_past(done)
+        if rows is None:
+            return
+        try:
+            write_deltalake(table, rows, mode="append", commit_properties=_commit(upto))
+            return
+        except CommitFailedError:
+            if attempt == COMMIT_ATTEMPTS:
+                raise
 
 
 def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray]:
@@ -144,14 +177,12 @@ def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
     dead = deaths(entries)
     if not dead:
         return
-    # One snapshot for the tag and the write: a deposed leader's late write, made from
-    # a snapshot older than its successor's commit of the same app id, then fails
-    # (delta-rs refuses it as a concurrent transaction) instead of adding rows twice.
-    table = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, topic))
-    done = table.transaction_version(APP_ID) or 0
-    if dead := [e for e in dead if e.seq > done]:
-        rows = _dead_letters(warehouse, topic, dead)
-        write_deltalake(table, rows, mode="append", commit_properties=_commit(last(entries[-1])))
+
+    def rows_past(done: int) -> pa.Table | None:
+        left = [e for e in dead if e.seq > done]
+        return _dead_letters(warehouse, topic, left) if left else None
+
+    _append_tagged(ensure_table(warehouse, Table.DEAD_LETTER, topic), last(entries[-1]), rows_past)
 
 
 def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
