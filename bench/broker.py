@@ -14,9 +14,13 @@ moments, not systems.
 
 The same DejaQ with its workers acking by the receipts their leases gave instead of by
 id (`receipts`, `acking_by_receipt`) runs beside it, and `receipts_vs_results` is its
-ratio. The same DejaQ secured (`secured`: TLS on every node's HTTP and API keys on, each
-client sending its key over TLS) runs beside it, and `secured_vs_results` is its
-ratio: what security costs. So does the same DejaQ with its warehouse on an
+ratio. So does the same DejaQ driven by the shipped client (`worker`, `worker_client`): a
+`dejaq.client.Worker` per worker, each a thread with its own `Client`, a handler that
+does nothing, acking by receipt (a lease's quick handlers' acks together), with
+`worker_vs_receipts`: what the shipped client costs over the minimal one. The same
+DejaQ secured (`secured`: TLS on every node's HTTP and API keys on, each client sending
+its key over TLS) runs beside it, and `secured_vs_results` is its ratio: what security
+costs. So does the same DejaQ with its warehouse on an
 S3-compatible server (`s3`: `dejaq s3`, S3Proxy over a local folder; the nodes' Raft and
 head stores stay on disk), with `s3_vs_results`, and the requests its nodes send the
 store (the server's own counts by S3 operation): idle, per node and second, over
@@ -53,6 +57,7 @@ import ssl
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from collections.abc import Iterator
@@ -172,6 +177,65 @@ async def _worker(
             out["errors"] += 1
 
 
+def _worker_threads(
+    addr: str, topic: str, names: list[str], batch: int, secs: float, out: dict, acked
+) -> None:
+    """The phase as users run it: a `dejaq.client.Worker` per name, each a thread with its
+    own `Client`, a handler that does nothing, acks by receipt (quick handlers' acks
+    together). Each lease and ack request is timed in its `Client`."""
+    from dejaq.client import Client, Worker
+
+    class Timed(Client):
+        def lease(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            got = super().lease(*args, **kwargs)
+            if got:
+                out["lease"].append(time.perf_counter() - t0)
+            return got
+
+        def ack(self, *args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return super().ack(*args, **kwargs)
+            finally:
+                out["ack"].append(time.perf_counter() - t0)
+
+    done, count = threading.Event(), threading.Lock()
+
+    def on_ack(m) -> None:
+        with count:
+            out["done"] += 1
+        with acked.get_lock():
+            acked.value += 1
+            if acked.value >= out["target"]:
+                done.set()
+
+    workers = [
+        Worker(
+            Timed([f"http://{addr}"]),
+            topic,
+            lambda m: None,
+            consumer_id=name,
+            batch=batch,
+            lease_ms=30_000,
+            wait_ms=100,
+            on_ack=on_ack,
+        )
+        for name in names
+    ]
+    threads = [threading.Thread(target=w.run, name=w.consumer_id) for w in workers]
+    for t in threads:
+        t.start()
+    stop_at = time.monotonic() + secs
+    while not done.wait(0.05) and time.monotonic() < stop_at and acked.value < out["target"]:
+        pass
+    for w in workers:
+        w.stop()
+    for t in threads:
+        t.join(30)
+    out["errors"] = sum(w.counts.lost for w in workers)
+
+
 def _proc(
     addr: str,
     topic: str,
@@ -183,8 +247,16 @@ def _proc(
     acked,
     access: Access | None,
     by_receipt: bool,
+    worker: bool,
 ):
     out = {"lease": [], "ack": [], "done": 0, "errors": 0, "target": target}
+    if worker:
+        started, cpu = time.perf_counter(), time.process_time()
+        _worker_threads(addr, topic, names, batch, secs, out, acked)
+        out["elapsed"] = time.perf_counter() - started
+        out["cpu"] = time.process_time() - cpu
+        q.put(out)
+        return
 
     async def main() -> None:
         stop_at = time.monotonic() + secs
@@ -341,7 +413,7 @@ def raft_floor_server(spec: str) -> None:
 
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
-SYSTEMS = ("dejaq", "receipts", "secured", "s3", "floor", "ids", "handles", "http")
+SYSTEMS = ("dejaq", "receipts", "worker", "secured", "s3", "floor", "ids", "handles", "http")
 IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
 IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
 
@@ -606,6 +678,7 @@ def run_phase(
     pids,
     access: Access | None = None,
     by_receipt: bool = False,
+    worker: bool = False,
 ):
     q: mp.Queue = mp.Queue()
     acked = mp.Value("q", 0)
@@ -613,7 +686,19 @@ def run_phase(
     ps = [
         mp.Process(
             target=_proc,
-            args=(addr, topic, names[i::procs], batch, n, secs, q, acked, access, by_receipt),
+            args=(
+                addr,
+                topic,
+                names[i::procs],
+                batch,
+                n,
+                secs,
+                q,
+                acked,
+                access,
+                by_receipt,
+                worker,
+            ),
         )
         for i in range(procs)
     ]
@@ -659,6 +744,7 @@ def main() -> int:
         "--systems",
         default=",".join(SYSTEMS),
         help="which to run, of: dejaq, receipts (DejaQ, its workers acking by receipt), "
+        "worker (DejaQ, driven by `dejaq.client.Worker`s), "
         "secured (TLS and API keys on), s3 (the warehouse on "
         "`dejaq s3`), floor, ids, handles, http (default: all)",
     )
@@ -705,6 +791,7 @@ def main() -> int:
                     pids,
                     access,
                     by_receipt=name == "receipts",
+                    worker=name == "worker",
                 )
             )
 
@@ -712,7 +799,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
         store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
         for run in range(args.runs):  # one system up at a time, in turn
-            for name in ("dejaq", "receipts", "secured", "s3"):
+            for name in ("dejaq", "receipts", "worker", "secured", "s3"):
                 if name not in systems:
                     continue
                 on = store if name == "s3" else None
@@ -750,7 +837,7 @@ def main() -> int:
                     phases("http", http_addr, "c", http_pids, run)
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
-    by_receipt = medians["receipts"]
+    by_receipt, by_worker = medians["receipts"], medians["worker"]
     floor, ids, handles, baseline = (medians[k] for k in ("floor", "ids", "handles", "http"))
 
     def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
@@ -764,6 +851,9 @@ def main() -> int:
                 "acking_by_receipt": by_receipt,
                 "receipts_vs_results": ratios(by_receipt, results),
                 "receipts_vs_floor": ratios(by_receipt, floor),
+                "worker_client": by_worker,
+                "worker_vs_receipts": ratios(by_worker, by_receipt),
+                "worker_vs_floor": ratios(by_worker, floor),
                 "secured_tls_and_keys": secured,
                 "secured_vs_results": ratios(secured, results),
                 "s3_warehouse": on_s3,

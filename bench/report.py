@@ -91,6 +91,13 @@ HEADLINES = (
     ),
     Headline(
         "broker",
+        "the same, through `dejaq.client.Worker`",
+        "worker_client.batch_100_workers_8.msgs_per_s",
+        "Raft floor (HTTP + one Raft command)",
+        "floor_http_and_raft.batch_100_workers_8.msgs_per_s",
+    ),
+    Headline(
+        "broker",
         "lease p99, batch 100",
         "results.batch_100_workers_8.lease_p99_ms",
         "Raft floor",
@@ -108,6 +115,13 @@ HEADLINES = (
         "broker",
         "the same, acking by receipt",
         "acking_by_receipt.batch_1_workers_64.msgs_per_s",
+        "Raft floor (HTTP + one Raft command)",
+        "floor_http_and_raft.batch_1_workers_64.msgs_per_s",
+    ),
+    Headline(
+        "broker",
+        "the same, through `dejaq.client.Worker`",
+        "worker_client.batch_1_workers_64.msgs_per_s",
         "Raft floor (HTTP + one Raft command)",
         "floor_http_and_raft.batch_1_workers_64.msgs_per_s",
     ),

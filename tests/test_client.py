@@ -50,7 +50,8 @@ def three(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator
     tmp_path = tmp_path_factory.mktemp("client")
     conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, 3000)
     cron_topic = f"  - {{name: sched, kind: cron, source: [unused-{kafka_source}], buckets: 2}}\n"
-    conf.write_text(conf.read_text() + cron_topic)
+    acks_topic = f"  - {{name: acks, kind: priority, source: [{kafka_source}], buckets: 2}}\n"
+    conf.write_text(conf.read_text() + cron_topic + acks_topic)
     nodes = start(tmp_path, conf)
     try:
         yield nodes, str(tmp_path / "warehouse")
@@ -472,6 +473,63 @@ def test_a_handler_longer_than_the_lease_keeps_it(three) -> None:
         assert acked == ["long0"] and len(handled) == 1
         assert c.peek("hot", "long0").status == "acked"
         assert worker.counts.lost == 0
+
+
+class AckCounting(Client):
+    """A client that counts its ack requests and the messages each names."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.acks: list[int] = []
+
+    def ack(self, topic, consumer_id, ids=None, *, receipts=None):
+        self.acks.append(len(list(receipts if receipts is not None else ids)))
+        return super().ack(topic, consumer_id, ids, receipts=receipts)
+
+
+def test_quick_handlers_acks_go_together_and_a_refused_one_is_told_apart(three) -> None:
+    """Each ack request waits out a Raft commit: a worker whose handlers are quick sends
+    its acks many to a request. One settled meanwhile by another call is refused in its
+    request, counted lost and not reported acked; the others are acked. With
+    `ack_linger_s=0`, each ack goes alone."""
+    nodes, warehouse = three
+    fill(warehouse, "acks", buffer_rows(list(range(30)), bucket_of=lambda i: 0, prefix="q"))
+    acked: list[str] = []
+    with AckCounting(urls(nodes)) as counting, Client(urls(nodes)) as other:
+
+        def handler(m: Message) -> None:
+            if m.id == "q5":  # settled by another call before the worker's ack
+                other.ack("acks", "quick", receipts=[m.receipt])
+
+        worker = Worker(
+            counting, "acks", handler, consumer_id="quick", batch=10, wait_ms=300,
+            on_ack=lambda m: acked.append(m.id),
+        )  # fmt: skip
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: len(acked) + worker.counts.lost >= 30, what="30 settled")
+        finally:
+            worker.stop()
+            thread.join(30)
+        assert sorted(acked) == sorted(f"q{i}" for i in range(30) if i != 5)
+        assert (worker.counts.acked, worker.counts.lost) == (29, 1)
+        assert sum(counting.acks) == 30 and len(counting.acks) < 30, counting.acks
+        assert max(counting.acks) > 1, counting.acks
+        assert counting.topic_stats("acks").acked == 30
+
+        fill(warehouse, "acks", buffer_rows(list(range(5)), bucket_of=lambda i: 0, prefix="z"))
+        counting.acks.clear()
+        alone = Worker(
+            counting, "acks", lambda m: None, consumer_id="alone", batch=10, wait_ms=300,
+            on_ack=lambda m: acked.append(m.id), ack_linger_s=0,
+        )  # fmt: skip
+        [thread] = run_workers([alone])
+        try:
+            wait_until(lambda: alone.counts.acked >= 5, what="5 more acked")
+        finally:
+            alone.stop()
+            thread.join(30)
+        assert counting.acks == [1] * 5
 
 
 def test_a_failure_on_the_last_delivery_says_it_was_dead_lettered(

@@ -1,11 +1,15 @@
 """A worker: lease from a topic, run a handler per message, settle by the outcome.
 
 Success acks; an exception nacks with exponential backoff, or rejects (dead letter) for
-the exception types named permanent. While a handler runs, a keeper thread extends the
-leases in hand once half of one has passed, and heartbeats so the consumer keeps its
-buckets. On SIGTERM, SIGINT or `stop()` the message in the handler is finished and
-acked, the consumer leaves (its unstarted leases go back to pending, not counted as a
-delivery, and its buckets to the other consumers), and `run()` returns.
+the exception types named permanent. While handlers are quick, the acks of the messages
+they handled go to the broker together, one request for many (each request waits out a
+Raft commit): at most `ack_linger_s` after the first of them, or once a handler took
+longer than that, and always before the next lease and before leaving. While a handler
+runs, a keeper thread extends the leases in hand once half of one has passed, and
+heartbeats so the consumer keeps its buckets. On SIGTERM, SIGINT or `stop()` the
+message in the handler is finished and acked, the consumer leaves (its unstarted leases
+go back to pending, not counted as a delivery, and its buckets to the other consumers),
+and `run()` returns.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ log = logging.getLogger("dejaq.worker")
 Handler = Callable[[Message], object]
 SETTLED = "already_settled"
 ERROR_PAUSE_S = 1.0  # after a failed lease: a broker answering 500 is not asked again at once
+ACK_LINGER_S = 0.05  # how long a handled message's ack may wait for the next ones
 
 
 @dataclass(frozen=True)
@@ -76,10 +81,15 @@ class Worker:
         heartbeat_s: float = 3.0,
         progress_s: float = 30.0,
         on_ack: Callable[[Message], object] | None = None,
+        ack_linger_s: float = ACK_LINGER_S,
     ) -> None:
         """`heartbeat_s` must stay under the broker's `heartbeat_timeout_ms`; `wait_ms`
         (the long poll) bounds how long a stop waits while nothing is in hand; `on_ack`
-        is called with each message whose ack the broker confirmed."""
+        is called with each message whose ack the broker confirmed; `ack_linger_s` (0:
+        each ack in its own request) is how long a handled message's ack may wait to go
+        with the next ones'. A waiting ack's lease is kept as a handler's is; a handler
+        that takes long after quick ones holds their acks until it returns (and a worker
+        that dies meanwhile leaves them to be delivered again)."""
         self.client, self.topic, self.handler = client, topic, handler
         self.consumer_id = consumer_id or default_consumer_id()
         self.batch, self.lease_ms, self.wait_ms = batch, lease_ms, wait_ms
@@ -87,6 +97,9 @@ class Worker:
         self.reject_on = reject_on
         self.heartbeat_s, self.progress_s = heartbeat_s, progress_s
         self.on_ack = on_ack
+        self.ack_linger_s = ack_linger_s
+        self._acks: list[Message] = []  # handled, their acks not yet sent
+        self._acks_since = 0.0  # when the first of them was handled
         self.counts = Counts()
         self._stop = threading.Event()
         self._signalled = threading.Event()
@@ -120,6 +133,7 @@ class Worker:
             finally:
                 self._done.set()
                 keeper.join()
+                self._send_acks()  # handled before an exception ended the loop
                 self._leave()
 
     def _loop(self) -> None:
@@ -142,6 +156,7 @@ class Worker:
                 if self.stopping:
                     break
                 self._handle(m)
+            self._send_acks()
             with self._lock:
                 self._held.clear()  # unstarted ones, if stopping: the leave releases them
             if time.monotonic() - shown >= self.progress_s:
@@ -149,11 +164,12 @@ class Worker:
                 log.info("%s: %s", self.consumer_id, self.counts)
 
     def _handle(self, m: Message) -> None:
+        started = time.monotonic()
         try:
             self.handler(m)
         except self.reject_on as e:
             log.warning("%s: %s rejected to the dead letters: %r", self.consumer_id, m.id, e)
-            self._settle(m, "rejected", self.client.reject)
+            self._settle([m], "rejected", self.client.reject)
         except Exception as e:
             delay = self.backoff.delay_ms(m.deliveries)
             dead: list[str] = []
@@ -161,7 +177,7 @@ class Worker:
             def nack(topic: str, consumer: str, **named: Any) -> None:
                 dead.extend(self.client.nack(topic, consumer, delay_ms=delay, **named).dead)
 
-            if self._settle(m, "nacked", nack):
+            if self._settle([m], "nacked", nack):
                 if dead:  # the broker's last allowed delivery
                     self.counts.dead += 1
                     again = "out of deliveries: dead-lettered"
@@ -176,39 +192,67 @@ class Worker:
                     e,
                 )
         else:
-            if self._settle(m, "acked", self.client.ack) and self.on_ack is not None:
-                self.on_ack(m)
-        finally:
-            with self._lock:
-                self._held.pop(m.id, None)
+            if not self._acks:
+                self._acks_since = time.monotonic()
+            self._acks.append(m)  # held, and so kept, until its ack is sent
+            now = time.monotonic()
+            if now - self._acks_since >= self.ack_linger_s or now - started >= self.ack_linger_s:
+                self._send_acks()
 
-    def _settle(self, m: Message, outcome: str, call: Callable[..., object]) -> bool:
-        """Settle one message, by its receipt; True if the broker has it settled by this
-        worker.
+    def _send_acks(self) -> None:
+        """Ack the handled messages in one request."""
+        if not self._acks:
+            return
+        handled, self._acks = self._acks, []
+        for m in self._settle(handled, "acked", self.client.ack):
+            if self.on_ack is not None:
+                self.on_ack(m)
+
+    def _settle(
+        self, messages: list[Message], outcome: str, call: Callable[..., object]
+    ) -> list[Message]:
+        """Settle `messages`, by their receipts, in one request; returns those the broker
+        has settled by this worker, and lets go of them all.
 
         An `already_settled` refusal after a retry is this call's own first attempt when
         the lease still held: no one else could settle a message leased to us.
         """
-        named, [key] = _named([m])
+        named, keys = _named(messages)
+        refused: dict[str, str] = {}
+        maybe_applied = False
         try:
             call(self.topic, self.consumer_id, **named)
-        except Conflict as e:
-            why = e.refused.get(key, e.title)
-            if not (why == SETTLED and e.maybe_applied and time.monotonic() < m.held_until):
+        except Conflict as e:  # the others are settled; none named: all refused
+            refused = e.refused or dict.fromkeys(keys, e.title)
+            maybe_applied = e.maybe_applied
+        except BrokerError as e:
+            self.counts.lost += len(messages)
+            log.warning("%s: %d not %s: %s", self.consumer_id, len(messages), outcome, e)
+            self._let_go(messages)
+            return []
+        settled = []
+        for m, key in zip(messages, keys, strict=True):
+            why = refused.get(key)
+            if why is None:
+                settled.append(m)
+            elif why == SETTLED and maybe_applied and time.monotonic() < m.held_until:
+                log.info(
+                    "%s: %s %s by an attempt whose answer was lost", self.consumer_id, m.id, outcome
+                )
+                settled.append(m)
+            else:
                 self.counts.lost += 1
                 log.warning("%s: %s not %s (%s)", self.consumer_id, m.id, outcome, why)
-                return False
-            log.info(
-                "%s: %s %s by an attempt whose answer was lost", self.consumer_id, m.id, outcome
-            )
-        except BrokerError as e:
-            self.counts.lost += 1
-            log.warning("%s: %s not %s: %s", self.consumer_id, m.id, outcome, e)
-            return False
         self._touched()
-        setattr(self.counts, outcome, getattr(self.counts, outcome) + 1)
-        log.debug("%s: %s %s", self.consumer_id, m.id, outcome)
-        return True
+        setattr(self.counts, outcome, getattr(self.counts, outcome) + len(settled))
+        log.debug("%s: %d %s", self.consumer_id, len(settled), outcome)
+        self._let_go(messages)
+        return settled
+
+    def _let_go(self, messages: list[Message]) -> None:
+        with self._lock:
+            for m in messages:
+                self._held.pop(m.id, None)
 
     def _touched(self) -> None:
         self._contact = time.monotonic()
