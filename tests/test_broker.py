@@ -1240,6 +1240,38 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     assert in_log_at_apply == {"a": 2, "b": 1}
 
 
+def test_a_node_alone_commits_without_waiting_for_the_periodic_tick(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A one-node cluster (a laptop, a notebook) answers a command in the loop turns
+    that follow it, on the broker's uvloop: with the periodic tick an hour away, commits
+    still complete."""
+    import asyncio
+
+    import uvloop
+
+    from dejaq.broker.state import raft
+    from dejaq.conf.settings import BrokerConfig
+    from dejaq.jobs.ports import free_port
+
+    topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=4)
+    node = raft.RaftNode(
+        f"127.0.0.1:{free_port()}", [], [topic], BrokerConfig(), tmp_path / "n", _NoIndex()
+    )
+
+    async def scenario() -> list[bool]:
+        node.attach(asyncio.get_running_loop())
+        await _until(node.is_leader, "leadership")
+        await node.commit("t", "touch", "warm-up", 0)
+        monkeypatch.setattr(raft, "TICK_PERIOD_S", 3600.0)  # once the one due now has run
+        return [await asyncio.wait_for(node.commit("t", "touch", f"c{i}", i), 5) for i in range(3)]
+
+    try:
+        assert uvloop.run(scenario()) == [True, True, True]
+    finally:
+        node.destroy()
+
+
 def test_a_tick_past_the_election_deadline_reads_the_heartbeats_waiting_first(
     tmp_path: Path,
 ) -> None:

@@ -675,6 +675,12 @@ class RaftNode:
                 self._done(loop, batch_id, futs, result, err)  # ticks run in the loop
 
             self.state.batch([c for c, _, _ in group], callback=done)
+        if len(self.members) == 1 and self.sync._isLeader():
+            # A tick commits and applies what the log held when it began and appends new
+            # commands last; alone, nothing else ticks soon after (no follower answers),
+            # and on uvloop the group waited for the periodic tick: 10 ms per request.
+            # Appended now, the next tick commits and applies it.
+            self.sync._checkCommandsToApply()
         self._tick_soon()
 
     def _all_committed(self) -> None:
