@@ -250,13 +250,6 @@ def _proc(
     worker: bool,
 ):
     out = {"lease": [], "ack": [], "done": 0, "errors": 0, "target": target}
-    if worker:
-        started, cpu = time.perf_counter(), time.process_time()
-        _worker_threads(addr, topic, names, batch, secs, out, acked)
-        out["elapsed"] = time.perf_counter() - started
-        out["cpu"] = time.process_time() - cpu
-        q.put(out)
-        return
 
     async def main() -> None:
         stop_at = time.monotonic() + secs
@@ -270,7 +263,10 @@ def _proc(
     import uvloop
 
     started, cpu = time.perf_counter(), time.process_time()
-    uvloop.run(main())
+    if worker:
+        _worker_threads(addr, topic, names, batch, secs, out, acked)
+    else:
+        uvloop.run(main())
     out["elapsed"] = time.perf_counter() - started
     out["cpu"] = time.process_time() - cpu
     q.put(out)

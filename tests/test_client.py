@@ -502,9 +502,14 @@ def test_quick_handlers_acks_go_together_and_a_refused_one_is_told_apart(three) 
                 other.ack("acks", "quick", receipts=[m.receipt])
 
         worker = Worker(
-            counting, "acks", handler, consumer_id="quick", batch=10, wait_ms=300,
+            counting,
+            "acks",
+            handler,
+            consumer_id="quick",
+            batch=10,
+            wait_ms=300,
             on_ack=lambda m: acked.append(m.id),
-        )  # fmt: skip
+        )
         [thread] = run_workers([worker])
         try:
             wait_until(lambda: len(acked) + worker.counts.lost >= 30, what="30 settled")
@@ -520,9 +525,15 @@ def test_quick_handlers_acks_go_together_and_a_refused_one_is_told_apart(three) 
         fill(warehouse, "acks", buffer_rows(list(range(5)), bucket_of=lambda i: 0, prefix="z"))
         counting.acks.clear()
         alone = Worker(
-            counting, "acks", lambda m: None, consumer_id="alone", batch=10, wait_ms=300,
-            on_ack=lambda m: acked.append(m.id), ack_linger_s=0,
-        )  # fmt: skip
+            counting,
+            "acks",
+            lambda m: None,
+            consumer_id="alone",
+            batch=10,
+            wait_ms=300,
+            on_ack=lambda m: acked.append(m.id),
+            ack_linger_s=0,
+        )
         [thread] = run_workers([alone])
         try:
             wait_until(lambda: alone.counts.acked >= 5, what="5 more acked")
