@@ -28,8 +28,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-import httpx
-
+from dejaq.client.connections import Connections, Lost, Node, NotSent, Response
 from dejaq.client.errors import Unavailable, problem_of, retry_after_s
 from dejaq.client.models import (
     Cluster,
@@ -54,7 +53,7 @@ log = logging.getLogger("dejaq.client")
 
 TOKEN_VARIABLE = "DEJAQ_TOKEN"
 RETRYABLE = frozenset({502, 503, 504})
-NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+CONNECT_TIMEOUT_S = 3.0  # at most, per attempt
 ROUND_PAUSE_S = (0.05, 1.0)  # after every node failed once: first pause, longest pause
 
 T = TypeVar("T")
@@ -68,7 +67,7 @@ def node_url(node: str) -> str:
 
 @dataclass
 class Answer:
-    response: httpx.Response
+    response: Response
     sent_at: float  # time.monotonic() when the answered attempt was sent
     maybe_applied: bool  # an earlier attempt may have been applied
 
@@ -92,7 +91,6 @@ class Client:
         stall_s: float = 2.0,
         deadline: float = 30.0,
         max_retry_after: float = 5.0,
-        transport: httpx.BaseTransport | None = None,
     ) -> None:
         """`token`: an API key, sent as a bearer token (default: `$DEJAQ_TOKEN`, if set).
         `verify`: how `https://` nodes are checked: True (the system's CAs), a CA file's
@@ -106,13 +104,12 @@ class Client:
         if not nodes:
             raise ValueError("nodes: give at least one node base URL")
         self.nodes = [node_url(n) for n in nodes]
+        self._parsed = {url: Node.parse(url) for url in self.nodes}
         self.timeout, self.deadline, self.max_retry_after = timeout, deadline, max_retry_after
         self.stall_s = stall_s
         token = token if token is not None else os.environ.get(TOKEN_VARIABLE) or None
-        headers = {"authorization": f"Bearer {token}"} if token else None
-        if isinstance(verify, str):
-            verify = ssl.create_default_context(cafile=verify)
-        self._http = httpx.Client(transport=transport, headers=headers, verify=verify)
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = Connections(headers, verify)
         self._current = 0
         self._lock = threading.Lock()
 
@@ -150,7 +147,7 @@ class Client:
         of a worker's calls, given `stall_s` per attempt."""
         deadline = time.monotonic() + self.deadline + wait_s
         attempt = self.stall_s if worker else self.timeout
-        timeout = httpx.Timeout(attempt + wait_s, connect=min(attempt, 3.0))
+        connect = min(attempt, CONNECT_TIMEOUT_S)
         maybe_applied = False
         failures = 0
         while True:
@@ -158,13 +155,20 @@ class Client:
             sent_at = time.monotonic()
             stay = False
             try:
-                answer = self._http.request(method, node + path, json=body, timeout=timeout)
-            except NOT_SENT as e:
-                why, pause = f"{node}: {type(e).__name__}", 0.0
-            except httpx.TransportError as e:
+                answer = self._http.request(
+                    self._parsed[node],
+                    method,
+                    path,
+                    body,
+                    timeout=attempt + wait_s,
+                    connect_timeout=connect,
+                )
+            except NotSent as e:
+                why, pause = f"{node}: {e}", 0.0
+            except Lost as e:
                 if not replay_safe:
-                    raise Unavailable(f"{node}: {type(e).__name__}; not safe to retry") from e
-                why, pause, maybe_applied = f"{node}: {type(e).__name__}", 0.0, True
+                    raise Unavailable(f"{node}: {e}; not safe to retry") from e
+                why, pause, maybe_applied = f"{node}: {e}", 0.0, True
             else:
                 if answer.status_code not in RETRYABLE:
                     if answer.is_success:

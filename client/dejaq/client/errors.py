@@ -6,7 +6,7 @@ import email.utils
 import time
 from typing import Any
 
-import httpx
+from dejaq.client.connections import Response
 
 
 class BrokerError(Exception):
@@ -86,7 +86,7 @@ _BY_STATUS: dict[int, type[ProblemError]] = {
 }
 
 
-def problem_of(answer: httpx.Response, maybe_applied: bool = False) -> ProblemError:
+def problem_of(answer: Response, maybe_applied: bool = False) -> ProblemError:
     """The typed exception for an error answer (problem+json, or any other body)."""
     try:
         body = answer.json()
@@ -107,7 +107,7 @@ def problem_of(answer: httpx.Response, maybe_applied: bool = False) -> ProblemEr
     )
 
 
-def retry_after_s(answer: httpx.Response, default: float = 1.0) -> float:
+def retry_after_s(answer: Response, default: float = 1.0) -> float:
     """`Retry-After` in seconds: delta-seconds or an HTTP date."""
     value = answer.headers.get("retry-after")
     if value is None:
