@@ -9,14 +9,17 @@ calls against real clusters are in `test_client.py`.
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
 from dejaq.client import Client, Unavailable
+from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
 
 # (status, JSON body, headers), or None to close the connection without answering.
@@ -28,16 +31,21 @@ class Stand(ThreadingHTTPServer):
 
     daemon_threads = True
 
-    def __init__(self, script: Script, keep_alive: bool = True) -> None:
+    def __init__(
+        self, script: Script, keep_alive: bool = True, tls: ssl.SSLContext | None = None
+    ) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.script, self.keep_alive = script, keep_alive
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
+        self.script, self.keep_alive, self.tls = script, keep_alive, tls
         self.connections = 0
         self.requests: list[tuple[str, dict]] = []
         self.closed = threading.Event()  # a connection was closed by this side
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        scheme = "https" if self.tls is not None else "http"
+        return f"{scheme}://127.0.0.1:{self.server_address[1]}"
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -75,8 +83,10 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 @contextmanager
-def stands(*scripts: Script, keep_alive: bool = True) -> Iterator[list[Stand]]:
-    servers = [Stand(s, keep_alive) for s in scripts]
+def stands(
+    *scripts: Script, keep_alive: bool = True, tls: ssl.SSLContext | None = None
+) -> Iterator[list[Stand]]:
+    servers = [Stand(s, keep_alive, tls) for s in scripts]
     threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in servers]
     for t in threads:
         t.start()
@@ -121,6 +131,28 @@ def test_calls_share_one_kept_alive_connection() -> None:
             assert c.lease("jobs", "w") == []
         assert len(node.requests) == 20
         assert node.connections == 1
+
+
+def test_calls_over_tls_share_one_connection_and_an_unknown_ca_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Kept alive over TLS too: what a TLS 1.3 node sends after its handshake (session
+    tickets) must not make an idle connection look closed."""
+    ca = new_authority(tmp_path / "ca")
+    issued = ca.issue(tmp_path, "node", ["127.0.0.1"])
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(issued.cert, issued.key)
+    with stands(no_messages, tls=tls) as (node,):
+        with Client([node.url], verify=str(ca.cert)) as c:
+            for _ in range(20):
+                assert c.lease("jobs", "w") == []
+        assert len(node.requests) == 20
+        assert node.connections == 1
+        stranger = new_authority(tmp_path / "other")
+        untrusting = Client([node.url], verify=str(stranger.cert), deadline=0.5)
+        with untrusting, pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
+            untrusting.lease("jobs", "w")
+        assert len(node.requests) == 20
 
 
 def test_a_connection_the_node_closed_while_idle_is_not_used_again() -> None:
