@@ -148,7 +148,7 @@ def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:
     assert heap_keys.tolist() == [1]
     assert len(tokens) == 5
     picks, _ = order.pick([0], 10, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())
-    assert unpacked(picks)[2] == [1, 3, 5, 7, 9]
+    assert unpacked(picks)[2].tolist() == [1, 3, 5, 7, 9]
 
 
 def test_bad_calls_are_refused_with_a_clear_error() -> None:

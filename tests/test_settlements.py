@@ -5,6 +5,7 @@ stand for."""
 from __future__ import annotations
 
 import pickle
+from array import array
 from pathlib import Path
 
 from hypothesis import given, settings
@@ -113,3 +114,44 @@ def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: P
         for n in ("settlements", "runs")
     ]
     assert rows[0] == rows[1] and len(rows[0]) == 3
+
+
+def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path) -> None:
+    """Runs as lease records pack them (arrays), as snapshots from before hold them
+    (lists), and single settlements between them, one with no sort key: the ledger gets
+    one row per event, in seq order, each with its own fields."""
+    entries = [
+        Run(
+            1,
+            ["a", "b"],
+            array("H", [3, 4]),
+            "acked",
+            array("q", [2**40, -1]),
+            array("i", [1, 2]),
+            10,
+        ),
+        Settlement(3, "c", 5, "cancelled", None, 0, 11),
+        Settlement(4, "d", 6, "dead", 7, 3, 12, "max_deliveries"),
+        Run(5, ["e"], [7], "acked", [8], [1], 13),
+        Run(
+            6,
+            ["f", "g"],
+            array("H", [8, 9]),
+            "rejected",
+            array("q", [9, 10]),
+            array("i", [1, 1]),
+            14,
+        ),
+        Settlement(8, "h", 1, "acked", 2, 1, 15),
+    ]
+    assert write_ledger(str(tmp_path), "t", entries) == 8
+    rows = scan(table_path(str(tmp_path), Table.LEDGER, "t"), Table.LEDGER).to_pylist()
+    got = [
+        (r["message_id"], r["bucket"], r["event"], r["sort_key"], r["deliveries"], r["at"])
+        for r in rows
+    ]
+    want = [
+        (e.message_id, e.bucket, e.event, e.sort_key, e.deliveries, e.at) for e in EventLog(entries)
+    ]
+    assert [g[:5] for g in got] == [w[:5] for w in want]
+    assert [int(g[5].timestamp() * 1000) for g in got] == [w[5] for w in want]

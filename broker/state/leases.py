@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
+from dejaq_core import count_buckets
+
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
@@ -73,10 +75,12 @@ BULK_MIN = 16
 class LeaseRecord:
     """The messages one lease command granted, by position: what a receipt names.
 
-    One object per lease, not per message: its columns hold references to the strings
-    and ints the command brought, and a byte per message says whether it is still
-    leased. A receipt is `lid << POSITION_BITS | position`: every node resolves it from
-    its own copy of the record, without looking the message up by id.
+    One object per lease, not per message: its ids are the strings the command brought,
+    its buckets, sort keys and delivery counts are packed columns (`array`: the
+    command's own bytes, no int object per message), and a byte per message says
+    whether it is still leased. A receipt is `lid << POSITION_BITS | position`: every
+    node resolves it from its own copy of the record, without looking the message up
+    by id.
     """
 
     __slots__ = (
@@ -97,9 +101,9 @@ class LeaseRecord:
     def __init__(self, lid: int, consumer: str, deadline: int) -> None:
         self.lid, self.consumer, self.deadline = lid, consumer, deadline
         self.mids: list[str] = []
-        self.buckets: list[int] = []
-        self.sort_keys: list[int] = []
-        self.deliveries: list[int] = []
+        self.buckets = array("H")
+        self.sort_keys = array("q")
+        self.deliveries = array("i")
         self.ended = bytearray()  # per position: LEASED, or how its lease ended
         self.deadlines: dict[int, int] | None = None  # positions extended on their own
         self.live = 0
@@ -115,6 +119,10 @@ class LeaseRecord:
         for f, value in zip(self._PICKLED, state, strict=True):
             setattr(self, f, value)
         self._positions = None
+        if isinstance(self.buckets, list):  # snapshots from before packed columns
+            self.buckets = array("H", self.buckets)
+            self.sort_keys = array("q", self.sort_keys)
+            self.deliveries = array("i", self.deliveries)
 
     def receipt(self, pos: int) -> int:
         return self.lid << POSITION_BITS | pos
@@ -371,16 +379,17 @@ class TopicState:
         self,
         record: LeaseRecord,
         mids: list[str],
-        buckets: list[int],
-        keys: list[int],
+        buckets: array,
+        keys: array,
         mine: set[int],
     ) -> tuple[dict[int, int], int] | None:
         """Grant every pick into `record` if each is available (in `mine`, neither
         settled, delayed nor leased, named once): (leases per bucket, redeliveries).
         None, and nothing changed, if one is not: `_grant_each` then sorts them out."""
         leases, not_before = self.leases, self.not_before
+        per_bucket = count_buckets(buckets)
         if (
-            not mine.issuperset(buckets)
+            not mine.issuperset(per_bucket)
             or not self.settled.keys().isdisjoint(mids)
             or (not_before and not not_before.keys().isdisjoint(mids))
             or not leases.keys().isdisjoint(mids)
@@ -393,24 +402,24 @@ class TopicState:
             return None
         deliveries = self.deliveries
         if deliveries and not deliveries.keys().isdisjoint(mids):
-            counts = [deliveries.pop(m, 0) + 1 for m in mids]
-            redelivered = sum(n > 1 for n in counts)
+            counts = array("i", [deliveries.pop(m, 0) + 1 for m in mids])
+            redelivered = len(mids) - counts.count(1)
         else:
-            counts, redelivered = [1] * len(mids), 0
+            counts, redelivered = array("i", [1]) * len(mids), 0
         record.mids, record.buckets, record.sort_keys, record.deliveries = (
             mids,
             buckets,
             keys,
             counts,
         )
-        return Counter(buckets), redelivered
+        return per_bucket, redelivered
 
     def _grant_each(
         self,
         record: LeaseRecord,
         picks_mids: list[str],
-        picks_buckets: list[int],
-        picks_keys: list[int],
+        picks_buckets: array,
+        picks_keys: array,
         mine: set[int],
         now: int,
     ) -> tuple[dict[int, int], int]:
@@ -674,7 +683,7 @@ class TopicState:
         record.live -= n
         if not record.live:
             self.ending.append((seq + n, record.lid))
-        for bucket, count in Counter(buckets).items():
+        for bucket, count in count_buckets(buckets).items():
             _unhold(self.held[bucket], record.consumer, count)
         keys, counts = record.sort_keys[start:end], record.deliveries[start:end]
         self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
@@ -958,14 +967,15 @@ class TopicState:
         return mids
 
 
-def unpacked(picks: Picks | list[Pick]) -> tuple[list[str], list[int], list[int]]:
-    """A lease command's picks as (ids, buckets, sort keys): from `Picks`, or from a list
-    of `Pick`s, as commands from before `Picks` carry them."""
+def unpacked(picks: Picks | list[Pick]) -> tuple[list[str], array, array]:
+    """A lease command's picks as (ids, buckets, sort keys), the latter two packed as
+    a lease record keeps them: from `Picks`, or from a list of `Pick`s, as commands from
+    before `Picks` carry them."""
     if isinstance(picks, list):
         mids, buckets, keys = map(list, zip(*picks, strict=True)) if picks else ([], [], [])
-        return mids, buckets, keys
+        return mids, array("H", buckets), array("q", keys)
     mids, buckets, keys = picks
-    return mids, _little(array("H", buckets)).tolist(), _little(array("q", keys)).tolist()
+    return mids, _little(array("H", buckets)), _little(array("q", keys))
 
 
 def _little(a: array) -> array:

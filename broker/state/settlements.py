@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from bisect import bisect_right
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import chain, repeat
 from operator import itemgetter
 from typing import NamedTuple
@@ -50,15 +50,16 @@ class Event:
 
 class Run(NamedTuple):
     """Settled messages of consecutive seqs from `seq` on, settled alike (event, time,
-    reason): the columns are the messages' own, by position. Never changed once made:
-    a checkpoint thread reads runs while the event loop adds and trims them."""
+    reason): the columns are the messages' own, by position, as their lease record
+    packs them (`array`; lists in snapshots from before). Never changed once made: a
+    checkpoint thread reads runs while the event loop adds and trims them."""
 
     seq: int
     message_ids: list[str]
-    buckets: list[int]
+    buckets: Sequence[int]
     event: str
-    sort_keys: list[int]
-    deliveries: list[int]
+    sort_keys: Sequence[int]
+    deliveries: Sequence[int]
     at: int
     reason: str | None = None
 

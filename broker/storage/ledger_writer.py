@@ -11,8 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import time
 from collections.abc import Callable
-from itertools import repeat
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
@@ -83,7 +83,10 @@ def write_ledger(warehouse: str, topic: str, events: Events) -> int:
     upto = last(entries[-1])
 
     def rows_past(written: int) -> pa.Table:
-        return pa.table(_ledger_columns(past(entries, written)), schema=LEDGER_SCHEMA)
+        # One batch: the writer takes batches in no set order, and the ledger's rows
+        # stay in seq order (each column's chunks are cut differently).
+        columns = _ledger_columns(past(entries, written))
+        return pa.table(columns, schema=LEDGER_SCHEMA).combine_chunks()
 
     _append_tagged(ensure_table(warehouse, Table.LEDGER, topic), upto, rows_past)
     return upto
@@ -117,40 +120,68 @@ def _append_tagged(path: str, upto: int, rows_past: Callable[[int], pa.Table | N
                 raise
 
 
-def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray]:
-    """The ledger's columns of `entries`: a run's own columns joined, its event and time
-    repeated; no Python object is made per event of a run."""
+def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Array]:
+    """The ledger's columns of `entries`, in their order. A run's ids are joined as
+    references; its packed columns (`LeaseRecord`) are joined by NumPy and reach Arrow
+    without an int object per event; its event and time are repeated from one value."""
     mids: list[str] = []
-    buckets: list[int] = []
-    events: list[str] = []
-    keys: list[int] = []
-    counts: list[int] = []
-    at: list[int] = []
     for e in entries:
         if type(e) is Settlement:
             mids.append(e.message_id)
-            buckets.append(e.bucket)
-            events.append(e.event)
-            keys.append(e.sort_key)
-            counts.append(e.deliveries)
-            at.append(e.at)
-            continue
-        n = len(e.message_ids)
-        mids += e.message_ids
-        buckets += e.buckets
-        events += repeat(e.event, n)
-        keys += e.sort_keys
-        counts += e.deliveries
-        at += repeat(e.at, n)
-    ms = _arrow(at, pa.int64())
+        else:
+            mids += e.message_ids
+    lengths = [1 if type(e) is Settlement else len(e.message_ids) for e in entries]
+    names: dict[str, int] = {}
+    codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)
+    events = pa.array(list(names), pa.string()).take(pa.array(np.repeat(codes, lengths)))
+    ms = pa.array(np.repeat(np.array([e.at for e in entries], np.int64), lengths))
+    bucket, sort_key, deliveries = _int_columns(entries)
     return {
         "message_id": _arrow(mids, pa.string()),
-        "bucket": _arrow(buckets, pa.int32()),
-        "event": _arrow(events, pa.string()),
-        "sort_key": _arrow(keys, pa.int64()),
-        "deliveries": _arrow(counts, pa.int32()),
+        "bucket": bucket,
+        "event": events,
+        "sort_key": sort_key,
+        "deliveries": deliveries,
         "at": pc.multiply(ms, 1000).cast(TIMESTAMP),
     }
+
+
+_INT_KINDS = (pa.int32(), pa.int64(), pa.int32())  # bucket, sort_key, deliveries
+
+
+def _int_columns(entries: list[Entry]) -> list[pa.ChunkedArray]:
+    """Bucket, sort key and deliveries of `entries`: a stretch of runs joined by NumPy
+    from their packed columns, a stretch of single settlements (whose sort key may be
+    null) converted from a list; one Arrow chunk per stretch."""
+    chunks: list[list[pa.Array]] = [[], [], []]
+    loose: list[list[int | None]] = [[], [], []]
+    packed: list[list[np.ndarray]] = [[], [], []]
+
+    def close() -> None:
+        for column, values, kind in zip(chunks, loose, _INT_KINDS, strict=True):
+            if values:
+                column.append(pa.array(values, kind))
+                values.clear()
+        for column, parts, kind in zip(chunks, packed, _INT_KINDS, strict=True):
+            if parts:
+                column.append(pa.array(np.concatenate(parts)).cast(kind))
+                parts.clear()
+
+    for e in entries:
+        if type(e) is Settlement:
+            if packed[0]:
+                close()
+            loose[0].append(e.bucket)
+            loose[1].append(e.sort_key)
+            loose[2].append(e.deliveries)
+        else:
+            if loose[0]:
+                close()
+            packed[0].append(np.asarray(e.buckets))
+            packed[1].append(np.asarray(e.sort_keys))
+            packed[2].append(np.asarray(e.deliveries))
+    close()
+    return [pa.chunked_array(c, kind) for c, kind in zip(chunks, _INT_KINDS, strict=True)]
 
 
 def _arrow(values: list, kind: pa.DataType) -> pa.ChunkedArray:

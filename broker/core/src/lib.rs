@@ -4,6 +4,7 @@
 
 use pyo3::prelude::*;
 
+mod buckets;
 mod heads;
 mod ids;
 mod lease_json;
@@ -12,6 +13,7 @@ mod order;
 #[pymodule]
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
+    m.add_function(wrap_pyfunction!(buckets::count_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
