@@ -22,6 +22,7 @@ from dejaq.broker.state.settlements import (
     Entry,
     Events,
     Settlement,
+    count,
     entries_of,
     last,
     past,
@@ -130,7 +131,7 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
             mids.append(e.message_id)
         else:
             mids += e.message_ids
-    lengths = [1 if type(e) is Settlement else len(e.message_ids) for e in entries]
+    lengths = list(map(count, entries))
     names: dict[str, int] = {}
     codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)
     events = pa.array(list(names), pa.string()).take(pa.array(np.repeat(codes, lengths)))
