@@ -6,16 +6,20 @@ Three real Raft nodes (the broker's `RaftNode`: PySyncObj over TCP, AES-GCM, gro
 commit) share one event loop, each with its own `TopicIndex` over the same Delta buffer,
 wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked and
 packed by the leader's index, committed, rendered as the lease JSON) and ack it by its
-receipts (the body parsed as the hot path parses it); the leader checkpoints into the
-ledger and trims in slices as the broker does. Each step is timed where it runs, on which
-node (the methods are wrapped for the run, as a profiler would), and the process's CPU
-is split into those steps and the rest: Raft's transport, sealing, pickling and ticks,
-and the loop. No HTTP and no clients (`bench/broker.py` measures the live system); one
-thread, so no step waits on another.
+receipts (the body parsed as the hot path parses it, a whole lease's as a range, as the
+broker commits it); the leader checkpoints into the ledger and trims in slices as the
+broker does. Each step is timed where it runs, on which node (the methods are wrapped
+for the run, as a profiler would), and the main thread's CPU is split into those steps
+and the rest: Raft's transport, sealing, pickling and ticks, and the loop. The Delta
+writer's own threads are counted apart. No HTTP and no clients (`bench/broker.py`
+measures the live system); one event loop, so no step waits on another.
 
-Baseline in the same run, on the same nodes, alternated with the main run in slices
+Baselines in the same run, on the same nodes, alternated with the main run in slices
 (this VM's speed drifts): each request commits one tiny command instead, a consumer's
-heartbeat, as the live Raft floor does. Prints one JSON object.
+heartbeat, as the live Raft floor does; and each request commits what DejaQ's did in
+the slice before (its lease's picks, its ack's receipts) as a command every node
+refuses unread: Raft carrying DejaQ's bytes and applying nothing. Prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ from test_broker import buffer_rows, fill  # noqa: E402
 
 from dejaq.broker.api.hotpath import _ack_args, _lease_args  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
-from dejaq.broker.state.leases import TopicState  # noqa: E402
+from dejaq.broker.state.leases import TopicState, consecutive  # noqa: E402
 from dejaq.broker.state.raft import RaftNode  # noqa: E402
 from dejaq.broker.storage import message_json  # noqa: E402
 from dejaq.broker.storage.index import Taken, TopicIndex  # noqa: E402
@@ -53,6 +57,9 @@ from dejaq.conf.settings import BrokerConfig, TopicConfig  # noqa: E402
 from dejaq.jobs.ports import free_port  # noqa: E402
 
 BUCKETS = 64
+# A purge made from a view older than any state (`TopicState.purge`): every node refuses
+# it at once, unread, so the command's cost is its replication alone.
+CARRY_UPTO = -1
 CHECKPOINT_EVENTS = 50_000  # about a second's acks at the live rate, as the broker's 1 s
 
 
@@ -157,7 +164,10 @@ async def measure(
     for w in workers:
         await leader.commit("t", "touch", w, int(time.time() * 1000))
 
+    sent: dict[str, list[tuple]] = {w: [] for w in workers}  # the commands of each worker
+
     async def dejaq(me: str, rounds: int) -> None:
+        sent[me] = []
         for _ in range(rounds):
             t = time.perf_counter()
             body = f'{{"consumer_id": "{me}", "max_messages": {args.batch}}}'
@@ -169,6 +179,7 @@ async def measure(
             t = clock.time("leader", "pick", t)
             lease = (me, now, 30_000, picks, None, True, state.seq)  # as `Broker.lease`
             grants = await leader.commit("t", "lease", *lease)
+            sent[me].append(lease)
             t = time.perf_counter()
             if len(grants) < len(picks[0]):  # as `Broker.lease`: only what was not granted
                 index.release(state, picks)
@@ -182,8 +193,10 @@ async def measure(
             assert ack is not None
             clock.time("leader", "parse requests", t)
             now = int(time.time() * 1000)
-            refused = await leader.commit("t", "ack", me, now, [], ack[1])
+            settle = (me, now, [], consecutive(ack[1]))
+            refused = await leader.commit("t", "ack", *settle)
             assert not refused, refused
+            sent[me].append(settle)
             if len(state.events) >= CHECKPOINT_EVENTS:
                 await checkpoint_and_trim()
 
@@ -199,22 +212,29 @@ async def measure(
         for _ in range(2 * rounds):  # a lease and an ack per round
             await leader.commit("t", "touch", me, int(time.time() * 1000))
 
+    async def carrying(me: str, rounds: int) -> None:
+        for command in sent[me]:  # the last main slice's, each refused unread on apply
+            await leader.commit("t", "purge", int(time.time() * 1000), CARRY_UPTO, command)
+
     rounds = args.messages // (args.batch * args.workers * args.slices)
     cpu: Counter[str] = Counter()
     for s in range(args.slices):
-        for name, request in (("dejaq", dejaq), ("floor", floor))[:: 1 if s % 2 == 0 else -1]:
+        systems = (("dejaq", dejaq), ("floor", floor), ("carrying", carrying))
+        for name, request in systems[:: 1 if s % 2 == 0 else -1]:
             clock.on = name == "dejaq"  # the floor's applies are not DejaQ's steps
-            started = time.process_time()
+            started, main_started = time.process_time(), time.thread_time()
             await asyncio.gather(*(request(w, rounds) for w in workers))
             if name == "dejaq":
                 await checkpoint_and_trim()
             cpu[name] += time.process_time() - started
+            cpu[f"{name} main thread"] += time.thread_time() - main_started
     return report(clock.spent, cpu, rounds * args.batch * args.workers * args.slices)
 
 
 def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
-    """µs per message: each step by role (a follower's are the mean of the two), and
-    what the timed steps leave of the process's CPU."""
+    """µs per message: each step by role (a follower's are the mean of the two), what
+    the timed steps leave of the main thread's CPU, and the CPU of the process's other
+    threads (the Delta writer's own, under a checkpoint)."""
     steps: dict[str, dict[str, float]] = {}
     timed = 0.0
     for role, share in (("leader", 1), ("followers", 2)):
@@ -224,12 +244,15 @@ def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
         )
         timed += sum(mine.values())
         steps[role] = {k: round(v / n / share * 1e6, 2) for k, v in sorted(mine.items())}
-    broker = cpu["dejaq"] - sum(v for (r, _), v in spent.items() if r == "client")
+    client = sum(v for (r, _), v in spent.items() if r == "client")
+    main = cpu["dejaq main thread"] - client
     return {
-        "cpu_us_per_msg": round(broker / n * 1e6, 2),
+        "cpu_us_per_msg": round((cpu["dejaq"] - client) / n * 1e6, 2),
         "steps_us_per_msg": steps,
-        "raft_transport_ticks_and_loop_us_per_msg": round((broker - timed) / n * 1e6, 2),
+        "raft_transport_ticks_and_loop_us_per_msg": round((main - timed) / n * 1e6, 2),
+        "other_threads_us_per_msg": round((cpu["dejaq"] - cpu["dejaq main thread"]) / n * 1e6, 2),
         "baseline_raft_floor_cpu_us_per_msg": round(cpu["floor"] / n * 1e6, 2),
+        "raft_carrying_the_commands_cpu_us_per_msg": round(cpu["carrying"] / n * 1e6, 2),
         "messages": n,
     }
 
