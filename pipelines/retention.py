@@ -14,16 +14,19 @@ release job) needs the ledger only from W on: the files whose largest `at` reach
 The deliverer bounds C by what it has not yet written to the ledger (the broker's
 un-checkpointed events), so no event older than C can reach the ledger after a run.
 Other writers keep going, all on delta-rs (Delta's optimistic concurrency, a put-if-absent
-commit on every store): an ingest append that commits first makes the run's commit
-fail, and the run tries again; one that commits second commits again on top of it
-(`pipelines.delta_source`); a concurrent compaction or another run: the loser fails
-and the next round tries again. The rewritten files' rows are not new, so
+commit on every store). The run's rewrite reads only rows ingested before the latest
+stamp its snapshot holds (`ingested_before`), so an ingest append that commits first,
+of rows stamped since, leaves the run's commit valid: however long a rewrite takes on
+a slow store, appends every second cannot starve it. An append that commits second commits
+again on top of it (`pipelines.delta_source`); a concurrent compaction or another run:
+the loser fails and tries again. The rewritten files' rows are not new, so
 readers that follow the buffer (`is_rewrite`) do not read them again; the replaced
 files stay for the table's file retention, then vacuum deletes them.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import logging
 import random
@@ -175,19 +178,20 @@ def retain(
     written to the ledger; the cutoff stays a clock skew before it. Returns None when
     the cutoff has not moved past the watermark (or, with nothing to remove, not by a
     `WATERMARK_STEP_MS`). A run that removed rows vacuums the buffer's replaced files
-    that are past the table's file retention. A commit that loses to a concurrent one
-    (an ingest append lands every second or so) is tried again from a fresh snapshot,
-    up to `ATTEMPTS` times; then the error is raised.
+    that are past the table's file retention. A commit that loses to a concurrent
+    rewrite (a compaction, another run) is tried again from a fresh snapshot, up to
+    `ATTEMPTS` times; then the error is raised.
     """
     started = time.monotonic()
     for attempt in range(1, ATTEMPTS + 1):
         try:
             done = _run(buffer_path, ledger_path, retention_ms, now_ms, unwritten_from_ms)
             break
-        except CommitFailedError:
+        except CommitFailedError as e:
             if attempt == ATTEMPTS:
                 raise
-            time.sleep(random.uniform(0.05, 0.5))  # out of step with the appends it lost to
+            log.info("retention of %s lost its commit (%s): trying again", buffer_path, e)
+            time.sleep(random.uniform(0.05, 0.5))  # out of step with the writer it lost to
     if done is None:
         return None
     removed, rewritten, read, cutoff = done
@@ -239,12 +243,20 @@ def _run(
         )
         return 0, 0, last.num_rows, cutoff
     # A hash join of the buffer with the ids: only the files holding one are rewritten.
+    # Not streamed, so delta-rs derives the commit's read predicate from the ids' range
+    # and the ingest bound, and checks a concurrent append's files against it by their
+    # statistics: an append of rows ingested since the bound does not fail the commit.
+    predicate = "t.message_id = s.message_id"
+    bound = ingested_before(buffer)
+    if bound is not None:
+        predicate += f" AND t.ingested_at < '{_iso(bound)}'"
     metrics = (
         buffer.merge(
             source=pa.table({"message_id": gone}),
-            predicate="t.message_id = s.message_id",
+            predicate=predicate,
             source_alias="s",
             target_alias="t",
+            streamed_exec=False,
             commit_properties=commit,
         )
         .when_matched_delete()
@@ -252,6 +264,29 @@ def _run(
     )
     removed, rewritten = metrics["num_target_rows_deleted"], metrics["num_target_files_removed"]
     return removed, rewritten, last.num_rows, cutoff
+
+
+def ingested_before(buffer: DeltaTable) -> int | None:
+    """A time (epoch ms) after every row of this snapshot was ingested: its files'
+    largest `ingested_at`, a millisecond past (Delta keeps timestamp statistics in
+    milliseconds). None when a file has no such statistic.
+
+    The ingest stamps each batch with the time it began, so the batches that commit
+    after the snapshot hold rows stamped since: a rewrite that reads only rows before
+    this bound does not read their files.
+    """
+    adds = pa.table(buffer.get_add_actions(flatten=True))
+    if not adds.num_rows or "max.ingested_at" not in adds.column_names:
+        return None
+    latest = adds.column("max.ingested_at").cast(TIMESTAMP)
+    if latest.null_count:
+        return None
+    return pc.max(latest).value // 1000 + 1
+
+
+def _iso(at_ms: int) -> str:
+    """A UTC timestamp literal for a delta-rs predicate."""
+    return dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def redriven(events: Iterable) -> list[str]:

@@ -23,6 +23,7 @@ from conftest import S3Server, wait_until
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from test_broker import buffer_rows
+from test_retention import ingest_append
 
 from dejaq.broker.state.leases import Settlement
 from dejaq.broker.storage.ledger_writer import write_ledger
@@ -33,10 +34,10 @@ from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table, table_path
 from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
 from dejaq.pipelines.compaction import maintain
-from dejaq.pipelines.delta_source import DeltaBatchWriter, WriteTarget
 from dejaq.pipelines.retention import OPERATION, retain
 
 HOUR = 3600 * 1000
+RETENTION_TRIES = 50  # runs of one round before a race counts as starved
 
 
 @pytest.fixture
@@ -117,17 +118,6 @@ def test_a_malformed_endpoint_is_refused_by_name() -> None:
 # --- writers racing on one table --------------------------------------------------------
 
 
-def ingest_append(path: str, rows: pa.Table, app_id: str, batch_id: int) -> None:
-    """An ingest micro-batch's write as its Spark tasks and driver make it (files, then
-    one commit tagged (app id, batch id)), without Spark."""
-    delta = DeltaTable(path)
-    target = WriteTarget(
-        path, pa.schema(delta.schema().to_arrow()), tuple(delta.metadata().partition_columns)
-    )
-    writer = DeltaBatchWriter(target, overwrite=False, txn=(app_id, batch_id))
-    writer.commit([writer.write(iter(rows.to_batches()))])
-
-
 def acks(ids: list[str], at_ms: int) -> pa.Table:
     at = dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC)
     return pa.Table.from_pylist(
@@ -176,27 +166,37 @@ def buffer_ids(path: str) -> list[str]:
     return DeltaTable(path).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
 
 
-def retention_rounds(buffer: str, ledger: str, start_ms: int, rounds: int, first: int) -> None:
+def retention_rounds(
+    buffer: str, ledger: str, start_ms: int, rounds: int, first: int, lost: list[str]
+) -> None:
     """Each round acks 10 more of the initial messages, then removes the settled ones.
 
     Round r's acks are stamped after the previous round's cutoff, so each run reads them
-    from the ledger's tail; a run that loses its commit to another writer is retried (as
-    the deliverer's next round would)."""
+    from the ledger's tail; a run that loses its commit to another writer is noted in
+    `lost` and tried again (as the deliverer's next round would), a bounded number of
+    times."""
     for r in range(rounds):
         cutoff = start_ms + (r + 1) * 10_000
         ids = [f"m{i}" for i in range(first + 10 * r, first + 10 * (r + 1))]
         write_deltalake(ledger, acks(ids, cutoff - 5_000), mode="append")
-        while True:
+        for _ in range(RETENTION_TRIES):
             try:
                 retain(buffer, ledger, HOUR, cutoff + HOUR)
                 break
-            except CommitFailedError:
-                continue
+            except CommitFailedError as e:
+                lost.append(str(e))
+        else:
+            raise AssertionError(f"round {r}: {RETENTION_TRIES} runs lost their commits")
 
 
-def test_ingest_appends_racing_retention_keep_every_commit(warehouse_s3: str) -> None:
+def test_ingest_appends_racing_retention_keep_every_commit(
+    warehouse_s3: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The ingest's appends and retention's rewrites of one buffer, at once, on S3: every
-    appended row stays, every settled one goes, no row twice."""
+    appended row stays, every settled one goes, no row twice, and no append fails a
+    rewrite, however slow the store makes it."""
+    monkeypatch.setattr("dejaq.pipelines.retention.ATTEMPTS", 1)  # a lost commit: `lost`
+    lost: list[str] = []
     buffer = ensure_table(warehouse_s3, Table.BUFFER, "jobs")
     ledger = ensure_table(warehouse_s3, Table.LEDGER, "jobs")
     write_deltalake(buffer, buffer_rows(list(range(100))), mode="append", partition_by=["bucket"])
@@ -213,7 +213,7 @@ def test_ingest_appends_racing_retention_keep_every_commit(warehouse_s3: str) ->
             batches += 1
 
     def retention() -> None:
-        retention_rounds(buffer, ledger, start, rounds=8, first=0)
+        retention_rounds(buffer, ledger, start, rounds=8, first=0, lost=lost)
         retained.set()
 
     race(ingest, retention)
@@ -223,6 +223,7 @@ def test_ingest_appends_racing_retention_keep_every_commit(warehouse_s3: str) ->
     assert set(ids) == appended | {f"m{i}" for i in range(80, 100)}
     assert DeltaTable(buffer).transaction_version("dejaq-ingest-jobs") == batches - 1
     assert interleaved(buffer), "the writers' commits interleave"
+    assert lost == [], "an append failed a retention run"
 
 
 def test_compaction_racing_retention_keeps_every_row(warehouse_s3: str) -> None:
@@ -241,7 +242,7 @@ def test_compaction_racing_retention_keeps_every_row(warehouse_s3: str) -> None:
         for _ in range(6):
             compactions.append(maintain(buffer, target_size=1024))
 
-    race(compact, lambda: retention_rounds(buffer, ledger, start, rounds=6, first=0))
+    race(compact, lambda: retention_rounds(buffer, ledger, start, rounds=6, first=0, lost=[]))
     ids = buffer_ids(buffer)
     assert len(ids) == len(set(ids)), "no row twice"
     assert set(ids) == {f"m{i}" for i in range(60, 100)}
