@@ -139,13 +139,14 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
     class: the one way to place it in that window here."""
     warehouse = str(tmp_path / "wh")
     t0 = dt.datetime.now(dt.UTC)
-    fill(warehouse, "jobs", stamped(buffer_rows(list(range(10))), t0))
+    odd = "m'\n"  # ids the commit's predicate must quote, as the conflict check reads it
+    fill(warehouse, "jobs", stamped(buffer_rows(list(range(10)), prefix=odd), t0))
     buffer = ensure_table(warehouse, Table.BUFFER, "jobs")
     now = now_ms()
-    record(warehouse, [(f"m{i}", "acked", now - 2 * HOUR) for i in range(5)])
+    record(warehouse, [(f"{odd}{i}", "acked", now - 2 * HOUR) for i in range(5)])
     batch_at = t0 + dt.timedelta(seconds=-1 if late else 1)
     # The same ids as settled messages: their files overlap the rewrite's id range.
-    batch = stamped(buffer_rows([7] * 3, prefix="m1"), batch_at)
+    batch = stamped(buffer_rows([7] * 3, prefix=f"{odd}1"), batch_at)
     appended: list[int] = []
 
     class AppendFirst(DeltaTable):
@@ -167,7 +168,7 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
     assert done is not None and done.removed == 5
     assert DeltaTable(buffer).version() == appended[0] + 1, "committed on top of the batch"
     kept = DeltaTable(buffer).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
-    assert sorted(kept) == sorted([f"m{i}" for i in range(5, 10)] + ["m10", "m11", "m12"])
+    assert sorted(kept) == sorted(f"{odd}{i}" for i in [5, 6, 7, 8, 9, 10, 11, 12])
 
 
 def test_the_cutoff_stays_before_what_is_not_yet_in_the_ledger(tmp_path: Path) -> None:
