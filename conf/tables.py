@@ -7,6 +7,7 @@ two readers, no drift.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Collection, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -136,6 +137,12 @@ PARTITION_BY: dict[Table, list[str]] = {
     Table.DEAD_LETTER: [],
     Table.SCHEDULES: [],
 }
+
+
+def iso_ms(ms: int) -> str:
+    """A UTC time in milliseconds as Delta writes it in statistics and reads it in predicates."""
+    when = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
+    return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
 
 
 def table_path(warehouse: str, table: Table, topic: str) -> str:

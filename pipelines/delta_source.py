@@ -15,7 +15,6 @@ foreachBatch).
 
 from __future__ import annotations
 
-import datetime as dt
 import functools
 import json
 import logging
@@ -47,7 +46,7 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
 from dejaq.conf.storage import filesystem, has_folders
-from dejaq.conf.tables import conform, create_if_missing
+from dejaq.conf.tables import conform, create_if_missing, iso_ms
 
 log = logging.getLogger(__name__)
 
@@ -485,7 +484,7 @@ class _Stats:
             t = self.schema.field(name).type
             lo, hi = self.min[name], self.max[name]
             if pa.types.is_timestamp(t):  # Delta keeps milliseconds: round outwards
-                lows[name], highs[name] = _iso_ms(lo // 1000), _iso_ms(-(-hi // 1000))
+                lows[name], highs[name] = iso_ms(lo // 1000), iso_ms(-(-hi // 1000))
             elif pa.types.is_date32(t):
                 lows[name], highs[name] = lo.isoformat(), hi.isoformat()
             elif isinstance(lo, str):
@@ -501,8 +500,3 @@ class _Stats:
 def _value(scalar: pa.Scalar) -> Any:
     """Python value to compare; timestamps as integer microseconds."""
     return scalar.value if isinstance(scalar, pa.TimestampScalar) else scalar.as_py()
-
-
-def _iso_ms(ms: int) -> str:
-    when = dt.datetime(1970, 1, 1, tzinfo=dt.UTC) + dt.timedelta(milliseconds=ms)
-    return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"

@@ -26,7 +26,6 @@ files stay for the table's file retention, then vacuum deletes them.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import random
@@ -49,6 +48,7 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     column,
+    iso_ms,
     matching,
     scan,
 )
@@ -249,7 +249,7 @@ def _run(
     predicate = "t.message_id = s.message_id"
     bound = ingested_before(buffer)
     if bound is not None:
-        predicate += f" AND t.ingested_at < '{_iso(bound)}'"
+        predicate += f" AND t.ingested_at < '{iso_ms(bound)}'"
     metrics = (
         buffer.merge(
             source=pa.table({"message_id": gone}),
@@ -282,11 +282,6 @@ def ingested_before(buffer: DeltaTable) -> int | None:
     if latest.null_count:
         return None
     return pc.max(latest).value // 1000 + 1
-
-
-def _iso(at_ms: int) -> str:
-    """A UTC timestamp literal for a delta-rs predicate."""
-    return dt.datetime.fromtimestamp(at_ms / 1000, dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def redriven(events: Iterable) -> list[str]:
