@@ -23,7 +23,7 @@ from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
-from dejaq.pipelines import retention
+from dejaq.pipelines import delta_source, retention
 from dejaq.pipelines.delta_source import DeltaBatchWriter, WriteTarget
 from dejaq.pipelines.retention import retain, watermark
 
@@ -169,6 +169,41 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
     assert DeltaTable(buffer).version() == appended[0] + 1, "committed on top of the batch"
     kept = DeltaTable(buffer).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
     assert sorted(kept) == sorted(f"{odd}{i}" for i in [5, 6, 7, 8, 9, 10, 11, 12])
+
+
+def test_an_append_beaten_by_a_rewrite_commits_again_on_top(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The other side of the race: a retention run commits between an ingest batch's
+    snapshot and its commit. delta-rs counts an append as reading its whole snapshot, so
+    the removal fails that commit; the batch's rows depend on nothing it read, so the
+    connector commits the same files again on a fresh snapshot, once, with its (app id,
+    batch id). The run is placed in that window by the connector's own snapshot call."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows(list(range(10))))
+    buffer = ensure_table(warehouse, Table.BUFFER, "jobs")
+    now = now_ms()
+    record(warehouse, [(f"m{i}", "acked", now - 2 * HOUR) for i in range(5)])
+    runs: list[retention.RetentionRun | None] = []
+
+    class RetentionFirst(DeltaTable):
+        """A buffer snapshot whose write commits after a retention run has."""
+
+        def create_write_transaction(self, *args, **kwargs):
+            if not runs:
+                runs.append(run(warehouse, now))
+            return super().create_write_transaction(*args, **kwargs)
+
+    monkeypatch.setattr(delta_source, "DeltaTable", RetentionFirst)
+    with caplog.at_level(logging.INFO, logger=delta_source.__name__):
+        ingest_append(buffer, buffer_rows([3] * 4, prefix="n"), "dejaq-ingest-jobs", 0)
+    assert runs[0] is not None and runs[0].removed == 5
+    assert any("lost its commit" in r.getMessage() for r in caplog.records)
+    table = DeltaTable(buffer)
+    assert table.transaction_version("dejaq-ingest-jobs") == 0
+    assert retention.is_rewrite(table.history(2)[1]), "the append landed on top of the run"
+    kept = table.to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
+    assert sorted(kept) == sorted([f"m{i}" for i in range(5, 10)] + [f"n{i}" for i in range(4)])
 
 
 def test_the_cutoff_stays_before_what_is_not_yet_in_the_ledger(tmp_path: Path) -> None:

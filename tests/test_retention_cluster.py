@@ -1,8 +1,9 @@
 """Retention on a running 3-node broker: real processes, Raft, HTTP and Delta tables.
 
-New rows are appended to the buffer with delta-rs, as the ingest's Python connector
-appends them, from a thread of the test, while workers lease and ack and the leader
-removes settled messages; the Spark ingest beside retention is tested in test_ingest.
+New rows are appended to the buffer through the ingest's Python connector's own writer
+and commit (which commits again when a retention run's rewrite wins the race), from a
+thread of the test, while workers lease and ack and the leader removes settled
+messages; the Spark ingest beside retention is tested in test_ingest.
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ import os
 import subprocess
 import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 from conftest import wait_until
 from deltalake import DeltaTable
-from test_broker import buffer_rows, fill
+from test_broker import buffer_rows
 from test_broker_cluster import Workers, leader_of, restart_then_lease, start, stop
+from test_retention import ingest_append
 
 from dejaq.conf.tables import Table, ensure_table
 from dejaq.jobs import cluster
@@ -44,12 +47,13 @@ def acked(client: httpx.Client, nodes: list[cluster.Node]) -> int:
     return client.get(f"{leader.url}/v1/topics/ret").json()["acked"] if leader else -1
 
 
-def append_in_steps(warehouse: str, started: threading.Event) -> None:
-    """TOTAL rows in 30 appends, as micro-batches land."""
+def append_in_steps(buffer: str, started: threading.Event) -> None:
+    """TOTAL rows in 30 appends, as the ingest's micro-batches land."""
     step = TOTAL // 30
     for k in range(30):
         keys = [(k * step + i) % 100 for i in range(step)]
-        fill(warehouse, "ret", buffer_rows(keys, lambda i: i % 8, prefix=f"r{k}-"))
+        rows = buffer_rows(keys, lambda i: i % 8, prefix=f"r{k}-")
+        ingest_append(buffer, rows, "dejaq-ingest-ret", k)
         started.set()
 
 
@@ -66,13 +70,20 @@ def test_retention_under_load_then_a_late_node_and_a_full_restart(
             cluster.stop_node(late)  # misses everything, starts after retention
             live = [n for n in nodes if n is not late]
             started = threading.Event()
-            appender = threading.Thread(target=append_in_steps, args=(warehouse, started))
-            appender.start()
-            started.wait(30)
-            with Workers(live, n=3, batch=20, topic="ret") as w:
-                # An ack whose answer was lost is acked all the same: ask the cluster.
-                wait_until(lambda: acked(client, live) == TOTAL, timeout=120, what="all acked")
-            appender.join()
+            with ThreadPoolExecutor(1) as pool:
+                appended = pool.submit(append_in_steps, buffer, started)
+                started.wait(30)
+                with Workers(live, n=3, batch=20, topic="ret") as w:
+                    # An ack whose answer was lost is acked all the same: ask the cluster.
+                    # A failed append fails the test at once, with its own error.
+                    wait_until(
+                        lambda: (
+                            (appended.done() and appended.result() is None)
+                            and acked(client, live) == TOTAL
+                        ),
+                        timeout=120,
+                        what="all appended and acked",
+                    )
             assert w.redelivered_after_ack == [], "an acked message is never delivered again"
             wait_until(lambda: row_count(buffer) == 0, timeout=60, what="settled rows removed")
             leader = leader_of(live, client)
