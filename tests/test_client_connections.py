@@ -42,6 +42,12 @@ class Stand(ThreadingHTTPServer):
         self.requests: list[tuple[str, dict]] = []
         self.closed = threading.Event()  # a connection was closed by this side
 
+    def shutdown_request(self, request: object) -> None:
+        """`closed` is set once the socket is closed, not when the handler finishes:
+        a client told of it before then could still find the connection open."""
+        super().shutdown_request(request)
+        self.closed.set()
+
     @property
     def url(self) -> str:
         scheme = "https" if self.tls is not None else "http"
@@ -55,10 +61,6 @@ class _Handler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.server.connections += 1
-
-    def finish(self) -> None:
-        super().finish()
-        self.server.closed.set()
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
