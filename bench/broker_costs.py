@@ -46,7 +46,7 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 from pysyncobj import SyncObj  # noqa: E402
 from test_broker import buffer_rows, fill  # noqa: E402
 
-from dejaq.broker.api.hotpath import _ack_args, _lease_args  # noqa: E402
+from dejaq.broker.api.hotpath import _ack_args, _lease_args, _parsed  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
 from dejaq.broker.state.leases import TopicState, consecutive  # noqa: E402
 from dejaq.broker.state.raft import RaftNode  # noqa: E402
@@ -170,8 +170,8 @@ async def measure(
         sent[me] = []
         for _ in range(rounds):
             t = time.perf_counter()
-            body = f'{{"consumer_id": "{me}", "max_messages": {args.batch}}}'
-            assert _lease_args(json.loads(body)) is not None
+            body = f'{{"consumer_id": "{me}", "max_messages": {args.batch}}}'.encode()
+            assert _lease_args(_parsed(body)) is not None
             now = int(time.time() * 1000)
             t = clock.time("leader", "parse requests", t)
             taken: list[Taken] = []
@@ -187,9 +187,9 @@ async def measure(
             body = message_json.leased_array(picks, taken, grants, False)
             t = clock.time("leader", "lease JSON", t)
             receipts = [m["receipt"] for m in json.loads(body)]
-            ack_body = json.dumps({"consumer_id": me, "receipts": receipts})
+            ack_body = json.dumps({"consumer_id": me, "receipts": receipts}).encode()
             t = clock.time("client", "read the lease, write the ack", t)  # not counted
-            ack = _ack_args(json.loads(ack_body))
+            ack = _ack_args(_parsed(ack_body))
             assert ack is not None
             clock.time("leader", "parse requests", t)
             now = int(time.time() * 1000)

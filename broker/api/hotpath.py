@@ -5,14 +5,20 @@ message does. This ASGI middleware answers a lease or ack on the leader when the
 is plainly valid (same limits as the models in `broker.routers`); anything else (a
 follower, an unknown topic, a body needing coercion or giving a validation error) goes
 to FastAPI untouched, body replayed, so errors and forwarding keep one implementation.
+
+Bodies are parsed by orjson: a lease or ack body in ~0.3 µs, where `json.loads` takes
+~2 µs, twice per message at batch 1. What orjson refuses and `json` would take (UTF-16,
+NaN, a lone surrogate) goes to FastAPI, which answers it as it always did; so does an
+integer past 64 bits, which orjson reads as a float.
 """
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+import orjson
 
 from dejaq.broker.api.dependencies import problem
 from dejaq.broker.api.routers._common import MAX_RECEIPT
@@ -110,10 +116,7 @@ class HotPath:
         ):
             return await self.app(scope, receive, send)
         body = await _read(receive)
-        try:
-            parsed = json.loads(body)
-        except ValueError:
-            parsed = None
+        parsed = _parsed(body)
         topic = route[1]
         try:
             if route[2] == "leases":
@@ -133,6 +136,16 @@ class HotPath:
             response = problem(e.status, e.title, e.detail, **e.extra)
             return await response(scope, receive, send)
         await self.app(scope, _replay(body, receive), send)
+
+
+def _parsed(body: bytes) -> Any:
+    """The body as `json.loads` reads it, or None where orjson refuses it (FastAPI then
+    reads and answers it). Where both read a body they agree, but for integers past 64
+    bits, which orjson reads as floats: no valid lease or ack holds one."""
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
 
 
 def _is_json(scope: Scope) -> bool:
