@@ -1126,7 +1126,10 @@ def test_hot_path_reads_a_body_as_json_does_or_leaves_it_to_fastapi(
 
     raw = json.dumps(body).encode(encoding)
     mine, theirs = _parsed(raw), json.loads(raw)
-    assert mine is None or mine == theirs or any(type(v) is float for v in _leaves(mine))
+    past_64_bits = any(
+        type(v) is int and not -(2**63) <= v < 2**64 for v in _leaves(theirs)
+    )  # orjson reads those as floats
+    assert mine is None or mine == theirs or past_64_bits
     for args in (_lease_args, _ack_args):
         assert args(mine) in (None, args(theirs))
     if encoding != "utf-8":
