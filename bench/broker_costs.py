@@ -60,7 +60,10 @@ BUCKETS = 64
 # A purge made from a view older than any state (`TopicState.purge`): every node refuses
 # it at once, unread, so the command's cost is its replication alone.
 CARRY_UPTO = -1
-CHECKPOINT_EVENTS = 50_000  # about a second's acks at the live rate, as the broker's 1 s
+# Events a checkpoint takes: about a second's acks at the live rate, as the broker
+# checkpoints every second (`bench/broker.py`: ~50,000 at batch 100, ~5,000 at batch 1).
+CHECKPOINT_EVENTS = {1: 5_000}
+CHECKPOINT_EVENTS_BATCHED = 50_000
 
 
 class IndexListener:
@@ -166,6 +169,7 @@ async def measure(
         await leader.commit("t", "touch", w, int(time.time() * 1000))
 
     sent: dict[str, list[tuple]] = {w: [] for w in workers}  # the commands of each worker
+    tally: Counter[str] = Counter()  # leases a trim refused, and checkpoints taken
 
     async def dejaq(me: str, rounds: int) -> None:
         sent[me] = []
@@ -185,6 +189,7 @@ async def measure(
                 lease = (me, now, 30_000, picks, None, True, state.seq)  # as `Broker.lease`
                 grants = await leader.commit("t", "lease", *lease)
                 sent[me].append(lease)
+                tally["repicks"] += not grants
                 t = time.perf_counter()
                 if len(grants) < len(picks[0]):  # as `Broker.lease`: what was not granted
                     index.release(state, picks)
@@ -202,13 +207,14 @@ async def measure(
             refused = await leader.commit("t", "ack", *settle)
             assert not refused, refused
             sent[me].append(settle)
-            if len(state.events) >= CHECKPOINT_EVENTS and not checkpointing.locked():
+            if len(state.events) >= args.checkpoint_events and not checkpointing.locked():
                 await checkpoint_and_trim()
 
     def checkpoint_in_thread(events: list) -> int:
         t = time.thread_time()
         upto = checkpoint(str(args.warehouse), "t", events)
         clock.spent["leader", CHECKPOINT_STEP] += time.thread_time() - t
+        tally["checkpoints"] += 1
         return upto
 
     checkpointing = asyncio.Lock()
@@ -242,7 +248,13 @@ async def measure(
                 await checkpoint_and_trim()
             cpu[name] += time.process_time() - started
             cpu[f"{name} main thread"] += time.thread_time() - main_started
-    return report(clock.spent, cpu, rounds * args.batch * args.workers * args.slices)
+    figures = report(clock.spent, cpu, rounds * args.batch * args.workers * args.slices)
+    return {
+        **figures,
+        "acked": state.totals["acked"],
+        "leases_a_trim_refused": tally["repicks"],
+        "checkpoints": tally["checkpoints"],
+    }
 
 
 def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
@@ -277,7 +289,10 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--workers", type=int, default=8, help="concurrent lease+ack loops")
     ap.add_argument("--slices", type=int, default=4, help="alternations with the baseline")
+    ap.add_argument("--checkpoint-events", type=int, help="events that start a checkpoint")
     args = ap.parse_args()
+    if args.checkpoint_events is None:
+        args.checkpoint_events = CHECKPOINT_EVENTS.get(args.batch, CHECKPOINT_EVENTS_BATCHED)
     with tempfile.TemporaryDirectory(prefix="dejaq-costs-") as tmp:
         args.warehouse = Path(tmp) / "warehouse"
         filled = args.messages + args.messages // 10  # buckets drain unevenly
@@ -296,7 +311,7 @@ def main() -> int:
                     "workers": args.workers,
                     "buckets": BUCKETS,
                     "slices": args.slices,
-                    "checkpoint_events": CHECKPOINT_EVENTS,
+                    "checkpoint_events": args.checkpoint_events,
                     "trim_slice": TRIM_SLICE,
                 },
                 "machine": {
