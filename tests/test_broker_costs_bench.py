@@ -43,3 +43,6 @@ def test_the_costs_benchmark_acks_every_message_it_counts_through_mid_run_trims(
     assert report["baseline_raft_floor_cpu_us_per_msg"] > 0
     assert report["raft_carrying_the_commands_cpu_us_per_msg"] > 0
     assert report["parameters"]["checkpoint_events"] == 200
+    # Each request commits one command: at most two entries a message (a lease, an ack).
+    assert set(report["raft_entries_per_message"]) == {"dejaq", "floor", "carrying"}
+    assert all(0 < v <= 2.1 for v in report["raft_entries_per_message"].values())
