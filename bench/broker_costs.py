@@ -7,12 +7,13 @@ commit) share one event loop, each with its own `TopicIndex` over the same Delta
 wired as `dejaq broker` wires them. Workers lease a batch (100 by default: picked and
 packed by the leader's index, committed, rendered as the lease JSON) and ack it by its
 receipts (the body parsed as the hot path parses it, a whole lease's as a range, as the
-broker commits it); the leader checkpoints into the ledger and trims in slices as the
-broker does. Each step is timed where it runs, on which node (the methods are wrapped
-for the run, as a profiler would), and the main thread's CPU is split into those steps
-and the rest: Raft's transport, sealing, pickling and ticks, and the loop. The Delta
-writer's own threads are counted apart. No HTTP and no clients (`bench/broker.py`
-measures the live system); one event loop, so no step waits on another.
+broker commits it); the leader checkpoints into the ledger in a thread, about a
+second's acks at a time, and trims in slices, as the broker does. Each step is timed
+where it runs, on which node (the methods are wrapped for the run, as a profiler would),
+and the main thread's CPU is split into those steps and the rest: Raft's transport,
+sealing, pickling and ticks, and the loop. The checkpoint's thread and the Delta
+writer's own are counted apart. No HTTP and no clients (`bench/broker.py` measures the
+live system); one event loop, so no step waits on another.
 
 Baselines in the same run, on the same nodes, alternated with the main run in slices
 (this VM's speed drifts): each request commits one tiny command instead, a consumer's
@@ -61,9 +62,8 @@ BUCKETS = 64
 # it at once, unread, so the command's cost is its replication alone.
 CARRY_UPTO = -1
 # Events a checkpoint takes: about a second's acks at the live rate, as the broker
-# checkpoints every second (`bench/broker.py`: ~50,000 at batch 100, ~5,000 at batch 1).
-CHECKPOINT_EVENTS = {1: 5_000}
-CHECKPOINT_EVENTS_BATCHED = 50_000
+# checkpoints every second (`bench/broker.py`: ~5,000 at batch 1, ~50,000 at batch 100).
+CHECKPOINT_EVENTS_BATCH_1, CHECKPOINT_EVENTS = 5_000, 50_000
 
 
 class IndexListener:
@@ -179,7 +179,7 @@ async def measure(
             assert _lease_args(_parsed(body)) is not None
             now = int(time.time() * 1000)
             t = clock.time("leader", "parse requests", t)
-            grants: list = []
+            grants = None
             while not grants:  # as `Broker.lease`: none granted (a trim passed) picks again
                 taken: list[Taken] = []
                 picks = index.pick(state, state.buckets_of(me), args.batch, now, taken)
@@ -220,8 +220,8 @@ async def measure(
     checkpointing = asyncio.Lock()
 
     async def checkpoint_and_trim() -> None:
-        """In a thread, as the broker's: a Delta commit in the loop would stall Raft's
-        heartbeats for as long as it takes, and the followers elect another leader."""
+        """In a thread, as the broker's: the workers go on leasing and acking meanwhile,
+        and the trims land among their commands."""
         async with checkpointing:
             events = state.events.view()
             upto = await asyncio.to_thread(checkpoint_in_thread, events)
@@ -299,7 +299,7 @@ def main() -> int:
     ap.add_argument("--checkpoint-events", type=int, help="events that start a checkpoint")
     args = ap.parse_args()
     if args.checkpoint_events is None:
-        args.checkpoint_events = CHECKPOINT_EVENTS.get(args.batch, CHECKPOINT_EVENTS_BATCHED)
+        args.checkpoint_events = CHECKPOINT_EVENTS_BATCH_1 if args.batch == 1 else CHECKPOINT_EVENTS
     with tempfile.TemporaryDirectory(prefix="dejaq-costs-") as tmp:
         args.warehouse = Path(tmp) / "warehouse"
         filled = args.messages + args.messages // 10  # buckets drain unevenly
