@@ -31,6 +31,8 @@ from pysyncobj.serializer import Serializer
 
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.leases import (
+    ACKED,
+    BULK_MIN,
     POSITION_BITS,
     LeaseRecord,
     Pick,
@@ -1288,6 +1290,66 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
         for node in nodes:
             node.destroy()
     assert in_log_at_apply == {"a": 2, "b": 1}
+
+
+def test_the_leader_applies_its_own_commands_unpickled_by_the_followers_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three real Raft nodes. The leader applies a command it appended from the object
+    it pickled (its lease record holds the very id list the lease sent), the followers
+    from their unpickled copy, and all three reach the same state. A command that cannot
+    be pickled fails alone: a command appended next, not through `own`, is applied as
+    itself. So is one another thread appends while the loop's call is noted (the
+    leader's duties: expiry, trims)."""
+    import asyncio
+    import threading
+
+    from dejaq.broker.state import raft
+
+    monkeypatch.setattr(raft, "COMMIT_TIMEOUT_S", 0.5)
+    nodes = _raft_nodes(tmp_path)
+    mids = [f"m{i}" for i in range(BULK_MIN)]  # granted whole: the record keeps the list
+    mistaken: list[str] = []
+
+    def joined(*names: str) -> bool:
+        return all(set(names) <= n.state.topics["t"].consumers.keys() for n in nodes)
+
+    picks = packed([(m, 0, i) for i, m in enumerate(mids)])
+
+    async def scenario() -> tuple:
+        for node in nodes:
+            node.attach(asyncio.get_running_loop())
+        await _until(lambda: any(n.is_leader() for n in nodes), "leader")
+        leader = next(n for n in nodes if n.is_leader())
+        await leader.commit("t", "touch", "c", 0)
+        lease = await leader.commit("t", "lease", "c", 1, 60_000, picks, None, True, None)
+        with pytest.raises(raft.NotCommitted):
+            await leader.commit("t", "touch", lambda: "no pickle", 2)
+        leader.state.command("t", "touch", ("direct", 2), callback=None)  # not noted as own
+        with leader.sync.own(lambda: mistaken.append("the loop's call")):
+            args = ("t", "touch", ("duties", 2))
+            other = threading.Thread(
+                target=leader.state.command, args=args, kwargs={"callback": None}
+            )
+            other.start()
+            other.join()
+        await _until(lambda: joined("direct", "duties") or mistaken, "the commands not own")
+        acked = await leader.commit("t", "ack", "c", 3, [], [lease.receipt(1)])
+        await _until(lambda: all(n.state.topics["t"].seq == 1 for n in nodes), "ack applied")
+        return leader, lease, acked
+
+    try:
+        leader, lease, acked = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert lease.mids is picks[0], "the leader applied the object it sent"
+    assert mistaken == [], "another thread's command was applied as the loop's call"
+    assert acked == {} and leader.sync._own == {}
+    for node in nodes:
+        record = node.state.topics["t"].records[lease.lid]
+        assert record.mids == mids and record.ended[:3] == bytes([0, ACKED, 0])
+        assert (record.mids is picks[0]) == (node is leader), "followers unpickle a copy"
 
 
 def test_a_node_alone_commits_without_waiting_for_the_periodic_tick(

@@ -25,9 +25,12 @@ import os
 import pickle
 import secrets
 import select
+import threading
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
@@ -49,7 +52,7 @@ from pysyncobj import (
 )
 from pysyncobj.monotonic import monotonic as raft_clock
 from pysyncobj.poller import POLL_EVENT_TYPE
-from pysyncobj.syncobj import _RAFT_STATE
+from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
 from dejaq.broker.state.leases import TopicState
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
@@ -73,6 +76,7 @@ ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader f
 WARN_LAG_S = ELECTION_TIMEOUT_S[0] / 2
 COMPRESS_MIN_BYTES = 64 * 1024  # smaller Raft messages travel as stored (uncompressed) zlib
 AUTH_LOG_EVERY_S = 30.0
+OWN_MAX = 1_000  # own commands appended and not yet applied (`_SyncObj.own`)
 
 
 class SnapshotUnpickler(pickle.Unpickler):
@@ -291,7 +295,45 @@ class _SyncObj(SyncObj):
         self._aead = encryptor  # read by the transport during SyncObj.__init__
         self._loop_poller = poller
         self.on_all_committed: Callable[[], None] = lambda: None
+        # The command this thread's next `_applyCommand` appends, as the object it was
+        # pickled from (`own`): per thread, as the leader's duties commit from theirs
+        # meanwhile. And those appended so, by their log entry's id.
+        self._next_own = threading.local()
+        self._own: dict[int, tuple[bytes, Callable[[], Any]]] = {}
         super().__init__(*args, **kwargs)
+
+    @contextmanager
+    def own(self, apply: Callable[[], Any]) -> Iterator[None]:
+        """The command this thread appends next, here, is applied by calling `apply`
+        (the call it was pickled from), not by unpickling its log entry: the leader
+        applies every command of the cluster, and unpickling them cost it as much as a
+        follower. `apply` must not be changed until it is applied."""
+        self._next_own.apply = apply
+        try:
+            yield
+        finally:
+            self._next_own.apply = None  # taken, unless pickling the command failed
+
+    def _applyCommand(self, command: bytes, callback: Any, commandType: int | None = None) -> None:
+        """Append a command, noting it if it is this thread's `own`. The entry is the
+        same bytes object from the queue to the log (PySyncObj's journal keeps it in
+        memory), so its id finds the command's call until it is applied."""
+        own = getattr(self._next_own, "apply", None)
+        self._next_own.apply = None
+        if own is None or commandType != _COMMAND_TYPE.REGULAR:
+            super()._applyCommand(command, callback, commandType)
+            return
+        if len(self._own) >= OWN_MAX:  # a leader cut off, appending what never commits
+            self._own.clear()
+        entry = bytes((commandType,)) + command
+        self._own[id(entry)] = (entry, own)
+        super()._applyCommand(entry, callback)
+
+    def _SyncObj__doApplyCommand(self, command: bytes) -> Any:  # overrides SyncObj's
+        own = self._own.pop(id(command), None)
+        if own is not None and own[0] is command:
+            return own[1]()
+        return _do_apply_command(self, command)
 
     @property
     def _poller(self) -> LoopPoller:
@@ -318,6 +360,8 @@ class _SyncObj(SyncObj):
             and self._isLeader()
         ):
             self.on_all_committed()
+        if self._own and not self._isLeader():  # appended in a term that has ended
+            self._own.clear()
         _apply_log_entries(self)
         return False
 
@@ -356,6 +400,7 @@ class _SyncObj(SyncObj):
 
 
 _apply_log_entries = SyncObj._SyncObj__applyLogEntries  # type: ignore[attr-defined]
+_do_apply_command = SyncObj._SyncObj__doApplyCommand  # type: ignore[attr-defined]
 _on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
 _connected_to_anyone = SyncObj._SyncObj__connectedToAnyone  # type: ignore[attr-defined]
 
@@ -635,6 +680,10 @@ class RaftNode:
         every address a node ever registered: after a restart on other ports, the old."""
         return {r: h for r, h in self.state.nodes.items() if r in self.members}
 
+    def commit_index(self) -> int:
+        """The last log index this node knows committed."""
+        return self.sync._SyncObj__raftCommitIndex
+
     def log_entries(self) -> int:
         """Entries in the Raft log (PySyncObj compacts it into a snapshot now and then)."""
         return self.sync.getStatus()["log_len"]
@@ -674,7 +723,9 @@ class RaftNode:
             def done(result: Any, err: int, batch_id: int = batch_id, futs=futs) -> None:
                 self._done(loop, batch_id, futs, result, err)  # ticks run in the loop
 
-            self.state.batch([c for c, _, _ in group], callback=done)
+            commands = [c for c, _, _ in group]
+            with self.sync.own(partial(self.state.batch, commands, _doApply=True)):
+                self.state.batch(commands, callback=done)
         if len(self.members) == 1 and self.sync._isLeader():
             # A tick commits and applies what the log held when it began and appends new
             # commands last; alone, nothing else ticks soon after (no follower answers),
