@@ -38,7 +38,10 @@ Messages are written straight into the Delta buffer (as the ingest job would), s
 numbers are the broker's alone. Workers talk to the leader (a follower would forward
 each request: one more hop) over keep-alive HTTP/1.1 with a minimal client on uvloop,
 so the client's own cost stays small next to the broker's; it shares the cores with
-the brokers, and its CPU per message is reported (`client_cpu_us_per_msg`).
+the brokers, and its CPU per message is reported (`client_cpu_us_per_msg`). So is the
+leader's Raft log growth per message (`raft_entries_per_msg`, from its commit index):
+group commit puts many requests in one entry, and each entry costs every node its
+transport, so two systems can differ there only by how their requests fall together.
 """
 
 from __future__ import annotations
@@ -294,7 +297,8 @@ def canned_app(raft=None, carry: str | None = None):
                 break
         status, answer, ids = 200, None, []
         if scope["path"] == "/role":
-            answer = {"leader": raft is not None and raft.is_leader()}
+            leads = raft is not None and raft.is_leader()
+            answer = {"leader": leads, "commit_index": raft.commit_index() if raft else 0}
         else:
             request = json.loads(body)
             if scope["path"].endswith("/leases"):
@@ -409,7 +413,8 @@ def raft_floor_server(spec: str) -> None:
 
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
-SYSTEMS = ("dejaq", "receipts", "worker", "secured", "s3", "floor", "ids", "handles", "http")
+DEJAQ_SYSTEMS = ("dejaq", "receipts", "worker", "secured", "s3")
+SYSTEMS = (*DEJAQ_SYSTEMS, "floor", "ids", "handles", "http")
 IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
 IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
 
@@ -675,6 +680,7 @@ def run_phase(
     access: Access | None = None,
     by_receipt: bool = False,
     worker: bool = False,
+    view: str = "/v1/cluster",
 ):
     q: mp.Queue = mp.Queue()
     acked = mp.Value("q", 0)
@@ -699,6 +705,7 @@ def run_phase(
         for i in range(procs)
     ]
     cpu_before = {role: cpu_seconds(pid) for role, pid in pids.items()}
+    entries_before = commit_index(addr, view, access)
     started = time.perf_counter()
     for p in ps:
         p.start()
@@ -707,6 +714,7 @@ def run_phase(
         p.join()
     elapsed = time.perf_counter() - started
     cpu = {role: round(cpu_seconds(pid) - cpu_before[role], 1) for role, pid in pids.items()}
+    entries = commit_index(addr, view, access) - entries_before
     lease = [x for r in results for x in r["lease"]]
     ack = [x for r in results for x in r["ack"]]
     done = sum(r["done"] for r in results)
@@ -725,7 +733,21 @@ def run_phase(
         "broker_cpu_seconds": cpu,
         "leader_cpu_us_per_msg": round(cpu["leader"] / max(done, 1) * 1e6, 1),
         "client_cpu_us_per_msg": round(sum(r["cpu"] for r in results) / max(done, 1) * 1e6, 1),
+        "raft_entries_per_msg": round(entries / max(done, 1), 4),
     }
+
+
+def commit_index(addr: str, view: str, access: Access | None) -> int:
+    """The Raft commit index of the leader at `addr`, from `view` (DejaQ's /v1/cluster,
+    the baselines' /role; 0 without Raft): entries per message say how many requests
+    each Raft round trip served."""
+    import httpx
+
+    if access is None:
+        return httpx.get(f"http://{addr}{view}").json()["commit_index"]
+    tls = ssl.create_default_context(cafile=access.ca)
+    auth = {"authorization": f"Bearer {access.token}"}
+    return httpx.get(f"https://{addr}{view}", headers=auth, verify=tls).json()["commit_index"]
 
 
 def main() -> int:
@@ -788,6 +810,7 @@ def main() -> int:
                     access,
                     by_receipt=name == "receipts",
                     worker=name == "worker",
+                    view="/v1/cluster" if name in DEJAQ_SYSTEMS else "/role",
                 )
             )
 
@@ -795,7 +818,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
         store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
         for run in range(args.runs):  # one system up at a time, in turn
-            for name in ("dejaq", "receipts", "worker", "secured", "s3"):
+            for name in DEJAQ_SYSTEMS:
                 if name not in systems:
                     continue
                 on = store if name == "s3" else None

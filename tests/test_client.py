@@ -175,6 +175,7 @@ def test_typed_calls_and_typed_errors(three, kafka_source: str) -> None:
         ext = c.extend("jobs", "w", ["c1", "c2"], lease_ms=120_000)
         assert ext.settled == 2 and ext.lease_deadline > got[0].lease_deadline
         assert c.ack("jobs", "w", ["c1"]).settled == 1
+        wait_until(lambda: c.cluster().commit_index > view.commit_index, what="commits seen")
         with pytest.raises(Conflict) as again:
             c.ack("jobs", "w", ["c1", "c9"])
         assert again.value.status == 409 and again.value.settled == 0

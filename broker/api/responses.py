@@ -98,6 +98,9 @@ class Cluster(BaseModel):
     node_id: str
     role: str
     term: int
+    commit_index: int = Field(
+        0, description="the last Raft log index this node knows committed: the cluster's progress"
+    )
     leader: str | None
     leader_http: str | None
     nodes: dict[str, str]

@@ -43,6 +43,7 @@ async def cluster(broker: AnyBroker) -> Cluster:
         node_id=broker.node_id,
         role=raft.role(),
         term=raft.term(),
+        commit_index=raft.commit_index(),
         leader=raft.leader(),
         leader_http=raft.leader_http(),
         nodes=raft.http_addresses(),

@@ -253,5 +253,6 @@ class Cluster:
     leader: str | None
     leader_http: str | None
     nodes: dict[str, str]
+    commit_index: int = 0  # the last Raft log index this node knows committed
     resident_bytes: int = 0
     topics: dict[str, NodeTopic] = field(default_factory=dict)
