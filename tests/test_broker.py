@@ -1254,6 +1254,16 @@ async def _until(condition: Callable[[], object], what: str, step: float = 0.005
         await asyncio.sleep(step)
 
 
+async def _leader_once_attached(nodes: list) -> Any:
+    """Run the nodes on the running loop; their leader, once they elect one."""
+    import asyncio
+
+    for node in nodes:
+        node.attach(asyncio.get_running_loop())
+    await _until(lambda: any(n.is_leader() for n in nodes), "leader")
+    return next(n for n in nodes if n.is_leader())
+
+
 def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Path) -> None:
     """Three real Raft nodes (PySyncObj over TCP, in one event loop). A command waiting
     while another is in flight is in the leader's log by the time the leader applies
@@ -1265,10 +1275,7 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     in_log_at_apply: dict[str, int] = {}
 
     async def scenario() -> list:
-        for node in nodes:
-            node.attach(asyncio.get_running_loop())
-        await _until(lambda: any(n.is_leader() for n in nodes), "leader")
-        leader = next(n for n in nodes if n.is_leader())
+        leader = await _leader_once_attached(nodes)
         await leader.commit("t", "touch", "warm-up", 0)
         state, sync = leader.state.topics["t"], leader.sync
         touch = state.touch
@@ -1317,10 +1324,7 @@ def test_the_leader_applies_its_own_commands_unpickled_by_the_followers_alone(
     picks = packed([(m, 0, i) for i, m in enumerate(mids)])
 
     async def scenario() -> tuple:
-        for node in nodes:
-            node.attach(asyncio.get_running_loop())
-        await _until(lambda: any(n.is_leader() for n in nodes), "leader")
-        leader = next(n for n in nodes if n.is_leader())
+        leader = await _leader_once_attached(nodes)
         await leader.commit("t", "touch", "c", 0)
         lease = await leader.commit("t", "lease", "c", 1, 60_000, picks, None, True, None)
         with pytest.raises(raft.NotCommitted):
