@@ -8,6 +8,7 @@ import datetime as dt
 import gc
 import gzip
 import importlib
+import io
 import itertools
 import json
 import pickle
@@ -266,6 +267,25 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     again = pickle.loads(pickle.dumps(old))
     assert again.events == old.events and again.owned == old.owned
     assert again.buckets_of("a") == old.buckets_of("a")
+
+
+def test_raft_pickles_with_protocol_5_and_loads_what_protocol_2_wrote() -> None:
+    """Commands, Raft messages and snapshots are pickled with protocol 5; a journal
+    entry or a snapshot PySyncObj wrote with its own protocol 2 loads as before."""
+    import pysyncobj.pickle
+
+    from dejaq.broker.state import raft
+
+    state = TopicState(4, 5)
+    leased(state, "a", ["m1", "m2"], now=0)
+    state.ack("a", 1, ["m1"])
+    assert pysyncobj.pickle.dumps(state)[:2] == pickle.PROTO + bytes([raft.PICKLE_PROTOCOL])
+    command = (7, ([("t", "lease", ("c", 1, 30_000, packed([("m3", 0, 3)]), None, True, 2))],))
+    for protocol in (2, raft.PICKLE_PROTOCOL):
+        assert pysyncobj.pickle.loads(pickle.dumps(command, protocol)) == command
+        again = raft._SnapshotPickle.load(io.BytesIO(pickle.dumps(state, protocol)))
+        assert again.events == state.events and settled_of(again) == settled_of(state)
+        assert set(again.leases) == set(state.leases) and again.held == state.held
 
 
 def test_a_snapshot_naming_the_broker_modules_before_their_grouping_loads(
