@@ -246,13 +246,13 @@ async def measure(
         for name, request in systems[:: 1 if s % 2 == 0 else -1]:
             clock.on = name == "dejaq"  # the floor's applies are not DejaQ's steps
             started, main_started = time.process_time(), time.thread_time()
-            first_entry = leader.sync.getStatus()["commit_idx"]
+            first_entry = leader.commit_index()
             await asyncio.gather(*(request(w, rounds) for w in workers))
             if name == "dejaq":
                 await checkpoint_and_trim()
             cpu[name] += time.process_time() - started
             cpu[f"{name} main thread"] += time.thread_time() - main_started
-            entries[name] += leader.sync.getStatus()["commit_idx"] - first_entry
+            entries[name] += leader.commit_index() - first_entry
     n = rounds * args.batch * args.workers * args.slices
     figures = report(clock.spent, cpu, n)
     return {
