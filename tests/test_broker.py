@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 import pytest
-from dejaq_core import read_heads, render_leased
+from dejaq_core import PackedIds, read_heads, render_leased
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -90,12 +90,14 @@ def fill(warehouse: str, topic: str, rows: pa.Table) -> None:
     write_deltalake(path, rows, mode="append", partition_by=["bucket"])
 
 
-def packed(picks: list[Pick]) -> Picks:
+def packed(picks: list[Pick], pack_ids: bool = True) -> Picks:
     """A list of (id, bucket, sort key) as a lease command carries picks, as the index
-    picks them."""
+    picks them: ids packed (`PackedIds`) unless one cannot be, or `pack_ids` is False,
+    as commands from before packed ids carry them."""
     mids = [m for m, _, _ in picks]
+    ids = (PackedIds.pack(mids) or mids) if pack_ids else mids
     buckets = b"".join(b.to_bytes(2, "little") for _, b, _ in picks)
-    return mids, buckets, b"".join(k.to_bytes(8, "little", signed=True) for _, _, k in picks)
+    return ids, buckets, b"".join(k.to_bytes(8, "little", signed=True) for _, _, k in picks)
 
 
 def listed(picks: Picks) -> list[Pick]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from dejaq_core import Order
+from dejaq_core import LeaseTable, Order, PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -75,13 +75,13 @@ operations = st.lists(
             st.lists(st.integers(0, BUCKETS - 1), min_size=1, max_size=BUCKETS + 2),  # a repeat too
             st.integers(0, 10),
             st.integers(0, 25),
-            st.sets(st.integers(0, 63), max_size=8),  # handles whose messages settled
+            st.sets(st.integers(0, 63), max_size=8),  # handles whose messages settled or are leased
         ),
     ),
     max_size=40,
 )
 
-NO_STATE = ({}, {}, {}, {})
+NO_STATE = ({}, LeaseTable(), {}, {})
 
 
 @settings(max_examples=300, deadline=None)
@@ -109,8 +109,11 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
             model.append((entry, bucket_of[token]))
         elif op[0] == "pick":
             _, buckets, n, max_key, gone = op
-            settled = {rows.mid(int(rows.token[h])): "acked" for h in gone if rows.token[h]}
-            state = (settled, {}, {}, {})
+            gone_ids = [rows.mid(int(rows.token[h])) for h in sorted(gone) if rows.token[h]]
+            settled = dict.fromkeys(gone_ids[::2], "acked")
+            leased = LeaseTable()
+            assert leased.add_all(gone_ids[1::2], 1)
+            state = (settled, leased, {}, {})
             picks, found = order.pick(
                 buckets, n, max_key, 0, state, *rows.columns(), *rows.id_columns()
             )
@@ -120,12 +123,14 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
                 if len(taken) == n:
                     break
                 model.remove((e, b))  # met: taken, or stale and dropped
-                if rows.mid(e[3]) not in settled:
+                if rows.mid(e[3]) not in settled and rows.mid(e[3]) not in leased:
                     taken.append((e, b))
             assert found == [e[3] for e, _ in taken]
             assert list(zip(*unpacked(picks), strict=True)) == [
                 (rows.mid(e[3]), b, e[0]) for e, b in taken
             ]
+            held_apart = any(e[3] & ((1 << BITS) - 1) in rows.long for e, _ in taken)
+            assert isinstance(picks[0], PackedIds) != held_apart, "packed unless one is long"
         live = [e for e, _ in model if rows.current(e[3])]
         assert len(order) >= len(live), "no current entry is lost"
     _, found = order.pick(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pickle
 from collections import Counter, deque
 from collections.abc import Iterator
+from functools import partial
 from itertools import count
 from weakref import WeakKeyDictionary
 
@@ -338,11 +339,12 @@ def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
     picks: list[tuple[str, int, int]], settled: set[str], rate: float | None
 ) -> None:
     """A lease command carries its picks packed, as the index picks them; journals from
-    before hold a list of (id, bucket, sort key). Both grant the same messages with the
-    same keys, on the bulk path (from `BULK_MIN` picks) and the one-at-a-time one
-    (settled, duplicate, foreign-bucket picks), under a rate limit too."""
+    before hold a list of (id, bucket, sort key), or packed columns with the ids as a
+    list of str. All grant the same messages with the same keys, on the bulk path (from
+    `BULK_MIN` picks) and the one-at-a-time one (settled, duplicate, foreign-bucket
+    picks), under a rate limit too."""
     states = []
-    for form in (list, packed):
+    for form in (list, packed, partial(packed, pack_ids=False)):
         node = BrokerState([topic_conf("t", buckets=4)], 5, NoIndex())
         s = node.topics["t"]
         s.touch("other", 0)  # owns some buckets: their picks are not granted to "c"
@@ -350,14 +352,15 @@ def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
             s.cancel(0, mid, 0, 0)
         record = node._apply("t", "lease", ("c", 1, 10_000, form(picks), rate, True))
         states.append((record, s))
-    (a, sa), (b, sb) = states
-    assert (a.mids, a.buckets, a.sort_keys, a.deliveries) == (
-        b.mids,
-        b.buckets,
-        b.sort_keys,
-        b.deliveries,
-    )
-    assert sa.leases.keys() == sb.leases.keys() and sa.held == sb.held
+    (a, sa), *others = states
+    for b, sb in others:
+        assert (a.mids, a.buckets, a.sort_keys, a.deliveries) == (
+            b.mids,
+            b.buckets,
+            b.sort_keys,
+            b.deliveries,
+        )
+        assert sa.leases.keys() == sb.leases.keys() and sa.held == sb.held
     assert set(a.mids).isdisjoint(settled)
     assert all(isinstance(k, int) for k in [*a.sort_keys, *a.buckets])
 

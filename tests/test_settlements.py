@@ -8,6 +8,7 @@ import pickle
 from array import array
 from pathlib import Path
 
+from dejaq_core import PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import leased
@@ -117,13 +118,14 @@ def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: P
 
 
 def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path) -> None:
-    """Runs as lease records pack them (arrays), as snapshots from before hold them
-    (lists), and single settlements between them, one with no sort key: the ledger gets
-    one row per event, in seq order, each with its own fields."""
+    """Runs as lease records pack them (arrays, ids packed whole or sliced), as
+    snapshots from before hold them (lists), and single settlements between them, one
+    with no sort key: the ledger gets one row per event, in seq order, each with its own
+    fields."""
     entries = [
         Run(
             1,
-            ["a", "b"],
+            PackedIds.pack(["a", "bé"]),
             array("H", [3, 4]),
             "acked",
             array("q", [2**40, -1]),
@@ -135,7 +137,7 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
         Run(5, ["e"], [7], "acked", [8], [1], 13),
         Run(
             6,
-            ["f", "g"],
+            PackedIds.pack(["cut", "f", "g"])[1:],
             array("H", [8, 9]),
             "rejected",
             array("q", [9, 10]),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
-from dejaq_core import count_buckets
+from dejaq_core import LeaseTable, PackedIds, count_buckets
 
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
@@ -75,10 +75,11 @@ BULK_MIN = 16
 class LeaseRecord:
     """The messages one lease command granted, by position: what a receipt names.
 
-    One object per lease, not per message: its ids are the strings the command brought,
-    its buckets, sort keys and delivery counts are packed columns (`array`: the
-    command's own bytes, no int object per message), and a byte per message says
-    whether it is still leased. A receipt is `lid << POSITION_BITS | position`: every
+    One object per lease, not per message: its ids are the command's (`PackedIds`, one
+    bytes object, or a list of str for ids that cannot be packed and for leases granted
+    pick by pick), its buckets, sort keys and delivery counts are packed columns
+    (`array`: the command's own bytes, no int object per message), and a byte per
+    message says whether it is still leased. A receipt is `lid << POSITION_BITS | position`: every
     node resolves it from its own copy of the record, without looking the message up
     by id.
     """
@@ -100,7 +101,7 @@ class LeaseRecord:
 
     def __init__(self, lid: int, consumer: str, deadline: int) -> None:
         self.lid, self.consumer, self.deadline = lid, consumer, deadline
-        self.mids: list[str] = []
+        self.mids: PackedIds | list[str] = []
         self.buckets = array("H")
         self.sort_keys = array("q")
         self.deliveries = array("i")
@@ -157,12 +158,13 @@ class LeaseRecord:
 _settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
-# A lease command's picks: their ids, and their buckets and sort keys as little-endian
-# uint16 and int64 bytes, as the leader's index picks them (`TopicIndex.pick`). Three
-# objects for Raft to pickle, and every node to unpickle, where a list of `Pick`s is a
-# tuple and three objects per message; commands from before carry such a list, and
-# `TopicState.lease` takes either.
-Picks = tuple[list[str], bytes, bytes]
+# A lease command's picks: their ids (packed, or a list of str if one cannot be), and
+# their buckets and sort keys as little-endian uint16 and int64 bytes, as the leader's
+# index picks them (`TopicIndex.pick`). Three objects for Raft to pickle, and every
+# node to unpickle, where a list of `Pick`s is a tuple and three objects per message;
+# commands from before carry such a list, or their ids as a list of str, and
+# `TopicState.lease` takes any.
+Picks = tuple[PackedIds | list[str], bytes, bytes]
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
 
@@ -176,7 +178,9 @@ class TopicState:
         # message -> its lease's record, while leased and, once acked, until the trim of
         # its event: an ack's settled mark is the record's `ended` byte, so the ack path
         # touches no table by id, and the lease path's one probe finds leased and acked.
-        self.leases: dict[str, LeaseRecord] = {}
+        # Keyed by the ids' bytes in the compiled core: a lease's packed ids enter, and
+        # a trim's leave, without a Python object per message.
+        self.leases = LeaseTable()
         # Every lease's record by lid, until its messages' leases ended and the events of
         # that are trimmed (`ending`): a receipt resolves as long as an id would.
         self.records: dict[int, LeaseRecord] = {}
@@ -212,9 +216,11 @@ class TopicState:
         self.trimmed = 0  # the highest seq a trim reached (events it kept stay below it)
 
     def __getstate__(self) -> dict:
-        """Snapshots hold what they held before `owned`: it is derived, rebuilt on load."""
+        """Snapshots hold what they held before `owned`: it is derived, rebuilt on load;
+        and `leases` as the dict they held before it was a `LeaseTable`."""
         state = self.__dict__.copy()
         del state["owned"]
+        state["leases"] = dict(self.leases.items())
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -242,6 +248,9 @@ class TopicState:
             record.ended.append(LEASED)
             record.live = 1
             self.records[record.lid] = self.leases[mid] = record
+        leases, self.leases = self.leases, LeaseTable()
+        for mid, record in leases.items():
+            self.leases[mid] = record
 
     # --- consumers -------------------------------------------------------------------
 
@@ -386,19 +395,14 @@ class TopicState:
         """Grant every pick into `record` if each is available (in `mine`, neither
         settled, delayed nor leased, named once): (leases per bucket, redeliveries).
         None, and nothing changed, if one is not: `_grant_each` then sorts them out."""
-        leases, not_before = self.leases, self.not_before
+        settled, not_before = self.settled, self.not_before
         per_bucket = count_buckets(buckets)
         if (
             not mine.issuperset(per_bucket)
-            or not self.settled.keys().isdisjoint(mids)
+            or (settled and not settled.keys().isdisjoint(mids))
             or (not_before and not not_before.keys().isdisjoint(mids))
-            or not leases.keys().isdisjoint(mids)
+            or not self.leases.add_all(mids, record)  # last: it enters them
         ):
-            return None
-        before = len(leases)
-        leases.update(zip(mids, repeat(record)))
-        if len(leases) != before + len(mids):  # one picked twice: none was leased before
-            deque(map(leases.pop, mids, repeat(None)), maxlen=0)
             return None
         deliveries = self.deliveries
         if deliveries and not deliveries.keys().isdisjoint(mids):
@@ -935,19 +939,23 @@ class TopicState:
         self.trimmed = max(self.trimmed, upto_seq)
         if self.redriven_at:
             return self._trim_redriven(settlements(done))
-        mids: list[str] = []
+        parts: list[PackedIds | list[str]] = []
+        one: list[str] = []  # the settlements' ids
         acked: list[str] = []  # in `leases`, by their records; the others in `settled`
         others: list[str] = []
         for e in done:
             if type(e) is Settlement:
-                mids.append(e.message_id)
+                one.append(e.message_id)
                 (acked if e.event == LedgerEvent.ACKED else others).append(e.message_id)
             else:
-                mids += e.message_ids
-                (acked if e.event == LedgerEvent.ACKED else others).extend(e.message_ids)
-        deque(map(self.leases.pop, acked, repeat(None)), maxlen=0)
+                parts.append(e.message_ids)
+                if e.event == LedgerEvent.ACKED:
+                    self.leases.discard_all(e.message_ids)
+                else:
+                    others.extend(e.message_ids)
+        self.leases.discard_all(acked)
         deque(map(self.settled.pop, others, repeat(None)), maxlen=0)
-        return mids
+        return joined([*parts, one] if one else parts)
 
     def _trim_redriven(self, done: Iterable[Settlement]) -> list[str]:
         """`trim` while some message has an untrimmed redrive: a settlement followed by a
@@ -967,7 +975,18 @@ class TopicState:
         return mids
 
 
-def unpacked(picks: Picks | list[Pick]) -> tuple[list[str], array, array]:
+def joined(parts: list[PackedIds | list[str]]) -> PackedIds | list[str]:
+    """Parts of ids as one: packed if they all are, at one width (a trim's runs, the
+    usual case), else a list of str."""
+    if len(parts) == 1:
+        return parts[0]
+    widths = {p.width if isinstance(p, PackedIds) else 0 for p in parts}
+    if len(widths) == 1 and 0 not in widths:
+        return PackedIds(b"".join(p.blob for p in parts), widths.pop())
+    return [m for p in parts for m in p]
+
+
+def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, array]:
     """A lease command's picks as (ids, buckets, sort keys), the latter two packed as
     a lease record keeps them: from `Picks`, or from a list of `Pick`s, as commands from
     before `Picks` carry them."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from dejaq_core import PackedIds
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
@@ -122,15 +123,10 @@ def _append_tagged(path: str, upto: int, rows_past: Callable[[int], pa.Table | N
 
 
 def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Array]:
-    """The ledger's columns of `entries`, in their order. A run's ids are joined as
-    references; its packed columns (`LeaseRecord`) are joined by NumPy and reach Arrow
-    without an int object per event; its event and time are repeated from one value."""
-    mids: list[str] = []
-    for e in entries:
-        if type(e) is Settlement:
-            mids.append(e.message_id)
-        else:
-            mids += e.message_ids
+    """The ledger's columns of `entries`, in their order. A run's packed ids reach Arrow
+    from their bytes, and its packed columns (`LeaseRecord`) are joined by NumPy,
+    without a str or int object per event; its event and time are repeated from one
+    value."""
     lengths = list(map(count, entries))
     names: dict[str, int] = {}
     codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)
@@ -138,13 +134,35 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
     ms = pa.array(np.repeat(np.array([e.at for e in entries], np.int64), lengths))
     bucket, sort_key, deliveries = _int_columns(entries)
     return {
-        "message_id": _arrow(mids, pa.string()),
+        "message_id": _ids_column(entries),
         "bucket": bucket,
         "event": events,
         "sort_key": sort_key,
         "deliveries": deliveries,
         "at": pc.multiply(ms, 1000).cast(TIMESTAMP),
     }
+
+
+def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
+    """The message ids of `entries`: a run's packed ids (`PackedIds`) as a chunk of their
+    own, made by Arrow from their bytes (NumPy's fixed-width bytes lose their padding on
+    the way); the others' converted from str, a stretch at a time."""
+    chunks: list[pa.Array] = []
+    loose: list[str] = []
+    for e in entries:
+        if type(e) is Settlement:
+            loose.append(e.message_id)
+        elif isinstance(e.message_ids, PackedIds):
+            if loose:
+                chunks += _arrow(loose, pa.string()).chunks
+                loose = []
+            ids = e.message_ids
+            chunks.append(pa.array(np.frombuffer(ids.blob, f"S{ids.width}")).cast(pa.string()))
+        else:
+            loose += e.message_ids
+    if loose:
+        chunks += _arrow(loose, pa.string()).chunks
+    return pa.chunked_array(chunks, pa.string())
 
 
 _INT_KINDS = (pa.int32(), pa.int64(), pa.int32())  # bucket, sort_key, deliveries

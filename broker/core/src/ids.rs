@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::order::slice;
+use crate::packed_ids::PackedIds;
 
 /// The longest id the column holds whole (`id_table.WIDEST`).
 pub(crate) const WIDEST: usize = 64;
@@ -62,7 +63,7 @@ fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> b
         && key[raw.len()..].iter().all(|a| a.get() == 0)
 }
 
-/// The slot of each id in `mids` (-1: not stored; -2: held as a digest, for the caller
+/// The slot of each id in `mids` (str, or `PackedIds`) (-1: not stored; -2: held as a digest, for the caller
 /// to look up), and its handle (-1 unless found), as two int64 bytes: the walk has read
 /// the slot, so the caller does not read the table again. `slots` is the table (a
 /// handle + 1 per used slot, -1 deleted), `ids` the column's bytes (`width` per handle)
@@ -79,11 +80,17 @@ pub fn find_slots<'py>(
     let table = slice(py, &slots, "id table's")?;
     let column = slice(py, &ids, "id")?;
     let mask = mask_of(table.len(), width)?;
-    let strs = mids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-    let mut raws = Vec::with_capacity(strs.len());
-    for mid in &strs {
-        raws.push(mid.downcast::<PyString>()?.to_str()?.as_bytes());
-    }
+    let strs;
+    let raws: Vec<&[u8]> = if let Ok(packed) = mids.downcast::<PackedIds>() {
+        packed.get().each(py).collect()
+    } else {
+        strs = mids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+        let mut raws = Vec::with_capacity(strs.len());
+        for mid in &strs {
+            raws.push(mid.downcast::<PyString>()?.to_str()?.as_bytes());
+        }
+        raws
+    };
     // Each id's first slot, where the walk starts, or its answer if it is not looked up
     // here. A table of a million ids misses the cache at almost every probe: the first
     // slots, and the column at their handles, are read in passes of independent loads

@@ -8,11 +8,15 @@ mod buckets;
 mod heads;
 mod ids;
 mod lease_json;
+mod lease_table;
 mod order;
+mod packed_ids;
 
 #[pymodule]
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
+    m.add_class::<lease_table::LeaseTable>()?;
+    m.add_class::<packed_ids::PackedIds>()?;
     m.add_function(wrap_pyfunction!(buckets::count_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;

@@ -14,18 +14,17 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use crate::ids::{id_of, WIDEST};
+use crate::lease_table::LeaseTable;
+use crate::packed_ids::{unpadded, PackedIds};
 
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
-/// Picks as a lease command carries them (`leases.Picks`): ids, buckets, sort keys.
-type Picks<'py> = (
-    Vec<Bound<'py, PyString>>,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-);
+/// Picks as a lease command carries them (`leases.Picks`): ids (packed, or a list of
+/// str), buckets, sort keys.
+type Picks<'py> = (Bound<'py, PyAny>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
 /// A token's handle: its low 32 bits (`row_store.HANDLE_MASK`).
 pub(crate) const HANDLE_MASK: i64 = (1 << 32) - 1;
@@ -260,14 +259,16 @@ impl Order {
 
     /// Take the `n` lowest deliverable entries across `buckets`, in order: `TopicIndex.pick`
     /// in one call. An entry is stale, and dropped as it is met, when its token is no
-    /// longer its message's, or by the Raft state: its message `settled`, in `leases`,
+    /// longer its message's, or by the Raft state: its message `settled`, in `leases` (a
+    /// `LeaseTable`, asked by the id's bytes),
     /// held back in `not_before` past `now`, or re-keyed (its key not the one in force:
     /// its override in `overrides`, else its row's own). A bucket whose lowest key is
     /// above `max_key` has nothing due and gives none. Ids come from the id column
     /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
     /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
-    /// ids, and their buckets and keys as little-endian uint16 and int64 bytes; and
-    /// their tokens.
+    /// ids (`PackedIds` at the column's width, or a list of str if one is held as a
+    /// digest), and their buckets and keys as little-endian uint16 and int64 bytes; and
+    /// their tokens. A str is made for a pick only to ask the dicts that hold any.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     fn pick<'py>(
         &mut self,
@@ -278,7 +279,7 @@ impl Order {
         now: i64,
         state: (
             Bound<'py, PyDict>,
-            Bound<'py, PyDict>,
+            Bound<'py, LeaseTable>,
             Bound<'py, PyDict>,
             Bound<'py, PyDict>,
         ),
@@ -291,6 +292,7 @@ impl Order {
         long: &Bound<'py, PyDict>,
     ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
+        let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
         let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
         let column = slice(py, &ids, "id")?;
         if width == 0 || width > WIDEST || column.len() != width * c.token.len() {
@@ -309,11 +311,12 @@ impl Order {
                 tops.push(Reverse((e, b, heap)));
             }
         }
-        let mut mids = Vec::with_capacity(n.min(1024));
+        let mut packed = Vec::with_capacity(width * n.min(1024));
+        let mut digests = false; // a pick whose id the column holds as a digest
         let mut picked_buckets = Vec::with_capacity(2 * n.min(1024));
         let mut keys = Vec::with_capacity(8 * n.min(1024));
         let mut tokens = Vec::with_capacity(n.min(1024));
-        while mids.len() < n {
+        while tokens.len() < n {
             let Some(Reverse((e, b, heap))) = tops.pop() else {
                 break;
             };
@@ -325,28 +328,62 @@ impl Order {
             if let Some((next, heap)) = bucket.top(&c) {
                 tops.push(Reverse((next, b, heap)));
             }
-            let mid = id_of(py, (e.token & HANDLE_MASK) as usize, column, width, long)?;
-            let stale = settled.contains(&mid)?
-                || leases.contains(&mid)?
-                || (!not_before.is_empty()
-                    && match not_before.get_item(&mid)? {
-                        Some(at) => at.extract::<i64>()? > now,
-                        None => false,
-                    })
-                || (!overrides.is_empty()
-                    && match overrides.get_item(&mid)? {
-                        Some(key) => key.extract::<i64>()? != e.key,
-                        None => c.entry(e.token).key != e.key,
-                    });
+            let h = (e.token & HANDLE_MASK) as usize;
+            let key = column
+                .get(h * width..(h + 1) * width)
+                .ok_or_else(|| PyIndexError::new_err(format!("no handle {h} in the id column")))?;
+            let mut raw = [0u8; WIDEST];
+            for (to, from) in raw.iter_mut().zip(key) {
+                *to = from.get();
+            }
+            let long_mid = if long.is_empty() {
+                None
+            } else {
+                long.get_item(h)?
+                    .map(|m| m.downcast_into::<PyString>())
+                    .transpose()?
+            };
+            let leased = match &long_mid {
+                Some(mid) => leases.borrow().holds(mid.to_str()?.as_bytes()),
+                None => leases.borrow().holds(unpadded(&raw[..width])),
+            };
+            let stale = leased
+                || (asks_dicts && {
+                    let mid = match long_mid {
+                        Some(mid) => mid,
+                        None => id_of(py, h, column, width, long)?,
+                    };
+                    settled.contains(&mid)?
+                        || (!not_before.is_empty()
+                            && match not_before.get_item(&mid)? {
+                                Some(at) => at.extract::<i64>()? > now,
+                                None => false,
+                            })
+                        || (!overrides.is_empty()
+                            && match overrides.get_item(&mid)? {
+                                Some(key) => key.extract::<i64>()? != e.key,
+                                None => c.entry(e.token).key != e.key,
+                            })
+                });
             if !stale {
                 let bucket = u16::try_from(b)
                     .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
-                mids.push(mid);
+                digests |= !long.is_empty() && long.contains(h)?;
+                packed.extend_from_slice(&raw[..width]);
                 picked_buckets.extend_from_slice(&bucket.to_le_bytes());
                 keys.extend_from_slice(&e.key.to_le_bytes());
                 tokens.push(e.token);
             }
         }
+        let mids = if digests {
+            let mids = tokens
+                .iter()
+                .map(|t| id_of(py, (t & HANDLE_MASK) as usize, column, width, long))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, mids)?.into_any()
+        } else {
+            Bound::new(py, PackedIds::from_blob(py, &packed, width))?.into_any()
+        };
         let picks = (
             mids,
             PyBytes::new(py, &picked_buckets),

@@ -1,0 +1,282 @@
+//! Which lease record holds each leased message (and each acked one, until its trim):
+//! the state's one table by id, probed by every lease on every node. Keyed by the ids'
+//! bytes, so a lease's packed ids (`packed_ids.rs`) are checked and entered, and a
+//! trim's removed, in one call that makes no Python object per message; a value is a
+//! reference to the record, as a dict's would be.
+
+use std::borrow::Borrow;
+use std::hash::{Hash, Hasher};
+
+use hashbrown::hash_map::EntryRef;
+use hashbrown::HashMap;
+use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyString};
+
+use crate::packed_ids::PackedIds;
+
+/// Message id -> its lease record (`leases.LeaseRecord`), as `TopicState.leases`.
+///
+/// Threads off the event loop read it (an index's stats) while the loop changes it.
+/// The GIL serialises them, but making a Python object while the table is borrowed may
+/// run the garbage collector, and with it another thread, whose borrow would then fail:
+/// so methods make their Python objects before or after borrowing it, never during.
+#[pyclass(module = "dejaq_core")]
+#[derive(Default)]
+pub struct LeaseTable {
+    // hashbrown's foldhash, seeded at random per process, as the index's id table is
+    // (`ids.rs`): producers choose the ids, and cannot choose ones that collide on a
+    // node without its seed. SipHash, std's, made entering a lease's ids cost twice
+    // what a Python dict's does.
+    map: HashMap<Id, Py<PyAny>>,
+}
+
+/// Bytes of an id held inline; longer ones go on the heap. Most ids fit, and entering
+/// one then allocates nothing.
+const INLINE: usize = 38;
+
+/// A message id's UTF-8 bytes, as the table holds them.
+enum Id {
+    Short(u8, [u8; INLINE]),
+    Long(Box<[u8]>),
+}
+
+impl Id {
+    fn as_bytes(&self) -> &[u8] {
+        match self {
+            Id::Short(len, bytes) => &bytes[..*len as usize],
+            Id::Long(raw) => raw,
+        }
+    }
+}
+
+impl From<&[u8]> for Id {
+    fn from(raw: &[u8]) -> Self {
+        if raw.len() <= INLINE {
+            let mut bytes = [0u8; INLINE];
+            bytes[..raw.len()].copy_from_slice(raw);
+            Id::Short(raw.len() as u8, bytes)
+        } else {
+            Id::Long(raw.into())
+        }
+    }
+}
+
+impl Borrow<[u8]> for Id {
+    fn borrow(&self) -> &[u8] {
+        self.as_bytes()
+    }
+}
+
+// Hashed and compared as the bytes it holds, as `Borrow<[u8]>` requires: a probe by
+// &[u8] finds it.
+impl Hash for Id {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.as_bytes().hash(state);
+    }
+}
+
+impl PartialEq for Id {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_bytes() == other.as_bytes()
+    }
+}
+
+impl Eq for Id {}
+
+fn as_str<'py>(py: Python<'py>, raw: &[u8]) -> Bound<'py, PyString> {
+    // Every key was entered from a str's UTF-8 or from packed ids checked to be UTF-8.
+    PyString::new(py, &String::from_utf8_lossy(raw))
+}
+
+/// The ids of packed ids, or of a list (or any iterable) of str, as strs' bytes (kept
+/// alive by the caller's `holder`) or packed slices.
+fn each_id<'a, 'py>(
+    py: Python<'py>,
+    mids: &'a Bound<'py, PyAny>,
+    holder: &'a mut Vec<Bound<'py, PyString>>,
+) -> PyResult<Vec<&'a [u8]>> {
+    if let Ok(packed) = mids.downcast::<PackedIds>() {
+        let packed: &'a PackedIds = packed.get();
+        let raws: Vec<&'a [u8]> = packed.each(py).collect();
+        for raw in &raws {
+            std::str::from_utf8(raw)
+                .map_err(|_| PyValueError::new_err("a packed message id is not UTF-8"))?;
+        }
+        return Ok(raws);
+    }
+    if let Ok(list) = mids.downcast::<PyList>() {
+        for m in list.iter() {
+            holder.push(m.downcast_into::<PyString>()?);
+        }
+    } else {
+        for m in mids.try_iter()? {
+            holder.push(m?.downcast_into::<PyString>()?);
+        }
+    }
+    holder.iter().map(|m| Ok(m.to_str()?.as_bytes())).collect()
+}
+
+impl LeaseTable {
+    fn ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyString>>> {
+        let py = slf.py();
+        let raws: Vec<Vec<u8>> = (slf.borrow().map.keys())
+            .map(|k| k.as_bytes().to_vec())
+            .collect();
+        Ok(raws.iter().map(|r| as_str(py, r)).collect())
+    }
+
+    /// Whether the id whose bytes are `raw` is in a lease (the index's pick asks).
+    pub(crate) fn holds(&self, raw: &[u8]) -> bool {
+        self.map.contains_key(raw)
+    }
+}
+
+#[pymethods]
+impl LeaseTable {
+    #[new]
+    fn new() -> Self {
+        Self::default()
+    }
+
+    fn __len__(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Equal to another table or a dict holding the same ids, each in an equal record.
+    fn __eq__(slf: &Bound<'_, Self>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let mine = Self::items(slf)?;
+        let theirs = if let Ok(table) = other.downcast::<LeaseTable>() {
+            Self::items(table)?
+        } else if let Ok(dict) = other.downcast::<PyDict>() {
+            dict.items()
+        } else {
+            return Ok(false);
+        };
+        if mine.len() != theirs.len() {
+            return Ok(false);
+        }
+        let mine = PyDict::from_sequence(&mine.into_any())?;
+        mine.eq(PyDict::from_sequence(&theirs.into_any())?)
+    }
+
+    fn __repr__(slf: &Bound<'_, Self>) -> PyResult<String> {
+        Ok(format!("LeaseTable({})", Self::items(slf)?.repr()?))
+    }
+
+    fn __contains__(&self, mid: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match mid.downcast::<PyString>() {
+            Ok(mid) => Ok(self.map.contains_key(mid.to_str()?.as_bytes())),
+            Err(_) => Ok(false),
+        }
+    }
+
+    fn __getitem__(&self, py: Python<'_>, mid: &str) -> PyResult<PyObject> {
+        self.map
+            .get(mid.as_bytes())
+            .map(|r| r.clone_ref(py))
+            .ok_or_else(|| PyKeyError::new_err(mid.to_owned()))
+    }
+
+    fn __setitem__(&mut self, mid: &str, record: PyObject) {
+        self.map.insert(mid.as_bytes().into(), record);
+    }
+
+    fn __delitem__(&mut self, mid: &str) -> PyResult<()> {
+        self.map
+            .remove(mid.as_bytes())
+            .map(drop)
+            .ok_or_else(|| PyKeyError::new_err(mid.to_owned()))
+    }
+
+    /// `mid`'s record, or `default`.
+    #[pyo3(signature = (mid, default = None))]
+    fn get(&self, py: Python<'_>, mid: &str, default: Option<PyObject>) -> Option<PyObject> {
+        self.map
+            .get(mid.as_bytes())
+            .map(|r| r.clone_ref(py))
+            .or(default)
+    }
+
+    /// Enter `mid` in `record` unless it is in one; the record it is in.
+    fn setdefault(&mut self, py: Python<'_>, mid: &str, record: PyObject) -> PyObject {
+        self.map
+            .entry(mid.as_bytes().into())
+            .or_insert(record)
+            .clone_ref(py)
+    }
+
+    /// Remove `mid`: its record, or `default` if it was in none.
+    #[pyo3(signature = (mid, default = None))]
+    fn pop(&mut self, mid: &str, default: Option<PyObject>) -> Option<PyObject> {
+        self.map.remove(mid.as_bytes()).or(default)
+    }
+
+    /// The ids, as a set (a dict's keys compare as one).
+    fn keys<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PySet>> {
+        PySet::new(slf.py(), Self::ids(slf)?)
+    }
+
+    /// The ids, in no order.
+    fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        PyList::new(slf.py(), Self::ids(slf)?)?
+            .try_iter()
+            .map(Bound::into_any)
+    }
+
+    /// (id, record) pairs, in no order.
+    fn items<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
+        let py = slf.py();
+        let items: Vec<(Vec<u8>, PyObject)> = (slf.borrow().map.iter())
+            .map(|(k, r)| (k.as_bytes().to_vec(), r.clone_ref(py)))
+            .collect();
+        PyList::new(py, items.into_iter().map(|(k, r)| (as_str(py, &k), r)))
+    }
+
+    /// Whether none of `mids` (packed ids, or str) is in a lease.
+    fn isdisjoint(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let mut holder = Vec::new();
+        let raws = each_id(slf.py(), mids, &mut holder)?;
+        let table = slf.borrow();
+        Ok(!raws.iter().any(|raw| table.map.contains_key(*raw)))
+    }
+
+    /// Enter every id of `mids` in `record` if none is in a lease and none is named
+    /// twice: whether they were. Otherwise nothing changes. A lease's usual case, all
+    /// its picks available, in one call.
+    fn add_all(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>, record: PyObject) -> PyResult<bool> {
+        let py = slf.py();
+        let mut holder = Vec::new();
+        let raws = each_id(py, mids, &mut holder)?;
+        let mut table = slf.borrow_mut();
+        let map = &mut table.map;
+        map.reserve(raws.len());
+        for (added, &raw) in raws.iter().enumerate() {
+            match map.entry_ref(raw) {
+                EntryRef::Vacant(at) => {
+                    at.insert(record.clone_ref(py));
+                }
+                EntryRef::Occupied(_) => {
+                    for &raw in &raws[..added] {
+                        map.remove(raw); // in no lease before this call: as they were
+                    }
+                    return Ok(false);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// Remove every id of `mids` (packed ids, or str) that is in a lease: a trim's
+    /// acked messages.
+    fn discard_all(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut holder = Vec::new();
+        let raws = each_id(slf.py(), mids, &mut holder)?;
+        let removed: Vec<PyObject> = {
+            let map = &mut slf.borrow_mut().map;
+            raws.into_iter().filter_map(|raw| map.remove(raw)).collect()
+        };
+        drop(removed); // the records' references go after the borrow
+        Ok(())
+    }
+}

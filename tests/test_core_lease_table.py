@@ -1,0 +1,136 @@
+"""The compiled core's packed ids (`dejaq_core.PackedIds`) against the list of str they
+stand for, and its lease table (`dejaq_core.LeaseTable`) against a dict model; a
+topic's state pickled with its leases as a dict (every snapshot) loads into the table."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from dejaq_core import LeaseTable, PackedIds
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_receipts import lease, receipts
+
+from dejaq.broker.state.leases import Refusal, TopicState, joined
+
+IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
+PACKABLE = st.lists(st.text(st.characters(exclude_characters="\0"), max_size=16), max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(mids=PACKABLE, start=st.integers(-14, 14), stop=st.integers(-14, 14))
+def test_packed_ids_read_as_the_list_they_pack(mids: list[str], start: int, stop: int) -> None:
+    packed = PackedIds.pack(mids)
+    if packed is None:  # wider than 64 bytes in UTF-8
+        assert max(len(m.encode()) for m in mids) > 64
+        return
+    assert packed == mids and list(packed) == mids and len(packed) == len(mids)
+    assert packed.tolist() == mids and bool(packed) == bool(mids)
+    assert [packed[i] for i in range(-len(mids), len(mids))] == mids + mids
+    part = packed[start:stop]
+    assert isinstance(part, PackedIds) and part == mids[start:stop]
+    w = packed.width
+    assert part.blob == b"".join(m.encode().ljust(w, b"\0") for m in mids[start:stop])
+    assert packed[::-1] == mids[::-1]
+    for ids in (packed, part):
+        again = pickle.loads(pickle.dumps(ids, protocol=5))
+        assert again == ids and again.width == ids.width
+    assert joined([packed, part]) == mids + mids[start:stop]
+
+
+def test_ids_that_cannot_be_packed_are_told_and_bad_packs_refused() -> None:
+    assert PackedIds.pack(["fine", "ends in nul\0"]) is None, "its padding would swallow it"
+    assert PackedIds.pack(["x" * 65]) is None
+    assert PackedIds.pack(["x" * 64]) == ["x" * 64]
+    with pytest.raises(ValueError, match="fill their bytes"):
+        PackedIds(b"abc", 2)
+    with pytest.raises(ValueError, match="1 to 64 bytes wide"):
+        PackedIds(b"", 0)
+    with pytest.raises(ValueError, match="not UTF-8"):
+        PackedIds(b"\xff\xfe", 2)[0]
+    with pytest.raises(IndexError):
+        PackedIds(b"ab", 2)[1]
+    with pytest.raises(TypeError):
+        PackedIds(b"ab", 2)["0"]
+    assert joined([PackedIds(b"ab", 2), PackedIds(b"cde", 3)]) == ["ab", "cde"]
+    assert joined([PackedIds(b"ab", 2), ["x"]]) == ["ab", "x"]
+
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("set"), IDS, st.integers(-5, 5)),
+        st.tuples(st.just("setdefault"), IDS, st.integers(-5, 5)),
+        st.tuples(st.just("add_all"), st.lists(IDS, max_size=5), st.integers(-5, 5), st.booleans()),
+        st.tuples(st.just("pop"), IDS),
+        st.tuples(st.just("del"), IDS),
+        st.tuples(st.just("discard_all"), st.lists(IDS, max_size=5), st.booleans()),
+    ),
+    max_size=40,
+)
+
+
+def _ids(mids: list[str], pack: bool) -> PackedIds | list[str]:
+    """`mids` packed if asked and they can be, else as a list."""
+    return (PackedIds.pack(mids) if pack else None) or mids
+
+
+@settings(max_examples=300, deadline=None)
+@given(OPS)
+def test_the_table_answers_as_a_dict_of_ids(ops: list[tuple]) -> None:
+    table, model = LeaseTable(), {}
+    for op in ops:
+        if op[0] == "set":
+            table[op[1]] = model[op[1]] = op[2]
+        elif op[0] == "setdefault":
+            assert table.setdefault(op[1], op[2]) == model.setdefault(op[1], op[2])
+        elif op[0] == "add_all":
+            _, mids, value, pack = op
+            fits = len(set(mids)) == len(mids) and not set(mids) & model.keys()
+            assert table.isdisjoint(_ids(mids, pack)) == model.keys().isdisjoint(mids)
+            assert table.add_all(_ids(mids, pack), value) == fits, "all or nothing"
+            if fits:
+                model.update(dict.fromkeys(mids, value))
+        elif op[0] == "pop":
+            assert table.pop(op[1]) == model.pop(op[1], None)
+        elif op[0] == "del":
+            if op[1] in model:
+                del table[op[1]], model[op[1]]
+            else:
+                with pytest.raises(KeyError):
+                    del table[op[1]]
+        else:
+            table.discard_all(_ids(op[1], op[2]))
+            for mid in op[1]:
+                model.pop(mid, None)
+        assert len(table) == len(model) and dict(table.items()) == model and table == model
+        assert table.keys() == model.keys() and sorted(table) == sorted(model)
+        assert all(mid in table and table[mid] == table.get(mid) for mid in model)
+    with pytest.raises(KeyError):
+        table["never"]
+    assert 7 not in table and table.get("never", 3) == 3
+
+
+def test_ids_that_are_not_str_are_a_clear_error() -> None:
+    with pytest.raises(TypeError):
+        LeaseTable().add_all(["a", 1], 1)
+    with pytest.raises(TypeError):
+        LeaseTable().discard_all([b"a"])
+
+
+def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table() -> None:
+    """Snapshots hold `leases` as a dict of id -> lease record, as before the table:
+    every message leased or acked is found again, by id and by receipt."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    named = receipts(lease(s, "c", ["a", "b", "d"], now=0))
+    assert s.ack("c", 1, [], [named["a"]]) == {}
+    state = s.__getstate__()
+    assert type(state["leases"]) is dict and sorted(state["leases"]) == ["a", "b", "d"]
+    again = pickle.loads(pickle.dumps(s))
+    assert isinstance(again.leases, LeaseTable)
+    assert sorted(again.leases) == ["a", "b", "d"], "acked until its trim, and leased"
+    assert again.leases["b"] is again.records[again.leases["d"].lid]
+    assert again.settled_event("a") == "acked" and again.lease_of("b") is not None
+    assert again.ack("c", 2, ["b"]) == {} and again.ack("c", 2, ["a"]) == {"a": Refusal.SETTLED}
+    assert again.ack("c", 2, [], [named["d"]]) == {}
+    assert sorted(again.trim(again.seq)) == ["a", "b", "d"] and not again.leases
