@@ -61,6 +61,7 @@ OPS = st.lists(
     st.one_of(
         st.tuples(st.just("set"), IDS, st.integers(-5, 5)),
         st.tuples(st.just("setdefault"), IDS, st.integers(-5, 5)),
+        st.tuples(st.just("add"), IDS, st.integers(-5, 5)),
         st.tuples(st.just("add_all"), st.lists(IDS, max_size=5), st.integers(-5, 5), st.booleans()),
         st.tuples(st.just("pop"), IDS),
         st.tuples(st.just("del"), IDS),
@@ -84,6 +85,9 @@ def test_the_table_answers_as_a_dict_of_ids(ops: list[tuple]) -> None:
             table[op[1]] = model[op[1]] = op[2]
         elif op[0] == "setdefault":
             assert table.setdefault(op[1], op[2]) == model.setdefault(op[1], op[2])
+        elif op[0] == "add":
+            assert table.add(op[1], op[2]) == (op[1] not in model)
+            model.setdefault(op[1], op[2])
         elif op[0] == "add_all":
             _, mids, value, pack = op
             fits = len(set(mids)) == len(mids) and not set(mids) & model.keys()

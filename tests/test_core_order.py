@@ -85,9 +85,9 @@ NO_STATE = ({}, LeaseTable(), {}, {})
 
 
 @settings(max_examples=300, deadline=None)
-@given(operations=operations, run_min=st.integers(1, 8))
+@given(operations=operations, run_min=st.integers(1, 8), pack_from=st.integers(1, 4))
 def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
-    operations: list[tuple], run_min: int
+    operations: list[tuple], run_min: int, pack_from: int
 ) -> None:
     rows = Rows()
     order = Order(BUCKETS)
@@ -115,7 +115,7 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
             assert leased.add_all(gone_ids[1::2], 1)
             state = (settled, leased, {}, {})
             picks, found = order.pick(
-                buckets, n, max_key, 0, state, *rows.columns(), *rows.id_columns()
+                buckets, n, max_key, 0, state, *rows.columns(), *rows.id_columns(), pack_from
             )
             model = [(e, b) for e, b in model if rows.current(e[3])]
             taken = []
@@ -130,7 +130,8 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
                 (rows.mid(e[3]), b, e[0]) for e, b in taken
             ]
             held_apart = any(e[3] & ((1 << BITS) - 1) in rows.long for e, _ in taken)
-            assert isinstance(picks[0], PackedIds) != held_apart, "packed unless one is long"
+            packs = not held_apart and len(taken) >= pack_from
+            assert isinstance(picks[0], PackedIds) == packs, "packed unless one is long, or few"
         live = [e for e, _ in model if rows.current(e[3])]
         assert len(order) >= len(live), "no current entry is lost"
     _, found = order.pick(

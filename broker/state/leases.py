@@ -430,8 +430,8 @@ class TopicState:
         """Grant the picks still available into `record`, one at a time: a message
         leased, settled, delayed, out of the consumer's buckets, or picked twice is left
         out. (leases per bucket, redeliveries.)"""
-        leases, settled, deliveries, not_before = (
-            self.leases,
+        add, settled, deliveries, not_before = (
+            self.leases.add,
             self.settled,
             self.deliveries,
             self.not_before,
@@ -452,9 +452,7 @@ class TopicState:
                 if not_before.get(mid, 0) > now:
                     continue
                 not_before.pop(mid, None)
-            before = len(leases)
-            leases.setdefault(mid, record)
-            if len(leases) == before:
+            if not add(mid, record):
                 continue  # leased already (or picked twice)
             n = deliveries.pop(mid, 0) + 1 if deliveries else 1
             if n > 1:

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from dejaq_core import Order
 from deltalake import DeltaTable
 
-from dejaq.broker.state.leases import Pick, Picks, TopicState, unpacked
+from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import HeadStore, Segment
 from dejaq.broker.storage.id_table import decode
@@ -644,6 +644,7 @@ class TopicIndex:
                 table.ids.view(np.uint8),
                 table.ids.dtype.itemsize,
                 table.long,
+                pack_from=BULK_MIN,
             )
             if taken is not None and tokens:
                 taken += self.store.heads(tokens)

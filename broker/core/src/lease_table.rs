@@ -198,6 +198,17 @@ impl LeaseTable {
             .or(default)
     }
 
+    /// Enter `mid` in `record` unless it is in one: whether it was entered.
+    fn add(&mut self, mid: &str, record: PyObject) -> bool {
+        match self.map.entry_ref(mid.as_bytes()) {
+            EntryRef::Vacant(at) => {
+                at.insert(record);
+                true
+            }
+            EntryRef::Occupied(_) => false,
+        }
+    }
+
     /// Enter `mid` in `record` unless it is in one; the record it is in.
     fn setdefault(&mut self, py: Python<'_>, mid: &str, record: PyObject) -> PyObject {
         self.map

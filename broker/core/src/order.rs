@@ -267,9 +267,15 @@ impl Order {
     /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
     /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
     /// ids (`PackedIds` at the column's width, or a list of str if one is held as a
-    /// digest), and their buckets and keys as little-endian uint16 and int64 bytes; and
-    /// their tokens. A str is made for a pick only to ask the dicts that hold any.
+    /// digest, or if there are fewer than `pack_from`: a lease of one message makes one
+    /// object either way, and a str costs less), and their buckets and keys as
+    /// little-endian uint16 and int64 bytes; and their tokens. A str is made for a pick
+    /// only to ask the dicts that hold any.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    #[pyo3(signature = (
+        buckets, n, max_key, now, state, token, sort_key, partition, offset, ids, width, long,
+        pack_from = 1
+    ))]
     fn pick<'py>(
         &mut self,
         py: Python<'py>,
@@ -290,6 +296,7 @@ impl Order {
         ids: PyBuffer<u8>,
         width: usize,
         long: &Bound<'py, PyDict>,
+        pack_from: usize,
     ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
         let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
@@ -375,7 +382,7 @@ impl Order {
                 tokens.push(e.token);
             }
         }
-        let mids = if digests {
+        let mids = if digests || tokens.len() < pack_from {
             let mids = tokens
                 .iter()
                 .map(|t| id_of(py, (t & HANDLE_MASK) as usize, column, width, long))
