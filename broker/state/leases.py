@@ -75,13 +75,12 @@ BULK_MIN = 16
 class LeaseRecord:
     """The messages one lease command granted, by position: what a receipt names.
 
-    One object per lease, not per message: its ids are the command's (`PackedIds`, one
-    bytes object, or a list of str for ids that cannot be packed and for leases granted
-    pick by pick), its buckets, sort keys and delivery counts are packed columns
-    (`array`: the command's own bytes, no int object per message), and a byte per
-    message says whether it is still leased. A receipt is `lid << POSITION_BITS | position`: every
-    node resolves it from its own copy of the record, without looking the message up
-    by id.
+    One object per lease, not per message: its ids are the command's, packed in one
+    bytes object (`PackedIds`) for a lease granted whole, else a list of str; its
+    buckets, sort keys and delivery counts are packed columns (`array`: the command's
+    own bytes, no int object per message), and a byte per message says whether it is
+    still leased. A receipt is `lid << POSITION_BITS | position`: every node resolves
+    it from its own copy of the record, without looking the message up by id.
     """
 
     __slots__ = (

@@ -146,9 +146,11 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
 def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
     """The message ids of `entries`: a run's packed ids (`PackedIds`) as a chunk of their
     own, made by Arrow from their bytes (NumPy's fixed-width bytes lose their padding on
-    the way); the others' converted from str, a stretch at a time."""
+    the way); the others' converted from str, a stretch at a time. The GIL is offered
+    to the event loop as `_arrow` offers it, every CONVERT_SLICE ids."""
     chunks: list[pa.Array] = []
     loose: list[str] = []
+    unoffered = 0
     for e in entries:
         if type(e) is Settlement:
             loose.append(e.message_id)
@@ -158,6 +160,10 @@ def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
                 loose = []
             ids = e.message_ids
             chunks.append(pa.array(np.frombuffer(ids.blob, f"S{ids.width}")).cast(pa.string()))
+            unoffered += len(ids)
+            if unoffered >= CONVERT_SLICE:
+                time.sleep(0)
+                unoffered = 0
         else:
             loose += e.message_ids
     if loose:
