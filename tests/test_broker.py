@@ -121,7 +121,8 @@ def leased_ids(state: TopicState) -> set[str]:
 
 
 def leased(state: TopicState, consumer: str, mids: list[str], now: int, lease_ms: int = 1000):
-    return grants(state.lease(consumer, now, lease_ms, [(m, 0, 1) for m in mids]))
+    """Lease `mids` of bucket 0 as the index's picks carry them: packed (`packed`)."""
+    return grants(state.lease(consumer, now, lease_ms, packed([(m, 0, 1) for m in mids])))
 
 
 def grants(lease: LeaseRecord) -> list[tuple[str, int, int]]:
@@ -281,6 +282,8 @@ def test_raft_pickles_with_protocol_5_and_loads_what_protocol_2_wrote() -> None:
     state = TopicState(4, 5)
     leased(state, "a", ["m1", "m2"], now=0)
     state.ack("a", 1, ["m1"])
+    leased(state, "a", [f"whole-{i}" for i in range(BULK_MIN)], now=0)  # ids packed
+    assert any(isinstance(r.mids, PackedIds) for r in state.records.values())
     assert pysyncobj.pickle.dumps(state)[:2] == pickle.PROTO + bytes([raft.PICKLE_PROTOCOL])
     command = (7, ([("t", "lease", ("c", 1, 30_000, packed([("m3", 0, 3)]), None, True, 2))],))
     for protocol in (2, raft.PICKLE_PROTOCOL):
