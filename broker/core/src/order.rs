@@ -350,6 +350,7 @@ impl Order {
                     .map(|m| m.downcast_into::<PyString>())
                     .transpose()?
             };
+            let digest = long_mid.is_some();
             let leased = match &long_mid {
                 Some(mid) => leases.borrow().holds(mid.to_str()?.as_bytes()),
                 None => leases.borrow().holds(unpadded(&raw[..width])),
@@ -375,7 +376,7 @@ impl Order {
             if !stale {
                 let bucket = u16::try_from(b)
                     .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
-                digests |= !long.is_empty() && long.contains(h)?;
+                digests |= digest;
                 packed.extend_from_slice(&raw[..width]);
                 picked_buckets.extend_from_slice(&bucket.to_le_bytes());
                 keys.extend_from_slice(&e.key.to_le_bytes());
