@@ -209,14 +209,6 @@ impl LeaseTable {
         }
     }
 
-    /// Enter `mid` in `record` unless it is in one; the record it is in.
-    fn setdefault(&mut self, py: Python<'_>, mid: &str, record: PyObject) -> PyObject {
-        self.map
-            .entry(mid.as_bytes().into())
-            .or_insert(record)
-            .clone_ref(py)
-    }
-
     /// Remove `mid`: its record, or `default` if it was in none.
     #[pyo3(signature = (mid, default = None))]
     fn pop(&mut self, mid: &str, default: Option<PyObject>) -> Option<PyObject> {
@@ -242,14 +234,6 @@ impl LeaseTable {
             .map(|(k, r)| (k.as_bytes().to_vec(), r.clone_ref(py)))
             .collect();
         PyList::new(py, items.into_iter().map(|(k, r)| (as_str(py, &k), r)))
-    }
-
-    /// Whether none of `mids` (packed ids, or str) is in a lease.
-    fn isdisjoint(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let mut holder = Vec::new();
-        let raws = each_id(slf.py(), mids, &mut holder)?;
-        let table = slf.borrow();
-        Ok(!raws.iter().any(|raw| table.map.contains_key(*raw)))
     }
 
     /// Enter every id of `mids` in `record` if none is in a lease and none is named
