@@ -3,12 +3,12 @@
 //! array or a bytes object per id; and an id read back from the column by its handle.
 
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::order::slice;
-use crate::packed_ids::PackedIds;
+use crate::packed_ids::{unpadded, PackedIds};
 
 /// The longest id the column holds whole (`id_table.WIDEST`).
 pub(crate) const WIDEST: usize = 64;
@@ -63,9 +63,9 @@ fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> b
         && key[raw.len()..].iter().all(|a| a.get() == 0)
 }
 
-/// The slot of each id in `mids` (str, or `PackedIds`) (-1: not stored; -2: held as a digest, for the caller
-/// to look up), and its handle (-1 unless found), as two int64 bytes: the walk has read
-/// the slot, so the caller does not read the table again. `slots` is the table (a
+/// The slot of each id in `mids` (str, or `PackedIds`) (-1: not stored; -2: held as a
+/// digest, for the caller to look up), and its handle (-1 unless found), as two int64
+/// bytes: the walk has read the slot, so the caller does not read the table again. `slots` is the table (a
 /// handle + 1 per used slot, -1 deleted), `ids` the column's bytes (`width` per handle)
 /// and `seed` the hash's. For a table that holds no id as a digest.
 #[pyfunction]
@@ -212,15 +212,32 @@ pub(crate) fn id_of<'py>(
             return Ok(mid.downcast_into::<PyString>()?);
         }
     }
+    key_str(py, h, &column_key(column, h, width)?[..width])
+}
+
+/// The column's `width` bytes at handle `h`, NUL-padded as it holds them.
+pub(crate) fn column_key(
+    column: &[ReadOnlyCell<u8>],
+    h: usize,
+    width: usize,
+) -> PyResult<[u8; WIDEST]> {
+    let key = column
+        .get(h * width..(h + 1) * width)
+        .ok_or_else(|| PyIndexError::new_err(format!("no handle {h} in the id column")))?;
     let mut raw = [0u8; WIDEST];
-    for (to, from) in raw.iter_mut().zip(&column[h * width..(h + 1) * width]) {
+    for (to, from) in raw.iter_mut().zip(key) {
         *to = from.get();
     }
-    let len = raw[..width]
-        .iter()
-        .rposition(|&b| b != 0)
-        .map_or(0, |i| i + 1);
-    let mid = std::str::from_utf8(&raw[..len])
+    Ok(raw)
+}
+
+/// The id the column holds at handle `h` as `key`, its bytes there, as a str.
+pub(crate) fn key_str<'py>(
+    py: Python<'py>,
+    h: usize,
+    key: &[u8],
+) -> PyResult<Bound<'py, PyString>> {
+    let mid = std::str::from_utf8(unpadded(key))
         .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
     Ok(PyString::new(py, mid))
 }

@@ -13,7 +13,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::ids::{id_of, WIDEST};
+use crate::ids::{column_key, id_of, key_str, WIDEST};
 use crate::lease_table::LeaseTable;
 use crate::packed_ids::{unpadded, PackedIds};
 
@@ -336,13 +336,7 @@ impl Order {
                 tops.push(Reverse((next, b, heap)));
             }
             let h = (e.token & HANDLE_MASK) as usize;
-            let key = column
-                .get(h * width..(h + 1) * width)
-                .ok_or_else(|| PyIndexError::new_err(format!("no handle {h} in the id column")))?;
-            let mut raw = [0u8; WIDEST];
-            for (to, from) in raw.iter_mut().zip(key) {
-                *to = from.get();
-            }
+            let raw = column_key(column, h, width)?;
             let long_mid = if long.is_empty() {
                 None
             } else {
@@ -359,7 +353,7 @@ impl Order {
                 || (asks_dicts && {
                     let mid = match long_mid {
                         Some(mid) => mid,
-                        None => id_of(py, h, column, width, long)?,
+                        None => key_str(py, h, &raw[..width])?,
                     };
                     settled.contains(&mid)?
                         || (!not_before.is_empty()

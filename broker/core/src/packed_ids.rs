@@ -153,11 +153,6 @@ impl PackedIds {
             .map(Bound::into_any)
     }
 
-    /// The ids as a list of str.
-    fn tolist<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.strs(py)?)
-    }
-
     /// Equal to packed ids, or to a sequence of str, holding the same ids in order.
     fn __eq__(&self, py: Python<'_>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
         if let Ok(other) = other.downcast::<PackedIds>() {
