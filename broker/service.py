@@ -44,14 +44,15 @@ FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta 
 DUTY_PERIOD_S = 0.05
 CHECKPOINT_PERIOD_S = 1.0
 # Settled events forgotten per Raft command after a checkpoint. Each trim stalls every
-# node's event loop while it forgets (about 1 µs an event); at 2,000 the stalls of ~2.5 ms
-# showed in the batch-100 lease p99 (7 interleaved runs each: median 22.3 ms at 2,000,
-# 17.7 ms at 500, and 50k against 56k msgs/s).
-TRIM_SLICE = 500
+# node's event loop while it forgets (about 0.3 µs an event), and each costs every node a
+# log entry's transport and a forget's fixed cost (~25 µs): at batch 100, slices of 500
+# were a third of the log, and 2,000 took 15% off the CPU per message of the three nodes
+# (`bench/broker_costs.py`, 5.9-6.1 against 4.9-5.6 µs), the stalls ~1 ms.
+TRIM_SLICE = 2000
 LONG_POLL_STEP_S = 0.02
 # Messages per Raft command of a redrive or purge: each applies in one event-loop tick on
-# every node (about a microsecond a message), as a trim slice does.
-OPS_SLICE = TRIM_SLICE
+# every node (about a microsecond a message), a stall of ~0.5 ms.
+OPS_SLICE = 500
 # Reads a redrive, purge, cancel or reschedule makes, and picks a lease makes, while
 # checkpoints keep trimming under it
 REDRIVE_READS = 3

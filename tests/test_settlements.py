@@ -15,6 +15,7 @@ from test_broker import leased
 
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import EventLog, Run, Settlement, entries_of, last
+from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.tables import Table, scan, table_path
 
@@ -157,3 +158,45 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
     ]
     assert [g[:5] for g in got] == [w[:5] for w in want]
     assert [int(g[5].timestamp() * 1000) for g in got] == [w[5] for w in want]
+
+
+# An entry's ids: ("one", id) a settlement, ("list", ids) a run from an old snapshot,
+# ("packed", ids, slice start) a run whose ids are packed (sliced from `start`).
+ids = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12)
+id_entries = st.lists(
+    st.one_of(
+        st.tuples(st.just("one"), ids),
+        st.tuples(st.just("list"), st.lists(ids, min_size=1, max_size=4)),
+        st.tuples(st.just("packed"), st.lists(ids, min_size=1, max_size=6), st.integers(0, 2)),
+    ),
+    max_size=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(id_entries, st.integers(1, 5))
+def test_the_ledger_s_ids_are_the_entries_ids_in_order(plan: list, convert_slice: int) -> None:
+    """Packed runs next to each other are converted as one stretch, cut where their width
+    changes or another kind of entry comes between, in chunks of CONVERT_SLICE ids:
+    whichever way they fall, the column holds every id once, in seq order."""
+    entries, want = [], []
+    for kind, named, *start in plan:
+        seq = len(want) + 1
+        if kind == "one":
+            entries.append(Settlement(seq, named, 0, "acked", 1, 1, 10))
+            want.append(named)
+            continue
+        if kind == "packed":
+            named = named[min(start[0], len(named) - 1) :]
+            packed = PackedIds.pack(["-" * 20, *named])[1:]  # a slice, wider than its ids
+            named = packed[: len(named)] if start[0] % 2 else PackedIds.pack(named)
+        n = len(named)
+        entries.append(Run(seq, named, [0] * n, "acked", [1] * n, [1] * n, 10))
+        want += list(named)
+    before = ledger_writer.CONVERT_SLICE
+    ledger_writer.CONVERT_SLICE = convert_slice
+    try:
+        column = ledger_writer._ids_column(entries)
+    finally:
+        ledger_writer.CONVERT_SLICE = before
+    assert column.to_pylist() == want
