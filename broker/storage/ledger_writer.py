@@ -149,7 +149,7 @@ def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
     CONVERT_SLICE ids a chunk (NumPy's fixed-width bytes lose their padding on the way);
     the others converted from str, a stretch at a time. Per stretch, not per run: a
     run's conversion cost ~15 µs whatever its length, most of a checkpoint's time in
-    Python. The GIL is offered to the event loop after each chunk, as `_arrow` does."""
+    Python. Both convert through `_arrow`, which offers the GIL after each chunk."""
     chunks: list[pa.Array] = []
     loose: list[str] = []
     packed: list[bytes] = []
@@ -157,9 +157,7 @@ def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
 
     def close_packed() -> None:
         column = np.frombuffer(b"".join(packed), f"S{width}")
-        for i in range(0, len(column), CONVERT_SLICE):
-            chunks.append(pa.array(column[i : i + CONVERT_SLICE]).cast(pa.string()))
-            time.sleep(0)  # releases the GIL: a waiting thread takes it here
+        chunks.extend(_arrow(column, pa.binary()).cast(pa.string()).chunks)
         packed.clear()
 
     def close_loose() -> None:
@@ -227,7 +225,7 @@ def _int_columns(entries: list[Entry]) -> list[pa.ChunkedArray]:
     return [pa.chunked_array(c, kind) for c, kind in zip(chunks, _INT_KINDS, strict=True)]
 
 
-def _arrow(values: list, kind: pa.DataType) -> pa.ChunkedArray:
+def _arrow(values: list | np.ndarray, kind: pa.DataType) -> pa.ChunkedArray:
     """`values` as Arrow, converted a slice at a time, with the GIL offered to the event
     loop after each rather than left to the switch interval: without the offer, a
     second's checkpoint added 4-5 ms to the batch-100 lease p99 (`bench/broker.py`)."""
