@@ -352,7 +352,7 @@ class TopicState:
         self.touch(consumer, now)
         numbered = lid is not None
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
-        if self.paused or _trimmed_past(self, seen):
+        if self.paused or (seen is not None and self.trimmed_upto() > seen):
             return record
         mids, buckets, keys = unpacked(picks)
         if rate is not None:
@@ -364,23 +364,26 @@ class TopicState:
         columns = (mids, buckets, keys)
         granted = self._grant_all(record, *columns, mine) if len(mids) >= BULK_MIN else None
         per_bucket, redelivered = granted or self._grant_each(record, *columns, mine, now)
-        mids = record.mids
-        if not mids:
+        n = len(record.mids)
+        if not n:
             return record
         if not numbered:
             self.unnumbered = record.lid
         self.records[record.lid] = record
-        record.ended = bytearray(len(mids))
-        record.live = len(mids)
+        record.ended = bytearray(n)
+        record.live = n
+        held = self.held
         for bucket, count in per_bucket.items():
-            held = self.held.get(bucket)
-            if held is None:
-                held = self.held[bucket] = {}
-            held[consumer] = held.get(consumer, 0) + count
-        self.totals["leased"] += len(mids)
-        self.totals["redelivered"] += redelivered
+            counts = held.get(bucket)
+            if counts is None:
+                counts = held[bucket] = {}
+            counts[consumer] = counts.get(consumer, 0) + count
+        totals = self.totals
+        totals["leased"] += n
+        if redelivered:
+            totals["redelivered"] += redelivered
         if rate is not None:
-            self.tokens -= len(mids)
+            self.tokens -= n
         return record
 
     def _grant_all(
@@ -420,7 +423,7 @@ class TopicState:
     def _grant_each(
         self,
         record: LeaseRecord,
-        picks_mids: list[str],
+        picks_mids: PackedIds | list[str],
         picks_buckets: array,
         picks_keys: array,
         mine: set[int],
@@ -428,22 +431,20 @@ class TopicState:
     ) -> tuple[dict[int, int], int]:
         """Grant the picks still available into `record`, one at a time: a message
         leased, settled, delayed, out of the consumer's buckets, or picked twice is left
-        out. (leases per bucket, redeliveries.)"""
+        out. (leases per bucket, redeliveries.) When every pick is granted, the usual
+        case of a small lease, the record takes the picks' own columns."""
         add, settled, deliveries, not_before = (
             self.leases.add,
             self.settled,
             self.deliveries,
             self.not_before,
         )
-        mids, buckets, keys, counts = (
-            record.mids,
-            record.buckets,
-            record.sort_keys,
-            record.deliveries,
-        )
+        granted: list[int] = []  # positions among the picks
+        counts = array("i")
         per_bucket: dict[int, int] = {}
         redelivered = 0
-        for mid, bucket, sort_key in zip(picks_mids, picks_buckets, picks_keys, strict=True):
+        for i, mid in enumerate(picks_mids):
+            bucket = picks_buckets[i]
             if bucket not in mine or mid in settled:
                 continue
             # A leased message has neither a delay nor a count outside its lease.
@@ -456,11 +457,16 @@ class TopicState:
             n = deliveries.pop(mid, 0) + 1 if deliveries else 1
             if n > 1:
                 redelivered += 1
-            mids.append(mid)
-            buckets.append(bucket)
-            keys.append(sort_key)
+            granted.append(i)
             counts.append(n)
             per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
+        if len(granted) == len(picks_mids):
+            record.mids, record.buckets, record.sort_keys = picks_mids, picks_buckets, picks_keys
+        else:
+            record.mids = [picks_mids[i] for i in granted]
+            record.buckets = array("H", [picks_buckets[i] for i in granted])
+            record.sort_keys = array("q", [picks_keys[i] for i in granted])
+        record.deliveries = counts
         return per_bucket, redelivered
 
     def lease_budget(self, now: int, rate: float) -> int:
@@ -994,9 +1000,12 @@ def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, a
     return mids, _little(array("H", buckets)), _little(array("q", keys))
 
 
+_BIG_ENDIAN = sys.byteorder == "big"
+
+
 def _little(a: array) -> array:
     """`a` from or to little-endian order, in place."""
-    if sys.byteorder == "big":
+    if _BIG_ENDIAN:
         a.byteswap()
     return a
 
