@@ -51,7 +51,7 @@ from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa
 from dejaq.broker.state.leases import TopicState, consecutive  # noqa: E402
 from dejaq.broker.state.raft import RaftNode  # noqa: E402
 from dejaq.broker.storage import message_json  # noqa: E402
-from dejaq.broker.storage.index import Taken, TopicIndex  # noqa: E402
+from dejaq.broker.storage.index import TopicIndex  # noqa: E402
 from dejaq.broker.storage.ledger_writer import checkpoint  # noqa: E402
 from dejaq.conf.settings import BrokerConfig, TopicConfig  # noqa: E402
 from dejaq.jobs.ports import free_port  # noqa: E402
@@ -181,8 +181,7 @@ async def measure(
             t = clock.time("leader", "parse requests", t)
             grants = None
             while not grants:  # as `Broker.lease`: none granted (a trim passed) picks again
-                taken: list[Taken] = []
-                picks = index.pick(state, state.buckets_of(me), args.batch, now, taken)
+                picks, taken = index.pick_with_heads(state, state.buckets_of(me), args.batch, now)
                 t = clock.time("leader", "pick", t)
                 if not picks[0]:
                     raise RuntimeError(f"{me}'s buckets ran dry: fill more messages")

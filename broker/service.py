@@ -30,7 +30,7 @@ from dejaq.broker.state.raft import NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
-from dejaq.broker.storage.index import Taken, TopicIndex
+from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, compact_ledger
 from dejaq.broker.storage.row_store import Row
 from dejaq.conf.kafka_clients import python_config
@@ -420,10 +420,9 @@ class Broker:
             if self._must_join(topic, consumer):
                 await self._commit(topic, "touch", consumer, now_ms())
             now = now_ms()
-            taken: list[Taken] = []
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
-            picks = index.pick(st, st.buckets_of(consumer), take, now, taken) if take else None
-            if picks and picks[0]:
+            picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
+            if picks[0]:
                 granted = None
                 try:
                     # Numbered (True), and made from the state at `seq`: see `TopicState.lease`.
@@ -435,7 +434,7 @@ class Broker:
                 if granted:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
-                    return message_json.leased_array(picks, taken, granted, timeline)
+                    return message_json.leased_array(picks, heads, granted, timeline)
                 if repicks < REDRIVE_READS:
                     repicks += 1
                     continue

@@ -49,6 +49,7 @@ from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage import row_store as row_store_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
+from dejaq.broker.storage.row_store import Heads
 from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
 
@@ -512,12 +513,12 @@ def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
         h = h[np.lexsort((store.offset[h], store.partition[h], store.sort_key[h]))]
         assert len(set(store.segment[h].tolist())) == 1, "a bucket's heads in one segment"
         assert (np.diff(store.position[h]) == 1).all(), "in the bucket's sort order"
-    expected = sum(len(head) + 1 for _, head in store.heads(store.stored().tolist()))
+    expected = sum(len(head) + 1 for _, head in store.heads(store.stored()))
     assert index.heads.disk_bytes() == expected, "no scratch store and no copy left"
     state = TopicState(4, 5)
     state.touch("c", 0)
-    taken: list = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 100, 0, taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 100, 0)
+    picks = listed(picked)
     assert sorted(p[0] for p in picks) == sorted([*renamed.values(), *(f"s{i}" for i in range(30))])
     for (mid, _, key), (row_key, head) in zip(picks, taken, strict=True):
         shown = json.loads(head + b"}")
@@ -545,8 +546,8 @@ def test_an_id_forgotten_twice_in_one_trim_frees_its_handle_and_head_once(tmp_pa
     index.refresh()
     state = TopicState(4, 5)
     state.touch("c", 0)
-    taken: list = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 100, 0, taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 100, 0)
+    picks = listed(picked)
     expected = {f"m{i}" for i in range(40)} - {"m1", "m2", "m3"} | {"n0", "n1", "n2"}
     assert sorted(p[0] for p in picks) == sorted(expected)
     assert [json.loads(h + b"}")["id"] for _, h in taken] == [p[0] for p in picks]
@@ -736,8 +737,8 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
         index.shrink()
         n = len(index.rows)
         assert len(index.store.token) <= 2 * max(n + n // 4, 8), "shrunk"
-    taken: list = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 10_000, now=len(rounds), taken=taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 10_000, now=len(rounds))
+    picks = listed(picked)
     assert sorted(m for m, _, _ in picks) == sorted(model), "each pending message once"
     assert [k for _, _, k in picks] == sorted(model.values()), "in sort key order"
     assert [k for _, _, k in picks] == [model[m] for m, _, _ in picks]
@@ -778,19 +779,27 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
                 {**_leased(r, p[2], n, 99, timeline), "receipt": 5 << POSITION_BITS | i}
                 for i, (r, p, n) in enumerate(granted)
             ]
-            rendered = [index.head(p[0]) for p in picks]
+            rendered = Heads.of(index.head(p[0]) for p in picks)
             got = message_json.leased_array(packed(picks), rendered, lease, timeline)
             assert got == json.dumps(want).encode() and len(want) == sum(map(bool, deliveries))
 
 
 def test_a_lease_rendered_from_heads_its_keys_do_not_match_is_refused() -> None:
     """The core renders a lease from one head per pick: keys for another number of
-    picks are a caller's error, named, not a lease cut short."""
-    with pytest.raises(ValueError, match="16 bytes of sort keys for 1 heads"):
-        render_leased([(5, b'{"id": "m0"')], bytes(16), 99, 1)
-    assert render_leased([(5, b'{"id": "m0"')], (6).to_bytes(8, "little"), 99, 1) is None
-    whole = render_leased([(5, b'{"id": "m0"')], (5).to_bytes(8, "little"), 99, 1)
-    assert json.loads(whole) == [{"id": "m0", "deliveries": 1, "lease_deadline": 99, "receipt": 1}]
+    picks are a caller's error, named, not a lease cut short; a pick whose key is not its
+    row's is rendered apart (None)."""
+    heads = Heads.of([(5, b'{"id": "m0"'), (-2, b'{"id": "m1"')])
+    args = (heads.joined, heads.ends, heads.row_keys)
+    with pytest.raises(ValueError, match="24 bytes of sort keys and 16 of row keys"):
+        render_leased(*args, bytes(24), 99, 1)
+    assert render_leased(*args, np.array([5, 6], "<i8").tobytes(), 99, 1) is None
+    whole = render_leased(*args, np.array([5, -2], "<i8").tobytes(), 99, 1)
+    assert json.loads(whole) == [
+        {"id": f"m{i}", "deliveries": 1, "lease_deadline": 99, "receipt": 1 + i} for i in (0, 1)
+    ]
+    assert list(heads) == [(5, b'{"id": "m0"'), (-2, b'{"id": "m1"')] and heads[-1][0] == -2
+    with pytest.raises(IndexError):
+        heads[2]
 
 
 def _leased(row: dict, key: int, deliveries: int, deadline: int, timeline: bool) -> dict:
@@ -847,10 +856,10 @@ def acked_batches(index: TopicIndex, state: TopicState, n: int) -> Iterator[list
 
 def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> None:
     warehouse, index, state = loaded_topic(tmp_path, [5, 1, 3])
-    taken: list = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 1, now=0, taken=taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 1, now=0)
+    picks = listed(picked)
     assert picks == [("m1", 1, 1)], "lowest sort key first"
-    assert taken == [index.head("m1")], "a lone pick's head, read on its own"
+    assert list(taken) == [index.head("m1")], "a lone pick's head, read on its own"
     state.lease("c", 0, 1000, picks)
     assert state.ack("c", 1, ["m1"]) == {}
     upto = checkpoint(warehouse, "jobs", list(state.events))
@@ -864,10 +873,10 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert "m1" not in fresh.rows and "m1" not in stored, "not stored at all"
     assert index.settled_event("m1") == fresh.settled_event("m1") == "acked"
     assert index.settled_event("m5") is None, "pending: not in the ledger"
-    taken = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 3, now=2, taken=taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 3, now=2)
+    picks = listed(picked)
     assert [p[0] for p in picks] == ["m2", "m0"]
-    assert taken == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
+    assert list(taken) == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
     assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m2", "m0"]
 
 
@@ -1025,9 +1034,9 @@ def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
         if places:  # what the row store passes: columns by row, segments by number
             keys, numbers, positions = (np.zeros(1, t) for t in (np.int64, np.int32, np.int32))
             with pytest.raises(IndexError, match="no row at handle 1"):
-                read_heads([1], keys, numbers, positions, {}, head_store.SPAN_PER_HEAD)
+                read_heads(np.array([1]), keys, numbers, positions, {}, head_store.SPAN_PER_HEAD)
             with pytest.raises(ValueError, match="no head segment 0"):
-                read_heads([0], keys, numbers, positions, {}, head_store.SPAN_PER_HEAD)
+                read_heads(np.array([0]), keys, numbers, positions, {}, head_store.SPAN_PER_HEAD)
         segments = {seg for seg, _ in places}
         store.release(Counter(seg for seg, _ in places))
         assert store.segments == {store.current} & segments, "all freed but the current"
@@ -1496,8 +1505,8 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     assert len(keep) <= sum(moved) <= 2 * len(keep) and moved[-1] == 0, moved
     assert not index.heads.sparse() and index.heads.disk_bytes() < disk / 4
     assert {mid: index.head(mid) for mid in keep} == before
-    taken: list = []
-    again = listed(index.pick(state, state.buckets_of("c"), 1000, now=2, taken=taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 1000, now=2)
+    again = listed(picked)
     assert sorted(p[0] for p in again) == sorted(keep), "each once, none lost"
     assert [json.loads(h + b"}")["id"] for _, h in taken] == [p[0] for p in again]
     for bucket in range(4):
@@ -1519,11 +1528,12 @@ def test_heads_read_through_gaps_are_the_heads_read_apart(tmp_path: Path) -> Non
     tokens = store.token[store.stored()].tolist()
     rng = random.Random(7)
     for n in (1, 50, 5_000, len(tokens)):
-        wanted = rng.sample(tokens, n)
+        wanted = np.array(rng.sample(tokens, n))
         apart = store.heads(wanted, 0)
         assert len(apart) == n
         for span in (head_store.SPAN_PER_HEAD, head_store.COMPACT_SPAN, 1 << 30):
             assert store.heads(wanted, span) == apart, (n, span)
+        assert list(store.joined_heads(wanted.tobytes())) == apart, "joined, as a lease reads them"
     index.close()
 
 
@@ -1651,8 +1661,8 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     assert len(index.store.table.slots) == 1024
     fill(warehouse, "jobs", buffer_rows([0, 0], prefix="late"))
     assert index.refresh() == 2
-    taken: list = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 1000, now=0, taken=taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 1000, now=0)
+    picks = listed(picked)
     acked = {m for m, _, _ in leased[:5490]}
     pending = [f"m{i}" for i in range(6000) if f"m{i}" not in acked]
     assert sorted(m for m, _, _ in picks) == sorted([*pending, "late0", "late1"])
@@ -1680,8 +1690,8 @@ def test_the_id_column_narrows_once_its_longest_ids_are_settled(tmp_path: Path) 
     index.forget(state.trim(state.seq))
     index.narrow_ids()
     assert index.store.table.ids.dtype.itemsize == 8
-    taken: list = []
-    picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0, taken=taken))
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 10, now=0)
+    picks = listed(picked)
     assert [(m, k) for m, _, k in picks] == [("m1", 1), ("m2", 2), ("m0", 3)]
     assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m1", "m2", "m0"]
     assert index.row(f"{long_id}0") is None and index.row("m") is None

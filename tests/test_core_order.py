@@ -125,7 +125,7 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
                 model.remove((e, b))  # met: taken, or stale and dropped
                 if rows.mid(e[3]) not in settled and rows.mid(e[3]) not in leased:
                     taken.append((e, b))
-            assert found == [e[3] for e, _ in taken]
+            assert np.frombuffer(found, np.int64).tolist() == [e[3] for e, _ in taken]
             assert list(zip(*unpacked(picks), strict=True)) == [
                 (rows.mid(e[3]), b, e[0]) for e, b in taken
             ]
@@ -137,7 +137,9 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
     _, found = order.pick(
         list(range(BUCKETS)), 10_000, 1 << 62, 0, NO_STATE, *rows.columns(), *rows.id_columns()
     )
-    assert sorted(found) == sorted(e[3] for e, _ in model if rows.current(e[3]))
+    assert sorted(np.frombuffer(found, np.int64).tolist()) == sorted(
+        e[3] for e, _ in model if rows.current(e[3])
+    )
 
 
 def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:

@@ -149,5 +149,5 @@ def read(segments: list[Segment], positions: list[int]) -> list[bytes]:
     places = np.array(positions, np.int32)
     unkeyed = np.zeros(len(segments), np.int64)
     by_number = {s.number: s for s in segments}
-    rows = list(range(len(segments)))
+    rows = np.arange(len(segments), dtype=np.int64)
     return [h for _, h in read_heads(rows, unkeyed, numbers, places, by_number, SPAN_PER_HEAD)]

@@ -43,9 +43,11 @@ from dejaq.broker.storage.ledger_writer import APP_ID
 from dejaq.broker.storage.row_store import (
     HANDLE_MASK,
     Batch,
+    Heads,
     Row,
     RowStore,
     StoredIds,
+    Taken,
     current,
 )
 from dejaq.conf.settings import ConfigError, TopicConfig, TopicKind
@@ -84,7 +86,6 @@ NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 # How long a message pending again may have a row nowhere before it is warned of: a node
 # catching up forgets those a later entry settles within seconds (`TopicIndex.revive`).
 UNFOUND_GRACE_S = 60.0
-Taken = tuple[int, bytes]  # a pick's row sort key and head, for the lease's JSON
 
 
 @dataclass
@@ -605,50 +606,53 @@ class TopicIndex:
 
     # --- leader side -----------------------------------------------------------------
 
-    def pick(
-        self,
-        state: TopicState,
-        buckets: list[int],
-        n: int,
-        now: int,
-        taken: list[Taken] | None = None,
-    ) -> Picks:
+    def pick(self, state: TopicState, buckets: list[int], n: int, now: int) -> Picks:
         """Take the `n` lowest deliverable sort keys across `buckets` out of the index,
         as a lease command carries them (`Picks`: the core packs them as it picks).
 
         The caller commits them as a lease and then calls `release` with the picks, so
         a pick the state machine refused goes back into the index. Two leases in flight
         can pick the same message only through a duplicate entry; the state machine
-        grants it once, and `release` puts the other pick back. `taken`, if given, gets
-        each pick's row sort key and head, for the lease's JSON: read now, as the index
-        may forget the row (and its head) before the lease commits.
+        grants it once, and `release` puts the other pick back.
         """
         with self.lock:
-            while self.delayed and self.delayed[0][0] <= now:
-                _, mid = heapq.heappop(self.delayed)
-                token = self.store.get(mid)
-                if token is not None:
-                    self._due(state, mid, token)
-            table = self.store.table
-            due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
-            # Stale entries are dropped as they are met: settled, leased, delayed by a
-            # nack (the delayed heap holds it) or re-keyed (a newer entry holds it).
-            state_maps = (state.settled, state.leases, state.not_before, state.sort_keys)
-            picks, tokens = self.order.pick(
-                buckets,
-                n,
-                due,
-                now,
-                state_maps,
-                *self._columns(),
-                table.ids.view(np.uint8),
-                table.ids.dtype.itemsize,
-                table.long,
-                pack_from=BULK_MIN,
-            )
-            if taken is not None and tokens:
-                taken += self.store.heads(tokens)
-        return picks
+            return self._picked(state, buckets, n, now)[0]
+
+    def pick_with_heads(
+        self, state: TopicState, buckets: list[int], n: int, now: int
+    ) -> tuple[Picks, Heads]:
+        """`pick`, and each pick's row sort key and head, for the lease's JSON: read now,
+        as the index may forget the row (and its head) before the lease commits."""
+        with self.lock:
+            picks, tokens = self._picked(state, buckets, n, now)
+            return picks, self.store.joined_heads(tokens)
+
+    def _picked(
+        self, state: TopicState, buckets: list[int], n: int, now: int
+    ) -> tuple[Picks, bytes]:
+        """`pick`'s picks and their tokens (int64 bytes); the caller holds the lock."""
+        while self.delayed and self.delayed[0][0] <= now:
+            _, mid = heapq.heappop(self.delayed)
+            token = self.store.get(mid)
+            if token is not None:
+                self._due(state, mid, token)
+        table = self.store.table
+        due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
+        # Stale entries are dropped as they are met: settled, leased, delayed by a
+        # nack (the delayed heap holds it) or re-keyed (a newer entry holds it).
+        state_maps = (state.settled, state.leases, state.not_before, state.sort_keys)
+        return self.order.pick(
+            buckets,
+            n,
+            due,
+            now,
+            state_maps,
+            *self._columns(),
+            table.ids.view(np.uint8),
+            table.ids.dtype.itemsize,
+            table.long,
+            pack_from=BULK_MIN,
+        )
 
     def row(self, mid: str) -> Row | None:
         """An indexed message's row (None once forgotten)."""
@@ -660,7 +664,7 @@ class TopicIndex:
         """An indexed message's row sort key and head (None once forgotten): a peek's."""
         with self.lock:
             token = self.store.get(mid)
-            return None if token is None else self.store.heads([token])[0]
+            return None if token is None else self.store.heads(np.array([token]))[0]
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
@@ -715,7 +719,7 @@ class TopicIndex:
             with self.lock:
                 part = tokens[start : start + COMPACT_READ]
                 part = part[current(self.store.token, part)]  # not settled meanwhile
-                read = self.store.heads(part.tolist(), head_store.COMPACT_SPAN)
+                read = self.store.heads(part, head_store.COMPACT_SPAN)
             kept.append(part)
             heads += [head.decode("ascii") for _, head in read]
         return np.concatenate(kept) if kept else tokens, heads

@@ -16,6 +16,7 @@ from typing import Any
 from dejaq_core import render_leased
 
 from dejaq.broker.state.leases import LeaseRecord, Picks, unpacked
+from dejaq.broker.storage.row_store import Heads, Taken
 
 _json_str = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]
 
@@ -44,7 +45,7 @@ def head(
 
 
 def message(
-    rendered: tuple[int, bytes],
+    rendered: Taken,
     sort_key: int,
     deliveries: int,
     deadline: int,
@@ -68,14 +69,12 @@ def message(
     return out
 
 
-def leased_array(
-    picks: Picks, rendered: list[tuple[int, bytes]], lease: LeaseRecord, timeline: bool
-) -> bytes:
+def leased_array(picks: Picks, rendered: Heads, lease: LeaseRecord, timeline: bool) -> bytes:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
-    `picks` and their `rendered` (row sort key, head) are what the lease asked for;
-    `lease`, what it got: the picks it took, in pick order, so both are walked together
-    rather than looked up by id.
+    `picks` and their `rendered` heads are what the lease asked for; `lease`, what it
+    got: the picks it took, in pick order, so both are walked together rather than
+    looked up by id.
     """
     if not lease.mids:
         return b"[]"
@@ -83,7 +82,9 @@ def leased_array(
     mids, _, packed_keys = picks
     n = len(lease.mids)
     if n == len(mids) and lease.deliveries.count(1) == n:  # every pick, first delivery
-        whole = render_leased(rendered, packed_keys, deadline, receipt)
+        whole = render_leased(
+            rendered.joined, rendered.ends, rendered.row_keys, packed_keys, deadline, receipt
+        )
         if whole is not None:  # each at its row's own key
             return whole
     first = b', "deliveries": 1, "lease_deadline": %d, "receipt": %%d}, ' % deadline

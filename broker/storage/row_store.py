@@ -13,13 +13,14 @@ says an entry is still its message's (0: the handle is free).
 
 from __future__ import annotations
 
+import sys
 from array import array
 from collections import Counter
-from collections.abc import Iterator, Mapping
-from typing import NamedTuple
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import NamedTuple, overload
 
 import numpy as np
-from dejaq_core import read_heads
+from dejaq_core import read_heads, read_joined_heads
 
 from dejaq.broker.storage.head_store import SPAN_PER_HEAD, Segment
 from dejaq.broker.storage.id_table import IdTable
@@ -34,6 +35,53 @@ SHRINK_MIN = 1 << 16
 # ~0.3 s with 500,000 left (2 cores, beside a test run), and a leader silent for 0.5 s
 # may be replaced (`broker.state.raft.ELECTION_TIMEOUT_S`).
 SHRINK_MAX_ROWS = 500_000
+
+
+Taken = tuple[int, bytes]  # a row's sort key and head, for a leased message's JSON
+
+
+class Heads(Sequence[Taken]):
+    """A lease's heads as read for its JSON (`RowStore.joined_heads`): joined, where each
+    ends (uint32) and their rows' sort keys (int64), both little-endian. Three objects
+    whatever the lease's size, where a (sort key, head) per pick was two a message; the
+    usual lease is rendered from them whole (`dejaq_core.render_leased`), and a pick is
+    cut out as its `Taken` only where one is rendered apart."""
+
+    __slots__ = ("ends", "joined", "row_keys")
+
+    def __init__(self, joined: bytes, ends: bytes, row_keys: bytes) -> None:
+        self.joined, self.ends, self.row_keys = joined, ends, row_keys
+
+    @classmethod
+    def of(cls, taken: Iterable[Taken]) -> Heads:
+        """Heads from (row sort key, head) pairs, as `RowStore.heads` reads them."""
+        pairs = list(taken)
+        ends = np.cumsum([len(head) for _, head in pairs], dtype="<u4")
+        keys = np.array([key for key, _ in pairs], "<i8")
+        return cls(b"".join(head for _, head in pairs), ends.tobytes(), keys.tobytes())
+
+    def __len__(self) -> int:
+        return len(self.ends) // 4
+
+    @overload
+    def __getitem__(self, i: int) -> Taken: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Taken]: ...
+    def __getitem__(self, i: int | slice) -> Taken | list[Taken]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(len(self))[i]]
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError("head index out of range")
+        i %= n
+        ends = memoryview(self.ends).cast("I") if _LITTLE else np.frombuffer(self.ends, "<u4")
+        start = int(ends[i - 1]) if i else 0
+        key = int.from_bytes(self.row_keys[8 * i : 8 * i + 8], "little", signed=True)
+        return key, self.joined[start : int(ends[i])]
+
+
+_LITTLE = sys.byteorder == "little"
+NO_HEADS = Heads(b"", b"", b"")
 
 
 def current(token: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -269,13 +317,23 @@ class RowStore:
             int(self.ingested_at[h]) * 1000,
         )
 
-    def heads(self, tokens: list[int], span: int = SPAN_PER_HEAD) -> list[tuple[int, bytes]]:
-        """The row sort key and head of each token's row, in order (`dejaq_core.read_heads`:
-        a `pread` per run of heads at most `span` apart, and no Python object but the
-        heads).
+    def heads(self, tokens: np.ndarray, span: int = SPAN_PER_HEAD) -> list[Taken]:
+        """The row sort key and head of each token's row (int64 tokens), in order
+        (`dejaq_core.read_heads`: a `pread` per run of heads at most `span` apart, and no
+        Python object but the heads).
 
         The caller holds the index's lock: the rows stay, so their segments stay open."""
         return read_heads(tokens, self.sort_key, self.segment, self.position, self.segments, span)
+
+    def joined_heads(self, tokens: bytes) -> Heads:
+        """The same as `heads`, as a lease's JSON takes them: joined (`Heads`), for tokens
+        as int64 bytes (`Order.pick`'s)."""
+        if not tokens:
+            return NO_HEADS
+        read = read_joined_heads(
+            tokens, self.sort_key, self.segment, self.position, self.segments, SPAN_PER_HEAD
+        )
+        return Heads(*read)
 
     def order(self, tokens: np.ndarray) -> np.ndarray:
         """`tokens` sorted as their rows are ordered: (sort key, partition, offset), the

@@ -26,16 +26,92 @@ use crate::order::{slice, HANDLE_MASK};
 #[pyfunction]
 pub fn read_heads<'py>(
     py: Python<'py>,
-    tokens: Vec<i64>,
+    tokens: PyBuffer<i64>,
     sort_key: PyBuffer<i64>,
     segment: PyBuffer<i32>,
     position: PyBuffer<i32>,
     segments: &Bound<'py, PyDict>,
     span: usize,
 ) -> PyResult<Vec<(i64, Bound<'py, PyBytes>)>> {
-    let keys = slice(py, &sort_key, "sort_key")?;
-    let numbers = slice(py, &segment, "segment")?;
-    let positions = slice(py, &position, "position")?;
+    let tokens: Vec<i64> = slice(py, &tokens, "tokens")?
+        .iter()
+        .map(|t| t.get())
+        .collect();
+    let mut heads: Vec<Option<Bound<'py, PyBytes>>> = vec![None; tokens.len()];
+    let columns = (&sort_key, &segment, &position);
+    let row_keys = gather(py, &tokens, columns, segments, span, |i, head| {
+        heads[i] = Some(PyBytes::new(py, head));
+    })?;
+    Ok(row_keys
+        .into_iter()
+        .zip(heads)
+        .map(|(key, head)| (key, head.expect("every wanted head is read")))
+        .collect())
+}
+
+/// A lease's heads as three bytes objects rather than two Python objects a message:
+/// the heads joined in the order of `tokens` (int64 bytes in native order, as
+/// `Order.pick` gives them), where each ends in them (uint32), and their rows' sort
+/// keys (int64), both little-endian as a lease command's columns are. Read as
+/// `read_heads` reads them.
+#[pyfunction]
+pub fn read_joined_heads<'py>(
+    py: Python<'py>,
+    tokens: &[u8],
+    sort_key: PyBuffer<i64>,
+    segment: PyBuffer<i32>,
+    position: PyBuffer<i32>,
+    segments: &Bound<'py, PyDict>,
+    span: usize,
+) -> PyResult<(
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+)> {
+    if !tokens.len().is_multiple_of(8) {
+        return Err(PyValueError::new_err("tokens are int64 bytes"));
+    }
+    let tokens: Vec<i64> = tokens
+        .chunks_exact(8)
+        .map(|t| i64::from_ne_bytes(t.try_into().expect("chunks of 8")))
+        .collect();
+    // Read segment by segment: staged, then laid out in the order of `tokens`.
+    let mut staged = Vec::new();
+    let mut spans = vec![(0usize, 0usize); tokens.len()];
+    let columns = (&sort_key, &segment, &position);
+    let row_keys = gather(py, &tokens, columns, segments, span, |i, head| {
+        spans[i] = (staged.len(), head.len());
+        staged.extend_from_slice(head);
+    })?;
+    let mut joined = Vec::with_capacity(staged.len());
+    let mut ends = Vec::with_capacity(4 * tokens.len());
+    for &(from, len) in &spans {
+        joined.extend_from_slice(&staged[from..from + len]);
+        let end = u32::try_from(joined.len())
+            .map_err(|_| PyValueError::new_err("a lease's heads are past 4 GiB"))?;
+        ends.extend_from_slice(&end.to_le_bytes());
+    }
+    let keys: Vec<u8> = row_keys.iter().flat_map(|k| k.to_le_bytes()).collect();
+    Ok((
+        PyBytes::new(py, &joined),
+        PyBytes::new(py, &ends),
+        PyBytes::new(py, &keys),
+    ))
+}
+
+/// Each token's head handed to `found` (its place in `tokens`, its bytes), segment by
+/// segment; returns the row sort keys, in the order of `tokens`.
+fn gather<'py>(
+    py: Python<'py>,
+    tokens: &[i64],
+    (sort_key, segment, position): (&PyBuffer<i64>, &PyBuffer<i32>, &PyBuffer<i32>),
+    segments: &Bound<'py, PyDict>,
+    span: usize,
+    mut found: impl FnMut(usize, &[u8]),
+) -> PyResult<Vec<i64>> {
+    let keys = slice(py, sort_key, "sort_key")?;
+    let numbers = slice(py, segment, "segment")?;
+    let positions = slice(py, position, "position")?;
     // (segment, position, where in `tokens`), sorted: each segment's wanted heads in order.
     let mut wanted = Vec::with_capacity(tokens.len());
     let mut row_keys = Vec::with_capacity(tokens.len());
@@ -48,7 +124,6 @@ pub fn read_heads<'py>(
         row_keys.push(k.get());
     }
     wanted.sort_unstable();
-    let mut heads: Vec<Option<Bound<'py, PyBytes>>> = vec![None; tokens.len()];
     for group in wanted.chunk_by(|a, b| a.0 == b.0) {
         let seg = segments
             .get_item(group[0].0)?
@@ -65,16 +140,12 @@ pub fn read_heads<'py>(
                 || group[k].1 - group[k - 1].1 > span
                 || extent(ends, group[first].1, group[k].1)? > RUN_BYTES_MAX;
             if split {
-                read_run(py, &file, ends, &group[first..k], &mut heads)?;
+                read_run(&file, ends, &group[first..k], &mut found)?;
                 first = k;
             }
         }
     }
-    Ok(row_keys
-        .into_iter()
-        .zip(heads)
-        .map(|(key, head)| (key, head.expect("every wanted head is read")))
-        .collect())
+    Ok(row_keys)
 }
 
 /// The most bytes one `pread` takes: a wide `span` (a compaction's) reads through many
@@ -103,13 +174,12 @@ fn extent(ends: &[ReadOnlyCell<u32>], first: usize, last: usize) -> PyResult<usi
 }
 
 /// One range of a segment, first to last wanted position: read, and each wanted head
-/// cut out of it into `heads`.
-fn read_run<'py>(
-    py: Python<'py>,
+/// cut out of it and handed to `found`.
+fn read_run(
     file: &File,
     ends: &[ReadOnlyCell<u32>],
     run: &[(i32, usize, usize)],
-    heads: &mut [Option<Bound<'py, PyBytes>>],
+    found: &mut impl FnMut(usize, &[u8]),
 ) -> PyResult<()> {
     let (first, last) = (run[0].1, run[run.len() - 1].1);
     let start = start_of(ends, first)?;
@@ -134,7 +204,7 @@ fn read_run<'py>(
                 "the ends are out of order at {pos}"
             )));
         };
-        heads[i] = Some(PyBytes::new(py, head));
+        found(i, head);
     }
     Ok(())
 }

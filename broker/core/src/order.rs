@@ -269,8 +269,8 @@ impl Order {
     /// ids (`PackedIds` at the column's width, or a list of str if one is held as a
     /// digest, or if there are fewer than `pack_from`: a lease of one message makes one
     /// object either way, and a str costs less), and their buckets and keys as
-    /// little-endian uint16 and int64 bytes; and their tokens. A str is made for a pick
-    /// only to ask the dicts that hold any.
+    /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
+    /// order, for NumPy). A str is made for a pick only to ask the dicts that hold any.
     #[allow(clippy::too_many_arguments, clippy::type_complexity)]
     #[pyo3(signature = (
         buckets, n, max_key, now, state, token, sort_key, partition, offset, ids, width, long,
@@ -297,7 +297,7 @@ impl Order {
         width: usize,
         long: &Bound<'py, PyDict>,
         pack_from: usize,
-    ) -> PyResult<(Picks<'py>, Vec<i64>)> {
+    ) -> PyResult<(Picks<'py>, Bound<'py, PyBytes>)> {
         let (settled, leases, not_before, overrides) = state;
         let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
         let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
@@ -391,7 +391,8 @@ impl Order {
             PyBytes::new(py, &picked_buckets),
             PyBytes::new(py, &keys),
         );
-        Ok((picks, tokens))
+        let tokens: Vec<u8> = tokens.iter().flat_map(|t| t.to_ne_bytes()).collect();
+        Ok((picks, PyBytes::new(py, &tokens)))
     }
 
     /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
