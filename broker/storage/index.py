@@ -664,7 +664,7 @@ class TopicIndex:
         """An indexed message's row sort key and head (None once forgotten): a peek's."""
         with self.lock:
             token = self.store.get(mid)
-            return None if token is None else self.store.heads(np.array([token]))[0]
+            return None if token is None else self.store.heads(np.array([token], np.int64))[0]
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""

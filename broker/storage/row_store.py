@@ -43,9 +43,9 @@ Taken = tuple[int, bytes]  # a row's sort key and head, for a leased message's J
 class Heads(Sequence[Taken]):
     """A lease's heads as read for its JSON (`RowStore.joined_heads`): joined, where each
     ends (uint32) and their rows' sort keys (int64), both little-endian. Three objects
-    whatever the lease's size, where a (sort key, head) per pick was two a message; the
-    usual lease is rendered from them whole (`dejaq_core.render_leased`), and a pick is
-    cut out as its `Taken` only where one is rendered apart."""
+    whatever the lease's size, not a tuple and a bytes per pick: the usual lease is
+    rendered from them whole (`dejaq_core.render_leased`), and a pick is cut out as its
+    `Taken` only where one is rendered apart."""
 
     __slots__ = ("ends", "joined", "row_keys")
 
