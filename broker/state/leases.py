@@ -352,7 +352,7 @@ class TopicState:
         self.touch(consumer, now)
         numbered = lid is not None
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
-        if self.paused or (seen is not None and self.trimmed_upto() > seen):
+        if self.paused or _trimmed_past(self, seen):
             return record
         mids, buckets, keys = unpacked(picks)
         if rate is not None:

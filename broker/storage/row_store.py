@@ -13,7 +13,6 @@ says an entry is still its message's (0: the handle is free).
 
 from __future__ import annotations
 
-import sys
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -74,13 +73,12 @@ class Heads(Sequence[Taken]):
         if not -n <= i < n:
             raise IndexError("head index out of range")
         i %= n
-        ends = memoryview(self.ends).cast("I") if _LITTLE else np.frombuffer(self.ends, "<u4")
+        ends = np.frombuffer(self.ends, "<u4")
         start = int(ends[i - 1]) if i else 0
         key = int.from_bytes(self.row_keys[8 * i : 8 * i + 8], "little", signed=True)
         return key, self.joined[start : int(ends[i])]
 
 
-_LITTLE = sys.byteorder == "little"
 NO_HEADS = Heads(b"", b"", b"")
 
 
