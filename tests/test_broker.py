@@ -1009,16 +1009,22 @@ def test_the_index_keeps_nothing_of_a_settled_message(
 def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
     writes: list[list[str]], data: st.DataObject
 ) -> None:
-    """Any heads written in any batches read back in any order, consecutive ones of a
-    segment in one read; a segment goes once every head written to it is released."""
+    """Any heads written in any batches (as a list, or joined as a compaction reads
+    them) read back in any order, consecutive ones of a segment in one read; a segment
+    goes once every head written to it is released."""
     old = head_store.SEGMENT_BYTES
     head_store.SEGMENT_BYTES = 64  # many segments
     try:
         store = head_store.HeadStore()
         places: list[tuple[head_store.Segment, int]] = []
         heads: list[str] = []
-        for batch in writes:
-            seg, first = store.write(batch)
+        for i, batch in enumerate(writes):
+            if i % 2:  # as a compaction writes heads it read joined
+                joined = "".join(h + "\0" for h in batch).encode()
+                placed = np.cumsum([len(h) + 1 for h in batch], dtype=np.int64)
+                seg, first = store.write_joined(joined, placed)
+            else:
+                seg, first = store.write(batch)
             places += [(seg, first + i) for i in range(len(batch))]
             heads += batch
         order = data.draw(st.permutations(range(len(heads))))
@@ -1534,6 +1540,11 @@ def test_heads_read_through_gaps_are_the_heads_read_apart(tmp_path: Path) -> Non
         for span in (head_store.SPAN_PER_HEAD, head_store.COMPACT_SPAN, 1 << 30):
             assert store.heads(wanted, span) == apart, (n, span)
         assert list(store.joined_heads(wanted.tobytes())) == apart, "joined, as a lease reads them"
+        data, placed = store.separated_heads(wanted)
+        starts = [0, *placed[:-1].tolist()]
+        separated = [data[a : b - 1] for a, b in zip(starts, placed.tolist(), strict=True)]
+        assert separated == [h for _, h in apart], "separated, as a compaction reads them"
+        assert data[placed[-1] - 1 :] == b"\0"
     index.close()
 
 
@@ -1569,28 +1580,28 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
         # After the first read, every message not read yet settles: their segments are
         # freed, and a read of one of them would fail.
         read: list[int] = []
-        heads_of = index.store.heads
+        heads_of = index.store.separated_heads
 
-        def reading(tokens: list[int], span: int) -> list:
-            read.extend(tokens)
-            return heads_of(tokens, span)
+        def reading(tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
+            read.extend(tokens.tolist())
+            return heads_of(tokens)
 
         def settle_the_rest() -> None:
             gone[:] = [m for m in keep if index.rows[m] not in read]
             index.forget(gone)
 
-        monkeypatch.setattr(index.store, "heads", reading)
+        monkeypatch.setattr(index.store, "separated_heads", reading)
         # Its holds of the lock: the segments, the order, then a read each.
         monkeypatch.setattr(index, "lock", _SettleAfter(index.lock, 3, settle_the_rest))
     else:
-        write = index.heads.write
+        write = index.heads.write_joined
 
-        def write_while_settling(heads: list[str]) -> tuple:
-            written = write(heads)
+        def write_while_settling(joined: bytes, ends: np.ndarray) -> tuple:
+            written = write(joined, ends)
             index.forget(gone)
             return written
 
-        monkeypatch.setattr(index.heads, "write", write_while_settling)
+        monkeypatch.setattr(index.heads, "write_joined", write_while_settling)
     moved = index.compact_heads()
     stay = [m for m in keep if m not in gone]
     assert 0 < moved <= len(stay) and gone[0] not in index.rows, moved

@@ -86,7 +86,11 @@ class HeadStore:
 
         Each head written counts as live until `release`d.
         """
-        data = "\0".join(heads).encode("ascii") + SEP
+        return self.write_joined("\0".join(heads).encode("ascii") + SEP, ends(heads))
+
+    def write_joined(self, data: bytes, placed: np.ndarray) -> tuple[Segment, int]:
+        """`write` for heads already joined, each followed by SEP, `placed[i]` where head
+        i's SEP ends in `data` (a compaction's, `RowStore.separated_heads`)."""
         with self._lock:
             seg = self.current
             if seg is None or seg.size >= SEGMENT_BYTES or seg.size + len(data) > END_MAX:
@@ -95,10 +99,9 @@ class HeadStore:
                 seg = self.current = Segment(self.folder)
                 self.segments.add(seg)
             start, first = seg.size, len(seg.ends)
-            placed = ends(heads, start)
-            seg.ends.frombytes(placed.tobytes())
-            seg.live += len(heads)
-            seg.size = int(placed[-1]) if len(placed) else start
+            seg.ends.frombytes((placed + start).astype(np.uint32).tobytes())
+            seg.live += len(placed)
+            seg.size = start + int(placed[-1]) if len(placed) else start
         # Outside the lock: the positions are read only once the index holds their rows.
         os.pwrite(seg.file.fileno(), data, start)
         return seg, first
@@ -136,10 +139,11 @@ class HeadStore:
             seg.file.close()
 
 
-def ends(heads: list[str], start: int) -> np.ndarray:
-    """Where each head's separator ends, written from `start`: one C-level pass."""
-    lengths = np.fromiter(map(len, heads), np.uint32, len(heads)) + np.uint32(1)
-    return np.cumsum(lengths, dtype=np.uint32) + np.uint32(start)
+def ends(heads: list[str]) -> np.ndarray:
+    """Where each head's separator ends, the heads written one after another (int64):
+    one C-level pass."""
+    lengths = np.fromiter(map(len, heads), np.int64, len(heads)) + 1
+    return np.cumsum(lengths)
 
 
 def read(segments: list[Segment], positions: list[int]) -> list[bytes]:

@@ -694,12 +694,12 @@ class TopicIndex:
         if orphans := sparse.difference(held):
             log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
             self.heads.release({s: s.live for s in orphans})
-        tokens, heads = self._read_heads(tokens)
-        if not heads:
+        tokens, joined, ends = self._read_heads(tokens)
+        if not len(tokens):
             return 0
         h = tokens & HANDLE_MASK
-        new, first = self.heads.write(heads)
-        del heads
+        new, first = self.heads.write_joined(joined, ends)
+        del joined
         with self.lock:
             still = current(store.token, tokens)  # not settled and forgotten meanwhile
             unused = store.move(h[still], new, first + np.flatnonzero(still))
@@ -709,20 +709,27 @@ class TopicIndex:
         self.heads.release(unused)
         return moved
 
-    def _read_heads(self, tokens: np.ndarray) -> tuple[np.ndarray, list[str]]:
-        """The heads of `tokens` still indexed, and those tokens: read COMPACT_READ at a
-        time under the lock, which keeps their segments open. A lease waits for the lock,
-        and with it the event loop and Raft's heartbeats: ~100,000 heads read in one hold
-        would keep it a few hundred ms."""
-        kept, heads = [], []
+    def _read_heads(self, tokens: np.ndarray) -> tuple[np.ndarray, bytes, np.ndarray]:
+        """The tokens still indexed among `tokens`, their heads as a segment holds them,
+        and where each one's separator ends there: read COMPACT_READ at a time under the
+        lock, which keeps their segments open. A lease waits for the lock, and with it
+        the event loop and Raft's heartbeats: ~100,000 heads read in one hold would keep
+        it a few hundred ms. No Python object per head: every node moves the same heads
+        at the same time."""
+        kept, parts, ends = [], [], []
+        read_to = 0
         for start in range(0, len(tokens), COMPACT_READ):
             with self.lock:
                 part = tokens[start : start + COMPACT_READ]
                 part = part[current(self.store.token, part)]  # not settled meanwhile
-                read = self.store.heads(part, head_store.COMPACT_SPAN)
+                joined, part_ends = self.store.separated_heads(part)
             kept.append(part)
-            heads += [head.decode("ascii") for _, head in read]
-        return np.concatenate(kept) if kept else tokens, heads
+            parts.append(joined)
+            ends.append(part_ends + np.int64(read_to))
+            read_to += len(joined)
+        if not kept:
+            return tokens, b"", np.zeros(0, np.int64)
+        return np.concatenate(kept), b"".join(parts), np.concatenate(ends)
 
     def narrow_ids(self) -> None:
         """Narrow the id column once the longest ids in it are gone (`IdTable.narrow`).

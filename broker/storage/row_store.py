@@ -21,7 +21,7 @@ from typing import NamedTuple, overload
 import numpy as np
 from dejaq_core import read_heads, read_joined_heads
 
-from dejaq.broker.storage.head_store import SPAN_PER_HEAD, Segment
+from dejaq.broker.storage.head_store import COMPACT_SPAN, SEP, SPAN_PER_HEAD, Segment
 from dejaq.broker.storage.id_table import IdTable
 
 HANDLE_BITS = 32
@@ -332,6 +332,21 @@ class RowStore:
             tokens, self.sort_key, self.segment, self.position, self.segments, SPAN_PER_HEAD
         )
         return Heads(*read)
+
+    def separated_heads(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
+        """The heads of `tokens` as a segment holds them, each followed by SEP, and where
+        each one's SEP ends (uint32): a compaction's, read through the gaps between them
+        (COMPACT_SPAN), to be written whole (`HeadStore.write_joined`)."""
+        joined, ends, _ = read_joined_heads(
+            tokens.astype(np.int64).tobytes(),
+            self.sort_key,
+            self.segment,
+            self.position,
+            self.segments,
+            COMPACT_SPAN,
+            SEP[0],
+        )
+        return joined, np.frombuffer(ends, "<u4")
 
     def order(self, tokens: np.ndarray) -> np.ndarray:
         """`tokens` sorted as their rows are ordered: (sort key, partition, offset), the

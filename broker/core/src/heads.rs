@@ -53,8 +53,11 @@ pub fn read_heads<'py>(
 /// the heads joined in the order of `tokens` (int64 bytes in native order, as
 /// `Order.pick` gives them), where each ends in them (uint32), and their rows' sort
 /// keys (int64), both little-endian as a lease command's columns are. Read as
-/// `read_heads` reads them.
+/// `read_heads` reads them. With `sep`, each head is followed by it, and ends after
+/// it: a compaction's heads, ready to append to a segment.
 #[pyfunction]
+#[pyo3(signature = (tokens, sort_key, segment, position, segments, span, sep=None))]
+#[allow(clippy::too_many_arguments)]
 pub fn read_joined_heads<'py>(
     py: Python<'py>,
     tokens: &[u8],
@@ -63,6 +66,7 @@ pub fn read_joined_heads<'py>(
     position: PyBuffer<i32>,
     segments: &Bound<'py, PyDict>,
     span: usize,
+    sep: Option<u8>,
 ) -> PyResult<(
     Bound<'py, PyBytes>,
     Bound<'py, PyBytes>,
@@ -87,6 +91,7 @@ pub fn read_joined_heads<'py>(
     let mut ends = Vec::with_capacity(4 * tokens.len());
     for &(from, len) in &spans {
         joined.extend_from_slice(&staged[from..from + len]);
+        joined.extend(sep);
         let end = u32::try_from(joined.len())
             .map_err(|_| PyValueError::new_err("a lease's heads are past 4 GiB"))?;
         ends.extend_from_slice(&end.to_le_bytes());
