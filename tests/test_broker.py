@@ -1018,8 +1018,8 @@ def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
         store = head_store.HeadStore()
         places: list[tuple[head_store.Segment, int]] = []
         heads: list[str] = []
-        for i, batch in enumerate(writes):
-            if i % 2:  # as a compaction writes heads it read joined
+        for n, batch in enumerate(writes):
+            if n % 2:  # as a compaction writes heads it read joined
                 joined = "".join(h + "\0" for h in batch).encode()
                 placed = np.cumsum([len(h) + 1 for h in batch], dtype=np.int64)
                 seg, first = store.write_joined(joined, placed)
