@@ -8,14 +8,16 @@ import pickle
 
 import pytest
 from dejaq_core import LeaseTable, PackedIds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
 from dejaq.broker.state.leases import Refusal, TopicState, joined
 
 IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
-PACKABLE = st.lists(st.text(st.characters(exclude_characters="\0"), max_size=16), max_size=12)
+PACKABLE = st.lists(
+    st.text(st.characters(codec="utf-8", exclude_characters="\0"), max_size=16), max_size=12
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -109,6 +111,44 @@ def test_the_table_answers_as_a_dict_of_ids(ops: list[tuple]) -> None:
     with pytest.raises(KeyError):
         table["never"]
     assert 7 not in table and table.get("never", 3) == 3
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    rounds=st.lists(
+        st.tuples(st.integers(0, 3000), st.integers(0, 3000), st.booleans()),
+        min_size=1,
+        max_size=12,
+    ),
+    width=st.integers(1, 50),
+)
+@example(  # past 4,096 entries, then under a quarter of them held: packed
+    rounds=[(3000, 0, True), (3000, 0, False), *[(0, 3000, True)] * 3, (7, 1, False)], width=40
+)
+def test_a_large_table_grows_cleans_and_packs_as_a_dict_would(
+    rounds: list[tuple[int, int, bool]], width: int
+) -> None:
+    """Leases of thousands of ids in and trims of thousands out: the table resizes,
+    reuses freed entries and packs them (past 4,096 entries with under a quarter held),
+    and answers as a dict throughout, ids long (on the heap) or short (inline)."""
+    table, model, issued = LeaseTable(), {}, 0
+    for r, (n_in, n_out, pack) in enumerate(rounds):
+        mids = [f"{i:0{width}d}" for i in range(issued, issued + n_in)]
+        issued += n_in
+        assert table.add_all(_ids(mids, pack), issued)
+        model.update(dict.fromkeys(mids, issued))
+        extra = f"x{r:0{width}d}"  # in no lease, with one that is: all or nothing
+        entered = table.add_all([*mids[:1], extra], 0)
+        assert entered == (not mids)
+        if entered:
+            model[extra] = 0
+        out = sorted(model)[::2][:n_out]
+        table.discard_all(_ids(out, pack))
+        for mid in out:
+            del model[mid]
+        assert len(table) == len(model) and dict(table.items()) == model
+        assert all(table.get(mid) == value for mid, value in model.items())
+        assert not any(mid in table for mid in out)
 
 
 def test_ids_that_are_not_str_are_a_clear_error() -> None:
