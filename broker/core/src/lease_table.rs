@@ -4,15 +4,11 @@
 //! trim's removed, in one call that makes no Python object per message; a value is a
 //! reference to the record, as a dict's would be.
 
-use std::borrow::Borrow;
-use std::hash::{Hash, Hasher};
-
-use hashbrown::hash_map::EntryRef;
-use hashbrown::HashMap;
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString};
 
+use crate::id_map::IdMap;
 use crate::packed_ids::PackedIds;
 
 /// Message id -> its lease record (`leases.LeaseRecord`), as `TopicState.leases`.
@@ -24,65 +20,8 @@ use crate::packed_ids::PackedIds;
 #[pyclass(module = "dejaq_core")]
 #[derive(Default)]
 pub struct LeaseTable {
-    // hashbrown's foldhash, seeded at random per process, as the index's id table is
-    // (`ids.rs`): producers choose the ids, and cannot choose ones that collide on a
-    // node without its seed. SipHash, std's, made entering a lease's ids cost twice
-    // what a Python dict's does.
-    map: HashMap<Id, Py<PyAny>>,
+    map: IdMap<Py<PyAny>>,
 }
-
-/// Bytes of an id held inline; longer ones go on the heap. Most ids fit, and entering
-/// one then allocates nothing.
-const INLINE: usize = 38;
-
-/// A message id's UTF-8 bytes, as the table holds them.
-enum Id {
-    Short(u8, [u8; INLINE]),
-    Long(Box<[u8]>),
-}
-
-impl Id {
-    fn as_bytes(&self) -> &[u8] {
-        match self {
-            Id::Short(len, bytes) => &bytes[..*len as usize],
-            Id::Long(raw) => raw,
-        }
-    }
-}
-
-impl From<&[u8]> for Id {
-    fn from(raw: &[u8]) -> Self {
-        if raw.len() <= INLINE {
-            let mut bytes = [0u8; INLINE];
-            bytes[..raw.len()].copy_from_slice(raw);
-            Id::Short(raw.len() as u8, bytes)
-        } else {
-            Id::Long(raw.into())
-        }
-    }
-}
-
-impl Borrow<[u8]> for Id {
-    fn borrow(&self) -> &[u8] {
-        self.as_bytes()
-    }
-}
-
-// Hashed and compared as the bytes it holds, as `Borrow<[u8]>` requires: a probe by
-// &[u8] finds it.
-impl Hash for Id {
-    fn hash<H: Hasher>(&self, state: &mut H) {
-        self.as_bytes().hash(state);
-    }
-}
-
-impl PartialEq for Id {
-    fn eq(&self, other: &Self) -> bool {
-        self.as_bytes() == other.as_bytes()
-    }
-}
-
-impl Eq for Id {}
 
 fn as_str<'py>(py: Python<'py>, raw: &[u8]) -> Bound<'py, PyString> {
     // Every key was entered from a str's UTF-8 or from packed ids checked to be UTF-8.
@@ -120,8 +59,8 @@ fn each_id<'a, 'py>(
 impl LeaseTable {
     fn ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyString>>> {
         let py = slf.py();
-        let raws: Vec<Vec<u8>> = (slf.borrow().map.keys())
-            .map(|k| k.as_bytes().to_vec())
+        let raws: Vec<Vec<u8>> = (slf.borrow().map.iter())
+            .map(|(k, _)| k.as_bytes().to_vec())
             .collect();
         Ok(raws.iter().map(|r| as_str(py, r)).collect())
     }
@@ -179,7 +118,7 @@ impl LeaseTable {
     }
 
     fn __setitem__(&mut self, mid: &str, record: PyObject) {
-        self.map.insert(mid.as_bytes().into(), record);
+        self.map.insert(mid.as_bytes(), record);
     }
 
     fn __delitem__(&mut self, mid: &str) -> PyResult<()> {
@@ -200,13 +139,7 @@ impl LeaseTable {
 
     /// Enter `mid` in `record` unless it is in one: whether it was entered.
     fn add(&mut self, mid: &str, record: PyObject) -> bool {
-        match self.map.entry_ref(mid.as_bytes()) {
-            EntryRef::Vacant(at) => {
-                at.insert(record);
-                true
-            }
-            EntryRef::Occupied(_) => false,
-        }
+        self.map.add(mid.as_bytes(), record)
     }
 
     /// Remove `mid`: its record, or `default` if it was in none.
@@ -246,17 +179,13 @@ impl LeaseTable {
         let mut table = slf.borrow_mut();
         let map = &mut table.map;
         map.reserve(raws.len());
-        for (added, &raw) in raws.iter().enumerate() {
-            match map.entry_ref(raw) {
-                EntryRef::Vacant(at) => {
-                    at.insert(record.clone_ref(py));
+        let tags = map.warm(&raws);
+        for (added, (&raw, &tag)) in raws.iter().zip(&tags).enumerate() {
+            if !map.add_tagged(raw, tag, record.clone_ref(py)) {
+                for (&raw, &tag) in raws[..added].iter().zip(&tags) {
+                    map.remove_tagged(raw, tag); // in no lease before this call: as they were
                 }
-                EntryRef::Occupied(_) => {
-                    for &raw in &raws[..added] {
-                        map.remove(raw); // in no lease before this call: as they were
-                    }
-                    return Ok(false);
-                }
+                return Ok(false);
             }
         }
         Ok(true)
@@ -269,7 +198,10 @@ impl LeaseTable {
         let raws = each_id(slf.py(), mids, &mut holder)?;
         let removed: Vec<PyObject> = {
             let map = &mut slf.borrow_mut().map;
-            raws.into_iter().filter_map(|raw| map.remove(raw)).collect()
+            let tags = map.warm(&raws);
+            (raws.iter().zip(tags))
+                .filter_map(|(raw, tag)| map.remove_tagged(raw, tag))
+                .collect()
         };
         drop(removed); // the records' references go after the borrow
         Ok(())

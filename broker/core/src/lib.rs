@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 mod buckets;
 mod heads;
+mod id_map;
 mod ids;
 mod lease_json;
 mod lease_table;
