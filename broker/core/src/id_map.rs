@@ -1,16 +1,16 @@
 //! A map keyed by message ids' bytes, built for batches: a lease enters its ids and a
-//! trim removes its acked ones, hundreds or thousands at a time, in a table of hundreds
-//! of thousands. Its slots are 8 bytes (a 32-bit hash tag and where the entry is), so the
-//! slot array stays in the cache where a Swiss table's 48-byte buckets did not; a probe
-//! reads an entry only when the tag matches, and a batch first reads each id's first
-//! slot, then each matching entry, in passes of independent loads, so the CPU overlaps
-//! those misses instead of waiting each out in turn (as `ids::find_slots` does). A slot
-//! alone says where its id's probe starts (its tag's low bits), so growing or cleaning
-//! the slots reads no entry.
+//! trim removes its acked ones, hundreds or thousands at a time, in a map of hundreds of
+//! thousands. Its slots are 8 bytes (a 32-bit hash tag and where the entry is), so the
+//! slot array of such a map fits in the cache, where its entries (48 bytes each) do
+//! not: a probe reads an entry only when the tag matches. A batch first reads each id's
+//! first slot, then each entry those name, in passes of independent loads, so the CPU
+//! overlaps the misses instead of waiting each out in turn (as `ids::find_slots` does).
+//! A slot alone says where its id's probe starts (its tag's low bits), so resizing or
+//! cleaning the slots reads no entry.
 
 use std::hash::BuildHasher;
 
-use hashbrown::DefaultHashBuilder;
+use foldhash::fast::RandomState;
 
 /// Bytes of an id held inline; longer ones go on the heap. Most ids fit, and entering
 /// one then allocates nothing.
@@ -50,10 +50,10 @@ impl From<&[u8]> for Id {
 /// in `entries` (freed places are reused) until the map packs them, once a quarter or
 /// fewer are held: its memory follows what it holds, not the most it ever held.
 pub(crate) struct IdMap<V> {
-    // hashbrown's foldhash, seeded at random per process, as the index's id table is
+    // foldhash, seeded at random per process, as the index's id table is
     // (`ids.rs`): producers choose the ids, and cannot choose ones that collide on a
     // node without its seed.
-    hasher: DefaultHashBuilder,
+    hasher: RandomState,
     slots: Vec<u64>, // EMPTY, DELETED, or tag << 32 | (entry + 1)
     entries: Vec<Option<(Id, V)>>,
     free: Vec<u32>, // places in `entries` that hold nothing
@@ -64,7 +64,7 @@ pub(crate) struct IdMap<V> {
 impl<V> Default for IdMap<V> {
     fn default() -> Self {
         Self {
-            hasher: DefaultHashBuilder::default(),
+            hasher: RandomState::default(),
             slots: vec![EMPTY; MIN_SLOTS],
             entries: Vec::new(),
             free: Vec::new(),
