@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from dejaq_core import LeaseTable, PackedIds
+from dejaq_core import LeaseTable, PackedIds, free_buckets, hold
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
@@ -149,6 +149,48 @@ def test_a_large_table_grows_cleans_and_packs_as_a_dict_would(
         assert len(table) == len(model) and dict(table.items()) == model
         assert all(table.get(mid) == value for mid, value in model.items())
         assert not any(mid in table for mid in out)
+
+
+HOLDS = st.lists(
+    st.tuples(
+        st.sampled_from(["c1", "c2", "c3"]),
+        st.dictionaries(st.integers(0, 5), st.integers(1, 4), max_size=4),
+        st.sampled_from([1, -1]),
+    ),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(HOLDS)
+def test_held_counts_and_free_buckets_answer_as_the_dicts_would(ops: list[tuple]) -> None:
+    """The core's `hold` keeps bucket -> {consumer: leases} as the Python loop did, and
+    `free_buckets` is the set of owned buckets no other consumer holds leases in."""
+    held: dict[int, dict[str, int]] = {}
+    model: dict[int, dict[str, int]] = {}
+    for consumer, per_bucket, sign in ops:
+        ends_too_many = sign < 0 and any(
+            model.get(b, {}).get(consumer, 0) < n for b, n in per_bucket.items()
+        )
+        if ends_too_many:  # the broker never ends leases it did not count
+            continue
+        hold(held, per_bucket, consumer, sign)
+        for b, n in per_bucket.items():
+            counts = model.setdefault(b, {})
+            left = counts.get(consumer, 0) + sign * n
+            if left > 0:
+                counts[consumer] = left
+            else:
+                del counts[consumer]
+        assert held == model
+        for c in ("c1", "c2", "c3"):
+            owned = [0, 2, 3, 5, 7]
+            free = {b for b in owned if not model.get(b) or set(model[b]) == {c}}
+            assert free_buckets(owned, held, c) == free
+    with pytest.raises(KeyError):
+        hold({}, {1: 1}, "c1", -1)
+    with pytest.raises(KeyError):
+        hold({1: {"c2": 1}}, {1: 1}, "c1", -1)
 
 
 def test_ids_that_are_not_str_are_a_clear_error() -> None:

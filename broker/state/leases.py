@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
-from dejaq_core import LeaseTable, PackedIds, count_buckets
+from dejaq_core import LeaseTable, PackedIds, count_buckets, free_buckets, hold
 
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
@@ -283,17 +283,13 @@ class TopicState:
         return released
 
     def buckets_of(self, consumer: str) -> list[int]:
-        """Buckets assigned to `consumer` that no other consumer still holds leases in.
-
-        Every lease asks, on every node: it walks the consumer's buckets, not all of them.
-        """
-        held = self.held
-        out = []
-        for b in self.owned.get(consumer, ()):
-            h = held.get(b)
-            if not h or (len(h) == 1 and consumer in h):
-                out.append(b)
-        return out
+        """Buckets assigned to `consumer` that no other consumer still holds leases in,
+        in the order it owns them: the leader's pick asks. Every node's lease asks the
+        core for the same as a set (`free_buckets`): it walks the consumer's buckets,
+        not all of them."""
+        owned = self.owned.get(consumer, ())
+        free = free_buckets(owned, self.held, consumer)
+        return [b for b in owned if b in free]
 
     def _rebalance(self) -> None:
         self.assignment = rebalance(self.buckets, self.consumers, self.assignment)
@@ -360,7 +356,7 @@ class TopicState:
             self.refilled_at = max(self.refilled_at, now)
             allowed = int(self.tokens)
             mids, buckets, keys = mids[:allowed], buckets[:allowed], keys[:allowed]
-        mine = set(self.buckets_of(consumer))
+        mine = free_buckets(self.owned.get(consumer, ()), self.held, consumer)
         columns = (mids, buckets, keys)
         granted = self._grant_all(record, *columns, mine) if len(mids) >= BULK_MIN else None
         per_bucket, redelivered = granted or self._grant_each(record, *columns, mine, now)
@@ -372,12 +368,7 @@ class TopicState:
         self.records[record.lid] = record
         record.ended = bytearray(n)
         record.live = n
-        held = self.held
-        for bucket, count in per_bucket.items():
-            counts = held.get(bucket)
-            if counts is None:
-                counts = held[bucket] = {}
-            counts[consumer] = counts.get(consumer, 0) + count
+        hold(self.held, per_bucket, consumer, 1)
         totals = self.totals
         totals["leased"] += n
         if redelivered:
@@ -690,8 +681,7 @@ class TopicState:
         record.live -= n
         if not record.live:
             self.ending.append((seq + n, record.lid))
-        for bucket, count in count_buckets(buckets).items():
-            _unhold(self.held[bucket], record.consumer, count)
+        hold(self.held, count_buckets(buckets), record.consumer, -1)
         keys, counts = record.sort_keys[start:end], record.deliveries[start:end]
         self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
         if self.sort_keys:

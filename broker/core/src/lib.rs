@@ -19,6 +19,8 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<lease_table::LeaseTable>()?;
     m.add_class::<packed_ids::PackedIds>()?;
     m.add_function(wrap_pyfunction!(buckets::count_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(buckets::free_buckets, m)?)?;
+    m.add_function(wrap_pyfunction!(buckets::hold, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
