@@ -328,14 +328,16 @@ def free_buckets(s: TopicState, consumer: str) -> set[int]:
     buckets=st.integers(1, 16),
     steps=st.lists(
         st.tuples(
-            st.sampled_from(["touch", "lease", "ack", "nack", "leave", "expire"]),
+            st.sampled_from(["touch", "lease", "ack", "nack", "leave", "expire", "trim"]),
             st.sampled_from("abcd"),
             st.lists(st.integers(0, 40), max_size=6),
         ),
         max_size=40,
     ),
 )
-def test_buckets_of_matches_its_definition_through_any_history(buckets, steps) -> None:
+def test_buckets_of_and_the_leased_records_match_their_definitions_through_any_history(
+    buckets, steps
+) -> None:
     s = TopicState(buckets=buckets, max_deliveries=3)
     for now, (op, consumer, ids) in enumerate(steps):
         mids = [f"m{i}" for i in ids]
@@ -349,11 +351,15 @@ def test_buckets_of_matches_its_definition_through_any_history(buckets, steps) -
             s.nack(consumer, now, mids)
         elif op == "leave":
             s.leave(consumer, now)
+        elif op == "trim":
+            s.trim(s.seq)
         else:
             s.expire(now, heartbeat_timeout_ms=10)
         for c in "abcd":
             got = s.buckets_of(c)
             assert len(got) == len(set(got)) and set(got) == free_buckets(s, c), (op, c)
+        # Expiry and a leaving consumer look only at the records still holding a lease.
+        assert s.leased == {lid: r for lid, r in s.records.items() if r.live}, op
 
 
 # --- index over real Delta tables ---------------------------------------------------------

@@ -104,6 +104,7 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
         for field in ("events", "settled", "held", "totals", "seq", "ending"):
             assert getattr(bulk, field) == getattr(other, field), field
         assert bulk.records[1].ended == other.records[1].ended
+        assert bulk.leased.keys() == other.leased.keys() == {1}
         assert settled_of(bulk) == settled_of(other) and bulk.leases.keys() == other.leases.keys()
     assert bulk.ack("c", 6, [], [named[0] - 2, named[0] - 1, *named]) == {
         r: Refusal.SETTLED for r in named
@@ -116,6 +117,7 @@ def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave
     whole = again.lease("c", 0, 100, [(f"m{i}", i % 2, i) for i in range(n)], lid=1)
     assert again.ack("c", 1, [], [whole.receipt(p) for p in range(n)]) == {}
     assert again.ending == deque([(n, 1)]) and again.held == {0: {}, 1: {}}
+    assert again.leased == {}, "no message of it is leased: expiry no longer looks at it"
     assert [e.seq for e in again.events] == list(range(1, n + 1)) and runs[-1] == n
 
 
@@ -281,9 +283,11 @@ def test_receipts_survive_a_snapshot() -> None:
     s.extend("c", 1, [], 500, [named["b"]])
     again = pickle.loads(pickle.dumps(s))
     assert again.leases["a"] is again.records[1], "one record, shared"
+    assert "leased" not in s.__getstate__() and again.leased == {1: again.records[1]}
     assert again.ack("c", 2, ["a"]) == {}, "by id, through the rebuilt positions"
     assert again.ack("c", 2, [], [named["a"], named["b"]]) == {named["a"]: Refusal.SETTLED}
     assert again.lease_of("b") is None and settled_of(again) == {"a": "acked", "b": "acked"}
+    assert again.leased == {}, "derived on load, and kept as the state changes"
 
 
 class NoIndex:
@@ -398,6 +402,8 @@ def test_receipts_settle_what_ids_settle(history: list[tuple[str, list[int], int
     latest: dict[str, int] = {}
     now = 0
     for op, picked, dt in history:
+        for s in (by_id, by_receipt):  # what the last step left
+            assert s.leased == {lid: r for lid, r in s.records.items() if r.live}
         now += dt
         mids = [MIDS[i] for i in picked]
         if op == "lease":

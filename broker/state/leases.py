@@ -183,6 +183,10 @@ class TopicState:
         # Every lease's record by lid, until its messages' leases ended and the events of
         # that are trimmed (`ending`): a receipt resolves as long as an id would.
         self.records: dict[int, LeaseRecord] = {}
+        # The records holding a message still leased: expiry looks for deadlines past,
+        # and a leaving consumer's leases, among these, not among every record kept
+        # until its trim (a second's leases, one a message at batch 1). Derived.
+        self.leased: dict[int, LeaseRecord] = {}
         # Leases from before receipts (old snapshots, old journal entries) are numbered
         # down from -1: no receipt names them, and nodes whose snapshots were taken at
         # different points may number them differently without disagreeing on anything.
@@ -215,10 +219,10 @@ class TopicState:
         self.trimmed = 0  # the highest seq a trim reached (events it kept stay below it)
 
     def __getstate__(self) -> dict:
-        """Snapshots hold what they held before `owned`: it is derived, rebuilt on load;
-        and `leases` as the dict they held before it was a `LeaseTable`."""
+        """Snapshots hold what they held before `owned` and `leased`: both are derived,
+        rebuilt on load; and `leases` as the dict they held before it was a `LeaseTable`."""
         state = self.__dict__.copy()
-        del state["owned"]
+        del state["owned"], state["leased"]
         state["leases"] = dict(self.leases.items())
         return state
 
@@ -250,6 +254,7 @@ class TopicState:
         leases, self.leases = self.leases, LeaseTable()
         for mid, record in leases.items():
             self.leases[mid] = record
+        self.leased = {lid: r for lid, r in self.records.items() if r.live}
 
     # --- consumers -------------------------------------------------------------------
 
@@ -273,7 +278,7 @@ class TopicState:
         if self.consumers.pop(consumer, None) is None:
             return []
         released: list[str] = []
-        for record in [r for r in self.records.values() if r.live and r.consumer == consumer]:
+        for record in [r for r in self.leased.values() if r.consumer == consumer]:
             for pos in _live(record):
                 mid = self._end(record, pos, RELEASED)
                 if record.deliveries[pos] > 1:
@@ -365,7 +370,7 @@ class TopicState:
             return record
         if not numbered:
             self.unnumbered = record.lid
-        self.records[record.lid] = record
+        self.records[record.lid] = self.leased[record.lid] = record
         record.ended = bytearray(n)
         record.live = n
         hold(self.held, per_bucket, consumer, 1)
@@ -490,6 +495,7 @@ class TopicState:
         record.ended[pos] = how
         record.live -= 1
         if not record.live:
+            del self.leased[record.lid]
             if how in SETTLING:  # its event comes next
                 self.ending.append((self.seq + 1, record.lid))
             elif any(code in record.ended for code in SETTLING):
@@ -618,6 +624,7 @@ class TopicState:
             record.ended[pos] = ACKED  # `_end`, inlined
             record.live -= 1
             if not record.live:
+                del self.leased[record.lid]
                 ending.append((seq + 1, record.lid))
             bucket = record.buckets[pos]
             counts = held[bucket]
@@ -680,6 +687,7 @@ class TopicState:
         record.ended[start:end] = bytes([ACKED]) * n
         record.live -= n
         if not record.live:
+            del self.leased[record.lid]
             self.ending.append((seq + n, record.lid))
         hold(self.held, count_buckets(buckets), record.consumer, -1)
         keys, counts = record.sort_keys[start:end], record.deliveries[start:end]
@@ -826,7 +834,7 @@ class TopicState:
     ) -> list[str]:
         """Expire leases past their deadline and silent consumers; returns pending mids."""
         pending: list[str] = []
-        due = [r for r in self.records.values() if r.live and r.earliest() <= now]
+        due = [r for r in self.leased.values() if r.earliest() <= now]
         for record in due:
             for pos in _live(record):
                 if record.deadline_of(pos) > now:
@@ -912,8 +920,8 @@ class TopicState:
         return redriven, refused
 
     def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
-        records = list(self.records.values())
-        return any(r.live and r.earliest() <= now for r in records) or any(
+        leased = list(self.leased.values())
+        return any(r.earliest() <= now for r in leased) or any(
             seen + heartbeat_timeout_ms <= now for seen in list(self.consumers.values())
         )
 
