@@ -1,10 +1,11 @@
 //! A map keyed by message ids' bytes, built for batches: a lease enters its ids and a
 //! trim removes its acked ones, hundreds or thousands at a time, in a map of hundreds of
 //! thousands. Its slots are 8 bytes (a 32-bit hash tag and where the entry is), so the
-//! slot array of such a map fits in the cache, where its entries (48 bytes each) do
-//! not: a probe reads an entry only when the tag matches. A batch first reads each id's
-//! first slot, then each entry those name, in passes of independent loads, so the CPU
-//! overlaps the misses instead of waiting each out in turn (as `ids::find_slots` does).
+//! slot array of such a map (a few MB) mostly fits in the last-level cache, where its
+//! entries (48 bytes each) do not: a probe reads an entry only when the tag matches. A
+//! batch first reads each id's first slot, then each entry those name, in passes of
+//! independent loads, so the CPU overlaps the misses instead of waiting each out in turn
+//! (as `ids::find_slots` does).
 //! A slot alone says where its id's probe starts (its tag's low bits), so resizing or
 //! cleaning the slots reads no entry.
 
