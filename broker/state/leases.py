@@ -504,7 +504,7 @@ class TopicState:
                 del self.records[record.lid]
         mid = record.mids[pos]
         del self.leases[mid]
-        _unhold(self.held[record.buckets[pos]], record.consumer, 1)
+        hold(self.held, {record.buckets[pos]: 1}, record.consumer, -1)
         return mid
 
     def _held(
@@ -1028,15 +1028,6 @@ def _trimmed_past(state: TopicState, seen: int | None) -> bool:
     """Whether a trim has passed seq `seen` (the state a command was made from): a
     message settled after it may be forgotten, no longer known as settled."""
     return seen is not None and state.trimmed_upto() > seen
-
-
-def _unhold(counts: dict[str, int], consumer: str, n: int) -> None:
-    """`n` fewer leases held by `consumer` in a bucket; at none it is no longer named."""
-    left = counts[consumer] - n
-    if left > 0:
-        counts[consumer] = left
-    else:
-        del counts[consumer]
 
 
 def _live(record: LeaseRecord) -> list[int]:

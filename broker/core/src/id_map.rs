@@ -162,9 +162,7 @@ impl<V> IdMap<V> {
 
     /// Enter `raw`, known not to be held.
     fn put(&mut self, raw: &[u8], tag: u64, value: V) {
-        if (self.used + 1) * 8 > self.slots.len() * 5 {
-            self.resize(self.live + 1);
-        }
+        self.reserve(1);
         let entry = Some((Id::from(raw), value));
         let e = match self.free.pop() {
             Some(e) => {
