@@ -11,12 +11,21 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_until
+from deltalake import DeltaTable
 from test_broker import listed, loaded_topic
 
+from dejaq.broker.state.settlements import Settlement
 from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.checkpoints import Health, Lag, checkpoint, lag
-from dejaq.broker.storage.ledger_writer import write_dead_letters, write_ledger
-from dejaq.conf.tables import LedgerEvent, Table, scan, table_path
+from dejaq.broker.storage.ledger_writer import compact_ledger, write_dead_letters, write_ledger
+from dejaq.conf.tables import (
+    LEDGER_SCHEMA,
+    TABLE_PROPERTIES,
+    LedgerEvent,
+    Table,
+    scan,
+    table_path,
+)
 
 
 def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
@@ -138,3 +147,36 @@ def test_a_deposed_leaders_late_dead_letters_are_refused_then_found_written(
     assert [type(e).__name__ for e in refused] == ["CommitFailedError"]
     dead = scan(table_path(warehouse, Table.DEAD_LETTER, "jobs"), Table.DEAD_LETTER)
     assert sorted(dead["message_id"].to_pylist()) == ["m0", "m1"]
+
+
+def _delta_checkpoints(path: str) -> list[str]:
+    return sorted(p.name for p in Path(path, "_delta_log").glob("*.checkpoint.parquet"))
+
+
+def test_ledgers_write_a_delta_checkpoint_every_ten_commits_older_ones_once_compacted(
+    tmp_path: Path,
+) -> None:
+    """Each open of, and commit to, a table replays its log since its last Delta
+    checkpoint: a ledger the leader appends to every second writes one each 10 commits
+    (delta-rs's own default is 100). A ledger made without the property gets it at its
+    next compaction, by the leader that alone writes it; no row is lost or doubled."""
+    warehouse = str(tmp_path)
+    old = table_path(warehouse, Table.LEDGER, "old")
+    DeltaTable.create(old, LEDGER_SCHEMA)  # as made before the property
+    for topic in ("new", "old"):
+        for seq in range(1, 13):
+            write_ledger(warehouse, topic, [Settlement(seq, f"m{seq}", 0, "acked", 0, 1, seq)])
+    new = table_path(warehouse, Table.LEDGER, "new")
+    assert DeltaTable(new).metadata().configuration == TABLE_PROPERTIES
+    assert len(_delta_checkpoints(new)) == 1, "one in 13 versions"
+    assert _delta_checkpoints(old) == []
+
+    assert compact_ledger(warehouse, "old") is not None
+    assert DeltaTable(old).metadata().configuration == TABLE_PROPERTIES
+    before = DeltaTable(old).version()
+    for seq in range(13, 25):
+        write_ledger(warehouse, "old", [Settlement(seq, f"m{seq}", 0, "acked", 0, 1, seq)])
+    assert _delta_checkpoints(old), f"none in the 12 commits after version {before}"
+    for path, rows in ((new, 12), (old, 24)):
+        ids = scan(path, Table.LEDGER)["message_id"].to_pylist()
+        assert sorted(ids) == sorted(f"m{s}" for s in range(1, rows + 1))

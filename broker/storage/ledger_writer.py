@@ -9,6 +9,7 @@ its successor sees the tag and only trims: the ledger never gets a row twice.
 from __future__ import annotations
 
 import datetime as dt
+import logging
 import time
 from collections.abc import Callable
 
@@ -38,8 +39,11 @@ from dejaq.conf.tables import (
     ensure_table,
     matching,
     scan,
+    with_table_properties,
 )
 from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, Compacted, maintain
+
+log = logging.getLogger("dejaq.broker.storage.ledger_writer")
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
@@ -263,9 +267,17 @@ def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
     between its own checkpoints, as delta-rs compaction requires. Transaction versions
-    survive it, so a checkpoint replayed later is still skipped.
+    survive it, so a checkpoint replayed later is still skipped. A ledger made before
+    `TABLE_PROPERTIES` gets them here first, by the same writer between the same appends.
     """
-    return maintain(ensure_table(warehouse, Table.LEDGER, topic), LEDGER_FILE_BYTES)
+    path = ensure_table(warehouse, Table.LEDGER, topic)
+    try:
+        with_table_properties(path)
+    except Exception:
+        log.warning(
+            "setting %s's table properties failed; the next round tries again", path, exc_info=True
+        )
+    return maintain(path, LEDGER_FILE_BYTES)
 
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:
