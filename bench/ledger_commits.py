@@ -1,0 +1,126 @@
+"""A leader's ledger checkpoints over a long run: CPU per commit as commits accumulate.
+
+    .venv/bin/python bench/ledger_commits.py [--commits 100] [--events 2000] [--rounds 2]
+
+The leader appends one ledger commit a second (`write_ledger`: it opens the table, reads
+its tag, appends), and each open of, and commit to, a Delta table replays its log since
+the table's last Delta checkpoint. A table made by the contract (`TABLE_PROPERTIES`:
+one each 10 commits) against the baseline, the same table with delta-rs's default of
+100, in the same run: N commits of E acked events each to both, alternated commit by
+commit, R times on fresh tables, both compacted every `COMPACT_EVERY` commits as the
+leader compacts its ledger (untimed). Prints one JSON object: the mean CPU ms per commit of
+each (the process's, delta-rs's threads included), per tenth of the run, and the
+ratio of the means. A cost that follows history climbs tenth by tenth; one that does
+not stays flat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from array import array
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# This file is in bench/: keep its folder off the path (bench/broker.py shadows the package).
+sys.path[:1] = [str(ROOT)]
+
+from dejaq_core import PackedIds  # noqa: E402
+from deltalake import DeltaTable  # noqa: E402
+
+from dejaq.broker.state.settlements import Run  # noqa: E402
+from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, write_ledger  # noqa: E402
+from dejaq.conf.tables import LEDGER_SCHEMA, LedgerEvent, Table, table_path  # noqa: E402
+from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain  # noqa: E402
+
+TOPIC = "jobs"
+
+
+def runs(first_seq: int, events: int, at: int) -> list[Run]:
+    """`events` acked events from `first_seq` on, in runs of 100 as a batch-100 ack makes
+    them, with 16-byte ids."""
+    out = []
+    for start in range(first_seq, first_seq + events, 100):
+        ids = b"".join(f"m{s:015d}".encode() for s in range(start, start + 100))
+        out.append(
+            Run(
+                start,
+                PackedIds(ids, 16),
+                array("H", [start // 100 % 64]) * 100,
+                LedgerEvent.ACKED,
+                array("q", range(100)),
+                array("i", [1]) * 100,
+                at,
+            )
+        )
+    return out
+
+
+def tenths(values: list[float]) -> list[float]:
+    n = max(len(values) // 10, 1)
+    return [
+        round(sum(values[i : i + n]) / len(values[i : i + n]), 1) for i in range(0, len(values), n)
+    ]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--commits", type=int, default=100, help="per table and round")
+    ap.add_argument("--events", type=int, default=2000, help="per commit")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    ms: dict[str, list[float]] = {"contract": [], "delta_rs_default": []}
+    for r in range(args.rounds):
+        warehouses = {name: tempfile.mkdtemp(prefix=f"ledger-{name}-") for name in ms}
+        DeltaTable.create(
+            table_path(warehouses["delta_rs_default"], Table.LEDGER, TOPIC), LEDGER_SCHEMA
+        )
+        per: dict[str, list[float]] = {name: [] for name in ms}
+        for c in range(args.commits):
+            batch = runs(c * args.events + 1, args.events, 1_700_000_000_000 + c)
+            order = list(ms) if (c + r) % 2 == 0 else list(reversed(ms))
+            for name in order:
+                t0 = time.process_time()
+                write_ledger(warehouses[name], TOPIC, batch)
+                per[name].append((time.process_time() - t0) * 1000)
+            if (c + 1) % COMPACT_EVERY == 0:  # as the leader does, untimed
+                for name in ms:
+                    maintain(table_path(warehouses[name], Table.LEDGER, TOPIC), LEDGER_FILE_BYTES)
+        for name in ms:
+            ms[name].append(per[name])
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
+    by_commit = {
+        name: [sum(v) / len(v) for v in zip(*rounds, strict=True)] for name, rounds in ms.items()
+    }
+    mean = {name: round(sum(v) / len(v), 2) for name, v in by_commit.items()}
+    print(
+        json.dumps(
+            {
+                "benchmark": "ledger checkpoint commits over a long run",
+                "cpu_ms_per_commit": mean,
+                "cpu_ms_per_commit_by_tenth": {name: tenths(v) for name, v in by_commit.items()},
+                "contract_vs_delta_rs_default": round(
+                    mean["contract"] / mean["delta_rs_default"], 3
+                ),
+                "parameters": vars(args),
+                "machine": {
+                    "cpus": os.cpu_count(),
+                    "python": platform.python_version(),
+                    "platform": platform.platform(),
+                    "processor": platform.processor() or platform.machine(),
+                },
+                "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
