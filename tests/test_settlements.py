@@ -119,10 +119,10 @@ def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: P
 
 
 def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path) -> None:
-    """Runs as lease records pack them (arrays, ids packed whole or sliced), as
-    snapshots from before hold them (lists), and single settlements between them, one
-    with no sort key: the ledger gets one row per event, in seq order, each with its own
-    fields."""
+    """Runs as lease records pack them (arrays, ids packed whole or sliced; two such
+    runs in a row are joined), as snapshots from before hold them (lists), and single
+    settlements between them, one with no sort key: the ledger gets one row per event,
+    in seq order, each with its own fields."""
     entries = [
         Run(
             1,
@@ -145,9 +145,18 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
             array("i", [1, 1]),
             14,
         ),
-        Settlement(8, "h", 1, "acked", 2, 1, 15),
+        Run(
+            8,
+            PackedIds.pack(["i", "j"]),
+            array("H", [2, 1]),
+            "acked",
+            array("q", [2**33, 5]),
+            array("i", [2, 1]),
+            15,
+        ),
+        Settlement(10, "h", 1, "acked", 2, 1, 16),
     ]
-    assert write_ledger(str(tmp_path), "t", entries) == 8
+    assert write_ledger(str(tmp_path), "t", entries) == 10
     rows = scan(table_path(str(tmp_path), Table.LEDGER, "t"), Table.LEDGER).to_pylist()
     got = [
         (r["message_id"], r["bucket"], r["event"], r["sort_key"], r["deliveries"], r["at"])
@@ -163,11 +172,20 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
 # An entry's ids: ("one", id) a settlement, ("list", ids) a run from an old snapshot,
 # ("packed", ids, slice start) a run whose ids are packed (sliced from `start`).
 ids = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12)
+# Ids of one length, as most id schemes make them: packed without padding.
+even_ids = st.integers(1, 12).flatmap(
+    lambda n: st.lists(
+        st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=n, max_size=n),
+        min_size=1,
+        max_size=6,
+    )
+)
 id_entries = st.lists(
     st.one_of(
         st.tuples(st.just("one"), ids),
         st.tuples(st.just("list"), st.lists(ids, min_size=1, max_size=4)),
         st.tuples(st.just("packed"), st.lists(ids, min_size=1, max_size=6), st.integers(0, 2)),
+        st.tuples(st.just("packed"), even_ids, st.integers(0, 2)),
     ),
     max_size=12,
 )
@@ -177,8 +195,9 @@ id_entries = st.lists(
 @given(id_entries, st.integers(1, 5))
 def test_the_ledger_s_ids_are_the_entries_ids_in_order(plan: list, convert_slice: int) -> None:
     """Packed runs next to each other are converted as one stretch, cut where their width
-    changes or another kind of entry comes between, in chunks of CONVERT_SLICE ids:
-    whichever way they fall, the column holds every id once, in seq order."""
+    changes or another kind of entry comes between, padded ones in chunks of
+    CONVERT_SLICE ids, unpadded ones as their bytes are: whichever way they fall, the
+    column holds every id once, in seq order."""
     entries, want = [], []
     for kind, named, *start in plan:
         seq = len(want) + 1

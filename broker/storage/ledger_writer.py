@@ -11,7 +11,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from collections.abc import Callable
+from array import array
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -149,19 +150,18 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
 
 def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
     """The message ids of `entries`: a stretch of runs whose ids are packed at one width
-    (`PackedIds`, the usual case) joined into one buffer and made Arrow from its bytes,
-    CONVERT_SLICE ids a chunk (NumPy's fixed-width bytes lose their padding on the way);
-    the others converted from str, a stretch at a time. Per stretch, not per run: a
-    run's conversion cost ~15 µs whatever its length, most of a checkpoint's time in
-    Python. Both convert through `_arrow`, which offers the GIL after each chunk."""
+    (`PackedIds`, the usual case) joined into one buffer and made Arrow from its bytes
+    (`_packed_column`); the others converted from str, a stretch at a time. Per
+    stretch, not per run: a run's conversion cost ~15 µs whatever its length, most of a
+    checkpoint's time in Python. What is converted goes through `_arrow`, which offers
+    the GIL after each chunk."""
     chunks: list[pa.Array] = []
     loose: list[str] = []
     packed: list[bytes] = []
     width = 0
 
     def close_packed() -> None:
-        column = np.frombuffer(b"".join(packed), f"S{width}")
-        chunks.extend(_arrow(column, pa.binary()).cast(pa.string()).chunks)
+        chunks.extend(_packed_column(b"".join(packed), width))
         packed.clear()
 
     def close_loose() -> None:
@@ -191,16 +191,28 @@ def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
     return pa.chunked_array(chunks, pa.string())
 
 
+def _packed_column(blob: bytes, width: int) -> list[pa.Array]:
+    """Ids packed `width` bytes apiece as Arrow strings. Unpadded (every id `width` long,
+    as with most id schemes), the bytes are the column's as they are, its offsets a
+    range: no copy. Padded, NumPy's fixed-width bytes drop the padding on the way to
+    Arrow, CONVERT_SLICE ids a chunk."""
+    n = len(blob) // width
+    if 0 not in blob:
+        offsets = np.arange(0, (n + 1) * width, width, dtype=np.int32)
+        return [pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(blob))]
+    return _arrow(np.frombuffer(blob, f"S{width}"), pa.binary()).cast(pa.string()).chunks
+
+
 _INT_KINDS = (pa.int32(), pa.int64(), pa.int32())  # bucket, sort_key, deliveries
 
 
 def _int_columns(entries: list[Entry]) -> list[pa.ChunkedArray]:
-    """Bucket, sort key and deliveries of `entries`: a stretch of runs joined by NumPy
-    from their packed columns, a stretch of single settlements (whose sort key may be
+    """Bucket, sort key and deliveries of `entries`: a stretch of runs joined from their
+    packed columns (`_joined`), a stretch of single settlements (whose sort key may be
     null) converted from a list; one Arrow chunk per stretch."""
     chunks: list[list[pa.Array]] = [[], [], []]
     loose: list[list[int | None]] = [[], [], []]
-    packed: list[list[np.ndarray]] = [[], [], []]
+    packed: list[list[Sequence[int]]] = [[], [], []]
 
     def close() -> None:
         for column, values, kind in zip(chunks, loose, _INT_KINDS, strict=True):
@@ -209,7 +221,7 @@ def _int_columns(entries: list[Entry]) -> list[pa.ChunkedArray]:
                 values.clear()
         for column, parts, kind in zip(chunks, packed, _INT_KINDS, strict=True):
             if parts:
-                column.append(pa.array(np.concatenate(parts)).cast(kind))
+                column.append(pa.array(_joined(parts)).cast(kind))
                 parts.clear()
 
     for e in entries:
@@ -222,11 +234,21 @@ def _int_columns(entries: list[Entry]) -> list[pa.ChunkedArray]:
         else:
             if loose[0]:
                 close()
-            packed[0].append(np.asarray(e.buckets))
-            packed[1].append(np.asarray(e.sort_keys))
-            packed[2].append(np.asarray(e.deliveries))
+            packed[0].append(e.buckets)
+            packed[1].append(e.sort_keys)
+            packed[2].append(e.deliveries)
     close()
     return [pa.chunked_array(c, kind) for c, kind in zip(chunks, _INT_KINDS, strict=True)]
+
+
+def _joined(parts: list[Sequence[int]]) -> np.ndarray:
+    """Runs' packed columns as one: their bytes joined in one call when all are arrays
+    of one type (a run's own), else by NumPy (lists, from old snapshots): a NumPy view
+    of each of a checkpoint's thousands of runs cost more than the rest of the column."""
+    codes = {p.typecode if type(p) is array else "" for p in parts}
+    if len(codes) == 1 and "" not in codes:
+        return np.frombuffer(b"".join(parts), codes.pop())
+    return np.concatenate([np.asarray(p) for p in parts])
 
 
 def _arrow(values: list | np.ndarray, kind: pa.DataType) -> pa.ChunkedArray:
