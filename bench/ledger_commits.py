@@ -10,8 +10,8 @@ one each 10 commits) against the baseline, the same table with delta-rs's defaul
 commit, R times on fresh tables, both compacted every `COMPACT_EVERY` commits as the
 leader compacts its ledger (untimed). Prints one JSON object: the mean CPU ms per commit of
 each (the process's, delta-rs's threads included), per tenth of the run, and the
-ratio of the means. A cost that follows history climbs tenth by tenth; one that does
-not stays flat.
+ratio of the means, and each ledger's rows (every event once). A cost that follows
+history climbs tenth by tenth; one that does not stays flat.
 """
 
 from __future__ import annotations
@@ -69,31 +69,43 @@ def tenths(values: list[float]) -> list[float]:
     ]
 
 
+def commit_all(
+    warehouses: dict[str, str], commits: int, events: int, r: int
+) -> dict[str, list[float]]:
+    """`commits` ledger commits of `events` each to every warehouse's ledger, alternated
+    commit by commit (which goes first changing with `r`): the CPU ms of each."""
+    baseline = table_path(warehouses["delta_rs_default"], Table.LEDGER, TOPIC)
+    DeltaTable.create(baseline, LEDGER_SCHEMA)
+    per: dict[str, list[float]] = {name: [] for name in warehouses}
+    for c in range(commits):
+        batch = runs(c * events + 1, events, 1_700_000_000_000 + c)
+        order = list(warehouses) if (c + r) % 2 == 0 else list(reversed(warehouses))
+        for name in order:
+            t0 = time.process_time()
+            write_ledger(warehouses[name], TOPIC, batch)
+            per[name].append((time.process_time() - t0) * 1000)
+        if (c + 1) % COMPACT_EVERY == 0:  # as the leader does, untimed
+            for name in warehouses:
+                maintain(table_path(warehouses[name], Table.LEDGER, TOPIC), LEDGER_FILE_BYTES)
+    return per
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--commits", type=int, default=100, help="per table and round")
     ap.add_argument("--events", type=int, default=2000, help="per commit")
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    ms: dict[str, list[float]] = {"contract": [], "delta_rs_default": []}
+    ms: dict[str, list[list[float]]] = {"contract": [], "delta_rs_default": []}
+    rows: dict[str, list[int]] = {name: [] for name in ms}
     for r in range(args.rounds):
-        warehouses = {name: tempfile.mkdtemp(prefix=f"ledger-{name}-") for name in ms}
-        DeltaTable.create(
-            table_path(warehouses["delta_rs_default"], Table.LEDGER, TOPIC), LEDGER_SCHEMA
-        )
-        per: dict[str, list[float]] = {name: [] for name in ms}
-        for c in range(args.commits):
-            batch = runs(c * args.events + 1, args.events, 1_700_000_000_000 + c)
-            order = list(ms) if (c + r) % 2 == 0 else list(reversed(ms))
-            for name in order:
-                t0 = time.process_time()
-                write_ledger(warehouses[name], TOPIC, batch)
-                per[name].append((time.process_time() - t0) * 1000)
-            if (c + 1) % COMPACT_EVERY == 0:  # as the leader does, untimed
-                for name in ms:
-                    maintain(table_path(warehouses[name], Table.LEDGER, TOPIC), LEDGER_FILE_BYTES)
-        for name in ms:
-            ms[name].append(per[name])
+        with tempfile.TemporaryDirectory(prefix="ledger-commits-") as tmp:
+            warehouses = {name: f"{tmp}/{name}" for name in ms}
+            per = commit_all(warehouses, args.commits, args.events, r)
+            for name in ms:
+                ms[name].append(per[name])
+                ledger = DeltaTable(table_path(warehouses[name], Table.LEDGER, TOPIC))
+                rows[name].append(ledger.to_pyarrow_table(columns=["message_id"]).num_rows)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     by_commit = {
         name: [sum(v) / len(v) for v in zip(*rounds, strict=True)] for name, rounds in ms.items()
@@ -108,6 +120,7 @@ def main() -> int:
                 "contract_vs_delta_rs_default": round(
                     mean["contract"] / mean["delta_rs_default"], 3
                 ),
+                "ledger_rows_per_round": rows,
                 "parameters": vars(args),
                 "machine": {
                     "cpus": os.cpu_count(),
