@@ -145,15 +145,6 @@ def iso_ms(ms: int) -> str:
     return when.strftime("%Y-%m-%dT%H:%M:%S.") + f"{when.microsecond // 1000:03d}Z"
 
 
-def with_table_properties(path: str) -> None:
-    """Give the table at `path` `TABLE_PROPERTIES` it lacks (one made before them): a
-    metadata commit, so only a table's sole writer makes it, between its own appends."""
-    table = DeltaTable(path)
-    have = table.metadata().configuration
-    if missing := {k: v for k, v in TABLE_PROPERTIES.items() if have.get(k) != v}:
-        table.alter.set_table_properties(missing)
-
-
 def table_path(warehouse: str, table: Table, topic: str) -> str:
     """`<warehouse>/<table>/<topic>`; the warehouse may be a local folder or a URI."""
     if not TOPIC_NAME.match(topic):
@@ -181,9 +172,9 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
 
 # Every table made here writes a Delta checkpoint each 10 commits, as Spark's Delta does by
 # default, not delta-rs's 100: opening a table, or committing to it, replays its log
-# since the last checkpoint, and a broker checkpointing its ledger each second spent
-# 13 ms a commit on it after a checkpoint, 60-80 ms ninety commits on (2,000 events a
-# commit, delta-rs); with 10, 15-19 ms throughout.
+# since the last checkpoint, and a leader commits to its ledger every second. With 100,
+# a ledger commit of 2,000 events cost 11 ms of CPU after a Delta checkpoint and 45-55
+# ninety commits on; with 10, 12-20 throughout (`bench/ledger_commits.py`).
 TABLE_PROPERTIES = {"delta.checkpointInterval": "10"}
 
 
@@ -207,6 +198,15 @@ def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> 
     except CommitFailedError:
         if not DeltaTable.is_deltatable(path):
             raise
+
+
+def with_table_properties(path: str) -> None:
+    """Give the table at `path` `TABLE_PROPERTIES` it lacks (one made before them): a
+    metadata commit, so only a table's sole writer makes it, between its own appends."""
+    table = DeltaTable(path)
+    have = table.metadata().configuration
+    if missing := {k: v for k, v in TABLE_PROPERTIES.items() if have.get(k) != v}:
+        table.alter.set_table_properties(missing)
 
 
 # --- reading: the contract's types, whatever wrote the files --------------------------
