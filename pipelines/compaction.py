@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from deltalake import DeltaTable
 
+from dejaq.conf.tables import with_table_properties
+
 log = logging.getLogger("dejaq.compaction")
 
 # A ledger's compacted files stay small, so each covers a stretch of time and the tail a
@@ -64,6 +66,19 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
             done.files_vacuumed,
         )
     return done
+
+
+def maintain_ledger(path: str) -> Compacted | None:
+    """`maintain` of a ledger, into files of `LEDGER_FILE_BYTES`, by its only writer (a
+    topic's broker leader or its release job): a ledger made before `TABLE_PROPERTIES`
+    gets them first, by that writer between its own appends."""
+    try:
+        with_table_properties(path)
+    except Exception:
+        log.warning(
+            "setting %s's properties failed; the next round tries again", path, exc_info=True
+        )
+    return maintain(path, LEDGER_FILE_BYTES)
 
 
 def vacuum(path: str) -> int:

@@ -46,7 +46,7 @@ from dejaq.conf.tables import (
     checkpoint_path,
     ensure_table,
 )
-from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, maintain
+from dejaq.pipelines.compaction import maintain_ledger
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
 from dejaq.pipelines.pending import Message, PendingSet
@@ -252,7 +252,7 @@ class Releaser:
         self._committed = batch_id
         self._appends += 1
         if self._appends % LEDGER_COMPACT_EVERY == 0:
-            maintain(self.ledger_path, LEDGER_FILE_BYTES)
+            maintain_ledger(self.ledger_path)
 
     def run_retention(self) -> RetentionRun | None:
         """Remove the messages settled more than `settled_retention_ms` ago from the

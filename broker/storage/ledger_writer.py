@@ -9,7 +9,6 @@ its successor sees the tag and only trims: the ledger never gets a row twice.
 from __future__ import annotations
 
 import datetime as dt
-import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -40,11 +39,8 @@ from dejaq.conf.tables import (
     ensure_table,
     matching,
     scan,
-    with_table_properties,
 )
-from dejaq.pipelines.compaction import LEDGER_FILE_BYTES, Compacted, maintain
-
-log = logging.getLogger("dejaq.broker.storage.ledger_writer")
+from dejaq.pipelines.compaction import Compacted, maintain_ledger
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
@@ -289,17 +285,9 @@ def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
     between its own checkpoints, as delta-rs compaction requires. Transaction versions
-    survive it, so a checkpoint replayed later is still skipped. A ledger made before
-    `TABLE_PROPERTIES` gets them here first, by the same writer between the same appends.
+    survive it, so a checkpoint replayed later is still skipped.
     """
-    path = ensure_table(warehouse, Table.LEDGER, topic)
-    try:
-        with_table_properties(path)
-    except Exception:
-        log.warning(
-            "setting %s's table properties failed; the next round tries again", path, exc_info=True
-        )
-    return maintain(path, LEDGER_FILE_BYTES)
+    return maintain_ledger(ensure_table(warehouse, Table.LEDGER, topic))
 
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:
