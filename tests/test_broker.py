@@ -49,7 +49,7 @@ from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage import row_store as row_store_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
-from dejaq.broker.storage.row_store import Heads
+from dejaq.broker.storage.row_store import HANDLE_MASK, Heads
 from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
 
@@ -1486,8 +1486,10 @@ def _mostly_settled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> tuple[TopicIndex, TopicState, list[str]]:
     """An index of 400 messages in segments of ~20 heads, all but every 25th leased,
-    acked and forgotten: mostly settled segments, kept by the few left (returned)."""
+    acked and forgotten: mostly settled segments, kept by the few left (returned),
+    moved as soon as they are seen so (no `SETTLE_S`)."""
     monkeypatch.setattr(head_store, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(head_store, "SETTLE_S", 0.0)
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows([i % 50 for i in range(400)]))
     index = TopicIndex(warehouse, topic_conf(), str(tmp_path / "heads"))
@@ -1524,6 +1526,34 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     for bucket in range(4):
         keys = [p[2] for p in again if p[1] == bucket]
         assert keys == sorted(keys), "in order within each bucket"
+    index.close()
+
+
+def test_a_draining_segment_is_left_to_empty_and_moved_only_once_it_stays_sparse(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog drained in sort order takes its segments through mostly settled to
+    empty: their heads are not moved while the segment has been sparse for less than
+    SETTLE_S, one emptied meanwhile is freed with nothing moved, and the heads of those
+    still sparse after it move, and lease as before."""
+    index, state, keep = _mostly_settled(tmp_path, monkeypatch)
+    monkeypatch.setattr(head_store, "SETTLE_S", 10.0)
+    t = time.monotonic()
+    assert index.compact_heads(now=t) == 0 and index.compact_heads(now=t + 9.9) == 0
+    assert {mid: index.head(mid) for mid in keep}, "all still readable"
+    disk = index.heads.disk_bytes()
+    segment = {m: int(index.store.segment[index.store.get(m) & HANDLE_MASK]) for m in keep}
+    older = sorted({segment[m] for m in keep} - {index.heads.current.number})
+    drained = [m for m in keep if segment[m] in older[: len(older) // 2]]
+    index.forget(drained)  # the drain goes on: the older segments' last heads settle
+    assert index.heads.disk_bytes() < disk, "segments emptied and freed, none moved"
+    stay = [m for m in keep if m not in drained]
+    before = {mid: index.head(mid) for mid in stay}
+    moved = index.compact_heads(now=t + 10)
+    assert 0 < moved <= len(stay), moved
+    assert {mid: index.head(mid) for mid in stay} == before
+    again = listed(index.pick(state, state.buckets_of("c"), 1000, now=2))
+    assert sorted(p[0] for p in again) == sorted(stay), "each once, none lost"
     index.close()
 
 

@@ -670,12 +670,13 @@ class TopicIndex:
         """Free the head store's files (they go with the process anyway)."""
         self.heads.close()
 
-    def compact_heads(self) -> int:
-        """Move the heads still live in mostly settled segments to the current one, so
-        those segments go; returns how many moved. Run by the thread that follows the
-        tables, which alone adds rows: a moved message keeps its handle and entries,
-        only its head's place changes."""
-        sparse = set(self.heads.sparse())
+    def compact_heads(self, now: float | None = None) -> int:
+        """Move the heads still live in segments that have stayed mostly settled
+        (`HeadStore.sparse`, at `now`) to the current one, so those segments go; returns
+        how many moved. Run by the thread that follows the tables, which alone adds
+        rows: a moved message keeps its handle and entries, only its head's place
+        changes."""
+        sparse = set(self.heads.sparse(now))
         if not sparse:
             return 0
         store = self.store
