@@ -36,10 +36,10 @@ SEGMENT_BYTES = 64 * 1024 * 1024
 END_MAX = (1 << 32) - 1  # the largest offset `Segment.ends` holds
 SPAN_PER_HEAD = 4  # wanted heads this close are read as one range, through the others
 SPARSE = 4  # a segment no longer written with under 1/SPARSE of its heads live is compacted
-# ... once it has been so this long. A backlog drained in sort order takes every segment
-# through sparse to empty: moving their last heads copies what is about to settle (a
-# third of such a backlog's heads; at batch 100, 14% of a follower's CPU). A segment
-# still sparse after this holds long-pending messages, and is moved.
+# A sparse segment is compacted once it has been sparse this long. A backlog drained in
+# sort order takes every segment through sparse to empty: moving their last heads copies
+# what is about to settle (a third of such a backlog's heads; at batch 100, 14% of a
+# follower's CPU). A segment still sparse after this holds long-pending messages.
 SETTLE_S = 10.0
 # A compaction's reads: the heads it moves are under 1/SPARSE of their segments', so most
 # lie a few apart: read through the gaps, a `pread` (a system call) takes many.
