@@ -1538,9 +1538,11 @@ def test_a_draining_segment_is_left_to_empty_and_moved_only_once_it_stays_sparse
     still sparse after it move, and lease as before."""
     index, state, keep = _mostly_settled(tmp_path, monkeypatch)
     monkeypatch.setattr(head_store, "SETTLE_S", 10.0)
+    heads = {mid: index.head(mid) for mid in keep}
+    assert None not in heads.values()
     t = time.monotonic()
     assert index.compact_heads(now=t) == 0 and index.compact_heads(now=t + 9.9) == 0
-    assert {mid: index.head(mid) for mid in keep}, "all still readable"
+    assert {mid: index.head(mid) for mid in keep} == heads, "all still read where they were"
     disk = index.heads.disk_bytes()
     segment = {m: int(index.store.segment[index.store.get(m) & HANDLE_MASK]) for m in keep}
     older = sorted({segment[m] for m in keep} - {index.heads.current.number})
