@@ -123,9 +123,9 @@ def test_decode_makes_nested_models_from_json() -> None:
 
 
 def test_the_client_is_its_own_small_distribution(tmp_path: Path) -> None:
-    """`pip install ./client` in a bare venv: nothing but the client comes (its HTTP is
-    the standard library's), and importing the client and the worker loads no Spark,
-    NumPy, pyarrow or pydantic."""
+    """`pip install ./client` in a bare venv: the client and httptools come, nothing
+    else, and importing the client and the worker loads no Spark, NumPy, pyarrow or
+    pydantic."""
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = str(venv / "bin" / "python")
@@ -137,7 +137,7 @@ def test_the_client_is_its_own_small_distribution(tmp_path: Path) -> None:
         [py, "-m", "pip", "list", "--format=freeze"], capture_output=True, text=True, check=True
     ).stdout.lower()
     installed = {line.split("==")[0] for line in listed.split()}
-    assert installed - {"pip", "setuptools", "wheel"} == {"dejaq-client"}
+    assert installed - {"pip", "setuptools", "wheel"} == {"dejaq-client", "httptools"}
     for heavy in ("pyspark", "numpy", "pyarrow", "pandas", "pydantic", "deltalake", "fastapi"):
         assert heavy not in installed, heavy
     code = (

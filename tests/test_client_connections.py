@@ -9,6 +9,8 @@ calls against real clusters are in `test_client.py`.
 from __future__ import annotations
 
 import json
+import re
+import socket
 import ssl
 import threading
 from collections.abc import Callable, Iterator
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from dejaq.client import Client, Unavailable
+from dejaq.client.connections import HEAD_MAX_BYTES
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
 
@@ -199,3 +202,160 @@ def test_a_node_url_that_is_not_http_is_refused_at_once() -> None:
     for bad in ("ftp://127.0.0.1:1", "http://127.0.0.1:port", "http://:8001"):
         with pytest.raises(ValueError):
             Client([bad])
+
+
+# --- answers as bytes: how the client frames them ---------------------------------------
+
+LEASED = {
+    "id": "m1",
+    "receipt": 7,
+    "bucket": 0,
+    "sort_key": 3,
+    "priority": 3,
+    "deliver_at": None,
+    "key": None,
+    "payload": "eA==",
+    "deliveries": 1,
+    "lease_deadline": 1,
+}
+LEASE_BODY = json.dumps({"messages": [LEASED]}).encode()
+
+
+def answer(body: bytes = LEASE_BODY, *headers: str, status: str = "200 OK") -> bytes:
+    """An HTTP/1.1 answer's bytes, with a content-length unless `headers` frame it."""
+    framed = any(h.lower().startswith(("content-length", "transfer-encoding")) for h in headers)
+    lines = [f"HTTP/1.1 {status}", "content-type: application/json", *headers]
+    if not framed:
+        lines.append(f"content-length: {len(body)}")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+class Wire:
+    """A node's stand-in that answers each request (read whole) with the next scripted
+    bytes, sent in the pieces given, and closes the connection after those marked so.
+    Counts connections and requests."""
+
+    def __init__(self, script: list[tuple[list[bytes], bool]]) -> None:
+        self.script = iter(script)
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed: the test is over
+                return
+            self.connections += 1
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while True:
+                while b"\r\n\r\n" not in data:
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
+                head, _, data = data.partition(b"\r\n\r\n")
+                length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
+                need = int(length[1]) if length else 0
+                while len(data) < need:
+                    data += conn.recv(65536)
+                self.requests.append(head + b"\r\n\r\n" + data[:need])
+                data = data[need:]
+                pieces, close = next(self.script)
+                for piece in pieces:
+                    conn.sendall(piece)
+                if close:
+                    return
+
+    def close(self) -> None:
+        self.server.close()
+
+
+@contextmanager
+def wired(*scripts: list[tuple[list[bytes], bool]]) -> Iterator[list[Wire]]:
+    nodes = [Wire(s) for s in scripts]
+    try:
+        yield nodes
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def test_a_chunked_answer_in_pieces_is_read_whole_and_the_connection_kept() -> None:
+    """Framed by chunks (as a proxy may), and arriving a few bytes at a time."""
+    body = LEASE_BODY
+    chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (10, body[:10], len(body) - 10, body[10:])
+    whole = answer(chunked, "transfer-encoding: chunked")
+    pieces = [whole[i : i + 7] for i in range(0, len(whole), 7)]
+    with wired([(pieces, False), ([answer()], False)]) as (node,), Client([node.url]) as c:
+        for _ in range(2):
+            (m,) = c.lease("jobs", "w")
+            assert (m.id, m.receipt, m.payload) == ("m1", 7, b"x")
+        assert node.connections == 1 and len(node.requests) == 2
+
+
+def test_an_answer_ended_by_closing_is_read_whole_and_not_reused() -> None:
+    """Neither a length nor chunks: the body is what came before the node closed."""
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n\r\n"
+    with wired([([head, LEASE_BODY], True), ([answer()], False)]) as (node,):
+        with Client([node.url]) as c:
+            assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
+            assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
+        assert node.connections == 2
+
+
+def test_an_interim_answer_is_passed_over() -> None:
+    interim = b"HTTP/1.1 100 Continue\r\n\r\n"
+    with wired([([interim, answer()], False)]) as (node,), Client([node.url]) as c:
+        assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
+
+
+def test_an_answer_cut_short_or_past_the_head_limit_is_lost_and_asked_elsewhere() -> None:
+    """A lease may be asked again: the client does so on the next node. The node that
+    cut its answer, or sent headers without end, is not asked on that connection again."""
+    cut = answer()[:-5]
+    endless = b"HTTP/1.1 200 OK\r\n" + b"x-filler: " + b"y" * (HEAD_MAX_BYTES + 1) + b"\r\n\r\n"
+    for broken in (cut, endless):
+        script = [([broken], True)]
+        with wired(script, [([answer()], False)]) as (bad, good), Client([bad.url, good.url]) as c:
+            assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
+            assert len(bad.requests) == 1 and len(good.requests) == 1
+
+
+def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused() -> None:
+    """Nothing is due after an answer: a connection that has more is not used again."""
+    extra = answer() + b"HTTP/1.1 200 OK\r\n"
+    with wired([([extra], False), ([answer()], False)]) as (node,), Client([node.url]) as c:
+        assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
+        assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
+        assert node.connections == 2
+
+
+def test_a_request_goes_out_whole_with_its_headers() -> None:
+    """One write: the request line, the host, the client's headers, the JSON body."""
+    with wired([([answer()], False)]) as (node,), Client([node.url], token="dq_k") as c:
+        c.lease("jobs", "w", max_messages=5)
+        (request,) = node.requests
+    head, _, body = request.partition(b"\r\n\r\n")
+    lines = head.decode().split("\r\n")
+    assert lines[0] == "POST /v1/topics/jobs/leases HTTP/1.1"
+    headers = dict(line.split(": ", 1) for line in lines[1:])
+    port = node.url.rsplit(":", 1)[1]
+    assert headers["host"] == f"127.0.0.1:{port}"
+    assert headers["authorization"] == "Bearer dq_k"
+    assert headers["content-length"] == str(len(body))
+    assert json.loads(body)["max_messages"] == 5
+
+
+def test_a_token_that_would_split_a_header_is_refused_at_once() -> None:
+    for bad in ("dq_k\r\nx-injected: 1", "dq_k\n", "dq\0k"):
+        with pytest.raises(ValueError, match="header"):
+            Client(["http://127.0.0.1:1"], token=bad)

@@ -1,7 +1,7 @@
 """DejaQ's worker client: the broker's HTTP API as typed calls, and a worker loop over it.
 
-Its own small distribution (`dejaq-client`, no dependencies: HTTP is the standard
-library's): a worker installs it without Spark, NumPy or pyarrow.
+Its own small distribution (`dejaq-client`, whose one dependency is httptools, the C
+HTTP parser): a worker installs it without Spark, NumPy or pyarrow.
 """
 
 from dejaq.client.api import Client
