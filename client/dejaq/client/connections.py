@@ -4,15 +4,15 @@ framed by httptools.
 A worker's every lease and ack is one small request answered in milliseconds, so what
 the client spends per request bounds a worker at small batches. `http.client` writes a
 request's head and body in two system calls and parses every answer's headers with the
-`email` package: a lease and its ack cost a worker ~350 µs of CPU at batch 1. Here a
-request is one `sendall` and an answer is framed by httptools (the C parser uvicorn
-uses): ~150 µs for the same two calls (`bench/worker_client.py`). What a pool adds is
-kept here: a connection per call in flight, reused afterwards unless either side
-closed it.
+`email` package; here a request is one `sendall` and its answer is framed by httptools
+(the C parser uvicorn uses), and a Worker spends about half the CPU per message it spent
+over `http.client` at batch 1 (`bench/worker_client.py`). What a pool adds is kept here:
+a connection per call in flight, reused afterwards unless either side closed it.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import select
@@ -84,7 +84,7 @@ class Node:
         port = parts.port or (443 if tls else 80)  # a port that is no number raises here
         return cls(tls, parts.hostname, port, parts.path.rstrip("/"))
 
-    @property
+    @functools.cached_property
     def host_header(self) -> str:
         """The `host` a request names: the port only if not the scheme's own."""
         host = f"[{self.host}]" if ":" in self.host else self.host.encode("idna").decode()
