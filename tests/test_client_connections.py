@@ -266,7 +266,10 @@ class Wire:
                 length = re.search(rb"content-length: (\d+)", head, re.IGNORECASE)
                 need = int(length[1]) if length else 0
                 while len(data) < need:
-                    data += conn.recv(65536)
+                    more = conn.recv(65536)
+                    if not more:
+                        return
+                    data += more
                 self.requests.append(head + b"\r\n\r\n" + data[:need])
                 data = data[need:]
                 pieces, close = next(self.script)
