@@ -9,10 +9,11 @@ server here answers leases and acks from a counter (uvicorn on the broker's sett
 its own process), so the figure is the worker's own CPU (`time.process_time` of this
 process), not a broker's. The client's connections (`dejaq.client.connections`: a
 request written whole, the answer framed by httptools) against the baseline in the same
-run: the same Worker over the standard library's `http.client`, kept alive the same way
-(`StdlibConnections`, what the client used before). Each is run R times per batch size,
-alternated; medians, and the ratio of the client's to the baseline's. Prints one JSON
-object.
+run: the same Worker over the standard library's `http.client`, what the client used
+before (`StdlibConnections`: its connections kept alive, but reused without the client's
+idle check, a `poll` a request, so the baseline is if anything cheaper than it was).
+Each is run R times per batch size, alternated; medians, and the ratio of the client's
+to the baseline's. Prints one JSON object.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:1] = [str(ROOT)]
 
 from dejaq.client import Client, Worker  # noqa: E402
-from dejaq.client.connections import Connections, Lost, Node, NotSent, Response  # noqa: E402
+from dejaq.client.connections import (  # noqa: E402
+    USER_AGENT,
+    Connections,
+    Lost,
+    Node,
+    NotSent,
+    Response,
+)
 from dejaq.jobs.ports import free_port  # noqa: E402
 
 TOPIC = "jobs"
@@ -125,7 +133,7 @@ class StdlibConnections(Connections):
                 conn.connect()
             except OSError as e:
                 raise NotSent(str(e)) from e
-        headers = {"user-agent": "dejaq-client"}
+        headers = {"user-agent": USER_AGENT}
         data = None
         if body is not None:
             data = json.dumps(body, separators=(",", ":")).encode()
