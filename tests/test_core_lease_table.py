@@ -12,7 +12,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
-from dejaq.broker.state.leases import Refusal, TopicState, joined
+from dejaq.broker.state.leases import LeaseRecord, Refusal, TopicState, joined
 
 IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
 PACKABLE = st.lists(
@@ -198,6 +198,21 @@ def test_ids_that_are_not_str_are_a_clear_error() -> None:
         LeaseTable().add_all(["a", 1], 1)
     with pytest.raises(TypeError):
         LeaseTable().discard_all([b"a"])
+
+
+def test_a_grant_whose_columns_do_not_match_its_ids_changes_nothing() -> None:
+    """A lease command's picks with fewer buckets or sort keys than ids are a clear
+    error, raised before any id enters the table or any hold is counted."""
+    record = LeaseRecord(1, "c", 99)
+    table, held = LeaseTable(), {}
+    args = ([0], held, "c", {}, {}, {}, 5, None)
+    with pytest.raises(ValueError, match="2 picks with 2 bytes of buckets and 16"):
+        table.grant(record, ["a", "b"], bytes(2), bytes(16), *args)
+    with pytest.raises(TypeError):
+        table.grant(record, ["a", 1], bytes(4), bytes(16), *args)
+    assert len(table) == 0 and held == {} and len(record) == 0
+    assert table.grant(record, ["a", "b"], bytes(4), bytes(16), *args) == 0
+    assert list(record.mids) == ["a", "b"] and held == {0: {"c": 2}} and record.live == 2
 
 
 def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table() -> None:

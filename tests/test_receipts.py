@@ -11,6 +11,7 @@ from itertools import count
 from weakref import WeakKeyDictionary
 
 import pytest
+from dejaq_core import PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import leased_ids, packed, settled_of, topic_conf
@@ -152,15 +153,31 @@ histories = st.tuples(
 )
 
 
+def granted_by_the_rules(s: TopicState, consumer: str, picks: list, now: int) -> list:
+    """The picks a lease grants, by the rules `TopicState.lease` states, written out:
+    (id, bucket, sort key, deliveries) of each."""
+    mine, granted = set(s.buckets_of(consumer)), []
+    for mid, bucket, key in picks:
+        if (
+            bucket in mine
+            and mid not in s.settled
+            and s.not_before.get(mid, 0) <= now
+            and mid not in s.leases
+            and mid not in {g[0] for g in granted}
+        ):
+            granted.append((mid, bucket, key, s.deliveries.get(mid, 0) + 1))
+    return granted
+
+
 @settings(max_examples=300, deadline=None)
 @given(histories)
-def test_a_lease_granted_whole_leaves_what_granting_each_pick_leaves(history) -> None:
-    """The bulk grant (`_grant_all`) takes a lease only when every pick is available,
-    and otherwise changes nothing for the one-at-a-time grant: either way ends in the
-    same state."""
+def test_a_lease_grants_exactly_the_picks_the_rules_allow(history) -> None:
+    """Every node's grant (`LeaseTable.grant`, in the core) against its rules written
+    out, with the picks packed (as the leader sends 16 or more) and as a list of str: the
+    same record, holds, counts and overrides either way."""
     kinds, spoiler, at = history
-    fast, slow = (TopicState(buckets=2, max_deliveries=5) for _ in range(2))
-    for s in (fast, slow):
+    as_list, as_packed = (TopicState(buckets=2, max_deliveries=5) for _ in range(2))
+    for s in (as_list, as_packed):
         s.touch("c", 0)
         s.touch("other", 0)
         for i, kind in enumerate(kinds):
@@ -170,7 +187,7 @@ def test_a_lease_granted_whole_leaves_what_granting_each_pick_leaves(history) ->
                 s.lease("other", 0, 1000, [(f"m{i}", 1, i)], lid=100 + i)
                 if kind != "leased":
                     s.nack("other", 1, [f"m{i}"], delay_ms=50 if kind == "delayed" else 0)
-    assert fast.buckets_of("c") == [0] and fast.buckets_of("other") == [1]
+    assert as_list.buckets_of("c") == [0] and as_list.buckets_of("other") == [1]
     picks = [(f"m{i}", 0, i) for i, k in enumerate(kinds) if k in ("pending", "again")]
     if spoiler == "twice" and picks:
         picks.insert(at % len(picks), picks[at % len(picks)])
@@ -179,37 +196,40 @@ def test_a_lease_granted_whole_leaves_what_granting_each_pick_leaves(history) ->
     elif spoiler in kinds:
         spoilt = [(f"m{i}", 0, i) for i, k in enumerate(kinds) if k == spoiler]
         picks[at % (len(picks) + 1) : at % (len(picks) + 1)] = spoilt[:1]
-    spoilt = spoiler != "none" and picks != [
-        (f"m{i}", 0, i) for i, k in enumerate(kinds) if k in ("pending", "again")
+    want = granted_by_the_rules(as_list, "c", picks, 10)
+    records = [
+        as_list.lease("c", 10, 100, picks, lid=500),
+        as_packed.lease("c", 10, 100, packed(picks), lid=500),
     ]
-    bulk: list = []
-    grant_all = fast._grant_all
-    fast._grant_all = lambda *a: bulk.append(grant_all(*a)) or bulk[-1]
-    slow._grant_all = lambda *a: None
-    records = [s.lease("c", 10, 100, picks, lid=500) for s in (fast, slow)]
-    columns = [(r.mids, r.buckets, r.sort_keys, r.deliveries, r.live) for r in records]
-    assert columns[0] == columns[1]
+    for r in records:
+        assert list(zip(r.mids, r.buckets, r.sort_keys, r.deliveries, strict=True)) == want
+        assert r.live == len(want) and r.ended == bytearray(len(want))
     for field in ("deliveries", "not_before", "settled", "held", "totals"):
-        assert getattr(fast, field) == getattr(slow, field), field
-    assert fast.records.keys() == slow.records.keys()
-    assert {m: r.lid for m, r in fast.leases.items()} == {m: r.lid for m, r in slow.leases.items()}
-    if len(picks) >= BULK_MIN:
-        assert (bulk[-1] is None) == spoilt, "granted whole exactly when all are available"
+        assert getattr(as_list, field) == getattr(as_packed, field), field
+    granted = {mid for mid, *_ in want}
+    assert not granted & (as_list.deliveries.keys() | as_list.not_before.keys())
+    assert as_list.held.get(0, {}) == ({"c": len(want)} if want else {})
+    assert as_list.totals["redelivered"] == sum(n > 1 for *_, n in want)
+    assert {m: r.lid for m, r in as_list.leases.items()} == {
+        m: r.lid for m, r in as_packed.leases.items()
+    }
+    assert all(as_list.leases[m] is records[0] for m in granted)
 
 
-def test_a_lease_of_available_picks_is_granted_whole() -> None:
+def test_a_lease_granted_in_part_keeps_its_ids_packed() -> None:
+    """Picks partly granted (one leased meanwhile) make a record of the granted alone,
+    its ids still packed: no str per message enters the state."""
     s = TopicState(buckets=1, max_deliveries=5)
     picks = [(f"m{i}", 0, i) for i in range(BULK_MIN)]
     s.touch("c", 0)
-    s.lease("c", 0, 100, picks[:1], lid=1)
-    s.nack("c", 1, ["m0"])
-    calls: list = []
-    grant_all = s._grant_all
-    s._grant_all = lambda *a: calls.append(grant_all(*a)) or calls[-1]
-    record = s.lease("c", 2, 100, picks, lid=2)
-    assert calls[0] is not None and record.mids == [m for m, _, _ in picks]
-    assert list(record.deliveries) == [2] + [1] * (BULK_MIN - 1) and s.totals["redelivered"] == 1
-    assert s.held == {0: {"c": BULK_MIN}} and not s.deliveries
+    s.lease("c", 0, 100, picks[3:4], lid=1)
+    s.nack("c", 1, ["m3"])
+    s.lease("c", 2, 100, picks[5:6], lid=2)
+    record = s.lease("c", 3, 100, packed(picks), lid=3)
+    assert isinstance(record.mids, PackedIds) and len(record.mids) == BULK_MIN - 1
+    assert "m5" not in list(record.mids) and list(record.deliveries).count(2) == 1
+    assert s.totals["redelivered"] == 1 and s.held == {0: {"c": BULK_MIN}}
+    assert record.sort_keys.tolist() == [i for i in range(BULK_MIN) if i != 5]
 
 
 def test_extend_by_receipt_moves_only_the_messages_named() -> None:

@@ -67,8 +67,8 @@ _REFUSAL_AFTER = {
 SETTLING = (ACKED, REJECTED, CANCELLED, DEAD)
 POSITION_BITS = 10  # a lease holds at most 1000 messages (`max_messages`)
 POSITION_MASK = (1 << POSITION_BITS) - 1
-# Receipts in an ack, or picks in a lease, for their bulk paths (`TopicState._ack_run`,
-# `TopicState._grant_all`): their fixed costs (~6 µs) pay from about 10 messages on.
+# Receipts in an ack for its bulk path (`TopicState._ack_run`), and picks the leader
+# packs (`TopicIndex.pick`): their fixed costs (~6 µs) pay from about 10 messages on.
 BULK_MIN = 16
 
 
@@ -289,9 +289,9 @@ class TopicState:
 
     def buckets_of(self, consumer: str) -> list[int]:
         """Buckets assigned to `consumer` that no other consumer still holds leases in,
-        in the order it owns them: the leader's pick asks. Every node's lease asks the
-        core for the same as a set (`free_buckets`): it walks the consumer's buckets,
-        not all of them."""
+        in the order it owns them: the leader's pick asks (every node's lease checks
+        the same in the core, `LeaseTable.grant`). It walks the consumer's buckets, not
+        all of them."""
         owned = self.owned.get(consumer, ())
         free = free_buckets(owned, self.held, consumer)
         return [b for b in owned if b in free]
@@ -337,12 +337,14 @@ class TopicState:
         cluster's lease count, `BrokerState`), or unnumbered for a command from before
         receipts.
 
-        Every node runs this for every lease. A lease of `BULK_MIN` picks or more, all
-        available (the usual case), is granted whole in C-level passes over the picks'
-        columns (`_grant_all`); otherwise each pick is checked in turn (`_grant_each`).
-        Neither makes an object per message. A paused topic leases nothing; `rate`
-        (messages/s, from the leader's configuration) caps the picks at the tokens in
-        the bucket: both checks once per lease, not per message.
+        Every node runs this for every lease: the core checks the picks and fills the
+        record (`LeaseTable.grant`), making no object per message. A pick is granted if
+        it is in one of the consumer's buckets that no other consumer holds leases in,
+        neither settled nor delayed (a delay past is dropped), nor leased, nor granted
+        earlier in the same picks; its deliveries count one more than its count outside a
+        lease. A paused topic leases nothing; `rate` (messages/s, from the leader's
+        configuration) caps the picks at the tokens in the bucket: both checks once per
+        lease, not per message.
 
         `seen` is the seq the leader's state was at when it picked (None in commands
         from before it was carried). A message settled since is known as settled
@@ -355,25 +357,33 @@ class TopicState:
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
         if self.paused or _trimmed_past(self, seen):
             return record
-        mids, buckets, keys = unpacked(picks)
+        mids, buckets, keys = picks if isinstance(picks, tuple) else _as_picks(picks)
+        allowed = None
         if rate is not None:
             self.tokens = self._tokens_at(now, rate)
             self.refilled_at = max(self.refilled_at, now)
             allowed = int(self.tokens)
-            mids, buckets, keys = mids[:allowed], buckets[:allowed], keys[:allowed]
-        mine = free_buckets(self.owned.get(consumer, ()), self.held, consumer)
-        columns = (mids, buckets, keys)
-        granted = self._grant_all(record, *columns, mine) if len(mids) >= BULK_MIN else None
-        per_bucket, redelivered = granted or self._grant_each(record, *columns, mine, now)
-        n = len(record.mids)
+        owned = self.owned.get(consumer, ())
+        redelivered = self.leases.grant(
+            record,
+            mids,
+            buckets,
+            keys,
+            owned,
+            self.held,
+            consumer,
+            self.settled,
+            self.not_before,
+            self.deliveries,
+            now,
+            allowed,
+        )
+        n = record.live
         if not n:
             return record
         if not numbered:
             self.unnumbered = record.lid
         self.records[record.lid] = self.leased[record.lid] = record
-        record.ended = bytearray(n)
-        record.live = n
-        hold(self.held, per_bucket, consumer, 1)
         totals = self.totals
         totals["leased"] += n
         if redelivered:
@@ -381,89 +391,6 @@ class TopicState:
         if rate is not None:
             self.tokens -= n
         return record
-
-    def _grant_all(
-        self,
-        record: LeaseRecord,
-        mids: list[str],
-        buckets: array,
-        keys: array,
-        mine: set[int],
-    ) -> tuple[dict[int, int], int] | None:
-        """Grant every pick into `record` if each is available (in `mine`, neither
-        settled, delayed nor leased, named once): (leases per bucket, redeliveries).
-        None, and nothing changed, if one is not: `_grant_each` then sorts them out."""
-        settled, not_before = self.settled, self.not_before
-        per_bucket = count_buckets(buckets)
-        if (
-            not mine.issuperset(per_bucket)
-            or (settled and not settled.keys().isdisjoint(mids))
-            or (not_before and not not_before.keys().isdisjoint(mids))
-            or not self.leases.add_all(mids, record)  # last: it enters them
-        ):
-            return None
-        deliveries = self.deliveries
-        if deliveries and not deliveries.keys().isdisjoint(mids):
-            counts = array("i", [deliveries.pop(m, 0) + 1 for m in mids])
-            redelivered = len(mids) - counts.count(1)
-        else:
-            counts, redelivered = array("i", [1]) * len(mids), 0
-        record.mids, record.buckets, record.sort_keys, record.deliveries = (
-            mids,
-            buckets,
-            keys,
-            counts,
-        )
-        return per_bucket, redelivered
-
-    def _grant_each(
-        self,
-        record: LeaseRecord,
-        picks_mids: PackedIds | list[str],
-        picks_buckets: array,
-        picks_keys: array,
-        mine: set[int],
-        now: int,
-    ) -> tuple[dict[int, int], int]:
-        """Grant the picks still available into `record`, one at a time: a message
-        leased, settled, delayed, out of the consumer's buckets, or picked twice is left
-        out. (leases per bucket, redeliveries.) When every pick is granted, the usual
-        case of a small lease, the record takes the picks' own columns."""
-        add, settled, deliveries, not_before = (
-            self.leases.add,
-            self.settled,
-            self.deliveries,
-            self.not_before,
-        )
-        granted: list[int] = []  # positions among the picks
-        counts = array("i")
-        per_bucket: dict[int, int] = {}
-        redelivered = 0
-        for i, mid in enumerate(picks_mids):
-            bucket = picks_buckets[i]
-            if bucket not in mine or mid in settled:
-                continue
-            # A leased message has neither a delay nor a count outside its lease.
-            if not_before:
-                if not_before.get(mid, 0) > now:
-                    continue
-                not_before.pop(mid, None)
-            if not add(mid, record):
-                continue  # leased already (or picked twice)
-            n = deliveries.pop(mid, 0) + 1 if deliveries else 1
-            if n > 1:
-                redelivered += 1
-            granted.append(i)
-            counts.append(n)
-            per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
-        if len(granted) == len(picks_mids):
-            record.mids, record.buckets, record.sort_keys = picks_mids, picks_buckets, picks_keys
-        else:
-            record.mids = [picks_mids[i] for i in granted]
-            record.buckets = array("H", [picks_buckets[i] for i in granted])
-            record.sort_keys = array("q", [picks_keys[i] for i in granted])
-        record.deliveries = counts
-        return per_bucket, redelivered
 
     def lease_budget(self, now: int, rate: float) -> int:
         """How many messages a lease at `now` may take under `rate`: the leader picks no
@@ -996,6 +923,13 @@ def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, a
         return mids, array("H", buckets), array("q", keys)
     mids, buckets, keys = picks
     return mids, _little(array("H", buckets)), _little(array("q", keys))
+
+
+def _as_picks(picks: list[Pick]) -> Picks:
+    """A list of `Pick`s, as commands from before `Picks` carry them, as `Picks`."""
+    mids = [m for m, _, _ in picks]
+    buckets = _little(array("H", [b for _, b, _ in picks])).tobytes()
+    return mids, buckets, _little(array("q", [k for _, _, k in picks])).tobytes()
 
 
 _BIG_ENDIAN = sys.byteorder == "big"

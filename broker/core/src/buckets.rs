@@ -47,29 +47,39 @@ pub fn hold(
     consumer: &Bound<'_, PyString>,
     sign: i64,
 ) -> PyResult<()> {
-    let py = held.py();
     for (bucket, n) in per_bucket.iter() {
-        let n: i64 = n.extract()?;
-        let counts = match held.get_item(&bucket)? {
-            Some(counts) => counts.downcast_into::<PyDict>()?,
-            None if sign > 0 => {
-                let counts = PyDict::new(py);
-                held.set_item(&bucket, &counts)?;
-                counts
-            }
-            None => return Err(PyKeyError::new_err(bucket.unbind())),
-        };
-        let before: i64 = match counts.get_item(consumer)? {
-            Some(count) => count.extract()?,
-            None if sign > 0 => 0,
-            None => return Err(PyKeyError::new_err(consumer.clone().unbind())),
-        };
-        let left = before + sign * n;
-        if left > 0 {
-            counts.set_item(consumer, left)?;
-        } else {
-            counts.del_item(consumer)?;
+        hold_in(held, &bucket, n.extract()?, consumer, sign)?;
+    }
+    Ok(())
+}
+
+/// `hold` for one bucket: `n` of `consumer`'s leases in `bucket` taken or ended.
+pub(crate) fn hold_in(
+    held: &Bound<'_, PyDict>,
+    bucket: &Bound<'_, PyAny>,
+    n: i64,
+    consumer: &Bound<'_, PyString>,
+    sign: i64,
+) -> PyResult<()> {
+    let counts = match held.get_item(bucket)? {
+        Some(counts) => counts.downcast_into::<PyDict>()?,
+        None if sign > 0 => {
+            let counts = PyDict::new(held.py());
+            held.set_item(bucket, &counts)?;
+            counts
         }
+        None => return Err(PyKeyError::new_err(bucket.clone().unbind())),
+    };
+    let before: i64 = match counts.get_item(consumer)? {
+        Some(count) => count.extract()?,
+        None if sign > 0 => 0,
+        None => return Err(PyKeyError::new_err(consumer.clone().unbind())),
+    };
+    let left = before + sign * n;
+    if left > 0 {
+        counts.set_item(consumer, left)?;
+    } else {
+        counts.del_item(consumer)?;
     }
     Ok(())
 }
@@ -85,16 +95,24 @@ pub fn free_buckets<'py>(
     let out = PySet::empty(held.py())?;
     for bucket in owned.try_iter()? {
         let bucket = bucket?;
-        let free = match held.get_item(&bucket)? {
-            None => true,
-            Some(counts) => {
-                let counts = counts.downcast_into::<PyDict>()?;
-                counts.is_empty() || (counts.len() == 1 && counts.contains(consumer)?)
-            }
-        };
-        if free {
+        if is_free(held, &bucket, consumer)? {
             out.add(bucket)?;
         }
     }
     Ok(out)
+}
+
+/// Whether no consumer but `consumer` holds leases in `bucket`.
+pub(crate) fn is_free(
+    held: &Bound<'_, PyDict>,
+    bucket: &Bound<'_, PyAny>,
+    consumer: &Bound<'_, PyString>,
+) -> PyResult<bool> {
+    Ok(match held.get_item(bucket)? {
+        None => true,
+        Some(counts) => {
+            let counts = counts.downcast_into::<PyDict>()?;
+            counts.is_empty() || (counts.len() == 1 && counts.contains(consumer)?)
+        }
+    })
 }

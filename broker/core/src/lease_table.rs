@@ -6,7 +6,9 @@
 
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
+
+use crate::grant::{grant, Overrides};
 
 use crate::id_map::IdMap;
 use crate::packed_ids::PackedIds;
@@ -36,13 +38,7 @@ fn each_id<'a, 'py>(
     holder: &'a mut Vec<Bound<'py, PyString>>,
 ) -> PyResult<Vec<&'a [u8]>> {
     if let Ok(packed) = mids.downcast::<PackedIds>() {
-        let packed: &'a PackedIds = packed.get();
-        let raws: Vec<&'a [u8]> = packed.each(py).collect();
-        for raw in &raws {
-            std::str::from_utf8(raw)
-                .map_err(|_| PyValueError::new_err("a packed message id is not UTF-8"))?;
-        }
-        return Ok(raws);
+        return packed_raws(py, packed.get());
     }
     if let Ok(list) = mids.downcast::<PyList>() {
         for m in list.iter() {
@@ -56,6 +52,16 @@ fn each_id<'a, 'py>(
     holder.iter().map(|m| Ok(m.to_str()?.as_bytes())).collect()
 }
 
+/// The ids of packed ids, each checked to be UTF-8 (as it will be a str's).
+pub(crate) fn packed_raws<'a>(py: Python<'a>, packed: &'a PackedIds) -> PyResult<Vec<&'a [u8]>> {
+    let raws: Vec<&'a [u8]> = packed.each(py).collect();
+    for raw in &raws {
+        std::str::from_utf8(raw)
+            .map_err(|_| PyValueError::new_err("a packed message id is not UTF-8"))?;
+    }
+    Ok(raws)
+}
+
 impl LeaseTable {
     fn ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyString>>> {
         let py = slf.py();
@@ -63,6 +69,20 @@ impl LeaseTable {
             .map(|(k, _)| k.as_bytes().to_vec())
             .collect();
         Ok(raws.iter().map(|r| as_str(py, r)).collect())
+    }
+
+    /// Enter each of `raws` in `record` unless it is in a lease, or was entered just
+    /// before (picked twice): the indexes of those entered.
+    pub(crate) fn enter_each(&mut self, raws: &[&[u8]], record: &Bound<'_, PyAny>) -> Vec<usize> {
+        self.map.reserve(raws.len());
+        let tags = self.map.warm(raws);
+        (raws.iter().zip(&tags).enumerate())
+            .filter_map(|(k, (&raw, &tag))| {
+                self.map
+                    .add_tagged(raw, tag, record.clone().unbind())
+                    .then_some(k)
+            })
+            .collect()
     }
 
     /// Whether the id whose bytes are `raw` is in a lease (the index's pick asks).
@@ -189,6 +209,38 @@ impl LeaseTable {
             }
         }
         Ok(true)
+    }
+
+    /// Grant `record` the lease command's picks still available (`grant.rs`); returns
+    /// how many of those granted were redelivered.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        record, mids, buckets, keys, owned, held, consumer, settled, not_before, deliveries,
+        now, allowed
+    ))]
+    fn grant<'py>(
+        slf: &Bound<'py, Self>,
+        record: &Bound<'py, PyAny>,
+        mids: &Bound<'py, PyAny>,
+        buckets: &Bound<'py, PyBytes>,
+        keys: &Bound<'py, PyBytes>,
+        owned: &Bound<'py, PyAny>,
+        held: &Bound<'py, PyDict>,
+        consumer: &Bound<'py, PyString>,
+        settled: Bound<'py, PyDict>,
+        not_before: Bound<'py, PyDict>,
+        deliveries: Bound<'py, PyDict>,
+        now: i64,
+        allowed: Option<usize>,
+    ) -> PyResult<usize> {
+        let by_id = Overrides {
+            settled,
+            not_before,
+            deliveries,
+        };
+        grant(
+            slf, record, mids, buckets, keys, owned, held, consumer, &by_id, now, allowed,
+        )
     }
 
     /// Remove every id of `mids` (packed ids, or str) that is in a lease: a trim's

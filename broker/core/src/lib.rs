@@ -5,6 +5,7 @@
 use pyo3::prelude::*;
 
 mod buckets;
+mod grant;
 mod heads;
 mod id_map;
 mod ids;

@@ -16,7 +16,7 @@ use crate::ids::WIDEST;
 #[pyclass(module = "dejaq_core", frozen, sequence)]
 pub struct PackedIds {
     blob: Py<PyBytes>,
-    width: usize,
+    pub(crate) width: usize,
     start: usize,
     len: usize,
 }

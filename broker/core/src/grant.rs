@@ -1,0 +1,223 @@
+//! A lease command's grant (`TopicState.lease`), applied by every node for every lease:
+//! which of the leader's picks are still available, entered in the lease table and the
+//! record's columns, in one call. Written in Python it is a dozen steps of a fraction
+//! of a µs each (the picks' columns unpacked, the consumer's free buckets made a set, a
+//! loop over the picks, the holds counted), a large part of a follower's work at batch 1.
+
+use std::collections::HashSet;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::sync::GILOnceCell;
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
+use pyo3::{intern, IntoPyObjectExt};
+
+use crate::buckets::{hold_in, is_free};
+use crate::lease_table::{packed_raws, LeaseTable};
+use crate::packed_ids::PackedIds;
+
+static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
+
+/// `array.array(code, data)`: data in native order, as a lease record's columns hold it.
+fn array<'py>(py: Python<'py>, code: &str, data: &Bound<'py, PyBytes>) -> PyResult<PyObject> {
+    let array = ARRAY.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
+        Ok(py.import("array")?.getattr("array")?.unbind())
+    })?;
+    Ok(array.bind(py).call1((code, data))?.unbind())
+}
+
+/// The dicts of the topic's state a pick is checked against, by id.
+pub(crate) struct Overrides<'py> {
+    pub settled: Bound<'py, PyDict>,
+    pub not_before: Bound<'py, PyDict>,
+    pub deliveries: Bound<'py, PyDict>,
+}
+
+/// Grant `record` (a `leases.LeaseRecord`) the picks (`mids`, packed ids or a list of
+/// str; `buckets` and `keys` as little-endian uint16 and int64 bytes), at most
+/// `allowed` of them, that are available at `now`: in a free bucket of the consumer's
+/// (`owned`, `held`), neither settled nor delayed, nor leased, nor picked twice. Sets the
+/// record's columns, its `ended` and `live`; counts the holds. Returns how many of the
+/// granted were redelivered. `TopicState.lease` says the rules; this is their loop.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn grant<'py>(
+    table: &Bound<'py, LeaseTable>,
+    record: &Bound<'py, PyAny>,
+    mids: &Bound<'py, PyAny>,
+    buckets: &Bound<'py, PyBytes>,
+    keys: &Bound<'py, PyBytes>,
+    owned: &Bound<'py, PyAny>,
+    held: &Bound<'py, PyDict>,
+    consumer: &Bound<'py, PyString>,
+    by_id: &Overrides<'py>,
+    now: i64,
+    allowed: Option<usize>,
+) -> PyResult<usize> {
+    let py = table.py();
+    let holder: Vec<Bound<'py, PyString>> = match mids.downcast::<PackedIds>() {
+        Ok(_) => Vec::new(),
+        Err(_) => mids
+            .try_iter()?
+            .map(|m| Ok(m?.downcast_into::<PyString>()?))
+            .collect::<PyResult<_>>()?,
+    };
+    let raws: Vec<&[u8]> = match mids.downcast::<PackedIds>() {
+        Ok(packed) => packed_raws(py, packed.get())?,
+        Err(_) => (holder.iter())
+            .map(|m| Ok(m.to_str()?.as_bytes()))
+            .collect::<PyResult<_>>()?,
+    };
+    let (bucket_bytes, key_bytes) = (buckets.as_bytes(), keys.as_bytes());
+    if bucket_bytes.len() != 2 * raws.len() || key_bytes.len() != 8 * raws.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} picks with {} bytes of buckets and {} of sort keys",
+            raws.len(),
+            bucket_bytes.len(),
+            key_bytes.len()
+        )));
+    }
+    let bucket_of = |i: usize| u16::from_le_bytes([bucket_bytes[2 * i], bucket_bytes[2 * i + 1]]);
+    let take = allowed.map_or(raws.len(), |a| a.min(raws.len()));
+
+    // Which picks may be granted, before the table is borrowed: the checks below make
+    // Python objects (a str per id to probe a dict, an int per bucket), and making one
+    // may run another thread, which may read the table (`LeaseTable`'s note).
+    let mine: HashSet<u16> = owned
+        .try_iter()?
+        .map(|b| b?.extract::<u16>())
+        .collect::<PyResult<_>>()?;
+    let mut free: Vec<(u16, bool)> = Vec::new();
+    let probe = !(by_id.settled.is_empty() && by_id.not_before.is_empty());
+    let mut candidates: Vec<usize> = Vec::with_capacity(take);
+    for (i, &raw) in raws[..take].iter().enumerate() {
+        let bucket = bucket_of(i);
+        let ok = match free.iter().find(|(b, _)| *b == bucket) {
+            Some(&(_, ok)) => ok,
+            None => {
+                let ok = mine.contains(&bucket)
+                    && is_free(held, &bucket.into_bound_py_any(py)?, consumer)?;
+                free.push((bucket, ok));
+                ok
+            }
+        };
+        if !ok {
+            continue;
+        }
+        if probe {
+            let mid = id_str(py, raw, &holder, i)?;
+            if by_id.settled.contains(&mid)? {
+                continue;
+            }
+            // A leased message has neither a delay nor a count outside its lease.
+            if let Some(at) = by_id.not_before.get_item(&mid)? {
+                if at.extract::<i64>()? > now {
+                    continue;
+                }
+                by_id.not_before.del_item(&mid)?;
+            }
+        }
+        candidates.push(i);
+    }
+
+    let granted: Vec<usize> = {
+        let mut t = table.borrow_mut();
+        let picked: Vec<&[u8]> = candidates.iter().map(|&i| raws[i]).collect();
+        t.enter_each(&picked, record)
+            .into_iter()
+            .map(|k| candidates[k])
+            .collect()
+    };
+
+    let mut counts: Vec<i32> = vec![1; granted.len()];
+    let mut redelivered = 0;
+    if !by_id.deliveries.is_empty() {
+        for (count, &i) in counts.iter_mut().zip(&granted) {
+            let mid = id_str(py, raws[i], &holder, i)?;
+            if let Some(before) = by_id.deliveries.get_item(&mid)? {
+                *count += before.extract::<i32>()?;
+                by_id.deliveries.del_item(&mid)?;
+                if *count > 1 {
+                    redelivered += 1;
+                }
+            }
+        }
+    }
+
+    let whole = granted.len() == raws.len() && cfg!(target_endian = "little");
+    let (mids_column, buckets_column, keys_column): (PyObject, PyObject, PyObject) = if whole {
+        (
+            mids.clone().unbind(),
+            array(py, "H", buckets)?,
+            array(py, "q", keys)?,
+        )
+    } else {
+        let b: Vec<u8> = granted
+            .iter()
+            .flat_map(|&i| bucket_of(i).to_ne_bytes())
+            .collect();
+        let k: Vec<u8> = granted
+            .iter()
+            .flat_map(|&i| {
+                let raw: [u8; 8] = key_bytes[8 * i..8 * i + 8].try_into().expect("8 bytes");
+                i64::from_le_bytes(raw).to_ne_bytes()
+            })
+            .collect();
+        let m = match mids.downcast::<PackedIds>() {
+            Ok(packed) => {
+                let width = packed.get().width;
+                let mut blob = vec![0u8; width * granted.len()];
+                for (to, &i) in blob.chunks_exact_mut(width).zip(&granted) {
+                    to[..raws[i].len()].copy_from_slice(raws[i]);
+                }
+                Bound::new(py, PackedIds::from_blob(py, &blob, width))?
+                    .into_any()
+                    .unbind()
+            }
+            Err(_) => PyList::new(py, granted.iter().map(|&i| &holder[i]))?
+                .into_any()
+                .unbind(),
+        };
+        (
+            m,
+            array(py, "H", &PyBytes::new(py, &b))?,
+            array(py, "q", &PyBytes::new(py, &k))?,
+        )
+    };
+    let counts: Vec<u8> = counts.iter().flat_map(|c| c.to_ne_bytes()).collect();
+    let n = granted.len();
+    record.setattr(intern!(py, "mids"), mids_column)?;
+    record.setattr(intern!(py, "buckets"), buckets_column)?;
+    record.setattr(intern!(py, "sort_keys"), keys_column)?;
+    record.setattr(
+        intern!(py, "deliveries"),
+        array(py, "i", &PyBytes::new(py, &counts))?,
+    )?;
+    record.setattr(intern!(py, "ended"), PyByteArray::new(py, &vec![0u8; n]))?;
+    record.setattr(intern!(py, "live"), n)?;
+
+    let mut per_bucket: Vec<(u16, i64)> = Vec::new();
+    for &i in &granted {
+        let bucket = bucket_of(i);
+        match per_bucket.iter_mut().find(|(b, _)| *b == bucket) {
+            Some((_, count)) => *count += 1,
+            None => per_bucket.push((bucket, 1)),
+        }
+    }
+    for (bucket, count) in per_bucket {
+        hold_in(held, &bucket.into_bound_py_any(py)?, count, consumer, 1)?;
+    }
+    Ok(redelivered)
+}
+
+/// Pick `i`'s id as a str: the list's own, or made from its packed bytes.
+fn id_str<'py>(
+    py: Python<'py>,
+    raw: &[u8],
+    holder: &[Bound<'py, PyString>],
+    i: usize,
+) -> PyResult<Bound<'py, PyString>> {
+    match holder.get(i) {
+        Some(mid) => Ok(mid.clone()),
+        None => Ok(PyString::new(py, std::str::from_utf8(raw)?)),
+    }
+}
