@@ -4,7 +4,9 @@
 //! of a µs each (the picks' columns unpacked, the consumer's free buckets made a set, a
 //! loop over the picks, the holds counted), a large part of a follower's work at batch 1.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+
+use foldhash::fast::RandomState;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -86,17 +88,18 @@ pub(crate) fn grant<'py>(
         .try_iter()?
         .map(|b| b?.extract::<u16>())
         .collect::<PyResult<_>>()?;
-    let mut free: Vec<(u16, bool)> = Vec::new();
+    // Buckets are counted by map, not by search: a lease of 1000 picks may span as many.
+    let mut free: HashMap<u16, bool, RandomState> = HashMap::default();
     let probe = !(by_id.settled.is_empty() && by_id.not_before.is_empty());
     let mut candidates: Vec<usize> = Vec::with_capacity(take);
     for (i, &raw) in raws[..take].iter().enumerate() {
         let bucket = bucket_of(i);
-        let ok = match free.iter().find(|(b, _)| *b == bucket) {
-            Some(&(_, ok)) => ok,
+        let ok = match free.get(&bucket) {
+            Some(&ok) => ok,
             None => {
                 let ok = mine.contains(&bucket)
                     && is_free(held, &bucket.into_bound_py_any(py)?, consumer)?;
-                free.push((bucket, ok));
+                free.insert(bucket, ok);
                 ok
             }
         };
@@ -195,13 +198,16 @@ pub(crate) fn grant<'py>(
     record.setattr(intern!(py, "ended"), PyByteArray::new(py, &vec![0u8; n]))?;
     record.setattr(intern!(py, "live"), n)?;
 
+    // In the order each bucket first appears, as every node then adds to `held`.
     let mut per_bucket: Vec<(u16, i64)> = Vec::new();
+    let mut at: HashMap<u16, usize, RandomState> = HashMap::default();
     for &i in &granted {
         let bucket = bucket_of(i);
-        match per_bucket.iter_mut().find(|(b, _)| *b == bucket) {
-            Some((_, count)) => *count += 1,
-            None => per_bucket.push((bucket, 1)),
-        }
+        let k = *at.entry(bucket).or_insert_with(|| {
+            per_bucket.push((bucket, 0));
+            per_bucket.len() - 1
+        });
+        per_bucket[k].1 += 1;
     }
     for (bucket, count) in per_bucket {
         hold_in(held, &bucket.into_bound_py_any(py)?, count, consumer, 1)?;
