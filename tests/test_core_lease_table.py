@@ -7,7 +7,7 @@ from __future__ import annotations
 import pickle
 
 import pytest
-from dejaq_core import LeaseTable, PackedIds, free_buckets, hold
+from dejaq_core import LeaseTable, PackedIds, free_buckets, grant, hold
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
@@ -207,11 +207,11 @@ def test_a_grant_whose_columns_do_not_match_its_ids_changes_nothing() -> None:
     table, held = LeaseTable(), {}
     args = ([0], held, "c", {}, {}, {}, 5, None)
     with pytest.raises(ValueError, match="2 picks with 2 bytes of buckets and 16"):
-        table.grant(record, ["a", "b"], bytes(2), bytes(16), *args)
+        grant(table, record, ["a", "b"], bytes(2), bytes(16), *args)
     with pytest.raises(TypeError):
-        table.grant(record, ["a", 1], bytes(4), bytes(16), *args)
+        grant(table, record, ["a", 1], bytes(4), bytes(16), *args)
     assert len(table) == 0 and held == {} and len(record) == 0
-    assert table.grant(record, ["a", "b"], bytes(4), bytes(16), *args) == 0
+    assert grant(table, record, ["a", "b"], bytes(4), bytes(16), *args) == 0
     assert list(record.mids) == ["a", "b"] and held == {0: {"c": 2}} and record.live == 2
 
 

@@ -172,7 +172,7 @@ def granted_by_the_rules(s: TopicState, consumer: str, picks: list, now: int) ->
 @settings(max_examples=300, deadline=None)
 @given(histories)
 def test_a_lease_grants_exactly_the_picks_the_rules_allow(history) -> None:
-    """Every node's grant (`LeaseTable.grant`, in the core) against its rules written
+    """Every node's grant (`dejaq_core.grant`, in the core) against its rules written
     out, with the picks packed (as the leader sends 16 or more) and as a list of str: the
     same record, holds, counts and overrides either way."""
     kinds, spoiler, at = history

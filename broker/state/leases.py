@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
-from dejaq_core import LeaseTable, PackedIds, count_buckets, free_buckets, hold
+from dejaq_core import LeaseTable, PackedIds, count_buckets, free_buckets, grant, hold
 
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
@@ -290,7 +290,7 @@ class TopicState:
     def buckets_of(self, consumer: str) -> list[int]:
         """Buckets assigned to `consumer` that no other consumer still holds leases in,
         in the order it owns them: the leader's pick asks (every node's lease checks
-        the same in the core, `LeaseTable.grant`). It walks the consumer's buckets, not
+        the same in the core, `dejaq_core.grant`). It walks the consumer's buckets, not
         all of them."""
         owned = self.owned.get(consumer, ())
         free = free_buckets(owned, self.held, consumer)
@@ -338,7 +338,7 @@ class TopicState:
         receipts.
 
         Every node runs this for every lease: the core checks the picks and fills the
-        record (`LeaseTable.grant`), making no object per message. A pick is granted if
+        record (`dejaq_core.grant`), making no object per message. A pick is granted if
         it is in one of the consumer's buckets that no other consumer holds leases in,
         neither settled nor delayed (a delay past is dropped), nor leased, nor granted
         earlier in the same picks; its deliveries count one more than its count outside a
@@ -364,7 +364,8 @@ class TopicState:
             self.refilled_at = max(self.refilled_at, now)
             allowed = int(self.tokens)
         owned = self.owned.get(consumer, ())
-        redelivered = self.leases.grant(
+        redelivered = grant(
+            self.leases,
             record,
             mids,
             buckets,

@@ -15,7 +15,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
 use pyo3::{intern, IntoPyObjectExt};
 
 use crate::buckets::{hold_in, is_free};
-use crate::lease_table::{packed_raws, LeaseTable};
+use crate::lease_table::{id_strs, raw_ids, LeaseTable};
 use crate::packed_ids::PackedIds;
 
 static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
@@ -28,21 +28,21 @@ fn array<'py>(py: Python<'py>, code: &str, data: &Bound<'py, PyBytes>) -> PyResu
     Ok(array.bind(py).call1((code, data))?.unbind())
 }
 
-/// The dicts of the topic's state a pick is checked against, by id.
-pub(crate) struct Overrides<'py> {
-    pub settled: Bound<'py, PyDict>,
-    pub not_before: Bound<'py, PyDict>,
-    pub deliveries: Bound<'py, PyDict>,
-}
-
 /// Grant `record` (a `leases.LeaseRecord`) the picks (`mids`, packed ids or a list of
 /// str; `buckets` and `keys` as little-endian uint16 and int64 bytes), at most
 /// `allowed` of them, that are available at `now`: in a free bucket of the consumer's
-/// (`owned`, `held`), neither settled nor delayed, nor leased, nor picked twice. Sets the
-/// record's columns, its `ended` and `live`; counts the holds. Returns how many of the
-/// granted were redelivered. `TopicState.lease` says the rules; this is their loop.
+/// (`owned`, `held`), neither settled nor delayed (`settled`, `not_before`), nor leased
+/// (in `table`), nor picked twice; each with one delivery more than its count in
+/// `deliveries`. Sets the record's columns, its `ended` and `live`; counts the holds.
+/// Returns how many of the granted were redelivered. `TopicState.lease` says the
+/// rules; this is their loop.
+#[pyfunction]
+#[pyo3(signature = (
+    table, record, mids, buckets, keys, owned, held, consumer, settled, not_before, deliveries,
+    now, allowed
+))]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn grant<'py>(
+pub fn grant<'py>(
     table: &Bound<'py, LeaseTable>,
     record: &Bound<'py, PyAny>,
     mids: &Bound<'py, PyAny>,
@@ -51,24 +51,15 @@ pub(crate) fn grant<'py>(
     owned: &Bound<'py, PyAny>,
     held: &Bound<'py, PyDict>,
     consumer: &Bound<'py, PyString>,
-    by_id: &Overrides<'py>,
+    settled: &Bound<'py, PyDict>,
+    not_before: &Bound<'py, PyDict>,
+    deliveries: &Bound<'py, PyDict>,
     now: i64,
     allowed: Option<usize>,
 ) -> PyResult<usize> {
     let py = table.py();
-    let holder: Vec<Bound<'py, PyString>> = match mids.downcast::<PackedIds>() {
-        Ok(_) => Vec::new(),
-        Err(_) => mids
-            .try_iter()?
-            .map(|m| Ok(m?.downcast_into::<PyString>()?))
-            .collect::<PyResult<_>>()?,
-    };
-    let raws: Vec<&[u8]> = match mids.downcast::<PackedIds>() {
-        Ok(packed) => packed_raws(py, packed.get())?,
-        Err(_) => (holder.iter())
-            .map(|m| Ok(m.to_str()?.as_bytes()))
-            .collect::<PyResult<_>>()?,
-    };
+    let holder = id_strs(mids)?;
+    let raws = raw_ids(py, mids, &holder)?;
     let (bucket_bytes, key_bytes) = (buckets.as_bytes(), keys.as_bytes());
     if bucket_bytes.len() != 2 * raws.len() || key_bytes.len() != 8 * raws.len() {
         return Err(PyValueError::new_err(format!(
@@ -90,7 +81,7 @@ pub(crate) fn grant<'py>(
         .collect::<PyResult<_>>()?;
     // Buckets are counted by map, not by search: a lease of 1000 picks may span as many.
     let mut free: HashMap<u16, bool, RandomState> = HashMap::default();
-    let probe = !(by_id.settled.is_empty() && by_id.not_before.is_empty());
+    let probe = !(settled.is_empty() && not_before.is_empty());
     let mut candidates: Vec<usize> = Vec::with_capacity(take);
     for (i, &raw) in raws[..take].iter().enumerate() {
         let bucket = bucket_of(i);
@@ -108,15 +99,15 @@ pub(crate) fn grant<'py>(
         }
         if probe {
             let mid = id_str(py, raw, &holder, i)?;
-            if by_id.settled.contains(&mid)? {
+            if settled.contains(&mid)? {
                 continue;
             }
             // A leased message has neither a delay nor a count outside its lease.
-            if let Some(at) = by_id.not_before.get_item(&mid)? {
+            if let Some(at) = not_before.get_item(&mid)? {
                 if at.extract::<i64>()? > now {
                     continue;
                 }
-                by_id.not_before.del_item(&mid)?;
+                not_before.del_item(&mid)?;
             }
         }
         candidates.push(i);
@@ -133,12 +124,12 @@ pub(crate) fn grant<'py>(
 
     let mut counts: Vec<i32> = vec![1; granted.len()];
     let mut redelivered = 0;
-    if !by_id.deliveries.is_empty() {
+    if !deliveries.is_empty() {
         for (count, &i) in counts.iter_mut().zip(&granted) {
             let mid = id_str(py, raws[i], &holder, i)?;
-            if let Some(before) = by_id.deliveries.get_item(&mid)? {
+            if let Some(before) = deliveries.get_item(&mid)? {
                 *count += before.extract::<i32>()?;
-                by_id.deliveries.del_item(&mid)?;
+                deliveries.del_item(&mid)?;
                 if *count > 1 {
                     redelivered += 1;
                 }

@@ -6,9 +6,7 @@
 
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString};
-
-use crate::grant::{grant, Overrides};
+use pyo3::types::{PyDict, PyList, PySet, PyString};
 
 use crate::id_map::IdMap;
 use crate::packed_ids::PackedIds;
@@ -30,30 +28,29 @@ fn as_str<'py>(py: Python<'py>, raw: &[u8]) -> Bound<'py, PyString> {
     PyString::new(py, &String::from_utf8_lossy(raw))
 }
 
-/// The ids of packed ids, or of a list (or any iterable) of str, as strs' bytes (kept
-/// alive by the caller's `holder`) or packed slices.
-fn each_id<'a, 'py>(
-    py: Python<'py>,
-    mids: &'a Bound<'py, PyAny>,
-    holder: &'a mut Vec<Bound<'py, PyString>>,
-) -> PyResult<Vec<&'a [u8]>> {
-    if let Ok(packed) = mids.downcast::<PackedIds>() {
-        return packed_raws(py, packed.get());
+/// The strs of a list (or any iterable) of str; none for packed ids, whose bytes
+/// `raw_ids` reads where they are.
+pub(crate) fn id_strs<'py>(mids: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyString>>> {
+    if mids.downcast::<PackedIds>().is_ok() {
+        return Ok(Vec::new());
     }
     if let Ok(list) = mids.downcast::<PyList>() {
-        for m in list.iter() {
-            holder.push(m.downcast_into::<PyString>()?);
-        }
-    } else {
-        for m in mids.try_iter()? {
-            holder.push(m?.downcast_into::<PyString>()?);
-        }
+        return list.iter().map(|m| Ok(m.downcast_into()?)).collect();
     }
-    holder.iter().map(|m| Ok(m.to_str()?.as_bytes())).collect()
+    mids.try_iter()?.map(|m| Ok(m?.downcast_into()?)).collect()
 }
 
-/// The ids of packed ids, each checked to be UTF-8 (as it will be a str's).
-pub(crate) fn packed_raws<'a>(py: Python<'a>, packed: &'a PackedIds) -> PyResult<Vec<&'a [u8]>> {
+/// The ids' bytes: packed ids' own (each checked to be UTF-8, as it will be a str's),
+/// or those of `strs`, the ids' strs (`id_strs`).
+pub(crate) fn raw_ids<'a, 'py>(
+    py: Python<'py>,
+    mids: &'a Bound<'py, PyAny>,
+    strs: &'a [Bound<'py, PyString>],
+) -> PyResult<Vec<&'a [u8]>> {
+    let Ok(packed) = mids.downcast::<PackedIds>() else {
+        return strs.iter().map(|m| Ok(m.to_str()?.as_bytes())).collect();
+    };
+    let packed: &'a PackedIds = packed.get();
     let raws: Vec<&'a [u8]> = packed.each(py).collect();
     for raw in &raws {
         std::str::from_utf8(raw)
@@ -190,64 +187,31 @@ impl LeaseTable {
     }
 
     /// Enter every id of `mids` in `record` if none is in a lease and none is named
-    /// twice: whether they were. Otherwise nothing changes. A lease's usual case, all
-    /// its picks available, in one call.
+    /// twice: whether they were. Otherwise nothing changes.
     fn add_all(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>, record: PyObject) -> PyResult<bool> {
         let py = slf.py();
-        let mut holder = Vec::new();
-        let raws = each_id(py, mids, &mut holder)?;
-        let mut table = slf.borrow_mut();
-        let map = &mut table.map;
-        map.reserve(raws.len());
-        let tags = map.warm(&raws);
-        for (added, (&raw, &tag)) in raws.iter().zip(&tags).enumerate() {
-            if !map.add_tagged(raw, tag, record.clone_ref(py)) {
-                for (&raw, &tag) in raws[..added].iter().zip(&tags) {
-                    map.remove_tagged(raw, tag); // in no lease before this call: as they were
-                }
-                return Ok(false);
+        let strs = id_strs(mids)?;
+        let raws = raw_ids(py, mids, &strs)?;
+        let removed: Vec<PyObject> = {
+            let mut table = slf.borrow_mut();
+            let entered = table.enter_each(&raws, record.bind(py));
+            if entered.len() == raws.len() {
+                return Ok(true);
             }
-        }
-        Ok(true)
-    }
-
-    /// Grant `record` the lease command's picks still available (`grant.rs`); returns
-    /// how many of those granted were redelivered.
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (
-        record, mids, buckets, keys, owned, held, consumer, settled, not_before, deliveries,
-        now, allowed
-    ))]
-    fn grant<'py>(
-        slf: &Bound<'py, Self>,
-        record: &Bound<'py, PyAny>,
-        mids: &Bound<'py, PyAny>,
-        buckets: &Bound<'py, PyBytes>,
-        keys: &Bound<'py, PyBytes>,
-        owned: &Bound<'py, PyAny>,
-        held: &Bound<'py, PyDict>,
-        consumer: &Bound<'py, PyString>,
-        settled: Bound<'py, PyDict>,
-        not_before: Bound<'py, PyDict>,
-        deliveries: Bound<'py, PyDict>,
-        now: i64,
-        allowed: Option<usize>,
-    ) -> PyResult<usize> {
-        let by_id = Overrides {
-            settled,
-            not_before,
-            deliveries,
+            // In no lease before this call: as they were.
+            (entered.iter())
+                .filter_map(|&k| table.map.remove(raws[k]))
+                .collect()
         };
-        grant(
-            slf, record, mids, buckets, keys, owned, held, consumer, &by_id, now, allowed,
-        )
+        drop(removed); // the record's references go after the borrow
+        Ok(false)
     }
 
     /// Remove every id of `mids` (packed ids, or str) that is in a lease: a trim's
     /// acked messages.
     fn discard_all(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let mut holder = Vec::new();
-        let raws = each_id(slf.py(), mids, &mut holder)?;
+        let strs = id_strs(mids)?;
+        let raws = raw_ids(slf.py(), mids, &strs)?;
         let removed: Vec<PyObject> = {
             let map = &mut slf.borrow_mut().map;
             let tags = map.warm(&raws);

@@ -22,6 +22,7 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buckets::count_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(buckets::free_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(buckets::hold, m)?)?;
+    m.add_function(wrap_pyfunction!(grant::grant, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
