@@ -9,15 +9,20 @@ import subprocess
 import sys
 import time
 import uuid
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from dejaq.jobs.children import stop, wait_for_port
 from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "condition") -> object:
@@ -99,13 +104,70 @@ def kafka_source(kafka_bootstrap: str) -> str:
     return name
 
 
-@pytest.fixture(scope="session")
-def spark():
+class SparkJvmExited(UserWarning):
+    """The run's Spark JVM was found dead between tests, and started again."""
+
+
+def spark_jvm() -> subprocess.Popen | None:
+    """The driver JVM PySpark launched in this process (its gateway's child), if any."""
+    from pyspark import SparkContext
+
+    return getattr(SparkContext._gateway, "proc", None)
+
+
+def _how_it_ended(proc: subprocess.Popen) -> str:
+    """The exit status in words, and the JVM's own crash report where it wrote one."""
+    code = proc.returncode
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    if code == -9:
+        how += " (SIGKILL: the kernel's OOM killer, or another process)"
+    report = Path(f"hs_err_pid{proc.pid}.log")
+    if report.exists():
+        how += f"; its crash report: {report.resolve()}"
+    return how
+
+
+def live_spark() -> SparkSession:
+    """The run's SparkSession, started again if its JVM has died since the last test.
+
+    That JVM idles for minutes between the tests that use it while others start and
+    stop Kafka, S3 and Spark jobs of their own. Should it die meanwhile, PySpark keeps a
+    gateway to a dead process and every later test fails on a refused connection, none
+    of them at fault: a new one is started instead, with a warning in the run's summary
+    saying how the other ended.
+    """
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
     from dejaq.pipelines.session import get_spark
 
-    session = get_spark("dejaq-tests", master="local[2]", ui=False)
-    yield session
-    session.stop()
+    proc = spark_jvm()
+    if proc is not None and proc.poll() is not None:
+        warnings.warn(
+            f"Spark's JVM (pid {proc.pid}) had ended, {_how_it_ended(proc)}: started again",
+            SparkJvmExited,
+            stacklevel=2,
+        )
+        SparkContext._gateway = SparkContext._jvm = SparkContext._active_spark_context = None
+        SparkSession._instantiatedSession = SparkSession._activeSession = None
+    return get_spark("dejaq-tests", master="local[2]", ui=False)
+
+
+@pytest.fixture(scope="session")
+def _spark_run() -> Iterator[None]:
+    """Stops the run's SparkSession at the end, unless its JVM is gone already."""
+    yield
+    from pyspark.sql import SparkSession
+
+    proc, session = spark_jvm(), SparkSession._instantiatedSession
+    if proc is not None and proc.poll() is None and session is not None:
+        session.stop()
+
+
+@pytest.fixture
+def spark(_spark_run: None) -> SparkSession:
+    """One SparkSession for the run (see `live_spark`)."""
+    return live_spark()
 
 
 @pytest.fixture
