@@ -13,7 +13,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -104,6 +104,10 @@ def kafka_source(kafka_bootstrap: str) -> str:
     return name
 
 
+# How long a Spark JVM whose gateway has closed gets to exit before it is killed.
+JVM_EXIT_WAIT_S = 30.0
+
+
 class SparkJvmExited(UserWarning):
     """The run's Spark JVM was found dead between tests, and started again."""
 
@@ -127,8 +131,21 @@ def _how_it_ended(proc: subprocess.Popen) -> str:
     return how
 
 
+def _answers(jvm: Any) -> bool:
+    """Whether the JVM's gateway still takes calls: a JVM exiting closes it first, and
+    runs its shutdown hooks (Spark's stop, its temporary folders) before it is gone."""
+    from py4j.protocol import Py4JError
+
+    try:
+        jvm.java.lang.System.nanoTime()
+    except Py4JError:  # its network errors included
+        return False
+    return True
+
+
 def live_spark() -> SparkSession:
-    """The run's SparkSession, started again if its JVM has died since the last test.
+    """The run's SparkSession, started again if its JVM has died since the last test,
+    or stopped answering (ended first).
 
     That JVM idles for minutes between the tests that use it while others start and
     stop Kafka, S3 and Spark jobs of their own. Should it die meanwhile, PySpark keeps a
@@ -142,7 +159,13 @@ def live_spark() -> SparkSession:
     from dejaq.pipelines.session import get_spark
 
     proc = spark_jvm()
-    if proc is not None and proc.poll() is not None:
+    if proc is not None and (proc.poll() is not None or not _answers(SparkContext._jvm)):
+        if proc.poll() is None:  # its gateway closed: on its way out, or stuck there
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=JVM_EXIT_WAIT_S)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
         warnings.warn(
             f"Spark's JVM (pid {proc.pid}) had ended, {_how_it_ended(proc)}: started again",
             SparkJvmExited,

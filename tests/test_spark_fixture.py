@@ -1,4 +1,4 @@
-"""The run's shared SparkSession survives its JVM's death between tests."""
+"""The run's shared SparkSession outlives a JVM that died, or stopped answering, between tests."""
 
 from __future__ import annotations
 
@@ -6,8 +6,11 @@ import os
 import signal
 import warnings
 
+import conftest
 import pytest
 from conftest import SparkJvmExited, live_spark, spark_jvm
+from py4j.protocol import Py4JNetworkError
+from pyspark import SparkContext
 from pyspark.sql import SparkSession
 
 
@@ -23,3 +26,23 @@ def test_a_spark_jvm_that_died_is_started_again_with_a_warning(spark: SparkSessi
     with warnings.catch_warnings():
         warnings.simplefilter("error", SparkJvmExited)
         assert live_spark() is again  # alive: the same session, and no warning
+
+
+class _Unanswering:
+    """A gateway's JVM view whose every call fails as a closed gateway's does."""
+
+    def __getattr__(self, name: str) -> object:
+        raise Py4JNetworkError("Answer from Java side is empty")
+
+
+def test_a_spark_jvm_that_stopped_answering_is_ended_and_started_again(
+    spark: SparkSession, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    jvm = spark_jvm()
+    assert jvm is not None and jvm.poll() is None
+    monkeypatch.setattr(conftest, "JVM_EXIT_WAIT_S", 0.5)
+    SparkContext._jvm = _Unanswering()  # not restored: the new session replaces it
+    with pytest.warns(SparkJvmExited, match=rf"pid {jvm.pid}\) had ended, killed by signal 9"):
+        again = live_spark()
+    assert jvm.returncode == -9
+    assert again.range(3).count() == 3
