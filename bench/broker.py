@@ -42,6 +42,10 @@ the brokers, and its CPU per message is reported (`client_cpu_us_per_msg`). So i
 leader's Raft log growth per message (`raft_entries_per_msg`, from its commit index):
 group commit puts many requests in one entry, and each entry costs every node its
 transport, so two systems can differ there only by how their requests fall together.
+Each phase also reports the CPU per message of every process it ran on, nodes and
+clients (`cpu_us_per_msg`, "all" their sum). Where they all share too few cores, the
+rate follows that sum: `receipts_vs_floor_by_cpu` is the ratio it predicts against the
+floor, and the per-node figures say which process a gap to the measured one is in.
 """
 
 from __future__ import annotations
@@ -653,6 +657,15 @@ def _ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
     }
 
 
+def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
+    """The baseline's CPU per message (all processes) over each phase's: the throughput
+    ratio that CPU alone predicts where nodes and clients share the cores."""
+    return {
+        r["phase"]: round(b["cpu_us_per_msg"]["all"] / r["cpu_us_per_msg"]["all"], 3)
+        for r, b in zip(phases, baseline, strict=True)
+    }
+
+
 def _floor_leader(ports: list[int], timeout: float = 30) -> int:
     """Which of the Raft floor's nodes leads, once one does."""
     import httpx
@@ -724,11 +737,15 @@ def run_phase(
     for p in ps:
         p.join()
     elapsed = time.perf_counter() - started
-    cpu = {role: round(cpu_seconds(pid) - cpu_before[role], 1) for role, pid in pids.items()}
+    spent = {role: cpu_seconds(pid) - cpu_before[role] for role, pid in pids.items()}
+    cpu = {role: round(seconds, 1) for role, seconds in spent.items()}
     entries = commit_index(addr, view, access) - entries_before
     lease = [x for r in results for x in r["lease"]]
     ack = [x for r in results for x in r["ack"]]
     done = sum(r["done"] for r in results)
+    per_msg = {role: seconds / max(done, 1) * 1e6 for role, seconds in spent.items()}
+    per_msg["clients"] = sum(r["cpu"] for r in results) / max(done, 1) * 1e6
+    per_msg["all"] = sum(per_msg.values())
     return {
         "phase": f"batch_{batch}_workers_{workers}",
         "batch": batch,
@@ -745,6 +762,7 @@ def run_phase(
         "leader_cpu_us_per_msg": round(cpu["leader"] / max(done, 1) * 1e6, 1),
         "client_cpu_us_per_msg": round(sum(r["cpu"] for r in results) / max(done, 1) * 1e6, 1),
         "raft_entries_per_msg": round(entries / max(done, 1), 4),
+        "cpu_us_per_msg": {role: round(us, 1) for role, us in per_msg.items()},
     }
 
 
@@ -881,6 +899,9 @@ def main() -> int:
                 "acking_by_receipt": by_receipt,
                 "receipts_vs_results": ratios(by_receipt, results),
                 "receipts_vs_floor": ratios(by_receipt, floor),
+                "receipts_vs_floor_by_cpu": _cpu_ratios(by_receipt, floor)
+                if by_receipt and floor
+                else None,
                 "worker_client": by_worker,
                 "worker_vs_receipts": ratios(by_worker, by_receipt),
                 "worker_vs_floor": ratios(by_worker, floor),
