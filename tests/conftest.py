@@ -160,12 +160,9 @@ def live_spark() -> SparkSession:
 
     proc = spark_jvm()
     if proc is not None and (proc.poll() is not None or not _answers(SparkContext._jvm)):
-        if proc.poll() is None:  # its gateway closed: on its way out, or stuck there
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=JVM_EXIT_WAIT_S)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):  # its gateway closed:
+            proc.wait(timeout=JVM_EXIT_WAIT_S)  # on its way out, or stuck there
+        stop(proc, kill=True)
         warnings.warn(
             f"Spark's JVM (pid {proc.pid}) had ended, {_how_it_ended(proc)}: started again",
             SparkJvmExited,
