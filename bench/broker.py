@@ -10,7 +10,11 @@ request) and by CPU with many, when group commit shares each Raft round among th
 Each phase runs R times (3), DejaQ and every baseline in turn (one system up at a
 time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` lists them
 all): this VM's speed drifts by a third over minutes, and one run of each would compare
-moments, not systems.
+moments, not systems. Runs alternate the order: DejaQ's systems first, then the
+baselines; then the baselines first. `paired_vs_floor` gives, for each DejaQ system, each
+run's msgs/s over the floor's in the same run and their median: where the machine's
+speed moves between runs, it shows as the spread of those ratios, which the ratio of
+two medians hides.
 
 The same DejaQ with its workers acking by the receipts their leases gave instead of by
 id (`receipts`, `acking_by_receipt`) runs beside it, and `receipts_vs_results` is its
@@ -657,6 +661,22 @@ def _ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
     }
 
 
+def _paired(runs: list[dict], floor: list[dict]) -> dict[str, dict]:
+    """Per phase: each run's msgs/s over the floor's in the same run, and their median."""
+    out = {}
+    for batch, workers in PHASES:
+        theirs = {r["run"]: r for r in floor if (r["batch"], r["workers"]) == (batch, workers)}
+        ratios = [
+            round(r["msgs_per_s"] / theirs[r["run"]]["msgs_per_s"], 3)
+            for r in runs
+            if (r["batch"], r["workers"]) == (batch, workers) and r["run"] in theirs
+        ]
+        if ratios:
+            median = sorted(ratios)[(len(ratios) - 1) // 2]
+            out[f"batch_{batch}_workers_{workers}"] = {"median": median, "runs": ratios}
+    return out
+
+
 def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
     """The baseline's CPU per message (all processes) over each phase's: the throughput
     ratio that CPU alone predicts where nodes and clients share the cores."""
@@ -827,7 +847,8 @@ def main() -> int:
             if only is not None and topic != only:
                 continue
             runs[name].append(
-                run_phase(
+                {"run": run}
+                | run_phase(
                     addr,
                     prefix + topic,
                     batch,
@@ -846,7 +867,8 @@ def main() -> int:
     requests: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
         store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
-        for run in range(args.runs):  # one system up at a time, in turn
+
+        def dejaq_systems(run: int) -> None:
             for name in DEJAQ_SYSTEMS:
                 if name not in systems:
                     continue
@@ -874,6 +896,8 @@ def main() -> int:
                             before, on.requests(), time.monotonic() - t0
                         )
                     requests.append({"run": run, "idle": idle, "under_load": loaded})
+
+        def baselines(run: int) -> None:
             for carry in (None, "ids", "handles"):
                 if (carry or "floor") not in systems:
                     continue
@@ -883,6 +907,10 @@ def main() -> int:
             if "http" in systems:
                 with http_ceiling() as (http_addr, http_pids):
                     phases("http", http_addr, "c", http_pids, run)
+
+        for run in range(args.runs):  # one system up at a time, in turn
+            for part in (dejaq_systems, baselines)[:: 1 if run % 2 == 0 else -1]:
+                part(run)
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
     by_receipt, by_worker = medians["receipts"], medians["worker"]
@@ -890,6 +918,18 @@ def main() -> int:
 
     def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
         return _ratios(mine, theirs) if mine and theirs else None
+
+    paired = {
+        key: _paired(runs[name], runs["floor"])
+        for name, key in (
+            ("dejaq", "results"),
+            ("receipts", "acking_by_receipt"),
+            ("worker", "worker_client"),
+            ("secured", "secured_tls_and_keys"),
+            ("s3", "s3_warehouse"),
+        )
+        if runs[name] and runs["floor"]
+    }
 
     print(
         json.dumps(
@@ -902,6 +942,7 @@ def main() -> int:
                 "receipts_vs_floor_by_cpu": _cpu_ratios(by_receipt, floor)
                 if by_receipt and floor
                 else None,
+                "paired_vs_floor": paired or None,
                 "worker_client": by_worker,
                 "worker_vs_receipts": ratios(by_worker, by_receipt),
                 "worker_vs_floor": ratios(by_worker, floor),
