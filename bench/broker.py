@@ -76,6 +76,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
+from statistics import median_low
 
 ROOT = Path(__file__).resolve().parent.parent
 # This file is bench/broker.py: keep its folder off the path, or it shadows the package.
@@ -663,18 +664,12 @@ def _ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
 
 def _paired(runs: list[dict], floor: list[dict]) -> dict[str, dict]:
     """Per phase: each run's msgs/s over the floor's in the same run, and their median."""
-    out = {}
-    for batch, workers in PHASES:
-        theirs = {r["run"]: r for r in floor if (r["batch"], r["workers"]) == (batch, workers)}
-        ratios = [
-            round(r["msgs_per_s"] / theirs[r["run"]]["msgs_per_s"], 3)
-            for r in runs
-            if (r["batch"], r["workers"]) == (batch, workers) and r["run"] in theirs
-        ]
-        if ratios:
-            median = sorted(ratios)[(len(ratios) - 1) // 2]
-            out[f"batch_{batch}_workers_{workers}"] = {"median": median, "runs": ratios}
-    return out
+    theirs = {(r["run"], r["phase"]): r["msgs_per_s"] for r in floor}
+    ratios: dict[str, list[float]] = {}
+    for r in runs:
+        if (key := (r["run"], r["phase"])) in theirs:
+            ratios.setdefault(r["phase"], []).append(round(r["msgs_per_s"] / theirs[key], 3))
+    return {phase: {"median": median_low(rs), "runs": rs} for phase, rs in ratios.items()}
 
 
 def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
