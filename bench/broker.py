@@ -11,7 +11,8 @@ Each phase runs R times (3), DejaQ and every baseline in turn (one system up at 
 time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` lists them
 all): this VM's speed drifts by a third over minutes, and one run of each would compare
 moments, not systems. Runs alternate the order: DejaQ's systems first, then the
-baselines; then the baselines first. `paired_vs_floor` gives, for each DejaQ system, each
+baselines; then the baselines first. `paired_vs_floor` gives, for each DejaQ system (and each
+floor carrying DejaQ's commands), each
 run's msgs/s over the floor's in the same run and their median: where the machine's
 speed moves between runs, it shows as the spread of those ratios, which the ratio of
 two medians hides.
@@ -37,7 +38,10 @@ one tiny command through the broker's own Raft layer. No broker on this stack ca
 the first, nor one that replicates each request before answering the second. The
 Raft floor carrying DejaQ's commands: the same again, each command holding what DejaQ's
 lease and ack must replicate (a lease's picks, an ack's ids; or each id as an integer
-handle), applied as nothing: what any state design of DejaQ's can reach at best.
+handle; or, `picks`, an ack's receipts as the workers acking by receipt send them and
+the leader commits them), applied as nothing: what any state design of DejaQ's can
+reach at best with those commands (`receipts_vs_floor_carrying_picks`: how near the
+`receipts` system comes to its own).
 Messages are written straight into the Delta buffer (as the ingest job would), so the
 numbers are the broker's alone. Workers talk to the leader (a follower would forward
 each request: one more hop) over keep-alive HTTP/1.1 with a minimal client on uvloop,
@@ -302,7 +306,9 @@ def canned_app(raft=None, carry: str | None = None):
     consumer's heartbeat (the smallest change of state), or with `carry` what DejaQ's
     commands must hold, which every node then applies as nothing (`carried`): "ids"
     carries a lease's picks (ids, buckets, sort keys, packed) and an ack's ids as DejaQ does,
-    "handles" each id as an 8-byte deterministic hash, packed, as integer handles would.
+    "handles" each id as an 8-byte deterministic hash, packed, as integer handles would,
+    "picks" a lease's picks and an ack's receipts as DejaQ's commands do when its workers
+    ack by receipt (and the lease answers a receipt per message for them to).
     """
     counter = itertools.count()
     payload = base64.b64encode(b"x" * 16).decode()
@@ -330,7 +336,8 @@ def canned_app(raft=None, carry: str | None = None):
                     if carry is None:
                         await raft.commit("floor", "touch", consumer, now)
                     else:
-                        data = carried(carry, ids or request["ids"], lease=bool(ids))
+                        named = ids or request.get("ids") or request["receipts"]
+                        data = carried(carry, named, lease=bool(ids))
                         await raft.commit("floor", "purge", now, CARRY_UPTO, (consumer, data))
                 else:
                     status, answer = 503, {"title": "not the leader"}
@@ -352,8 +359,11 @@ def canned_app(raft=None, carry: str | None = None):
                     for mid in ids
                 ]
             }
+            if carry == "picks":  # its workers ack by receipt, as DejaQ's `receipts` do
+                for i, message in enumerate(answer["messages"]):
+                    message["receipt"] = i
         elif answer is None:
-            answer = {"settled": len(request["ids"])}
+            answer = {"settled": len(request.get("ids") or request["receipts"])}
         data = json.dumps(answer).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(data))]
         await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -367,16 +377,29 @@ def canned_app(raft=None, carry: str | None = None):
 CARRY_UPTO = -1
 
 
+_acked_leases = itertools.count(1)
+
+
 def carried(carry: str, ids: list[str], lease: bool) -> object:
     """What a lease (picks) or an ack (ids) of DejaQ's must replicate, as `carry` says.
 
     Ids: a lease's come with their buckets and sort keys packed, as DejaQ's picks do
     (`leases.Picks`). Handles: a lease's come with its picks (an index would hold each
     row's), packed the same way; an ack's are made from the ids it names, as the leader
-    would have to (an 8-byte deterministic hash each).
+    would have to (an 8-byte deterministic hash each). Picks: DejaQ's own commands when
+    its workers ack by receipt, a lease's ids packed from BULK_MIN of them on as its
+    index packs them, and an ack's receipts the range the leader commits for a whole
+    lease's (`leases.consecutive`).
     """
+    from dejaq_core import PackedIds
+
+    from dejaq.broker.state.leases import BULK_MIN, POSITION_BITS
+
     if carry == "ids" and not lease:
         return ids
+    if carry == "picks" and not lease:
+        first = next(_acked_leases) << POSITION_BITS
+        return range(first, first + len(ids))
     if not lease:
         return b"".join(blake2b(mid.encode(), digest_size=8).digest() for mid in ids)
     n = len(ids)
@@ -384,7 +407,10 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
     if sys.byteorder == "big":
         buckets.byteswap()
         keys.byteswap()
-    named = ids if carry == "ids" else array("q", range(n)).tobytes()
+    if carry == "picks":
+        named = (PackedIds.pack(ids) if n >= BULK_MIN else None) or ids
+    else:
+        named = ids if carry == "ids" else array("q", range(n)).tobytes()
     return named, buckets.tobytes(), keys.tobytes()
 
 
@@ -434,7 +460,7 @@ def raft_floor_server(spec: str) -> None:
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
 PUBLISH_S = 0.005  # how often the Worker phase's client processes share their counts
 DEJAQ_SYSTEMS = ("dejaq", "receipts", "worker", "secured", "s3")
-SYSTEMS = (*DEJAQ_SYSTEMS, "floor", "ids", "handles", "http")
+SYSTEMS = (*DEJAQ_SYSTEMS, "floor", "ids", "handles", "picks", "http")
 IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
 IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
 
@@ -808,7 +834,7 @@ def main() -> int:
         help="which to run, of: dejaq, receipts (DejaQ, its workers acking by receipt), "
         "worker (DejaQ, driven by `dejaq.client.Worker`s), "
         "secured (TLS and API keys on), s3 (the warehouse on "
-        "`dejaq s3`), floor, ids, handles, http (default: all)",
+        "`dejaq s3`), floor, ids, handles, picks, http (default: all)",
     )
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
@@ -853,7 +879,7 @@ def main() -> int:
                     args.seconds,
                     pids,
                     access,
-                    by_receipt=name == "receipts",
+                    by_receipt=name in ("receipts", "picks"),
                     worker=name == "worker",
                     view="/v1/cluster" if name in DEJAQ_SYSTEMS else "/role",
                 )
@@ -893,7 +919,7 @@ def main() -> int:
                     requests.append({"run": run, "idle": idle, "under_load": loaded})
 
         def baselines(run: int) -> None:
-            for carry in (None, "ids", "handles"):
+            for carry in (None, "ids", "handles", "picks"):
                 if (carry or "floor") not in systems:
                     continue
                 floor_dir = Path(tmp) / f"floor-{carry}-{run}"
@@ -910,6 +936,7 @@ def main() -> int:
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
     by_receipt, by_worker = medians["receipts"], medians["worker"]
     floor, ids, handles, baseline = (medians[k] for k in ("floor", "ids", "handles", "http"))
+    picks = medians["picks"]
 
     def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
         return _ratios(mine, theirs) if mine and theirs else None
@@ -922,6 +949,9 @@ def main() -> int:
             ("worker", "worker_client"),
             ("secured", "secured_tls_and_keys"),
             ("s3", "s3_warehouse"),
+            ("ids", "floor_carrying_ids"),
+            ("handles", "floor_carrying_handles"),
+            ("picks", "floor_carrying_picks"),
         )
         if runs[name] and runs["floor"]
     }
@@ -956,6 +986,9 @@ def main() -> int:
                 "vs_floor_carrying_ids": ratios(results, ids),
                 "carrying_ids_vs_floor": ratios(ids, floor),
                 "carrying_handles_vs_floor": ratios(handles, floor),
+                "floor_carrying_picks": picks,
+                "receipts_vs_floor_carrying_picks": ratios(by_receipt, picks),
+                "carrying_picks_vs_floor": ratios(picks, floor),
                 "parameters": {
                     "nodes": 3,
                     "phases": [{"batch": b, "workers": w} for b, w in PHASES],
