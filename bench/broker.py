@@ -391,8 +391,6 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
     index packs them, and an ack's receipts the range the leader commits for a whole
     lease's (`leases.consecutive`).
     """
-    from dejaq_core import PackedIds
-
     from dejaq.broker.state.leases import BULK_MIN, POSITION_BITS
 
     if carry == "ids" and not lease:
@@ -408,6 +406,8 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
         buckets.byteswap()
         keys.byteswap()
     if carry == "picks":
+        from dejaq_core import PackedIds
+
         named = (PackedIds.pack(ids) if n >= BULK_MIN else None) or ids
     else:
         named = ids if carry == "ids" else array("q", range(n)).tobytes()
