@@ -391,11 +391,11 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
     index packs them, and an ack's receipts the range the leader commits for a whole
     lease's (`leases.consecutive`).
     """
-    from dejaq.broker.state.leases import BULK_MIN, POSITION_BITS
-
     if carry == "ids" and not lease:
         return ids
     if carry == "picks" and not lease:
+        from dejaq.broker.state.leases import POSITION_BITS
+
         first = next(_acked_leases) << POSITION_BITS
         return range(first, first + len(ids))
     if not lease:
@@ -407,6 +407,8 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
         keys.byteswap()
     if carry == "picks":
         from dejaq_core import PackedIds
+
+        from dejaq.broker.state.leases import BULK_MIN
 
         named = (PackedIds.pack(ids) if n >= BULK_MIN else None) or ids
     else:
@@ -935,8 +937,9 @@ def main() -> int:
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
     by_receipt, by_worker = medians["receipts"], medians["worker"]
-    floor, ids, handles, baseline = (medians[k] for k in ("floor", "ids", "handles", "http"))
-    picks = medians["picks"]
+    floor, ids, handles, picks, baseline = (
+        medians[k] for k in ("floor", "ids", "handles", "picks", "http")
+    )
 
     def ratios(mine: list[dict], theirs: list[dict]) -> dict[str, float] | None:
         return _ratios(mine, theirs) if mine and theirs else None
