@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import tracemalloc
+from array import array
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -776,11 +777,22 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
             ]
             granted = [(r, p, n) for r, p, n in zip(rows, picks, deliveries, strict=True) if n]
             lease = LeaseRecord(lid=5, consumer="c", deadline=99)
-            for _, (mid, bucket, key), n in granted:
-                lease.mids.append(mid)
-                lease.buckets.append(bucket)
-                lease.sort_keys.append(key)
-                lease.deliveries.append(n)
+            columns = [list(c) for c in zip(*[(*p, n) for _, p, n in granted], strict=True)]
+            mids, buckets, keys, counts = columns or ([], [], [], [])
+            lease.__setstate__(  # as a snapshot holds it
+                (
+                    array("H", buckets),
+                    "c",
+                    99,
+                    None,
+                    array("i", counts),
+                    bytearray(len(mids)),
+                    5,
+                    len(mids),
+                    mids,
+                    array("q", keys),
+                )
+            )
             want = [
                 {**_leased(r, p[2], n, 99, timeline), "receipt": 5 << POSITION_BITS | i}
                 for i, (r, p, n) in enumerate(granted)

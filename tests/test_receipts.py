@@ -3,7 +3,9 @@ those names, resolved on every node from the lease's record instead of by id."""
 
 from __future__ import annotations
 
+import io
 import pickle
+from array import array
 from collections import Counter, deque
 from collections.abc import Iterator
 from functools import partial
@@ -461,19 +463,28 @@ def test_receipts_settle_what_ids_settle(history: list[tuple[str, list[int], int
     assert set(by_id.leases) == set(by_receipt.leases)
 
 
+def _pickled_with_list_columns(state: TopicState) -> bytes:
+    """`state` pickled as before packed columns: each record's columns as lists."""
+
+    class Old(pickle.Pickler):
+        def reducer_override(self, obj: object) -> object:
+            if type(obj) is not LeaseRecord:
+                return NotImplemented
+            new, args, fields = obj.__reduce__()
+            return new, args, tuple(list(f) if isinstance(f, array) else f for f in fields)
+
+    out = io.BytesIO()
+    Old(out, protocol=5).dump(state)
+    return out.getvalue()
+
+
 def test_lease_records_pickled_with_list_columns_load_packed_and_settle_alike() -> None:
     """Snapshots from before packed columns hold each record's buckets, sort keys and
     deliveries as lists: they load as arrays, and the loaded state settles and writes
     its events as the state that never was pickled."""
     s = TopicState(buckets=1, max_deliveries=5)
     record = lease(s, "c", [f"m{i}" for i in range(BULK_MIN)], now=0)
-    for r in s.records.values():
-        r.buckets, r.sort_keys, r.deliveries = (
-            list(r.buckets),
-            list(r.sort_keys),
-            list(r.deliveries),
-        )
-    old = pickle.loads(pickle.dumps(s))
+    old = pickle.loads(_pickled_with_list_columns(s))
     loaded = old.records[record.lid]
     assert [type(c).__name__ for c in (loaded.buckets, loaded.sort_keys, loaded.deliveries)] == [
         "array"

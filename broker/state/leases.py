@@ -16,7 +16,15 @@ from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
 
-from dejaq_core import LeaseTable, PackedIds, count_buckets, free_buckets, grant, hold
+from dejaq_core import (
+    LeaseRecord,
+    LeaseTable,
+    PackedIds,
+    count_buckets,
+    free_buckets,
+    grant,
+    hold,
+)
 
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
@@ -52,106 +60,35 @@ class Lease:
     deliveries: int
 
 
-# How a lease record's position ended (0 while it is leased), and what a receipt naming
-# it is told afterwards.
+# A lease record (`dejaq_core.LeaseRecord`) holds the messages one lease command granted,
+# by position: what a receipt names. One object per lease, not per message, its columns
+# (ids, buckets, sort keys, deliveries, and a mark per position of how its lease ended)
+# in the compiled core. A receipt is `lid << POSITION_BITS | position`: every node
+# resolves it from its own copy of the record, without looking the message up by id.
+#
+# How a position's lease ended (0 while it is leased): the core's codes.
 LEASED, ACKED, REJECTED, NACKED, EXPIRED, RELEASED, CANCELLED, DEAD = range(8)
-_REFUSAL_AFTER = {
-    ACKED: Refusal.SETTLED,
-    REJECTED: Refusal.SETTLED,
-    CANCELLED: Refusal.SETTLED,
-    DEAD: Refusal.SETTLED,
-    EXPIRED: Refusal.EXPIRED,
-    NACKED: Refusal.NOT_LEASED,
-    RELEASED: Refusal.NOT_LEASED,
-}
 SETTLING = (ACKED, REJECTED, CANCELLED, DEAD)
+# What a message named is told, by `LeaseRecord.status`: how its lease ended, or that
+# there is no such position, another consumer holds it, or its deadline is past.
+_REFUSAL_OF: tuple[Refusal | None, ...] = (
+    None,  # held by the caller
+    Refusal.SETTLED,  # ACKED
+    Refusal.SETTLED,  # REJECTED
+    Refusal.NOT_LEASED,  # NACKED
+    Refusal.EXPIRED,  # EXPIRED
+    Refusal.NOT_LEASED,  # RELEASED
+    Refusal.SETTLED,  # CANCELLED
+    Refusal.SETTLED,  # DEAD
+    Refusal.NOT_LEASED,
+    Refusal.OTHER_CONSUMER,
+    Refusal.EXPIRED,
+)
 POSITION_BITS = 10  # a lease holds at most 1000 messages (`max_messages`)
 POSITION_MASK = (1 << POSITION_BITS) - 1
 # Receipts in an ack for its bulk path (`TopicState._ack_run`), and picks the leader
 # packs (`TopicIndex.pick`): their fixed costs (~6 µs) pay from about 10 messages on.
 BULK_MIN = 16
-
-
-class LeaseRecord:
-    """The messages one lease command granted, by position: what a receipt names.
-
-    One object per lease, not per message: its ids are the command's, packed in one
-    bytes object (`PackedIds`) for a lease granted whole, else a list of str; its
-    buckets, sort keys and delivery counts are packed columns (`array`: the command's
-    own bytes, no int object per message), and a byte per message says whether it is
-    still leased. A receipt is `lid << POSITION_BITS | position`: every node resolves
-    it from its own copy of the record, without looking the message up by id.
-    """
-
-    __slots__ = (
-        "_positions",
-        "buckets",
-        "consumer",
-        "deadline",
-        "deadlines",
-        "deliveries",
-        "ended",
-        "lid",
-        "live",
-        "mids",
-        "sort_keys",
-    )
-    _PICKLED = __slots__[1:]  # positions by id are derived
-
-    def __init__(self, lid: int, consumer: str, deadline: int) -> None:
-        self.lid, self.consumer, self.deadline = lid, consumer, deadline
-        self.mids: PackedIds | list[str] = []
-        self.buckets = array("H")
-        self.sort_keys = array("q")
-        self.deliveries = array("i")
-        self.ended = bytearray()  # per position: LEASED, or how its lease ended
-        self.deadlines: dict[int, int] | None = None  # positions extended on their own
-        self.live = 0
-        self._positions: dict[str, int] | None = None  # by id: made when an id is named
-
-    def __len__(self) -> int:
-        return len(self.mids)
-
-    def __getstate__(self) -> tuple:
-        return tuple(getattr(self, f) for f in self._PICKLED)
-
-    def __setstate__(self, state: tuple) -> None:
-        for f, value in zip(self._PICKLED, state, strict=True):
-            setattr(self, f, value)
-        self._positions = None
-        if isinstance(self.buckets, list):  # snapshots from before packed columns
-            self.buckets = array("H", self.buckets)
-            self.sort_keys = array("q", self.sort_keys)
-            self.deliveries = array("i", self.deliveries)
-
-    def receipt(self, pos: int) -> int:
-        return self.lid << POSITION_BITS | pos
-
-    def position(self, mid: str) -> int:
-        """Where a message of this lease is: ids are the slower way to name it."""
-        if self._positions is None:
-            self._positions = {m: i for i, m in enumerate(self.mids)}
-        return self._positions[mid]
-
-    def deadline_of(self, pos: int) -> int:
-        return self.deadline if self.deadlines is None else self.deadlines.get(pos, self.deadline)
-
-    def earliest(self) -> int:
-        """The earliest deadline of a position still leased."""
-        if self.deadlines is None:
-            return self.deadline
-        ended = self.ended  # read while the event loop may end the last (`needs_expiry`)
-        live = (self.deadline_of(p) for p in range(len(ended)) if not ended[p])
-        return min(live, default=self.deadline)
-
-    def lease(self, pos: int) -> Lease:
-        return Lease(
-            self.consumer,
-            self.buckets[pos],
-            self.sort_keys[pos],
-            self.deadline_of(pos),
-            self.deliveries[pos],
-        )
 
 
 _settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
@@ -243,13 +180,21 @@ class TopicState:
         old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
         for mid, lease in old:  # from before lease records: a record each
             self.unnumbered -= 1
-            record = LeaseRecord(self.unnumbered, lease.consumer, lease.deadline)
-            record.mids.append(mid)
-            record.buckets.append(lease.bucket)
-            record.sort_keys.append(lease.sort_key)
-            record.deliveries.append(lease.deliveries)
-            record.ended.append(LEASED)
-            record.live = 1
+            record = LeaseRecord()
+            record.__setstate__(
+                (
+                    array("H", [lease.bucket]),
+                    lease.consumer,
+                    lease.deadline,
+                    None,
+                    array("i", [lease.deliveries]),
+                    bytearray([LEASED]),
+                    self.unnumbered,
+                    1,
+                    [mid],
+                    array("q", [lease.sort_key]),
+                )
+            )
             self.records[record.lid] = self.leases[mid] = record
         leases, self.leases = self.leases, LeaseTable()
         for mid, record in leases.items():
@@ -279,10 +224,11 @@ class TopicState:
             return []
         released: list[str] = []
         for record in [r for r in self.leased.values() if r.consumer == consumer]:
-            for pos in _live(record):
+            for pos in record.live_positions():
                 mid = self._end(record, pos, RELEASED)
-                if record.deliveries[pos] > 1:
-                    self.deliveries[mid] = record.deliveries[pos] - 1
+                deliveries = record.entry(pos)[3]
+                if deliveries > 1:
+                    self.deliveries[mid] = deliveries - 1
                 released.append(mid)
         self._rebalance()
         return released
@@ -311,7 +257,7 @@ class TopicState:
         event = self.settled.get(mid)
         if event is not None or (record := self.leases.get(mid)) is None:
             return event
-        return LedgerEvent.ACKED if record.ended[record.position(mid)] == ACKED else None
+        return LedgerEvent.ACKED if record.ended_at(record.position(mid)) == ACKED else None
 
     def is_available(self, mid: str, now: int) -> bool:
         """Neither leased nor settled nor held back by a nack delay."""
@@ -409,9 +355,10 @@ class TopicState:
     def lease_of(self, mid: str) -> Lease | None:
         """A leased message's lease (a peek's view)."""
         record = self.leases.get(mid)
-        if record is None or record.ended[pos := record.position(mid)]:
+        if record is None or record.ended_at(pos := record.position(mid)):
             return None
-        return record.lease(pos)
+        bucket, sort_key, deadline, deliveries = record.entry(pos)
+        return Lease(record.consumer, bucket, sort_key, deadline, deliveries)
 
     def _end(self, record: LeaseRecord, pos: int, how: int) -> str:
         """End one message's lease (`how`: ACKED, EXPIRED...); returns its id.
@@ -420,19 +367,17 @@ class TopicState:
         trimmed (a receipt is answered as long as an id is), or at once if none settled
         (all pending again): with no event to checkpoint, no trim would ever come.
         """
-        record.ended[pos] = how
-        record.live -= 1
-        if not record.live:
+        if not record.end(pos, how):
             del self.leased[record.lid]
             if how in SETTLING:  # its event comes next
                 self.ending.append((self.seq + 1, record.lid))
-            elif any(code in record.ended for code in SETTLING):
+            elif record.settled_any():
                 self.ending.append((self.seq, record.lid))
             else:
                 del self.records[record.lid]
-        mid = record.mids[pos]
+        mid = record.mid(pos)
         del self.leases[mid]
-        hold(self.held, {record.buckets[pos]: 1}, record.consumer, -1)
+        hold(self.held, {record.entry(pos)[0]: 1}, record.consumer, -1)
         return mid
 
     def _held(
@@ -453,13 +398,10 @@ class TopicState:
         for key in receipts if by_receipt else mids:
             if by_receipt:
                 record = self.records.get(key >> POSITION_BITS)
-                pos = key & POSITION_MASK
-                if record is None or pos >= len(record.ended):
+                if record is None:
                     refused[key] = Refusal.NOT_LEASED
                     continue
-                if record.ended[pos]:
-                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
-                    continue
+                pos = key & POSITION_MASK
             else:
                 if key in self.settled:
                     refused[key] = Refusal.SETTLED
@@ -469,13 +411,9 @@ class TopicState:
                     refused[key] = Refusal.NOT_LEASED
                     continue
                 pos = record.position(key)
-                if record.ended[pos]:  # acked
-                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
-                    continue
-            if record.consumer != consumer:
-                refused[key] = Refusal.OTHER_CONSUMER
-            elif record.deadline_of(pos) <= now:
-                refused[key] = Refusal.EXPIRED
+            status = record.status(pos, consumer, now)
+            if status:
+                refused[key] = _REFUSAL_OF[status]
             else:
                 yield record, pos
 
@@ -525,36 +463,24 @@ class TopicState:
         for key in receipts if by_receipt else mids:
             if by_receipt:
                 record = records.get(key >> POSITION_BITS)
-                pos = key & POSITION_MASK
-                if record is None or pos >= len(record.ended):
+                if record is None:
                     refused[key] = Refusal.NOT_LEASED
                     continue
-                if record.ended[pos]:
-                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
-                    continue
-                mid = record.mids[pos]
+                pos = key & POSITION_MASK
             else:
-                mid = key
-                record = leases.get(mid)
+                record = leases.get(key)
                 if record is None:
-                    refused[key] = Refusal.SETTLED if mid in settled else Refusal.NOT_LEASED
+                    refused[key] = Refusal.SETTLED if key in settled else Refusal.NOT_LEASED
                     continue
-                pos = record.position(mid)
-                if record.ended[pos]:  # acked
-                    refused[key] = _REFUSAL_AFTER[record.ended[pos]]
-                    continue
-            if record.consumer != consumer:
-                refused[key] = Refusal.OTHER_CONSUMER
+                pos = record.position(key)
+            taken = record.take(pos, consumer, now, ACKED)  # checked and ended, or why not
+            if type(taken) is int:
+                refused[key] = _REFUSAL_OF[taken]
                 continue
-            if (record.deadline if record.deadlines is None else record.deadline_of(pos)) <= now:
-                refused[key] = Refusal.EXPIRED
-                continue
-            record.ended[pos] = ACKED  # `_end`, inlined
-            record.live -= 1
-            if not record.live:
+            mid, bucket, sort_key, deliveries, live = taken
+            if not live:  # `_end`, inlined
                 del self.leased[record.lid]
                 ending.append((seq + 1, record.lid))
-            bucket = record.buckets[pos]
             counts = held[bucket]
             left = counts[consumer] - 1
             if left > 0:
@@ -563,19 +489,7 @@ class TopicState:
                 del counts[consumer]
             seq += 1
             events.append(
-                _settlement(
-                    Settlement,
-                    (
-                        seq,
-                        mid,
-                        bucket,
-                        acked,
-                        record.sort_keys[pos],
-                        record.deliveries[pos],
-                        now,
-                        None,
-                    ),
-                )
+                _settlement(Settlement, (seq, mid, bucket, acked, sort_key, deliveries, now, None))
             )
             if sort_keys:
                 sort_keys.pop(mid, None)
@@ -592,15 +506,8 @@ class TopicState:
         sends, settled in bulk (`_ack_run`). None otherwise."""
         first = receipts[0]
         record = self.records.get(first >> POSITION_BITS)
-        if (
-            record is None
-            or record.consumer != consumer
-            or record.deadlines is not None
-            or record.deadline <= now
-        ):
-            return None
         start, n = first & POSITION_MASK, len(receipts)
-        if start + n > len(record.mids) or record.ended[start : start + n] != bytes(n):
+        if record is None or not record.run_held(start, n, consumer, now):
             return None
         span = range(first, first + n)  # a range if the leader sent one (`consecutive`)
         return record if receipts == (span if type(receipts) is range else list(span)) else None
@@ -608,17 +515,12 @@ class TopicState:
     def _ack_run(self, record: LeaseRecord, start: int, n: int, now: int) -> None:
         """Ack positions start..start+n of `record`, all leased: `ack`'s loop as C-level
         passes over the record's columns, no Python step per message."""
-        end = start + n
-        mids = record.mids[start:end]
-        buckets = record.buckets[start:end]
         acked, seq = LedgerEvent.ACKED, self.seq
-        record.ended[start:end] = bytes([ACKED]) * n
-        record.live -= n
-        if not record.live:
+        if not record.end_run(start, n, ACKED):
             del self.leased[record.lid]
             self.ending.append((seq + n, record.lid))
+        mids, buckets, keys, counts = record.columns(start, start + n)
         hold(self.held, count_buckets(buckets), record.consumer, -1)
-        keys, counts = record.sort_keys[start:end], record.deliveries[start:end]
         self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
         if self.sort_keys:
             deque(map(self.sort_keys.pop, mids, repeat(None)), maxlen=0)
@@ -632,15 +534,8 @@ class TopicState:
         refused: dict[str | int, Refusal] = {}
         for record, pos in self._held(consumer, now, mids, receipts, refused):
             mid = self._end(record, pos, REJECTED)
-            self._settle(
-                mid,
-                record.buckets[pos],
-                record.sort_keys[pos],
-                LedgerEvent.DEAD,
-                now,
-                record.deliveries[pos],
-                "rejected",
-            )
+            bucket, sort_key, _, deliveries = record.entry(pos)
+            self._settle(mid, bucket, sort_key, LedgerEvent.DEAD, now, deliveries, "rejected")
         return refused
 
     def nack(
@@ -662,7 +557,7 @@ class TopicState:
         dead: list[str] = []
         for record, pos in self._held(consumer, now, mids, receipts, refused):
             self.totals["nacked"] += 1
-            mid = record.mids[pos]
+            mid = record.mid(pos)
             if sort_key is not None:
                 self.sort_keys[mid] = sort_key
             retry = None if delay_ms > 0 else backoff
@@ -684,7 +579,7 @@ class TopicState:
     ) -> bool:
         """A lease ended unsettled (`how`): the message is pending again (after the retry
         backoff, if any), or dead if out of tries."""
-        deliveries = record.deliveries[pos]
+        bucket, base_key, _, deliveries = record.entry(pos)
         if deliveries < self.max_deliveries:
             mid = self._end(record, pos, how)
             self.deliveries[mid] = deliveries
@@ -694,8 +589,8 @@ class TopicState:
         mid = self._end(record, pos, DEAD)
         self._settle(
             mid,
-            record.buckets[pos],
-            self.sort_key(mid, record.sort_keys[pos]),
+            bucket,
+            self.sort_key(mid, base_key),
             LedgerEvent.DEAD,
             now,
             deliveries,
@@ -714,9 +609,7 @@ class TopicState:
         refused: dict[str | int, Refusal] = {}
         deadline = now + lease_ms
         for record, pos in self._held(consumer, now, mids, receipts, refused):
-            if record.deadlines is None:
-                record.deadlines = {}
-            record.deadlines[pos] = deadline
+            record.extend(pos, deadline)
         self._seen(consumer, now)
         return refused, deadline
 
@@ -737,7 +630,7 @@ class TopicState:
         record = self.leases.get(mid)
         if record is not None:
             pos = record.position(mid)
-            deliveries = record.deliveries[pos]
+            deliveries = record.entry(pos)[3]
             self._end(record, pos, CANCELLED)
         self._settle(
             mid, bucket, self.sort_key(mid, sort_key), LedgerEvent.CANCELLED, now, deliveries
@@ -764,12 +657,12 @@ class TopicState:
         pending: list[str] = []
         due = [r for r in self.leased.values() if r.earliest() <= now]
         for record in due:
-            for pos in _live(record):
+            for pos in record.live_positions():
                 if record.deadline_of(pos) > now:
                     continue
                 self.totals["expired"] += 1
                 if self._redeliver_or_die(record, pos, EXPIRED, now, backoff):
-                    pending.append(record.mids[pos])
+                    pending.append(record.mid(pos))
         silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
         for consumer in silent:
             del self.consumers[consumer]
@@ -963,12 +856,6 @@ def _trimmed_past(state: TopicState, seen: int | None) -> bool:
     """Whether a trim has passed seq `seen` (the state a command was made from): a
     message settled after it may be forgotten, no longer known as settled."""
     return seen is not None and state.trimmed_upto() > seen
-
-
-def _live(record: LeaseRecord) -> list[int]:
-    """The positions of a record still leased."""
-    ended = record.ended
-    return [p for p in range(len(ended)) if not ended[p]]
 
 
 def _owners(assignment: dict[int, str]) -> dict[str, list[int]]:

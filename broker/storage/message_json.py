@@ -81,7 +81,7 @@ def leased_array(picks: Picks, rendered: Heads, lease: LeaseRecord, timeline: bo
     deadline, receipt = lease.deadline, lease.receipt(0)
     mids, _, packed_keys = picks
     n = len(lease.mids)
-    if n == len(mids) and lease.deliveries.count(1) == n:  # every pick, first delivery
+    if n == len(mids) and lease.all_first():  # every pick, first delivery
         whole = render_leased(
             rendered.joined, rendered.ends, rendered.row_keys, packed_keys, deadline, receipt
         )

@@ -10,23 +10,13 @@ use foldhash::fast::RandomState;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString};
-use pyo3::{intern, IntoPyObjectExt};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::IntoPyObjectExt;
 
 use crate::buckets::{hold_in, is_free};
+use crate::lease_record::LeaseRecord;
 use crate::lease_table::{id_strs, raw_ids, LeaseTable};
 use crate::packed_ids::PackedIds;
-
-static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
-
-/// `array.array(code, data)`: data in native order, as a lease record's columns hold it.
-fn array<'py>(py: Python<'py>, code: &str, data: &Bound<'py, PyBytes>) -> PyResult<PyObject> {
-    let array = ARRAY.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
-        Ok(py.import("array")?.getattr("array")?.unbind())
-    })?;
-    Ok(array.bind(py).call1((code, data))?.unbind())
-}
 
 /// Grant `record` (a `leases.LeaseRecord`) the picks (`mids`, packed ids or a list of
 /// str; `buckets` and `keys` as little-endian uint16 and int64 bytes), at most
@@ -44,7 +34,7 @@ fn array<'py>(py: Python<'py>, code: &str, data: &Bound<'py, PyBytes>) -> PyResu
 #[allow(clippy::too_many_arguments)]
 pub fn grant<'py>(
     table: &Bound<'py, LeaseTable>,
-    record: &Bound<'py, PyAny>,
+    record: &Bound<'py, LeaseRecord>,
     mids: &Bound<'py, PyAny>,
     buckets: &Bound<'py, PyBytes>,
     keys: &Bound<'py, PyBytes>,
@@ -116,7 +106,7 @@ pub fn grant<'py>(
     let granted: Vec<usize> = {
         let mut t = table.borrow_mut();
         let picked: Vec<&[u8]> = candidates.iter().map(|&i| raws[i]).collect();
-        t.enter_each(&picked, record)
+        t.enter_each(&picked, record.as_any())
             .into_iter()
             .map(|k| candidates[k])
             .collect()
@@ -137,26 +127,11 @@ pub fn grant<'py>(
         }
     }
 
-    let whole = granted.len() == raws.len() && cfg!(target_endian = "little");
-    let (mids_column, buckets_column, keys_column): (PyObject, PyObject, PyObject) = if whole {
-        (
-            mids.clone().unbind(),
-            array(py, "H", buckets)?,
-            array(py, "q", keys)?,
-        )
+    let whole = granted.len() == raws.len();
+    let mids_column: PyObject = if whole {
+        mids.clone().unbind()
     } else {
-        let b: Vec<u8> = granted
-            .iter()
-            .flat_map(|&i| bucket_of(i).to_ne_bytes())
-            .collect();
-        let k: Vec<u8> = granted
-            .iter()
-            .flat_map(|&i| {
-                let raw: [u8; 8] = key_bytes[8 * i..8 * i + 8].try_into().expect("8 bytes");
-                i64::from_le_bytes(raw).to_ne_bytes()
-            })
-            .collect();
-        let m = match mids.downcast::<PackedIds>() {
+        match mids.downcast::<PackedIds>() {
             Ok(packed) => {
                 let width = packed.get().width;
                 let mut blob = vec![0u8; width * granted.len()];
@@ -170,24 +145,19 @@ pub fn grant<'py>(
             Err(_) => PyList::new(py, granted.iter().map(|&i| &holder[i]))?
                 .into_any()
                 .unbind(),
-        };
-        (
-            m,
-            array(py, "H", &PyBytes::new(py, &b))?,
-            array(py, "q", &PyBytes::new(py, &k))?,
-        )
+        }
     };
-    let counts: Vec<u8> = counts.iter().flat_map(|c| c.to_ne_bytes()).collect();
-    let n = granted.len();
-    record.setattr(intern!(py, "mids"), mids_column)?;
-    record.setattr(intern!(py, "buckets"), buckets_column)?;
-    record.setattr(intern!(py, "sort_keys"), keys_column)?;
-    record.setattr(
-        intern!(py, "deliveries"),
-        array(py, "i", &PyBytes::new(py, &counts))?,
-    )?;
-    record.setattr(intern!(py, "ended"), PyByteArray::new(py, &vec![0u8; n]))?;
-    record.setattr(intern!(py, "live"), n)?;
+    let bucket_column: Vec<u16> = granted.iter().map(|&i| bucket_of(i)).collect();
+    let key_column: Vec<i64> = granted
+        .iter()
+        .map(|&i| {
+            let raw: [u8; 8] = key_bytes[8 * i..8 * i + 8].try_into().expect("8 bytes");
+            i64::from_le_bytes(raw)
+        })
+        .collect();
+    record
+        .borrow_mut()
+        .fill(mids_column, bucket_column, key_column, counts);
 
     // In the order each bucket first appears, as every node then adds to `held`.
     let mut per_bucket: Vec<(u16, i64)> = Vec::new();

@@ -10,6 +10,7 @@ mod heads;
 mod id_map;
 mod ids;
 mod lease_json;
+mod lease_record;
 mod lease_table;
 mod order;
 mod packed_ids;
@@ -18,6 +19,7 @@ mod packed_ids;
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
     m.add_class::<lease_table::LeaseTable>()?;
+    m.add_class::<lease_record::LeaseRecord>()?;
     m.add_class::<packed_ids::PackedIds>()?;
     m.add_function(wrap_pyfunction!(buckets::count_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(buckets::free_buckets, m)?)?;
