@@ -1,10 +1,12 @@
 """The compiled core's packed ids (`dejaq_core.PackedIds`) against the list of str they
 stand for, and its lease table (`dejaq_core.LeaseTable`) against a dict model; a
-topic's state pickled with its leases as a dict (every snapshot) loads into the table."""
+topic's state pickled with its leases as a dict (every snapshot) loads into the table;
+a lease record (`dejaq_core.LeaseRecord`) pickles as the Python record did."""
 
 from __future__ import annotations
 
 import pickle
+from array import array
 
 import pytest
 from dejaq_core import LeaseTable, PackedIds, free_buckets, grant, hold
@@ -12,7 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
-from dejaq.broker.state.leases import LeaseRecord, Refusal, TopicState, joined
+from dejaq.broker.state.leases import ACKED, LeaseRecord, Refusal, TopicState, joined
 
 IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
 PACKABLE = st.lists(
@@ -231,3 +233,40 @@ def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table() -> Non
     assert again.ack("c", 2, ["b"]) == {} and again.ack("c", 2, ["a"]) == {"a": Refusal.SETTLED}
     assert again.ack("c", 2, [], [named["d"]]) == {}
     assert sorted(again.trim(again.seq)) == ["a", "b", "d"] and not again.leases
+
+
+def test_a_lease_record_pickles_as_the_python_record_did() -> None:
+    """Its state is the tuple the Python record pickled (columns as arrays, the ended
+    marks as a bytearray, the ids as held) under the same class name, so snapshots of
+    either load in the other; a malformed one is refused, and a position ends once."""
+    table, held = LeaseTable(), {}
+    record = LeaseRecord(7, "c", 99)
+    grant(table, record, ["a", "b", "c"], bytes(6), bytes(24), [0], held, "c", {}, {}, {}, 5, None)
+    assert record.take(1, "c", 5, ACKED) == ("b", 0, 0, 1, 2)
+    assert record.take(1, "c", 5, ACKED) == ACKED and record.take(0, "d", 5, ACKED) == 9
+    record.extend(2, 120)
+    state = record.__getstate__()
+    assert state == (
+        array("H", [0, 0, 0]),
+        "c",
+        99,
+        {2: 120},
+        array("i", [1, 1, 1]),
+        bytearray([0, ACKED, 0]),
+        7,
+        2,
+        ["a", "b", "c"],
+        array("q", [0, 0, 0]),
+    )
+    pickled = pickle.dumps(record, protocol=5)
+    assert b"dejaq.broker.state.leases" in pickled and b"LeaseRecord" in pickled
+    again = pickle.loads(pickled)
+    assert again.__getstate__() == state and again.position("c") == 2
+    assert again.earliest() == 99 and again.deadline_of(2) == 120
+    with pytest.raises(ValueError, match="10 fields"):
+        LeaseRecord().__setstate__(state[:9])
+    with pytest.raises(ValueError, match="differ in length"):
+        LeaseRecord().__setstate__((array("H", [0]), *state[1:]))
+    with pytest.raises(ValueError, match="ends once"):
+        record.end(1, ACKED)
+    assert record.live == 2 and record.ended == bytes([0, ACKED, 0])

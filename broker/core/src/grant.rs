@@ -14,7 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use pyo3::IntoPyObjectExt;
 
 use crate::buckets::{hold_in, is_free};
-use crate::lease_record::LeaseRecord;
+use crate::lease_record::{Granted, LeaseRecord};
 use crate::lease_table::{id_strs, raw_ids, LeaseTable};
 use crate::packed_ids::PackedIds;
 
@@ -147,17 +147,13 @@ pub fn grant<'py>(
                 .unbind(),
         }
     };
-    let bucket_column: Vec<u16> = granted.iter().map(|&i| bucket_of(i)).collect();
-    let key_column: Vec<i64> = granted
-        .iter()
-        .map(|&i| {
+    let rows: Vec<Granted> = (granted.iter().zip(counts))
+        .map(|(&i, count)| {
             let raw: [u8; 8] = key_bytes[8 * i..8 * i + 8].try_into().expect("8 bytes");
-            i64::from_le_bytes(raw)
+            Granted::new(bucket_of(i), i64::from_le_bytes(raw), count)
         })
         .collect();
-    record
-        .borrow_mut()
-        .fill(mids_column, bucket_column, key_column, counts);
+    record.borrow_mut().fill(mids_column, rows);
 
     // In the order each bucket first appears, as every node then adds to `held`.
     let mut per_bucket: Vec<(u16, i64)> = Vec::new();

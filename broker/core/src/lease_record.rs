@@ -1,9 +1,10 @@
 //! A lease command's record (`leases.LeaseRecord`): the messages one lease granted, by
 //! position, which is what a receipt names. Every node makes one for every lease and
-//! ends its positions on every ack, so its columns are Rust vectors: a record is one
-//! Python object however many messages it holds, made without the five `array`s and
-//! the `bytearray` its columns would otherwise be, and an ack reads and ends a position
-//! in one call.
+//! ends its positions on every ack, so it is one Python object and one vector of
+//! positions however many messages it holds: made without the five `array`s and the
+//! `bytearray` its columns would otherwise be (a lease of one message allocated nine
+//! blocks on every node, and freed them at its trim), and an ack reads and ends a
+//! position in one call.
 //!
 //! Threads off the event loop read records (the leader's expiry check calls
 //! `earliest`): methods make their Python objects before or after borrowing a record,
@@ -14,7 +15,7 @@ use std::collections::{BTreeMap, HashMap};
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::packed_ids::PackedIds;
@@ -47,6 +48,32 @@ fn column<'py, T: FromPyObject<'py>>(value: &Bound<'py, PyAny>) -> PyResult<Vec<
     value.try_iter()?.map(|v| v?.extract()).collect()
 }
 
+/// One granted message, but for its id.
+#[derive(Clone, Copy)]
+pub(crate) struct Granted {
+    sort_key: i64,
+    deliveries: i32,
+    bucket: u16,
+    /// 0 while leased, else how its lease ended.
+    ended: u8,
+}
+
+impl Granted {
+    pub(crate) fn new(bucket: u16, sort_key: i64, deliveries: i32) -> Self {
+        Self {
+            sort_key,
+            deliveries,
+            bucket,
+            ended: 0,
+        }
+    }
+}
+
+/// Native-order bytes of one field of each of `run`, as an `array` of `code` holds them.
+fn cells<const N: usize>(run: &[Granted], cell: impl Fn(&Granted) -> [u8; N]) -> Vec<u8> {
+    run.iter().flat_map(cell).collect()
+}
+
 #[pyclass(module = "dejaq.broker.state.leases", name = "LeaseRecord")]
 pub struct LeaseRecord {
     lid: i64,
@@ -55,11 +82,7 @@ pub struct LeaseRecord {
     deadline: i64,
     /// Packed ids (a lease granted whole, the usual case) or a list of str.
     mids: PyObject,
-    buckets: Vec<u16>,
-    sort_keys: Vec<i64>,
-    deliveries: Vec<i32>,
-    /// Per position: 0 while leased, else how its lease ended.
-    ended: Vec<u8>,
+    granted: Vec<Granted>,
     /// Positions extended on their own: their deadlines.
     deadlines: Option<BTreeMap<usize, i64>>,
     live: usize,
@@ -69,21 +92,11 @@ pub struct LeaseRecord {
 
 impl LeaseRecord {
     /// The granted picks, as `grant` found them: every position leased.
-    pub(crate) fn fill(
-        &mut self,
-        mids: PyObject,
-        buckets: Vec<u16>,
-        sort_keys: Vec<i64>,
-        deliveries: Vec<i32>,
-    ) {
-        let n = buckets.len();
+    pub(crate) fn fill(&mut self, mids: PyObject, granted: Vec<Granted>) {
+        self.live = granted.len();
         self.mids = mids;
-        self.buckets = buckets;
-        self.sort_keys = sort_keys;
-        self.deliveries = deliveries;
-        self.ended = vec![0; n];
+        self.granted = granted;
         self.deadlines = None;
-        self.live = n;
         self.positions = None;
     }
 
@@ -94,29 +107,26 @@ impl LeaseRecord {
         }
     }
 
-    fn check(&self, pos: usize) -> PyResult<()> {
-        if pos < self.ended.len() {
-            Ok(())
-        } else {
-            Err(PyIndexError::new_err("no such position in the lease"))
-        }
+    fn at(&self, pos: usize) -> PyResult<&Granted> {
+        (self.granted.get(pos))
+            .ok_or_else(|| PyIndexError::new_err("no such position in the lease"))
     }
 
     fn end_one(&mut self, pos: usize, how: u8) -> PyResult<usize> {
-        self.check(pos)?;
-        if self.ended[pos] != 0 || how == 0 {
+        if self.at(pos)?.ended != 0 || how == 0 {
             return Err(PyValueError::new_err("a position's lease ends once"));
         }
-        self.ended[pos] = how;
+        self.granted[pos].ended = how;
         self.live -= 1;
         Ok(self.live)
     }
 
     fn status_of(&self, pos: usize, consumer: &[u8], now: i64) -> u8 {
-        if pos >= self.ended.len() {
-            NOT_LEASED
-        } else if self.ended[pos] != 0 {
-            self.ended[pos]
+        let Some(g) = self.granted.get(pos) else {
+            return NOT_LEASED;
+        };
+        if g.ended != 0 {
+            g.ended
         } else if *self.consumer_bytes != *consumer {
             OTHER_CONSUMER
         } else if self.deadline_at(pos) <= now {
@@ -124,6 +134,16 @@ impl LeaseRecord {
         } else {
             0
         }
+    }
+
+    /// A column of every position's, as an `array` of `code`.
+    fn column<'py, const N: usize>(
+        slf: &Bound<'py, Self>,
+        code: &str,
+        cell: impl Fn(&Granted) -> [u8; N],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let data = cells(&slf.borrow().granted, cell);
+        array(slf.py(), code, data)
     }
 }
 
@@ -144,10 +164,7 @@ impl LeaseRecord {
             consumer: consumer.unbind(),
             deadline,
             mids: PyList::empty(py).into_any().unbind(),
-            buckets: Vec::new(),
-            sort_keys: Vec::new(),
-            deliveries: Vec::new(),
-            ended: Vec::new(),
+            granted: Vec::new(),
             deadlines: None,
             live: 0,
             positions: None,
@@ -183,40 +200,22 @@ impl LeaseRecord {
     /// The columns, as copies: `array`s ('H', 'q', 'i') and the ended marks' bytes.
     #[getter]
     fn buckets<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let data = slf
-            .borrow()
-            .buckets
-            .iter()
-            .flat_map(|b| b.to_ne_bytes())
-            .collect();
-        array(slf.py(), "H", data)
+        Self::column(slf, "H", |g| g.bucket.to_ne_bytes())
     }
 
     #[getter]
     fn sort_keys<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let data = slf
-            .borrow()
-            .sort_keys
-            .iter()
-            .flat_map(|k| k.to_ne_bytes())
-            .collect();
-        array(slf.py(), "q", data)
+        Self::column(slf, "q", |g| g.sort_key.to_ne_bytes())
     }
 
     #[getter]
     fn deliveries<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let data = slf
-            .borrow()
-            .deliveries
-            .iter()
-            .flat_map(|d| d.to_ne_bytes())
-            .collect();
-        array(slf.py(), "i", data)
+        Self::column(slf, "i", |g| g.deliveries.to_ne_bytes())
     }
 
     #[getter]
     fn ended<'py>(slf: &Bound<'py, Self>) -> Bound<'py, PyBytes> {
-        let data = slf.borrow().ended.clone();
+        let data = cells(&slf.borrow().granted, |g| [g.ended]);
         PyBytes::new(slf.py(), &data)
     }
 
@@ -234,7 +233,7 @@ impl LeaseRecord {
     }
 
     fn __len__(&self) -> usize {
-        self.ended.len()
+        self.granted.len()
     }
 
     fn receipt(&self, pos: usize) -> i64 {
@@ -275,8 +274,8 @@ impl LeaseRecord {
         let Some(d) = &self.deadlines else {
             return self.deadline;
         };
-        (self.ended.iter().enumerate())
-            .filter(|(_, &e)| e == 0)
+        (self.granted.iter().enumerate())
+            .filter(|(_, g)| g.ended == 0)
             .map(|(p, _)| *d.get(&p).unwrap_or(&self.deadline))
             .min()
             .unwrap_or(self.deadline)
@@ -284,20 +283,13 @@ impl LeaseRecord {
 
     /// How `pos`'s lease ended (0: it is leased).
     fn ended_at(&self, pos: usize) -> PyResult<u8> {
-        self.check(pos)?;
-        Ok(self.ended[pos])
+        Ok(self.at(pos)?.ended)
     }
 
     /// (bucket, sort key, deadline, deliveries) of `pos`.
     fn entry(&self, pos: usize) -> PyResult<(u16, i64, i64, i32)> {
-        self.check(pos)?;
-        let deadline = self.deadline_at(pos);
-        Ok((
-            self.buckets[pos],
-            self.sort_keys[pos],
-            deadline,
-            self.deliveries[pos],
-        ))
+        let g = self.at(pos)?;
+        Ok((g.bucket, g.sort_key, self.deadline_at(pos), g.deliveries))
     }
 
     /// 0 if `consumer` holds `pos` at `now`; else how its lease ended (1..=7), or 8 (no
@@ -323,42 +315,40 @@ impl LeaseRecord {
         let py = slf.py();
         let taken = {
             let mut me = slf.borrow_mut();
-            let status = me.status_of(pos, consumer.as_bytes(), now);
-            if status != 0 {
-                Err(status)
-            } else {
-                let live = me.end_one(pos, how)?;
-                Ok((me.buckets[pos], me.sort_keys[pos], me.deliveries[pos], live))
+            match me.status_of(pos, consumer.as_bytes(), now) {
+                0 => {
+                    let live = me.end_one(pos, how)?;
+                    Ok((me.granted[pos], live))
+                }
+                status => Err(status),
             }
         };
         match taken {
             Err(status) => status.into_bound_py_any(py),
-            Ok((bucket, key, deliveries, live)) => {
+            Ok((g, live)) => {
                 let mid = Self::mid(slf, pos)?;
-                (mid, bucket, key, deliveries, live).into_bound_py_any(py)
+                (mid, g.bucket, g.sort_key, g.deliveries, live).into_bound_py_any(py)
             }
         }
     }
 
     /// Whether any position's lease ended settled (acked, rejected, cancelled, dead).
     fn settled_any(&self) -> bool {
-        (self.ended.iter()).any(|e| matches!(*e, ACKED | REJECTED | CANCELLED | DEAD))
+        (self.granted.iter()).any(|g| matches!(g.ended, ACKED | REJECTED | CANCELLED | DEAD))
     }
 
     /// The positions still leased.
     fn live_positions(&self) -> Vec<usize> {
-        (self.ended.iter().enumerate())
-            .filter(|(_, &e)| e == 0)
+        (self.granted.iter().enumerate())
+            .filter(|(_, g)| g.ended == 0)
             .map(|(p, _)| p)
             .collect()
     }
 
     /// Extend `pos`'s lease on its own, to `deadline`.
     fn extend(&mut self, pos: usize, deadline: i64) -> PyResult<()> {
-        self.check(pos)?;
-        self.deadlines
-            .get_or_insert_with(BTreeMap::new)
-            .insert(pos, deadline);
+        self.at(pos)?;
+        (self.deadlines.get_or_insert_with(BTreeMap::new)).insert(pos, deadline);
         Ok(())
     }
 
@@ -368,20 +358,20 @@ impl LeaseRecord {
         *self.consumer_bytes == *consumer.as_bytes()
             && self.deadlines.is_none()
             && self.deadline > now
-            && start + n <= self.ended.len()
-            && self.ended[start..start + n].iter().all(|&e| e == 0)
+            && start + n <= self.granted.len()
+            && self.granted[start..start + n].iter().all(|g| g.ended == 0)
     }
 
     /// End positions start..start+n, all leased, with `how`: how many are still leased.
     fn end_run(&mut self, start: usize, n: usize, how: u8) -> PyResult<usize> {
-        if how == 0 || start + n > self.ended.len() {
+        if how == 0 || start + n > self.granted.len() {
             return Err(PyValueError::new_err("no such run in the lease"));
         }
-        let run = &mut self.ended[start..start + n];
-        if run.iter().any(|&e| e != 0) {
+        let run = &mut self.granted[start..start + n];
+        if run.iter().any(|g| g.ended != 0) {
             return Err(PyValueError::new_err("a position's lease ends once"));
         }
-        run.fill(how);
+        run.iter_mut().for_each(|g| g.ended = how);
         self.live -= n;
         Ok(self.live)
     }
@@ -396,43 +386,28 @@ impl LeaseRecord {
         let py = slf.py();
         let (mids, b, k, d) = {
             let me = slf.borrow();
-            if start > end || end > me.ended.len() {
+            let Some(run) = me.granted.get(start..end) else {
                 return Err(PyIndexError::new_err("no such run in the lease"));
-            }
-            let b: Vec<u8> = me.buckets[start..end]
-                .iter()
-                .flat_map(|x| x.to_ne_bytes())
-                .collect();
-            let k: Vec<u8> = me.sort_keys[start..end]
-                .iter()
-                .flat_map(|x| x.to_ne_bytes())
-                .collect();
-            let d: Vec<u8> = me.deliveries[start..end]
-                .iter()
-                .flat_map(|x| x.to_ne_bytes())
-                .collect();
+            };
+            let b = cells(run, |g| g.bucket.to_ne_bytes());
+            let k = cells(run, |g| g.sort_key.to_ne_bytes());
+            let d = cells(run, |g| g.deliveries.to_ne_bytes());
             (me.mids.clone_ref(py), b, k, d)
         };
-        let mids = mids.into_bound(py).get_item(pyo3::types::PySlice::new(
-            py,
-            start as isize,
-            end as isize,
-            1,
-        ))?;
-        PyTuple::new(
-            py,
-            [
-                mids,
-                array(py, "H", b)?,
-                array(py, "q", k)?,
-                array(py, "i", d)?,
-            ],
-        )
+        let part = PySlice::new(py, start as isize, end as isize, 1);
+        let mids = mids.into_bound(py).get_item(part)?;
+        let columns = [
+            mids,
+            array(py, "H", b)?,
+            array(py, "q", k)?,
+            array(py, "i", d)?,
+        ];
+        PyTuple::new(py, columns)
     }
 
     /// Whether every position was a first delivery.
     fn all_first(&self) -> bool {
-        self.deliveries.iter().all(|&d| d == 1)
+        self.granted.iter().all(|g| g.deliveries == 1)
     }
 
     /// Pickled as the Python record was, its fields in this order: (buckets, consumer,
@@ -442,9 +417,10 @@ impl LeaseRecord {
         let py = slf.py();
         let (consumer, deadline, lid, live, mids, ended) = {
             let me = slf.borrow();
-            let ended = me.ended.clone();
+            let ended = cells(&me.granted, |g| [g.ended]);
+            let consumer = me.consumer.clone_ref(py);
             (
-                me.consumer.clone_ref(py),
+                consumer,
                 me.deadline,
                 me.lid,
                 me.live,
@@ -468,37 +444,38 @@ impl LeaseRecord {
     }
 
     fn __setstate__(slf: &Bound<'_, Self>, state: &Bound<'_, PyTuple>) -> PyResult<()> {
-        let [buckets, consumer, deadline, deadlines, deliveries, ended, lid, live, mids, keys]: [Bound<'_, PyAny>; 10] =
-            (state.iter().collect::<Vec<_>>())
-                .try_into()
+        let fields: Vec<Bound<'_, PyAny>> = state.iter().collect();
+        let [buckets, consumer, deadline, deadlines, deliveries, ended, lid, live, mids, keys] =
+            <[Bound<'_, PyAny>; 10]>::try_from(fields)
                 .map_err(|_| PyValueError::new_err("a lease record's state has 10 fields"))?;
         let consumer = consumer.downcast_into::<PyString>()?;
-        let deadlines: Option<BTreeMap<usize, i64>> = deadlines.extract()?;
+        let buckets: Vec<u16> = column(&buckets)?;
+        let keys: Vec<i64> = column(&keys)?;
+        let deliveries: Vec<i32> = column(&deliveries)?;
+        let ended: Vec<u8> = column(&ended)?;
+        let n = ended.len();
+        if [buckets.len(), keys.len(), deliveries.len()] != [n; 3] {
+            return Err(PyValueError::new_err(
+                "a lease record's columns differ in length",
+            ));
+        }
+        let granted = (0..n)
+            .map(|i| Granted {
+                ended: ended[i],
+                ..Granted::new(buckets[i], keys[i], deliveries[i])
+            })
+            .collect();
         let record = Self {
             lid: lid.extract()?,
             consumer_bytes: consumer.to_str()?.as_bytes().into(),
             consumer: consumer.unbind(),
             deadline: deadline.extract()?,
             mids: mids.unbind(),
-            buckets: column(&buckets)?,
-            sort_keys: column(&keys)?,
-            deliveries: column(&deliveries)?,
-            ended: column(&ended)?,
-            deadlines,
+            granted,
+            deadlines: deadlines.extract()?,
             live: live.extract()?,
             positions: None,
         };
-        let n = record.ended.len();
-        if [
-            record.buckets.len(),
-            record.sort_keys.len(),
-            record.deliveries.len(),
-        ] != [n; 3]
-        {
-            return Err(PyValueError::new_err(
-                "a lease record's columns differ in length",
-            ));
-        }
         *slf.borrow_mut() = record;
         Ok(())
     }
@@ -510,14 +487,8 @@ impl LeaseRecord {
         let newobj = NEWOBJ.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
             Ok(py.import("copyreg")?.getattr("__newobj__")?.unbind())
         })?;
-        let args = PyTuple::new(py, [slf.get_type()])?;
-        PyTuple::new(
-            py,
-            [
-                newobj.bind(py).clone(),
-                args.into_any(),
-                Self::__getstate__(slf)?.into_any(),
-            ],
-        )
+        let args = PyTuple::new(py, [slf.get_type()])?.into_any();
+        let state = Self::__getstate__(slf)?.into_any();
+        PyTuple::new(py, [newobj.bind(py).clone(), args, state])
     }
 }
