@@ -298,7 +298,11 @@ class TopicState:
         settled and trimmed meanwhile would look pending, so nothing is granted and the
         leader picks again.
         """
-        self.touch(consumer, now)
+        consumers = self.consumers
+        if consumer in consumers:  # `touch`, inlined: a member's lease
+            consumers[consumer] = now
+        else:
+            self.touch(consumer, now)
         numbered = lid is not None
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
         if self.paused or _trimmed_past(self, seen):
@@ -454,6 +458,7 @@ class TopicState:
             self._ack_run(record, receipts[0] & POSITION_MASK, len(receipts), now)
             self._seen(consumer, now)
             return {}
+        consumers = self.consumers
         refused: dict[str | int, Refusal] = {}
         leases, records, settled = self.leases, self.records, self.settled
         sort_keys, ending, held = self.sort_keys, self.ending, self.held
@@ -497,7 +502,8 @@ class TopicState:
             self.events.extend(events)
             self.totals[acked] += seq - self.seq
             self.seq = seq
-        self._seen(consumer, now)
+        if consumer in consumers and consumers[consumer] < now:  # `_seen`, inlined
+            consumers[consumer] = now
         return refused
 
     def _run_of(self, consumer: str, now: int, receipts: list[int]) -> LeaseRecord | None:

@@ -505,7 +505,7 @@ class BrokerState(SyncObjConsumer):
                 return st.lease(*args)
             self.lids += 1  # a numbered lease: its sixth argument says so
             seen = args[6] if len(args) > 6 else None  # from before the pick's seq: None
-            return st.lease(*args[:5], lid=self.lids, seen=seen)
+            return st.lease(args[0], args[1], args[2], args[3], args[4], self.lids, seen)
         if op in ("ack", "reject"):
             return getattr(st, op)(*args)
         if op == "touch":
