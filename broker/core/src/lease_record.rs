@@ -78,7 +78,6 @@ fn cells<const N: usize>(run: &[Granted], cell: impl Fn(&Granted) -> [u8; N]) ->
 pub struct LeaseRecord {
     lid: i64,
     consumer: Py<PyString>,
-    consumer_bytes: Box<[u8]>,
     deadline: i64,
     /// Packed ids (a lease granted whole, the usual case) or a list of str.
     mids: PyObject,
@@ -121,19 +120,25 @@ impl LeaseRecord {
         Ok(self.live)
     }
 
-    fn status_of(&self, pos: usize, consumer: &[u8], now: i64) -> u8 {
+    fn status_of(&self, py: Python<'_>, pos: usize, consumer: &str, now: i64) -> PyResult<u8> {
         let Some(g) = self.granted.get(pos) else {
-            return NOT_LEASED;
+            return Ok(NOT_LEASED);
         };
-        if g.ended != 0 {
+        Ok(if g.ended != 0 {
             g.ended
-        } else if *self.consumer_bytes != *consumer {
+        } else if !self.held_by(py, consumer)? {
             OTHER_CONSUMER
         } else if self.deadline_at(pos) <= now {
             EXPIRED_NOW
         } else {
             0
-        }
+        })
+    }
+
+    /// Whether `consumer` holds the lease: its str's UTF-8, which a str of ASCII
+    /// characters (the usual consumer id) holds without making it.
+    fn held_by(&self, py: Python<'_>, consumer: &str) -> PyResult<bool> {
+        Ok(self.consumer.bind(py).to_str()? == consumer)
     }
 
     /// A column of every position's, as an `array` of `code`.
@@ -160,7 +165,6 @@ impl LeaseRecord {
         let consumer = consumer.unwrap_or_else(|| PyString::new(py, ""));
         Ok(Self {
             lid,
-            consumer_bytes: consumer.to_str()?.as_bytes().into(),
             consumer: consumer.unbind(),
             deadline,
             mids: PyList::empty(py).into_any().unbind(),
@@ -294,8 +298,8 @@ impl LeaseRecord {
 
     /// 0 if `consumer` holds `pos` at `now`; else how its lease ended (1..=7), or 8 (no
     /// such position), 9 (another consumer's), 10 (past its deadline).
-    fn status(&self, pos: usize, consumer: &str, now: i64) -> u8 {
-        self.status_of(pos, consumer.as_bytes(), now)
+    fn status(&self, py: Python<'_>, pos: usize, consumer: &str, now: i64) -> PyResult<u8> {
+        self.status_of(py, pos, consumer, now)
     }
 
     /// End `pos`'s lease (`how`: ACKED, EXPIRED...); returns how many are still leased.
@@ -315,7 +319,7 @@ impl LeaseRecord {
         let py = slf.py();
         let taken = {
             let mut me = slf.borrow_mut();
-            match me.status_of(pos, consumer.as_bytes(), now) {
+            match me.status_of(py, pos, consumer, now)? {
                 0 => {
                     let live = me.end_one(pos, how)?;
                     Ok((me.granted[pos], live))
@@ -354,12 +358,19 @@ impl LeaseRecord {
 
     /// Whether positions start..start+n are all leased by `consumer` before their
     /// (common) deadline: a run an ack settles in bulk.
-    fn run_held(&self, start: usize, n: usize, consumer: &str, now: i64) -> bool {
-        *self.consumer_bytes == *consumer.as_bytes()
+    fn run_held(
+        &self,
+        py: Python<'_>,
+        start: usize,
+        n: usize,
+        consumer: &str,
+        now: i64,
+    ) -> PyResult<bool> {
+        Ok(self.held_by(py, consumer)?
             && self.deadlines.is_none()
             && self.deadline > now
             && start + n <= self.granted.len()
-            && self.granted[start..start + n].iter().all(|g| g.ended == 0)
+            && self.granted[start..start + n].iter().all(|g| g.ended == 0))
     }
 
     /// End positions start..start+n, all leased, with `how`: how many are still leased.
@@ -467,7 +478,6 @@ impl LeaseRecord {
             .collect();
         let record = Self {
             lid: lid.extract()?,
-            consumer_bytes: consumer.to_str()?.as_bytes().into(),
             consumer: consumer.unbind(),
             deadline: deadline.extract()?,
             mids: mids.unbind(),
