@@ -23,7 +23,7 @@ use crate::packed_ids::PackedIds;
 /// `allowed` of them, that are available at `now`: in a free bucket of the consumer's
 /// (`owned`, `held`), neither settled nor delayed (`settled`, `not_before`), nor leased
 /// (in `table`), nor picked twice; each with one delivery more than its count in
-/// `deliveries`. Sets the record's columns, its `ended` and `live`; counts the holds.
+/// `deliveries`. Fills the record's positions (all leased); counts the holds.
 /// Returns how many of the granted were redelivered. `TopicState.lease` says the
 /// rules; this is their loop.
 #[pyfunction]

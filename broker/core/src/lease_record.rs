@@ -1,10 +1,9 @@
 //! A lease command's record (`leases.LeaseRecord`): the messages one lease granted, by
 //! position, which is what a receipt names. Every node makes one for every lease and
 //! ends its positions on every ack, so it is one Python object and one vector of
-//! positions however many messages it holds: made without the five `array`s and the
-//! `bytearray` its columns would otherwise be (a lease of one message allocated nine
-//! blocks on every node, and freed them at its trim), and an ack reads and ends a
-//! position in one call.
+//! positions however many messages it holds: two allocations, where Python `array`s and
+//! a `bytearray` for its columns would be nine (each node makes them at the lease and
+//! frees them at its trim), and an ack reads and ends a position in one call.
 //!
 //! Threads off the event loop read records (the leader's expiry check calls
 //! `earliest`): methods make their Python objects before or after borrowing a record,
