@@ -17,6 +17,18 @@ from enum import StrEnum
 from itertools import repeat
 
 from dejaq_core import (
+    ACKED,
+    CANCELLED,
+    DEAD,
+    EXPIRED,
+    EXPIRED_NOW,
+    LEASED,
+    NACKED,
+    NOT_LEASED,
+    OTHER_CONSUMER,
+    POSITION_BITS,
+    REJECTED,
+    RELEASED,
     LeaseRecord,
     LeaseTable,
     PackedIds,
@@ -66,25 +78,25 @@ class Lease:
 # in the compiled core. A receipt is `lid << POSITION_BITS | position`: every node
 # resolves it from its own copy of the record, without looking the message up by id.
 #
-# How a position's lease ended (0 while it is leased): the core's codes.
-LEASED, ACKED, REJECTED, NACKED, EXPIRED, RELEASED, CANCELLED, DEAD = range(8)
+# How a position's lease ended (`LEASED`, 0, while it is leased), `ACKED`...: the core's
+# codes, as are `POSITION_BITS` and the `status` codes past them.
 SETTLING = (ACKED, REJECTED, CANCELLED, DEAD)
 # What a message named is told, by `LeaseRecord.status`: how its lease ended, or that
 # there is no such position, another consumer holds it, or its deadline is past.
-_REFUSAL_OF: tuple[Refusal | None, ...] = (
-    None,  # held by the caller
-    Refusal.SETTLED,  # ACKED
-    Refusal.SETTLED,  # REJECTED
-    Refusal.NOT_LEASED,  # NACKED
-    Refusal.EXPIRED,  # EXPIRED
-    Refusal.NOT_LEASED,  # RELEASED
-    Refusal.SETTLED,  # CANCELLED
-    Refusal.SETTLED,  # DEAD
-    Refusal.NOT_LEASED,
-    Refusal.OTHER_CONSUMER,
-    Refusal.EXPIRED,
-)
-POSITION_BITS = 10  # a lease holds at most 1000 messages (`max_messages`)
+_REFUSAL: dict[int, Refusal | None] = {
+    LEASED: None,  # held by the caller
+    ACKED: Refusal.SETTLED,
+    REJECTED: Refusal.SETTLED,
+    NACKED: Refusal.NOT_LEASED,
+    EXPIRED: Refusal.EXPIRED,
+    RELEASED: Refusal.NOT_LEASED,
+    CANCELLED: Refusal.SETTLED,
+    DEAD: Refusal.SETTLED,
+    NOT_LEASED: Refusal.NOT_LEASED,
+    OTHER_CONSUMER: Refusal.OTHER_CONSUMER,
+    EXPIRED_NOW: Refusal.EXPIRED,
+}
+_REFUSAL_OF = tuple(_REFUSAL[code] for code in range(len(_REFUSAL)))  # by code
 POSITION_MASK = (1 << POSITION_BITS) - 1
 # Receipts in an ack for its bulk path (`TopicState._ack_run`), and picks the leader
 # packs (`TopicIndex.pick`): their fixed costs (~6 µs) pay from about 10 messages on.

@@ -19,14 +19,32 @@ use pyo3::IntoPyObjectExt;
 
 use crate::packed_ids::PackedIds;
 
-/// A receipt is `lid << POSITION_BITS | position` (`leases.POSITION_BITS`).
-const POSITION_BITS: u32 = 10;
-/// How a position's lease ended (`leases.LEASED`...): the settling ones.
+/// A receipt is `lid << POSITION_BITS | position`: a lease holds at most 1000 messages.
+pub(crate) const POSITION_BITS: u32 = 10;
+/// How a position's lease ended (0 while it is leased), and the settling ones among them.
+pub(crate) const ENDED: [(&str, u8); 8] = [
+    ("LEASED", 0),
+    ("ACKED", ACKED),
+    ("REJECTED", REJECTED),
+    ("NACKED", NACKED),
+    ("EXPIRED", EXPIRED),
+    ("RELEASED", RELEASED),
+    ("CANCELLED", CANCELLED),
+    ("DEAD", DEAD),
+];
 const ACKED: u8 = 1;
 const REJECTED: u8 = 2;
+const NACKED: u8 = 3;
+const EXPIRED: u8 = 4;
+const RELEASED: u8 = 5;
 const CANCELLED: u8 = 6;
 const DEAD: u8 = 7;
 /// `status` codes past the ended ones (1..=7), for a position not held by the caller.
+pub(crate) const NOT_HELD: [(&str, u8); 3] = [
+    ("NOT_LEASED", NOT_LEASED),
+    ("OTHER_CONSUMER", OTHER_CONSUMER),
+    ("EXPIRED_NOW", EXPIRED_NOW),
+];
 const NOT_LEASED: u8 = 8;
 const OTHER_CONSUMER: u8 = 9;
 const EXPIRED_NOW: u8 = 10;

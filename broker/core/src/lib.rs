@@ -30,5 +30,10 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_joined_heads, m)?)?;
     m.add_function(wrap_pyfunction!(lease_json::render_leased, m)?)?;
+    // A lease record's codes, for `leases.py` to name: one definition, here.
+    m.add("POSITION_BITS", lease_record::POSITION_BITS)?;
+    for (name, code) in lease_record::ENDED.iter().chain(&lease_record::NOT_HELD) {
+        m.add(*name, *code)?;
+    }
     Ok(())
 }
