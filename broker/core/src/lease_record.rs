@@ -21,7 +21,7 @@ use crate::packed_ids::PackedIds;
 
 /// A receipt is `lid << POSITION_BITS | position`: a lease holds at most 1000 messages.
 pub(crate) const POSITION_BITS: u32 = 10;
-/// How a position's lease ended (0 while it is leased), and the settling ones among them.
+/// How a position's lease ended (0 while it is leased), by the names the module exports.
 pub(crate) const ENDED: [(&str, u8); 8] = [
     ("LEASED", 0),
     ("ACKED", ACKED),
