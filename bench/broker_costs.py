@@ -48,8 +48,9 @@ from test_broker import buffer_rows, fill  # noqa: E402
 
 from dejaq.broker.api.hotpath import _ack_args, _lease_args, _parsed  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
+from dejaq.broker.state import raft  # noqa: E402
 from dejaq.broker.state.leases import TopicState, consecutive  # noqa: E402
-from dejaq.broker.state.raft import RaftNode  # noqa: E402
+from dejaq.broker.state.raft import BrokerState, RaftNode  # noqa: E402
 from dejaq.broker.storage import message_json  # noqa: E402
 from dejaq.broker.storage.index import TopicIndex  # noqa: E402
 from dejaq.broker.storage.ledger_writer import checkpoint  # noqa: E402
@@ -82,7 +83,28 @@ class IndexListener:
 
 
 CHECKPOINT_STEP = "checkpoint (its own thread)"  # counted in the other threads' CPU too
-NESTED = ("apply lease", "apply ack", "apply trim", "forget settled rows")  # inside "apply"
+# Inside "apply": the group's leases and acks by receipt in the core, the rest by
+# `BrokerState._apply` ("apply in Python"), which holds the Python transitions' steps.
+IN_PYTHON = ("apply lease", "apply ack", "apply trim", "forget settled rows")
+CORE_STEP = "apply leases and acks by receipt (core)"
+DISPATCH_STEP = "dispatch other commands"
+
+
+class TimedTransitions:
+    """`leases.TRANSITIONS` timed by node, as `Clock.wrap` times a Python method (the
+    core's class cannot be patched)."""
+
+    def __init__(self, core: Any, clock: Clock) -> None:
+        self.core, self.clock = core, clock
+
+    def apply_group(self, state: Any, commands: Any, apply: Any) -> Any:
+        t = time.perf_counter()
+        try:
+            return self.core.apply_group(state, commands, apply)
+        finally:
+            if self.clock.on:
+                role = self.clock.roles[id(state)]
+                self.clock.spent[role, "apply group"] += time.perf_counter() - t
 
 
 class Clock:
@@ -157,11 +179,14 @@ async def measure(
     for i, node in enumerate(nodes):
         role = "leader" if i == lead else "followers"
         clock.roles[id(node.state.topics["t"])] = role
+        clock.roles[id(node.state)] = role
         clock.roles[id(indexes[i])] = role
         clock.roles[id(node.sync)] = role
     for name in ("lease", "ack", "trim"):
         clock.wrap(TopicState, name, f"apply {name}", lambda s: s)
     clock.wrap(TopicIndex, "forget", "forget settled rows", lambda i: i)
+    clock.wrap(BrokerState, "_apply", "apply in Python", lambda s: s)
+    raft.TRANSITIONS = TimedTransitions(raft.TRANSITIONS, clock)
     # The broker's SyncObj applies the leader's own commands without unpickling them.
     clock.wrap(type(leader.sync), "_SyncObj__doApplyCommand", "apply", lambda s: s)
     workers = [f"w{i}" for i in range(args.workers)]
@@ -272,9 +297,12 @@ def report(spent: Counter[tuple[str, str]], cpu: Counter[str], n: int) -> dict:
     steps: dict[str, dict[str, float]] = {}
     timed = 0.0
     for role, share in (("leader", 1), ("followers", 2)):
-        mine = {step: v for (r, step), v in spent.items() if r == role and step != "apply"}
-        mine["unpickle and dispatch commands"] = spent[role, "apply"] - sum(
-            spent[role, s] for s in NESTED
+        inner = ("apply", "apply group", "apply in Python")
+        mine = {step: v for (r, step), v in spent.items() if r == role and step not in inner}
+        mine["unpickle and dispatch commands"] = spent[role, "apply"] - spent[role, "apply group"]
+        mine[CORE_STEP] = spent[role, "apply group"] - spent[role, "apply in Python"]
+        mine[DISPATCH_STEP] = spent[role, "apply in Python"] - sum(
+            spent[role, s] for s in IN_PYTHON
         )
         timed += sum(v for step, v in mine.items() if step != CHECKPOINT_STEP)
         steps[role] = {k: round(v / n / share * 1e6, 2) for k, v in sorted(mine.items())}

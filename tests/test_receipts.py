@@ -495,3 +495,113 @@ def test_lease_records_pickled_with_list_columns_load_packed_and_settle_alike() 
     for state in (old, fresh):
         assert state.ack("c", 1, [], list(receipts(state.records[record.lid]).values())) == {}
     assert list(old.events) == list(fresh.events) and old.held == fresh.held
+
+
+GROUP_MIDS = [f"g{i}" for i in range(24)]  # enough for a lease whose ack is bulk
+
+
+def by_python(node: BrokerState, commands: list[tuple[str, str, tuple]]) -> list:
+    """A group commit applied one command at a time by `BrokerState._apply`."""
+    results: list = []
+    for topic, op, args in commands:
+        try:
+            results.append(node._apply(topic, op, args))
+        except Exception as e:
+            results.append(e)
+    return results
+
+
+def comparable(result: object) -> object:
+    """A command's result as two nodes' can be compared: a record by its columns, an
+    exception by its type."""
+    if isinstance(result, LeaseRecord):
+        return ("record", result.__getstate__())
+    if isinstance(result, Exception):
+        return ("raised", type(result))
+    return result
+
+
+@st.composite
+def groups(draw: st.DrawFn) -> list[list[tuple]]:
+    """Group commits of leases, acks by receipt and the commands around them, each a
+    list of (op, parameters) the test turns into commands as the leader would."""
+    consumer = st.sampled_from(["c", "d", "newcomer"])
+    lease = st.tuples(
+        st.just("lease"),
+        consumer,
+        st.lists(st.tuples(st.sampled_from(GROUP_MIDS), st.integers(0, 1)), max_size=20),
+        st.sampled_from(["packed", "listed", "list of picks"]),
+        st.sampled_from([None, None, 5.0]),
+        st.sampled_from(["now", "now", "stale", "none"]),
+    )
+    ack = st.tuples(
+        st.just("ack"),
+        consumer,
+        st.lists(st.integers(0, 40), max_size=20),
+        st.sampled_from(["receipts", "receipts", "whole lease", "ids", "bogus"]),
+    )
+    other = st.tuples(st.sampled_from(["trim", "pause", "resume", "expire", "nack", "touch"]))
+    op = st.one_of(lease, lease, ack, ack, other)
+    return draw(st.lists(st.lists(op, min_size=1, max_size=6), max_size=12))
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups())
+def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
+    history: list[list[tuple]],
+) -> None:
+    """Leases and acks by receipt are applied by the compiled core (`TRANSITIONS`), the
+    rest, and their rarer cases (a new consumer, a paused or rate-limited topic, picks as
+    a list, acks by id or of a whole lease), by `BrokerState._apply`. A history of group
+    commits applied that way and one command at a time by `_apply` alone leaves two
+    nodes with the same results and the same state, to the byte of their snapshots."""
+    core, python = (BrokerState([topic_conf("t", buckets=2)], 3, NoIndex()) for _ in range(2))
+    for node in (core, python):
+        node._apply("t", "touch", ("c", 0))
+        node._apply("t", "touch", ("d", 0))
+    records: list[LeaseRecord] = []  # the core node's, whose receipts the acks name
+    now = 0
+    for group in history:
+        now += 7
+        s = core.topics["t"]
+        commands: list[tuple[str, str, tuple]] = []
+        for step in group:
+            if step[0] == "lease":
+                _, who, chosen, form, rate, seen = step
+                picks = [(m, b, i) for i, (m, b) in enumerate(chosen)]
+                carried = {"packed": packed, "listed": partial(packed, pack_ids=False)}
+                as_sent = carried[form](picks) if form in carried else picks
+                at = {"now": s.seq, "stale": s.seq - 3, "none": None}[seen]
+                args = (who, now, 50, as_sent, rate, True) + (() if at is None else (at,))
+                commands.append(("t", "lease", args))
+            elif step[0] == "ack":
+                _, who, picked, how = step
+                named = [r.receipt(p) for r in records for p in range(len(r))]
+                chosen = [named[i] for i in picked if i < len(named)]
+                if how == "whole lease" and records:
+                    chosen = [records[-1].receipt(p) for p in range(len(records[-1]))]
+                    chosen = consecutive(chosen)
+                if how == "bogus":
+                    chosen = [*chosen, 999 << POSITION_BITS, -1]
+                if how == "ids":
+                    commands.append(("t", "ack", (who, now, GROUP_MIDS[:3])))
+                else:
+                    commands.append(("t", "ack", (who, now, [], chosen)))
+            elif step[0] == "trim":
+                commands.append(("t", "trim", (s.seq - 1,)))
+            elif step[0] in ("pause", "resume"):
+                commands.append(("t", "pause", (step[0] == "pause",)))
+            elif step[0] == "expire":
+                commands.append(("t", "expire", (now, 10**9, (5, 20))))
+            elif step[0] == "nack":
+                commands.append(("t", "nack", ("c", now, GROUP_MIDS[:2])))
+            else:
+                commands.append(("t", "touch", ("d", now)))
+        got = core.batch(pickle.loads(pickle.dumps(commands)), _doApply=True)
+        expected = by_python(python, pickle.loads(pickle.dumps(commands)))
+        assert list(map(comparable, got)) == list(map(comparable, expected)), commands
+        records += [r for r in got if isinstance(r, LeaseRecord) and len(r)]
+        assert core.lids == python.lids
+        assert pickle.dumps(core.topics["t"]) == pickle.dumps(python.topics["t"]), commands
+        assert core.topics["t"].leased.keys() == python.topics["t"].leased.keys()
+        assert core.topics["t"].ending == python.topics["t"].ending

@@ -32,6 +32,7 @@ from dejaq_core import (
     LeaseRecord,
     LeaseTable,
     PackedIds,
+    Transitions,
     count_buckets,
     free_buckets,
     grant,
@@ -104,6 +105,9 @@ BULK_MIN = 16
 
 
 _settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
+# Lease and ack by receipt as the compiled core applies them for a group commit
+# (`BrokerState.batch`), with the objects they make and name.
+TRANSITIONS = Transitions(Settlement, LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN)
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 # A lease command's picks: their ids (packed, or a list of str if one cannot be), and
@@ -304,6 +308,10 @@ class TopicState:
         configuration) caps the picks at the tokens in the bucket: both checks once per
         lease, not per message.
 
+        A group commit (`BrokerState.batch`) has the core apply a numbered lease of a
+        member on a topic neither paused nor rate-limited (`TRANSITIONS`), the same
+        steps; the tests hold the two alike.
+
         `seen` is the seq the leader's state was at when it picked (None in commands
         from before it was carried). A message settled since is known as settled
         (`settled_event`) until a trim forgets it; once a trim has passed `seen`, a pick
@@ -464,6 +472,8 @@ class TopicState:
         message has no delay and no count outside its lease, so only an override (a
         nack's new priority) is left to drop. An acked message stays in `leases`, marked
         ACKED in its record, until the trim of its event: no table by id is written.
+        A group commit has the core apply an ack by fewer receipts than `BULK_MIN`
+        (`TRANSITIONS`), the same steps.
         """
         bulk = receipts is not None and len(receipts) >= BULK_MIN
         if bulk and (record := self._run_of(consumer, now, receipts)) is not None:

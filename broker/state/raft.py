@@ -54,7 +54,7 @@ from pysyncobj.monotonic import monotonic as raft_clock
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
-from dejaq.broker.state.leases import TopicState
+from dejaq.broker.state.leases import TRANSITIONS, TopicState
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
 log = logging.getLogger("dejaq.broker.state.raft")
@@ -489,14 +489,11 @@ class BrokerState(SyncObjConsumer):
 
     @replicated
     def batch(self, commands: list[tuple[str, str, tuple]]) -> list[Any]:
-        """Group commit: many requests' commands in one log entry, each result apart."""
-        results: list[Any] = []
-        for topic, op, args in commands:
-            try:
-                results.append(self._apply(topic, op, args))
-            except Exception as e:  # deterministic on every node: fail this command only
-                results.append(e)
-        return results
+        """Group commit: many requests' commands in one log entry, each result apart, or
+        the Exception it raised (deterministic on every node: it fails that command
+        only). Leases and acks by receipt are applied in the compiled core, the rest
+        by `_apply`."""
+        return TRANSITIONS.apply_group(self, commands, self._apply)
 
     def _apply(self, topic: str, op: str, args: tuple) -> Any:
         st = self.topics[topic]

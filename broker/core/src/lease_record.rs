@@ -32,7 +32,7 @@ pub(crate) const ENDED: [(&str, u8); 8] = [
     ("CANCELLED", CANCELLED),
     ("DEAD", DEAD),
 ];
-const ACKED: u8 = 1;
+pub(crate) const ACKED: u8 = 1;
 const REJECTED: u8 = 2;
 const NACKED: u8 = 3;
 const EXPIRED: u8 = 4;
@@ -68,9 +68,9 @@ fn column<'py, T: FromPyObject<'py>>(value: &Bound<'py, PyAny>) -> PyResult<Vec<
 /// One granted message, but for its id.
 #[derive(Clone, Copy)]
 pub(crate) struct Granted {
-    sort_key: i64,
-    deliveries: i32,
-    bucket: u16,
+    pub(crate) sort_key: i64,
+    pub(crate) deliveries: i32,
+    pub(crate) bucket: u16,
     /// 0 while leased, else how its lease ended.
     ended: u8,
 }
@@ -85,6 +85,9 @@ impl Granted {
         }
     }
 }
+
+/// A position an ack took: its id, its row, and how many of the lease are still leased.
+pub(crate) type Taken<'py> = (Bound<'py, PyAny>, Granted, usize);
 
 /// Native-order bytes of one field of each of `run`, as an `array` of `code` holds them.
 fn cells<const N: usize>(run: &[Granted], cell: impl Fn(&Granted) -> [u8; N]) -> Vec<u8> {
@@ -107,6 +110,54 @@ pub struct LeaseRecord {
 }
 
 impl LeaseRecord {
+    /// A lease's record before its grant: no position yet.
+    pub(crate) fn empty(py: Python<'_>, lid: i64, consumer: Py<PyString>, deadline: i64) -> Self {
+        Self {
+            lid,
+            consumer,
+            deadline,
+            mids: PyList::empty(py).into_any().unbind(),
+            granted: Vec::new(),
+            deadlines: None,
+            live: 0,
+            positions: None,
+        }
+    }
+
+    pub(crate) fn number(&self) -> i64 {
+        self.lid
+    }
+
+    pub(crate) fn leased(&self) -> usize {
+        self.live
+    }
+
+    /// `take`'s step as Rust values: the id, the position's row and how many are still
+    /// leased, or the status code that refuses it.
+    pub(crate) fn take_at<'py>(
+        slf: &Bound<'py, Self>,
+        pos: usize,
+        consumer: &str,
+        now: i64,
+        how: u8,
+    ) -> PyResult<Result<Taken<'py>, u8>> {
+        let py = slf.py();
+        let taken = {
+            let mut me = slf.borrow_mut();
+            match me.status_of(py, pos, consumer, now)? {
+                0 => {
+                    let live = me.end_one(pos, how)?;
+                    Ok((me.granted[pos], live))
+                }
+                status => Err(status),
+            }
+        };
+        Ok(match taken {
+            Err(status) => Err(status),
+            Ok((g, live)) => Ok((Self::mid(slf, pos)?, g, live)),
+        })
+    }
+
     /// The granted picks, as `grant` found them: every position leased.
     pub(crate) fn fill(&mut self, mids: PyObject, granted: Vec<Granted>) {
         self.live = granted.len();
@@ -180,16 +231,7 @@ impl LeaseRecord {
         deadline: i64,
     ) -> PyResult<Self> {
         let consumer = consumer.unwrap_or_else(|| PyString::new(py, ""));
-        Ok(Self {
-            lid,
-            consumer: consumer.unbind(),
-            deadline,
-            mids: PyList::empty(py).into_any().unbind(),
-            granted: Vec::new(),
-            deadlines: None,
-            live: 0,
-            positions: None,
-        })
+        Ok(Self::empty(py, lid, consumer.unbind(), deadline))
     }
 
     #[getter]
@@ -334,20 +376,9 @@ impl LeaseRecord {
         how: u8,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        let taken = {
-            let mut me = slf.borrow_mut();
-            match me.status_of(py, pos, consumer, now)? {
-                0 => {
-                    let live = me.end_one(pos, how)?;
-                    Ok((me.granted[pos], live))
-                }
-                status => Err(status),
-            }
-        };
-        match taken {
+        match Self::take_at(slf, pos, consumer, now, how)? {
             Err(status) => status.into_bound_py_any(py),
-            Ok((g, live)) => {
-                let mid = Self::mid(slf, pos)?;
+            Ok((mid, g, live)) => {
                 (mid, g.bucket, g.sort_key, g.deliveries, live).into_bound_py_any(py)
             }
         }

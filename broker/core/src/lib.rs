@@ -4,6 +4,7 @@
 
 use pyo3::prelude::*;
 
+mod apply;
 mod buckets;
 mod grant;
 mod heads;
@@ -18,6 +19,7 @@ mod packed_ids;
 #[pymodule]
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
+    m.add_class::<apply::Transitions>()?;
     m.add_class::<lease_table::LeaseTable>()?;
     m.add_class::<lease_record::LeaseRecord>()?;
     m.add_class::<packed_ids::PackedIds>()?;

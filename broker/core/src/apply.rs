@@ -1,0 +1,342 @@
+//! A group commit's commands applied on every node (`BrokerState.batch`), the two
+//! commonest, lease and ack by receipt, without a Python step: at batch 1 each was a
+//! dispatch and a transition of some 50 Python lines, ~2.5 µs on every node for every
+//! message, against ~1.7 here (`bench/broker_costs.py` has the figures). The others, and these where a rarer case applies (a
+//! new consumer, a paused topic, a lease rate, an ack by ids or of a whole lease), are
+//! handed to `BrokerState._apply`. Both ways change the state alike, step for step, as
+//! `TopicState.lease` and `TopicState.ack` say; the tests apply random commands both
+//! ways and compare the states.
+
+use pyo3::exceptions::{PyAttributeError, PyException};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple, PyType};
+
+use crate::buckets::hold_in;
+use crate::grant::grant;
+use crate::lease_record::{LeaseRecord, ACKED, POSITION_BITS};
+use crate::lease_table::LeaseTable;
+
+/// The Python objects the transitions make or name, given once by `broker.state.leases`.
+#[pyclass(module = "dejaq_core", frozen)]
+pub struct Transitions {
+    /// `settlements.Settlement`, made as `tuple.__new__(Settlement, fields)` is.
+    settlement: Py<PyType>,
+    tuple_new: Py<PyAny>,
+    /// `LedgerEvent.ACKED`.
+    acked: Py<PyAny>,
+    /// `Refusal`s by `LeaseRecord.status` code, and the one for no such lease.
+    refusal_of: Py<PyTuple>,
+    not_leased: Py<PyAny>,
+    /// Receipts from which an ack takes the bulk path (`TopicState._ack_run`).
+    bulk_min: usize,
+}
+
+/// An attribute of a plain Python object, read from its `__dict__`.
+fn field<'py>(
+    fields: &Bound<'py, PyDict>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyAny>> {
+    fields
+        .get_item(name)?
+        .ok_or_else(|| PyAttributeError::new_err(name.clone().unbind()))
+}
+
+fn dict<'py>(
+    fields: &Bound<'py, PyDict>,
+    name: &Bound<'py, PyString>,
+) -> PyResult<Bound<'py, PyDict>> {
+    Ok(field(fields, name)?.downcast_into::<PyDict>()?)
+}
+
+/// `counter[key] += n`, as `collections.Counter` does it (a missing key counts 0).
+fn count(counter: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, n: i64) -> PyResult<()> {
+    let before: i64 = match counter.get_item(key)? {
+        Some(v) => v.extract()?,
+        None => 0,
+    };
+    counter.set_item(key, before + n)
+}
+
+impl Transitions {
+    /// `TopicState.lease` of a numbered lease, or None where `_apply` must: the
+    /// consumer is not a member (it joins, and buckets move), the topic is paused or
+    /// rate-limited, or the picks are not `Picks`.
+    fn lease<'py>(
+        &self,
+        state: &Bound<'py, PyDict>,
+        st: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyTuple>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = st.py();
+        let fields = st
+            .getattr(intern!(py, "__dict__"))?
+            .downcast_into::<PyDict>()?;
+        let consumer = args.get_item(0)?;
+        let picks = args.get_item(3)?;
+        let consumers = dict(&fields, intern!(py, "consumers"))?;
+        let (Ok(consumer), Ok(picks)) = (
+            consumer.downcast_into::<PyString>(),
+            picks.downcast_into::<PyTuple>(),
+        ) else {
+            return Ok(None);
+        };
+        if picks.len() != 3
+            || !args.get_item(4)?.is_none()
+            || field(&fields, intern!(py, "paused"))?.is_truthy()?
+            || !consumers.contains(&consumer)?
+        {
+            return Ok(None);
+        }
+        let now_obj = args.get_item(1)?;
+        let seen = args.get_item(6).ok().filter(|seen| !seen.is_none());
+        let (Ok(now), Ok(lease_ms), Ok(seen)) = (
+            now_obj.extract::<i64>(),
+            args.get_item(2)?.extract::<i64>(),
+            seen.map(|s| s.extract::<i64>()).transpose(),
+        ) else {
+            return Ok(None);
+        };
+        let lid: i64 = field(state, intern!(py, "lids"))?.extract::<i64>()? + 1;
+        state.set_item(intern!(py, "lids"), lid)?;
+        consumers.set_item(&consumer, &now_obj)?;
+        let record = Bound::new(
+            py,
+            LeaseRecord::empty(py, lid, consumer.clone().unbind(), now + lease_ms),
+        )?;
+        if let Some(seen) = seen {
+            if trimmed_upto(&fields)? > seen {
+                return Ok(Some(record.into_any()));
+            }
+        }
+        let owned = match dict(&fields, intern!(py, "owned"))?.get_item(&consumer)? {
+            Some(owned) => owned,
+            None => PyTuple::empty(py).into_any(),
+        };
+        let redelivered = grant(
+            field(&fields, intern!(py, "leases"))?.downcast::<LeaseTable>()?,
+            &record,
+            &picks.get_item(0)?,
+            picks.get_item(1)?.downcast()?,
+            picks.get_item(2)?.downcast()?,
+            &owned,
+            &dict(&fields, intern!(py, "held"))?,
+            &consumer,
+            &dict(&fields, intern!(py, "settled"))?,
+            &dict(&fields, intern!(py, "not_before"))?,
+            &dict(&fields, intern!(py, "deliveries"))?,
+            now,
+            None,
+        )?;
+        let n = record.borrow().leased();
+        if n == 0 {
+            return Ok(Some(record.into_any()));
+        }
+        dict(&fields, intern!(py, "records"))?.set_item(lid, &record)?;
+        dict(&fields, intern!(py, "leased"))?.set_item(lid, &record)?;
+        let totals = dict(&fields, intern!(py, "totals"))?;
+        count(&totals, intern!(py, "leased"), n as i64)?;
+        if redelivered > 0 {
+            count(&totals, intern!(py, "redelivered"), redelivered as i64)?;
+        }
+        Ok(Some(record.into_any()))
+    }
+
+    /// `TopicState.ack` by fewer receipts than a bulk ack takes, or None where `_apply`
+    /// must (ids, a bulk ack, receipts that are not small ints).
+    fn ack<'py>(
+        &self,
+        st: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyTuple>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = st.py();
+        let receipts = args.get_item(3)?;
+        let consumer = args.get_item(0)?;
+        let (Ok(receipts), Ok(consumer)) = (
+            receipts.downcast_into::<PyList>(),
+            consumer.downcast_into::<PyString>(),
+        ) else {
+            return Ok(None);
+        };
+        if receipts.len() >= self.bulk_min {
+            return Ok(None);
+        }
+        let keys: Vec<i64> = match receipts
+            .iter()
+            .map(|r| r.extract::<i64>())
+            .collect::<PyResult<Vec<i64>>>()
+        {
+            Ok(keys) if keys.iter().all(|&k| k >= 0) => keys,
+            _ => return Ok(None),
+        };
+        let now_obj = args.get_item(1)?;
+        let Ok(now) = now_obj.extract::<i64>() else {
+            return Ok(None);
+        };
+        let who = consumer.to_str()?;
+        let fields = st
+            .getattr(intern!(py, "__dict__"))?
+            .downcast_into::<PyDict>()?;
+        let records = dict(&fields, intern!(py, "records"))?;
+        let leased = dict(&fields, intern!(py, "leased"))?;
+        let ending = field(&fields, intern!(py, "ending"))?;
+        let held = dict(&fields, intern!(py, "held"))?;
+        let sort_keys = dict(&fields, intern!(py, "sort_keys"))?;
+        let start: i64 = field(&fields, intern!(py, "seq"))?.extract()?;
+        let mut seq = start;
+        let refused = PyDict::new(py);
+        let events = PyList::empty(py);
+        let (acked, refusal_of) = (self.acked.bind(py), self.refusal_of.bind(py));
+        for (key, &k) in receipts.iter().zip(&keys) {
+            let Some(record) = records.get_item(k >> POSITION_BITS)? else {
+                refused.set_item(&key, &self.not_leased)?;
+                continue;
+            };
+            let record = record.downcast_into::<LeaseRecord>()?;
+            let pos = (k & ((1 << POSITION_BITS) - 1)) as usize;
+            let (mid, g, live) = match LeaseRecord::take_at(&record, pos, who, now, ACKED)? {
+                Err(status) => {
+                    refused.set_item(&key, refusal_of.get_item(status as usize)?)?;
+                    continue;
+                }
+                Ok(taken) => taken,
+            };
+            let lid = record.borrow().number();
+            if live == 0 {
+                leased.del_item(lid)?;
+                ending.call_method1(intern!(py, "append"), ((seq + 1, lid),))?;
+            }
+            let bucket = g.bucket.into_pyobject(py)?;
+            hold_in(&held, &bucket, 1, &consumer, -1)?;
+            seq += 1;
+            let fields = (
+                seq,
+                &mid,
+                &bucket,
+                acked,
+                g.sort_key,
+                g.deliveries,
+                &now_obj,
+                py.None(),
+            );
+            events.append(
+                self.tuple_new
+                    .bind(py)
+                    .call1((self.settlement.bind(py), fields))?,
+            )?;
+            if !sort_keys.is_empty() && sort_keys.contains(&mid)? {
+                sort_keys.del_item(&mid)?;
+            }
+        }
+        if seq != start {
+            field(&fields, intern!(py, "events"))?
+                .call_method1(intern!(py, "extend"), (events,))?;
+            count(&dict(&fields, intern!(py, "totals"))?, acked, seq - start)?;
+            fields.set_item(intern!(py, "seq"), seq)?;
+        }
+        let consumers = dict(&fields, intern!(py, "consumers"))?;
+        if let Some(seen) = consumers.get_item(&consumer)? {
+            if seen.extract::<i64>()? < now {
+                consumers.set_item(&consumer, &now_obj)?;
+            }
+        }
+        Ok(Some(refused.into_any()))
+    }
+}
+
+/// `TopicState.trimmed_upto`: the last event seq trimmed away.
+fn trimmed_upto(fields: &Bound<'_, PyDict>) -> PyResult<i64> {
+    let py = fields.py();
+    let trimmed: i64 = field(fields, intern!(py, "trimmed"))?.extract()?;
+    let entries = field(fields, intern!(py, "events"))?.getattr(intern!(py, "entries"))?;
+    let entries = entries.downcast::<PyList>()?;
+    let upto: i64 = match entries.len() {
+        0 => field(fields, intern!(py, "seq"))?.extract()?,
+        _ => entries.get_item(0)?.get_item(0)?.extract::<i64>()? - 1,
+    };
+    Ok(trimmed.max(upto))
+}
+
+#[pymethods]
+impl Transitions {
+    #[new]
+    fn new(
+        py: Python<'_>,
+        settlement: Py<PyType>,
+        acked: Py<PyAny>,
+        refusal_of: Py<PyTuple>,
+        not_leased: Py<PyAny>,
+        bulk_min: usize,
+    ) -> PyResult<Self> {
+        let tuple_new = py
+            .get_type::<PyTuple>()
+            .getattr(intern!(py, "__new__"))?
+            .unbind();
+        Ok(Self {
+            settlement,
+            tuple_new,
+            acked,
+            refusal_of,
+            not_leased,
+            bulk_min,
+        })
+    }
+
+    /// `BrokerState.batch`: each of `commands` (topic, op, args) applied in order, its
+    /// result or the Exception it raised in its place; `apply(topic, op, args)`
+    /// (`BrokerState._apply`) for those not applied here.
+    fn apply_group<'py>(
+        &self,
+        state: &Bound<'py, PyAny>,
+        commands: &Bound<'py, PyAny>,
+        apply: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = state.py();
+        let fields = state
+            .getattr(intern!(py, "__dict__"))?
+            .downcast_into::<PyDict>()?;
+        let topics = dict(&fields, intern!(py, "topics"))?;
+        let results = PyList::empty(py);
+        for command in commands.try_iter()? {
+            let (topic, op, args): (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>) =
+                command?.extract()?;
+            let result =
+                self.one(&fields, &topics, &topic, &op, &args)
+                    .and_then(|done| match done {
+                        Some(result) => Ok(result),
+                        None => apply.call1((&topic, &op, &args)),
+                    });
+            match result {
+                Ok(result) => results.append(result)?,
+                Err(e) if e.is_instance_of::<PyException>(py) => {
+                    results.append(e.into_value(py))?
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(results)
+    }
+}
+
+impl Transitions {
+    fn one<'py>(
+        &self,
+        state: &Bound<'py, PyDict>,
+        topics: &Bound<'py, PyDict>,
+        topic: &Bound<'py, PyAny>,
+        op: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let (Ok(op), Ok(args)) = (op.downcast::<PyString>(), args.downcast::<PyTuple>()) else {
+            return Ok(None);
+        };
+        let Some(st) = topics.get_item(topic)? else {
+            return Ok(None);
+        };
+        match op.to_str()? {
+            "lease" if args.len() == 6 || args.len() == 7 => self.lease(state, &st, args),
+            "ack" if args.len() == 4 => self.ack(&st, args),
+            _ => Ok(None),
+        }
+    }
+}
