@@ -9,7 +9,8 @@ packed by the leader's index, committed, rendered as the lease JSON) and ack it 
 receipts (the body parsed as the hot path parses it, a whole lease's as a range, as the
 broker commits it); the leader checkpoints into the ledger in a thread, about a
 second's acks at a time, and trims in slices, as the broker does. Each step is timed
-where it runs, on which node (the methods are wrapped for the run, as a profiler would),
+where it runs, on which node (the methods are wrapped for the run, as a profiler would;
+a group commit's leases and acks by receipt, which the core applies, as one step),
 and the main thread's CPU is split into those steps and the rest: Raft's transport,
 sealing, pickling and ticks, and the loop. The checkpoint's thread and the Delta
 writer's own are counted apart. No HTTP and no clients (`bench/broker.py` measures the
