@@ -59,6 +59,28 @@ fn count(counter: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, n: i64) -> PyResul
 }
 
 impl Transitions {
+    /// One command applied here, or None for `_apply` to apply.
+    fn one<'py>(
+        &self,
+        state: &Bound<'py, PyDict>,
+        topics: &Bound<'py, PyDict>,
+        topic: &Bound<'py, PyAny>,
+        op: &Bound<'py, PyAny>,
+        args: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let (Ok(op), Ok(args)) = (op.downcast::<PyString>(), args.downcast::<PyTuple>()) else {
+            return Ok(None);
+        };
+        let Some(st) = topics.get_item(topic)? else {
+            return Ok(None);
+        };
+        match op.to_str()? {
+            "lease" if args.len() == 6 || args.len() == 7 => self.lease(state, &st, args),
+            "ack" if args.len() == 4 => self.ack(&st, args),
+            _ => Ok(None),
+        }
+    }
+
     /// `TopicState.lease` of a numbered lease, or None where `_apply` must: the
     /// consumer is not a member (it joins, and buckets move), the topic is paused or
     /// rate-limited, or the picks are not `Picks`.
@@ -315,28 +337,5 @@ impl Transitions {
             }
         }
         Ok(results)
-    }
-}
-
-impl Transitions {
-    fn one<'py>(
-        &self,
-        state: &Bound<'py, PyDict>,
-        topics: &Bound<'py, PyDict>,
-        topic: &Bound<'py, PyAny>,
-        op: &Bound<'py, PyAny>,
-        args: &Bound<'py, PyAny>,
-    ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let (Ok(op), Ok(args)) = (op.downcast::<PyString>(), args.downcast::<PyTuple>()) else {
-            return Ok(None);
-        };
-        let Some(st) = topics.get_item(topic)? else {
-            return Ok(None);
-        };
-        match op.to_str()? {
-            "lease" if args.len() == 6 || args.len() == 7 => self.lease(state, &st, args),
-            "ack" if args.len() == 4 => self.ack(&st, args),
-            _ => Ok(None),
-        }
     }
 }
