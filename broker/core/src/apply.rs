@@ -1,9 +1,9 @@
 //! A group commit's commands applied on every node (`BrokerState.batch`), the two
 //! commonest, lease and ack by receipt, without a Python step: at batch 1 each was a
 //! dispatch and a transition of some 50 Python lines, ~2.5 µs on every node for every
-//! message, against ~1.7 here (`bench/broker_costs.py` has the figures). The others, and these where a rarer case applies (a
-//! new consumer, a paused topic, a lease rate, an ack by ids or of a whole lease), are
-//! handed to `BrokerState._apply`. Both ways change the state alike, step for step, as
+//! message, against ~1.7 here (`bench/broker_costs.py` has the figures). The others,
+//! and these where a rarer case applies (a new consumer, a paused topic, a lease rate,
+//! an ack by ids or of a whole lease), are handed to `BrokerState._apply`. Both ways change the state alike, step for step, as
 //! `TopicState.lease` and `TopicState.ack` say; the tests apply random commands both
 //! ways and compare the states.
 
@@ -74,29 +74,30 @@ impl Transitions {
         let Some(st) = topics.get_item(topic)? else {
             return Ok(None);
         };
+        let fields = st
+            .getattr(intern!(st.py(), "__dict__"))?
+            .downcast_into::<PyDict>()?;
         match op.to_str()? {
-            "lease" if args.len() == 6 || args.len() == 7 => self.lease(state, &st, args),
-            "ack" if args.len() == 4 => self.ack(&st, args),
+            "lease" if args.len() == 6 || args.len() == 7 => self.lease(state, &st, &fields, args),
+            "ack" if args.len() == 4 => self.ack(&fields, args),
             _ => Ok(None),
         }
     }
 
-    /// `TopicState.lease` of a numbered lease, or None where `_apply` must: the
-    /// consumer is not a member (it joins, and buckets move), the topic is paused or
-    /// rate-limited, or the picks are not `Picks`.
+    /// `TopicState.lease` of a numbered lease on `st` (whose attributes are `fields`),
+    /// or None where `_apply` must: the consumer is not a member (it joins, and buckets
+    /// move), the topic is paused or rate-limited, or the picks are not `Picks`.
     fn lease<'py>(
         &self,
         state: &Bound<'py, PyDict>,
         st: &Bound<'py, PyAny>,
+        fields: &Bound<'py, PyDict>,
         args: &Bound<'py, PyTuple>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let py = st.py();
-        let fields = st
-            .getattr(intern!(py, "__dict__"))?
-            .downcast_into::<PyDict>()?;
         let consumer = args.get_item(0)?;
         let picks = args.get_item(3)?;
-        let consumers = dict(&fields, intern!(py, "consumers"))?;
+        let consumers = dict(fields, intern!(py, "consumers"))?;
         let (Ok(consumer), Ok(picks)) = (
             consumer.downcast_into::<PyString>(),
             picks.downcast_into::<PyTuple>(),
@@ -105,7 +106,7 @@ impl Transitions {
         };
         if picks.len() != 3
             || !args.get_item(4)?.is_none()
-            || field(&fields, intern!(py, "paused"))?.is_truthy()?
+            || field(fields, intern!(py, "paused"))?.is_truthy()?
             || !consumers.contains(&consumer)?
         {
             return Ok(None);
@@ -127,26 +128,27 @@ impl Transitions {
             LeaseRecord::empty(py, lid, consumer.clone().unbind(), now + lease_ms),
         )?;
         if let Some(seen) = seen {
-            if trimmed_upto(&fields)? > seen {
+            let upto: i64 = st.call_method0(intern!(py, "trimmed_upto"))?.extract()?;
+            if upto > seen {
                 return Ok(Some(record.into_any()));
             }
         }
-        let owned = match dict(&fields, intern!(py, "owned"))?.get_item(&consumer)? {
+        let owned = match dict(fields, intern!(py, "owned"))?.get_item(&consumer)? {
             Some(owned) => owned,
             None => PyTuple::empty(py).into_any(),
         };
         let redelivered = grant(
-            field(&fields, intern!(py, "leases"))?.downcast::<LeaseTable>()?,
+            field(fields, intern!(py, "leases"))?.downcast::<LeaseTable>()?,
             &record,
             &picks.get_item(0)?,
             picks.get_item(1)?.downcast()?,
             picks.get_item(2)?.downcast()?,
             &owned,
-            &dict(&fields, intern!(py, "held"))?,
+            &dict(fields, intern!(py, "held"))?,
             &consumer,
-            &dict(&fields, intern!(py, "settled"))?,
-            &dict(&fields, intern!(py, "not_before"))?,
-            &dict(&fields, intern!(py, "deliveries"))?,
+            &dict(fields, intern!(py, "settled"))?,
+            &dict(fields, intern!(py, "not_before"))?,
+            &dict(fields, intern!(py, "deliveries"))?,
             now,
             None,
         )?;
@@ -154,9 +156,9 @@ impl Transitions {
         if n == 0 {
             return Ok(Some(record.into_any()));
         }
-        dict(&fields, intern!(py, "records"))?.set_item(lid, &record)?;
-        dict(&fields, intern!(py, "leased"))?.set_item(lid, &record)?;
-        let totals = dict(&fields, intern!(py, "totals"))?;
+        dict(fields, intern!(py, "records"))?.set_item(lid, &record)?;
+        dict(fields, intern!(py, "leased"))?.set_item(lid, &record)?;
+        let totals = dict(fields, intern!(py, "totals"))?;
         count(&totals, intern!(py, "leased"), n as i64)?;
         if redelivered > 0 {
             count(&totals, intern!(py, "redelivered"), redelivered as i64)?;
@@ -164,14 +166,15 @@ impl Transitions {
         Ok(Some(record.into_any()))
     }
 
-    /// `TopicState.ack` by fewer receipts than a bulk ack takes, or None where `_apply`
-    /// must (ids, a bulk ack, receipts that are not small ints).
+    /// `TopicState.ack` by fewer receipts than a bulk ack takes, on the topic state
+    /// whose attributes are `fields`, or None where `_apply` must (ids, a bulk ack,
+    /// receipts that are not small ints).
     fn ack<'py>(
         &self,
-        st: &Bound<'py, PyAny>,
+        fields: &Bound<'py, PyDict>,
         args: &Bound<'py, PyTuple>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
-        let py = st.py();
+        let py = fields.py();
         let receipts = args.get_item(3)?;
         let consumer = args.get_item(0)?;
         let (Ok(receipts), Ok(consumer)) = (
@@ -196,15 +199,12 @@ impl Transitions {
             return Ok(None);
         };
         let who = consumer.to_str()?;
-        let fields = st
-            .getattr(intern!(py, "__dict__"))?
-            .downcast_into::<PyDict>()?;
-        let records = dict(&fields, intern!(py, "records"))?;
-        let leased = dict(&fields, intern!(py, "leased"))?;
-        let ending = field(&fields, intern!(py, "ending"))?;
-        let held = dict(&fields, intern!(py, "held"))?;
-        let sort_keys = dict(&fields, intern!(py, "sort_keys"))?;
-        let start: i64 = field(&fields, intern!(py, "seq"))?.extract()?;
+        let records = dict(fields, intern!(py, "records"))?;
+        let leased = dict(fields, intern!(py, "leased"))?;
+        let ending = field(fields, intern!(py, "ending"))?;
+        let held = dict(fields, intern!(py, "held"))?;
+        let sort_keys = dict(fields, intern!(py, "sort_keys"))?;
+        let start: i64 = field(fields, intern!(py, "seq"))?.extract()?;
         let mut seq = start;
         let refused = PyDict::new(py);
         let events = PyList::empty(py);
@@ -231,7 +231,7 @@ impl Transitions {
             let bucket = g.bucket.into_pyobject(py)?;
             hold_in(&held, &bucket, 1, &consumer, -1)?;
             seq += 1;
-            let fields = (
+            let row = (
                 seq,
                 &mid,
                 &bucket,
@@ -244,19 +244,18 @@ impl Transitions {
             events.append(
                 self.tuple_new
                     .bind(py)
-                    .call1((self.settlement.bind(py), fields))?,
+                    .call1((self.settlement.bind(py), row))?,
             )?;
             if !sort_keys.is_empty() && sort_keys.contains(&mid)? {
                 sort_keys.del_item(&mid)?;
             }
         }
         if seq != start {
-            field(&fields, intern!(py, "events"))?
-                .call_method1(intern!(py, "extend"), (events,))?;
-            count(&dict(&fields, intern!(py, "totals"))?, acked, seq - start)?;
+            field(fields, intern!(py, "events"))?.call_method1(intern!(py, "extend"), (events,))?;
+            count(&dict(fields, intern!(py, "totals"))?, acked, seq - start)?;
             fields.set_item(intern!(py, "seq"), seq)?;
         }
-        let consumers = dict(&fields, intern!(py, "consumers"))?;
+        let consumers = dict(fields, intern!(py, "consumers"))?;
         if let Some(seen) = consumers.get_item(&consumer)? {
             if seen.extract::<i64>()? < now {
                 consumers.set_item(&consumer, &now_obj)?;
@@ -264,19 +263,6 @@ impl Transitions {
         }
         Ok(Some(refused.into_any()))
     }
-}
-
-/// `TopicState.trimmed_upto`: the last event seq trimmed away.
-fn trimmed_upto(fields: &Bound<'_, PyDict>) -> PyResult<i64> {
-    let py = fields.py();
-    let trimmed: i64 = field(fields, intern!(py, "trimmed"))?.extract()?;
-    let entries = field(fields, intern!(py, "events"))?.getattr(intern!(py, "entries"))?;
-    let entries = entries.downcast::<PyList>()?;
-    let upto: i64 = match entries.len() {
-        0 => field(fields, intern!(py, "seq"))?.extract()?,
-        _ => entries.get_item(0)?.get_item(0)?.extract::<i64>()? - 1,
-    };
-    Ok(trimmed.max(upto))
 }
 
 #[pymethods]
