@@ -605,3 +605,24 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
         assert pickle.dumps(core.topics["t"]) == pickle.dumps(python.topics["t"]), commands
         assert core.topics["t"].leased.keys() == python.topics["t"].leased.keys()
         assert core.topics["t"].ending == python.topics["t"].ending
+
+
+def test_a_trim_in_a_group_commit_is_seen_by_the_leases_after_it() -> None:
+    """The core asks a topic's `trimmed_upto` once per group commit and keeps it until a
+    command it hands to `_apply`: a lease after a trim in the same group, picked from a
+    view the trim passed, grants nothing, as it would in a group of its own."""
+    node = BrokerState([topic_conf("t", buckets=1)], 3, NoIndex())
+    node._apply("t", "touch", ("c", 0))
+    s = node.topics["t"]
+    picks = packed([("a", 0, 1), ("b", 0, 2)])
+    [first] = node.batch([("t", "lease", ("c", 1, 50, picks, None, True, s.seq))], _doApply=True)
+    acks = [first.receipt(0), first.receipt(1)]
+    assert node.batch([("t", "ack", ("c", 2, [], acks))], _doApply=True) == [{}]
+    seen = s.seq
+    group = [
+        ("t", "lease", ("c", 3, 50, packed([("x", 0, 3)]), None, True, seen)),
+        ("t", "trim", (seen,)),
+        ("t", "lease", ("c", 3, 50, packed([("y", 0, 4)]), None, True, seen - 1)),
+    ]
+    before, _, after = node.batch(group, _doApply=True)
+    assert (len(before), len(after)) == (1, 0), "the lease picked before the trim grants nothing"

@@ -8,24 +8,36 @@ import pickle
 from array import array
 from pathlib import Path
 
-from dejaq_core import PackedIds
+from dejaq_core import AckRun, PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import leased
 
 from dejaq.broker.state.leases import TopicState
-from dejaq.broker.state.settlements import EventLog, Run, Settlement, entries_of, last
+from dejaq.broker.state.settlements import (
+    EventLog,
+    Run,
+    Settlement,
+    count,
+    entries_of,
+    last,
+    settlements,
+)
 from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.tables import Table, scan, table_path
 
 EVENTS = ("acked", "dead", "cancelled")
 
-# Steps on a log: ("add", events in the run, which event), ("extend", the same as
-# settlements) or ("cut", how far past the first seq, how many of the cut to keep).
+# Steps on a log: ("add", events in the run, which event), ("append", the same as
+# settlements), ("ack", acks, -) one at a time into the open `AckRun`, ("view", -, -) a
+# reader's view, or ("cut", how far past the first seq, how many of the cut to keep).
 steps = st.lists(
     st.one_of(
-        st.tuples(st.sampled_from(["add", "extend"]), st.integers(0, 5), st.sampled_from(EVENTS)),
+        st.tuples(
+            st.sampled_from(["add", "append", "ack"]), st.integers(0, 5), st.sampled_from(EVENTS)
+        ),
+        st.tuples(st.just("view"), st.just(0), st.just(0)),
         st.tuples(st.just("cut"), st.integers(-2, 12), st.integers(0, 2)),
     ),
     max_size=30,
@@ -36,22 +48,36 @@ steps = st.lists(
 @given(steps)
 def test_a_log_reads_and_cuts_as_the_list_of_its_settlements(plan: list) -> None:
     """The model is the list the state kept before runs: appended in seq order, cut at
-    a seq with the kept deaths put back in front."""
+    a seq with the kept deaths put back in front. A view stays as it was taken while
+    acks go on joining the log."""
     log, model = EventLog(), []
+    views: list[tuple[list, list[Settlement]]] = []
     seq = 0
     for step in plan:
+        if step[0] == "view":
+            view = log.view()
+            views.append((view, list(settlements(view))))
+            continue
         if step[0] != "cut":
             how, n, event = step
+            event = "acked" if how == "ack" else event
             mids = [f"m{seq + i + 1}" for i in range(n)]
             events = [
-                Settlement(seq + 1 + i, m, i % 3, event, i, 1, seq) for i, m in enumerate(mids)
+                Settlement(seq + 1 + i, m, i % 3, event, i, 1, seq * 10 + i)
+                for i, m in enumerate(mids)
             ]
             if how == "add":
+                at = seq * 10
+                events = [e._replace(at=at) for e in events]
                 log.add(
-                    Run(seq + 1, mids, [i % 3 for i in range(n)], event, [*range(n)], [1] * n, seq)
+                    Run(seq + 1, mids, [i % 3 for i in range(n)], event, [*range(n)], [1] * n, at)
                 )
+            elif how == "append":
+                for e in events:
+                    log.append(e)
             else:
-                log.extend(events)
+                for e in events:
+                    log.ack(*e[:7])
             model += events
             seq += n
             continue
@@ -65,15 +91,18 @@ def test_a_log_reads_and_cuts_as_the_list_of_its_settlements(plan: list) -> None
         model = [e for e in cut if e.seq in keep] + [e for e in model if e.seq > upto]
         assert list(log) == model and len(log) == len(model)
         assert log.first() == (model[0].seq if model else None)
-        assert all(type(e) is Settlement or e.message_ids for e in log.entries), "no empty run"
+        assert all(count(e) for e in log.entries), "no empty run"
     assert list(log) == model and log == model
+    assert all(list(settlements(view)) == seen for view, seen in views), "a view changed"
     again = pickle.loads(pickle.dumps(log))
-    assert again == log and len(again) == len(log) and again.entries == log.entries
+    assert again == log and len(again) == len(log)
+    assert not any(type(e) is AckRun for e in again.entries), "snapshots hold settlements"
 
 
 def test_a_bulk_ack_adds_one_run_and_an_old_snapshot_s_list_loads_into_a_log() -> None:
-    """A bulk ack holds its whole lease's events as one run, not a tuple each; a state
-    pickled with the list of settlements (snapshots before the log) loads into one."""
+    """A bulk ack holds its whole lease's events as one run, and acks one at a time
+    append to one `AckRun`, not a tuple each; a state pickled with the list of
+    settlements (snapshots before the log) loads into one."""
     s = TopicState(buckets=1, max_deliveries=5)
     record = s.lease("c", 0, 100, [(f"m{i}", 0, i) for i in range(40)], lid=1)
     assert s.ack("c", 1, [], [record.receipt(p) for p in range(40)]) == {}
@@ -82,7 +111,9 @@ def test_a_bulk_ack_adds_one_run_and_an_old_snapshot_s_list_loads_into_a_log() -
     assert (run.seq, last(run), run.event) == (1, 40, "acked")
     leased(s, "c", ["x", "y"], now=2)
     assert s.ack("c", 3, ["y", "x"]) == {}
-    assert s.events.entries[1:] == list(s.events)[40:], "acked one at a time: a tuple each"
+    [acks] = s.events.entries[1:]
+    assert type(acks) is AckRun and len(acks) == 2, "acked one at a time: rows of one run"
+    assert list(settlements([acks])) == list(s.events)[40:]
     state = s.__getstate__()
     state["events"] = list(s.events)
     old = TopicState.__new__(TopicState)
@@ -120,9 +151,9 @@ def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: P
 
 def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path) -> None:
     """Runs as lease records pack them (arrays, ids packed whole or sliced; two such
-    runs in a row are joined), as snapshots from before hold them (lists), and single
-    settlements between them, one with no sort key: the ledger gets one row per event,
-    in seq order, each with its own fields."""
+    runs in a row are joined), as snapshots from before hold them (lists), single
+    settlements between them, one with no sort key, and acks' runs, each ack at its own
+    time: the ledger gets one row per event, in seq order, each with its own fields."""
     entries = [
         Run(
             1,
@@ -156,7 +187,18 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
         ),
         Settlement(10, "h", 1, "acked", 2, 1, 16),
     ]
-    assert write_ledger(str(tmp_path), "t", entries) == 10
+    for e in (
+        Settlement(11, "k", 3, "acked", 4, 1, 19),
+        Settlement(12, "lé", 4, "acked", 2**35, 2, 17),
+        Settlement(13, "m", 5, "dead", 1, 5, 20, "max_deliveries"),
+        Settlement(14, "n", 6, "acked", 3, 1, 21),
+    ):
+        if e.event == "acked":  # each ack with its own time, as the core's ack adds it
+            AckRun.append(entries, *e[:7])
+        else:
+            entries.append(e)
+    assert [type(e) for e in entries[-3:]] == [AckRun, Settlement, AckRun]
+    assert write_ledger(str(tmp_path), "t", entries) == 14
     rows = scan(table_path(str(tmp_path), Table.LEDGER, "t"), Table.LEDGER).to_pylist()
     got = [
         (r["message_id"], r["bucket"], r["event"], r["sort_key"], r["deliveries"], r["at"])

@@ -104,10 +104,9 @@ POSITION_MASK = (1 << POSITION_BITS) - 1
 BULK_MIN = 16
 
 
-_settlement = tuple.__new__  # (Settlement, fields): a Settlement without a Python call
 # Lease and ack by receipt as the compiled core applies them for a group commit
 # (`BrokerState.batch`), with the objects they make and name.
-TRANSITIONS = Transitions(Settlement, LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN)
+TRANSITIONS = Transitions(LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN)
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 # A lease command's picks: their ids (packed, or a list of str if one cannot be), and
@@ -484,8 +483,7 @@ class TopicState:
         refused: dict[str | int, Refusal] = {}
         leases, records, settled = self.leases, self.records, self.settled
         sort_keys, ending, held = self.sort_keys, self.ending, self.held
-        acked, seq = LedgerEvent.ACKED, self.seq
-        events: list[Settlement] = []
+        acked, seq, events = LedgerEvent.ACKED, self.seq, self.events
         by_receipt = receipts is not None
         for key in receipts if by_receipt else mids:
             if by_receipt:
@@ -515,13 +513,10 @@ class TopicState:
             else:
                 del counts[consumer]
             seq += 1
-            events.append(
-                _settlement(Settlement, (seq, mid, bucket, acked, sort_key, deliveries, now, None))
-            )
+            events.ack(seq, mid, bucket, acked, sort_key, deliveries, now)
             if sort_keys:
                 sort_keys.pop(mid, None)
         if seq != self.seq:
-            self.events.extend(events)
             self.totals[acked] += seq - self.seq
             self.seq = seq
         if consumer in consumers and consumers[consumer] < now:  # `_seen`, inlined
@@ -797,12 +792,13 @@ class TopicState:
             if type(e) is Settlement:
                 one.append(e.message_id)
                 (acked if e.event == LedgerEvent.ACKED else others).append(e.message_id)
-            else:
-                parts.append(e.message_ids)
+            else:  # a `Run` or an `AckRun`
+                mids = e.message_ids
+                parts.append(mids)
                 if e.event == LedgerEvent.ACKED:
-                    self.leases.discard_all(e.message_ids)
+                    self.leases.discard_all(mids)
                 else:
-                    others.extend(e.message_ids)
+                    others.extend(mids)
         self.leases.discard_all(acked)
         deque(map(self.settled.pop, others, repeat(None)), maxlen=0)
         return joined([*parts, one] if one else parts)

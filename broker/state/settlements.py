@@ -1,11 +1,12 @@
-"""Settled messages waiting to be checkpointed into the ledger: one tuple per event, or
-one run of columns for a bulk ack's events.
+"""Settled messages waiting to be checkpointed into the ledger: runs of columns for
+acks, one tuple per other event.
 
 Every node keeps them, and every ack adds to them. A bulk ack of a whole lease is one
-`Run` holding slices of the lease record's columns, not an object per message; a
-smaller settle adds a `Settlement` per message, as a run's lists would cost it more.
-Only the leader reads them whole, a checkpoint at a time, into Arrow columns
-(`broker.ledger_writer`); the other readers (a redrive's look for the dead, tests) see
+`Run` holding slices of the lease record's columns; smaller acks append to the
+`AckRun` at the log's end (the compiled core's: a row of columns an ack, no object);
+any other settle (a death, a cancel, a reject) adds a `Settlement`. Only the leader
+reads them whole, a checkpoint at a time, into Arrow columns (`broker.ledger_writer`);
+the other readers (a redrive's look for the dead, tests) and snapshots see
 `Settlement`s.
 """
 
@@ -15,8 +16,10 @@ import threading
 from bisect import bisect_right
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import chain, repeat
-from operator import itemgetter
+from operator import attrgetter
 from typing import NamedTuple
+
+from dejaq_core import AckRun
 
 
 class Settlement(NamedTuple):
@@ -89,25 +92,45 @@ class Run(NamedTuple):
         )
 
 
-Entry = Settlement | Run
-_first_seq = itemgetter(0)  # of either
+Entry = Settlement | Run | AckRun
+_first_seq = attrgetter("seq")  # of any
 
 
 def last(e: Entry) -> int:
     """The seq of the last event of `e`."""
-    return e.seq if type(e) is Settlement else e.seq + len(e.message_ids) - 1
+    return e.seq + count(e) - 1
 
 
 def count(e: Entry) -> int:
-    return 1 if type(e) is Settlement else len(e.message_ids)
+    kind = type(e)
+    return 1 if kind is Settlement else len(e.message_ids) if kind is Run else len(e)
 
 
 def settlements(entries: Iterable[Entry]) -> Iterator[Settlement]:
     for e in entries:
-        if type(e) is Settlement:
+        kind = type(e)
+        if kind is Settlement:
             yield e
-        else:
+        elif kind is Run:
             yield from e.settlements()
+        else:
+            yield from acks(e)
+
+
+def acks(run: AckRun) -> Iterator[Settlement]:
+    """An `AckRun`'s events, each as a `Settlement`."""
+    n = len(run)
+    columns = (
+        range(run.seq, run.seq + n),
+        run.message_ids,
+        run.buckets,
+        repeat(run.event, n),
+        run.sort_keys,
+        run.deliveries,
+        run.ats,
+        repeat(None, n),
+    )
+    return map(Settlement._make, zip(*columns, strict=True))
 
 
 def past(entries: list[Entry], seq: int) -> list[Entry]:
@@ -138,7 +161,8 @@ class EventLog:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> list[Entry]:
-        return self.entries
+        """Acks' runs as their settlements: snapshots keep the format every node reads."""
+        return [s for e in self.entries for s in (acks(e) if type(e) is AckRun else (e,))]
 
     def __setstate__(self, entries: list[Entry]) -> None:
         self.__init__(entries)
@@ -152,20 +176,31 @@ class EventLog:
         self.entries.append(e)
         self.size += 1
 
-    def extend(self, events: list[Settlement]) -> None:
-        self.entries += events
-        self.size += len(events)
+    def ack(
+        self, seq: int, mid: str, bucket: int, event: str, sort_key: int, deliveries: int, at: int
+    ) -> None:
+        """An ack, the next event: a row of the open `AckRun` at the end, as the core's
+        ack adds it (`AckRun.append`)."""
+        AckRun.append(self.entries, seq, mid, bucket, event, sort_key, deliveries, at)
+        self.size += 1
 
     def view(self) -> list[Entry]:
-        """The entries as they are now, for a reader in another thread."""
+        """The entries as they are now, for a reader in another thread: the last run of
+        acks sealed, so that none joins it while the reader has it."""
         with self._lock:
-            return list(self.entries)
+            return list(self._sealed())
+
+    def _sealed(self) -> list[Entry]:
+        entries = self.entries
+        if entries and type(entries[-1]) is AckRun:
+            entries[-1].seal()
+        return entries
 
     def past(self, seq: int) -> tuple[list[Entry], Entry | None]:
         """The entries up to `seq` (the deaths a trim kept stay in front), and the first
         after them: for a reader in another thread, without a copy of the rest."""
         with self._lock:
-            entries = self.entries
+            entries = self._sealed()
             n = bisect_right(entries, seq, key=last)
             return entries[:n], entries[n] if n < len(entries) else None
 

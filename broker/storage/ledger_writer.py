@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from dejaq_core import PackedIds
+from dejaq_core import AckRun, PackedIds
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
@@ -132,7 +132,7 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
     names: dict[str, int] = {}
     codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)
     events = pa.array(list(names), pa.string()).take(pa.array(np.repeat(codes, lengths)))
-    ms = pa.array(np.repeat(np.array([e.at for e in entries], np.int64), lengths))
+    ms = pa.array(_times(entries, lengths))
     bucket, sort_key, deliveries = _int_columns(entries)
     return {
         "message_id": _ids_column(entries),
@@ -142,6 +142,17 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
         "deliveries": deliveries,
         "at": pc.multiply(ms, 1000).cast(TIMESTAMP),
     }
+
+
+def _times(entries: list[Entry], lengths: list[int]) -> np.ndarray:
+    """Each event's time, ms: a settlement's or a run's one for all its events, an
+    `AckRun`'s from its column of each ack's."""
+    ms = np.repeat(np.array([e.at for e in entries], np.int64), lengths)
+    ends = np.cumsum(lengths)
+    for i, e in enumerate(entries):
+        if type(e) is AckRun:
+            ms[ends[i] - lengths[i] : ends[i]] = e.ats
+    return ms
 
 
 def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:

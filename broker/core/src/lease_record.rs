@@ -53,7 +53,11 @@ static ARRAY: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 static NEWOBJ: GILOnceCell<Py<PyAny>> = GILOnceCell::new();
 
 /// `array.array(code, data)`, data in native order.
-fn array<'py>(py: Python<'py>, code: &str, data: Vec<u8>) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn array<'py>(
+    py: Python<'py>,
+    code: &str,
+    data: Vec<u8>,
+) -> PyResult<Bound<'py, PyAny>> {
     let array = ARRAY.get_or_try_init(py, || -> PyResult<Py<PyAny>> {
         Ok(py.import("array")?.getattr("array")?.unbind())
     })?;

@@ -4,6 +4,7 @@
 
 use pyo3::prelude::*;
 
+mod ack_run;
 mod apply;
 mod buckets;
 mod grant;
@@ -19,6 +20,7 @@ mod packed_ids;
 #[pymodule]
 fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
+    m.add_class::<ack_run::AckRun>()?;
     m.add_class::<apply::Transitions>()?;
     m.add_class::<lease_table::LeaseTable>()?;
     m.add_class::<lease_record::LeaseRecord>()?;

@@ -1,0 +1,191 @@
+//! Acks awaiting their checkpoint, as columns (`settlements.AckRun`): every node keeps
+//! each ack's event until the trim after the ledger has it. An ack of a few messages
+//! (one at batch 1) added a `Settlement` tuple a message, three new ints in it, tracked
+//! by the cyclic GC, read back field by field by the trim and the checkpoint. Here a
+//! message is a row of fixed-size fields and a reference to the id its lease record
+//! already holds, appended to the run at the log's end.
+//!
+//! A run is open while it is the log's last entry and nothing has read it: acks of
+//! consecutive seqs append to it. A reader in another thread (the checkpoint's) gets
+//! the log's entries with the last run sealed (`EventLog.view`), so what it reads
+//! never changes under it; the next ack starts a new run.
+
+use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyList;
+
+use crate::lease_record::array;
+
+#[derive(Clone, Copy)]
+struct Acked {
+    sort_key: i64,
+    at: i64,
+    deliveries: i32,
+    bucket: u16,
+}
+
+#[pyclass(module = "dejaq_core")]
+pub struct AckRun {
+    /// The first ack's seq; the others follow it, one apart.
+    seq: i64,
+    /// `LedgerEvent.ACKED`, as the other entries name their event.
+    event: PyObject,
+    ids: Vec<PyObject>,
+    rows: Vec<Acked>,
+    sealed: bool,
+}
+
+impl AckRun {
+    /// Append an ack of seq `seq` to the open run at the end of `entries` (an
+    /// `EventLog`'s) that it continues, or to a new run appended there.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn append_to(
+        entries: &Bound<'_, PyList>,
+        seq: i64,
+        mid: PyObject,
+        bucket: u16,
+        event: &Bound<'_, PyAny>,
+        sort_key: i64,
+        deliveries: i32,
+        at: i64,
+    ) -> PyResult<()> {
+        let row = Acked {
+            sort_key,
+            at,
+            deliveries,
+            bucket,
+        };
+        if let Some(last) = entries.len().checked_sub(1) {
+            if let Ok(run) = entries.get_item(last)?.downcast::<AckRun>() {
+                let mut run = run.borrow_mut();
+                if !run.sealed && run.seq + run.rows.len() as i64 == seq {
+                    run.ids.push(mid);
+                    run.rows.push(row);
+                    return Ok(());
+                }
+            }
+        }
+        let run = AckRun {
+            seq,
+            event: event.clone().unbind(),
+            ids: vec![mid],
+            rows: vec![row],
+            sealed: false,
+        };
+        entries.append(Bound::new(entries.py(), run)?)
+    }
+
+    fn column<'py, const N: usize>(
+        &self,
+        py: Python<'py>,
+        code: &str,
+        cell: impl Fn(&Acked) -> [u8; N],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        array(py, code, self.rows.iter().flat_map(cell).collect())
+    }
+}
+
+#[pymethods]
+impl AckRun {
+    /// Append an ack to `entries` as the core's ack does (`append_to`), its arguments a
+    /// `Settlement`'s fields: the Python transition's way to the same log.
+    #[staticmethod]
+    #[allow(clippy::too_many_arguments)]
+    fn append(
+        entries: &Bound<'_, PyList>,
+        seq: i64,
+        mid: PyObject,
+        bucket: u16,
+        event: &Bound<'_, PyAny>,
+        sort_key: i64,
+        deliveries: i32,
+        at: i64,
+    ) -> PyResult<()> {
+        Self::append_to(entries, seq, mid, bucket, event, sort_key, deliveries, at)
+    }
+
+    /// No ack joins it from now on: a reader has it.
+    fn seal(&mut self) {
+        self.sealed = true;
+    }
+
+    #[getter]
+    fn sealed(&self) -> bool {
+        self.sealed
+    }
+
+    #[getter]
+    fn seq(&self) -> i64 {
+        self.seq
+    }
+
+    #[getter]
+    fn event(&self, py: Python<'_>) -> PyObject {
+        self.event.clone_ref(py)
+    }
+
+    /// An ack has no reason, as a `Run` of acks has none.
+    #[getter]
+    fn reason(&self, py: Python<'_>) -> PyObject {
+        py.None()
+    }
+
+    /// The first ack's time: how old the oldest unwritten event is (`checkpoints.lag`).
+    #[getter]
+    fn at(&self) -> PyResult<i64> {
+        self.rows
+            .first()
+            .map(|r| r.at)
+            .ok_or_else(|| PyIndexError::new_err("an empty run has no time"))
+    }
+
+    #[getter]
+    fn message_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, self.ids.iter().map(|m| m.bind(py)))
+    }
+
+    /// The columns as `Run`'s are: `array`s ('H', 'q', 'i'), and each ack's time ('q').
+    #[getter]
+    fn buckets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, "H", |r| r.bucket.to_ne_bytes())
+    }
+
+    #[getter]
+    fn sort_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, "q", |r| r.sort_key.to_ne_bytes())
+    }
+
+    #[getter]
+    fn deliveries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, "i", |r| r.deliveries.to_ne_bytes())
+    }
+
+    #[getter]
+    fn ats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.column(py, "q", |r| r.at.to_ne_bytes())
+    }
+
+    /// Its acks of seqs start..end-1 (which it holds), as a sealed run.
+    fn part(&self, py: Python<'_>, start: i64, end: i64) -> PyResult<Self> {
+        let n = self.rows.len() as i64;
+        if start < self.seq || end < start || end > self.seq + n {
+            return Err(PyValueError::new_err(format!(
+                "seqs {start}..{end} are not all in a run of {}..{}",
+                self.seq,
+                self.seq + n
+            )));
+        }
+        let (i, j) = ((start - self.seq) as usize, (end - self.seq) as usize);
+        Ok(Self {
+            seq: start,
+            event: self.event.clone_ref(py),
+            ids: self.ids[i..j].iter().map(|m| m.clone_ref(py)).collect(),
+            rows: self.rows[i..j].to_vec(),
+            sealed: true,
+        })
+    }
+
+    fn __len__(&self) -> usize {
+        self.rows.len()
+    }
+}
