@@ -167,7 +167,7 @@ HOLDS = st.lists(
 @given(HOLDS)
 def test_held_counts_and_free_buckets_answer_as_the_dicts_would(ops: list[tuple]) -> None:
     """The core's `hold` keeps bucket -> {consumer: leases} as the Python loop did, and
-    `free_buckets` is the set of owned buckets no other consumer holds leases in."""
+    `free_buckets` lists the owned buckets no other consumer holds leases in, in order."""
     held: dict[int, dict[str, int]] = {}
     model: dict[int, dict[str, int]] = {}
     for consumer, per_bucket, sign in ops:
@@ -187,7 +187,7 @@ def test_held_counts_and_free_buckets_answer_as_the_dicts_would(ops: list[tuple]
         assert held == model
         for c in ("c1", "c2", "c3"):
             owned = [0, 2, 3, 5, 7]
-            free = {b for b in owned if not model.get(b) or set(model[b]) == {c}}
+            free = [b for b in owned if not model.get(b) or set(model[b]) == {c}]
             assert free_buckets(owned, held, c) == free
     with pytest.raises(KeyError):
         hold({}, {1: 1}, "c1", -1)

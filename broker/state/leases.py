@@ -253,9 +253,7 @@ class TopicState:
         in the order it owns them: the leader's pick asks (every node's lease checks
         the same in the core, `dejaq_core.grant`). It walks the consumer's buckets, not
         all of them."""
-        owned = self.owned.get(consumer, ())
-        free = free_buckets(owned, self.held, consumer)
-        return [b for b in owned if b in free]
+        return free_buckets(self.owned.get(consumer, ()), self.held, consumer)
 
     def _rebalance(self) -> None:
         self.assignment = rebalance(self.buckets, self.consumers, self.assignment)

@@ -53,7 +53,7 @@ class Segment:
     separator ends (4 bytes a head: a segment stops taking writes at SEGMENT_BYTES, and
     one that a write would take past 4 GB is not written to)."""
 
-    __slots__ = ("ends", "file", "live", "number", "size", "sparse_since")
+    __slots__ = ("ends", "fd", "file", "live", "number", "size", "sparse_since")
 
     def __init__(self, folder: str | None) -> None:
         self.number = next(_numbers)
@@ -61,6 +61,7 @@ class Segment:
         self.file: IO[bytes] = tempfile.TemporaryFile(  # noqa: SIM115
             dir=folder, prefix="dejaq-heads-"
         )
+        self.fd = self.file.fileno()  # what the core's reads take, without a call a lease
         self.ends = array("I")
         self.live = 0  # heads written here whose message is still indexed
         self.size = 0
@@ -110,7 +111,7 @@ class HeadStore:
             seg.live += len(placed)
             seg.size = start + int(placed[-1]) if len(placed) else start
         # Outside the lock: the positions are read only once the index holds their rows.
-        os.pwrite(seg.file.fileno(), data, start)
+        os.pwrite(seg.fd, data, start)
         return seg, first
 
     def release(self, counts: dict[Segment, int]) -> None:

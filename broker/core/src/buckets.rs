@@ -8,7 +8,7 @@
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::PyKeyError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PySet, PyString};
+use pyo3::types::{PyDict, PyList, PyString};
 
 use crate::order::slice;
 
@@ -85,18 +85,19 @@ pub(crate) fn hold_in(
 }
 
 /// The buckets of `owned` in which no consumer but `consumer` holds leases (`held`, as
-/// `hold` keeps it): where it may lease now, as a set.
+/// `hold` keeps it), in `owned`'s order: where it may lease now
+/// (`TopicState.buckets_of`, the leader's every pick).
 #[pyfunction]
 pub fn free_buckets<'py>(
     owned: &Bound<'py, PyAny>,
     held: &Bound<'py, PyDict>,
     consumer: &Bound<'py, PyString>,
-) -> PyResult<Bound<'py, PySet>> {
-    let out = PySet::empty(held.py())?;
+) -> PyResult<Bound<'py, PyList>> {
+    let out = PyList::empty(held.py());
     for bucket in owned.try_iter()? {
         let bucket = bucket?;
         if is_free(held, &bucket, consumer)? {
-            out.add(bucket)?;
+            out.append(bucket)?;
         }
     }
     Ok(out)

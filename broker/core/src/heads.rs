@@ -12,6 +12,7 @@ use std::os::unix::fs::FileExt;
 
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -133,8 +134,8 @@ fn gather<'py>(
         let seg = segments
             .get_item(group[0].0)?
             .ok_or_else(|| PyValueError::new_err(format!("no head segment {}", group[0].0)))?;
-        let fd: i32 = seg.getattr("file")?.call_method0("fileno")?.extract()?;
-        let ends = PyBuffer::<u32>::get(&seg.getattr("ends")?)?;
+        let fd: i32 = seg.getattr(intern!(py, "fd"))?.extract()?;
+        let ends = PyBuffer::<u32>::get(&seg.getattr(intern!(py, "ends"))?)?;
         let ends = slice(py, &ends, "ends")?;
         // A segment's file stays open while a row names it; the caller holds the lock
         // that keeps it so. Borrowed, never closed here.
