@@ -5,6 +5,8 @@ stand for."""
 from __future__ import annotations
 
 import pickle
+import sys
+import threading
 from array import array
 from pathlib import Path
 
@@ -261,3 +263,75 @@ def test_the_ledger_s_ids_are_the_entries_ids_in_order(plan: list, convert_slice
     finally:
         ledger_writer.CONVERT_SLICE = before
     assert column.to_pylist() == want
+
+
+def test_a_view_taken_while_acks_join_the_log_never_changes_under_its_reader() -> None:
+    """The checkpoint's thread views the log and reads each run's columns while the event
+    loop appends acks: with threads switching every microsecond, every run it reads
+    keeps one length across its columns, and every ack is read once, in seq order."""
+    log = EventLog()
+    done = threading.Event()
+    seen: list[list[Settlement]] = []
+    errors: list[BaseException] = []
+
+    def reader() -> None:
+        try:
+            while not done.is_set():
+                view = log.view()
+                for e in view:
+                    if type(e) is AckRun:
+                        columns = (e.message_ids, e.buckets, e.sort_keys, e.deliveries, e.ats)
+                        assert {len(c) for c in columns} == {len(e)}, "a run changed"
+                seen.append(list(settlements(view)))
+        except BaseException as e:
+            errors.append(e)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        for seq in range(1, 60_001):
+            log.ack(seq, f"m{seq}", seq % 7, "acked", seq, 1, seq)
+            if seq % 500 == 0:
+                log.cut(seq - 250)
+    finally:
+        done.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    assert not errors, errors
+    assert len(seen) > 1, "the reader viewed the log while acks joined it"
+    for view in seen:
+        seqs = [e.seq for e in view]
+        assert seqs == list(range(seqs[0], seqs[0] + len(seqs))) if seqs else True
+    assert [e.seq for e in log] == list(range(59_751, 60_001))
+
+
+class _AckWhileCopied(list):
+    """A log's entries that let the event loop add an ack while a reader copies them,
+    the thread switch that test stages at the one place it matters."""
+
+    def __init__(self, entries: list, log: EventLog) -> None:
+        super().__init__(entries)
+        self.log = log
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        seq = last(self[-1]) + 1
+        self.log.ack(seq, f"m{seq}", 0, "acked", seq, 1, seq)
+        return super().__iter__()
+
+
+def test_an_ack_added_while_a_view_is_copied_never_joins_a_run_in_the_view() -> None:
+    """The view is copied, then its last run sealed: an ack that lands in between joins
+    that run before the seal, and acks after it start a run the view does not hold."""
+    log = EventLog()
+    for seq in (1, 2):
+        log.ack(seq, f"m{seq}", 0, "acked", seq, 1, seq)
+    log.entries = _AckWhileCopied(log.entries, log)
+    view = log.view()
+    lengths = [count(e) for e in view]
+    log.entries = log.entries[:]  # a plain list again: no ack while copied
+    for seq in range(4, 10):
+        log.ack(seq, f"m{seq}", 0, "acked", seq, 1, seq)
+    assert [count(e) for e in view] == lengths and sum(lengths) == 3, "a run in the view grew"
+    assert [e.seq for e in log] == list(range(1, 10))

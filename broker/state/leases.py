@@ -105,7 +105,7 @@ BULK_MIN = 16
 
 
 # Lease and ack by receipt as the compiled core applies them for a group commit
-# (`BrokerState.batch`), with the objects they make and name.
+# (`BrokerState.batch`), with the objects they name.
 TRANSITIONS = Transitions(LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN)
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index

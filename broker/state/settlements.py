@@ -23,8 +23,7 @@ from dejaq_core import AckRun
 
 
 class Settlement(NamedTuple):
-    """One settled message, as the ledger gets it. Made in the ack loop as a plain tuple
-    is (`tuple.__new__(Settlement, fields)`), not through the Python-level `__new__`."""
+    """One settled message, as the ledger gets it and snapshots hold it."""
 
     seq: int
     message_id: str
@@ -67,18 +66,7 @@ class Run(NamedTuple):
     reason: str | None = None
 
     def settlements(self) -> Iterator[Settlement]:
-        n = len(self.message_ids)
-        columns = (
-            range(self.seq, self.seq + n),
-            self.message_ids,
-            self.buckets,
-            repeat(self.event, n),
-            self.sort_keys,
-            self.deliveries,
-            repeat(self.at, n),
-            repeat(self.reason, n),
-        )
-        return map(Settlement._make, zip(*columns, strict=True))
+        return _settlements(self, repeat(self.at, len(self.message_ids)))
 
     def part(self, start: int, end: int) -> Run:
         """Its events of seqs start..end-1 (which it holds)."""
@@ -119,16 +107,22 @@ def settlements(entries: Iterable[Entry]) -> Iterator[Settlement]:
 
 def acks(run: AckRun) -> Iterator[Settlement]:
     """An `AckRun`'s events, each as a `Settlement`."""
-    n = len(run)
+    return _settlements(run, run.ats)
+
+
+def _settlements(run: Run | AckRun, ats: Iterable[int]) -> Iterator[Settlement]:
+    """A run's events, each at its time in `ats`."""
+    ids = run.message_ids
+    n = len(ids)
     columns = (
         range(run.seq, run.seq + n),
-        run.message_ids,
+        ids,
         run.buckets,
         repeat(run.event, n),
         run.sort_keys,
         run.deliveries,
-        run.ats,
-        repeat(None, n),
+        ats,
+        repeat(run.reason, n),
     )
     return map(Settlement._make, zip(*columns, strict=True))
 
@@ -185,13 +179,12 @@ class EventLog:
         self.size += 1
 
     def view(self) -> list[Entry]:
-        """The entries as they are now, for a reader in another thread: the last run of
-        acks sealed, so that none joins it while the reader has it."""
+        """The entries as they are now, for a reader in another thread: the copy's last
+        run of acks sealed, so that none joins it while the reader has it. Sealed after
+        the copy: an ack the event loop adds between the two is in the run, and a run
+        it starts after the seal is not in the copy."""
         with self._lock:
-            return list(self._sealed())
-
-    def _sealed(self) -> list[Entry]:
-        entries = self.entries
+            entries = list(self.entries)
         if entries and type(entries[-1]) is AckRun:
             entries[-1].seal()
         return entries
@@ -200,7 +193,7 @@ class EventLog:
         """The entries up to `seq` (the deaths a trim kept stay in front), and the first
         after them: for a reader in another thread, without a copy of the rest."""
         with self._lock:
-            entries = self._sealed()
+            entries = self.entries
             n = bisect_right(entries, seq, key=last)
             return entries[:n], entries[n] if n < len(entries) else None
 

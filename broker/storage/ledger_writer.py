@@ -127,7 +127,7 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
     """The ledger's columns of `entries`, in their order. A run's packed ids reach Arrow
     from their bytes, and its packed columns (`LeaseRecord`) are joined by NumPy,
     without a str or int object per event; its event and time are repeated from one
-    value."""
+    value (an `AckRun`'s time is a column too)."""
     lengths = list(map(count, entries))
     names: dict[str, int] = {}
     codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)

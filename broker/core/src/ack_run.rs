@@ -36,10 +36,27 @@ pub struct AckRun {
 }
 
 impl AckRun {
-    /// Append an ack of seq `seq` to the open run at the end of `entries` (an
-    /// `EventLog`'s) that it continues, or to a new run appended there.
+    /// A column as an `array` of `code`: its bytes copied under a borrow that ends
+    /// before `array` runs Python, which may let the event loop's thread append to the
+    /// run meanwhile (`LeaseTable`'s note says why).
+    fn column<'py, const N: usize>(
+        slf: &Bound<'py, Self>,
+        code: &str,
+        cell: impl Fn(&Acked) -> [u8; N],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let data = slf.borrow().rows.iter().flat_map(cell).collect();
+        array(slf.py(), code, data)
+    }
+}
+
+#[pymethods]
+impl AckRun {
+    /// Append an ack of seq `seq` (its arguments a `Settlement`'s fields) to the open run
+    /// at the end of `entries` (an `EventLog`'s) that it continues, or to a new run
+    /// appended there: the core's ack and the Python transition's alike.
+    #[staticmethod]
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn append_to(
+    pub(crate) fn append(
         entries: &Bound<'_, PyList>,
         seq: i64,
         mid: PyObject,
@@ -56,8 +73,13 @@ impl AckRun {
             bucket,
         };
         if let Some(last) = entries.len().checked_sub(1) {
-            if let Ok(run) = entries.get_item(last)?.downcast::<AckRun>() {
-                let mut run = run.borrow_mut();
+            let last = entries.get_item(last)?;
+            // Not the run a reader is copying a column of: that run is sealed anyway.
+            let open = last
+                .downcast::<AckRun>()
+                .ok()
+                .and_then(|r| r.try_borrow_mut().ok());
+            if let Some(mut run) = open {
                 if !run.sealed && run.seq + run.rows.len() as i64 == seq {
                     run.ids.push(mid);
                     run.rows.push(row);
@@ -73,35 +95,6 @@ impl AckRun {
             sealed: false,
         };
         entries.append(Bound::new(entries.py(), run)?)
-    }
-
-    fn column<'py, const N: usize>(
-        &self,
-        py: Python<'py>,
-        code: &str,
-        cell: impl Fn(&Acked) -> [u8; N],
-    ) -> PyResult<Bound<'py, PyAny>> {
-        array(py, code, self.rows.iter().flat_map(cell).collect())
-    }
-}
-
-#[pymethods]
-impl AckRun {
-    /// Append an ack to `entries` as the core's ack does (`append_to`), its arguments a
-    /// `Settlement`'s fields: the Python transition's way to the same log.
-    #[staticmethod]
-    #[allow(clippy::too_many_arguments)]
-    fn append(
-        entries: &Bound<'_, PyList>,
-        seq: i64,
-        mid: PyObject,
-        bucket: u16,
-        event: &Bound<'_, PyAny>,
-        sort_key: i64,
-        deliveries: i32,
-        at: i64,
-    ) -> PyResult<()> {
-        Self::append_to(entries, seq, mid, bucket, event, sort_key, deliveries, at)
     }
 
     /// No ack joins it from now on: a reader has it.
@@ -146,23 +139,23 @@ impl AckRun {
 
     /// The columns as `Run`'s are: `array`s ('H', 'q', 'i'), and each ack's time ('q').
     #[getter]
-    fn buckets<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.column(py, "H", |r| r.bucket.to_ne_bytes())
+    fn buckets<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        Self::column(slf, "H", |r| r.bucket.to_ne_bytes())
     }
 
     #[getter]
-    fn sort_keys<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.column(py, "q", |r| r.sort_key.to_ne_bytes())
+    fn sort_keys<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        Self::column(slf, "q", |r| r.sort_key.to_ne_bytes())
     }
 
     #[getter]
-    fn deliveries<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.column(py, "i", |r| r.deliveries.to_ne_bytes())
+    fn deliveries<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        Self::column(slf, "i", |r| r.deliveries.to_ne_bytes())
     }
 
     #[getter]
-    fn ats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        self.column(py, "q", |r| r.at.to_ne_bytes())
+    fn ats<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        Self::column(slf, "q", |r| r.at.to_ne_bytes())
     }
 
     /// Its acks of seqs start..end-1 (which it holds), as a sealed run.

@@ -250,7 +250,7 @@ impl Transitions {
             let bucket = g.bucket.into_pyobject(py)?;
             hold_in(&held, &bucket, 1, &consumer, -1)?;
             seq += 1;
-            AckRun::append_to(
+            AckRun::append(
                 &entries,
                 seq,
                 mid.clone().unbind(),
