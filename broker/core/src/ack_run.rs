@@ -1,9 +1,9 @@
 //! Acks awaiting their checkpoint, as columns (`settlements.AckRun`): every node keeps
-//! each ack's event until the trim after the ledger has it. An ack of a few messages
-//! (one at batch 1) added a `Settlement` tuple a message, three new ints in it, tracked
-//! by the cyclic GC, read back field by field by the trim and the checkpoint. Here a
-//! message is a row of fixed-size fields and a reference to the id its lease record
-//! already holds, appended to the run at the log's end.
+//! each ack's event until the trim after the ledger has it, for every ack of a few
+//! messages (every ack at batch 1). As a `Settlement` each would be a tuple of eight
+//! fields with three new ints, tracked by the cyclic GC and read back field by field by
+//! the trim and the checkpoint; here it is a row of fixed-size fields and a reference to
+//! the id its lease record already holds, appended to the run at the log's end.
 //!
 //! A run is open while it is the log's last entry and nothing has read it: acks of
 //! consecutive seqs append to it. A reader in another thread (the checkpoint's) gets
@@ -24,6 +24,7 @@ struct Acked {
     bucket: u16,
 }
 
+/// Acks of consecutive seqs, a row each, in the order they were applied.
 #[pyclass(module = "dejaq_core")]
 pub struct AckRun {
     /// The first ack's seq; the others follow it, one apart.
@@ -74,7 +75,8 @@ impl AckRun {
         };
         if let Some(last) = entries.len().checked_sub(1) {
             let last = entries.get_item(last)?;
-            // Not the run a reader is copying a column of: that run is sealed anyway.
+            // A run borrowed now is one a reader is copying a column of, so sealed: the
+            // ack starts a new run.
             let open = last
                 .downcast::<AckRun>()
                 .ok()
