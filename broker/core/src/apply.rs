@@ -1,11 +1,12 @@
 //! A group commit's commands applied on every node (`BrokerState.batch`), the two
-//! commonest, lease and ack by receipt, without a Python step: at batch 1 each was a
-//! dispatch and a transition of some 50 Python lines, ~2.5 µs on every node for every
-//! message, against ~1.7 here (`bench/broker_costs.py` has the figures). The others,
-//! and these where a rarer case applies (a new consumer, a paused topic, a lease rate,
-//! an ack by ids or of a whole lease), are handed to `BrokerState._apply`. Both ways change the state alike, step for step, as
-//! `TopicState.lease` and `TopicState.ack` say; the tests apply random commands both
-//! ways and compare the states.
+//! commonest, lease and ack by receipt, without a Python step: at batch 1 each would
+//! be a dispatch and a transition of some 50 Python lines, ~2.5 µs on every node for
+//! every message, against ~1.7 here (`bench/broker_costs.py` has the figures). The
+//! others, and these where a rarer case applies (a new consumer, a paused topic, a lease
+//! rate, an ack by ids or of a whole lease), are handed to `BrokerState._apply`. Both
+//! ways change the state alike, step for step, as `TopicState.lease` and
+//! `TopicState.ack` say; the tests apply random commands both ways and compare the
+//! states.
 
 use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::intern;
