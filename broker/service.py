@@ -210,6 +210,7 @@ class Broker:
                     index.compact_heads()
                     index.narrow_ids()
                     index.shrink()
+                    index.release_columns()
                 except Exception:
                     log.exception("refreshing the index of %s failed", name)
             try:  # reads Raft's state while the event loop changes it: never end the thread

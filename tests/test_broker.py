@@ -16,6 +16,7 @@ import random
 import threading
 import time
 import tracemalloc
+import weakref
 from array import array
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 import pytest
-from dejaq_core import PackedIds, read_heads, render_leased
+from dejaq_core import PackedIds, read_heads, read_joined_heads, render_leased
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -1589,7 +1590,9 @@ def test_heads_read_through_gaps_are_the_heads_read_apart(tmp_path: Path) -> Non
         assert len(apart) == n
         for span in (head_store.SPAN_PER_HEAD, head_store.COMPACT_SPAN, 1 << 30):
             assert store.heads(wanted, span) == apart, (n, span)
-        assert list(store.joined_heads(wanted.tobytes())) == apart, "joined, as a lease reads them"
+        columns = (store.sort_key, store.segment, store.position, store.segments)
+        joined = read_joined_heads(wanted.tobytes(), *columns, head_store.SPAN_PER_HEAD)
+        assert list(Heads(*joined)) == apart, "joined, as a lease reads them"
         data, placed = store.separated_heads(wanted)
         starts = [0, *placed[:-1].tolist()]
         separated = [data[a : b - 1] for a, b in zip(starts, placed.tolist(), strict=True)]
@@ -1716,7 +1719,10 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     index.shrink()
     assert len(index.store.token) >= 6000, "more rows left than a shrink renumbers"
     monkeypatch.setattr(row_store_module, "SHRINK_MAX_ROWS", 510)
+    big = weakref.ref(index.store.token), weakref.ref(index.store.table.ids)
     index.shrink()
+    index.release_columns()  # as the thread that follows the tables does after a shrink
+    assert [r() for r in big] == [None, None], "the old columns the pick held are freed"
     assert len(index.rows) == 510
     assert len(index.store.token) == 1024 and len(index.store.table.ids) == 1024
     assert len(index.store.table.slots) == 1024

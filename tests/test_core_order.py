@@ -4,6 +4,8 @@ longer its message's or that the state makes stale, never one above the key limi
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 import pytest
 from dejaq_core import LeaseTable, Order, PackedIds
@@ -157,6 +159,29 @@ def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:
     assert len(tokens) == 5
     picks, _ = order.pick([0], 10, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())
     assert unpacked(picks)[2].tolist() == [1, 3, 5, 7, 9]
+
+
+def test_a_pick_reads_the_arrays_passed_and_lets_go_of_those_it_held() -> None:
+    """The order holds the columns' buffers between picks, and takes new ones whenever
+    other arrays are passed (a store that grew or shrank passes copies): a pick never
+    reads a replaced column. `release_columns` lets the held arrays go."""
+    rows = Rows()
+    order = Order(1)
+    order.add(0, rows.store([(5, 0), (7, 0), (9, 0)]), 1, *rows.columns())
+    assert unpacked(order.pick([0], 1, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())[0])[
+        2
+    ].tolist() == [5]
+    old = weakref.ref(rows.token)
+    rows.token = rows.token.copy()  # replaced, as a growth does: the next row leaves it
+    rows.token[np.flatnonzero(rows.sort_key == 7)] = 0
+    picks, _ = order.pick([0], 2, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())
+    assert unpacked(picks)[2].tolist() == [9], "the row forgotten in the new column is stale"
+    assert old() is None, "the replaced column is let go once another is passed"
+    held = weakref.ref(rows.token)
+    rows.token = rows.token.copy()
+    assert held() is not None, "held by the order until released"
+    order.release_columns()
+    assert held() is None
 
 
 def test_bad_calls_are_refused_with_a_clear_error() -> None:

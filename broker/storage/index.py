@@ -37,7 +37,7 @@ from deltalake import DeltaTable
 
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
-from dejaq.broker.storage.head_store import HeadStore, Segment
+from dejaq.broker.storage.head_store import SPAN_PER_HEAD, HeadStore, Segment
 from dejaq.broker.storage.id_table import decode
 from dejaq.broker.storage.ledger_writer import APP_ID
 from dejaq.broker.storage.row_store import (
@@ -111,6 +111,9 @@ class TopicIndex:
         self.rows = StoredIds(self.store)  # message id -> token: what is indexed
         # Entries are valid while their token is its handle's (`RowStore.token`).
         self.order = Order(topic.buckets)
+        # The id column and its bytes view as the last pick passed them (`_pick_args`).
+        self._ids: np.ndarray | None = None
+        self._ids_bytes: np.ndarray | None = None
         self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
         # Pending again with no row here: redriven after the row was forgotten (or not yet
         # read by this node). `revive` reads them from the buffer.
@@ -616,43 +619,60 @@ class TopicIndex:
         grants it once, and `release` puts the other pick back.
         """
         with self.lock:
-            return self._picked(state, buckets, n, now)[0]
+            return self.order.pick(buckets, n, *self._pick_args(state, now), pack_from=BULK_MIN)[0]
 
     def pick_with_heads(
         self, state: TopicState, buckets: list[int], n: int, now: int
     ) -> tuple[Picks, Heads]:
         """`pick`, and each pick's row sort key and head, for the lease's JSON: read now,
-        as the index may forget the row (and its head) before the lease commits."""
+        as the index may forget the row (and its head) before the lease commits. One
+        call into the core, which holds the columns between calls (`release_columns`)."""
         with self.lock:
-            picks, tokens = self._picked(state, buckets, n, now)
-            return picks, self.store.joined_heads(tokens)
+            store = self.store
+            picks, read = self.order.pick_heads(
+                buckets,
+                n,
+                *self._pick_args(state, now),
+                store.segment,
+                store.position,
+                store.segments,
+                SPAN_PER_HEAD,
+                pack_from=BULK_MIN,
+            )
+            return picks, Heads(*read)
 
-    def _picked(
-        self, state: TopicState, buckets: list[int], n: int, now: int
-    ) -> tuple[Picks, bytes]:
-        """`pick`'s picks and their tokens (int64 bytes); the caller holds the lock."""
+    def _pick_args(self, state: TopicState, now: int) -> tuple:
+        """`Order.pick`'s arguments from `max_key` to `long`, the delayed messages due by
+        `now` put back first; the caller holds the lock."""
         while self.delayed and self.delayed[0][0] <= now:
             _, mid = heapq.heappop(self.delayed)
             token = self.store.get(mid)
             if token is not None:
                 self._due(state, mid, token)
-        table = self.store.table
+        ids = self.store.table.ids
+        if self._ids is not ids:  # the same view while the column is, as the core holds it
+            self._ids, self._ids_bytes = ids, ids.view(np.uint8)
         due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
         # Stale entries are dropped as they are met: settled, leased, delayed by a
         # nack (the delayed heap holds it) or re-keyed (a newer entry holds it).
         state_maps = (state.settled, state.leases, state.not_before, state.sort_keys)
-        return self.order.pick(
-            buckets,
-            n,
+        return (
             due,
             now,
             state_maps,
             *self._columns(),
-            table.ids.view(np.uint8),
-            table.ids.dtype.itemsize,
-            table.long,
-            pack_from=BULK_MIN,
+            self._ids_bytes,
+            ids.dtype.itemsize,
+            self.store.table.long,
         )
+
+    def release_columns(self) -> None:
+        """Let go of the columns the pick holds (`Order.pick_heads`), so that arrays the
+        store has since replaced (grown, narrowed, shrunk) are freed: called after each
+        round of the steps that replace them, which a node runs whether it leads or not."""
+        with self.lock:
+            self.order.release_columns()
+            self._ids = self._ids_bytes = None
 
     def row(self, mid: str) -> Row | None:
         """An indexed message's row (None once forgotten)."""

@@ -40,7 +40,7 @@ Taken = tuple[int, bytes]  # a row's sort key and head, for a leased message's J
 
 
 class Heads(Sequence[Taken]):
-    """A lease's heads as read for its JSON (`RowStore.joined_heads`): joined, where each
+    """A lease's heads as read for its JSON (`Order.pick_heads`): joined, where each
     ends (uint32) and their rows' sort keys (int64), both little-endian. Three objects
     whatever the lease's size, not a tuple and a bytes per pick: the usual lease is
     rendered from them whole (`dejaq_core.render_leased`), and a pick is cut out as its
@@ -77,9 +77,6 @@ class Heads(Sequence[Taken]):
         start = int(ends[i - 1]) if i else 0
         key = int.from_bytes(self.row_keys[8 * i : 8 * i + 8], "little", signed=True)
         return key, self.joined[start : int(ends[i])]
-
-
-NO_HEADS = Heads(b"", b"", b"")
 
 
 def current(token: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -322,16 +319,6 @@ class RowStore:
 
         The caller holds the index's lock: the rows stay, so their segments stay open."""
         return read_heads(tokens, self.sort_key, self.segment, self.position, self.segments, span)
-
-    def joined_heads(self, tokens: bytes) -> Heads:
-        """The same as `heads`, as a lease's JSON takes them: joined (`Heads`), for tokens
-        as int64 bytes (`Order.pick`'s)."""
-        if not tokens:
-            return NO_HEADS
-        read = read_joined_heads(
-            tokens, self.sort_key, self.segment, self.position, self.segments, SPAN_PER_HEAD
-        )
-        return Heads(*read)
 
     def separated_heads(self, tokens: np.ndarray) -> tuple[bytes, np.ndarray]:
         """The heads of `tokens` as a segment holds them, each followed by SEP, and where

@@ -39,7 +39,7 @@ pub fn read_heads<'py>(
         .map(|t| t.get())
         .collect();
     let mut heads: Vec<Option<Bound<'py, PyBytes>>> = vec![None; tokens.len()];
-    let columns = (&sort_key, &segment, &position);
+    let columns = columns(py, &sort_key, &segment, &position)?;
     let row_keys = gather(py, &tokens, columns, segments, span, |i, head| {
         heads[i] = Some(PyBytes::new(py, head));
     })?;
@@ -68,11 +68,7 @@ pub fn read_joined_heads<'py>(
     segments: &Bound<'py, PyDict>,
     span: usize,
     sep: Option<u8>,
-) -> PyResult<(
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-    Bound<'py, PyBytes>,
-)> {
+) -> PyResult<JoinedHeads<'py>> {
     if !tokens.len().is_multiple_of(8) {
         return Err(PyValueError::new_err("tokens are int64 bytes"));
     }
@@ -80,11 +76,50 @@ pub fn read_joined_heads<'py>(
         .chunks_exact(8)
         .map(|t| i64::from_ne_bytes(t.try_into().expect("chunks of 8")))
         .collect();
+    let columns = columns(py, &sort_key, &segment, &position)?;
+    joined_heads(py, &tokens, columns, segments, span, sep)
+}
+
+/// A lease's heads joined, where each ends (uint32) and their rows' sort keys (int64).
+pub(crate) type JoinedHeads<'py> = (
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
+
+/// The row store's sort_key, segment and position columns, by handle.
+pub(crate) type HeadColumns<'a> = (
+    &'a [ReadOnlyCell<i64>],
+    &'a [ReadOnlyCell<i32>],
+    &'a [ReadOnlyCell<i32>],
+);
+
+fn columns<'a>(
+    py: Python<'a>,
+    sort_key: &'a PyBuffer<i64>,
+    segment: &'a PyBuffer<i32>,
+    position: &'a PyBuffer<i32>,
+) -> PyResult<HeadColumns<'a>> {
+    Ok((
+        slice(py, sort_key, "sort_key")?,
+        slice(py, segment, "segment")?,
+        slice(py, position, "position")?,
+    ))
+}
+
+/// `read_joined_heads` of `tokens`, its columns already borrowed (`Order.pick_heads`).
+pub(crate) fn joined_heads<'py>(
+    py: Python<'py>,
+    tokens: &[i64],
+    columns: HeadColumns<'_>,
+    segments: &Bound<'py, PyDict>,
+    span: usize,
+    sep: Option<u8>,
+) -> PyResult<JoinedHeads<'py>> {
     // Read segment by segment: staged, then laid out in the order of `tokens`.
     let mut staged = Vec::new();
     let mut spans = vec![(0usize, 0usize); tokens.len()];
-    let columns = (&sort_key, &segment, &position);
-    let row_keys = gather(py, &tokens, columns, segments, span, |i, head| {
+    let row_keys = gather(py, tokens, columns, segments, span, |i, head| {
         spans[i] = (staged.len(), head.len());
         staged.extend_from_slice(head);
     })?;
@@ -110,14 +145,11 @@ pub fn read_joined_heads<'py>(
 fn gather<'py>(
     py: Python<'py>,
     tokens: &[i64],
-    (sort_key, segment, position): (&PyBuffer<i64>, &PyBuffer<i32>, &PyBuffer<i32>),
+    (keys, numbers, positions): HeadColumns<'_>,
     segments: &Bound<'py, PyDict>,
     span: usize,
     mut found: impl FnMut(usize, &[u8]),
 ) -> PyResult<Vec<i64>> {
-    let keys = slice(py, sort_key, "sort_key")?;
-    let numbers = slice(py, segment, "segment")?;
-    let positions = slice(py, position, "position")?;
     // (segment, position, where in `tokens`), sorted: each segment's wanted heads in order.
     let mut wanted = Vec::with_capacity(tokens.len());
     let mut row_keys = Vec::with_capacity(tokens.len());

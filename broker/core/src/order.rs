@@ -17,10 +17,12 @@ use crate::ids::{column_key, id_of, key_str, WIDEST};
 use crate::lease_table::LeaseTable;
 use crate::packed_ids::{unpadded, PackedIds};
 
-use pyo3::buffer::{PyBuffer, ReadOnlyCell};
+use pyo3::buffer::{Element, PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+
+use crate::heads::{joined_heads, JoinedHeads};
 
 /// Picks as a lease command carries them (`leases.Picks`): ids (packed, or a list of
 /// str), buckets, sort keys.
@@ -159,19 +161,209 @@ impl Bucket {
     }
 }
 
+/// A column as a pick last acquired it, kept while the same array is passed: a buffer
+/// costs ~0.12 us to acquire (its format is parsed and checked), and a lease's pick and
+/// heads read seven. The buffer holds a reference to its array, so the array's address
+/// names it while held.
+struct Held<T: Element> {
+    array: usize,
+    buffer: PyBuffer<T>,
+}
+
+/// `array`'s buffer: the held one if it is the same array, else acquired and held.
+fn held<'a, T: Element>(
+    slot: &'a mut Option<Held<T>>,
+    array: &Bound<'_, PyAny>,
+) -> PyResult<&'a PyBuffer<T>> {
+    let address = array.as_ptr() as usize;
+    if slot.as_ref().is_none_or(|h| h.array != address) {
+        *slot = None; // let go first: a failed acquisition holds nothing stale
+        *slot = Some(Held {
+            array: address,
+            buffer: PyBuffer::get(array)?,
+        });
+    }
+    Ok(buffer(slot))
+}
+
+/// The buffer of a slot `held` has filled.
+fn buffer<T: Element>(slot: &Option<Held<T>>) -> &PyBuffer<T> {
+    &slot.as_ref().expect("held first").buffer
+}
+
+/// The row store's columns as the leader's picks pass them, held between picks.
+#[derive(Default)]
+struct HeldColumns {
+    token: Option<Held<i64>>,
+    sort_key: Option<Held<i64>>,
+    partition: Option<Held<i32>>,
+    offset: Option<Held<i64>>,
+    ids: Option<Held<u8>>,
+    segment: Option<Held<i32>>,
+    position: Option<Held<i32>>,
+}
+
+/// The row store's columns a pick reads (`Order.pick`'s arguments of the same names).
+type PickColumns<'a, 'py> = (
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+    &'a Bound<'py, PyAny>,
+);
+
+/// The Raft state's maps a pick asks: settled, leases, not_before, overrides.
+type PickState<'py> = (
+    Bound<'py, PyDict>,
+    Bound<'py, LeaseTable>,
+    Bound<'py, PyDict>,
+    Bound<'py, PyDict>,
+);
+
 /// The order of one topic's pending rows, per bucket.
 #[pyclass(module = "dejaq_core")]
 pub struct Order {
     buckets: Vec<Bucket>,
+    held: HeldColumns,
 }
 
 impl Order {
     fn bucket(&mut self, b: usize) -> PyResult<&mut Bucket> {
-        let n = self.buckets.len();
-        self.buckets
-            .get_mut(b)
-            .ok_or_else(|| PyIndexError::new_err(format!("bucket {b} of {n}")))
+        bucket_of(&mut self.buckets, b)
     }
+
+    /// `pick`'s work: the picks and their tokens.
+    #[allow(clippy::too_many_arguments)]
+    fn picked<'py>(
+        &mut self,
+        py: Python<'py>,
+        buckets: Vec<usize>,
+        n: usize,
+        max_key: i64,
+        now: i64,
+        state: PickState<'py>,
+        columns: PickColumns<'_, 'py>,
+        width: usize,
+        long: &Bound<'py, PyDict>,
+        pack_from: usize,
+    ) -> PyResult<(Picks<'py>, Vec<i64>)> {
+        let (settled, leases, not_before, overrides) = state;
+        let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
+        let (token, sort_key, partition, offset, ids) = columns;
+        let h = &mut self.held;
+        // Acquired in turn (each borrows `held` mutably), then read together.
+        held(&mut h.token, token)?;
+        held(&mut h.sort_key, sort_key)?;
+        held(&mut h.partition, partition)?;
+        held(&mut h.offset, offset)?;
+        held(&mut h.ids, ids)?;
+        let c = Columns::new(
+            py,
+            buffer(&h.token),
+            buffer(&h.sort_key),
+            buffer(&h.partition),
+            buffer(&h.offset),
+        )?;
+        let column = slice(py, buffer(&h.ids), "id")?;
+        if width == 0 || width > WIDEST || column.len() != width * c.token.len() {
+            return Err(PyValueError::new_err(
+                "the id column does not match the others",
+            ));
+        }
+        let mut tops = BinaryHeap::with_capacity(buckets.len());
+        let mut asked = vec![false; self.buckets.len()];
+        for &b in &buckets {
+            let bucket = bucket_of(&mut self.buckets, b)?;
+            if std::mem::replace(&mut asked[b], true) {
+                continue; // named twice: one top per bucket, or one entry would be taken twice
+            }
+            if let Some((e, heap)) = bucket.top(&c) {
+                tops.push(Reverse((e, b, heap)));
+            }
+        }
+        let mut packed = Vec::with_capacity(width * n.min(1024));
+        let mut digests = false; // a pick whose id the column holds as a digest
+        let mut picked_buckets = Vec::with_capacity(2 * n.min(1024));
+        let mut keys = Vec::with_capacity(8 * n.min(1024));
+        let mut tokens = Vec::with_capacity(n.min(1024));
+        while tokens.len() < n {
+            let Some(Reverse((e, b, heap))) = tops.pop() else {
+                break;
+            };
+            if e.key > max_key {
+                continue; // and so is every other of the bucket's
+            }
+            let bucket = &mut self.buckets[b];
+            bucket.take(heap);
+            if let Some((next, heap)) = bucket.top(&c) {
+                tops.push(Reverse((next, b, heap)));
+            }
+            let h = (e.token & HANDLE_MASK) as usize;
+            let raw = column_key(column, h, width)?;
+            let long_mid = if long.is_empty() {
+                None
+            } else {
+                long.get_item(h)?
+                    .map(|m| m.downcast_into::<PyString>())
+                    .transpose()?
+            };
+            let digest = long_mid.is_some();
+            let leased = match &long_mid {
+                Some(mid) => leases.borrow().holds(mid.to_str()?.as_bytes()),
+                None => leases.borrow().holds(unpadded(&raw[..width])),
+            };
+            let stale = leased
+                || (asks_dicts && {
+                    let mid = match long_mid {
+                        Some(mid) => mid,
+                        None => key_str(py, h, &raw[..width])?,
+                    };
+                    settled.contains(&mid)?
+                        || (!not_before.is_empty()
+                            && match not_before.get_item(&mid)? {
+                                Some(at) => at.extract::<i64>()? > now,
+                                None => false,
+                            })
+                        || (!overrides.is_empty()
+                            && match overrides.get_item(&mid)? {
+                                Some(key) => key.extract::<i64>()? != e.key,
+                                None => c.entry(e.token).key != e.key,
+                            })
+                });
+            if !stale {
+                let bucket = u16::try_from(b)
+                    .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
+                digests |= digest;
+                packed.extend_from_slice(&raw[..width]);
+                picked_buckets.extend_from_slice(&bucket.to_le_bytes());
+                keys.extend_from_slice(&e.key.to_le_bytes());
+                tokens.push(e.token);
+            }
+        }
+        let mids = if digests || tokens.len() < pack_from {
+            let mids = tokens
+                .iter()
+                .map(|t| id_of(py, (t & HANDLE_MASK) as usize, column, width, long))
+                .collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, mids)?.into_any()
+        } else {
+            Bound::new(py, PackedIds::from_blob(py, &packed, width))?.into_any()
+        };
+        let picks = (
+            mids,
+            PyBytes::new(py, &picked_buckets),
+            PyBytes::new(py, &keys),
+        );
+        Ok((picks, tokens))
+    }
+}
+
+/// Bucket `b` of `buckets`, or an IndexError naming how many there are.
+fn bucket_of(buckets: &mut [Bucket], b: usize) -> PyResult<&mut Bucket> {
+    let n = buckets.len();
+    buckets
+        .get_mut(b)
+        .ok_or_else(|| PyIndexError::new_err(format!("bucket {b} of {n}")))
 }
 
 #[pymethods]
@@ -180,7 +372,15 @@ impl Order {
     fn new(buckets: usize) -> Self {
         Order {
             buckets: (0..buckets).map(|_| Bucket::default()).collect(),
+            held: HeldColumns::default(),
         }
+    }
+
+    /// Let go of the columns held since the last pick: once its arrays are replaced (a
+    /// growth, a narrower id column, a shrink), the held ones would stay in memory
+    /// until the next pick, and a node that no longer leads picks no more.
+    fn release_columns(&mut self) {
+        self.held = HeldColumns::default();
     }
 
     /// New rows of `bucket` (tokens of stored rows): pushed on its heap while that
@@ -271,7 +471,22 @@ impl Order {
     /// object either way, and a str costs less), and their buckets and keys as
     /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
     /// order, for NumPy). A str is made for a pick only to ask the dicts that hold any.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    /// Take the `n` lowest deliverable entries across `buckets`, in order: `TopicIndex.pick`
+    /// in one call. An entry is stale, and dropped as it is met, when its token is no
+    /// longer its message's, or by the Raft state: its message `settled`, in `leases` (a
+    /// `LeaseTable`, asked by the id's bytes),
+    /// held back in `not_before` past `now`, or re-keyed (its key not the one in force:
+    /// its override in `overrides`, else its row's own). A bucket whose lowest key is
+    /// above `max_key` has nothing due and gives none. Ids come from the id column
+    /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
+    /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
+    /// ids (`PackedIds` at the column's width, or a list of str if one is held as a
+    /// digest, or if there are fewer than `pack_from`: a lease of one message makes one
+    /// object either way, and a str costs less), and their buckets and keys as
+    /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
+    /// order, for NumPy). A str is made for a pick only to ask the dicts that hold any.
+    /// The columns' buffers are held until other arrays are passed (`release_columns`).
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
         buckets, n, max_key, now, state, token, sort_key, partition, offset, ids, width, long,
         pack_from = 1
@@ -283,116 +498,76 @@ impl Order {
         n: usize,
         max_key: i64,
         now: i64,
-        state: (
-            Bound<'py, PyDict>,
-            Bound<'py, LeaseTable>,
-            Bound<'py, PyDict>,
-            Bound<'py, PyDict>,
-        ),
-        token: PyBuffer<i64>,
-        sort_key: PyBuffer<i64>,
-        partition: PyBuffer<i32>,
-        offset: PyBuffer<i64>,
-        ids: PyBuffer<u8>,
+        state: PickState<'py>,
+        token: &Bound<'py, PyAny>,
+        sort_key: &Bound<'py, PyAny>,
+        partition: &Bound<'py, PyAny>,
+        offset: &Bound<'py, PyAny>,
+        ids: &Bound<'py, PyAny>,
         width: usize,
         long: &Bound<'py, PyDict>,
         pack_from: usize,
     ) -> PyResult<(Picks<'py>, Bound<'py, PyBytes>)> {
-        let (settled, leases, not_before, overrides) = state;
-        let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
-        let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
-        let column = slice(py, &ids, "id")?;
-        if width == 0 || width > WIDEST || column.len() != width * c.token.len() {
-            return Err(PyValueError::new_err(
-                "the id column does not match the others",
-            ));
-        }
-        let mut tops = BinaryHeap::with_capacity(buckets.len());
-        let mut asked = vec![false; self.buckets.len()];
-        for &b in &buckets {
-            let bucket = self.bucket(b)?;
-            if std::mem::replace(&mut asked[b], true) {
-                continue; // named twice: one top per bucket, or one entry would be taken twice
-            }
-            if let Some((e, heap)) = bucket.top(&c) {
-                tops.push(Reverse((e, b, heap)));
-            }
-        }
-        let mut packed = Vec::with_capacity(width * n.min(1024));
-        let mut digests = false; // a pick whose id the column holds as a digest
-        let mut picked_buckets = Vec::with_capacity(2 * n.min(1024));
-        let mut keys = Vec::with_capacity(8 * n.min(1024));
-        let mut tokens = Vec::with_capacity(n.min(1024));
-        while tokens.len() < n {
-            let Some(Reverse((e, b, heap))) = tops.pop() else {
-                break;
-            };
-            if e.key > max_key {
-                continue; // and so is every other of the bucket's
-            }
-            let bucket = &mut self.buckets[b];
-            bucket.take(heap);
-            if let Some((next, heap)) = bucket.top(&c) {
-                tops.push(Reverse((next, b, heap)));
-            }
-            let h = (e.token & HANDLE_MASK) as usize;
-            let raw = column_key(column, h, width)?;
-            let long_mid = if long.is_empty() {
-                None
-            } else {
-                long.get_item(h)?
-                    .map(|m| m.downcast_into::<PyString>())
-                    .transpose()?
-            };
-            let digest = long_mid.is_some();
-            let leased = match &long_mid {
-                Some(mid) => leases.borrow().holds(mid.to_str()?.as_bytes()),
-                None => leases.borrow().holds(unpadded(&raw[..width])),
-            };
-            let stale = leased
-                || (asks_dicts && {
-                    let mid = match long_mid {
-                        Some(mid) => mid,
-                        None => key_str(py, h, &raw[..width])?,
-                    };
-                    settled.contains(&mid)?
-                        || (!not_before.is_empty()
-                            && match not_before.get_item(&mid)? {
-                                Some(at) => at.extract::<i64>()? > now,
-                                None => false,
-                            })
-                        || (!overrides.is_empty()
-                            && match overrides.get_item(&mid)? {
-                                Some(key) => key.extract::<i64>()? != e.key,
-                                None => c.entry(e.token).key != e.key,
-                            })
-                });
-            if !stale {
-                let bucket = u16::try_from(b)
-                    .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
-                digests |= digest;
-                packed.extend_from_slice(&raw[..width]);
-                picked_buckets.extend_from_slice(&bucket.to_le_bytes());
-                keys.extend_from_slice(&e.key.to_le_bytes());
-                tokens.push(e.token);
-            }
-        }
-        let mids = if digests || tokens.len() < pack_from {
-            let mids = tokens
-                .iter()
-                .map(|t| id_of(py, (t & HANDLE_MASK) as usize, column, width, long))
-                .collect::<PyResult<Vec<_>>>()?;
-            PyList::new(py, mids)?.into_any()
-        } else {
-            Bound::new(py, PackedIds::from_blob(py, &packed, width))?.into_any()
-        };
-        let picks = (
-            mids,
-            PyBytes::new(py, &picked_buckets),
-            PyBytes::new(py, &keys),
-        );
+        let columns = (token, sort_key, partition, offset, ids);
+        let (picks, tokens) = self.picked(
+            py, buckets, n, max_key, now, state, columns, width, long, pack_from,
+        )?;
         let tokens: Vec<u8> = tokens.iter().flat_map(|t| t.to_ne_bytes()).collect();
         Ok((picks, PyBytes::new(py, &tokens)))
+    }
+
+    /// `pick`, and the picks' heads read as `read_joined_heads` reads them (from the
+    /// row store's `segment` and `position` columns and its `segments`, through runs
+    /// at most `span` apart): a lease's pick and heads in one call, its columns held
+    /// between calls. Returns the picks and (heads joined, where each ends, their rows'
+    /// sort keys).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (
+        buckets, n, max_key, now, state, token, sort_key, partition, offset, ids, width, long,
+        segment, position, segments, span, pack_from = 1
+    ))]
+    fn pick_heads<'py>(
+        &mut self,
+        py: Python<'py>,
+        buckets: Vec<usize>,
+        n: usize,
+        max_key: i64,
+        now: i64,
+        state: PickState<'py>,
+        token: &Bound<'py, PyAny>,
+        sort_key: &Bound<'py, PyAny>,
+        partition: &Bound<'py, PyAny>,
+        offset: &Bound<'py, PyAny>,
+        ids: &Bound<'py, PyAny>,
+        width: usize,
+        long: &Bound<'py, PyDict>,
+        segment: &Bound<'py, PyAny>,
+        position: &Bound<'py, PyAny>,
+        segments: &Bound<'py, PyDict>,
+        span: usize,
+        pack_from: usize,
+    ) -> PyResult<(Picks<'py>, JoinedHeads<'py>)> {
+        let columns = (token, sort_key, partition, offset, ids);
+        let (picks, tokens) = self.picked(
+            py, buckets, n, max_key, now, state, columns, width, long, pack_from,
+        )?;
+        let h = &mut self.held;
+        held(&mut h.segment, segment)?;
+        held(&mut h.position, position)?;
+        let (keys, numbers, positions) = (
+            slice(py, buffer(&h.sort_key), "sort_key")?,
+            slice(py, buffer(&h.segment), "segment")?,
+            slice(py, buffer(&h.position), "position")?,
+        );
+        let heads = joined_heads(
+            py,
+            &tokens,
+            (keys, numbers, positions),
+            segments,
+            span,
+            None,
+        )?;
+        Ok((picks, heads))
     }
 
     /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
