@@ -471,20 +471,6 @@ impl Order {
     /// object either way, and a str costs less), and their buckets and keys as
     /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
     /// order, for NumPy). A str is made for a pick only to ask the dicts that hold any.
-    /// Take the `n` lowest deliverable entries across `buckets`, in order: `TopicIndex.pick`
-    /// in one call. An entry is stale, and dropped as it is met, when its token is no
-    /// longer its message's, or by the Raft state: its message `settled`, in `leases` (a
-    /// `LeaseTable`, asked by the id's bytes),
-    /// held back in `not_before` past `now`, or re-keyed (its key not the one in force:
-    /// its override in `overrides`, else its row's own). A bucket whose lowest key is
-    /// above `max_key` has nothing due and gives none. Ids come from the id column
-    /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
-    /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
-    /// ids (`PackedIds` at the column's width, or a list of str if one is held as a
-    /// digest, or if there are fewer than `pack_from`: a lease of one message makes one
-    /// object either way, and a str costs less), and their buckets and keys as
-    /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
-    /// order, for NumPy). A str is made for a pick only to ask the dicts that hold any.
     /// The columns' buffers are held until other arrays are passed (`release_columns`).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
