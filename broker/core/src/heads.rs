@@ -94,7 +94,8 @@ pub(crate) type HeadColumns<'a> = (
     &'a [ReadOnlyCell<i32>],
 );
 
-fn columns<'a>(
+/// The columns a heads read takes, borrowed from their buffers.
+pub(crate) fn columns<'a>(
     py: Python<'a>,
     sort_key: &'a PyBuffer<i64>,
     segment: &'a PyBuffer<i32>,

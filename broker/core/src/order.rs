@@ -22,7 +22,7 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
-use crate::heads::{joined_heads, JoinedHeads};
+use crate::heads::{self, joined_heads, JoinedHeads};
 
 /// Picks as a lease command carries them (`leases.Picks`): ids (packed, or a list of
 /// str), buckets, sort keys.
@@ -540,20 +540,14 @@ impl Order {
         let h = &mut self.held;
         held(&mut h.segment, segment)?;
         held(&mut h.position, position)?;
-        let (keys, numbers, positions) = (
-            slice(py, buffer(&h.sort_key), "sort_key")?,
-            slice(py, buffer(&h.segment), "segment")?,
-            slice(py, buffer(&h.position), "position")?,
-        );
-        let heads = joined_heads(
+        let borrowed = heads::columns(
             py,
-            &tokens,
-            (keys, numbers, positions),
-            segments,
-            span,
-            None,
+            buffer(&h.sort_key),
+            buffer(&h.segment),
+            buffer(&h.position),
         )?;
-        Ok((picks, heads))
+        let read = joined_heads(py, &tokens, borrowed, segments, span, None)?;
+        Ok((picks, read))
     }
 
     /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
