@@ -626,3 +626,30 @@ def test_a_trim_in_a_group_commit_is_seen_by_the_leases_after_it() -> None:
     ]
     before, _, after = node.batch(group, _doApply=True)
     assert (len(before), len(after)) == (1, 0), "the lease picked before the trim grants nothing"
+
+
+def test_a_rebalance_in_a_group_commit_moves_the_buckets_the_leases_after_it_see() -> None:
+    """The core reads a topic's attributes once per group commit and reads them again
+    after a command it hands to `_apply`: there a newcomer's lease rebalances the
+    buckets (`owned` is a new dict), and a member's lease after it in the same group
+    grants only in the buckets left to it, as one command at a time would."""
+    core, python = (BrokerState([topic_conf("t", buckets=2)], 3, NoIndex()) for _ in range(2))
+    for node in (core, python):
+        node._apply("t", "touch", ("c", 0))
+    assert core.topics["t"].owned == {"c": [0, 1]}
+    seen = core.topics["t"].seq
+    group = [
+        ("t", "lease", ("c", 1, 50, packed([("a", 0, 1)]), None, True, seen)),
+        ("t", "lease", ("d", 1, 50, packed([("b", 0, 2)]), None, True, seen)),
+        ("t", "lease", ("c", 2, 50, packed([("x", 0, 3), ("y", 1, 4)]), None, True, seen)),
+    ]
+    got = core.batch(pickle.loads(pickle.dumps(group)), _doApply=True)
+    expected = by_python(python, pickle.loads(pickle.dumps(group)))
+    assert list(map(comparable, got)) == list(map(comparable, expected))
+    owned = core.topics["t"].owned
+    assert sorted(owned) == ["c", "d"], "the newcomer joined and took a bucket"
+    (mine,) = owned["c"]
+    assert (owned["d"], len(got[1])) == ([1 - mine], 0), "the newcomer's pick was not its"
+    buckets = got[2].__getstate__()[0]
+    assert list(buckets) == [mine], "the member's last lease granted in its one bucket only"
+    assert pickle.dumps(core.topics["t"]) == pickle.dumps(python.topics["t"])
