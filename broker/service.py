@@ -395,13 +395,6 @@ class Broker:
         except NotCommitted as e:
             raise Problem(503, "not committed", str(e)) from None
 
-    def _must_join(self, topic: str, consumer: str) -> bool:
-        """Whether a lease must first commit the consumer's heartbeat (`touch`): it is new,
-        or a third of its heartbeat timeout has passed. A check, not a coroutine: most
-        leases need none, and a coroutine per lease cost more than the check."""
-        seen = self.state(topic).consumers.get(consumer)
-        return seen is None or now_ms() - seen > self.conf.heartbeat_timeout_ms // 3
-
     async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> bytes:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
 
@@ -416,11 +409,16 @@ class Broker:
         started = time.monotonic()
         deadline = started + wait_ms / 1000
         rate = cfg.max_lease_rate
+        # A lease first commits the consumer's heartbeat (`touch`) if it is new, or once
+        # a third of its heartbeat timeout has passed; most leases need none.
+        touch_after = self.conf.heartbeat_timeout_ms // 3
         repicks = 0
         while True:
-            if self._must_join(topic, consumer):
-                await self._commit(topic, "touch", consumer, now_ms())
             now = now_ms()
+            seen = st.consumers.get(consumer)
+            if seen is None or now - seen > touch_after:
+                await self._commit(topic, "touch", consumer, now)
+                now = now_ms()
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
             picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
             if picks[0]:

@@ -30,8 +30,10 @@ from dejaq_core import PackedIds, read_heads, read_joined_heads, render_leased
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pysyncobj.serializer import Serializer
 
+from dejaq.broker.api.metrics import LeaseLatency
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.leases import (
     ACKED,
@@ -1905,3 +1907,26 @@ def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> N
         for node in nodes:
             node.destroy()
     assert said == "Raft command not committed within 0.5 s (no leader, or no majority)"
+
+
+@given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.floats(0, 60)), max_size=40))
+def test_the_lease_latency_histogram_reads_as_prometheus_clients_would(
+    seen: list[tuple[str, float]],
+) -> None:
+    """`dejaq_lease_seconds` is counted by the broker's own collector (cheaper to observe
+    once a lease); a scrape reads what prometheus_client's Histogram of the same buckets
+    gives (but its creation times), bounds included in the bucket at them."""
+    ours, theirs = CollectorRegistry(), CollectorRegistry()
+    latency = LeaseLatency(ours)
+    reference = Histogram(
+        "dejaq_lease_seconds",
+        "Lease request latency on the leader, Raft commit included",
+        ["topic"],
+        buckets=LeaseLatency.BOUNDS,
+        registry=theirs,
+    )
+    for topic, seconds in [*seen, *((t, b) for t in "ab" for b in LeaseLatency.BOUNDS)]:
+        latency.labels(topic).observe(seconds)
+        reference.labels(topic).observe(seconds)
+    expected = [x for x in generate_latest(theirs).decode().splitlines() if "_created" not in x]
+    assert generate_latest(ours).decode().splitlines() == expected

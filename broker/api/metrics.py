@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from bisect import bisect_left
+from collections.abc import Iterator
+from itertools import accumulate
 from pathlib import Path
 
 from prometheus_client import (
@@ -14,6 +17,8 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
 )
+from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.registry import Collector
 
 from dejaq.broker.storage.checkpoints import Lag
 from dejaq.pipelines.retention import RetentionRun
@@ -38,13 +43,7 @@ class Metrics:
         self.dead = Counter(
             "dejaq_dead_letters", "Messages sent to the dead letters", ["topic"], registry=r
         )
-        self.lease_latency = Histogram(
-            "dejaq_lease_seconds",
-            "Lease request latency on the leader, Raft commit included",
-            ["topic"],
-            buckets=(0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30),
-            registry=r,
-        )
+        self.lease_latency = LeaseLatency(registry=r)
         self.loop_lag = Histogram(
             "dejaq_event_loop_lag_seconds",
             "How late the event loop ran Raft's 10 ms timer; HTTP and Raft share the loop, "
@@ -152,6 +151,54 @@ class Metrics:
         self.retention_last.labels(topic).set(time.time())
         self.retention_seconds.labels(topic).set(run.seconds)
         self.retention_removed.labels(topic).inc(run.removed)
+
+
+class LeaseLatency(Collector):
+    """`dejaq_lease_seconds`: each topic's lease latency on the leader, a histogram.
+
+    Observed once a lease, on the event loop: prometheus_client's `Histogram.observe`
+    (a lock, and a Python loop over the buckets) took ~0.75 µs there, a count in a list
+    found by bisection ~0.15. The scrape (an async route) runs in the same thread, so
+    nothing is read half-written; the count is the buckets' sum, as the format needs.
+    """
+
+    BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30)
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._topics: dict[str, Latencies] = {}
+        registry.register(self)
+
+    def labels(self, topic: str) -> Latencies:
+        """The topic's histogram, made at first use."""
+        return self._topics.setdefault(topic, Latencies(self.BOUNDS))
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        family = HistogramMetricFamily(
+            "dejaq_lease_seconds",
+            "Lease request latency on the leader, Raft commit included",
+            labels=["topic"],
+        )
+        les = [*(str(float(bound)) for bound in self.BOUNDS), "+Inf"]
+        for topic, latencies in self._topics.items():
+            family.add_metric(
+                [topic], list(zip(les, accumulate(latencies.counts), strict=True)), latencies.sum
+            )
+        yield family
+
+
+class Latencies:
+    """One topic's counts per bucket (the last past every bound) and their sum."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
 
 
 def resident_bytes() -> int:
