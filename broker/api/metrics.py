@@ -157,9 +157,9 @@ class LeaseLatency(Collector):
     """`dejaq_lease_seconds`: each topic's lease latency on the leader, a histogram.
 
     Observed once a lease, on the event loop: prometheus_client's `Histogram.observe`
-    (a lock, and a Python loop over the buckets) took ~0.75 µs there, a count in a list
-    found by bisection ~0.15. The scrape (an async route) runs in the same thread, so
-    nothing is read half-written; the count is the buckets' sum, as the format needs.
+    (a lock, and a Python loop over the buckets) takes ~0.75 µs, a count in a list found
+    by bisection ~0.15. The scrape (an async route) runs in the same thread, so nothing
+    is read half-written; the count is the buckets' sum, as the format needs.
     """
 
     BOUNDS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 30)

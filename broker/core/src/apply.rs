@@ -147,6 +147,11 @@ impl Transitions {
         let (Ok(op), Ok(args)) = (op.downcast::<PyString>(), args.downcast::<PyTuple>()) else {
             return Ok(None);
         };
+        let lease = match op.to_str()? {
+            "lease" if args.len() == 6 || args.len() == 7 => true,
+            "ack" if args.len() == 4 => false,
+            _ => return Ok(None),
+        };
         let Some(st) = topics.get_item(topic)? else {
             return Ok(None);
         };
@@ -158,10 +163,10 @@ impl Transitions {
                 &mut read.last_mut().expect("just pushed").1
             }
         };
-        match op.to_str()? {
-            "lease" if args.len() == 6 || args.len() == 7 => self.lease(state, t, args),
-            "ack" if args.len() == 4 => self.ack(t, args),
-            _ => Ok(None),
+        if lease {
+            self.lease(state, t, args)
+        } else {
+            self.ack(t, args)
         }
     }
 
