@@ -649,7 +649,8 @@ class TopicIndex:
             token = self.store.get(mid)
             if token is not None:
                 self._due(state, mid, token)
-        ids = self.store.table.ids
+        table = self.store.table
+        ids = table.ids
         if self._ids is not ids:  # the same view while the column is, as the core holds it
             self._ids, self._ids_bytes = ids, ids.view(np.uint8)
         due = now if self.timeline else NO_LIMIT  # a timeline's key is its time
@@ -663,7 +664,7 @@ class TopicIndex:
             *self._columns(),
             self._ids_bytes,
             ids.dtype.itemsize,
-            self.store.table.long,
+            table.long,
         )
 
     def release_columns(self) -> None:
