@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
+from dejaq_core import Bodies
 
 from dejaq.broker.api.dependencies import problem
 from dejaq.broker.api.routers._common import MAX_RECEIPT
@@ -31,69 +32,16 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 _ROUTE = re.compile(r"/v1/topics/([^/]+)/(leases|acks)")
-_CONSUMER = re.compile(r"[\x21-\x7e]{1,200}")
-_LEASE_KEYS = frozenset({"consumer_id", "max_messages", "lease_ms", "wait_ms"})
 _JSON = [(b"content-type", b"application/json")]
 MAX_LEASE_MS = 12 * 3600 * 1000
 
-
-def _int(value: Any, low: int, high: int) -> bool:
-    return type(value) is int and low <= value <= high
-
-
-def _lease_args(body: Any) -> tuple[str, int, int | None, int] | None:
-    """(consumer, max_messages, lease_ms, wait_ms) of a valid LeaseRequest, else None."""
-    if type(body) is not dict or not body.keys() <= _LEASE_KEYS:
-        return None
-    consumer = body.get("consumer_id")
-    n = body.get("max_messages", 1)
-    lease_ms = body.get("lease_ms")
-    wait_ms = body.get("wait_ms", 0)
-    if (
-        type(consumer) is not str
-        or not _CONSUMER.fullmatch(consumer)
-        or not _int(n, 1, 1000)
-        or not (lease_ms is None or _int(lease_ms, 1, MAX_LEASE_MS))
-        or not _int(wait_ms, 0, 30_000)
-    ):
-        return None
-    return consumer, n, lease_ms, wait_ms
-
-
-def _ack_args(body: Any) -> tuple[str, list[str] | list[int], bool] | None:
-    """(consumer, ids or receipts, whether receipts) of a valid Settle, else None."""
-    if type(body) is not dict or len(body) != 2:
-        return None
-    consumer = body.get("consumer_id")
-    if type(consumer) is not str or not _CONSUMER.fullmatch(consumer):
-        return None
-    receipts = body.get("receipts")
-    if receipts is not None:
-        if type(receipts) is not list or not 1 <= len(receipts) <= 1000:
-            return None
-        for r in receipts:
-            if type(r) is not int or not 0 <= r <= MAX_RECEIPT:
-                return None
-        return consumer, receipts, True
-    ids = body.get("ids")
-    if type(ids) is not list or not 1 <= len(ids) <= 1000:
-        return None
-    for mid in ids:
-        if type(mid) is not str or not 1 <= len(mid) <= 1000 or not _unicode(mid):
-            return None
-    return consumer, ids, False
-
-
-def _unicode(text: str) -> bool:
-    """Whether pydantic takes it as a string: a JSON escape can give a lone surrogate,
-    which it refuses (422) and a 409 answer naming the id could not encode (500)."""
-    if text.isascii():
-        return True
-    try:
-        text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
+# A lease's body parsed, checked as `LeaseRequest` checks it without coercion: its
+# (consumer, max_messages, lease_ms, wait_ms), else None. An ack's as `Settle`: its
+# (consumer, ids or receipts, whether receipts), else None. In the compiled core (the
+# same checks cost ~0.5 µs a request in Python).
+_BODIES = Bodies(MAX_LEASE_MS, MAX_RECEIPT)
+_lease_args = _BODIES.lease
+_ack_args = _BODIES.ack
 
 
 class HotPath:

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 
 mod ack_run;
 mod apply;
+mod bodies;
 mod buckets;
 mod grant;
 mod heads;
@@ -22,6 +23,7 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<order::Order>()?;
     m.add_class::<ack_run::AckRun>()?;
     m.add_class::<apply::Transitions>()?;
+    m.add_class::<bodies::Bodies>()?;
     m.add_class::<lease_table::LeaseTable>()?;
     m.add_class::<lease_record::LeaseRecord>()?;
     m.add_class::<packed_ids::PackedIds>()?;
