@@ -1157,6 +1157,44 @@ def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int, rece
     assert _ack_args(both) is None
 
 
+@given(
+    st.text(max_size=4)
+    | st.sampled_from(["w" * 200, "w" * 201, "\x21\x7e", "a b", "\x7f", "é", "\ud800", "\t"]),
+    st.sampled_from([None, 0, 1, 43_200_000, 43_200_001, True, 2.0]),
+    st.sampled_from([0, 30_000, 30_001, -1, False]),
+)
+@settings(max_examples=200, deadline=None)
+def test_hot_path_takes_consumer_ids_and_limits_as_the_models_do(
+    consumer: str, lease_ms: object, wait_ms: object
+) -> None:
+    """The core's checks of a body (`dejaq_core.Bodies`) take a consumer id, a lease
+    time and a wait exactly where `LeaseRequest` and `Settle` take them as they are:
+    printable ASCII, 1 to 200 characters; the limits at their bounds; no bool for an
+    int, no float to coerce."""
+    from pydantic import ValidationError
+
+    from dejaq.broker.api.hotpath import _ack_args, _lease_args
+    from dejaq.broker.api.routers.leases import LeaseRequest, Settle
+
+    body = {"consumer_id": consumer, "lease_ms": lease_ms, "wait_ms": wait_ms}
+    taken = _lease_args(body)
+    try:
+        model = LeaseRequest(**body)
+    except ValidationError:
+        assert taken is None
+    else:
+        exact = type(lease_ms) in (int, type(None)) and type(wait_ms) is int
+        assert taken == ((consumer, 1, lease_ms, wait_ms) if exact else None)
+        assert taken is None or taken == (model.consumer_id, 1, model.lease_ms, model.wait_ms)
+    ack = {"consumer_id": consumer, "receipts": [0]}
+    try:
+        Settle(**ack)
+    except ValidationError:
+        assert _ack_args(ack) is None
+    else:
+        assert _ack_args(ack) == (consumer, [0], True)
+
+
 _BODY_VALUES = st.recursive(
     st.none()
     | st.booleans()

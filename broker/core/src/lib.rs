@@ -1,6 +1,6 @@
 //! DejaQ broker's compiled core: per-message state the index keeps outside the Python
 //! heap, updated a lease or a batch of rows at a time, and the lease's answer rendered
-//! from it.
+//! from it; and the checks of the lease and ack bodies the leader answers first.
 
 use pyo3::prelude::*;
 
