@@ -329,12 +329,14 @@ def free_buckets(s: TopicState, consumer: str) -> set[int]:
 
 
 @given(
-    buckets=st.integers(1, 16),
+    buckets=st.integers(1, 40),
     steps=st.lists(
         st.tuples(
             st.sampled_from(["touch", "lease", "ack", "nack", "leave", "expire", "trim"]),
             st.sampled_from("abcd"),
-            st.lists(st.integers(0, 40), max_size=6),
+            # Up to 30 picks: a lease may meet more buckets than the core keeps apart
+            # before it counts them by map.
+            st.lists(st.integers(0, 80), max_size=30),
         ),
         max_size=40,
     ),
@@ -348,7 +350,13 @@ def test_buckets_of_and_the_leased_records_match_their_definitions_through_any_h
         if op == "touch":
             s.touch(consumer, now)
         elif op == "lease":
-            s.lease(consumer, now, 5, [(m, i % buckets, i) for m, i in zip(mids, ids, strict=True)])
+            s.touch(consumer, now)  # as the lease would: a newcomer joins, and buckets move
+            free = free_buckets(s, consumer)
+            taken = {m for m in mids if m in s.leases or m in s.settled}
+            picks = [(m, i % buckets, i) for m, i in zip(mids, ids, strict=True)]
+            record = s.lease(consumer, now, 5, picks)
+            expected = granted_by_definition(picks, free, taken)
+            assert [record.mid(p) for p in range(len(record))] == [m for m, _ in expected]
         elif op == "ack":
             s.ack(consumer, now, mids)
         elif op == "nack":
@@ -364,6 +372,35 @@ def test_buckets_of_and_the_leased_records_match_their_definitions_through_any_h
             assert len(got) == len(set(got)) and set(got) == free_buckets(s, c), (op, c)
         # Expiry and a leaving consumer look only at the records still holding a lease.
         assert s.leased == {lid: r for lid, r in s.records.items() if r.live}, op
+
+
+def test_a_lease_over_many_buckets_grants_in_the_free_ones_of_its_consumer_only() -> None:
+    """A lease meeting more buckets than the core keeps apart before it counts them by
+    map: granted exactly where one meeting few would be."""
+    s = TopicState(buckets=40, max_deliveries=3)
+    s.touch("a", 0)
+    s.lease("a", 1, 1000, [(f"a{b}", b, b) for b in range(0, 40, 3)])
+    s.touch("b", 2)  # buckets move to b; a still holds leases in some of them
+    free = free_buckets(s, "b")
+    assert free and free != set(s.owned["b"]), "b owns buckets that are not free to it"
+    picks = [(f"m{i % 100}", i % 40, i) for i in range(150)]  # ids picked twice among them
+    record = s.lease("b", 3, 1000, picks)
+    expected = granted_by_definition(picks, free, taken=set())
+    assert [record.mid(p) for p in range(len(record))] == [m for m, _ in expected]
+    assert {b: h["b"] for b, h in s.held.items() if "b" in h} == Counter(b for _, b in expected)
+
+
+def granted_by_definition(
+    picks: list[tuple[str, int, int]], free: set[int], taken: set[str]
+) -> list[tuple[str, int]]:
+    """(id, bucket) of each pick a lease grants, by `TopicState.lease`'s rule: in a free
+    bucket of the consumer's, neither leased nor settled (`taken`), nor granted earlier
+    in the same picks."""
+    granted: dict[str, int] = {}
+    for mid, bucket, _ in picks:
+        if bucket in free and mid not in taken and mid not in granted:
+            granted[mid] = bucket
+    return list(granted.items())
 
 
 # --- index over real Delta tables ---------------------------------------------------------

@@ -60,9 +60,11 @@ fn count(counter: &Bound<'_, PyDict>, key: &Bound<'_, PyAny>, n: i64) -> PyResul
 /// One topic state's attributes that the leases and acks applied here use, read from
 /// its `__dict__` at a group's first command on it: a group holds many commands of a
 /// topic, and reading each attribute anew for each cost ~0.3 µs a command on every
-/// node. The objects are the state's own, changed in place. Dropped whenever `_apply`
-/// runs, which may replace one (`owned` on a rebalance) or change `paused` or
-/// `trimmed_upto` (a trim); an ack adds events after the last, which leaves
+/// node. The objects are the state's own, changed in place, but for its counts (`seq`,
+/// the events' `size`, `totals`): kept here, and written back (`flush`) before
+/// `_apply` runs or Python reads them, and at the group's end. Dropped whenever
+/// `_apply` runs, which may replace an object (`owned` on a rebalance) or change
+/// `paused` or `trimmed_upto` (a trim); an ack adds events after the last, which leaves
 /// `trimmed_upto` as it was.
 struct Topic<'py> {
     st: Bound<'py, PyAny>,
@@ -79,11 +81,36 @@ struct Topic<'py> {
     leased: Bound<'py, PyDict>,
     totals: Bound<'py, PyDict>,
     sort_keys: Bound<'py, PyDict>,
-    ending: Bound<'py, PyAny>,
+    /// `ending.append`, bound once a group: an ack ending its lease (each at batch 1)
+    /// made the bound method anew.
+    ending_append: Bound<'py, PyAny>,
     events: Bound<'py, PyAny>,
     entries: Bound<'py, PyList>,
     /// `TopicState.trimmed_upto`, once a lease asked (a Python call).
     trimmed_upto: Option<i64>,
+    /// `seq` as the acks here have moved it; and what they and the leases here add to
+    /// the events' `size` and to `totals`, not written yet.
+    seq: i64,
+    added: Added,
+}
+
+/// Counts a group's leases and acks add to a topic, written back at once.
+#[derive(Default)]
+struct Added {
+    events: i64,
+    /// By `Tally`: what is added to `totals`, and whether it names the key already. A
+    /// key it does not name is added to it at once, so that `totals` names its keys in
+    /// the order one command at a time would (snapshots compare to the byte).
+    totals: [i64; 3],
+    named: [bool; 3],
+}
+
+/// The `totals` a group's leases and acks count.
+#[derive(Clone, Copy)]
+enum Tally {
+    Acked,
+    Leased,
+    Redelivered,
 }
 
 impl<'py> Topic<'py> {
@@ -106,21 +133,70 @@ impl<'py> Topic<'py> {
             leased: dict(&fields, intern!(py, "leased"))?,
             totals: dict(&fields, intern!(py, "totals"))?,
             sort_keys: dict(&fields, intern!(py, "sort_keys"))?,
-            ending: field(&fields, intern!(py, "ending"))?,
+            ending_append: field(&fields, intern!(py, "ending"))?.getattr(intern!(py, "append"))?,
             entries: events
                 .getattr(intern!(py, "entries"))?
                 .downcast_into::<PyList>()?,
+            seq: field(&fields, intern!(py, "seq"))?.extract()?,
             events,
             fields,
             st,
             trimmed_upto: None,
+            added: Added::default(),
         })
     }
 
-    fn trimmed_upto(&mut self) -> PyResult<i64> {
+    /// `totals`' key for `tally`.
+    fn key(&self, tally: Tally, acked: &Bound<'py, PyAny>) -> Bound<'py, PyAny> {
+        let py = self.st.py();
+        match tally {
+            Tally::Acked => acked.clone(),
+            Tally::Leased => intern!(py, "leased").clone().into_any(),
+            Tally::Redelivered => intern!(py, "redelivered").clone().into_any(),
+        }
+    }
+
+    /// `totals[tally] += n`, kept here but for a key `totals` does not name yet.
+    fn tally(&mut self, tally: Tally, n: i64, acked: &Bound<'py, PyAny>) -> PyResult<()> {
+        let i = tally as usize;
+        if n == 0 {
+            return Ok(());
+        }
+        if !self.added.named[i] {
+            let key = self.key(tally, acked);
+            self.added.named[i] = true;
+            if !self.totals.contains(&key)? {
+                return count(&self.totals, &key, n);
+            }
+        }
+        self.added.totals[i] += n;
+        Ok(())
+    }
+
+    /// The counts kept here written to the state.
+    fn flush(&mut self, acked: &Bound<'py, PyAny>) -> PyResult<()> {
+        let py = self.st.py();
+        let added = std::mem::take(&mut self.added);
+        if added.events > 0 {
+            let size: i64 = self.events.getattr(intern!(py, "size"))?.extract()?;
+            self.events
+                .setattr(intern!(py, "size"), size + added.events)?;
+            self.fields.set_item(intern!(py, "seq"), self.seq)?;
+        }
+        for tally in [Tally::Acked, Tally::Leased, Tally::Redelivered] {
+            let n = added.totals[tally as usize];
+            if n > 0 {
+                count(&self.totals, &self.key(tally, acked), n)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn trimmed_upto(&mut self, acked: &Bound<'py, PyAny>) -> PyResult<i64> {
         if let Some(upto) = self.trimmed_upto {
             return Ok(upto);
         }
+        self.flush(acked)?; // it reads `seq`
         let upto = self
             .st
             .call_method0(intern!(self.st.py(), "trimmed_upto"))?
@@ -130,15 +206,45 @@ impl<'py> Topic<'py> {
     }
 }
 
-/// The topics a group's commands have read so far, by their state object's address.
-type Topics<'py> = Vec<(usize, Topic<'py>)>;
+/// A group's commands applied so far: the topics they read, by their state object's
+/// address, and the lease numbers they took (`BrokerState.lids`), not written yet.
+struct Group<'py> {
+    state: Bound<'py, PyDict>,
+    topics: Vec<(usize, Topic<'py>)>,
+    lids: Option<i64>,
+}
+
+/// The next lease number: one past `lids`, read from the state at a group's first.
+fn next_lid(state: &Bound<'_, PyDict>, lids: &mut Option<i64>) -> PyResult<i64> {
+    let lid = match *lids {
+        Some(lid) => lid,
+        None => field(state, intern!(state.py(), "lids"))?.extract()?,
+    } + 1;
+    *lids = Some(lid);
+    Ok(lid)
+}
+
+impl<'py> Group<'py> {
+    /// What the group's commands kept here written to the state, and its topics
+    /// dropped: before `_apply` runs, and at the group's end.
+    fn flush(&mut self, acked: &Bound<'py, PyAny>) -> PyResult<()> {
+        if let Some(lids) = self.lids.take() {
+            self.state
+                .set_item(intern!(self.state.py(), "lids"), lids)?;
+        }
+        for (_, t) in &mut self.topics {
+            t.flush(acked)?;
+        }
+        self.topics.clear();
+        Ok(())
+    }
+}
 
 impl Transitions {
     /// One command applied here, or None for `_apply` to apply.
     fn one<'py>(
         &self,
-        read: &mut Topics<'py>,
-        state: &Bound<'py, PyDict>,
+        group: &mut Group<'py>,
         topics: &Bound<'py, PyDict>,
         topic: &Bound<'py, PyAny>,
         op: &Bound<'py, PyAny>,
@@ -156,15 +262,16 @@ impl Transitions {
             return Ok(None);
         };
         let key = st.as_ptr() as usize;
-        let t = match read.iter().position(|(k, _)| *k == key) {
-            Some(i) => &mut read[i].1,
+        let i = match group.topics.iter().position(|(k, _)| *k == key) {
+            Some(i) => i,
             None => {
-                read.push((key, Topic::read(st)?));
-                &mut read.last_mut().expect("just pushed").1
+                group.topics.push((key, Topic::read(st)?));
+                group.topics.len() - 1
             }
         };
+        let t = &mut group.topics[i].1;
         if lease {
-            self.lease(state, t, args)
+            self.lease(&group.state, &mut group.lids, t, args)
         } else {
             self.ack(t, args)
         }
@@ -176,6 +283,7 @@ impl Transitions {
     fn lease<'py>(
         &self,
         state: &Bound<'py, PyDict>,
+        lids: &mut Option<i64>,
         t: &mut Topic<'py>,
         args: &Bound<'py, PyTuple>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
@@ -204,15 +312,14 @@ impl Transitions {
         ) else {
             return Ok(None);
         };
-        let lid: i64 = field(state, intern!(py, "lids"))?.extract::<i64>()? + 1;
-        state.set_item(intern!(py, "lids"), lid)?;
+        let lid = next_lid(state, lids)?;
         t.consumers.set_item(&consumer, &now_obj)?;
         let record = Bound::new(
             py,
             LeaseRecord::empty(py, lid, consumer.clone().unbind(), now + lease_ms),
         )?;
         if let Some(seen) = seen {
-            if t.trimmed_upto()? > seen {
+            if t.trimmed_upto(self.acked.bind(py))? > seen {
                 return Ok(Some(record.into_any()));
             }
         }
@@ -241,10 +348,8 @@ impl Transitions {
         }
         t.records.set_item(lid, &record)?;
         t.leased.set_item(lid, &record)?;
-        count(&t.totals, intern!(py, "leased"), n as i64)?;
-        if redelivered > 0 {
-            count(&t.totals, intern!(py, "redelivered"), redelivered as i64)?;
-        }
+        t.tally(Tally::Leased, n as i64, self.acked.bind(py))?;
+        t.tally(Tally::Redelivered, redelivered as i64, self.acked.bind(py))?;
         Ok(Some(record.into_any()))
     }
 
@@ -252,7 +357,7 @@ impl Transitions {
     /// None where `_apply` must (ids, a bulk ack, receipts that are not small ints).
     fn ack<'py>(
         &self,
-        t: &Topic<'py>,
+        t: &mut Topic<'py>,
         args: &Bound<'py, PyTuple>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let py = args.py();
@@ -280,8 +385,6 @@ impl Transitions {
             return Ok(None);
         };
         let who = consumer.to_str()?;
-        let start: i64 = field(&t.fields, intern!(py, "seq"))?.extract()?;
-        let mut seq = start;
         let refused = PyDict::new(py);
         let (acked, refusal_of) = (self.acked.bind(py), self.refusal_of.bind(py));
         for (key, &k) in receipts.iter().zip(&keys) {
@@ -301,15 +404,13 @@ impl Transitions {
             let lid = record.borrow().number();
             if live == 0 {
                 t.leased.del_item(lid)?;
-                t.ending
-                    .call_method1(intern!(py, "append"), ((seq + 1, lid),))?;
+                t.ending_append.call1(((t.seq + 1, lid),))?;
             }
             let bucket = g.bucket.into_pyobject(py)?;
             hold_in(&t.held, &bucket, 1, &consumer, -1)?;
-            seq += 1;
             AckRun::append(
                 &t.entries,
-                seq,
+                t.seq + 1,
                 mid.clone().unbind(),
                 g.bucket,
                 acked,
@@ -317,15 +418,12 @@ impl Transitions {
                 g.deliveries,
                 now,
             )?;
+            t.seq += 1;
+            t.added.events += 1;
+            t.tally(Tally::Acked, 1, acked)?;
             if !t.sort_keys.is_empty() && t.sort_keys.contains(&mid)? {
                 t.sort_keys.del_item(&mid)?;
             }
-        }
-        if seq != start {
-            let size: i64 = t.events.getattr(intern!(py, "size"))?.extract()?;
-            t.events.setattr(intern!(py, "size"), size + seq - start)?;
-            count(&t.totals, acked, seq - start)?;
-            t.fields.set_item(intern!(py, "seq"), seq)?;
         }
         if let Some(seen) = t.consumers.get_item(&consumer)? {
             if seen.extract::<i64>()? < now {
@@ -367,17 +465,40 @@ impl Transitions {
             .getattr(intern!(py, "__dict__"))?
             .downcast_into::<PyDict>()?;
         let topics = dict(&fields, intern!(py, "topics"))?;
+        let mut group = Group {
+            state: fields,
+            topics: Vec::new(),
+            lids: None,
+        };
+        let results = self.each(&mut group, &topics, commands, apply);
+        // Written back even where a command raised past its result (not an Exception).
+        let flushed = group.flush(self.acked.bind(py));
+        let results = results?;
+        flushed?;
+        Ok(results)
+    }
+}
+
+impl Transitions {
+    /// `apply_group`'s loop: each command's result, or the Exception it raised.
+    fn each<'py>(
+        &self,
+        group: &mut Group<'py>,
+        topics: &Bound<'py, PyDict>,
+        commands: &Bound<'py, PyAny>,
+        apply: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = topics.py();
         let results = PyList::empty(py);
-        let mut read = Topics::new();
         for command in commands.try_iter()? {
             let (topic, op, args): (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>) =
                 command?.extract()?;
             let result = self
-                .one(&mut read, &fields, &topics, &topic, &op, &args)
+                .one(group, topics, &topic, &op, &args)
                 .and_then(|done| match done {
                     Some(result) => Ok(result),
                     None => {
-                        read.clear();
+                        group.flush(self.acked.bind(py))?;
                         apply.call1((&topic, &op, &args))
                     }
                 });

@@ -4,13 +4,13 @@
 //! of a µs each (the picks' columns unpacked, the consumer's free buckets made a set, a
 //! loop over the picks, the holds counted), a large part of a follower's work at batch 1.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use foldhash::fast::RandomState;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::buckets::{hold_in, is_free};
@@ -65,20 +65,16 @@ pub fn grant<'py>(
     // Which picks may be granted, before the table is borrowed: the checks below make
     // Python objects (a str per id to probe a dict, an int per bucket), and making one
     // may run another thread, which may read the table (`LeaseTable`'s note).
-    let mine: HashSet<u16> = owned
-        .try_iter()?
-        .map(|b| b?.extract::<u16>())
-        .collect::<PyResult<_>>()?;
-    // Buckets are counted by map, not by search: a lease of 1000 picks may span as many.
-    let mut free: HashMap<u16, bool, RandomState> = HashMap::default();
+    let mine = owned_buckets(owned)?;
+    let mut free: ByBucket<bool> = ByBucket::default();
     let probe = !(settled.is_empty() && not_before.is_empty());
     let mut candidates: Vec<usize> = Vec::with_capacity(take);
     for (i, &raw) in raws[..take].iter().enumerate() {
         let bucket = bucket_of(i);
-        let ok = match free.get(&bucket) {
-            Some(&ok) => ok,
+        let ok = match free.get(bucket) {
+            Some(ok) => ok,
             None => {
-                let ok = mine.contains(&bucket)
+                let ok = mine.binary_search(&bucket).is_ok()
                     && is_free(held, &bucket.into_bound_py_any(py)?, consumer)?;
                 free.insert(bucket, ok);
                 ok
@@ -157,13 +153,17 @@ pub fn grant<'py>(
 
     // In the order each bucket first appears, as every node then adds to `held`.
     let mut per_bucket: Vec<(u16, i64)> = Vec::new();
-    let mut at: HashMap<u16, usize, RandomState> = HashMap::default();
+    let mut at: ByBucket<usize> = ByBucket::default();
     for &i in &granted {
         let bucket = bucket_of(i);
-        let k = *at.entry(bucket).or_insert_with(|| {
-            per_bucket.push((bucket, 0));
-            per_bucket.len() - 1
-        });
+        let k = match at.get(bucket) {
+            Some(k) => k,
+            None => {
+                per_bucket.push((bucket, 0));
+                at.insert(bucket, per_bucket.len() - 1);
+                per_bucket.len() - 1
+            }
+        };
         per_bucket[k].1 += 1;
     }
     for (bucket, count) in per_bucket {
@@ -182,5 +182,64 @@ fn id_str<'py>(
     match holder.get(i) {
         Some(mid) => Ok(mid.clone()),
         None => Ok(PyString::new(py, std::str::from_utf8(raw)?)),
+    }
+}
+
+/// The consumer's buckets (`owned`: a list, or a tuple when it owns none), sorted for
+/// a binary search: a lease at batch 1 asks once, where a hash set cost an allocation
+/// and its hashing for a consumer that owns a bucket or two.
+fn owned_buckets(owned: &Bound<'_, PyAny>) -> PyResult<Vec<u16>> {
+    let mut mine: Vec<u16> = if let Ok(list) = owned.downcast::<PyList>() {
+        list.iter().map(|b| b.extract()).collect::<PyResult<_>>()?
+    } else if let Ok(tuple) = owned.downcast::<PyTuple>() {
+        tuple.iter().map(|b| b.extract()).collect::<PyResult<_>>()?
+    } else {
+        owned
+            .try_iter()?
+            .map(|b| b?.extract())
+            .collect::<PyResult<_>>()?
+    };
+    mine.sort_unstable();
+    Ok(mine)
+}
+
+/// A value per bucket met in a lease's picks: searched in a short vector while few
+/// buckets are (a lease at batch 1 meets one), in a map past that, as a lease of 1000
+/// picks may meet as many buckets.
+enum ByBucket<V> {
+    Few(Vec<(u16, V)>),
+    Many(HashMap<u16, V, RandomState>),
+}
+
+/// Buckets kept in the vector before the map takes over.
+const FEW_BUCKETS: usize = 16;
+
+impl<V> Default for ByBucket<V> {
+    fn default() -> Self {
+        Self::Few(Vec::new())
+    }
+}
+
+impl<V: Copy> ByBucket<V> {
+    fn get(&self, bucket: u16) -> Option<V> {
+        match self {
+            Self::Few(few) => few.iter().find(|(b, _)| *b == bucket).map(|&(_, v)| v),
+            Self::Many(many) => many.get(&bucket).copied(),
+        }
+    }
+
+    /// Add a bucket not in the map yet.
+    fn insert(&mut self, bucket: u16, value: V) {
+        match self {
+            Self::Few(few) if few.len() < FEW_BUCKETS => few.push((bucket, value)),
+            Self::Few(few) => {
+                let mut many: HashMap<u16, V, RandomState> = few.drain(..).collect();
+                many.insert(bucket, value);
+                *self = Self::Many(many);
+            }
+            Self::Many(many) => {
+                many.insert(bucket, value);
+            }
+        }
     }
 }
