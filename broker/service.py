@@ -389,9 +389,12 @@ class Broker:
         return t
 
     async def _commit(self, topic: str, op: str, *args: Any) -> Any:
+        """Commit a command on `topic`, named by its configured name rather than the
+        request's copy: a group commit then holds one str for all its commands on the
+        topic (pickle's memo), which every node unpickles once."""
         assert self.raft is not None
         try:
-            return await self.raft.commit(topic, op, *args)
+            return await self.raft.commit(self.topic(topic).name, op, *args)
         except NotCommitted as e:
             raise Problem(503, "not committed", str(e)) from None
 
