@@ -619,7 +619,7 @@ class TopicIndex:
         grants it once, and `release` puts the other pick back.
         """
         with self.lock:
-            return self.order.pick(buckets, n, *self._pick_args(state, now), pack_from=BULK_MIN)[0]
+            return self.order.pick(buckets, n, *self._pick_args(state, now), BULK_MIN)[0]
 
     def pick_with_heads(
         self, state: TopicState, buckets: list[int], n: int, now: int
@@ -637,7 +637,7 @@ class TopicIndex:
                 store.position,
                 store.segments,
                 SPAN_PER_HEAD,
-                pack_from=BULK_MIN,
+                BULK_MIN,  # `pack_from`, positional: a keyword costs the call ~0.1 µs
             )
             return picks, Heads(*read)
 
