@@ -11,6 +11,7 @@ import importlib
 import io
 import itertools
 import json
+import os
 import pickle
 import random
 import threading
@@ -936,6 +937,32 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert [p[0] for p in picks] == ["m2", "m0"]
     assert list(taken) == [index.head("m2"), index.head("m0")], "each pick's head, in pick order"
     assert [json.loads(h + b"}")["id"] for _, h in taken] == ["m2", "m0"]
+
+
+def test_a_pick_reads_each_head_whole_through_blocks_cached_before_it_was_written(
+    tmp_path: Path,
+) -> None:
+    """A lease's pick reads heads through blocks of the segment cached by earlier picks.
+    A head written into a block after it was cached is read from the file: past the
+    block's end (the file was shorter), or where the block held zeros (a write that had
+    not landed yet, made here by extending the file with zeros before the pick)."""
+    warehouse, index, state = loaded_topic(tmp_path, [1])
+    segment = index.heads.current
+    assert segment is not None
+    os.pwrite(segment.fd, bytes(300), segment.size)  # as if a write were under way
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 1, now=0)
+    assert listed(picked) == [("m0", 0, 1)] and list(taken) == [index.head("m0")]
+    index.release(state, picked)
+    state.lease("c", 0, 1000, listed(picked))
+    fill(warehouse, "jobs", buffer_rows([2, 3], prefix="n"))
+    assert index.refresh() == 2
+    assert index.heads.current is segment, "the new heads are in the block read before"
+    for _ in range(2):
+        picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 1, now=0)
+        [(mid, _, _)] = listed(picked)
+        [(key, head)] = taken
+        assert (key, head) == index.head(mid) and json.loads(head + b"}")["id"] == mid
+        state.lease("c", 0, 1000, listed(picked))
 
 
 def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path) -> None:

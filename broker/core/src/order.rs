@@ -22,7 +22,7 @@ use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
-use crate::heads::{self, joined_heads, JoinedHeads};
+use crate::heads::{self, joined_heads, HeadCache, JoinedHeads};
 
 /// Picks as a lease command carries them (`leases.Picks`): ids (packed, or a list of
 /// str), buckets, sort keys.
@@ -225,6 +225,7 @@ type PickState<'py> = (
 pub struct Order {
     buckets: Vec<Bucket>,
     held: HeldColumns,
+    heads: HeadCache,
 }
 
 impl Order {
@@ -373,14 +374,17 @@ impl Order {
         Order {
             buckets: (0..buckets).map(|_| Bucket::default()).collect(),
             held: HeldColumns::default(),
+            heads: HeadCache::default(),
         }
     }
 
     /// Let go of the columns held since the last pick: once its arrays are replaced (a
     /// growth, a narrower id column, a shrink), the held ones would stay in memory
-    /// until the next pick, and a node that no longer leads picks no more.
+    /// until the next pick, and a node that no longer leads picks no more. The heads'
+    /// blocks cached by the picks go too.
     fn release_columns(&mut self) {
         self.held = HeldColumns::default();
+        self.heads.clear();
     }
 
     /// New rows of `bucket` (tokens of stored rows): pushed on its heap while that
@@ -546,7 +550,15 @@ impl Order {
             buffer(&h.segment),
             buffer(&h.position),
         )?;
-        let read = joined_heads(py, &tokens, borrowed, segments, span, None)?;
+        let read = joined_heads(
+            py,
+            &tokens,
+            borrowed,
+            segments,
+            span,
+            None,
+            Some(&mut self.heads),
+        )?;
         Ok((picks, read))
     }
 
