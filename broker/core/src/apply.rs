@@ -81,8 +81,8 @@ struct Topic<'py> {
     leased: Bound<'py, PyDict>,
     totals: Bound<'py, PyDict>,
     sort_keys: Bound<'py, PyDict>,
-    /// `ending.append`, bound once a group: an ack ending its lease (each at batch 1)
-    /// made the bound method anew.
+    /// `ending.append`, bound once a group rather than by each ack ending its lease
+    /// (each at batch 1).
     ending_append: Bound<'py, PyAny>,
     events: Bound<'py, PyAny>,
     entries: Bound<'py, PyList>,

@@ -186,8 +186,8 @@ fn id_str<'py>(
 }
 
 /// The consumer's buckets (`owned`: a list, or a tuple when it owns none), sorted for
-/// a binary search: a lease at batch 1 asks once, where a hash set cost an allocation
-/// and its hashing for a consumer that owns a bucket or two.
+/// a binary search: a lease at batch 1 asks once, and a hash set would cost an
+/// allocation and its hashing for a consumer that owns a bucket or two.
 fn owned_buckets(owned: &Bound<'_, PyAny>) -> PyResult<Vec<u16>> {
     let mut mine: Vec<u16> = if let Ok(list) = owned.downcast::<PyList>() {
         list.iter().map(|b| b.extract()).collect::<PyResult<_>>()?

@@ -7,7 +7,7 @@
 //!
 //! A lease's pick (`Order.pick_heads`) reads short runs through a `HeadCache` of the
 //! segments' blocks: at batch 1 each lease reads one head of ~150 bytes, the one after
-//! the last its bucket's lease read, and a `pread` of it, a system call, cost the
+//! the last its bucket's lease read, and a `pread` of it, a system call, costs the
 //! leader more than copying it out of a block read for an earlier lease.
 
 use std::collections::HashMap;
