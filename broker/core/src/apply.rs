@@ -241,6 +241,39 @@ impl<'py> Group<'py> {
 }
 
 impl Transitions {
+    /// `apply_group`'s loop: each command's result, or the Exception it raised.
+    fn each<'py>(
+        &self,
+        group: &mut Group<'py>,
+        topics: &Bound<'py, PyDict>,
+        commands: &Bound<'py, PyAny>,
+        apply: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let py = topics.py();
+        let results = PyList::empty(py);
+        for command in commands.try_iter()? {
+            let (topic, op, args): (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>) =
+                command?.extract()?;
+            let result = self
+                .one(group, topics, &topic, &op, &args)
+                .and_then(|done| match done {
+                    Some(result) => Ok(result),
+                    None => {
+                        group.flush(self.acked.bind(py))?;
+                        apply.call1((&topic, &op, &args))
+                    }
+                });
+            match result {
+                Ok(result) => results.append(result)?,
+                Err(e) if e.is_instance_of::<PyException>(py) => {
+                    results.append(e.into_value(py))?
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(results)
+    }
+
     /// One command applied here, or None for `_apply` to apply.
     fn one<'py>(
         &self,
@@ -475,41 +508,6 @@ impl Transitions {
         let flushed = group.flush(self.acked.bind(py));
         let results = results?;
         flushed?;
-        Ok(results)
-    }
-}
-
-impl Transitions {
-    /// `apply_group`'s loop: each command's result, or the Exception it raised.
-    fn each<'py>(
-        &self,
-        group: &mut Group<'py>,
-        topics: &Bound<'py, PyDict>,
-        commands: &Bound<'py, PyAny>,
-        apply: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
-        let py = topics.py();
-        let results = PyList::empty(py);
-        for command in commands.try_iter()? {
-            let (topic, op, args): (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>) =
-                command?.extract()?;
-            let result = self
-                .one(group, topics, &topic, &op, &args)
-                .and_then(|done| match done {
-                    Some(result) => Ok(result),
-                    None => {
-                        group.flush(self.acked.bind(py))?;
-                        apply.call1((&topic, &op, &args))
-                    }
-                });
-            match result {
-                Ok(result) => results.append(result)?,
-                Err(e) if e.is_instance_of::<PyException>(py) => {
-                    results.append(e.into_value(py))?
-                }
-                Err(e) => return Err(e),
-            }
-        }
         Ok(results)
     }
 }
