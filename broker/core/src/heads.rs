@@ -241,34 +241,43 @@ fn read_run(
         )));
     }
     let number = run[0].0;
-    let cached = match cache {
-        Some(cache) if end - start <= BLOCK => {
-            let data = cache.read(file, number, start, end)?;
-            // A block read before a head in it was written holds zeros there (a head
-            // holds no NUL): read again, from the file.
-            let stale = match &data {
-                Some(data) => cut(ends, run, start, data)?.any(|head| head.contains(&0)),
-                None => false,
-            };
-            if stale {
-                cache.forget(number, start, end);
-            }
-            data.filter(|_| !stale)
-        }
-        _ => None,
+    let mut cache = cache.filter(|_| end - start <= BLOCK);
+    let hit = match cache.as_deref_mut() {
+        Some(cache) => cache.read(file, number, start, end)?,
+        None => None,
     };
-    let data = match cached {
+    let from_cache = hit.is_some();
+    let data = match hit {
         Some(data) => data,
-        None => {
-            let mut data = vec![0u8; end - start];
-            file.read_exact_at(&mut data, start as u64)?;
-            data
-        }
+        None => read_range(file, start, end)?,
     };
-    for (&(_, _, i), head) in run.iter().zip(cut(ends, run, start, &data)?) {
-        found(i, head);
+    let heads = cut(ends, run, start, &data)?;
+    if from_cache && heads.iter().any(|head| head.contains(&0)) {
+        // A block read before a head in it was written holds zeros there (a head
+        // holds no NUL): read again, from the file.
+        if let Some(cache) = cache {
+            cache.forget(number, start, end);
+        }
+        let data = read_range(file, start, end)?;
+        hand(run, cut(ends, run, start, &data)?, found);
+    } else {
+        hand(run, heads, found);
     }
     Ok(())
+}
+
+/// Bytes `start..end` of a segment, from its file.
+fn read_range(file: &File, start: usize, end: usize) -> PyResult<Vec<u8>> {
+    let mut data = vec![0u8; end - start];
+    file.read_exact_at(&mut data, start as u64)?;
+    Ok(data)
+}
+
+/// Each head of `run` handed to `found` with its place in the tokens.
+fn hand(run: &[(i32, usize, usize)], heads: Vec<&[u8]>, found: &mut impl FnMut(usize, &[u8])) {
+    for (&(_, _, i), head) in run.iter().zip(heads) {
+        found(i, head);
+    }
 }
 
 /// Each wanted head of `run`, cut out of `data` (the segment's bytes from `start`).
@@ -277,9 +286,8 @@ fn cut<'d>(
     run: &[(i32, usize, usize)],
     start: usize,
     data: &'d [u8],
-) -> PyResult<impl Iterator<Item = &'d [u8]>> {
-    let heads = run
-        .iter()
+) -> PyResult<Vec<&'d [u8]>> {
+    run.iter()
         .map(|&(_, pos, _)| {
             let (from, to) = (
                 start_of(ends, pos)?.checked_sub(start),
@@ -289,8 +297,7 @@ fn cut<'d>(
                 .and_then(|(from, to)| data.get(from..to.checked_sub(1)?))
                 .ok_or_else(|| PyValueError::new_err(format!("the ends are out of order at {pos}")))
         })
-        .collect::<PyResult<Vec<&[u8]>>>()?;
-    Ok(heads.into_iter())
+        .collect()
 }
 
 /// Bytes of a segment the cache reads and keeps at once, at offsets a multiple of it.
