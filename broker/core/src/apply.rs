@@ -88,16 +88,17 @@ struct Topic<'py> {
     entries: Bound<'py, PyList>,
     /// `TopicState.trimmed_upto`, once a lease asked (a Python call).
     trimmed_upto: Option<i64>,
-    /// `seq` as the acks here have moved it; and what they and the leases here add to
-    /// the events' `size` and to `totals`, not written yet.
+    /// `seq` as the acks here have moved it, and as the state holds it: each ack adds
+    /// one event, so the events' `size` grows by their difference when written back.
     seq: i64,
+    written_seq: i64,
+    /// What the leases and acks here add to `totals`, not written yet.
     added: Added,
 }
 
-/// Counts a group's leases and acks add to a topic, written back at once.
+/// Counts a group's leases and acks add to a topic's `totals`, written back at once.
 #[derive(Default)]
 struct Added {
-    events: i64,
     /// By `Tally`: what is added to `totals`, and whether it names the key already. A
     /// key it does not name is added to it at once, so that `totals` names its keys in
     /// the order one command at a time would (snapshots compare to the byte).
@@ -120,6 +121,7 @@ impl<'py> Topic<'py> {
             .getattr(intern!(py, "__dict__"))?
             .downcast_into::<PyDict>()?;
         let events = field(&fields, intern!(py, "events"))?;
+        let seq = field(&fields, intern!(py, "seq"))?.extract()?;
         Ok(Self {
             paused: field(&fields, intern!(py, "paused"))?.is_truthy()?,
             consumers: dict(&fields, intern!(py, "consumers"))?,
@@ -137,7 +139,8 @@ impl<'py> Topic<'py> {
             entries: events
                 .getattr(intern!(py, "entries"))?
                 .downcast_into::<PyList>()?,
-            seq: field(&fields, intern!(py, "seq"))?.extract()?,
+            seq,
+            written_seq: seq,
             events,
             fields,
             st,
@@ -177,11 +180,12 @@ impl<'py> Topic<'py> {
     fn flush(&mut self, acked: &Bound<'py, PyAny>) -> PyResult<()> {
         let py = self.st.py();
         let added = std::mem::take(&mut self.added);
-        if added.events > 0 {
+        if self.seq != self.written_seq {
             let size: i64 = self.events.getattr(intern!(py, "size"))?.extract()?;
             self.events
-                .setattr(intern!(py, "size"), size + added.events)?;
+                .setattr(intern!(py, "size"), size + self.seq - self.written_seq)?;
             self.fields.set_item(intern!(py, "seq"), self.seq)?;
+            self.written_seq = self.seq;
         }
         for tally in [Tally::Acked, Tally::Leased, Tally::Redelivered] {
             let n = added.totals[tally as usize];
@@ -452,7 +456,6 @@ impl Transitions {
                 now,
             )?;
             t.seq += 1;
-            t.added.events += 1;
             t.tally(Tally::Acked, 1, acked)?;
             if !t.sort_keys.is_empty() && t.sort_keys.contains(&mid)? {
                 t.sort_keys.del_item(&mid)?;
