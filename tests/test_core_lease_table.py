@@ -58,6 +58,30 @@ def test_ids_that_cannot_be_packed_are_told_and_bad_packs_refused() -> None:
     with pytest.raises(TypeError):
         PackedIds(b"ab", 2)["0"]
     assert joined([PackedIds(b"ab", 2), PackedIds(b"cde", 3)]) == ["ab", "cde"]
+    assert joined([PackedIds(b"ab", 2), ["fine", "ends in nul\0"]]) == [
+        "ab",
+        "fine",
+        "ends in nul\0",
+    ], "an id a pack cannot hold: a list"
+    assert type(joined([["a"], ["b"]])) is list, "nothing packed: as the events named them"
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.tuples(PACKABLE, st.booleans()), min_size=2, max_size=6))
+def test_a_trims_ids_stay_packed_whatever_the_widths_of_its_runs(
+    parts: list[tuple[list[str], bool]],
+) -> None:
+    """Runs leased at their own widths (ids of varied lengths) and single settlements'
+    ids (a list) join as one pack, at the widest width, holding every id in order."""
+    made = [PackedIds.pack(mids) if pack else mids for mids, pack in parts]
+    every = [m for mids, _ in parts for m in mids]
+    got = joined(made)
+    if any(p is None for p in made) or not any(isinstance(p, PackedIds) for p in made):
+        assert type(got) is list and got == every
+        return
+    assert isinstance(got, PackedIds) and list(got) == every
+    assert got.width == max(PackedIds.pack(mids).width for mids, _ in parts)
+    assert PackedIds.join([]) == [] and PackedIds.join([got]) == got
     assert joined([PackedIds(b"ab", 2), ["x"]]) == ["ab", "x"]
 
 

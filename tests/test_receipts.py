@@ -234,6 +234,27 @@ def test_a_lease_granted_in_part_keeps_its_ids_packed() -> None:
     assert record.sort_keys.tolist() == [i for i in range(BULK_MIN) if i != 5]
 
 
+def test_a_trim_of_leases_packed_at_several_widths_names_their_ids_packed() -> None:
+    """Ids of varied lengths: each lease packs its picks at its own width, and the trim
+    of their acks (bulk, and one by id) names them all in one pack, no str per message."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    s.touch("c", 0)
+    widths = {}
+    for lid, tail in enumerate(["", "-long", "-longer-still"], start=1):
+        picks = [(f"m{lid}-{i}{tail}", 0, i) for i in range(BULK_MIN)]
+        record = s.lease("c", lid, 100, packed(picks), lid=lid)
+        widths[record.mids.width] = [m for m, _, _ in picks]
+        first = record.receipt(0)
+        assert s.ack("c", lid, [], range(first, first + BULK_MIN)) == {}
+    single = lease(s, "c", ["one"], now=5)
+    assert s.ack("c", 5, ["one"]) == {} and len(single.mids) == 1
+    assert len(widths) == 3
+    trimmed = s.trim(s.seq)
+    assert isinstance(trimmed, PackedIds) and trimmed.width == max(widths)
+    assert list(trimmed) == [*(m for w in widths for m in widths[w]), "one"]
+    assert not s.leases and not s.records
+
+
 def test_extend_by_receipt_moves_only_the_messages_named() -> None:
     s = TopicState(buckets=1, max_deliveries=5)
     named = receipts(lease(s, "c", ["a", "b"], now=0, ms=100))

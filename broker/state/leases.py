@@ -820,14 +820,17 @@ class TopicState:
 
 
 def joined(parts: list[PackedIds | list[str]]) -> PackedIds | list[str]:
-    """Parts of ids as one: packed if they all are, at one width (a trim's runs, the
-    usual case), else a list of str."""
+    """Parts of ids as one. Packed where any part is (a trim's runs: the lists, its
+    single settlements' ids, packed with them), whatever their widths, so a trim makes
+    no str per id on any node; a list of str where none is, or an id cannot be packed."""
     if len(parts) == 1:
         return parts[0]
-    widths = {p.width if isinstance(p, PackedIds) else 0 for p in parts}
-    if len(widths) == 1 and 0 not in widths:
-        return PackedIds(b"".join(p.blob for p in parts), widths.pop())
-    return [m for p in parts for m in p]
+    if not any(type(p) is PackedIds for p in parts):
+        return [m for p in parts for m in p]
+    packs = [p if type(p) is PackedIds else PackedIds.pack(p) for p in parts]
+    if any(p is None for p in packs):
+        return [m for p in parts for m in p]
+    return PackedIds.join(packs)
 
 
 def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, array]:

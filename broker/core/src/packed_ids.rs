@@ -100,6 +100,32 @@ impl PackedIds {
         Self::new(PyBytes::new(py, &blob), width).map(Some)
     }
 
+    /// `parts` as one, at the width of the widest, the narrower ones' ids padded
+    /// further: a trim's runs, leased at their own widths (ids of varied lengths), stay
+    /// packed rather than become a str each on every node.
+    #[staticmethod]
+    fn join(py: Python<'_>, parts: Vec<PyRef<'_, PackedIds>>) -> PyResult<Self> {
+        let width = parts.iter().map(|p| p.width).max().unwrap_or(1);
+        let size = width * parts.iter().map(|p| p.len).sum::<usize>();
+        let blob = PyBytes::new_with(py, size, |blob| {
+            let mut at = 0;
+            for part in &parts {
+                let raw = part.raw(py);
+                if part.width == width {
+                    blob[at..at + raw.len()].copy_from_slice(raw);
+                    at += raw.len();
+                    continue;
+                }
+                for id in raw.chunks_exact(part.width) {
+                    blob[at..at + id.len()].copy_from_slice(id); // zeroes past it: padding
+                    at += width;
+                }
+            }
+            Ok(())
+        })?;
+        Self::new(blob, width)
+    }
+
     #[getter]
     fn width(&self) -> usize {
         self.width
