@@ -251,17 +251,19 @@ fn read_run(
         Some(data) => data,
         None => read_range(file, start, end)?,
     };
-    let heads = cut(ends, run, start, &data)?;
+    let mut heads = cut(ends, run, start, &data)?;
+    let reread;
     if from_cache && heads.iter().any(|head| head.contains(&0)) {
         // A block read before a head in it was written holds zeros there (a head
         // holds no NUL): read again, from the file.
         if let Some(cache) = cache {
             cache.forget(number, start, end);
         }
-        let data = read_range(file, start, end)?;
-        hand(run, cut(ends, run, start, &data)?, found);
-    } else {
-        hand(run, heads, found);
+        reread = read_range(file, start, end)?;
+        heads = cut(ends, run, start, &reread)?;
+    }
+    for (&(_, _, i), head) in run.iter().zip(heads) {
+        found(i, head);
     }
     Ok(())
 }
@@ -271,13 +273,6 @@ fn read_range(file: &File, start: usize, end: usize) -> PyResult<Vec<u8>> {
     let mut data = vec![0u8; end - start];
     file.read_exact_at(&mut data, start as u64)?;
     Ok(data)
-}
-
-/// Each head of `run` handed to `found` with its place in the tokens.
-fn hand(run: &[(i32, usize, usize)], heads: Vec<&[u8]>, found: &mut impl FnMut(usize, &[u8])) {
-    for (&(_, _, i), head) in run.iter().zip(heads) {
-        found(i, head);
-    }
 }
 
 /// Each wanted head of `run`, cut out of `data` (the segment's bytes from `start`).
