@@ -825,12 +825,11 @@ def joined(parts: list[PackedIds | list[str]]) -> PackedIds | list[str]:
     no str per id on any node; a list of str where none is, or an id cannot be packed."""
     if len(parts) == 1:
         return parts[0]
-    if not any(type(p) is PackedIds for p in parts):
-        return [m for p in parts for m in p]
-    packs = [p if type(p) is PackedIds else PackedIds.pack(p) for p in parts]
-    if any(p is None for p in packs):
-        return [m for p in parts for m in p]
-    return PackedIds.join(packs)
+    if any(type(p) is PackedIds for p in parts):
+        packs = [p if type(p) is PackedIds else PackedIds.pack(p) for p in parts]
+        if all(p is not None for p in packs):
+            return PackedIds.join(packs)
+    return [m for p in parts for m in p]
 
 
 def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, array]:

@@ -53,6 +53,22 @@ impl PackedIds {
     }
 }
 
+/// `count` ids, `width` bytes apiece in one bytes object, each NUL-padded (the object
+/// starts zeroed): an id already padded to a narrower width is padded further.
+fn padded<'py, 'a>(
+    py: Python<'py>,
+    width: usize,
+    count: usize,
+    ids: impl Iterator<Item = &'a [u8]>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    PyBytes::new_with(py, width * count, |blob| {
+        for (id, to) in ids.zip(blob.chunks_exact_mut(width)) {
+            to[..id.len()].copy_from_slice(id);
+        }
+        Ok(())
+    })
+}
+
 /// An id's bytes without the NUL bytes that pad it.
 pub(crate) fn unpadded(raw: &[u8]) -> &[u8] {
     let len = raw.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
@@ -93,11 +109,8 @@ impl PackedIds {
         if width > WIDEST || mids.iter().any(|m| m.ends_with('\0')) {
             return Ok(None);
         }
-        let mut blob = vec![0u8; width * mids.len()];
-        for (to, mid) in blob.chunks_exact_mut(width).zip(&mids) {
-            to[..mid.len()].copy_from_slice(mid.as_bytes());
-        }
-        Self::new(PyBytes::new(py, &blob), width).map(Some)
+        let blob = padded(py, width, mids.len(), mids.iter().map(String::as_bytes))?;
+        Self::new(blob, width).map(Some)
     }
 
     /// `parts` as one, at the width of the widest, the narrower ones' ids padded
@@ -106,24 +119,9 @@ impl PackedIds {
     #[staticmethod]
     fn join(py: Python<'_>, parts: Vec<PyRef<'_, PackedIds>>) -> PyResult<Self> {
         let width = parts.iter().map(|p| p.width).max().unwrap_or(1);
-        let size = width * parts.iter().map(|p| p.len).sum::<usize>();
-        let blob = PyBytes::new_with(py, size, |blob| {
-            let mut at = 0;
-            for part in &parts {
-                let raw = part.raw(py);
-                if part.width == width {
-                    blob[at..at + raw.len()].copy_from_slice(raw);
-                    at += raw.len();
-                    continue;
-                }
-                for id in raw.chunks_exact(part.width) {
-                    blob[at..at + id.len()].copy_from_slice(id); // zeroes past it: padding
-                    at += width;
-                }
-            }
-            Ok(())
-        })?;
-        Self::new(blob, width)
+        let count = parts.iter().map(|p| p.len).sum();
+        let ids = parts.iter().flat_map(|p| p.raw(py).chunks_exact(p.width));
+        Self::new(padded(py, width, count, ids)?, width)
     }
 
     #[getter]
