@@ -189,6 +189,8 @@ class Broker:
             return False, "no Raft leader"
         if not self.raft.sync.isReady():
             return False, "Raft log not yet applied"
+        if self.raft.state.nodes.get(self.raft_addr) != self.http_addr:
+            return False, "this node's HTTP address not yet registered"
         alerts = [
             f"checkpoints of {name} {alert}"
             for name, health in self.checkpoint_health.items()

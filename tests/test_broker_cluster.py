@@ -324,6 +324,9 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
     for node in nodes:
         assert client.get(f"{node.url}/healthz").json() == {"status": "ok"}
         assert client.get(f"{node.url}/readyz").status_code == 200
+        # ready means clients can find it: its own view lists its HTTP address
+        view = client.get(f"{node.url}/v1/cluster").json()["nodes"]
+        assert view[node.raft] == node.http
     leader = leader_of(nodes, client)
     text = client.get(f"{leader.url}/metrics").text
     for name in (

@@ -163,8 +163,10 @@ def test_typed_calls_and_typed_errors(three, kafka_source: str) -> None:
     dead = f"127.0.0.1:{free_port()}"  # nothing listens: the client moves on
     with Client([dead, *urls(nodes)], deadline=20) as c:
         assert {t.name: t.kind for t in c.topics()}["later"] == "timeline"
-        view = c.cluster()
-        assert view.role in ("leader", "follower") and len(view.nodes) == 3
+        # every node was ready, so registered; this one may still be applying the others'
+        view = wait_until(lambda: next((v for v in [c.cluster()] if len(v.nodes) == 3), None))
+        assert view.role in ("leader", "follower")
+        assert sorted(view.nodes.values()) == sorted(n.http for n in nodes)
         assert c.node != f"http://{dead}"
         assert c.heartbeat("jobs", "w").buckets == [0, 1, 2, 3]
 
