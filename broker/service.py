@@ -189,7 +189,7 @@ class Broker:
             return False, "no Raft leader"
         if not self.raft.sync.isReady():
             return False, "Raft log not yet applied"
-        if self.raft.state.nodes.get(self.raft_addr) != self.http_addr:
+        if not self._registered():
             return False, "this node's HTTP address not yet registered"
         alerts = [
             f"checkpoints of {name} {alert}"
@@ -197,6 +197,12 @@ class Broker:
             if (alert := health.alert()) is not None
         ]
         return True, "; ".join(["ready", *alerts])
+
+    def _registered(self) -> bool:
+        """Whether the applied state lists this node's HTTP address, as clients read it
+        from /v1/cluster: readiness waits for it, and the duties register it until so."""
+        assert self.raft is not None
+        return self.raft.state.nodes.get(self.raft_addr) == self.http_addr
 
     def state(self, topic: str) -> TopicState:
         assert self.raft is not None
@@ -256,7 +262,7 @@ class Broker:
             try:
                 if raft.leader() is None:
                     continue
-                if raft.state.nodes.get(self.raft_addr) != self.http_addr:
+                if not self._registered():
                     committed(raft.state.register, self.raft_addr, self.http_addr, timeout=2)
                 if not raft.is_leader():
                     continue
