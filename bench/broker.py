@@ -10,12 +10,13 @@ request) and by CPU with many, when group commit shares each Raft round among th
 Each phase runs R times (3), DejaQ and every baseline in turn (one system up at a
 time), and each figure is the run with the median msgs/s (`msgs_per_s_runs` lists them
 all): this VM's speed drifts by a third over minutes, and one run of each would compare
-moments, not systems. Runs alternate the order: DejaQ's systems first, then the
-baselines; then the baselines first. `paired_vs_floor` gives, for each DejaQ system (and each
-floor carrying DejaQ's commands), each
-run's msgs/s over the floor's in the same run and their median: where the machine's
-speed moves between runs, it shows as the spread of those ratios, which the ratio of
-two medians hides.
+moments, not systems. Runs alternate the order (`SYSTEMS`, then it reversed), which
+keeps DejaQ acking by receipt and the Raft floor, the pair the goals compare, side by
+side in every run, each first in turn. `paired_vs_floor` gives, for each DejaQ system
+(and each floor carrying DejaQ's commands), each run's msgs/s over the floor's in the
+same run and their median: where the machine's speed moves between runs, it shows as
+the spread of those ratios, which the ratio of two medians hides; the further a system
+runs from the floor in a run, the more of the drift its ratios carry.
 
 The same DejaQ with its workers acking by the receipts their leases gave instead of by
 id (`receipts`, `acking_by_receipt`) runs beside it, and `receipts_vs_results` is its
@@ -461,7 +462,10 @@ def raft_floor_server(spec: str) -> None:
 
 PHASES = ((1, 8), (1, 64), (100, 8))  # (batch, workers)
 PUBLISH_S = 0.005  # how often the Worker phase's client processes share their counts
-DEJAQ_SYSTEMS = ("dejaq", "receipts", "worker", "secured", "s3")
+# Systems in the order a run runs them (the next run reverses it): DejaQ acking by
+# receipt beside the Raft floor, the pair the goals compare, so that the machine's
+# drift over the minutes a run takes falls on both alike.
+DEJAQ_SYSTEMS = ("dejaq", "worker", "secured", "s3", "receipts")
 SYSTEMS = (*DEJAQ_SYSTEMS, "floor", "ids", "handles", "picks", "http")
 IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
 IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
@@ -891,49 +895,40 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
         store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
 
-        def dejaq_systems(run: int) -> None:
-            for name in DEJAQ_SYSTEMS:
-                if name not in systems:
-                    continue
-                on = store if name == "s3" else None
-                with dejaq(args, Path(tmp), run, name, on) as (
-                    leader,
-                    pids,
-                    seconds,
-                    access,
-                ):
-                    setup.append({name: seconds})
-                    if on is None:
-                        phases(name, leader, "b", pids, run, access)
-                        continue
-                    time.sleep(IDLE_SETTLE_S)
+        def dejaq_system(name: str, run: int) -> None:
+            on = store if name == "s3" else None
+            with dejaq(args, Path(tmp), run, name, on) as (leader, pids, seconds, access):
+                setup.append({name: seconds})
+                if on is None:
+                    phases(name, leader, "b", pids, run, access)
+                    return
+                time.sleep(IDLE_SETTLE_S)
+                before, t0 = on.requests(), time.monotonic()
+                time.sleep(IDLE_SECONDS)  # the measured window: nodes up, nothing to do
+                idle = per_second(before, on.requests(), time.monotonic() - t0)
+                idle["per_node_per_s"] = round(idle["per_s"] / 3, 2)
+                loaded = {}
+                for topic, batch, workers, _ in phase_topics(args, run):
                     before, t0 = on.requests(), time.monotonic()
-                    time.sleep(IDLE_SECONDS)  # the measured window: nodes up, nothing to do
-                    idle = per_second(before, on.requests(), time.monotonic() - t0)
-                    idle["per_node_per_s"] = round(idle["per_s"] / 3, 2)
-                    loaded = {}
-                    for topic, batch, workers, _ in phase_topics(args, run):
-                        before, t0 = on.requests(), time.monotonic()
-                        phases(name, leader, "b", pids, run, access, only=topic)
-                        loaded[f"batch_{batch}_workers_{workers}"] = per_second(
-                            before, on.requests(), time.monotonic() - t0
-                        )
-                    requests.append({"run": run, "idle": idle, "under_load": loaded})
+                    phases(name, leader, "b", pids, run, access, only=topic)
+                    loaded[f"batch_{batch}_workers_{workers}"] = per_second(
+                        before, on.requests(), time.monotonic() - t0
+                    )
+                requests.append({"run": run, "idle": idle, "under_load": loaded})
 
-        def baselines(run: int) -> None:
-            for carry in (None, "ids", "handles", "picks"):
-                if (carry or "floor") not in systems:
-                    continue
-                floor_dir = Path(tmp) / f"floor-{carry}-{run}"
-                with raft_floor(floor_dir, carry) as (floor_leader, floor_pids):
-                    phases(carry or "floor", floor_leader, "f", floor_pids, run)
-            if "http" in systems:
+        def baseline(name: str, run: int) -> None:
+            if name == "http":
                 with http_ceiling() as (http_addr, http_pids):
-                    phases("http", http_addr, "c", http_pids, run)
+                    phases(name, http_addr, "c", http_pids, run)
+                return
+            carry = None if name == "floor" else name
+            with raft_floor(Path(tmp) / f"floor-{name}-{run}", carry) as (leader, pids):
+                phases(name, leader, "f", pids, run)
 
         for run in range(args.runs):  # one system up at a time, in turn
-            for part in (dejaq_systems, baselines)[:: 1 if run % 2 == 0 else -1]:
-                part(run)
+            for name in SYSTEMS[:: 1 if run % 2 == 0 else -1]:
+                if name in systems:
+                    (dejaq_system if name in DEJAQ_SYSTEMS else baseline)(name, run)
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
     by_receipt, by_worker = medians["receipts"], medians["worker"]
