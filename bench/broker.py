@@ -54,7 +54,12 @@ transport, so two systems can differ there only by how their requests fall toget
 Each phase also reports the CPU per message of every process it ran on, nodes and
 clients (`cpu_us_per_msg`, "all" their sum). Where they all share too few cores, the
 rate follows that sum: `receipts_vs_floor_by_cpu` is the ratio it predicts against the
-floor, and the per-node figures say which process a gap to the measured one is in.
+floor, and the per-node figures say which process a gap to the measured one is in. The
+clients run the same code against both, on answers of the same shape, so their CPU a
+message also says how fast the machine ran during each: it moves by a third between
+runs side by side. `receipts_vs_floor_by_cpu_at_clients_speed` is the same prediction
+with each run's nodes' CPU counted in its own clients' CPU a message, which takes the
+machine's speed out of it.
 """
 
 from __future__ import annotations
@@ -713,6 +718,20 @@ def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
     }
 
 
+def _cpu_ratios_at_clients_speed(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
+    """`_cpu_ratios` with each run's nodes' CPU a message in units of its clients': the
+    clients do the same work a message against both, so the machine's speed during each
+    run divides out."""
+
+    def per_client(cpu: dict[str, float]) -> float:
+        return cpu["all"] / cpu["clients"]
+
+    return {
+        r["phase"]: round(per_client(b["cpu_us_per_msg"]) / per_client(r["cpu_us_per_msg"]), 3)
+        for r, b in zip(phases, baseline, strict=True)
+    }
+
+
 def _floor_leader(ports: list[int], timeout: float = 30) -> int:
     """Which of the Raft floor's nodes leads, once one does."""
     import httpx
@@ -963,6 +982,11 @@ def main() -> int:
                 "receipts_vs_results": ratios(by_receipt, results),
                 "receipts_vs_floor": ratios(by_receipt, floor),
                 "receipts_vs_floor_by_cpu": _cpu_ratios(by_receipt, floor)
+                if by_receipt and floor
+                else None,
+                "receipts_vs_floor_by_cpu_at_clients_speed": _cpu_ratios_at_clients_speed(
+                    by_receipt, floor
+                )
                 if by_receipt and floor
                 else None,
                 "paired_vs_floor": paired or None,
