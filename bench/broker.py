@@ -55,9 +55,10 @@ Each phase also reports the CPU per message of every process it ran on, nodes an
 clients (`cpu_us_per_msg`, "all" their sum). Where they all share too few cores, the
 rate follows that sum: `receipts_vs_floor_by_cpu` is the ratio it predicts against the
 floor, and the per-node figures say which process a gap to the measured one is in. The
-clients run the same code against both, on answers of the same shape, so their CPU a
-message also says how fast the machine ran during each: it moves by a third between
-runs side by side. `receipts_vs_floor_by_cpu_at_clients_speed` is the same prediction
+clients do nearly the same work a message against both (the same code, on answers of
+the same shape, acking the floor's by id and DejaQ's by receipt), so their CPU a message
+also says how fast the machine ran during each: it moves by up to a third between runs
+side by side. `receipts_vs_floor_by_cpu_at_clients_speed` is the same prediction
 with each run's nodes' CPU counted in its own clients' CPU a message, which takes the
 machine's speed out of it.
 """
@@ -720,8 +721,8 @@ def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
 
 def _cpu_ratios_at_clients_speed(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
     """`_cpu_ratios` with each run's nodes' CPU a message in units of its clients': the
-    clients do the same work a message against both, so the machine's speed during each
-    run divides out."""
+    clients do nearly the same work a message against both, so the machine's speed
+    during each run divides out."""
 
     def per_client(cpu: dict[str, float]) -> float:
         return cpu["all"] / cpu["clients"]
