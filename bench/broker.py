@@ -82,7 +82,7 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -710,25 +710,25 @@ def _paired(runs: list[dict], floor: list[dict]) -> dict[str, dict]:
     return {phase: {"median": median_low(rs), "runs": rs} for phase, rs in ratios.items()}
 
 
-def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
-    """The baseline's CPU per message (all processes) over each phase's: the throughput
-    ratio that CPU alone predicts where nodes and clients share the cores."""
+def _all(cpu: dict[str, float]) -> float:
+    return cpu["all"]
+
+
+def _in_client_units(cpu: dict[str, float]) -> float:
+    """A run's CPU a message in units of its clients': the clients do nearly the same
+    work a message against both systems, so the machine's speed during the run divides
+    out."""
+    return cpu["all"] / cpu["clients"]
+
+
+def _cpu_ratios(
+    phases: list[dict], baseline: list[dict], per: Callable[[dict], float] = _all
+) -> dict[str, float]:
+    """The baseline's CPU per message (all processes, counted as `per` says) over each
+    phase's: the throughput ratio that CPU alone predicts where nodes and clients share
+    the cores."""
     return {
-        r["phase"]: round(b["cpu_us_per_msg"]["all"] / r["cpu_us_per_msg"]["all"], 3)
-        for r, b in zip(phases, baseline, strict=True)
-    }
-
-
-def _cpu_ratios_at_clients_speed(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
-    """`_cpu_ratios` with each run's nodes' CPU a message in units of its clients': the
-    clients do nearly the same work a message against both, so the machine's speed
-    during each run divides out."""
-
-    def per_client(cpu: dict[str, float]) -> float:
-        return cpu["all"] / cpu["clients"]
-
-    return {
-        r["phase"]: round(per_client(b["cpu_us_per_msg"]) / per_client(r["cpu_us_per_msg"]), 3)
+        r["phase"]: round(per(b["cpu_us_per_msg"]) / per(r["cpu_us_per_msg"]), 3)
         for r, b in zip(phases, baseline, strict=True)
     }
 
@@ -985,8 +985,8 @@ def main() -> int:
                 "receipts_vs_floor_by_cpu": _cpu_ratios(by_receipt, floor)
                 if by_receipt and floor
                 else None,
-                "receipts_vs_floor_by_cpu_at_clients_speed": _cpu_ratios_at_clients_speed(
-                    by_receipt, floor
+                "receipts_vs_floor_by_cpu_at_clients_speed": _cpu_ratios(
+                    by_receipt, floor, _in_client_units
                 )
                 if by_receipt and floor
                 else None,
