@@ -1,6 +1,7 @@
 """Broker throughput: 3 nodes, N pre-ingested messages, C workers doing lease + ack.
 
     .venv/bin/python bench/broker.py [--messages N] [--buckets B] [--procs P] [--runs R]
+        [--systems S,...] [--interleave SLICES]
 
 Prints one JSON object: msgs/s and p50/p99 lease and ack latency for each phase of
 PHASES (batch 1 with 8 and with 64 workers, batch 100 with 8), the parameters and the
@@ -61,6 +62,11 @@ also says how fast the machine ran during each: it moves by up to a third betwee
 side by side. `receipts_vs_floor_by_cpu_at_clients_speed` is the same prediction
 with each run's nodes' CPU counted in its own clients' CPU a message, which takes the
 machine's speed out of it.
+
+`--interleave SLICES` then compares the pair once more with both clusters up, each
+phase cut into SLICES slices that alternate between the two (`interleaved`): runs seconds
+apart instead of minutes, with what each cluster's idling takes from the other reported
+beside them (`interleaved_receipts_vs_floor`). `--runs 0` runs that comparison alone.
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from hashlib import blake2b
 from pathlib import Path
-from statistics import median_low
+from statistics import median, median_low
 
 ROOT = Path(__file__).resolve().parent.parent
 # This file is bench/broker.py: keep its folder off the path, or it shadows the package.
@@ -473,6 +479,8 @@ PUBLISH_S = 0.005  # how often the Worker phase's client processes share their c
 # drift over the minutes a run takes falls on both alike.
 DEJAQ_SYSTEMS = ("dejaq", "worker", "secured", "s3", "receipts")
 SYSTEMS = (*DEJAQ_SYSTEMS, "floor", "ids", "handles", "picks", "http")
+QUIET_CORES = 0.05  # a cluster has settled after a slice within this of its idle CPU
+IDLE_WINDOW_S = 5  # over which each cluster's idle CPU is measured
 IDLE_SECONDS = 20  # the S3 system's idle window, once its nodes are up and filled
 IDLE_SETTLE_S = 10  # before it: the leader's first retention runs, the last index loads
 
@@ -592,11 +600,12 @@ def dejaq(
     run: int,
     name: str,
     store: Store | None = None,
+    slices: int = 1,
 ) -> Iterator[tuple[str, dict, dict, Access | None]]:
-    """A 3-node broker over the topics of run `run`, filled as the ingest job would:
-    (leader's address, pids, set-up seconds, how to reach it). `name` "secured": TLS on
-    its HTTP and API keys on, the clients sending a key over TLS. `store`: the warehouse
-    in its bucket."""
+    """A 3-node broker over the topics of run `run` (and of the `slices` - 1 runs after
+    it), filled as the ingest job would: (leader's address, pids, set-up seconds, how to
+    reach it). `name` "secured": TLS on its HTTP and API keys on, the clients sending a
+    key over TLS. `store`: the warehouse in its bucket."""
     from test_broker import buffer_rows, fill
 
     from dejaq.broker.api.keys import add_key
@@ -611,7 +620,8 @@ def dejaq(
         endpoint = store.env["DEJAQ_STORAGE_ENDPOINT"]
         storage = f"storage: {{endpoint: '{endpoint}', path_style: true}}\n"
     conf = tmp_path / f"dejaq-{run}.yaml"
-    topics = [t for t, _, _, _ in phase_topics(args, run)]
+    filled = [t for r in range(run, run + slices) for t in phase_topics(args, r)]
+    topics = [t for t, _, _, _ in filled]
     security, access, headers, verify = "", None, {}, True
     if secure:
         ca = new_authority(tmp_path / "pki")
@@ -636,7 +646,7 @@ def dejaq(
         )
     )
     t0 = time.perf_counter()
-    for topic, _, _, n in phase_topics(args, run):
+    for topic, _, _, n in filled:
         topic = f"b{topic}"
         for start in range(0, n, 50_000):
             keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
@@ -846,6 +856,131 @@ def commit_index(addr: str, view: str, access: Access | None) -> int:
     return httpx.get(f"https://{addr}{view}", headers=auth, verify=tls).json()["commit_index"]
 
 
+def cpu_rate(pids: dict[str, int], seconds: float) -> float:
+    """The processes' CPU over the next `seconds`, in cores."""
+    before, t0 = sum(cpu_seconds(p) for p in pids.values()), time.perf_counter()
+    time.sleep(seconds)
+    return (sum(cpu_seconds(p) for p in pids.values()) - before) / (time.perf_counter() - t0)
+
+
+def settle(pids: dict[str, int], idle: float, timeout: float = 30) -> tuple[float, float]:
+    """Wait until a cluster that ran a slice is done with what the slice left it (trims,
+    checkpoints): its CPU over a short window within QUIET_CORES of its idle rate.
+    Returns the seconds waited and the CPU seconds spent meanwhile beyond idle."""
+    t0, cpu0 = time.monotonic(), sum(cpu_seconds(p) for p in pids.values())
+    while cpu_rate(pids, 0.25) > idle + QUIET_CORES:
+        if time.monotonic() - t0 > timeout:
+            raise TimeoutError(f"a cluster still busy {timeout} s after its slice")
+    waited = time.monotonic() - t0
+    spent = sum(cpu_seconds(p) for p in pids.values()) - cpu0 - idle * waited
+    return round(waited, 2), round(max(spent, 0.0), 2)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One of the two clusters the interleaved comparison runs."""
+
+    addr: str
+    prefix: str  # of its topics' names
+    pids: dict[str, int]
+    view: str  # where its leader tells its commit index
+
+
+def interleaved(args: argparse.Namespace, tmp: Path) -> dict:
+    """DejaQ acking by receipt against the Raft floor, both clusters up and each phase
+    run in `args.interleave` slices that alternate between the two, each slice's first
+    system alternating too: adjacent runs of seconds, where the runs above put a whole
+    system (its start and its three phases) between the two.
+
+    The cluster not running a slice idles beside it: each cluster's idle CPU is measured
+    first (`idle_cores`), and after each slice the bench waits until the cluster that ran
+    it has settled (`settle`; what it spent meanwhile is `after_cpu_seconds`), so what
+    one takes from the other is its idle cost, reported per slice
+    (`resting_cpu_percent`, of one core). (Stopping the resting cluster instead
+    would drop its Raft connections after PySyncObj's 3.5 s timeout and start
+    elections.) Per phase: each slice's msgs/s over the floor's, their median, and every
+    slice's figures."""
+    out: list[dict] = []
+    with (
+        dejaq(args, tmp, 0, "interleaved", slices=args.interleave) as (dejaq_addr, dejaq_pids, *_),
+        raft_floor(tmp / "floor-interleaved") as (floor_addr, floor_pids),
+    ):
+        sides = {
+            "receipts": Side(dejaq_addr, "b", dejaq_pids, "/v1/cluster"),
+            "floor": Side(floor_addr, "f", floor_pids, "/role"),
+        }
+        time.sleep(IDLE_SETTLE_S)  # the leader's first retention runs, the last index loads
+        idle = {name: cpu_rate(side.pids, IDLE_WINDOW_S) for name, side in sides.items()}
+        for k, (batch, workers) in enumerate(PHASES):
+            slices: dict[str, list[dict]] = {"receipts": [], "floor": []}
+            for s in range(args.interleave):
+                topic, _, _, n = phase_topics(args, s)[k]
+                for name in ("receipts", "floor")[:: 1 if s % 2 == 0 else -1]:
+                    side = sides[name]
+                    resting = sides["floor" if name == "receipts" else "receipts"].pids
+                    rest_before = sum(cpu_seconds(pid) for pid in resting.values())
+                    result = run_phase(
+                        side.addr,
+                        side.prefix + topic,
+                        batch,
+                        n,
+                        workers,
+                        args.procs,
+                        args.seconds,
+                        side.pids,
+                        by_receipt=name == "receipts",
+                        view=side.view,
+                    )
+                    rested = sum(cpu_seconds(pid) for pid in resting.values()) - rest_before
+                    result["resting_cpu_percent"] = round(100 * rested / result["seconds"], 1)
+                    result["settle_seconds"], result["after_cpu_seconds"] = settle(
+                        side.pids, idle[name]
+                    )
+                    slices[name].append(result)
+                    print(
+                        f"interleaved {result['phase']} slice {s + 1}/{args.interleave}"
+                        f" {name}: {result['msgs_per_s']} msgs/s, {result['errors']} errors",
+                        file=sys.stderr,
+                    )
+                    if not result["messages_acked"]:
+                        raise RuntimeError(
+                            f"{name} acked nothing in slice {s + 1} of {result['phase']}"
+                            f" ({result['errors']} errors)"
+                        )
+            out.append(_interleaved_phase(slices["receipts"], slices["floor"]))
+    idle_cores = {name: round(cores, 3) for name, cores in idle.items()}
+    return {"phases": out, "idle_cores": idle_cores}
+
+
+def _interleaved_phase(mine: list[dict], floor: list[dict]) -> dict:
+    """One phase's slices, DejaQ's by receipt and the floor's, side by side."""
+    ratios = [round(r["msgs_per_s"] / f["msgs_per_s"], 3) for r, f in zip(mine, floor, strict=True)]
+    return {
+        "phase": mine[0]["phase"],
+        "median": round(median(ratios), 3),
+        "slices": ratios,
+        "receipts_msgs_per_s": [r["msgs_per_s"] for r in mine],
+        "floor_msgs_per_s": [f["msgs_per_s"] for f in floor],
+        "receipts_lease_p99_ms": [r["lease_p99_ms"] for r in mine],
+        "receipts_lease_p99_ms_median": round(median(r["lease_p99_ms"] for r in mine), 2),
+        "clients_cpu_receipts_vs_floor": [
+            round(r["client_cpu_us_per_msg"] / f["client_cpu_us_per_msg"], 2)
+            for r, f in zip(mine, floor, strict=True)
+        ],
+        "resting_cpu_percent": {
+            "floor_during_receipts": [r["resting_cpu_percent"] for r in mine],
+            "dejaq_during_floor": [f["resting_cpu_percent"] for f in floor],
+        },
+        "after_cpu_seconds": {
+            "receipts": [r["after_cpu_seconds"] for r in mine],
+            "floor": [f["after_cpu_seconds"] for f in floor],
+        },
+        "errors": sum(r["errors"] for r in mine + floor),
+        "receipts_cpu_us_per_msg": [r["cpu_us_per_msg"] for r in mine],
+        "floor_cpu_us_per_msg": [f["cpu_us_per_msg"] for f in floor],
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--messages", type=int, default=200_000, help="for batch 100")
@@ -861,6 +996,14 @@ def main() -> int:
         "worker (DejaQ, driven by `dejaq.client.Worker`s), "
         "secured (TLS and API keys on), s3 (the warehouse on "
         "`dejaq s3`), floor, ids, handles, picks, http (default: all)",
+    )
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="SLICES",
+        help="then compare receipts and floor with both up, each phase in SLICES "
+        "alternating slices (default: 0, none)",
     )
     ap.add_argument("--ceiling-server", type=int, metavar="PORT", help=argparse.SUPPRESS)
     ap.add_argument("--raft-floor-server", metavar="SPEC", help=argparse.SUPPRESS)
@@ -913,7 +1056,9 @@ def main() -> int:
 
     requests: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="dejaq-bench-") as tmp, ExitStack() as servers:
-        store = servers.enter_context(s3_server(Path(tmp))) if "s3" in systems else None
+        store = None
+        if "s3" in systems and args.runs > 0:
+            store = servers.enter_context(s3_server(Path(tmp)))
 
         def dejaq_system(name: str, run: int) -> None:
             on = store if name == "s3" else None
@@ -949,6 +1094,7 @@ def main() -> int:
             for name in SYSTEMS[:: 1 if run % 2 == 0 else -1]:
                 if name in systems:
                     (dejaq_system if name in DEJAQ_SYSTEMS else baseline)(name, run)
+        side_by_side = interleaved(args, Path(tmp)) if args.interleave > 0 else None
     medians = {k: _medians(v) if v else [] for k, v in runs.items()}
     results, secured, on_s3 = medians["dejaq"], medians["secured"], medians["s3"]
     by_receipt, by_worker = medians["receipts"], medians["worker"]
@@ -991,6 +1137,7 @@ def main() -> int:
                 if by_receipt and floor
                 else None,
                 "paired_vs_floor": paired or None,
+                "interleaved_receipts_vs_floor": side_by_side,
                 "worker_client": by_worker,
                 "worker_vs_receipts": ratios(by_worker, by_receipt),
                 "worker_vs_floor": ratios(by_worker, floor),
@@ -1022,6 +1169,7 @@ def main() -> int:
                     "payload_bytes": 16,
                     "seconds_cap": args.seconds,
                     "runs": args.runs,
+                    "interleaved_slices": args.interleave,
                     "systems": systems,
                     "date": time.strftime("%Y-%m-%d"),
                     "target": "leader",
