@@ -55,13 +55,7 @@ transport, so two systems can differ there only by how their requests fall toget
 Each phase also reports the CPU per message of every process it ran on, nodes and
 clients (`cpu_us_per_msg`, "all" their sum). Where they all share too few cores, the
 rate follows that sum: `receipts_vs_floor_by_cpu` is the ratio it predicts against the
-floor, and the per-node figures say which process a gap to the measured one is in. The
-clients do nearly the same work a message against both (the same code, on answers of
-the same shape, acking the floor's by id and DejaQ's by receipt), so their CPU a message
-also says how fast the machine ran during each: it moves by up to a third between runs
-side by side. `receipts_vs_floor_by_cpu_at_clients_speed` is the same prediction
-with each run's nodes' CPU counted in its own clients' CPU a message, which takes the
-machine's speed out of it.
+floor, and the per-node figures say which process a gap to the measured one is in.
 
 `--interleave SLICES` then compares the pair once more with both clusters up, each
 phase cut into SLICES slices that alternate between the two (`interleaved`): runs seconds
@@ -88,7 +82,7 @@ import tempfile
 import threading
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from hashlib import blake2b
@@ -602,11 +596,11 @@ def dejaq(
     store: Store | None = None,
     slices: int = 1,
 ) -> Iterator[tuple[str, dict, dict, Access | None]]:
-    """A 3-node broker over the topics of run `run` (and of the `slices` - 1 runs after
-    it), filled as the ingest job would: (leader's address, pids, set-up seconds, how to
-    reach it). `name` "secured": TLS on its HTTP and API keys on, the clients sending a
-    key over TLS. `store`: the warehouse in its bucket."""
-    from test_broker import buffer_rows, fill
+    """A 3-node broker over the topics of run `run`, filled as the ingest job would:
+    (leader's address, pids, set-up seconds, how to reach it). With `slices`, the topics
+    of the `slices` - 1 runs after it too, left empty (`fill_topic` fills them). `name`
+    "secured": TLS on its HTTP and API keys on, the clients sending a key over TLS.
+    `store`: the warehouse in its bucket."""
 
     from dejaq.broker.api.keys import add_key
     from dejaq.jobs import cluster
@@ -614,14 +608,13 @@ def dejaq(
 
     secure = name == "secured"
     tmp_path = tmp_path / name
-    warehouse = f"s3://dejaq/bench-{run}" if store else str(tmp_path / "warehouse")
+    warehouse = warehouse_of(tmp_path, run, store)
     storage = ""
     if store:
         endpoint = store.env["DEJAQ_STORAGE_ENDPOINT"]
         storage = f"storage: {{endpoint: '{endpoint}', path_style: true}}\n"
     conf = tmp_path / f"dejaq-{run}.yaml"
-    filled = [t for r in range(run, run + slices) for t in phase_topics(args, r)]
-    topics = [t for t, _, _, _ in filled]
+    topics = [t for r in range(run, run + slices) for t, _, _, _ in phase_topics(args, r)]
     security, access, headers, verify = "", None, {}, True
     if secure:
         ca = new_authority(tmp_path / "pki")
@@ -646,15 +639,8 @@ def dejaq(
         )
     )
     t0 = time.perf_counter()
-    for topic, _, _, n in filled:
-        topic = f"b{topic}"
-        for start in range(0, n, 50_000):
-            keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
-            fill(
-                warehouse,
-                topic,
-                buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"),
-            )
+    for topic, _, _, n in phase_topics(args, run):
+        fill_topic(args, warehouse, f"b{topic}", n)
     fill_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     nodes = cluster.up(3, tmp_path / f"raft-{run}", str(conf))
@@ -672,6 +658,35 @@ def dejaq(
     finally:
         for node in nodes:
             cluster.stop_node(node)
+
+
+def warehouse_of(tmp_path: Path, run: int, store: Store | None) -> str:
+    """Where `dejaq` keeps the buffer of a system (`tmp_path`, its own folder) in run `run`."""
+    return f"s3://dejaq/bench-{run}" if store else str(tmp_path / "warehouse")
+
+
+def fill_topic(args: argparse.Namespace, warehouse: str, topic: str, n: int) -> None:
+    """Land `n` messages in a topic's buffer as the ingest job would, 50,000 a commit."""
+    from test_broker import buffer_rows, fill
+
+    for start in range(0, n, 50_000):
+        keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
+        fill(warehouse, topic, buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"))
+
+
+def wait_indexed(addr: str, topic: str, n: int, timeout: float = 120) -> None:
+    """Until every node's index holds a topic's `n` messages."""
+    import httpx
+
+    nodes = httpx.get(f"http://{addr}/v1/cluster").json()["nodes"].values()
+    deadline = time.monotonic() + timeout
+    while True:
+        views = [httpx.get(f"http://{node}/v1/cluster").json()["topics"] for node in nodes]
+        if all(view.get(topic, {}).get("indexed") == n for view in views):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{topic}'s {n} messages not indexed on every node in {timeout} s")
+        time.sleep(0.1)
 
 
 def leader_of(nodes: list, headers: dict, verify: object, timeout: float = 30) -> str:
@@ -720,25 +735,11 @@ def _paired(runs: list[dict], floor: list[dict]) -> dict[str, dict]:
     return {phase: {"median": median_low(rs), "runs": rs} for phase, rs in ratios.items()}
 
 
-def _all(cpu: dict[str, float]) -> float:
-    return cpu["all"]
-
-
-def _in_client_units(cpu: dict[str, float]) -> float:
-    """A run's CPU a message in units of its clients': the clients do nearly the same
-    work a message against both systems, so the machine's speed during the run divides
-    out."""
-    return cpu["all"] / cpu["clients"]
-
-
-def _cpu_ratios(
-    phases: list[dict], baseline: list[dict], per: Callable[[dict], float] = _all
-) -> dict[str, float]:
-    """The baseline's CPU per message (all processes, counted as `per` says) over each
-    phase's: the throughput ratio that CPU alone predicts where nodes and clients share
-    the cores."""
+def _cpu_ratios(phases: list[dict], baseline: list[dict]) -> dict[str, float]:
+    """The baseline's CPU per message (all processes) over each phase's: the throughput
+    ratio that CPU alone predicts where nodes and clients share the cores."""
     return {
-        r["phase"]: round(per(b["cpu_us_per_msg"]) / per(r["cpu_us_per_msg"]), 3)
+        r["phase"]: round(b["cpu_us_per_msg"]["all"] / r["cpu_us_per_msg"]["all"], 3)
         for r, b in zip(phases, baseline, strict=True)
     }
 
@@ -890,7 +891,9 @@ def interleaved(args: argparse.Namespace, tmp: Path) -> dict:
     """DejaQ acking by receipt against the Raft floor, both clusters up and each phase
     run in `args.interleave` slices that alternate between the two, each slice's first
     system alternating too: adjacent runs of seconds, where the runs above put a whole
-    system (its start and its three phases) between the two.
+    system (its start and its three phases) between the two. A slice's messages land in
+    DejaQ's buffer just before it (`fill_topic`, then the nodes index them), so that the
+    messages pending are those of one run, as above, not of every slice.
 
     The cluster not running a slice idles beside it: each cluster's idle CPU is measured
     first (`idle_cores`), and after each slice the bench waits until the cluster that ran
@@ -909,12 +912,17 @@ def interleaved(args: argparse.Namespace, tmp: Path) -> dict:
             "receipts": Side(dejaq_addr, "b", dejaq_pids, "/v1/cluster"),
             "floor": Side(floor_addr, "f", floor_pids, "/role"),
         }
+        warehouse = warehouse_of(tmp / "interleaved", 0, None)
         time.sleep(IDLE_SETTLE_S)  # the leader's first retention runs, the last index loads
         idle = {name: cpu_rate(side.pids, IDLE_WINDOW_S) for name, side in sides.items()}
         for k, (batch, workers) in enumerate(PHASES):
             slices: dict[str, list[dict]] = {"receipts": [], "floor": []}
             for s in range(args.interleave):
                 topic, _, _, n = phase_topics(args, s)[k]
+                if s > 0:  # landed now, so that only this slice's messages are pending
+                    fill_topic(args, warehouse, "b" + topic, n)
+                    wait_indexed(dejaq_addr, "b" + topic, n)
+                    settle(dejaq_pids, idle["receipts"])
                 for name in ("receipts", "floor")[:: 1 if s % 2 == 0 else -1]:
                     side = sides[name]
                     resting = sides["floor" if name == "receipts" else "receipts"].pids
@@ -1129,11 +1137,6 @@ def main() -> int:
                 "receipts_vs_results": ratios(by_receipt, results),
                 "receipts_vs_floor": ratios(by_receipt, floor),
                 "receipts_vs_floor_by_cpu": _cpu_ratios(by_receipt, floor)
-                if by_receipt and floor
-                else None,
-                "receipts_vs_floor_by_cpu_at_clients_speed": _cpu_ratios(
-                    by_receipt, floor, _in_client_units
-                )
                 if by_receipt and floor
                 else None,
                 "paired_vs_floor": paired or None,
