@@ -1982,6 +1982,41 @@ def test_the_id_table_finds_what_a_dict_would(
         id_table.MIN_SLOTS = small
 
 
+@settings(max_examples=20, deadline=None)
+@given(
+    stored=st.integers(1, 5000),
+    forgotten=st.integers(0, 5000),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_the_id_table_finds_a_trims_worth_of_ids_as_a_dict_would(
+    stored: int, forgotten: int, seed: int
+) -> None:
+    """A trim looks up thousands of ids in one call, which the compiled core walks a
+    chunk at a time: across the chunks' edges, with ids stored, deleted and never stored
+    in any order, packed or as strs, each is found where a dict says."""
+    import random
+
+    import numpy as np
+    from dejaq_core import PackedIds
+
+    from dejaq.broker.storage import id_table
+
+    mids = [f"bench-{seed % 97}-{n}" for n in range(stored + 2100)]  # past two chunks
+    table = id_table.IdTable()
+    table.grow(stored)
+    table.insert(np.arange(stored), mids[:stored])
+    shuffled = random.Random(seed).sample(range(stored), stored)
+    gone = [mids[n] for n in shuffled[:forgotten]]
+    table.delete(table.find(gone)[1])
+    model = {m: h for h, m in enumerate(mids[:stored])}
+    for m in gone:
+        del model[m]
+    probe = random.Random(seed + 1).sample(mids, len(mids))
+    want = [model.get(m, -1) for m in probe]
+    assert table.find(probe)[0].tolist() == want
+    assert table.find(PackedIds.pack(probe))[0].tolist() == want
+
+
 def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> None:
     """One node of three up: no leader. A replicated call from a duty thread fails with
     NotCommitted, PySyncObj's reason in words: a leader change is a line in the log, not

@@ -17,6 +17,8 @@ const FMIX: [u64; 2] = [0xFF51_AFD7_ED55_8CCD, 0xC4CE_B9FE_1A85_EC53];
 const EMPTY: i32 = 0;
 /// An id the caller must look up itself: one the column holds as a digest.
 const ASK: i64 = -2;
+/// Ids whose first slots and column entries `find_slots` loads ahead of walking them.
+const CHUNK: usize = 1024;
 
 /// The position of an id padded with NUL bytes to `width` (a multiple of 8), as
 /// `id_table._positions` computes it for a column: hashed word by word, then mixed.
@@ -95,52 +97,56 @@ pub fn find_slots<'py>(
     // here. A table of a million ids misses the cache at almost every probe: the first
     // slots, and the column at their handles, are read in passes of independent loads
     // first, so the CPU overlaps those misses instead of waiting each one out in turn.
-    let starts: Vec<Result<usize, i64>> = raws
-        .iter()
-        .map(|raw| {
-            if raw.len() > WIDEST || raw.last() == Some(&0) {
-                Err(ASK)
-            } else if raw.len() > width {
-                Err(-1)
-            } else {
-                Ok((hash(raw, width, seed) as usize) & mask)
-            }
-        })
-        .collect();
-    let firsts: Vec<i32> = starts
-        .iter()
-        .map(|start| start.map_or(EMPTY, |i| table[i].get()))
-        .collect();
-    let mut touched = 0u8;
-    for &s in &firsts {
-        if let Some(byte) = column.get((s.max(1) - 1) as usize * width) {
-            touched ^= byte.get();
-        }
-    }
-    std::hint::black_box(touched);
+    // The passes go CHUNK ids at a time: over a whole trim's ids (tens of thousands),
+    // the lines the first passes brought in were gone again before the walk used them.
     let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
-    for (raw, start) in raws.iter().zip(&starts) {
-        let (slot, handle) = match *start {
-            Err(answer) => (answer, -1),
-            Ok(start) => {
-                let mut i = start;
-                let mut probes = 0;
-                loop {
-                    let s = table[i].get();
-                    probes += 1;
-                    if s == EMPTY || probes > table.len() {
-                        break (-1, -1);
-                    }
-                    if s > 0 && holds(column, (s - 1) as usize, width, raw) {
-                        break (i as i64, i64::from(s) - 1);
-                    }
-                    i = (i + 1) & mask;
+    for chunk in raws.chunks(CHUNK) {
+        let starts: Vec<Result<usize, i64>> = chunk
+            .iter()
+            .map(|raw| {
+                if raw.len() > WIDEST || raw.last() == Some(&0) {
+                    Err(ASK)
+                } else if raw.len() > width {
+                    Err(-1)
+                } else {
+                    Ok((hash(raw, width, seed) as usize) & mask)
                 }
+            })
+            .collect();
+        let firsts: Vec<i32> = starts
+            .iter()
+            .map(|start| start.map_or(EMPTY, |i| table[i].get()))
+            .collect();
+        let mut touched = 0u8;
+        for &s in &firsts {
+            if let Some(byte) = column.get((s.max(1) - 1) as usize * width) {
+                touched ^= byte.get();
             }
-        };
-        found.extend_from_slice(&slot.to_ne_bytes());
-        handles.extend_from_slice(&handle.to_ne_bytes());
+        }
+        std::hint::black_box(touched);
+        for (raw, start) in chunk.iter().zip(&starts) {
+            let (slot, handle) = match *start {
+                Err(answer) => (answer, -1),
+                Ok(start) => {
+                    let mut i = start;
+                    let mut probes = 0;
+                    loop {
+                        let s = table[i].get();
+                        probes += 1;
+                        if s == EMPTY || probes > table.len() {
+                            break (-1, -1);
+                        }
+                        if s > 0 && holds(column, (s - 1) as usize, width, raw) {
+                            break (i as i64, i64::from(s) - 1);
+                        }
+                        i = (i + 1) & mask;
+                    }
+                }
+            };
+            found.extend_from_slice(&slot.to_ne_bytes());
+            handles.extend_from_slice(&handle.to_ne_bytes());
+        }
     }
     Ok((PyBytes::new(py, &found), PyBytes::new(py, &handles)))
 }
