@@ -904,15 +904,16 @@ def interleaved(args: argparse.Namespace, tmp: Path) -> dict:
     elections.) Per phase: each slice's msgs/s over the floor's, their median, and every
     slice's figures."""
     out: list[dict] = []
+    folder = "interleaved"  # DejaQ's, under `tmp`
     with (
-        dejaq(args, tmp, 0, "interleaved", slices=args.interleave) as (dejaq_addr, dejaq_pids, *_),
+        dejaq(args, tmp, 0, folder, slices=args.interleave) as (dejaq_addr, dejaq_pids, *_),
         raft_floor(tmp / "floor-interleaved") as (floor_addr, floor_pids),
     ):
         sides = {
             "receipts": Side(dejaq_addr, "b", dejaq_pids, "/v1/cluster"),
             "floor": Side(floor_addr, "f", floor_pids, "/role"),
         }
-        warehouse = warehouse_of(tmp / "interleaved", 0, None)
+        warehouse = warehouse_of(tmp / folder, 0, None)
         time.sleep(IDLE_SETTLE_S)  # the leader's first retention runs, the last index loads
         idle = {name: cpu_rate(side.pids, IDLE_WINDOW_S) for name, side in sides.items()}
         for k, (batch, workers) in enumerate(PHASES):
