@@ -857,23 +857,28 @@ def commit_index(addr: str, view: str, access: Access | None) -> int:
     return httpx.get(f"https://{addr}{view}", headers=auth, verify=tls).json()["commit_index"]
 
 
+def cluster_cpu(pids: dict[str, int]) -> float:
+    """User + system CPU seconds of a cluster's processes so far."""
+    return sum(cpu_seconds(pid) for pid in pids.values())
+
+
 def cpu_rate(pids: dict[str, int], seconds: float) -> float:
     """The processes' CPU over the next `seconds`, in cores."""
-    before, t0 = sum(cpu_seconds(p) for p in pids.values()), time.perf_counter()
+    before, t0 = cluster_cpu(pids), time.perf_counter()
     time.sleep(seconds)
-    return (sum(cpu_seconds(p) for p in pids.values()) - before) / (time.perf_counter() - t0)
+    return (cluster_cpu(pids) - before) / (time.perf_counter() - t0)
 
 
 def settle(pids: dict[str, int], idle: float, timeout: float = 30) -> tuple[float, float]:
     """Wait until a cluster that ran a slice is done with what the slice left it (trims,
     checkpoints): its CPU over a short window within QUIET_CORES of its idle rate.
     Returns the seconds waited and the CPU seconds spent meanwhile beyond idle."""
-    t0, cpu0 = time.monotonic(), sum(cpu_seconds(p) for p in pids.values())
+    t0, cpu0 = time.monotonic(), cluster_cpu(pids)
     while cpu_rate(pids, 0.25) > idle + QUIET_CORES:
         if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"a cluster still busy {timeout} s after its slice")
     waited = time.monotonic() - t0
-    spent = sum(cpu_seconds(p) for p in pids.values()) - cpu0 - idle * waited
+    spent = cluster_cpu(pids) - cpu0 - idle * waited
     return round(waited, 2), round(max(spent, 0.0), 2)
 
 
@@ -927,7 +932,7 @@ def interleaved(args: argparse.Namespace, tmp: Path) -> dict:
                 for name in ("receipts", "floor")[:: 1 if s % 2 == 0 else -1]:
                     side = sides[name]
                     resting = sides["floor" if name == "receipts" else "receipts"].pids
-                    rest_before = sum(cpu_seconds(pid) for pid in resting.values())
+                    rest_before = cluster_cpu(resting)
                     result = run_phase(
                         side.addr,
                         side.prefix + topic,
@@ -940,7 +945,7 @@ def interleaved(args: argparse.Namespace, tmp: Path) -> dict:
                         by_receipt=name == "receipts",
                         view=side.view,
                     )
-                    rested = sum(cpu_seconds(pid) for pid in resting.values()) - rest_before
+                    rested = cluster_cpu(resting) - rest_before
                     result["resting_cpu_percent"] = round(100 * rested / result["seconds"], 1)
                     result["settle_seconds"], result["after_cpu_seconds"] = settle(
                         side.pids, idle[name]
