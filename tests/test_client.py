@@ -308,12 +308,17 @@ def test_workers_survive_a_leader_kill(tmp_path, kafka_bootstrap, kafka_source) 
     seen: set[str] = set()
     calls: dict[str, list[tuple[int, float]]] = collections.defaultdict(list)
     acks: list[str] = []
+    # Handlers started once a quarter is acked wait for the kill: however fast the
+    # workers run beside it, the kill lands mid-run, with messages in hand.
+    killed_leader = threading.Event()
 
     def handler(m: Message) -> None:
         with lock:
             first = m.id not in seen
             seen.add(m.id)
             calls[m.id].append((m.deliveries, time.monotonic()))
+        if len(acks) >= total // 4:
+            killed_leader.wait(30)
         if m.id in permanent:
             raise Permanent(m.id)
         if m.id in transient and first:
@@ -349,6 +354,7 @@ def test_workers_survive_a_leader_kill(tmp_path, kafka_bootstrap, kafka_source) 
         wait_until(lambda: len(acks) >= total // 4, timeout=60, what="a quarter acked")
         cluster.stop_node(leader, kill=True)
         killed = time.monotonic()
+        killed_leader.set()
         assert len(acks) < len(expected), "killed mid-run"
         wait_until(lambda: set(acks) >= expected, timeout=60, what="every message acked")
         assert {clients[0].peek("fo", m).status for m in permanent} == {"dead"}
@@ -360,6 +366,7 @@ def test_workers_survive_a_leader_kill(tmp_path, kafka_bootstrap, kafka_source) 
         assert clients[0].topic_stats("fo").consumers == [], "each worker left"
         assert all(c.node != leader.url for c in clients), "each client moved on"
     finally:
+        killed_leader.set()
         for w in workers:
             w.stop()
         stop(nodes)
