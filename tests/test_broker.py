@@ -1879,6 +1879,19 @@ def _id(n: int, short: bool = False) -> str:
     return [f"m{n}", f"message-{n:04}", "x" * 70 + str(n), f"n{n}\0", f"é{n}"][n % 5]
 
 
+def _taken(mids: list[str], model: dict[str, int]) -> list[int]:
+    """What `IdTable.take` answers for `mids` over a table holding `model`: each stored
+    id's handle the first time, AGAIN after, ABSENT for one not stored."""
+    from dejaq.broker.storage.id_table import ABSENT, AGAIN
+
+    seen: set[str] = set()
+    answers = []
+    for mid in mids:
+        answers.append(AGAIN if mid in seen and mid in model else model.get(mid, ABSENT))
+        seen.add(mid)
+    return answers
+
+
 def _words(mid: str) -> int:
     """The 8-byte words of column an id needs: a digest's one if kept whole."""
     raw = mid.encode()
@@ -1917,15 +1930,11 @@ def test_the_id_table_finds_what_a_dict_would(
         model: dict[str, int] = {}
 
         def forget(mids: list[str]) -> None:
-            handles, slots = table.find(mids)
-            assert handles.tolist() == [model.get(m, -1) for m in mids]
-            hit = handles >= 0
-            slots, first = np.unique(slots[hit], return_index=True)
-            gone = handles[hit][first]
-            for mid in table.mids(gone):
-                del model[mid]
-            table.delete(slots)
-            free.extend(gone.tolist())
+            assert table.find(mids)[0].tolist() == [model.get(m, -1) for m in mids]
+            assert table.take(mids).tolist() == _taken(mids, model)
+            for mid in dict.fromkeys(mids):
+                if mid in model:
+                    free.append(model.pop(mid))
 
         for op, numbers in steps:
             mids = [_id(n, short) for n in numbers]
@@ -1988,12 +1997,13 @@ def test_the_id_table_finds_what_a_dict_would(
     forgotten=st.integers(0, 5000),
     seed=st.integers(0, 2**32 - 1),
 )
-def test_the_id_table_finds_a_trims_worth_of_ids_as_a_dict_would(
+def test_the_id_table_forgets_and_finds_a_trims_worth_of_ids_as_a_dict_would(
     stored: int, forgotten: int, seed: int
 ) -> None:
-    """A trim looks up thousands of ids in one call, which the compiled core walks a
-    chunk at a time: across the chunks' edges, with ids stored, deleted and never stored
-    in any order, packed or as strs, each is found where a dict says."""
+    """A trim forgets thousands of ids in one call, and a look-up can name as many, which
+    the compiled core walks a chunk at a time: across the chunks' edges, with ids named
+    twice, stored, deleted and never stored, in any order, packed or as strs, each is
+    taken and found where a dict says, and the widths' tally follows."""
     import random
 
     import numpy as np
@@ -2007,10 +2017,16 @@ def test_the_id_table_finds_a_trims_worth_of_ids_as_a_dict_would(
     table.insert(np.arange(stored), mids[:stored])
     shuffled = random.Random(seed).sample(range(stored), stored)
     gone = [mids[n] for n in shuffled[:forgotten]]
-    table.delete(table.find(gone)[1])
     model = {m: h for h, m in enumerate(mids[:stored])}
+    # Some named twice, some never stored, in any order.
+    named = gone + gone[: forgotten // 3] + mids[stored : stored + 50]
+    named = random.Random(seed + 2).sample(named, len(named))
+    taken = table.take(PackedIds.pack(named) if seed % 2 else named)
+    assert taken.tolist() == _taken(named, model)
     for m in gone:
         del model[m]
+    assert len(table) == len(model)
+    assert table.words.tolist() == [sum(1 for m in model if _words(m) == n) for n in range(9)]
     probe = random.Random(seed + 1).sample(mids, len(mids))
     want = [model.get(m, -1) for m in probe]
     assert table.find(probe)[0].tolist() == want

@@ -34,7 +34,7 @@ import struct
 from contextlib import AbstractContextManager
 
 import numpy as np
-from dejaq_core import find_slots, place_slots
+from dejaq_core import find_slots, place_slots, take_slots
 
 EMPTY = 0
 DELETED = -1
@@ -43,6 +43,8 @@ STEP = 8  # the column's width grows in words of 8 bytes, which the hash reads w
 WIDEST = 64
 FEW = 8  # ids probed one at a time in Python: fewer than this cost more in NumPy calls
 ASK = -2  # `find_slots`: an id the column holds as a digest, for Python to look up
+ABSENT = -1  # `take`: an id not stored
+AGAIN = -3  # `take`: an id named earlier in the same call
 _SEED = int.from_bytes(os.urandom(8), "little")
 _MIX = 0x9E3779B97F4A7C15
 _FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
@@ -271,6 +273,31 @@ class IdTable:
         self.ids = ids
         self.slots = self._built(ids, np.arange(n), 0)
         self.live, self.deleted = n, 0
+
+    def take(self, mids: list[str]) -> np.ndarray:
+        """Delete the ids `mids`: the handle of each, ABSENT where it is not stored, AGAIN
+        where `mids` named it before. Every node forgets each trim's ids: the compiled
+        core empties each slot in the walk that finds it, and tallies the ids' widths as
+        it goes (a `find`, then a `delete`, would read every slot and its id twice)."""
+        if self.long:
+            handles, slots = self.find(mids)
+            hit = np.flatnonzero(handles >= 0)
+            _, first = np.unique(slots[hit], return_index=True)
+            codes = handles.copy()
+            codes[hit] = AGAIN
+            codes[hit[first]] = handles[hit[first]]
+            self.delete(slots[hit[first]])
+            return codes
+        width = self.ids.dtype.itemsize
+        found, words = take_slots(mids, self.slots, self.ids.view(np.uint8), width, _SEED)
+        codes = np.frombuffer(found, np.int64)
+        taken = codes[codes >= 0]
+        if self._deleting is not None:  # a rebuild is under way
+            self._deleting.append(taken)
+        self.words -= np.array(words, np.int64)
+        self.live -= len(taken)
+        self.deleted += len(taken)
+        return codes
 
     def delete(self, slots: np.ndarray) -> None:
         """Empty `slots` (as `find` returned them, each a stored id's)."""

@@ -22,7 +22,7 @@ import numpy as np
 from dejaq_core import read_heads, read_joined_heads
 
 from dejaq.broker.storage.head_store import COMPACT_SPAN, SEP, SPAN_PER_HEAD, Segment
-from dejaq.broker.storage.id_table import IdTable
+from dejaq.broker.storage.id_table import ABSENT, IdTable
 
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1
@@ -189,28 +189,18 @@ class RowStore:
 
     def forget(self, mids: list[str]) -> tuple[Counter[Segment], list[str]]:
         """Messages no longer indexed: their handles are free for reuse. Returns their
-        heads to release, by segment, and the ids of `mids` that were not stored."""
-        handles, slots = self.table.find(mids)
-        hit = handles >= 0
-        missing = [] if hit.all() else [m for m, h in zip(mids, hit.tolist(), strict=True) if not h]
-        handles, slots = handles[hit], slots[hit]
-        once = self._once(handles)
-        if not once.all():  # an id named twice
-            handles, slots = handles[once], slots[once]
-        self.table.delete(slots)
+        heads to release, by segment, and the ids of `mids` that were not stored (one
+        named twice is forgotten once)."""
+        codes = self.table.take(mids)
+        absent = codes == ABSENT
+        missing = (
+            [m for m, a in zip(mids, absent.tolist(), strict=True) if a] if absent.any() else []
+        )
+        handles = codes[codes >= 0]
         self.token[handles] = 0
         released = self._leave(handles)
-        self._free.frombytes(handles.astype(np.int64).tobytes())
+        self._free.frombytes(handles.tobytes())
         return released, missing
-
-    def _once(self, handles: np.ndarray) -> np.ndarray:
-        """Which of `handles` (stored ones) to keep so that each is kept once: each
-        writes its place into the token column and keeps it if it reads its own back.
-        Scatters rather than `np.unique`'s sort: every node forgets on every trim. The
-        caller zeroes those tokens next, holding the lock."""
-        places = -1 - np.arange(len(handles))
-        self.token[handles] = places
-        return self.token[handles] == places
 
     def move(
         self, handles: np.ndarray, segment: Segment, positions: np.ndarray

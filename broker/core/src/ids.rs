@@ -1,23 +1,29 @@
 //! Look-ups in the index's id table (`broker/storage/id_table.py`): each id's slot, found
 //! by the same hash and linear probing as the table was built with, without making an
-//! array or a bytes object per id; and an id read back from the column by its handle.
+//! array or a bytes object per id; ids deleted in the walk that finds them; and an id
+//! read back from the column by its handle.
 
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+use crate::lease_table::{id_strs, raw_ids};
 use crate::order::slice;
-use crate::packed_ids::{unpadded, PackedIds};
+use crate::packed_ids::unpadded;
 
 /// The longest id the column holds whole (`id_table.WIDEST`).
 pub(crate) const WIDEST: usize = 64;
 const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 const FMIX: [u64; 2] = [0xFF51_AFD7_ED55_8CCD, 0xC4CE_B9FE_1A85_EC53];
 const EMPTY: i32 = 0;
+const DELETED: i32 = -1;
+/// `take_slots`: an id not stored, and one its call named before.
+const ABSENT: i64 = -1;
+const AGAIN: i64 = -3;
 /// An id the caller must look up itself: one the column holds as a digest.
 const ASK: i64 = -2;
-/// Ids whose first slots and column entries `find_slots` loads ahead of walking them.
+/// Ids whose first slots and column entries a walk loads ahead of walking them.
 const CHUNK: usize = 1024;
 
 /// The position of an id padded with NUL bytes to `width` (a multiple of 8), as
@@ -65,11 +71,55 @@ fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> b
         && key[raw.len()..].iter().all(|a| a.get() == 0)
 }
 
+/// Each id's first slot in a table of `mask + 1` slots over a column `width` bytes wide,
+/// or its answer if it is not walked: ASK for one the column would hold as a digest,
+/// ABSENT for one longer than the column.
+fn starts_of(chunk: &[&[u8]], width: usize, seed: u64, mask: usize) -> Vec<Result<usize, i64>> {
+    chunk
+        .iter()
+        .map(|raw| {
+            if raw.len() > WIDEST || raw.last() == Some(&0) {
+                Err(ASK)
+            } else if raw.len() > width {
+                Err(ABSENT)
+            } else {
+                Ok((hash(raw, width, seed) as usize) & mask)
+            }
+        })
+        .collect()
+}
+
+/// Reads the first slots of `starts` (`slot` reads one), and the column at their
+/// handles, in passes of independent loads. A table of a million ids misses the cache
+/// at almost every probe: loaded this way the CPU overlaps those misses, instead of
+/// waiting each one out in turn as the walk would. Called a CHUNK of ids at a time:
+/// over a whole trim's ids (tens of thousands), the lines the passes brought in were
+/// gone again before the walk used them.
+fn preload(
+    slot: impl Fn(usize) -> i32,
+    column: &[ReadOnlyCell<u8>],
+    starts: &[Result<usize, i64>],
+    width: usize,
+) {
+    let firsts: Vec<i32> = starts
+        .iter()
+        .map(|start| start.map_or(EMPTY, &slot))
+        .collect();
+    let mut touched = 0u8;
+    for &s in &firsts {
+        if let Some(byte) = column.get((s.max(1) - 1) as usize * width) {
+            touched ^= byte.get();
+        }
+    }
+    std::hint::black_box(touched);
+}
+
 /// The slot of each id in `mids` (str, or `PackedIds`) (-1: not stored; -2: held as a
 /// digest, for the caller to look up), and its handle (-1 unless found), as two int64
-/// bytes: the walk has read the slot, so the caller does not read the table again. `slots` is the table (a
-/// handle + 1 per used slot, -1 deleted), `ids` the column's bytes (`width` per handle)
-/// and `seed` the hash's. For a table that holds no id as a digest.
+/// bytes: the walk has read the slot, so the caller does not read the table again.
+/// `slots` is the table (a handle + 1 per used slot, -1 deleted), `ids` the column's
+/// bytes (`width` per handle) and `seed` the hash's. For a table that holds no id as a
+/// digest.
 #[pyfunction]
 pub fn find_slots<'py>(
     py: Python<'py>,
@@ -82,49 +132,13 @@ pub fn find_slots<'py>(
     let table = slice(py, &slots, "id table's")?;
     let column = slice(py, &ids, "id")?;
     let mask = mask_of(table.len(), width)?;
-    let strs;
-    let raws: Vec<&[u8]> = if let Ok(packed) = mids.downcast::<PackedIds>() {
-        packed.get().each(py).collect()
-    } else {
-        strs = mids.try_iter()?.collect::<PyResult<Vec<_>>>()?;
-        let mut raws = Vec::with_capacity(strs.len());
-        for mid in &strs {
-            raws.push(mid.downcast::<PyString>()?.to_str()?.as_bytes());
-        }
-        raws
-    };
-    // Each id's first slot, where the walk starts, or its answer if it is not looked up
-    // here. A table of a million ids misses the cache at almost every probe: the first
-    // slots, and the column at their handles, are read in passes of independent loads
-    // first, so the CPU overlaps those misses instead of waiting each one out in turn.
-    // The passes go CHUNK ids at a time: over a whole trim's ids (tens of thousands),
-    // the lines the first passes brought in were gone again before the walk used them.
+    let strs = id_strs(mids)?;
+    let raws = raw_ids(py, mids, &strs)?;
     let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     for chunk in raws.chunks(CHUNK) {
-        let starts: Vec<Result<usize, i64>> = chunk
-            .iter()
-            .map(|raw| {
-                if raw.len() > WIDEST || raw.last() == Some(&0) {
-                    Err(ASK)
-                } else if raw.len() > width {
-                    Err(-1)
-                } else {
-                    Ok((hash(raw, width, seed) as usize) & mask)
-                }
-            })
-            .collect();
-        let firsts: Vec<i32> = starts
-            .iter()
-            .map(|start| start.map_or(EMPTY, |i| table[i].get()))
-            .collect();
-        let mut touched = 0u8;
-        for &s in &firsts {
-            if let Some(byte) = column.get((s.max(1) - 1) as usize * width) {
-                touched ^= byte.get();
-            }
-        }
-        std::hint::black_box(touched);
+        let starts = starts_of(chunk, width, seed, mask);
+        preload(|i| table[i].get(), column, &starts, width);
         for (raw, start) in chunk.iter().zip(&starts) {
             let (slot, handle) = match *start {
                 Err(answer) => (answer, -1),
@@ -149,6 +163,74 @@ pub fn find_slots<'py>(
         }
     }
     Ok((PyBytes::new(py, &found), PyBytes::new(py, &handles)))
+}
+
+/// Deletes the ids in `mids` (str, or `PackedIds`) from the table, in the one walk that
+/// finds them: the handle of each (int64 bytes), ABSENT where it is not stored, AGAIN
+/// where `mids` named it earlier; and how many of the ids deleted need each count of
+/// the column's 8-byte words (index 1..=WIDEST / 8), for the caller's tally. Each node
+/// forgets a trim's ids this way: finding them and then emptying their slots apart read
+/// every slot, and the column at it, twice. Arguments as `find_slots`'s, the table
+/// writable; for a table that holds no id as a digest (an id it would hold as one is
+/// ABSENT).
+///
+/// A slot found is marked with its handle `h` as `-(h + 2)` until the walk ends, so that
+/// a later id of the same message is told apart from one never stored; then every mark
+/// becomes a deleted slot.
+#[pyfunction]
+pub fn take_slots<'py>(
+    py: Python<'py>,
+    mids: &Bound<'py, PyAny>,
+    slots: PyBuffer<i32>,
+    ids: PyBuffer<u8>,
+    width: usize,
+    seed: u64,
+) -> PyResult<(Bound<'py, PyBytes>, Vec<i64>)> {
+    let table = slots
+        .as_mut_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the id table is not writable and contiguous"))?;
+    let column = slice(py, &ids, "id")?;
+    let mask = mask_of(table.len(), width)?;
+    let strs = id_strs(mids)?;
+    let raws = raw_ids(py, mids, &strs)?;
+    let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
+    let mut taken: Vec<usize> = Vec::with_capacity(raws.len());
+    let mut words = vec![0i64; WIDEST / 8 + 1];
+    for chunk in raws.chunks(CHUNK) {
+        let starts = starts_of(chunk, width, seed, mask);
+        preload(|i| table[i].get(), column, &starts, width);
+        for (raw, start) in chunk.iter().zip(&starts) {
+            let handle = match *start {
+                Err(_) => ABSENT,
+                Ok(start) => {
+                    let mut i = start;
+                    let mut probes = 0;
+                    loop {
+                        let s = table[i].get();
+                        probes += 1;
+                        if s == EMPTY || probes > table.len() {
+                            break ABSENT;
+                        }
+                        if s > 0 && holds(column, (s - 1) as usize, width, raw) {
+                            table[i].set(-1 - s);
+                            taken.push(i);
+                            words[raw.len().div_ceil(8).max(1)] += 1;
+                            break i64::from(s) - 1;
+                        }
+                        if s < DELETED && holds(column, (-2 - i64::from(s)) as usize, width, raw) {
+                            break AGAIN;
+                        }
+                        i = (i + 1) & mask;
+                    }
+                }
+            };
+            handles.extend_from_slice(&handle.to_ne_bytes());
+        }
+    }
+    for i in taken {
+        table[i].set(DELETED);
+    }
+    Ok((PyBytes::new(py, &handles), words))
 }
 
 /// Index `handles` (stored in the column: `width` bytes each) in `slots`: each into the

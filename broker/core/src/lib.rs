@@ -33,6 +33,7 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(grant::grant, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(ids::take_slots, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_heads, m)?)?;
     m.add_function(wrap_pyfunction!(heads::read_joined_heads, m)?)?;
     m.add_function(wrap_pyfunction!(lease_json::render_leased, m)?)?;
