@@ -577,6 +577,49 @@ def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
     assert len(index.rows) == 0 and store.segments == {}, "every segment released"
 
 
+def test_a_versions_ids_encoded_before_the_lock_are_stored_as_they_would_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version's ids are encoded for the id table before the index takes its lock. In
+    one version: buckets whose ids are short, wide enough to widen the column, or kept
+    as digests, and two messages forgotten between the read and the insert (a trim
+    applied meanwhile). Every other id is stored and found, and the two are not. An id
+    encoded at the column's width before another insert widened it is stored at the
+    new width."""
+    from dejaq.broker.storage.id_table import IdTable
+
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows(list(range(8)), prefix="m"))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    prefixes = ["a", "w" * 30, "x" * 70, "b"]  # short, widening, digests, short
+    parts = [buffer_rows(list(range(50)), lambda i, b=b: b, p) for b, p in enumerate(prefixes)]
+    fill(warehouse, "jobs", pa.concat_tables(parts))
+    gone = ["a3", "w" * 30 + "7", "x" * 70 + "9"]
+    room = index.store.table.make_room
+
+    def settled_meanwhile(n: int, lock: Any) -> None:
+        index.forget(gone)
+        room(n, lock)
+
+    monkeypatch.setattr(index.store.table, "make_room", settled_meanwhile)
+    assert index.refresh() == 200 - len(gone)
+    want = [f"{p}{i}" for p in prefixes for i in range(50)]
+    assert [index.store.table.get(m) is None for m in want] == [m in gone for m in want]
+    assert index.store.table.ids.dtype.itemsize == 32
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    picks = listed(index.pick(state, state.buckets_of("c"), 1000, now=1))
+    assert sorted(p[0] for p in picks) == sorted({*want, *(f"m{i}" for i in range(8))} - {*gone})
+
+    table = IdTable()
+    table.grow(4)
+    early = table.encode(["s1", "s2"])
+    table.insert(np.array([0, 1]), ["long-enough-to-widen-1", "long-enough-to-widen-2"])
+    table.insert(np.array([2, 3]), ["s1", "s2"], early)
+    assert [table.get(m) for m in ["s1", "s2", "long-enough-to-widen-2"]] == [2, 3, 1]
+
+
 def test_an_id_forgotten_twice_in_one_trim_frees_its_handle_and_head_once(tmp_path: Path) -> None:
     """A trim can name a message twice (and one this node has no row for): its handle is
     freed once, so no later row shares it, and its head's segment counts it once, so the

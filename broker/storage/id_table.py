@@ -49,6 +49,8 @@ _SEED = int.from_bytes(os.urandom(8), "little")
 _MIX = 0x9E3779B97F4A7C15
 _FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
 _U64 = (1 << 64) - 1
+# Ids as the column holds them (fixed-width bytes), and which of them are digests.
+Encoded = tuple[np.ndarray, np.ndarray]
 
 
 class IdTable:
@@ -81,9 +83,19 @@ class IdTable:
         """The id at each handle."""
         return decode(self.ids, self.long, handles)
 
-    def insert(self, handles: np.ndarray, mids: list[str]) -> None:
-        """Store `mids` at `handles`, none of them stored already, and index them."""
+    def encode(self, mids: list[str]) -> Encoded:
+        """`mids` as `insert` stores them. A bytes object per id, 0.1-0.3 s a million
+        ids: made before the caller takes the lock that `insert` runs under, by the one
+        thread that inserts, which alone changes the column's width."""
         keys, long, _ = self._keys(mids, grow=True)
+        return keys, long
+
+    def insert(self, handles: np.ndarray, mids: list[str], encoded: Encoded | None = None) -> None:
+        """Store `mids` at `handles`, none of them stored already, and index them;
+        `encoded`: them as `encode` gave them."""
+        keys, long = self.encode(mids) if encoded is None else encoded
+        if keys.dtype.itemsize < self.ids.dtype.itemsize:  # encoded before a wider insert
+            keys = keys.astype(self.ids.dtype)
         widened = keys.dtype != self.ids.dtype  # the positions of every id stored change
         if widened:
             self.ids = self.ids.astype(keys.dtype)

@@ -38,7 +38,7 @@ from deltalake import DeltaTable
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SPAN_PER_HEAD, HeadStore, Segment
-from dejaq.broker.storage.id_table import decode
+from dejaq.broker.storage.id_table import Encoded, decode
 from dejaq.broker.storage.ledger_writer import APP_ID
 from dejaq.broker.storage.row_store import (
     HANDLE_MASK,
@@ -224,12 +224,13 @@ class TopicIndex:
         """Read the files of `buckets` and index their rows not indexed, settled or
         forgotten already; returns how many."""
         batches = [(bucket, self._read_bucket(bucket, uris)) for bucket, uris in buckets]
-        # The per-row checks happen before taking the lock, which the event loop (Raft
-        # applies, leases) also takes: under it, column copies and inserts. The id table
-        # is read outside it: only this thread adds to it, so an id not found stays
-        # unindexed until the insert below.
+        # The per-row checks, and the ids' encoding for the id table, happen before
+        # taking the lock, which the event loop (Raft applies, leases) also takes: under
+        # it, column copies and inserts. The id table is read outside it: only this
+        # thread adds to it, so an id not found stays unindexed until the insert below.
+        table = self.store.table
         seen: set[str] = set()
-        kept: list[tuple[int, Batch, np.ndarray]] = []
+        kept: list[tuple[int, Batch, np.ndarray, Encoded]] = []
         for bucket, batch in batches:
             # Duplicates by id: first wins. A mask, not a list of positions: an int object
             # per row, made while the ids are, would leave the heap fragmented.
@@ -243,13 +244,15 @@ class TopicIndex:
                 len(batch.mids),
             )
             keep = np.flatnonzero(new)
-            if len(self.store.table) and len(keep):  # indexed already (by `revive`)
+            if len(table) and len(keep):  # indexed already (by `revive`)
                 keep = keep[
                     self.store.tokens(list(map(batch.mids.__getitem__, keep.tolist()))) == 0
                 ]
-            kept.append((bucket, batch, keep))
-        adding = sum(len(keep) for _, _, keep in kept)
-        self.store.table.make_room(adding, self.lock)
+            whole = len(keep) == len(batch.mids)
+            encoded = table.encode(batch.mids if whole else [batch.mids[i] for i in keep.tolist()])
+            kept.append((bucket, batch, keep, encoded))
+        adding = sum(len(keep) for _, _, keep, _ in kept)
+        table.make_room(adding, self.lock)
         # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
         unused: Counter[Segment] = Counter()
         added = 0
@@ -257,13 +260,14 @@ class TopicIndex:
             self.store.reserve(adding)
             # Forgotten while the files were read: not indexed.
             gone = self.forgotten & seen
-            for bucket, batch, keep in kept:
+            for bucket, batch, keep, (keys, long) in kept:
                 if gone:
-                    keep = keep[[batch.mids[i] not in gone for i in keep.tolist()]]
+                    stay = np.array([batch.mids[i] not in gone for i in keep.tolist()], bool)
+                    keep, keys, long = keep[stay], keys[stay], long[stay]
                 if len(keep) < len(batch.mids):
                     unused.update(_unindexed(batch, keep))
                 if len(keep):
-                    self._add(bucket, self.store.add(bucket, batch, keep))
+                    self._add(bucket, self.store.add(bucket, batch, keep, (keys, long)))
                     added += len(keep)
         self.heads.release(+unused)
         return added

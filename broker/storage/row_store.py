@@ -22,7 +22,7 @@ import numpy as np
 from dejaq_core import read_heads, read_joined_heads
 
 from dejaq.broker.storage.head_store import COMPACT_SPAN, SEP, SPAN_PER_HEAD, Segment
-from dejaq.broker.storage.id_table import ABSENT, IdTable
+from dejaq.broker.storage.id_table import ABSENT, Encoded, IdTable
 
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1
@@ -140,10 +140,13 @@ class RowStore:
         self._free = array("q")
         self._batches = 0
 
-    def add(self, bucket: int, batch: Batch, keep: np.ndarray) -> np.ndarray:
+    def add(
+        self, bucket: int, batch: Batch, keep: np.ndarray, encoded: Encoded | None = None
+    ) -> np.ndarray:
         """Store the rows `keep` (positions in `batch`) of `bucket`; returns their tokens.
 
-        The caller has checked that no id in `keep` is stored already (`tokens`).
+        The caller has checked that no id in `keep` is stored already (`tokens`), and
+        may have encoded their ids (`IdTable.encode`) before taking the lock.
         """
         n = len(keep)
         reused = min(n, len(self._free))
@@ -170,7 +173,7 @@ class RowStore:
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
         self.token[handles] = tokens
-        self.table.insert(handles, mids)
+        self.table.insert(handles, mids, encoded)
         return tokens
 
     def get(self, mid: str) -> int | None:
