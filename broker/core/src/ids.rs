@@ -169,8 +169,8 @@ pub fn find_slots<'py>(
 /// finds them: the handle of each (int64 bytes), ABSENT where it is not stored, AGAIN
 /// where `mids` named it earlier; and how many of the ids deleted need each count of
 /// the column's 8-byte words (index 1..=WIDEST / 8), for the caller's tally. Each node
-/// forgets a trim's ids this way: finding them and then emptying their slots apart read
-/// every slot, and the column at it, twice. Arguments as `find_slots`'s, the table
+/// forgets a trim's ids this way: finding them, then emptying their slots, would read
+/// every slot and the column at it twice. Arguments as `find_slots`'s, the table
 /// writable; for a table that holds no id as a digest (an id it would hold as one is
 /// ABSENT).
 ///
