@@ -114,6 +114,43 @@ fn preload(
     std::hint::black_box(touched);
 }
 
+/// What a walk from an id's first slot met: the slot holding it and its value (the
+/// handle + 1), a slot `take_slots` marked for it earlier in its call, or an empty slot.
+enum Probe {
+    Found(usize, i32),
+    Marked,
+    Absent,
+}
+
+/// Walks a table of `len` slots (`slot` reads one) from `start` until a slot holds `raw`
+/// in the column, or a slot is empty, or every slot was read. A slot below DELETED is one
+/// `take_slots` marked in this call, holding its handle `h` as `-(h + 2)`; no other walk
+/// meets one, since `take_slots` leaves no marks behind.
+fn probe(
+    slot: impl Fn(usize) -> i32,
+    len: usize,
+    column: &[ReadOnlyCell<u8>],
+    width: usize,
+    raw: &[u8],
+    start: usize,
+) -> Probe {
+    let mut i = start;
+    for _ in 0..len {
+        let s = slot(i);
+        if s == EMPTY {
+            return Probe::Absent;
+        }
+        if s > 0 && holds(column, (s - 1) as usize, width, raw) {
+            return Probe::Found(i, s);
+        }
+        if s < DELETED && holds(column, (-2 - i64::from(s)) as usize, width, raw) {
+            return Probe::Marked;
+        }
+        i = (i + 1) & (len - 1);
+    }
+    Probe::Absent
+}
+
 /// The slot of each id in `mids` (str, or `PackedIds`) (-1: not stored; -2: held as a
 /// digest, for the caller to look up), and its handle (-1 unless found), as two int64
 /// bytes: the walk has read the slot, so the caller does not read the table again.
@@ -136,28 +173,17 @@ pub fn find_slots<'py>(
     let raws = raw_ids(py, mids, &strs)?;
     let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
+    let at = |i: usize| table[i].get();
     for chunk in raws.chunks(CHUNK) {
         let starts = starts_of(chunk, width, seed, mask);
-        preload(|i| table[i].get(), column, &starts, width);
+        preload(at, column, &starts, width);
         for (raw, start) in chunk.iter().zip(&starts) {
-            let (slot, handle) = match *start {
-                Err(answer) => (answer, -1),
-                Ok(start) => {
-                    let mut i = start;
-                    let mut probes = 0;
-                    loop {
-                        let s = table[i].get();
-                        probes += 1;
-                        if s == EMPTY || probes > table.len() {
-                            break (-1, -1);
-                        }
-                        if s > 0 && holds(column, (s - 1) as usize, width, raw) {
-                            break (i as i64, i64::from(s) - 1);
-                        }
-                        i = (i + 1) & mask;
-                    }
-                }
-            };
+            let (slot, handle) =
+                match start.map(|start| probe(at, table.len(), column, width, raw, start)) {
+                    Err(answer) => (answer, -1),
+                    Ok(Probe::Found(slot, s)) => (slot as i64, i64::from(s) - 1),
+                    Ok(Probe::Marked | Probe::Absent) => (-1, -1),
+                };
             found.extend_from_slice(&slot.to_ne_bytes());
             handles.extend_from_slice(&handle.to_ne_bytes());
         }
@@ -196,33 +222,21 @@ pub fn take_slots<'py>(
     let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
     let mut taken: Vec<usize> = Vec::with_capacity(raws.len());
     let mut words = vec![0i64; WIDEST / 8 + 1];
+    let at = |i: usize| table[i].get();
     for chunk in raws.chunks(CHUNK) {
         let starts = starts_of(chunk, width, seed, mask);
-        preload(|i| table[i].get(), column, &starts, width);
+        preload(at, column, &starts, width);
         for (raw, start) in chunk.iter().zip(&starts) {
-            let handle = match *start {
-                Err(_) => ABSENT,
-                Ok(start) => {
-                    let mut i = start;
-                    let mut probes = 0;
-                    loop {
-                        let s = table[i].get();
-                        probes += 1;
-                        if s == EMPTY || probes > table.len() {
-                            break ABSENT;
-                        }
-                        if s > 0 && holds(column, (s - 1) as usize, width, raw) {
-                            table[i].set(-1 - s);
-                            taken.push(i);
-                            words[raw.len().div_ceil(8).max(1)] += 1;
-                            break i64::from(s) - 1;
-                        }
-                        if s < DELETED && holds(column, (-2 - i64::from(s)) as usize, width, raw) {
-                            break AGAIN;
-                        }
-                        i = (i + 1) & mask;
-                    }
+            let handle = match start.map(|start| probe(at, table.len(), column, width, raw, start))
+            {
+                Ok(Probe::Found(i, s)) => {
+                    table[i].set(-1 - s);
+                    taken.push(i);
+                    words[raw.len().div_ceil(8).max(1)] += 1;
+                    i64::from(s) - 1
                 }
+                Ok(Probe::Marked) => AGAIN,
+                Ok(Probe::Absent) | Err(_) => ABSENT,
             };
             handles.extend_from_slice(&handle.to_ne_bytes());
         }
