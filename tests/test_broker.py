@@ -615,8 +615,10 @@ def test_a_versions_ids_encoded_before_the_lock_are_stored_as_they_would_be(
     table = IdTable()
     table.grow(4)
     early = table.encode(["s1", "s2"])
-    table.insert(np.array([0, 1]), ["long-enough-to-widen-1", "long-enough-to-widen-2"])
-    table.insert(np.array([2, 3]), ["s1", "s2"], early)
+    table.insert(
+        np.array([0, 1]), table.encode(["long-enough-to-widen-1", "long-enough-to-widen-2"])
+    )
+    table.insert(np.array([2, 3]), early)
     assert [table.get(m) for m in ["s1", "s2", "long-enough-to-widen-2"]] == [2, 3, 1]
 
 
@@ -1991,7 +1993,7 @@ def test_the_id_table_finds_what_a_dict_would(
                     handles.append(h)
                 if len(table.ids) < size:
                     table.grow(size)
-                table.insert(np.array(handles, np.int64), new)
+                table.insert(np.array(handles, np.int64), table.encode(new))
             elif op == "forget":
                 forget(mids)
             else:
@@ -2057,7 +2059,7 @@ def test_the_id_table_forgets_and_finds_a_trims_worth_of_ids_as_a_dict_would(
     mids = [f"bench-{seed % 97}-{n}" for n in range(stored + 2100)]  # past two chunks
     table = id_table.IdTable()
     table.grow(stored)
-    table.insert(np.arange(stored), mids[:stored])
+    table.insert(np.arange(stored), table.encode(mids[:stored]))
     shuffled = random.Random(seed).sample(range(stored), stored)
     gone = [mids[n] for n in shuffled[:forgotten]]
     model = {m: h for h, m in enumerate(mids[:stored])}

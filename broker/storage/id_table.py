@@ -32,6 +32,8 @@ import hashlib
 import os
 import struct
 from contextlib import AbstractContextManager
+from itertools import compress
+from typing import NamedTuple
 
 import numpy as np
 from dejaq_core import find_slots, place_slots, take_slots
@@ -49,8 +51,19 @@ _SEED = int.from_bytes(os.urandom(8), "little")
 _MIX = 0x9E3779B97F4A7C15
 _FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
 _U64 = (1 << 64) - 1
-# Ids as the column holds them (fixed-width bytes), and which of them are digests.
-Encoded = tuple[np.ndarray, np.ndarray]
+
+
+class Encoded(NamedTuple):
+    """Ids, as the column holds them (fixed-width bytes), and which of them are digests
+    (kept whole in `long`)."""
+
+    mids: list[str]
+    keys: np.ndarray
+    long: np.ndarray
+
+    def kept(self, keep: np.ndarray) -> Encoded:
+        """The ids where the mask `keep` is true."""
+        return Encoded(list(compress(self.mids, keep.tolist())), self.keys[keep], self.long[keep])
 
 
 class IdTable:
@@ -88,12 +101,12 @@ class IdTable:
         ids: made before the caller takes the lock that `insert` runs under, by the one
         thread that inserts, which alone changes the column's width."""
         keys, long, _ = self._keys(mids, grow=True)
-        return keys, long
+        return Encoded(mids, keys, long)
 
-    def insert(self, handles: np.ndarray, mids: list[str], encoded: Encoded | None = None) -> None:
-        """Store `mids` at `handles`, none of them stored already, and index them;
-        `encoded`: them as `encode` gave them."""
-        keys, long = self.encode(mids) if encoded is None else encoded
+    def insert(self, handles: np.ndarray, encoded: Encoded) -> None:
+        """Store the ids `encoded` at `handles`, none of them stored already, and index
+        them."""
+        mids, keys, long = encoded
         if keys.dtype.itemsize < self.ids.dtype.itemsize:  # encoded before a wider insert
             keys = keys.astype(self.ids.dtype)
         widened = keys.dtype != self.ids.dtype  # the positions of every id stored change

@@ -260,14 +260,14 @@ class TopicIndex:
             self.store.reserve(adding)
             # Forgotten while the files were read: not indexed.
             gone = self.forgotten & seen
-            for bucket, batch, keep, (keys, long) in kept:
+            for bucket, batch, keep, encoded in kept:
                 if gone:
-                    stay = np.array([batch.mids[i] not in gone for i in keep.tolist()], bool)
-                    keep, keys, long = keep[stay], keys[stay], long[stay]
+                    stay = np.array([mid not in gone for mid in encoded.mids], bool)
+                    keep, encoded = keep[stay], encoded.kept(stay)
                 if len(keep) < len(batch.mids):
                     unused.update(_unindexed(batch, keep))
                 if len(keep):
-                    self._add(bucket, self.store.add(bucket, batch, keep, (keys, long)))
+                    self._add(bucket, self.store.add(bucket, batch, keep, encoded))
                     added += len(keep)
         self.heads.release(+unused)
         return added

@@ -146,7 +146,7 @@ class RowStore:
         """Store the rows `keep` (positions in `batch`) of `bucket`; returns their tokens.
 
         The caller has checked that no id in `keep` is stored already (`tokens`), and
-        may have encoded their ids (`IdTable.encode`) before taking the lock.
+        may have encoded those ids (`IdTable.encode`) before taking the lock.
         """
         n = len(keep)
         reused = min(n, len(self._free))
@@ -160,20 +160,21 @@ class RowStore:
         self.bucket[handles] = bucket
         for name in ("sort_key", "partition", "offset", "ingested_at", "position"):
             getattr(self, name)[handles] = getattr(batch, name)[keep]
-        if n == len(batch.mids):  # the usual case: every row is new
-            mids, segments = batch.mids, batch.segments
-        else:
-            at = keep.tolist()
-            mids = list(map(batch.mids.__getitem__, at))
-            segments = list(map(batch.segments.__getitem__, at))
-            del at  # before the tokens are made: ints freed between them would leave holes
+        whole = n == len(batch.mids)  # the usual case: every row is new
+        at = [] if whole else keep.tolist()
+        segments = batch.segments if whole else list(map(batch.segments.__getitem__, at))
+        if encoded is None:
+            encoded = self.table.encode(
+                batch.mids if whole else list(map(batch.mids.__getitem__, at))
+            )
+        del at  # before the tokens are made: ints freed between them would leave holes
         self.segment[handles] = np.fromiter((s.number for s in segments), np.int32, n)
         for seg, count in Counter(segments).items():
             self._moved_in(seg, count)
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
         self.token[handles] = tokens
-        self.table.insert(handles, mids, encoded)
+        self.table.insert(handles, encoded)
         return tokens
 
     def get(self, mid: str) -> int | None:
