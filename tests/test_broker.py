@@ -1162,7 +1162,9 @@ def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
         encoded = [h.encode() for h in heads]
 
         def read(rows: list[int]) -> list[bytes]:
-            return head_store.read([places[i][0] for i in rows], [places[i][1] for i in rows])
+            numbers = np.array([places[i][0].number for i in rows], np.int32)
+            positions = np.array([places[i][1] for i in rows], np.int64)
+            return head_store.read(numbers, positions, {seg.number: seg for seg, _ in places})
 
         assert read(wanted) == [encoded[i] for i in wanted]
         assert read(wanted[::-1]) == [encoded[i] for i in wanted[::-1]]

@@ -161,12 +161,11 @@ def ends(heads: list[str]) -> np.ndarray:
     return np.cumsum(lengths)
 
 
-def read(segments: list[Segment], positions: list[int]) -> list[bytes]:
-    """The heads at these places, in this order: what `RowStore.heads` reads by row, read
-    by place (a copy between stores)."""
-    numbers = np.fromiter((s.number for s in segments), np.int32, len(segments))
-    places = np.array(positions, np.int32)
-    unkeyed = np.zeros(len(segments), np.int64)
-    by_number = {s.number: s for s in segments}
-    rows = np.arange(len(segments), dtype=np.int64)
-    return [h for _, h in read_heads(rows, unkeyed, numbers, places, by_number, SPAN_PER_HEAD)]
+def read(numbers: np.ndarray, positions: np.ndarray, segments: dict[int, Segment]) -> list[bytes]:
+    """The heads at these places (segment numbers, positions in them), in this order:
+    what `RowStore.heads` reads by row, read by place (a copy between stores)."""
+    rows = np.arange(len(numbers), dtype=np.int64)
+    unkeyed = np.zeros(len(numbers), np.int64)
+    places = positions.astype(np.int32)
+    numbers = numbers.astype(np.int32, copy=False)
+    return [h for _, h in read_heads(rows, unkeyed, numbers, places, segments, SPAN_PER_HEAD)]

@@ -26,7 +26,6 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Set
 from dataclasses import dataclass
-from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
@@ -331,42 +330,43 @@ class TopicIndex:
         store = self.heads if sorted_already else HeadStore(self.heads.folder)
         try:
             mids: list[str] = []
-            segments: list[Segment] = []
+            written: dict[int, Segment] = {}
             parts: list[tuple[np.ndarray, ...]] = []
             for uri in uris:
                 for rows in _slices(uri):
                     part_mids = rows.column("message_id").to_pylist()
-                    part_segments, positions = self._render(store, rows, part_mids, bucket)
+                    segment, positions = self._render(store, rows, part_mids, bucket)
                     mids += part_mids
-                    segments += part_segments
+                    written[segment.number] = segment
                     parts.append(
                         (
                             rows.column("sort_key").to_numpy(),
                             rows.column("source_partition").to_numpy(),
                             rows.column("source_offset").to_numpy(),
                             _epoch_s(rows.column("ingested_at")),
+                            np.full(len(positions), segment.number, np.int32),
                             positions,
                         )
                     )
             columns = [np.concatenate(c) for c in zip(*parts, strict=True)] or [
-                np.zeros(0, dtype) for dtype in (np.int64, np.int32, np.int64, np.int64, np.int64)
+                np.zeros(0, dtype)
+                for dtype in (np.int64, np.int32, np.int64, np.int64, np.int32, np.int64)
             ]
             del parts
             if not sorted_already:
                 mids = list(map(mids.__getitem__, order.tolist()))
                 columns = [c[order] for c in columns]
-                segments, columns[-1] = self._copy_heads(
-                    list(map(segments.__getitem__, order.tolist())), columns[-1]
-                )
+                columns[4], columns[5], written = self._copy_heads(columns[4], columns[5], written)
         finally:
             if store is not self.heads:
                 store.close()
-        return Batch(mids, *columns[:4], segments, columns[4])
+        return Batch(mids, *columns, written)
 
     def _render(
         self, store: HeadStore, rows: pa.Table, mids: list[str], bucket: int
-    ) -> tuple[list[Segment], np.ndarray]:
-        """Write the heads of `rows` to `store`, in the rows' order; returns where."""
+    ) -> tuple[Segment, np.ndarray]:
+        """Write the heads of `rows` to `store`, in the rows' order; returns where: one
+        segment, at consecutive positions."""
         heads = [
             message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
             for mid, key, payload, sort_key, at in zip(
@@ -379,46 +379,50 @@ class TopicIndex:
             )
         ]
         segment, first = store.write(heads)
-        return [segment] * len(heads), np.arange(first, first + len(heads))
+        return segment, np.arange(first, first + len(heads))
 
     def _copy_heads(
-        self, segments: list[Segment], positions: np.ndarray
-    ) -> tuple[list[Segment], np.ndarray]:
-        """Copy the heads at these places of a scratch store to the node's store, in
-        this order, a slice at a time; returns their new places."""
-        copied: list[Segment] = []
+        self, numbers: np.ndarray, positions: np.ndarray, segments: dict[int, Segment]
+    ) -> tuple[np.ndarray, np.ndarray, dict[int, Segment]]:
+        """Copy the heads at these places of a scratch store (`segments` by number) to
+        the node's store, in this order, a slice at a time; returns their new places."""
+        copied = np.empty(len(positions), np.int32)
         moved = np.empty(len(positions), np.int64)
+        written: dict[int, Segment] = {}
         for start in range(0, len(positions), HEAD_SLICE):
             end = start + HEAD_SLICE
-            found = head_store.read(segments[start:end], positions[start:end].tolist())
+            found = head_store.read(numbers[start:end], positions[start:end], segments)
             heads = [head.decode("ascii") for head in found]
             segment, first = self.heads.write(heads)
-            copied += repeat(segment, len(heads))
-            moved[start : start + len(heads)] = np.arange(first, first + len(heads))
-        return copied, moved
+            written[segment.number] = segment
+            copied[start:end] = segment.number
+            moved[start:end] = np.arange(first, first + len(heads))
+        return copied, moved, written
 
     def _batch(self, t: pa.Table, bucket: int) -> Batch:
         """Buffer rows of one bucket in sort order, their heads written to the store: a
         table read whole (`revive`'s few rows)."""
         t = t.take(pc.sort_indices(t, sort_keys=_ORDER))
         mids = t.column("message_id").to_pylist()
-        segments: list[Segment] = []
+        numbers = np.empty(len(mids), np.int32)
         positions = np.empty(len(mids), np.int64)
+        written: dict[int, Segment] = {}
         for start in range(0, len(mids), HEAD_SLICE):  # payloads a slice at a time
+            end = start + HEAD_SLICE
             part = t.slice(start, HEAD_SLICE)
-            part_segments, part_positions = self._render(
-                self.heads, part, mids[start : start + HEAD_SLICE], bucket
-            )
-            segments += part_segments
-            positions[start : start + len(part_segments)] = part_positions
+            segment, placed = self._render(self.heads, part, mids[start:end], bucket)
+            written[segment.number] = segment
+            numbers[start:end] = segment.number
+            positions[start:end] = placed
         return Batch(
             mids,
             t.column("sort_key").to_numpy(),
             t.column("source_partition").to_numpy(),
             t.column("source_offset").to_numpy(),
             _epoch_s(t.column("ingested_at")),
-            segments,
+            numbers,
             positions,
+            written,
         )
 
     def revive(self, state: TopicState) -> int:
@@ -944,6 +948,6 @@ def _epoch_s(column: pa.ChunkedArray) -> np.ndarray:
 
 def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
     """Heads written for the rows of `batch` not among `keep`, by segment: to release."""
-    unused = Counter(batch.segments)
-    unused.subtract(map(batch.segments.__getitem__, keep.tolist()))
-    return unused
+    dropped = np.ones(len(batch.mids), bool)
+    dropped[keep] = False
+    return batch.by_segment(batch.segment[dropped])

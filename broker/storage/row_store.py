@@ -103,8 +103,18 @@ class Batch(NamedTuple):
     partition: np.ndarray  # int32
     offset: np.ndarray  # int64
     ingested_at: np.ndarray  # epoch seconds
-    segments: list[Segment]  # where each row's head is: (segments[i], position[i])
-    position: np.ndarray  # int64
+    segment: np.ndarray  # int32: where each row's head is, the segment's number
+    position: np.ndarray  # int64: and its place there
+    written: dict[int, Segment]  # the segments the heads were written to, by number
+
+    def by_segment(self, numbers: np.ndarray) -> Counter[Segment]:
+        """How many of `numbers` (some of the rows' `segment`) name each segment. A pass
+        over them per segment: a batch's heads fill a few of them."""
+        counts: Counter[Segment] = Counter()
+        for number, segment in self.written.items():
+            if n := int(np.count_nonzero(numbers == number)):
+                counts[segment] = n
+        return counts
 
 
 _COLUMNS = {
@@ -161,16 +171,14 @@ class RowStore:
         for name in ("sort_key", "partition", "offset", "ingested_at", "position"):
             getattr(self, name)[handles] = getattr(batch, name)[keep]
         whole = n == len(batch.mids)  # the usual case: every row is new
-        at = [] if whole else keep.tolist()
-        segments = batch.segments if whole else list(map(batch.segments.__getitem__, at))
+        numbers = batch.segment if whole else batch.segment[keep]
+        self.segment[handles] = numbers
+        for seg, count in batch.by_segment(numbers).items():
+            self._moved_in(seg, count)
         if encoded is None:
             encoded = self.table.encode(
-                batch.mids if whole else list(map(batch.mids.__getitem__, at))
+                batch.mids if whole else list(map(batch.mids.__getitem__, keep.tolist()))
             )
-        del at  # before the tokens are made: ints freed between them would leave holes
-        self.segment[handles] = np.fromiter((s.number for s in segments), np.int32, n)
-        for seg, count in Counter(segments).items():
-            self._moved_in(seg, count)
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
         self.token[handles] = tokens
