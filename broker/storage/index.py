@@ -244,11 +244,8 @@ class TopicIndex:
             )
             keep = np.flatnonzero(new)
             if len(table) and len(keep):  # indexed already (by `revive`)
-                keep = keep[
-                    self.store.tokens(list(map(batch.mids.__getitem__, keep.tolist()))) == 0
-                ]
-            whole = len(keep) == len(batch.mids)
-            encoded = table.encode(batch.mids if whole else [batch.mids[i] for i in keep.tolist()])
+                keep = keep[self.store.tokens(batch.mids_at(keep)) == 0]
+            encoded = table.encode(batch.mids_at(keep))
             kept.append((bucket, batch, keep, encoded))
         adding = sum(len(keep) for _, _, keep, _ in kept)
         table.make_room(adding, self.lock)

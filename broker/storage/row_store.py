@@ -107,6 +107,12 @@ class Batch(NamedTuple):
     position: np.ndarray  # int64: and its place there
     written: dict[int, Segment]  # the segments the heads were written to, by number
 
+    def mids_at(self, keep: np.ndarray) -> list[str]:
+        """The ids of the rows `keep`: the batch's own list when they are all of them."""
+        if len(keep) == len(self.mids):
+            return self.mids
+        return list(map(self.mids.__getitem__, keep.tolist()))
+
     def by_segment(self, numbers: np.ndarray) -> Counter[Segment]:
         """How many of `numbers` (some of the rows' `segment`) name each segment. A pass
         over them per segment: a batch's heads fill a few of them."""
@@ -176,9 +182,7 @@ class RowStore:
         for seg, count in batch.by_segment(numbers).items():
             self._moved_in(seg, count)
         if encoded is None:
-            encoded = self.table.encode(
-                batch.mids if whole else list(map(batch.mids.__getitem__, keep.tolist()))
-            )
+            encoded = self.table.encode(batch.mids_at(keep))
         self._batches += 1
         tokens = handles + (self._batches << HANDLE_BITS)
         self.token[handles] = tokens
