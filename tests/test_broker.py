@@ -829,7 +829,7 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
         index.forget(state.trim(state.seq))
         index.shrink()
         n = len(index.rows)
-        assert len(index.store.token) <= 2 * max(n + n // 4, 8), "shrunk"
+        assert len(index.store.batch) <= 2 * max(n + n // 4, 8), "shrunk"
     picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 10_000, now=len(rounds))
     picks = listed(picked)
     assert sorted(m for m, _, _ in picks) == sorted(model), "each pending message once"
@@ -1733,7 +1733,7 @@ def test_heads_read_through_gaps_are_the_heads_read_apart(tmp_path: Path) -> Non
     index.load()
     store = index.store
     assert index.heads.disk_bytes() > 3 << 20, "a run through it all would pass the cap"
-    tokens = store.token[store.stored()].tolist()
+    tokens = store.tokens_at(store.stored()).tolist()
     rng = random.Random(7)
     for n in (1, 50, 5_000, len(tokens)):
         wanted = np.array(rng.sample(tokens, n))
@@ -1856,7 +1856,7 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     fill(warehouse, "jobs", buffer_rows([i % 997 for i in range(6000)], prefix="m"))
     index = TopicIndex(warehouse, topic_conf())
     index.load()
-    assert len(index.store.token) >= 6000
+    assert len(index.store.batch) >= 6000
     state = TopicState(4, 5)
     state.touch("c", 0)
     leased = listed(index.pick(state, state.buckets_of("c"), 5500, now=0))
@@ -1868,14 +1868,14 @@ def test_a_node_holds_what_is_pending_after_a_backlog_drains(
     index.forget(state.trim(state.seq))
     monkeypatch.setattr(row_store_module, "SHRINK_MAX_ROWS", 509)
     index.shrink()
-    assert len(index.store.token) >= 6000, "more rows left than a shrink renumbers"
+    assert len(index.store.batch) >= 6000, "more rows left than a shrink renumbers"
     monkeypatch.setattr(row_store_module, "SHRINK_MAX_ROWS", 510)
-    big = weakref.ref(index.store.token), weakref.ref(index.store.table.ids)
+    big = weakref.ref(index.store.batch), weakref.ref(index.store.table.ids)
     index.shrink()
     index.release_columns()  # as the thread that follows the tables does after a shrink
     assert [r() for r in big] == [None, None], "the old columns the pick held are freed"
     assert len(index.rows) == 510
-    assert len(index.store.token) == 1024 and len(index.store.table.ids) == 1024
+    assert len(index.store.batch) == 1024 and len(index.store.table.ids) == 1024
     assert len(index.store.table.slots) == 1024
     fill(warehouse, "jobs", buffer_rows([0, 0], prefix="late"))
     assert index.refresh() == 2

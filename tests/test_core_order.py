@@ -19,10 +19,11 @@ BUCKETS = 3
 
 
 class Rows:
-    """The row store's columns, as `RowStore` keeps them: a token per handle, 0 when free."""
+    """The row store's columns, as `RowStore` keeps them: the batch that stored each
+    handle's row (a token's high bits), 0 when free."""
 
     def __init__(self, size: int = 64) -> None:
-        self.token = np.zeros(size, np.int64)
+        self.batch = np.zeros(size, np.uint32)
         self.sort_key = np.zeros(size, np.int64)
         self.partition = np.zeros(size, np.int32)
         self.offset = np.zeros(size, np.int64)
@@ -31,7 +32,7 @@ class Rows:
         self.batches = 0
 
     def columns(self) -> tuple[np.ndarray, ...]:
-        return self.token, self.sort_key, self.partition, self.offset
+        return self.batch, self.sort_key, self.partition, self.offset
 
     def id_columns(self) -> tuple:
         return self.ids.view(np.uint8), self.ids.dtype.itemsize, self.long
@@ -43,24 +44,29 @@ class Rows:
     def store(self, keys: list[tuple[int, int]]) -> np.ndarray:
         """Rows at free handles, lowest first; returns their tokens."""
         self.batches += 1
-        handles = np.flatnonzero(self.token == 0)[: len(keys)]
+        handles = np.flatnonzero(self.batch == 0)[: len(keys)]
         for h, (key, partition) in zip(handles.tolist(), keys, strict=True):
             self.sort_key[h], self.partition[h], self.offset[h] = key, partition, h
-            self.token[h] = (self.batches << BITS) | h
+            self.batch[h] = self.batches
             mid = f"é{self.batches}.{h}"  # some ids held apart, as a long one's are
             self.ids[h] = mid.encode()[:8]
             self.long.pop(h, None)
             if h % 3 == 0:
                 self.long[h] = mid + "-" * 70
-        return self.token[handles].copy()
+        return handles | (self.batches << BITS)
 
     def entry(self, token: int, key: int | None = None) -> tuple[int, int, int, int]:
         h = token & ((1 << BITS) - 1)
         own = int(self.sort_key[h])
         return (own if key is None else key, int(self.partition[h]), int(self.offset[h]), token)
 
+    def token(self, h: int) -> int:
+        """The token of the row at handle `h`, 0 if it is free."""
+        batch = int(self.batch[h])
+        return batch << BITS | h if batch else 0
+
     def current(self, token: int) -> bool:
-        return int(self.token[token & ((1 << BITS) - 1)]) == token
+        return int(self.batch[token & ((1 << BITS) - 1)]) == token >> BITS
 
 
 operations = st.lists(
@@ -96,22 +102,22 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
     model: list[tuple[tuple[int, int, int, int], int]] = []  # (entry, bucket)
     bucket_of: dict[int, int] = {}  # token -> bucket
     for op in operations:
-        if op[0] == "add" and (rows.token == 0).sum() >= len(op[2]):
+        if op[0] == "add" and (rows.batch == 0).sum() >= len(op[2]):
             tokens = rows.store(sorted(op[2]))
             order.add(op[1], tokens, run_min, *rows.columns())
             for token in tokens.tolist():
                 bucket_of[token] = op[1]
                 model.append((rows.entry(token), op[1]))
         elif op[0] == "forget":
-            rows.token[op[1]] = 0
-        elif op[0] == "rekey" and rows.token[op[1]]:
-            token = int(rows.token[op[1]])
+            rows.batch[op[1]] = 0
+        elif op[0] == "rekey" and rows.batch[op[1]]:
+            token = rows.token(op[1])
             entry = rows.entry(token, op[2])
             order.push(bucket_of[token], *entry)
             model.append((entry, bucket_of[token]))
         elif op[0] == "pick":
             _, buckets, n, max_key, gone = op
-            gone_ids = [rows.mid(int(rows.token[h])) for h in sorted(gone) if rows.token[h]]
+            gone_ids = [rows.mid(rows.token(h)) for h in sorted(gone) if rows.batch[h]]
             settled = dict.fromkeys(gone_ids[::2], "acked")
             leased = LeaseTable()
             assert leased.add_all(gone_ids[1::2], 1)
@@ -171,14 +177,14 @@ def test_a_pick_reads_the_arrays_passed_and_lets_go_of_those_it_held() -> None:
     assert unpacked(order.pick([0], 1, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())[0])[
         2
     ].tolist() == [5]
-    old = weakref.ref(rows.token)
-    rows.token = rows.token.copy()  # replaced, as a growth does: the next row leaves it
-    rows.token[np.flatnonzero(rows.sort_key == 7)] = 0
+    old = weakref.ref(rows.batch)
+    rows.batch = rows.batch.copy()  # replaced, as a growth does: the next row leaves it
+    rows.batch[np.flatnonzero(rows.sort_key == 7)] = 0
     picks, _ = order.pick([0], 2, 100, 0, NO_STATE, *rows.columns(), *rows.id_columns())
     assert unpacked(picks)[2].tolist() == [9], "the row forgotten in the new column is stale"
     assert old() is None, "the replaced column is let go once another is passed"
-    held = weakref.ref(rows.token)
-    rows.token = rows.token.copy()
+    held = weakref.ref(rows.batch)
+    rows.batch = rows.batch.copy()
     assert held() is not None, "held by the order until released"
     order.release_columns()
     assert held() is None
@@ -195,7 +201,7 @@ def test_bad_calls_are_refused_with_a_clear_error() -> None:
     with pytest.raises(ValueError, match="rows of 4"):
         order.replace(0, tokens, np.zeros(3, np.int64))
     with pytest.raises(ValueError, match="differ in length"):
-        order.pick([0], 1, 10, 0, NO_STATE, rows.token[:3], *rows.columns()[1:], *rows.id_columns())
+        order.pick([0], 1, 10, 0, NO_STATE, rows.batch[:3], *rows.columns()[1:], *rows.id_columns())
     with pytest.raises(ValueError, match="id column does not match"):
         order.pick([0], 1, 10, 0, NO_STATE, *rows.columns(), rows.ids[:3].view(np.uint8), 8, {})
     assert len(order) == 0

@@ -108,7 +108,7 @@ class TopicIndex:
         self.heads = HeadStore(heads_dir)
         self.store = RowStore()
         self.rows = StoredIds(self.store)  # message id -> token: what is indexed
-        # Entries are valid while their token is its handle's (`RowStore.token`).
+        # Entries are valid while their token is its handle's (`RowStore.batch`).
         self.order = Order(topic.buckets)
         # The id column and its bytes view as the last pick passed them (`_pick_args`).
         self._ids: np.ndarray | None = None
@@ -546,7 +546,7 @@ class TopicIndex:
         """The columns the order reads a token's place from (under the lock: a growth
         or a shrink replaces them)."""
         store = self.store
-        return store.token, store.sort_key, store.partition, store.offset
+        return store.batch, store.sort_key, store.partition, store.offset
 
     def forget(self, mids: list[str]) -> None:
         """Settled messages checkpointed into the ledger: gone for good.
@@ -609,7 +609,7 @@ class TopicIndex:
                     heaps[row.bucket].append((overrides[mid], row.partition, row.offset, token))
             h = store.stored()
             h = h[[m not in overrides for m in store.table.mids(h)]]
-            tokens = store.token[h]
+            tokens = store.tokens_at(h)
             buckets = store.bucket[h]
             for b, heap in enumerate(heaps):
                 run = store.order(tokens[buckets == b])
@@ -717,7 +717,7 @@ class TopicIndex:
         handles = np.flatnonzero(np.isin(numbers, [s.number for s in sparse]))
         del numbers
         with self.lock:
-            tokens = store.token[handles]
+            tokens = store.tokens_at(handles)
             tokens = store.order(tokens[tokens != 0])
             # A bucket's in its sort order, as a first write.
             h = tokens & HANDLE_MASK
@@ -733,7 +733,7 @@ class TopicIndex:
         new, first = self.heads.write_joined(joined, ends)
         del joined
         with self.lock:
-            still = current(store.token, tokens)  # not settled and forgotten meanwhile
+            still = current(store.batch, tokens)  # not settled and forgotten meanwhile
             unused = store.move(h[still], new, first + np.flatnonzero(still))
         moved = int(np.count_nonzero(still))
         if moved < len(still):
@@ -753,7 +753,7 @@ class TopicIndex:
         for start in range(0, len(tokens), COMPACT_READ):
             with self.lock:
                 part = tokens[start : start + COMPACT_READ]
-                part = part[current(self.store.token, part)]  # not settled meanwhile
+                part = part[current(self.store.batch, part)]  # not settled meanwhile
                 joined, part_ends = self.store.separated_heads(part)
             kept.append(part)
             parts.append(joined)
@@ -776,7 +776,7 @@ class TopicIndex:
         by the thread that follows the tables, which alone adds rows; under the lock,
         as the tokens must move with the rows (at most a few hundred ms for a million)."""
         with self.lock:
-            before, size = self.store.token, self.store.size
+            before, size = self.store.batch, self.store.size
             new = self.store.shrink()
             if new is None:
                 return
@@ -883,7 +883,7 @@ class TopicIndex:
                 base = store.sort_key[h]
                 keys = base.copy()
                 keys[len(tokens) - len(heap_keys) :] = heap_keys
-                parts.append((h, current(store.token, tokens), keys, base, store.ingested_at[h]))
+                parts.append((h, current(store.batch, tokens), keys, base, store.ingested_at[h]))
             delayed_ids = [m for _, m in self.delayed]
         out: dict[int, Stats] = {}
         for b, (h, *columns) in enumerate(parts):

@@ -2,13 +2,14 @@
 message, in NumPy arrays by handle.
 
 A row as a Python object cost ~370 bytes (a tuple, its ints, an entry tuple in its
-bucket's run), a node over a million pending messages ~700 MB. Here a message costs 42
+bucket's run), a node over a million pending messages ~700 MB. Here a message costs 38
 bytes of columns, and its id's width and 5 to 16 bytes of slots in the id table
 (`IdTable`). A head's segment is a column of numbers too, not a list of references:
 `segments` maps the numbers in use to their segments. Handles of settled messages are
 reused; a token carries its handle and the batch that stored it, so an entry naming a
-handle since reused is told from the handle's new message: `token[handle] == token`
-says an entry is still its message's (0: the handle is free).
+handle since reused is told from the handle's new message: `batch[handle] == token >>
+HANDLE_BITS` says an entry is still its message's. The column holds the batch alone (0:
+the handle is free), 4 bytes a message where the token would take 8.
 """
 
 from __future__ import annotations
@@ -79,10 +80,10 @@ class Heads(Sequence[Taken]):
         return key, self.joined[start : int(ends[i])]
 
 
-def current(token: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Which of `tokens` are still their messages' in `token` (a store's token column):
+def current(batch: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """Which of `tokens` are still their messages' in `batch` (a store's batch column):
     not those of handles freed or reused since."""
-    return token[tokens & HANDLE_MASK] == tokens
+    return batch[tokens & HANDLE_MASK] == tokens >> HANDLE_BITS
 
 
 class Row(NamedTuple):
@@ -124,7 +125,7 @@ class Batch(NamedTuple):
 
 
 _COLUMNS = {
-    "token": np.int64,  # the stored message's; 0 while the handle is free
+    "batch": np.uint32,  # that stored the handle's message (its token's high bits); 0: free
     "bucket": np.int16,  # a topic has at most 4096
     "sort_key": np.int64,
     "partition": np.int32,
@@ -145,7 +146,7 @@ class RowStore:
         # The segments the `segment` column names, and how many stored rows name each.
         self.segments: dict[int, Segment] = {}
         self._rows_in: Counter[int] = Counter()
-        self.token = np.zeros(0, _COLUMNS["token"])
+        self.batch = np.zeros(0, _COLUMNS["batch"])
         self.bucket = np.zeros(0, _COLUMNS["bucket"])
         self.sort_key = np.zeros(0, _COLUMNS["sort_key"])
         self.partition = np.zeros(0, _COLUMNS["partition"])
@@ -184,24 +185,28 @@ class RowStore:
         if encoded is None:
             encoded = self.table.encode(batch.mids_at(keep))
         self._batches += 1
-        tokens = handles + (self._batches << HANDLE_BITS)
-        self.token[handles] = tokens
+        self.batch[handles] = self._batches
         self.table.insert(handles, encoded)
-        return tokens
+        return handles + (self._batches << HANDLE_BITS)
 
     def get(self, mid: str) -> int | None:
         """The token of a stored message."""
         h = self.table.get(mid)
-        return None if h is None else int(self.token[h])
+        return None if h is None else h | int(self.batch[h]) << HANDLE_BITS
 
     def tokens(self, mids: list[str]) -> np.ndarray:
         """The token of each message, 0 for one not stored."""
         handles, _ = self.table.find(mids)
-        return np.where(handles >= 0, self.token[np.maximum(handles, 0)], 0)
+        return np.where(handles >= 0, self.tokens_at(np.maximum(handles, 0)), 0)
+
+    def tokens_at(self, handles: np.ndarray) -> np.ndarray:
+        """The tokens of the messages at `handles`, 0 at a free one."""
+        batch = self.batch[handles].astype(np.int64)
+        return np.where(batch != 0, handles | (batch << HANDLE_BITS), 0)
 
     def stored(self) -> np.ndarray:
         """The handles of every stored message."""
-        return np.flatnonzero(self.token[: self.size])
+        return np.flatnonzero(self.batch[: self.size])
 
     def forget(self, mids: list[str]) -> tuple[Counter[Segment], list[str]]:
         """Messages no longer indexed: their handles are free for reuse. Returns their
@@ -213,7 +218,7 @@ class RowStore:
             [m for m, a in zip(mids, absent.tolist(), strict=True) if a] if absent.any() else []
         )
         handles = codes[codes >= 0]
-        self.token[handles] = 0
+        self.batch[handles] = 0
         released = self._leave(handles)
         self._free.frombytes(handles.tobytes())
         return released, missing
@@ -292,8 +297,8 @@ class RowStore:
         """
         n = len(self.table)
         capacity = max(n + n // 4, MIN_HANDLES)  # as `_grow` would leave them
-        saved = len(self.token) - capacity
-        if n > SHRINK_MAX_ROWS or saved < SHRINK_MIN or 2 * capacity > len(self.token):
+        saved = len(self.batch) - capacity
+        if n > SHRINK_MAX_ROWS or saved < SHRINK_MIN or 2 * capacity > len(self.batch):
             return None
         handles = self.stored()
         new = np.full(self.size, -1, np.int64)
@@ -302,7 +307,6 @@ class RowStore:
             column = np.zeros(capacity, dtype)
             column[:n] = getattr(self, name)[handles]
             setattr(self, name, column)
-        self.token[:n] = (self.token[:n] & ~HANDLE_MASK) | np.arange(n)
         self.table.renumber(handles, capacity)
         self.size = n
         self._free = array("q")

@@ -6,8 +6,9 @@
 //! arrays, passed to each call) say where it sorts. A heap entry carries its key, as a
 //! nack or a reschedule may have moved it from its row's own.
 //!
-//! A token is its row's handle and the batch that stored it; `token[handle] == token`
-//! says it is still its message's. Tokens that are not are dropped as they surface:
+//! A token is its row's handle (low 32 bits) and the batch that stored it (high 32): the
+//! row store's `batch` column holding the token's batch at its handle says it is still
+//! its message's. Tokens that are not are dropped as they surface:
 //! their message settled, and the handle may since stand for another.
 
 use std::cmp::Reverse;
@@ -30,6 +31,8 @@ type Picks<'py> = (Bound<'py, PyAny>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
 /// A token's handle: its low 32 bits (`row_store.HANDLE_MASK`).
 pub(crate) const HANDLE_MASK: i64 = (1 << 32) - 1;
+/// A token's batch: its high 32 bits (`row_store.HANDLE_BITS`).
+const BATCH_SHIFT: u32 = 32;
 /// A run's taken part goes once it passes this many tokens and half the run.
 const COMPACT_AFTER: usize = 4096;
 
@@ -45,7 +48,7 @@ struct Entry {
 
 /// The row store's columns for one call, borrowed from the NumPy arrays.
 struct Columns<'a> {
-    token: &'a [ReadOnlyCell<i64>],
+    batch: &'a [ReadOnlyCell<u32>],
     sort_key: &'a [ReadOnlyCell<i64>],
     partition: &'a [ReadOnlyCell<i32>],
     offset: &'a [ReadOnlyCell<i64>],
@@ -64,18 +67,18 @@ pub(crate) fn slice<'a, T: pyo3::buffer::Element>(
 impl<'a> Columns<'a> {
     fn new(
         py: Python<'a>,
-        token: &'a PyBuffer<i64>,
+        batch: &'a PyBuffer<u32>,
         sort_key: &'a PyBuffer<i64>,
         partition: &'a PyBuffer<i32>,
         offset: &'a PyBuffer<i64>,
     ) -> PyResult<Self> {
         let columns = Columns {
-            token: slice(py, token, "token")?,
+            batch: slice(py, batch, "batch")?,
             sort_key: slice(py, sort_key, "sort_key")?,
             partition: slice(py, partition, "partition")?,
             offset: slice(py, offset, "offset")?,
         };
-        let n = columns.token.len();
+        let n = columns.batch.len();
         if columns.sort_key.len() != n || columns.partition.len() != n || columns.offset.len() != n
         {
             return Err(PyValueError::new_err("the columns differ in length"));
@@ -86,7 +89,10 @@ impl<'a> Columns<'a> {
     /// Whether `token` is still its message's.
     fn current(&self, token: i64) -> bool {
         let h = (token & HANDLE_MASK) as usize;
-        self.token.get(h).is_some_and(|t| t.get() == token)
+        let batch = (token >> BATCH_SHIFT) as u32;
+        self.batch
+            .get(h)
+            .is_some_and(|b| b.get() == batch && batch != 0)
     }
 
     /// A current token's entry at its row's own key.
@@ -194,7 +200,7 @@ fn buffer<T: Element>(slot: &Option<Held<T>>) -> &PyBuffer<T> {
 /// The row store's columns as the leader's picks pass them, held between picks.
 #[derive(Default)]
 struct HeldColumns {
-    token: Option<Held<i64>>,
+    batch: Option<Held<u32>>,
     sort_key: Option<Held<i64>>,
     partition: Option<Held<i32>>,
     offset: Option<Held<i64>>,
@@ -250,23 +256,23 @@ impl Order {
     ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
         let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
-        let (token, sort_key, partition, offset, ids) = columns;
+        let (batch, sort_key, partition, offset, ids) = columns;
         let h = &mut self.held;
         // Acquired in turn (each borrows `held` mutably), then read together.
-        held(&mut h.token, token)?;
+        held(&mut h.batch, batch)?;
         held(&mut h.sort_key, sort_key)?;
         held(&mut h.partition, partition)?;
         held(&mut h.offset, offset)?;
         held(&mut h.ids, ids)?;
         let c = Columns::new(
             py,
-            buffer(&h.token),
+            buffer(&h.batch),
             buffer(&h.sort_key),
             buffer(&h.partition),
             buffer(&h.offset),
         )?;
         let column = slice(py, buffer(&h.ids), "id")?;
-        if width == 0 || width > WIDEST || column.len() != width * c.token.len() {
+        if width == 0 || width > WIDEST || column.len() != width * c.batch.len() {
             return Err(PyValueError::new_err(
                 "the id column does not match the others",
             ));
@@ -398,12 +404,12 @@ impl Order {
         bucket: usize,
         tokens: PyBuffer<i64>,
         run_min: usize,
-        token: PyBuffer<i64>,
+        batch: PyBuffer<u32>,
         sort_key: PyBuffer<i64>,
         partition: PyBuffer<i32>,
         offset: PyBuffer<i64>,
     ) -> PyResult<()> {
-        let c = Columns::new(py, &token, &sort_key, &partition, &offset)?;
+        let c = Columns::new(py, &batch, &sort_key, &partition, &offset)?;
         let new: Vec<i64> = slice(py, &tokens, "tokens")?
             .iter()
             .map(|t| t.get())
@@ -478,7 +484,7 @@ impl Order {
     /// The columns' buffers are held until other arrays are passed (`release_columns`).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
-        buckets, n, max_key, now, state, token, sort_key, partition, offset, ids, width, long,
+        buckets, n, max_key, now, state, batch, sort_key, partition, offset, ids, width, long,
         pack_from = 1
     ))]
     fn pick<'py>(
@@ -489,7 +495,7 @@ impl Order {
         max_key: i64,
         now: i64,
         state: PickState<'py>,
-        token: &Bound<'py, PyAny>,
+        batch: &Bound<'py, PyAny>,
         sort_key: &Bound<'py, PyAny>,
         partition: &Bound<'py, PyAny>,
         offset: &Bound<'py, PyAny>,
@@ -498,7 +504,7 @@ impl Order {
         long: &Bound<'py, PyDict>,
         pack_from: usize,
     ) -> PyResult<(Picks<'py>, Bound<'py, PyBytes>)> {
-        let columns = (token, sort_key, partition, offset, ids);
+        let columns = (batch, sort_key, partition, offset, ids);
         let (picks, tokens) = self.picked(
             py, buckets, n, max_key, now, state, columns, width, long, pack_from,
         )?;
@@ -513,7 +519,7 @@ impl Order {
     /// sort keys).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
-        buckets, n, max_key, now, state, token, sort_key, partition, offset, ids, width, long,
+        buckets, n, max_key, now, state, batch, sort_key, partition, offset, ids, width, long,
         segment, position, segments, span, pack_from = 1
     ))]
     fn pick_heads<'py>(
@@ -524,7 +530,7 @@ impl Order {
         max_key: i64,
         now: i64,
         state: PickState<'py>,
-        token: &Bound<'py, PyAny>,
+        batch: &Bound<'py, PyAny>,
         sort_key: &Bound<'py, PyAny>,
         partition: &Bound<'py, PyAny>,
         offset: &Bound<'py, PyAny>,
@@ -537,7 +543,7 @@ impl Order {
         span: usize,
         pack_from: usize,
     ) -> PyResult<(Picks<'py>, JoinedHeads<'py>)> {
-        let columns = (token, sort_key, partition, offset, ids);
+        let columns = (batch, sort_key, partition, offset, ids);
         let (picks, tokens) = self.picked(
             py, buckets, n, max_key, now, state, columns, width, long, pack_from,
         )?;
