@@ -108,7 +108,7 @@ class TopicIndex:
         self.heads = HeadStore(heads_dir)
         self.store = RowStore()
         self.rows = StoredIds(self.store)  # message id -> token: what is indexed
-        # Entries are valid while their token is its handle's (`RowStore.batch`).
+        # An entry is valid while its handle's batch is its token's (`RowStore.batch`).
         self.order = Order(topic.buckets)
         # The id column and its bytes view as the last pick passed them (`_pick_args`).
         self._ids: np.ndarray | None = None
