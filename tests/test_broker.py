@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 import pytest
+from conftest import wait_until
 from dejaq_core import PackedIds, read_heads, read_joined_heads, render_leased
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
@@ -297,6 +298,41 @@ def test_raft_pickles_with_protocol_5_and_loads_what_protocol_2_wrote() -> None:
         again = raft._SnapshotPickle.load(io.BytesIO(pickle.dumps(state, protocol)))
         assert again.events == state.events and settled_of(again) == settled_of(state)
         assert set(again.leases) == set(state.leases) and again.held == state.held
+
+
+class _Niceness:
+    """Pickles as the niceness of the process that pickles it."""
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        return int, (os.nice(0),)
+
+
+def test_a_snapshot_is_written_by_a_niced_child_at_gzip_level_1(tmp_path: Path) -> None:
+    """PySyncObj forks a child to write each snapshot: the child runs niced, so that
+    the nodes sharing a host keep their cores for requests while it writes, and it
+    compresses at gzip's fastest level, which reads back as any level does."""
+    from pysyncobj.config import SERIALIZER_STATE
+
+    from dejaq.broker.state import raft
+
+    state = TopicState(4, 5)
+    leased(state, "a", ["m1", "m2"], now=0)
+    state.ack("a", 1, ["m1"])
+    snapshot = tmp_path / "raft.dump"
+    serializer = Serializer(str(snapshot), 0, True, None, None, None)
+    serializer.serialize(([state, _Niceness()], None, None, None), 1)
+    states = []
+
+    def written() -> bool:
+        states.append(serializer.checkSerializing()[0])
+        return states[-1] != SERIALIZER_STATE.SERIALIZING
+
+    wait_until(written, what="the snapshot's child to exit")
+    assert states[-1] == SERIALIZER_STATE.SUCCESS
+    assert snapshot.read_bytes()[8] == 4  # gzip's XFL: compressed at the fastest level
+    (again, niceness), *_ = serializer.deserialize()
+    assert niceness == min(19, os.nice(0) + raft.SNAPSHOT_NICE)
+    assert settled_of(again) == settled_of(state) and set(again.leases) == set(state.leases)
 
 
 def test_a_snapshot_naming_the_broker_modules_before_their_grouping_loads(
