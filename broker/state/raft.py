@@ -60,8 +60,9 @@ from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
 log = logging.getLogger("dejaq.broker.state.raft")
 
-# `_RaftZlib`, `AeadEncryptor`, `LoopPoller` and `_SyncObj` stand in for internals of this
-# release (module globals, name-mangled methods, the transport's encryptor hooks).
+# `_RaftZlib`, `_SnapshotGzip`, `_SnapshotOs`, `AeadEncryptor`, `LoopPoller` and `_SyncObj`
+# stand in for internals of this release (module globals, name-mangled methods, the
+# transport's encryptor hooks).
 PYSYNCOBJ_VERSION = "0.3.17"
 if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
     raise ImportError(
