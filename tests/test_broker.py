@@ -335,6 +335,31 @@ def test_a_snapshot_is_written_by_a_niced_child_at_gzip_level_1(tmp_path: Path) 
     assert settled_of(again) == settled_of(state) and set(again.leases) == set(state.leases)
 
 
+def test_a_snapshot_child_that_may_not_lower_its_priority_still_writes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the host refuses `nice` (a mock: raising one's own niceness is always allowed
+    here), the forked child goes on at the parent's priority, to write and exit, rather
+    than raise into the code that forked it."""
+    from dejaq.broker.state import raft
+
+    def refused(_: int) -> int:
+        raise PermissionError("nice refused")
+
+    monkeypatch.setattr(os, "nice", refused)
+    parent = os.getpid()
+    try:
+        pid = raft._SnapshotOs().fork()
+    except BaseException:
+        if os.getpid() != parent:
+            os._exit(3)  # the child: never back into the test run
+        raise
+    if pid == 0:
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
 def test_a_snapshot_naming_the_broker_modules_before_their_grouping_loads(
     tmp_path: Path,
 ) -> None:

@@ -30,7 +30,7 @@ import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -149,7 +149,10 @@ class _SnapshotOs:
     def fork() -> int:
         pid = os.fork()
         if pid == 0:
-            os.nice(SNAPSHOT_NICE)
+            # An exception here would return into the parent's code, in the child: a
+            # child that may not lower its priority writes the snapshot at the parent's.
+            with suppress(OSError):
+                os.nice(SNAPSHOT_NICE)
         return pid
 
 
