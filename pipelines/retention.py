@@ -3,11 +3,13 @@
 Run by a topic's deliverer, the one writer of its ledger: the broker's leader for a
 lease topic, the release job for a release topic. Spark-free, on delta-rs.
 
-A run reads the ledger's tail since the buffer's retention watermark W, finds the
-messages settled before the cutoff C (the latest event of a message decides: a redrive
-makes it pending again), rewrites each buffer file holding any of them without them,
-and commits the removes, the adds and C as the new W in one Delta commit (the app
-transaction `dejaq-retention`). Everything the buffer still holds was therefore
+A run reads the ledger from the buffer's retention watermark W to the cutoff C and
+finds the messages settled there (the latest event of a message decides: a redrive
+makes it pending again). A redrive is the one event that can follow a settling one, a
+death, so past C the run looks up only the redrives of those that died. It rewrites
+each buffer file holding any of the settled messages without them, and commits the
+removes, the adds and C as the new W in one Delta commit (the app transaction
+`dejaq-retention`). Everything the buffer still holds was therefore
 pending at C or settled at or after W, so a reader that starts (a broker node, the
 release job) needs the ledger only from W on: the files whose largest `at` reaches W.
 
@@ -70,7 +72,7 @@ TERMINAL = frozenset(
     {LedgerEvent.ACKED, LedgerEvent.DEAD, LedgerEvent.CANCELLED, LedgerEvent.RELEASED}
 )
 # The events that say whether a message is settled: a redrive undoes one death.
-SETTLING = sorted({*TERMINAL, LedgerEvent.REDRIVEN})
+SETTLING = tuple(sorted({*TERMINAL, LedgerEvent.REDRIVEN}))
 
 
 @dataclass(frozen=True)
@@ -91,11 +93,17 @@ def watermark(buffer: DeltaTable) -> int:
 
 
 def ledger_tail(
-    ledger_path: str, since_ms: int, columns: list[str], ids: list[str] | None = None
+    ledger_path: str,
+    since_ms: int,
+    columns: list[str],
+    ids: list[str] | None = None,
+    until_ms: int | None = None,
+    events: tuple[str, ...] = SETTLING,
 ) -> pa.Table:
-    """The settling ledger events at or after `since_ms` (epoch ms).
+    """The ledger's `events` (settling ones unless told) at or after `since_ms` and, if
+    given, before `until_ms` (epoch ms).
 
-    Reads only the files whose largest `at` reaches it, so its cost follows the tail,
+    Reads only the files whose `at` range meets that span, so its cost follows the span,
     not the ledger's history (the broker compacts the ledger into bounded files).
     """
     table = DeltaTable(ledger_path)
@@ -104,27 +112,35 @@ def ledger_tail(
     if since_ms > 0 and "max.at" in adds.column_names:
         latest = adds.column("max.at").cast(TIMESTAMP)
         adds = adds.filter(pc.or_kleene(pc.is_null(latest), pc.greater_equal(latest, since)))
+    until = None if until_ms is None else pa.scalar(until_ms * 1000, TIMESTAMP)
+    if until is not None and "min.at" in adds.column_names:
+        earliest = adds.column("min.at").cast(TIMESTAMP)
+        adds = adds.filter(pc.or_kleene(pc.is_null(earliest), pc.less(earliest, until)))
     fs, root = filesystem(ledger_path)
     paths = [f"{root}/{unquote(p)}" for p in adds.column("path").to_pylist()]
     if not paths:
         return LEDGER_SCHEMA.empty_table().select(columns)
-    wanted = matching(Table.LEDGER, event=SETTLING, message_id=ids)
+    wanted = matching(Table.LEDGER, event=events, message_id=ids)
     if since_ms > 0:
         wanted &= column(Table.LEDGER, "at") >= since
+    if until is not None:
+        wanted &= column(Table.LEDGER, "at") < until
     # The contract's schema, not the first file's: a ledger once partitioned lacks
     # `bucket` in its files.
     dataset = ds.dataset(paths, schema=LEDGER_SCHEMA, format="parquet", filesystem=fs)
     return dataset.to_table(columns=columns, filter=wanted)
 
 
-def latest_events(ledger_path: str, since_ms: int, ids: list[str] | None = None) -> pa.Table:
-    """Each message's (of `ids`, if given) latest settling event at or after `since_ms`:
-    message_id, event_last, at_last.
+def latest_events(
+    ledger_path: str, since_ms: int, ids: list[str] | None = None, until_ms: int | None = None
+) -> pa.Table:
+    """Each message's (of `ids`, if given) latest settling event at or after `since_ms`
+    (and before `until_ms`, if given): message_id, event_last, at_last.
 
     A message's events are (dead, redriven)* then at most one terminal event, so its
     latest says what it is; at equal times a redrive follows the death it undoes.
     """
-    tail = ledger_tail(ledger_path, since_ms, ["message_id", "event", "at"], ids)
+    tail = ledger_tail(ledger_path, since_ms, ["message_id", "event", "at"], ids, until_ms)
     is_redrive = pc.equal(tail.column("event"), LedgerEvent.REDRIVEN).cast(pa.int8())
     ordered = tail.append_column("redrive", is_redrive).sort_by(
         [("message_id", "ascending"), ("at", "ascending"), ("redrive", "ascending")]
@@ -155,14 +171,26 @@ def period_s(retention_ms: int) -> float:
     return min(PERIOD_S, retention_ms / 10_000)
 
 
-def settled_before(last: pa.Table, cutoff_ms: int) -> pa.Array:
-    """The ids whose latest event (`latest_events`) is terminal and before `cutoff_ms`."""
-    cutoff = pa.scalar(cutoff_ms * 1000, TIMESTAMP)
-    done = pc.and_(
-        pc.not_equal(last.column("event_last"), LedgerEvent.REDRIVEN),
-        pc.less(last.column("at_last").cast(TIMESTAMP), cutoff),
-    )
-    return last.filter(done).column("message_id").combine_chunks()
+def settled_before(ledger_path: str, since_ms: int, cutoff_ms: int) -> tuple[pa.Array, int]:
+    """The ids settled at or after `since_ms` and before `cutoff_ms` that are still
+    settled, and how many messages the span's events name.
+
+    Reads the ledger of that span, not the events after it, so a run each minute does
+    not read the whole retention window again: only a death can be followed (by a
+    redrive), so past the cutoff only the dead are looked up, and only for a redrive.
+    """
+    last = latest_events(ledger_path, since_ms, until_ms=cutoff_ms)
+    done = last.filter(pc.not_equal(last.column("event_last"), LedgerEvent.REDRIVEN))
+    ids = done.column("message_id").combine_chunks()
+    dead = pc.equal(done.column("event_last"), LedgerEvent.DEAD)
+    if pc.any(dead).as_py():
+        died = done.filter(dead).column("message_id").to_pylist()
+        since = ledger_tail(
+            ledger_path, cutoff_ms, ["message_id"], died, events=(LedgerEvent.REDRIVEN,)
+        )
+        undone = since.column("message_id").combine_chunks()
+        ids = ids.filter(pc.invert(pc.is_in(ids, value_set=undone)))
+    return ids, last.num_rows
 
 
 def retain(
@@ -226,8 +254,7 @@ def _run(
         cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
     if cutoff <= upto:
         return None
-    last = latest_events(ledger_path, upto)
-    gone = settled_before(last, cutoff)
+    gone, read = settled_before(ledger_path, upto, cutoff)
     buffer = DeltaTable(buffer_path)
     if watermark(buffer) != upto:
         return None  # another run (a deposed leader's) moved it meanwhile
@@ -241,7 +268,7 @@ def _run(
         buffer.create_write_transaction(
             [], mode="append", schema=buffer.schema(), commit_properties=commit
         )
-        return 0, 0, last.num_rows, cutoff
+        return 0, 0, read, cutoff
     # A hash join of the buffer with the ids: only the files holding one are rewritten.
     # Not streamed, so delta-rs derives the commit's read predicate from the ids' range
     # and the ingest bound, and checks a concurrent append's files against it by their
@@ -263,7 +290,7 @@ def _run(
         .execute()
     )
     removed, rewritten = metrics["num_target_rows_deleted"], metrics["num_target_files_removed"]
-    return removed, rewritten, last.num_rows, cutoff
+    return removed, rewritten, read, cutoff
 
 
 def ingested_before(buffer: DeltaTable) -> int | None:

@@ -105,8 +105,54 @@ def test_settled_messages_past_retention_leave_and_nothing_else_does(tmp_path: P
     assert run(warehouse, now + 1000) is None, "nothing to remove: a minute at a time"
     step = retention.WATERMARK_STEP_MS
     again = run(warehouse, now + step)
-    assert again is not None and again.removed == 0 and again.messages_read == 1, "m5 only"
+    assert again is not None and again.removed == 0 and again.messages_read == 0, "m5 is later"
     assert watermark(DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs"))) == now - HOUR + step
+
+
+def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_the_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run each minute must not read the whole retention window again. Past the cutoff
+    only a redrive can undo a settlement (of a death), so that is all a run looks for
+    there; `ledger_tail` is wrapped, not replaced, to see what it returned."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows(list(range(60))))
+    now = now_ms()
+    old, cutoff = now - 2 * HOUR, now - HOUR
+    record(
+        warehouse,
+        [
+            ("m0", "dead", old),
+            ("m1", "dead", old),
+            ("m2", "acked", old),
+            ("m3", "dead", old),
+            ("m4", "dead", old),
+        ],
+    )
+    record(
+        warehouse,
+        [
+            ("m0", "redriven", cutoff + 60_000),  # pending again: stays
+            ("m3", "redriven", cutoff),  # at the cutoff is past it
+            ("m4", "redriven", cutoff + 1),
+            ("m4", "acked", cutoff + 2),  # settled after the cutoff: stays
+            *((f"m{i}", "acked", now - 60_000) for i in range(10, 60)),
+        ],
+    )
+    seen: list[tuple[int, int]] = []
+    real = retention.ledger_tail
+
+    def spied(*args, **kwargs) -> pa.Table:
+        tail = real(*args, **kwargs)
+        seen.append((args[1], tail.num_rows))
+        return tail
+
+    monkeypatch.setattr(retention, "ledger_tail", spied)
+    done = run(warehouse, now)
+    assert done is not None and done.watermark_ms == cutoff
+    assert done.messages_read == 5 and done.removed == 2
+    assert buffered(warehouse) == {f"m{i}" for i in range(60)} - {"m1", "m2"}
+    assert seen == [(0, 5), (cutoff, 3)], "past the cutoff: the redrives of m0, m3, m4"
 
 
 def ingest_append(path: str, rows: pa.Table, app_id: str, batch_id: int) -> None:
