@@ -2,7 +2,7 @@
 the retention window.
 
     .venv/bin/python bench/retention.py [--window 40000,160000,640000,1280000] [--span 2000]
-        [--runs 3] [--quick]
+        [--runs 3] [--payload-bytes 64] [--quick]
 
 A leader runs retention on each topic about once a minute. Each run removes from the
 buffer what settled between the buffer's watermark W and the cutoff C (now minus the
@@ -65,7 +65,6 @@ TOPIC = "retention"
 HOUR_MS = 3600 * 1000
 MINUTE_MS = 60_000
 BUCKETS = 16
-PAYLOAD_BYTES = 64
 CHECKPOINT_EVENTS = 5_000  # events per ledger append, as a busy leader's checkpoints
 DEFAULT_WINDOW = [40_000, 160_000, 640_000, 1_280_000]
 QUICK_WINDOW = [2_000, 8_000]
@@ -87,12 +86,14 @@ def acked(ids: range, at_ms: list[int]) -> pa.Table:
     )
 
 
-def write_tables(warehouse: str, window: int, span: int, runs: int, now_ms: int) -> None:
+def write_tables(
+    warehouse: str, window: int, span: int, runs: int, payload: int, now_ms: int
+) -> None:
     """The buffer, and the ledger in time order: `runs` spans, then the window."""
     total = runs * span + window
     for start in range(0, total, growth.BUFFER_CHUNK):
         ids = range(start, min(total, start + growth.BUFFER_CHUNK))
-        fill(warehouse, TOPIC, growth.buffer_chunk(ids, "priority", BUCKETS, PAYLOAD_BYTES, now_ms))
+        fill(warehouse, TOPIC, growth.buffer_chunk(ids, "priority", BUCKETS, payload, now_ms))
     cutoff = now_ms - HOUR_MS
     at = [
         cutoff + (i // span) * MINUTE_MS + (i % span) * MINUTE_MS // span
@@ -107,12 +108,12 @@ def write_tables(warehouse: str, window: int, span: int, runs: int, now_ms: int)
     maintain_ledger(ledger)
 
 
-def run_cell(window: int, span: int, runs: int) -> dict[str, Any]:
+def run_cell(window: int, span: int, runs: int, payload: int) -> dict[str, Any]:
     """One cell: the first run to C, then `runs` timed runs a minute apart."""
     now_ms = int(time.time() * 1000)
     with tempfile.TemporaryDirectory(prefix="dejaq-retention-bench-") as tmp:
         warehouse = str(Path(tmp) / "wh")
-        write_tables(warehouse, window, span, runs, now_ms)
+        write_tables(warehouse, window, span, runs, payload, now_ms)
         buffer = ensure_table(warehouse, Table.BUFFER, TOPIC)
         ledger = ensure_table(warehouse, Table.LEDGER, TOPIC)
         first = retention.retain(buffer, ledger, HOUR_MS, now_ms)
@@ -148,13 +149,14 @@ def main() -> int:
     parser.add_argument("--window", default=",".join(map(str, DEFAULT_WINDOW)))
     parser.add_argument("--span", type=int, default=2_000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--payload-bytes", type=int, default=64)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     windows = QUICK_WINDOW if args.quick else [int(w) for w in args.window.split(",")]
     span, runs = (200, 2) if args.quick else (args.span, args.runs)
     cells = []
     for window in windows:
-        cell = run_cell(window, span, runs)
+        cell = run_cell(window, span, runs, args.payload_bytes)
         print(f"S={window:,}: {json.dumps(cell)}", file=sys.stderr, flush=True)
         cells.append(cell)
     small, large = cells[0], cells[-1]
@@ -162,7 +164,13 @@ def main() -> int:
         "benchmark": "retention",
         "date": dt.date.today().isoformat(),
         "machine": growth.machine(),
-        "parameters": {"windows": windows, "span": span, "runs": runs, "buckets": BUCKETS},
+        "parameters": {
+            "windows": windows,
+            "span": span,
+            "runs": runs,
+            "buckets": BUCKETS,
+            "payload_bytes": args.payload_bytes,
+        },
         "cells": cells,
         "ratios": {
             "window": large["window"] / small["window"],
