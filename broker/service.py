@@ -31,7 +31,11 @@ from dejaq.broker.state.settlements import Entry, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.index import TopicIndex
-from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, compact_ledger
+from dejaq.broker.storage.ledger_writer import (
+    COMPACT_EVERY,
+    compact_dead_letters,
+    compact_ledger,
+)
 from dejaq.broker.storage.row_store import Row
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
@@ -307,6 +311,7 @@ class Broker:
         self._checkpoints[name] += 1
         if self._checkpoints[name] % COMPACT_EVERY == 0:
             compact_ledger(self.settings.warehouse, name)
+            compact_dead_letters(self.settings.warehouse, name)
 
     def _retention(self) -> None:
         """On the leader: remove settled messages from the buffers (`pipelines.retention`).

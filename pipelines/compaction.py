@@ -69,9 +69,10 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
 
 
 def maintain_ledger(path: str) -> Compacted | None:
-    """`maintain` of a ledger, into files of `LEDGER_FILE_BYTES`, by its only writer (a
-    topic's broker leader or its release job): a ledger made before `TABLE_PROPERTIES`
-    gets them first, by that writer between its own appends."""
+    """`maintain` of a ledger (or a topic's dead letters), into files of
+    `LEDGER_FILE_BYTES`, by its only writer (a topic's broker leader or its release job):
+    a table made before `TABLE_PROPERTIES` gets them first, by that writer between its own
+    appends."""
     try:
         with_table_properties(path)
     except Exception:

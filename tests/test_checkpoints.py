@@ -17,7 +17,12 @@ from test_broker import listed, loaded_topic
 from dejaq.broker.state.settlements import Settlement
 from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.checkpoints import Health, Lag, checkpoint, lag
-from dejaq.broker.storage.ledger_writer import compact_ledger, write_dead_letters, write_ledger
+from dejaq.broker.storage.ledger_writer import (
+    compact_dead_letters,
+    compact_ledger,
+    write_dead_letters,
+    write_ledger,
+)
 from dejaq.conf.tables import (
     LEDGER_SCHEMA,
     TABLE_PROPERTIES,
@@ -147,6 +152,29 @@ def test_a_deposed_leaders_late_dead_letters_are_refused_then_found_written(
     assert [type(e).__name__ for e in refused] == ["CommitFailedError"]
     dead = scan(table_path(warehouse, Table.DEAD_LETTER, "jobs"), Table.DEAD_LETTER)
     assert sorted(dead["message_id"].to_pylist()) == ["m0", "m1"]
+
+
+def test_dead_letters_are_compacted_and_keep_their_checkpoint_tags(tmp_path: Path) -> None:
+    """Each checkpoint with a death adds a dead-letter file, and every open of the table
+    reads every file's entry: compacted, it reads the same, and a checkpoint replayed
+    after it writes no dead letter twice."""
+    warehouse, index, state = loaded_topic(tmp_path, list(range(6)))
+    batches = []
+    for i in range(6):
+        state.lease("c", i, 1000, listed(index.pick(state, state.buckets_of("c"), 1, now=i)))
+        assert state.reject("c", i, [f"m{i}"]) == {}
+        batches.append(list(state.events))
+        index.forget(state.trim(ledger_writer.checkpoint(warehouse, "jobs", state.events)))
+    path = table_path(warehouse, Table.DEAD_LETTER, "jobs")
+    before = scan(path, Table.DEAD_LETTER).sort_by("message_id")
+    assert before["message_id"].to_pylist() == [f"m{i}" for i in range(6)]
+    assert len(DeltaTable(path).file_uris()) == 6
+    done = compact_dead_letters(warehouse, "jobs")
+    assert done is not None and (done.files_removed, done.files_added) == (6, 1)
+    assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES
+    assert scan(path, Table.DEAD_LETTER).sort_by("message_id").equals(before)
+    write_dead_letters(warehouse, "jobs", batches[2])
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 6, "the replay wrote nothing"
 
 
 def _delta_checkpoints(path: str) -> list[str]:

@@ -301,6 +301,14 @@ def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
     return maintain_ledger(ensure_table(warehouse, Table.LEDGER, topic))
 
 
+def compact_dead_letters(warehouse: str, topic: str) -> Compacted | None:
+    """`compact_ledger` of the dead letters, which the leader alone appends to as well:
+    a file at each checkpoint with a death, and every open of the table (each such
+    checkpoint, a restore, a listing page) reads every file's entry. Into files of the
+    ledger's size, so a round rewrites a bounded few."""
+    return maintain_ledger(ensure_table(warehouse, Table.DEAD_LETTER, topic))
+
+
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:
     """The buffer rows of the dead messages, with deliveries, reason and time of death."""
     buffer = ensure_table(warehouse, Table.BUFFER, topic)
