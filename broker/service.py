@@ -738,7 +738,12 @@ def _backoff(cfg: TopicConfig) -> RetryBackoff | None:
 
 
 def _unknown(topic: str, mid: str) -> Problem:
-    return Problem(404, "unknown message", f"no message {mid!r} in topic {topic!r}")
+    return Problem(
+        404,
+        "unknown message",
+        f"no message {mid!r} in topic {topic!r} (one settled before the last retention"
+        " run's cutoff is in its ledger table only)",
+    )
 
 
 @dataclass

@@ -262,17 +262,29 @@ def _run(
         app_transactions=[Transaction(APP_ID, cutoff)],
         custom_metadata={OPERATION: str(len(gone))},
     )
-    if not len(gone):  # nothing to remove: the watermark moves on alone, a minute at a time
-        if cutoff - upto < WATERMARK_STEP_MS:
-            return None
-        buffer.create_write_transaction(
-            [], mode="append", schema=buffer.schema(), commit_properties=commit
-        )
-        return 0, 0, read, cutoff
-    # A hash join of the buffer with the ids: only the files holding one are rewritten.
-    # Not streamed, so delta-rs derives the commit's read predicate from the ids' range
-    # and the ingest bound, and checks a concurrent append's files against it by their
-    # statistics: an append of rows ingested since the bound does not fail the commit.
+    if len(gone):
+        removed, rewritten = _remove(buffer, gone, commit)
+        if removed:
+            return removed, rewritten, read, cutoff
+        # None of them had a row here (settled before their rows came, say): delta-rs
+        # commits nothing for a MERGE that changes nothing, so the watermark moves alone.
+    if cutoff - upto < WATERMARK_STEP_MS:  # alone, a minute at a time
+        return None
+    buffer.create_write_transaction(
+        [], mode="append", schema=buffer.schema(), commit_properties=commit
+    )
+    return 0, 0, read, cutoff
+
+
+def _remove(buffer: DeltaTable, gone: pa.Array, commit: CommitProperties) -> tuple[int, int]:
+    """Delete the rows of the ids `gone` from the buffer with `commit`: (rows removed,
+    files rewritten).
+
+    A hash join of the buffer with the ids: only the files holding one are rewritten.
+    Not streamed, so delta-rs derives the commit's read predicate from the ids' range
+    and the ingest bound, and checks a concurrent append's files against it by their
+    statistics: an append of rows ingested since the bound does not fail the commit.
+    """
     predicate = "t.message_id = s.message_id"
     bound = ingested_before(buffer)
     if bound is not None:
@@ -289,8 +301,7 @@ def _run(
         .when_matched_delete()
         .execute()
     )
-    removed, rewritten = metrics["num_target_rows_deleted"], metrics["num_target_files_removed"]
-    return removed, rewritten, read, cutoff
+    return metrics["num_target_rows_deleted"], metrics["num_target_files_removed"]
 
 
 def ingested_before(buffer: DeltaTable) -> int | None:

@@ -155,6 +155,45 @@ def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_th
     assert seen == [(0, 5), (cutoff, 3)], "past the cutoff: the redrives of m0, m3, m4"
 
 
+def test_a_question_about_a_settled_message_reads_the_ledger_from_the_watermark(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Peek, cancel and reschedule ask the ledger about a message the index forgot, an
+    unknown id too: from the buffer's retention watermark, not the ledger's history. A
+    message settled before it has left the buffer, and is the ledger table's; one whose
+    history crosses the watermark is told by its latest event. `latest_events` is
+    wrapped, not replaced, to see where it starts."""
+    warehouse, index, _ = loaded_topic(tmp_path, [1])
+    now = now_ms()
+    old, cutoff = now - 2 * HOUR, now - HOUR
+    record(
+        warehouse,
+        [
+            ("a0", "acked", old),
+            ("d0", "dead", old),
+            ("d0", "redriven", cutoff + 1),
+            ("d0", "dead", cutoff + 2),  # dead again
+            ("r0", "dead", old),
+            ("r0", "redriven", cutoff + 1),  # pending again
+            ("a1", "acked", cutoff + 1),
+        ],
+    )
+    done = run(warehouse, now)
+    assert done is not None and done.removed == 0 and done.messages_read == 3
+    assert watermark(DeltaTable(index.buffer_path)) == cutoff, "no row of a0, d0, r0 here"
+    starts: list[int] = []
+    real = index_module.latest_events
+
+    def spied(ledger_path: str, since_ms: int, *args) -> pa.Table:
+        starts.append(since_ms)
+        return real(ledger_path, since_ms, *args)
+
+    monkeypatch.setattr(index_module, "latest_events", spied)
+    answers = {m: index.settled_event(m) for m in ("a0", "d0", "r0", "a1", "unknown")}
+    assert answers == {"a0": None, "d0": "dead", "r0": None, "a1": "acked", "unknown": None}
+    assert starts == [cutoff] * 5
+
+
 def ingest_append(path: str, rows: pa.Table, app_id: str, batch_id: int) -> None:
     """An ingest micro-batch's write as its Spark tasks and driver make it (files, then
     one commit tagged (app id, batch id)), without Spark."""

@@ -100,7 +100,8 @@ def test_every_reader_gets_the_contract_from_every_writer(
     assert restore(buffer, dead_letters, ["x1"], now + 2) == 1
     index.push(state, ["x1"])
     assert index.revive(state) == 1
-    assert index.settled_event("s0") == LedgerEvent.ACKED
+    assert index.settled_event("s1") == LedgerEvent.DEAD
+    assert index.settled_event("s0") is None, "settled before the watermark: the ledger's"
     assert index.dead(["s1", "x1"])[1].keys() == {"s1", "x1"}, "the redrive is in Raft"
     index.forget(state.trim(checkpoint(warehouse, "jobs", list(state.events))))
     assert index.dead(["s1", "x1"])[1].keys() == {"s1"}

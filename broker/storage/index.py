@@ -61,8 +61,6 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.retention import (
-    SETTLING,
-    TERMINAL,
     first_per_id,
     latest_events,
     rewrites,
@@ -820,14 +818,18 @@ class TopicIndex:
     # --- reads -----------------------------------------------------------------------
 
     def settled_event(self, mid: str) -> str | None:
-        """The ledger's terminal event for a message, if it has one.
+        """The ledger's terminal event for a message settled since the buffer's
+        retention watermark, if it has one.
 
         The index forgets settled messages, so a question about one (peek, cancel,
-        reschedule: rare) reads the ledger. Blocking: call it off the event loop.
+        reschedule) reads the ledger: its tail from the watermark, as a start does, so
+        that a question, of an unknown id too, costs the tail and not the ledger's
+        history. A message settled before the watermark has left the buffer as well;
+        its record is the ledger table's. Blocking: call it off the event loop.
         """
-        wanted = matching(Table.LEDGER, message_id=[mid], event=SETTLING)
-        events = scan(self.ledger_path, Table.LEDGER, ["event"], wanted).column("event")
-        return settled_as(events.to_pylist())
+        since = watermark(DeltaTable(self.buffer_path))
+        last = latest_events(self.ledger_path, since, [mid]).column("event_last").to_pylist()
+        return last[0] if last and last[0] != LedgerEvent.REDRIVEN else None
 
     def dead(self, ids: list[str] | None) -> tuple[int, dict[str, tuple[int, int]], set[str]]:
         """What the ledger says about deaths, for a redrive of `ids` (None: all).
@@ -913,20 +915,6 @@ def _read_ids(path: str, table: Table, ids: list[str], ingested_at: str) -> pa.T
     columns = ["bucket", *(c for c in _COLUMNS if c != "ingested_at"), *_COORDS, ingested_at]
     t = scan(path, table, columns, matching(table, message_id=ids))
     return t.rename_columns([*columns[:-1], "ingested_at"])
-
-
-def settled_as(events: list[str]) -> str | None:
-    """A message's settlement from its ledger events, in any order; None while pending.
-
-    Its history is (dead, redriven)* and then at most one terminal event: it is settled
-    when its terminal events outnumber its redrives, as the one that is not a death if
-    there is one, else as dead.
-    """
-    terminal = [e for e in events if e in TERMINAL]
-    if len(terminal) <= events.count(LedgerEvent.REDRIVEN):
-        return None
-    final = [e for e in terminal if e != LedgerEvent.DEAD]
-    return final[0] if final else LedgerEvent.DEAD
 
 
 def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
