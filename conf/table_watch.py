@@ -6,15 +6,21 @@ GET each time, billed per thousand, idle or not. A new version is a new log entr
 one HEAD of the next entry's key answers the question; while none comes, an object
 store is asked less and less often, up to `IDLE_PROBE_MAX_S` apart (a local file
 system is asked every time: a stat is free). The first new version resets the pace.
+
+A follower further behind than the table keeps its log finds no next entry ever again
+(`conf.tables.LOG_RETENTION`): while none comes, the table's `_last_checkpoint` is read
+too, once a `CHECKPOINT_PROBE_S`, and a checkpoint past the follower's version is a move.
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 from dejaq.conf.storage import filesystem, has_folders
 
 IDLE_PROBE_MAX_S = 1.0
+CHECKPOINT_PROBE_S = 60.0
 
 
 class TableWatch:
@@ -27,7 +33,8 @@ class TableWatch:
         self.first_wait_s = first_wait_s
         self.wait_s = 0.0
         self.next_probe = 0.0
-        self.probes = 0  # HEAD requests made: what following the table has cost
+        self.next_checkpoint_probe = 0.0
+        self.probes = 0  # requests made: what following the table has cost
 
     def moved(self, version: int) -> bool:
         """Whether `version + 1` is committed; False without asking while backing off."""
@@ -36,6 +43,10 @@ class TableWatch:
             return False
         self.probes += 1
         found = self._exists(f"{self.root}/_delta_log/{version + 1:020d}.json")
+        if not found and now >= self.next_checkpoint_probe:
+            self.next_checkpoint_probe = now + CHECKPOINT_PROBE_S
+            self.probes += 1
+            found = self._checkpointed() > version
         if found:
             self.wait_s = 0.0
         elif self.remote:
@@ -51,3 +62,11 @@ class TableWatch:
         except FileNotFoundError:
             return False
         return True
+
+    def _checkpointed(self) -> int:
+        """The version of the table's latest Delta checkpoint (-1: none)."""
+        try:
+            with self.fs.open_input_stream(f"{self.root}/_delta_log/_last_checkpoint") as f:
+                return int(json.loads(f.read())["version"])
+        except FileNotFoundError:
+            return -1

@@ -175,7 +175,17 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
 # since the last checkpoint, and a leader commits to its ledger every second. With 100,
 # a ledger commit of 2,000 events cost 11 ms of CPU after a Delta checkpoint and 45-55
 # ninety commits on; with 10, 12-20 throughout (`bench/ledger_commits.py`).
-TABLE_PROPERTIES = {"delta.checkpointInterval": "10"}
+#
+# Each keeps its log two hours, not Delta's 30 days: after each Delta checkpoint delta-rs
+# lists the whole `_delta_log` to delete what expired, and on a local disk every open
+# lists it too, so a month of commits a second (2.6 million files) would cost each open
+# seconds and each checkpoint thousands of object-store requests. Readers that follow a
+# table (a broker node's index, the release job) read its commits within seconds; one
+# that falls further behind than the log reads the table as a start does, or stops
+# with an error saying so (`pipelines.retention.LogGap`). A table whose owner sets these
+# properties otherwise keeps their values (`with_table_properties`).
+LOG_RETENTION = "interval 2 hours"
+TABLE_PROPERTIES = {"delta.checkpointInterval": "10", "delta.logRetentionDuration": LOG_RETENTION}
 
 
 def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> None:
@@ -201,11 +211,13 @@ def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> 
 
 
 def with_table_properties(path: str) -> None:
-    """Give the table at `path` `TABLE_PROPERTIES` it lacks (one made before them): a
-    metadata commit, so only a table's sole writer makes it, between its own appends."""
+    """Give the table at `path` the `TABLE_PROPERTIES` it has no value for (one made
+    before them); a value its owner set stays. A metadata commit, made by the writer that
+    compacts the table, between its own appends: another writer's concurrent commit
+    fails and tries again, as against a compaction."""
     table = DeltaTable(path)
     have = table.metadata().configuration
-    if missing := {k: v for k, v in TABLE_PROPERTIES.items() if have.get(k) != v}:
+    if missing := {k: v for k, v in TABLE_PROPERTIES.items() if k not in have}:
         table.alter.set_table_properties(missing)
 
 

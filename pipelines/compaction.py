@@ -51,7 +51,14 @@ def compact(path: str, target_size: int | None = None) -> Compacted:
 
 def maintain(path: str, target_size: int | None = None) -> Compacted | None:
     """`compact` as maintenance, not data: a failure is logged, not raised (the caller's
-    next round tries again), and the caller's own appends go on."""
+    next round tries again), and the caller's own appends go on. A table made before
+    `TABLE_PROPERTIES` gets them first, by the writer that compacts it."""
+    try:
+        with_table_properties(path)
+    except Exception:
+        log.warning(
+            "setting %s's properties failed; the next round tries again", path, exc_info=True
+        )
     try:
         done = compact(path, target_size)
     except Exception:
@@ -70,15 +77,8 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
 
 def maintain_ledger(path: str) -> Compacted | None:
     """`maintain` of a ledger (or a topic's dead letters), into files of
-    `LEDGER_FILE_BYTES`, by its only writer (a topic's broker leader or its release job):
-    a table made before `TABLE_PROPERTIES` gets them first, by that writer between its own
-    appends."""
-    try:
-        with_table_properties(path)
-    except Exception:
-        log.warning(
-            "setting %s's properties failed; the next round tries again", path, exc_info=True
-        )
+    `LEDGER_FILE_BYTES`, by its only writer (a topic's broker leader or its release
+    job)."""
     return maintain(path, LEDGER_FILE_BYTES)
 
 

@@ -28,7 +28,9 @@ class DeltaFollower:
     once and keeps no ids to skip repeats by. When appends and a rewrite of them arrive
     in one poll, the versions are walked one at a time, so the appended files are read
     even though the rewrite has replaced them (replaced files stay on disk for the
-    table's file retention). Memory: the paths of the version read (`files`).
+    table's file retention). Memory: the paths of the version read (`files`). A poll
+    further behind than the table keeps its log raises `retention.LogGap`: the caller
+    starts again.
     """
 
     def __init__(self, path: str, schema: pa.Schema, time_column: str | None = None) -> None:

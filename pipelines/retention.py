@@ -39,6 +39,7 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
+import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
@@ -46,6 +47,7 @@ from dejaq.conf.storage import filesystem
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LEDGER_SCHEMA,
+    LOG_RETENTION,
     TIMESTAMP,
     LedgerEvent,
     Table,
@@ -366,8 +368,14 @@ def is_rewrite(commit: dict) -> bool:
     return commit.get("operation") == "OPTIMIZE" or OPERATION in commit
 
 
+class LogGap(Exception):
+    """The table's log no longer holds commits a follower has not read: it was further
+    behind than the table keeps its log (`conf.tables.LOG_RETENTION`)."""
+
+
 def rewrites(table_path: str, versions: range) -> set[int]:
-    """Which of `versions` are rewrites (`is_rewrite`), from each commit's own log entry.
+    """Which of `versions` are rewrites (`is_rewrite`), from each commit's own log entry;
+    `LogGap` if the log no longer holds one.
 
     Not `DeltaTable.history`: delta-rs 1.6 reads the newest commits of the log but
     numbers them down from the version the table object is at, so a table that gained
@@ -376,7 +384,18 @@ def rewrites(table_path: str, versions: range) -> set[int]:
     fs, root = filesystem(table_path)
     found = set()
     for v in versions:
-        with fs.open_input_stream(f"{root}/_delta_log/{v:020d}.json") as log_file:
+        entry = f"{root}/_delta_log/{v:020d}.json"
+        try:
+            log_file = fs.open_input_stream(entry)
+        except OSError as e:  # an object store may say "not found" as a plain OSError
+            if fs.get_file_info(entry).type != pafs.FileType.NotFound:
+                raise
+            raise LogGap(
+                f"{table_path}'s Delta log no longer holds version {v}, which this reader"
+                f" has not read (a table keeps its log {LOG_RETENTION.removeprefix('interval ')}):"
+                " a start reads the table afresh"
+            ) from e
+        with log_file:
             for line in log_file.read().decode().splitlines():
                 info = json.loads(line).get("commitInfo") if '"commitInfo"' in line else None
                 if info is not None:

@@ -17,7 +17,9 @@ import pyarrow.compute as pc
 import pytest
 from deltalake import DeltaTable
 from test_release import Output, add_buffer, add_ledger, ids, run_until, settings_for
+from test_retention import expire_log
 
+from dejaq.conf import table_watch
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LEDGER_SCHEMA,
@@ -30,7 +32,7 @@ from dejaq.pipelines.compaction import compact
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.pending import HEAP_SLACK, PendingSet
 from dejaq.pipelines.release import Releaser
-from dejaq.pipelines.retention import retain, watermark
+from dejaq.pipelines.retention import LogGap, retain, watermark
 
 T0 = dt.datetime(2026, 11, 21, tzinfo=dt.UTC)
 
@@ -160,6 +162,27 @@ def test_the_follower_reads_each_row_once_through_compactions_and_retention(tmp_
     held = fresh.poll()
     assert sorted(held["message_id"].to_pylist()) == sorted(set(first + later + more) - {*settled})
     assert held.schema == BUFFER_SCHEMA
+
+
+def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets_past(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release job's follower cannot tell which of the versions the log no longer
+    holds were rewrites: its poll says so (the job stops with it), and a follower that
+    starts again reads each row once."""
+    monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
+    s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
+    path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    follower = DeltaFollower(path, BUFFER_SCHEMA)
+    first = add_buffer(s, "priority", list(range(10)))
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first)
+    later = add_buffer(s, "priority", list(range(10)), first_offset=10)
+    compact(path)
+    assert expire_log(path) > follower.version + 1
+    with pytest.raises(LogGap, match="a start reads the table afresh"):
+        follower.poll()
+    fresh = DeltaFollower(path, BUFFER_SCHEMA)
+    assert sorted(fresh.poll()["message_id"].to_pylist()) == sorted(first + later)
 
 
 @pytest.mark.parametrize("kind", ["priority", "timeline"])

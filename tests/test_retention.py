@@ -22,6 +22,7 @@ from dejaq.broker.state.leases import TopicState
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
+from dejaq.conf import table_watch
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
 from dejaq.pipelines import delta_source, retention
 from dejaq.pipelines.delta_source import DeltaBatchWriter, WriteTarget
@@ -350,6 +351,49 @@ def test_the_index_does_not_read_a_retention_runs_rewritten_files(tmp_path: Path
     assert index.refresh() == 2, "the appended rows only"
     assert set(index.rows) == pending | {"new0", "new1"}
     assert len(index.files) == len(DeltaTable(index.buffer_path).file_uris())
+
+
+def expire_log(path: str) -> int:
+    """Have the table at `path` drop every log entry before a Delta checkpoint of its
+    current version, as delta-rs does once they are past the table's log retention (set
+    to nothing here, so the test need not wait it out); the first version left."""
+    table = DeltaTable(path)
+    table.alter.set_table_properties({"delta.logRetentionDuration": "interval 0 seconds"})
+    table = DeltaTable(path)
+    table.create_checkpoint()
+    table.cleanup_metadata()
+    return min(int(p.name[:20]) for p in Path(path, "_delta_log").glob("*.json"))
+
+
+def test_an_index_further_behind_than_the_buffers_log_reads_it_as_a_start_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The buffer keeps its log two hours; a node frozen longer finds no next log entry,
+    and sees the table moved by its Delta checkpoint (read each minute, here each time).
+    It cannot tell which of the versions it missed were rewrites, so it reads every file
+    it has not seen without what the ledger settled since the retention watermark: the
+    new rows come in once, and neither a settled message in a rewritten file nor a
+    pending one comes back twice."""
+    monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
+    warehouse, index, state = loaded_topic(tmp_path, list(range(40)))
+    batches = acked_batches(index, state, 10)
+    next(batches)
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))  # at epoch ms 1
+    picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
+    state.lease("c", 0, 10**15, picks)
+    index.release(state, picks)
+    assert state.ack("c", now_ms(), [m for m, _, _ in picks]) == {}
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    pending = set(index.rows)
+    seen = index.version
+    fill(warehouse, "jobs", buffer_rows([7, 8], prefix="new"))
+    done = run(warehouse, now_ms())
+    assert done is not None and done.removed == 10, "rewrites files of settled messages"
+    assert expire_log(index.buffer_path) > seen + 1, "versions this index has not read"
+    assert index.refresh() == 2, "the appended rows only"
+    assert set(index.rows) == pending | {"new0", "new1"}
+    with pytest.raises(retention.LogGap, match="no longer holds version"):
+        retention.rewrites(index.buffer_path, range(seen + 1, seen + 2))
 
 
 def m0_settled_and_retained(tmp_path: Path, settle: str) -> tuple[str, TopicIndex, TopicState]:

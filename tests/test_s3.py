@@ -408,7 +408,8 @@ def test_following_an_idle_table_costs_a_request_a_second_at_most(
     s3: S3Server, warehouse_s3: str
 ) -> None:
     """A node polls its buffer every 0.2 s: on S3 each idle poll is one HEAD of the next
-    log entry, spaced out to a second apart, and a new version is still seen."""
+    log entry, spaced out to a second apart (and once a minute one read of the table's
+    Delta checkpoint pointer, here absent: one HEAD), and a new version is still seen."""
     buffer = ensure_table(warehouse_s3, Table.BUFFER, "jobs")
     version = DeltaTable(buffer).version()
     watch = TableWatch(buffer)
@@ -425,6 +426,6 @@ def test_following_an_idle_table_costs_a_request_a_second_at_most(
     made = embedded_s3.requests_between(before, after)
     assert polls >= 60
     assert made == {"HeadObject": watch.probes}, made
-    assert watch.probes <= 4 + 3, "backed off to one probe a second"
+    assert watch.probes <= 4 + 3 + 1, "backed off to one probe a second"
     write_deltalake(buffer, buffer_rows([1]), mode="append", partition_by=["bucket"])
     wait_until(lambda: watch.moved(version), IDLE_PROBE_MAX_S + 2, "the new version")

@@ -33,6 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from dejaq_core import Order
 from deltalake import DeltaTable
+from deltalake.exceptions import TableNotFoundError
 
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
@@ -61,6 +62,7 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.retention import (
+    LogGap,
     first_per_id,
     latest_events,
     rewrites,
@@ -180,7 +182,15 @@ class TopicIndex:
         version = self._buffer.version()
         if version == self.version:
             return 0
-        unread, current = self._unseen(version)
+        try:
+            unread, current = self._unseen(version)
+        except (LogGap, TableNotFoundError) as e:
+            # Which of the versions between were rewrites cannot be told: every file
+            # not seen is read, as a start reads them, without what the ledger has
+            # settled since the retention watermark (a start's `settled`).
+            log.warning("%s: reading the buffer's files not indexed yet, as a start does", e)
+            unread, current = self._unseen(version, walk=False)
+            settled = set(settled) | self._settled_ids()[0]
         paths: dict[int, list[str]] = {}
         for path, bucket, _ in unread:
             if not 0 <= bucket < self.topic.buckets:
@@ -266,9 +276,12 @@ class TopicIndex:
         self.heads.release(+unused)
         return added
 
-    def _unseen(self, version: int) -> tuple[list[tuple[str, int, int]], set[str]]:
+    def _unseen(
+        self, version: int, walk: bool = True
+    ) -> tuple[list[tuple[str, int, int]], set[str]]:
         """Files of `version` that this index has not seen: (to read, with their bucket
-        and row count; all of them).
+        and row count; all of them). `walk`: False to read every file not seen, without
+        the versions between (`LogGap`).
 
         A compaction (OPTIMIZE) or a retention run rewrites rows the table already had,
         settled ones too, so its files are seen but not read: the index keeps no settled
@@ -279,7 +292,7 @@ class TopicIndex:
         """
         assert self._buffer is not None
         rewritten = set()
-        if self.version >= 0:
+        if self.version >= 0 and walk:
             rewritten = rewrites(self.buffer_path, range(self.version + 1, version + 1))
         steps = [(version, self._buffer)]
         if rewritten:
