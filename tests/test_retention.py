@@ -332,19 +332,25 @@ def test_a_start_after_retention_reads_only_the_ledger_tail(tmp_path: Path) -> N
     assert len(fresh.rows) == 90 and fresh.buffer_rows == 100
 
 
-def test_the_index_does_not_read_a_retention_runs_rewritten_files(tmp_path: Path) -> None:
-    """Settled messages inside the window share files with removed ones: rewritten, they
-    must not come back into an index that forgot them."""
+def settled_long_ago_and_now(tmp_path: Path) -> tuple[str, TopicIndex, set[str]]:
+    """Topic "jobs" with 40 messages: 10 acked at epoch ms 1 (the next retention run
+    removes them), 10 acked now (inside the window), both checkpointed and forgotten;
+    the 20 pending."""
     warehouse, index, state = loaded_topic(tmp_path, list(range(40)))
-    batches = acked_batches(index, state, 10)
-    next(batches)
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))  # at epoch ms 1
+    next(acked_batches(index, state, 10))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
     picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
     state.lease("c", 0, 10**15, picks)
     index.release(state, picks)
     assert state.ack("c", now_ms(), [m for m, _, _ in picks]) == {}
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
-    pending = set(index.rows)
+    return warehouse, index, set(index.rows)
+
+
+def test_the_index_does_not_read_a_retention_runs_rewritten_files(tmp_path: Path) -> None:
+    """Settled messages inside the window share files with removed ones: rewritten, they
+    must not come back into an index that forgot them."""
+    warehouse, index, pending = settled_long_ago_and_now(tmp_path)
     fill(warehouse, "jobs", buffer_rows([7, 8], prefix="new"))
     done = run(warehouse, now_ms())
     assert done is not None and done.removed == 10 and done.files_rewritten == 4
@@ -375,16 +381,7 @@ def test_an_index_further_behind_than_the_buffers_log_reads_it_as_a_start_does(
     new rows come in once, and neither a settled message in a rewritten file nor a
     pending one comes back twice."""
     monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
-    warehouse, index, state = loaded_topic(tmp_path, list(range(40)))
-    batches = acked_batches(index, state, 10)
-    next(batches)
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))  # at epoch ms 1
-    picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
-    state.lease("c", 0, 10**15, picks)
-    index.release(state, picks)
-    assert state.ack("c", now_ms(), [m for m, _, _ in picks]) == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
-    pending = set(index.rows)
+    warehouse, index, pending = settled_long_ago_and_now(tmp_path)
     seen = index.version
     fill(warehouse, "jobs", buffer_rows([7, 8], prefix="new"))
     done = run(warehouse, now_ms())
