@@ -182,10 +182,18 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
 # seconds and each checkpoint thousands of object-store requests. Readers that follow a
 # table (a broker node's index, the release job) read its commits within seconds; one
 # that falls further behind than the log reads the table as a start does, or stops
-# with an error saying so (`pipelines.retention.LogGap`). A table whose owner sets these
-# properties otherwise keeps their values (`with_table_properties`).
+# with an error saying so (`pipelines.retention.LogGap`). Files a compaction or a
+# retention run replaced are kept as long, not Delta's 7 days: a Delta checkpoint
+# carries a record of each until then, and the buffer's compactions replace thousands
+# of files an hour (a file a bucket a micro-batch). No reader needs a version older
+# than the log holds. A table whose owner sets these properties otherwise keeps their
+# values (`with_table_properties`).
 LOG_RETENTION = "interval 2 hours"
-TABLE_PROPERTIES = {"delta.checkpointInterval": "10", "delta.logRetentionDuration": LOG_RETENTION}
+TABLE_PROPERTIES = {
+    "delta.checkpointInterval": "10",
+    "delta.logRetentionDuration": LOG_RETENTION,
+    "delta.deletedFileRetentionDuration": LOG_RETENTION,
+}
 
 
 def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> None:

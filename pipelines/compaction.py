@@ -9,8 +9,9 @@ start and on every refresh, the release job, the dedup seed read. Compaction rew
 them into a few per bucket in a commit that changes no data (`dataChange=false`), whose
 files the readers that follow a table (the broker's index, the release job's follower)
 do not read: every row in them was read before (`pipelines.retention.rewrites`).
-Vacuum then deletes the replaced files once they are older than the table's retention
-(7 days by default), so a reader still on an older version keeps its files.
+Vacuum then deletes the replaced files once they are older than the table's file
+retention (two hours, `conf.tables.TABLE_PROPERTIES`), so a reader still on an older
+version keeps its files.
 """
 
 from __future__ import annotations

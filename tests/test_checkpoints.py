@@ -177,6 +177,20 @@ def test_dead_letters_are_compacted_and_keep_their_checkpoint_tags(tmp_path: Pat
     assert DeltaTable(path).to_pyarrow_table().num_rows == 6, "the replay wrote nothing"
 
 
+def test_a_compaction_gives_a_table_the_properties_it_has_no_value_for_and_keeps_its_own(
+    tmp_path: Path,
+) -> None:
+    """An owner who streams from a table for longer than two hours sets its log retention
+    so: the writer that compacts it adds what the table lacks and leaves that value."""
+    warehouse = str(tmp_path)
+    path = table_path(warehouse, Table.LEDGER, "owned")
+    own = {"delta.logRetentionDuration": "interval 30 days"}
+    DeltaTable.create(path, LEDGER_SCHEMA, configuration=own)
+    write_ledger(warehouse, "owned", [Settlement(1, "m1", 0, "acked", 0, 1, 1)])
+    assert compact_ledger(warehouse, "owned") is not None
+    assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES | own
+
+
 def _delta_checkpoints(path: str) -> list[str]:
     return sorted(p.name for p in Path(path, "_delta_log").glob("*.checkpoint.parquet"))
 
