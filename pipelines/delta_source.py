@@ -308,6 +308,8 @@ def commit(
     retention run, a compaction: delta-rs counts the whole snapshot as read), though its
     rows depend on nothing it read: it is committed again on a fresh snapshot.
     """
+    if not actions and mode == "append":
+        return  # an empty batch: no commit, no version to record, no open of the table
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         delta = DeltaTable(table.path)
         properties = None
@@ -329,8 +331,6 @@ def commit(
                 app_transactions=[Transaction(app_id, batch_id)],
                 custom_metadata={"dejaq.appId": app_id, "dejaq.batchId": batch_id},
             )
-        if not actions and mode == "append":
-            return  # an empty batch: no commit, no version to record
         try:
             delta.create_write_transaction(
                 actions,

@@ -24,8 +24,9 @@ from pyspark.sql.datasource import CaseInsensitiveDict
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.streaming import StreamingQuery
 
-from dejaq.conf.tables import BUFFER_SCHEMA, PARTITION_BY, QUARANTINE_SCHEMA, Table
-from dejaq.pipelines.delta_source import DeltaDataSource
+from dejaq.conf.tables import BUFFER_SCHEMA, PARTITION_BY, QUARANTINE_SCHEMA, Table, ensure_table
+from dejaq.pipelines import delta_source
+from dejaq.pipelines.delta_source import DeltaDataSource, WriteTarget
 
 REPO = Path(__file__).resolve().parents[1]
 FORMAT = "dejaq_delta"
@@ -427,3 +428,22 @@ def test_null_in_not_null_column_fails(spark: SparkSession, warehouse: str) -> N
     with pytest.raises(Exception, match="'message_id' is NOT NULL"):
         df.write.format(FORMAT).mode("append").save(path)
     assert DeltaTable(path).version() == 0
+
+
+def test_an_empty_append_opens_no_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each micro-batch commits to the quarantine too, most with nothing for it: an empty
+    append neither commits nor opens the table (an open reads the table's log since its
+    last checkpoint). The table class is wrapped, not replaced, to count opens."""
+    path = ensure_table(str(tmp_path), Table.QUARANTINE, "jobs")
+    target = WriteTarget(path, QUARANTINE_SCHEMA, tuple(PARTITION_BY[Table.QUARANTINE]))
+    opened: list[str] = []
+    real = delta_source.DeltaTable
+
+    def counted(*args, **kwargs) -> DeltaTable:
+        opened.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(delta_source, "DeltaTable", counted)
+    delta_source.commit(target, [], "append", ("ingest", 0))
+    assert opened == []
+    assert real(path).version() == 0 and real(path).transaction_version("ingest") is None
