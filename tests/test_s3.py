@@ -34,7 +34,7 @@ from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table, table_path
 from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
 from dejaq.pipelines.compaction import maintain
-from dejaq.pipelines.retention import OPERATION, retain
+from dejaq.pipelines.retention import OPERATION, LogGap, retain, rewrites
 
 HOUR = 3600 * 1000
 RETENTION_TRIES = 50  # runs of one round before a race counts as starved
@@ -402,6 +402,26 @@ def test_an_ingest_append_stores_each_file_in_one_put(s3: S3Server, warehouse_s3
 
 
 # --- what following a table costs ---------------------------------------------------------
+
+
+def test_a_follower_behind_the_log_on_s3_sees_the_move_and_the_gap(
+    s3_env: dict[str, str], warehouse_s3: str
+) -> None:
+    """On an object store too: with the next log entry a follower needs deleted (as log
+    retention deletes expired ones), the table's Delta checkpoint says it moved, and
+    walking the versions says the log no longer holds them."""
+    buffer = ensure_table(warehouse_s3, Table.BUFFER, "jobs")
+    for i in range(11):
+        write_deltalake(buffer, buffer_rows([i]), mode="append", partition_by=["bucket"])
+    prefix = warehouse_s3.removeprefix("s3://dejaq/")
+    s3_client(s3_env).delete_object(
+        Bucket="dejaq", Key=f"{prefix}/buffer/jobs/_delta_log/{2:020d}.json"
+    )
+    watch = TableWatch(buffer)
+    assert watch.moved(1), "by the checkpoint: the next entry is gone"
+    with pytest.raises(LogGap, match="no longer holds version 2"):
+        rewrites(buffer, range(2, 4))
+    assert rewrites(buffer, range(3, 4)) == set()
 
 
 def test_following_an_idle_table_costs_a_request_a_second_at_most(
