@@ -39,7 +39,6 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.fs as pafs
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
@@ -260,12 +259,8 @@ def _run(
     buffer = DeltaTable(buffer_path)
     if watermark(buffer) != upto:
         return None  # another run (a deposed leader's) moved it meanwhile
-    commit = CommitProperties(
-        app_transactions=[Transaction(APP_ID, cutoff)],
-        custom_metadata={OPERATION: str(len(gone))},
-    )
     if len(gone):
-        removed, rewritten = _remove(buffer, gone, commit)
+        removed, rewritten = _remove(buffer, gone, _commit(cutoff, len(gone)))
         if removed:
             return removed, rewritten, read, cutoff
         # None of them had a row here (settled before their rows came, say): delta-rs
@@ -273,9 +268,18 @@ def _run(
     if cutoff - upto < WATERMARK_STEP_MS:  # alone, a minute at a time
         return None
     buffer.create_write_transaction(
-        [], mode="append", schema=buffer.schema(), commit_properties=commit
+        [], mode="append", schema=buffer.schema(), commit_properties=_commit(cutoff, 0)
     )
     return 0, 0, read, cutoff
+
+
+def _commit(cutoff: int, removing: int) -> CommitProperties:
+    """A run's commit: the cutoff as the new watermark, and how many settled messages it
+    removes, as `dejaq status` shows it."""
+    return CommitProperties(
+        app_transactions=[Transaction(APP_ID, cutoff)],
+        custom_metadata={OPERATION: str(removing)},
+    )
 
 
 def _remove(buffer: DeltaTable, gone: pa.Array, commit: CommitProperties) -> tuple[int, int]:
@@ -387,9 +391,7 @@ def rewrites(table_path: str, versions: range) -> set[int]:
         entry = f"{root}/_delta_log/{v:020d}.json"
         try:
             log_file = fs.open_input_stream(entry)
-        except OSError as e:  # an object store may say "not found" as a plain OSError
-            if fs.get_file_info(entry).type != pafs.FileType.NotFound:
-                raise
+        except FileNotFoundError as e:
             raise LogGap(
                 f"{table_path}'s Delta log no longer holds version {v}, which this reader"
                 f" has not read (a table keeps its log {LOG_RETENTION.removeprefix('interval ')}):"

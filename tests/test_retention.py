@@ -181,7 +181,9 @@ def test_a_question_about_a_settled_message_reads_the_ledger_from_the_watermark(
     )
     done = run(warehouse, now)
     assert done is not None and done.removed == 0 and done.messages_read == 3
-    assert watermark(DeltaTable(index.buffer_path)) == cutoff, "no row of a0, d0, r0 here"
+    buffer = DeltaTable(index.buffer_path)
+    assert watermark(buffer) == cutoff, "no row of a0, d0, r0 here"
+    assert buffer.history(1)[0][retention.OPERATION] == "0", "as `dejaq status` shows it"
     starts: list[int] = []
     real = index_module.latest_events
 
