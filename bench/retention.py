@@ -47,13 +47,7 @@ import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
 from test_broker import fill  # noqa: E402
 
-from dejaq.conf.tables import (  # noqa: E402
-    LEDGER_SCHEMA,
-    TIMESTAMP,
-    LedgerEvent,
-    Table,
-    ensure_table,
-)
+from dejaq.conf.tables import TIMESTAMP, Table, ensure_table  # noqa: E402
 from dejaq.pipelines import retention  # noqa: E402
 from dejaq.pipelines.compaction import maintain_ledger  # noqa: E402
 
@@ -71,19 +65,10 @@ QUICK_WINDOW = [2_000, 8_000]
 
 
 def acked(ids: range, at_ms: list[int]) -> pa.Table:
-    """An "acked" event for each of `ids` at the given times."""
-    n = len(ids)
-    return pa.table(
-        {
-            "message_id": pa.array([f"m{i}" for i in ids], pa.string()),
-            "bucket": pa.array([i % BUCKETS for i in ids], pa.int32()),
-            "event": pa.array([LedgerEvent.ACKED.value] * n, pa.string()),
-            "sort_key": pa.array([i % 65_536 for i in ids], pa.int64()),
-            "deliveries": pa.array([1] * n, pa.int32()),
-            "at": pa.array([t * 1000 for t in at_ms], pa.int64()).cast(TIMESTAMP),
-        },
-        schema=LEDGER_SCHEMA,
-    )
+    """An "acked" event for each of `ids` (`growth.ledger_chunk`), at the given times."""
+    events = growth.ledger_chunk(ids, "priority", BUCKETS, 0)
+    at = pa.array([t * 1000 for t in at_ms], pa.int64()).cast(TIMESTAMP)
+    return events.set_column(events.schema.get_field_index("at"), "at", at)
 
 
 def write_tables(
