@@ -90,7 +90,7 @@ def write_tables(
     for start in range(0, total, CHECKPOINT_EVENTS):
         end = min(total, start + CHECKPOINT_EVENTS)
         write_deltalake(ledger, acked(range(start, end), at[start:end]), mode="append")
-    maintain_ledger(ledger)
+    maintain_ledger(ledger, "at", HOUR_MS)
 
 
 def run_cell(window: int, span: int, runs: int, payload: int) -> dict[str, Any]:

@@ -310,8 +310,9 @@ class Broker:
             committed(self.raft.state.command, name, "trim", args, timeout=5)
         self._checkpoints[name] += 1
         if self._checkpoints[name] % COMPACT_EVERY == 0:
-            compact_ledger(self.settings.warehouse, name)
-            compact_dead_letters(self.settings.warehouse, name)
+            tail_ms = self.topic(name).settled_retention_ms
+            compact_ledger(self.settings.warehouse, name, tail_ms)
+            compact_dead_letters(self.settings.warehouse, name, tail_ms)
 
     def _retention(self) -> None:
         """On the leader: remove settled messages from the buffers (`pipelines.retention`).

@@ -17,11 +17,13 @@ version keeps its files.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 from deltalake import DeltaTable
 
 from dejaq.conf.tables import with_table_properties
+from dejaq.pipelines.sealing import SEAL_AGE_MS, seal
 
 log = logging.getLogger("dejaq.compaction")
 
@@ -76,11 +78,19 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
     return done
 
 
-def maintain_ledger(path: str) -> Compacted | None:
+def maintain_ledger(path: str, time_column: str, tail_ms: int) -> Compacted | None:
     """`maintain` of a ledger (or a topic's dead letters), into files of
     `LEDGER_FILE_BYTES`, by its only writer (a topic's broker leader or its release
-    job)."""
-    return maintain(path, LEDGER_FILE_BYTES)
+    job); then a seal of its files older than `tail_ms` (how far back its readers read
+    a tail: the topic's settled retention) and `sealing.SEAL_AGE_MS`, so its file count
+    does not follow its history."""
+    done = maintain(path, LEDGER_FILE_BYTES)
+    before = int(time.time() * 1000) - tail_ms - SEAL_AGE_MS
+    try:
+        seal(path, time_column, before)
+    except Exception:
+        log.warning("sealing %s failed; the next round tries again", path, exc_info=True)
+    return done
 
 
 def vacuum(path: str) -> int:

@@ -252,7 +252,7 @@ class Releaser:
         self._committed = batch_id
         self._appends += 1
         if self._appends % LEDGER_COMPACT_EVERY == 0:
-            maintain_ledger(self.ledger_path)
+            maintain_ledger(self.ledger_path, "at", self.topic.settled_retention_ms)
 
     def run_retention(self) -> RetentionRun | None:
         """Remove the messages settled more than `settled_retention_ms` ago from the

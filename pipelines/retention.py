@@ -56,6 +56,7 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.compaction import vacuum
+from dejaq.pipelines.sealing import SEALED
 
 log = logging.getLogger("dejaq.retention")
 
@@ -367,9 +368,9 @@ def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int
 
 
 def is_rewrite(commit: dict) -> bool:
-    """Whether a commit's `commitInfo` says it is a retention run or a compaction: its
-    added files hold only rows the table had before."""
-    return commit.get("operation") == "OPTIMIZE" or OPERATION in commit
+    """Whether a commit's `commitInfo` says it is a retention run, a compaction or a
+    seal: its added files hold only rows the table had before."""
+    return commit.get("operation") == "OPTIMIZE" or OPERATION in commit or SEALED in commit
 
 
 class LogGap(Exception):

@@ -91,6 +91,9 @@ def buffer_rows(
     return pa.Table.from_pylist(rows, schema=BUFFER_SCHEMA)
 
 
+HOUR_MS = 3_600_000  # a topic's settled retention, as it defaults
+
+
 def fill(warehouse: str, topic: str, rows: pa.Table) -> None:
     """Append to buffer/<topic> as the ingest job would (delta-rs, partitioned by bucket)."""
     path = ensure_table(warehouse, Table.BUFFER, topic)
@@ -1103,7 +1106,7 @@ def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
     before = DeltaTable(path).to_pyarrow_table().sort_by("message_id")
     assert len(DeltaTable(path).file_uris()) == 5, "5 checkpoints of 4 buckets each"
-    done = compact_ledger(warehouse, "jobs")
+    done = compact_ledger(warehouse, "jobs", HOUR_MS)
     assert done is not None and (done.files_removed, done.files_added) == (5, 1)
     assert DeltaTable(path).to_pyarrow_table().sort_by("message_id").equals(before)
     assert checkpoint(warehouse, "jobs", batches[2]) == batches[2][-1].seq

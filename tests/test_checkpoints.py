@@ -32,6 +32,8 @@ from dejaq.conf.tables import (
     table_path,
 )
 
+HOUR_MS = 3_600_000  # a topic's settled retention, as it defaults
+
 
 def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
@@ -169,7 +171,7 @@ def test_dead_letters_are_compacted_and_keep_their_checkpoint_tags(tmp_path: Pat
     before = scan(path, Table.DEAD_LETTER).sort_by("message_id")
     assert before["message_id"].to_pylist() == [f"m{i}" for i in range(6)]
     assert len(DeltaTable(path).file_uris()) == 6
-    done = compact_dead_letters(warehouse, "jobs")
+    done = compact_dead_letters(warehouse, "jobs", HOUR_MS)
     assert done is not None and (done.files_removed, done.files_added) == (6, 1)
     assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES
     assert scan(path, Table.DEAD_LETTER).sort_by("message_id").equals(before)
@@ -187,7 +189,7 @@ def test_a_compaction_gives_a_table_the_properties_it_has_no_value_for_and_keeps
     own = {"delta.logRetentionDuration": "interval 30 days"}
     DeltaTable.create(path, LEDGER_SCHEMA, configuration=own)
     write_ledger(warehouse, "owned", [Settlement(1, "m1", 0, "acked", 0, 1, 1)])
-    assert compact_ledger(warehouse, "owned") is not None
+    assert compact_ledger(warehouse, "owned", HOUR_MS) is not None
     assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES | own
 
 
@@ -213,7 +215,7 @@ def test_ledgers_write_a_delta_checkpoint_every_ten_commits_older_ones_once_comp
     assert len(_delta_checkpoints(new)) == 1, "one in 13 versions"
     assert _delta_checkpoints(old) == []
 
-    assert compact_ledger(warehouse, "old") is not None
+    assert compact_ledger(warehouse, "old", HOUR_MS) is not None
     assert DeltaTable(old).metadata().configuration == TABLE_PROPERTIES
     before = DeltaTable(old).version()
     for seq in range(13, 25):

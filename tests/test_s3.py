@@ -35,6 +35,7 @@ from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.retention import OPERATION, LogGap, retain, rewrites
+from dejaq.pipelines.sealing import Sealed, seal
 
 HOUR = 3600 * 1000
 RETENTION_TRIES = 50  # runs of one round before a race counts as starved
@@ -247,6 +248,34 @@ def test_compaction_racing_retention_keeps_every_row(warehouse_s3: str) -> None:
     assert len(ids) == len(set(ids)), "no row twice"
     assert set(ids) == {f"m{i}" for i in range(60, 100)}
     assert any(c is not None for c in compactions), "compaction ran at least once"
+
+
+def test_a_seal_on_s3_keeps_every_row_beside_the_leaders_appends(warehouse_s3: str) -> None:
+    """A seal's file goes up through pyarrow and its commit through delta-rs's S3 log;
+    the leader's appends meanwhile are other files, so both commit, and no row is lost
+    or doubled."""
+    ledger = ensure_table(warehouse_s3, Table.LEDGER, "jobs")
+    now = int(time.time() * 1000)
+    old = [f"o{k}-{i}" for k in range(10) for i in range(20)]
+    for k in range(10):
+        write_deltalake(
+            ledger, acks(old[k * 20 : (k + 1) * 20], now - (72 - k) * HOUR), mode="append"
+        )
+    new = [f"n{k}" for k in range(10)]
+    sealed: list[Sealed | None] = []
+
+    def append() -> None:
+        for m in new:
+            write_deltalake(ledger, acks([m], now), mode="append")
+
+    race(lambda: sealed.append(seal(ledger, "at", now - 25 * HOUR)), append)
+
+    assert sealed[0] is not None and sealed[0].files_removed == 10
+    ids = DeltaTable(ledger).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
+    assert sorted(ids) == sorted(old + new)
+    adds = pa.table(DeltaTable(ledger).get_add_actions(flatten=True)).to_pylist()
+    assert [a["num_records"] for a in adds if a["path"].endswith(".sealed.snappy.parquet")] == [200]
+    assert len(adds) == 11
 
 
 def test_two_leaders_writing_the_ledger_keep_each_event_once(warehouse_s3: str) -> None:

@@ -94,7 +94,7 @@ def test_every_reader_gets_the_contract_from_every_writer(
     assert dead.column("payload").to_pylist()[0].startswith(b"payload-")
 
     # Redrive's restore appends x1 from its dead letter; the index revives it.
-    compact_ledger(warehouse, "jobs")  # the ledger's files rewritten too
+    compact_ledger(warehouse, "jobs", HOUR_MS)  # the ledger's files rewritten too
     redriven = state.redrive(now + 2, state.trimmed_upto(), [("x1", 1, 1)])
     assert redriven == (["x1"], {})
     assert restore(buffer, dead_letters, ["x1"], now + 2) == 1

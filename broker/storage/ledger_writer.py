@@ -290,23 +290,24 @@ def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
     _append_tagged(ensure_table(warehouse, Table.DEAD_LETTER, topic), last(entries[-1]), rows_past)
 
 
-def compact_ledger(warehouse: str, topic: str) -> Compacted | None:
+def compact_ledger(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
     """Rewrite the ledger's small files into files of `LEDGER_FILE_BYTES` (and vacuum
-    old ones); a failure (a deposed leader's late write, say) is logged and the next round retries.
+    old ones), and seal its files past `tail_ms` (`pipelines.sealing`); a failure (a
+    deposed leader's late write, say) is logged and the next round retries.
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
     between its own checkpoints, as delta-rs compaction requires. Transaction versions
     survive it, so a checkpoint replayed later is still skipped.
     """
-    return maintain_ledger(ensure_table(warehouse, Table.LEDGER, topic))
+    return maintain_ledger(ensure_table(warehouse, Table.LEDGER, topic), "at", tail_ms)
 
 
-def compact_dead_letters(warehouse: str, topic: str) -> Compacted | None:
+def compact_dead_letters(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
     """`compact_ledger` of the dead letters, which the leader alone appends to as well:
     a file at each checkpoint with a death, and every open of the table (each such
     checkpoint, a restore, a listing page) reads every file's entry. Into files of the
     ledger's size, so a round rewrites a bounded few."""
-    return maintain_ledger(ensure_table(warehouse, Table.DEAD_LETTER, topic))
+    return maintain_ledger(ensure_table(warehouse, Table.DEAD_LETTER, topic), "dead_at", tail_ms)
 
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:

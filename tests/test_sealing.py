@@ -1,0 +1,257 @@
+"""Sealing: a ledger's old files become few, with the same rows, in a commit that adds no
+row; its recent files are left for the tails read from them."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from deltalake import DeltaTable, write_deltalake
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dejaq.broker.storage.ledger_writer import compact_ledger
+from dejaq.conf.tables import (
+    DEAD_LETTER_SCHEMA,
+    LEDGER_SCHEMA,
+    TIMESTAMP,
+    Table,
+    ensure_table,
+    iso_ms,
+    table_path,
+)
+from dejaq.pipelines import compaction, sealing
+from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.retention import ledger_tail, rewrites
+from dejaq.pipelines.sealing import SEAL_MIN_FILES, SEALED, seal
+
+HOUR = 3600 * 1000
+NOW = 1_796_000_000_000
+
+
+def events(first: int, n: int, at_ms: int, step_ms: int = 1000) -> pa.Table:
+    """`n` acked events of ids m<first>.., the first at `at_ms`, `step_ms` apart."""
+    ids = range(first, first + n)
+    return pa.table(
+        {
+            "message_id": [f"m{i}" for i in ids],
+            "bucket": pa.array([i % 4 for i in ids], pa.int32()),
+            "event": ["acked"] * n,
+            "sort_key": pa.array(list(ids), pa.int64()),
+            "deliveries": pa.array([1] * n, pa.int32()),
+            "at": pa.array([(at_ms + k * step_ms) * 1000 for k in range(n)]).cast(TIMESTAMP),
+        },
+        schema=LEDGER_SCHEMA,
+    )
+
+
+def ledger_of(path: str, starts_ms: list[int], per_file: int = 50) -> None:
+    """A file of `per_file` events for each of `starts_ms`, one append each."""
+    for k, at in enumerate(starts_ms):
+        write_deltalake(path, events(k * per_file, per_file, at), mode="append")
+
+
+def rows(path: str) -> list[dict]:
+    return sorted(DeltaTable(path).to_pyarrow_table().to_pylist(), key=lambda r: r["message_id"])
+
+
+def last_commit(path: str) -> list[dict]:
+    version = DeltaTable(path).version()
+    entry = Path(path, "_delta_log", f"{version:020d}.json").read_text()
+    return [json.loads(line) for line in entry.splitlines()]
+
+
+def test_old_files_become_one_with_the_same_rows_in_a_commit_that_changes_no_data(
+    warehouse: str,
+) -> None:
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    old = [NOW - 72 * HOUR + k * HOUR for k in range(20)]
+    recent = [NOW - 2 * HOUR + k * 60_000 for k in range(10)]
+    ledger_of(path, old + recent)
+    before = rows(path)
+    assert len(DeltaTable(path).file_uris()) == 30
+
+    done = seal(path, "at", NOW - 25 * HOUR)
+
+    assert done is not None and done.files_removed == 20 and done.rows == 20 * 50
+    assert rows(path) == before, "the same rows, none lost, none twice"
+    adds = pa.table(DeltaTable(path).get_add_actions(flatten=True))
+    assert adds.num_rows == 11, "the 20 old files are one; the 10 recent ones stay"
+    actions = last_commit(path)
+    info = next(a["commitInfo"] for a in actions if "commitInfo" in a)
+    assert info[SEALED] == "20"
+    changes = [a.get("add") or a.get("remove") for a in actions if "add" in a or "remove" in a]
+    assert len(changes) == 21 and not any(c["dataChange"] for c in changes)
+    sealed = next(a["add"] for a in actions if "add" in a)
+    stats = json.loads(sealed["stats"])
+    assert stats["numRecords"] == 1000 and stats["nullCount"]["at"] == 0
+    assert stats["minValues"]["at"] == iso_ms(old[0])
+    assert stats["maxValues"]["sort_key"] == 999
+    version = DeltaTable(path).version()
+    assert rewrites(path, range(version, version + 1)) == {version}, "followers skip it"
+    # A tail read by the file statistics finds the same rows as before.
+    since, until = old[3], old[7]
+    tail = ledger_tail(path, since, ["message_id"], until_ms=until).column(0).to_pylist()
+    assert sorted(tail) == sorted(
+        r["message_id"] for r in before if since * 1000 <= _us(r["at"]) < until * 1000
+    )
+    assert len(tail) == 4 * 50
+    assert seal(path, "at", NOW - 25 * HOUR) is None, "nothing is left to seal"
+
+
+def _us(at: object) -> int:
+    return int(at.timestamp() * 1_000_000)  # type: ignore[attr-defined]
+
+
+def test_a_seal_waits_for_enough_files_and_leaves_the_recent_ones(warehouse: str) -> None:
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - 48 * HOUR + k * HOUR for k in range(SEAL_MIN_FILES - 1)])
+    ledger_of(path, [NOW - 3 * HOUR + k * 60_000 for k in range(5)])
+    version = DeltaTable(path).version()
+
+    assert seal(path, "at", NOW - 25 * HOUR) is None
+    assert DeltaTable(path).version() == version, "no commit"
+
+
+def test_a_seal_stops_at_its_file_size(warehouse: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - 72 * HOUR + k * HOUR for k in range(24)])
+    adds = pa.table(DeltaTable(path).get_add_actions(flatten=True)).sort_by("min.at")
+    sizes = adds.column("size_bytes").to_pylist()
+    cap = 10 * max(sizes)  # room for ten files' bytes a seal
+    monkeypatch.setattr(sealing, "SEALED_FILE_BYTES", cap)
+    fit = max(k for k in range(len(sizes) + 1) if sum(sizes[:k]) <= cap)
+    before = rows(path)
+
+    done = seal(path, "at", NOW)
+
+    assert done is not None and done.files_removed == fit >= SEAL_MIN_FILES
+    assert rows(path) == before
+    after = pa.table(DeltaTable(path).get_add_actions(flatten=True)).sort_by("min.at")
+    assert after.num_rows == 24 - fit + 1
+    oldest = after.slice(0, 1).to_pylist()[0]
+    assert oldest["num_records"] == done.rows == fit * 50, "the oldest files went first"
+    assert after.column("path").to_pylist()[1:] == adds.column("path").to_pylist()[fit:]
+
+
+def test_a_ledger_partitioned_by_bucket_seals_within_a_bucket(warehouse: str) -> None:
+    """A ledger created partitioned stays so; a seal keeps each file in its partition."""
+    path = table_path(warehouse, Table.LEDGER, "old")
+    for k in range(12):
+        write_deltalake(
+            path,
+            events(k * 40, 40, NOW - 60 * HOUR + k * HOUR),
+            mode="append",
+            partition_by="bucket",
+        )
+    before = rows(path)
+    assert len(DeltaTable(path).file_uris()) == 48
+
+    done = seal(path, "at", NOW - 25 * HOUR)
+
+    assert done is not None and done.files_removed == 12
+    assert rows(path) == before
+    adds = pa.table(DeltaTable(path).get_add_actions(flatten=True))
+    assert adds.num_rows == 37
+    sealed = [a for a in adds.to_pylist() if a["num_records"] == 12 * 10]
+    assert len(sealed) == 1 and sealed[0]["path"].startswith("bucket=")
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    ages_h=st.lists(st.integers(min_value=0, max_value=200), min_size=1, max_size=24),
+    per_file=st.integers(min_value=1, max_value=30),
+)
+def test_seals_keep_every_row_and_leave_no_due_file_behind(
+    tmp_path_factory: pytest.TempPathFactory, ages_h: list[int], per_file: int
+) -> None:
+    """Whatever the files' ages and order, seals to the end lose and repeat no row, and
+    only files too recent or too few stay apart."""
+    warehouse = str(tmp_path_factory.mktemp("warehouse"))
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - h * HOUR for h in ages_h], per_file)
+    before = rows(path)
+    cutoff = NOW - 25 * HOUR
+
+    while seal(path, "at", cutoff) is not None:
+        pass
+
+    assert rows(path) == before
+    adds = pa.table(DeltaTable(path).get_add_actions(flatten=True))
+    due = [a for a in adds.to_pylist() if a["max.at"].timestamp() * 1000 < cutoff]
+    sealed_files = [a for a in due if a["path"].endswith(".sealed.snappy.parquet")]
+    assert len(due) - len(sealed_files) < SEAL_MIN_FILES
+    assert len(sealed_files) <= 1
+
+
+def test_the_leader_seals_its_ledger_as_it_compacts_and_a_follower_reads_no_row_again(
+    warehouse: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each file as large as compaction makes them, so compaction leaves them be.
+    monkeypatch.setattr(compaction, "LEDGER_FILE_BYTES", 1)
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    follower = DeltaFollower(path, LEDGER_SCHEMA, time_column="at")
+    now = _now_ms()
+    ledger_of(path, [now - 50 * HOUR + k * HOUR for k in range(10)])
+    first = follower.poll()
+    assert first.num_rows == 500
+
+    compact_ledger(warehouse, "jobs", HOUR)
+
+    actions = last_commit(path)
+    assert any(SEALED in a.get("commitInfo", {}) for a in actions)
+    assert len(DeltaTable(path).file_uris()) == 1
+    write_deltalake(path, events(10_000, 3, now), mode="append")
+    assert follower.poll().column("message_id").to_pylist() == ["m10000", "m10001", "m10002"]
+
+
+def test_spark_reads_a_sealed_ledger_whole(warehouse: str, spark: object) -> None:
+    """Delta Spark accepts the seal's hand-made actions and statistics."""
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - 72 * HOUR + k * HOUR for k in range(10)])
+    assert seal(path, "at", NOW - 25 * HOUR) is not None
+
+    frame = spark.read.format("delta").load(path)  # type: ignore[attr-defined]
+    assert frame.count() == 500
+    assert frame.where("sort_key >= 450").count() == 50
+    assert frame.where("at < timestamp'2020-01-01'").count() == 0
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def test_dead_letters_seal_by_their_time_of_death_with_their_payloads(warehouse: str) -> None:
+    path = ensure_table(warehouse, Table.DEAD_LETTER, "jobs")
+    for k in range(SEAL_MIN_FILES):
+        died = dt.datetime.fromtimestamp((NOW - (40 - k) * HOUR) / 1000, dt.UTC)
+        row = {
+            "message_id": f"m{k}",
+            "bucket": k % 4,
+            "sort_key": k,
+            "payload": bytes([k]) * 100,
+            "headers": [{"key": "trace", "value": b"t%d" % k}] if k % 2 else None,
+            "source_topic": "in",
+            "source_partition": 0,
+            "source_offset": k,
+            "deliveries": 5,
+            "reason": "max deliveries",
+            "dead_at": died,
+        }
+        write_deltalake(path, pa.Table.from_pylist([row], schema=DEAD_LETTER_SCHEMA), mode="append")
+    before = rows(path)
+
+    done = seal(path, "dead_at", NOW - 25 * HOUR)
+
+    assert done is not None and done.files_removed == SEAL_MIN_FILES
+    assert rows(path) == before, "payloads and headers as they were"
+    stats = json.loads(next(a["add"] for a in last_commit(path) if "add" in a)["stats"])
+    assert stats["minValues"]["dead_at"] == iso_ms(NOW - 40 * HOUR)
+    assert stats["nullCount"]["deliver_at"] == SEAL_MIN_FILES
+    assert "payload" not in stats["minValues"] and "headers" not in stats["nullCount"]
