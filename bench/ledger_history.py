@@ -6,7 +6,7 @@ on a ledger of H old files, before and after sealing them.
 The leader appends a checkpoint to its topic's ledger about once a second, and every
 append opens the table: an entry per file, read from the last Delta checkpoint, which
 every tenth commit writes again whole. Compaction keeps the ledger's files at ~4 MB, so
-their count grows with the ledger's history; a seal (`pipelines.sealing`) makes the old
+their count grows with the ledger's history; a seal (`pipelines.log_compaction`) makes the old
 ones few.
 
 Each cell (H old files) gets a fresh ledger written with delta-rs: H files of 1,024
@@ -57,8 +57,8 @@ from deltalake import (  # noqa: E402
 )
 
 from dejaq.conf.tables import LEDGER_SCHEMA, TIMESTAMP, Table, ensure_table  # noqa: E402
+from dejaq.pipelines.log_compaction import SEAL_AGE_MS, seal  # noqa: E402
 from dejaq.pipelines.retention import ledger_tail  # noqa: E402
-from dejaq.pipelines.sealing import SEAL_AGE_MS, seal  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("growth_bench", ROOT / "bench" / "growth.py")
 growth = importlib.util.module_from_spec(_spec)

@@ -49,7 +49,7 @@ from test_broker import fill  # noqa: E402
 
 from dejaq.conf.tables import TIMESTAMP, Table, ensure_table  # noqa: E402
 from dejaq.pipelines import retention  # noqa: E402
-from dejaq.pipelines.compaction import maintain_ledger  # noqa: E402
+from dejaq.pipelines.log_compaction import maintain_log  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("growth_bench", ROOT / "bench" / "growth.py")
 growth = importlib.util.module_from_spec(_spec)
@@ -90,7 +90,7 @@ def write_tables(
     for start in range(0, total, CHECKPOINT_EVENTS):
         end = min(total, start + CHECKPOINT_EVENTS)
         write_deltalake(ledger, acked(range(start, end), at[start:end]), mode="append")
-    maintain_ledger(ledger, "at", HOUR_MS)
+    maintain_log(ledger, "at", HOUR_MS)
 
 
 def run_cell(window: int, span: int, runs: int, payload: int) -> dict[str, Any]:

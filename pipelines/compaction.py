@@ -1,7 +1,8 @@
-"""Small-file compaction of the tables the ingest, the broker and the release job append
-to, with delta-rs.
+"""Small-file compaction of the tables the ingest appends to (the buffer, the
+quarantine), with delta-rs; the log tables (ledger, dead letters) have their own
+(`pipelines.log_compaction`), and share the maintenance round here.
 
-No Spark here: the broker compacts its ledger with it too.
+No Spark here: the broker compacts with it too.
 
 Every micro-batch adds a file per bucket it touches, so a steady stream leaves
 thousands of small files an hour, and each reader pays per file: the broker's index at
@@ -17,19 +18,14 @@ version keeps its files.
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from deltalake import DeltaTable
 
 from dejaq.conf.tables import with_table_properties
-from dejaq.pipelines.sealing import SEAL_AGE_MS, seal
 
 log = logging.getLogger("dejaq.compaction")
-
-# A ledger's compacted files stay small, so each covers a stretch of time and the tail a
-# start reads (`pipelines.retention.ledger_tail`) is a few files, not the whole history.
-LEDGER_FILE_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -54,7 +50,12 @@ def compact(path: str, target_size: int | None = None) -> Compacted:
 
 def maintain(path: str, target_size: int | None = None) -> Compacted | None:
     """`compact` as maintenance, not data: a failure is logged, not raised (the caller's
-    next round tries again), and the caller's own appends go on. A table made before
+    next round tries again), and the caller's own appends go on."""
+    return maintained(path, lambda: compact(path, target_size))
+
+
+def maintained(path: str, rewrite: Callable[[], Compacted]) -> Compacted | None:
+    """`rewrite` of the table at `path` as maintenance (`maintain`). A table made before
     `TABLE_PROPERTIES` gets them first, by the writer that compacts it."""
     try:
         with_table_properties(path)
@@ -63,7 +64,7 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
             "setting %s's properties failed; the next round tries again", path, exc_info=True
         )
     try:
-        done = compact(path, target_size)
+        done = rewrite()
     except Exception:
         log.warning("compacting %s failed; the next round tries again", path, exc_info=True)
         return None
@@ -75,21 +76,6 @@ def maintain(path: str, target_size: int | None = None) -> Compacted | None:
             done.files_added,
             done.files_vacuumed,
         )
-    return done
-
-
-def maintain_ledger(path: str, time_column: str, tail_ms: int) -> Compacted | None:
-    """`maintain` of a ledger (or a topic's dead letters), into files of
-    `LEDGER_FILE_BYTES`, by its only writer (a topic's broker leader or its release
-    job); then a seal of its files older than `tail_ms` (how far back its readers read
-    a tail: the topic's settled retention) and `sealing.SEAL_AGE_MS`, so its file count
-    does not follow its history."""
-    done = maintain(path, LEDGER_FILE_BYTES)
-    before = int(time.time() * 1000) - tail_ms - SEAL_AGE_MS
-    try:
-        seal(path, time_column, before)
-    except Exception:
-        log.warning("sealing %s failed; the next round tries again", path, exc_info=True)
     return done
 
 

@@ -46,9 +46,9 @@ from dejaq.conf.tables import (
     checkpoint_path,
     ensure_table,
 )
-from dejaq.pipelines.compaction import maintain_ledger
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
+from dejaq.pipelines.log_compaction import maintain_log
 from dejaq.pipelines.pending import Message, PendingSet
 from dejaq.pipelines.retention import RetentionRun, period_s, retain, watermark
 from dejaq.pipelines.timed_sender import TimedSender
@@ -67,7 +67,7 @@ SORT_KEY_HEADER = {
 # more than one, so a message due just after the next tick is not late by a tick's overhead.
 HORIZON_TRIGGERS = 2
 # Ledger appends (one per releasing batch) between compactions of the ledger, into files
-# of LEDGER_FILE_BYTES: the ledger's tail, which a start of this job and the ingest's
+# of LOG_FILE_BYTES: the ledger's tail, which a start of this job and the ingest's
 # dedup seed read, is then a few files, not one per batch.
 LEDGER_COMPACT_EVERY = 100
 
@@ -252,7 +252,7 @@ class Releaser:
         self._committed = batch_id
         self._appends += 1
         if self._appends % LEDGER_COMPACT_EVERY == 0:
-            maintain_ledger(self.ledger_path, "at", self.topic.settled_retention_ms)
+            maintain_log(self.ledger_path, "at", self.topic.settled_retention_ms)
 
     def run_retention(self) -> RetentionRun | None:
         """Remove the messages settled more than `settled_retention_ms` ago from the

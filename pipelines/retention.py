@@ -56,7 +56,7 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.compaction import vacuum
-from dejaq.pipelines.sealing import SEALED
+from dejaq.pipelines.log_compaction import COMPACTED, SEALED
 
 log = logging.getLogger("dejaq.retention")
 
@@ -370,7 +370,9 @@ def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int
 def is_rewrite(commit: dict) -> bool:
     """Whether a commit's `commitInfo` says it is a retention run, a compaction or a
     seal: its added files hold only rows the table had before."""
-    return commit.get("operation") == "OPTIMIZE" or OPERATION in commit or SEALED in commit
+    return commit.get("operation") == "OPTIMIZE" or any(
+        tag in commit for tag in (OPERATION, COMPACTED, SEALED)
+    )
 
 
 class LogGap(Exception):

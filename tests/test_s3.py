@@ -34,8 +34,8 @@ from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table, table_path
 from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
 from dejaq.pipelines.compaction import maintain
+from dejaq.pipelines.log_compaction import Rewritten, seal
 from dejaq.pipelines.retention import OPERATION, LogGap, retain, rewrites
-from dejaq.pipelines.sealing import Sealed, seal
 
 HOUR = 3600 * 1000
 RETENTION_TRIES = 50  # runs of one round before a race counts as starved
@@ -262,7 +262,7 @@ def test_a_seal_on_s3_keeps_every_row_beside_the_leaders_appends(warehouse_s3: s
             ledger, acks(old[k * 20 : (k + 1) * 20], now - (72 - k) * HOUR), mode="append"
         )
     new = [f"n{k}" for k in range(10)]
-    sealed: list[Sealed | None] = []
+    sealed: list[Rewritten | None] = []
 
     def append() -> None:
         for m in new:

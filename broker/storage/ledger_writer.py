@@ -40,7 +40,8 @@ from dejaq.conf.tables import (
     matching,
     scan,
 )
-from dejaq.pipelines.compaction import Compacted, maintain_ledger
+from dejaq.pipelines.compaction import Compacted
+from dejaq.pipelines.log_compaction import maintain_log
 
 APP_ID = "dejaq-broker"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
@@ -291,23 +292,22 @@ def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
 
 
 def compact_ledger(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
-    """Rewrite the ledger's small files into files of `LEDGER_FILE_BYTES` (and vacuum
-    old ones), and seal its files past `tail_ms` (`pipelines.sealing`); a failure (a
-    deposed leader's late write, say) is logged and the next round retries.
+    """Compact the ledger's small files, seal its files past `tail_ms` and vacuum old
+    ones (`pipelines.log_compaction`); a failure (a deposed leader's round beside its
+    successor's, say) is logged and the next round retries.
 
     The leader is the ledger's only writer (one topic, one deliverer), and compacts it
-    between its own checkpoints, as delta-rs compaction requires. Transaction versions
-    survive it, so a checkpoint replayed later is still skipped.
+    between its own checkpoints. Transaction versions survive it, so a checkpoint
+    replayed later is still skipped.
     """
-    return maintain_ledger(ensure_table(warehouse, Table.LEDGER, topic), "at", tail_ms)
+    return maintain_log(ensure_table(warehouse, Table.LEDGER, topic), "at", tail_ms)
 
 
 def compact_dead_letters(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
     """`compact_ledger` of the dead letters, which the leader alone appends to as well:
     a file at each checkpoint with a death, and every open of the table (each such
-    checkpoint, a restore, a listing page) reads every file's entry. Into files of the
-    ledger's size, so a round rewrites a bounded few."""
-    return maintain_ledger(ensure_table(warehouse, Table.DEAD_LETTER, topic), "dead_at", tail_ms)
+    checkpoint, a restore, a listing page) reads every file's entry."""
+    return maintain_log(ensure_table(warehouse, Table.DEAD_LETTER, topic), "dead_at", tail_ms)
 
 
 def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:

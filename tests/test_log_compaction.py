@@ -11,6 +11,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from deltalake import DeltaTable, write_deltalake
+from deltalake.exceptions import CommitFailedError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -24,10 +25,10 @@ from dejaq.conf.tables import (
     iso_ms,
     table_path,
 )
-from dejaq.pipelines import compaction, sealing
+from dejaq.pipelines import log_compaction
 from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.log_compaction import COMPACTED, SEAL_MIN_FILES, SEALED, compact_log, seal
 from dejaq.pipelines.retention import ledger_tail, rewrites
-from dejaq.pipelines.sealing import SEAL_MIN_FILES, SEALED, seal
 
 HOUR = 3600 * 1000
 NOW = 1_796_000_000_000
@@ -123,7 +124,7 @@ def test_a_seal_stops_at_its_file_size(warehouse: str, monkeypatch: pytest.Monke
     adds = pa.table(DeltaTable(path).get_add_actions(flatten=True)).sort_by("min.at")
     sizes = adds.column("size_bytes").to_pylist()
     cap = 10 * max(sizes)  # room for ten files' bytes a seal
-    monkeypatch.setattr(sealing, "SEALED_FILE_BYTES", cap)
+    monkeypatch.setattr(log_compaction, "SEALED_FILE_BYTES", cap)
     fit = max(k for k in range(len(sizes) + 1) if sum(sizes[:k]) <= cap)
     before = rows(path)
 
@@ -194,7 +195,7 @@ def test_the_leader_seals_its_ledger_as_it_compacts_and_a_follower_reads_no_row_
     warehouse: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Each file as large as compaction makes them, so compaction leaves them be.
-    monkeypatch.setattr(compaction, "LEDGER_FILE_BYTES", 1)
+    monkeypatch.setattr(log_compaction, "LOG_FILE_BYTES", 1)
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
     follower = DeltaFollower(path, LEDGER_SCHEMA, time_column="at")
     now = _now_ms()
@@ -255,3 +256,103 @@ def test_dead_letters_seal_by_their_time_of_death_with_their_payloads(warehouse:
     assert stats["minValues"]["dead_at"] == iso_ms(NOW - 40 * HOUR)
     assert stats["nullCount"]["deliver_at"] == SEAL_MIN_FILES
     assert "payload" not in stats["minValues"] and "headers" not in stats["nullCount"]
+
+
+def rewrite(how: str, path: str) -> int:
+    """Files replaced by a seal, or by the compaction tier's rewrites."""
+    if how == "seal":
+        done = seal(path, "at", NOW)
+        return 0 if done is None else done.files_removed
+    return sum(r.files_removed for r in compact_log(path, "at"))
+
+
+@pytest.mark.parametrize(
+    ("first", "second"), [("seal", "seal"), ("compaction", "seal"), ("seal", "compaction")]
+)
+def test_of_two_rewrites_from_one_snapshot_the_second_is_refused(
+    warehouse: str, monkeypatch: pytest.MonkeyPatch, first: str, second: str
+) -> None:
+    """A deposed leader's round beside its successor's: the rewrite that commits second,
+    from the snapshot both read, would add the rows of files already replaced. It is
+    refused, and its file deleted."""
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - 72 * HOUR + k * HOUR for k in range(10)])
+    before = rows(path)
+    stale = DeltaTable(path)
+    assert rewrite(first, path) == 10
+    written = set(Path(path).glob("*.parquet"))
+    monkeypatch.setattr(log_compaction, "DeltaTable", lambda _path: stale)
+
+    with pytest.raises(CommitFailedError, match="Concurrent transaction"):
+        rewrite(second, path)
+
+    assert rows(path) == before, "no row twice"
+    assert set(Path(path).glob("*.parquet")) == written, "the refused rewrite's file is gone"
+
+
+def test_the_compaction_tier_merges_small_files_in_time_order_and_leaves_big_ones(
+    warehouse: str,
+) -> None:
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    # Appended out of time order: the rewrite orders files by their earliest event.
+    ledger_of(path, [NOW - k * 60_000 for k in range(12)])
+    before = rows(path)
+
+    done = compact_log(path, "at")
+
+    assert [r.files_removed for r in done] == [12]
+    assert rows(path) == before
+    info = next(a["commitInfo"] for a in last_commit(path) if "commitInfo" in a)
+    assert info[COMPACTED] == "12"
+    table = DeltaTable(path)
+    ats = table.to_pyarrow_table(columns=["at"]).column("at").to_pylist()
+    starts = [ats[k * 50] for k in range(12)]
+    assert starts == sorted(starts), "the files' rows follow each other in time"
+    version = table.version()
+    assert rewrites(path, range(version, version + 1)) == {version}
+    assert compact_log(path, "at") == [], "one file: nothing to merge it with"
+
+
+@given(
+    sizes=st.lists(st.integers(min_value=1, max_value=49), max_size=30),
+    min_files=st.integers(min_value=1, max_value=8),
+)
+def test_a_run_is_the_earliest_that_fits_enough_files(sizes: list[int], min_files: int) -> None:
+    """Against every start tried in turn: no due file is passed over for good because
+    the files after it are big."""
+    tier = log_compaction._Tier(SEALED, 100, min_files)
+
+    def greedy(start: int) -> int:
+        end, total = start, 0
+        while end < len(sizes) and (end == start or total + sizes[end] <= 100):
+            total += sizes[end]
+            end += 1
+        return end
+
+    starts = [s for s in range(len(sizes)) if greedy(s) - s >= min_files]
+    expected = slice(starts[0], greedy(starts[0])) if starts else None
+    assert log_compaction._first_run(sizes, tier) == expected
+
+
+def test_a_partition_with_too_few_files_due_does_not_hold_back_the_others(
+    warehouse: str,
+) -> None:
+    path = table_path(warehouse, Table.LEDGER, "old")
+    # Bucket 0 has the oldest file but too few; bucket 1 has enough.
+    for k in range(3):
+        rows0 = events(k * 10, 10, NOW - 90 * HOUR + k * HOUR).set_column(
+            1, "bucket", pa.array([0] * 10, pa.int32())
+        )
+        write_deltalake(path, rows0, mode="append", partition_by="bucket")
+    for k in range(SEAL_MIN_FILES):
+        rows1 = events(100 + k * 10, 10, NOW - 80 * HOUR + k * HOUR).set_column(
+            1, "bucket", pa.array([1] * 10, pa.int32())
+        )
+        write_deltalake(path, rows1, mode="append", partition_by="bucket")
+    before = rows(path)
+
+    done = seal(path, "at", NOW - 25 * HOUR)
+
+    assert done is not None and done.files_removed == SEAL_MIN_FILES
+    assert rows(path) == before
+    assert seal(path, "at", NOW - 25 * HOUR) is None
