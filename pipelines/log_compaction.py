@@ -60,7 +60,9 @@ SEALED_FILE_BYTES = 128 * 1024 * 1024
 SEAL_MIN_FILES = 8
 SEAL_AGE_MS = 24 * 3600 * 1000
 ROW_GROUP_ROWS = 128 * 1024  # pruned by `at` statistics, a few MB each
-MAX_REWRITES = 16  # of each tier a round: a backlog is taken in bounded bites
+# Compactions a round: a backlog is taken in bounded bites. A seal is one a round: its
+# 128 MB take seconds, which the writer's next append waits.
+MAX_COMPACTIONS = 16
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _STAT_KINDS = (pa.types.is_integer, pa.types.is_floating, pa.types.is_timestamp)
 
@@ -89,33 +91,30 @@ def maintain_log(path: str, time_column: str, tail_ms: int) -> Compacted | None:
 
     def rewrite() -> Compacted:
         done = compact_log(path, time_column)
-        before = int(time.time() * 1000) - tail_ms - SEAL_AGE_MS
-        done += _rounds(path, time_column, _Tier(SEALED, SEALED_FILE_BYTES, SEAL_MIN_FILES), before)
+        sealed = seal(path, time_column, int(time.time() * 1000) - tail_ms - SEAL_AGE_MS)
+        done += [sealed] if sealed is not None else []
         return Compacted(sum(r.files_removed for r in done), len(done), vacuum(path))
 
     return maintained(path, rewrite)
 
 
 def compact_log(path: str, time_column: str) -> list[Rewritten]:
-    """The compaction tier's rewrites of the table at `path`, oldest files first."""
-    return _rounds(path, time_column, _Tier(COMPACTED, LOG_FILE_BYTES, 2), None)
+    """The compaction tier's rewrites of the table at `path`, oldest files first, until
+    none is due (`MAX_COMPACTIONS` at most)."""
+    tier = _Tier(COMPACTED, LOG_FILE_BYTES, 2)
+    done: list[Rewritten] = []
+    while len(done) < MAX_COMPACTIONS:
+        step = _rewrite(path, time_column, tier, None)
+        if step is None:
+            break
+        done.append(step)
+    return done
 
 
 def seal(path: str, time_column: str, before_ms: int) -> Rewritten | None:
     """Seal the oldest files of the table at `path` whose latest `time_column` is before
     `before_ms` into one; None when fewer than `SEAL_MIN_FILES` are due."""
     return _rewrite(path, time_column, _Tier(SEALED, SEALED_FILE_BYTES, SEAL_MIN_FILES), before_ms)
-
-
-def _rounds(path: str, time_column: str, tier: _Tier, before_ms: int | None) -> list[Rewritten]:
-    """`tier`'s rewrites until none is due, `MAX_REWRITES` at most."""
-    done: list[Rewritten] = []
-    while len(done) < MAX_REWRITES:
-        step = _rewrite(path, time_column, tier, before_ms)
-        if step is None:
-            break
-        done.append(step)
-    return done
 
 
 def _rewrite(path: str, time_column: str, tier: _Tier, before_ms: int | None) -> Rewritten | None:

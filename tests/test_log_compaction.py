@@ -27,7 +27,14 @@ from dejaq.conf.tables import (
 )
 from dejaq.pipelines import log_compaction
 from dejaq.pipelines.delta_follower import DeltaFollower
-from dejaq.pipelines.log_compaction import COMPACTED, SEAL_MIN_FILES, SEALED, compact_log, seal
+from dejaq.pipelines.log_compaction import (
+    COMPACTED,
+    SEAL_MIN_FILES,
+    SEALED,
+    compact_log,
+    maintain_log,
+    seal,
+)
 from dejaq.pipelines.retention import ledger_tail, rewrites
 
 HOUR = 3600 * 1000
@@ -356,3 +363,21 @@ def test_a_partition_with_too_few_files_due_does_not_hold_back_the_others(
     assert done is not None and done.files_removed == SEAL_MIN_FILES
     assert rows(path) == before
     assert seal(path, "at", NOW - 25 * HOUR) is None
+
+
+def test_a_round_seals_once_so_the_writers_next_append_waits_one_seal_at_most(
+    warehouse: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(log_compaction, "LOG_FILE_BYTES", 1)  # no compaction
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [_now_ms() - 72 * HOUR + k * HOUR for k in range(3 * SEAL_MIN_FILES)])
+    sizes = pa.table(DeltaTable(path).get_add_actions(flatten=True)).column("size_bytes")
+    monkeypatch.setattr(
+        log_compaction, "SEALED_FILE_BYTES", SEAL_MIN_FILES * max(sizes.to_pylist())
+    )
+
+    done = maintain_log(path, "at", HOUR)
+
+    assert done is not None and done.files_added == 1
+    seals = [c for c in DeltaTable(path).history() if SEALED in c]
+    assert len(seals) == 1, "three seals were due; one a round"
