@@ -181,8 +181,8 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
 # lists it too, so a month of commits a second (2.6 million files) would cost each open
 # seconds and each checkpoint thousands of object-store requests. Readers that follow a
 # table (a broker node's index, the release job) read its commits within seconds; one
-# that falls further behind than the log reads the table as a start does, or stops
-# with an error saying so (`pipelines.retention.LogGap`). Files a compaction or a
+# that falls further behind than the log (`pipelines.retention.LogGap`) reads the
+# table as a start does. Files a compaction or a
 # retention run replaced are kept as long, not Delta's 7 days: a Delta checkpoint
 # carries a record of each until then, and the buffer's compactions replace thousands
 # of files an hour (a file a bucket a micro-batch). No reader needs a version older

@@ -91,6 +91,15 @@ class PendingSet:
     def __len__(self) -> int:
         return len(self._messages)
 
+    def afresh(self) -> PendingSet:
+        """An empty set to read the tables into again, keeping the releases not yet read
+        back from the ledger (a timeline's timed sender may still hold them: a re-read
+        must not add them back) and the event-time high mark."""
+        fresh = PendingSet()
+        fresh._taken = set(self._taken)
+        fresh.max_sort_key = self.max_sort_key
+        return fresh
+
     @property
     def remembered(self) -> int:
         """Ids held besides the pending messages: events early for their row, and

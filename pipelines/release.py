@@ -50,7 +50,7 @@ from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
 from dejaq.pipelines.log_compaction import maintain_log
 from dejaq.pipelines.pending import Message, PendingSet
-from dejaq.pipelines.retention import RetentionRun, period_s, retain, watermark
+from dejaq.pipelines.retention import LogGap, RetentionRun, period_s, retain, watermark
 from dejaq.pipelines.timed_sender import TimedSender
 
 log = logging.getLogger("dejaq.release")
@@ -162,6 +162,19 @@ class Releaser:
         return None if top is None else top - self.topic.allowed_lateness_ms
 
     def refresh(self) -> int:
+        """`_refresh`; a follower further behind than a table keeps its log (`LogGap`:
+        the job was frozen for hours) reads the tables afresh, as a start does, keeping
+        what this job has released and not yet read back."""
+        try:
+            return self._refresh()
+        except LogGap as gap:
+            log.warning("release %s: %s; reading the tables afresh", self.topic.name, gap)
+            self.buffer = DeltaFollower(self.buffer.path, BUFFER_SCHEMA)
+            self.ledger = DeltaFollower(self.ledger_path, LEDGER_SCHEMA, time_column="at")
+            self.pending = self.pending.afresh()
+            return self._refresh()
+
+    def _refresh(self) -> int:
         """Take in new buffer rows, then the ledger; return how many new rows are late.
 
         The ledger is read after the buffer, so a cancel committed before this call is

@@ -168,7 +168,7 @@ def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The release job's follower cannot tell which of the versions the log no longer
-    holds were rewrites: its poll says so (the job stops with it), and a follower that
+    holds were rewrites: its poll says so (the job then reads afresh), and a follower that
     starts again reads each row once."""
     monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
     s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
@@ -183,6 +183,39 @@ def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets
         follower.poll()
     fresh = DeltaFollower(path, BUFFER_SCHEMA)
     assert sorted(fresh.poll()["message_id"].to_pylist()) == sorted(first + later)
+
+
+@pytest.mark.parametrize("kind", ["priority", "timeline"])
+def test_a_release_job_further_behind_than_the_log_reads_the_tables_afresh_and_goes_on(
+    kafka_bootstrap, topic_factory, tmp_path, monkeypatch, caplog, kind
+):
+    """A job frozen for longer than the buffer keeps its log does not stop: it reads the
+    tables as a start does, and releases every message once, those its timed sender
+    held across the gap too."""
+    monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
+    out = topic_factory(partitions=2)
+    s = settings_for(tmp_path, kafka_bootstrap, kind, out, max_per_trigger=15)
+    buffer_path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    first = add_buffer(s, kind, [i % 50 for i in range(40)])
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 2)
+    try:
+        releaser.run_batch(0)
+        assert 0 < len(releaser.pending) < len(first)
+        later = add_buffer(s, kind, [7] * 10, first_offset=100)
+        compact(buffer_path)
+        assert expire_log(buffer_path) > releaser.buffer.version + 1
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, first=1)
+        records = output.wait_for(len(first) + len(later))
+        output.poll()
+        assert releaser.pending.remembered == 0
+    finally:
+        releaser.finish()
+        output.close()
+    assert "reading the tables afresh" in caplog.text
+    seen = Counter(ids(records))
+    assert set(seen) == set(first + later), "nothing lost"
+    assert max(seen.values()) == 1, "nothing released twice"
 
 
 @pytest.mark.parametrize("kind", ["priority", "timeline"])
