@@ -381,3 +381,24 @@ def test_a_round_seals_once_so_the_writers_next_append_waits_one_seal_at_most(
     assert done is not None and done.files_added == 1
     seals = [c for c in DeltaTable(path).history() if SEALED in c]
     assert len(seals) == 1, "three seals were due; one a round"
+
+
+def test_a_rewrite_whose_commit_landed_keeps_its_file_whatever_fails_after(
+    warehouse: str,
+) -> None:
+    """The Delta checkpoint after each tenth commit is written inside the commit's call:
+    if it fails, the commit has landed and its file is the table's (deleting it would
+    leave the rows of the files it replaced nowhere)."""
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - 72 * HOUR + k * HOUR for k in range(18)])
+    version = DeltaTable(path).version()
+    assert (version + 2) % 10 == 0, "the seal's commit is the tenth's, a checkpoint follows"
+    before = rows(path)
+    # A real failure of the store where the checkpoint goes: a folder in its place.
+    Path(path, "_delta_log", f"{version + 1:020d}.checkpoint.parquet", "x").mkdir(parents=True)
+
+    with pytest.raises(Exception):  # noqa: B017 (whatever delta-rs raises for it)
+        seal(path, "at", NOW)
+
+    assert DeltaTable(path).version() == version + 1, "the commit landed"
+    assert rows(path) == before, "every row still read, none twice"
