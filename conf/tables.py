@@ -182,12 +182,11 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
 # seconds and each checkpoint thousands of object-store requests. Readers that follow a
 # table (a broker node's index, the release job) read its commits within seconds; one
 # that falls further behind than the log (`pipelines.retention.LogGap`) reads the
-# table as a start does. Files a compaction or a
-# retention run replaced are kept as long, not Delta's 7 days: a Delta checkpoint
-# carries a record of each until then, and the buffer's compactions replace thousands
-# of files an hour (a file a bucket a micro-batch). No reader needs a version older
-# than the log holds. A table whose owner sets these properties otherwise keeps their
-# values (`with_table_properties`).
+# table as a start does. Files a compaction or a retention run replaced are kept as
+# long, not Delta's 7 days: a Delta checkpoint carries a record of each until then, and
+# the buffer's compactions replace thousands of files an hour (a file a bucket a
+# micro-batch). No reader needs a version older than the log holds. A table whose
+# owner sets these properties otherwise keeps their values (`with_table_properties`).
 LOG_RETENTION = "interval 2 hours"
 TABLE_PROPERTIES = {
     "delta.checkpointInterval": "10",

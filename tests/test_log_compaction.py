@@ -1,5 +1,6 @@
-"""Sealing: a ledger's old files become few, with the same rows, in a commit that adds no
-row; its recent files are left for the tails read from them."""
+"""The log tables' compaction and sealing: their files become fewer, in time order, with
+the same rows, in commits that add no row and of which two from one snapshot never both
+land; recent files are left to the tails read from them."""
 
 from __future__ import annotations
 
