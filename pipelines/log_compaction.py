@@ -50,7 +50,7 @@ from deltalake.exceptions import CommitFailedError
 from deltalake.transaction import AddAction, RemoveAction
 
 from dejaq.conf.storage import filesystem, has_folders
-from dejaq.conf.tables import conform, iso_ms
+from dejaq.conf.tables import TIMESTAMP, conform, iso_ms
 from dejaq.pipelines.compaction import Compacted, maintained, vacuum
 
 log = logging.getLogger("dejaq.log_compaction")
@@ -129,7 +129,7 @@ def _rewrite(path: str, time_column: str, tier: _Tier, before_ms: int | None) ->
     if chosen is None:
         return None
     paths, sizes, partition = chosen
-    partition_columns = set(table.metadata().partition_columns)
+    partition_columns = list(table.metadata().partition_columns)
     contract = pa.schema(table.schema().to_arrow())
     file_schema = pa.schema([f for f in contract if f.name not in partition_columns])
     fs, root = filesystem(path)
@@ -162,7 +162,7 @@ def _rewrite(path: str, time_column: str, tier: _Tier, before_ms: int | None) ->
             actions,
             "append",
             table.schema(),
-            partition_by=list(table.metadata().partition_columns),
+            partition_by=partition_columns,
             commit_properties=commit,
         )
     except CommitFailedError:
@@ -201,8 +201,8 @@ def _due(
         return None
     due = pc.less(adds.column("size_bytes"), tier.file_bytes // 2)
     if before_ms is not None:
-        before = pa.scalar(before_ms * 1000, pa.timestamp("us", tz="UTC"))
-        due = pc.and_kleene(due, pc.less(adds.column(latest).cast(before.type), before))
+        before = pa.scalar(before_ms * 1000, TIMESTAMP)
+        due = pc.and_kleene(due, pc.less(adds.column(latest).cast(TIMESTAMP), before))
     else:
         due = pc.and_kleene(due, pc.is_valid(adds.column(latest)))
     found = adds.filter(due).sort_by(earliest)

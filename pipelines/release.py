@@ -123,10 +123,9 @@ class Releaser:
         self.topic = topic
         self.output: str = topic.output or ""
         self.kind = topic.kind.sorted_as
-        buffer_path = ensure_table(settings.warehouse, Table.BUFFER, topic.name)
+        self.buffer_path = ensure_table(settings.warehouse, Table.BUFFER, topic.name)
         self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
-        self.buffer = DeltaFollower(buffer_path, BUFFER_SCHEMA)
-        self.ledger = DeltaFollower(self.ledger_path, LEDGER_SCHEMA, time_column="at")
+        self.buffer, self.ledger = self._followers()
         self.pending = PendingSet()
         self.stats: deque[ReleaseStats] = deque(maxlen=1000)
         self.idle = False
@@ -169,10 +168,16 @@ class Releaser:
             return self._refresh()
         except LogGap as gap:
             log.warning("release %s: %s; reading the tables afresh", self.topic.name, gap)
-            self.buffer = DeltaFollower(self.buffer.path, BUFFER_SCHEMA)
-            self.ledger = DeltaFollower(self.ledger_path, LEDGER_SCHEMA, time_column="at")
+            self.buffer, self.ledger = self._followers()
             self.pending = self.pending.afresh()
             return self._refresh()
+
+    def _followers(self) -> tuple[DeltaFollower, DeltaFollower]:
+        """Followers of the buffer and the ledger that start from their latest versions."""
+        return (
+            DeltaFollower(self.buffer_path, BUFFER_SCHEMA),
+            DeltaFollower(self.ledger_path, LEDGER_SCHEMA, time_column="at"),
+        )
 
     def _refresh(self) -> int:
         """Take in new buffer rows, then the ledger; return how many new rows are late.
@@ -280,7 +285,7 @@ class Releaser:
             return None
         self._retained = now
         try:
-            return retain(self.buffer.path, self.ledger_path, retention_ms, _now_ms())
+            return retain(self.buffer_path, self.ledger_path, retention_ms, _now_ms())
         except Exception:
             log.warning(
                 "retention of %s failed; the next round tries again", self.topic.name, exc_info=True

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -15,6 +14,7 @@ from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_retention import now_ms
 
 from dejaq.broker.storage.ledger_writer import compact_ledger
 from dejaq.conf.tables import (
@@ -206,7 +206,7 @@ def test_the_leader_seals_its_ledger_as_it_compacts_and_a_follower_reads_no_row_
     monkeypatch.setattr(log_compaction, "LOG_FILE_BYTES", 1)
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
     follower = DeltaFollower(path, LEDGER_SCHEMA, time_column="at")
-    now = _now_ms()
+    now = now_ms()
     ledger_of(path, [now - 50 * HOUR + k * HOUR for k in range(10)])
     first = follower.poll()
     assert first.num_rows == 500
@@ -230,10 +230,6 @@ def test_spark_reads_a_sealed_ledger_whole(warehouse: str, spark: object) -> Non
     assert frame.count() == 500
     assert frame.where("sort_key >= 450").count() == 50
     assert frame.where("at < timestamp'2020-01-01'").count() == 0
-
-
-def _now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 def test_dead_letters_seal_by_their_time_of_death_with_their_payloads(warehouse: str) -> None:
@@ -371,7 +367,7 @@ def test_a_round_seals_once_so_the_writers_next_append_waits_one_seal_at_most(
 ) -> None:
     monkeypatch.setattr(log_compaction, "LOG_FILE_BYTES", 1)  # no compaction
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
-    ledger_of(path, [_now_ms() - 72 * HOUR + k * HOUR for k in range(3 * SEAL_MIN_FILES)])
+    ledger_of(path, [now_ms() - 72 * HOUR + k * HOUR for k in range(3 * SEAL_MIN_FILES)])
     sizes = pa.table(DeltaTable(path).get_add_actions(flatten=True)).column("size_bytes")
     monkeypatch.setattr(
         log_compaction, "SEALED_FILE_BYTES", SEAL_MIN_FILES * max(sizes.to_pylist())
