@@ -12,12 +12,18 @@ files the readers that follow a table (the broker's index, the release job's fol
 do not read: every row in them was read before (`pipelines.retention.rewrites`).
 Vacuum then deletes the replaced files once they are older than the table's file
 retention (two hours, `conf.tables.TABLE_PROPERTIES`), so a reader still on an older
-version keeps its files.
+version keeps its files. Those are the files the log names since its last checkpoint;
+a file no commit ever named (a writer that died between writing it and committing, a
+Spark task retried) is found only by listing the whole table, which a process does at
+its first vacuum of a table and then every `FULL_VACUUM_EVERY_S`: such files are
+deleted once past the same retention, as a writer still about to commit one is younger.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +32,11 @@ from deltalake import DeltaTable
 from dejaq.conf.tables import with_table_properties
 
 log = logging.getLogger("dejaq.compaction")
+
+FULL_VACUUM_EVERY_S = 24 * 3600
+# Table path -> when this process last listed it whole (`time.monotonic`).
+_listed: dict[str, float] = {}
+_listed_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,7 @@ def compact(path: str, target_size: int | None = None) -> Compacted:
     """
     table = DeltaTable(path)
     metrics = table.optimize.compact(target_size=target_size)
-    vacuumed = table.vacuum(dry_run=False)
+    vacuumed = table.vacuum(dry_run=False, full=_lists_whole(path))
     return Compacted(metrics["numFilesRemoved"], metrics["numFilesAdded"], len(vacuumed))
 
 
@@ -80,11 +91,25 @@ def maintained(path: str, rewrite: Callable[[], Compacted]) -> Compacted | None:
 
 
 def vacuum(path: str) -> int:
-    """Delete the files replaced more than the table's file retention ago; how many.
+    """Delete the files replaced more than the table's file retention ago, and now and
+    then those no commit named (`_lists_whole`); how many.
 
     Maintenance: a failure is logged, not raised."""
     try:
-        return len(DeltaTable(path).vacuum(dry_run=False))
+        return len(DeltaTable(path).vacuum(dry_run=False, full=_lists_whole(path)))
     except Exception:
         log.warning("vacuuming %s failed; the next round tries again", path, exc_info=True)
         return 0
+
+
+def _lists_whole(path: str) -> bool:
+    """Whether this vacuum of `path` lists the whole table: the process's first, then one
+    each `FULL_VACUUM_EVERY_S`. A listing's cost follows the table's files, so it is
+    not paid every round; a failed one is not tried again before the next is due."""
+    now = time.monotonic()
+    with _listed_lock:
+        last = _listed.get(path)
+        if last is not None and now - last < FULL_VACUUM_EVERY_S:
+            return False
+        _listed[path] = now
+        return True

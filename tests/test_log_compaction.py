@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,7 +27,7 @@ from dejaq.conf.tables import (
     iso_ms,
     table_path,
 )
-from dejaq.pipelines import log_compaction
+from dejaq.pipelines import compaction, log_compaction
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.log_compaction import (
     COMPACTED,
@@ -399,3 +400,40 @@ def test_a_rewrite_whose_commit_landed_keeps_its_file_whatever_fails_after(
 
     assert DeltaTable(path).version() == version + 1, "the commit landed"
     assert rows(path) == before, "every row still read, none twice"
+
+
+def test_a_file_whose_rewrite_died_before_its_commit_is_vacuumed_past_retention(
+    warehouse: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a listing of the whole table finds a file no commit named: the process's
+    first vacuum of the table lists it, then one a day; a file younger than the table's
+    file retention may be a rewrite about to commit, and stays."""
+    monkeypatch.setattr(compaction, "_listed", {})
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    ledger_of(path, [NOW - 72 * HOUR + k * HOUR for k in range(SEAL_MIN_FILES)])
+    before = rows(path)
+
+    def dies(*args: object, **kwargs: object) -> None:
+        raise SystemExit("the process died before its commit")  # a crash, in-process
+
+    with monkeypatch.context() as m:
+        m.setattr(DeltaTable, "create_write_transaction", dies)
+        with pytest.raises(SystemExit):
+            seal(path, "at", NOW)
+    stray = [p for p in Path(path).glob("*.sealed.snappy.parquet")]
+    assert len(stray) == 1 and rows(path) == before, "written, never committed"
+    old = (now_ms() - 3 * HOUR) / 1000  # past the table's two hours of file retention
+    os.utime(stray[0], (old, old))
+    young = stray[0].with_name("part-00000-young-c000.sealed.snappy.parquet")
+    young.write_bytes(stray[0].read_bytes())
+
+    maintain_log(path, "at", 10 * 24 * HOUR)  # the process's first round lists the table
+
+    assert not stray[0].exists() and young.exists()
+    assert rows(path) == before
+    os.utime(young, (old, old))
+    maintain_log(path, "at", 10 * 24 * HOUR)
+    assert young.exists(), "listed once a day, not every round"
+    monkeypatch.setattr(compaction, "FULL_VACUUM_EVERY_S", 0)
+    maintain_log(path, "at", 10 * 24 * HOUR)
+    assert not young.exists() and rows(path) == before
