@@ -463,7 +463,9 @@ class Broker:
     ) -> Settled:
         """ack or reject the messages named by `ids`, or by receipt if `receipts`."""
         self.topic(topic)
-        refused = await self._commit(topic, op, consumer, now_ms(), *_named(ids, receipts))
+        mids, named, names, early = self._named(topic, ids, receipts)
+        refused = await self._commit(topic, op, consumer, now_ms(), mids, named)
+        refused = _by_name(refused, names, early)
         return Settled(len(ids) - len(refused), refused)
 
     async def nack(
@@ -478,19 +480,39 @@ class Broker:
         cfg = self.topic(topic)
         if priority is not None and cfg.kind is not TopicKind.PRIORITY:
             raise Problem(422, "invalid nack", "a new priority applies to priority topics only")
-        mids, named = _named(ids, receipts)
+        mids, named, names, early = self._named(topic, ids, receipts)
         args = (consumer, now_ms(), mids, delay_ms, priority, _backoff(cfg), named)
         refused, dead = await self._commit(topic, "nack", *args)
+        refused = _by_name(refused, names, early)
         return Settled(len(ids) - len(refused), refused, dead)
 
     async def extend(
         self, topic: str, consumer: str, ids: Named, lease_ms: int, receipts: bool = False
     ) -> tuple[Settled, int]:
         self.topic(topic)
-        mids, named = _named(ids, receipts)
+        mids, named, names, early = self._named(topic, ids, receipts)
         args = (consumer, now_ms(), mids, lease_ms, named)
         refused, deadline = await self._commit(topic, "extend", *args)
+        refused = _by_name(refused, names, early)
         return Settled(len(ids) - len(refused), refused), deadline
+
+    def _named(
+        self, topic: str, ids: Named, receipts: bool
+    ) -> tuple[list[str], list[int] | range | None, dict[int, str], dict[str, Refusal]]:
+        """A settling command's (ids, receipts) arguments, with the id each receipt the
+        leader made stands for and the ids refused before any command (`receipts_of`):
+        ids are turned into their leases' receipts, so the command carries integers.
+        Commands from before receipts carried ids alone, as one naming a lease from
+        before them still does."""
+        if receipts:
+            return [], consecutive(ids), {}, {}  # type: ignore[arg-type]
+        mids: list[str] = ids  # type: ignore[assignment]
+        found = self.state(topic).receipts_of(mids)
+        if found is None:
+            return mids, None, {}, {}
+        made, early = found
+        names = dict(zip(made, (m for m in mids if m not in early), strict=True))
+        return [], consecutive(made), names, early
 
     async def _row_or_event(self, topic: str, mid: str) -> Row | str:
         """The message's index row or, once settled and checkpointed (the index forgets
@@ -727,10 +749,12 @@ def _sort_key(
 Named = list[str] | list[int]  # message ids, or the receipts of their leases
 
 
-def _named(ids: Named, receipts: bool) -> tuple[list[str], list[int] | range | None]:
-    """A settling command's (ids, receipts) arguments: the ids it names, or none and
-    the receipts. Commands from before receipts carried ids alone."""
-    return ([], consecutive(ids)) if receipts else (ids, None)  # type: ignore[arg-type]
+def _by_name(
+    refused: dict[str | int, Refusal], names: dict[int, str], early: dict[str, Refusal]
+) -> dict[str | int, Refusal]:
+    """A command's refusals by what the request named: the ids of the receipts the
+    leader made for it (`BrokerService._named`), with those refused before it."""
+    return {**early, **{names.get(r, r): why for r, why in refused.items()}}  # type: ignore[call-overload]
 
 
 def _backoff(cfg: TopicConfig) -> RetryBackoff | None:

@@ -54,7 +54,7 @@ from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage import row_store as row_store_module
 from dejaq.broker.storage.index import TopicIndex
-from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
+from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger, write_ledger
 from dejaq.broker.storage.row_store import HANDLE_MASK, Heads
 from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
@@ -1093,6 +1093,93 @@ def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path
     assert lagging.refresh() == 1
     assert set(lagging.rows) == set(leader.rows) == {"m0", "new1"}
     assert not lagging.forgotten, "remembered until the next refresh only"
+
+
+def test_a_trim_outlives_a_refresh_that_read_no_new_version(tmp_path: Path) -> None:
+    """On an object store the table watch probes a quiet table less often, so a refresh
+    can find no new version: what the node forgot must wait for the version holding
+    its rows. The watch's answer is stubbed (a quiet object store cannot be made to
+    skip its probe on cue here); the tables and indexes are real."""
+    warehouse, leader, state = loaded_topic(tmp_path, [1])
+    lagging = TopicIndex(warehouse, topic_conf())
+    lagging.load()
+    fill(warehouse, "jobs", buffer_rows([0, 2], prefix="new"))
+    assert leader.refresh() == 2
+    picks = listed(leader.pick(state, state.buckets_of("c"), 1, now=0))
+    state.lease("c", 0, 1000, picks)
+    assert state.ack("c", 1, ["new0"]) == {}
+    mids = state.trim(checkpoint(warehouse, "jobs", state.events))
+    leader.forget(mids)
+    lagging.forget(mids)
+    probe = lagging.watch.moved
+    lagging.watch.moved = lambda version: False  # backing off: no new version read
+
+    assert lagging.refresh() == 0
+    assert lagging.forgotten == {"new0"}
+
+    lagging.watch.moved = probe
+    assert lagging.refresh() == 1
+    assert set(lagging.rows) == set(leader.rows) == {"m0", "new1"}
+    again = listed(lagging.pick(state, state.buckets_of("c"), 5, now=2))
+    assert "new0" not in [m for m, _, _ in again], "an acked message is not leased again"
+
+
+@pytest.mark.parametrize("how", ["delay", "priority"])
+def test_a_message_nacked_before_a_node_read_its_row_keeps_its_delay_or_key_there(
+    tmp_path: Path, how: str
+) -> None:
+    """A follower applies a nack (with a delay, or a new priority) of a message whose row
+    it has not read yet; it reads the row afterwards: the delay or the new key holds
+    there too, and the message is leased, once due, if that node leads."""
+    warehouse, leader, state = loaded_topic(tmp_path, [1])
+    follower = TopicIndex(warehouse, topic_conf())
+    follower.load()
+    fill(warehouse, "jobs", buffer_rows([0, 2], prefix="new"))
+    assert leader.refresh() == 2
+    picks = listed(leader.pick(state, state.buckets_of("c"), 1, now=0))
+    assert [p[0] for p in picks] == ["new0"]
+    state.lease("c", 0, 10_000, picks)
+    delay, priority = (100, None) if how == "delay" else (0, 7)
+    refused, pending, _ = state.nack("c", 1, ["new0"], delay, priority)
+    assert not refused and pending == ["new0"]
+    follower.push(state, pending)  # the Raft hook, before the node read the row
+    assert follower.unread == {"new0"}
+    assert follower.refresh() == 2  # the follow thread: refresh, then revive
+    follower.revive(state)
+
+    early = [m for m, _, _ in listed(follower.pick(state, state.buckets_of("c"), 5, now=50))]
+    later = listed(follower.pick(state, state.buckets_of("c"), 5, now=200))
+    if how == "delay":
+        assert early == ["m0", "new1"], "new0 held back until 101"
+        assert [m for m, _, _ in later] == ["new0"]
+    else:
+        assert early == ["m0", "new1", "new0"], "new0 at its new key, 7"
+        assert later == []
+
+
+def test_a_death_kept_by_the_trims_then_redriven_is_not_forgotten_with_its_trim(
+    tmp_path: Path,
+) -> None:
+    """A death whose dead letter failed stays in the state (the trim keeps it) and can be
+    redriven meanwhile; the redrive's event is trimmed first. The death's trim, later,
+    must not forget the message, pending again since."""
+    warehouse, index, state = loaded_topic(tmp_path, [5, 1])
+    state.lease("c", 0, 1000, listed(index.pick(state, [0], 1, now=0)))
+    assert state.reject("c", 1, ["m0"]) == {}
+    death = state.seq
+    index.forget(state.trim(write_ledger(warehouse, "jobs", state.events), [death]))
+    redriven, refused = state.redrive(2, state.trimmed_upto(), [("m0", 0, 5)])
+    assert redriven == ["m0"] and not refused
+    index.push(state, redriven)
+    index.forget(state.trim(write_ledger(warehouse, "jobs", state.events), [death]))
+
+    gone = state.trim(state.seq)  # the dead letter written at last
+
+    assert list(gone) == []
+    index.forget(gone)
+    index.revive(state)
+    assert state.is_available("m0", 3) and not state.redriven_at
+    assert [m for m, _, _ in listed(index.pick(state, [0], 5, now=3))] == ["m0"]
 
 
 def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -> None:
@@ -2194,3 +2281,44 @@ def test_the_lease_latency_histogram_reads_as_prometheus_clients_would(
         reference.labels(topic).observe(seconds)
     expected = [x for x in generate_latest(theirs).decode().splitlines() if "_created" not in x]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_a_settling_request_by_ids_commits_their_receipts(tmp_path: Path) -> None:
+    """Raft carries integers on the ack path whichever way the worker names its
+    messages: the leader turns ids into their leases' receipts (the commits are
+    recorded on their way to the real Raft). Refusals are still told by id, those made
+    before any command (settled, never leased) as those the command made."""
+
+    sent: list[tuple[str, tuple]] = []
+
+    async def scenario(broker: Any) -> tuple[list, list, list]:
+        commit = broker.raft.commit
+
+        async def recorded(topic: str, op: str, *args: Any) -> Any:
+            sent.append((op, args))
+            return await commit(topic, op, *args)
+
+        broker.raft.commit = recorded
+        leased = json.loads(await broker.lease("jobs", "w", 3, 30_000, 0))
+        receipt = {m["id"]: m["receipt"] for m in leased}
+        extended, _ = await broker.extend("jobs", "w", ["m1", "m0"], 60_000)
+        acked = await broker.settle("jobs", "ack", "w", ["m1", "m0", "nope", "m1"])
+        nacked = await broker.nack("jobs", "w", ["m2", "m0"], 0, None)
+        ops = [(op, args[2:]) for op, args in sent if op != "lease"]
+        assert ops[0] == ("extend", ([], 60_000, [receipt["m1"], receipt["m0"]]))
+        assert ops[1] == ("ack", ([], [receipt["m1"], receipt["m0"], receipt["m1"]]))
+        # An acked message's lease record holds it until its trim: its receipt is sent.
+        assert ops[2][1][0] == [] and ops[2][1][-1] == [receipt["m2"], receipt["m0"]]
+        return (
+            [extended.ok, extended.refused],
+            [acked.ok, acked.refused],
+            [
+                nacked.ok,
+                nacked.refused,
+            ],
+        )
+
+    extended, acked, nacked = on_one_node(tmp_path, scenario)
+    assert extended == [2, {}]
+    assert acked == [2, {"nope": Refusal.NOT_LEASED, "m1": Refusal.SETTLED}]
+    assert nacked == [1, {"m0": Refusal.SETTLED}]

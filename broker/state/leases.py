@@ -401,6 +401,26 @@ class TopicState:
         hold(self.held, {record.entry(pos)[0]: 1}, record.consumer, -1)
         return mid
 
+    def receipts_of(self, mids: list[str]) -> tuple[list[int], dict[str, Refusal]] | None:
+        """The receipts of the leases holding messages named by id, in their order, and
+        the refusals of those no lease record holds (settled, or not leased): the
+        leader turns a settling request by ids into a command by receipts, so that Raft
+        carries integers and every node resolves them from the record, not by id. None
+        if a lease from before receipts holds one (no receipt names it): the command
+        then names the ids."""
+        receipts: list[int] = []
+        refused: dict[str, Refusal] = {}
+        leases, settled = self.leases, self.settled
+        for mid in mids:
+            record = None if mid in settled else leases.get(mid)
+            if record is None:
+                refused[mid] = Refusal.SETTLED if mid in settled else Refusal.NOT_LEASED
+            elif record.lid < 0:
+                return None
+            else:
+                receipts.append(record.lid << POSITION_BITS | record.position(mid))
+        return receipts, refused
+
     def _held(
         self,
         consumer: str,
@@ -781,7 +801,7 @@ class TopicState:
         done = self.events.cut(upto_seq, keep)
         self.trimmed = max(self.trimmed, upto_seq)
         if self.redriven_at:
-            return self._trim_redriven(settlements(done))
+            return self._trim_redriven(settlements(done), upto_seq)
         parts: list[PackedIds | list[str]] = []
         one: list[str] = []  # the settlements' ids
         acked: list[str] = []  # in `leases`, by their records; the others in `settled`
@@ -801,21 +821,24 @@ class TopicState:
         deque(map(self.settled.pop, others, repeat(None)), maxlen=0)
         return joined([*parts, one] if one else parts)
 
-    def _trim_redriven(self, done: Iterable[Settlement]) -> list[str]:
+    def _trim_redriven(self, done: Iterable[Settlement], upto_seq: int) -> list[str]:
         """`trim` while some message has an untrimmed redrive: a settlement followed by a
         later redrive of its message no longer says what the message is (pending again,
-        or settled anew), and a redriven event settles nothing: neither is forgotten."""
+        or settled anew), and a redriven event settles nothing: neither is forgotten.
+
+        A redrive is remembered until its event and every earlier one of its message
+        are trimmed: a death the trims kept (its dead letter not written yet) can be
+        redriven, and trimmed after the redrive's event."""
         redriven_at, settled, leases = self.redriven_at, self.settled, self.leases
         mids: list[str] = []
         for e in done:
             mid = e.message_id
-            last = redriven_at.get(mid, 0)
-            if e.event == LedgerEvent.REDRIVEN:
-                if last == e.seq:
-                    del redriven_at[mid]
-            elif last < e.seq:
+            if e.event != LedgerEvent.REDRIVEN and redriven_at.get(mid, 0) < e.seq:
                 (leases if e.event == LedgerEvent.ACKED else settled).pop(mid, None)
                 mids.append(mid)
+        kept = {e.message_id for e in settlements(self.events.past(upto_seq)[0])}
+        for mid in [m for m, seq in redriven_at.items() if seq <= upto_seq and m not in kept]:
+            del redriven_at[mid]
         return mids
 
 

@@ -181,6 +181,11 @@ class TopicIndex:
             self._buffer.update_incremental()
         version = self._buffer.version()
         if version == self.version:
+            # No version read (an object store's watch probes the table less often
+            # while it is quiet): what this node forgot is kept for the version that
+            # holds its rows, or they would be indexed as pending once read.
+            with self.lock:
+                self.forgotten |= forgotten
             return 0
         try:
             unread, current = self._unseen(version)
@@ -447,6 +452,8 @@ class TopicIndex:
         """
         if self.unfound:
             self._warn_unfound()
+        with self.lock:
+            self._repend_indexed(state)
         if not self.unread:
             return 0
         wanted = sorted(self.unread)
@@ -498,6 +505,20 @@ class TopicIndex:
                 for mid in missing:
                     self.unfound.setdefault(mid, now)
         return revived
+
+    def _repend_indexed(self, state: TopicState) -> None:
+        """Messages pending again before this node read their rows, and indexed since by
+        a `refresh`, at their rows' own keys (under the lock): a delay (a nack's, a retry
+        backoff's) or a new key (a nack's priority, a redrive's) in force gets its own
+        entry, as `push` would have made it; a pick drops the row's entry as stale."""
+        store = self.store
+        indexed = [(mid, token) for mid in self.unread if (token := store.get(mid)) is not None]
+        for mid, token in indexed:
+            self.unread.discard(mid)
+            if state.settled_event(mid) is None and (
+                mid in state.not_before or mid in state.sort_keys
+            ):
+                self._pending(state, mid, token)
 
     def _warn_unfound(self) -> None:
         """Warn of the messages pending again with a row nowhere that no trim has
