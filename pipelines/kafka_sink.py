@@ -88,7 +88,8 @@ def send_rows(
         target = row.get("topic") or topic
         if target is None:
             raise ValueError("dejaq_kafka: a row has a null 'topic' and no 'topic' option is set")
-        headers = [(h["key"], _bytes(h["value"])) for h in row.get("headers") or []]
+        # kafka-python sends no null header value (Kafka allows one): it goes empty.
+        headers = [(h["key"], _bytes(h["value"]) or b"") for h in row.get("headers") or []]
         futures.append(
             producer.send(
                 target,

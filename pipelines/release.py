@@ -33,6 +33,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.transaction import CommitProperties, Transaction
 from kafka import KafkaProducer
+from kafka.producer.future import FutureRecordMetadata
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
@@ -70,6 +71,9 @@ HORIZON_TRIGGERS = 2
 # of LOG_FILE_BYTES: the ledger's tail, which a start of this job and the ingest's
 # dedup seed read, is then a few files, not one per batch.
 LEDGER_COMPACT_EVERY = 100
+# A released record's request size beyond its payload: its key, its headers (the input's
+# and DejaQ's three) and the request's framing.
+REQUEST_HEADROOM_BYTES = 64 * 1024
 
 
 @dataclass
@@ -89,6 +93,16 @@ class ReleaseStats:
     retention: RetentionRun | None = None  # the retention run after this batch, if any
 
 
+class PartlySent(RuntimeError):
+    """A batch's send failed; `acked`: its messages Kafka acknowledged all the same."""
+
+    def __init__(self, output: str, acked: list[Message], of: int) -> None:
+        super().__init__(
+            f"sending to Kafka topic {output} failed: {len(acked)} of {of} messages sent"
+        )
+        self.acked = acked
+
+
 def require_release(topic: TopicConfig) -> None:
     """A topic is delivered by the broker or by this job, never both."""
     if topic.delivery is not Delivery.RELEASE:
@@ -100,8 +114,15 @@ def require_release(topic: TopicConfig) -> None:
 
 
 def output_headers(m: Message, kind: TopicKind) -> list[tuple[str, bytes]]:
-    """The input's own headers, then the envelope as released (sort key after reschedules)."""
-    own = [(h["key"], h["value"]) for h in m.headers if not h["key"].startswith("dejaq-")]
+    """The input's own headers, then the envelope as released (sort key after reschedules).
+
+    A header whose value is null (Kafka allows it) leaves with an empty value: the
+    producer sends none null, and refused, it would stop the release at that message."""
+    own = [
+        (h["key"], b"" if h["value"] is None else h["value"])
+        for h in m.headers
+        if not h["key"].startswith("dejaq-")
+    ]
     return [
         *own,
         (HEADER_ID, m.message_id.encode()),
@@ -144,10 +165,13 @@ class Releaser:
 
     def producer(self) -> KafkaProducer:
         if self._producer is None:
-            self._producer = KafkaProducer(
-                **producer_config(python_source_options(self.settings.kafka)),
-                linger_ms=0,
-            )
+            config = producer_config(python_source_options(self.settings.kafka))
+            # Room for the largest payload the ingest admits, with its key and headers:
+            # the producer refuses a record past its request size, and one refused
+            # would stop the release at that message.
+            room = self.topic.max_payload_bytes + REQUEST_HEADROOM_BYTES
+            config["max_request_size"] = max(config.get("max_request_size", 0), room)
+            self._producer = KafkaProducer(**config, linger_ms=0)
         return self._producer
 
     def close(self) -> None:
@@ -222,15 +246,19 @@ class Releaser:
         return taken
 
     def _produce(self, messages: list[Message]) -> None:
-        """Send in order and wait for every ack."""
+        """Send in order and wait for every ack; `PartlySent` if any send failed."""
         producer = self.producer()
-        futures = [
-            producer.send(
-                self.output, key=m.key, value=m.payload, headers=output_headers(m, self.kind)
-            )
-            for m in messages
-        ]
-        wait_sent(producer, futures)
+        futures: list[FutureRecordMetadata] = []
+        try:
+            for m in messages:
+                headers = output_headers(m, self.kind)
+                futures.append(
+                    producer.send(self.output, key=m.key, value=m.payload, headers=headers)
+                )
+            wait_sent(producer, futures)
+        except Exception as e:
+            acked = [m for m, f in zip(messages, futures, strict=False) if f.succeeded()]
+            raise PartlySent(self.output, acked, len(messages)) from e
 
     def sender(self) -> TimedSender:
         if self._sender is None:
@@ -319,6 +347,15 @@ class Releaser:
         else:
             try:
                 self._produce(taken)
+            except PartlySent as e:
+                # What Kafka acknowledged is released: the ledger says so before the
+                # error ends the job, or its restart would send it again.
+                sent = {m.message_id for m in e.acked}
+                self.pending.put_back([m for m in taken if m.message_id not in sent])
+                if e.acked:
+                    self._record(e.acked, batch_id)
+                    self.pending.settle(e.acked)
+                raise
             except BaseException:
                 self.pending.put_back(taken)
                 raise

@@ -48,11 +48,13 @@ class TimedSender:
             return bool(self._queue or self._in_flight or self._acked)
 
     def take_acked(self) -> list[Message]:
-        """What Kafka acknowledged since the last call; raises the first send error."""
+        """What Kafka acknowledged since the last call. After a send error, what Kafka
+        acknowledged is still returned, for the ledger to say it was released (else a
+        restart sends it again); then the error is raised."""
         with self._cv:
-            if self._error is not None:
-                raise RuntimeError(f"sending to Kafka topic {self._topic} failed") from self._error
             acked, self._acked = self._acked, []
+            if not acked and self._error is not None:
+                raise RuntimeError(f"sending to Kafka topic {self._topic} failed") from self._error
             return acked
 
     def stop(self) -> list[Message]:
@@ -68,8 +70,9 @@ class TimedSender:
             return unsent
 
     def _next_due(self) -> Message | None:
-        """Under the lock: wait until the first message is due; None when stopping."""
-        while not self._stopping:
+        """Under the lock: wait until the first message is due; None when stopping, or
+        after a send error (what follows waits for the restart, in order)."""
+        while not self._stopping and self._error is None:
             if not self._queue:
                 self._cv.wait()
                 continue

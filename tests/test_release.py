@@ -66,9 +66,16 @@ def _ts(ms: int | None) -> dt.datetime | None:
 
 
 def add_buffer(
-    settings: Settings, kind: str, sort_keys: list[int], first_offset: int = 0, keys: int = 5
+    settings: Settings,
+    kind: str,
+    sort_keys: list[int],
+    first_offset: int = 0,
+    keys: int = 5,
+    payload_bytes: int | None = None,
+    trace: Callable[[int], bytes | None] = lambda o: f"t{o}".encode(),
 ) -> list[str]:
-    """Append buffer rows as ingest would write them; return their ids in offset order."""
+    """Append buffer rows as ingest would write them; return their ids in offset order.
+    `payload_bytes`: payloads of that size; `trace`: the "trace" header's value."""
     now = dt.datetime.now(dt.UTC)
     n = len(sort_keys)
     offsets = range(first_offset, first_offset + n)
@@ -81,8 +88,11 @@ def add_buffer(
         "deliver_at": [_ts(k) for k in sort_keys] if kind == "timeline" else [None] * n,
         "event_time": [_ts(k) for k in sort_keys] if kind == "event_time" else [None] * n,
         "key": [f"k{o % keys}".encode() for o in offsets],
-        "payload": [f"payload-{o}".encode() for o in offsets],
-        "headers": [[{"key": "trace", "value": f"t{o}".encode()}] for o in offsets],
+        "payload": [
+            f"payload-{o}".encode() if payload_bytes is None else b"x" * payload_bytes
+            for o in offsets
+        ],
+        "headers": [[{"key": "trace", "value": trace(o)}] for o in offsets],
         "source_topic": ["in"] * n,
         "source_partition": [0] * n,
         "source_offset": list(offsets),
@@ -470,3 +480,77 @@ def test_kill_9_then_restart_loses_nothing_and_repeats_only_the_cut_batch(
     assert not repeated & recorded, "a message the ledger has is never written again"
     assert len(repeated) <= 20, "duplicates only from the one batch cut by the kill"
     assert sorted(ledger_released(s)) == sorted(written)
+
+
+def test_a_null_header_value_leaves_empty_and_holds_nothing_back(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """Kafka allows a header with a null value, and the ingest keeps it; kafka-python
+    refuses to send one, which stopped the release at that message for good."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "priority", out)
+    written = add_buffer(s, "priority", [1, 2, 3], trace=lambda o: None if o == 0 else b"t")
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        assert releaser.run_batch(0).released == 3
+        records = output.wait_for(3)
+    finally:
+        releaser.finish()
+        output.close()
+    assert ids(records) == written
+    assert [header(r, "trace") for r in records] == [b"", b"t", b"t"]
+    assert sorted(ledger_released(s)) == sorted(written)
+
+
+@pytest.mark.parametrize("kind", ["priority", "timeline"])
+def test_what_kafka_acknowledged_before_a_send_failed_is_in_the_ledger(
+    kafka_bootstrap, tmp_path, kind
+):
+    """Kafka refuses one record (larger than its topic takes) after acknowledging those
+    before it: the job stops with the error, and the ledger says the acknowledged ones
+    were released, so a restart neither sends them again nor skips the refused one."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import NewTopic
+
+    out = f"small-{uuid.uuid4().hex[:10]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(out, 1, 1, topic_configs={"max.message.bytes": "10000"})])
+    s = settings_for(tmp_path, kafka_bootstrap, kind, out)
+    base = int(time.time() * 1000) - 60_000 if kind == "timeline" else 0
+    small = add_buffer(s, kind, [base + k for k in (1, 2, 3)])
+    # Past the producer's batch size (16 KB), so sent in a batch of its own.
+    big = add_buffer(s, kind, [base + 4], first_offset=3, payload_bytes=20_000)
+    output = Output(kafka_bootstrap, out, 1)
+
+    def fails(releaser: Releaser, first: int) -> BaseException:
+        batches = iter(range(first, 1_000_000))
+        failed: list[BaseException] = []
+
+        def step() -> bool:
+            try:
+                releaser.run_batch(next(batches))
+            except Exception as e:
+                failed.append(e)
+            return bool(failed)
+
+        wait_until(step, timeout=60, what="the refused send's error")
+        return failed[0]
+
+    try:
+        releaser = Releaser(s, s.topic("jobs"))
+        error = fails(releaser, 0)
+        releaser.close()
+        assert sorted(ledger_released(s)) == sorted(small)
+        assert f"sending to Kafka topic {out} failed" in str(error)
+        assert ids(output.wait_for(3)) == small
+        again = Releaser(s, s.topic("jobs"))  # a restart: the refused one is still pending
+        assert "failed" in str(fails(again, 100)), "the refused one is tried again"
+        again.close()
+        output.poll()
+        assert ids(output.records) == small, "none sent twice, the refused one not at all"
+        assert big[0] not in ledger_released(s)
+    finally:
+        output.close()
+        admin.delete_topics([out])
+        admin.close()
