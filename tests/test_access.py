@@ -10,6 +10,7 @@ import secrets
 import ssl
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
 from test_broker_cluster import leader_of
 
-from dejaq.broker.api.access import ROUTES, forward_tag, required
+from dejaq.broker.api.access import FORWARD_TTL_MS, FORWARDED, ROUTES, forward_tag, required
 from dejaq.broker.api.keys import (
     Grant,
     Key,
@@ -177,13 +178,43 @@ def test_a_follower_forwards_over_tls_and_a_forged_forward_is_refused(secure) ->
     )
     assert via.status_code == 200 and len(via.json()["messages"]) == 2
     lease = f"{leader.url}/v1/topics/jobs/leases"
-    for forged in ("1", f"{follower.http} {'0' * 64}", forward_tag("guess", follower.http)):
-        answer = http.post(lease, json=body, headers={"x-dejaq-forwarded": forged})
+    content = json.dumps(body).encode()
+    path = "/v1/topics/jobs/leases"
+    guessed = forward_tag("guess", follower.http, "POST", path, content)
+    for forged in ("1", f"{follower.http} 1 2 {'0' * 64}", guessed):
+        answer = http.post(lease, content=content, headers={"x-dejaq-forwarded": forged})
         assert answer.status_code == 401, forged
         assert answer.json()["title"] == "not a cluster node"
     # A key does not make a forged forward acceptable either.
     answer = http.post(lease, json=body, headers={**bearer(keys["all"]), "x-dejaq-forwarded": "1"})
     assert answer.status_code == 401
+
+
+def test_a_forward_tag_seen_on_the_wire_opens_nothing_else(secure) -> None:
+    """A tag is the node's word for one request: a copy of it is refused for that request
+    again, for another route (a consume key's lease is no purge), and once stale."""
+    http, nodes, keys = secure["http"], secure["nodes"], secure["keys"]
+    verify = ssl.create_default_context(cafile=str(secure["ca"]))
+    with httpx.Client(verify=verify, headers=bearer(keys["monitor"])) as monitor:
+        leader = wait_until(lambda: leader_of(nodes, monitor), what="a leader")
+    follower = next(n for n in nodes if n is not leader)
+    password = os.environ["DEJAQ_BROKER_RAFT_PASSWORD"]  # the cluster's, as a node has it
+    content = json.dumps({"consumer_id": "tagged", "max_messages": 1}).encode()
+    path = "/v1/topics/jobs/leases"
+    tag = forward_tag(password, follower.http, "POST", path, content)
+
+    def send(route: str, tag: str) -> httpx.Response:
+        headers = {FORWARDED: tag, "content-type": "application/json"}
+        return http.post(f"{leader.url}{route}", content=content, headers=headers)
+
+    assert send(path, tag).status_code == 200, "a node's tag, fresh"
+    assert send(path, tag).status_code == 401, "the same tag again"
+    other = forward_tag(password, follower.http, "POST", path, content)
+    assert send("/v1/topics/jobs/purge", other).status_code == 401, "another route"
+    stale = int(time.time() * 1000) - FORWARD_TTL_MS - 1000
+    old = forward_tag(password, follower.http, "POST", path, content, at_ms=stale)
+    assert send(path, old).status_code == 401, "a stale tag"
+    assert send(path, other).status_code == 200, "its own request, once"
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused(secure, tmp_path: Path) -> None:

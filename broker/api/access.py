@@ -6,10 +6,13 @@ role, and a test holds every route of the OpenAPI to an entry here. Health, read
 and the API's own docs stay open; `/metrics` needs `monitor` unless configured open.
 
 A follower authorizes a request once and forwards it with a tag only the cluster's
-nodes can make (an HMAC under the Raft password of the follower's HTTP address); the
-leader takes a forward with a valid tag, and from nobody else, whatever headers a client
-sends. The tag alone proves the sender a node: a node that has just started forwards
-before its address is in the replicated state, and must not be refused for it.
+nodes can make (an HMAC under the Raft password of the follower's HTTP address, the
+time, a nonce, and the request's method, path, query and body); the leader takes a
+forward with a valid tag, and from nobody else, whatever headers a client sends. A tag
+seen on the wire opens no other request, and not that one again: the leader takes each
+nonce once, within `FORWARD_TTL_MS` of its time (the nodes' clocks agree within it).
+The tag alone proves the sender a node: a node that has just started forwards before
+its address is in the replicated state, and must not be refused for it.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import hashlib
 import hmac
 import json
 import re
+import secrets
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -32,6 +38,7 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
 OPEN_PREFIX = "/docs-assets/"
 METRICS = "/metrics"
 BEARER = "bearer"
+FORWARD_TTL_MS = 60_000
 
 # (method, path, role): the role a key needs on the path's {topic}, or on any topic for
 # topic-less paths; None: any valid key (the list of topics' names).
@@ -84,10 +91,29 @@ def required(method: str, path: str) -> tuple[str | None, str | None]:
     return None, None
 
 
-def forward_tag(password: str, sender: str) -> str:
-    """What a node sends as `FORWARDED` when it passes a request on to the leader."""
-    mac = hmac.new(password.encode(), f"dejaq-forward {sender}".encode(), hashlib.sha256)
-    return f"{sender} {mac.hexdigest()}"
+def forward_tag(
+    password: str,
+    sender: str,
+    method: str,
+    target: str,
+    body: bytes,
+    at_ms: int | None = None,
+    nonce: str | None = None,
+) -> str:
+    """What a node sends as `FORWARDED` when it passes a request (`method`, `target`: its
+    path and query, `body`) on to the leader: `sender at_ms nonce mac`, now and a fresh
+    nonce unless given."""
+    at_ms = int(time.time() * 1000) if at_ms is None else at_ms
+    nonce = secrets.token_hex(12) if nonce is None else nonce
+    signed = f"dejaq-forward {sender} {at_ms} {nonce} {method} {target} "
+    signed += hashlib.sha256(body).hexdigest()
+    mac = hmac.new(password.encode(), signed.encode("latin-1"), hashlib.sha256)
+    return f"{sender} {at_ms} {nonce} {mac.hexdigest()}"
+
+
+def target_of(path: str, query: bytes) -> str:
+    """A request's path and query as a forward's tag signs them."""
+    return f"{path}?{query.decode('latin-1')}" if query else path
 
 
 class Guard:
@@ -103,6 +129,9 @@ class Guard:
         """`password`: the Raft password, under which nodes tag their forwards."""
         self.app, self.keys, self.password = app, keys, password
         self.metrics_open = metrics_open
+        # The nonces of the forwards taken within FORWARD_TTL_MS, and when each expires.
+        self._nonces: set[str] = set()
+        self._expiries: deque[tuple[float, str]] = deque()
 
     async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -119,10 +148,17 @@ class Guard:
             elif name == _FORWARDED:
                 forwarded = value
         if forwarded is not None:
-            if self._from_node(forwarded):
-                return await self.app(scope, receive, send)  # authorized where it arrived
+            body = await _body(receive)
+            target = target_of(path, scope.get("query_string", b""))
+            if body is not None and self._from_node(forwarded, scope["method"], target, body):
+                # Authorized where it arrived.
+                return await self.app(scope, _replay(body, receive), send)
             return await _refuse(
-                send, 401, "not a cluster node", "forwarded requests are taken from nodes only"
+                send,
+                401,
+                "not a cluster node",
+                "forwarded requests are taken from nodes only, each once, within "
+                f"{FORWARD_TTL_MS // 1000} s of its tag",
             )
         role, topic = required(scope["method"], path)
         needs = f"; this call needs {_grant(role, topic)}" if role is not None else ""
@@ -139,12 +175,57 @@ class Guard:
             return await _refuse(send, 403, "role required", detail)
         return await self.app(scope, receive, send)
 
-    def _from_node(self, forwarded: bytes) -> bool:
-        sender, _, _ = forwarded.decode("latin-1").partition(" ")
-        if self.password is None or not sender:
+    def _from_node(self, forwarded: bytes, method: str, target: str, body: bytes) -> bool:
+        """Whether a node tagged this very request, lately, and it was not taken before."""
+        parts = forwarded.decode("latin-1").split(" ")
+        if self.password is None or len(parts) != 4 or not parts[1].isdigit():
             return False
-        expected = forward_tag(self.password, sender).encode("latin-1")
-        return hmac.compare_digest(expected, forwarded)
+        sender, at, nonce, _ = parts
+        if abs(time.time() * 1000 - int(at)) > FORWARD_TTL_MS:
+            return False
+        expected = forward_tag(self.password, sender, method, target, body, int(at), nonce)
+        if not hmac.compare_digest(expected.encode("latin-1"), forwarded):
+            return False
+        return self._first(nonce)
+
+    def _first(self, nonce: str) -> bool:
+        """Note a forward's nonce; False if taken before (a replay). Nonces are kept while
+        their tag could pass the time check: twice the TTL, for clocks either way."""
+        now = time.monotonic()
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            self._nonces.discard(expiries.popleft()[1])
+        if nonce in self._nonces:
+            return False
+        self._nonces.add(nonce)
+        expiries.append((now + 2 * FORWARD_TTL_MS / 1000, nonce))
+        return True
+
+
+async def _body(receive: Any) -> bytes | None:
+    """A request's whole body, or None if the client left before sending it."""
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            return None
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay(body: bytes, receive: Any) -> Callable[[], Awaitable[dict]]:
+    """`receive` for the app, the body read already handed over first."""
+    given = False
+
+    async def again() -> dict:
+        nonlocal given
+        if given:
+            return await receive()
+        given = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return again
 
 
 def _grant(role: str, topic: str | None) -> str:

@@ -24,7 +24,7 @@ from fastapi.responses import HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dejaq.broker.api.access import FORWARDED, ROUTES, Guard, forward_tag
+from dejaq.broker.api.access import FORWARDED, ROUTES, Guard, forward_tag, target_of
 from dejaq.broker.api.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
 from dejaq.broker.api.hotpath import HotPath
 from dejaq.broker.api.keys import KeyRing
@@ -99,20 +99,20 @@ async def _forward(request: Request, exc: Exception) -> Response:
         if target is None:
             return problem(503, "no leader", "no Raft leader is known yet: retry shortly")
         try:
+            outgoing = client.build_request(
+                request.method,
+                f"{request.app.state.scheme}://{target}{request.url.path}",
+                params=request.query_params,
+                content=body,
+                headers={"content-type": request.headers.get("content-type", "")},
+            )
+            tag = request.app.state.forward_tag
+            url = outgoing.url
+            outgoing.headers[FORWARDED] = (
+                tag(outgoing.method, target_of(url.path, url.query), body) if tag else "1"
+            )
             answer = await _ask(
-                broker,
-                target,
-                client.request(
-                    request.method,
-                    f"{request.app.state.scheme}://{target}{request.url.path}",
-                    params=request.query_params,
-                    content=body,
-                    headers={
-                        "content-type": request.headers.get("content-type", ""),
-                        FORWARDED: request.app.state.forward_tag,
-                    },
-                ),
-                FORWARD_STALL_S + _long_poll_s(body),
+                broker, target, client.send(outgoing), FORWARD_STALL_S + _long_poll_s(body)
             )
         except LeaderStalled as e:
             return problem(503, "leader unreachable", str(e), retry_after=0)
@@ -252,7 +252,9 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     conf = broker.conf
     app.state.scheme = conf.tls.scheme
     password = conf.raft_password
-    app.state.forward_tag = forward_tag(password, broker.http_addr) if password else "1"
+    # Signs each forward (`access.forward_tag`); unsigned where no password is set (one
+    # node, without keys).
+    app.state.forward_tag = partial(forward_tag, password, broker.http_addr) if password else None
     app.front = HotPath(partial(FastAPI.__call__, app), broker)
     if conf.keys_file is not None:
         app.front = Guard(
