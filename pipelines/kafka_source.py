@@ -11,6 +11,7 @@ exactly-once across restarts.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ from dejaq.pipelines.kafka_sink import (
     KafkaWriteOptions,
     check_input_schema,
 )
+
+log = logging.getLogger("dejaq.kafka_source")
 
 KAFKA_SCHEMA = StructType(
     [
@@ -335,6 +338,26 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return {}
         return self._driver().end_offsets(tps, timeout_ms=self.options.poll_timeout_ms)
 
+    def _rewound(self, begin: Positions, ends: Positions, warn: bool = False) -> Positions:
+        """`begin`, but from its earliest offset for a partition whose end is now below
+        where the stream had got to (its topic deleted and made again, or its log cut
+        by an unclean leader election): what it holds now is read, not skipped until
+        its offsets pass the old ones. Records read before come again with the same
+        coordinates, which the ingest's dedup drops."""
+        behind = [tp for tp, end in ends.items() if end < begin.get(tp, 0)]
+        if not behind:
+            return begin
+        earliest = self._beginning(behind)
+        if warn:
+            log.warning(
+                "dejaq_kafka: the offsets of %s went back (a topic made again, or a log "
+                "cut): reading them from their earliest offsets %s; what the old log held "
+                "past the stream's position, not read yet, went with it",
+                [f"{tp.topic}-{tp.partition}: {begin[tp]} -> {ends[tp]}" for tp in behind],
+                {f"{tp.topic}-{tp.partition}": earliest[tp] for tp in behind},
+            )
+        return begin | earliest
+
     def _with_new_partitions(self, start: dict, current: list[TopicPartition]) -> Positions:
         """`start` plus, for partitions it does not know yet, their earliest offset."""
         positions = _to_positions(start)
@@ -376,7 +399,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if latest is None:
             latest = self._end(self._current_partitions())
         self._last_latest = latest
-        begin = self._with_new_partitions(start, list(latest))
+        begin = self._rewound(self._with_new_partitions(start, list(latest)), latest, warn=True)
         backlog = {tp: max(end - begin[tp], 0) for tp, end in latest.items()}
         if isinstance(limit, ReadMaxRows):
             backlog = fair_share(backlog, limit.max_rows)
@@ -389,7 +412,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def partitions(self, start: dict, end: dict) -> list[KafkaInputPartition]:
         """One task per partition with new data; big ranges are split across several tasks."""
         stop = _to_positions(end)
-        begin = self._with_new_partitions(start, list(stop))
+        begin = self._rewound(self._with_new_partitions(start, list(stop)), stop)
         step = self.options.max_records_per_partition
         return [
             KafkaInputPartition(tp.topic, tp.partition, lo, min(lo + step, until))

@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewPartitions, NewTopic
+from kafka.errors import TopicAlreadyExistsError
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.streaming.datasource import ReadAllAvailable
@@ -290,6 +291,46 @@ def test_new_partitions_and_topics_are_read_from_their_start(
     finally:
         query.stop()
         admin.delete_topics([later])
+
+
+def test_a_topic_made_again_is_read_from_its_start_not_after_the_old_offsets(
+    kafka_bootstrap: str, producer, admin: KafkaAdminClient
+) -> None:
+    """The stream had read 10 records; the topic is deleted and made again, with 5 new
+    ones: they are read at once, not skipped until the new log passed offset 10."""
+    topic = f"again-{uuid.uuid4().hex[:10]}"
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    produce(producer, topic, 10, partitions=1, tag="old")
+    reader = reader_for(kafka_bootstrap, topic)
+    start = reader.initialOffset()
+    end = reader.latestOffset(start, reader.getDefaultReadLimit())
+    assert sum(b.num_rows for p in reader.partitions(start, end) for b in reader.read(p)) == 10
+    reader.stop()
+    admin.delete_topics([topic])
+
+    def made_again() -> bool:
+        try:
+            admin.create_topics([NewTopic(topic, 1, 1)])
+        except TopicAlreadyExistsError:  # the deletion is still under way
+            return False
+        return True
+
+    wait_until(made_again, what="the topic made again")
+    fresh = KafkaProducer(bootstrap_servers=kafka_bootstrap)  # metadata of the new topic
+    try:
+        produce(fresh, topic, 5, partitions=1, tag="new")
+    finally:
+        fresh.close()
+    reader = reader_for(kafka_bootstrap, topic)  # a restart from the checkpointed offsets
+    try:
+        nxt = reader.latestOffset(end, reader.getDefaultReadLimit())
+        batches = [b for p in reader.partitions(end, nxt) for b in reader.read(p)]
+        values = [v for b in batches for v in b.column("value").to_pylist()]
+        assert values == [f"newv{i}".encode() for i in range(5)]
+        assert reader.partitions(nxt, reader.latestOffset(nxt, reader.getDefaultReadLimit())) == []
+    finally:
+        reader.stop()
+        admin.delete_topics([topic])
 
 
 def test_available_now_stops_at_what_was_there_when_it_started(
