@@ -34,12 +34,12 @@ from pyspark.sql.streaming import StreamingQuery
 
 from dejaq.conf.kafka_clients import jvm_options, python_source_options
 from dejaq.conf.settings import Settings, TopicConfig
-from dejaq.conf.tables import Table, checkpoint_path, ensure_table, table_path
+from dejaq.conf.tables import Table, checkpoint_path, ensure_table, matching, scan, table_path
 from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
-from dejaq.pipelines.dedup import SeenIds, default_id_pattern
+from dejaq.pipelines.dedup import SeenIds, Verdict, default_id_pattern
 from dejaq.pipelines.delta_source import WriteTarget, commit
-from dejaq.pipelines.envelope import COORDINATES, Parser, explicit_id
+from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
 from dejaq.pipelines.retention import ledger_tail
 from dejaq.pipelines.session import Connectors
 
@@ -89,6 +89,9 @@ class IngestJob:
     _reported: int = -1
     _seen: SeenIds | None = None
     _stored: int = -1  # the last batch id the buffer had when this job started
+    # The last batch id the quarantine had when this job started: one past `_stored` is
+    # a batch cut between its two commits.
+    _quarantined: int = -1
     _parse: Parser | None = None
     # The two tables as their writers need them (schema, partitioning), read once: the
     # contract fixes both, and on an object store each read is requests.
@@ -181,6 +184,7 @@ class IngestJob:
         quarantine_path = table_path(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
         if self._seen is None:
             self._stored = self._last_stored_batch(buffer_path)
+            self._quarantined = self._last_stored_batch(quarantine_path)
             self._seen = self._load_seen()
         if batch_id <= self._stored:
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
@@ -198,7 +202,10 @@ class IngestJob:
         results = self._parse(records).mapInArrow(write, RESULT_SPARK_SCHEMA).toArrow()
         files = BatchFiles.read(results)
         clock.lap("read_parse_write")
-        verdict = self._seen.check(files.judged)
+        if batch_id <= self._quarantined:
+            verdict = self._verdict_committed(files.judged, quarantine_path)
+        else:
+            verdict = self._seen.check(files.judged)
         if verdict.duplicates:
             files.move_duplicates(buffer, quarantine, verdict.duplicates)
         clock.lap("dedup")
@@ -225,6 +232,32 @@ class IngestJob:
             phases_ms=clock.laps,
         )
         self.stats.append(stats)
+
+    def _verdict_committed(self, judged: pa.Table, quarantine_path: str) -> Verdict:
+        """The verdict a batch cut between its two commits was given: its duplicates are
+        the rows the quarantine holds, the rest were kept. Judged again, against a dedup
+        seed read since (settled ids from the ledger, which the process that judged it
+        did not hold), a row it kept could be found a duplicate, for the quarantine,
+        whose commit of this batch is done: it would land in neither table."""
+        offsets = set(judged.column("source_offset").to_pylist())
+        columns = [*COORDINATES, "detail"]
+        held = scan(
+            quarantine_path,
+            Table.QUARANTINE,
+            columns,
+            matching(Table.QUARANTINE, source_offset=offsets, reason=[Reason.DUPLICATE.value]),
+        )
+        mine = set(zip(*(judged.column(c).to_pylist() for c in COORDINATES), strict=True))
+        verdict = Verdict()
+        for *coordinates, detail in zip(*held.to_pydict().values(), strict=True):
+            if tuple(coordinates) in mine:
+                verdict.duplicates[tuple(coordinates)] = detail  # type: ignore[index]
+        names = ["message_id", *COORDINATES]
+        rows = zip(*(judged.column(c).to_pylist() for c in names), strict=True)
+        for mid, *coordinates in rows:
+            if tuple(coordinates) not in verdict.duplicates:
+                verdict.kept[mid] = tuple(coordinates)  # type: ignore[assignment]
+        return verdict
 
     def report(self, query: StreamingQuery) -> None:
         """Log one line per micro-batch finished since the last call.

@@ -40,6 +40,7 @@ from dejaq.conf.tables import (
 )
 from dejaq.jobs.logs import query_failure
 from dejaq.jobs.status import row_count
+from dejaq.pipelines import ingest as ingest_module
 from dejaq.pipelines.dedup import SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.ingest import BatchStats, IngestJob
@@ -392,6 +393,64 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
     replaying.process_batch(batch(len(first), len(first) + 2), 1)
     assert [(s.batch_id, s.replay) for s in replaying.stats] == [(1, True)]
     assert sum(counts()) + run.removed == len(first) + 2
+
+
+def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
+    spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
+):
+    """The quarantine's commit of a batch landed, the buffer's did not (the process died
+    between them). Done again after a restart, the batch is judged against a dedup seed
+    holding what the ledger settled since, which the first judge did not: an id it kept
+    would now be a duplicate, for a quarantine whose commit is already done, and land
+    nowhere. The commit that dies is the buffer's, made to raise; the rest is real."""
+    source = topic_factory(partitions=1)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    topic = settings.topic("jobs")
+    connectors = detect_connectors(spark)
+    records = [
+        good(0),
+        (b"k", b"kept", {"dejaq-priority": b"1", "dejaq-id": b"order-9"}),
+        (b"k", b"no priority", {}),
+    ]
+    produce(kafka_bootstrap, source, records, partitions=1)
+    for kind in (Table.BUFFER, Table.QUARANTINE):  # as the job's start makes them
+        ensure_table(settings.warehouse, kind, "jobs")
+    whole = (
+        spark.read.format(connectors.kafka)
+        .option("kafka.bootstrap.servers", kafka_bootstrap)
+        .option("subscribe", source)
+        .option("includeHeaders", "true")
+        .load()
+    )
+    real = ingest_module.commit
+
+    def dies_on_the_buffer(target, files, mode, txn):
+        if "/buffer/" in target.path:
+            raise RuntimeError("the process died between the two commits")
+        return real(target, files, mode, txn)
+
+    with monkeypatch.context() as m:
+        m.setattr(ingest_module, "commit", dies_on_the_buffer)
+        with pytest.raises(RuntimeError, match="between the two commits"):
+            IngestJob(spark, settings, topic, connectors).process_batch(whole, 0)
+    assert table(settings, Table.QUARANTINE).num_rows == 1
+    # An earlier copy of order-9, settled since: the restarted job's seed has it.
+    ledger = ensure_table(settings.warehouse, Table.LEDGER, "jobs")
+    settled = {
+        "message_id": ["order-9"],
+        "bucket": [0],
+        "event": [LedgerEvent.ACKED.value],
+        "sort_key": [1],
+        "deliveries": [1],
+        "at": [dt.datetime.now(dt.UTC)],
+    }
+    write_deltalake(ledger, pa.table(settled, schema=LEDGER_SCHEMA), mode="append")
+
+    IngestJob(spark, settings, topic, connectors).process_batch(whole, 0)
+
+    buffer = table(settings, Table.BUFFER)
+    assert sorted(buffer.column("payload").to_pylist()) == [b"kept", b"payload-0"]
+    assert table(settings, Table.QUARANTINE).column("reason").to_pylist() == ["missing_priority"]
 
 
 class Lines:
