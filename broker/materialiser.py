@@ -4,9 +4,10 @@ horizon become timeline messages on its Kafka input, the path every message take
 An occurrence is sent with `dejaq-deliver-at` = its time and `dejaq-id` =
 `<schedule id>@<epoch ms>`. The ingest buffers an id once within the topic's dedup
 window, so an occurrence sent again (by a leader that died between sending and storing
-its progress, or by a second node during an election) is buffered once. Progress is
-stored only once Kafka has acknowledged every message of the round: a failed round is
-done again from the previous progress, and no occurrence is skipped.
+its progress, or by a second node during an election) is buffered once. A schedule's
+progress moves up to its last occurrence Kafka acknowledged with all before it: what
+failed is sent again by the next round, and no occurrence is skipped. One schedule that
+Kafka refuses (a payload larger than the input topic takes) holds back no other.
 
 A schedule is topped up to the full horizon once its next occurrence comes within half
 of it: one firing every second costs a progress commit every half horizon, not every
@@ -49,11 +50,21 @@ def message(schedule: Schedule, at_ms: int) -> Outgoing:
 
 @dataclass
 class Due:
-    """One schedule's share of a round: its messages and the progress they make."""
+    """One schedule's share of a round: its occurrences' times and messages, and the
+    progress they make once all are sent."""
 
     schedule: Schedule
+    times: list[int]
     messages: list[Outgoing]
     until: int
+
+    def sent_until(self, outcomes: list[Exception | None]) -> int | None:
+        """The progress `outcomes` (one per message) make: `until` if every message was
+        sent, else the last occurrence before the first one not sent (None: none)."""
+        failed = next((k for k, e in enumerate(outcomes) if e is not None), None)
+        if failed is None:
+            return self.until
+        return self.times[failed - 1] if failed else None
 
 
 class Materialiser:
@@ -69,6 +80,8 @@ class Materialiser:
         # (topic, id, created at) → (progress, the first occurrence after it), so a round
         # costs a dictionary look-up per schedule that is not due.
         self._next: dict[tuple[str, str, int], tuple[int, int | None]] = {}
+        # (topic, id) → the error its last round met, logged once until it changes.
+        self._failing: dict[tuple[str, str], str] = {}
 
     async def run(self) -> None:
         """Until cancelled. A failed round is logged; the next one does it again."""
@@ -91,11 +104,50 @@ class Materialiser:
         due = await asyncio.to_thread(self.plan, cfg, schedules.values(), now)
         if not due:
             return 0
-        outgoing = [m for d in due for m in d.messages]
-        await self.producer.send(cfg.source[0], outgoing)
-        progress = {(d.schedule.schedule_id, d.schedule.created_at): d.until for d in due}
+        # Schedules whose last round failed go alone: Kafka's refusal of one record
+        # fails every record the producer held with it, so one schedule it refuses
+        # would fail the others with it, round after round.
+        healthy = [d for d in due if (topic, d.schedule.schedule_id) not in self._failing]
+        alone = [[d] for d in due if (topic, d.schedule.schedule_id) in self._failing]
+        progress: dict[tuple[str, int], int] = {}
+        failed: dict[str, Exception] = {}
+        sent = 0
+        for group in [healthy, *alone] if healthy else alone:
+            outgoing = [m for d in group for m in d.messages]
+            outcomes = await self.producer.send_each(cfg.source[0], outgoing)
+            sent += sum(e is None for e in outcomes)
+            start = 0
+            for d in group:
+                mine = outcomes[start : start + len(d.messages)]
+                start += len(d.messages)
+                until = d.sent_until(mine)
+                if until is not None:
+                    progress[(d.schedule.schedule_id, d.schedule.created_at)] = until
+                if until != d.until:
+                    failed[d.schedule.schedule_id] = next(e for e in mine if e is not None)
         await asyncio.to_thread(store.advance, progress)
-        return len(outgoing)
+        self._note(topic, [d.schedule.schedule_id for d in due], failed)
+        return sent
+
+    def _note(self, topic: str, schedules: list[str], failed: dict[str, Exception]) -> None:
+        """Log each schedule whose occurrences Kafka did not all take, once per error
+        until it changes or the schedule's occurrences go through."""
+        for schedule_id in schedules:
+            key = (topic, schedule_id)
+            error = failed.get(schedule_id)
+            if error is None:
+                self._failing.pop(key, None)
+                continue
+            why = f"{type(error).__name__}: {error}"
+            if self._failing.get(key) != why:
+                self._failing[key] = why
+                log.warning(
+                    "cron topic %s: Kafka did not take every occurrence of schedule %s (%s); "
+                    "each round sends them again, the other schedules go on",
+                    topic,
+                    schedule_id,
+                    why,
+                )
 
     def plan(self, cfg: TopicConfig, schedules: Iterable[Schedule], now: int) -> list[Due]:
         """The schedules whose next occurrence is within half the horizon, each with its
@@ -115,6 +167,6 @@ class Materialiser:
                 continue
             times = cron.occurrences(s.cron, tz, s.materialised_until, upto, MAX_PER_ROUND)
             until = times[-1] if len(times) == MAX_PER_ROUND else upto
-            due.append(Due(s, [message(s, t) for t in times], until))
+            due.append(Due(s, times, [message(s, t) for t in times], until))
         self._next = {k: v for k, v in self._next.items() if k[0] != cfg.name} | seen
         return due

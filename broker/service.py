@@ -5,6 +5,7 @@ forward to the leader otherwise)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import gc
 import logging
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
+
+from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
 
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
@@ -801,30 +804,72 @@ class Producer:
                 )
             return self._producer
 
-    def _send(self, kafka_topic: str, messages: list[Outgoing]) -> list[str]:
+    def _send(self, kafka_topic: str, messages: list[Outgoing]) -> list[Any]:
+        """Each message's record metadata once Kafka acknowledged it, or the error that
+        kept it out."""
         producer = self._get()
-        futures = [
-            producer.send(kafka_topic, key=m.key, value=m.payload, headers=m.headers)
-            for m in messages
-        ]
-        producer.flush(timeout=30)
-        out = []
-        for m, f in zip(messages, futures, strict=True):
-            meta = f.get(timeout=30)
-            given = dict(m.headers).get("dejaq-id")
-            out.append(given.decode() if given else f"{kafka_topic}-{meta.partition}-{meta.offset}")
+        futures: list[Any] = []
+        for m in messages:
+            try:
+                futures.append(
+                    producer.send(kafka_topic, key=m.key, value=m.payload, headers=m.headers)
+                )
+            except Exception as e:  # the producer's own checks, before sending
+                futures.append(e)
+        with contextlib.suppress(Exception):  # each future says how its record fared
+            producer.flush(timeout=30)
+        out: list[Any] = []
+        for f in futures:
+            try:
+                out.append(f if isinstance(f, Exception) else f.get(timeout=30))
+            except Exception as e:
+                out.append(e)
+        if any(isinstance(o, KafkaError) and not o.retriable for o in out):
+            # The producer is idempotent: an error it cannot retry (a record larger than
+            # the topic takes) fails every batch it holds and leaves it refusing every
+            # later send. A new one takes the next.
+            with self._lock:
+                if self._producer is producer:
+                    self._producer = None
+            _close(producer, 0)
         return out
+
+    async def send_each(self, kafka_topic: str, messages: list[Outgoing]) -> list[Exception | None]:
+        """Send all, then each message's outcome: None once Kafka acknowledged it, or the
+        error that kept it out."""
+        out = await asyncio.to_thread(self._send, kafka_topic, messages)
+        return [o if isinstance(o, Exception) else None for o in out]
 
     async def send(self, kafka_topic: str, messages: list[Outgoing]) -> list[str]:
         """Returns the message ids once Kafka acknowledged every message."""
-        try:
-            return await asyncio.to_thread(self._send, kafka_topic, messages)
-        except Exception as e:
-            raise Problem(503, "Kafka unavailable", f"{type(e).__name__}: {e}") from None
+        out = await asyncio.to_thread(self._send, kafka_topic, messages)
+        failed = next((o for o in out if isinstance(o, Exception)), None)
+        if isinstance(failed, MessageSizeTooLargeError | RecordListTooLargeError):
+            raise Problem(
+                413,
+                "too large for Kafka",
+                f"the Kafka topic {kafka_topic} refused it ({type(failed).__name__}): raise "
+                "its max.message.bytes, or lower the topic's max_payload_bytes below it",
+            )
+        if failed is not None:
+            raise Problem(503, "Kafka unavailable", f"{type(failed).__name__}: {failed}")
+        ids = []
+        for m, meta in zip(messages, out, strict=True):
+            given = dict(m.headers).get("dejaq-id")
+            ids.append(given.decode() if given else f"{kafka_topic}-{meta.partition}-{meta.offset}")
+        return ids
 
     def close(self) -> None:
         if self._producer is not None:
-            self._producer.close(timeout=5)
+            _close(self._producer, 5)
+
+
+def _close(producer: Any, timeout: float) -> None:
+    """Close a producer; one an error it cannot retry broke raises on its flush."""
+    try:
+        producer.close(timeout=timeout)
+    except Exception:
+        log.warning("closing the Kafka producer failed", exc_info=True)
 
 
 def _return_free_heap() -> None:

@@ -3,13 +3,16 @@ cluster, and occurrences through real Kafka, the ingest and the broker, once eac
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import datetime as dt
 import itertools
 import time
+import uuid
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from zoneinfo import ZoneInfo
 
 import httpx
@@ -18,12 +21,15 @@ from conftest import wait_until
 from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.admin import NewTopic
 from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
 
-from dejaq.broker.materialiser import occurrence_id
+from dejaq.broker.materialiser import Materialiser, occurrence_id
+from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.broker.state import cron
-from dejaq.conf.settings import ConfigError, load_settings
+from dejaq.broker.state.schedules import Schedule
+from dejaq.conf.settings import ConfigError, KafkaConfig, Settings, TopicConfig, load_settings
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import cluster
 from dejaq.pipelines.ingest import IngestJob
@@ -302,6 +308,71 @@ def test_unknown_and_non_cron_topics_are_404(crons) -> None:
         body = {"cron": "* * * * *", "payload": ""}
         assert client.post(f"{node.url}/v1/topics/{topic}/schedules", json=body).status_code == 404
         assert client.get(f"{node.url}/v1/topics/{topic}/schedules").status_code == 404
+
+
+def test_a_schedule_kafka_refuses_holds_back_no_other(
+    kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One schedule's payload is larger than the input topic takes: its occurrences are
+    refused, round after round, while the other schedule's go out and its progress
+    moves. The materialiser's broker is a stand-in holding the settings alone (a round
+    uses nothing else of it); Kafka, the producer and the schedules table are real."""
+    source = f"ticks-in-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(source, 1, 1, topic_configs={"max.message.bytes": "10000"})])
+    settings = Settings(
+        warehouse=str(tmp_path / "warehouse"),
+        kafka=KafkaConfig(bootstrap=kafka_bootstrap),
+        topics=[TopicConfig(name="ticks", kind="cron", source=[source])],
+    )
+    producer = Producer(settings.kafka)
+    materialiser = Materialiser(SimpleNamespace(settings=settings), producer)  # type: ignore[arg-type]
+    store = materialiser.stores["ticks"]
+    now = int(time.time() * 1000)
+    for schedule_id, payload in (("small", b"hi"), ("big", b"x" * 20_000)):
+        store.add(Schedule(schedule_id, "* * * * * *", "UTC", None, payload, [], None, now, now))
+    try:
+        with caplog.at_level("WARNING", logger="dejaq.broker.state.cron"):
+            sent = [asyncio.run(materialiser.round("ticks", now)) for _ in range(3)]
+        progress = {i: s.materialised_until for i, s in store.all().items()}
+        records = input_records(kafka_bootstrap, source)
+    finally:
+        producer.close()
+        admin.delete_topics([source])
+        admin.close()
+    horizon = settings.topic("ticks").cron_horizon_ms
+    # The first round fails both (the refusal fails every record sent with it); the
+    # second sends each schedule alone; the third has nothing of the small one due.
+    occurrences = horizon // 1000
+    assert sent[1] == occurrences and sent[2] == 0
+    assert progress == {"small": now + horizon, "big": now}
+    ids = {dict(r.headers)["dejaq-id"].decode() for r in records}
+    assert ids == {occurrence_id("small", now // 1000 * 1000 + k * 1000) for k in range(1, 301)}
+    refusals = [r for r in caplog.records if "schedule big" in r.getMessage()]
+    assert len(refusals) == 1 and "MessageSizeTooLargeError" in refusals[0].getMessage()
+
+
+def test_the_nodes_producer_takes_the_next_message_after_one_kafka_refuses(
+    kafka_bootstrap: str,
+) -> None:
+    """The node's producer (HTTP produce, cron) is idempotent: a record Kafka refuses for
+    good left it refusing every later send, until the node restarted."""
+    source = f"produce-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(source, 1, 1, topic_configs={"max.message.bytes": "10000"})])
+    producer = Producer(KafkaConfig(bootstrap=kafka_bootstrap))
+    small = Outgoing(None, b"hi", [("dejaq-id", b"after")])
+    try:
+        with pytest.raises(Problem, match=r"max\.message\.bytes") as refused:
+            asyncio.run(producer.send(source, [Outgoing(None, b"x" * 20_000, [])]))
+        assert refused.value.status == 413, "not to be retried as is"
+        assert asyncio.run(producer.send(source, [small])) == ["after"]
+        records = input_records(kafka_bootstrap, source)
+    finally:
+        producer.close()
+        admin.delete_topics([source])
+        admin.close()
+    assert [r.value for r in records] == [b"hi"]
 
 
 # --- end to end --------------------------------------------------------------------------
