@@ -855,3 +855,97 @@ def test_cluster_up_fails_when_a_broker_dies(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_forwarded_lease_is_relayed_as_it_arrives_not_after_the_client_gave_up() -> None:
+    """A lease answer of large payloads takes 3 s to come from the leader over a slow
+    link: relayed whole, the client heard nothing for longer than its 2 s stall timeout,
+    gave up and leased again, each lease costing its messages a delivery. The follower
+    is the node's real forwarding handler; the leader is a stand-in that sends its
+    answer slowly (a slow link between hosts cannot be made here otherwise)."""
+    import asyncio
+
+    import uvicorn
+    from fastapi import FastAPI
+
+    from dejaq.broker.api.app import _forward
+    from dejaq.broker.api.dependencies import ForwardToLeader
+
+    payload = base64.b64encode(b"x" * (6 << 20))  # 8 MB of JSON, in 24 chunks
+    message = {
+        "id": "m0",
+        "bucket": 0,
+        "sort_key": 1,
+        "priority": 1,
+        "deliver_at": None,
+        "key": None,
+        "payload": "PAYLOAD",
+        "deliveries": 1,
+        "lease_deadline": int(time.time() * 1000) + 60_000,
+        "receipt": 1,
+    }
+    head, tail = json.dumps({"messages": [message]}).encode().split(b"PAYLOAD")
+    leases: list[float] = []
+
+    async def leader(scope, receive, send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        while (await receive()).get("more_body"):
+            pass
+        leases.append(time.monotonic())
+        size = len(head) + len(payload) + len(tail)
+        start = {"type": "http.response.start", "status": 200}
+        start["headers"] = [
+            (b"content-type", b"application/json"),
+            (b"content-length", b"%d" % size),
+        ]
+        await send(start)
+        await send({"type": "http.response.body", "body": head, "more_body": True})
+        step = len(payload) // 24 + 1
+        for i in range(0, len(payload), step):
+            await asyncio.sleep(0.125)
+            await send(
+                {"type": "http.response.body", "body": payload[i : i + step], "more_body": True}
+            )
+        await send({"type": "http.response.body", "body": tail})
+
+    leader_port, follower_port = free_port(), free_port()
+
+    class Raft:
+        def leader_http(self) -> str:
+            return f"127.0.0.1:{leader_port}"
+
+    follower = FastAPI()
+    follower.state.broker = type("Broker", (), {"raft": Raft()})()
+    follower.state.scheme, follower.state.forward_tag = "http", None
+    follower.add_exception_handler(ForwardToLeader, _forward)
+
+    @follower.post("/v1/topics/{topic}/leases")
+    async def lease(topic: str) -> None:
+        raise ForwardToLeader()
+
+    servers = []
+    for app, port in ((leader, leader_port), (follower, follower_port)):
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+    try:
+        wait_until(lambda: all(s.started for s, _ in servers), what="both servers")
+
+        async def relayed() -> list:
+            async with httpx.AsyncClient(timeout=40) as http:
+                follower.state.http = http
+                client = Client([f"127.0.0.1:{follower_port}"], deadline=8)
+                return await asyncio.to_thread(client.lease, "jobs", "w", 1)
+
+        got = asyncio.run(relayed())
+    finally:
+        for server, thread in servers:
+            server.should_exit = True
+            thread.join(timeout=10)
+    assert [m.id for m in got] == ["m0"] and len(got[0].payload) == 6 << 20
+    assert len(leases) == 1, "leased once: the client did not give up and lease again"

@@ -9,7 +9,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -20,7 +20,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -89,7 +89,12 @@ def _not_leader(answer: httpx.Response) -> bool:
 async def _forward(request: Request, exc: Exception) -> Response:
     """Replay on the leader. An election or a dead leader is waited out, up to a bound:
     a refused connection or a "not leader" answer means nothing was done, so trying
-    again is safe."""
+    again is safe.
+
+    A success is passed on as it arrives, not once whole: a lease of large payloads
+    over a slow link would otherwise keep the client waiting in silence past its stall
+    timeout, and the lease it gives up on, retried, again and again, each time costing
+    its messages a delivery."""
     broker: Broker = request.app.state.broker
     client: httpx.AsyncClient = request.app.state.http
     body = await request.body()
@@ -112,8 +117,13 @@ async def _forward(request: Request, exc: Exception) -> Response:
                 tag(outgoing.method, target_of(url.path, url.query), body) if tag else "1"
             )
             answer = await _ask(
-                broker, target, client.send(outgoing), FORWARD_STALL_S + _long_poll_s(body)
+                broker,
+                target,
+                client.send(outgoing, stream=True),
+                FORWARD_STALL_S + _long_poll_s(body),
             )
+            if not answer.is_success:
+                await answer.aread()
         except LeaderStalled as e:
             return problem(503, "leader unreachable", str(e), retry_after=0)
         except httpx.ConnectError as e:
@@ -129,7 +139,21 @@ async def _forward(request: Request, exc: Exception) -> Response:
         keep = {
             k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")
         }
-        return Response(answer.content, status_code=answer.status_code, headers=keep)
+        if not answer.is_success:
+            return Response(answer.content, status_code=answer.status_code, headers=keep)
+        for name in ("content-length", "content-encoding"):  # of the bytes relayed as they are
+            if name in answer.headers:
+                keep[name] = answer.headers[name]
+        return StreamingResponse(_relayed(answer), status_code=answer.status_code, headers=keep)
+
+
+async def _relayed(answer: httpx.Response) -> AsyncIterator[bytes]:
+    """The leader's answer, a chunk at a time as it comes."""
+    try:
+        async for chunk in answer.aiter_raw():
+            yield chunk
+    finally:
+        await answer.aclose()
 
 
 class LeaderStalled(Exception):
