@@ -31,6 +31,7 @@ from dejaq.client import (
     PayloadTooLarge,
     Worker,
 )
+from dejaq.client.connections import Lost
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -579,3 +580,41 @@ def test_a_failure_on_the_last_delivery_says_it_was_dead_lettered(
     assert len(said) == 5
     assert all("again in" in line for line in said[:4])
     assert "out of deliveries: dead-lettered" in said[4] and "again" not in said[4]
+
+
+def test_a_nack_whose_answer_was_lost_counts_as_nacked_not_lost(three) -> None:
+    """The first nack reaches the broker, but the connection drops before its answer
+    (injected in the client's transport, after the real request: the rest is real). Its
+    retry is refused as not leased: the first nack's doing, not a lost message."""
+    nodes, warehouse = three
+    fill(warehouse, "ord", buffer_rows([1], bucket_of=lambda i: 0, prefix="unanswered"))
+    tries: list[int] = []
+
+    def handler(m: Message) -> None:
+        if m.id.startswith("unanswered"):
+            tries.append(m.deliveries)
+            if m.deliveries == 1:
+                raise Transient("fails once")
+
+    with Client(urls(nodes)) as c:
+        real = c._http.request
+        dropped: list[str] = []
+
+        def request(node, method, path, body=None, **kwargs):
+            answer = real(node, method, path, body, **kwargs)
+            if path.endswith("/nacks") and not dropped:
+                dropped.append(path)
+                raise Lost("the connection dropped before the answer")
+            return answer
+
+        c._http.request = request
+        worker = Worker(c, "ord", handler, wait_ms=200, backoff=Backoff(base_ms=10, max_ms=20))
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: tries == [1, 2], timeout=30, what="the message again, once")
+            wait_until(lambda: worker.counts.acked >= 1, timeout=30, what="its ack")
+        finally:
+            worker.stop()
+            thread.join(30)
+    assert dropped, "the first nack's answer was dropped"
+    assert worker.counts.nacked >= 1 and worker.counts.lost == 0

@@ -34,6 +34,11 @@ log = logging.getLogger("dejaq.worker")
 
 Handler = Callable[[Message], object]
 SETTLED = "already_settled"
+NOT_LEASED = "not_leased"
+# The refusals a retried settle gets when its first attempt, whose answer was lost, did
+# it: an ack or a reject settled the message; a nack gave it back (not leased now) or,
+# on its last delivery, dead-lettered it (settled).
+_OWN = {"acked": {SETTLED}, "rejected": {SETTLED}, "nacked": {SETTLED, NOT_LEASED}}
 ERROR_PAUSE_S = 1.0  # after a failed lease: a broker answering 500 is not asked again at once
 ACK_LINGER_S = 0.05  # how long a handled message's ack may wait for the next ones
 
@@ -177,8 +182,8 @@ class Worker:
             def nack(topic: str, consumer: str, **named: Any) -> None:
                 dead.extend(self.client.nack(topic, consumer, delay_ms=delay, **named).dead)
 
-            if self._settle([m], "nacked", nack):
-                if dead:  # the broker's last allowed delivery
+            if done := self._settle([m], "nacked", nack):
+                if dead or done[0][1] == SETTLED:  # the broker's last allowed delivery
                     self.counts.dead += 1
                     again = "out of deliveries: dead-lettered"
                 else:
@@ -204,18 +209,19 @@ class Worker:
         if not self._acks:
             return
         handled, self._acks = self._acks, []
-        for m in self._settle(handled, "acked", self.client.ack):
+        for m, _ in self._settle(handled, "acked", self.client.ack):
             if self.on_ack is not None:
                 self.on_ack(m)
 
     def _settle(
         self, messages: list[Message], outcome: str, call: Callable[..., object]
-    ) -> list[Message]:
+    ) -> list[tuple[Message, str | None]]:
         """Settle `messages`, by their receipts, in one request; returns those the broker
-        has settled by this worker, and lets go of them all.
+        has settled by this worker, each with the refusal that says its retry found it
+        done (None: done by this attempt), and lets go of them all.
 
-        An `already_settled` refusal after a retry is this call's own first attempt when
-        the lease still held: no one else could settle a message leased to us.
+        Such a refusal (`_OWN`) after a retry is this call's own first attempt when the
+        lease still held: no one else could settle a message leased to us.
         """
         named, keys = _named(messages)
         refused: dict[str, str] = {}
@@ -230,16 +236,16 @@ class Worker:
             log.warning("%s: %d not %s: %s", self.consumer_id, len(messages), outcome, e)
             self._let_go(messages)
             return []
-        settled = []
+        settled: list[tuple[Message, str | None]] = []
         for m, key in zip(messages, keys, strict=True):
             why = refused.get(key)
             if why is None:
-                settled.append(m)
-            elif why == SETTLED and maybe_applied and time.monotonic() < m.held_until:
+                settled.append((m, None))
+            elif why in _OWN[outcome] and maybe_applied and time.monotonic() < m.held_until:
                 log.info(
                     "%s: %s %s by an attempt whose answer was lost", self.consumer_id, m.id, outcome
                 )
-                settled.append(m)
+                settled.append((m, why))
             else:
                 self.counts.lost += 1
                 log.warning("%s: %s not %s (%s)", self.consumer_id, m.id, outcome, why)
