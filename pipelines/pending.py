@@ -154,7 +154,7 @@ class PendingSet:
             if not settles and (event != LedgerEvent.RESCHEDULED or sort_key is None):
                 continue
             if mid in self._taken:  # written already: only its own release is news
-                if event == LedgerEvent.RELEASED:
+                if event in (LedgerEvent.RELEASED, LedgerEvent.DEAD):
                     self._taken.discard(mid)
                 continue
             m = self._messages.get(mid)

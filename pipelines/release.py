@@ -33,6 +33,7 @@ import pyarrow as pa
 from deltalake import DeltaTable, write_deltalake
 from deltalake.transaction import CommitProperties, Transaction
 from kafka import KafkaProducer
+from kafka.errors import InvalidRecordError, MessageSizeTooLargeError, RecordListTooLargeError
 from kafka.producer.future import FutureRecordMetadata
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
@@ -41,11 +42,14 @@ from dejaq.conf.kafka_clients import python_source_options
 from dejaq.conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
+    DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
     LedgerEvent,
     Table,
     checkpoint_path,
     ensure_table,
+    matching,
+    scan,
 )
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.kafka_sink import producer_config, wait_sent
@@ -94,13 +98,30 @@ class ReleaseStats:
 
 
 class PartlySent(RuntimeError):
-    """A batch's send failed; `acked`: its messages Kafka acknowledged all the same."""
+    """A batch's send failed; `acked`: its messages Kafka acknowledged all the same,
+    `failed`: the others, in order."""
 
-    def __init__(self, output: str, acked: list[Message], of: int) -> None:
+    def __init__(self, output: str, acked: list[Message], failed: list[Message]) -> None:
+        of = len(acked) + len(failed)
         super().__init__(
             f"sending to Kafka topic {output} failed: {len(acked)} of {of} messages sent"
         )
-        self.acked = acked
+        self.acked, self.failed = acked, failed
+
+
+# A message Kafka refused for good, with why (`refusal`).
+Refused = tuple[Message, str]
+# Errors of one record that sending it again cannot mend: larger than the output topic
+# (or the producer) takes, or invalid to the broker.
+_REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError, InvalidRecordError)
+
+
+def refusal(error: BaseException | None) -> str | None:
+    """Why Kafka refused a record for good (its dead letter's reason), or None for an
+    error that sending it again may get past."""
+    if isinstance(error, _REFUSALS):
+        return f"kafka_refused: {type(error).__name__}"
+    return None
 
 
 def require_release(topic: TopicConfig) -> None:
@@ -176,8 +197,11 @@ class Releaser:
 
     def close(self) -> None:
         if self._producer is not None:
-            self._producer.close()
-            self._producer = None
+            producer, self._producer = self._producer, None
+            try:
+                producer.close()
+            except Exception:  # one an error broke raises on its flush, its sends done
+                log.warning("closing the Kafka producer failed", exc_info=True)
 
     def watermark(self) -> int | None:
         """Event time: max event time seen minus the allowed lateness."""
@@ -257,8 +281,38 @@ class Releaser:
                 )
             wait_sent(producer, futures)
         except Exception as e:
-            acked = [m for m, f in zip(messages, futures, strict=False) if f.succeeded()]
-            raise PartlySent(self.output, acked, len(messages)) from e
+            sent = [f.succeeded() for f in futures] + [False] * (len(messages) - len(futures))
+            acked = [m for m, ok in zip(messages, sent, strict=True) if ok]
+            failed = [m for m, ok in zip(messages, sent, strict=True) if not ok]
+            raise PartlySent(self.output, acked, failed) from e
+
+    def _sort_out(
+        self, failed: list[Message], error: BaseException | None
+    ) -> tuple[list[Message], list[Refused], list[Message], BaseException | None]:
+        """After a send failed: (acked, refused, not sent, the error that stopped it).
+
+        The producer is idempotent: a record Kafka refuses for good fails every record
+        it held with it, and every one after. So when the error is such a refusal, each
+        failed message is sent alone, in order, on a new producer after each refusal:
+        the ones refused alone are told apart from the others. Any other error stops
+        the sorting: what is left is sent again later, as after a failed batch."""
+        if refusal(error) is None:
+            return [], [], failed, error
+        acked: list[Message] = []
+        refused: list[Refused] = []
+        for i, m in enumerate(failed):
+            self.close()  # refused by the last record, the producer takes no other
+            try:
+                self._produce([m])
+            except PartlySent as e:
+                why = refusal(e.__cause__)
+                if why is None:
+                    return acked, refused, failed[i:], e.__cause__
+                refused.append((m, why))
+                continue
+            acked.append(m)
+        self.close()
+        return acked, refused, [], None
 
     def sender(self) -> TimedSender:
         if self._sender is None:
@@ -267,20 +321,29 @@ class Releaser:
             )
         return self._sender
 
-    def _record(self, messages: list[Message], batch_id: int) -> None:
-        """Append `released` ledger rows; a batch id the ledger already has is skipped."""
+    def _record(
+        self, messages: list[Message], batch_id: int, refused: list[Refused] | None = None
+    ) -> None:
+        """Append `released` ledger rows, and `dead` ones for the messages Kafka refused
+        (their dead letters first); the pending set knows them all as written."""
         at = dt.datetime.now(dt.UTC)
+        dead = [m for m, _ in refused or ()]
+        if refused:
+            self._dead_letters(refused, at)
+        every = [*messages, *dead]
+        events = [LedgerEvent.RELEASED.value] * len(messages) + [LedgerEvent.DEAD.value] * len(dead)
         rows = pa.table(
             {
-                "message_id": [m.message_id for m in messages],
-                "bucket": [m.bucket for m in messages],
-                "event": [LedgerEvent.RELEASED.value] * len(messages),
-                "sort_key": [m.sort_key for m in messages],
-                "deliveries": [1] * len(messages),
-                "at": [at] * len(messages),
+                "message_id": [m.message_id for m in every],
+                "bucket": [m.bucket for m in every],
+                "event": events,
+                "sort_key": [m.sort_key for m in every],
+                "deliveries": [1] * len(every),
+                "at": [at] * len(every),
             },
             schema=LEDGER_SCHEMA,
         )
+        self.pending.settle(every)
         # `at` is the time of recording. A retention cutoff is its run's clock minus
         # settled_retention_ms, and runs come between batches, so every event recorded
         # after a run is at or after its cutoff: `retain` needs no bound on unwritten
@@ -299,6 +362,34 @@ class Releaser:
         self._appends += 1
         if self._appends % LEDGER_COMPACT_EVERY == 0:
             maintain_log(self.ledger_path, "at", self.topic.settled_retention_ms)
+
+    def _dead_letters(self, refused: list[Refused], at: dt.datetime) -> None:
+        """The dead letters of messages Kafka refused: their buffer rows, with the reason.
+        Those the table holds already (a batch done again) are not added twice."""
+        path = ensure_table(self.settings.warehouse, Table.DEAD_LETTER, self.topic.name)
+        why = {m.message_id: reason for m, reason in refused}
+        held = scan(
+            path, Table.DEAD_LETTER, ["message_id"], matching(Table.DEAD_LETTER, message_id=why)
+        )
+        new = set(why) - set(held.column("message_id").to_pylist())
+        if not new:
+            return
+        found = scan(self.buffer_path, Table.BUFFER, where=matching(Table.BUFFER, message_id=new))
+        letters = []
+        for row in found.to_pylist():
+            if row["message_id"] in new:
+                new.discard(row["message_id"])
+                row.pop("ingested_at", None)
+                reason = why[row["message_id"]]
+                letters.append(row | {"deliveries": 1, "reason": reason, "dead_at": at})
+        log.warning(
+            "release %s: Kafka refused %d messages for good, now dead letters: %s",
+            self.topic.name,
+            len(letters),
+            [(r["message_id"], r["reason"]) for r in letters[:10]],
+        )
+        table = pa.Table.from_pylist(letters, schema=DEAD_LETTER_SCHEMA)
+        write_deltalake(path, table, mode="append")
 
     def run_retention(self) -> RetentionRun | None:
         """Remove the messages settled more than `settled_retention_ms` ago from the
@@ -340,29 +431,33 @@ class Releaser:
             return stats
         late = self.refresh()
         taken = self.select()
+        refused: list[Refused] = []
+        error: BaseException | None = None
         if self.kind is TopicKind.TIMELINE:
             self.pending.settle(taken)  # the sender has them: a re-read must not add them back
-            self.sender().schedule(taken)
-            released = self.sender().take_acked()
+            sender = self.sender()
+            sender.schedule(taken)
+            released = sender.take_acked()
+            if sender.error is not None:
+                released, refused, error = self._timed_failure(sender, released)
         else:
             try:
                 self._produce(taken)
+                released = taken
             except PartlySent as e:
-                # What Kafka acknowledged is released: the ledger says so before the
-                # error ends the job, or its restart would send it again.
-                sent = {m.message_id for m in e.acked}
-                self.pending.put_back([m for m in taken if m.message_id not in sent])
-                if e.acked:
-                    self._record(e.acked, batch_id)
-                    self.pending.settle(e.acked)
-                raise
+                more, refused, left, error = self._sort_out(e.failed, e.__cause__)
+                released = e.acked + more
+                self.pending.put_back(left)
             except BaseException:
                 self.pending.put_back(taken)
                 raise
-            released = taken
-        if released:
-            self._record(released, batch_id)
-        self.pending.settle(released)
+        # What Kafka acknowledged is released, and what it refused for good is dead: the
+        # ledger says so before an error ends the job, or its restart would send them
+        # again (and stop at the refused one each time).
+        if released or refused:
+            self._record(released, batch_id, refused)
+        if error is not None:
+            raise RuntimeError(f"sending to Kafka topic {self.output} failed") from error
         self.idle = not taken and not released and not (self._sender and self._sender.busy)
         if self.kind is TopicKind.PRIORITY and len(self.pending):
             self.idle = False
@@ -380,6 +475,20 @@ class Releaser:
         self.stats.append(stats)
         return stats
 
+    def _timed_failure(
+        self, sender: TimedSender, acked: list[Message]
+    ) -> tuple[list[Message], list[Refused], BaseException | None]:
+        """The timed sender stopped at a send error: (acked, refused, the error that
+        stops the job, if any). Its failed messages are sorted out (`_sort_out`), and the
+        ones it had not sent yet go to a new sender, unless the error stands."""
+        unsent = sender.stop()
+        acked = acked + sender.take_acked()
+        self._sender = None
+        more, refused, _, error = self._sort_out(sender.failed, sender.error)
+        if error is None:
+            self.sender().schedule(unsent)
+        return acked + more, refused, error
+
     def finish(self) -> None:
         """After the last batch: record what the timed sender got acknowledged, then close.
 
@@ -390,6 +499,13 @@ class Releaser:
             if self._sender is not None:
                 self._sender.stop()
                 released = self._sender.take_acked()
+                if self._sender.error is not None:
+                    log.warning(
+                        "release %s: %d messages not sent (%s): sent at the next start",
+                        self.topic.name,
+                        len(self._sender.failed),
+                        self._sender.error,
+                    )
                 if released and self._last_batch is not None:
                     batch_id = max(self._last_batch, self._committed or 0)
                     self._record(released, batch_id)

@@ -7,6 +7,7 @@ Spark plans the next trigger, so that overhead does not make messages late.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import threading
 import time
@@ -30,6 +31,7 @@ class TimedSender:
         self._queue: list[tuple[Order, Message]] = []
         self._in_flight = 0
         self._acked: list[Message] = []
+        self._failed: list[Message] = []
         self._error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="dejaq-timed-sender", daemon=True)
@@ -48,14 +50,23 @@ class TimedSender:
             return bool(self._queue or self._in_flight or self._acked)
 
     def take_acked(self) -> list[Message]:
-        """What Kafka acknowledged since the last call. After a send error, what Kafka
-        acknowledged is still returned, for the ledger to say it was released (else a
-        restart sends it again); then the error is raised."""
+        """What Kafka acknowledged since the last call, an error or not: the ledger says
+        it was released, or a restart would send it again."""
         with self._cv:
             acked, self._acked = self._acked, []
-            if not acked and self._error is not None:
-                raise RuntimeError(f"sending to Kafka topic {self._topic} failed") from self._error
             return acked
+
+    @property
+    def error(self) -> BaseException | None:
+        """The first send error: sending stopped at it."""
+        with self._cv:
+            return self._error
+
+    @property
+    def failed(self) -> list[Message]:
+        """The messages whose send failed, in release order."""
+        with self._cv:
+            return sorted(self._failed, key=lambda m: m.order)
 
     def stop(self) -> list[Message]:
         """Stop sending; wait for the acks of what was sent. Returns the unsent messages."""
@@ -63,7 +74,8 @@ class TimedSender:
             self._stopping = True
             self._cv.notify()
         self._thread.join()
-        self._producer.flush()
+        with contextlib.suppress(Exception):  # after an error, each future says its own
+            self._producer.flush()
         with self._cv:
             unsent = [m for _, m in sorted(self._queue)]
             self._queue.clear()
@@ -71,7 +83,7 @@ class TimedSender:
 
     def _next_due(self) -> Message | None:
         """Under the lock: wait until the first message is due; None when stopping, or
-        after a send error (what follows waits for the restart, in order)."""
+        after a send error (what follows is the release's to send, in order)."""
         while not self._stopping and self._error is None:
             if not self._queue:
                 self._cv.wait()
@@ -94,18 +106,19 @@ class TimedSender:
                     self._topic, key=m.key, value=m.payload, headers=self._headers(m)
                 )
             except BaseException as e:
-                self._failed(e)
+                self._fail(m, e)
                 return
             future.add_callback(lambda _, m=m: self._sent(m))
-            future.add_errback(self._failed)
+            future.add_errback(lambda e, m=m: self._fail(m, e))
 
     def _sent(self, m: Message) -> None:
         with self._cv:
             self._in_flight -= 1
             self._acked.append(m)
 
-    def _failed(self, error: BaseException) -> None:
+    def _fail(self, m: Message, error: BaseException) -> None:
         with self._cv:
             self._in_flight -= 1
+            self._failed.append(m)
             if self._error is None:
                 self._error = error

@@ -503,13 +503,17 @@ def test_a_null_header_value_leaves_empty_and_holds_nothing_back(
     assert sorted(ledger_released(s)) == sorted(written)
 
 
+def read_dead_letters(settings: Settings) -> list[dict]:
+    path = ensure_table(settings.warehouse, Table.DEAD_LETTER, "jobs")
+    return DeltaTable(path).to_pyarrow_table().to_pylist()
+
+
 @pytest.mark.parametrize("kind", ["priority", "timeline"])
-def test_what_kafka_acknowledged_before_a_send_failed_is_in_the_ledger(
-    kafka_bootstrap, tmp_path, kind
-):
-    """Kafka refuses one record (larger than its topic takes) after acknowledging those
-    before it: the job stops with the error, and the ledger says the acknowledged ones
-    were released, so a restart neither sends them again nor skips the refused one."""
+def test_a_record_kafka_refuses_is_dead_lettered_and_the_rest_flow(kafka_bootstrap, tmp_path, kind):
+    """Kafka refuses one record for good (larger than its topic takes), and with it every
+    record the idempotent producer held: sent again, it would stop the release there
+    each time. It goes to the dead letters whole, with the reason, and the ledger says
+    it is dead; the messages before and after it are released once each, in order."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
 
@@ -518,39 +522,27 @@ def test_what_kafka_acknowledged_before_a_send_failed_is_in_the_ledger(
     admin.create_topics([NewTopic(out, 1, 1, topic_configs={"max.message.bytes": "10000"})])
     s = settings_for(tmp_path, kafka_bootstrap, kind, out)
     base = int(time.time() * 1000) - 60_000 if kind == "timeline" else 0
-    small = add_buffer(s, kind, [base + k for k in (1, 2, 3)])
+    before = add_buffer(s, kind, [base + k for k in (1, 2, 3)])
     # Past the producer's batch size (16 KB), so sent in a batch of its own.
     big = add_buffer(s, kind, [base + 4], first_offset=3, payload_bytes=20_000)
+    after = add_buffer(s, kind, [base + k for k in (5, 6)], first_offset=4)
     output = Output(kafka_bootstrap, out, 1)
-
-    def fails(releaser: Releaser, first: int) -> BaseException:
-        batches = iter(range(first, 1_000_000))
-        failed: list[BaseException] = []
-
-        def step() -> bool:
-            try:
-                releaser.run_batch(next(batches))
-            except Exception as e:
-                failed.append(e)
-            return bool(failed)
-
-        wait_until(step, timeout=60, what="the refused send's error")
-        return failed[0]
-
+    releaser = Releaser(s, s.topic("jobs"))
     try:
-        releaser = Releaser(s, s.topic("jobs"))
-        error = fails(releaser, 0)
-        releaser.close()
-        assert sorted(ledger_released(s)) == sorted(small)
-        assert f"sending to Kafka topic {out} failed" in str(error)
-        assert ids(output.wait_for(3)) == small
-        again = Releaser(s, s.topic("jobs"))  # a restart: the refused one is still pending
-        assert "failed" in str(fails(again, 100)), "the refused one is tried again"
-        again.close()
-        output.poll()
-        assert ids(output.records) == small, "none sent twice, the refused one not at all"
-        assert big[0] not in ledger_released(s)
+        run_until(releaser, lambda: len(ledger_released(s)) == 5 and bool(read_dead_letters(s)))
+        records = output.wait_for(5)
     finally:
+        releaser.finish()
         output.close()
         admin.delete_topics([out])
         admin.close()
+    assert ids(records) == before + after
+    assert sorted(ledger_released(s)) == sorted(before + after)
+    [letter] = read_dead_letters(s)
+    assert (letter["message_id"], letter["reason"]) == (
+        big[0],
+        "kafka_refused: MessageSizeTooLargeError",
+    )
+    assert letter["payload"] == b"x" * 20_000
+    ledger = DeltaTable(ensure_table(s.warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    assert [r["message_id"] for r in ledger.to_pylist() if r["event"] == LedgerEvent.DEAD] == big
