@@ -80,8 +80,9 @@ class Materialiser:
         # (topic, id, created at) → (progress, the first occurrence after it), so a round
         # costs a dictionary look-up per schedule that is not due.
         self._next: dict[tuple[str, str, int], tuple[int, int | None]] = {}
-        # (topic, id) → the error its last round met, logged once until it changes.
-        self._failing: dict[tuple[str, str], str] = {}
+        # (topic, id) of the schedules whose last round failed → the error logged for it
+        # (None: none yet; failed among others, it is not told apart from them).
+        self._failing: dict[tuple[str, str], str | None] = {}
 
     async def run(self) -> None:
         """Until cancelled. A failed round is logged; the next one does it again."""
@@ -126,17 +127,24 @@ class Materialiser:
                 if until != d.until:
                     failed[d.schedule.schedule_id] = next(e for e in mine if e is not None)
         await asyncio.to_thread(store.advance, progress)
-        self._note(topic, [d.schedule.schedule_id for d in due], failed)
+        sent_alone = {group[0].schedule.schedule_id for group in alone}
+        self._note(topic, [d.schedule.schedule_id for d in due], failed, sent_alone)
         return sent
 
-    def _note(self, topic: str, schedules: list[str], failed: dict[str, Exception]) -> None:
-        """Log each schedule whose occurrences Kafka did not all take, once per error
-        until it changes or the schedule's occurrences go through."""
+    def _note(
+        self, topic: str, schedules: list[str], failed: dict[str, Exception], alone: set[str]
+    ) -> None:
+        """Note the schedules whose occurrences Kafka did not all take; log one that
+        failed sent alone (so its own), once per error until it changes or its
+        occurrences go through."""
         for schedule_id in schedules:
             key = (topic, schedule_id)
             error = failed.get(schedule_id)
             if error is None:
                 self._failing.pop(key, None)
+                continue
+            if schedule_id not in alone:
+                self._failing.setdefault(key, None)
                 continue
             why = f"{type(error).__name__}: {error}"
             if self._failing.get(key) != why:

@@ -40,7 +40,7 @@ from dejaq.broker.storage.ledger_writer import (
     compact_ledger,
 )
 from dejaq.broker.storage.row_store import Row
-from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.kafka_clients import close_producer, python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
 from dejaq.pipelines.retention import RetentionRun, period_s, redriven, restore, retain
@@ -756,7 +756,7 @@ def _by_name(
     refused: dict[str | int, Refusal], names: dict[int, str], early: dict[str, Refusal]
 ) -> dict[str | int, Refusal]:
     """A command's refusals by what the request named: the ids of the receipts the
-    leader made for it (`BrokerService._named`), with those refused before it."""
+    leader made for it (`Broker._named`), with those refused before it."""
     return {**early, **{names.get(r, r): why for r, why in refused.items()}}  # type: ignore[call-overload]
 
 
@@ -807,7 +807,10 @@ class Producer:
     def _send(self, kafka_topic: str, messages: list[Outgoing]) -> list[Any]:
         """Each message's record metadata once Kafka acknowledged it, or the error that
         kept it out."""
-        producer = self._get()
+        try:
+            producer = self._get()
+        except Exception as e:  # no broker reached, say
+            return [e] * len(messages)
         futures: list[Any] = []
         for m in messages:
             try:
@@ -819,19 +822,24 @@ class Producer:
         with contextlib.suppress(Exception):  # each future says how its record fared
             producer.flush(timeout=30)
         out: list[Any] = []
+        broken = False
         for f in futures:
+            if isinstance(f, Exception):  # the producer's own check: it is unharmed
+                out.append(f)
+                continue
             try:
-                out.append(f if isinstance(f, Exception) else f.get(timeout=30))
+                out.append(f.get(timeout=30))
             except Exception as e:
                 out.append(e)
-        if any(isinstance(o, KafkaError) and not o.retriable for o in out):
-            # The producer is idempotent: an error it cannot retry (a record larger than
-            # the topic takes) fails every batch it holds and leaves it refusing every
-            # later send. A new one takes the next.
+                broken = broken or (isinstance(e, KafkaError) and not e.retriable)
+        if broken:
+            # The producer is idempotent: an error from Kafka it cannot retry (a record
+            # larger than the topic takes) fails every batch it holds and leaves it
+            # refusing every later send. A new one takes the next.
             with self._lock:
                 if self._producer is producer:
                     self._producer = None
-            _close(producer, 0)
+            close_producer(producer, 0)
         return out
 
     async def send_each(self, kafka_topic: str, messages: list[Outgoing]) -> list[Exception | None]:
@@ -861,15 +869,7 @@ class Producer:
 
     def close(self) -> None:
         if self._producer is not None:
-            _close(self._producer, 5)
-
-
-def _close(producer: Any, timeout: float) -> None:
-    """Close a producer; one an error it cannot retry broke raises on its flush."""
-    try:
-        producer.close(timeout=timeout)
-    except Exception:
-        log.warning("closing the Kafka producer failed", exc_info=True)
+            close_producer(self._producer, 5)
 
 
 def _return_free_heap() -> None:

@@ -79,3 +79,15 @@ def jvm_options(kafka: KafkaConfig) -> dict[str, str]:
 
 def _jaas(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def close_producer(producer: Any, timeout: float | None = None) -> None:
+    """Close a producer, even one an error it cannot retry broke: its close begins with
+    a flush that then raises, before it stops the producer's I/O thread, which is then
+    stopped here (kafka-python has no close without the flush)."""
+    try:
+        producer.close(timeout=timeout)
+    except Exception:
+        sender = getattr(producer, "_sender", None)
+        if sender is not None:
+            sender.force_close()

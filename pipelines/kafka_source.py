@@ -339,24 +339,23 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return self._driver().end_offsets(tps, timeout_ms=self.options.poll_timeout_ms)
 
     def _rewound(self, begin: Positions, ends: Positions, warn: bool = False) -> Positions:
-        """`begin`, but from its earliest offset for a partition whose end is now below
-        where the stream had got to (its topic deleted and made again, or its log cut
-        by an unclean leader election): what it holds now is read, not skipped until
-        its offsets pass the old ones. Records read before come again with the same
-        coordinates, which the ingest's dedup drops."""
+        """`begin`, but at its end for a partition whose end is now below where the
+        stream had got to (its topic deleted and made again, or its log cut by an
+        unclean leader election), as Spark's own source does with `failOnDataLoss`
+        off: what comes next is read at once, not after its offsets pass the old ones.
+        Reading the partition from its start instead would buffer again, as new
+        messages, the records a cut log still holds (ids made of coordinates are not
+        deduplicated), and give a topic made again ids its old messages had."""
         behind = [tp for tp, end in ends.items() if end < begin.get(tp, 0)]
         if not behind:
             return begin
-        earliest = self._beginning(behind)
         if warn:
             log.warning(
                 "dejaq_kafka: the offsets of %s went back (a topic made again, or a log "
-                "cut): reading them from their earliest offsets %s; what the old log held "
-                "past the stream's position, not read yet, went with it",
+                "cut): reading on from their ends; what they held below it is not read",
                 [f"{tp.topic}-{tp.partition}: {begin[tp]} -> {ends[tp]}" for tp in behind],
-                {f"{tp.topic}-{tp.partition}": earliest[tp] for tp in behind},
             )
-        return begin | earliest
+        return begin | {tp: ends[tp] for tp in behind}
 
     def _with_new_partitions(self, start: dict, current: list[TopicPartition]) -> Positions:
         """`start` plus, for partitions it does not know yet, their earliest offset."""

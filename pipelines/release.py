@@ -23,6 +23,7 @@ on, and the pending set keeps no id of a message once it has left.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import logging
 import time
@@ -38,7 +39,7 @@ from kafka.producer.future import FutureRecordMetadata
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 
-from dejaq.conf.kafka_clients import python_source_options
+from dejaq.conf.kafka_clients import close_producer, python_source_options
 from dejaq.conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
@@ -52,7 +53,7 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.delta_follower import DeltaFollower
-from dejaq.pipelines.kafka_sink import producer_config, wait_sent
+from dejaq.pipelines.kafka_sink import SEND_TIMEOUT_S, producer_config, wait_sent
 from dejaq.pipelines.log_compaction import maintain_log
 from dejaq.pipelines.pending import Message, PendingSet
 from dejaq.pipelines.retention import LogGap, RetentionRun, period_s, retain, watermark
@@ -198,10 +199,7 @@ class Releaser:
     def close(self) -> None:
         if self._producer is not None:
             producer, self._producer = self._producer, None
-            try:
-                producer.close()
-            except Exception:  # one an error broke raises on its flush, its sends done
-                log.warning("closing the Kafka producer failed", exc_info=True)
+            close_producer(producer)
 
     def watermark(self) -> int | None:
         """Event time: max event time seen minus the allowed lateness."""
@@ -281,6 +279,9 @@ class Releaser:
                 )
             wait_sent(producer, futures)
         except Exception as e:
+            # A send that raised left the earlier ones in flight: their outcome first.
+            with contextlib.suppress(Exception):
+                producer.flush(timeout=SEND_TIMEOUT_S)
             sent = [f.succeeded() for f in futures] + [False] * (len(messages) - len(futures))
             acked = [m for m, ok in zip(messages, sent, strict=True) if ok]
             failed = [m for m, ok in zip(messages, sent, strict=True) if not ok]
@@ -300,8 +301,8 @@ class Releaser:
             return [], [], failed, error
         acked: list[Message] = []
         refused: list[Refused] = []
+        self.close()  # a refusal leaves the producer refusing every later send
         for i, m in enumerate(failed):
-            self.close()  # refused by the last record, the producer takes no other
             try:
                 self._produce([m])
             except PartlySent as e:
@@ -309,9 +310,9 @@ class Releaser:
                 if why is None:
                     return acked, refused, failed[i:], e.__cause__
                 refused.append((m, why))
+                self.close()
                 continue
             acked.append(m)
-        self.close()
         return acked, refused, [], None
 
     def sender(self) -> TimedSender:
@@ -382,6 +383,14 @@ class Releaser:
                 row.pop("ingested_at", None)
                 reason = why[row["message_id"]]
                 letters.append(row | {"deliveries": 1, "reason": reason, "dead_at": at})
+        if new:
+            log.warning(
+                "release %s: no buffer row of %s, refused by Kafka: no dead letter holds them",
+                self.topic.name,
+                sorted(new)[:10],
+            )
+        if not letters:
+            return
         log.warning(
             "release %s: Kafka refused %d messages for good, now dead letters: %s",
             self.topic.name,

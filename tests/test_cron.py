@@ -348,6 +348,7 @@ def test_a_schedule_kafka_refuses_holds_back_no_other(
     assert progress == {"small": now + horizon, "big": now}
     ids = {dict(r.headers)["dejaq-id"].decode() for r in records}
     assert ids == {occurrence_id("small", now // 1000 * 1000 + k * 1000) for k in range(1, 301)}
+    assert not [r for r in caplog.records if "schedule small" in r.getMessage()]
     refusals = [r for r in caplog.records if "schedule big" in r.getMessage()]
     assert len(refusals) == 1 and "MessageSizeTooLargeError" in refusals[0].getMessage()
 

@@ -293,11 +293,12 @@ def test_new_partitions_and_topics_are_read_from_their_start(
         admin.delete_topics([later])
 
 
-def test_a_topic_made_again_is_read_from_its_start_not_after_the_old_offsets(
+def test_a_partition_whose_offsets_went_back_is_read_on_from_its_new_end(
     kafka_bootstrap: str, producer, admin: KafkaAdminClient
 ) -> None:
-    """The stream had read 10 records; the topic is deleted and made again, with 5 new
-    ones: they are read at once, not skipped until the new log passed offset 10."""
+    """The stream had read 10 records; the topic is deleted and made again, and gets 5:
+    the stream goes on from there (as Spark's source does without failOnDataLoss), so
+    the next records are read at once, not once the new log has passed offset 10."""
     topic = f"again-{uuid.uuid4().hex[:10]}"
     admin.create_topics([NewTopic(topic, 1, 1)])
     produce(producer, topic, 10, partitions=1, tag="old")
@@ -317,18 +318,18 @@ def test_a_topic_made_again_is_read_from_its_start_not_after_the_old_offsets(
 
     wait_until(made_again, what="the topic made again")
     fresh = KafkaProducer(bootstrap_servers=kafka_bootstrap)  # metadata of the new topic
-    try:
-        produce(fresh, topic, 5, partitions=1, tag="new")
-    finally:
-        fresh.close()
     reader = reader_for(kafka_bootstrap, topic)  # a restart from the checkpointed offsets
     try:
-        nxt = reader.latestOffset(end, reader.getDefaultReadLimit())
-        batches = [b for p in reader.partitions(end, nxt) for b in reader.read(p)]
+        produce(fresh, topic, 5, partitions=1, tag="before")
+        moved = reader.latestOffset(end, reader.getDefaultReadLimit())
+        assert moved == {topic: {"0": 5}} and reader.partitions(end, moved) == []
+        produce(fresh, topic, 3, partitions=1, tag="after")
+        nxt = reader.latestOffset(moved, reader.getDefaultReadLimit())
+        batches = [b for p in reader.partitions(moved, nxt) for b in reader.read(p)]
         values = [v for b in batches for v in b.column("value").to_pylist()]
-        assert values == [f"newv{i}".encode() for i in range(5)]
-        assert reader.partitions(nxt, reader.latestOffset(nxt, reader.getDefaultReadLimit())) == []
+        assert values == [f"afterv{i}".encode() for i in range(3)]
     finally:
+        fresh.close()
         reader.stop()
         admin.delete_topics([topic])
 

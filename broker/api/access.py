@@ -28,6 +28,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from dejaq.broker.api.keys import KeyRing
+from dejaq.broker.api.replayed_body import replay
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -107,7 +108,7 @@ def forward_tag(
     nonce = secrets.token_hex(12) if nonce is None else nonce
     signed = f"dejaq-forward {sender} {at_ms} {nonce} {method} {target} "
     signed += hashlib.sha256(body).hexdigest()
-    mac = hmac.new(password.encode(), signed.encode("latin-1"), hashlib.sha256)
+    mac = hmac.new(password.encode(), signed.encode(), hashlib.sha256)
     return f"{sender} {at_ms} {nonce} {mac.hexdigest()}"
 
 
@@ -129,7 +130,7 @@ class Guard:
         """`password`: the Raft password, under which nodes tag their forwards."""
         self.app, self.keys, self.password = app, keys, password
         self.metrics_open = metrics_open
-        # The nonces of the forwards taken within FORWARD_TTL_MS, and when each expires.
+        # The nonces of the forwards taken, each kept until its tag could no longer pass.
         self._nonces: set[str] = set()
         self._expiries: deque[tuple[float, str]] = deque()
 
@@ -152,7 +153,7 @@ class Guard:
             target = target_of(path, scope.get("query_string", b""))
             if body is not None and self._from_node(forwarded, scope["method"], target, body):
                 # Authorized where it arrived.
-                return await self.app(scope, _replay(body, receive), send)
+                return await self.app(scope, replay(body, receive), send)
             return await _refuse(
                 send,
                 401,
@@ -212,20 +213,6 @@ async def _body(receive: Any) -> bytes | None:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Any) -> Callable[[], Awaitable[dict]]:
-    """`receive` for the app, the body read already handed over first."""
-    given = False
-
-    async def again() -> dict:
-        nonlocal given
-        if given:
-            return await receive()
-        given = True
-        return {"type": "http.request", "body": body, "more_body": False}
-
-    return again
 
 
 def _grant(role: str, topic: str | None) -> str:

@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dejaq.broker.api.access import FORWARDED, ROUTES, Guard, forward_tag, target_of
@@ -94,7 +95,8 @@ async def _forward(request: Request, exc: Exception) -> Response:
     A success is passed on as it arrives, not once whole: a lease of large payloads
     over a slow link would otherwise keep the client waiting in silence past its stall
     timeout, and the lease it gives up on, retried, again and again, each time costing
-    its messages a delivery."""
+    its messages a delivery. Once its head has come, the answer's body is bounded by
+    the HTTP client's read timeout alone."""
     broker: Broker = request.app.state.broker
     client: httpx.AsyncClient = request.app.state.http
     body = await request.body()
@@ -144,16 +146,19 @@ async def _forward(request: Request, exc: Exception) -> Response:
         for name in ("content-length", "content-encoding"):  # of the bytes relayed as they are
             if name in answer.headers:
                 keep[name] = answer.headers[name]
-        return StreamingResponse(_relayed(answer), status_code=answer.status_code, headers=keep)
+        # Closed once sent, or once the client has gone before all of it was.
+        return StreamingResponse(
+            _relayed(answer),
+            status_code=answer.status_code,
+            headers=keep,
+            background=BackgroundTask(answer.aclose),
+        )
 
 
 async def _relayed(answer: httpx.Response) -> AsyncIterator[bytes]:
     """The leader's answer, a chunk at a time as it comes."""
-    try:
-        async for chunk in answer.aiter_raw():
-            yield chunk
-    finally:
-        await answer.aclose()
+    async for chunk in answer.aiter_raw():
+        yield chunk
 
 
 class LeaderStalled(Exception):
@@ -189,8 +194,11 @@ async def _ask(
                 raise LeaderStalled(f"{target} was replaced by {leader} as leader")
             if time.monotonic() >= give_up:
                 raise LeaderStalled(f"{target} did not answer in {patience_s:.1f} s")
-    finally:
+    except BaseException:
         task.cancel()
+        if task.done() and not task.cancelled() and task.exception() is None:
+            await task.result().aclose()  # its head came just as this gave up
+        raise
 
 
 class BrokerApp(FastAPI):

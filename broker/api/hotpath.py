@@ -22,6 +22,7 @@ import orjson
 from dejaq_core import Bodies
 
 from dejaq.broker.api.dependencies import problem
+from dejaq.broker.api.replayed_body import replay
 from dejaq.broker.api.routers._common import MAX_RECEIPT
 from dejaq.broker.service import Broker, Problem
 
@@ -83,7 +84,7 @@ class HotPath:
         except Problem as e:
             response = problem(e.status, e.title, e.detail, **e.extra)
             return await response(scope, receive, send)
-        await self.app(scope, _replay(body, receive), send)
+        await self.app(scope, replay(body, receive), send)
 
 
 def _parsed(body: bytes) -> Any:
@@ -110,20 +111,6 @@ async def _read(receive: Receive) -> bytes:
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Receive) -> Receive:
-    """A receive() that yields the already-read body, then the server's own messages."""
-    sent = False
-
-    async def replay() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replay
 
 
 async def _send(send: Send, status: int, body: bytes) -> None:

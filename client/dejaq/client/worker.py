@@ -221,7 +221,8 @@ class Worker:
         done (None: done by this attempt), and lets go of them all.
 
         Such a refusal (`_OWN`) after a retry is this call's own first attempt when the
-        lease still held: no one else could settle a message leased to us.
+        lease still held: no one else could settle a message leased to us (but for an
+        operator's cancel, which the worker takes for its own).
         """
         named, keys = _named(messages)
         refused: dict[str, str] = {}

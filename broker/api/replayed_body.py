@@ -1,0 +1,25 @@
+"""A request body read ahead of the app that serves it: the ASGI layers that look at a
+body before routing (the key check's forward tags, the lease and ack fast path) hand it
+on as the server would have."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+
+
+def replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that yields the already-read body, then the server's own messages."""
+    sent = False
+
+    async def replayed() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
