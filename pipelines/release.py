@@ -431,7 +431,19 @@ class Releaser:
         self._last_batch = batch_id
         if self._committed is None:
             self._committed = DeltaTable(self.ledger_path).transaction_version(self.app_id)
-        if self._committed is not None and batch_id <= self._committed:
+        if self._committed is not None and batch_id < self._committed:
+            # Spark replays at most the last batch: one below it comes from a checkpoint
+            # made anew (deleted by hand, say). Its batches release as any: what the
+            # ledger says was released is known from the ledger, not the batch ids.
+            log.warning(
+                "release %s: batch %d is below the ledger's last, %d: the job's checkpoint "
+                "was made anew; releasing on",
+                self.topic.name,
+                batch_id,
+                self._committed,
+            )
+            self._committed = -1
+        if self._committed is not None and batch_id == self._committed:
             log.warning("release %s batch %d is in the ledger: a replay", self.topic.name, batch_id)
             stats = ReleaseStats(
                 batch_id, 0, 0, len(self.pending), 0, started_ms, self.buffer.version, replay=True

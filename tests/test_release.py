@@ -559,3 +559,34 @@ def test_a_record_kafka_refuses_is_dead_lettered_and_the_rest_flow(kafka_bootstr
     assert letter["payload"] == b"x" * 20_000
     ledger = DeltaTable(ensure_table(s.warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
     assert [r["message_id"] for r in ledger.to_pylist() if r["event"] == LedgerEvent.DEAD] == big
+
+
+def test_a_checkpoint_made_anew_releases_on_from_batch_zero(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """The job's Spark checkpoint is deleted: batches count from 0 again, below the
+    ledger's last. Taken for replays, nothing would be released for as many batches as
+    the job had run; they release what is pending, and nothing twice."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "priority", out, max_per_trigger=2)
+    first = add_buffer(s, "priority", [1, 2, 3, 4, 5])
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        before = Releaser(s, s.topic("jobs"))
+        try:
+            run_until(before, lambda: not len(before.pending), first=0)
+        finally:
+            before.finish()
+        assert before._last_batch is not None and before._last_batch >= 2
+        later = add_buffer(s, "priority", [6, 7], first_offset=5)
+        anew = Releaser(s, s.topic("jobs"))
+        try:
+            stats = anew.run_batch(0)
+        finally:
+            anew.finish()
+        records = output.to_end()
+    finally:
+        output.close()
+    assert (stats.replay, stats.released) == (False, 2)
+    assert ids(records) == first + later, "each once, in order"
+    assert sorted(ledger_released(s)) == sorted(first + later)
