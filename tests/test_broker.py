@@ -1074,10 +1074,12 @@ def test_a_pick_reads_each_head_whole_through_blocks_cached_before_it_was_writte
         state.lease("c", 0, 1000, listed(picked))
 
 
-def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path) -> None:
-    """A follower can apply a message's trim before it reads the version holding its row
-    (the leader read it first, leased and settled it): the row must not come back as
-    pending there, or that node, once leader, would deliver it again."""
+def leased_before_a_node_read_it(
+    tmp_path: Path, lease_ms: int = 1000
+) -> tuple[str, TopicIndex, TopicIndex, TopicState]:
+    """Topic "jobs" with m0, loaded by two nodes' indexes; then new0 and new1 appended,
+    which the leader's index alone reads before it leases new0 to "c": (warehouse, the
+    leader's index, the lagging node's, the state)."""
     warehouse, leader, state = loaded_topic(tmp_path, [1])
     lagging = TopicIndex(warehouse, topic_conf())
     lagging.load()
@@ -1085,7 +1087,15 @@ def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path
     assert leader.refresh() == 2
     picks = listed(leader.pick(state, state.buckets_of("c"), 1, now=0))
     assert [p[0] for p in picks] == ["new0"]
-    state.lease("c", 0, 1000, picks)
+    state.lease("c", 0, lease_ms, picks)
+    return warehouse, leader, lagging, state
+
+
+def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path) -> None:
+    """A follower can apply a message's trim before it reads the version holding its row
+    (the leader read it first, leased and settled it): the row must not come back as
+    pending there, or that node, once leader, would deliver it again."""
+    warehouse, leader, lagging, state = leased_before_a_node_read_it(tmp_path)
     assert state.ack("c", 1, ["new0"]) == {}
     mids = state.trim(checkpoint(warehouse, "jobs", state.events))
     leader.forget(mids)
@@ -1100,13 +1110,7 @@ def test_a_trim_outlives_a_refresh_that_read_no_new_version(tmp_path: Path) -> N
     can find no new version: what the node forgot must wait for the version holding
     its rows. The watch's answer is stubbed (a quiet object store cannot be made to
     skip its probe on cue here); the tables and indexes are real."""
-    warehouse, leader, state = loaded_topic(tmp_path, [1])
-    lagging = TopicIndex(warehouse, topic_conf())
-    lagging.load()
-    fill(warehouse, "jobs", buffer_rows([0, 2], prefix="new"))
-    assert leader.refresh() == 2
-    picks = listed(leader.pick(state, state.buckets_of("c"), 1, now=0))
-    state.lease("c", 0, 1000, picks)
+    warehouse, leader, lagging, state = leased_before_a_node_read_it(tmp_path)
     assert state.ack("c", 1, ["new0"]) == {}
     mids = state.trim(checkpoint(warehouse, "jobs", state.events))
     leader.forget(mids)
@@ -1131,14 +1135,7 @@ def test_a_message_nacked_before_a_node_read_its_row_keeps_its_delay_or_key_ther
     """A follower applies a nack (with a delay, or a new priority) of a message whose row
     it has not read yet; it reads the row afterwards: the delay or the new key holds
     there too, and the message is leased, once due, if that node leads."""
-    warehouse, leader, state = loaded_topic(tmp_path, [1])
-    follower = TopicIndex(warehouse, topic_conf())
-    follower.load()
-    fill(warehouse, "jobs", buffer_rows([0, 2], prefix="new"))
-    assert leader.refresh() == 2
-    picks = listed(leader.pick(state, state.buckets_of("c"), 1, now=0))
-    assert [p[0] for p in picks] == ["new0"]
-    state.lease("c", 0, 10_000, picks)
+    _, _, follower, state = leased_before_a_node_read_it(tmp_path, lease_ms=10_000)
     delay, priority = (100, None) if how == "delay" else (0, 7)
     refused, pending, _ = state.nack("c", 1, ["new0"], delay, priority)
     assert not refused and pending == ["new0"]
