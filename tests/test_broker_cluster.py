@@ -859,8 +859,8 @@ def test_cluster_up_fails_when_a_broker_dies(tmp_path) -> None:
 
 def test_a_forwarded_lease_is_relayed_as_it_arrives_not_after_the_client_gave_up() -> None:
     """A lease answer of large payloads takes 3 s to come from the leader over a slow
-    link: relayed whole, the client heard nothing for longer than its 2 s stall timeout,
-    gave up and leased again, each lease costing its messages a delivery. The follower
+    link: relayed whole, the client would hear nothing for longer than its 2 s stall
+    timeout, give up and lease again, each lease costing its messages a delivery. The follower
     is the node's real forwarding handler; the leader is a stand-in that sends its
     answer slowly (a slow link between hosts cannot be made here otherwise)."""
     import asyncio

@@ -357,7 +357,7 @@ def test_the_nodes_producer_takes_the_next_message_after_one_kafka_refuses(
     kafka_bootstrap: str,
 ) -> None:
     """The node's producer (HTTP produce, cron) is idempotent: a record Kafka refuses for
-    good left it refusing every later send, until the node restarted."""
+    good leaves it refusing every later send: it is replaced."""
     source = f"produce-{uuid.uuid4().hex[:8]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(source, 1, 1, topic_configs={"max.message.bytes": "10000"})])

@@ -498,7 +498,7 @@ def test_a_null_header_value_leaves_empty_and_holds_nothing_back(
     kafka_bootstrap, topic_factory, tmp_path
 ):
     """Kafka allows a header with a null value, and the ingest keeps it; kafka-python
-    refuses to send one, which stopped the release at that message for good."""
+    refuses to send one, which would stop the release at that message for good."""
     out = topic_factory(partitions=1)
     s = settings_for(tmp_path, kafka_bootstrap, "priority", out)
     written = add_buffer(s, "priority", [1, 2, 3], trace=lambda o: None if o == 0 else b"t")
