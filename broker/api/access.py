@@ -28,7 +28,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from dejaq.broker.api.keys import KeyRing
-from dejaq.broker.api.replayed_body import replay
+from dejaq.broker.api.replayed_body import read_body, replay
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
@@ -149,9 +149,9 @@ class Guard:
             elif name == _FORWARDED:
                 forwarded = value
         if forwarded is not None:
-            body = await _body(receive)
+            body = await read_body(receive)  # part of it if the sender left: refused
             target = target_of(path, scope.get("query_string", b""))
-            if body is not None and self._from_node(forwarded, scope["method"], target, body):
+            if self._from_node(forwarded, scope["method"], target, body):
                 # Authorized where it arrived.
                 return await self.app(scope, replay(body, receive), send)
             return await _refuse(
@@ -201,18 +201,6 @@ class Guard:
         self._nonces.add(nonce)
         expiries.append((now + 2 * FORWARD_TTL_MS / 1000, nonce))
         return True
-
-
-async def _body(receive: Any) -> bytes | None:
-    """A request's whole body, or None if the client left before sending it."""
-    chunks = []
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            return None
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 def _grant(role: str, topic: str | None) -> str:

@@ -22,7 +22,7 @@ import orjson
 from dejaq_core import Bodies
 
 from dejaq.broker.api.dependencies import problem
-from dejaq.broker.api.replayed_body import replay
+from dejaq.broker.api.replayed_body import read_body, replay
 from dejaq.broker.api.routers._common import MAX_RECEIPT
 from dejaq.broker.service import Broker, Problem
 
@@ -64,7 +64,7 @@ class HotPath:
             or not _is_json(scope)
         ):
             return await self.app(scope, receive, send)
-        body = await _read(receive)
+        body = await read_body(receive)
         parsed = _parsed(body)
         topic = route[1]
         try:
@@ -102,15 +102,6 @@ def _is_json(scope: Scope) -> bool:
         if name == b"content-type":
             return value.split(b";", 1)[0].strip().lower() == b"application/json"
     return False
-
-
-async def _read(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body", False):
-            return b"".join(chunks)
 
 
 async def _send(send: Send, status: int, body: bytes) -> None:

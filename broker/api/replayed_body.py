@@ -11,6 +11,16 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 
 
+async def read_body(receive: Receive) -> bytes:
+    """The request's body, whole; what had come if the client left before the end."""
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
 def replay(body: bytes, receive: Receive) -> Receive:
     """A receive() that yields the already-read body, then the server's own messages."""
     sent = False
