@@ -902,6 +902,30 @@ def test_handles_of_settled_messages_are_reused_and_never_stand_for_another(
     assert [json.loads(h + b"}")["id"] for _, h in taken] == [m for m, _, _ in picks]
 
 
+def test_batch_numbers_wrap_and_every_token_stays_its_messages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node numbers a batch per bucket and refresh, billions over months at thousands
+    of buckets: the numbers wrap below 2**31, as a token is a signed 64-bit integer, and
+    the messages stored across the wrap lease once each, in order."""
+    monkeypatch.setattr(index_module, "RUN_MIN", 2)
+    warehouse = str(tmp_path)
+    index = TopicIndex(warehouse, topic_conf())
+    index.store._batches = row_store_module.BATCH_MAX - 3
+    state = TopicState(4, 5)
+    state.touch("c", 0)
+    model: dict[str, int] = {}
+    for r in range(4):
+        fill(warehouse, "jobs", buffer_rows([10 - r, 20 + r, 30 + r], prefix=f"r{r}-"))
+        model.update({f"r{r}-{i}": k for i, k in enumerate([10 - r, 20 + r, 30 + r])})
+        index.load() if r == 0 else index.refresh()
+    assert index.store._batches < 16, "the numbers wrapped"
+    picks = listed(index.pick(state, state.buckets_of("c"), 100, now=1))
+    assert sorted(m for m, _, _ in picks) == sorted(model), "each pending message once"
+    assert [k for _, _, k in picks] == sorted(model.values()), "in sort key order"
+    assert [model[m] for m, _, _ in picks] == [k for _, _, k in picks]
+
+
 def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
     """A lease joins JSON rendered when the rows were indexed: the text `json.dumps` gives
     of the messages built from the buffer rows, on first delivery at the row's own sort

@@ -27,6 +27,11 @@ from dejaq.broker.storage.id_table import ABSENT, Encoded, IdTable
 
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1
+# Batch numbers run 1..BATCH_MAX and wrap: a token is a signed 64-bit integer, and a
+# node stores a batch per bucket and refresh, 2**31 of them in days at thousands of
+# buckets. A number comes round again after 2**31 batches, long after any entry naming
+# a handle of its first use has surfaced and been dropped.
+BATCH_MAX = (1 << 31) - 1
 MIN_HANDLES = 1024  # the columns' least capacity
 # Handles a shrink must save to be worth renumbering the stored rows: at least this
 # many, and at least half the columns (`RowStore.shrink`).
@@ -184,7 +189,7 @@ class RowStore:
             self._moved_in(seg, count)
         if encoded is None:
             encoded = self.table.encode(batch.mids_at(keep))
-        self._batches += 1
+        self._batches = self._batches % BATCH_MAX + 1
         self.batch[handles] = self._batches
         self.table.insert(handles, encoded)
         return handles + (self._batches << HANDLE_BITS)
