@@ -231,7 +231,7 @@ def test_a_grant_whose_columns_do_not_match_its_ids_changes_nothing() -> None:
     error, raised before any id enters the table or any hold is counted."""
     record = LeaseRecord(1, "c", 99)
     table, held = LeaseTable(), {}
-    args = ([0], held, "c", {}, {}, {}, 5, None)
+    args = ([0], held, "c", {}, {}, {}, {}, 5, None)
     with pytest.raises(ValueError, match="2 picks with 2 bytes of buckets and 16"):
         grant(table, record, ["a", "b"], bytes(2), bytes(16), *args)
     with pytest.raises(TypeError):
@@ -265,7 +265,9 @@ def test_a_lease_record_pickles_as_the_python_record_did() -> None:
     either load in the other; a malformed one is refused, and a position ends once."""
     table, held = LeaseTable(), {}
     record = LeaseRecord(7, "c", 99)
-    grant(table, record, ["a", "b", "c"], bytes(6), bytes(24), [0], held, "c", {}, {}, {}, 5, None)
+    grant(
+        table, record, ["a", "b", "c"], bytes(6), bytes(24), [0], held, "c", {}, {}, {}, {}, 5, None
+    )
     assert record.take(1, "c", 5, ACKED) == ("b", 0, 0, 1, 2)
     assert record.take(1, "c", 5, ACKED) == ACKED and record.take(0, "d", 5, ACKED) == 9
     record.extend(2, 120)

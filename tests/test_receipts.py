@@ -649,6 +649,26 @@ def test_a_trim_in_a_group_commit_is_seen_by_the_leases_after_it() -> None:
     assert (len(before), len(after)) == (1, 0), "the lease picked before the trim grants nothing"
 
 
+@pytest.mark.parametrize("path", ["core", "python"])
+def test_a_pick_made_before_a_reschedule_is_not_granted_early(path: str) -> None:
+    """The leader picks a due message at its key; a reschedule to a later time commits
+    before the lease: the lease grants nothing (never early), in a group commit as one
+    command at a time, and the message leases at its new key once that is due."""
+    node = BrokerState([topic_conf("t", buckets=1, kind="timeline")], 3, NoIndex())
+    node._apply("t", "touch", ("c", 0))
+    seen = node.topics["t"].seq
+    group = [
+        ("t", "reschedule", ("m", 10_000, seen)),
+        ("t", "lease", ("c", 1_000, 50, packed([("m", 0, 900)]), None, True, seen)),
+    ]
+    apply = (lambda g: node.batch(g, _doApply=True)) if path == "core" else partial(by_python, node)
+    refused, record = apply(group)
+    assert refused is None and len(record) == 0, "picked at 900, due at 10,000"
+    later = [("t", "lease", ("c", 10_000, 50, packed([("m", 0, 10_000)]), None, True, seen))]
+    [record] = apply(later)
+    assert list(record.mids) == ["m"]
+
+
 def test_a_rebalance_in_a_group_commit_moves_the_buckets_the_leases_after_it_see() -> None:
     """The core reads a topic's attributes once per group commit and reads them again
     after a command it hands to `_apply`: there a newcomer's lease rebalances the

@@ -299,8 +299,9 @@ class TopicState:
         Every node runs this for every lease: the core checks the picks and fills the
         record (`dejaq_core.grant`), making no object per message. A pick is granted if
         it is in one of the consumer's buckets that no other consumer holds leases in,
-        neither settled nor delayed (a delay past is dropped), nor leased, nor granted
-        earlier in the same picks; its deliveries count one more than its count outside a
+        neither settled nor delayed (a delay past is dropped), picked at its key in
+        force (a reschedule applied after the pick is not undone by it), nor leased, nor
+        granted earlier in the same picks; its deliveries count one more than its count outside a
         lease. A paused topic leases nothing; `rate` (messages/s, from the leader's
         configuration) caps the picks at the tokens in the bucket: both checks once per
         lease, not per message.
@@ -342,6 +343,7 @@ class TopicState:
             consumer,
             self.settled,
             self.not_before,
+            self.sort_keys,
             self.deliveries,
             now,
             allowed,

@@ -375,6 +375,7 @@ impl Transitions {
             &consumer,
             &t.settled,
             &t.not_before,
+            &t.sort_keys,
             &t.deliveries,
             now,
             None,

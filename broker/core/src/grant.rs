@@ -21,15 +21,16 @@ use crate::packed_ids::PackedIds;
 /// Grant `record` (a `leases.LeaseRecord`) the picks (`mids`, packed ids or a list of
 /// str; `buckets` and `keys` as little-endian uint16 and int64 bytes), at most
 /// `allowed` of them, that are available at `now`: in a free bucket of the consumer's
-/// (`owned`, `held`), neither settled nor delayed (`settled`, `not_before`), nor leased
-/// (in `table`), nor picked twice; each with one delivery more than its count in
-/// `deliveries`. Fills the record's positions (all leased); counts the holds.
+/// (`owned`, `held`), neither settled nor delayed (`settled`, `not_before`), picked at
+/// the key in force (`sort_keys`: a reschedule or a nack's priority applied since the
+/// pick moved it), nor leased (in `table`), nor picked twice; each with one delivery
+/// more than its count in `deliveries`. Fills the record's positions (all leased); counts the holds.
 /// Returns how many of the granted were redelivered. `TopicState.lease` says the
 /// rules; this is their loop.
 #[pyfunction]
 #[pyo3(signature = (
-    table, record, mids, buckets, keys, owned, held, consumer, settled, not_before, deliveries,
-    now, allowed
+    table, record, mids, buckets, keys, owned, held, consumer, settled, not_before, sort_keys,
+    deliveries, now, allowed
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn grant<'py>(
@@ -43,6 +44,7 @@ pub fn grant<'py>(
     consumer: &Bound<'py, PyString>,
     settled: &Bound<'py, PyDict>,
     not_before: &Bound<'py, PyDict>,
+    sort_keys: &Bound<'py, PyDict>,
     deliveries: &Bound<'py, PyDict>,
     now: i64,
     allowed: Option<usize>,
@@ -60,6 +62,11 @@ pub fn grant<'py>(
         )));
     }
     let bucket_of = |i: usize| u16::from_le_bytes([bucket_bytes[2 * i], bucket_bytes[2 * i + 1]]);
+    let key_of = |i: usize| {
+        let mut le = [0u8; 8];
+        le.copy_from_slice(&key_bytes[8 * i..8 * i + 8]);
+        i64::from_le_bytes(le)
+    };
     let take = allowed.map_or(raws.len(), |a| a.min(raws.len()));
 
     // Which picks may be granted, before the table is borrowed: the checks below make
@@ -67,7 +74,7 @@ pub fn grant<'py>(
     // may run another thread, which may read the table (`LeaseTable`'s note).
     let mine = owned_buckets(owned)?;
     let mut free: ByBucket<bool> = ByBucket::default();
-    let probe = !(settled.is_empty() && not_before.is_empty());
+    let probe = !(settled.is_empty() && not_before.is_empty() && sort_keys.is_empty());
     let mut candidates: Vec<usize> = Vec::with_capacity(take);
     for (i, &raw) in raws[..take].iter().enumerate() {
         let bucket = bucket_of(i);
@@ -87,6 +94,12 @@ pub fn grant<'py>(
             let mid = id_str(py, raw, &holder, i)?;
             if settled.contains(&mid)? {
                 continue;
+            }
+            // Picked before a reschedule moved it: early at its old time, or out of order.
+            if let Some(key) = sort_keys.get_item(&mid)? {
+                if key.extract::<i64>()? != key_of(i) {
+                    continue;
+                }
             }
             // A leased message has neither a delay nor a count outside its lease.
             if let Some(at) = not_before.get_item(&mid)? {
