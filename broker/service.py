@@ -357,7 +357,12 @@ class Broker:
         unwritten = min((e.at for e in entries), default=None)
         index = self.indexes[name]
         run = retain(
-            index.buffer_path, index.ledger_path, cfg.settled_retention_ms, now_ms(), unwritten
+            index.buffer_path,
+            index.ledger_path,
+            cfg.settled_retention_ms,
+            now_ms(),
+            unwritten,
+            index.dead_letter_path,
         )
         if run is None:
             return

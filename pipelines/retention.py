@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import random
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -173,9 +174,11 @@ def period_s(retention_ms: int) -> float:
     return min(PERIOD_S, retention_ms / 10_000)
 
 
-def settled_before(ledger_path: str, since_ms: int, cutoff_ms: int) -> tuple[pa.Array, int]:
+def settled_before(
+    ledger_path: str, since_ms: int, cutoff_ms: int
+) -> tuple[pa.Array, int, list[str]]:
     """The ids settled at or after `since_ms` and before `cutoff_ms` that are still
-    settled, and how many messages the span's events name.
+    settled, how many messages the span's events name, and which of the ids are dead.
 
     Reads the ledger of that span, not the events after it, so a run each minute does
     not read the whole retention window again: only a death can be followed (by a
@@ -185,14 +188,19 @@ def settled_before(ledger_path: str, since_ms: int, cutoff_ms: int) -> tuple[pa.
     done = last.filter(pc.not_equal(last.column("event_last"), LedgerEvent.REDRIVEN))
     ids = done.column("message_id").combine_chunks()
     dead = pc.equal(done.column("event_last"), LedgerEvent.DEAD)
+    died: list[str] = []
     if pc.any(dead).as_py():
         died = done.filter(dead).column("message_id").to_pylist()
-        since = ledger_tail(
-            ledger_path, cutoff_ms, ["message_id"], died, events=(LedgerEvent.REDRIVEN,)
-        )
-        undone = since.column("message_id").combine_chunks()
-        ids = ids.filter(pc.invert(pc.is_in(ids, value_set=undone)))
-    return ids, last.num_rows
+        undone = set(redrives_since(ledger_path, cutoff_ms, died))
+        ids = ids.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(undone), pa.string()))))
+        died = [mid for mid in died if mid not in undone]
+    return ids, last.num_rows, died
+
+
+def redrives_since(ledger_path: str, since_ms: int, ids: list[str]) -> list[str]:
+    """Which of `ids` the ledger holds a redrive of at or after `since_ms`."""
+    since = ledger_tail(ledger_path, since_ms, ["message_id"], ids, events=(LedgerEvent.REDRIVEN,))
+    return since.column("message_id").to_pylist()
 
 
 def retain(
@@ -201,6 +209,7 @@ def retain(
     retention_ms: int,
     now_ms: int,
     unwritten_from_ms: int | None = None,
+    dead_letter_path: str | None = None,
 ) -> RetentionRun | None:
     """Remove the messages settled before `now_ms - retention_ms` from the buffer.
 
@@ -215,7 +224,9 @@ def retain(
     started = time.monotonic()
     for attempt in range(1, ATTEMPTS + 1):
         try:
-            done = _run(buffer_path, ledger_path, retention_ms, now_ms, unwritten_from_ms)
+            done = _run(
+                buffer_path, ledger_path, retention_ms, now_ms, unwritten_from_ms, dead_letter_path
+            )
             break
         except CommitFailedError as e:
             if attempt == ATTEMPTS:
@@ -244,11 +255,15 @@ def _run(
     retention_ms: int,
     now_ms: int,
     unwritten_from_ms: int | None,
+    dead_letter_path: str | None,
 ) -> tuple[int, int, int, int] | None:
     """One attempt: (rows removed, files rewritten, messages read, new watermark).
 
     The buffer is opened again after the ledger is read, so the window in which an
-    append makes the commit fail is the MERGE's alone.
+    append makes the commit fail is the MERGE's alone. A dead message redriven while
+    the run read and rewrote may have had its row restored-checked before the rewrite
+    removed it (`restore` found the row still there): once the rewrite has landed, the
+    run looks again and restores such rows from `dead_letter_path`.
     """
     upto = watermark(DeltaTable(buffer_path))
     cutoff = now_ms - retention_ms
@@ -256,13 +271,16 @@ def _run(
         cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
     if cutoff <= upto:
         return None
-    gone, read = settled_before(ledger_path, upto, cutoff)
+    gone, read, died = settled_before(ledger_path, upto, cutoff)
     buffer = DeltaTable(buffer_path)
     if watermark(buffer) != upto:
         return None  # another run (a deposed leader's) moved it meanwhile
     if len(gone):
         removed, rewritten = _remove(buffer, gone, _commit(cutoff, len(gone)))
         if removed:
+            if died and dead_letter_path is not None:
+                again = redrives_since(ledger_path, cutoff, died)
+                restore(buffer_path, dead_letter_path, sorted(set(again)), now_ms)
             return removed, rewritten, read, cutoff
         # None of them had a row here (settled before their rows came, say): delta-rs
         # commits nothing for a MERGE that changes nothing, so the watermark moves alone.
@@ -329,6 +347,15 @@ def ingested_before(buffer: DeltaTable) -> int | None:
     return pc.max(latest).value // 1000 + 1
 
 
+_RESTORING: dict[str, threading.Lock] = {}
+_RESTORING_GUARD = threading.Lock()
+
+
+def _restoring(buffer_path: str) -> threading.Lock:
+    with _RESTORING_GUARD:
+        return _RESTORING.setdefault(buffer_path, threading.Lock())
+
+
 def redriven(events: Iterable) -> list[str]:
     """The ids whose latest of `events` (settlements, in seq order) is a redrive."""
     last = {e.message_id: e.event for e in events}
@@ -346,6 +373,11 @@ def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int
     """
     if not ids:
         return 0
+    with _restoring(buffer_path):  # a run's and a checkpoint's: one row per message
+        return _restore(buffer_path, dead_letter_path, ids, now_ms)
+
+
+def _restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int) -> int:
     buffer = DeltaTable(buffer_path)
     held = scan(buffer, Table.BUFFER, ["message_id"], matching(Table.BUFFER, message_id=ids))
     missing = sorted(set(ids).difference(held.column("message_id").to_pylist()))

@@ -568,6 +568,39 @@ def test_a_redriven_message_gets_its_buffer_row_back_and_survives_a_restart(
     assert sorted(fresh.rows) == ["m0", "m1"]
 
 
+def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_rewrite(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A dead message is redriven, its redrive checkpointed and its row checked by
+    `restore`, between a run's read of the ledger and its rewrite: `restore` finds the
+    row still there, the rewrite removes it, and the run puts it back from the dead
+    letters, so a node started afterwards finds the message pending."""
+    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.reject("c", 1, ["m0"])
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    tables = (Table.BUFFER, Table.LEDGER, Table.DEAD_LETTER)
+    buffer, ledger, dead = (ensure_table(warehouse, t, "jobs") for t in tables)
+    read = retention.settled_before
+
+    def redriven_meanwhile(*args: object) -> tuple:
+        got = read(*args)
+        assert state.redrive(now_ms(), state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
+        checkpoint(warehouse, "jobs", state.events)
+        assert retention.restore(buffer, dead, retention.redriven(state.events), now_ms()) == 0
+        return got
+
+    monkeypatch.setattr(retention, "settled_before", redriven_meanwhile)
+    assert retain(buffer, ledger, HOUR, now_ms(), None, dead) is not None
+    monkeypatch.undo()
+    assert buffered(warehouse) == {"m0", "m1"}, "the rewrite removed m0's row; it is back"
+    index.forget(state.trim(state.events[-1].seq))
+    assert run(warehouse, now_ms() + retention.WATERMARK_STEP_MS) is not None
+    fresh = TopicIndex(warehouse, topic_conf())
+    fresh.load()
+    assert sorted(fresh.rows) == ["m0", "m1"]
+
+
 def test_first_per_id_of_no_rows_is_no_rows() -> None:
     empty = ledger_rows([])
     assert retention.first_per_id(empty).num_rows == 0
