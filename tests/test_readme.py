@@ -1,6 +1,8 @@
 """The README's quick start, run as a new user would: its commands in order, its snippets
 taken from the README itself, on the addresses it shows (Kafka on 9092, the broker on
-8001-8003), in an empty folder. Then its HTTP API examples against the same cluster.
+8001-8003), in an empty folder. Then its HTTP API examples against the same cluster,
+and its secure set-up and S3 warehouse in the same folder, each after the processes
+before it stopped, as a reader following it from the top would run them.
 
 Adapted only where a terminal differs from a test: `. .venv/bin/activate` becomes the
 venv's bin first on PATH, a trailing `&` a background process stopped (by its PID) at
@@ -14,6 +16,7 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,8 +59,7 @@ class Terminal:
             "PYTHONUNBUFFERED": "1",
         }
         self.jobs: list[subprocess.Popen] = []
-        self.logs = cwd / "logs"
-        self.logs.mkdir()
+        self.logs = Path(tempfile.mkdtemp(prefix="logs-", dir=cwd))
 
     def background(self, line: str) -> subprocess.Popen:
         out = (self.logs / f"job{len(self.jobs)}.log").open("w")
@@ -106,9 +108,15 @@ class Terminal:
                     job.wait()
 
 
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reader's folder, shared by the sections in the order the README has them."""
+    return tmp_path_factory.mktemp("reader")
+
+
 @pytest.fixture
-def terminal(tmp_path: Path) -> Iterator[Terminal]:
-    t = Terminal(tmp_path)
+def terminal(folder: Path) -> Iterator[Terminal]:
+    t = Terminal(folder)
     try:
         yield t
     finally:
@@ -189,8 +197,8 @@ class Shell(Terminal):
         return done
 
 
-def test_the_secure_set_up_works_as_written(tmp_path: Path) -> None:
-    shell = Shell(tmp_path)
+def test_the_secure_set_up_works_as_written(folder: Path) -> None:
+    shell = Shell(folder)
     try:
         secure = blocks(section("Secure set-up"))
         assert [lang for lang, _ in secure] == ["sh", "sh", "sh", "python"]
@@ -209,7 +217,7 @@ def test_the_secure_set_up_works_as_written(tmp_path: Path) -> None:
             else:
                 shell.line(line)
         assert shell.env["DEJAQ_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
-        assert (tmp_path / "worker-1.key").read_text().startswith("dq_")
+        assert (folder / "worker-1.key").read_text().startswith("dq_")
         cluster = shell.jobs[-1]
         wait_until(
             lambda: "stops the cluster" in shell.log(cluster) or cluster.poll() is not None,
@@ -240,10 +248,11 @@ def test_the_secure_set_up_works_as_written(tmp_path: Path) -> None:
         shell.close()
 
 
-def test_the_s3_warehouse_works_as_written(tmp_path: Path) -> None:
+def test_the_s3_warehouse_works_as_written(folder: Path) -> None:
     """Deploying's S3 lines in a shell, then the quick start's producer and worker: the
     tables land in the S3 server's bucket and nothing on local disk."""
-    shell = Shell(tmp_path)
+    shell = Shell(folder)
+    local = {p for p in folder.glob("warehouse*/**/*") if p.is_file()}
     try:
         deploying = blocks(section("Deploying"))
         at = next(i for i, (_, code) in enumerate(deploying) if "dejaq s3 --port" in code)
@@ -284,9 +293,10 @@ def test_the_s3_warehouse_works_as_written(tmp_path: Path) -> None:
             what="the five orders in the bucket's buffer",
         )
         assert quick_start_worker(shell, work) == QUICK_START_ORDER
-        bucket = tmp_path / ".dejaq" / "s3" / "buckets" / "dejaq" / "warehouse"
+        bucket = folder / ".dejaq" / "s3" / "buckets" / "dejaq" / "warehouse"
         assert list((bucket / "buffer" / "orders" / "_delta_log").glob("*.json"))
-        assert not (tmp_path / "warehouse").exists(), "no table on local disk"
+        now = {p for p in folder.glob("warehouse*/**/*") if p.is_file()}
+        assert now == local, "no table on local disk"
         for job in shell.jobs:
             assert job.poll() is None, shell.log(job)
     finally:
