@@ -261,7 +261,8 @@ class Broker:
                 seen[key] = totals.get(key, 0)
 
     def _leader_duties(self) -> None:
-        """Register our HTTP address; on the leader: expire leases, checkpoint the ledger."""
+        """Register our HTTP address; on the leader: configure topics, expire leases,
+        checkpoint the ledger."""
         last_checkpoint = time.monotonic()
         while not self._stopping.wait(DUTY_PERIOD_S):
             raft = self.raft
@@ -275,6 +276,7 @@ class Broker:
                     continue
                 for name, cfg in self.topics.items():
                     st = self.state(name)
+                    self._configure(name, cfg, st)
                     now = now_ms()
                     if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
                         args = (now, self.conf.heartbeat_timeout_ms, _backoff(cfg))
@@ -286,6 +288,19 @@ class Broker:
                 log.warning("leader duties: %s; retrying", e)
             except Exception:
                 log.exception("leader duties failed; retrying")
+
+    def _configure(self, name: str, cfg: TopicConfig, st: TopicState) -> None:
+        """Commit the topic's `buckets` and `max_deliveries` from this node's configuration
+        if the replicated state holds others, or never took any from the log: each node
+        keeps its snapshot's, and one replaying its journal from the log's start begins
+        from its own file, so only a command changes them on every node at one point.
+        Each new leader's configuration wins."""
+        assert self.raft is not None
+        wanted = (cfg.buckets, self.conf.max_deliveries)
+        if st.configured and (st.buckets, st.max_deliveries) == wanted:
+            return
+        committed(self.raft.state.command, name, "configure", wanted, timeout=2)
+        log.info("topic %s configured: buckets %d, max_deliveries %d", name, *wanted)
 
     def _checkpoint(self) -> None:
         """Each topic on its own: one whose store fails does not hold up the others."""

@@ -282,6 +282,46 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert again.buckets_of("a") == old.buckets_of("a")
 
 
+def test_a_snapshotted_topic_takes_new_buckets_and_max_deliveries_by_a_configure_command() -> None:
+    """A node loading a snapshot keeps its topics' buckets and max_deliveries whatever its
+    configuration now says (16 buckets, 5 deliveries); a `configure` command changes them
+    at its point of the log. Buckets 16-31 are then assigned and leased, a message dies
+    after the new 2 deliveries, and a lease in a bucket removed later stays valid."""
+    before = BrokerState([topic_conf(buckets=16)], 5, _NoIndex())
+    for consumer in ("a", "b"):
+        before.topics["jobs"].touch(consumer, 0)
+    snapshot = pickle.loads(pickle.dumps(before._serialize()))
+    node = BrokerState([topic_conf(buckets=32)], 2, _NoIndex())  # restarted, config changed
+    node._deserialize(snapshot)
+    st = node.topics["jobs"]
+    assert (st.buckets, st.max_deliveries, st.configured) == (16, 5, False), "the snapshot's"
+    assert max(st.assignment) == 15
+
+    assert node._apply("jobs", "configure", (32, 2)) is True
+    assert sorted(st.assignment) == list(range(32))
+    assert sorted(len(st.buckets_of(c)) for c in ("a", "b")) == [16, 16], "fair and total"
+    owner = st.assignment[20]
+    assert 20 in st.buckets_of(owner)
+    lease = ("m20", 20, 1)
+    assert node._apply("jobs", "lease", (owner, 10, 1000, packed([lease]), None, True, 0)).mids
+    assert st.expire(1010, 10**9) == ["m20"], "first delivery failed: pending again"
+    assert node._apply("jobs", "lease", (owner, 1011, 1000, packed([lease]), None, True, 0)).mids
+    assert st.expire(2011, 10**9) == [] and st.settled == {"m20": "dead"}, "2 deliveries: dead"
+
+    owner = st.assignment[12]
+    granted = node._apply(
+        "jobs", "lease", (owner, 3000, 1000, packed([("m12", 12, 1)]), None, True, 0)
+    )
+    assert node._apply("jobs", "configure", (8, 2)) is True
+    assert node._apply("jobs", "configure", (8, 2)) is False, "the same again changes nothing"
+    assert sorted(st.assignment) == list(range(8))
+    assert all(b < 8 for c in ("a", "b") for b in st.buckets_of(c)), "none leased from 8 on"
+    assert st.held[12] == {owner: 1}, "the lease in a removed bucket stays valid"
+    assert st.ack(owner, 3001, [], [granted.receipt(0)]) == {} and st.held[12] == {}
+    again = pickle.loads(pickle.dumps(st))
+    assert (again.buckets, again.max_deliveries, again.configured) == (8, 2, True)
+
+
 def test_raft_pickles_with_protocol_5_and_loads_what_protocol_2_wrote() -> None:
     """Commands, Raft messages and snapshots are pickled with protocol 5; a journal
     entry or a snapshot PySyncObj wrote with its own protocol 2 loads as before."""
@@ -1736,6 +1776,118 @@ def test_the_leader_applies_its_own_commands_unpickled_by_the_followers_alone(
         record = node.state.topics["t"].records[lease.lid]
         assert record.mids == mids and record.ended[:3] == bytes([0, ACKED, 0])
         assert (record.mids is picks[0]) == (node is leader), "followers unpickle a copy"
+
+
+def test_a_configure_command_brings_every_node_to_the_same_buckets_and_max_deliveries(
+    tmp_path: Path,
+) -> None:
+    """Three real Raft nodes whose own configurations differ, as when one replays its
+    journal with a changed file while the others load snapshots: the leader's `configure`
+    gives all three its values at one point of the log, and the same assignment."""
+    import asyncio
+
+    from dejaq.broker.state.raft import RaftNode
+    from dejaq.conf.settings import BrokerConfig
+    from dejaq.jobs.ports import free_port
+
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+    configs = [(8, 2), (4, 5), (4, 5)]  # (buckets, max_deliveries) in each node's file
+    nodes = [
+        RaftNode(
+            a,
+            [p for p in addrs if p != a],
+            [TopicConfig(name="t", kind="priority", source=["t-in"], buckets=buckets)],
+            BrokerConfig(raft_password="pw", max_deliveries=max_deliveries),
+            tmp_path / f"n{i}",
+            _NoIndex(),
+        )
+        for i, (a, (buckets, max_deliveries)) in enumerate(zip(addrs, configs, strict=True))
+    ]
+
+    def states() -> list[tuple]:
+        return [
+            (t.buckets, t.max_deliveries, t.configured, t.assignment)
+            for t in (n.state.topics["t"] for n in nodes)
+        ]
+
+    async def scenario() -> list[tuple]:
+        leader = await _leader_once_attached(nodes)
+        assert await leader.commit("t", "configure", 8, 2) is (leader is not nodes[0])
+        for i, consumer in enumerate(("a", "b", "c")):
+            await leader.commit("t", "touch", consumer, i)
+        await _until(lambda: all(len(set(s[3].values())) == 3 for s in states()), "touches")
+        return states()
+
+    try:
+        first, *others = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert first[:3] == (8, 2, True) and sorted(first[3]) == list(range(8))
+    assert others == [first, first]
+
+
+def test_a_restarted_leader_commits_the_buckets_and_max_deliveries_its_snapshot_lacks(
+    tmp_path: Path,
+) -> None:
+    """A node snapshots its state at 16 buckets and 5 deliveries, then restarts with 32
+    and 2. Its snapshot's values would stay (the buckets the ingest now fills from 16 on
+    assigned to nobody, a silent stall): the leader's duties commit its configuration,
+    and a message in bucket 20 is leased, then dead after its second delivery."""
+    import asyncio
+
+    from dejaq.broker.service import Broker
+    from dejaq.conf.settings import BrokerConfig, Settings
+    from dejaq.jobs.ports import free_port
+
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([5], lambda i: 0))
+    raft, dump = f"127.0.0.1:{free_port()}", tmp_path / "node" / "raft.dump"
+
+    def run(buckets: int, max_deliveries: int, scenario: Callable[[Any], Awaitable[T]]) -> T:
+        settings = Settings(
+            warehouse=warehouse,
+            topics=[topic_conf(buckets=buckets)],
+            broker=BrokerConfig(max_deliveries=max_deliveries),
+        )
+        broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
+        collecting = gc.get_threshold()  # a node's start tunes the process's GC
+        broker.start()
+
+        async def main() -> T:
+            broker.raft.attach(asyncio.get_running_loop())
+            await _until(broker.raft.is_leader, "leadership")
+            return await scenario(broker)
+
+        try:
+            return asyncio.run(main())
+        finally:
+            broker.stop()
+            gc.unfreeze()
+            gc.set_threshold(*collecting)
+
+    async def snapshotted(broker: Any) -> tuple[int, int]:
+        await _until(lambda: broker.state("jobs").configured, "the first configure")
+        await broker.raft.commit("jobs", "touch", "w", int(time.time() * 1000))
+        broker.raft.sync.forceLogCompaction()
+        await _until(dump.exists, "a snapshot")
+        return broker.state("jobs").buckets, broker.state("jobs").max_deliveries
+
+    async def restarted(broker: Any) -> tuple[list, list, list]:
+        st = broker.state("jobs")
+        await _until(lambda: st.buckets == 32, "the new buckets committed")
+        leased = json.loads(await broker.lease("jobs", "w", 10, 30_000, 5_000))
+        _, dead = await broker.raft.commit("jobs", "nack", "w", int(time.time() * 1000), ["n0"])
+        again = json.loads(await broker.lease("jobs", "w", 10, 30_000, 5_000))
+        _, died = await broker.raft.commit("jobs", "nack", "w", int(time.time() * 1000), ["n0"])
+        assert st.max_deliveries == 2 and sorted(st.assignment) == list(range(32))
+        return [(m["id"], m["bucket"]) for m in leased], [m["id"] for m in again], [dead, died]
+
+    assert run(16, 5, snapshotted) == (16, 5)
+    fill(warehouse, "jobs", buffer_rows([1], lambda i: 20, prefix="n"))  # ingest at 32
+    leased, again, deaths = run(32, 2, restarted)
+    assert sorted(leased) == [("m0", 0), ("n0", 20)]
+    assert again == ["n0"] and deaths == [[], ["n0"]], "dead after 2 deliveries, not 5"
 
 
 def test_a_node_alone_commits_without_waiting_for_the_periodic_tick(

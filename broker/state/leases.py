@@ -124,8 +124,11 @@ class TopicState:
     """One topic's leases, delivery counts, overrides, consumers and bucket assignment."""
 
     def __init__(self, buckets: int, max_deliveries: int) -> None:
+        # From the node's configuration until a `configure` command sets them: its own
+        # values, at a point of the log every node applies alike (`configured`).
         self.buckets = buckets
         self.max_deliveries = max_deliveries
+        self.configured = False
         # message -> its lease's record, while leased and, once acked, until the trim of
         # its event: an ack's settled mark is the record's `ended` byte, so the ack path
         # touches no table by id, and the lease path's one probe finds leased and acked.
@@ -183,6 +186,7 @@ class TopicState:
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
         self.trimmed = 0
         self.records, self.unnumbered, self.ending = {}, 0, deque()
+        self.configured = False  # from before `configure`: the leader commits one
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
@@ -258,6 +262,22 @@ class TopicState:
     def _rebalance(self) -> None:
         self.assignment = rebalance(self.buckets, self.consumers, self.assignment)
         self.owned = _owners(self.assignment)
+
+    def configure(self, buckets: int, max_deliveries: int) -> bool:
+        """Take the topic's configuration, as the leader commits it; whether it changed.
+
+        A command, not each node's own file: snapshots and journals carry the values, so
+        only a point of the log every node applies alike changes them. New buckets are
+        assigned at once. Buckets removed are assigned no more; leases in them stay
+        valid until acked, nacked or expired, and their `held` counts drain as they end.
+        A lower `max_deliveries` kills a message at its next unsettled lease end.
+        """
+        changed = (buckets, max_deliveries) != (self.buckets, self.max_deliveries)
+        rebalanced = buckets != self.buckets
+        self.buckets, self.max_deliveries, self.configured = buckets, max_deliveries, True
+        if rebalanced:
+            self._rebalance()
+        return changed
 
     # --- leasing ---------------------------------------------------------------------
 

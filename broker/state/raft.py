@@ -556,6 +556,8 @@ class BrokerState(SyncObjConsumer):
             return st.purge(*args)
         if op == "pause":
             return st.pause(*args)
+        if op == "configure":
+            return st.configure(*args)
         if op == "redrive":
             result = st.redrive(*args)
             if result is not None:
