@@ -11,6 +11,7 @@ import gc
 import logging
 import threading
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,8 +37,10 @@ from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import (
     COMPACT_EVERY,
+    Claimed,
     compact_dead_letters,
     compact_ledger,
+    foreign,
 )
 from dejaq.broker.storage.row_store import Row
 from dejaq.conf.kafka_clients import close_producer, python_config
@@ -315,8 +318,15 @@ class Broker:
         events = self.state(name).events.view()
         if not events:
             return
-        health = self.checkpoint_health[name]
-        upto, keep = checkpoint(self.settings.warehouse, name, events, health)
+        health, st = self.checkpoint_health[name], self.state(name)
+        history = (st.history, st.history_from)
+        warehouse = self.settings.warehouse
+        try:
+            upto, keep = checkpoint(warehouse, name, events, health, history, st.trimmed_upto())
+        except Claimed as claim:
+            if self._began_history(name, claim.done):
+                return  # the next round writes under it
+            upto, keep = checkpoint(warehouse, name, events, health, history)
         if keep and upto <= self.state(name).trimmed:
             return  # only deaths a trim kept, and their dead letters still fail
         if self.state(name).redriven_at:  # before their redrives leave Raft
@@ -331,6 +341,30 @@ class Broker:
             tail_ms = self.topic(name).settled_retention_ms
             compact_ledger(self.settings.warehouse, name, tail_ms)
             compact_dead_letters(self.settings.warehouse, name, tail_ms)
+
+    def _began_history(self, name: str, done: int) -> bool:
+        """Whether the ledger's tag `done` past the last trim is another Raft history's
+        (`ledger_writer.foreign`): then this leader begins one, under which the events
+        past what the ledger holds of this state are written. Asked once every entry
+        committed before is applied here: the `register` command orders it after them."""
+        assert self.raft is not None
+        committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
+        st = self.state(name)
+        written = foreign(self.settings.warehouse, name, st.events.view(), st.trimmed_upto())
+        if written is None:
+            return False
+        history = uuid.uuid4().hex
+        log.error(
+            "the ledger of %s holds checkpoints up to seq %d of another Raft history (the "
+            "nodes' data folders replaced, or the journal's last commands lost): its tags "
+            "count anew under %s, past seq %d",
+            name,
+            done,
+            history,
+            written,
+        )
+        committed(self.raft.state.command, name, "history", (history, written), timeout=5)
+        return True
 
     def _retention(self) -> None:
         """On the leader: remove settled messages from the buffers (`pipelines.retention`).
@@ -669,9 +703,10 @@ class Broker:
     def _dead(self, topic: str, ids: list[str] | None) -> tuple[int, list[Dead], set[str]]:
         """The dead of `ids` (None: all), from the ledger and then the events not yet in
         it; the ledger's checkpoint seq; the ids it has redriven since their last death."""
-        upto, dead, redriven = self.indexes[topic].dead(ids)
+        st = self.state(topic)
+        upto, dead, redriven = self.indexes[topic].dead(ids, (st.history, st.history_from))
         wanted = None if ids is None else set(ids)
-        for e in self.state(topic).events:
+        for e in st.events:
             if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted):
                 dead[e.message_id] = (e.bucket, e.sort_key)
         return upto, [(mid, b, k) for mid, (b, k) in dead.items()], redriven

@@ -515,9 +515,15 @@ def topic_conf(name: str = "jobs", kind: str = "priority", buckets: int = 4) -> 
     return TopicConfig(name=name, kind=kind, source=[f"{name}-in"], buckets=buckets)
 
 
-def on_one_node(tmp_path: Path, scenario: Callable[[Any], Awaitable[T]]) -> T:
-    """Run `scenario` with a one-node broker (in process, its own Raft) over messages
-    m0, m1, m2 at sort keys 5, 3, 9 in bucket 0, once it leads and "w" is a member."""
+def on_one_node(
+    tmp_path: Path,
+    scenario: Callable[[Any], Awaitable[T]],
+    prefix: str = "m",
+    node: str = "node",
+) -> T:
+    """Run `scenario` with a one-node broker (in process, its own Raft, its data in
+    `tmp_path / node`) over messages m0, m1, m2 (`prefix`) at sort keys 5, 3, 9 in
+    bucket 0, added to the warehouse, once it leads and "w" is a member."""
     import asyncio
 
     from dejaq.broker.service import Broker, now_ms
@@ -525,10 +531,10 @@ def on_one_node(tmp_path: Path, scenario: Callable[[Any], Awaitable[T]]) -> T:
     from dejaq.jobs.ports import free_port
 
     warehouse = str(tmp_path / "warehouse")
-    fill(warehouse, "jobs", buffer_rows([5, 3, 9], lambda i: 0))
+    fill(warehouse, "jobs", buffer_rows([5, 3, 9], lambda i: 0, prefix))
     settings = Settings(warehouse=warehouse, topics=[topic_conf()])
     raft = f"127.0.0.1:{free_port()}"
-    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
+    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / node)
     collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
     broker.start()
 
@@ -548,6 +554,42 @@ def on_one_node(tmp_path: Path, scenario: Callable[[Any], Awaitable[T]]) -> T:
         broker.stop()
         gc.unfreeze()
         gc.set_threshold(*collecting)
+
+
+def ledger_ids(warehouse: str, event: str = "acked") -> list[str]:
+    """The ids of the ledger's `event` rows, in its order."""
+    rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    return [r["message_id"] for r in rows.to_pylist() if r["event"] == event]
+
+
+def test_a_cluster_started_afresh_on_a_warehouse_writes_its_acks_to_its_ledger(
+    tmp_path: Path,
+) -> None:
+    """The nodes' data folders replaced under an existing warehouse: the new Raft
+    history counts its seqs from 0, where the ledger's tag already holds the old
+    history's last. Its acks reach the ledger all the same (a new history's tags), and
+    after the next start none of them is pending again."""
+    import asyncio
+
+    async def acked(broker: Any) -> list[str]:
+        leased = json.loads(await broker.lease("jobs", "w", 3, 30_000, 0))
+        done = await broker.settle("jobs", "ack", "w", [m["id"] for m in leased])
+        assert done.ok == 3
+        wanted = {m["id"] for m in leased}
+        deadline = time.monotonic() + 30
+        while not wanted <= set(ledger_ids(str(tmp_path / "warehouse"))):
+            assert time.monotonic() < deadline, "the acks never reached the ledger"
+            await asyncio.sleep(0.05)
+        return sorted(wanted)
+
+    assert on_one_node(tmp_path, acked) == ["m0", "m1", "m2"]
+    assert on_one_node(tmp_path, acked, prefix="a", node="afresh") == ["a0", "a1", "a2"]
+
+    async def pending(broker: Any) -> list[str]:
+        return [m["id"] for m in json.loads(await broker.lease("jobs", "w", 10, 30_000, 0))]
+
+    assert on_one_node(tmp_path, pending, prefix="p", node="afresh") == ["p1", "p0", "p2"]
+    assert sorted(ledger_ids(str(tmp_path / "warehouse"))) == ["a0", "a1", "a2", "m0", "m1", "m2"]
 
 
 def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ ack, stays in Raft for the next try, and shows as lag."""
 from __future__ import annotations
 
 import logging
+import pickle
 import shutil
 import threading
 import time
@@ -14,12 +15,15 @@ from conftest import wait_until
 from deltalake import DeltaTable
 from test_broker import listed, loaded_topic
 
+from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import Settlement
 from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.checkpoints import Health, Lag, checkpoint, lag
 from dejaq.broker.storage.ledger_writer import (
+    Claimed,
     compact_dead_letters,
     compact_ledger,
+    foreign,
     write_dead_letters,
     write_ledger,
 )
@@ -28,6 +32,7 @@ from dejaq.conf.tables import (
     TABLE_PROPERTIES,
     LedgerEvent,
     Table,
+    ensure_table,
     scan,
     table_path,
 )
@@ -224,3 +229,37 @@ def test_ledgers_write_a_delta_checkpoint_every_ten_commits_older_ones_once_comp
     for path, rows in ((new, 12), (old, 24)):
         ids = scan(path, Table.LEDGER)["message_id"].to_pylist()
         assert sorted(ids) == sorted(f"m{s}" for s in range(1, rows + 1))
+
+
+def test_a_ledger_tag_of_another_raft_history_is_told_from_a_lost_trim(tmp_path: Path) -> None:
+    """A journal whose last commands were lost goes on from an earlier point: its seqs
+    past it name other events than those the ledger's tag counts. A lost trim is told
+    apart (the ledger's last event is the state's own), the other history is found (its
+    last checkpoint differs, an earlier one is the state's own), and the state's events
+    past that one are written under a history of their own."""
+    warehouse = str(tmp_path)
+    lost = TopicState(buckets=1, max_deliveries=5)
+    lost.touch("c", 0)
+    lost.lease("c", 1, 1000, [(f"m{i}", 0, i) for i in range(5)])
+    assert lost.ack("c", 2, ["m0", "m1", "m2"]) == {}
+    assert write_ledger(warehouse, "jobs", lost.events) == 3
+    survived = pickle.loads(pickle.dumps(lost))  # the journal as far as it survived
+    assert lost.ack("c", 3, ["m3", "m4"]) == {}
+    assert write_ledger(warehouse, "jobs", lost.events) == 5
+    with pytest.raises(Claimed):
+        write_ledger(warehouse, "jobs", lost.events, trimmed=lost.trimmed_upto())
+    assert foreign(warehouse, "jobs", lost.events, lost.trimmed_upto()) is None, "a lost trim"
+
+    assert survived.ack("c", 3, ["m4", "m3"]) == {}  # seqs 4 and 5 again, other events
+    with pytest.raises(Claimed):
+        write_ledger(warehouse, "jobs", survived.events, trimmed=survived.trimmed_upto())
+    assert foreign(warehouse, "jobs", survived.events, survived.trimmed_upto()) == 3
+    survived.begin_history("h", 3)
+    history = (survived.history, survived.history_from)
+    assert write_ledger(warehouse, "jobs", survived.events, history, trimmed=0) == 5
+    ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    assert sorted(ledger.column("message_id").to_pylist()) == [
+        *["m0", "m1", "m2"],
+        *["m3", "m3", "m4", "m4"],  # each history's seqs 4 and 5
+    ]
+    assert foreign(warehouse, "jobs", survived.events, survived.trimmed_upto()) is None

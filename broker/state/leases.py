@@ -129,6 +129,10 @@ class TopicState:
         self.buckets = buckets
         self.max_deliveries = max_deliveries
         self.configured = False
+        # The Raft history the ledger's tags count this state's seqs in
+        # (`ledger_writer.app_id`), and the last seq of it the ledger held when it began:
+        # a new one when the leader finds the tags written by another (`Broker`).
+        self.history, self.history_from = "", 0
         # message -> its lease's record, while leased and, once acked, until the trim of
         # its event: an ack's settled mark is the record's `ended` byte, so the ack path
         # touches no table by id, and the lease path's one probe finds leased and acked.
@@ -187,6 +191,7 @@ class TopicState:
         self.trimmed = 0
         self.records, self.unnumbered, self.ending = {}, 0, deque()
         self.configured = False  # from before `configure`: the leader commits one
+        self.history, self.history_from = "", 0  # from before histories: the first
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
@@ -278,6 +283,12 @@ class TopicState:
         if rebalanced:
             self._rebalance()
         return changed
+
+    def begin_history(self, history: str, written: int) -> None:
+        """Count the ledger's tags under `history` from now on, its events up to seq
+        `written` in the ledger already: the tags found were another history's, and
+        this state's events past its last trim would not be written under them."""
+        self.history, self.history_from = history, written
 
     # --- leasing ---------------------------------------------------------------------
 

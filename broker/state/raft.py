@@ -558,6 +558,8 @@ class BrokerState(SyncObjConsumer):
             return st.pause(*args)
         if op == "configure":
             return st.configure(*args)
+        if op == "history":
+            return st.begin_history(*args)
         if op == "redrive":
             result = st.redrive(*args)
             if result is not None:

@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import Events, count, entries_of
-from dejaq.broker.storage.ledger_writer import deaths, write_dead_letters, write_ledger
+from dejaq.broker.storage.ledger_writer import (
+    Claimed,
+    History,
+    deaths,
+    write_dead_letters,
+    write_ledger,
+)
 
 log = logging.getLogger("dejaq.broker.storage.checkpoints")
 
@@ -89,12 +95,22 @@ def lag(state: TopicState) -> Lag:
     return Lag(max(len(state.events) - dead, 0), None if first is None else first.at, dead)
 
 
-def checkpoint(warehouse: str, topic: str, events: Events, health: Health) -> tuple[int, list[int]]:
-    """Write `events` to the ledger and their dead letters: (the last seq the ledger
-    holds, the seqs of deaths to keep in Raft). Raises if the ledger write fails."""
+def checkpoint(
+    warehouse: str,
+    topic: str,
+    events: Events,
+    health: Health,
+    history: History = ("", 0),
+    trimmed: int | None = None,
+) -> tuple[int, list[int]]:
+    """Write `events` to the ledger and their dead letters under `history`: (the last
+    seq the ledger holds, the seqs of deaths to keep in Raft). Raises if the ledger
+    write fails, and `Claimed` where its tag is past `trimmed` (if given)."""
     events = entries_of(events)
     try:
-        upto = write_ledger(warehouse, topic, events)
+        upto = write_ledger(warehouse, topic, events, history, trimmed)
+    except Claimed:
+        raise
     except Exception as e:
         health.failed(f"ledger of {topic}", e, [])
         raise
@@ -105,7 +121,7 @@ def checkpoint(warehouse: str, topic: str, events: Events, health: Health) -> tu
     if time.monotonic() < health.retry_at:
         return upto, [e.seq for e in dead]
     try:
-        write_dead_letters(warehouse, topic, events)
+        write_dead_letters(warehouse, topic, events, history)
     except Exception as e:
         health.failed(f"dead letters of {topic}", e, [d.message_id for d in dead])
         return upto, [e.seq for e in dead]

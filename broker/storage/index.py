@@ -39,7 +39,7 @@ from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacke
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SPAN_PER_HEAD, HeadStore, Segment
 from dejaq.broker.storage.id_table import Encoded, decode
-from dejaq.broker.storage.ledger_writer import APP_ID
+from dejaq.broker.storage.ledger_writer import History, app_id
 from dejaq.broker.storage.row_store import (
     HANDLE_MASK,
     Batch,
@@ -865,15 +865,18 @@ class TopicIndex:
         last = latest_events(self.ledger_path, since, [mid]).column("event_last").to_pylist()
         return last[0] if last and last[0] != LedgerEvent.REDRIVEN else None
 
-    def dead(self, ids: list[str] | None) -> tuple[int, dict[str, tuple[int, int]], set[str]]:
-        """What the ledger says about deaths, for a redrive of `ids` (None: all).
+    def dead(
+        self, ids: list[str] | None, history: History = ("", 0)
+    ) -> tuple[int, dict[str, tuple[int, int]], set[str]]:
+        """What the ledger says about deaths, for a redrive of `ids` (None: all); its
+        checkpoint seq counted in the state's `history`.
 
         Returns the checkpoint seq the ledger was read at; the dead not redriven since,
         each with its bucket and sort key at its last death; and the ids redriven since
         their last death. Blocking: call it off the event loop.
         """
         table = DeltaTable(self.ledger_path)
-        upto = table.transaction_version(APP_ID) or 0
+        upto = max(table.transaction_version(app_id(history[0])) or 0, history[1])
         deaths = [LedgerEvent.DEAD, LedgerEvent.REDRIVEN]
         wanted = matching(Table.LEDGER, event=deaths, message_id=ids)
         columns = ["message_id", "bucket", "event", "sort_key", "at"]

@@ -44,6 +44,9 @@ from dejaq.pipelines.compaction import Compacted
 from dejaq.pipelines.log_compaction import maintain_log
 
 APP_ID = "dejaq-broker"
+# A ledger commit's last event, "<seq> <event> <message id>": which Raft history wrote
+# the tag, where a state's own event at that seq differs.
+LAST = "dejaq.last"
 # Checkpoints between compactions of a ledger. Each checkpoint adds a file, about one a
 # second under load, and a node's start reads the files holding the ledger's tail.
 COMPACT_EVERY = 30
@@ -52,6 +55,9 @@ COMPACT_EVERY = 30
 # Attempts at one checkpoint's commit, each refused because another writer's commit of
 # the same tag came first (`_append_tagged`), before it fails.
 COMMIT_ATTEMPTS = 3
+# Ledger commits `foreign` reads back for the one tagged with a seq: a checkpoint a
+# second, and a compaction each `COMPACT_EVERY`, leave it among the last few.
+HISTORY_LOOKBACK = 100
 CONVERT_SLICE = 4096  # events per Arrow conversion, ~0.3 ms holding the GIL
 
 
@@ -59,22 +65,75 @@ def _ts(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
 
 
-def _commit(upto: int) -> CommitProperties:
-    return CommitProperties(app_transactions=[Transaction(APP_ID, upto)])
+# A Raft history (`TopicState.history`) and the last of its seqs the ledger held when it
+# began.
+History = tuple[str, int]
 
 
-def checkpoint(warehouse: str, topic: str, events: Events) -> int:
+def app_id(history: str) -> str:
+    """The tables' app transaction for a Raft history (`TopicState.history`), its
+    version the last seq written: "" is the history every state began in."""
+    return f"{APP_ID}:{history}" if history else APP_ID
+
+
+class Claimed(Exception):
+    """The ledger's tag claims events past the state's last trim: a checkpoint whose
+    trim a leader change lost, or a tag written by another Raft history (the nodes'
+    data folders replaced, or the journal's last commands lost), whose seqs name other
+    events. The leader tells them apart (`foreign`) before it writes."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(f"the ledger's tag {done} is past the state's last trim")
+        self.done = done
+
+
+def checkpoint(warehouse: str, topic: str, events: Events, history: History = ("", 0)) -> int:
     """Write `events` (ascending seq) to the ledger, then their dead letters; return the
     last seq. The leader runs the two steps apart, to go on trimming while dead letters
     fail (`broker.service`)."""
     entries = entries_of(events)
-    upto = write_ledger(warehouse, topic, entries)
-    write_dead_letters(warehouse, topic, entries)
+    upto = write_ledger(warehouse, topic, entries, history)
+    write_dead_letters(warehouse, topic, entries, history)
     return upto
 
 
-def write_ledger(warehouse: str, topic: str, events: Events) -> int:
+def _last_event(entries: list[Entry], seq: int) -> str | None:
+    """`LAST`'s form of the event at `seq` among `entries`, if they hold it."""
+    for e in settlements(past(entries, seq - 1)):
+        return f"{e.seq} {e.event} {e.message_id}" if e.seq == seq else None
+    return None
+
+
+def foreign(warehouse: str, topic: str, events: Events, trimmed: int) -> int | None:
+    """None if the ledger's last checkpoints are this state's, else the last seq of
+    this state's the ledger holds: a checkpoint's last event (`LAST`), newest first,
+    is compared with this state's event of its seq until one matches or was trimmed
+    here. Call it once the state has applied every committed entry: a new leader still
+    applying its predecessor's would lack events the ledger holds. Commits from before
+    `LAST` tell nothing, and are taken as this state's."""
+    entries = entries_of(events)
+    table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))
+    differed = False
+    for commit in table.history(HISTORY_LOOKBACK):
+        theirs = commit.get(LAST)
+        if not isinstance(theirs, str):
+            continue
+        seq = int(theirs.split(" ", 1)[0])
+        if seq <= trimmed or theirs == _last_event(entries, seq):
+            return max(seq, trimmed) if differed else None
+        differed = True
+    return trimmed if differed else None
+
+
+def write_ledger(
+    warehouse: str,
+    topic: str,
+    events: Events,
+    history: History = ("", 0),
+    trimmed: int | None = None,
+) -> int:
     """Write `events` (ascending seq) past the ledger's tag to it; return the last seq.
+    Raises `Claimed` where the tag is past `trimmed` (the state's last trim), if given.
 
     The table is tagged with the last seq it holds and gets only the events past it, so
     a checkpoint after one whose trim was lost (a leader change) writes no row twice.
@@ -92,13 +151,23 @@ def write_ledger(warehouse: str, topic: str, events: Events) -> int:
         columns = _ledger_columns(past(entries, written))
         return pa.table(columns, schema=LEDGER_SCHEMA).combine_chunks()
 
-    _append_tagged(ensure_table(warehouse, Table.LEDGER, topic), upto, rows_past)
+    path = ensure_table(warehouse, Table.LEDGER, topic)
+    mark = {LAST: _last_event(entries[-1:], upto) or str(upto)}
+    _append_tagged(path, history, upto, rows_past, trimmed, mark)
     return upto
 
 
-def _append_tagged(path: str, upto: int, rows_past: Callable[[int], pa.Table | None]) -> None:
-    """Append `rows_past(tag)` to the table at `path` in a commit tagged `upto`, unless
-    its tag already reaches `upto`.
+def _append_tagged(
+    path: str,
+    history: History,
+    upto: int,
+    rows_past: Callable[[int], pa.Table | None],
+    trimmed: int | None = None,
+    metadata: dict[str, str] | None = None,
+) -> None:
+    """Append `rows_past(tag)` to the table at `path` in a commit tagged `upto` for
+    `history`'s app transaction, unless its tag (at least the seq the history began
+    at) already reaches `upto`; `Claimed` where the tag is past `trimmed`, if given.
 
     The tag and the write share one snapshot: a writer whose snapshot is older than
     another's commit of the same app id (a deposed leader's late checkpoint, made after
@@ -110,14 +179,21 @@ def _append_tagged(path: str, upto: int, rows_past: Callable[[int], pa.Table | N
     """
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         table = DeltaTable(path)
-        done = table.transaction_version(APP_ID) or 0
+        app = app_id(history[0])
+        tag = table.transaction_version(app) or 0
+        if trimmed is not None and tag > trimmed:
+            raise Claimed(tag)
+        done = max(tag, history[1])
         if done >= upto:
             return
         rows = rows_past(done)
         if rows is None:
             return
+        commit = CommitProperties(
+            app_transactions=[Transaction(app, upto)], custom_metadata=metadata
+        )
         try:
-            write_deltalake(table, rows, mode="append", commit_properties=_commit(upto))
+            write_deltalake(table, rows, mode="append", commit_properties=commit)
             return
         except CommitFailedError:
             if attempt == COMMIT_ATTEMPTS:
@@ -276,7 +352,9 @@ def deaths(events: Events) -> list[Settlement]:
     return list(settlements(dead))
 
 
-def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
+def write_dead_letters(
+    warehouse: str, topic: str, events: Events, history: History = ("", 0)
+) -> None:
     """Write the dead letters of the deaths among `events` past the table's tag, tagged
     with the last seq of `events`. Raises if a dead message's row cannot be read."""
     entries = entries_of(events)
@@ -288,7 +366,8 @@ def write_dead_letters(warehouse: str, topic: str, events: Events) -> None:
         left = [e for e in dead if e.seq > done]
         return _dead_letters(warehouse, topic, left) if left else None
 
-    _append_tagged(ensure_table(warehouse, Table.DEAD_LETTER, topic), last(entries[-1]), rows_past)
+    path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
+    _append_tagged(path, history, last(entries[-1]), rows_past)
 
 
 def compact_ledger(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
