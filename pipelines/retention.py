@@ -63,6 +63,7 @@ log = logging.getLogger("dejaq.retention")
 
 APP_ID = "dejaq-retention"  # the buffer's app transaction: its version is W, epoch ms
 OPERATION = "dejaq.retention"  # commitInfo's custom metadata key saying what a commit is
+RESTORED = "dejaq.restored"  # the same, for the rows `restore` puts back
 # How far a deliverer's clock may be behind the one that stamped earlier events (a new
 # leader's): events stamped that far before the cutoff still count as after it.
 CLOCK_SKEW_MS = 60_000
@@ -389,7 +390,10 @@ def _restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: in
     columns = {f.name: ingested if f.name == "ingested_at" else dead[f.name] for f in BUFFER_SCHEMA}
     rows = pa.table(columns).cast(BUFFER_SCHEMA)
     partition_by = buffer.metadata().partition_columns
-    write_deltalake(buffer, rows, mode="append", partition_by=partition_by or None)
+    commit = CommitProperties(custom_metadata={RESTORED: str(rows.num_rows)})
+    write_deltalake(
+        buffer, rows, mode="append", partition_by=partition_by or None, commit_properties=commit
+    )
     if dead.num_rows < len(missing):
         log.warning(
             "%d redriven messages have neither a buffer row nor a dead letter: %s",
@@ -401,9 +405,12 @@ def _restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: in
 
 def is_rewrite(commit: dict) -> bool:
     """Whether a commit's `commitInfo` says it is a retention run, a compaction or a
-    seal: its added files hold only rows the table had before."""
+    seal, whose added files hold only rows the table had before, or a `restore`, whose
+    rows are of redriven messages every node indexes from their redrive (`revive`): a
+    node reading one only after such a message was settled and forgotten would index
+    it as pending again."""
     return commit.get("operation") == "OPTIMIZE" or any(
-        tag in commit for tag in (OPERATION, COMPACTED, SEALED)
+        tag in commit for tag in (OPERATION, COMPACTED, SEALED, RESTORED)
     )
 
 

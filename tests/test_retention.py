@@ -601,6 +601,32 @@ def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_re
     assert sorted(fresh.rows) == ["m0", "m1"]
 
 
+def test_a_restored_row_read_after_its_message_settled_leaves_it_settled(tmp_path: Path) -> None:
+    """A node indexes a redriven message from its dead letter; the leader restores its
+    row; the message is leased, acked, checkpointed and forgotten before the node reads
+    the restore's version: the row is not indexed again as pending."""
+    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.reject("c", 1, ["m0"])
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    assert run(warehouse, now_ms()) is not None and buffered(warehouse) == {"m1"}
+    index.refresh()
+    assert state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
+    index.push(state, ["m0"])
+    assert index.revive(state) == 1, "from its dead letter"
+    checkpoint(warehouse, "jobs", state.events)
+    buffer, dead = (ensure_table(warehouse, t, "jobs") for t in (Table.BUFFER, Table.DEAD_LETTER))
+    assert retention.restore(buffer, dead, ["m0"], now_ms()) == 1
+    picks = listed(index.pick(state, state.buckets_of("c"), 1, now=3))
+    assert picks == [("m0", 0, 4)]
+    assert len(state.lease("c", 3, 100, picks)) == 1
+    index.release(state, picks)
+    assert state.ack("c", 4, ["m0"]) == {}
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.refresh()
+    assert [m for m, _, _ in listed(index.pick(state, state.buckets_of("c"), 5, now=5))] == ["m1"]
+
+
 def test_first_per_id_of_no_rows_is_no_rows() -> None:
     empty = ledger_rows([])
     assert retention.first_per_id(empty).num_rows == 0
