@@ -31,7 +31,7 @@ from dejaq.broker.state.leases import (
     consecutive,
 )
 from dejaq.broker.state.raft import NotCommitted, RaftNode, committed
-from dejaq.broker.state.settlements import Entry, seqs, settlements
+from dejaq.broker.state.settlements import Entry, count, last, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.index import TopicIndex
@@ -53,6 +53,9 @@ log = logging.getLogger("dejaq.broker")
 FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta commit
 DUTY_PERIOD_S = 0.05
 CHECKPOINT_PERIOD_S = 1.0
+# Events a checkpoint writes at most: a backlog the ledger could not take for hours is
+# written a part at a time, each part's id column well within Arrow's 2 GiB of strings.
+CHECKPOINT_MAX_EVENTS = 1_000_000
 # Settled events forgotten per Raft command after a checkpoint. Each trim stalls every
 # node's event loop while it forgets (about 0.3 µs an event), and each costs every node a
 # log entry's transport and a forget's fixed cost (~25 µs): at batch 100, slices of 500
@@ -81,6 +84,17 @@ def trim_cuts(entries: list[Entry], upto: int) -> list[int]:
     applies in one event-loop tick on every node, so requests wait milliseconds behind
     it, not tens of them."""
     return [*islice(seqs(entries), TRIM_SLICE - 1, None, TRIM_SLICE), upto]
+
+
+def first_events(entries: list[Entry], trimmed: int, n: int) -> list[Entry]:
+    """The entries up to the one holding the `n`th event past `trimmed` (the deaths a
+    trim kept, in front, do not count: they alone would hold the rest back)."""
+    total = 0
+    for i, e in enumerate(entries):
+        total += count(e) if last(e) > trimmed else 0
+        if total >= n:
+            return entries[: i + 1]
+    return entries
 
 
 class Problem(Exception):
@@ -315,10 +329,11 @@ class Broker:
 
     def _checkpoint_topic(self, name: str) -> None:
         assert self.raft is not None
-        events = self.state(name).events.view()
+        st = self.state(name)
+        events = first_events(st.events.view(), st.trimmed, CHECKPOINT_MAX_EVENTS)
         if not events:
             return
-        health, st = self.checkpoint_health[name], self.state(name)
+        health = self.checkpoint_health[name]
         history = (st.history, st.history_from)
         warehouse = self.settings.warehouse
         try:

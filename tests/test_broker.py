@@ -556,10 +556,10 @@ def on_one_node(
         gc.set_threshold(*collecting)
 
 
-def ledger_ids(warehouse: str, event: str = "acked") -> list[str]:
-    """The ids of the ledger's `event` rows, in its order."""
+def ledger_ids(warehouse: str, event: str | None = "acked") -> list[str]:
+    """The ids of the ledger's `event` rows (None: all)."""
     rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
-    return [r["message_id"] for r in rows.to_pylist() if r["event"] == event]
+    return [r["message_id"] for r in rows.to_pylist() if event in (None, r["event"])]
 
 
 def test_a_cluster_started_afresh_on_a_warehouse_writes_its_acks_to_its_ledger(
@@ -590,6 +590,44 @@ def test_a_cluster_started_afresh_on_a_warehouse_writes_its_acks_to_its_ledger(
 
     assert on_one_node(tmp_path, pending, prefix="p", node="afresh") == ["p1", "p0", "p2"]
     assert sorted(ledger_ids(str(tmp_path / "warehouse"))) == ["a0", "a1", "a2", "m0", "m1", "m2"]
+
+
+def test_a_backlog_is_checkpointed_a_part_at_a_time_and_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint writes at most `CHECKPOINT_MAX_EVENTS` (a backlog after a long ledger
+    outage would otherwise overflow Arrow's 2 GiB of ids in one column): the acks reach
+    the ledger in parts, every one of them once."""
+    import asyncio
+
+    from dejaq.broker import service
+
+    monkeypatch.setattr(service, "CHECKPOINT_MAX_EVENTS", 1)
+
+    async def acked(broker: Any) -> int:
+        leased = json.loads(await broker.lease("jobs", "w", 3, 30_000, 0))
+        # Three entries: consecutive acks would join one run of events.
+        for m, op in zip(leased, ["ack", "reject", "ack"], strict=True):
+            assert (await broker.settle("jobs", op, "w", [m["id"]])).ok == 1
+        deadline = time.monotonic() + 30
+        while len(ledger_ids(str(tmp_path / "warehouse"), None)) < 3:
+            assert time.monotonic() < deadline, "the acks never reached the ledger"
+            await asyncio.sleep(0.05)
+        return DeltaTable(ensure_table(str(tmp_path / "warehouse"), Table.LEDGER, "jobs")).version()
+
+    assert on_one_node(tmp_path, acked) >= 3, "a commit an event"
+    assert sorted(ledger_ids(str(tmp_path / "warehouse"), None)) == ["m0", "m1", "m2"]
+
+
+def test_the_first_events_of_a_checkpoint_do_not_count_the_deaths_a_trim_kept() -> None:
+    """Deaths whose dead letters failed stay in front of the events: counted, a million
+    of them would make every checkpoint theirs alone, and hold the acks back."""
+    kept = [Settlement(s, f"d{s}", 0, LedgerEvent.DEAD, s, 5, s) for s in (1, 2)]
+    after = [Settlement(s, f"m{s}", 0, LedgerEvent.ACKED, s, 1, s) for s in (5, 6, 7)]
+    from dejaq.broker.service import first_events
+
+    assert first_events(kept + after, 4, 2) == [*kept, *after[:2]]
+    assert first_events(kept + after, 4, 10) == kept + after
 
 
 def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:
