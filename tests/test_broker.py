@@ -1355,6 +1355,30 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
     assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2)) == [("m0", 0, 5)]
 
 
+def test_a_snapshot_carries_new_keys_and_delays_of_rows_the_node_has_not_read(
+    tmp_path: Path,
+) -> None:
+    """A lagging node gets the leader's state whole, holding a reschedule and a nack's
+    delay and priority of messages whose rows it has not read: read afterwards, they
+    lease at their new keys, once due (their rows' own entries are stale, and alone
+    would never lease)."""
+    warehouse, lagging, leader = loaded_topic(tmp_path, [5])
+    fill(warehouse, "jobs", buffer_rows([7, 8], lambda i: 0, prefix="n"))
+    assert leader.reschedule("n0", 20) is None
+    leader.lease("c", 0, 1000, [("n1", 0, 8)])
+    refused, _, _ = leader.nack("c", 1, ["n1"], delay_ms=10, sort_key=2)
+    assert not refused
+    snapshot = pickle.loads(pickle.dumps(leader))
+    lagging.rebuild(snapshot)
+    lagging.refresh()
+    lagging.revive(snapshot)
+    assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=5)) == [
+        ("m0", 0, 5),
+        ("n0", 0, 20),
+    ]
+    assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=11)) == [("n1", 0, 2)]
+
+
 def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -> None:
     """A restarted node replays its journal over an index loaded from the tables: an old
     expiry pushes a message whose row the index never took (the ledger had settled it),

@@ -628,8 +628,12 @@ class TopicIndex:
             self.heads.release(store.forget(list(settled))[0])
             # What earlier commands pushed without a row is history the snapshot replaced
             # (a journal replayed over tables that had settled it since): pending without
-            # a row now means redriven since its row left, and nothing else.
-            self.unread = {m for m in revived | state.redriven_at.keys() if store.get(m) is None}
+            # a row now means redriven since its row left, or given a new key before this
+            # node read its row (indexed at it once read, `revive`; a delay's entry is the
+            # delayed heap's, below).
+            again = revived | state.redriven_at.keys()
+            again |= state.sort_keys.keys() - state.not_before.keys()
+            self.unread = {m for m in again if store.get(m) is None and m not in state.leases}
             self.unfound.clear()
             # Re-keyed messages go to the heaps at their keys; the others to the runs.
             overrides = state.sort_keys
