@@ -29,9 +29,12 @@ SETTLED = "id already settled"
 
 def default_id_pattern(sources: list[str]) -> str:
     """A regular expression matching the default ids of records from `sources`:
-    `<topic>-<partition>-<offset>`, the id a record without an explicit one gets."""
+    `<topic>-<partition>-<offset>`, the id a record without an explicit one gets, its
+    numbers as Spark writes them (no leading zero), so an explicit id such as
+    `orders-2024-0001` is not taken for one."""
     topics = "|".join(re.escape(t) for t in sources)
-    return rf"^(?:{topics})-\d+-\d+$"
+    number = r"(?:0|[1-9]\d*)"
+    return rf"^(?:{topics})-{number}-{number}$"
 
 
 @dataclass

@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime as dt
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dejaq.pipelines.dedup import IN_BATCH, IN_BUFFER, SeenIds
+from dejaq.pipelines.dedup import IN_BATCH, IN_BUFFER, SeenIds, default_id_pattern
 
 T0 = dt.datetime(2026, 11, 21, tzinfo=dt.UTC)
 HOUR_MS = 3600 * 1000
@@ -93,3 +94,17 @@ def test_each_id_is_kept_once_at_its_first_record_across_batches(batches) -> Non
             assert coordinates == ("in", first[1], first[2])
         seen.commit(verdict, now_ms=n)
         stored.update(verdict.kept)
+
+
+def test_the_default_id_pattern_takes_no_explicit_id_with_a_leading_zero_for_one() -> None:
+    """The ingest leaves default ids out of the seed it reads from the ledger (they cannot
+    repeat); an explicit id taken for one would escape deduplication once its buffer row
+    is gone. The pattern runs where the ingest runs it, in Arrow's regex engine."""
+    ids = ["orders-0-0", "orders-3-1024", "orders-2024-0001", "orders-01-5", "orders-1", "x-0-0"]
+    pattern = default_id_pattern(["orders", "x"])
+    matched = pc.match_substring_regex(pa.array(ids), pattern).to_pylist()
+    assert [i for i, m in zip(ids, matched, strict=True) if m] == [
+        "orders-0-0",
+        "orders-3-1024",
+        "x-0-0",
+    ]
