@@ -1379,6 +1379,28 @@ def test_a_snapshot_carries_new_keys_and_delays_of_rows_the_node_has_not_read(
     assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=11)) == [("n1", 0, 2)]
 
 
+def test_a_followers_delayed_entries_follow_the_delays_in_force(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only a pick pops the delayed entries, and a follower never picks: it kept one for
+    every delayed redelivery ever made (memory growing with history, and a new leader's
+    first pick popping them all under the lock). Stale ones are dropped as they pile up,
+    and those in force stay."""
+    monkeypatch.setattr(index_module, "DELAYED_SLACK", 4)
+    _, index, state = loaded_topic(tmp_path, list(range(41)))
+    for i in range(40):
+        t, pick = 10_000 * i, (f"m{i}", i % 4, i)
+        state.lease("c", t, 10, [pick])
+        index.push(state, state.expire(t + 20, 10**9, (100, 1000)))  # a retry backoff
+        state.lease("c", t + 5_000, 10_000, [pick])
+        assert state.ack("c", t + 5_001, [f"m{i}"]) == {}
+        index.forget(state.trim(state.seq))
+    assert len(index.delayed) <= 4 + 1, "the stale delays were dropped"
+    state.lease("c", 500_000, 10, [("m40", 0, 40)])
+    index.push(state, state.expire(500_020, 10**9, (100, 1000)))
+    assert (state.not_before["m40"], "m40") in index.delayed, "the delay in force stays"
+
+
 def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -> None:
     """A restarted node replays its journal over an index loaded from the tables: an old
     expiry pushes a message whose row the index never took (the ledger had settled it),

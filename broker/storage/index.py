@@ -81,6 +81,8 @@ _ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
 COMPACT_READ = 2048  # heads a compaction reads per hold of the index lock
+# Delayed entries beyond twice the delays in force before the stale ones are dropped.
+DELAYED_SLACK = 1024
 NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 # How long a message pending again may have a row nowhere before it is warned of: a node
 # catching up forgets those a later entry settles within seconds (`TopicIndex.revive`).
@@ -556,8 +558,17 @@ class TopicIndex:
         not_before = state.not_before.get(mid)
         if not_before is not None:
             heapq.heappush(self.delayed, (not_before, mid))
+            if len(self.delayed) > 2 * len(state.not_before) + DELAYED_SLACK:
+                self._drop_stale_delays(state)
         else:
             self._due(state, mid, token)
+
+    def _drop_stale_delays(self, state: TopicState) -> None:
+        """Keep the delayed entries the state still holds (under the lock). Only a pick
+        pops them, so a follower's would hold one for each delay ever made; a delay
+        ends with its message's lease (`grant`), or is replaced by a later one."""
+        held = state.not_before
+        self.delayed = sorted({(nb, mid) for nb, mid in self.delayed if held.get(mid) == nb})
 
     def _due(self, state: TopicState, mid: str, token: int) -> None:
         """An entry at the message's sort key in force, on its bucket's heap (under the
