@@ -951,6 +951,18 @@ def test_a_message_rescheduled_while_pending_leases_at_its_new_key_only(tmp_path
     index.close()
 
 
+def test_a_freed_segments_number_is_taken_again(tmp_path: Path) -> None:
+    """Segment numbers sit in an int32 column, and a node opens a scratch segment for
+    each bucket it reads out of order: a counter would pass 2**31 within weeks at
+    thousands of buckets. A number comes back when its segment is freed."""
+    scratch = head_store.HeadStore(str(tmp_path))
+    seg, _ = scratch.write(["{}"])
+    number = seg.number
+    scratch.close()  # as `_read_bucket` closes its scratch store
+    again, _ = head_store.HeadStore(str(tmp_path)).write(["{}"])
+    assert again.number <= number, "a freed number, not the next of a counter"
+
+
 @settings(
     max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -21,7 +21,7 @@ stayed mostly settled (`sparse`) to the current one, so the disk follows what is
 
 from __future__ import annotations
 
-import itertools
+import heapq
 import os
 import tempfile
 import threading
@@ -44,8 +44,33 @@ SETTLE_S = 10.0
 # A compaction's reads: the heads it moves are under 1/SPARSE of their segments', so most
 # lie a few apart: read through the gaps, a `pread` (a system call) takes many.
 COMPACT_SPAN = 4 * SPARSE
-_numbers = itertools.count()
 SEP = b"\0"  # after each head: JSON escapes every control character, so never inside one
+
+
+class Numbers:
+    """Segments' numbers, each held by one open segment and given back when it is freed,
+    to be taken again lowest first: the row store keeps them in an int32 column, and a
+    node opens a scratch segment for each bucket it reads out of order, so a counter
+    passed 2**31 in weeks at thousands of buckets."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._free: list[int] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if self._free:
+                return heapq.heappop(self._free)
+            self._next += 1
+            return self._next - 1
+
+    def give(self, number: int) -> None:
+        with self._lock:
+            heapq.heappush(self._free, number)
+
+
+_numbers = Numbers()
 
 
 class Segment:
@@ -56,7 +81,7 @@ class Segment:
     __slots__ = ("ends", "fd", "file", "live", "number", "size", "sparse_since")
 
     def __init__(self, folder: str | None) -> None:
-        self.number = next(_numbers)
+        self.number = _numbers.take()
         # Closed when the store frees the segment (`HeadStore._free`), not by a block.
         self.file: IO[bytes] = tempfile.TemporaryFile(  # noqa: SIM115
             dir=folder, prefix="dejaq-heads-"
@@ -152,6 +177,7 @@ class HeadStore:
         if seg in self.segments:
             self.segments.discard(seg)
             seg.file.close()
+            _numbers.give(seg.number)
 
 
 def ends(heads: list[str]) -> np.ndarray:
