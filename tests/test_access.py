@@ -3,6 +3,7 @@ a role per route on the route's topic, forwards taken from cluster nodes only.""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -22,11 +23,19 @@ from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
 from test_broker_cluster import leader_of
 
-from dejaq.broker.api.access import FORWARD_TTL_MS, FORWARDED, ROUTES, forward_tag, required
+from dejaq.broker.api.access import (
+    FORWARD_TTL_MS,
+    FORWARDED,
+    ROUTES,
+    Guard,
+    forward_tag,
+    required,
+)
 from dejaq.broker.api.keys import (
     Grant,
     Key,
     KeyFileError,
+    KeyRing,
     add_key,
     read_keys,
     revoke_key,
@@ -215,6 +224,50 @@ def test_a_forward_tag_seen_on_the_wire_opens_nothing_else(secure) -> None:
     old = forward_tag(password, follower.http, "POST", path, content, at_ms=stale)
     assert send(path, old).status_code == 401, "a stale tag"
     assert send(path, other).status_code == 200, "its own request, once"
+
+
+def test_a_forwards_body_is_read_behind_a_timely_tag_only_and_no_larger_than_a_route_takes(
+    tmp_path: Path,
+) -> None:
+    """A caller with no key sends a forward's header and a body without end: a tag of the
+    wrong form, or stale, is refused before a byte of the body is read; a timely one has
+    its body read up to the largest a route takes, then 413. The key check is driven
+    as the HTTP server drives it (ASGI), as a body without end cannot be sent here."""
+    pulled = 0
+
+    async def endless() -> dict:
+        nonlocal pulled
+        pulled += 1
+        assert pulled < 10_000, "the body was read on and on"
+        return {"type": "http.request", "body": b"x" * 100, "more_body": True}
+
+    async def app(scope: object, receive: object, send: object) -> None:
+        raise AssertionError("a forged forward reached the app")
+
+    guard = Guard(app, KeyRing(tmp_path / "keys.json"), "the raft password", max_body=1_000)
+    path = "/v1/topics/jobs/leases"
+
+    def status(tag: str) -> int:
+        sent: list[dict] = []
+
+        async def send(message: dict) -> None:
+            sent.append(message)
+
+        scope = {
+            "type": "http",
+            "method": "POST",
+            "path": path,
+            "query_string": b"",
+            "headers": [(FORWARDED.encode(), tag.encode())],
+        }
+        asyncio.run(guard(scope, endless, send))
+        return sent[0]["status"]
+
+    stale = int(time.time() * 1000) - FORWARD_TTL_MS - 1000
+    for tag in ("1", forward_tag("the raft password", "n2", "POST", path, b"", at_ms=stale)):
+        assert (status(tag), pulled) == (401, 0), tag
+    assert status(forward_tag("the raft password", "n2", "POST", path, b"")) == 413
+    assert pulled == 11, "1,000 bytes of 100-byte chunks, and the one past them"
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused(secure, tmp_path: Path) -> None:

@@ -6,8 +6,12 @@ role, and a test holds every route of the OpenAPI to an entry here. Health, read
 and the API's own docs stay open; `/metrics` needs `monitor` unless configured open.
 
 A follower authorizes a request once and forwards it with a tag only the cluster's
-nodes can make (an HMAC under the Raft password of the follower's HTTP address, the
-time, a nonce, and the request's method, path, query and body); the leader takes a
+nodes can make (an HMAC, under a key stretched from the Raft password as slowly as
+Raft's own, of the follower's HTTP address, the time, a nonce, and the request's
+method, path, query and body); a tag seen on the wire costs a password guess as much
+as Raft's traffic does. The leader reads a forward's body only if its tag is well
+formed and timely, and at most `max_body` of it, so a caller without a key cannot make
+a node hold a body of any size. The leader takes a
 forward with a valid tag, and from nobody else, whatever headers a client sends. A tag
 seen on the wire opens no other request, and not that one again: the leader takes each
 nonce once, within `FORWARD_TTL_MS` of its time (the nodes' clocks agree within it).
@@ -25,6 +29,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
+from functools import lru_cache
 from typing import Any
 
 from dejaq.broker.api.keys import KeyRing
@@ -40,6 +45,8 @@ OPEN_PREFIX = "/docs-assets/"
 METRICS = "/metrics"
 BEARER = "bearer"
 FORWARD_TTL_MS = 60_000
+FORWARD_ROUNDS = 100_000  # PBKDF2's, as PySyncObj's for the Raft traffic's key
+DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
 # (method, path, role): the role a key needs on the path's {topic}, or on any topic for
 # topic-less paths; None: any valid key (the list of topics' names).
@@ -108,8 +115,15 @@ def forward_tag(
     nonce = secrets.token_hex(12) if nonce is None else nonce
     signed = f"dejaq-forward {sender} {at_ms} {nonce} {method} {target} "
     signed += hashlib.sha256(body).hexdigest()
-    mac = hmac.new(password.encode(), signed.encode(), hashlib.sha256)
+    mac = hmac.new(_forward_key(password), signed.encode(), hashlib.sha256)
     return f"{sender} {at_ms} {nonce} {mac.hexdigest()}"
+
+
+@lru_cache(maxsize=4)
+def _forward_key(password: str) -> bytes:
+    """The forwards' HMAC key: PBKDF2 of the password, as many rounds as PySyncObj
+    stretches it for Raft's traffic, under a salt of its own, once per process."""
+    return hashlib.pbkdf2_hmac("sha256", password.encode(), b"dejaq-forward", FORWARD_ROUNDS)
 
 
 def target_of(path: str, query: bytes) -> str:
@@ -126,10 +140,12 @@ class Guard:
         keys: KeyRing,
         password: str | None,
         metrics_open: bool = False,
+        max_body: int = DEFAULT_MAX_BODY,
     ) -> None:
-        """`password`: the Raft password, under which nodes tag their forwards."""
+        """`password`: the Raft password, under which nodes tag their forwards;
+        `max_body`: the largest body a route takes."""
         self.app, self.keys, self.password = app, keys, password
-        self.metrics_open = metrics_open
+        self.metrics_open, self.max_body = metrics_open, max_body
         # The nonces of the forwards taken, each kept until its tag could no longer pass.
         self._nonces: set[str] = set()
         self._expiries: deque[tuple[float, str]] = deque()
@@ -149,10 +165,12 @@ class Guard:
             elif name == _FORWARDED:
                 forwarded = value
         if forwarded is not None:
-            body = await read_body(receive)  # part of it if the sender left: refused
+            body = await read_body(receive, self.max_body) if self._timely(forwarded) else b""
+            if body is None:
+                return await _refuse(send, 413, "request too large", f"over {self.max_body} bytes")
             target = target_of(path, scope.get("query_string", b""))
             if self._from_node(forwarded, scope["method"], target, body):
-                # Authorized where it arrived.
+                # Authorized where it arrived; a body cut short by its sender fails the tag.
                 return await self.app(scope, replay(body, receive), send)
             return await _refuse(
                 send,
@@ -176,14 +194,19 @@ class Guard:
             return await _refuse(send, 403, "role required", detail)
         return await self.app(scope, receive, send)
 
-    def _from_node(self, forwarded: bytes, method: str, target: str, body: bytes) -> bool:
-        """Whether a node tagged this very request, lately, and it was not taken before."""
+    def _timely(self, forwarded: bytes) -> bool:
+        """Whether a forward's tag is well formed and within `FORWARD_TTL_MS` of now:
+        checked before its body is read."""
         parts = forwarded.decode("latin-1").split(" ")
         if self.password is None or len(parts) != 4 or not parts[1].isdigit():
             return False
-        sender, at, nonce, _ = parts
-        if abs(time.time() * 1000 - int(at)) > FORWARD_TTL_MS:
+        return abs(time.time() * 1000 - int(parts[1])) <= FORWARD_TTL_MS
+
+    def _from_node(self, forwarded: bytes, method: str, target: str, body: bytes) -> bool:
+        """Whether a node tagged this very request, lately, and it was not taken before."""
+        if not self._timely(forwarded):
             return False
+        sender, at, nonce, _ = forwarded.decode("latin-1").split(" ")
         expected = forward_tag(self.password, sender, method, target, body, int(at), nonce)
         if not hmac.compare_digest(expected.encode("latin-1"), forwarded):
             return False

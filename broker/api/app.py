@@ -294,6 +294,7 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
             KeyRing(Path(conf.keys_file)),
             password,
             conf.metrics_open,
+            messages.largest_body(conf.max_payload_bytes),
         )
         _declare_security(app, conf.metrics_open)
     return app

@@ -11,12 +11,18 @@ Message = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[Message]]
 
 
-async def read_body(receive: Receive) -> bytes:
-    """The request's body, whole; what had come if the client left before the end."""
+async def read_body(receive: Receive, limit: int | None = None) -> bytes | None:
+    """The request's body, whole; what had come if the client left before the end; None
+    once it passes `limit` bytes (the rest is not read)."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if limit is not None and size > limit:
+            return None
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 

@@ -67,7 +67,12 @@ async def body_limit(request: Request, broker: AnyBroker) -> None:
 
 
 async def batch_limit(request: Request, broker: AnyBroker) -> None:
-    _limit(request, max(MAX_BATCH_BODY, broker.conf.max_payload_bytes * 4 // 3 + 64 * 1024))
+    _limit(request, largest_body(broker.conf.max_payload_bytes))
+
+
+def largest_body(max_payload_bytes: int) -> int:
+    """The largest body any route takes: a batch's, or one payload in base64 with room."""
+    return max(MAX_BATCH_BODY, max_payload_bytes * 4 // 3 + 64 * 1024)
 
 
 def decode_payload(b64: str, max_bytes: int) -> bytes:
