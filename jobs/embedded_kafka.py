@@ -88,7 +88,17 @@ class Secure:
             f'user_broker="{self.broker_password}" user_{USER}="{self.password}";'
         )
         scram = "org.apache.kafka.common.security.scram.ScramLoginModule required;"
+        # The controller's listener takes the broker alone: open, any local process
+        # could change the users' passwords or delete topics through it.
+        controller = (
+            "org.apache.kafka.common.security.plain.PlainLoginModule required "
+            f'username="broker" password="{self.broker_password}" '
+            f'user_broker="{self.broker_password}";'
+        )
         return {
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config": controller,
             "sasl.enabled.mechanisms": "PLAIN,SCRAM-SHA-256,SCRAM-SHA-512",
             "sasl.mechanism.inter.broker.protocol": "PLAIN",
             "listener.name.sasl_ssl.plain.sasl.jaas.config": plain,
@@ -125,7 +135,7 @@ def server_properties(
     port: int, controller_port: int, log_dir: Path, secure: Secure | None = None
 ) -> str:
     """One broker that is its own controller (a static quorum of one), on 127.0.0.1;
-    `secure`: its one client listener is SASL_SSL instead of PLAINTEXT."""
+    `secure`: its client and controller listeners are SASL_SSL instead of PLAINTEXT."""
     listener = "SASL_SSL" if secure else "PLAINTEXT"
     props = {
         "process.roles": "broker,controller",
@@ -135,7 +145,7 @@ def server_properties(
         "advertised.listeners": f"{listener}://127.0.0.1:{port}",
         "controller.listener.names": "CONTROLLER",
         "inter.broker.listener.name": listener,
-        "listener.security.protocol.map": f"CONTROLLER:PLAINTEXT,{listener}:{listener}",
+        "listener.security.protocol.map": f"CONTROLLER:{listener},{listener}:{listener}",
         "log.dirs": str(log_dir),
         "num.partitions": "1",
         "offsets.topic.replication.factor": "1",

@@ -6,7 +6,9 @@ failing at start with the setting named."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import socket
 import subprocess
 import sys
 import time
@@ -32,9 +34,14 @@ DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 
 
 @pytest.fixture(scope="module")
-def secure_kafka(tmp_path_factory) -> Iterator[dict[str, str]]:
+def secure_kafka_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("secure-kafka")
+
+
+@pytest.fixture(scope="module")
+def secure_kafka(secure_kafka_dir: Path) -> Iterator[dict[str, str]]:
     """A secured embedded Kafka; yields its client settings as DEJAQ_KAFKA_* variables."""
-    data_dir = tmp_path_factory.mktemp("secure-kafka")
+    data_dir = secure_kafka_dir
     port = free_port()
     proc = embedded_kafka.start(port, data_dir, secure=True)
     try:
@@ -76,6 +83,30 @@ def test_a_plain_client_is_refused(secure_kafka: dict[str, str]) -> None:
             request_timeout_ms=3000,
             bootstrap_timeout_ms=3000,
         ).list_topics()
+
+
+def test_the_controller_listener_takes_no_client_without_a_login(
+    secure_kafka: dict[str, str], secure_kafka_dir: Path
+) -> None:
+    """The controller's port, on 127.0.0.1 beside the client one, asks for TLS and the
+    broker's own login too: open, any local process could change the users' passwords
+    there (AlterUserScramCredentials). A request sent in the clear gets no Kafka answer."""
+    from kafka.protocol.metadata import ApiVersionsRequest
+    from kafka.protocol.parser import KafkaProtocol
+
+    props = (secure_kafka_dir / "server.properties").read_text()
+    voter = re.search(r"^controller\.quorum\.voters=1@127\.0\.0\.1:(\d+)$", props, re.M)
+    assert voter is not None
+    parser = KafkaProtocol(client_id="nobody")
+    parser.send_request(ApiVersionsRequest(version=0))
+    with socket.create_connection(("127.0.0.1", int(voter.group(1))), timeout=10) as sock:
+        sock.sendall(parser.send_bytes())
+        try:
+            answer = sock.recv(65536)
+        except ConnectionResetError:
+            answer = b""
+    # Nothing, or a TLS alert record (content type 21): no Kafka answer.
+    assert answer[:1] in (b"", b"\x15"), "the controller answered a request in the clear"
 
 
 @pytest.mark.parametrize("mechanism", ["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"])
