@@ -36,7 +36,11 @@ def epoch_ms(value: str) -> int:
 def add_node(sp: argparse.ArgumentParser, required: bool = True) -> None:
     """--broker, and how to reach it: --token and --cacert."""
     sp.add_argument("--broker", required=required, metavar="URL", help="any broker node's URL")
-    sp.add_argument("--token", help="an API key (default: $DEJAQ_TOKEN)")
+    sp.add_argument(
+        "--token",
+        help="an API key (default: $DEJAQ_TOKEN, which, unlike an argument, no process "
+        "listing shows)",
+    )
     sp.add_argument("--cacert", metavar="PEM", help="the CA that signed an https:// node's cert")
 
 

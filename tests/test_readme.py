@@ -218,6 +218,7 @@ def test_the_secure_set_up_works_as_written(folder: Path) -> None:
                 shell.line(line)
         assert shell.env["DEJAQ_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
         assert (folder / "worker-1.key").read_text().startswith("dq_")
+        assert (folder / "worker-1.key").stat().st_mode & 0o077 == 0, "the key, for its owner"
         cluster = shell.jobs[-1]
         wait_until(
             lambda: "stops the cluster" in shell.log(cluster) or cluster.poll() is not None,
