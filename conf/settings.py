@@ -78,6 +78,8 @@ class TopicConfig(_Strict):
     output: str | None = None
     json_fields: JsonFields | None = None
     dedup_window_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=0)
+    # How long a quarantined record is kept (deleted at the ingest's compactions).
+    quarantine_retention_ms: int = Field(default=30 * 24 * 3600 * 1000, ge=3600 * 1000)
     # How long a settled message (acked, dead, cancelled, released) stays in the buffer
     # before retention removes it; the ledger keeps its record.
     settled_retention_ms: int = Field(default=3600 * 1000, ge=0)

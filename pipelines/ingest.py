@@ -40,7 +40,7 @@ from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import SeenIds, Verdict, default_id_pattern
 from dejaq.pipelines.delta_source import WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
-from dejaq.pipelines.retention import ledger_tail
+from dejaq.pipelines.retention import expire_quarantine, ledger_tail
 from dejaq.pipelines.session import Connectors
 
 log = logging.getLogger("dejaq.ingest")
@@ -163,6 +163,18 @@ class IngestJob:
         at_ms = pc.divide(tail.column("at").cast(pa.int64()), 1000).to_pylist()
         return [(mid, None, None, None, at) for mid, at in zip(ids, at_ms, strict=True)]
 
+    def _expire_quarantine(self, path: str) -> None:
+        """Maintenance, as compaction is: a failure is logged, and the next round tries."""
+        try:
+            gone = expire_quarantine(
+                path, self.topic.quarantine_retention_ms, int(time.time() * 1000)
+            )
+        except Exception:
+            log.warning("expiring %s failed; the next round tries again", path, exc_info=True)
+            return
+        if gone:
+            log.info("%s: %d records past quarantine_retention_ms deleted", path, gone)
+
     def _last_stored_batch(self, buffer_path: str) -> int:
         """The last batch id this job's appends gave the buffer (-1: none)."""
         if not DeltaTable.is_deltatable(buffer_path):
@@ -219,6 +231,7 @@ class IngestJob:
         self._seen.commit(verdict, int(time.time() * 1000))
         every = self.topic.compact_every_batches
         if every and (batch_id + 1) % every == 0:
+            self._expire_quarantine(quarantine_path)
             for path in (buffer_path, quarantine_path):
                 maintain(path)
             clock.lap("compact")

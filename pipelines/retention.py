@@ -403,6 +403,24 @@ def _restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: in
     return dead.num_rows
 
 
+def expire_quarantine(path: str, retention_ms: int, now_ms: int) -> int:
+    """Delete the quarantine's rows quarantined more than `retention_ms` before `now_ms`;
+    how many. It takes every record that could not be buffered, so it would otherwise
+    grow with the topic's history of bad records. Only the files whose statistics say
+    they hold such rows are rewritten; with none, nothing is committed."""
+    table = DeltaTable(path)
+    cutoff = now_ms - retention_ms
+    adds = pa.table(table.get_add_actions(flatten=True))
+    if "min.quarantined_at" in adds.column_names:
+        oldest = pc.min(adds.column("min.quarantined_at").cast(TIMESTAMP)).value
+        if oldest is None or oldest >= cutoff * 1000:
+            return 0
+    elif not adds.num_rows:
+        return 0
+    metrics = table.delete(f"quarantined_at < '{iso_ms(cutoff)}'")
+    return int(metrics.get("num_deleted_rows", 0))
+
+
 def is_rewrite(commit: dict) -> bool:
     """Whether a commit's `commitInfo` says it is a retention run, a compaction or a
     seal, whose added files hold only rows the table had before, or a `restore`, whose

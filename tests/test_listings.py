@@ -12,14 +12,16 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from deltalake import write_deltalake
+from deltalake import DeltaTable, write_deltalake
 from test_broker import listed, loaded_topic
 
 from dejaq.broker.storage.checkpoints import Health, checkpoint
 from dejaq.broker.storage.listings import BadCursor, page
 from dejaq.conf.tables import QUARANTINE_SCHEMA, Table, ensure_table
+from dejaq.pipelines.retention import expire_quarantine
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
+HOUR_MS = 3_600_000
 
 
 def quarantine_rows(n: int) -> pa.Table:
@@ -99,3 +101,20 @@ def test_quarantine_command_pages_through_every_record(tmp_path: Path) -> None:
         timeout=60,
     )
     assert (empty.returncode, empty.stdout, empty.stderr) == (0, "", "")
+
+
+def test_quarantined_records_past_their_retention_are_deleted_and_the_rest_kept(
+    tmp_path: Path,
+) -> None:
+    """The quarantine takes every record that could not be buffered; the ingest deletes
+    those past `quarantine_retention_ms` at its compactions, committing nothing when no
+    file's statistics reach back that far."""
+    path = ensure_table(str(tmp_path), Table.QUARANTINE, "jobs")
+    write_deltalake(path, quarantine_rows(10), mode="append")  # 0..4 s past `at`
+    at_ms = int(dt.datetime(2026, 1, 1, tzinfo=dt.UTC).timestamp() * 1000)
+    version = DeltaTable(path).version()
+    assert expire_quarantine(path, HOUR_MS, at_ms + HOUR_MS) == 0
+    assert DeltaTable(path).version() == version, "nothing past it: no commit"
+    assert expire_quarantine(path, HOUR_MS, at_ms + HOUR_MS + 2_500) == 6
+    kept = DeltaTable(path).to_pyarrow_table().column("source_offset").to_pylist()
+    assert sorted(kept) == [6, 7, 8, 9], "quarantined 3 s after `at` and later"
