@@ -15,6 +15,7 @@ import pytest
 from deltalake import DeltaTable, write_deltalake
 from test_broker import listed, loaded_topic
 
+from dejaq.broker.storage import listings
 from dejaq.broker.storage.checkpoints import Health, checkpoint
 from dejaq.broker.storage.listings import BadCursor, page
 from dejaq.conf.tables import QUARANTINE_SCHEMA, Table, ensure_table
@@ -118,3 +119,37 @@ def test_quarantined_records_past_their_retention_are_deleted_and_the_rest_kept(
     assert expire_quarantine(path, HOUR_MS, at_ms + HOUR_MS + 2_500) == 6
     kept = DeltaTable(path).to_pyarrow_table().column("source_offset").to_pylist()
     assert sorted(kept) == [6, 7, 8, 9], "quarantined 3 s after `at` and later"
+
+
+def test_a_page_reads_the_rows_near_its_cursor_not_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A quarantine holding two days of records, a minute apart: each page reads the
+    sort columns of a span of time from its cursor (an hour, widened as needed), not the
+    table's whole history, and the pages still hold every record once, in order."""
+    path = ensure_table(str(tmp_path), Table.QUARANTINE, "jobs")
+    rows = quarantine_rows(2880)
+    at = rows.column("quarantined_at")[0].as_py()
+    minutes = [at + dt.timedelta(minutes=i) for i in range(rows.num_rows)]
+    rows = rows.set_column(9, "quarantined_at", pa.array(minutes, rows.schema.field(9).type))
+    for part in range(0, rows.num_rows, 480):  # six files, each eight hours
+        write_deltalake(path, rows.slice(part, 480), mode="append")
+    read: list[int] = []
+    original = listings.scan
+
+    def counted(*args: object, **kwargs: object) -> pa.Table:
+        got = original(*args, **kwargs)
+        read.append(got.num_rows)
+        return got
+
+    monkeypatch.setattr(listings, "scan", counted)
+    offsets: list[int] = []
+    after = None
+    for _ in range(300):
+        got = page(path, Table.QUARANTINE, 100, after)
+        offsets += [r["source_offset"] for r in got.rows]
+        if got.next is None:
+            break
+        after = got.next
+    assert offsets == list(range(2880)), "every record once, in order"
+    assert max(read) < 2 * 480, "no page read the whole table"

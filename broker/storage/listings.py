@@ -1,9 +1,11 @@
 """Pages of a topic's dead letters and quarantine, for an operator looking for ids to
 redrive or records to fix: read from the Delta tables (no Spark), oldest first.
 
-A page is read in two steps: the sort columns of the whole table (small), then the
-page's rows alone. A cursor is the last row's sort values, so a page holds still while
-new rows are appended after it.
+A page is read in two steps: the sort columns of the rows from the cursor's time on,
+over a span of time that widens until it holds more than a page (files whose statistics
+lie outside it are not read), then the page's rows alone. So a page costs the rows near
+it, not the table's history. A cursor is the last row's sort values, so a page holds
+still while new rows are appended after it.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from deltalake import DeltaTable
 
-from dejaq.conf.tables import Table, column, scan
+from dejaq.conf.tables import TIMESTAMP, Table, column, scan
 
 MAX_PAGE = 1000
+FIRST_SPAN_US = 3_600_000_000  # an hour: the span first read, then four times wider
 
 
 @dataclass(frozen=True)
@@ -41,9 +45,9 @@ class BadCursor(ValueError):
 def page(path: str, table: Table, limit: int, after: str | None = None) -> Page:
     """Up to `limit` rows of `table` after the cursor `after`, in time order."""
     order = ORDER[table]
-    keys = scan(path, table, order).sort_by([(c, "ascending") for c in order])
-    start = 0 if after is None else _position(keys, order, _decode(after, len(order)))
-    chosen = keys.slice(start, limit)
+    cursor = None if after is None else _decode(after, len(order))
+    keys = _keys_after(path, table, order, cursor, limit)
+    chosen = keys.slice(0, limit)
     if chosen.num_rows == 0:
         return Page([], None)
     wanted = None
@@ -55,19 +59,57 @@ def page(path: str, table: Table, limit: int, after: str | None = None) -> Page:
     rows = [
         r for r, k in zip(found.to_pylist(), _tuples(found, order), strict=True) if k in on_page
     ]
-    more = start + chosen.num_rows < keys.num_rows
+    more = chosen.num_rows < keys.num_rows
     last = {c: rows[-1][c] for c in order}
     return Page([_json_row(r) for r in rows], _encode(last, order) if more else None)
 
 
+def _keys_after(
+    path: str, table: Table, order: list[str], last: list[Any] | None, limit: int
+) -> pa.Table:
+    """The sort columns of the rows after `last` (from the first, if None), sorted: more
+    than `limit` of them, or all there are. Read over a span of time from the cursor's,
+    widened fourfold until it holds them or reaches the table's latest time."""
+    time = order[0]
+    adds = pa.table(DeltaTable(path).get_add_actions(flatten=True))
+    stats = (f"min.{time}", f"max.{time}")
+    if not adds.num_rows or not set(stats) <= set(adds.column_names):
+        return _after(scan(path, table, order), order, last)
+    earliest = pc.min(adds.column(stats[0]).cast(TIMESTAMP)).value
+    latest = pc.max(adds.column(stats[1]).cast(TIMESTAMP)).value
+    if earliest is None or latest is None:
+        return _after(scan(path, table, order), order, last)
+    # A microsecond early: the cursor's time went through a float, and rows tied with
+    # its row come after it.
+    start = earliest if last is None else max(earliest, int(last[0] * 1_000_000) - 1)
+    span = FIRST_SPAN_US
+    while True:
+        end = start + span
+        within = (column(table, time) >= pa.scalar(start, TIMESTAMP)) & (
+            column(table, time) <= pa.scalar(end, TIMESTAMP)
+        )
+        keys = _after(scan(path, table, order, within), order, last)
+        if keys.num_rows > limit or end >= latest:
+            return keys
+        span *= 4
+
+
+def _after(keys: pa.Table, order: list[str], last: list[Any] | None) -> pa.Table:
+    """`keys` sorted, without those at or before `last`."""
+    keys = keys.sort_by([(c, "ascending") for c in order])
+    if last is None:
+        return keys
+    target = tuple(last)
+    at_or_before = 0  # they come first, sorted: stop at the first after
+    for r in _tuples(keys, order):
+        if tuple(map(_comparable, r)) > target:
+            break
+        at_or_before += 1
+    return keys.slice(at_or_before)
+
+
 def _tuples(t: pa.Table, order: list[str]) -> list[tuple]:
     return list(zip(*(t.column(c).to_pylist() for c in order), strict=True))
-
-
-def _position(keys: pa.Table, order: list[str], last: list[Any]) -> int:
-    """How many of the sorted `keys` sort at or before `last`."""
-    target = tuple(last)
-    return sum(1 for r in _tuples(keys, order) if tuple(map(_comparable, r)) <= target)
 
 
 def _comparable(value: Any) -> Any:
