@@ -951,6 +951,27 @@ def test_a_message_rescheduled_while_pending_leases_at_its_new_key_only(tmp_path
     index.close()
 
 
+def test_a_freed_segments_number_names_no_other_segment_for_the_picks_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The pick keeps blocks of heads it read by segment number. A segment freed and its
+    number taken by the next one before the cache was emptied gave a lease another
+    message's head: a number comes back only once the index let its columns go."""
+    warehouse, index, state = loaded_topic(tmp_path, [1])
+    picked, _ = index.pick_with_heads(state, state.buckets_of("c"), 1, now=0)  # cached
+    index.release(state, picked)
+    state.lease("c", 0, 1000, listed(picked))
+    assert state.ack("c", 1, ["m0"]) == {}
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))  # its head gone
+    monkeypatch.setattr(head_store, "SEGMENT_BYTES", 1)  # the next write opens a segment
+    fill(warehouse, "jobs", buffer_rows([1], prefix="n"))
+    index.refresh()  # frees m0's segment as it opens one
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 1, now=0)
+    assert [json.loads(h + b"}")["id"] for _, h in taken] == ["n0"]
+    index.release_columns()  # as the node's follow thread does after each round
+    assert index.heads.current is not None
+
+
 def test_a_freed_segments_number_is_taken_again(tmp_path: Path) -> None:
     """Segment numbers sit in an int32 column, and a node opens a scratch segment for
     each bucket it reads out of order: a counter would pass 2**31 within weeks at

@@ -48,10 +48,11 @@ SEP = b"\0"  # after each head: JSON escapes every control character, so never i
 
 
 class Numbers:
-    """Segments' numbers, each held by one open segment and given back when it is freed,
-    to be taken again lowest first: the row store keeps them in an int32 column, and a
-    node opens a scratch segment for each bucket it reads out of order, so a counter
-    passed 2**31 in weeks at thousands of buckets."""
+    """Segments' numbers, each held by one open segment and given back once no cache
+    holds a block of it (`HeadStore.recycle`), to be taken again lowest first: the row
+    store keeps them in an int32 column, and a node opens a scratch segment for each
+    bucket it reads out of order, so a counter passed 2**31 in weeks at thousands of
+    buckets."""
 
     def __init__(self) -> None:
         self._next = 0
@@ -112,6 +113,9 @@ class HeadStore:
         self.folder = folder
         self.current: Segment | None = None
         self.segments: set[Segment] = set()
+        # Numbers of segments freed since the pick's cache of blocks by number was last
+        # emptied (`recycle`): given back before, one could name another segment there.
+        self._freed: list[int] = []
         self._lock = threading.Lock()
 
     def write(self, heads: list[str]) -> tuple[Segment, int]:
@@ -172,12 +176,21 @@ class HeadStore:
             for seg in list(self.segments):
                 self._free(seg)
             self.current = None
+        self.recycle()
+
+    def recycle(self) -> None:
+        """Give back the numbers of the segments freed: call once no cache holds a block
+        read from them (the index's `release_columns` empties the pick's)."""
+        with self._lock:
+            freed, self._freed = self._freed, []
+        for number in freed:
+            _numbers.give(number)
 
     def _free(self, seg: Segment) -> None:
         if seg in self.segments:
             self.segments.discard(seg)
             seg.file.close()
-            _numbers.give(seg.number)
+            self._freed.append(seg.number)
 
 
 def ends(heads: list[str]) -> np.ndarray:

@@ -729,8 +729,9 @@ class TopicIndex:
         store has since replaced (grown, narrowed, shrunk) are freed: called after each
         round of the steps that replace them, which a node runs whether it leads or not."""
         with self.lock:
-            self.order.release_columns()
+            self.order.release_columns()  # and the blocks of heads it read
             self._ids = self._ids_bytes = None
+            self.heads.recycle()
 
     def row(self, mid: str) -> Row | None:
         """An indexed message's row (None once forgotten)."""

@@ -302,7 +302,8 @@ const BLOCK: usize = 4096;
 const CACHE_BLOCKS: usize = 256;
 
 /// Blocks of head segments as last read, by (segment number, block). A segment's bytes
-/// are written once, after its end, and its number is never reused, so a block stays
+/// are written once, after its end, and its number is not taken again before the index
+/// empties this cache (`release_columns`, then `HeadStore.recycle`), so a block stays
 /// true but where it was read before a head in it was written: `read_run` checks.
 #[derive(Default)]
 pub(crate) struct HeadCache {
