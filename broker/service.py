@@ -87,13 +87,17 @@ def trim_cuts(entries: list[Entry], upto: int) -> list[int]:
 
 
 def first_events(entries: list[Entry], trimmed: int, n: int) -> list[Entry]:
-    """The entries up to the one holding the `n`th event past `trimmed` (the deaths a
-    trim kept, in front, do not count: they alone would hold the rest back)."""
+    """The entries holding the first `n` events past `trimmed`, the last of them cut
+    there (a follower's acks join one run until it leads and checkpoints); the deaths a
+    trim kept, in front, do not count: they alone would hold the rest back."""
     total = 0
     for i, e in enumerate(entries):
-        total += count(e) if last(e) > trimmed else 0
-        if total >= n:
-            return entries[: i + 1]
+        if last(e) <= trimmed:
+            continue
+        left, size = n - total, count(e)
+        if size >= left:
+            return [*entries[:i], e if size == left else e.part(e.seq, e.seq + left)]
+        total += size
     return entries
 
 

@@ -50,6 +50,7 @@ from dejaq.broker.state.leases import (
     unpacked,
 )
 from dejaq.broker.state.raft import BrokerState
+from dejaq.broker.state.settlements import settlements
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage import row_store as row_store_module
@@ -628,6 +629,14 @@ def test_the_first_events_of_a_checkpoint_do_not_count_the_deaths_a_trim_kept() 
 
     assert first_events(kept + after, 4, 2) == [*kept, *after[:2]]
     assert first_events(kept + after, 4, 10) == kept + after
+    state = TopicState(buckets=1, max_deliveries=5)  # a follower's acks: one run
+    state.touch("c", 0)
+    record = state.lease("c", 1, 1000, [(f"a{i}", 0, i) for i in range(10)], lid=1)
+    for position in range(10):
+        assert state.ack("c", 2, [], [record.receipt(position)]) == {}
+    [run] = state.events.view()
+    [part] = first_events([run], 0, 3)
+    assert [e.message_id for e in settlements([part])] == ["a0", "a1", "a2"]
 
 
 def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:
