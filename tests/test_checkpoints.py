@@ -263,3 +263,14 @@ def test_a_ledger_tag_of_another_raft_history_is_told_from_a_lost_trim(tmp_path:
         *["m3", "m3", "m4", "m4"],  # each history's seqs 4 and 5
     ]
     assert foreign(warehouse, "jobs", survived.events, survived.trimmed_upto()) is None
+
+
+def test_a_new_history_writes_the_dead_letters_a_trim_kept(tmp_path: Path) -> None:
+    """A death whose dead letter failed stays in Raft at or below the last trim; a
+    history begun past that seq (`history_from`) still writes its dead letter."""
+    warehouse, _, state = loaded_topic(tmp_path, [4, 9])
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.reject("c", 1, ["m0"])
+    write_dead_letters(warehouse, "jobs", state.events, ("h", state.seq))
+    dead = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, "jobs")).to_pyarrow_table()
+    assert dead.column("message_id").to_pylist() == ["m0"]

@@ -366,8 +366,10 @@ def write_dead_letters(
         left = [e for e in dead if e.seq > done]
         return _dead_letters(warehouse, topic, left) if left else None
 
+    # From the history's first seq, not the seq it began past: deaths a trim kept (their
+    # dead letters failed) lie below that, and were written under no tag.
     path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
-    _append_tagged(path, history, last(entries[-1]), rows_past)
+    _append_tagged(path, (history[0], 0), last(entries[-1]), rows_past)
 
 
 def compact_ledger(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
