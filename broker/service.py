@@ -369,7 +369,9 @@ class Broker:
         assert self.raft is not None
         committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
         st = self.state(name)
-        written = foreign(self.settings.warehouse, name, st.events.view(), st.trimmed_upto())
+        written = foreign(
+            self.settings.warehouse, name, st.events.view(), st.trimmed_upto(), done, st.seq
+        )
         if written is None:
             return False
         history = uuid.uuid4().hex

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from conftest import wait_until
-from deltalake import DeltaTable
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from test_broker import listed, loaded_topic
 
 from dejaq.broker.state.leases import TopicState
@@ -248,12 +248,12 @@ def test_a_ledger_tag_of_another_raft_history_is_told_from_a_lost_trim(tmp_path:
     assert write_ledger(warehouse, "jobs", lost.events) == 5
     with pytest.raises(Claimed):
         write_ledger(warehouse, "jobs", lost.events, trimmed=lost.trimmed_upto())
-    assert foreign(warehouse, "jobs", lost.events, lost.trimmed_upto()) is None, "a lost trim"
+    assert foreign(warehouse, "jobs", lost.events, 0, 5, lost.seq) is None, "a lost trim"
 
     assert survived.ack("c", 3, ["m4", "m3"]) == {}  # seqs 4 and 5 again, other events
     with pytest.raises(Claimed):
         write_ledger(warehouse, "jobs", survived.events, trimmed=survived.trimmed_upto())
-    assert foreign(warehouse, "jobs", survived.events, survived.trimmed_upto()) == 3
+    assert foreign(warehouse, "jobs", survived.events, 0, 5, survived.seq) == 3
     survived.begin_history("h", 3)
     history = (survived.history, survived.history_from)
     assert write_ledger(warehouse, "jobs", survived.events, history, trimmed=0) == 5
@@ -262,7 +262,7 @@ def test_a_ledger_tag_of_another_raft_history_is_told_from_a_lost_trim(tmp_path:
         *["m0", "m1", "m2"],
         *["m3", "m3", "m4", "m4"],  # each history's seqs 4 and 5
     ]
-    assert foreign(warehouse, "jobs", survived.events, survived.trimmed_upto()) is None
+    assert foreign(warehouse, "jobs", survived.events, 0, 5, survived.seq) is None
 
 
 def test_a_new_history_writes_the_dead_letters_a_trim_kept(tmp_path: Path) -> None:
@@ -274,3 +274,21 @@ def test_a_new_history_writes_the_dead_letters_a_trim_kept(tmp_path: Path) -> No
     write_dead_letters(warehouse, "jobs", state.events, ("h", state.seq))
     dead = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, "jobs")).to_pyarrow_table()
     assert dead.column("message_id").to_pylist() == ["m0"]
+
+
+def test_a_tag_past_the_state_is_another_historys_where_no_commit_says_its_last_event(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints written before they noted their last event tell nothing by it; a tag
+    past every seq the state holds (new data folders on that ledger) still cannot be
+    a lost trim."""
+    warehouse = str(tmp_path)
+    state = TopicState(buckets=1, max_deliveries=5)
+    state.touch("c", 0)
+    state.lease("c", 1, 1000, [("m0", 0, 0)])
+    assert state.ack("c", 2, ["m0"]) == {}
+    path = ensure_table(warehouse, Table.LEDGER, "jobs")
+    untold = CommitProperties(app_transactions=[Transaction(ledger_writer.APP_ID, 7)])
+    write_deltalake(path, LEDGER_SCHEMA.empty_table(), mode="append", commit_properties=untold)
+    assert foreign(warehouse, "jobs", state.events, 0, 7, state.seq) == 0
+    assert foreign(warehouse, "jobs", state.events, 0, 1, state.seq) is None

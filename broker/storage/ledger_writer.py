@@ -104,13 +104,16 @@ def _last_event(entries: list[Entry], seq: int) -> str | None:
     return None
 
 
-def foreign(warehouse: str, topic: str, events: Events, trimmed: int) -> int | None:
-    """None if the ledger's last checkpoints are this state's, else the last seq of
-    this state's the ledger holds: a checkpoint's last event (`LAST`), newest first,
-    is compared with this state's event of its seq until one matches or was trimmed
-    here. Call it once the state has applied every committed entry: a new leader still
-    applying its predecessor's would lack events the ledger holds. Commits from before
-    `LAST` tell nothing, and are taken as this state's."""
+def foreign(
+    warehouse: str, topic: str, events: Events, trimmed: int, done: int, seq: int
+) -> int | None:
+    """None if the ledger's last checkpoints, up to its tag `done`, are this state's
+    (last seq `seq`), else the last seq of this state's the ledger holds: a
+    checkpoint's last event (`LAST`), newest first, is compared with this state's event
+    of its seq until one matches or was trimmed here. Call it once the state has
+    applied every committed entry: a new leader still applying its predecessor's would
+    lack events the ledger holds. Where no commit carries `LAST` (all from before it),
+    a tag past `seq` is another history's."""
     entries = entries_of(events)
     table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))
     differed = False
@@ -122,7 +125,7 @@ def foreign(warehouse: str, topic: str, events: Events, trimmed: int) -> int | N
         if seq <= trimmed or theirs == _last_event(entries, seq):
             return max(seq, trimmed) if differed else None
         differed = True
-    return trimmed if differed else None
+    return trimmed if differed or done > seq else None
 
 
 def write_ledger(
