@@ -1443,6 +1443,25 @@ def test_a_followers_delayed_entries_follow_the_delays_in_force(
     assert (state.not_before["m40"], "m40") in index.delayed, "the delay in force stays"
 
 
+def test_a_delay_that_passes_before_the_node_reads_the_row_leaves_the_message_leasable(
+    tmp_path: Path,
+) -> None:
+    """A message nacked with a delay and a priority before this node read its row (a
+    snapshot brought the state): the delay passes first, and the message still leases,
+    at its new key, once the row is read."""
+    warehouse, lagging, leader = loaded_topic(tmp_path, [5])
+    fill(warehouse, "jobs", buffer_rows([8], lambda i: 0, prefix="n"))
+    leader.lease("c", 0, 1000, [("n0", 0, 8)])
+    refused, _, _ = leader.nack("c", 1, ["n0"], delay_ms=10, sort_key=2)
+    assert not refused
+    snapshot = pickle.loads(pickle.dumps(leader))
+    lagging.rebuild(snapshot)
+    assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=20)) == [("m0", 0, 5)]
+    lagging.refresh()
+    lagging.revive(snapshot)
+    assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=21)) == [("n0", 0, 2)]
+
+
 def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -> None:
     """A restarted node replays its journal over an index loaded from the tables: an old
     expiry pushes a message whose row the index never took (the ledger had settled it),

@@ -702,10 +702,12 @@ class TopicIndex:
         """`Order.pick`'s arguments from `max_key` to `long`, the delayed messages due by
         `now` put back first; the caller holds the lock."""
         while self.delayed and self.delayed[0][0] <= now:
-            _, mid = heapq.heappop(self.delayed)
+            not_before, mid = heapq.heappop(self.delayed)
             token = self.store.get(mid)
             if token is not None:
                 self._due(state, mid, token)
+            elif state.not_before.get(mid) == not_before:  # its row not read here yet
+                self.unread.add(mid)
         table = self.store.table
         ids = table.ids
         if self._ids is not ids:  # the same view while the column is, as the core holds it
