@@ -348,6 +348,8 @@ def ingested_before(buffer: DeltaTable) -> int | None:
     return pc.max(latest).value // 1000 + 1
 
 
+# A lock per buffer: a retention run's restore (after its rewrite) and a checkpoint's
+# may find the same row missing at once, and each would append it.
 _RESTORING: dict[str, threading.Lock] = {}
 _RESTORING_GUARD = threading.Lock()
 

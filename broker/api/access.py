@@ -115,12 +115,12 @@ def forward_tag(
     nonce = secrets.token_hex(12) if nonce is None else nonce
     signed = f"dejaq-forward {sender} {at_ms} {nonce} {method} {target} "
     signed += hashlib.sha256(body).hexdigest()
-    mac = hmac.new(_forward_key(password), signed.encode(), hashlib.sha256)
+    mac = hmac.new(forward_key(password), signed.encode(), hashlib.sha256)
     return f"{sender} {at_ms} {nonce} {mac.hexdigest()}"
 
 
 @lru_cache(maxsize=4)
-def _forward_key(password: str) -> bytes:
+def forward_key(password: str) -> bytes:
     """The forwards' HMAC key: PBKDF2 of the password, as many rounds as PySyncObj
     stretches it for Raft's traffic, under a salt of its own, once per process."""
     return hashlib.pbkdf2_hmac("sha256", password.encode(), b"dejaq-forward", FORWARD_ROUNDS)

@@ -25,7 +25,14 @@ from fastapi.staticfiles import StaticFiles
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from dejaq.broker.api.access import FORWARDED, ROUTES, Guard, forward_tag, target_of
+from dejaq.broker.api.access import (
+    FORWARDED,
+    ROUTES,
+    Guard,
+    forward_key,
+    forward_tag,
+    target_of,
+)
 from dejaq.broker.api.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
 from dejaq.broker.api.hotpath import HotPath
 from dejaq.broker.api.keys import KeyRing
@@ -287,6 +294,8 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     # Signs each forward (`access.forward_tag`); unsigned where no password is set (one
     # node, without keys).
     app.state.forward_tag = partial(forward_tag, password, broker.http_addr) if password else None
+    if password:
+        forward_key(password)  # stretched here, once, not on the event loop at a forward
     app.front = HotPath(partial(FastAPI.__call__, app), broker)
     if conf.keys_file is not None:
         app.front = Guard(

@@ -24,9 +24,9 @@ use crate::packed_ids::PackedIds;
 /// (`owned`, `held`), neither settled nor delayed (`settled`, `not_before`), picked at
 /// the key in force (`sort_keys`: a reschedule or a nack's priority applied since the
 /// pick moved it), nor leased (in `table`), nor picked twice; each with one delivery
-/// more than its count in `deliveries`. Fills the record's positions (all leased); counts the holds.
-/// Returns how many of the granted were redelivered. `TopicState.lease` says the
-/// rules; this is their loop.
+/// more than its count in `deliveries`. Fills the record's positions (all leased);
+/// counts the holds. Returns how many of the granted were redelivered.
+/// `TopicState.lease` says the rules; this is their loop.
 #[pyfunction]
 #[pyo3(signature = (
     table, record, mids, buckets, keys, owned, held, consumer, settled, not_before, sort_keys,
