@@ -285,7 +285,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
 
 def test_a_snapshotted_topic_takes_new_buckets_and_max_deliveries_by_a_configure_command() -> None:
     """A node loading a snapshot keeps its topics' buckets and max_deliveries whatever its
-    configuration now says (16 buckets, 5 deliveries); a `configure` command changes them
+    configuration says (16 buckets, 5 deliveries); a `configure` command changes them
     at its point of the log. Buckets 16-31 are then assigned and leased, a message dies
     after the new 2 deliveries, and a lease in a bucket removed later stays valid."""
     before = BrokerState([topic_conf(buckets=16)], 5, _NoIndex())
@@ -963,9 +963,9 @@ def test_a_message_rescheduled_while_pending_leases_at_its_new_key_only(tmp_path
 def test_a_freed_segments_number_names_no_other_segment_for_the_picks_cache(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The pick keeps blocks of heads it read by segment number. A segment freed and its
-    number taken by the next one before the cache was emptied gave a lease another
-    message's head: a number comes back only once the index let its columns go."""
+    """The pick keeps blocks of heads it read by segment number: a freed segment's number
+    taken by the next one before the cache is emptied would give a lease another
+    message's head, so a number comes back only once the index lets its columns go."""
     warehouse, index, state = loaded_topic(tmp_path, [1])
     picked, _ = index.pick_with_heads(state, state.buckets_of("c"), 1, now=0)  # cached
     index.release(state, picked)
