@@ -75,10 +75,10 @@ def _keys_after(
     stats = (f"min.{time}", f"max.{time}")
     if not adds.num_rows or not set(stats) <= set(adds.column_names):
         return _after(scan(path, table, order), order, last)
-    earliest = pc.min(adds.column(stats[0]).cast(TIMESTAMP)).value
-    latest = pc.max(adds.column(stats[1]).cast(TIMESTAMP)).value
-    if earliest is None or latest is None:
+    lows, highs = (adds.column(name).cast(TIMESTAMP) for name in stats)
+    if lows.null_count or highs.null_count:  # a file without statistics: read them all
         return _after(scan(path, table, order), order, last)
+    earliest, latest = pc.min(lows).value, pc.max(highs).value
     # A microsecond early: the cursor's time went through a float, and rows tied with
     # its row come after it.
     start = earliest if last is None else max(earliest, int(last[0] * 1_000_000) - 1)
