@@ -223,6 +223,8 @@ def retain(
     `ATTEMPTS` times; then the error is raised.
     """
     started = time.monotonic()
+    if dead_letter_path is not None:
+        _restore_owed(buffer_path, dead_letter_path, set(), now_ms)
     for attempt in range(1, ATTEMPTS + 1):
         try:
             done = _run(
@@ -280,8 +282,8 @@ def _run(
         removed, rewritten = _remove(buffer, gone, _commit(cutoff, len(gone)))
         if removed:
             if died and dead_letter_path is not None:
-                again = redrives_since(ledger_path, cutoff, died)
-                restore(buffer_path, dead_letter_path, sorted(set(again)), now_ms)
+                again = set(redrives_since(ledger_path, cutoff, died))
+                _restore_owed(buffer_path, dead_letter_path, again, now_ms)
             return removed, rewritten, read, cutoff
         # None of them had a row here (settled before their rows came, say): delta-rs
         # commits nothing for a MERGE that changes nothing, so the watermark moves alone.
@@ -346,6 +348,29 @@ def ingested_before(buffer: DeltaTable) -> int | None:
     if latest.null_count:
         return None
     return pc.max(latest).value // 1000 + 1
+
+
+# Redriven messages whose rows a run removed and could not put back (the store failing),
+# by buffer: the watermark has moved past them, so no later run would find them again.
+_OWED: dict[str, set[str]] = {}
+
+
+def _restore_owed(buffer_path: str, dead_letter_path: str, ids: set[str], now_ms: int) -> None:
+    """`restore` `ids` and those an earlier run of this process could not; what fails is
+    owed to the next run (one retention thread a process)."""
+    owed = _OWED.pop(buffer_path, set()) | ids
+    if not owed:
+        return
+    try:
+        restore(buffer_path, dead_letter_path, sorted(owed), now_ms)
+    except Exception:
+        _OWED[buffer_path] = owed
+        log.warning(
+            "putting back the rows of %d redriven messages in %s failed; the next run tries",
+            len(owed),
+            buffer_path,
+            exc_info=True,
+        )
 
 
 # A lock per buffer: a retention run's restore (after its rewrite) and a checkpoint's

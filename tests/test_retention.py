@@ -568,13 +568,19 @@ def test_a_redriven_message_gets_its_buffer_row_back_and_survives_a_restart(
     assert sorted(fresh.rows) == ["m0", "m1"]
 
 
+def failing(*args: object) -> int:
+    raise OSError("the store is unreachable")
+
+
+@pytest.mark.parametrize("store_fails", [False, True])
 def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_rewrite(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store_fails: bool
 ) -> None:
     """A dead message is redriven, its redrive checkpointed and its row checked by
     `restore`, between a run's read of the ledger and its rewrite: `restore` finds the
     row still there, the rewrite removes it, and the run puts it back from the dead
-    letters, so a node started afterwards finds the message pending."""
+    letters (or, the store failing then, the next run does), so a node started
+    afterwards finds the message pending."""
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
@@ -591,8 +597,14 @@ def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_re
         return got
 
     monkeypatch.setattr(retention, "settled_before", redriven_meanwhile)
+    restores = iter([retention.restore, failing] if store_fails else [])
+    if store_fails:  # the checkpoint's restore works, the run's fails
+        monkeypatch.setattr(retention, "restore", lambda *a: next(restores)(*a))
     assert retain(buffer, ledger, HOUR, now_ms(), None, dead) is not None
     monkeypatch.undo()
+    if store_fails:
+        assert buffered(warehouse) == {"m1"}
+        assert retain(buffer, ledger, HOUR, now_ms() + 1000, None, dead) is None, "no cutoff"
     assert buffered(warehouse) == {"m0", "m1"}, "the rewrite removed m0's row; it is back"
     index.forget(state.trim(state.events[-1].seq))
     assert run(warehouse, now_ms() + retention.WATERMARK_STEP_MS) is not None
