@@ -51,8 +51,8 @@ class Numbers:
     """Segments' numbers, each held by one open segment and given back once no cache
     holds a block of it (`HeadStore.recycle`), to be taken again lowest first: the row
     store keeps them in an int32 column, and a node opens a scratch segment for each
-    bucket it reads out of order, so a counter passed 2**31 in weeks at thousands of
-    buckets."""
+    bucket it reads out of order, so a counter would pass 2**31 within weeks at
+    thousands of buckets."""
 
     def __init__(self) -> None:
         self._next = 0

@@ -121,9 +121,9 @@ def foreign(
         theirs = commit.get(LAST)
         if not isinstance(theirs, str):
             continue
-        seq = int(theirs.split(" ", 1)[0])
-        if seq <= trimmed or theirs == _last_event(entries, seq):
-            return max(seq, trimmed) if differed else None
+        written = int(theirs.split(" ", 1)[0])
+        if written <= trimmed or theirs == _last_event(entries, written):
+            return max(written, trimmed) if differed else None
         differed = True
     return trimmed if differed or done > seq else None
 
