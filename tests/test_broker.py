@@ -525,32 +525,42 @@ def on_one_node(
     """Run `scenario` with a one-node broker (in process, its own Raft, its data in
     `tmp_path / node`) over messages m0, m1, m2 (`prefix`) at sort keys 5, 3, 9 in
     bucket 0, added to the warehouse, once it leads and "w" is a member."""
-    import asyncio
-
-    from dejaq.broker.service import Broker, now_ms
+    from dejaq.broker.service import now_ms
     from dejaq.conf.settings import Settings
     from dejaq.jobs.ports import free_port
 
     warehouse = str(tmp_path / "warehouse")
     fill(warehouse, "jobs", buffer_rows([5, 3, 9], lambda i: 0, prefix))
     settings = Settings(warehouse=warehouse, topics=[topic_conf()])
-    raft = f"127.0.0.1:{free_port()}"
-    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / node)
-    collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
-    broker.start()
 
-    async def run() -> T:
-        assert broker.raft is not None
-        broker.raft.attach(asyncio.get_running_loop())
-        deadline = time.monotonic() + 30
-        while not broker.raft.is_leader():
-            assert time.monotonic() < deadline, "no Raft leader within 30 s"
-            await asyncio.sleep(0.01)
+    async def member(broker: Any) -> T:
         await broker.raft.commit("jobs", "touch", "w", now_ms())  # a member: no join
         return await scenario(broker)
 
+    return run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / node, member)
+
+
+def run_node(
+    settings: Any, raft: str, data_dir: Path, scenario: Callable[[Any], Awaitable[T]]
+) -> T:
+    """Run `scenario` with a one-node broker (in process, its own Raft on `raft`, its
+    data in `data_dir`) once it leads; stop it after."""
+    import asyncio
+
+    from dejaq.broker.service import Broker
+
+    broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], data_dir)
+    collecting = gc.get_threshold()  # a node's start tunes the process's GC: put back after
+    broker.start()
+
+    async def main() -> T:
+        assert broker.raft is not None
+        broker.raft.attach(asyncio.get_running_loop())
+        await _until(broker.raft.is_leader, "Raft leader")
+        return await scenario(broker)
+
     try:
-        return asyncio.run(run())
+        return asyncio.run(main())
     finally:
         broker.stop()
         gc.unfreeze()
@@ -2021,9 +2031,7 @@ def test_a_restarted_leader_commits_the_buckets_and_max_deliveries_its_snapshot_
     and 2. Its snapshot's values would stay (the buckets the ingest now fills from 16 on
     assigned to nobody, a silent stall): the leader's duties commit its configuration,
     and a message in bucket 20 is leased, then dead after its second delivery."""
-    import asyncio
 
-    from dejaq.broker.service import Broker
     from dejaq.conf.settings import BrokerConfig, Settings
     from dejaq.jobs.ports import free_port
 
@@ -2037,21 +2045,7 @@ def test_a_restarted_leader_commits_the_buckets_and_max_deliveries_its_snapshot_
             topics=[topic_conf(buckets=buckets)],
             broker=BrokerConfig(max_deliveries=max_deliveries),
         )
-        broker = Broker(settings, "n1", "127.0.0.1:1", raft, [], tmp_path / "node")
-        collecting = gc.get_threshold()  # a node's start tunes the process's GC
-        broker.start()
-
-        async def main() -> T:
-            broker.raft.attach(asyncio.get_running_loop())
-            await _until(broker.raft.is_leader, "leadership")
-            return await scenario(broker)
-
-        try:
-            return asyncio.run(main())
-        finally:
-            broker.stop()
-            gc.unfreeze()
-            gc.set_threshold(*collecting)
+        return run_node(settings, raft, tmp_path / "node", scenario)
 
     async def snapshotted(broker: Any) -> tuple[int, int]:
         await _until(lambda: broker.state("jobs").configured, "the first configure")
