@@ -46,7 +46,6 @@ METRICS = "/metrics"
 BEARER = "bearer"
 FORWARD_TTL_MS = 60_000
 FORWARD_ROUNDS = 100_000  # PBKDF2's, as PySyncObj's for the Raft traffic's key
-DEFAULT_MAX_BODY = 16 * 1024 * 1024
 
 # (method, path, role): the role a key needs on the path's {topic}, or on any topic for
 # topic-less paths; None: any valid key (the list of topics' names).
@@ -139,8 +138,8 @@ class Guard:
         app: ASGIApp,
         keys: KeyRing,
         password: str | None,
+        max_body: int,
         metrics_open: bool = False,
-        max_body: int = DEFAULT_MAX_BODY,
     ) -> None:
         """`password`: the Raft password, under which nodes tag their forwards;
         `max_body`: the largest body a route takes."""

@@ -302,8 +302,8 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
             app.front,
             KeyRing(Path(conf.keys_file)),
             password,
-            conf.metrics_open,
             messages.largest_body(conf.max_payload_bytes),
+            conf.metrics_open,
         )
         _declare_security(app, conf.metrics_open)
     return app
