@@ -1918,6 +1918,83 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     assert in_log_at_apply == {"a": 2, "b": 1}
 
 
+def test_a_command_that_raises_fails_alone_and_the_log_goes_on(tmp_path: Path) -> None:
+    """Three real Raft nodes. A command on a topic no node configures (a leader started
+    with a topic its followers lack) raises on every node: that is its result, by the
+    duties' path (`committed`) and by the group path, and every node applies the
+    entries after it. Raised out of the apply, PySyncObj applies the failing entry
+    again at each tick and never the next: the node's state stops there."""
+    import asyncio
+
+    from dejaq.broker.state.raft import committed
+
+    nodes = _raft_nodes(tmp_path)
+
+    def by_duties(leader: Any) -> BaseException | None:
+        try:
+            committed(leader.state.command, "gone", "touch", ("c", 0), timeout=10)
+        except KeyError as e:
+            return e
+        return None
+
+    async def scenario() -> tuple[BaseException | None, BaseException | None]:
+        leader = await _leader_once_attached(nodes)
+        duties = await asyncio.to_thread(by_duties, leader)
+        grouped = None
+        try:
+            await leader.commit("gone", "touch", "c", 1)
+        except KeyError as e:
+            grouped = e
+        assert await leader.commit("t", "touch", "after", 2) is True
+        await _until(
+            lambda: all("after" in n.state.topics["t"].consumers for n in nodes), "every node"
+        )
+        return duties, grouped
+
+    try:
+        duties, grouped = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert "no topic 'gone'" in str(duties) and "no topic 'gone'" in str(grouped)
+
+
+class _Panic(BaseException):
+    """Stands in for PyO3's PanicException, a BaseException, which no input here raises
+    from the core."""
+
+
+def test_what_a_command_raises_is_its_result_a_panic_and_a_malformed_command_too() -> None:
+    """In a group commit and alone, a failing command's result is what it raised, and
+    the commands after it apply; only an interrupt stops the group."""
+    node = BrokerState([topic_conf(buckets=1)], 5, _NoIndex())
+    applied = node._apply
+
+    def panicking(topic: str, op: str, args: tuple) -> Any:
+        if op == "pause":
+            raise _Panic("the core panicked")
+        if op == "purge":
+            raise KeyboardInterrupt
+        return applied(topic, op, args)
+
+    node._apply = panicking  # type: ignore[method-assign]
+    results = node.batch(
+        [
+            ("jobs", "touch", ("a", 0)),
+            "not a command",
+            ("jobs", "pause", (True,)),
+            ("jobs", "touch", ("b", 0)),
+        ],
+        _doApply=True,
+    )
+    assert results[0] is True and results[3] is True
+    assert isinstance(results[1], TypeError) and isinstance(results[2], _Panic)
+    assert set(node.topics["jobs"].consumers) == {"a", "b"}
+    assert isinstance(node.command("jobs", "pause", (True,), _doApply=True), _Panic)
+    with pytest.raises(KeyboardInterrupt):
+        node.batch([("jobs", "purge", ())], _doApply=True)
+
+
 def test_the_leader_applies_its_own_commands_unpickled_by_the_followers_alone(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

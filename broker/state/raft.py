@@ -484,15 +484,19 @@ def not_committed(reason: int) -> NotCommitted:
 
 def committed(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
     """Call a replicated method of `BrokerState` and wait for its result, from a thread
-    other than the event loop; NotCommitted if a majority did not take it."""
+    other than the event loop; NotCommitted if a majority did not take it, and what the
+    command raised (on every node alike) if it failed."""
     try:
-        return method(*args, sync=True, timeout=timeout)
+        result = method(*args, sync=True, timeout=timeout)
     except SyncObjException as e:
         if e.errorCode == "Timeout":  # PySyncObj holds commands while there is no leader
             raise NotCommitted(
                 f"Raft command not committed within {timeout:g} s (no leader, or no majority)"
             ) from None
         raise not_committed(e.errorCode) from None
+    if isinstance(result, BaseException):
+        raise result
+    return result
 
 
 class BrokerState(SyncObjConsumer):
@@ -526,7 +530,15 @@ class BrokerState(SyncObjConsumer):
 
     @replicated
     def command(self, topic: str, op: str, args: tuple) -> Any:
-        return self._apply(topic, op, args)
+        """One command; what it raises is its result, as in `batch`: raised out of the
+        apply, PySyncObj would apply this entry again at every tick and never the
+        entries after it, a node stalled for good."""
+        try:
+            return self._apply(topic, op, args)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a panic in the core is a BaseException
+            return e
 
     @replicated
     def batch(self, commands: list[tuple[str, str, tuple]]) -> list[Any]:
@@ -537,7 +549,9 @@ class BrokerState(SyncObjConsumer):
         return TRANSITIONS.apply_group(self, commands, self._apply)
 
     def _apply(self, topic: str, op: str, args: tuple) -> Any:
-        st = self.topics[topic]
+        st = self.topics.get(topic)
+        if st is None:  # a leader whose configuration has a topic this node's lacks
+            raise KeyError(f"no topic {topic!r} in this node's configuration")
         if op == "lease":
             if len(args) == 5:  # from before receipts: unnumbered
                 return st.lease(*args)
@@ -752,7 +766,7 @@ class RaftNode:
             self._flush_due = True
             loop.call_soon(self._flush, loop)
         result = await fut
-        if isinstance(result, Exception):
+        if isinstance(result, BaseException):
             raise result
         return result
 

@@ -8,7 +8,7 @@
 //! `TopicState.ack` say; the tests apply random commands both ways and compare the
 //! states.
 
-use pyo3::exceptions::{PyAttributeError, PyException};
+use pyo3::exceptions::{PyAttributeError, PyKeyboardInterrupt, PySystemExit};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
@@ -245,7 +245,10 @@ impl<'py> Group<'py> {
 }
 
 impl Transitions {
-    /// `apply_group`'s loop: each command's result, or the Exception it raised.
+    /// `apply_group`'s loop: each command's result, or what it raised in its place,
+    /// a malformed command's error and a panic included. Raised past the loop, an
+    /// error would leave PySyncObj to apply the whole entry again at its next tick,
+    /// and again, its earlier commands' effects with it, and never the entries after.
     fn each<'py>(
         &self,
         group: &mut Group<'py>,
@@ -256,23 +259,26 @@ impl Transitions {
         let py = topics.py();
         let results = PyList::empty(py);
         for command in commands.try_iter()? {
-            let (topic, op, args): (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>) =
-                command?.extract()?;
-            let result = self
-                .one(group, topics, &topic, &op, &args)
-                .and_then(|done| match done {
+            let result = command.and_then(|command| {
+                let (topic, op, args): (Bound<'py, PyAny>, Bound<'py, PyAny>, Bound<'py, PyAny>) =
+                    command.extract()?;
+                match self.one(group, topics, &topic, &op, &args)? {
                     Some(result) => Ok(result),
                     None => {
                         group.flush(self.acked.bind(py))?;
                         apply.call1((&topic, &op, &args))
                     }
-                });
+                }
+            });
             match result {
                 Ok(result) => results.append(result)?,
-                Err(e) if e.is_instance_of::<PyException>(py) => {
-                    results.append(e.into_value(py))?
+                Err(e)
+                    if e.is_instance_of::<PyKeyboardInterrupt>(py)
+                        || e.is_instance_of::<PySystemExit>(py) =>
+                {
+                    return Err(e)
                 }
-                Err(e) => return Err(e),
+                Err(e) => results.append(e.into_value(py))?,
             }
         }
         Ok(results)
@@ -489,7 +495,7 @@ impl Transitions {
     }
 
     /// `BrokerState.batch`: each of `commands` (topic, op, args) applied in order, its
-    /// result or the Exception it raised in its place; `apply(topic, op, args)`
+    /// result or what it raised in its place; `apply(topic, op, args)`
     /// (`BrokerState._apply`) for those not applied here.
     fn apply_group<'py>(
         &self,
@@ -508,7 +514,7 @@ impl Transitions {
             lids: None,
         };
         let results = self.each(&mut group, &topics, commands, apply);
-        // Written back even where a command raised past its result (not an Exception).
+        // Written back even where the loop stopped (an interrupt, or `commands` itself).
         let flushed = group.flush(self.acked.bind(py));
         let results = results?;
         flushed?;
