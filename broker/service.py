@@ -490,7 +490,15 @@ class Broker:
         except NotCommitted as e:
             raise Problem(503, "not committed", str(e)) from None
 
-    async def lease(self, topic: str, consumer: str, n: int, lease_ms: int, wait_ms: int) -> bytes:
+    async def lease(
+        self,
+        topic: str,
+        consumer: str,
+        n: int,
+        lease_ms: int,
+        wait_ms: int,
+        gone: Callable[[], bool] = lambda: False,
+    ) -> bytes:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
 
         Returns the JSON array of leased messages, formatted by `message_json`. A lease
@@ -498,6 +506,10 @@ class Broker:
         from, or the consumer's buckets moved) picks again at once, up to REDRIVE_READS
         times, whatever `wait_ms`: messages are pending, and an empty answer would tell
         the worker there are none.
+
+        A poll grants nothing once `gone()` says its client has disconnected, nor once
+        its consumer has left meanwhile (it would join again): messages leased to
+        nobody wait out their lease and come back a delivery closer to dead.
         """
         cfg = self.topic(topic)
         index, st = self.indexes[topic], self.state(topic)
@@ -508,14 +520,21 @@ class Broker:
         # a third of its heartbeat timeout has passed; most leases need none.
         touch_after = self.conf.heartbeat_timeout_ms // 3
         repicks = 0
+        first = True
         while True:
             now = now_ms()
             seen = st.consumers.get(consumer)
+            if seen is None and not first:
+                return b"[]"  # it left during the poll
             if seen is None or now - seen > touch_after:
                 await self._commit(topic, "touch", consumer, now)
                 now = now_ms()
+            first = False
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
             picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
+            if picks[0] and gone():
+                index.release(st, picks)
+                return b"[]"
             if picks[0]:
                 granted = None
                 try:

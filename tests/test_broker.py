@@ -540,6 +540,52 @@ def on_one_node(
     return run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / node, member)
 
 
+def test_a_long_poll_of_a_consumer_that_left_during_it_leases_nothing(tmp_path: Path) -> None:
+    """A consumer leaves (its worker stopping) while its long poll waits: the leave hands
+    its leases back, and the poll must not join it again and lease them to it, for its
+    buckets to stay with a worker that is gone until its heartbeat times out."""
+    import asyncio
+
+    from dejaq.broker.service import now_ms
+
+    async def scenario(broker: Any) -> tuple[bytes, list[str], int]:
+        first = await broker.lease("jobs", "w", 10, 60_000, 0)
+        index = broker.indexes["jobs"]
+        picks: list[int] = []
+        pick = index.pick_with_heads
+
+        def counted(*args: Any) -> Any:
+            picks.append(1)
+            return pick(*args)
+
+        index.pick_with_heads = counted  # a spy: the poll has made its first pass
+        poll = asyncio.ensure_future(broker.lease("jobs", "w", 10, 60_000, 5_000))
+        await _until(lambda: picks, "the poll's first pick")
+        released = await broker.raft.commit("jobs", "leave", "w", now_ms())
+        st = broker.state("jobs")
+        return await poll, sorted(released), len(json.loads(first)) + len(st.consumers)
+
+    answer, released, leased_and_members = on_one_node(tmp_path, scenario)
+    assert released == ["m0", "m1", "m2"]
+    assert answer == b"[]"
+    assert leased_and_members == 3, "w is no member after the poll"
+
+
+def test_a_consumer_the_heartbeat_expiry_removed_hands_its_leases_back_when_it_leaves() -> None:
+    """Its leases hold its buckets until their deadline (up to 12 h): a leave releases
+    them, as a member's."""
+    st = TopicState(buckets=2, max_deliveries=5)
+    st.touch("a", 0)
+    st.touch("b", 0)
+    bucket = st.buckets_of("b")[0]
+    assert list(st.lease("b", 0, 600_000, [("m", bucket, 1)]).mids) == ["m"]
+    st.touch("a", 15_000)
+    assert st.expire(15_000, 10_000) == [] and "b" not in st.consumers
+    assert st.buckets_of("a") == [1 - bucket], "b's lease holds its bucket"
+    assert st.leave("b", 15_001) == ["m"]
+    assert st.lease_of("m") is None and sorted(st.buckets_of("a")) == [0, 1]
+
+
 def run_node(
     settings: Any, raft: str, data_dir: Path, scenario: Callable[[Any], Awaitable[T]]
 ) -> T:

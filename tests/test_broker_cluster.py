@@ -59,6 +59,7 @@ def write_conf(
         f"  - {{name: fo, kind: priority, source: [{source}], buckets: 8}}\n"
         f"  - {{name: ord, kind: priority, source: [{source}], buckets: 4}}\n"
         f"  - {{name: hot, kind: priority, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: left, kind: priority, source: [{source}], buckets: 2}}\n"
     )
     return conf
 
@@ -260,6 +261,55 @@ def test_buckets_rebalance_on_join_leave_and_timeout(three) -> None:
     beat("b")
     # a stops heart-beating: after heartbeat_timeout_ms (1.5 s) b gets every bucket.
     wait_until(lambda: beat("b") == [0, 1, 2, 3], timeout=10, what="timeout rebalance")
+
+
+def test_a_long_poll_whose_client_left_leases_it_nothing(three) -> None:
+    """A worker that closes its connection during a long poll (killed, or cut by a
+    proxy's idle timeout) is leased nothing after: not by the leader's fast path, its
+    FastAPI route (a body needing coercion), nor a follower's forward. The messages
+    landing meanwhile go to a live worker at their first delivery, not to nobody for a
+    lease's length (2 s here) and then a delivery closer to dead."""
+    nodes, client, warehouse = three
+    leader = leader_of(nodes, client)
+    assert leader is not None
+    cases = [(leader, 1, "fast"), (leader, "1", "route"), (follower(nodes, client), 1, "forward")]
+    for node, n, case in cases:
+        _poll_and_leave(client, node, {"consumer_id": case, "max_messages": n, "wait_ms": 20_000})
+        fill(warehouse, "left", buffer_rows([1, 2], prefix=f"{case}-"))
+        got = _lease_until(client, f"{node.url}/v1/topics/left", "live", 2)
+        assert got == {f"{case}-0": 1, f"{case}-1": 1}, case
+
+
+def _poll_and_leave(client: httpx.Client, node: Node, lease: dict) -> None:
+    """Start a long poll on `node`, wait for its consumer to join, and disconnect."""
+    url = f"{node.url}/v1/topics/left"
+    body = json.dumps(lease).encode()
+    host, port = node.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as poll:
+        poll.sendall(
+            b"POST /v1/topics/left/leases HTTP/1.1\r\nhost: x\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+        wait_until(
+            lambda: lease["consumer_id"] in client.get(url).json()["consumers"],
+            timeout=10,
+            what="the poll's consumer joined",
+        )
+
+
+def _lease_until(client: httpx.Client, url: str, consumer: str, n: int) -> dict[str, int]:
+    """Lease (and ack) until `n` messages came: id → deliveries."""
+    got: dict[str, int] = {}
+
+    def leased_all() -> bool:
+        for mid, deliveries in lease_all(client, url, consumer).items():
+            got[mid] = deliveries
+            acked = client.post(f"{url}/acks", json={"consumer_id": consumer, "ids": [mid]})
+            assert acked.is_success, acked.text
+        return len(got) >= n
+
+    wait_until(leased_all, timeout=20, what=f"{n} messages leased by {consumer}")
+    return got
 
 
 def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_source: str) -> None:

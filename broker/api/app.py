@@ -9,7 +9,7 @@ import contextlib
 import json
 import ssl
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
@@ -36,6 +36,7 @@ from dejaq.broker.api.access import (
 from dejaq.broker.api.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
 from dejaq.broker.api.hotpath import HotPath
 from dejaq.broker.api.keys import KeyRing
+from dejaq.broker.api.replayed_body import client_watch
 from dejaq.broker.api.routers import (
     admin,
     consumers,
@@ -125,14 +126,20 @@ async def _forward(request: Request, exc: Exception) -> Response:
             outgoing.headers[FORWARDED] = (
                 tag(outgoing.method, target_of(url.path, url.query), body) if tag else "1"
             )
-            answer = await _ask(
-                broker,
-                target,
-                client.send(outgoing, stream=True),
-                FORWARD_STALL_S + _long_poll_s(body),
-            )
+            with client_watch(request.receive) as gone:
+                answer = await _ask(
+                    broker,
+                    target,
+                    client.send(outgoing, stream=True),
+                    FORWARD_STALL_S + _long_poll_s(body),
+                    gone,
+                )
             if not answer.is_success:
                 await answer.aread()
+        except ClientGone:
+            # The forward is closed, so a lease waiting on the leader grants nothing;
+            # nobody reads this answer (nginx's code for a client that left).
+            return Response(status_code=499)
         except LeaderStalled as e:
             return problem(503, "leader unreachable", str(e), retry_after=0)
         except httpx.ConnectError as e:
@@ -172,6 +179,10 @@ class LeaderStalled(Exception):
     """The leader a request was forwarded to stopped answering, or was replaced."""
 
 
+class ClientGone(Exception):
+    """The client of a forwarded request disconnected before the leader answered."""
+
+
 def _long_poll_s(body: bytes) -> float:
     """A request's long-poll wait (a lease's `wait_ms`), which its answer may take."""
     if b'"wait_ms"' not in body:
@@ -184,11 +195,15 @@ def _long_poll_s(body: bytes) -> float:
 
 
 async def _ask(
-    broker: Broker, target: str, sending: Awaitable[httpx.Response], patience_s: float
+    broker: Broker,
+    target: str,
+    sending: Awaitable[httpx.Response],
+    patience_s: float,
+    gone: Callable[[], bool],
 ) -> httpx.Response:
     """The leader's answer, unless it takes `patience_s` or Raft elects another leader
     first: either way the request may or may not have been applied (as after a lost
-    answer), which the client knows how to retry."""
+    answer), which the client knows how to retry. ClientGone once `gone()`."""
     task = asyncio.ensure_future(sending)
     give_up = time.monotonic() + patience_s
     try:
@@ -196,6 +211,8 @@ async def _ask(
             done, _ = await asyncio.wait({task}, timeout=LEADER_POLL_S)
             if done:
                 return task.result()
+            if gone():
+                raise ClientGone
             leader = broker.raft.leader_http() if broker.raft is not None else None
             if leader is not None and leader != target:
                 raise LeaderStalled(f"{target} was replaced by {leader} as leader")

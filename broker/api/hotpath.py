@@ -22,7 +22,7 @@ import orjson
 from dejaq_core import Bodies
 
 from dejaq.broker.api.dependencies import problem
-from dejaq.broker.api.replayed_body import read_body, replay
+from dejaq.broker.api.replayed_body import client_watch, read_body, replay
 from dejaq.broker.api.routers._common import MAX_RECEIPT
 from dejaq.broker.service import Broker, Problem
 
@@ -73,7 +73,10 @@ class HotPath:
                 if args is not None:
                     consumer, n, lease_ms, wait_ms = args
                     lease_ms = lease_ms or self.broker.conf.lease_ms
-                    messages = await self.broker.lease(topic, consumer, n, lease_ms, wait_ms)
+                    with client_watch(receive) as gone:
+                        messages = await self.broker.lease(
+                            topic, consumer, n, lease_ms, wait_ms, gone
+                        )
                     return await _send(send, 200, b'{"messages": %s}' % messages)
             else:
                 args = _ack_args(parsed)

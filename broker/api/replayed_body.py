@@ -1,10 +1,12 @@
 """A request body read ahead of the app that serves it: the ASGI layers that look at a
 body before routing (the key check's forward tags, the lease and ack fast path) hand it
-on as the server would have."""
+on as the server would have. And once it is read, a watch on the client's leaving."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from contextlib import contextmanager
 from typing import Any
 
 Message = MutableMapping[str, Any]
@@ -39,3 +41,22 @@ def replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replayed
+
+
+@contextmanager
+def client_watch(receive: Receive) -> Iterator[Callable[[], bool]]:
+    """Whether the client has disconnected, for work that should not go on for nobody
+    (a long poll's lease). Only once the request's body is read: the server's next
+    message is then the disconnect. The watch stops on exit, before the answer is sent
+    (a streamed answer listens for the disconnect itself)."""
+    watch = asyncio.ensure_future(receive())
+
+    def gone() -> bool:
+        if not watch.done() or watch.cancelled() or watch.exception() is not None:
+            return False
+        return watch.result().get("type") == "http.disconnect"
+
+    try:
+        yield gone
+    finally:
+        watch.cancel()

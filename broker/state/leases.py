@@ -243,9 +243,9 @@ class TopicState:
             self.consumers[consumer] = max(self.consumers[consumer], now)
 
     def leave(self, consumer: str, now: int) -> list[str]:
-        """Remove a consumer and hand its leases back (not counted as a failed delivery)."""
-        if self.consumers.pop(consumer, None) is None:
-            return []
+        """Remove a consumer and hand its leases back (not counted as a failed delivery);
+        those of one the heartbeat expiry removed too, which still hold their buckets."""
+        member = self.consumers.pop(consumer, None) is not None
         released: list[str] = []
         for record in [r for r in self.leased.values() if r.consumer == consumer]:
             for pos in record.live_positions():
@@ -254,7 +254,8 @@ class TopicState:
                 if deliveries > 1:
                     self.deliveries[mid] = deliveries - 1
                 released.append(mid)
-        self._rebalance()
+        if member:
+            self._rebalance()
         return released
 
     def buckets_of(self, consumer: str) -> list[int]:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, model_validator
 
 from dejaq.broker.api.dependencies import LeaderBroker
+from dejaq.broker.api.replayed_body import client_watch
 from dejaq.broker.api.responses import ExtendResult, NackResult, SettleResult
 from dejaq.broker.api.routers._common import (
     Body,
@@ -94,12 +95,13 @@ def _settled(result: Settled, verb: str) -> dict:
 
 
 @router.post("/topics/{topic}/leases", response_model=Leased, responses=problems(404, 422, 503))
-async def lease(topic: TopicName, body: LeaseRequest, broker: LeaderBroker):
+async def lease(topic: TopicName, body: LeaseRequest, broker: LeaderBroker, request: Request):
     """Lease up to `max_messages` of the lowest deliverable sort keys of your buckets."""
     lease_ms = body.lease_ms or broker.conf.lease_ms
-    messages = await broker.lease(
-        topic, body.consumer_id, body.max_messages, lease_ms, body.wait_ms
-    )
+    with client_watch(request.receive) as gone:
+        messages = await broker.lease(
+            topic, body.consumer_id, body.max_messages, lease_ms, body.wait_ms, gone
+        )
     # Serialised by the broker: the hot path skips response-model validation.
     return Response(b'{"messages": %s}' % messages, media_type="application/json")
 
