@@ -560,6 +560,7 @@ class Broker:
     ) -> Settled:
         """ack or reject the messages named by `ids`, or by receipt if `receipts`."""
         self.topic(topic)
+        ids = _once_each(ids)
         mids, named, names, early = self._named(topic, ids, receipts)
         refused = await self._commit(topic, op, consumer, now_ms(), mids, named)
         refused = _by_name(refused, names, early)
@@ -577,6 +578,7 @@ class Broker:
         cfg = self.topic(topic)
         if priority is not None and cfg.kind is not TopicKind.PRIORITY:
             raise Problem(422, "invalid nack", "a new priority applies to priority topics only")
+        ids = _once_each(ids)
         mids, named, names, early = self._named(topic, ids, receipts)
         args = (consumer, now_ms(), mids, delay_ms, priority, _backoff(cfg), named)
         refused, dead = await self._commit(topic, "nack", *args)
@@ -587,6 +589,7 @@ class Broker:
         self, topic: str, consumer: str, ids: Named, lease_ms: int, receipts: bool = False
     ) -> tuple[Settled, int]:
         self.topic(topic)
+        ids = _once_each(ids)
         mids, named, names, early = self._named(topic, ids, receipts)
         args = (consumer, now_ms(), mids, lease_ms, named)
         refused, deadline = await self._commit(topic, "extend", *args)
@@ -845,6 +848,11 @@ def _sort_key(
 
 
 Named = list[str] | list[int]  # message ids, or the receipts of their leases
+
+
+def _once_each(names: Named) -> Named:
+    """A request naming a message twice settles it once, and counts it once."""
+    return list(dict.fromkeys(names))  # type: ignore[return-value]
 
 
 def _by_name(

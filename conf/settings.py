@@ -31,6 +31,7 @@ TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 # A cron occurrence can be materialised again until its progress is stored, which happens
 # seconds after it was first sent: the dedup window covers the horizon plus this margin.
 CRON_DEDUP_SLACK_MS = 3600 * 1000
+MAX_RATE = 1_000_000.0  # messages a second: rate limits above it limit nothing
 
 
 class ConfigError(ValueError):
@@ -89,12 +90,12 @@ class TopicConfig(_Strict):
     # Release job (delivery: release): its trigger, and priority mode's caps.
     release_interval_ms: int = Field(default=250, ge=10, le=60_000)
     max_per_trigger: int = Field(default=10_000, ge=1)
-    max_rate: float | None = Field(default=None, gt=0)
+    max_rate: float | None = Field(default=None, gt=0, le=MAX_RATE, allow_inf_nan=False)
     # Lease broker (delivery: lease): messages per second leased across all consumers (a
     # token bucket holding one second's worth, at least 1), and the wait before a message
     # whose lease expired or was nacked without a delay can be leased again:
     # retry_backoff_ms * 2^(deliveries - 1), at most retry_backoff_max_ms (0: at once).
-    max_lease_rate: float | None = Field(default=None, gt=0)
+    max_lease_rate: float | None = Field(default=None, gt=0, le=MAX_RATE, allow_inf_nan=False)
     retry_backoff_ms: int = Field(default=0, ge=0)
     retry_backoff_max_ms: int = Field(default=300_000, ge=0)
     # Cron topics: how far ahead of their time occurrences become timeline messages.

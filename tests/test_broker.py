@@ -586,6 +586,27 @@ def test_a_consumer_the_heartbeat_expiry_removed_hands_its_leases_back_when_it_l
     assert st.lease_of("m") is None and sorted(st.buckets_of("a")) == [0, 1]
 
 
+def test_a_message_named_twice_in_one_request_is_settled_and_counted_once(tmp_path: Path) -> None:
+    """By id and by receipt: the answer's count is of messages, not of names."""
+
+    async def scenario(broker: Any) -> list[tuple[int, dict]]:
+        leased = json.loads(await broker.lease("jobs", "w", 2, 60_000, 0))
+        first, second = leased
+        results = [
+            await broker.settle("jobs", "ack", "w", [first["id"], first["id"]]),
+            await broker.settle("jobs", "ack", "w", [second["receipt"]] * 2, True),
+            await broker.settle("jobs", "ack", "w", ["nope", "nope"]),
+            await broker.settle("jobs", "ack", "w", [12345 << 20] * 2, True),
+        ]
+        return [(r.ok, r.refused) for r in results]
+
+    (one, none), (two, none_too), (nope, refused), (bad, bad_refused) = on_one_node(
+        tmp_path, scenario
+    )
+    assert (one, none, two, none_too) == (1, {}, 1, {})
+    assert (nope, list(refused), bad, list(bad_refused)) == (0, ["nope"], 0, [12345 << 20])
+
+
 def run_node(
     settings: Any, raft: str, data_dir: Path, scenario: Callable[[Any], Awaitable[T]]
 ) -> T:

@@ -50,6 +50,9 @@ def test_conf_file_from_env(tmp_path: Path) -> None:
         ("topics: [{name: a, kind: priority, source: []}]\n", {}, "topics.0.source"),
         ("topics: [{name: a, kind: priority, source: [x], buckets: 0}]\n", {}, "topics.0.buckets"),
         ("topics: [{name: a, kind: event_time, source: [x]}]\n", {}, "release-only"),
+        ("topics: [{name: a, kind: priority, source: [x], max_lease_rate: .inf}]\n", {}, "rate"),
+        ("topics: [{name: a, kind: priority, source: [x], max_lease_rate: 1e20}]\n", {}, "rate"),
+        ("topics: [{name: a, kind: priority, source: [x], max_rate: .nan}]\n", {}, "max_rate"),
         ("topics: [{name: a, kind: timeline, source: [x], delivery: release}]\n", {}, "output"),
         (
             "topics: [{name: a, kind: priority, source: [x]},"
