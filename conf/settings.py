@@ -239,6 +239,8 @@ class BrokerConfig(_Strict):
     """
 
     raft_password: str | None = None
+    # HOST:PORT this node registers for the others to forward to (`dejaq broker --advertise`).
+    advertise: str | None = None
     keys_file: str | None = None
     insecure: bool = False
     metrics_open: bool = False  # /metrics without a key (a scraper on a trusted network)

@@ -15,8 +15,22 @@ EXIT_USAGE = 2
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
     sp.add_argument("--node-id", required=True, help="this node's name (also its data folder)")
-    sp.add_argument("--http", required=True, metavar="HOST:PORT", help="HTTP API address")
-    sp.add_argument("--raft", required=True, metavar="HOST:PORT", help="Raft address")
+    sp.add_argument(
+        "--http", required=True, metavar="HOST:PORT", help="HTTP API address to listen on"
+    )
+    sp.add_argument(
+        "--advertise",
+        metavar="HOST:PORT",
+        help="where the other nodes and clients reach this node's HTTP API, as its TLS "
+        "certificate names it (default: broker.advertise, else --http; required when "
+        "--http listens on every interface)",
+    )
+    sp.add_argument(
+        "--raft",
+        required=True,
+        metavar="HOST:PORT",
+        help="Raft address: listened on, and the one the peers know this node by",
+    )
     sp.add_argument(
         "--peers",
         default="",
@@ -37,6 +51,32 @@ def _address(value: str, flag: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"{flag} expects HOST:PORT, got {value!r}")
     return host, int(port)
+
+
+def _wildcard(host: str) -> bool:
+    """Whether `host` listens on every interface (0.0.0.0, ::): an address no other node
+    can send to."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_unspecified
+    except ValueError:
+        return False
+
+
+def _advertised(http: str, advertise: str | None) -> str:
+    """The HTTP address this node registers for the others to forward to: `advertise`,
+    else `http` where that names a host; a wildcard would send each forward back to
+    the forwarding node itself."""
+    if advertise is None:
+        if _wildcard(_address(http, "--http")[0]):
+            raise ValueError(
+                f"--http {http} listens on every interface, which names no host the other "
+                "nodes and clients can reach: give --advertise HOST:PORT (or "
+                "broker.advertise), this host's name or address as its certificate names it"
+            )
+        return http
+    if _wildcard(_address(advertise, "--advertise")[0]):
+        raise ValueError(f"--advertise {advertise}: give this host's name or address")
+    return advertise
 
 
 def _loopback(host: str) -> bool:
@@ -75,7 +115,12 @@ def run(args: argparse.Namespace) -> int:
     export(settings)
     try:
         host, port = _address(args.http, "--http")
-        _address(args.raft, "--raft")
+        advertised = _advertised(args.http, args.advertise or settings.broker.advertise)
+        if _wildcard(_address(args.raft, "--raft")[0]):
+            raise ValueError(
+                f"--raft {args.raft}: the peers know this node by its Raft address, "
+                "so give this host's name or address, as the other nodes' --peers do"
+            )
         peers = [p.strip() for p in args.peers.split(",") if p.strip()]
         for p in peers:
             _address(p, "--peers")
@@ -111,10 +156,14 @@ def run(args: argparse.Namespace) -> int:
     pa.set_memory_pool(pa.system_memory_pool())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
-    broker = Broker(settings, args.node_id, args.http, args.raft, peers, data_dir)
+    broker = Broker(settings, args.node_id, advertised, args.raft, peers, data_dir)
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
     broker.start()
-    print(f"broker {args.node_id}: {conf.tls.scheme}://{args.http} raft {args.raft}", flush=True)
+    print(
+        f"broker {args.node_id}: {conf.tls.scheme}://{advertised} (listening on {args.http}) "
+        f"raft {args.raft}",
+        flush=True,
+    )
     try:
         app = create_app(broker, Producer(settings.kafka))
         uvicorn.run(app, host=host, port=port, **SETTINGS, **tls)

@@ -402,18 +402,45 @@ def test_a_malformed_key_file_is_refused_with_its_path(tmp_path: Path) -> None:
 def test_a_node_beyond_loopback_without_keys_refuses_to_start(tmp_path: Path) -> None:
     conf = tmp_path / "dejaq.yaml"
     conf.write_text(f"warehouse: {tmp_path / 'w'}\ntopics: []\n")
-    args = ["broker", "--node-id", "x", "--http", f"0.0.0.0:{free_port()}"]
-    args += ["--raft", f"127.0.0.1:{free_port()}", "--conf-file", str(conf)]
-    args += ["--data-dir", str(tmp_path / "d")]
+    port = free_port()
+    args = ["broker", "--node-id", "x", "--http", f"0.0.0.0:{port}"]
+    args += ["--advertise", f"127.0.0.1:{port}", "--raft", f"127.0.0.1:{free_port()}"]
+    args += ["--conf-file", str(conf), "--data-dir", str(tmp_path / "d")]
     refused = dejaq(*args)
     assert refused.returncode == 2
     assert "broker.keys_file" in refused.stderr and "broker.insecure" in refused.stderr
 
 
-def test_an_insecure_node_beyond_loopback_starts_when_told_so(tmp_path: Path) -> None:
+def test_a_node_on_every_interface_refuses_to_start_without_an_address_to_give(
+    tmp_path: Path,
+) -> None:
+    """0.0.0.0 names no host: registered, it would send each forward back to the
+    forwarding node. Nor does a wildcard Raft address, by which peers know a node."""
     conf = tmp_path / "dejaq.yaml"
     conf.write_text(f"warehouse: {tmp_path / 'w'}\nbroker: {{insecure: true}}\ntopics: []\n")
+    base = ["broker", "--node-id", "x", "--conf-file", str(conf)]
+    base += ["--data-dir", str(tmp_path / "d")]
+    http, raft = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    for addresses, flag in (
+        (["--http", "0.0.0.0:8001", "--raft", raft], "--advertise HOST:PORT"),
+        (["--http", "[::]:8001", "--raft", raft], "--advertise HOST:PORT"),
+        (["--http", "0.0.0.0:8001", "--advertise", "0.0.0.0:8001", "--raft", raft], "--advertise"),
+        (["--http", http, "--raft", "0.0.0.0:8101"], "--raft 0.0.0.0:8101"),
+    ):
+        refused = dejaq(*base, *addresses)
+        assert refused.returncode == 2, addresses
+        assert flag in refused.stderr and "host" in refused.stderr, refused.stderr
+    assert not (tmp_path / "d").exists()  # refused before it made anything
+
+
+def test_an_insecure_node_beyond_loopback_starts_when_told_so(tmp_path: Path) -> None:
+    """On every interface, it registers the address it is told to give, not 0.0.0.0."""
     port = free_port()
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'w'}\n"
+        f"broker: {{insecure: true, advertise: 'localhost:{port}'}}\ntopics: []\n"
+    )
     args = ["--http", f"0.0.0.0:{port}", "--raft", f"127.0.0.1:{free_port()}"]
     args += ["--conf-file", str(conf), "--data-dir", str(tmp_path / "d")]
     node = subprocess.Popen(
@@ -433,5 +460,11 @@ def test_an_insecure_node_beyond_loopback_starts_when_told_so(tmp_path: Path) ->
         wait_until(healthy, 60, "the open node")
         topics = httpx.get(f"http://127.0.0.1:{port}/v1/topics", timeout=5)
         assert topics.status_code == 200  # open: no key asked for
+
+        def registered() -> object:
+            return httpx.get(f"http://127.0.0.1:{port}/v1/cluster", timeout=5).json()["nodes"]
+
+        nodes = wait_until(registered, 60, "the node's registered address")
+        assert list(nodes.values()) == [f"localhost:{port}"]
     finally:
         children.stop(node)  # SIGTERM by its PID, SIGKILL if it does not go
