@@ -235,7 +235,8 @@ class BrokerConfig(_Strict):
     """The HTTP lease broker; `raft_password` is required for more than one node.
 
     `keys_file` turns on API keys (`dejaq keys add`); a node bound beyond loopback
-    without it refuses to start unless `insecure` says it is meant to be open.
+    without it refuses to start unless `insecure` says it is meant to be open, and with
+    it, but without `tls`, unless `insecure` says something in front encrypts its traffic.
     """
 
     raft_password: str | None = None

@@ -146,6 +146,22 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_USAGE
+    if not _loopback(host) and conf.keys_file is not None and not conf.tls.on:
+        if not conf.insecure:
+            print(
+                f"error: --http {args.http} is reachable beyond this machine without TLS, so "
+                "API keys would cross the network in clear: set broker.tls.cert and "
+                "broker.tls.key (`dejaq certs` makes a CA and a certificate), or set "
+                "broker.insecure: true if something in front of this node encrypts its traffic",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        print(
+            f"warning: --http {args.http} serves plain HTTP beyond this machine "
+            "(broker.insecure): API keys cross the network in clear unless something in "
+            "front of this node encrypts its traffic",
+            file=sys.stderr,
+        )
     # The event loop (HTTP and Raft) shares the GIL with the threads that follow the
     # buffer table and checkpoint the ledger: get it back within 0.5 ms, not the default
     # 5 ms, so requests and heartbeats do not queue behind those threads' Python loops.

@@ -411,6 +411,59 @@ def test_a_node_beyond_loopback_without_keys_refuses_to_start(tmp_path: Path) ->
     assert "broker.keys_file" in refused.stderr and "broker.insecure" in refused.stderr
 
 
+def plain_node_with_keys(tmp_path: Path, insecure: bool) -> tuple[list[str], str]:
+    """`dejaq broker`'s arguments for a node with API keys and no TLS on 0.0.0.0, and the
+    port it listens on."""
+    keys = tmp_path / "keys.json"
+    add_key(keys, "ops", ["monitor"], ["*"])
+    conf = tmp_path / "dejaq.yaml"
+    flags = f"keys_file: '{keys}', insecure: {str(insecure).lower()}"
+    conf.write_text(f"warehouse: {tmp_path / 'w'}\nbroker: {{{flags}}}\ntopics: []\n")
+    port = free_port()
+    args = ["broker", "--node-id", "plain", "--http", f"0.0.0.0:{port}"]
+    args += ["--advertise", f"127.0.0.1:{port}", "--raft", f"127.0.0.1:{free_port()}"]
+    return [*args, "--conf-file", str(conf), "--data-dir", str(tmp_path / "d")], str(port)
+
+
+def test_a_node_beyond_loopback_with_keys_but_no_tls_refuses_to_start(tmp_path: Path) -> None:
+    """Its bearer keys would cross the network in clear."""
+    args, _ = plain_node_with_keys(tmp_path, insecure=False)
+    refused = dejaq(*args)
+    assert refused.returncode == 2
+    assert "in clear" in refused.stderr and "broker.tls.cert" in refused.stderr
+    assert "broker.insecure" in refused.stderr
+    assert not (tmp_path / "d").exists()
+
+
+def test_a_plain_node_with_keys_told_it_is_meant_so_starts_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    """`insecure`: something in front of it (a TLS-terminating proxy) encrypts."""
+    args, port = plain_node_with_keys(tmp_path, insecure=True)
+    node = subprocess.Popen(
+        [sys.executable, "-m", "dejaq.jobs.cli", *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+    def healthy() -> bool:
+        assert node.poll() is None, node.stderr.read() if node.stderr else ""
+        try:
+            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, 60, "the plain node")
+        keyless = httpx.get(f"http://127.0.0.1:{port}/v1/cluster", timeout=5)
+        assert keyless.status_code == 401  # its keys are still asked for
+    finally:
+        children.stop(node)  # SIGTERM by its PID, SIGKILL if it does not go
+    assert node.stderr is not None
+    assert "warning" in (err := node.stderr.read()) and "in clear" in err, err
+
+
 def test_a_node_on_every_interface_refuses_to_start_without_an_address_to_give(
     tmp_path: Path,
 ) -> None:
