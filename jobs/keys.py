@@ -1,8 +1,11 @@
 """`dejaq keys add|list|revoke`: the broker's API keys, in the file `broker.keys_file` names.
 
-Nodes read the file again when it changes, so a key works, or stops working, within a
-second or two of the command, with no restart. With nodes on several hosts, the file
-is copied to each (as any secret the hosts share).
+Each node reads its own copy of the file again when it changes, so a key works, or
+stops working, on that node within a second or two, with no restart. The command
+changes the file on this host only: with nodes on several hosts, every node must read
+the same file (storage they share, or a copy made to each host after every change). A
+node whose copy is stale still takes a revoked key, for every call, those it forwards
+to the leader too: the leader takes what a node forwards, and does not check again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from dejaq.broker.api.keys import ROLES, add_key, read_keys, revoke_key
 from dejaq.conf.settings import ConfigError, load_settings
 
 EXIT_OK = 0
+# Said after each change: the command writes this host's file, and nodes elsewhere read
+# their own.
+EVERY_NODE = "every node must read this same file: copy it to each node's host unless they share it"
 
 
 def add_arguments(sp: argparse.ArgumentParser) -> None:
@@ -67,11 +73,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"dejaq keys {args.action}: give the key's name")
     if args.action == "revoke":
         key = revoke_key(path, args.name)
-        print(f"revoked {key.name} ({key.id}); nodes refuse it within seconds", file=sys.stderr)
+        print(
+            f"revoked {key.name} ({key.id}) in {path}: a node refuses it within seconds of "
+            f"reading this file; {EVERY_NODE}, or nodes with an old copy still take it",
+            file=sys.stderr,
+        )
         return EXIT_OK
     token = add_key(path, args.name, args.role, args.topic or ["*"])
     print(
-        f"added {args.name} to {path}; the key is shown once, keep it now:",
+        f"added {args.name} to {path} ({EVERY_NODE}); the key is shown once, keep it now:",
         file=sys.stderr,
     )
     print(token)

@@ -374,6 +374,7 @@ def test_keys_cli_adds_lists_and_revokes(tmp_path: Path) -> None:
     key = added.stdout.strip()
     assert re.fullmatch(r"dq_[0-9a-f]{12}_[A-Za-z0-9_-]{43}", key)
     assert "shown once" in added.stderr
+    assert "every node must read this same file" in added.stderr  # it writes this host's only
     (stored,) = read_keys(path).values()
     assert stored.allows("consume", "orders.eu") and not stored.allows("consume", "jobs")
     assert not stored.allows("operate", "orders")
@@ -386,7 +387,10 @@ def test_keys_cli_adds_lists_and_revokes(tmp_path: Path) -> None:
     assert again.returncode == 2 and "exists" in again.stderr
     bad = dejaq("keys", "add", "w2", "--keys-file", str(path))
     assert bad.returncode == 2 and "roles" in bad.stderr
-    assert dejaq("keys", "revoke", "w1", "--keys-file", str(path)).returncode == 0
+    revoked = dejaq("keys", "revoke", "w1", "--keys-file", str(path))
+    assert revoked.returncode == 0
+    assert "every node must read this same file" in revoked.stderr
+    assert "old copy still take it" in revoked.stderr
     assert read_keys(path) == {}
     gone = dejaq("keys", "revoke", "w1", "--keys-file", str(path))
     assert gone.returncode == 2 and "no key named" in gone.stderr

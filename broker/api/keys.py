@@ -4,7 +4,10 @@ A key is `dq_<id>_<secret>`. The key file holds, per key, its id, a name, the SH
 its secret (never the secret: a stolen file lets no one in; the secret is 32 random
 bytes, so a plain hash is as strong as a slow one) and its grants: roles on topic
 globs. Every node reads the file its configuration names and reads it again when it
-changes, so `dejaq keys add` and `revoke` take effect within a second, with no restart.
+changes, so `dejaq keys add` and `revoke` take effect on it within a second or two, with
+no restart. Nodes on several hosts must read the same file (shared, or copied to each
+after every change): a follower lets in what its own file holds, and the leader takes
+the follower's forward without checking the key again.
 """
 
 from __future__ import annotations
@@ -153,7 +156,8 @@ def add_key(path: Path, name: str, roles: Sequence[str], topics: Sequence[str]) 
 
 
 def revoke_key(path: Path, name: str) -> Key:
-    """Remove the key named `name` (or of that id); nodes refuse it within a second."""
+    """Remove the key named `name` (or of that id); nodes reading this file refuse it
+    within a second or two."""
     with _locked(path):
         keys = read_keys(path)
         found = [k for k in keys.values() if name in (k.name, k.id)]
