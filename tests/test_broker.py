@@ -2804,7 +2804,7 @@ def test_a_settling_request_by_ids_commits_their_receipts(tmp_path: Path) -> Non
         nacked = await broker.nack("jobs", "w", ["m2", "m0"], 0, None)
         ops = [(op, args[2:]) for op, args in sent if op != "lease"]
         assert ops[0] == ("extend", ([], 60_000, [receipt["m1"], receipt["m0"]]))
-        assert ops[1] == ("ack", ([], [receipt["m1"], receipt["m0"], receipt["m1"]]))
+        assert ops[1] == ("ack", ([], [receipt["m1"], receipt["m0"]])), "m1 named twice: once"
         # An acked message's lease record holds it until its trim: its receipt is sent.
         assert ops[2][1][0] == [] and ops[2][1][-1] == [receipt["m2"], receipt["m0"]]
         return (
@@ -2818,5 +2818,5 @@ def test_a_settling_request_by_ids_commits_their_receipts(tmp_path: Path) -> Non
 
     extended, acked, nacked = on_one_node(tmp_path, scenario)
     assert extended == [2, {}]
-    assert acked == [2, {"nope": Refusal.NOT_LEASED, "m1": Refusal.SETTLED}]
+    assert acked == [2, {"nope": Refusal.NOT_LEASED}]
     assert nacked == [1, {"m0": Refusal.SETTLED}]
