@@ -32,6 +32,9 @@ TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 # seconds after it was first sent: the dedup window covers the horizon plus this margin.
 CRON_DEDUP_SLACK_MS = 3600 * 1000
 MAX_RATE = 1_000_000.0  # messages a second: rate limits above it limit nothing
+# The most an event time may lead its record: beyond a week, the bound no longer guards
+# the watermark against a clock or unit slip.
+MAX_EVENT_TIME_AHEAD_MS = 7 * 24 * 3600 * 1000
 
 
 class ConfigError(ValueError):
@@ -85,6 +88,9 @@ class TopicConfig(_Strict):
     # before retention removes it; the ledger keeps its record.
     settled_retention_ms: int = Field(default=3600 * 1000, ge=0)
     allowed_lateness_ms: int = Field(default=5000, ge=0)
+    # Event time: how far ahead of its record's Kafka timestamp an event time may be; one
+    # further ahead is quarantined, as it would hold the watermark up there.
+    max_event_time_ahead_ms: int = Field(default=3600 * 1000, ge=0, le=MAX_EVENT_TIME_AHEAD_MS)
     # Ingest batches between compactions of the buffer's small files (0: never).
     compact_every_batches: int = Field(default=100, ge=0)
     # Release job (delivery: release): its trigger, and priority mode's caps.

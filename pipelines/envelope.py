@@ -25,6 +25,13 @@ MAX_PRIORITY = 65535
 # 9999-12-31T23:59:59.999Z: the last instant a Delta timestamp holds.
 MAX_EPOCH_MS = 253_402_300_799_999
 ISO_WITH_OFFSET = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})$"
+# A time without seconds, before its offset: ISO-8601 allows it, Spark's cast does not.
+NO_SECONDS = r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2})([Z+-])"
+# 10 or 11 digits: epoch seconds from 2001 to 5138, or epoch ms within 1970-01-12 and
+# 1973-03-03, a time no producer means. Read as ms, a producer's seconds would put a
+# timeline message or an event 55 years in the past: quarantined instead.
+SECONDS_LIKE = r"^[1-9]\d{9,10}$"
+SECONDS_DETAIL = ": milliseconds expected; this looks like seconds"
 
 COORDINATES = ["source_topic", "source_partition", "source_offset"]
 
@@ -38,6 +45,7 @@ class Reason(StrEnum):
     MISSING_DELIVER_AT = "missing_deliver_at"
     INVALID_DELIVER_AT = "invalid_deliver_at"
     INVALID_EVENT_TIME = "invalid_event_time"
+    EVENT_TIME_IN_FUTURE = "event_time_in_future"
     INVALID_ID = "invalid_id"
     PAYLOAD_TOO_LARGE = "payload_too_large"
     DUPLICATE = "duplicate"
@@ -57,11 +65,21 @@ def _field(header: str, json_field: str | None) -> Column:
 
 
 def _epoch_ms(raw: Column) -> Column:
-    """Epoch milliseconds from decimal ms or ISO-8601 with an offset; null if neither."""
-    as_number = F.when(raw.rlike(r"^-?\d{1,16}$"), raw.try_cast("bigint"))
-    as_iso = F.when(raw.rlike(ISO_WITH_OFFSET), F.unix_millis(raw.try_cast("timestamp")))
+    """Epoch milliseconds from decimal ms or ISO-8601 with an offset; null if neither,
+    or if the number looks like seconds (`SECONDS_LIKE`)."""
+    as_number = F.when(
+        raw.rlike(r"^-?\d{1,16}$") & ~raw.rlike(SECONDS_LIKE), raw.try_cast("bigint")
+    )
+    iso = F.regexp_replace(raw, NO_SECONDS, "$1:00$2")
+    as_iso = F.when(raw.rlike(ISO_WITH_OFFSET), F.unix_millis(iso.try_cast("timestamp")))
     ms = F.coalesce(as_number, as_iso)
     return F.when((ms >= 0) & (ms <= MAX_EPOCH_MS), ms)
+
+
+def _time_detail(raw: Column) -> Column:
+    """The detail of a time that failed to parse: the raw value, and why if it looks
+    like seconds."""
+    return F.when(raw.rlike(SECONDS_LIKE), F.concat(raw, F.lit(SECONDS_DETAIL))).otherwise(raw)
 
 
 class Parser:
@@ -133,16 +151,34 @@ def _projections(
                 Reason.MISSING_DELIVER_AT,
                 F.lit(f"no {HEADER_DELIVER_AT}"),
             ),
-            (F.col("_at_ms").isNull(), Reason.INVALID_DELIVER_AT, F.col("_at_raw")),
+            (F.col("_at_ms").isNull(), Reason.INVALID_DELIVER_AT, _time_detail(F.col("_at_raw"))),
         ]
     if kind is TopicKind.EVENT_TIME:
-        checks.append(
+        produced_ms = F.unix_millis("timestamp")
+        ahead_ms = F.col("_evt_ms") - produced_ms
+        checks += [
             (
                 F.col("_evt_raw").isNotNull() & F.col("_evt_ms").isNull(),
                 Reason.INVALID_EVENT_TIME,
-                F.col("_evt_raw"),
-            )
-        )
+                _time_detail(F.col("_evt_raw")),
+            ),
+            # The release's watermark follows the largest event time: one far ahead would
+            # make every later event late. A record without a Kafka timestamp (-1) is
+            # not judged.
+            (
+                (produced_ms >= 0) & (ahead_ms > topic.max_event_time_ahead_ms),
+                Reason.EVENT_TIME_IN_FUTURE,
+                F.concat(
+                    F.col("_evt_raw"),
+                    F.lit(" is "),
+                    ahead_ms.cast("string"),
+                    F.lit(
+                        f" ms ahead of the record's Kafka timestamp"
+                        f" (max_event_time_ahead_ms: {topic.max_event_time_ahead_ms})"
+                    ),
+                ),
+            ),
+        ]
     checks += [
         (
             F.col("_id_raw").isNotNull() & ~F.is_valid_utf8(F.col("_id_raw").cast("string")),

@@ -106,12 +106,18 @@ class PendingSet:
         releases not yet read back from the ledger."""
         return len(self._early) + len(self._taken)
 
-    def add_buffer_rows(self, rows: pa.Table) -> list[Message]:
-        """Add new buffer rows; a repeated id is ignored (first wins). Returns those added."""
+    def add_buffer_rows(self, rows: pa.Table, mark_up_to: int | None = None) -> list[Message]:
+        """Add new buffer rows; a repeated id is ignored (first wins). Returns those added.
+
+        `max_sort_key` follows the sort keys up to `mark_up_to` (None: all): an event
+        time ahead of the clock must not raise the event-time watermark.
+        """
         added = []
         for row in rows.to_pylist():
             sort_key = row["sort_key"]
-            if self.max_sort_key is None or sort_key > self.max_sort_key:
+            if (self.max_sort_key is None or sort_key > self.max_sort_key) and (
+                mark_up_to is None or sort_key <= mark_up_to
+            ):
                 self.max_sort_key = sort_key
             mid = row["message_id"]
             if mid in self._messages or mid in self._taken:

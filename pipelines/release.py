@@ -202,7 +202,9 @@ class Releaser:
             close_producer(producer)
 
     def watermark(self) -> int | None:
-        """Event time: max event time seen minus the allowed lateness."""
+        """Event time: max event time seen minus the allowed lateness. Only event times
+        at most `max_event_time_ahead_ms` ahead of this job's clock when read count (see
+        `_refresh`)."""
         top = self.pending.max_sort_key
         return None if top is None else top - self.topic.allowed_lateness_ms
 
@@ -234,8 +236,13 @@ class Releaser:
         nothing settled before it, so the first call (a start) reads the ledger's
         tail, not its history.
         """
-        before = self.watermark() if self.kind is TopicKind.EVENT_TIME else None
-        added = self.pending.add_buffer_rows(self.buffer.poll())
+        events = self.kind is TopicKind.EVENT_TIME
+        before = self.watermark() if events else None
+        # The ingest quarantines an event time far ahead of its record's Kafka timestamp;
+        # the clock bounds the rest (a producer's clock ahead, rows stored before the
+        # bound), so that no one event holds the watermark in the future.
+        mark_up_to = _now_ms() + self.topic.max_event_time_ahead_ms if events else None
+        added = self.pending.add_buffer_rows(self.buffer.poll(), mark_up_to)
         since = watermark(self.buffer.table) if self.buffer.table is not None else 0
         self.pending.forget_before(since)
         self.pending.apply_ledger_rows(self.ledger.poll(since_ms=since))

@@ -114,6 +114,15 @@ def test_bad_priority_records_are_quarantined_with_a_reason(spark, headers, valu
         (b"1795262400000", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
         (b"2026-11-21T13:00:00+01:00", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
         (b"2026-11-21T12:00:00.250Z", dt.datetime(2026, 11, 21, 12, 0, 0, 250000, tzinfo=dt.UTC)),
+        (b"2026-11-21T13:00+0100", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
+        (b"2026-11-21 11:00-01:00", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
+        (b"2026-11-21T12:00Z", dt.datetime(2026, 11, 21, 12, 0, tzinfo=dt.UTC)),
+        (b"2026-11-21 07:00:00.5-0500", dt.datetime(2026, 11, 21, 12, 0, 0, 500000, tzinfo=dt.UTC)),
+        (b"0", dt.datetime(1970, 1, 1, tzinfo=dt.UTC)),
+        (b"999999999", dt.datetime(1970, 1, 12, 13, 46, 39, 999000, tzinfo=dt.UTC)),
+        (b"100000000000", dt.datetime(1973, 3, 3, 9, 46, 40, tzinfo=dt.UTC)),
+        (b"1795262400", None),
+        (b"99999999999", None),
         (b"2026-11-21T12:00:00", None),
         (b"tomorrow", None),
         (b"2026-13-45T10:00:00Z", None),
@@ -129,6 +138,20 @@ def test_timeline_deliver_at_epoch_ms_or_iso_with_offset(spark, raw, expected) -
         assert row.reason is None
         assert row.deliver_at == expected.replace(tzinfo=None)
         assert row.sort_key == int(expected.timestamp() * 1000)
+
+
+def test_epoch_seconds_are_quarantined_with_why(spark) -> None:
+    df = records(
+        spark,
+        [(b"k", b"v", {"dejaq-deliver-at": b"1795262400", "dejaq-event-time": b"1795262400"})],
+    )
+    why = "1795262400: milliseconds expected; this looks like seconds"
+    assert [(r.reason, r.detail) for r in parse(df, TIMELINE).collect()] == [
+        ("invalid_deliver_at", why)
+    ]
+    assert [(r.reason, r.detail) for r in parse(df, EVENTS).collect()] == [
+        ("invalid_event_time", why)
+    ]
 
 
 def test_timeline_without_deliver_at_is_quarantined(spark) -> None:
@@ -149,6 +172,48 @@ def test_event_time_from_header_or_kafka_timestamp(spark) -> None:
     rows = parse(df, EVENTS).orderBy("source_offset").collect()
     assert [r.sort_key for r in rows[:2]] == [1000, int(T0.timestamp() * 1000)]
     assert rows[2].reason == "invalid_event_time"
+
+
+def test_an_event_time_far_ahead_of_its_record_is_quarantined_the_rest_buffered(spark) -> None:
+    t0_ms = int(T0.timestamp() * 1000)
+    hour = 3600 * 1000
+    times = [
+        str(t0_ms - 1000).encode(),
+        str(t0_ms + hour).encode(),
+        str(t0_ms + hour + 1).encode(),
+        b"2100-01-01T00:00:00Z",
+        None,
+    ]
+    batch = [(b"k", b"v", {} if t is None else {"dejaq-event-time": t}) for t in times]
+    parsed = parse(records(spark, batch), EVENTS).toArrow()
+    buffered = spark.createDataFrame(buffer_part(parsed, T0)).select("source_offset", "sort_key")
+    expected = spark.createDataFrame(
+        [(0, t0_ms - 1000), (1, t0_ms + hour), (4, t0_ms)], "source_offset long, sort_key long"
+    )
+    assert_df_equality(buffered, expected, ignore_row_order=True, ignore_nullable=True)
+    quarantined = quarantine_part(parsed, T0).to_pylist()
+    assert sorted((r["source_offset"], r["reason"]) for r in quarantined) == [
+        (2, "event_time_in_future"),
+        (3, "event_time_in_future"),
+    ]
+    details = {r["source_offset"]: r["detail"] for r in quarantined}
+    assert details[2] == (
+        f"{t0_ms + hour + 1} is {hour + 1} ms ahead of the record's Kafka timestamp"
+        f" (max_event_time_ahead_ms: {hour})"
+    )
+
+
+def test_the_event_time_bound_is_the_topic_s_and_needs_a_kafka_timestamp(spark) -> None:
+    t0_ms = int(T0.timestamp() * 1000)
+    exact = EVENTS.model_copy(update={"max_event_time_ahead_ms": 0})
+    ahead = [(b"k", b"v", {"dejaq-event-time": str(t0_ms + d).encode()}) for d in (0, 1)]
+    assert reasons(parse(records(spark, ahead), exact)) == [(0, None), (1, "event_time_in_future")]
+    no_timestamp = dt.datetime(1969, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
+    df = spark.createDataFrame(
+        [(b"k", b"v", "in", 0, 0, no_timestamp, 0, [("dejaq-event-time", b"1795262400000")])],
+        KAFKA_DDL,
+    )
+    assert reasons(parse(df, exact)) == [(0, None)]
 
 
 def test_json_field_mapping(spark) -> None:

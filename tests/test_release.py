@@ -354,6 +354,46 @@ def test_event_time_sorts_within_the_lateness_bound_and_writes_late_ones(
     assert max(times[:-1]) <= top - 100
 
 
+def test_an_event_time_far_ahead_of_the_clock_leaves_the_watermark_alone(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A row stored with an event time years ahead (a producer's clock or unit slip the
+    ingest did not judge) is held, and the events around it still go out in order."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "event_time", out, allowed_lateness_ms=1000)
+    output = Output(kafka_bootstrap, out, 1)
+    now = int(time.time() * 1000)
+    waves = [
+        [now + 300, now + 100, now + 200],
+        [now + 10 * 365 * 86_400_000],
+        [now + 2000, now + 1500, now + 1800],
+        [now + 1900, now + 1600, now + 4000],
+    ]
+    releaser = Releaser(s, s.topic("jobs"))
+    try:
+        offset, stats = 0, []
+        for batch, wave in enumerate(waves):
+            add_buffer(s, "event_time", wave, first_offset=offset)
+            offset += len(wave)
+            stats.append(releaser.run_batch(batch))
+        records = output.wait_for(8)
+        held = len(releaser.pending)
+    finally:
+        releaser.finish()
+    restarted = Releaser(s, s.topic("jobs"))
+    try:
+        add_buffer(s, "event_time", [now + 5000, now + 4500], first_offset=offset)
+        stats.append(restarted.run_batch(len(waves)))
+        records = output.wait_for(9)
+    finally:
+        restarted.finish()
+        output.close()
+    times = [int(header(r, "dejaq-event-time")) - now for r in records]
+    assert times == [100, 200, 300, 1500, 1600, 1800, 1900, 2000, 4000]
+    assert [x.late for x in stats] == [0] * 5
+    assert held == 2, "the far one and now + 4000, within the lateness of the newest"
+
+
 def test_the_streaming_job_releases_as_due(spark, kafka_bootstrap, topic_factory, tmp_path):
     out = topic_factory(partitions=2)
     s = settings_for(tmp_path, kafka_bootstrap, "timeline", out, release_interval_ms=100)

@@ -55,6 +55,18 @@ def test_conf_file_from_env(tmp_path: Path) -> None:
         ("topics: [{name: a, kind: priority, source: [x], max_rate: .nan}]\n", {}, "max_rate"),
         ("topics: [{name: a, kind: timeline, source: [x], delivery: release}]\n", {}, "output"),
         (
+            "topics: [{name: a, kind: event_time, source: [x], delivery: release, output: o,"
+            " max_event_time_ahead_ms: -1}]\n",
+            {},
+            "topics.0.max_event_time_ahead_ms",
+        ),
+        (
+            "topics: [{name: a, kind: event_time, source: [x], delivery: release, output: o,"
+            " max_event_time_ahead_ms: 604800001}]\n",
+            {},
+            "topics.0.max_event_time_ahead_ms",
+        ),
+        (
             "topics: [{name: a, kind: priority, source: [x]},"
             " {name: a, kind: priority, source: [y]}]\n",
             {},
