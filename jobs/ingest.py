@@ -110,6 +110,7 @@ def run(
     from dejaq.conf.storage import export, spark_conf
     from dejaq.jobs.logs import one_line, query_failure, setup
     from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
+    from dejaq.pipelines.ingest_resume import CannotResume
     from dejaq.pipelines.session import detect_connectors, get_spark
 
     setup()
@@ -150,6 +151,9 @@ def run(
             return 0
         try:
             query = job.start(once)
+        except CannotResume as e:
+            print(f"error: ingest {topic}: {e}", file=sys.stderr)
+            return 1
         except (PySparkException, Py4JError) as e:
             log.error("ingest %s: the query did not start", topic, exc_info=True)
             print(f"error: ingest {topic} failed to start: {one_line(e)}", file=sys.stderr)

@@ -300,19 +300,25 @@ def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
 
 
 def commit(
-    table: WriteTarget, actions: list[AddAction], mode: str, txn: tuple[str, int] | None
+    table: WriteTarget,
+    actions: list[AddAction],
+    mode: str,
+    txn: tuple[str, int] | None,
+    also: Sequence[Transaction] = (),
 ) -> None:
     """One Delta commit; with txn=(app id, batch id), none if the table already has it.
 
+    `also` are more app transactions the commit records with txn (a streaming writer's
+    source positions, say): an append of no files is still committed to record them.
     An append loses its commit to a concurrent rewrite of files it did not touch (a
     retention run, a compaction: delta-rs counts the whole snapshot as read), though its
     rows depend on nothing it read: it is committed again on a fresh snapshot.
     """
-    if not actions and mode == "append":
+    if not actions and not also and mode == "append":
         return  # an empty batch: no commit, no version to record, no open of the table
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         delta = DeltaTable(table.path)
-        properties = None
+        properties = CommitProperties(app_transactions=list(also)) if also else None
         if txn is not None:
             app_id, batch_id = txn
             committed = delta.transaction_version(app_id)
@@ -328,7 +334,7 @@ def commit(
                 )
                 return
             properties = CommitProperties(
-                app_transactions=[Transaction(app_id, batch_id)],
+                app_transactions=[Transaction(app_id, batch_id), *also],
                 custom_metadata={"dejaq.appId": app_id, "dejaq.batchId": batch_id},
             )
         try:

@@ -3,10 +3,12 @@
 Each micro-batch is read, parsed and written in one Spark stage, its records split
 between the two tables' files (`pipelines.batch_files`); the driver then judges the
 explicit ids and commits each table's files. Both Delta commits carry the
-(app id, batch id) pair, so a batch replayed after a crash is skipped by the table
+(app id, batch version) pair, so a batch replayed after a crash is skipped by the table
 that already has it. A record thus lands exactly once in exactly one of the tables.
 The quarantine is appended first, so a batch the buffer has is done: its replay is
-not judged again (the dedup seed has learnt its ids since, see `process_batch`).
+not judged again (the dedup seed has learnt its ids since, see `process_batch`). The
+buffer's commit also records where the batch left each Kafka partition, so a query
+whose checkpoint was lost resumes there (`pipelines.ingest_resume`).
 
 Both tables are written by delta-rs only, whichever connectors read: executors write
 the files, the driver commits them (`pipelines.delta_source`). Retention and compaction
@@ -40,6 +42,7 @@ from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import SeenIds, Verdict, default_id_pattern
 from dejaq.pipelines.delta_source import WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
+from dejaq.pipelines.ingest_resume import Resume, positions, resume, version
 from dejaq.pipelines.retention import expire_quarantine, ledger_tail
 from dejaq.pipelines.session import Connectors
 
@@ -88,9 +91,11 @@ class IngestJob:
     stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=1000))
     _reported: int = -1
     _seen: SeenIds | None = None
-    _stored: int = -1  # the last batch id the buffer had when this job started
-    # The last batch id the quarantine had when this job started: one past `_stored` is
-    # a batch cut between its two commits.
+    # Where the query starts; its batch b is the tables' version `base + b`.
+    _resume: Resume = field(default_factory=Resume)
+    _stored: int = -1  # the last batch version the buffer had when this job started
+    # The last batch version the quarantine had when this job started: one past
+    # `_stored` is a batch cut between its two commits.
     _quarantined: int = -1
     _parse: Parser | None = None
     # The two tables as their writers need them (schema, partitioning), read once: the
@@ -112,7 +117,7 @@ class IngestJob:
             self.spark.readStream.format(self.connectors.kafka)
             .options(**security)
             .option("subscribe", ",".join(self.topic.source))
-            .option("startingOffsets", "earliest")
+            .option("startingOffsets", self._resume.starting_offsets)
             .option("includeHeaders", "true")
             .option("failOnDataLoss", "false")
             .option("maxOffsetsPerTrigger", str(self.max_offsets_per_trigger))
@@ -175,13 +180,6 @@ class IngestJob:
         if gone:
             log.info("%s: %d records past quarantine_retention_ms deleted", path, gone)
 
-    def _last_stored_batch(self, buffer_path: str) -> int:
-        """The last batch id this job's appends gave the buffer (-1: none)."""
-        if not DeltaTable.is_deltatable(buffer_path):
-            return -1
-        version = DeltaTable(buffer_path).transaction_version(self.app_id)
-        return -1 if version is None else version
-
     def process_batch(self, records: DataFrame, batch_id: int) -> None:
         """Parse and write, dedup, commit to both tables; both commits are idempotent
         per batch.
@@ -189,16 +187,19 @@ class IngestJob:
         A batch the buffer already has (Spark replays the last batch after a crash) is
         skipped whole: the quarantine was appended before it, and judging it again
         would find its own ids in the dedup seed, from the ledger without coordinates
-        once they are settled, and quarantine its own rows.
+        once they are settled, and quarantine its own rows. The tables know a batch by
+        its version: its id past the base of a checkpoint made anew
+        (`pipelines.ingest_resume`).
         """
         clock = _Phases()
         buffer_path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
         quarantine_path = table_path(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
         if self._seen is None:
-            self._stored = self._last_stored_batch(buffer_path)
-            self._quarantined = self._last_stored_batch(quarantine_path)
+            self._stored = version(buffer_path, self.app_id)
+            self._quarantined = version(quarantine_path, self.app_id)
             self._seen = self._load_seen()
-        if batch_id <= self._stored:
+        batch = self._resume.base + batch_id
+        if batch <= self._stored:
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
             self.stats.append(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
             return
@@ -214,7 +215,7 @@ class IngestJob:
         results = self._parse(records).mapInArrow(write, RESULT_SPARK_SCHEMA).toArrow()
         files = BatchFiles.read(results)
         clock.lap("read_parse_write")
-        if batch_id <= self._quarantined:
+        if batch <= self._quarantined:
             verdict = self._verdict_committed(files.judged, quarantine_path)
         else:
             verdict = self._seen.check(files.judged)
@@ -223,10 +224,11 @@ class IngestJob:
         clock.lap("dedup")
         counts = dict(files.counts)
         buffered = counts.pop(VALID, 0)
-        txn = (self.app_id, batch_id)
+        txn = (self.app_id, batch)
         commit(quarantine, files.quarantine, "append", txn)
         clock.lap("commit_quarantine")
-        commit(buffer, files.buffer, "append", txn)
+        # With no files too: the buffer's last batch is where a new checkpoint resumes.
+        commit(buffer, files.buffer, "append", txn, positions(self.app_id, files.consumed))
         clock.lap("commit_buffer")
         self._seen.commit(verdict, int(time.time() * 1000))
         every = self.topic.compact_every_batches
@@ -309,9 +311,14 @@ class IngestJob:
         """Start the query: `once` reads what is there now and stops (availableNow).
 
         The tables are created here, once, so every batch can simply append to them.
+        Raises CannotResume when the checkpoint is new and the tables cannot say where
+        the last one had got to (`pipelines.ingest_resume`).
         """
-        ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
-        ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
+        buffer = ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
+        quarantine = ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
+        self._resume = resume(
+            self.checkpoint, buffer, quarantine, self.app_id, self.settings.kafka, self.topic.source
+        )
         writer = (
             self.source()
             .writeStream.queryName(self.app_id)

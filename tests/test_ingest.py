@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from conftest import wait_until
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from pyspark.errors import StreamingQueryException
@@ -44,6 +45,7 @@ from dejaq.pipelines import ingest as ingest_module
 from dejaq.pipelines.dedup import SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.ingest import BatchStats, IngestJob
+from dejaq.pipelines.ingest_resume import CannotResume, resume
 from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain
 from dejaq.pipelines.session import detect_connectors
@@ -155,6 +157,71 @@ def test_once_lands_good_and_bad_records_exactly_once(
     query.awaitTermination(180)
     assert table(settings, Table.BUFFER).num_rows == buffer.num_rows + 10
     assert row_count(table_path(settings.warehouse, Table.BUFFER, "jobs")) == buffer.num_rows + 10
+
+
+@pytest.mark.parametrize("connectors", ["jvm", "python"])
+def test_a_deleted_checkpoint_resumes_where_the_buffer_left_kafka(
+    spark, kafka_bootstrap, topic_factory, tmp_path, connectors
+):
+    """The checkpoint is deleted between two runs (a Spark upgrade, a corrupt file): the
+    next run numbers its batches from 0 again and reads Kafka from where the buffer's
+    last batch left it, so the records produced since land, and none lands twice."""
+    source = topic_factory(partitions=3)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    topic = settings.topic("jobs")
+    first = [good(i) for i in range(40)] + [(b"k", b"no priority", {})]
+    produce(kafka_bootstrap, source, first)
+
+    def run() -> IngestJob:
+        job = IngestJob(
+            spark, settings, topic, detect_connectors(spark, connectors), max_offsets_per_trigger=9
+        )
+        query = job.start(once=True)
+        query.awaitTermination(180)
+        assert query.exception() is None
+        return job
+
+    ran = run()
+    assert len(ran.stats) > 1, "several batches, so the next run's first ids are taken"
+    landed = coordinates(table(settings, Table.BUFFER)) + coordinates(
+        table(settings, Table.QUARANTINE)
+    )
+    assert len(landed) == len(first)
+    shutil.rmtree(ran.checkpoint)
+    later = [good(i) for i in range(100, 120)] + [(b"k", b"x", {"dejaq-priority": b"urgent"})]
+    produce(kafka_bootstrap, source, later)
+
+    run()
+
+    buffer, quarantine = table(settings, Table.BUFFER), table(settings, Table.QUARANTINE)
+    landed = coordinates(buffer) + coordinates(quarantine)
+    assert len(landed) == len(set(landed)) == len(first) + len(later), "each record once"
+    assert sorted(quarantine.column("reason").to_pylist()) == [
+        "invalid_priority",
+        "missing_priority",
+    ]
+    good_payloads = sorted(v for _, v, _ in first + later if v.startswith(b"payload-"))
+    assert sorted(buffer.column("payload").to_pylist()) == good_payloads
+
+
+def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """Tables written before the buffer recorded Kafka positions: a new checkpoint
+    could only read Kafka again from its start (repeating) or from its end (losing)."""
+    source = topic_factory(partitions=1)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    buffer = ensure_table(settings.warehouse, Table.BUFFER, "jobs")
+    quarantine = ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
+    app_id = "dejaq-ingest-jobs"
+    rows = pa.table({f.name: pa.nulls(0, f.type) for f in BUFFER_SCHEMA}, schema=BUFFER_SCHEMA)
+    commit = CommitProperties(app_transactions=[Transaction(app_id, 4)])
+    write_deltalake(buffer, rows, mode="append", commit_properties=commit)
+    checkpoint = tmp_path / "checkpoint"
+
+    with pytest.raises(CannotResume, match="Restore the checkpoint"):
+        resume(str(checkpoint), buffer, quarantine, app_id, settings.kafka, [source])
+    assert not checkpoint.exists(), "nothing kept for a query that does not start"
 
 
 def job_env(connectors: str = "auto") -> dict[str, str]:
@@ -424,10 +491,10 @@ def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
     )
     real = ingest_module.commit
 
-    def dies_on_the_buffer(target, files, mode, txn):
+    def dies_on_the_buffer(target, files, mode, txn, *also):
         if "/buffer/" in target.path:
             raise RuntimeError("the process died between the two commits")
-        return real(target, files, mode, txn)
+        return real(target, files, mode, txn, *also)
 
     with monkeypatch.context() as m:
         m.setattr(ingest_module, "commit", dies_on_the_buffer)

@@ -1,0 +1,178 @@
+"""Where an ingest resumes when its Spark checkpoint is new (deleted, lost, made again).
+
+The checkpoint holds the Kafka offsets the query has read and numbers its batches from
+0. The buffer's commits record both as Delta app transactions, which outlive the
+checkpoint: (`<app id>`, the batch's version) and, per Kafka partition the batch read,
+(`<app id>:<topic>:<partition>`, the next offset to read). Every batch that read a
+record commits the buffer, with no files if all went to the quarantine, so the buffer
+has the positions of the last whole batch.
+
+A query on a new checkpoint reads Kafka from those positions, as a consumer group
+resumes from its committed offsets, and gives its batches versions past the last the
+tables hold (a base kept in the checkpoint's folder): none is skipped as a replay, no
+record is read twice.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow.fs as pafs
+from deltalake import DeltaTable
+from deltalake.transaction import Transaction
+
+from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.settings import KafkaConfig
+from dejaq.conf.storage import filesystem, has_folders
+
+log = logging.getLogger("dejaq.ingest")
+
+BASE_FILE = "dejaq-version-base"  # in the checkpoint's folder: deleted with it
+EARLIEST = -2  # both Kafka connectors' marker in a startingOffsets JSON
+
+Partition = tuple[str, int]  # (Kafka topic, partition)
+
+
+class CannotResume(RuntimeError):
+    """The checkpoint is new and the tables do not say where the last one had got to."""
+
+
+@dataclass(frozen=True)
+class Resume:
+    """How a query starts: its batch `b` commits version `base + b`; `starting_offsets`
+    is Kafka's, used by Spark only when the checkpoint has no batch yet."""
+
+    base: int = 0
+    starting_offsets: str = "earliest"
+
+
+def offset_app_id(app_id: str, partition: Partition) -> str:
+    topic, number = partition
+    return f"{app_id}:{topic}:{number}"
+
+
+def positions(app_id: str, consumed: dict[Partition, int]) -> list[Transaction]:
+    """The app transactions recording where a batch leaves each partition it read."""
+    return [Transaction(offset_app_id(app_id, p), offset) for p, offset in sorted(consumed.items())]
+
+
+def version(path: str, app_id: str) -> int:
+    """The last version `app_id` committed to the table (-1: none, or no table)."""
+    if not DeltaTable.is_deltatable(path):
+        return -1
+    found = DeltaTable(path).transaction_version(app_id)
+    return -1 if found is None else found
+
+
+def resume(
+    checkpoint: str,
+    buffer_path: str,
+    quarantine_path: str,
+    app_id: str,
+    kafka: KafkaConfig,
+    topics: list[str],
+) -> Resume:
+    """Where the query starts: on a checkpoint with batches, where Spark says, its base
+    as kept; on a new one, where the buffer's last batch left Kafka.
+
+    Raises CannotResume when the tables hold batches of `app_id` but not where they
+    left Kafka (written by a version before these records), or when the last batch is
+    in the quarantine only (cut between its commits): reading from Kafka's start would
+    ingest its records again, and reading past them would lose some."""
+    fs, root = _folder(checkpoint)
+    if _has_batches(fs, root):
+        return Resume(_read_base(fs, root))
+    buffered, quarantined = version(buffer_path, app_id), version(quarantine_path, app_id)
+    if max(buffered, quarantined) < 0:
+        _write_base(fs, root, 0)
+        return Resume()
+    restore = (
+        f"Restore the checkpoint {checkpoint} from a copy, and start the ingest again: "
+        "starting over would ingest again every record Kafka still holds"
+    )
+    if quarantined > buffered:
+        raise CannotResume(
+            f"the ingest's checkpoint is new, and its last batch ({app_id} version "
+            f"{quarantined}) is in {quarantine_path} but not in {buffer_path}: a batch cut "
+            f"between its two commits, which only its checkpoint can finish. {restore}"
+        )
+    partitions = _partitions(kafka, topics)
+    table = DeltaTable(buffer_path)
+    recorded = {
+        p: offset
+        for p in partitions
+        if (offset := table.transaction_version(offset_app_id(app_id, p))) is not None
+    }
+    if not recorded:
+        raise CannotResume(
+            f"the ingest's checkpoint is new, and {buffer_path} holds batches of {app_id} "
+            f"(up to version {buffered}) but not the Kafka offsets they read up to (they "
+            f"were written before the buffer recorded them). {restore}"
+        )
+    base = buffered + 1
+    _write_base(fs, root, base)
+    log.warning(
+        "ingest %s: the checkpoint %s is new; the buffer has batches up to version %d: "
+        "reading Kafka from where they left it (%s), new batches committed from version %d",
+        app_id,
+        checkpoint,
+        buffered,
+        ", ".join(f"{t}/{p}@{o}" for (t, p), o in sorted(recorded.items())),
+        base,
+    )
+    return Resume(base, _starting_offsets(partitions, recorded))
+
+
+def _starting_offsets(partitions: list[Partition], recorded: dict[Partition, int]) -> str:
+    """Both Kafka connectors want every partition of the topics: those not recorded
+    (added since) from their start."""
+    if not partitions:
+        return "earliest"
+    offsets: dict[str, dict[str, int]] = {}
+    for topic, number in partitions:
+        offsets.setdefault(topic, {})[str(number)] = recorded.get((topic, number), EARLIEST)
+    return json.dumps(offsets)
+
+
+def _partitions(kafka: KafkaConfig, topics: list[str]) -> list[Partition]:
+    from kafka import KafkaConsumer
+
+    consumer = KafkaConsumer(**python_config(kafka))
+    try:
+        return sorted(
+            (topic, number)
+            for topic in topics
+            for number in consumer.partitions_for_topic(topic) or []
+        )
+    finally:
+        consumer.close()
+
+
+def _folder(checkpoint: str) -> tuple[pafs.FileSystem, str]:
+    return filesystem(checkpoint if "://" in checkpoint else str(Path(checkpoint).resolve()))
+
+
+def _has_batches(fs: pafs.FileSystem, root: str) -> bool:
+    """Whether Spark has planned a batch here: then it reads on from its own offsets."""
+    found = fs.get_file_info(pafs.FileSelector(f"{root}/offsets", allow_not_found=True))
+    return any(f.base_name.isdigit() for f in found)
+
+
+def _read_base(fs: pafs.FileSystem, root: str) -> int:
+    """A checkpoint made before the base was kept numbers from 0, as the tables do."""
+    info = fs.get_file_info(f"{root}/{BASE_FILE}")
+    if info.type != pafs.FileType.File:
+        return 0
+    with fs.open_input_stream(f"{root}/{BASE_FILE}") as f:
+        return int(f.read().decode())
+
+
+def _write_base(fs: pafs.FileSystem, root: str, base: int) -> None:
+    """Kept before Spark plans a batch, so a restart on this checkpoint finds it."""
+    if has_folders(fs):
+        fs.create_dir(root, recursive=True)
+    with fs.open_output_stream(f"{root}/{BASE_FILE}") as f:
+        f.write(str(base).encode())
