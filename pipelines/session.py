@@ -84,7 +84,6 @@ def get_spark(
     (its `spark.jars` join the connectors'), except those its launcher gave; a Spark
     already running in the process (a notebook's on Databricks) keeps its own.
     """
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = (
@@ -96,13 +95,18 @@ def get_spark(
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.sql.parquet.outputTimestampType", "TIMESTAMP_MICROS")
         .config("spark.python.worker.reuse", "true")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
     )
     if _launched():
         SparkContext._ensure_initialized()  # connect to it: its conf is then visible
     given = SparkConf()
-    settings = {**_DELTA_DEFAULTS, **_connector_conf(connectors, given)}
+    loopback = _loopback_driver(given.get("spark.master", master), given, conf or {})
+    if loopback:
+        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # for the JVM this process may start
+    settings = {
+        **loopback,
+        **_DELTA_DEFAULTS,
+        **_connector_conf(connectors, given),
+    }
     if SparkContext._active_spark_context is None:
         for key, value in (conf or {}).items():
             if given.contains(key):
@@ -123,6 +127,23 @@ def get_spark(
     spark.sparkContext.setLogLevel("WARN")
     register_python_sources(spark)
     return spark
+
+
+def _loopback_driver(
+    master: str, given: SparkConf, conf: Mapping[str, str], env: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The driver on 127.0.0.1 for a local master, so a laptop's other interfaces (a VPN,
+    a hostname that resolves nowhere) never matter. Any other master's executors run on
+    other hosts and must reach the driver at its own address, and a driver address the
+    user gave (spark-submit `--conf`, `conf`, SPARK_LOCAL_IP or SPARK_LOCAL_HOSTNAME)
+    wins: then nothing is set."""
+    env = os.environ if env is None else env
+    keys = ("spark.driver.host", "spark.driver.bindAddress")
+    if not master.startswith("local") or any(given.contains(k) or k in conf for k in keys):
+        return {}
+    if "SPARK_LOCAL_IP" in env or "SPARK_LOCAL_HOSTNAME" in env:
+        return {}
+    return dict.fromkeys(keys, "127.0.0.1")
 
 
 def _launched() -> bool:

@@ -46,3 +46,11 @@ def test_a_spark_jvm_that_stopped_answering_is_ended_and_started_again(
         again = live_spark()
     assert jvm.returncode == -9
     assert again.range(3).count() == 3
+
+
+def test_a_local_session_puts_its_driver_on_loopback(spark: SparkSession) -> None:
+    conf = spark.sparkContext.getConf()
+    assert (conf.get("spark.driver.host"), conf.get("spark.driver.bindAddress")) == (
+        "127.0.0.1",
+        "127.0.0.1",
+    )

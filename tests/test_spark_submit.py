@@ -176,3 +176,47 @@ def test_readme_release_line_releases_in_order(kafka_bootstrap, topic_factory, t
         consumer.close()
     released = [priorities[int(r.value.decode().removeprefix("v"))] for r in records]
     assert released == sorted(priorities)
+
+
+DRIVER_ADDRESS = """
+from dejaq.pipelines.session import get_spark
+
+conf = get_spark("driver-address", connectors="python").sparkContext.getConf()
+print("driver", conf.get("spark.driver.host"), conf.get("spark.driver.bindAddress"))
+"""
+
+
+def test_a_driver_address_given_to_spark_submit_is_kept(tmp_path) -> None:
+    """A cluster's executors reach the driver at the address its launcher gives: the
+    session keeps it (127.0.0.2: a loopback address other than the local default)."""
+    script = tmp_path / "driver_address.py"
+    script.write_text(DRIVER_ADDRESS)
+    argv = [str(Path(sys.executable).parent / "spark-submit"), "--master", "local[1]"]
+    argv += [
+        "--conf",
+        "spark.driver.host=127.0.0.2",
+        "--conf",
+        "spark.driver.bindAddress=127.0.0.2",
+    ]
+
+    result = submit([*argv, str(script)])
+
+    assert "driver 127.0.0.2 127.0.0.2" in result.stdout, result.stdout[-2000:]
+
+
+def test_only_a_local_master_gets_a_loopback_driver() -> None:
+    from pyspark import SparkConf
+
+    from dejaq.pipelines.session import _loopback_driver
+
+    nothing_given = SparkConf(loadDefaults=False)
+    local = _loopback_driver("local[2]", nothing_given, {}, env={})
+    assert local == {"spark.driver.host": "127.0.0.1", "spark.driver.bindAddress": "127.0.0.1"}
+    for master in ("yarn", "k8s://https://10.0.0.1:6443", "spark://10.0.0.2:7077"):
+        assert _loopback_driver(master, nothing_given, {}, env={}) == {}, master
+    given = SparkConf(loadDefaults=False).set("spark.driver.host", "10.9.8.7")
+    assert _loopback_driver("local[2]", given, {}, env={}) == {}
+    assert (
+        _loopback_driver("local[2]", nothing_given, {"spark.driver.bindAddress": "0.0.0.0"}) == {}
+    )
+    assert _loopback_driver("local[2]", nothing_given, {}, env={"SPARK_LOCAL_IP": "10.1.1.1"}) == {}
