@@ -43,6 +43,13 @@ _DELTA_DEFAULTS = {
 SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
 LOCAL_SNAPSHOT_PARTITIONS = "2"
 
+# Spark hides an option in its plans (explain(), the UI, the event log) where the key or
+# the value matches this runtime setting (by default `url`) or `spark.redaction.regex`
+# (`password`, `secret`, ...: the JAAS config). The Kafka client's key, given inline as
+# `kafka.ssl.keystore.key`, matches neither.
+OPTIONS_REDACTION = "spark.sql.redaction.options.regex"
+SECRET_OPTIONS = r"ssl\.keystore\.key|PRIVATE KEY"
+
 
 @dataclass(frozen=True)
 class Connectors:
@@ -125,8 +132,17 @@ def get_spark(
         builder = builder.config(SNAPSHOT_PARTITIONS, LOCAL_SNAPSHOT_PARTITIONS)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
+    redact_secret_options(spark)
     register_python_sources(spark)
     return spark
+
+
+def redact_secret_options(spark: SparkSession) -> None:
+    """Add the Kafka client's private key to the options Spark hides in its plans, to
+    whatever the session already hides (a session it did not start included)."""
+    current = spark.conf.get(OPTIONS_REDACTION, None) or "(?i)url"
+    if SECRET_OPTIONS not in current:
+        spark.conf.set(OPTIONS_REDACTION, f"{current}|{SECRET_OPTIONS}")
 
 
 def _loopback_driver(

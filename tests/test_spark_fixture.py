@@ -54,3 +54,19 @@ def test_a_local_session_puts_its_driver_on_loopback(spark: SparkSession) -> Non
         "127.0.0.1",
         "127.0.0.1",
     )
+
+
+def test_plans_hide_the_kafka_clients_private_key(
+    spark: SparkSession, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dejaq.pipelines.session import JVM_KAFKA_CLASS, jvm_class
+
+    if jvm_class(spark, JVM_KAFKA_CLASS) is None:
+        pytest.skip("the JVM Kafka connector is not on this Spark's classpath (`make test`)")
+    key = "-----BEGIN PRIVATE KEY-----\nKEYMATERIAL\n-----END PRIVATE KEY-----\n"
+    options = {"kafka.bootstrap.servers": "127.0.0.1:1", "subscribe": "t"}
+    stream = spark.readStream.format("kafka").options(**options)
+    stream.option("kafka.ssl.keystore.key", key).load().explain(True)
+    plan = capsys.readouterr().out
+    assert "kafka.ssl.keystore.key" in plan and "*********(redacted)" in plan, plan
+    assert "KEYMATERIAL" not in plan
