@@ -14,6 +14,10 @@ from typing import Any
 
 from dejaq.conf.settings import KafkaConfig
 
+# Databricks shades the Kafka client its Spark connector bundles: the JAAS config must
+# name the login modules by their classes there, renamed under this prefix.
+SHADED_PREFIX = "kafkashaded."
+
 LOGIN_MODULES = {
     "PLAIN": "org.apache.kafka.common.security.plain.PlainLoginModule",
     "SCRAM-SHA-256": "org.apache.kafka.common.security.scram.ScramLoginModule",
@@ -50,8 +54,9 @@ def python_source_options(kafka: KafkaConfig) -> dict[str, str]:
     }
 
 
-def jvm_options(kafka: KafkaConfig) -> dict[str, str]:
-    """`kafka.*` options of Spark's own Kafka connector."""
+def jvm_options(kafka: KafkaConfig, shaded: bool = False) -> dict[str, str]:
+    """`kafka.*` options of Spark's own Kafka connector; `shaded` where its Kafka client
+    is Databricks' (`session.shaded_kafka`)."""
     options = {
         "kafka.bootstrap.servers": kafka.bootstrap,
         "kafka.security.protocol": kafka.security_protocol,
@@ -61,7 +66,7 @@ def jvm_options(kafka: KafkaConfig) -> dict[str, str]:
         password = kafka.sasl_password.get_secret_value()
         options["kafka.sasl.mechanism"] = kafka.sasl_mechanism
         options["kafka.sasl.jaas.config"] = (
-            f"{LOGIN_MODULES[kafka.sasl_mechanism]} required "
+            f"{SHADED_PREFIX if shaded else ''}{LOGIN_MODULES[kafka.sasl_mechanism]} required "
             f'username="{_jaas(kafka.sasl_username or "")}" password="{_jaas(password)}";'
         )
     if kafka.tls:

@@ -44,7 +44,7 @@ from dejaq.pipelines.delta_source import WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
 from dejaq.pipelines.ingest_resume import Resume, positions, resume, version
 from dejaq.pipelines.retention import expire_quarantine, ledger_tail
-from dejaq.pipelines.session import Connectors
+from dejaq.pipelines.session import Connectors, shaded_kafka
 
 log = logging.getLogger("dejaq.ingest")
 
@@ -112,7 +112,10 @@ class IngestJob:
 
     def source(self) -> DataFrame:
         kafka = self.settings.kafka
-        security = jvm_options(kafka) if self.connectors.jvm_kafka else python_source_options(kafka)
+        if self.connectors.jvm_kafka:
+            security = jvm_options(kafka, shaded=shaded_kafka(self.spark))
+        else:
+            security = python_source_options(kafka)
         return (
             self.spark.readStream.format(self.connectors.kafka)
             .options(**security)

@@ -18,6 +18,7 @@ from pyspark import SparkConf, SparkContext
 from pyspark.sql import SparkSession
 
 from dejaq.conf import jvm
+from dejaq.conf.kafka_clients import LOGIN_MODULES, SHADED_PREFIX
 
 JVM_KAFKA_CLASS = "org.apache.spark.sql.kafka010.KafkaSourceProvider"
 JVM_DELTA_CLASS = "io.delta.sql.DeltaSparkSessionExtension"
@@ -204,6 +205,12 @@ def _load_class(jvm_view: object, class_name: str) -> object | None:
 
 def jvm_class(spark: SparkSession, class_name: str) -> object | None:
     return _load_class(spark.sparkContext._jvm, class_name)
+
+
+def shaded_kafka(spark: SparkSession) -> bool:
+    """Whether Spark's Kafka connector runs on Databricks' shaded Kafka client, whose
+    login modules a JAAS config must name by their shaded classes."""
+    return jvm_class(spark, SHADED_PREFIX + LOGIN_MODULES["PLAIN"]) is not None
 
 
 def detect_connectors(spark: SparkSession, connectors: str = AUTO) -> Connectors:

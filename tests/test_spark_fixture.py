@@ -70,3 +70,20 @@ def test_plans_hide_the_kafka_clients_private_key(
     plan = capsys.readouterr().out
     assert "kafka.ssl.keystore.key" in plan and "*********(redacted)" in plan, plan
     assert "KEYMATERIAL" not in plan
+
+
+def test_apache_kafka_clients_login_modules_keep_their_own_names(spark: SparkSession) -> None:
+    from pydantic import SecretStr
+
+    from dejaq.conf.kafka_clients import jvm_options
+    from dejaq.conf.settings import KafkaConfig
+    from dejaq.pipelines.session import shaded_kafka
+
+    kafka = KafkaConfig(
+        security_protocol="SASL_PLAINTEXT",
+        sasl_mechanism="PLAIN",
+        sasl_username="u",
+        sasl_password=SecretStr("p"),
+    )
+    jaas = jvm_options(kafka, shaded=shaded_kafka(spark))["kafka.sasl.jaas.config"]
+    assert jaas.startswith("org.apache.kafka.common.security.plain.PlainLoginModule required")

@@ -220,3 +220,44 @@ def test_only_a_local_master_gets_a_loopback_driver() -> None:
         _loopback_driver("local[2]", nothing_given, {"spark.driver.bindAddress": "0.0.0.0"}) == {}
     )
     assert _loopback_driver("local[2]", nothing_given, {}, env={"SPARK_LOCAL_IP": "10.1.1.1"}) == {}
+
+
+SHADED_LOGIN = """
+from pydantic import SecretStr
+
+from dejaq.conf.kafka_clients import jvm_options
+from dejaq.conf.settings import KafkaConfig
+from dejaq.pipelines.session import get_spark, shaded_kafka
+
+spark = get_spark("shaded-kafka", master="local[1]", connectors="python")
+kafka = KafkaConfig(
+    security_protocol="SASL_PLAINTEXT",
+    sasl_mechanism="SCRAM-SHA-512",
+    sasl_username="u",
+    sasl_password=SecretStr("p"),
+)
+print("jaas", jvm_options(kafka, shaded=shaded_kafka(spark))["kafka.sasl.jaas.config"])
+"""
+
+
+def test_a_shaded_kafka_client_gets_its_shaded_login_module(tmp_path) -> None:
+    """Databricks' Kafka client is shaded under `kafkashaded.`. Its runtime cannot run
+    here: a jar holding an empty class of the shaded name stands in for it on the
+    driver's classpath, which is all the choice looks at."""
+    source = tmp_path / "src" / "kafkashaded/org/apache/kafka/common/security/plain"
+    source.mkdir(parents=True)
+    (source / "PlainLoginModule.java").write_text(
+        "package kafkashaded.org.apache.kafka.common.security.plain;\n"
+        "public class PlainLoginModule {}\n"
+    )
+    classes, jar = tmp_path / "classes", tmp_path / "kafkashaded.jar"
+    subprocess.run(["javac", "-d", str(classes), str(source / "PlainLoginModule.java")], check=True)
+    subprocess.run(["jar", "cf", str(jar), "-C", str(classes), "."], check=True)
+    script = tmp_path / "shaded_login.py"
+    script.write_text(SHADED_LOGIN)
+    spark_submit = str(Path(sys.executable).parent / "spark-submit")
+
+    result = submit([spark_submit, "--master", "local[1]", "--jars", str(jar), str(script)])
+
+    login = "kafkashaded.org.apache.kafka.common.security.scram.ScramLoginModule required"
+    assert f"jaas {login}" in result.stdout, result.stdout[-2000:]
