@@ -1,11 +1,13 @@
 """The `storage:` section, handed to every engine that reads or writes the warehouse.
 
 Spark-free. delta-rs (object_store) and pyarrow read S3's endpoint, region and
-addressing from the standard AWS variables, and so do the processes a job starts (Spark's
-local Python workers, the broker's nodes): `export` sets them from the section once, at a
-job's start. Spark's S3A reads Hadoop settings instead: `spark_conf` gives them, and the
-same variables for the executors' Python workers of a cluster. Credentials are never
-copied: each engine finds them itself (the AWS variables, or the instance's role).
+addressing from the standard AWS variables, and so do the processes a job starts (the
+broker's nodes): `export` sets them from the section once, at a job's start. Spark's S3A
+reads Hadoop settings instead: `spark_conf` gives them where the job starts Spark. The
+tasks a job sends to executors carry the variables themselves (`exported`), as an
+executor's environment is its cluster's, not the job's: a Spark already running (a
+notebook's) never sees `spark_conf`. Credentials are never copied: each engine finds
+them itself (the AWS variables, or the instance's role).
 """
 
 from __future__ import annotations
@@ -47,6 +49,22 @@ def environment(storage: StorageConfig, env: Mapping[str, str] | None = None) ->
     return variables
 
 
+# The variables `environment` sets: none of them secret.
+SECTION_VARIABLES = (
+    "AWS_REGION",
+    "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
+    "AWS_ENDPOINT_URL",
+    "AWS_ALLOW_HTTP",
+)
+
+
+def exported(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's section variables (`export`), for a task it sends to executors to
+    hand to `filesystem` there."""
+    env = os.environ if env is None else env
+    return {name: env[name] for name in SECTION_VARIABLES if name in env}
+
+
 def export(settings: Settings) -> None:
     """Set this process's AWS variables from the section (a job does it once, at start),
     for its own engines and for the processes it starts."""
@@ -75,16 +93,18 @@ def spark_conf(settings: Settings) -> dict[str, str]:
     return conf
 
 
-def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
+def filesystem(uri: str, section: Mapping[str, str] | None = None) -> tuple[pafs.FileSystem, str]:
     """pyarrow's filesystem for `uri` and the path in it; S3 as the AWS variables say
-    (pyarrow itself reads only the credentials from them), each file stored whole."""
+    (pyarrow itself reads only the credentials from them), each file stored whole.
+    `section`: the driver's variables (`exported`), over this process's."""
     if uri.lower().startswith("s3://"):
-        virtual = os.environ.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() == "true"
+        env = {**os.environ, **(section or {})}
+        virtual = env.get("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "").lower() == "true"
         # A file written whole goes up in one PUT, not a multipart upload of three requests.
         options: dict[str, Any] = {"force_virtual_addressing": virtual, "allow_delayed_open": True}
-        if named := os.environ.get("AWS_REGION"):
+        if named := env.get("AWS_REGION"):
             options["region"] = named
-        if found := os.environ.get("AWS_ENDPOINT_URL"):
+        if found := env.get("AWS_ENDPOINT_URL"):
             scheme, _, host = found.rpartition("://")
             options.update(endpoint_override=host, scheme=scheme or "https")
         return pafs.S3FileSystem(**options), uri[len("s3://") :].rstrip("/")

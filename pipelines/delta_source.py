@@ -15,6 +15,7 @@ foreachBatch).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -22,7 +23,7 @@ import os
 import random
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote, unquote
@@ -45,7 +46,7 @@ from pyspark.sql.datasource import (
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
-from dejaq.conf.storage import filesystem, has_folders
+from dejaq.conf.storage import exported, filesystem, has_folders
 from dejaq.conf.tables import conform, create_if_missing, iso_ms
 
 log = logging.getLogger(__name__)
@@ -156,6 +157,8 @@ class WriteTarget:
     path: str
     schema: pa.Schema
     partition_by: tuple[str, ...]
+    # The storage variables where it was made (the driver): the executors' may lack them.
+    section: Mapping[str, str] = dataclasses.field(default_factory=exported, compare=False)
 
     @classmethod
     def of(cls, path: str) -> WriteTarget:
@@ -224,6 +227,7 @@ class DeltaReader(DataSourceReader):
         self.path = path
         self.version = version
         self.schema = schema
+        self.section = exported()  # made on the driver, read on executors
 
     def partitions(self) -> Sequence[InputPartition]:
         adds = pa.table(DeltaTable(self.path, version=self.version).get_add_actions())
@@ -241,7 +245,7 @@ class DeltaReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         # Spark accepts only batches whose Arrow schema equals this one exactly.
         target = to_arrow_schema(self.schema, timezone="UTC")
-        fs, root = filesystem(self.path)
+        fs, root = filesystem(self.path, self.section)
         for rel_path, partition_values in partition.value:
             parquet = pq.ParquetFile(f"{root}/{rel_path}", filesystem=fs)
             present = [n for n in target.names if n in parquet.schema_arrow.names]
@@ -375,7 +379,7 @@ def write_files(table: WriteTarget, rows: pa.Table | None) -> list[AddAction]:
     if rows is None or not rows.num_rows:
         return []
     rows = _conform_write(rows, table)
-    fs, root = filesystem(table.path)
+    fs, root = filesystem(table.path, table.section)
     return [
         _DataFile(fs, root, table, values).write_all(part)
         for values, part in _split(rows, table.partition_by)

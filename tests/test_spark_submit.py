@@ -261,3 +261,60 @@ def test_a_shaded_kafka_client_gets_its_shaded_login_module(tmp_path) -> None:
 
     login = "kafkashaded.org.apache.kafka.common.security.scram.ScramLoginModule required"
     assert f"jaas {login}" in result.stdout, result.stdout[-2000:]
+
+
+WRITE_ON_EXECUTORS = """
+import sys
+import uuid
+
+import pyarrow as pa
+from deltalake import write_deltalake
+from pyspark.sql import SparkSession
+
+from dejaq.conf.settings import load_settings
+from dejaq.conf.storage import export, filesystem
+from dejaq.pipelines.delta_source import WriteTarget, write_files
+
+# A session started before the job's, as a notebook's is: no executorEnv of the section.
+spark = SparkSession.builder.master("local[1]").getOrCreate()
+settings = load_settings(env={"DEJAQ_WAREHOUSE": sys.argv[1], **dict(
+    a.split("=", 1) for a in sys.argv[2:]
+)})
+export(settings)  # the job's start: the driver's environment only
+path = f"{settings.warehouse}/executors-{uuid.uuid4().hex[:8]}"
+write_deltalake(path, pa.table({"id": pa.array([], pa.int64())}))
+target = WriteTarget.of(path)
+
+
+def write(batches):
+    for batch in batches:
+        for action in write_files(target, pa.Table.from_batches([batch])):
+            yield pa.RecordBatch.from_pylist([{"path": action.path}])
+
+
+written = spark.range(5, numPartitions=1).mapInArrow(write, "path string").collect()
+fs, root = filesystem(path)
+print("written", [fs.get_file_info(f"{root}/{r.path}").size > 0 for r in written])
+"""
+
+
+def test_executors_write_to_s3_in_a_session_the_job_did_not_start(s3, tmp_path) -> None:
+    """A Spark running before the job's (a notebook's) never gets the job's Spark
+    settings: the tasks it runs reach the storage section's S3 all the same."""
+    script = tmp_path / "write_on_executors.py"
+    script.write_text(WRITE_ON_EXECUTORS)
+    section = [f"{k}={v}" for k, v in s3.env.items() if k.startswith("DEJAQ_STORAGE_")]
+    # The executors' environment: the key (found there, as an instance role would be),
+    # and none of the section's variables.
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DEJAQ_"))}
+    env.update(AWS_ACCESS_KEY_ID=s3.env["AWS_ACCESS_KEY_ID"])
+    env.update(AWS_SECRET_ACCESS_KEY=s3.env["AWS_SECRET_ACCESS_KEY"], PYSPARK_PYTHON=sys.executable)
+    spark_submit = str(Path(sys.executable).parent / "spark-submit")
+    argv = [spark_submit, "--master", "local[1]", str(script), "s3://dejaq/spark-submit"]
+
+    result = subprocess.run(
+        [*argv, *section], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
+
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "written [True]" in result.stdout, result.stdout[-2000:]
