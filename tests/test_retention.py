@@ -381,16 +381,23 @@ def test_an_index_further_behind_than_the_buffers_log_reads_it_as_a_start_does(
     It cannot tell which of the versions it missed were rewrites, so it reads every file
     it has not seen without what the ledger settled since the retention watermark: the
     new rows come in once, and neither a settled message in a rewritten file nor a
-    pending one comes back twice."""
+    pending one comes back twice. What the ledger settled is applied to those files
+    alone, so the node still owes the rows it held a read of the ledger: a snapshot
+    arriving next (`rebuild`) must find one it revived meanwhile settled, not skip the
+    ledger as read."""
     monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
     warehouse, index, pending = settled_long_ago_and_now(tmp_path)
     seen = index.version
+    index.revived_since_read = True  # a redriven message's row revived from its dead letter
+    owed = (index.ledger_version, True)
+    assert DeltaTable(index.ledger_path).version() != owed[0], "the ledger moved since the load"
     fill(warehouse, "jobs", buffer_rows([7, 8], prefix="new"))
     done = run(warehouse, now_ms())
     assert done is not None and done.removed == 10, "rewrites files of settled messages"
     assert expire_log(index.buffer_path) > seen + 1, "versions this index has not read"
     assert index.refresh() == 2, "the appended rows only"
     assert set(index.rows) == pending | {"new0", "new1"}
+    assert (index.ledger_version, index.revived_since_read) == owed
     with pytest.raises(retention.LogGap, match="no longer holds version"):
         retention.rewrites(index.buffer_path, range(seen + 1, seen + 2))
 

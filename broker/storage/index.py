@@ -142,10 +142,10 @@ class TopicIndex:
         self.refresh(self._settled_ids()[0])
         self.loaded = True
 
-    def _settled_ids(self) -> tuple[set[str], set[str]]:
+    def _settled_ids(self, note: bool = True) -> tuple[set[str], set[str]]:
         """The ids the ledger has settled since the buffer's retention watermark, and
         those it has redriven since their last death (pending again); notes the ledger
-        version read (`rebuild`).
+        version read (`rebuild`) if `note`, where they are applied to every row held.
 
         Retention has removed every message settled before the watermark from the
         buffer (`dejaq.pipelines.retention`), so the ledger before it is history no
@@ -153,8 +153,9 @@ class TopicIndex:
         """
         assert self._buffer is not None
         since = watermark(self._buffer)
-        self.revived_since_read = False
-        self.ledger_version = DeltaTable(self.ledger_path).version()
+        if note:
+            self.revived_since_read = False
+            self.ledger_version = DeltaTable(self.ledger_path).version()
         settled, redriven = split(latest_events(self.ledger_path, since))
         return set(settled), set(redriven)
 
@@ -194,10 +195,11 @@ class TopicIndex:
         except (LogGap, TableNotFoundError) as e:
             # Which of the versions between were rewrites cannot be told: every file
             # not seen is read, as a start reads them, without what the ledger has
-            # settled since the retention watermark (a start's `settled`).
+            # settled since the retention watermark (a start's `settled`). Applied to
+            # those files alone: `rebuild` must still read the ledger for the rows held.
             log.warning("%s: reading the buffer's files not indexed yet, as a start does", e)
             unread, current = self._unseen(version, walk=False)
-            settled = set(settled) | self._settled_ids()[0]
+            settled = set(settled) | self._settled_ids(note=False)[0]
         paths: dict[int, list[str]] = {}
         for path, bucket, _ in unread:
             if not 0 <= bucket < self.topic.buckets:
