@@ -17,7 +17,7 @@ from deltalake import DeltaTable
 from dejaq.conf.storage import filesystem
 from dejaq.conf.table_watch import TableWatch
 from dejaq.conf.tables import TIMESTAMP, conform
-from dejaq.pipelines.retention import rewrites
+from dejaq.pipelines.retention import LogGap, rewrites
 
 
 class DeltaFollower:
@@ -93,7 +93,15 @@ class DeltaFollower:
                     for f in self.schema
                     if f"partition.{f.name}" in adds.column_names
                 }
-                data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
+                try:
+                    data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
+                except FileNotFoundError as e:
+                    if table is self._table:
+                        raise  # a file of the table's current version: it is damaged
+                    raise LogGap(
+                        f"{self.path}: {path}, added by a version this reader has not "
+                        "read, was vacuumed since: a start reads the table afresh"
+                    ) from e
                 parts.append(conform(data, self.schema, partition))
                 self.files_read += 1
         self.files = set(paths)

@@ -465,8 +465,10 @@ class LogGap(Exception):
 
 
 def rewrites(table_path: str, versions: range) -> set[int]:
-    """Which of `versions` are rewrites (`is_rewrite`), from each commit's own log entry;
-    `LogGap` if the log no longer holds one.
+    """Which of `versions` are rewrites (`is_rewrite`, or every file it adds marked
+    `dataChange: false`), from each commit's own log entry; `LogGap` if the log no
+    longer holds one, or if one replaced files untagged (a DELETE, UPDATE or RESTORE
+    made by hand): which of its rows are new cannot be told from the log.
 
     Not `DeltaTable.history`: delta-rs 1.6 reads the newest commits of the log but
     numbers them down from the version the table object is at, so a table that gained
@@ -485,10 +487,15 @@ def rewrites(table_path: str, versions: range) -> set[int]:
                 " a start reads the table afresh"
             ) from e
         with log_file:
-            for line in log_file.read().decode().splitlines():
-                info = json.loads(line).get("commitInfo") if '"commitInfo"' in line else None
-                if info is not None:
-                    if is_rewrite(info):
-                        found.add(v)
-                    break
+            actions = [json.loads(line) for line in log_file.read().decode().splitlines()]
+        info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
+        changed = [a["add"].get("dataChange", True) for a in actions if "add" in a]
+        if is_rewrite(info) or (changed and not any(changed)):
+            found.add(v)
+        elif any(changed) and any("remove" in a for a in actions):
+            raise LogGap(
+                f"version {v} of {table_path} replaced files without a DejaQ rewrite's tag "
+                f"({info.get('operation', 'an operation')} made by hand?), so which of its "
+                "rows are new cannot be told: a start reads the table afresh"
+            )
     return found

@@ -185,6 +185,32 @@ def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets
     assert sorted(fresh.poll()["message_id"].to_pylist()) == sorted(first + later)
 
 
+def test_a_follower_whose_unread_files_were_vacuumed_or_rewritten_untagged_reads_afresh(
+    tmp_path,
+) -> None:
+    """A file a version the follower has not read added, compacted and vacuumed since
+    while the log still names it, is a gap too (not a crash at each poll); so is a
+    commit that replaced files without a DejaQ rewrite's tag (a DELETE by hand), whose
+    rows the follower cannot tell new from old: a start reads each row once."""
+    s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
+    path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    follower = DeltaFollower(path, BUFFER_SCHEMA)
+    first = add_buffer(s, "priority", list(range(4)))
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first)
+    later = add_buffer(s, "priority", list(range(4)), first_offset=4)
+    compact(path)
+    DeltaTable(path).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
+    with pytest.raises(LogGap, match="was vacuumed since"):
+        follower.poll()
+    follower = DeltaFollower(path, BUFFER_SCHEMA)
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first + later)
+    DeltaTable(path).delete(f"message_id = '{first[0]}'")
+    with pytest.raises(LogGap, match="without a DejaQ rewrite's tag"):
+        follower.poll()
+    fresh = DeltaFollower(path, BUFFER_SCHEMA)
+    assert sorted(fresh.poll()["message_id"].to_pylist()) == sorted(first[1:] + later)
+
+
 @pytest.mark.parametrize("kind", ["priority", "timeline"])
 def test_a_release_job_further_behind_than_the_log_reads_the_tables_afresh_and_goes_on(
     kafka_bootstrap, topic_factory, tmp_path, monkeypatch, caplog, kind

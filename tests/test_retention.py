@@ -402,6 +402,27 @@ def test_an_index_further_behind_than_the_buffers_log_reads_it_as_a_start_does(
         retention.rewrites(index.buffer_path, range(seen + 1, seen + 2))
 
 
+def test_an_index_whose_unread_files_were_vacuumed_or_rewritten_untagged_reads_as_a_start(
+    tmp_path: Path,
+) -> None:
+    """A file that a version the node has not read added, compacted and vacuumed since
+    (the log still naming it), or a commit that replaced files untagged (a DELETE by
+    hand): the node cannot walk the versions, so it reads the files it has not seen as
+    a start does. Each new row comes in once; nothing is read again."""
+    warehouse, index, _ = loaded_topic(tmp_path, [4, 9])
+    fill(warehouse, "jobs", buffer_rows([7], prefix="new"))
+    DeltaTable(index.buffer_path).optimize.compact()
+    DeltaTable(index.buffer_path).vacuum(
+        retention_hours=0, enforce_retention_duration=False, dry_run=False
+    )
+    assert index.refresh() == 1
+    assert set(index.rows) == {"m0", "m1", "new0"}
+    fill(warehouse, "jobs", buffer_rows([8], prefix="more"))
+    DeltaTable(index.buffer_path).delete("message_id = 'new0'")
+    assert index.refresh() == 1, "more0 alone"
+    assert set(index.rows) == {"m0", "m1", "new0", "more0"}
+
+
 def m0_settled_and_retained(tmp_path: Path, settle: str) -> tuple[str, TopicIndex, TopicState]:
     """Topic "jobs" with m0 and m1; m0 leased, settled by `settle` ("ack" or "reject"),
     checkpointed, and its buffer row removed by a retention run."""

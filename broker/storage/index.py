@@ -191,15 +191,28 @@ class TopicIndex:
                 self.forgotten |= forgotten
             return 0
         try:
-            unread, current = self._unseen(version)
-        except (LogGap, TableNotFoundError) as e:
-            # Which of the versions between were rewrites cannot be told: every file
-            # not seen is read, as a start reads them, without what the ledger has
-            # settled since the retention watermark (a start's `settled`). Applied to
-            # those files alone: `rebuild` must still read the ledger for the rows held.
+            return self._read_new(version, *self._unseen(version), settled, forgotten)
+        except (LogGap, TableNotFoundError, FileNotFoundError) as e:
+            # Which of the versions between were rewrites cannot be told (their log is
+            # gone, or a file an older one added was vacuumed since): every file not
+            # seen is read, as a start reads them, without what the ledger has settled
+            # since the retention watermark (a start's `settled`). Applied to those
+            # files alone: `rebuild` must still read the ledger for the rows held.
             log.warning("%s: reading the buffer's files not indexed yet, as a start does", e)
             unread, current = self._unseen(version, walk=False)
             settled = set(settled) | self._settled_ids(note=False)[0]
+            return self._read_new(version, unread, current, settled, forgotten)
+
+    def _read_new(
+        self,
+        version: int,
+        unread: list[tuple[str, int, int]],
+        current: set[str],
+        settled: Set[str],
+        forgotten: set[str],
+    ) -> int:
+        """Index `unread` (`_unseen`), as of `version`; how many rows were new. Raises
+        before indexing any where a file is missing, once the first load is done."""
         paths: dict[int, list[str]] = {}
         for path, bucket, _ in unread:
             if not 0 <= bucket < self.topic.buckets:
