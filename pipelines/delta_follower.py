@@ -7,6 +7,8 @@ milliseconds, and nothing at all when the version has not moved.
 
 from __future__ import annotations
 
+import datetime as dt
+from typing import Any
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -17,14 +19,16 @@ from deltalake import DeltaTable
 from dejaq.conf.storage import filesystem
 from dejaq.conf.table_watch import TableWatch
 from dejaq.conf.tables import TIMESTAMP, conform
-from dejaq.pipelines.retention import LogGap, rewrites
+from dejaq.pipelines.retention import LogGap, commits
+
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 class DeltaFollower:
     """The rows of every file a table gains, each row once.
 
     A compaction or a retention run rewrites rows the table already had
-    (`retention.rewrites`): its files are seen, not read, so a caller gets each row
+    (`retention.commits`): its files are seen, not read, so a caller gets each row
     once and keeps no ids to skip repeats by. When appends and a rewrite of them arrive
     in one poll, the versions are walked one at a time, so the appended files are read
     even though the rewrite has replaced them (replaced files stay on disk for the
@@ -75,55 +79,77 @@ class DeltaFollower:
         if version == self._version:
             return self.schema.empty_table()
         fs, root = filesystem(self.path)
+        adds = pa.table(self._table.get_add_actions(flatten=True))
         parts = []
         seen: set[str] = set()
-        paths: list[str] = []
-        for table, rewrite in self._steps(version):
-            adds = pa.table(table.get_add_actions(flatten=True))
-            paths = adds.column("path").to_pylist()
-            wanted = self._recent(adds, since_ms)
-            for i, path in enumerate(paths):
-                if path in self.files or path in seen:
-                    continue
-                seen.add(path)
-                if rewrite or not wanted[i]:
-                    continue
-                partition = {
-                    f.name: adds.column(f"partition.{f.name}")[i].as_py()
-                    for f in self.schema
-                    if f"partition.{f.name}" in adds.column_names
-                }
-                try:
-                    data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
-                except FileNotFoundError as e:
-                    if table is self._table:
-                        raise  # a file of the table's current version: it is damaged
-                    raise LogGap(
-                        f"{self.path}: {path}, added by a version this reader has not "
-                        "read, was vacuumed since: a start reads the table afresh"
-                    ) from e
-                parts.append(conform(data, self.schema, partition))
-                self.files_read += 1
-        self.files = set(paths)
+        for path, partition, recent, rewrite, newest in self._added(version, adds, since_ms):
+            if path in self.files or path in seen:
+                continue
+            seen.add(path)
+            if rewrite or not recent:
+                continue
+            try:
+                data = pq.read_table(f"{root}/{unquote(path)}", filesystem=fs)
+            except FileNotFoundError as e:
+                if newest:
+                    raise  # a file of the table's current version: it is damaged
+                raise LogGap(
+                    f"{self.path}: {path}, added by a version this reader has not "
+                    "read, was vacuumed since: a start reads the table afresh"
+                ) from e
+            parts.append(conform(data, self.schema, partition))
+            self.files_read += 1
+        self.files = set(adds.column("path").to_pylist())
         self._version = version
         if not parts:
             return self.schema.empty_table()
         return pa.concat_tables(parts)
 
-    def _steps(self, version: int) -> list[tuple[DeltaTable, bool]]:
-        """The snapshots to look at, each with whether its version is a rewrite: the
-        newest alone, or every new version when a rewrite is among them."""
-        assert self._table is not None
-        if self._version < 0:
-            return [(self._table, False)]
-        new = range(self._version + 1, version + 1)
-        rewritten = rewrites(self.path, new)
-        if not rewritten:
-            return [(self._table, False)]
+    def _added(
+        self, version: int, adds: pa.Table, since_ms: int
+    ) -> list[tuple[str, dict[str, Any], bool, bool, bool]]:
+        """The files to look at, in the order their versions added them: (path, partition
+        values, whether any row may be at or after `since_ms`, whether its version is a
+        rewrite, whether `version` added it). Those of `version`'s snapshot (`adds`)
+        alone, or every new version's when a rewrite is among them, taken from the
+        versions' log entries: `retention.commits` reads each of them anyway, and a
+        snapshot of each would cost a listing, a checkpoint and all its add actions."""
+        if self._version >= 0:
+            walked = commits(self.path, range(self._version + 1, version + 1))
+            if any(c.rewrite for c in walked):
+                fields = {f.name: f.type for f in self.schema}
+                return [
+                    (
+                        add.path,
+                        {
+                            k: _typed(value, fields[k])
+                            for k, value in add.partition.items()
+                            if k in fields
+                        },
+                        self._after(add.max_values.get(self.time_column), since_ms),
+                        c.rewrite,
+                        c.version == version,
+                    )
+                    for c in walked
+                    for add in c.adds
+                ]
+        recent = self._recent(adds, since_ms)
+        names = [f.name for f in self.schema if f"partition.{f.name}" in adds.column_names]
+        partitions = [adds.column(f"partition.{name}").to_pylist() for name in names]
         return [
-            (self._table if v == version else DeltaTable(self.path, version=v), v in rewritten)
-            for v in new
+            (path, dict(zip(names, values, strict=True)), recent[i], False, True)
+            for i, (path, *values) in enumerate(
+                zip(adds.column("path").to_pylist(), *partitions, strict=True)
+            )
         ]
+
+    def _after(self, latest: Any, since_ms: int) -> bool:
+        """Whether a file whose `time_column` statistic is `latest` (as the log writes
+        it) may hold a row at or after `since_ms`, as `_recent` says for a snapshot's."""
+        if since_ms <= 0 or self.time_column is None:
+            return True
+        at = _timestamp_us(latest)
+        return at is None or at >= since_ms * 1000
 
     def _recent(self, adds: pa.Table, since_ms: int) -> list[bool]:
         """Per file: whether any of its rows may be at or after `since_ms`."""
@@ -134,3 +160,22 @@ class DeltaFollower:
         since = pa.scalar(since_ms * 1000, TIMESTAMP)
         keep = pc.or_kleene(pc.is_null(latest), pc.greater_equal(latest, since))
         return keep.to_pylist()
+
+
+def _typed(value: str | None, type_: pa.DataType) -> Any:
+    """A partition value as the log writes it (a string), as a value of `type_`."""
+    return None if value is None else pa.scalar(value).cast(type_).as_py()
+
+
+def _timestamp_us(value: Any) -> int | None:
+    """A timestamp statistic as the log writes it (ISO 8601; UTC where it names no
+    offset), in epoch microseconds; None where there is none."""
+    if not isinstance(value, str):
+        return None
+    try:
+        at = dt.datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=dt.UTC)
+    return (at - EPOCH) // dt.timedelta(microseconds=1)

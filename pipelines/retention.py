@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -464,18 +465,45 @@ class LogGap(Exception):
     behind than the table keeps its log (`conf.tables.LOG_RETENTION`)."""
 
 
+@dataclass(frozen=True)
+class Added:
+    """A file a commit adds, as its own log entry says: a follower walking the versions
+    it missed learns what to read from the entries it reads anyway, not from a snapshot
+    of each version (a listing, a checkpoint and every file's add action apiece)."""
+
+    path: str  # relative and percent-encoded, as `DeltaTable.get_add_actions` gives it
+    partition: dict[str, str | None]  # the log's strings, not typed values
+    rows: int | None  # `numRecords`, where the file has statistics
+    max_values: dict[str, Any]  # the statistics' `maxValues`, as the log writes them
+
+
+@dataclass(frozen=True)
+class Commit:
+    """One version of a table: whether it is a rewrite (`rewrites`), and its files."""
+
+    version: int
+    rewrite: bool
+    adds: list[Added]
+
+
 def rewrites(table_path: str, versions: range) -> set[int]:
-    """Which of `versions` are rewrites (`is_rewrite`, or every file it adds marked
-    `dataChange: false`), from each commit's own log entry; `LogGap` if the log no
-    longer holds one, or if one replaced files untagged (a DELETE, UPDATE or RESTORE
-    made by hand): which of its rows are new cannot be told from the log.
+    """Which of `versions` are rewrites (`commits`)."""
+    return {c.version for c in commits(table_path, versions) if c.rewrite}
+
+
+def commits(table_path: str, versions: range) -> list[Commit]:
+    """Each of `versions` from its own log entry, one read apiece: whether it is a
+    rewrite (`is_rewrite`, or every file it adds marked `dataChange: false`) and the
+    files it adds; `LogGap` if the log no longer holds one, or if one replaced files
+    untagged (a DELETE, UPDATE or RESTORE made by hand): which of its rows are new
+    cannot be told from the log.
 
     Not `DeltaTable.history`: delta-rs 1.6 reads the newest commits of the log but
     numbers them down from the version the table object is at, so a table that gained
     a commit meanwhile gets every label shifted by one.
     """
     fs, root = filesystem(table_path)
-    found = set()
+    found = []
     for v in versions:
         entry = f"{root}/_delta_log/{v:020d}.json"
         try:
@@ -489,13 +517,24 @@ def rewrites(table_path: str, versions: range) -> set[int]:
         with log_file:
             actions = [json.loads(line) for line in log_file.read().decode().splitlines()]
         info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
-        changed = [a["add"].get("dataChange", True) for a in actions if "add" in a]
-        if is_rewrite(info) or (changed and not any(changed)):
-            found.add(v)
-        elif any(changed) and any("remove" in a for a in actions):
+        adds = [a["add"] for a in actions if "add" in a]
+        changed = [add.get("dataChange", True) for add in adds]
+        rewrite = is_rewrite(info) or bool(changed and not any(changed))
+        if not rewrite and any(changed) and any("remove" in a for a in actions):
             raise LogGap(
                 f"version {v} of {table_path} replaced files without a DejaQ rewrite's tag "
                 f"({info.get('operation', 'an operation')} made by hand?), so which of its "
                 "rows are new cannot be told: a start reads the table afresh"
             )
+        found.append(Commit(v, rewrite, [_added(add) for add in adds]))
     return found
+
+
+def _added(add: dict) -> Added:
+    stats = json.loads(add.get("stats") or "{}")
+    return Added(
+        add["path"],
+        add.get("partitionValues") or {},
+        stats.get("numRecords"),
+        stats.get("maxValues") or {},
+    )

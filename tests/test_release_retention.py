@@ -15,9 +15,9 @@ from urllib.parse import unquote
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from deltalake import DeltaTable
+from deltalake import DeltaTable, write_deltalake
 from test_release import Output, add_buffer, add_ledger, ids, run_until, settings_for
-from test_retention import expire_log
+from test_retention import VersionedOpens, expire_log
 
 from dejaq.conf import table_watch
 from dejaq.conf.tables import (
@@ -28,6 +28,7 @@ from dejaq.conf.tables import (
     Table,
     ensure_table,
 )
+from dejaq.pipelines import delta_follower
 from dejaq.pipelines.compaction import compact
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.pending import HEAP_SLACK, PendingSet
@@ -183,6 +184,43 @@ def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets
         follower.poll()
     fresh = DeltaFollower(path, BUFFER_SCHEMA)
     assert sorted(fresh.poll()["message_id"].to_pylist()) == sorted(first + later)
+
+
+def test_a_follower_behind_a_rewrite_walks_the_log_entries_not_a_snapshot_each(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower that missed appends and a compaction of them takes each version's
+    files from its log entry, as `get_add_actions` names them (partition values and
+    file names percent-encoded alike), with their statistics: no snapshot per version,
+    each appended row read once, a file whose rows are all before `since_ms` not read."""
+    path = str(tmp_path / "t")
+    schema = pa.schema([("id", pa.int64()), ("k", pa.string()), ("ts", TIMESTAMP)])
+    odd = "a b/c%d=é"
+
+    def append(i: int, k: str, at: dt.datetime) -> None:
+        rows = pa.table({"id": [i], "k": [k], "ts": [at]}, schema=schema)
+        write_deltalake(path, rows, mode="append", partition_by=["k"])
+
+    append(0, odd, T0)
+    follower = DeltaFollower(path, schema, time_column="ts")
+    assert follower.poll()["id"].to_pylist() == [0]
+    append(1, odd, T0 - dt.timedelta(hours=1))
+    append(2, odd, T0)
+    append(3, "x=y", T0)
+    assert DeltaTable(path).optimize.compact()["numFilesRemoved"] == 3  # 0, 1 and 2
+    opens = VersionedOpens(delta_follower, monkeypatch)
+    read = follower.files_read
+    since_ms = int(T0.timestamp() * 1000) - 1
+    held = follower.poll(since_ms=since_ms)
+    assert opens.count == 0, "no snapshot of a version between"
+    assert follower.files_read - read == 2, "2 and 3; 1 is before since_ms, 0 was read"
+    assert sorted(held.to_pylist(), key=lambda r: r["id"]) == [
+        {"id": 2, "k": odd, "ts": T0},
+        {"id": 3, "k": "x=y", "ts": T0},
+    ]
+    current = DeltaTable(path)
+    assert follower.files == set(pa.table(current.get_add_actions()).column("path").to_pylist())
+    assert follower.poll().num_rows == 0
 
 
 def test_a_follower_whose_unread_files_were_vacuumed_or_rewritten_untagged_reads_afresh(

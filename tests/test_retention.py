@@ -423,6 +423,55 @@ def test_an_index_whose_unread_files_were_vacuumed_or_rewritten_untagged_reads_a
     assert set(index.rows) == {"m0", "m1", "new0", "more0"}
 
 
+class VersionedOpens:
+    """A spy on a module's `DeltaTable`: counts the snapshots opened at a given version
+    (a follower walking the versions it missed opening one each), and opens them."""
+
+    def __init__(self, module: object, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        real = module.DeltaTable  # type: ignore[attr-defined]
+
+        def opened(*args: object, **kwargs: object) -> DeltaTable:
+            if kwargs.get("version") is not None or (len(args) > 1 and args[1] is not None):
+                self.count += 1
+            return real(*args, **kwargs)
+
+        opened.is_deltatable = real.is_deltatable  # type: ignore[attr-defined]
+        monkeypatch.setattr(module, "DeltaTable", opened)
+
+
+def test_an_index_behind_a_rewrite_walks_the_log_entries_not_a_snapshot_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node that missed appends, a compaction of them and a retention run takes each
+    version's files from its log entry: no snapshot per version, and every appended row
+    read once, those a compaction replaced before the node read them too."""
+    warehouse, index, _ = loaded_topic(tmp_path, [4, 9])
+    seen = index.version
+    fill(warehouse, "jobs", buffer_rows([1, 2, 3, 5], prefix="a"))
+    DeltaTable(index.buffer_path).optimize.compact()  # replaces m* and a* files
+    assert run(warehouse, now_ms()) is not None  # a watermark-only retention commit
+    fill(warehouse, "jobs", buffer_rows([6, 7], prefix="c"))
+    opens = VersionedOpens(index_module, monkeypatch)
+    read: list[int] = []  # rows of each bucket read: a spy on `_read_bucket`
+    read_bucket = index._read_bucket
+
+    def reading(bucket: int, uris: list[str]) -> index_module.Batch:
+        batch = read_bucket(bucket, uris)
+        read.append(len(batch.mids))
+        return batch
+
+    monkeypatch.setattr(index, "_read_bucket", reading)
+    assert index.version == seen and DeltaTable(index.buffer_path).version() == seen + 4
+    assert index.refresh() == 6
+    assert opens.count == 0, "no snapshot of a version between"
+    assert sum(read) == 6, "the appended rows, once; not the compaction's"
+    assert set(index.rows) == {"m0", "m1", "a0", "a1", "a2", "a3", "c0", "c1"}
+    current = DeltaTable(index.buffer_path)
+    assert index.files == set(pa.table(current.get_add_actions()).column("path").to_pylist())
+    assert index.buffer_rows == 8
+
+
 def m0_settled_and_retained(tmp_path: Path, settle: str) -> tuple[str, TopicIndex, TopicState]:
     """Topic "jobs" with m0 and m1; m0 leased, settled by `settle` ("ack" or "reject"),
     checkpointed, and its buffer row removed by a retention run."""

@@ -63,9 +63,9 @@ from dejaq.conf.tables import (
 )
 from dejaq.pipelines.retention import (
     LogGap,
+    commits,
     first_per_id,
     latest_events,
-    rewrites,
     split,
     watermark,
 )
@@ -310,31 +310,29 @@ class TopicIndex:
         ids to skip them by. When appends and a rewrite of them arrive in one step, the
         versions are walked one at a time, so the appended files are read even though
         the rewrite has replaced them (replaced files stay on disk for the table's
-        retention). Also counts the rows of `version` (`buffer_rows`).
+        retention), each from its own log entry (`commits`), which says whether it is a
+        rewrite anyway: a snapshot of each would cost a listing, a checkpoint and all
+        its add actions. Also counts the rows of `version` (`buffer_rows`).
         """
         assert self._buffer is not None
-        rewritten = set()
+        actions = pa.table(self._buffer.get_add_actions(flatten=True)).to_pydict()
+        added = [(path, bucket, rows, False) for path, bucket, rows in _files(actions)]
         if self.version >= 0 and walk:
-            rewritten = rewrites(self.buffer_path, range(self.version + 1, version + 1))
-        steps = [(version, self._buffer)]
-        if rewritten:
-            steps = [
-                (v, DeltaTable(self.buffer_path, version=v))
-                for v in range(self.version + 1, version + 1)
-            ]
+            walked = commits(self.buffer_path, range(self.version + 1, version + 1))
+            if any(c.rewrite for c in walked):
+                added = [
+                    (add.path, int(add.partition["bucket"]), add.rows, c.rewrite)
+                    for c in walked
+                    for add in c.adds
+                ]
         unread: list[tuple[str, int, int]] = []
         seen: set[str] = set()
-        actions: dict[str, list] = {}
-        for v, table in steps:
-            actions = pa.table(table.get_add_actions(flatten=True)).to_pydict()
-            for path, bucket, rows in zip(
-                actions["path"], actions["partition.bucket"], actions["num_records"], strict=True
-            ):
-                if path in self.files or path in seen:
-                    continue
-                seen.add(path)
-                if v not in rewritten:
-                    unread.append((path, bucket, rows or 0))
+        for path, bucket, rows, rewrite in added:
+            if path in self.files or path in seen:
+                continue
+            seen.add(path)
+            if not rewrite:
+                unread.append((path, bucket, rows or 0))
         self.buffer_rows = sum(n or 0 for n in actions["num_records"])
         return unread, set(actions["path"])
 
@@ -990,6 +988,11 @@ def _read_ids(path: str, table: Table, ids: list[str], ingested_at: str) -> pa.T
 def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:
     """Epoch milliseconds of a microsecond timestamp column."""
     return [None if us is None else us // 1000 for us in pc.cast(timestamps, "int64").to_pylist()]
+
+
+def _files(actions: dict[str, list]) -> Iterator[tuple[str, int, int | None]]:
+    """A snapshot's files (its add actions, as columns): path, bucket and row count."""
+    return zip(actions["path"], actions["partition.bucket"], actions["num_records"], strict=True)
 
 
 def _pre_buffer(uri: str) -> bool:
