@@ -312,6 +312,31 @@ def _lease_until(client: httpx.Client, url: str, consumer: str, n: int) -> dict[
     return got
 
 
+def test_a_topic_reading_its_envelope_from_the_payload_takes_it_there_over_http() -> None:
+    """A topic whose priority and id come from the payload's JSON (`json_fields`): a
+    request giving them beside it is refused, as the ingest would ignore them; one
+    without them is produced, and answered with the id it is stored under."""
+    from dejaq.broker.api.routers.messages import NewMessage, _envelope
+    from dejaq.broker.service import Problem
+    from dejaq.conf.settings import JsonFields, TopicConfig
+
+    cfg = TopicConfig(
+        name="j",
+        kind="priority",
+        source=["j-in"],
+        json_fields=JsonFields(priority="p", id="order.ref"),
+    )
+    payload = base64.b64encode(b'{"p": 3, "order": {"ref": "A-17"}}').decode()
+    for extra, title in (({"priority": 3}, "priority is in the payload"), ({"id": "x"}, "id is")):
+        with pytest.raises(Problem) as refused:
+            _envelope(NewMessage(payload=payload, **extra), cfg, 10_000)
+        assert refused.value.status == 422 and title in refused.value.title
+    out = _envelope(NewMessage(payload=payload, headers={"a": "b"}), cfg, 10_000)
+    assert out.headers == [("a", b"b"), ("dejaq-id", b"A-17")]
+    bare = base64.b64encode(b'{"p": 3}').decode()
+    assert _envelope(NewMessage(payload=bare), cfg, 10_000).headers == [], "its default id"
+
+
 def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_source: str) -> None:
     nodes, client, _ = three
     base = f"{follower(nodes, client).url}/v1/topics"

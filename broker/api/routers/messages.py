@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import json
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -12,7 +13,7 @@ from pydantic import BaseModel, Field
 from dejaq.broker.api.dependencies import AnyBroker, AnyProducer, LeaderBroker
 from dejaq.broker.api.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
 from dejaq.broker.service import Broker, Outgoing, Problem, Producer
-from dejaq.conf.settings import TopicConfig, TopicKind
+from dejaq.conf.settings import JsonFields, TopicConfig, TopicKind
 
 router = APIRouter(tags=["messages"])
 MAX_BATCH_BODY = 16 * 1024 * 1024
@@ -94,17 +95,57 @@ def own_headers(headers: dict[str, str] | None) -> list[tuple[str, bytes]]:
 def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
     payload = decode_payload(m.payload, max_bytes)
     headers = own_headers(m.headers)
-    if cfg.kind is TopicKind.PRIORITY:
+    mapped = cfg.json_fields or JsonFields()
+    for name, field in (("priority", mapped.priority), ("deliver_at", mapped.deliver_at)):
+        if field is not None and getattr(m, name) is not None:
+            raise Problem(
+                422,
+                f"{name} is in the payload",
+                f"topic {cfg.name} reads {name} from the payload's JSON field {field!r} "
+                "(json_fields): set it there, not in the request",
+            )
+    if cfg.kind is TopicKind.PRIORITY and mapped.priority is None:
         if m.priority is None:
             raise Problem(422, "missing priority", f"topic {cfg.name} is a priority topic")
         headers.append(("dejaq-priority", str(m.priority).encode()))
-    elif cfg.kind.sorted_as is TopicKind.TIMELINE:
+    elif cfg.kind.sorted_as is TopicKind.TIMELINE and mapped.deliver_at is None:
         if m.deliver_at is None:
             raise Problem(422, "missing deliver_at", f"topic {cfg.name} is a timeline topic")
         headers.append(("dejaq-deliver-at", str(m.deliver_at).encode()))
-    if m.id is not None:
+    if mapped.id is not None:
+        if m.id is not None:
+            raise Problem(
+                422,
+                "id is in the payload",
+                f"topic {cfg.name} reads message ids from the payload's JSON field "
+                f"{mapped.id!r} (json_fields): set it there, not in the request",
+            )
+        # Not read by the ingest, which takes the field: so the answer names the id
+        # the message is stored under.
+        if (found := payload_id(payload, mapped.id)) is not None:
+            headers.append(("dejaq-id", found.encode()))
+    elif m.id is not None:
         headers.append(("dejaq-id", m.id.encode()))
     return Outgoing(None if m.key is None else m.key.encode(), payload, headers)
+
+
+def payload_id(payload: bytes, path: str) -> str | None:
+    """The id at the JSON `path` (`a.b`) of a payload, where it is a string or an integer
+    (as the ingest's `get_json_object` reads it); None where the ingest gives the
+    message its default id, or where it reads a value this does not (a float, say)."""
+    try:
+        value = json.loads(payload)
+    except ValueError:
+        return None
+    for name in path.split("."):
+        if not isinstance(value, dict) or name not in value:
+            return None
+        value = value[name]
+    if isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    return None
 
 
 async def _produce(topic: str, items: list[NewMessage], broker: Broker, producer: Producer):
