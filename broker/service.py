@@ -12,14 +12,22 @@ import logging
 import threading
 import time
 import uuid
+import weakref
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
 from typing import Any
 
-from kafka.errors import KafkaError, MessageSizeTooLargeError, RecordListTooLargeError
+from kafka.errors import (
+    KafkaError,
+    KafkaTimeoutError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+)
+from kafka.record.default_records import DefaultRecordBatchBuilder
 
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
@@ -885,17 +893,78 @@ class Outgoing:
     payload: bytes
     headers: list[tuple[str, bytes]]
 
+    def record_bytes(self) -> int:
+        """An upper bound of the message's size as Kafka weighs it against the topic's
+        max.message.bytes: a batch of this record alone, with the most overhead a record
+        and a batch header can add (the producer sends a record too large for its batch
+        alone, and splits a batch of several that Kafka refuses)."""
+        estimate = DefaultRecordBatchBuilder.estimate_size_in_bytes
+        return estimate(self.key, self.payload, self.headers)
+
+
+class TooLargeForKafka(Exception):
+    """A record larger than its Kafka topic takes, refused here before it is sent."""
+
+    def __init__(self, kafka_topic: str, size: int, limit: int, sent: bool = False) -> None:
+        super().__init__(
+            f"a record of {size} bytes (payload, key, headers and Kafka's record overhead); "
+            f"the Kafka topic {kafka_topic} takes at most {limit} (its max.message.bytes)"
+        )
+        self.limit = limit
+        self.sent = sent  # Kafka refused it: the producer had others of its request too
+
+
+class FailedOnAnother(Exception):
+    """A record the producer failed with another it held, which Kafka refused as too
+    large: the idempotent producer fails every record it holds on such a refusal."""
+
+
+class NotSent(Exception):
+    """A record not sent: another of its request's is too large, or time ran out."""
+
+
+TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
+# A produce answers within this, under the 10 s the client gives an attempt, so a client
+# does not give up on an attempt the broker still works on.
+PRODUCE_DEADLINE_S = 8.0
+# The longest a send waits for a topic's partitions; none starts later than this before
+# the deadline.
+MAX_BLOCK_S = 2.0
+# How long a record may take to be acknowledged once batched (Kafka's request timeout
+# and linger within it), and to reach Kafka at all.
+DELIVERY_TIMEOUT_MS, REQUEST_TIMEOUT_MS, BOOTSTRAP_TIMEOUT_MS = 7000, 5000, 2000
+DESCRIBE_TIMEOUT_MS = 2000
+LIMIT_TTL_S = 60.0  # a topic's max.message.bytes is described again after this
+MAX_IN_FLIGHT = 32  # HTTP produces waiting on Kafka at once; beyond, a 503 at once
+
 
 class Producer:
-    """Produce to a topic's Kafka input, so HTTP messages take the same ingest path."""
+    """Produce to a topic's Kafka input, so HTTP messages take the same ingest path.
 
-    def __init__(self, kafka: KafkaConfig) -> None:
+    Produces block on Kafka, so they run on their own threads (one more than
+    `max_in_flight`, for the cron materialiser): in an outage they must not hold the
+    threads every other endpoint's blocking work runs on."""
+
+    def __init__(self, kafka: KafkaConfig, max_in_flight: int = MAX_IN_FLIGHT) -> None:
         self.kafka = kafka
+        self.max_in_flight = max_in_flight
         self._producer: Any = None
+        self._admin: Any = None
         self._lock = threading.Lock()
+        self._admin_lock = threading.Lock()
+        # Kafka topic → (when described, its max.message.bytes; None: Kafka did not say)
+        self._limits: dict[str, tuple[float, int | None]] = {}
+        # Producers closed after Kafka refused a record as too large: every other record
+        # they failed, they failed for that one.
+        self._refused: weakref.WeakSet[Any] = weakref.WeakSet()
+        self._in_flight = 0
+        self._counting = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_in_flight + 1, thread_name_prefix="dejaq-produce")
 
-    def _get(self) -> Any:
-        with self._lock:
+    def _get(self, deadline: float) -> Any:
+        if not self._lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            raise KafkaTimeoutError("another produce is still connecting to Kafka")
+        try:
             if self._producer is None:
                 from kafka import KafkaProducer
 
@@ -904,37 +973,105 @@ class Producer:
                     acks="all",
                     linger_ms=2,
                     max_request_size=64 * 1024 * 1024,
+                    max_block_ms=int(MAX_BLOCK_S * 1000),
+                    request_timeout_ms=REQUEST_TIMEOUT_MS,
+                    delivery_timeout_ms=DELIVERY_TIMEOUT_MS,
+                    bootstrap_timeout_ms=BOOTSTRAP_TIMEOUT_MS,
                 )
             return self._producer
+        finally:
+            self._lock.release()
 
-    def _send(self, kafka_topic: str, messages: list[Outgoing]) -> list[Any]:
-        """Each message's record metadata once Kafka acknowledged it, or the error that
-        kept it out."""
+    def _describe(self, kafka_topic: str) -> int | None:
+        """The Kafka topic's max.message.bytes; None where Kafka does not say (describing
+        its configs not allowed, Kafka unreachable): then records go unchecked."""
+        from kafka import KafkaAdminClient
+        from kafka.admin import ConfigResource, ConfigResourceType
+
         try:
-            producer = self._get()
+            if self._admin is None:
+                self._admin = KafkaAdminClient(
+                    **python_config(self.kafka),
+                    request_timeout_ms=DESCRIBE_TIMEOUT_MS,
+                    bootstrap_timeout_ms=BOOTSTRAP_TIMEOUT_MS,
+                )
+            wanted = {"max.message.bytes": None}
+            topic = ConfigResource(ConfigResourceType.TOPIC, kafka_topic, wanted)
+            found = self._admin.describe_configs([topic], config_filter="all")
+            return int(found["topic"][kafka_topic]["max.message.bytes"]["value"])
+        except Exception as e:  # not allowed, unreachable, no such topic
+            log.info("max.message.bytes of Kafka topic %s unknown: %r", kafka_topic, e)
+            return None
+
+    def _limit(self, kafka_topic: str, deadline: float, since: float = 0.0) -> int | None:
+        """The Kafka topic's max.message.bytes, described at most every LIMIT_TTL_S (a
+        failure to describe too, so an outage does not add a describe to every produce),
+        and again if described before `since` (Kafka refused a record after it: the limit
+        was lowered meanwhile)."""
+
+        def current(described_at: float) -> bool:
+            return since <= described_at > time.monotonic() - LIMIT_TTL_S
+
+        known = self._limits.get(kafka_topic)
+        if known is not None and current(known[0]):
+            return known[1]
+        if not self._admin_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return None if known is None else known[1]
+        try:  # described by another produce while this one waited?
+            known = self._limits.get(kafka_topic)
+            if known is None or not current(known[0]):
+                known = (time.monotonic(), self._describe(kafka_topic))
+                self._limits[kafka_topic] = known
+            return known[1]
+        finally:
+            self._admin_lock.release()
+
+    def _send(self, kafka_topic: str, messages: list[Outgoing], whole: bool) -> list[Any]:
+        """Each message's record metadata once Kafka acknowledged it, or the error that
+        kept it out. Records larger than the Kafka topic takes are not sent: a refusal
+        by Kafka would fail every record the producer holds, other requests' too. With
+        `whole`, none is sent if any is too large."""
+        began = time.monotonic()
+        deadline = began + PRODUCE_DEADLINE_S
+        limit = self._limit(kafka_topic, deadline)
+        sizes = [m.record_bytes() for m in messages]
+        over = [
+            TooLargeForKafka(kafka_topic, s, limit) if limit is not None and s > limit else None
+            for s in sizes
+        ]
+        if whole and any(over):
+            return [o or NotSent("another of the request is too large") for o in over]
+        try:
+            producer = self._get(deadline)
         except Exception as e:  # no broker reached, say
             return [e] * len(messages)
         futures: list[Any] = []
-        for m in messages:
-            try:
-                futures.append(
-                    producer.send(kafka_topic, key=m.key, value=m.payload, headers=m.headers)
-                )
-            except Exception as e:  # the producer's own checks, before sending
-                futures.append(e)
+        for m, o in zip(messages, over, strict=True):
+            if o is not None:
+                futures.append(o)
+            elif time.monotonic() > deadline - MAX_BLOCK_S:
+                futures.append(NotSent("no time left to wait for Kafka"))
+            else:
+                try:
+                    futures.append(
+                        producer.send(kafka_topic, key=m.key, value=m.payload, headers=m.headers)
+                    )
+                except Exception as e:  # the producer's own checks, before sending
+                    futures.append(e)
         with contextlib.suppress(Exception):  # each future says how its record fared
-            producer.flush(timeout=30)
+            producer.flush(timeout=max(0.0, deadline - time.monotonic()))
         out: list[Any] = []
-        broken = False
+        broken = refused = False
         for f in futures:
-            if isinstance(f, Exception):  # the producer's own check: it is unharmed
+            if isinstance(f, Exception):  # not sent: the producer is unharmed
                 out.append(f)
                 continue
             try:
-                out.append(f.get(timeout=30))
+                out.append(f.get(timeout=max(0.0, deadline - time.monotonic())))
             except Exception as e:
                 out.append(e)
                 broken = broken or (isinstance(e, KafkaError) and not e.retriable)
+                refused = refused or isinstance(e, TOO_LARGE)
         if broken:
             # The producer is idempotent: an error from Kafka it cannot retry (a record
             # larger than the topic takes) fails every batch it holds and leaves it
@@ -942,37 +1079,116 @@ class Producer:
             with self._lock:
                 if self._producer is producer:
                     self._producer = None
+            if refused:
+                self._refused.add(producer)
             close_producer(producer, 0)
+        if producer in self._refused:
+            out = self._own_refusals(kafka_topic, sizes, out, began, deadline)
         return out
+
+    def _own_refusals(
+        self, kafka_topic: str, sizes: list[int], out: list[Any], began: float, deadline: float
+    ) -> list[Any]:
+        """Kafka refused a record as too large, so the producer failed every record it
+        held and was closed under any it was given meanwhile: each failed record within
+        the topic's limit, described afresh, failed for another's (this request's or
+        another's) and may be sent again. Where the limit stays unknown, one Kafka
+        refused as too large stays refused."""
+        limit = None
+        if any(isinstance(o, TOO_LARGE) for o in out):
+            limit = self._limit(kafka_topic, deadline, since=began)
+
+        def why(size: int, o: Any) -> Any:
+            if not isinstance(o, Exception) or isinstance(o, NotSent | TooLargeForKafka):
+                return o
+            if isinstance(o, TOO_LARGE):
+                if limit is None:
+                    return o
+                if size > limit:
+                    return TooLargeForKafka(kafka_topic, size, limit, sent=True)
+            return FailedOnAnother()
+
+        return [why(s, o) for s, o in zip(sizes, out, strict=True)]
 
     async def send_each(self, kafka_topic: str, messages: list[Outgoing]) -> list[Exception | None]:
         """Send all, then each message's outcome: None once Kafka acknowledged it, or the
         error that kept it out."""
-        out = await asyncio.to_thread(self._send, kafka_topic, messages)
+        out = await asyncio.wrap_future(self._pool.submit(self._send, kafka_topic, messages, False))
         return [o if isinstance(o, Exception) else None for o in out]
 
+    def _done(self, _: object) -> None:
+        with self._counting:
+            self._in_flight -= 1
+
     async def send(self, kafka_topic: str, messages: list[Outgoing]) -> list[str]:
-        """Returns the message ids once Kafka acknowledged every message."""
-        out = await asyncio.to_thread(self._send, kafka_topic, messages)
-        failed = next((o for o in out if isinstance(o, Exception)), None)
-        if isinstance(failed, MessageSizeTooLargeError | RecordListTooLargeError):
-            raise Problem(
-                413,
-                "too large for Kafka",
-                f"the Kafka topic {kafka_topic} refused it ({type(failed).__name__}): raise "
-                "its max.message.bytes, or lower the topic's max_payload_bytes below it",
-            )
-        if failed is not None:
-            raise Problem(503, "Kafka unavailable", f"{type(failed).__name__}: {failed}")
+        """Returns the message ids once Kafka acknowledged every message. At most
+        `max_in_flight` wait on Kafka at once (a request given up keeps its place until
+        its send ends): more are refused at once, so an outage does not pile them up."""
+        with self._counting:
+            if self._in_flight >= self.max_in_flight:
+                raise Problem(
+                    503,
+                    "too many produces in flight",
+                    f"{self._in_flight} produces are waiting on Kafka already; retry",
+                    retry_after=1,
+                )
+            self._in_flight += 1
+        running = self._pool.submit(self._send, kafka_topic, messages, True)
+        running.add_done_callback(self._done)
+        out = await asyncio.wrap_future(running)
+        self._answer(kafka_topic, out)
         ids = []
         for m, meta in zip(messages, out, strict=True):
             given = dict(m.headers).get("dejaq-id")
             ids.append(given.decode() if given else f"{kafka_topic}-{meta.partition}-{meta.offset}")
         return ids
 
+    @staticmethod
+    def _answer(kafka_topic: str, out: list[Any]) -> None:
+        """The problem a request whose records Kafka did not all take answers with."""
+        failed = [o for o in out if isinstance(o, Exception)]
+        if not failed:
+            return
+        maybe = (
+            "; some of its messages may have been written: resend with ids (`id`), which "
+            "the ingest keeps once"
+        )
+        own = next((e for e in failed if isinstance(e, TooLargeForKafka)), None)
+        if own is not None:
+            rest = maybe if own.sent else "; none of the request's messages was sent"
+            raise Problem(413, "too large for Kafka", f"{own}{rest}", limit=own.limit)
+        refused = next((e for e in failed if isinstance(e, TOO_LARGE)), None)
+        if refused is not None:
+            raise Problem(
+                413,
+                "too large for Kafka",
+                f"the Kafka topic {kafka_topic} refused a record ({type(refused).__name__}), "
+                "this request's or one sent with it: raise its max.message.bytes, or lower "
+                f"the topic's max_payload_bytes below it{maybe}",
+            )
+        if any(isinstance(e, FailedOnAnother) for e in failed):
+            raise Problem(
+                503,
+                "not sent",
+                "not sent because the producer failed on another record (Kafka refused it "
+                f"as too large); retry{maybe}",
+            )
+        cause = next((e for e in failed if not isinstance(e, NotSent)), failed[0])
+        raise Problem(
+            503,
+            "Kafka unavailable",
+            f"{type(cause).__name__}: {cause}. The outcome is unknown: some messages may "
+            "have been written, or may be yet; a retry with ids (`id`) is safe, the ingest "
+            "keeps each id once",
+        )
+
     def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
         if self._producer is not None:
             close_producer(self._producer, 5)
+        if self._admin is not None:
+            with contextlib.suppress(Exception):
+                self._admin.close()
 
 
 def _return_free_heap() -> None:

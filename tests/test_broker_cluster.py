@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import itertools
 import json
@@ -23,11 +24,14 @@ import pytest
 from conftest import wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka import KafkaConsumer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
+from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
 from test_broker import buffer_rows, fill
 
 from dejaq.broker.api.routers.topics import TopicStats
+from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.client import Client, Worker
+from dejaq.conf.settings import KafkaConfig
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -392,6 +396,145 @@ def test_produce_over_http_lands_in_kafka(three, kafka_bootstrap: str, kafka_sou
     assert [r.value for r in records] == [b"hi", b"a", b"b"]
     assert dict(records[0].headers) == {"dejaq-priority": b"7", "dejaq-id": b"my-1"}
     assert records[0].key == b"k"
+
+
+def _records_in(bootstrap: str, topic: str, partitions: int) -> int:
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap)
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        return sum(consumer.end_offsets(tps).values())
+    finally:
+        consumer.close()
+
+
+def _small_topic(bootstrap: str, max_message_bytes: int) -> str:
+    """A one-partition Kafka topic taking records up to `max_message_bytes`."""
+    name = f"small-{secrets.token_hex(5)}"
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    config = {"max.message.bytes": str(max_message_bytes)}
+    admin.create_topics([NewTopic(name, 1, 1, topic_configs=config)])
+    admin.close()
+    return name
+
+
+def test_a_record_too_large_for_its_kafka_topic_fails_no_other_request(
+    kafka_bootstrap: str, topic_factory
+) -> None:
+    """A record over its Kafka topic's max.message.bytes is refused with a 413 naming
+    the limit and never sent: Kafka refusing it would fail every record the shared
+    idempotent producer held, a batch to another topic at the same time too."""
+    small, other = _small_topic(kafka_bootstrap, 100_000), topic_factory()
+    producer = Producer(KafkaConfig(bootstrap=kafka_bootstrap))
+    fits = Outgoing(b"k", b"", [("dejaq-id", b"fits")])
+    fits.payload = b"f" * (100_000 - fits.record_bytes() - 2)  # its length's varint: 2 more
+    assert fits.record_bytes() == 100_000  # at the limit, overhead counted
+    big = Outgoing(b"k", fits.payload + b"y", fits.headers)
+
+    async def rounds() -> list[list[list[str] | BaseException]]:
+        answers = []
+        for _ in range(3):
+            batch = [Outgoing(f"k{i}".encode(), b"x" * 2000, []) for i in range(1000)]
+            answers.append(
+                await asyncio.gather(
+                    producer.send(other, batch), producer.send(small, [big]), return_exceptions=True
+                )
+            )
+        answers.append([await producer.send(small, [fits])])
+        return answers
+
+    try:
+        answers = asyncio.run(rounds())
+    finally:
+        producer.close()
+    for landed, refused in answers[:3]:
+        assert isinstance(landed, list) and len(landed) == 1000, landed
+        assert isinstance(refused, Problem) and refused.status == 413, refused
+        assert "takes at most 100000" in refused.detail and refused.extra["limit"] == 100_000
+    assert answers[3] == [["fits"]]
+    assert _records_in(kafka_bootstrap, other, 3) == 3000
+    assert _records_in(kafka_bootstrap, small, 1) == 1  # the one that fits, only
+
+
+def test_a_limit_lowered_meanwhile_fails_others_only_retryably(
+    kafka_bootstrap: str, topic_factory
+) -> None:
+    """The producer knows a topic's limit from a while ago; lowered meanwhile, Kafka
+    refuses a record and the producer fails every record it held with it: the request
+    whose record it was gets a 413 naming the new limit, another a 503 to retry (or its
+    201, if none of its records was held then), and the next too-large one is refused
+    before it is sent."""
+    small, other = _small_topic(kafka_bootstrap, 100_000), topic_factory()
+    producer = Producer(KafkaConfig(bootstrap=kafka_bootstrap))
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    big = Outgoing(b"k", b"y" * 50_000, [])
+
+    async def scenario() -> list[list[str] | BaseException]:
+        await producer.send(small, [Outgoing(b"k", b"w", [])])  # the limit, as it was
+        resource = ConfigResource(ConfigResourceType.TOPIC, small, {"max.message.bytes": "5000"})
+        await asyncio.to_thread(admin.alter_configs, [resource])
+        batch = [Outgoing(f"k{i}".encode(), b"x" * 2000, []) for i in range(1000)]
+        answers = await asyncio.gather(
+            producer.send(other, batch), producer.send(small, [big]), return_exceptions=True
+        )
+        sent_before = _records_in(kafka_bootstrap, small, 1)
+        again = await asyncio.gather(producer.send(small, [big]), return_exceptions=True)
+        assert _records_in(kafka_bootstrap, small, 1) == sent_before
+        return [*answers, *again]
+
+    try:
+        landed, refused, again = asyncio.run(scenario())
+    finally:
+        producer.close()
+        admin.close()
+    assert isinstance(refused, Problem) and refused.status == 413, refused
+    assert "takes at most 5000" in refused.detail
+    assert isinstance(again, Problem) and again.status == 413 and "none" in again.detail
+    if isinstance(landed, Problem):
+        assert landed.status == 503 and "failed on another record" in landed.detail, landed
+    else:
+        assert isinstance(landed, list) and len(landed) == 1000
+        assert _records_in(kafka_bootstrap, other, 3) == 1000
+
+
+def test_produces_beyond_the_cap_are_refused_at_once_while_kafka_hangs() -> None:
+    """Kafka here is a socket that takes connections and never answers, as a stopped
+    Kafka does, so every produce hangs until its deadline: they run on the producer's
+    own threads (asyncio's default ones, which every other endpoint's blocking work
+    uses, stay free), those beyond the cap are refused at once with a 503 and a
+    Retry-After, and the held ones end in a 503 saying the outcome is unknown, within
+    the client's 10 s an attempt."""
+    default_threads = min(32, (os.cpu_count() or 1) + 4)
+    cap = default_threads + 2
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(cap * 4)
+        producer = Producer(KafkaConfig(bootstrap=f"127.0.0.1:{silent.getsockname()[1]}"), cap)
+        one = [Outgoing(b"k", b"x", [("dejaq-id", b"m")])]
+
+        async def scenario() -> None:
+            began = time.monotonic()
+            held = [asyncio.create_task(producer.send("t", one)) for _ in range(cap)]
+            while producer._in_flight < cap:
+                assert time.monotonic() - began < 5, "the produces never all started"
+                await asyncio.sleep(0.01)
+            asked = time.monotonic()
+            with pytest.raises(Problem) as refused:
+                await producer.send("t", one)
+            assert time.monotonic() - asked < 0.5
+            assert refused.value.status == 503 and refused.value.extra == {"retry_after": 1}
+            asked = time.monotonic()
+            await asyncio.to_thread(time.monotonic)
+            assert time.monotonic() - asked < 1, "asyncio's threads are held by produces"
+            answers = await asyncio.gather(*held, return_exceptions=True)
+            assert time.monotonic() - began < 10
+            for answer in answers:
+                assert isinstance(answer, Problem) and answer.status == 503, answer
+                assert "outcome is unknown" in answer.detail
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            producer.close()
 
 
 def test_health_readiness_metrics_and_openapi(three) -> None:
