@@ -439,11 +439,9 @@ def test_a_node_beyond_loopback_with_keys_but_no_tls_refuses_to_start(tmp_path: 
     assert not (tmp_path / "d").exists()
 
 
-def test_a_plain_node_with_keys_told_it_is_meant_so_starts_with_a_warning(
-    tmp_path: Path,
-) -> None:
-    """`insecure`: something in front of it (a TLS-terminating proxy) encrypts."""
-    args, port = plain_node_with_keys(tmp_path, insecure=True)
+def started_node(args: list[str], port: int) -> subprocess.Popen:
+    """A broker node run as `dejaq <args>`, once its plain /healthz on `port` answers;
+    its stderr kept for the test to read."""
     node = subprocess.Popen(
         [sys.executable, "-m", "dejaq.jobs.cli", *args],
         stdout=subprocess.DEVNULL,
@@ -459,7 +457,20 @@ def test_a_plain_node_with_keys_told_it_is_meant_so_starts_with_a_warning(
             return False
 
     try:
-        wait_until(healthy, 60, "the plain node")
+        wait_until(healthy, 60, f"the node on port {port}")
+    except BaseException:
+        children.stop(node)
+        raise
+    return node
+
+
+def test_a_plain_node_with_keys_told_it_is_meant_so_starts_with_a_warning(
+    tmp_path: Path,
+) -> None:
+    """`insecure`: something in front of it (a TLS-terminating proxy) encrypts."""
+    args, port = plain_node_with_keys(tmp_path, insecure=True)
+    node = started_node(args, port)
+    try:
         keyless = httpx.get(f"http://127.0.0.1:{port}/v1/cluster", timeout=5)
         assert keyless.status_code == 401  # its keys are still asked for
     finally:
@@ -500,21 +511,8 @@ def test_an_insecure_node_beyond_loopback_starts_when_told_so(tmp_path: Path) ->
     )
     args = ["--http", f"0.0.0.0:{port}", "--raft", f"127.0.0.1:{free_port()}"]
     args += ["--conf-file", str(conf), "--data-dir", str(tmp_path / "d")]
-    node = subprocess.Popen(
-        [sys.executable, "-m", "dejaq.jobs.cli", "broker", "--node-id", "open", *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-
-    def healthy() -> bool:
-        assert node.poll() is None, node.stderr.read() if node.stderr else ""
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    node = started_node(["broker", "--node-id", "open", *args], port)
     try:
-        wait_until(healthy, 60, "the open node")
         topics = httpx.get(f"http://127.0.0.1:{port}/v1/topics", timeout=5)
         assert topics.status_code == 200  # open: no key asked for
 

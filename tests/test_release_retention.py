@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 from collections import Counter
+from pathlib import Path
 from urllib.parse import unquote
 
 import pyarrow as pa
@@ -165,6 +166,19 @@ def test_the_follower_reads_each_row_once_through_compactions_and_retention(tmp_
     assert held.schema == BUFFER_SCHEMA
 
 
+def behind_a_compaction(tmp_path: Path, n: int) -> tuple[str, DeltaFollower, list[str], list[str]]:
+    """A buffer and a follower that read its first `n` rows, then `n` more appended and
+    the table compacted: (path, follower, first ids, later ids)."""
+    s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
+    path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    follower = DeltaFollower(path, BUFFER_SCHEMA)
+    first = add_buffer(s, "priority", list(range(n)))
+    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first)
+    later = add_buffer(s, "priority", list(range(n)), first_offset=n)
+    compact(path)
+    return path, follower, first, later
+
+
 def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets_past(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -172,13 +186,7 @@ def test_a_follower_further_behind_than_the_log_stops_with_an_error_a_start_gets
     holds were rewrites: its poll says so (the job then reads afresh), and a follower that
     starts again reads each row once."""
     monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
-    s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
-    path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
-    follower = DeltaFollower(path, BUFFER_SCHEMA)
-    first = add_buffer(s, "priority", list(range(10)))
-    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first)
-    later = add_buffer(s, "priority", list(range(10)), first_offset=10)
-    compact(path)
+    path, follower, first, later = behind_a_compaction(tmp_path, 10)
     assert expire_log(path) > follower.version + 1
     with pytest.raises(LogGap, match="a start reads the table afresh"):
         follower.poll()
@@ -230,13 +238,7 @@ def test_a_follower_whose_unread_files_were_vacuumed_or_rewritten_untagged_reads
     while the log still names it, is a gap too (not a crash at each poll); so is a
     commit that replaced files without a DejaQ rewrite's tag (a DELETE by hand), whose
     rows the follower cannot tell new from old: a start reads each row once."""
-    s = settings_for(tmp_path, "127.0.0.1:1", "priority", "out")
-    path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
-    follower = DeltaFollower(path, BUFFER_SCHEMA)
-    first = add_buffer(s, "priority", list(range(4)))
-    assert sorted(follower.poll()["message_id"].to_pylist()) == sorted(first)
-    later = add_buffer(s, "priority", list(range(4)), first_offset=4)
-    compact(path)
+    path, follower, first, later = behind_a_compaction(tmp_path, 4)
     DeltaTable(path).vacuum(retention_hours=0, enforce_retention_duration=False, dry_run=False)
     with pytest.raises(LogGap, match="was vacuumed since"):
         follower.poll()
