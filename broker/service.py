@@ -799,7 +799,7 @@ class Broker:
 
     async def leave(self, topic: str, consumer: str) -> int:
         self.topic(topic)
-        return len(await self._commit(topic, "leave", consumer, now_ms()))
+        return len(await self._commit(topic, "leave", consumer, now_ms(), True))
 
     def describe(self, topic: str) -> dict[str, Any]:
         cfg = self.topic(topic)
@@ -927,6 +927,9 @@ TOO_LARGE = (MessageSizeTooLargeError, RecordListTooLargeError)
 # A produce answers within this, under the 10 s the client gives an attempt, so a client
 # does not give up on an attempt the broker still works on.
 PRODUCE_DEADLINE_S = 8.0
+# A cron round's sends wait for no client: up to 10,000 occurrences a schedule after an
+# outage go out in one round, which takes longer than an HTTP produce may.
+MATERIALISE_DEADLINE_S = 120.0
 # The longest a send waits for a topic's partitions; none starts later than this before
 # the deadline.
 MAX_BLOCK_S = 2.0
@@ -1026,13 +1029,19 @@ class Producer:
         finally:
             self._admin_lock.release()
 
-    def _send(self, kafka_topic: str, messages: list[Outgoing], whole: bool) -> list[Any]:
+    def _send(
+        self,
+        kafka_topic: str,
+        messages: list[Outgoing],
+        whole: bool,
+        deadline_s: float = PRODUCE_DEADLINE_S,
+    ) -> list[Any]:
         """Each message's record metadata once Kafka acknowledged it, or the error that
         kept it out. Records larger than the Kafka topic takes are not sent: a refusal
         by Kafka would fail every record the producer holds, other requests' too. With
         `whole`, none is sent if any is too large."""
         began = time.monotonic()
-        deadline = began + PRODUCE_DEADLINE_S
+        deadline = began + deadline_s
         limit = self._limit(kafka_topic, deadline)
         sizes = [m.record_bytes() for m in messages]
         over = [
@@ -1113,7 +1122,10 @@ class Producer:
     async def send_each(self, kafka_topic: str, messages: list[Outgoing]) -> list[Exception | None]:
         """Send all, then each message's outcome: None once Kafka acknowledged it, or the
         error that kept it out."""
-        out = await asyncio.wrap_future(self._pool.submit(self._send, kafka_topic, messages, False))
+        sending = self._pool.submit(
+            self._send, kafka_topic, messages, False, MATERIALISE_DEADLINE_S
+        )
+        out = await asyncio.wrap_future(sending)
         return [o if isinstance(o, Exception) else None for o in out]
 
     def _done(self, _: object) -> None:

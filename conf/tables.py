@@ -43,6 +43,10 @@ class LedgerEvent(StrEnum):
 
 
 TIMESTAMP = pa.timestamp("us", tz="UTC")
+# Epoch milliseconds of 10 or 11 digits fall within 1970-01-12 and 1973-03-03, a time no
+# producer means: they are epoch seconds (2001 to 5138) sent for milliseconds, refused
+# wherever a time is taken (the ingest's envelope, the broker's API).
+SECONDS_LIKE_MS = range(10**9, 10**11)
 HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
 # Kafka coordinates of the record a row came from: ties in sort key break on these.

@@ -9,7 +9,7 @@ thousands of small files an hour, and each reader pays per file: the broker's in
 start and on every refresh, the release job, the dedup seed read. Compaction rewrites
 them into a few per bucket in a commit that changes no data (`dataChange=false`), whose
 files the readers that follow a table (the broker's index, the release job's follower)
-do not read: every row in them was read before (`pipelines.retention.rewrites`).
+do not read: every row in them was read before (`pipelines.retention.commits`).
 Vacuum then deletes the replaced files once they are older than the table's file
 retention (two hours, `conf.tables.TABLE_PROPERTIES`), so a reader still on an older
 version keeps its files. Those are the files the log names since its last checkpoint;

@@ -27,9 +27,8 @@ MAX_EPOCH_MS = 253_402_300_799_999
 ISO_WITH_OFFSET = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})$"
 # A time without seconds, before its offset: ISO-8601 allows it, Spark's cast does not.
 NO_SECONDS = r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2})([Z+-])"
-# 10 or 11 digits: epoch seconds from 2001 to 5138, or epoch ms within 1970-01-12 and
-# 1973-03-03, a time no producer means. Read as ms, a producer's seconds would put a
-# timeline message or an event 55 years in the past: quarantined instead.
+# `conf.tables.SECONDS_LIKE_MS` as text: read as ms, a producer's seconds would put a timeline
+# message or an event 55 years in the past, so they are quarantined instead.
 SECONDS_LIKE = r"^[1-9]\d{9,10}$"
 SECONDS_DETAIL = ": milliseconds expected; this looks like seconds"
 

@@ -42,7 +42,7 @@ from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import SeenIds, Verdict, default_id_pattern
 from dejaq.pipelines.delta_source import WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
-from dejaq.pipelines.ingest_resume import Resume, positions, resume, version
+from dejaq.pipelines.ingest_resume import Resume, positions, resume, since_app_id, version
 from dejaq.pipelines.retention import expire_quarantine, ledger_tail
 from dejaq.pipelines.session import Connectors, shaded_kafka
 
@@ -97,6 +97,9 @@ class IngestJob:
     # The last batch version the quarantine had when this job started: one past
     # `_stored` is a batch cut between its two commits.
     _quarantined: int = -1
+    # The first batch version that recorded Kafka positions (-1: none yet; this job's
+    # next commit records it, `ingest_resume.since_app_id`).
+    _positions_since: int = -1
     _parse: Parser | None = None
     # The two tables as their writers need them (schema, partitioning), read once: the
     # contract fixes both, and on an object store each read is requests.
@@ -200,6 +203,7 @@ class IngestJob:
         if self._seen is None:
             self._stored = version(buffer_path, self.app_id)
             self._quarantined = version(quarantine_path, self.app_id)
+            self._positions_since = version(buffer_path, since_app_id(self.app_id))
             self._seen = self._load_seen()
         batch = self._resume.base + batch_id
         if batch <= self._stored:
@@ -231,7 +235,10 @@ class IngestJob:
         commit(quarantine, files.quarantine, "append", txn)
         clock.lap("commit_quarantine")
         # With no files too: the buffer's last batch is where a new checkpoint resumes.
-        commit(buffer, files.buffer, "append", txn, positions(self.app_id, files.consumed))
+        since = batch if self._positions_since < 0 else None
+        commit(buffer, files.buffer, "append", txn, positions(self.app_id, files.consumed, since))
+        if since is not None:  # as the table has it: a replay's commit is skipped
+            self._positions_since = version(buffer_path, since_app_id(self.app_id))
         clock.lap("commit_buffer")
         self._seen.commit(verdict, int(time.time() * 1000))
         every = self.topic.compact_every_batches

@@ -54,9 +54,19 @@ def offset_app_id(app_id: str, partition: Partition) -> str:
     return f"{app_id}:{topic}:{number}"
 
 
-def positions(app_id: str, consumed: dict[Partition, int]) -> list[Transaction]:
-    """The app transactions recording where a batch leaves each partition it read."""
-    return [Transaction(offset_app_id(app_id, p), offset) for p, offset in sorted(consumed.items())]
+def since_app_id(app_id: str) -> str:
+    """The app transaction whose version is the first batch that recorded positions:
+    every batch from it on did, so a partition none recorded was never read since."""
+    return f"{app_id}:positions-since"
+
+
+def positions(
+    app_id: str, consumed: dict[Partition, int], since: int | None = None
+) -> list[Transaction]:
+    """The app transactions recording where a batch leaves each partition it read, and
+    `since` (`since_app_id`) if given."""
+    found = [Transaction(offset_app_id(app_id, p), o) for p, o in sorted(consumed.items())]
+    return found if since is None else [*found, Transaction(since_app_id(app_id), since)]
 
 
 def version(path: str, app_id: str) -> int:
@@ -79,7 +89,7 @@ def resume(
     as kept; on a new one, where the buffer's last batch left Kafka.
 
     Raises CannotResume when the tables hold batches of `app_id` but not where they
-    left Kafka (written by a version before these records), or when the last batch is
+    left some partition (their commits carry no positions), or when the last batch is
     in the quarantine only (cut between its commits): reading from Kafka's start would
     ingest its records again, and reading past them would lose some."""
     fs, root = _folder(checkpoint)
@@ -106,11 +116,15 @@ def resume(
         for p in partitions
         if (offset := table.transaction_version(offset_app_id(app_id, p))) is not None
     }
-    if not recorded:
+    since = table.transaction_version(since_app_id(app_id))
+    unknown = [f"{t}/{p}" for t, p in partitions if (t, p) not in recorded]
+    if since is None or (since > 0 and unknown):
+        # Batches before `since` carry no positions: a partition none recorded since
+        # may have been read by them.
         raise CannotResume(
             f"the ingest's checkpoint is new, and {buffer_path} holds batches of {app_id} "
-            f"(up to version {buffered}) but not the Kafka offsets they read up to (they "
-            f"were written before the buffer recorded them). {restore}"
+            f"(up to version {buffered}) whose commits do not say where they left Kafka "
+            f"partitions {', '.join(unknown)}. {restore}"
         )
     base = buffered + 1
     _write_base(fs, root, base)
@@ -162,7 +176,7 @@ def _has_batches(fs: pafs.FileSystem, root: str) -> bool:
 
 
 def _read_base(fs: pafs.FileSystem, root: str) -> int:
-    """A checkpoint made before the base was kept numbers from 0, as the tables do."""
+    """A checkpoint without a base file numbers from 0, as the tables do."""
     info = fs.get_file_info(f"{root}/{BASE_FILE}")
     if info.type != pafs.FileType.File:
         return 0

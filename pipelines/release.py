@@ -239,8 +239,8 @@ class Releaser:
         events = self.kind is TopicKind.EVENT_TIME
         before = self.watermark() if events else None
         # The ingest quarantines an event time far ahead of its record's Kafka timestamp;
-        # the clock bounds the rest (a producer's clock ahead, rows stored before the
-        # bound), so that no one event holds the watermark in the future.
+        # the clock bounds the rest (a producer's clock ahead, rows the ingest did not
+        # judge), so that no one event holds the watermark in the future.
         mark_up_to = _now_ms() + self.topic.max_event_time_ahead_ms if events else None
         added = self.pending.add_buffer_rows(self.buffer.poll(), mark_up_to)
         since = watermark(self.buffer.table) if self.buffer.table is not None else 0

@@ -479,16 +479,11 @@ class Added:
 
 @dataclass(frozen=True)
 class Commit:
-    """One version of a table: whether it is a rewrite (`rewrites`), and its files."""
+    """One version of a table: whether it is a rewrite (`commits`), and its files."""
 
     version: int
     rewrite: bool
     adds: list[Added]
-
-
-def rewrites(table_path: str, versions: range) -> set[int]:
-    """Which of `versions` are rewrites (`commits`)."""
-    return {c.version for c in commits(table_path, versions) if c.rewrite}
 
 
 def commits(table_path: str, versions: range) -> list[Commit]:

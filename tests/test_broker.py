@@ -582,7 +582,8 @@ def test_a_consumer_the_heartbeat_expiry_removed_hands_its_leases_back_when_it_l
     st.touch("a", 15_000)
     assert st.expire(15_000, 10_000) == [] and "b" not in st.consumers
     assert st.buckets_of("a") == [1 - bucket], "b's lease holds its bucket"
-    assert st.leave("b", 15_001) == ["m"]
+    assert st.leave("b", 15_001) == [], "a command from before: applied as it was"
+    assert st.leave("b", 15_001, True) == ["m"]
     assert st.lease_of("m") is None and sorted(st.buckets_of("a")) == [0, 1]
 
 

@@ -339,6 +339,12 @@ def test_a_topic_reading_its_envelope_from_the_payload_takes_it_there_over_http(
     assert out.headers == [("a", b"b"), ("dejaq-id", b"A-17")]
     bare = base64.b64encode(b'{"p": 3}').decode()
     assert _envelope(NewMessage(payload=bare), cfg, 10_000).headers == [], "its default id"
+    odd = base64.b64encode(b'{"p": 3, "order": {"ref": 1.5}}').decode()
+    with pytest.raises(Problem, match="give a string or an integer"):
+        _envelope(NewMessage(payload=odd), cfg, 10_000)
+    listed = cfg.model_copy(update={"json_fields": JsonFields(priority="p", id="refs[1]")})
+    both = base64.b64encode(b'{"p": 3, "refs": ["r0", 17]}').decode()
+    assert _envelope(NewMessage(payload=both), listed, 10_000).headers == [("dejaq-id", b"17")]
 
 
 def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_source: str) -> None:
@@ -349,6 +355,12 @@ def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_sourc
         (client.post(f"{base}/nope/leases", json=lease), 404),
         (client.get(f"{base}/nope"), 404),
         (client.post(f"{base}/jobs/messages", json={"payload": "", "priority": 70000}), 422),
+        (
+            client.post(
+                f"{base}/later/messages", json={"payload": "", "deliver_at": 1_700_000_000}
+            ),
+            422,
+        ),
         (client.post(f"{base}/jobs/messages", json={"payload": ""}), 422),
         (client.post(f"{base}/jobs/messages", json={"payload": "%%", "priority": 1}), 422),
         (

@@ -45,7 +45,7 @@ from dejaq.pipelines import ingest as ingest_module
 from dejaq.pipelines.dedup import SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.ingest import BatchStats, IngestJob
-from dejaq.pipelines.ingest_resume import CannotResume, resume
+from dejaq.pipelines.ingest_resume import CannotResume, Resume, positions, resume
 from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain
 from dejaq.pipelines.session import detect_connectors
@@ -207,21 +207,39 @@ def test_a_deleted_checkpoint_resumes_where_the_buffer_left_kafka(
 def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
     kafka_bootstrap, topic_factory, tmp_path
 ):
-    """Tables written before the buffer recorded Kafka positions: a new checkpoint
-    could only read Kafka again from its start (repeating) or from its end (losing)."""
-    source = topic_factory(partitions=1)
+    """Batches whose commits carry no Kafka positions: a new checkpoint could only read
+    Kafka again from its start (repeating) or from its end (losing). Nor where batches
+    that record them came after those, but read one partition only: the other's
+    position is in none. Where every batch recorded its positions, a partition none
+    recorded was never read, and starts from its beginning."""
+    source = topic_factory(partitions=2)
     settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
     buffer = ensure_table(settings.warehouse, Table.BUFFER, "jobs")
     quarantine = ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
     app_id = "dejaq-ingest-jobs"
     rows = pa.table({f.name: pa.nulls(0, f.type) for f in BUFFER_SCHEMA}, schema=BUFFER_SCHEMA)
-    commit = CommitProperties(app_transactions=[Transaction(app_id, 4)])
-    write_deltalake(buffer, rows, mode="append", commit_properties=commit)
-    checkpoint = tmp_path / "checkpoint"
 
+    def batch(*transactions: Transaction) -> None:
+        commit = CommitProperties(app_transactions=list(transactions))
+        write_deltalake(buffer, rows, mode="append", commit_properties=commit)
+
+    def resumed() -> Resume:
+        return resume(str(checkpoint), buffer, quarantine, app_id, settings.kafka, [source])
+
+    checkpoint = tmp_path / "checkpoint"
+    batch(Transaction(app_id, 4))
     with pytest.raises(CannotResume, match="Restore the checkpoint"):
-        resume(str(checkpoint), buffer, quarantine, app_id, settings.kafka, [source])
+        resumed()
     assert not checkpoint.exists(), "nothing kept for a query that does not start"
+    batch(Transaction(app_id, 5), *positions(app_id, {(source, 0): 7}, since=5))
+    with pytest.raises(CannotResume, match=f"partitions {source}/1"):
+        resumed()
+
+    fresh = tmp_path / "fresh"
+    buffer = ensure_table(str(fresh), Table.BUFFER, "jobs")
+    quarantine = ensure_table(str(fresh), Table.QUARANTINE, "jobs")
+    batch(Transaction(app_id, 0), *positions(app_id, {(source, 0): 7}, since=0))
+    assert json.loads(resumed().starting_offsets) == {source: {"0": 7, "1": -2}}
 
 
 def job_env(connectors: str = "auto") -> dict[str, str]:

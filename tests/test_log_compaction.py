@@ -37,7 +37,7 @@ from dejaq.pipelines.log_compaction import (
     maintain_log,
     seal,
 )
-from dejaq.pipelines.retention import ledger_tail, rewrites
+from dejaq.pipelines.retention import commits, ledger_tail
 
 HOUR = 3600 * 1000
 NOW = 1_796_000_000_000
@@ -102,7 +102,7 @@ def test_old_files_become_one_with_the_same_rows_in_a_commit_that_changes_no_dat
     assert stats["minValues"]["at"] == iso_ms(old[0])
     assert stats["maxValues"]["sort_key"] == 999
     version = DeltaTable(path).version()
-    assert rewrites(path, range(version, version + 1)) == {version}, "followers skip it"
+    assert commits(path, range(version, version + 1))[0].rewrite, "followers skip it"
     # A tail read by the file statistics finds the same rows as before.
     since, until = old[3], old[7]
     tail = ledger_tail(path, since, ["message_id"], until_ms=until).column(0).to_pylist()
@@ -314,7 +314,7 @@ def test_the_compaction_tier_merges_small_files_in_time_order_and_leaves_big_one
     starts = [ats[k * 50] for k in range(12)]
     assert starts == sorted(starts), "the files' rows follow each other in time"
     version = table.version()
-    assert rewrites(path, range(version, version + 1)) == {version}
+    assert commits(path, range(version, version + 1))[0].rewrite
     assert compact_log(path, "at") == [], "one file: nothing to merge it with"
 
 

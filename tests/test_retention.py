@@ -399,7 +399,7 @@ def test_an_index_further_behind_than_the_buffers_log_reads_it_as_a_start_does(
     assert set(index.rows) == pending | {"new0", "new1"}
     assert (index.ledger_version, index.revived_since_read) == owed
     with pytest.raises(retention.LogGap, match="no longer holds version"):
-        retention.rewrites(index.buffer_path, range(seen + 1, seen + 2))
+        retention.commits(index.buffer_path, range(seen + 1, seen + 2))
 
 
 def test_an_index_whose_unread_files_were_vacuumed_or_rewritten_untagged_reads_as_a_start(

@@ -242,10 +242,14 @@ class TopicState:
         if consumer in self.consumers:
             self.consumers[consumer] = max(self.consumers[consumer], now)
 
-    def leave(self, consumer: str, now: int) -> list[str]:
+    def leave(self, consumer: str, now: int, expired_too: bool = False) -> list[str]:
         """Remove a consumer and hand its leases back (not counted as a failed delivery);
-        those of one the heartbeat expiry removed too, which still hold their buckets."""
+        with `expired_too`, those of one the heartbeat expiry removed too, which still
+        hold their buckets. A command says it (`Broker.leave`): one from before applies,
+        replayed from a journal, as the nodes whose snapshots hold it applied it."""
         member = self.consumers.pop(consumer, None) is not None
+        if not (member or expired_too):
+            return []
         released: list[str] = []
         for record in [r for r in self.leased.values() if r.consumer == consumer]:
             for pos in record.live_positions():

@@ -465,6 +465,15 @@ class NotCommitted(RuntimeError):
     """The command did not reach a majority (no leader, leader changed, timeout)."""
 
 
+class CommandFailed(RuntimeError):
+    """A command raised what is no Exception (a panic in the compiled core): raised as
+    itself, it would end the thread that committed it (a leader's duties)."""
+
+
+def _raised(result: BaseException) -> Exception:
+    return result if isinstance(result, Exception) else CommandFailed(repr(result))
+
+
 # PySyncObj's reasons for not committing a command, as a log line or a 503 says them.
 _FAILURES = {
     FAIL_REASON.QUEUE_FULL: "the leader's command queue is full",
@@ -495,7 +504,7 @@ def committed(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
             ) from None
         raise not_committed(e.errorCode) from None
     if isinstance(result, BaseException):
-        raise result
+        raise _raised(result)
     return result
 
 
@@ -767,7 +776,7 @@ class RaftNode:
             loop.call_soon(self._flush, loop)
         result = await fut
         if isinstance(result, BaseException):
-            raise result
+            raise _raised(result)
         return result
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import Path
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from dejaq.conf.settings import TOPIC_NAME
+from dejaq.conf.tables import SECONDS_LIKE_MS
 
 TopicName = Annotated[str, Path(description="a lease topic", pattern=TOPIC_NAME.pattern)]
 ConsumerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
@@ -17,7 +18,19 @@ MAX_RECEIPT = 2**53 - 1  # exact in every JSON reader
 Receipt = Annotated[int, Field(ge=0, le=MAX_RECEIPT)]
 Receipts = Annotated[list[Receipt], Field(min_length=1, max_length=1000)]
 Priority = Annotated[int, Field(ge=0, le=65535, description="0..65535, lower first")]
-EpochMs = Annotated[int, Field(ge=0, le=253_402_300_799_999, description="epoch milliseconds")]
+
+
+def _not_seconds(ms: int) -> int:
+    if ms in SECONDS_LIKE_MS:
+        raise ValueError("milliseconds expected; this looks like seconds")
+    return ms
+
+
+EpochMs = Annotated[
+    int,
+    Field(ge=0, le=253_402_300_799_999, description="epoch milliseconds"),
+    AfterValidator(_not_seconds),
+]
 LeaseMs = Annotated[int, Field(ge=1, le=12 * 3600 * 1000)]
 
 

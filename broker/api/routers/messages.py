@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
@@ -130,22 +131,34 @@ def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
 
 
 def payload_id(payload: bytes, path: str) -> str | None:
-    """The id at the JSON `path` (`a.b`) of a payload, where it is a string or an integer
-    (as the ingest's `get_json_object` reads it); None where the ingest gives the
-    message its default id, or where it reads a value this does not (a float, say)."""
+    """The id at the JSON `path` (`order.ref`, `refs[0]`) of a payload, as the ingest's
+    `get_json_object` reads a string or an integer; None where the path holds nothing
+    (the message gets its default id). 422 where it holds another value: the answer
+    could not name the id the ingest gives it."""
     try:
         value = json.loads(payload)
     except ValueError:
         return None
-    for name in path.split("."):
-        if not isinstance(value, dict) or name not in value:
-            return None
-        value = value[name]
+    for name, index in re.findall(r"([^.\[\]]*)(?:\[(\d+)\])?", path):
+        if name:
+            if not isinstance(value, dict) or name not in value:
+                return None
+            value = value[name]
+        if index:
+            if not isinstance(value, list) or int(index) >= len(value):
+                return None
+            value = value[int(index)]
+    if value is None:
+        return None
     if isinstance(value, str):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
-    return None
+    raise Problem(
+        422,
+        "invalid id",
+        f"the payload's {path!r} holds {type(value).__name__}: give a string or an integer",
+    )
 
 
 async def _produce(topic: str, items: list[NewMessage], broker: Broker, producer: Producer):
