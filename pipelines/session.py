@@ -41,6 +41,7 @@ _DELTA_DEFAULTS = {
 # JVM read with a shuffle into this many tasks, 50 by default: sized for a cluster. On a
 # local master that is 50 tasks of scheduling, ~2.5 s for a small table (the ingest's
 # dedup seed, a notebook's query); two tasks do the same in ~0.3 s.
+LOOPBACK = "127.0.0.1"
 SNAPSHOT_PARTITIONS = "spark.databricks.delta.snapshotPartitions"
 LOCAL_SNAPSHOT_PARTITIONS = "2"
 
@@ -109,7 +110,7 @@ def get_spark(
     given = SparkConf()
     loopback = _loopback_driver(given.get("spark.master", master), given, conf or {})
     if loopback:
-        os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # for the JVM this process may start
+        os.environ["SPARK_LOCAL_IP"] = LOOPBACK  # for the JVM this process may start
     settings = {
         **loopback,
         **_DELTA_DEFAULTS,
@@ -158,9 +159,9 @@ def _loopback_driver(
     keys = ("spark.driver.host", "spark.driver.bindAddress")
     if not master.startswith("local") or any(given.contains(k) or k in conf for k in keys):
         return {}
-    if "SPARK_LOCAL_IP" in env or "SPARK_LOCAL_HOSTNAME" in env:
-        return {}
-    return dict.fromkeys(keys, "127.0.0.1")
+    if env.get("SPARK_LOCAL_IP", LOOPBACK) != LOOPBACK or "SPARK_LOCAL_HOSTNAME" in env:
+        return {}  # loopback is what a first session here set itself
+    return dict.fromkeys(keys, LOOPBACK)
 
 
 def _launched() -> bool:

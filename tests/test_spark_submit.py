@@ -220,6 +220,8 @@ def test_only_a_local_master_gets_a_loopback_driver() -> None:
         _loopback_driver("local[2]", nothing_given, {"spark.driver.bindAddress": "0.0.0.0"}) == {}
     )
     assert _loopback_driver("local[2]", nothing_given, {}, env={"SPARK_LOCAL_IP": "10.1.1.1"}) == {}
+    again = _loopback_driver("local[2]", nothing_given, {}, env={"SPARK_LOCAL_IP": "127.0.0.1"})
+    assert again == local, "a second session in a process whose first set loopback"
 
 
 SHADED_LOGIN = """
