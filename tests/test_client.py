@@ -487,6 +487,55 @@ def test_a_handler_longer_than_the_lease_keeps_it(three) -> None:
         assert worker.counts.lost == 0
 
 
+def test_a_hung_handler_does_not_pin_the_rest_of_its_batch(three) -> None:
+    """Past `max_wait_s` the unstarted messages of a batch are no longer kept: their
+    leases lapse while the handler before them hangs, and the worker does not start them
+    when it returns; it leases them again, one delivery later."""
+    nodes, warehouse = three
+    fill(warehouse, "hot", buffer_rows([1, 2, 3], bucket_of=lambda i: 0, prefix="hang"))
+    release = threading.Event()
+    handled: list[tuple[str, int]] = []
+    acked: list[str] = []
+
+    def handler(m: Message) -> None:
+        handled.append((m.id, m.deliveries))
+        if m.id == "hang0":
+            assert release.wait(60)
+
+    with Client(urls(nodes)) as c:
+        worker = Worker(
+            c,
+            "hot",
+            handler,
+            consumer_id="hung",
+            batch=3,
+            lease_ms=2000,
+            wait_ms=500,
+            heartbeat_s=0.3,
+            max_wait_s=1.0,
+            on_ack=lambda m: acked.append(m.id),
+        )
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: handled, timeout=30, what="the first handler")
+
+            def lapsed() -> bool:
+                return all(c.peek("hot", f"hang{i}").status != "leased" for i in (1, 2))
+
+            wait_until(lapsed, timeout=30, what="the waiting leases to lapse")
+            assert c.peek("hot", "hang0").status == "leased", "the hung one is kept"
+            release.set()
+            wait_until(lambda: len(acked) == 3, timeout=30, what="all three acked")
+        finally:
+            release.set()
+            worker.stop()
+            thread.join(30)
+        assert handled == [("hang0", 1), ("hang1", 2), ("hang2", 2)]
+        assert worker.counts.lost == 2 and worker.counts.acked == 3
+    with pytest.raises(ValueError, match="max_wait_s"):
+        Worker(c, "hot", handler, max_wait_s=0)
+
+
 class AckCounting(Client):
     """A client that counts its ack requests and the messages each names."""
 

@@ -10,6 +10,11 @@ heartbeats so the consumer keeps its buckets. On SIGTERM, SIGINT or `stop()` the
 message in the handler is finished and acked, the consumer leaves (its unstarted leases
 go back to pending, not counted as a delivery, and its buckets to the other consumers),
 and `run()` returns.
+
+A leased message waits in hand while the ones before it run. Its lease is kept for at
+most `max_wait_s`: past that, a handler that hangs would otherwise pin the rest of its
+batch for as long as it hangs. Its lease then lapses, it goes to another consumer (one
+more delivery counted), and this worker does not start it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ NOT_LEASED = "not_leased"
 _OWN = {"acked": {SETTLED}, "rejected": {SETTLED}, "nacked": {SETTLED, NOT_LEASED}}
 ERROR_PAUSE_S = 1.0  # after a failed lease: a broker answering 500 is not asked again at once
 ACK_LINGER_S = 0.05  # how long a handled message's ack may wait for the next ones
+MAX_WAIT_S = 300.0  # how long an unstarted message's lease is kept while others run
 
 
 @dataclass(frozen=True)
@@ -61,7 +67,9 @@ class Counts:
     nacked: int = 0
     rejected: int = 0
     dead: int = 0  # of the nacked: out of deliveries, dead-lettered by the broker
-    lost: int = 0  # refused at settlement (lease expired, taken over): delivered again
+    # refused at settlement (lease expired, taken over), or its lease lapsed before its
+    # turn: delivered again
+    lost: int = 0
 
 
 def default_consumer_id() -> str:
@@ -87,6 +95,7 @@ class Worker:
         progress_s: float = 30.0,
         on_ack: Callable[[Message], object] | None = None,
         ack_linger_s: float = ACK_LINGER_S,
+        max_wait_s: float = MAX_WAIT_S,
     ) -> None:
         """`heartbeat_s` must stay under the broker's `heartbeat_timeout_ms`; `wait_ms`
         (the long poll) bounds how long a stop waits while nothing is in hand; `on_ack`
@@ -94,7 +103,10 @@ class Worker:
         each ack in its own request) is how long a handled message's ack may wait to go
         with the next ones'. A waiting ack's lease is kept as a handler's is; a handler
         that takes long after quick ones holds their acks until it returns (and a worker
-        that dies meanwhile leaves them to be delivered again)."""
+        that dies meanwhile leaves them to be delivered again). `max_wait_s` is how long
+        a leased message not yet started is kept while the ones before it run."""
+        if not max_wait_s > 0:
+            raise ValueError(f"max_wait_s must be above 0, not {max_wait_s}")
         self.client, self.topic, self.handler = client, topic, handler
         self.consumer_id = consumer_id or default_consumer_id()
         self.batch, self.lease_ms, self.wait_ms = batch, lease_ms, wait_ms
@@ -103,6 +115,7 @@ class Worker:
         self.heartbeat_s, self.progress_s = heartbeat_s, progress_s
         self.on_ack = on_ack
         self.ack_linger_s = ack_linger_s
+        self.max_wait_s = max_wait_s
         self._acks: list[Message] = []  # handled, their acks not yet sent
         self._acks_since = 0.0  # when the first of them was handled
         self.counts = Counts()
@@ -110,6 +123,10 @@ class Worker:
         self._signalled = threading.Event()
         self._done = threading.Event()
         self._held: dict[str, Message] = {}
+        # Of `_held`, the leased ones not yet started, and when their lease came: the
+        # keeper stops keeping them `max_wait_s` after.
+        self._unstarted: set[str] = set()
+        self._leased_at = 0.0
         self._lock = threading.Lock()
         self._contact = time.monotonic()
 
@@ -157,16 +174,34 @@ class Worker:
             self._touched()
             with self._lock:
                 self._held.update((m.id, m) for m in messages)
+                self._unstarted.update(m.id for m in messages)
+                self._leased_at = time.monotonic()
             for m in messages:
                 if self.stopping:
                     break
+                with self._lock:
+                    self._unstarted.discard(m.id)
+                if time.monotonic() >= m.held_until:
+                    self._lapsed(m)
+                    continue
                 self._handle(m)
             self._send_acks()
             with self._lock:
                 self._held.clear()  # unstarted ones, if stopping: the leave releases them
+                self._unstarted.clear()
             if time.monotonic() - shown >= self.progress_s:
                 shown = time.monotonic()
                 log.info("%s: %s", self.consumer_id, self.counts)
+
+    def _lapsed(self, m: Message) -> None:
+        """Leave a message whose lease lapsed before its turn to whoever has it now."""
+        self.counts.lost += 1
+        self._let_go([m])
+        log.warning(
+            "%s: lease of %s lapsed before its handler started: not handled here",
+            self.consumer_id,
+            m.id,
+        )
 
     def _handle(self, m: Message) -> None:
         started = time.monotonic()
@@ -272,7 +307,9 @@ class Worker:
             now = time.monotonic()
             with self._lock:
                 held = list(self._held.values())
-            due = [m for m in held if m.held_until - now < half]
+                waited = now - self._leased_at >= self.max_wait_s
+                unstarted = set(self._unstarted) if waited else set()
+            due = [m for m in held if m.held_until - now < half and m.id not in unstarted]
             try:
                 if due:
                     self._extend(due)
