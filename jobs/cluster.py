@@ -9,6 +9,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from dejaq.conf.settings import load_settings
-from dejaq.jobs.children import stop
+from dejaq.jobs.children import die_with_parent, stop
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
 
@@ -101,8 +102,16 @@ def node_command(node: Node, nodes: list[Node], conf_file: str | None) -> list[s
 
 
 def start_node(node: Node, nodes: list[Node], conf_file: str | None, env: dict[str, str]) -> None:
+    """Start a node tied to this process: a `cluster up` killed hard takes its nodes with
+    it, rather than leave a leader acting on the tables that nobody stops."""
     cmd = node_command(node, nodes, conf_file)
-    node.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+    node.proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+        preexec_fn=die_with_parent,
+    )
 
 
 def stop_node(node: Node, kill: bool = False, timeout: float = 10) -> None:
@@ -189,18 +198,23 @@ def run(args: argparse.Namespace) -> int:
         except PortsTaken as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
-        for node in nodes:
-            print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
-        print(f"workers: {client_line(nodes)}", flush=True)
-        print("SIGTERM, SIGHUP or Ctrl-C stops the cluster", flush=True)
-        status = 0
-        while not stopping.wait(0.5):
-            exited = [n for n in nodes if n.proc is not None and n.proc.poll() is not None]
-            if exited:
-                codes = ", ".join(f"{n.node_id} exit {n.proc.returncode}" for n in exited)
-                print(f"error: a broker exited ({codes}); stopping the others", file=sys.stderr)
-                status = 1
-                break
+        try:
+            return _serve(nodes, stopping)
+        finally:
+            for node in nodes:
+                stop_node(node)
+
+
+def _serve(nodes: list[Node], stopping: threading.Event) -> int:
+    """Print where the nodes are and watch them until a signal or one exits."""
     for node in nodes:
-        stop_node(node)
-    return status
+        print(f"{node.node_id}: {node.url}  (raft {node.raft})", flush=True)
+    print(f"workers: {client_line(nodes)}", flush=True)
+    print("SIGTERM, SIGHUP or Ctrl-C stops the cluster", flush=True)
+    while not stopping.wait(0.5):
+        exited = [n for n in nodes if n.proc is not None and n.proc.poll() is not None]
+        if exited:
+            codes = ", ".join(f"{n.node_id} exit {n.proc.returncode}" for n in exited)
+            print(f"error: a broker exited ({codes}); stopping the others", file=sys.stderr)
+            return 1
+    return 0

@@ -1087,6 +1087,28 @@ def test_cluster_up_fails_when_a_broker_dies(tmp_path) -> None:
             proc.wait()
 
 
+def test_cluster_up_killed_hard_takes_its_nodes_with_it(tmp_path) -> None:
+    """A `cluster up` killed by SIGKILL (or the OOM killer) cannot stop its nodes; they
+    go with it rather than stay on as a leader nobody runs."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    proc, (line, *_) = cluster_up(tmp_path, conf, ports(1), nodes=1)
+    [child] = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    stat = Path(f"/proc/{child}/stat")
+
+    def gone() -> bool:  # exited: reaped, or a zombie its new parent has not reaped yet
+        return not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+
+    try:
+        proc.kill()
+        proc.wait(30)
+        wait_until(gone, timeout=30, what="the node to exit")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(f"{line.split()[1]}/healthz", timeout=2)
+    finally:
+        if not gone():
+            os.kill(int(child), signal.SIGKILL)
+
+
 def test_a_forwarded_lease_is_relayed_as_it_arrives_not_after_the_client_gave_up() -> None:
     """A lease answer of large payloads takes 3 s to come from the leader over a slow
     link: relayed whole, the client would hear nothing for longer than its 2 s stall
