@@ -70,6 +70,32 @@ def test_dead_letters_come_in_order_of_death_a_page_at_a_time(tmp_path: Path) ->
         page(path, Table.DEAD_LETTER, 2, "garbage")
 
 
+@pytest.mark.parametrize(
+    ("values", "why"),
+    [
+        (["x" * 3000, "m0"], "time"),  # a string a million times over, were it multiplied
+        ([None, "m0"], "time"),
+        ([1e300, "m0"], "time"),
+        ([True, "m0"], "time"),
+        ([-1, "m0"], "time"),
+        ([1.5, 7], "message_id"),
+    ],
+)
+def test_a_made_up_cursor_is_refused_before_it_is_used(
+    tmp_path: Path, values: list, why: str
+) -> None:
+    """A cursor is the caller's to make up: each value is checked for its column's type,
+    and the time for a range, before anything is built from it."""
+    path = ensure_table(str(tmp_path / "wh"), Table.DEAD_LETTER, "jobs")
+    cursor = base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
+    with pytest.raises(BadCursor, match=why):
+        page(path, Table.DEAD_LETTER, 2, cursor)
+    quarantine = ensure_table(str(tmp_path / "wh"), Table.QUARANTINE, "jobs")
+    made_up = base64.urlsafe_b64encode(json.dumps([1.0, "t", "0", 1]).encode()).decode()
+    with pytest.raises(BadCursor, match="source_partition"):
+        page(quarantine, Table.QUARANTINE, 2, made_up)
+
+
 def test_quarantine_command_pages_through_every_record(tmp_path: Path) -> None:
     warehouse = tmp_path / "wh"
     conf = tmp_path / "dejaq.yaml"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,17 @@ ORDER: dict[Table, list[str]] = {
 }
 
 
+# The types of a cursor's values after its time (epoch seconds), by column: a cursor is
+# the caller's to make up, so each is checked before it reaches a comparison.
+CURSOR_TYPES: dict[str, type] = {
+    "message_id": str,
+    "source_topic": str,
+    "source_partition": int,
+    "source_offset": int,
+}
+LATEST_CURSOR_S = 1e11  # past the year 5000: no row's time, and far from int64's µs
+
+
 class BadCursor(ValueError):
     pass
 
@@ -45,7 +57,7 @@ class BadCursor(ValueError):
 def page(path: str, table: Table, limit: int, after: str | None = None) -> Page:
     """Up to `limit` rows of `table` after the cursor `after`, in time order."""
     order = ORDER[table]
-    cursor = None if after is None else _decode(after, len(order))
+    cursor = None if after is None else _decode(after, order)
     keys = _keys_after(path, table, order, cursor, limit)
     chosen = keys.slice(0, limit)
     if chosen.num_rows == 0:
@@ -121,14 +133,27 @@ def _encode(last: dict[str, Any], order: list[str]) -> str:
     return base64.urlsafe_b64encode(json.dumps(values).encode()).decode()
 
 
-def _decode(cursor: str, n: int) -> list[Any]:
+def _decode(cursor: str, order: list[str]) -> list[Any]:
+    """The sort values a cursor names, each of its column's type, the time a finite
+    number of seconds in range: anything else is not a cursor a page gave."""
     try:
         values = json.loads(base64.urlsafe_b64decode(cursor.encode()))
     except ValueError as e:
         raise BadCursor("not a cursor this listing gave") from e
-    if not isinstance(values, list) or len(values) != n:
+    if not isinstance(values, list) or len(values) != len(order):
         raise BadCursor("not a cursor this listing gave")
+    at, *rest = values
+    if not _is_number(at) or not (math.isfinite(at) and 0 <= at <= LATEST_CURSOR_S):
+        raise BadCursor("not a cursor this listing gave: its time is out of range")
+    for name, value in zip(order[1:], rest, strict=True):
+        kind = CURSOR_TYPES[name]
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise BadCursor(f"not a cursor this listing gave: its {name} is not a {kind.__name__}")
     return values
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _json_row(row: dict[str, Any]) -> dict[str, Any]:
