@@ -50,7 +50,7 @@ def _status(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from dejaq.jobs import demo
 
-    return demo.run(args.conf_file, args.s3)
+    return demo.run(args.s3)
 
 
 def _broker(args: argparse.Namespace) -> int:
@@ -147,7 +147,6 @@ def _parser() -> argparse.ArgumentParser:
     conf_file(st)
     conf_file(add("doctor", _doctor, "Check Java, Spark, the connectors in use and Kafka."))
     demo = add("demo", _demo, "Run the pipeline end to end on embedded parts.")
-    conf_file(demo)
     demo.add_argument(
         "--s3",
         action="store_true",

@@ -30,7 +30,8 @@ from rich.live import Live
 from rich.table import Table as RichTable
 
 from dejaq.client import BrokerError, Client
-from dejaq.conf.settings import load_settings
+from dejaq.conf.jvm import JARS_DIR_ENV
+from dejaq.conf.settings import ENV_PREFIX, load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, table_path
 from dejaq.jobs import children, cluster, embedded_kafka, ports
 from dejaq.jobs.logs import stderr_to
@@ -220,10 +221,15 @@ def _view(c: Counters, buffered: dict[str, int], elapsed: float) -> RichTable:
     return t
 
 
-def run(conf_file: str | None, s3: bool = False) -> int:
+def run(s3: bool = False) -> int:
     """The demo in a fresh work folder; every log but the display's goes to a file there.
     `s3`: the warehouse in a bucket of an S3-compatible server (`dejaq s3`) it starts."""
     console = Console()
+    if ignored := _own_environment():
+        console.print(
+            f"demo: ignoring {', '.join(ignored)} from the environment:"
+            " the demo runs on its own embedded parts"
+        )
     work = Path(tempfile.mkdtemp(prefix="dejaq-demo-"))
     log_file = work / "demo.log"
     console.print(f"[bold]demo[/]: work dir {work}")
@@ -235,6 +241,20 @@ def run(conf_file: str | None, s3: bool = False) -> int:
         lines = log_file.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
         print(f"demo: the last lines of {log_file}:", *lines, sep="\n", file=sys.stderr)
         raise
+
+
+KEPT = frozenset({JARS_DIR_ENV})  # where the jars are: no table or topic of anyone's
+
+
+def _own_environment() -> list[str]:
+    """Drop the DejaQ settings' variables from this process's environment, which its
+    settings and its children's read: an operator's `DEJAQ_WAREHOUSE` or
+    `DEJAQ_KAFKA_BOOTSTRAP` would otherwise point the demo's jobs and workers at real
+    tables and topics, to lease and ack real messages. Returns their names."""
+    ignored = sorted(v for v in os.environ if v.startswith(ENV_PREFIX) and v not in KEPT)
+    for name in ignored:
+        del os.environ[name]
+    return ignored
 
 
 def _run(console: Console, work: Path, s3: bool) -> int:

@@ -15,6 +15,12 @@ from deltalake import write_deltalake
 from dejaq.jobs.demo import _held_late, _in_order
 from dejaq.pipelines.release import ReleaseStats
 
+# An operator's shell pointing at real tables and Kafka: the demo must not touch them.
+REAL_PLACES = {
+    "DEJAQ_WAREHOUSE": "/nonexistent/dejaq-production-warehouse",
+    "DEJAQ_KAFKA_BOOTSTRAP": "127.0.0.1:9",
+}
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("where", [[], ["--s3"]], ids=["local", "s3"])
@@ -25,13 +31,15 @@ def test_demo_passes_its_checks(where: list[str]) -> None:
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "COLUMNS": "120"},
+        env={**os.environ, "COLUMNS": "120", **REAL_PLACES},
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "demo summary" in result.stdout
     assert "FAIL" not in result.stdout
     assert result.stdout.count("ok  ") == 7
     assert "stopped Spark queries, 3 broker nodes and Kafka" in result.stdout
+    assert f"ignoring {', '.join(sorted(REAL_PLACES))} from the environment" in result.stdout
+    assert not Path(REAL_PLACES["DEJAQ_WAREHOUSE"]).exists()
     if where:
         assert "warehouse s3://dejaq/warehouse" in result.stdout
         assert "and the S3 server" in result.stdout
