@@ -1475,6 +1475,23 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
     assert listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2)) == [("m0", 0, 5)]
 
 
+def test_a_snapshot_covering_the_trim_of_a_row_the_node_has_not_read_keeps_it_settled(
+    tmp_path: Path,
+) -> None:
+    """A node loading or lagging gets a snapshot covering the lease, ack and trim of a
+    row it has not read yet: when it reads the row, the row must not come back as
+    pending, or that node, once leader, would deliver an acked message again."""
+    warehouse, leader, lagging, state = leased_before_a_node_read_it(tmp_path)
+    assert state.ack("c", 1, ["new0"]) == {}
+    leader.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    snapshot = pickle.loads(pickle.dumps(state))
+    lagging.rebuild(snapshot)
+    assert lagging.refresh() == 1
+    assert set(lagging.rows) == set(leader.rows) == {"m0", "new1"}
+    picked = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=2))
+    assert "new0" not in [p[0] for p in picked]
+
+
 def test_a_snapshot_carries_new_keys_and_delays_of_rows_the_node_has_not_read(
     tmp_path: Path,
 ) -> None:

@@ -649,7 +649,11 @@ class TopicIndex:
                 revived.update(again)
         store = self.store
         with self.lock:
-            self.heads.release(store.forget(list(settled))[0])
+            released, missing = store.forget(list(settled))
+            self.heads.release(released)
+            # Settled in a version this node has not read yet (the trims the snapshot
+            # covers came before it read the row): skipped when it does, as `forget`'s.
+            self.forgotten.update(missing)
             # What earlier commands pushed without a row is history the snapshot replaced
             # (a journal replayed over tables that had settled it since): pending without
             # a row now means redriven since its row left, or given a new key before this
