@@ -4,11 +4,16 @@ Only explicit ids (a `dejaq-id` header or a mapped JSON field) can repeat: a def
 is the record's own Kafka coordinates. Joining every micro-batch with the ids in the
 buffer table costs a scan of the whole window per batch, growing with the table; this
 index costs a dict lookup per explicit id. It is seeded when the job starts from the
-buffer's rows ingested within `dedup_window_ms`, and from the ledger's events of that
-window (a settled message leaves the buffer after `settled_retention_ms`, but its id
-stays taken), and learns a batch's ids only once the batch is committed, so a restart
-or a failed batch forgets nothing and invents nothing. Memory: about 200 bytes per
-explicit id within `dedup_window_ms`.
+buffer's rows, and from the ledger's events within `dedup_window_ms` (a settled message
+leaves the buffer after `settled_retention_ms`, but its id stays taken), and learns a
+batch's ids only once the batch is committed, so a restart or a failed batch forgets
+nothing and invents nothing.
+
+An id stays taken past the window while its row is in the buffer (a reminder due in a
+month, a backlog): the broker's index and the release job know a message by its id, and
+would take a second row of it for the first. Such ids linger until a look at the buffer
+(`prune`) finds their rows gone. Memory: about 200 bytes per explicit id within
+`dedup_window_ms` or in the buffer.
 """
 
 from __future__ import annotations
@@ -58,9 +63,11 @@ class SeenIds:
         self.window_ms = window_ms
         self._ids: dict[str, Coordinates | None] = {}
         self._expiry: deque[tuple[int, str]] = deque()  # (stored at ms, id), oldest first
+        # Past the window, with a buffer row that may still be there: taken until `prune`.
+        self.lingering: dict[str, Coordinates] = {}
 
     def __len__(self) -> int:
-        return len(self._ids)
+        return len(self._ids) + len(self.lingering)
 
     def load(self, rows: Iterable[tuple[str, str | None, int | None, int | None, int]]) -> None:
         """Seed from stored rows: (id, topic, partition, offset, at ms), the buffer's
@@ -102,7 +109,7 @@ class SeenIds:
             if mid in verdict.kept:
                 verdict.duplicates[here] = IN_BATCH
                 continue
-            stored = self._ids.get(mid, here) if self.window_ms > 0 else here
+            stored = self._ids.get(mid, self.lingering.get(mid, here))
             if stored != here:
                 verdict.duplicates[here] = IN_BUFFER if stored else SETTLED
             else:
@@ -110,14 +117,24 @@ class SeenIds:
         return verdict
 
     def commit(self, verdict: Verdict, now_ms: int) -> None:
-        """Remember a committed batch's ids and forget those older than the window."""
-        if self.window_ms <= 0:
-            return
+        """Remember a committed batch's ids; those older than the window are forgotten,
+        or linger while they have a buffer row."""
         for mid, coordinates in verdict.kept.items():
-            if mid not in self._ids:
+            if mid not in self._ids and mid not in self.lingering:
                 self._ids[mid] = coordinates
                 self._expiry.append((now_ms, mid))
         cutoff = now_ms - self.window_ms
-        while self._expiry and self._expiry[0][0] < cutoff:
+        while self._expiry and self._expiry[0][0] <= cutoff:
             _, mid = self._expiry.popleft()
-            del self._ids[mid]
+            coordinates = self._ids.pop(mid)
+            if coordinates is not None:
+                self.lingering[mid] = coordinates
+
+    def prune(self, buffered: Iterable[str]) -> int:
+        """Free the lingering ids whose rows are not among `buffered` (those of them the
+        buffer holds); returns how many."""
+        still = set(buffered)
+        gone = [mid for mid in self.lingering if mid not in still]
+        for mid in gone:
+            del self.lingering[mid]
+        return len(gone)

@@ -36,7 +36,15 @@ from pyspark.sql.streaming import StreamingQuery
 
 from dejaq.conf.kafka_clients import jvm_options, python_source_options
 from dejaq.conf.settings import Settings, TopicConfig
-from dejaq.conf.tables import Table, checkpoint_path, ensure_table, matching, scan, table_path
+from dejaq.conf.tables import (
+    Table,
+    checkpoint_path,
+    column,
+    ensure_table,
+    matching,
+    scan,
+    table_path,
+)
 from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import SeenIds, Verdict, default_id_pattern
@@ -49,6 +57,9 @@ from dejaq.pipelines.session import Connectors, shaded_kafka
 log = logging.getLogger("dejaq.ingest")
 
 DEFAULT_MAX_OFFSETS_PER_TRIGGER = 250_000
+# How often ids past the dedup window are looked for in the buffer, to be freed once
+# their rows left it (`SeenIds.prune`).
+PRUNE_EVERY_S = 600.0
 
 
 @dataclass
@@ -91,6 +102,7 @@ class IngestJob:
     stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=1000))
     _reported: int = -1
     _seen: SeenIds | None = None
+    _pruned_at: float = 0.0  # time.monotonic() of the last `_prune_seen`
     # Where the query starts; its batch b is the tables' version `base + b`.
     _resume: Resume = field(default_factory=Resume)
     _stored: int = -1  # the last batch version the buffer had when this job started
@@ -131,21 +143,16 @@ class IngestJob:
         )
 
     def _load_seen(self) -> SeenIds:
-        """The explicit ids stored within the dedup window (one read per start): the
-        buffer's rows ingested within it, and the ids the ledger settled within it,
-        whose rows retention may have removed from the buffer since."""
+        """The explicit ids taken (one read per start): the buffer's rows, and the ids
+        the ledger settled within the dedup window, whose rows retention may have
+        removed from the buffer since."""
         seen = SeenIds(self.topic.dedup_window_ms)
-        if self.topic.dedup_window_ms <= 0:
-            return seen
-        cutoff = F.current_timestamp() - F.expr(
-            f"make_dt_interval(0, 0, 0, {self.topic.dedup_window_ms / 1000:.3f})"
-        )
         path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
         stored = (
             self.spark.read.format(self.connectors.delta)
             .option("columns", "message_id,source_topic,source_partition,source_offset,ingested_at")
             .load(path)
-            .where((F.col("ingested_at") >= cutoff) & explicit_id())
+            .where(explicit_id())
             .select("message_id", *COORDINATES, F.unix_millis("ingested_at"))
             .toArrow()
         )
@@ -173,6 +180,24 @@ class IngestJob:
         ids = tail.column("message_id").to_pylist()
         at_ms = pc.divide(tail.column("at").cast(pa.int64()), 1000).to_pylist()
         return [(mid, None, None, None, at) for mid, at in zip(ids, at_ms, strict=True)]
+
+    def _prune_seen(self, buffer_path: str) -> None:
+        """Free the ids past the dedup window whose rows left the buffer, every
+        `PRUNE_EVERY_S`: a read of the buffer's ids, as big as what is pending. Until
+        then such an id is still a duplicate. A failure is logged; the next round tries."""
+        assert self._seen is not None
+        if not self._seen.lingering or time.monotonic() < self._pruned_at + PRUNE_EVERY_S:
+            return
+        self._pruned_at = time.monotonic()
+        lingering = list(self._seen.lingering)
+        try:
+            ids = column(Table.BUFFER, "message_id").isin(lingering)
+            still = scan(buffer_path, Table.BUFFER, ["message_id"], ids).column("message_id")
+        except Exception:
+            log.warning("reading %s's ids failed; the next round tries", buffer_path, exc_info=True)
+            return
+        gone = self._seen.prune(still.to_pylist())
+        log.info("%s: %d ids past the dedup window left the buffer", self.topic.name, gone)
 
     def _expire_quarantine(self, path: str) -> None:
         """Maintenance, as compaction is: a failure is logged, and the next round tries."""
@@ -225,6 +250,7 @@ class IngestJob:
         if batch <= self._quarantined:
             verdict = self._verdict_committed(files.judged, quarantine_path)
         else:
+            self._prune_seen(buffer_path)
             verdict = self._seen.check(files.judged)
         if verdict.duplicates:
             files.move_duplicates(buffer, quarantine, verdict.duplicates)

@@ -53,20 +53,65 @@ def test_check_alone_changes_nothing_so_a_failed_batch_is_forgotten() -> None:
     assert seen.check(batch([("a", 0, 1, 0)])).duplicates == {}
 
 
-def test_ids_older_than_the_window_are_forgotten() -> None:
+def test_ids_older_than_the_window_are_forgotten_once_their_rows_left_the_buffer() -> None:
+    """The broker and the release job know a message by its id: a second row of an id
+    whose first is still in the buffer would be taken for the first, and never sent."""
     seen = SeenIds(HOUR_MS)
-    seen.load([("old", "in", 0, 0, 0), ("new", "in", 0, 1, HOUR_MS)])
+    seen.load([("old", "in", 0, 0, 0), ("new", "in", 0, 1, HOUR_MS), ("done", None, None, None, 0)])
     seen.commit(seen.check(batch([])), now_ms=HOUR_MS + 1)
-    assert len(seen) == 1
-    assert seen.check(batch([("old", 1, 0, 0)])).duplicates == {}
+    assert seen.lingering == {"old": ("in", 0, 0)}, "settled ones have no row to wait for"
+    assert seen.check(batch([("done", 1, 0, 0)])).duplicates == {}
+    assert seen.check(batch([("old", 1, 0, 0)])).duplicates == {("in", 1, 0): IN_BUFFER}
+    assert seen.check(batch([("old", 0, 0, 0)])).duplicates == {}, "its own replay"
     assert seen.check(batch([("new", 1, 0, 0)])).duplicates == {("in", 1, 0): IN_BUFFER}
+    assert seen.prune(["old"]) == 0 and "old" in seen.lingering, "its row is still there"
+    assert seen.prune([]) == 1
+    assert seen.check(batch([("old", 1, 0, 0)])).duplicates == {}
+    assert len(seen) == 1
 
 
-def test_a_zero_window_dedups_within_a_batch_only() -> None:
+def test_a_zero_window_dedups_against_the_buffer_alone() -> None:
     seen = SeenIds(0)
     seen.commit(seen.check(batch([("a", 0, 0, 0), ("a", 0, 1, 0)])), now_ms=0)
+    assert seen.check(batch([("a", 0, 2, 0)])).duplicates == {("in", 0, 2): IN_BUFFER}
+    seen.prune([])
     assert len(seen) == 0
     assert seen.check(batch([("a", 0, 2, 0)])).duplicates == {}
+
+
+@given(
+    events=st.lists(
+        st.one_of(
+            st.tuples(st.just("ingest"), st.sampled_from("abc"), st.integers(0, 3)),
+            st.tuples(st.just("leave"), st.sampled_from("abc"), st.integers(0, 3)),
+            st.tuples(st.just("prune"), st.just(""), st.integers(0, 3)),
+        ),
+        max_size=40,
+    )
+)
+def test_an_id_is_never_stored_twice_while_its_first_row_is_in_the_buffer(events) -> None:
+    """Whatever the window, the time and the rounds of `prune`: a record is kept only if
+    no row of its id is in the buffer (retention takes rows away: `leave`), nor was
+    stored within the window."""
+    window = 5
+    seen = SeenIds(window)
+    buffer: dict[str, tuple] = {}  # id -> its row's coordinates
+    stored_at: dict[str, int] = {}  # id -> when its last row was stored
+    now = offset = 0
+    for kind, mid, step in events:
+        now += step
+        if kind == "leave":
+            buffer.pop(mid, None)
+        elif kind == "prune":
+            seen.prune([m for m in seen.lingering if m in buffer])
+        else:
+            offset += 1
+            verdict = seen.check(batch([(mid, 0, offset, now)]))
+            if mid in verdict.kept:
+                assert mid not in buffer, "a second row of an id in the buffer"
+                assert now - stored_at.get(mid, -window - 1) >= window, "within the window"
+                buffer[mid], stored_at[mid] = verdict.kept[mid], now
+            seen.commit(verdict, now_ms=now)
 
 
 records = st.lists(

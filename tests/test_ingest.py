@@ -42,7 +42,7 @@ from dejaq.conf.tables import (
 from dejaq.jobs.logs import query_failure
 from dejaq.jobs.status import row_count
 from dejaq.pipelines import ingest as ingest_module
-from dejaq.pipelines.dedup import SETTLED
+from dejaq.pipelines.dedup import IN_BUFFER, SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.ingest import BatchStats, IngestJob
 from dejaq.pipelines.ingest_resume import CannotResume, Resume, positions, resume
@@ -478,6 +478,49 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
     replaying.process_batch(batch(len(first), len(first) + 2), 1)
     assert [(s.batch_id, s.replay) for s in replaying.stats] == [(1, True)]
     assert sum(counts()) + run.removed == len(first) + 2
+
+
+def test_an_id_past_the_window_is_a_duplicate_while_its_row_is_in_the_buffer(
+    spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
+):
+    """The broker and the release job know a message by its id: a second row of an id
+    whose first is still in the buffer (a reminder due in a month outlives a week's
+    window) would be taken for the first and never delivered. So the id stays taken
+    until its row has left the buffer, then it is free again."""
+    source = topic_factory(partitions=1)
+    conf = write_conf(tmp_path, kafka_bootstrap, source)
+    conf.write_text(conf.read_text().replace("max_payload_bytes: 100", "dedup_window_ms: 1"))
+    settings = load_settings(conf, env={})
+    topic = settings.topic("jobs")
+    connectors = detect_connectors(spark)
+    explicit = {"dejaq-priority": b"1", "dejaq-id": b"reminder-42"}
+    monkeypatch.setattr("dejaq.pipelines.ingest.PRUNE_EVERY_S", 0.0)  # a look each batch
+    job = IngestJob(spark, settings, topic, connectors)
+
+    def ingest(value: bytes) -> list[dict]:
+        produce(kafka_bootstrap, source, [(b"k", value, explicit)], partitions=1)
+        query = job.start(once=True)
+        query.awaitTermination(180)
+        assert query.exception() is None
+        return table(settings, Table.BUFFER).select(["message_id", "payload"]).to_pylist()
+
+    first = [{"message_id": "reminder-42", "payload": b"first"}]
+    assert ingest(b"first") == first
+    assert ingest(b"re-armed") == first
+    assert ingest(b"re-armed, past the window") == first
+    quarantine = table(settings, Table.QUARANTINE).sort_by("source_offset")
+    assert quarantine.select(["value", "reason", "detail"]).to_pylist() == [
+        {"value": b"re-armed", "reason": "duplicate", "detail": IN_BUFFER},
+        {"value": b"re-armed, past the window", "reason": "duplicate", "detail": IN_BUFFER},
+    ]
+    assert job._seen is not None and set(job._seen.lingering) == {"reminder-42"}
+
+    # Delivered and settled, its row leaves the buffer; the next look frees the id.
+    DeltaTable(table_path(settings.warehouse, Table.BUFFER, "jobs")).delete(
+        "message_id = 'reminder-42'"
+    )
+    assert ingest(b"next") == [{"message_id": "reminder-42", "payload": b"next"}]
+    assert job._seen is not None and not job._seen.lingering
 
 
 def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
