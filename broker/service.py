@@ -42,7 +42,7 @@ from dejaq.broker.state.raft import NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, count, last, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
-from dejaq.broker.storage.index import TopicIndex
+from dejaq.broker.storage.index import HeadsUnreadable, TopicIndex
 from dejaq.broker.storage.ledger_writer import (
     COMPACT_EVERY,
     Claimed,
@@ -539,7 +539,11 @@ class Broker:
                 now = now_ms()
             first = False
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
-            picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
+            try:
+                picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
+            except HeadsUnreadable as e:
+                log.error("%s", e)
+                raise Problem(503, "messages unreadable on this node", str(e)) from None
             if picks[0] and gone():
                 index.release(st, picks)
                 return b"[]"

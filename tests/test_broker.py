@@ -1678,6 +1678,57 @@ def test_the_head_store_reads_back_what_it_wrote_and_frees_settled_segments(
         head_store.SEGMENT_BYTES = old
 
 
+def test_a_head_write_the_disk_cuts_short_raises_and_counts_none_of_its_heads(
+    tmp_path: Path,
+) -> None:
+    """A write of heads the file system takes only part of (here a file size limit, as
+    a full disk does) fails whole: nothing of it is counted, and the next write lands
+    where it would have, every head read back as written."""
+    import resource
+
+    store = head_store.HeadStore(str(tmp_path))
+    seg, _ = store.write(["a" * 100])
+    before = (seg.size, len(seg.ends), seg.live)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (seg.size + 50, hard))
+    try:
+        with pytest.raises(OSError):
+            store.write(["b" * 100, "c" * 100])
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert (seg.size, len(seg.ends), seg.live) == before, "none of the failed write counted"
+    again, at = store.write(["d" * 70, "e"])
+    assert (again, at) == (seg, 1)
+    segments = {seg.number: seg}
+    numbers, places = np.full(3, seg.number, np.int32), np.arange(3, dtype=np.int64)
+    assert head_store.read(numbers, places, segments) == [b"a" * 100, b"d" * 70, b"e"]
+    store.close()
+
+
+def test_a_lease_whose_heads_cannot_be_read_answers_503_and_loses_no_pick(
+    tmp_path: Path,
+) -> None:
+    """The core takes a lease's picks out of the index before it reads their heads: when
+    the node's disk fails that read, the lease is refused (503), and every pick is
+    leasable again once the heads read."""
+
+    async def scenario(broker: Any) -> tuple[Any, list[int]]:
+        from dejaq.broker.service import Problem
+
+        segment = broker.indexes["jobs"].heads.current
+        heads = os.pread(segment.fd, segment.size, 0)
+        os.ftruncate(segment.fd, 0)  # as if the heads' write had been lost
+        with pytest.raises(Problem) as refused:
+            await broker.lease("jobs", "w", 2, 30_000, 0)
+        os.pwrite(segment.fd, heads, 0)
+        leased = json.loads(await broker.lease("jobs", "w", 3, 30_000, 0))
+        return refused.value, [m["sort_key"] for m in leased]
+
+    refused, keys = on_one_node(tmp_path, scenario)
+    assert refused.status == 503 and "jobs: reading heads" in refused.detail
+    assert keys == [3, 5, 9], "the refused lease's picks back, in order"
+
+
 def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows([4]))

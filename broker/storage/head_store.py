@@ -21,6 +21,7 @@ stayed mostly settled (`sparse`) to the current one, so the disk follows what is
 
 from __future__ import annotations
 
+import errno
 import heapq
 import os
 import tempfile
@@ -44,6 +45,7 @@ SETTLE_S = 10.0
 # A compaction's reads: the heads it moves are under 1/SPARSE of their segments', so most
 # lie a few apart: read through the gaps, a `pread` (a system call) takes many.
 COMPACT_SPAN = 4 * SPARSE
+WRITE_MAX = 1 << 30  # bytes a `pwrite` is given at once
 SEP = b"\0"  # after each head: JSON escapes every control character, so never inside one
 
 
@@ -127,7 +129,14 @@ class HeadStore:
 
     def write_joined(self, data: bytes, placed: np.ndarray) -> tuple[Segment, int]:
         """`write` for heads already joined, each followed by SEP, `placed[i]` where head
-        i's SEP ends in `data` (a compaction's, `RowStore.separated_heads`)."""
+        i's SEP ends in `data` (a compaction's, `RowStore.separated_heads`).
+
+        The heads are counted only once every byte is on disk: a write that fails
+        (a full disk, a file size limit) raises, the segment as it was, rather than
+        leave heads a lease would read as NULs or past the file's end.
+        """
+        if len(data) > END_MAX:
+            raise ValueError(f"{len(data)} bytes of heads in one write: over {END_MAX}")
         with self._lock:
             seg = self.current
             if seg is None or seg.size >= SEGMENT_BYTES or seg.size + len(data) > END_MAX:
@@ -135,12 +144,15 @@ class HeadStore:
                     self._free(seg)
                 seg = self.current = Segment(self.folder)
                 self.segments.add(seg)
-            start, first = seg.size, len(seg.ends)
+            start = seg.size
+        # Outside the lock, which releases take from the event loop. One thread writes,
+        # so the current segment is neither written nor freed meanwhile.
+        _write_all(seg.fd, data, start)
+        with self._lock:
+            first = len(seg.ends)
             seg.ends.frombytes((placed + start).astype(np.uint32).tobytes())
             seg.live += len(placed)
             seg.size = start + int(placed[-1]) if len(placed) else start
-        # Outside the lock: the positions are read only once the index holds their rows.
-        os.pwrite(seg.fd, data, start)
         return seg, first
 
     def release(self, counts: dict[Segment, int]) -> None:
@@ -191,6 +203,19 @@ class HeadStore:
             self.segments.discard(seg)
             seg.file.close()
             self._freed.append(seg.number)
+
+
+def _write_all(fd: int, data: bytes, at: int) -> None:
+    """Write all of `data` at `at`, WRITE_MAX at a time: a `pwrite` may write less than
+    it was given (a disk filling up, at most 2,147,479,552 bytes on Linux), and raises
+    only when it writes nothing."""
+    view = memoryview(data)
+    done = 0
+    while done < len(view):
+        n = os.pwrite(fd, view[done : done + WRITE_MAX], at + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"a head write stopped after {done} of {len(view)} bytes")
+        done += n
 
 
 def ends(heads: list[str]) -> np.ndarray:

@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Set
+from collections.abc import Iterable, Iterator, Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +87,11 @@ NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 # How long a message pending again may have a row nowhere before it is warned of: a node
 # catching up forgets those a later entry settles within seconds (`TopicIndex.revive`).
 UNFOUND_GRACE_S = 60.0
+
+
+class HeadsUnreadable(Exception):
+    """A lease's picks whose heads could not be read (the node's disk failing them):
+    they are pending again, in the index as before the pick."""
 
 
 @dataclass
@@ -663,23 +668,34 @@ class TopicIndex:
             again |= state.sort_keys.keys() - state.not_before.keys()
             self.unread = {m for m in again if store.get(m) is None and m not in state.leases}
             self.unfound.clear()
-            # Re-keyed messages go to the heaps at their keys; the others to the runs.
-            overrides = state.sort_keys
-            heaps: list[list[tuple[int, int, int, int]]] = [[] for _ in range(self.topic.buckets)]
-            for mid in overrides:
-                token = store.get(mid)
-                if token is not None:
-                    row = store.row(token)
-                    heaps[row.bucket].append((overrides[mid], row.partition, row.offset, token))
-            h = store.stored()
-            h = h[[m not in overrides for m in store.table.mids(h)]]
-            tokens = store.tokens_at(h)
-            buckets = store.bucket[h]
-            for b, heap in enumerate(heaps):
-                run = store.order(tokens[buckets == b])
-                self.order.replace(b, run, np.array(heap, np.int64).reshape(-1))
+            self._reorder(state, range(self.topic.buckets))
             self.delayed = [(nb, mid) for mid, nb in state.not_before.items()]
             heapq.heapify(self.delayed)
+
+    def _reorder(self, state: TopicState, buckets: Iterable[int]) -> None:
+        """Re-derive the order of `buckets` from the rows held (under the lock): re-keyed
+        messages in the heaps at their keys, the others in the runs at their rows'. A pick
+        drops what is leased, settled or delayed as stale."""
+        store = self.store
+        wanted = sorted(set(buckets))
+        heaps: dict[int, list[tuple[int, int, int, int]]] = {b: [] for b in wanted}
+        overrides = state.sort_keys
+        for mid in overrides:
+            token = store.get(mid)
+            if token is not None:
+                row = store.row(token)
+                if row.bucket in heaps:
+                    heaps[row.bucket].append((overrides[mid], row.partition, row.offset, token))
+        h = store.stored()
+        if len(wanted) < self.topic.buckets:
+            h = h[np.isin(store.bucket[h], wanted)]
+        if overrides:
+            h = h[[m not in overrides for m in store.table.mids(h)]]
+        tokens = store.tokens_at(h)
+        in_bucket = store.bucket[h]
+        for b, heap in heaps.items():
+            run = store.order(tokens[in_bucket == b])
+            self.order.replace(b, run, np.array(heap, np.int64).reshape(-1))
 
     # --- leader side -----------------------------------------------------------------
 
@@ -703,16 +719,23 @@ class TopicIndex:
         call into the core, which holds the columns between calls (`release_columns`)."""
         with self.lock:
             store = self.store
-            picks, read = self.order.pick_heads(
-                buckets,
-                n,
-                *self._pick_args(state, now),
-                store.segment,
-                store.position,
-                store.segments,
-                SPAN_PER_HEAD,
-                BULK_MIN,  # `pack_from`, positional: a keyword costs the call ~0.1 µs
-            )
+            try:
+                picks, read = self.order.pick_heads(
+                    buckets,
+                    n,
+                    *self._pick_args(state, now),
+                    store.segment,
+                    store.position,
+                    store.segments,
+                    SPAN_PER_HEAD,
+                    BULK_MIN,  # `pack_from`, positional: a keyword costs the call ~0.1 µs
+                )
+            except Exception as e:
+                # The core takes the picks out of the order before it reads their heads,
+                # and hands none back when a read fails: the buckets are re-derived from
+                # the rows, or the picks would lease nowhere until the node restarted.
+                self._reorder(state, buckets)
+                raise HeadsUnreadable(f"{self.topic.name}: reading heads to lease: {e}") from e
             return picks, Heads(*read)
 
     def _pick_args(self, state: TopicState, now: int) -> tuple:
