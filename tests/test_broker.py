@@ -1729,6 +1729,31 @@ def test_a_lease_whose_heads_cannot_be_read_answers_503_and_loses_no_pick(
     assert keys == [3, 5, 9], "the refused lease's picks back, in order"
 
 
+@pytest.mark.parametrize("keys", [[5, 6, 7, 8, 9, 10, 11, 12], [12, 11, 10, 9, 8, 7, 6, 5]])
+def test_a_refresh_that_fails_partway_leaves_no_head_counted_live(
+    tmp_path: Path, keys: list[int]
+) -> None:
+    """A refresh reads a version's buckets one after another, writing their heads; when
+    one fails (an object store's error, here an unreadable file), the heads the others
+    wrote are not counted live, or each failed try would leave segments no message
+    holds, never freed. Rows in sort order or not (copied through a scratch store)."""
+    warehouse, index, state = loaded_topic(tmp_path, [1, 2, 3, 4])
+    fill(warehouse, "jobs", buffer_rows(keys, prefix="n"))
+    added = DeltaTable(index.buffer_path).get_add_actions(flatten=True)
+    new = [p for p in added.column("path").to_pylist() if p not in index.files]
+    last = Path(index.buffer_path, new[-1])  # the last bucket read
+    whole = last.read_bytes()
+    last.write_bytes(b"not parquet" * 100)
+    for _ in range(2):
+        with pytest.raises(Exception, match=r"(?i)parquet"):
+            index.refresh()
+        assert sum(s.live for s in index.heads.segments) == len(index.rows) == 4
+    last.write_bytes(whole)
+    assert index.refresh() == 8
+    assert sum(s.live for s in index.heads.segments) == len(index.rows) == 12
+    assert [k for batch in drain(index, state, 12, 0) for k in batch] == [1, 2, 3, 4, *sorted(keys)]
+
+
 def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows([4]))

@@ -256,8 +256,41 @@ class TopicIndex:
         self, buckets: list[tuple[int, list[str]]], settled: Set[str], forgotten: set[str]
     ) -> int:
         """Read the files of `buckets` and index their rows not indexed, settled or
-        forgotten already; returns how many."""
-        batches = [(bucket, self._read_bucket(bucket, uris)) for bucket, uris in buckets]
+        forgotten already; returns how many. Raises with no head of its own counted live:
+        a refresh that fails and is tried again would leave each try's heads behind."""
+        batches: list[tuple[int, Batch]] = []
+        try:
+            for bucket, uris in buckets:
+                batches.append((bucket, self._read_bucket(bucket, uris)))
+            kept, adding, seen = self._new_rows(batches, settled, forgotten)
+        except BaseException:
+            self.heads.release(_heads_of(batch for _, batch in batches))
+            raise
+        # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
+        unused: Counter[Segment] = Counter()
+        added = 0
+        with self.lock:
+            self.store.reserve(adding)
+            # Forgotten while the files were read: not indexed.
+            gone = self.forgotten & seen
+            for bucket, batch, keep, encoded in kept:
+                if gone:
+                    stay = np.array([mid not in gone for mid in encoded.mids], bool)
+                    keep, encoded = keep[stay], encoded.kept(stay)
+                if len(keep) < len(batch.mids):
+                    unused.update(_unindexed(batch, keep))
+                if len(keep):
+                    self._add(bucket, self.store.add(bucket, batch, keep, encoded))
+                    added += len(keep)
+        self.heads.release(+unused)
+        return added
+
+    def _new_rows(
+        self, batches: list[tuple[int, Batch]], settled: Set[str], forgotten: set[str]
+    ) -> tuple[list[tuple[int, Batch, np.ndarray, Encoded]], int, set[str]]:
+        """Each batch's rows to index (neither indexed, settled nor forgotten already,
+        the first of duplicates) with their ids encoded, how many in all (room made for
+        them in the id table), and the ids of the first of duplicates."""
         # The per-row checks, and the ids' encoding for the id table, happen before
         # taking the lock, which the event loop (Raft applies, leases) also takes: under
         # it, column copies and inserts. The id table is read outside it: only this
@@ -284,24 +317,7 @@ class TopicIndex:
             kept.append((bucket, batch, keep, encoded))
         adding = sum(len(keep) for _, _, keep, _ in kept)
         table.make_room(adding, self.lock)
-        # Heads written for rows not indexed (duplicates, settled, forgotten) are released.
-        unused: Counter[Segment] = Counter()
-        added = 0
-        with self.lock:
-            self.store.reserve(adding)
-            # Forgotten while the files were read: not indexed.
-            gone = self.forgotten & seen
-            for bucket, batch, keep, encoded in kept:
-                if gone:
-                    stay = np.array([mid not in gone for mid in encoded.mids], bool)
-                    keep, encoded = keep[stay], encoded.kept(stay)
-                if len(keep) < len(batch.mids):
-                    unused.update(_unindexed(batch, keep))
-                if len(keep):
-                    self._add(bucket, self.store.add(bucket, batch, keep, encoded))
-                    added += len(keep)
-        self.heads.release(+unused)
-        return added
+        return kept, adding, seen
 
     def _unseen(
         self, version: int, walk: bool = True
@@ -352,6 +368,7 @@ class TopicIndex:
         then copied from it in sort order a slice at a time. Between two copies of an id
         in one bucket's new files the lower sort key wins (the ingest drops such
         duplicates before they reach the buffer: this only keeps the index consistent).
+        Raises with none of its heads counted live in the node's store.
         """
         keys = pa.concat_tables(
             conform(
@@ -366,6 +383,7 @@ class TopicIndex:
         del keys
         sorted_already = bool((order[1:] > order[:-1]).all())
         store = self.heads if sorted_already else HeadStore(self.heads.folder)
+        mine: Counter[Segment] = Counter()  # heads written to the node's store so far
         try:
             mids: list[str] = []
             written: dict[int, Segment] = {}
@@ -374,6 +392,8 @@ class TopicIndex:
                 for rows in _slices(uri):
                     part_mids = rows.column("message_id").to_pylist()
                     segment, positions = self._render(store, rows, part_mids, bucket)
+                    if store is self.heads:
+                        mine[segment] += len(positions)
                     mids += part_mids
                     written[segment.number] = segment
                     parts.append(
@@ -394,7 +414,12 @@ class TopicIndex:
             if not sorted_already:
                 mids = list(map(mids.__getitem__, order.tolist()))
                 columns = [c[order] for c in columns]
-                columns[4], columns[5], written = self._copy_heads(columns[4], columns[5], written)
+                columns[4], columns[5], written = self._copy_heads(
+                    columns[4], columns[5], written, mine
+                )
+        except BaseException:
+            self.heads.release(mine)
+            raise
         finally:
             if store is not self.heads:
                 store.close()
@@ -420,10 +445,15 @@ class TopicIndex:
         return segment, np.arange(first, first + len(heads))
 
     def _copy_heads(
-        self, numbers: np.ndarray, positions: np.ndarray, segments: dict[int, Segment]
+        self,
+        numbers: np.ndarray,
+        positions: np.ndarray,
+        segments: dict[int, Segment],
+        mine: Counter[Segment],
     ) -> tuple[np.ndarray, np.ndarray, dict[int, Segment]]:
         """Copy the heads at these places of a scratch store (`segments` by number) to
-        the node's store, in this order, a slice at a time; returns their new places."""
+        the node's store, in this order, a slice at a time, counting each write in
+        `mine`; returns their new places."""
         copied = np.empty(len(positions), np.int32)
         moved = np.empty(len(positions), np.int64)
         written: dict[int, Segment] = {}
@@ -432,6 +462,7 @@ class TopicIndex:
             found = head_store.read(numbers[start:end], positions[start:end], segments)
             heads = [head.decode("ascii") for head in found]
             segment, first = self.heads.write(heads)
+            mine[segment] += len(heads)
             written[segment.number] = segment
             copied[start:end] = segment.number
             moved[start:end] = np.arange(first, first + len(heads))
@@ -439,19 +470,25 @@ class TopicIndex:
 
     def _batch(self, t: pa.Table, bucket: int) -> Batch:
         """Buffer rows of one bucket in sort order, their heads written to the store: a
-        table read whole (`revive`'s few rows)."""
+        table read whole (`revive`'s few rows). Raises with none of its heads counted."""
         t = t.take(pc.sort_indices(t, sort_keys=_ORDER))
         mids = t.column("message_id").to_pylist()
         numbers = np.empty(len(mids), np.int32)
         positions = np.empty(len(mids), np.int64)
         written: dict[int, Segment] = {}
-        for start in range(0, len(mids), HEAD_SLICE):  # payloads a slice at a time
-            end = start + HEAD_SLICE
-            part = t.slice(start, HEAD_SLICE)
-            segment, placed = self._render(self.heads, part, mids[start:end], bucket)
-            written[segment.number] = segment
-            numbers[start:end] = segment.number
-            positions[start:end] = placed
+        mine: Counter[Segment] = Counter()
+        try:
+            for start in range(0, len(mids), HEAD_SLICE):  # payloads a slice at a time
+                end = start + HEAD_SLICE
+                part = t.slice(start, HEAD_SLICE)
+                segment, placed = self._render(self.heads, part, mids[start:end], bucket)
+                mine[segment] += len(placed)
+                written[segment.number] = segment
+                numbers[start:end] = segment.number
+                positions[start:end] = placed
+        except BaseException:
+            self.heads.release(mine)
+            raise
         return Batch(
             mids,
             t.column("sort_key").to_numpy(),
@@ -487,10 +524,14 @@ class TopicIndex:
             t = pa.concat_tables([t, dead], promote_options="permissive")
             with self.lock:
                 self.from_dead_letters.update(dead.column("message_id").to_pylist())
-        batches = [
-            (bucket, self._batch(t.filter(pc.equal(t.column("bucket"), bucket)), bucket))
-            for bucket in pc.unique(t.column("bucket")).to_pylist()
-        ]
+        batches: list[tuple[int, Batch]] = []
+        try:
+            for bucket in pc.unique(t.column("bucket")).to_pylist():
+                rows = t.filter(pc.equal(t.column("bucket"), bucket))
+                batches.append((bucket, self._batch(rows, bucket)))
+        except BaseException:
+            self.heads.release(_heads_of(batch for _, batch in batches))
+            raise
         found = {mid for _, batch in batches for mid in batch.mids}
         found_here: set[str] = set()  # a row read twice is indexed once
         unused: Counter[Segment] = Counter()
@@ -1042,6 +1083,14 @@ def _slices(uri: str) -> Iterator[pa.Table]:
 def _epoch_s(column: pa.ChunkedArray) -> np.ndarray:
     """Epoch seconds of a microsecond timestamp column."""
     return pc.divide(pc.cast(column, pa.int64()), 1_000_000).to_numpy()
+
+
+def _heads_of(batches: Iterable[Batch]) -> Counter[Segment]:
+    """Every head written for `batches`, by segment: to release when none is indexed."""
+    counts: Counter[Segment] = Counter()
+    for batch in batches:
+        counts.update(batch.by_segment(batch.segment))
+    return counts
 
 
 def _unindexed(batch: Batch, keep: np.ndarray) -> Counter[Segment]:
