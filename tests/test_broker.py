@@ -1170,12 +1170,14 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
     """A lease joins JSON rendered when the rows were indexed: the text `json.dumps` gives
     of the messages built from the buffer rows, on first delivery at the row's own sort
     key (the joined case) and on redelivery or at another key (rendered apart), mixed,
-    and only of the picks the lease granted."""
+    and only of the picks the lease granted. A record without a value has a null
+    payload, an empty one an empty payload."""
     warehouse = str(tmp_path / "wh")
     for kind, keys in (("priority", [7, 65535, 3, 9]), ("timeline", [1_700_000_000_000] * 4)):
         timeline = kind == "timeline"
         rows = buffer_rows(keys, prefix='q"\\é', timeline=timeline).to_pylist()
         rows[0]["key"] = None
+        rows[1]["payload"], rows[2]["payload"] = None, b""
         fill(warehouse, kind, pa.Table.from_pylist(rows, schema=BUFFER_SCHEMA))
         index = TopicIndex(warehouse, topic_conf(kind, kind))
         index.load()
@@ -1241,7 +1243,7 @@ def _leased(row: dict, key: int, deliveries: int, deadline: int, timeline: bool)
         "id": row["message_id"],
         "bucket": row["bucket"],
         "key": None if row["key"] is None else base64.b64encode(row["key"]).decode(),
-        "payload": base64.b64encode(row["payload"]).decode(),
+        "payload": None if row["payload"] is None else base64.b64encode(row["payload"]).decode(),
         "sort_key": key,
         "priority": None if timeline else key,
         "deliver_at": key if timeline else (at and int(at.timestamp() * 1000)),

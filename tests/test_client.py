@@ -107,10 +107,12 @@ def test_decode_makes_nested_models_from_json() -> None:
         "receipt": 1025,
         "added_by_a_newer_broker": True,
     }
-    got = models.decode(list[Message], [message, {**message, "id": "m2", "key": "aw=="}])
+    tombstone = {**message, "id": "m3", "payload": None}
+    got = models.decode(list[Message], [message, {**message, "id": "m2", "key": "aw=="}, tombstone])
     assert [(m.id, m.key, m.payload, m.receipt) for m in got] == [
         ("m1", None, b"payload", 1025),
         ("m2", b"k", b"payload", 1025),
+        ("m3", None, None, 1025),
     ]
     bucket = {"bucket": 0, "consumer_id": None, "pending": 1, "leased": 0}
     bucket |= {"deliverable_now": 1, "oldest_age_ms": None}

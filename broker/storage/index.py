@@ -431,7 +431,7 @@ class TopicIndex:
         """Write the heads of `rows` to `store`, in the rows' order; returns where: one
         segment, at consecutive positions."""
         heads = [
-            message_json.head(mid, bucket, key, payload or b"", sort_key, at, self.timeline)
+            message_json.head(mid, bucket, key, payload, sort_key, at, self.timeline)
             for mid, key, payload, sort_key, at in zip(
                 mids,
                 rows.column("key").to_pylist(),

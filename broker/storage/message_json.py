@@ -29,17 +29,20 @@ def head(
     mid: str,
     bucket: int,
     key: bytes | None,
-    payload: bytes,
+    payload: bytes | None,
     sort_key: int,
     deliver_at: int | None,
     timeline: bool,
 ) -> str:
-    """The message's JSON object up to (not including) deliveries and lease deadline."""
+    """The message's JSON object up to (not including) deliveries and lease deadline. A
+    record without a value (a Kafka tombstone) has a null payload, as an empty one has "",
+    and is released as it came."""
     k = "null" if key is None else f'"{_b64(key)}"'
+    p = "null" if payload is None else f'"{_b64(payload)}"'
     prio, at = ("null", sort_key) if timeline else (sort_key, deliver_at)
     return (
         f'{{"id": {_json_str(mid)}, "bucket": {bucket}, "key": {k}, '
-        f'"payload": "{_b64(payload)}", "sort_key": {sort_key}, "priority": {prio}, '
+        f'"payload": {p}, "sort_key": {sort_key}, "priority": {prio}, '
         f'"deliver_at": {"null" if at is None else at}'
     )
 

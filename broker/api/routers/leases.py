@@ -48,7 +48,7 @@ class LeasedMessage(BaseModel):
     priority: int | None
     deliver_at: int | None = Field(description="epoch ms")
     key: str | None = Field(description="base64")
-    payload: str = Field(description="base64")
+    payload: str | None = Field(description="base64; null for a record without a value")
     deliveries: int
     lease_deadline: int = Field(description="epoch ms")
     receipt: int = Field(

@@ -84,7 +84,7 @@ class Message:
     priority: int | None
     deliver_at: int | None  # epoch ms
     key: bytes | None
-    payload: bytes
+    payload: bytes | None  # None: a record without a value (a Kafka tombstone)
     deliveries: int
     lease_deadline: int  # epoch ms, the broker's clock
     # Names this delivery in an ack, nack, extend or reject (`receipts=`): the broker
