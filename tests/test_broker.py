@@ -2438,6 +2438,35 @@ def test_mostly_settled_segments_are_compacted_and_their_messages_lease_as_befor
     index.close()
 
 
+def test_a_compaction_moves_a_bounded_number_of_bytes_per_round(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A backlog drained evenly leaves every segment sparse at once: a round moves at
+    most COMPACT_BYTES of heads in one write, and the rounds after move the rest, each
+    message's head as it was."""
+    index, state, keep = _mostly_settled(tmp_path, monkeypatch)
+    before = {mid: index.head(mid) for mid in keep}
+    largest = max(len(head) + 1 for _, head in before.values())
+    monkeypatch.setattr(index_module, "COMPACT_BYTES", 3 * largest)
+    writes: list[int] = []
+    write = index.heads.write_joined
+
+    def counted(joined: bytes, ends: np.ndarray) -> tuple:
+        writes.append(len(joined))
+        return write(joined, ends)
+
+    monkeypatch.setattr(index.heads, "write_joined", counted)
+    disk = index.heads.disk_bytes()
+    moved = [index.compact_heads() for _ in range(20)]
+    assert writes and max(writes) <= 3 * largest, writes
+    assert len(keep) <= sum(moved) <= 2 * len(keep) and moved[-1] == 0, moved
+    assert not index.heads.sparse() and index.heads.disk_bytes() < disk / 4
+    assert {mid: index.head(mid) for mid in keep} == before
+    again = listed(index.pick(state, state.buckets_of("c"), 1000, now=2))
+    assert sorted(p[0] for p in again) == sorted(keep), "each once, none lost"
+    index.close()
+
+
 def test_a_draining_segment_is_left_to_empty_and_moved_only_once_it_stays_sparse(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -81,6 +81,9 @@ _ORDER_SCHEMA = pa.schema([BUFFER_SCHEMA.field(c) for c in _ORDER_COLUMNS])
 RUN_MIN = 64  # a bucket's heap takes up to this many rows (or an eighth of its run)
 HEAD_SLICE = 1024  # rows read, rendered and written to the head store at once
 COMPACT_READ = 2048  # heads a compaction reads per hold of the index lock
+# Bytes of heads a compaction moves per round, the rest left to the next ones: a backlog
+# drained evenly leaves every segment sparse at once, gigabytes of heads to move.
+COMPACT_BYTES = head_store.SEGMENT_BYTES
 # Delayed entries beyond twice the delays in force before the stale ones are dropped.
 DELAYED_SLACK = 1024
 NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
@@ -835,9 +838,9 @@ class TopicIndex:
     def compact_heads(self, now: float | None = None) -> int:
         """Move the heads still live in segments that have stayed mostly settled
         (`HeadStore.sparse`, at `now`) to the current one, so those segments go; returns
-        how many moved. Run by the thread that follows the tables, which alone adds
-        rows: a moved message keeps its handle and entries, only its head's place
-        changes."""
+        how many moved: up to COMPACT_BYTES of heads, the rest in the next calls. Run by
+        the thread that follows the tables, which alone adds rows: a moved message keeps
+        its handle and entries, only its head's place changes."""
         sparse = set(self.heads.sparse(now))
         if not sparse:
             return 0
@@ -854,6 +857,7 @@ class TopicIndex:
             h = tokens & HANDLE_MASK
             tokens = tokens[np.argsort(store.bucket[h], kind="stable")]
             held = {store.segments[n] for n in np.unique(store.segment[h]).tolist()}
+            tokens = tokens[: self._within(tokens, COMPACT_BYTES)]
         if orphans := sparse.difference(held):
             log.warning("%s: %d head segments held by no message", self.topic.name, len(orphans))
             self.heads.release({s: s.live for s in orphans})
@@ -871,6 +875,20 @@ class TopicIndex:
             unused[new] += len(still) - moved
         self.heads.release(unused)
         return moved
+
+    def _within(self, tokens: np.ndarray, limit: int) -> int:
+        """How many of `tokens`, from the first, have heads of at most `limit` bytes in
+        all (at least one), from their segments' ends (under the lock)."""
+        store = self.store
+        h = tokens & HANDLE_MASK
+        numbers, positions = store.segment[h], store.position[h].astype(np.int64)
+        sizes = np.empty(len(h), np.int64)
+        for number in np.unique(numbers).tolist():
+            at = numbers == number
+            ends = np.frombuffer(store.segments[number].ends, np.uint32).astype(np.int64)
+            p = positions[at]
+            sizes[at] = ends[p] - np.where(p > 0, ends[p - 1], 0)
+        return max(1, int(np.searchsorted(np.cumsum(sizes), limit, side="right")))
 
     def _read_heads(self, tokens: np.ndarray) -> tuple[np.ndarray, bytes, np.ndarray]:
         """The tokens still indexed among `tokens`, their heads as a segment holds them,
