@@ -29,6 +29,7 @@ from kafka.errors import (
 )
 from kafka.record.default_records import DefaultRecordBatchBuilder
 
+from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.leases import (
@@ -171,6 +172,7 @@ class Broker:
         self._checkpoints: Counter[str] = Counter()
         self.checkpoint_health = {n: Health() for n in self.topics}
         self.retention_runs: dict[str, RetentionRun] = {}  # the last one per topic, here
+        self.keys: KeyRing | None = None  # the API keys, where `broker.keys_file` is set
 
     # --- Listener: hooks from applied Raft commands ---------------------------------------
 
@@ -227,6 +229,8 @@ class Broker:
             return False, "Raft log not yet applied"
         if not self._registered():
             return False, "this node's HTTP address not yet registered"
+        if self.keys is not None and (error := self.keys.check()) is not None:
+            return False, f"{error}; every call with a key is refused"
         alerts = [
             f"checkpoints of {name} {alert}"
             for name, health in self.checkpoint_health.items()
@@ -267,6 +271,8 @@ class Broker:
             return
         m = self.metrics
         m.observe_raft(self.raft.role(), self.raft.term(), self.raft.log_entries())
+        if self.keys is not None:
+            m.keys_unreadable.set(self.keys.check() is not None)
         now = now_ms()
         for name, health in self.checkpoint_health.items():
             m.observe_ledger(name, lag(self.state(name)), now, health.failures)

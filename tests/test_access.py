@@ -11,6 +11,7 @@ import secrets
 import ssl
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -462,6 +463,104 @@ def started_node(args: list[str], port: int) -> subprocess.Popen:
         children.stop(node)
         raise
     return node
+
+
+def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says_so(
+    tmp_path: Path,
+) -> None:
+    """A hand edit gone wrong must not leave a key the edit revokes working: the node
+    holds no keys until it can read the file, answers 503 (a client tries another node),
+    is not ready, shows it in a metric, and logs it once."""
+    keys = tmp_path / "keys.json"
+    key = add_key(keys, "ops", ["monitor", "read"], ["*"])
+    good = keys.read_text()
+    conf = tmp_path / "dejaq.yaml"
+    flags = f"keys_file: '{keys}', metrics_open: true"
+    conf.write_text(f"warehouse: {tmp_path / 'w'}\nbroker: {{{flags}}}\ntopics: []\n")
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["broker", "--node-id", "k", "--http", f"127.0.0.1:{port}"]
+    args += ["--raft", f"127.0.0.1:{free_port()}", "--conf-file", str(conf)]
+    node = started_node([*args, "--data-dir", str(tmp_path / "d")], port)
+
+    def keyed() -> int:
+        return httpx.get(f"{url}/v1/topics", headers=bearer(key), timeout=5).status_code
+
+    def ready() -> httpx.Response:
+        return httpx.get(f"{url}/readyz", timeout=5)
+
+    def unreadable() -> str:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        (line,) = [x for x in text.splitlines() if x.startswith("dejaq_keys_file_unreadable ")]
+        return line.split()[1]
+
+    try:
+        wait_until(lambda: ready().status_code == 200, 60, "the node ready")
+        assert keyed() == 200
+        keys.write_text(good[: len(good) // 2])  # saved half-way through an edit
+        wait_until(lambda: keyed() == 503, 10, "every keyed call refused")
+        assert httpx.get(f"{url}/v1/topics", timeout=5).status_code == 401  # no key at all
+        not_ready = ready()
+        assert not_ready.status_code == 503 and str(keys) in not_ready.json()["detail"]
+        wait_until(lambda: unreadable() == "1.0", 10, "the metric saying so")
+        keys.write_text(good)
+        wait_until(lambda: keyed() == 200, 10, "the key taken again")
+        assert ready().status_code == 200
+        wait_until(lambda: unreadable() == "0.0", 10, "the metric cleared")
+    finally:
+        children.stop(node)
+    assert node.stderr is not None
+    err = node.stderr.read()
+    assert err.count("every call with a key is refused") == 1, err
+    assert "read again: its keys are in force" in err
+
+
+def test_a_key_change_keeps_the_files_mode_owner_and_group(tmp_path: Path) -> None:
+    """The nodes may read the file as another user or through its group."""
+    path = tmp_path / "keys.json"
+    add_key(path, "a", ["read"], ["*"])
+    assert path.stat().st_mode & 0o777 == 0o600  # a first file: owner-only
+    path.chmod(0o640)
+    if os.geteuid() == 0:
+        os.chown(path, 1, 1)  # as if the nodes' user and group
+    before = path.stat()
+    add_key(path, "b", ["read"], ["*"])
+    revoke_key(path, "a")
+    after = path.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid) == (
+        before.st_mode,
+        before.st_uid,
+        before.st_gid,
+    )
+    assert [k.name for k in read_keys(path).values()] == ["b"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user")
+def test_a_key_change_that_cannot_keep_the_files_owner_is_refused() -> None:
+    """Written as another user, the nodes reading the file as its owner could not."""
+    with tempfile.TemporaryDirectory() as tmp:
+        os.chmod(tmp, 0o777)
+        path = Path(tmp) / "keys.json"
+        add_key(path, "a", ["read"], ["*"])
+        path.chmod(0o666)
+        (Path(tmp) / "keys.json.lock").chmod(0o666)
+        before = path.read_text()
+        pid = os.fork()
+        if pid == 0:  # the child, as nobody: 3 if refused as it should be
+            code = 1
+            try:
+                os.setgroups([])
+                os.setgid(65534)
+                os.setuid(65534)
+                add_key(path, "b", ["read"], ["*"])
+            except KeyFileError as e:
+                code = 3 if "uid 0, gid 0" in str(e) and "owner" in str(e) else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 3
+        assert path.read_text() == before and path.stat().st_uid == 0
+        assert [p.name for p in Path(tmp).iterdir() if p.name.startswith(".")] == []
 
 
 def test_a_plain_node_with_keys_told_it_is_meant_so_starts_with_a_warning(

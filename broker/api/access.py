@@ -186,6 +186,9 @@ class Guard:
                 send, 401, "API key required", f"send 'Authorization: Bearer <key>'{needs}"
             )
         key = self.keys.authenticate(token.strip())
+        if key is None and self.keys.error is not None:
+            detail = "this node cannot read its key file (its log and /readyz say why)"
+            return await _refuse(send, 503, "API keys unavailable", detail)
         if key is None:
             return await _refuse(send, 401, "invalid API key", f"unknown or revoked key{needs}")
         if role is not None and not key.allows(role, topic):

@@ -315,9 +315,10 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
         forward_key(password)  # stretched here, once, not on the event loop at a forward
     app.front = HotPath(partial(FastAPI.__call__, app), broker)
     if conf.keys_file is not None:
+        broker.keys = KeyRing(Path(conf.keys_file))
         app.front = Guard(
             app.front,
-            KeyRing(Path(conf.keys_file)),
+            broker.keys,
             password,
             messages.largest_body(conf.max_payload_bytes),
             conf.metrics_open,

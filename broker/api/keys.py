@@ -7,7 +7,9 @@ globs. Every node reads the file its configuration names and reads it again when
 changes, so `dejaq keys add` and `revoke` take effect on it within a second or two, with
 no restart. Nodes on several hosts must read the same file (shared, or copied to each
 after every change): a follower lets in what its own file holds, and the leader takes
-the follower's forward without checking the key again.
+the follower's forward without checking the key again. A node that cannot read its
+file again (its mode, or a bad hand edit) holds no keys until it can: a key revoked in
+the file it cannot read must not go on working there.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ import fnmatch
 import hashlib
 import hmac
 import json
+import logging
 import os
 import secrets
+import stat
 import tempfile
 import threading
 import time
@@ -34,6 +38,7 @@ ROLES = ("produce", "consume", "operate", "read", "monitor")
 PREFIX = "dq"
 RELOAD_EVERY_S = 1.0
 FORMAT = 1
+log = logging.getLogger("dejaq.broker")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-@")
 
 
@@ -109,12 +114,21 @@ def read_keys(path: Path) -> dict[str, Key]:
 
 
 def _write(path: Path, keys: dict[str, Key]) -> None:
-    """Atomically, owner-only: a reader sees the old file or the new one."""
+    """Atomically: a reader sees the old file or the new one. The new file keeps the old
+    one's mode, owner and group (the nodes may read it as another user, or through its
+    group); a change that could not keep them is refused, the old file left in place.
+    A first file is owner-only."""
     body = json.dumps({"format": FORMAT, "keys": [asdict(k) for k in keys.values()]}, indent=1)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        old: os.stat_result | None = path.stat()
+    except FileNotFoundError:
+        old = None
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:
+            if old is not None:
+                _keep_owner(f.fileno(), path, old)
             f.write(body + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -123,6 +137,26 @@ def _write(path: Path, keys: dict[str, Key]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def _keep_owner(fd: int, path: Path, old: os.stat_result) -> None:
+    """Give the open new file `fd` the mode, owner and group of the old `path`."""
+    os.fchmod(fd, stat.S_IMODE(old.st_mode))
+    st = os.fstat(fd)
+    if (st.st_uid, st.st_gid) == (old.st_uid, old.st_gid):
+        return
+    try:
+        os.fchown(fd, old.st_uid, old.st_gid)
+    except PermissionError:
+        with contextlib.suppress(PermissionError):
+            os.fchown(fd, -1, old.st_gid)
+    st = os.fstat(fd)
+    if (st.st_uid, st.st_gid) != (old.st_uid, old.st_gid):
+        raise KeyFileError(
+            f"key file {path} belongs to uid {old.st_uid}, gid {old.st_gid}; a copy written "
+            "by this user could not keep them, and nodes reading it as them could not read "
+            "it: run this as the file's owner (or root)"
+        )
 
 
 @contextlib.contextmanager
@@ -177,6 +211,8 @@ class KeyRing:
         self._keys: dict[str, Key] = {}
         self._seen: tuple[int, int, int] | None = None
         self._checked = 0.0
+        self._failed: tuple[tuple[int, int, int] | None, str] | None = None
+        self.error: str | None = None  # why the file could not be read again, if so
         self.reload()
 
     def _signature(self) -> tuple[int, int, int] | None:
@@ -184,11 +220,13 @@ class KeyRing:
             st = self.path.stat()
         except FileNotFoundError:
             return None
+        except OSError as e:
+            raise KeyFileError(f"key file {self.path}: {e}") from None
         return (st.st_mtime_ns, st.st_size, st.st_ino)
 
     def reload(self) -> None:
-        """Read the file if it changed. A malformed file keeps the keys in force (a
-        half-edited file must not open the door or shut it), and raises at start."""
+        """Read the file if it changed; raises `KeyFileError` if it cannot (at start: a
+        node does not start on a file it cannot read)."""
         signature = self._signature()
         if signature == self._seen and self._seen is not None:
             return
@@ -196,13 +234,39 @@ class KeyRing:
         with self._lock:
             self._keys, self._seen = keys, signature
 
+    def check(self) -> str | None:
+        """Read the file again if it changed, at most once a second; why this node holds
+        no keys (the file changed and cannot be read), or None. Logged once a change."""
+        now = time.monotonic()
+        if now - self._checked < RELOAD_EVERY_S:
+            return self.error
+        self._checked = now
+        try:
+            self.reload()
+        except KeyFileError as e:
+            failed = (self._signature_or_none(), str(e))
+            with self._lock:
+                # Fail closed: the keys held may include one the unreadable file revokes.
+                self._keys, self._seen, self.error = {}, None, str(e)
+                logged, self._failed = self._failed == failed, failed
+            if not logged:
+                log.error("%s; every call with a key is refused until it can be read", e)
+        else:
+            with self._lock:
+                recovered, self.error, self._failed = self.error is not None, None, None
+            if recovered:
+                log.warning("key file %s read again: its keys are in force", self.path)
+        return self.error
+
+    def _signature_or_none(self) -> tuple[int, int, int] | None:
+        try:
+            return self._signature()
+        except KeyFileError:
+            return None
+
     def authenticate(self, token: str) -> Key | None:
         """The key `token` is, compared in constant time; None for any other token."""
-        now = time.monotonic()
-        if now - self._checked >= RELOAD_EVERY_S:
-            self._checked = now
-            with contextlib.suppress(KeyFileError):
-                self.reload()
+        self.check()
         parts = split_token(token)
         key = self._keys.get(parts[0]) if parts is not None else None
         expected = key.sha256 if key is not None else "0" * 64

@@ -55,6 +55,11 @@ class Metrics:
             "dejaq_raft_role", "1 for this node's current Raft role", ["role"], registry=r
         )
         self.raft_term = Gauge("dejaq_raft_term", "Current Raft term", registry=r)
+        self.keys_unreadable = Gauge(
+            "dejaq_keys_file_unreadable",
+            "1 while this node cannot read its changed key file and refuses every keyed call",
+            registry=r,
+        )
         self.raft_log = Gauge(
             "dejaq_raft_log_entries",
             "Entries in this node's Raft log (compacted into a snapshot now and then)",
