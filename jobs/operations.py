@@ -111,9 +111,16 @@ def redrive(args: argparse.Namespace) -> int:
     if result is None:
         return EXIT_FAIL
     print(f"redriven {result.redriven}")
+    failed = False
     for mid, reason in result.skipped.items():
-        print(f"error: {json.dumps(mid)} not redriven: {reason}", file=sys.stderr)
-    return EXIT_FAIL if result.skipped else EXIT_OK
+        if reason == "already_redriven" and result.maybe_applied:
+            # Pending again, as asked: most likely by this command's first attempt.
+            note = "redriven by an earlier attempt of this command, whose answer was lost"
+            print(f"{json.dumps(mid)} {note}", file=sys.stderr)
+        else:
+            failed = True
+            print(f"error: {json.dumps(mid)} not redriven: {reason}", file=sys.stderr)
+    return EXIT_FAIL if failed else EXIT_OK
 
 
 def pause(args: argparse.Namespace) -> int:

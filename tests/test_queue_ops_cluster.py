@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -16,13 +17,19 @@ from deltalake import DeltaTable
 from test_broker import buffer_rows, fill
 from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
 
+from dejaq.client import Client
+from dejaq.client.connections import Lost
 from dejaq.conf.tables import Table, ensure_table
+from dejaq.jobs import operations
+from dejaq.jobs.cli import main
+from dejaq.jobs.operations import connect
 from dejaq.jobs.ports import free_port
 
 RATE = 20
 TWO = lambda i: i % 2  # noqa: E731 (buckets of the 2-bucket topics)
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 REDRIVE = [*DEJAQ, "redrive"]
+EARLIER = "redriven by an earlier attempt of this command, whose answer was lost"
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +46,7 @@ def ops(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator[t
         f"  - {{name: ps, kind: priority, source: [{src}], buckets: 2}}\n"
         f"  - {{name: pg, kind: priority, source: [{src}], buckets: 2}}\n"
         f"  - {{name: cl, kind: priority, source: [{src}], buckets: 2}}\n"
+        f"  - {{name: rd, kind: priority, source: [{src}], buckets: 2}}\n"
         f"  - {{name: rl, kind: priority, source: [{src}], buckets: 4, max_lease_rate: {RATE}}}\n"
         f"  - {{name: bo, kind: priority, source: [{src}], buckets: 1,"
         " retry_backoff_ms: 60000}\n"
@@ -121,6 +129,42 @@ def test_a_redriven_dead_letter_is_leasable_again_with_deliveries_reset(ops) -> 
         ("d2", "redriven", 7),
     ]
     assert client.get(f"{url}/messages/d0").json()["status"] == "acked"
+
+
+def test_a_redrive_whose_answer_was_lost_is_redriven_not_an_error(
+    ops, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The command's first redrive reaches the broker, but the connection drops before
+    its answer (injected in the client's transport, after the real request: the rest is
+    real). Its retry finds the message already redriven: that attempt's doing."""
+    nodes, client, warehouse = ops
+    fill(warehouse, "rd", buffer_rows([3], TWO, "lost"))
+    url = f"{leader_of(nodes, client).url}/v1/topics/rd"
+    [msg] = lease(client, url, "w")
+    assert client.post(f"{url}/rejections", json={"consumer_id": "w", "ids": [msg["id"]]})
+    dropped: list[str] = []
+
+    def dropping(*args: Any, **kwargs: Any) -> Client:
+        c = connect(*args, **kwargs)
+        real = c._http.request
+
+        def request(node: str, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+            answer = real(node, method, path, body, **kw)
+            if path.endswith("/redrive") and not dropped:
+                dropped.append(path)
+                raise Lost("the connection dropped before the answer")
+            return answer
+
+        c._http.request = request
+        return c
+
+    monkeypatch.setattr(operations, "connect", dropping)
+    command = ["redrive", "--topic", "rd", "--id", msg["id"], "--broker", nodes[0].url]
+    assert main(command) == 0
+    out, err = capsys.readouterr()
+    assert dropped and out == "redriven 0\n"
+    assert err == f'"{msg["id"]}" {EARLIER}\n'
+    assert client.get(f"{url}/messages/{msg['id']}").json()["status"] == "pending"
 
 
 def test_a_command_given_a_wrong_broker_address_fails_at_once() -> None:

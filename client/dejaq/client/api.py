@@ -398,14 +398,18 @@ class Client:
     ) -> Redriven:
         """Dead messages (`ids`, or `every` one of the topic) pending again, deliveries
         from 0, at a new priority or deliver_at if given. Once per death: a retried call
-        counts what the lost attempt redrove as skipped, `already_redriven`."""
+        counts what the lost attempt redrove as skipped, `already_redriven`, and says that
+        an earlier attempt may have been applied (`maybe_applied`)."""
         body: dict[str, Any] = {"all": every}
         if ids is not None:
             body["ids"] = list(ids)
         for name, value in (("priority", priority), ("deliver_at", deliver_at)):
             if value is not None:
                 body[name] = value
-        return self._model(Redriven, "POST", f"/v1/topics/{topic}/dead-letters/redrive", body)
+        answer = self._send("POST", f"/v1/topics/{topic}/dead-letters/redrive", body)
+        result = decode(Redriven, answer.response.json())
+        object.__setattr__(result, "maybe_applied", answer.maybe_applied)  # frozen
+        return result
 
     # --- schedules (cron topics) -------------------------------------------------------
 

@@ -235,6 +235,9 @@ class Redriven:
     redriven: int
     # ids given but left as they were, and why: already_redriven, already_settled, not_dead
     skipped: dict[str, str]
+    # An earlier attempt of this call, whose answer was lost, may have been applied: an
+    # id skipped as already_redriven is then most likely that attempt's doing.
+    maybe_applied: bool = field(default=False, init=False)
 
 
 @dataclass(frozen=True)
