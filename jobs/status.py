@@ -1,5 +1,7 @@
 """`dejaq status --topic NAME [--broker URL]`: how much is buffered, quarantined, and
 not yet ingested; retention's last run; with a broker, each node's index and memory.
+Exit 1 when a check fails: Kafka or a source topic missing, a node unreachable, or a
+node's checkpoints failing.
 
 Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log,
 Kafka's end offsets and the nodes' `/v1/cluster`, so it answers in a second while the
@@ -57,6 +59,8 @@ def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
 
 
 def kafka_end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[str, dict[str, int]]:
+    """Each topic's end offset per partition; none for a topic Kafka does not show (absent,
+    misspelt, or not visible to this user)."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(
@@ -71,19 +75,25 @@ def kafka_end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[str, dict[s
         ends = consumer.end_offsets(tps) if tps else {}
     finally:
         consumer.close()
-    out: dict[str, dict[str, int]] = {}
+    out: dict[str, dict[str, int]] = {t: {} for t in topics}
     for tp, end in ends.items():
-        out.setdefault(tp.topic, {})[str(tp.partition)] = end
+        out[tp.topic][str(tp.partition)] = end
     return out
 
 
-def ingest_lag(kafka: KafkaConfig, topics: list[str], checkpoint: str) -> dict[str, int]:
+def ingest_lag(
+    kafka: KafkaConfig, topics: list[str], checkpoint: str
+) -> tuple[dict[str, int], list[str]]:
+    """Records not yet ingested per `topic/partition`, and the source topics Kafka does not
+    show: their lag is unknown, not 0."""
     done = committed_offsets(checkpoint)
-    return {
+    ends = kafka_end_offsets(kafka, topics)
+    lag = {
         f"{t}/{p}": end - done.get(t, {}).get(p, 0)
-        for t, parts in kafka_end_offsets(kafka, topics).items()
+        for t, parts in ends.items()
         for p, end in sorted(parts.items(), key=lambda kv: int(kv[0]))
     }
+    return lag, [t for t, parts in ends.items() if not parts]
 
 
 def last_retention(buffer_path: str, look_back: int = 200) -> str:
@@ -100,11 +110,19 @@ def last_retention(buffer_path: str, look_back: int = 200) -> str:
                 f"{at:%Y-%m-%d %H:%M:%S} UTC, removed {commit[OPERATION]} settled; "
                 f"everything settled before {upto:%Y-%m-%d %H:%M:%S} UTC is gone"
             )
+    if (upto_ms := watermark(table)) > 0:  # every run commits it: one ran, further back
+        upto = dt.datetime.fromtimestamp(upto_ms / 1000, dt.UTC)
+        return (
+            f"not in the last {look_back} commits; "
+            f"everything settled before {upto:%Y-%m-%d %H:%M:%S} UTC is gone"
+        )
     return "none yet"
 
 
-def print_nodes(url: str, topic: str, token: str | None, cacert: str | None) -> None:
-    """Each node's role, resident memory, index and view of the buffer."""
+def print_nodes(url: str, topic: str, token: str | None, cacert: str | None) -> bool:
+    """Each node's role, resident memory, index and view of the buffer; whether every node
+    answered and none has checkpoints failing."""
+    ok = True
     with connect(url, timeout=10, token=token, cacert=cacert) as client:
         nodes = client.cluster().nodes
         scheme = client.node.partition("://")[0]
@@ -115,6 +133,7 @@ def print_nodes(url: str, topic: str, token: str | None, cacert: str | None) -> 
                 view = client.cluster()
         except BrokerError as e:
             print(f"  {http:<22} unreachable ({e})")
+            ok = False
             continue
         t = view.topics.get(topic)
         line = f"  {view.node_id:<6} {view.role:<9} rss {view.resident_bytes / 2**20:,.0f} MiB"
@@ -136,7 +155,9 @@ def print_nodes(url: str, topic: str, token: str | None, cacert: str | None) -> 
                 )
                 if lag.failing:
                     line += f"\n         CHECKPOINTS FAILING {lag.failing}"
+                    ok = False
         print(line)
+    return ok
 
 
 def run(
@@ -154,9 +175,10 @@ def run(
         print(f"{table.value:<11} {'no table yet' if n is None else n}")
     print(f"retention   {last_retention(table_path(settings.warehouse, Table.BUFFER, topic))}")
     print(f"warehouse   {describe(settings)}")
+    nodes_ok = True
     if broker:
         try:
-            print_nodes(broker, topic, token, cacert)
+            nodes_ok = print_nodes(broker, topic, token, cacert)
         except BrokerError as e:
             print(f"nodes       unknown: the broker at {broker} does not answer ({e})")
             return 1
@@ -165,7 +187,7 @@ def run(
         print(f"ingest lag  unknown: {why}")
         return 1
     try:
-        lag = ingest_lag(
+        lag, missing = ingest_lag(
             settings.kafka,
             conf.source,
             checkpoint_path(settings.warehouse, "ingest", topic),
@@ -173,7 +195,13 @@ def run(
     except KafkaError as e:
         print(f"ingest lag  unknown: Kafka at {settings.kafka.bootstrap} does not answer ({e})")
         return 1
-    print(f"ingest lag  {sum(lag.values())}")
+    if missing:
+        print(
+            f"ingest lag  unknown: Kafka at {settings.kafka.bootstrap} has no source topic "
+            f"{', '.join(missing)} (or this user may not see it)"
+        )
+    else:
+        print(f"ingest lag  {sum(lag.values())}")
     for part, n in lag.items():
         print(f"  {part:<30} {n}")
-    return 0
+    return 0 if nodes_ok and not missing else 1

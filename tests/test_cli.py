@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import signal
 import subprocess
@@ -9,13 +10,21 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import wait_until
+from deltalake import CommitProperties, DeltaTable, Transaction
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from test_broker import buffer_rows, fill
+from test_broker_cluster import follower, leader_of, start, stop
 
+from dejaq.conf.tables import Table, table_path
+from dejaq.jobs import cluster
 from dejaq.jobs.children import wait_for_port
 from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
+from dejaq.jobs.status import last_retention
+from dejaq.pipelines.retention import APP_ID, OPERATION
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 
@@ -201,3 +210,71 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     result = run("doctor", "--conf-file", str(conf))
     assert result.returncode == 2
     assert "kafka.bootstrap" in result.stderr
+
+
+def status_conf(tmp_path: Path, bootstrap: str, *sources: str) -> Path:
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{bootstrap}'}}\n"
+        f"topics:\n  - {{name: jobs, kind: priority, source: [{', '.join(sources)}], buckets: 2}}\n"
+    )
+    return conf
+
+
+def test_status_says_a_source_topic_kafka_lacks_and_fails(
+    tmp_path: Path, kafka_bootstrap: str, topic_factory
+) -> None:
+    """A misspelt source has no lag to show: unknown, not 0."""
+    present = topic_factory(partitions=2)
+    conf = status_conf(tmp_path, kafka_bootstrap, present, "no-such-topic")
+    result = run("status", "--topic", "jobs", "--conf-file", str(conf), timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    said = f"ingest lag  unknown: Kafka at {kafka_bootstrap} has no source topic no-such-topic"
+    assert said in result.stdout
+    lines = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
+    assert lines == [[f"{present}/0", "0"], [f"{present}/1", "0"]]
+    spelt_right = status_conf(tmp_path, kafka_bootstrap, present)
+    assert run("status", "--topic", "jobs", "--conf-file", str(spelt_right)).returncode == 0
+
+
+def test_status_finds_a_retention_run_older_than_the_commits_it_reads(tmp_path: Path) -> None:
+    """Retention commits its watermark with every run: a run further back than the
+    commits looked at is still a run, not none."""
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([1, 2]))
+    path = table_path(warehouse, Table.BUFFER, "jobs")
+    assert last_retention(path) == "none yet"
+    buffer = DeltaTable(path)
+    cutoff = int(dt.datetime(2030, 1, 2, 3, 4, 5, tzinfo=dt.UTC).timestamp() * 1000)
+    run = CommitProperties(
+        app_transactions=[Transaction(APP_ID, cutoff)], custom_metadata={OPERATION: "0"}
+    )
+    buffer.create_write_transaction(
+        [], mode="append", schema=buffer.schema(), commit_properties=run
+    )
+    assert "removed 0 settled" in last_retention(path)
+    for i in range(3):
+        fill(warehouse, "jobs", buffer_rows([3], prefix=f"later{i}-"))
+    assert last_retention(path, look_back=3) == (
+        "not in the last 3 commits; everything settled before 2030-01-02 03:04:05 UTC is gone"
+    )
+
+
+def test_status_with_a_node_down_names_it_and_fails(
+    tmp_path: Path, kafka_bootstrap: str, kafka_source: str
+) -> None:
+    conf = status_conf(tmp_path, kafka_bootstrap, kafka_source)
+    nodes = start(tmp_path, conf)
+    try:
+        with httpx.Client(timeout=10) as client:
+            down = follower(nodes, client)
+            alive = leader_of(nodes, client)
+        assert alive is not None
+        cluster.stop_node(down, kill=True)  # gone without leaving: still registered
+        result = run("status", "--topic", "jobs", "--conf-file", str(conf), "--broker", alive.url)
+    finally:
+        stop(nodes)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"{down.http} " in result.stdout and "unreachable" in result.stdout
+    assert "ingest lag  0" in result.stdout  # the rest is still shown
