@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -105,22 +106,25 @@ def test_quarantine_command_pages_through_every_record(tmp_path: Path) -> None:
     path = ensure_table(str(warehouse), Table.QUARANTINE, "jobs")
     write_deltalake(path, quarantine_rows(5), mode="append")
     base = [*DEJAQ, "quarantine", "--topic", "jobs", "--limit", "2", "--conf-file", str(conf)]
-    offsets, after, pages = [], [], 0
-    while True:
-        cli = subprocess.run([*base, *after], capture_output=True, text=True, timeout=60)
+    offsets, command, pages = [], base, 0
+    while True:  # each next page by the command the last one printed, as printed
+        cli = subprocess.run(command, capture_output=True, text=True, timeout=60)
         assert cli.returncode == 0, cli.stderr
         pages += 1
         rows = [json.loads(line) for line in cli.stdout.splitlines()]
-        assert rows and all(r["reason"] == "invalid_priority" for r in rows)
+        assert 0 < len(rows) <= 2 and all(r["reason"] == "invalid_priority" for r in rows)
         offsets += [r["source_offset"] for r in rows]
         if not cli.stderr:
             break
         more = cli.stderr.strip()
-        assert more.startswith("more: dejaq quarantine --topic jobs --after ")
-        after = ["--after", more.rsplit(" ", 1)[1]]
+        assert more.startswith(
+            f"more: dejaq quarantine --topic jobs --limit 2 --conf-file {conf} --after "
+        )
+        command = [*DEJAQ, *shlex.split(more.removeprefix("more: dejaq "))]
     assert (offsets, pages) == ([0, 1, 2, 3, 4], 3)
     bad = subprocess.run([*base, "--after", "x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--after" in bad.stderr
+    ensure_table(str(warehouse), Table.DEAD_LETTER, "jobs")
     empty = subprocess.run(
         [*DEJAQ, "dead", "--topic", "jobs", "--conf-file", str(conf)],
         capture_output=True,
@@ -128,6 +132,27 @@ def test_quarantine_command_pages_through_every_record(tmp_path: Path) -> None:
         timeout=60,
     )
     assert (empty.returncode, empty.stdout, empty.stderr) == (0, "", "")
+
+
+def test_a_listing_of_a_wrong_warehouse_fails_naming_the_table_and_makes_nothing(
+    tmp_path: Path,
+) -> None:
+    """An empty answer would read as "nothing died"; a table made there, as a warehouse."""
+    warehouse = tmp_path / "misspelt"
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {warehouse}\ntopics:\n  - {{name: jobs, kind: priority, source: [in]}}\n"
+    )
+    for command, table in (("dead", "dead_letter"), ("quarantine", "quarantine")):
+        cli = subprocess.run(
+            [*DEJAQ, command, "--topic", "jobs", "--conf-file", str(conf)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert (cli.returncode, cli.stdout) == (1, ""), cli.stderr
+        assert f"error: no {table} table at {warehouse}/{table}/jobs" in cli.stderr
+    assert not warehouse.exists()
 
 
 def test_quarantined_records_past_their_retention_are_deleted_and_the_rest_kept(
