@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import ipaddress
+import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,7 +16,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-VALID_DAYS = 365
+VALID_DAYS = 365  # a certificate's, within its CA's
+CA_VALID_DAYS = 3650
+# A CA this close to its end is not reused: what it signed would stop working soon after.
+CA_LEFT_AT_LEAST = dt.timedelta(days=30)
+NAME = re.compile(r"[A-Za-z0-9._-]+")
 
 
 @dataclass(frozen=True)
@@ -46,6 +52,7 @@ class Authority:
         if client:
             usages.append(ExtendedKeyUsageOID.CLIENT_AUTH)
         now = dt.datetime.now(dt.UTC)
+        until = min(now + dt.timedelta(days=VALID_DAYS), ca_cert.not_valid_after_utc)
         cert = (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
@@ -53,7 +60,7 @@ class Authority:
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
             .not_valid_before(now - dt.timedelta(minutes=5))
-            .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+            .not_valid_after(until)
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
@@ -62,21 +69,84 @@ class Authority:
         return Issued(_write_cert(folder, name, cert), _write_key(folder, name, key))
 
 
-def run(folder: Path, hosts: list[str]) -> int:
-    """`dejaq certs DIR HOST...`: a CA in DIR (made once, then reused) and a certificate
-    for HOSTs signed by it, for nodes serving HTTPS; prints the files."""
+def run(folder: Path, hosts: list[str], name: str = "node", force: bool = False) -> int:
+    """`dejaq certs DIR HOST... [--name NAME] [--force]`: a CA in DIR (made once, then
+    reused while it has a month left) and a certificate for HOSTs signed by it, as
+    NAME.pem and NAME-key.pem, for nodes serving HTTPS; prints the files. Another host's
+    certificate under that name is not replaced without `force`."""
+    if not NAME.fullmatch(name) or name == "ca":
+        print(f"error: --name {name!r}: letters, digits and ._- (not 'ca')", file=sys.stderr)
+        return 2
+    hosts = hosts or ["127.0.0.1", "localhost"]
     ca = Authority(folder / "ca.pem", folder / "ca-key.pem")
+    why = _unfit(ca) if ca.cert.exists() else None
+    if why is None and not force:
+        why = _taken(folder / f"{name}.pem", hosts)
+    if why is not None:
+        print(f"error: {why}", file=sys.stderr)
+        return 1
     if not ca.cert.exists():
         ca = new_authority(folder)
-    issued = ca.issue(folder, "node", hosts or ["127.0.0.1", "localhost"], client=True)
+    issued = ca.issue(folder, name, hosts, client=True)
     print(f"ca:   {ca.cert}  (give it to clients: --cacert, Client(verify=...))")
     print(f"cert: {issued.cert}")
     print(f"key:  {issued.key}")
     return 0
 
 
-def new_authority(folder: Path, name: str = "dejaq-local-ca") -> Authority:
-    """A fresh self-signed CA in `folder` (`ca.pem`, `ca-key.pem`)."""
+def _unfit(ca: Authority) -> str | None:
+    """Why the CA in place must not sign another certificate, if so."""
+    if not ca.key.exists():
+        return f"{ca.cert} has no key beside it ({ca.key}) to sign with"
+    ends = x509.load_pem_x509_certificate(ca.cert.read_bytes()).not_valid_after_utc
+    if ends - dt.datetime.now(dt.UTC) >= CA_LEFT_AT_LEAST:
+        return None
+    state = "expired" if ends <= dt.datetime.now(dt.UTC) else "expires"
+    return (
+        f"the CA {ca.cert} {state} {ends:%Y-%m-%d %H:%M} UTC: move {ca.cert.name} and "
+        f"{ca.key.name} out of {ca.cert.parent} to make a new CA, issue every node's "
+        "certificate again, and give clients the new CA"
+    )
+
+
+def _taken(cert: Path, hosts: list[str]) -> str | None:
+    """Why `cert` may not be replaced by one for `hosts`: it is another host's."""
+    if not cert.exists():
+        return None
+    held = hosts_of(cert)
+    if held == {_host(h) for h in hosts}:
+        return None  # the same host's, issued again
+    named = ", ".join(sorted(held)) if held else "other hosts"
+    return (
+        f"{cert} is the certificate of {named}: give this one a name of its own "
+        f"(--name), or --force to replace it"
+    )
+
+
+def hosts_of(cert: Path) -> set[str]:
+    """The names and addresses a certificate is for (none, if it names none)."""
+    try:
+        loaded = x509.load_pem_x509_certificate(cert.read_bytes())
+        names = loaded.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound):
+        return set()
+    return {str(v).lower() for v in names.get_values_for_type(x509.DNSName)} | {
+        str(v) for v in names.get_values_for_type(x509.IPAddress)
+    }
+
+
+def _host(host: str) -> str:
+    """A host as `hosts_of` gives it: an address in its canonical form, a name lower-case."""
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return host.lower()
+
+
+def new_authority(
+    folder: Path, name: str = "dejaq-local-ca", days: int = CA_VALID_DAYS
+) -> Authority:
+    """A fresh self-signed CA in `folder` (`ca.pem`, `ca-key.pem`), valid `days`."""
     key = ec.generate_private_key(ec.SECP256R1())
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
     now = dt.datetime.now(dt.UTC)
@@ -87,7 +157,7 @@ def new_authority(folder: Path, name: str = "dejaq-local-ca") -> Authority:
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - dt.timedelta(minutes=5))
-        .not_valid_after(now + dt.timedelta(days=VALID_DAYS))
+        .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .add_extension(
             x509.KeyUsage(

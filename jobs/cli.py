@@ -85,7 +85,7 @@ def _listing(table: str) -> Callable[[argparse.Namespace], int]:
 def _certs(args: argparse.Namespace) -> int:
     from dejaq.jobs import certificates
 
-    return certificates.run(Path(args.dir), args.hosts)
+    return certificates.run(Path(args.dir), args.hosts, args.name, args.force)
 
 
 def _keys(args: argparse.Namespace) -> int:
@@ -161,6 +161,10 @@ def _parser() -> argparse.ArgumentParser:
     ce = add("certs", _certs, "Make a local CA and a certificate for nodes serving HTTPS.")
     ce.add_argument("dir", help="where the PEM files go (a CA there is reused)")
     ce.add_argument("hosts", nargs="*", help="names and addresses (default: 127.0.0.1 localhost)")
+    ce.add_argument(
+        "--name", default="node", help="the files' name: NAME.pem, NAME-key.pem (default node)"
+    )
+    ce.add_argument("--force", action="store_true", help="replace another host's NAME.pem")
 
     operations.add_redrive(
         add("redrive", _operation("redrive"), "Make a topic's dead letters leasable again.")

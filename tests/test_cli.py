@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import wait_until
+from cryptography import x509
 from deltalake import CommitProperties, DeltaTable, Transaction
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from test_broker import buffer_rows, fill
@@ -20,6 +21,7 @@ from test_broker_cluster import follower, leader_of, start, stop
 
 from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import cluster
+from dejaq.jobs.certificates import hosts_of, new_authority
 from dejaq.jobs.children import wait_for_port
 from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
@@ -278,3 +280,47 @@ def test_status_with_a_node_down_names_it_and_fails(
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{down.http} " in result.stdout and "unreachable" in result.stdout
     assert "ingest lag  0" in result.stdout  # the rest is still shown
+
+
+def test_certs_refuses_a_ca_at_or_near_its_end(tmp_path: Path) -> None:
+    """What such a CA signed would stop working within weeks, or at once."""
+    for days, state in ((10, "expires"), (0, "expired")):
+        pki = tmp_path / f"pki-{days}"
+        ca = new_authority(pki, days=days).cert.read_bytes()
+        result = run("certs", str(pki), "127.0.0.1")
+        assert result.returncode == 1, result.stdout
+        assert f"error: the CA {pki / 'ca.pem'} {state} " in result.stderr
+        assert "make a new CA" in result.stderr
+        assert (pki / "ca.pem").read_bytes() == ca and not (pki / "node.pem").exists()
+    fresh = run("certs", str(tmp_path / "pki"), "127.0.0.1")
+    assert fresh.returncode == 0, fresh.stderr
+    ca = x509.load_pem_x509_certificate((tmp_path / "pki" / "ca.pem").read_bytes())
+    node = x509.load_pem_x509_certificate((tmp_path / "pki" / "node.pem").read_bytes())
+    assert ca.not_valid_after_utc - dt.datetime.now(dt.UTC) > dt.timedelta(days=3000)
+    assert node.not_valid_after_utc <= ca.not_valid_after_utc
+
+
+def test_certs_for_a_second_host_keep_the_first_hosts(tmp_path: Path) -> None:
+    """One CA signs every node's certificate; one node's is not replaced by another's."""
+    pki = tmp_path / "pki"
+    assert run("certs", str(pki), "127.0.0.1").returncode == 0
+    first = (pki / "node.pem").read_bytes(), (pki / "node-key.pem").read_bytes()
+    other = run("certs", str(pki), "b2.example.com")
+    assert other.returncode == 1
+    assert f"{pki / 'node.pem'} is the certificate of 127.0.0.1" in other.stderr
+    assert "--name" in other.stderr and "--force" in other.stderr
+    assert ((pki / "node.pem").read_bytes(), (pki / "node-key.pem").read_bytes()) == first
+    named = run("certs", str(pki), "b2.example.com", "--name", "b2")
+    assert named.returncode == 0, named.stderr
+    assert hosts_of(pki / "b2.pem") == {"b2.example.com"}
+    assert hosts_of(pki / "node.pem") == {"127.0.0.1"}
+    ca = x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes())
+    for name in ("node", "b2"):
+        issued = x509.load_pem_x509_certificate((pki / f"{name}.pem").read_bytes())
+        issued.verify_directly_issued_by(ca)  # raises if another CA's
+    again = run("certs", str(pki), "127.0.0.1")  # the same host's, issued again
+    assert again.returncode == 0 and (pki / "node.pem").read_bytes() != first[0]
+    forced = run("certs", str(pki), "b3.example.com", "--force")
+    assert forced.returncode == 0 and hosts_of(pki / "node.pem") == {"b3.example.com"}
+    assert run("certs", str(pki), "x", "--name", "ca").returncode == 2  # not the CA's files
+    assert x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes()) == ca
