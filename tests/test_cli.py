@@ -224,14 +224,15 @@ def status_conf(tmp_path: Path, bootstrap: str, *sources: str) -> Path:
     return conf
 
 
-def test_status_says_a_source_topic_kafka_lacks_and_fails(
+def test_status_says_a_source_topic_kafka_lacks(
     tmp_path: Path, kafka_bootstrap: str, topic_factory
 ) -> None:
-    """A misspelt source has no lag to show: unknown, not 0."""
+    """A source not made yet, or misspelt, has no lag to show: unknown, not 0. No failed
+    check: the ingest waits for it (the quick start asks for status before producing)."""
     present = topic_factory(partitions=2)
     conf = status_conf(tmp_path, kafka_bootstrap, present, "no-such-topic")
     result = run("status", "--topic", "jobs", "--conf-file", str(conf), timeout=60)
-    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr
     said = f"ingest lag  unknown: Kafka at {kafka_bootstrap} has no source topic no-such-topic"
     assert said in result.stdout
     lines = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
