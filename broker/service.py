@@ -307,7 +307,7 @@ class Broker:
                     continue
                 if not self._registered():
                     committed(raft.state.register, self.raft_addr, self.http_addr, timeout=2)
-                if not raft.is_leader():
+                if not raft.leading():
                     continue
                 for name, cfg in self.topics.items():
                     st = self.state(name)

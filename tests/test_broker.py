@@ -2081,6 +2081,59 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     assert in_log_at_apply == {"a": 2, "b": 1}
 
 
+def test_a_new_leader_answers_only_once_it_applied_the_last_terms_commits(
+    tmp_path: Path,
+) -> None:
+    """Three real Raft nodes. The leader commits a lease and stops before a heartbeat
+    tells the followers it committed; one of them is elected. PySyncObj calls it leader
+    at once, before it applies the lease (it learns of the commit with its own first
+    entry's): an ack by id read from that state would be refused as not leased. The
+    leader-only routes' gate (`on_leader`) lets a request through only once the lease is
+    applied."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from dejaq.broker.api.dependencies import on_leader
+
+    nodes = _raft_nodes(tmp_path)
+    elected: dict[str, Any] = {}
+
+    def watch(node: Any) -> None:
+        become = node.sync._SyncObj__onBecomeLeader
+
+        def became() -> None:
+            become()
+            st = node.state.topics["t"]
+            elected["at once"] = (node.leading(), st.receipts_of(["m"]))
+            gate = on_leader(SimpleNamespace(headers={}), SimpleNamespace(raft=node))
+            gated = asyncio.ensure_future(gate)
+            gated.add_done_callback(lambda _: elected.setdefault("gated", st.receipts_of(["m"])))
+
+        node.sync._SyncObj__onBecomeLeader = became
+
+    async def scenario() -> None:
+        leader = await _leader_once_attached(nodes)
+        await leader.commit("t", "touch", "c", 0)
+        followers = [n for n in nodes if n is not leader]
+        await _until(lambda: all(f.leader() == leader.raft_addr for f in followers), "followers")
+        leader.sync.conf.appendEntriesPeriod = 3600.0  # no heartbeat carries the next commit
+        picks = packed([("m", 0, 1)])
+        await leader.commit("t", "lease", "c", 1, 60_000, picks, None, True, None)
+        leader.detach()
+        for follower in followers:
+            watch(follower)
+        await _until(lambda: "gated" in elected, "a new leader through the gate")
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    leading, receipts = elected["at once"]
+    assert (leading, receipts) == (False, ([], {"m": Refusal.NOT_LEASED})), "not applied yet"
+    assert elected["gated"] == ([1 << POSITION_BITS], {}), "the lease, applied before an answer"
+
+
 def test_a_command_that_raises_fails_alone_and_the_log_goes_on(tmp_path: Path) -> None:
     """Three real Raft nodes. A command on a topic no node configures (a leader started
     with a topic its followers lack) raises on every node: that is its result, by the

@@ -18,6 +18,9 @@ from dejaq.broker.service import Broker, Problem, Producer
 
 PROBLEM = "application/problem+json"
 NOT_LEADER = "not leader"
+# The longest a request waits for a new leader to apply the last term's entries: less
+# than a follower waits for a forward's answer (`app.FORWARD_STALL_S`).
+CATCH_UP_WAIT_S = 1.0
 
 
 class ForwardToLeader(Exception):
@@ -37,9 +40,21 @@ AnyProducer = Annotated[Producer, Depends(get_producer)]
 
 
 async def on_leader(request: Request, broker: AnyBroker) -> Broker:
-    """Dependency of leader-only routes."""
-    if broker.raft is not None and broker.raft.is_leader():
-        return broker
+    """Dependency of leader-only routes (the hot path's too: it leaves a leader not yet
+    `leading` to them). A new leader answers once it has applied what the cluster
+    committed before its term, or 503s after CATCH_UP_WAIT_S: its state would lack
+    leases and acks that are final."""
+    raft = broker.raft
+    if raft is not None and raft.is_leader():
+        if await raft.lead(CATCH_UP_WAIT_S):
+            return broker
+        if raft.is_leader():
+            raise Problem(
+                503,
+                "leader catching up",
+                "the new leader has not yet applied what the last one committed; retry",
+                retry_after=1,
+            )
     if request.headers.get(FORWARDED):
         raise Problem(503, NOT_LEADER, "the node this was forwarded to is no longer leader")
     raise ForwardToLeader()

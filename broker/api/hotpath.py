@@ -3,8 +3,9 @@
 Routing, dependency injection and pydantic validation cost more CPU than leasing a
 message does. This ASGI middleware answers a lease or ack on the leader when the request
 is plainly valid (same limits as the models in `broker.routers`); anything else (a
-follower, an unknown topic, a body needing coercion or giving a validation error) goes
-to FastAPI untouched, body replayed, so errors and forwarding keep one implementation.
+follower, a new leader not yet `leading`, an unknown topic, a body needing coercion or
+giving a validation error) goes to FastAPI untouched, body replayed, so errors,
+forwarding and waiting for a new leader keep one implementation.
 
 Bodies are parsed by orjson: a lease or ack body in ~0.3 µs, where `json.loads` takes
 ~2 µs, twice per message at batch 1. What orjson refuses and `json` would take (UTF-16,
@@ -60,7 +61,7 @@ class HotPath:
             route is None
             or route[1] not in self.broker.topics
             or raft is None
-            or not raft.is_leader()
+            or not raft.leading()
             or not _is_json(scope)
         ):
             return await self.app(scope, receive, send)

@@ -73,6 +73,7 @@ if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
 MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit (not apply)
 MAX_GROUP = 256  # commands per entry
 COMMIT_TIMEOUT_S = 5.0
+CATCH_UP_STEP_S = 0.005  # `RaftNode.lead` looks again after this
 TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
 ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader for 300 ms
 WARN_LAG_S = ELECTION_TIMEOUT_S[0] / 2
@@ -348,6 +349,9 @@ class _SyncObj(SyncObj):
         # meanwhile. And those appended so, by their log entry's id.
         self._next_own = threading.local()
         self._own: dict[int, tuple[bytes, Callable[[], Any]]] = {}
+        # The index of the first entry of this node's current term as leader (None while
+        # it becomes leader): `RaftNode.leading`.
+        self.term_start: int | None = None
         super().__init__(*args, **kwargs)
 
     @contextmanager
@@ -413,6 +417,14 @@ class _SyncObj(SyncObj):
         _apply_log_entries(self)
         return False
 
+    def _SyncObj__onBecomeLeader(self) -> None:  # overrides SyncObj.__onBecomeLeader
+        """Note the index of the no-op entry PySyncObj appends on becoming leader: only
+        once that is applied has this node applied every entry committed before its term
+        (a new leader learns of their commit with its first own entry's)."""
+        self.term_start = None
+        _on_become_leader(self)
+        self.term_start = self._SyncObj__noopIDx
+
     def _SyncObj__connectedToAnyone(self) -> bool:  # overrides SyncObj.__connectedToAnyone
         """Asked by a tick only once the election deadline has passed: read what peers sent
         first, so a follower whose process stalled (a pause, a stop, a starved core) does
@@ -451,6 +463,7 @@ _apply_log_entries = SyncObj._SyncObj__applyLogEntries  # type: ignore[attr-defi
 _do_apply_command = SyncObj._SyncObj__doApplyCommand  # type: ignore[attr-defined]
 _on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
 _connected_to_anyone = SyncObj._SyncObj__connectedToAnyone  # type: ignore[attr-defined]
+_on_become_leader = SyncObj._SyncObj__onBecomeLeader  # type: ignore[attr-defined]
 
 
 class Listener(Protocol):
@@ -728,6 +741,28 @@ class RaftNode:
 
     def is_leader(self) -> bool:
         return self.sync._isLeader()
+
+    def leading(self) -> bool:
+        """Leader, with every entry committed before its term applied here. Until then
+        its state lacks commands the cluster committed (PySyncObj says leader at once,
+        and applies them once its own first entry commits): an answer read from it would
+        refuse an ack of a lease it has not applied yet, say."""
+        sync = self.sync
+        if not sync._isLeader():  # before `term_start`: becoming leader resets it first
+            return False
+        start = sync.term_start
+        return start is not None and sync._SyncObj__raftLastApplied >= start
+
+    async def lead(self, wait_s: float) -> bool:
+        """Whether this node is `leading`, waiting up to `wait_s` while it leads and
+        applies the entries committed before its term."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        while not self.leading():
+            if not self.is_leader() or loop.time() >= deadline:
+                return False
+            await asyncio.sleep(CATCH_UP_STEP_S)
+        return True
 
     def leader(self) -> str | None:
         node = self.sync._getLeader()
