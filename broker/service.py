@@ -206,7 +206,8 @@ class Broker:
             listener=self,
         )
         self.raft.on_lag = self.metrics.loop_lag.observe
-        for target in (self._follow_tables, self._leader_duties, self._retention):
+        duties = (self._follow_tables, self._leader_duties, self._checkpoints_duty, self._retention)
+        for target in duties:
             t = threading.Thread(target=target, name=target.__name__, daemon=True)
             t.start()
             self._threads.append(t)
@@ -296,9 +297,9 @@ class Broker:
                 seen[key] = totals.get(key, 0)
 
     def _leader_duties(self) -> None:
-        """Register our HTTP address; on the leader: configure topics, expire leases,
-        checkpoint the ledger."""
-        last_checkpoint = time.monotonic()
+        """Register our HTTP address; on the leader: configure topics, expire leases and
+        consumers. Checkpoints run on their own thread (`_checkpoints_duty`): on a slow
+        object store they would hold up expiry, a lease kept past its deadline."""
         while not self._stopping.wait(DUTY_PERIOD_S):
             raft = self.raft
             assert raft is not None
@@ -316,13 +317,26 @@ class Broker:
                     if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
                         args = (now, self.conf.heartbeat_timeout_ms, _backoff(cfg))
                         committed(raft.state.command, name, "expire", args, timeout=2)
-                if time.monotonic() - last_checkpoint >= CHECKPOINT_PERIOD_S:
-                    last_checkpoint = time.monotonic()
-                    self._checkpoint()
             except NotCommitted as e:  # a leader change: the next round asks again
                 log.warning("leader duties: %s; retrying", e)
             except Exception:
                 log.exception("leader duties failed; retrying")
+
+    def _checkpoints_duty(self) -> None:
+        """On the leader: checkpoint the ledger every CHECKPOINT_PERIOD_S, or as soon as
+        the last one ends if it took longer."""
+        began = time.monotonic()
+        while not self._stopping.wait(max(0.0, began + CHECKPOINT_PERIOD_S - time.monotonic())):
+            began = time.monotonic()
+            raft = self.raft
+            if raft is None or not raft.leading():
+                continue
+            try:
+                self._checkpoint()
+            except NotCommitted as e:  # a leader change: the next round asks again
+                log.warning("checkpoints: %s; retrying", e)
+            except Exception:
+                log.exception("checkpoints failed; retrying")
 
     def _configure(self, name: str, cfg: TopicConfig, st: TopicState) -> None:
         """Commit the topic's `buckets` and `max_deliveries` from this node's configuration

@@ -608,6 +608,34 @@ def test_a_message_named_twice_in_one_request_is_settled_and_counted_once(tmp_pa
     assert (nope, list(refused), bad, list(bad_refused)) == (0, ["nope"], 0, [12345 << 20])
 
 
+def test_a_lease_expires_on_time_while_a_checkpoint_hangs(tmp_path: Path) -> None:
+    """The object store hangs inside a checkpoint: lease expiry goes on (its own thread),
+    so a 200 ms lease is back to pending within its time and a few duty periods."""
+    from dejaq.broker.service import DUTY_PERIOD_S
+
+    entered, release = threading.Event(), threading.Event()
+
+    def hanging(name: str) -> None:
+        entered.set()
+        release.wait()
+
+    async def scenario(broker: Any) -> tuple[list[str], float]:
+        broker._checkpoint_topic = hanging
+        await _until(entered.is_set, "a checkpoint under way")
+        leased = json.loads(await broker.lease("jobs", "w", 1, 200, 0))
+        began, st = time.monotonic(), broker.state("jobs")
+        try:
+            await _until(lambda: st.lease_of("m1") is None, "the lease expired")
+        finally:
+            release.set()
+        took = time.monotonic() - began
+        return [m["id"] for m in leased], took
+
+    leased, took = on_one_node(tmp_path, scenario)
+    assert leased == ["m1"]
+    assert took < 0.2 + 2 * DUTY_PERIOD_S + 1.0, f"expired after {took:.2f} s"
+
+
 def run_node(
     settings: Any, raft: str, data_dir: Path, scenario: Callable[[Any], Awaitable[T]]
 ) -> T:
