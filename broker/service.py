@@ -224,6 +224,9 @@ class Broker:
     def ready(self) -> tuple[bool, str]:
         if self.raft is None or not all(i.loaded for i in self.indexes.values()):
             return False, "indexes loading"
+        ended = [t.name for t in self._threads if not t.is_alive()]
+        if ended:  # its duty undone for good: expiry, checkpoints, indexing new rows
+            return False, f"background thread {', '.join(ended)} ended; restart the node"
         if self.raft.leader() is None:
             return False, "no Raft leader"
         if not self.raft.sync.isReady():
@@ -260,11 +263,15 @@ class Broker:
                     index.narrow_ids()
                     index.shrink()
                     index.release_columns()
-                except Exception:
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # a panic in the core too: the thread must go on
                     log.exception("refreshing the index of %s failed", name)
             try:  # reads Raft's state while the event loop changes it: never end the thread
                 self._publish_metrics()
-            except Exception:
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:
                 log.exception("publishing metrics failed")
 
     def _publish_metrics(self) -> None:
@@ -319,7 +326,9 @@ class Broker:
                         committed(raft.state.command, name, "expire", args, timeout=2)
             except NotCommitted as e:  # a leader change: the next round asks again
                 log.warning("leader duties: %s; retrying", e)
-            except Exception:
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:  # a panic in the core too: the thread must go on
                 log.exception("leader duties failed; retrying")
 
     def _checkpoints_duty(self) -> None:
@@ -335,7 +344,9 @@ class Broker:
                 self._checkpoint()
             except NotCommitted as e:  # a leader change: the next round asks again
                 log.warning("checkpoints: %s; retrying", e)
-            except Exception:
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:  # a panic in the core too: the thread must go on
                 log.exception("checkpoints failed; retrying")
 
     def _configure(self, name: str, cfg: TopicConfig, st: TopicState) -> None:
@@ -358,6 +369,10 @@ class Broker:
                 self._checkpoint_topic(name)
             except Exception:  # logged once per streak by its `Health`
                 continue
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException:  # a panic in the core, which `Health` does not see
+                log.exception("checkpointing %s failed", name)
 
     def _checkpoint_topic(self, name: str) -> None:
         assert self.raft is not None
@@ -436,7 +451,9 @@ class Broker:
                     self._retain(name, cfg)
                 except NotCommitted as e:
                     log.warning("retention of %s: %s; the next round tries again", name, e)
-                except Exception:
+                except (KeyboardInterrupt, SystemExit):
+                    raise
+                except BaseException:  # a panic in the core too: the thread must go on
                     log.warning(
                         "retention of %s failed; the next round tries again", name, exc_info=True
                     )

@@ -636,6 +636,41 @@ def test_a_lease_expires_on_time_while_a_checkpoint_hangs(tmp_path: Path) -> Non
     assert took < 0.2 + 2 * DUTY_PERIOD_S + 1.0, f"expired after {took:.2f} s"
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_panic_in_a_background_duty_is_logged_and_the_duty_goes_on(tmp_path: Path) -> None:
+    """A panic in the compiled core (PyO3's PanicException, a BaseException) on the
+    leader's duties' thread: the thread logs it and goes on, so a lease still expires. A
+    thread that ends all the same (a SystemExit) makes the node unready, named."""
+    raised: list[int] = []
+
+    async def scenario(broker: Any) -> tuple[tuple[bool, str], tuple[bool, str]]:
+        await _until(lambda: broker.ready()[0], "the node ready")
+        st = broker.state("jobs")
+        needs_expiry = st.needs_expiry
+
+        def panicking_once(now: int, heartbeat_timeout_ms: int) -> bool:
+            if not raised:
+                raised.append(now)
+                raise _Panic("the core panicked")
+            return needs_expiry(now, heartbeat_timeout_ms)
+
+        def exiting(now: int, heartbeat_timeout_ms: int) -> bool:
+            raise SystemExit
+
+        st.needs_expiry = panicking_once
+        await _until(lambda: raised, "the panic")
+        leased = json.loads(await broker.lease("jobs", "w", 1, 200, 0))
+        await _until(lambda: st.lease_of(leased[0]["id"]) is None, "the lease expired")
+        after_panic = broker.ready()
+        st.needs_expiry = exiting
+        await _until(lambda: not broker.ready()[0], "the node unready")
+        return after_panic, broker.ready()
+
+    after_panic, ended = on_one_node(tmp_path, scenario)
+    assert after_panic[0], after_panic
+    assert ended == (False, "background thread _leader_duties ended; restart the node")
+
+
 def run_node(
     settings: Any, raft: str, data_dir: Path, scenario: Callable[[Any], Awaitable[T]]
 ) -> T:

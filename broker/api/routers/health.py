@@ -21,7 +21,8 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz", responses={503: {"content": {"application/problem+json": {}}}})
 async def readyz(broker: AnyBroker) -> Response:
-    """Ready: a Raft leader is known, the log is applied and the indexes are loaded."""
+    """Ready: a Raft leader is known, the log is applied, the indexes are loaded and
+    the background threads run."""
     ok, why = broker.ready()
     if not ok:
         return problem(503, "not ready", why)
