@@ -204,6 +204,65 @@ def test_cron_topics_need_a_dedup_window_over_the_horizon(tmp_path: Path) -> Non
     assert topic.kind.sorted_as == "timeline"
 
 
+def test_schedules_read_by_two_threads_at_once_are_cached_under_their_own_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two threads read the schedules at once, one at the version before a create: the
+    cache may keep either's rows, never the older rows under the newer version's number
+    (the new schedule would never fire, until the next write). Here the newer read stops
+    between its rows and its version number while the older one finishes."""
+    import threading
+
+    import pyarrow as pa
+
+    from dejaq.broker.state import schedules
+
+    store = schedules.ScheduleStore(str(tmp_path / "warehouse"), "ticks")
+    store.add(Schedule("a", "* * * * *", "UTC", None, b"a"))
+    older_scanning, newer_rows, older_done = (threading.Event() for _ in range(3))
+    scan = schedules.scan
+
+    def gated_scan(table: DeltaTable, kind: Table) -> pa.Table:
+        if threading.current_thread().name == "older":
+            older_scanning.set()
+            newer_rows.wait(30)
+        return scan(table, kind)
+
+    class GatedTable(DeltaTable):
+        """Stops the newer thread at a second version() call, made once it has its rows
+        (as a read that takes the number after the rows does)."""
+
+        def version(self) -> int:
+            if threading.current_thread().name == "newer":
+                self.calls = getattr(self, "calls", 0) + 1
+                if self.calls == 2:
+                    newer_rows.set()
+                    older_done.wait(30)
+            return super().version()
+
+    def read() -> None:
+        try:
+            store.all()
+        finally:
+            newer_rows.set()
+
+    monkeypatch.setattr(schedules, "scan", gated_scan)
+    monkeypatch.setattr(schedules, "DeltaTable", GatedTable)
+    older = threading.Thread(target=store.all, name="older")
+    older.start()
+    assert older_scanning.wait(30)
+    store.add(Schedule("b", "* * * * *", "UTC", None, b"b"))  # a newer version
+    newer = threading.Thread(target=read, name="newer")
+    newer.start()
+    older.join(30)
+    older_done.set()
+    newer.join(30)
+    assert not older.is_alive() and not newer.is_alive()
+    in_table = {r["schedule_id"] for r in DeltaTable(store.path).to_pyarrow_table().to_pylist()}
+    assert in_table == {"a", "b"}
+    assert set(store.all()) == in_table
+
+
 # --- over HTTP, on a real cluster --------------------------------------------------------
 
 HORIZON_MS = 60_000

@@ -96,18 +96,22 @@ class ScheduleStore:
     def __init__(self, warehouse: str, topic: str) -> None:
         self.path = ensure_table(warehouse, Table.SCHEDULES, topic)
         self._lock = threading.Lock()
-        self._version = -1
-        self._rows: dict[str, Schedule] = {}
+        # (table version, its schedules by id), replaced whole: threads reading at once
+        # (the materialiser's, the HTTP routes') may leave either's, never one version's
+        # rows under another's number, stale until the next write.
+        self._cache: tuple[int, dict[str, Schedule]] = (-1, {})
         self._progress_commits = 0
 
     def all(self) -> dict[str, Schedule]:
         """Every schedule by id, as of the table's latest version."""
         table = DeltaTable(self.path)
-        if table.version() != self._version:
+        version = table.version()
+        cached, schedules = self._cache
+        if cached != version:
             rows = scan(table, Table.SCHEDULES).to_pylist()
-            self._rows = {r["schedule_id"]: _from_row(r) for r in rows}
-            self._version = table.version()
-        return dict(self._rows)
+            schedules = {r["schedule_id"]: _from_row(r) for r in rows}
+            self._cache = (version, schedules)
+        return dict(schedules)
 
     def get(self, schedule_id: str) -> Schedule | None:
         return self.all().get(schedule_id)
