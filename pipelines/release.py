@@ -57,7 +57,7 @@ from dejaq.pipelines.kafka_sink import SEND_TIMEOUT_S, producer_config, wait_sen
 from dejaq.pipelines.log_compaction import maintain_log
 from dejaq.pipelines.pending import Message, PendingSet
 from dejaq.pipelines.retention import LogGap, RetentionRun, period_s, retain, watermark
-from dejaq.pipelines.timed_sender import TimedSender
+from dejaq.pipelines.timed_sender import Record, TimedSender
 
 log = logging.getLogger("dejaq.release")
 
@@ -151,6 +151,16 @@ def output_headers(m: Message, kind: TopicKind) -> list[tuple[str, bytes]]:
         (SORT_KEY_HEADER[kind], str(m.sort_key).encode()),
         (HEADER_SOURCE, f"{m.source_topic}/{m.source_partition}/{m.source_offset}".encode()),
     ]
+
+
+def output_record(m: Message, kind: TopicKind) -> Record:
+    """The record a message leaves as: key, value and headers (`output_headers`).
+
+    A record with neither key nor value (headers only, which Kafka allows) leaves with
+    an empty value, as the broker leases it: the producer sends none without both, and
+    refused, it would stop the release at that message."""
+    value = b"" if m.key is None and m.payload is None else m.payload
+    return m.key, value, output_headers(m, kind)
 
 
 def _now_ms() -> int:
@@ -280,10 +290,8 @@ class Releaser:
         futures: list[FutureRecordMetadata] = []
         try:
             for m in messages:
-                headers = output_headers(m, self.kind)
-                futures.append(
-                    producer.send(self.output, key=m.key, value=m.payload, headers=headers)
-                )
+                key, value, headers = output_record(m, self.kind)
+                futures.append(producer.send(self.output, key=key, value=value, headers=headers))
             wait_sent(producer, futures)
         except Exception as e:
             # A send that raised left the earlier ones in flight: their outcome first.
@@ -325,7 +333,7 @@ class Releaser:
     def sender(self) -> TimedSender:
         if self._sender is None:
             self._sender = TimedSender(
-                self.producer(), self.output, lambda m: output_headers(m, self.kind)
+                self.producer(), self.output, lambda m: output_record(m, self.kind)
             )
         return self._sender
 

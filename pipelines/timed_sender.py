@@ -17,16 +17,19 @@ from kafka import KafkaProducer
 
 from dejaq.pipelines.pending import Message, Order
 
-Headers = Callable[[Message], list[tuple[str, bytes]]]
+# A message as it leaves: its record's key, value and headers.
+Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
 
 
 class TimedSender:
     """Sends scheduled messages in release order, each when the wall clock reaches its key."""
 
-    def __init__(self, producer: KafkaProducer, topic: str, headers: Headers) -> None:
+    def __init__(
+        self, producer: KafkaProducer, topic: str, record: Callable[[Message], Record]
+    ) -> None:
         self._producer = producer
         self._topic = topic
-        self._headers = headers
+        self._record = record
         self._cv = threading.Condition()
         self._queue: list[tuple[Order, Message]] = []
         self._in_flight = 0
@@ -102,9 +105,8 @@ class TimedSender:
             if m is None:
                 return
             try:
-                future = self._producer.send(
-                    self._topic, key=m.key, value=m.payload, headers=self._headers(m)
-                )
+                key, value, headers = self._record(m)
+                future = self._producer.send(self._topic, key=key, value=value, headers=headers)
             except BaseException as e:
                 self._fail(m, e)
                 return

@@ -73,9 +73,11 @@ def add_buffer(
     keys: int = 5,
     payload_bytes: int | None = None,
     trace: Callable[[int], bytes | None] = lambda o: f"t{o}".encode(),
+    bare: frozenset[int] = frozenset(),
 ) -> list[str]:
     """Append buffer rows as ingest would write them; return their ids in offset order.
-    `payload_bytes`: payloads of that size; `trace`: the "trace" header's value."""
+    `payload_bytes`: payloads of that size; `trace`: the "trace" header's value; `bare`:
+    the offsets whose records have neither key nor value."""
     now = dt.datetime.now(dt.UTC)
     n = len(sort_keys)
     offsets = range(first_offset, first_offset + n)
@@ -87,9 +89,13 @@ def add_buffer(
         "priority": sort_keys if kind == "priority" else [None] * n,
         "deliver_at": [_ts(k) for k in sort_keys] if kind == "timeline" else [None] * n,
         "event_time": [_ts(k) for k in sort_keys] if kind == "event_time" else [None] * n,
-        "key": [f"k{o % keys}".encode() for o in offsets],
+        "key": [None if o in bare else f"k{o % keys}".encode() for o in offsets],
         "payload": [
-            f"payload-{o}".encode() if payload_bytes is None else b"x" * payload_bytes
+            None
+            if o in bare
+            else f"payload-{o}".encode()
+            if payload_bytes is None
+            else b"x" * payload_bytes
             for o in offsets
         ],
         "headers": [[{"key": "trace", "value": trace(o)}] for o in offsets],
@@ -552,6 +558,33 @@ def test_a_null_header_value_leaves_empty_and_holds_nothing_back(
         output.close()
     assert ids(records) == written
     assert [header(r, "trace") for r in records] == [b"", b"t", b"t"]
+    assert sorted(ledger_released(s)) == sorted(written)
+
+
+@pytest.mark.parametrize("kind", ["priority", "timeline"])
+def test_a_record_of_headers_only_leaves_with_an_empty_value(
+    kafka_bootstrap, topic_factory, tmp_path, kind
+):
+    """Kafka allows a record without key and value, and the ingest keeps it; kafka-python
+    refuses to send one, which would stop the release at that message for good."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, kind, out)
+    base = int(time.time() * 1000) - 60_000 if kind == "timeline" else 0
+    written = add_buffer(s, kind, [base + k for k in (1, 2, 3)], bare=frozenset({1}))
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: len(ledger_released(s)) == 3)
+        records = output.wait_for(3)
+    finally:
+        releaser.finish()
+        output.close()
+    assert ids(records) == written
+    assert [(r.key, r.value) for r in records] == [
+        (b"k0", b"payload-0"),
+        (None, b""),
+        (b"k2", b"payload-2"),
+    ]
     assert sorted(ledger_released(s)) == sorted(written)
 
 
