@@ -284,6 +284,15 @@ class Releaser:
         self._tokens -= len(taken)
         return taken
 
+    def _due(self) -> bool:
+        """Whether a pending message is deliverable now: a trigger whose rate let it
+        take none is not idle then, or `--once` would exit leaving it pending."""
+        if self.kind is TopicKind.PRIORITY:
+            return len(self.pending) > 0
+        bound = _now_ms() if self.kind is TopicKind.TIMELINE else self.watermark()
+        first = self.pending.next_sort_key()
+        return first is not None and bound is not None and first <= bound
+
     def _produce(self, messages: list[Message]) -> None:
         """Send in order and wait for every ack; `PartlySent` if any send failed."""
         producer = self.producer()
@@ -494,9 +503,8 @@ class Releaser:
             self._record(released, batch_id, refused)
         if error is not None:
             raise RuntimeError(f"sending to Kafka topic {self.output} failed") from error
-        self.idle = not taken and not released and not (self._sender and self._sender.busy)
-        if self.kind is TopicKind.PRIORITY and len(self.pending):
-            self.idle = False
+        busy = bool(self._sender and self._sender.busy)
+        self.idle = not taken and not released and not busy and not self._due()
         run = self.run_retention()
         stats = ReleaseStats(
             batch_id=batch_id,

@@ -330,6 +330,28 @@ def test_max_rate_caps_a_trigger_at_one_second_of_tokens(kafka_bootstrap, topic_
     assert [int(header(r, "dejaq-priority")) for r in records[:20]] == list(range(20))
 
 
+@pytest.mark.parametrize("kind", ["priority", "timeline", "event_time"])
+def test_a_rate_spent_is_not_idle_while_messages_are_due(
+    kafka_bootstrap, topic_factory, tmp_path, kind
+):
+    """With max_rate, a trigger can take nothing while messages are due: `--once` stops
+    at the first idle batch, which must not come before they are all released."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, kind, out, max_rate=2, allowed_lateness_ms=100)
+    base = int(time.time() * 1000) - 60_000 if kind == "timeline" else 1000
+    due = add_buffer(s, kind, [base + k for k in range(6)])
+    # Due too but in event time: ahead by more than the lateness, it holds the watermark.
+    last = add_buffer(s, kind, [base + 10_000], first_offset=6)
+    if kind != "event_time":
+        due += last
+    releaser = Releaser(s, s.topic("jobs"))
+    try:
+        run_until(releaser, lambda: releaser.idle)
+    finally:
+        releaser.finish()
+    assert sorted(ledger_released(s)) == sorted(due)
+
+
 def test_event_time_sorts_within_the_lateness_bound_and_writes_late_ones(
     kafka_bootstrap, topic_factory, tmp_path
 ):
