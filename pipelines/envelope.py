@@ -117,6 +117,7 @@ def _projections(
         if jf and jf.id
         else _header(HEADER_ID)
     )
+    id_source = f"JSON field {jf.id}" if jf and jf.id else HEADER_ID
     raw = {
         "_prio_raw": _field(HEADER_PRIORITY, jf and jf.priority),
         "_at_raw": _field(HEADER_DELIVER_AT, jf and jf.deliver_at),
@@ -183,6 +184,13 @@ def _projections(
             F.col("_id_raw").isNotNull() & ~F.is_valid_utf8(F.col("_id_raw").cast("string")),
             Reason.INVALID_ID,
             F.lit(f"{HEADER_ID} is not UTF-8"),
+        ),
+        # An id no API call can name (it takes ids of 1 character or more), and whose
+        # every repeat would be taken for a duplicate of the first: set by mistake.
+        (
+            F.col("_id_raw").isNotNull() & (F.length("_id_raw") == 0),
+            Reason.INVALID_ID,
+            F.lit(f"{id_source} is empty: give an id, or none for the default"),
         ),
         (
             F.coalesce(F.length("value"), F.lit(0)) > topic.max_payload_bytes,

@@ -90,6 +90,7 @@ def test_priority_records_become_buffer_rows(spark) -> None:
         ({"dejaq-priority": b"-1"}, b"x", "priority_out_of_range"),
         ({"dejaq-priority": b"99999999999999999999999"}, b"x", "invalid_priority"),
         ({"dejaq-priority": b"1", "dejaq-id": b"\xc3\x28"}, b"x", "invalid_id"),
+        ({"dejaq-priority": b"1", "dejaq-id": b""}, b"x", "invalid_id"),
         ({"dejaq-priority": b"1"}, b"x" * 65, "payload_too_large"),
         ({"dejaq-priority": b"1"}, None, None),
         ({"dejaq-priority": b" 42 "}, b"x", None),
@@ -214,6 +215,30 @@ def test_the_event_time_bound_is_the_topic_s_and_needs_a_kafka_timestamp(spark) 
         KAFKA_DDL,
     )
     assert reasons(parse(df, exact)) == [(0, None)]
+
+
+def test_an_empty_id_is_quarantined_not_taken_for_a_duplicate(spark) -> None:
+    """Every repeat of an empty id would be quarantined as a duplicate of the first,
+    under an id no API call can name: an empty id is invalid, in a header or a field."""
+    by_field = TopicConfig(
+        name="j", kind="priority", source=["in"], json_fields=JsonFields(priority="p", id="uid")
+    )
+    empty_header = [(b"k", b"v", {"dejaq-priority": b"1", "dejaq-id": b""})] * 2
+    empty_field = [(b"k", b'{"p": 1, "uid": ""}', {})] * 2
+    expected = spark.createDataFrame(
+        [("invalid_id", "dejaq-id is empty: give an id, or none for the default")] * 2
+        + [("invalid_id", "JSON field uid is empty: give an id, or none for the default")] * 2,
+        "reason string, detail string",
+    )
+    parsed = parse(records(spark, empty_header), PRIORITY).unionByName(
+        parse(records(spark, empty_field), by_field)
+    )
+    assert_df_equality(
+        parsed.select("reason", "detail"),
+        expected,
+        ignore_row_order=True,
+        ignore_nullable=True,
+    )
 
 
 def test_json_field_mapping(spark) -> None:
