@@ -27,6 +27,8 @@ MAX_EPOCH_MS = 253_402_300_799_999
 ISO_WITH_OFFSET = r"^\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(:\d{2}(\.\d{1,9})?)?(Z|[+-]\d{2}:?\d{2})$"
 # A time without seconds, before its offset: ISO-8601 allows it, Spark's cast does not.
 NO_SECONDS = r"^(\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2})([Z+-])"
+# A fraction of a second with a nonzero digit past the microseconds Spark's cast keeps.
+SUB_MICROS = r"\.\d{6}0*[1-9]"
 # `conf.tables.SECONDS_LIKE_MS` as text: read as ms, a producer's seconds would put a timeline
 # message or an event 55 years in the past, so they are quarantined instead.
 SECONDS_LIKE = r"^[1-9]\d{9,10}$"
@@ -65,12 +67,16 @@ def _field(header: str, json_field: str | None) -> Column:
 
 def _epoch_ms(raw: Column) -> Column:
     """Epoch milliseconds from decimal ms or ISO-8601 with an offset; null if neither,
-    or if the number looks like seconds (`SECONDS_LIKE`)."""
+    or if the number looks like seconds (`SECONDS_LIKE`).
+
+    An ISO time finer than a millisecond rounds up: `….0009Z` is due at `….001Z`, as
+    truncated it would be released before its time."""
     as_number = F.when(
         raw.rlike(r"^-?\d{1,16}$") & ~raw.rlike(SECONDS_LIKE), raw.try_cast("bigint")
     )
-    iso = F.regexp_replace(raw, NO_SECONDS, "$1:00$2")
-    as_iso = F.when(raw.rlike(ISO_WITH_OFFSET), F.unix_millis(iso.try_cast("timestamp")))
+    ts = F.regexp_replace(raw, NO_SECONDS, "$1:00$2").try_cast("timestamp")
+    finer = (F.pmod(F.unix_micros(ts), F.lit(1000)) > 0) | raw.rlike(SUB_MICROS)
+    as_iso = F.when(raw.rlike(ISO_WITH_OFFSET), F.unix_millis(ts) + finer.cast("bigint"))
     ms = F.coalesce(as_number, as_iso)
     return F.when((ms >= 0) & (ms <= MAX_EPOCH_MS), ms)
 

@@ -141,6 +141,26 @@ def test_timeline_deliver_at_epoch_ms_or_iso_with_offset(spark, raw, expected) -
         assert row.sort_key == int(expected.timestamp() * 1000)
 
 
+def test_an_iso_time_finer_than_a_millisecond_rounds_up_never_early(spark) -> None:
+    """Milliseconds are what the buffer keeps: a truncated time would fall due early."""
+    cases = {
+        b"2026-11-21T12:00:00.0009Z": 1795262400001,
+        b"2026-11-21T12:00:00.000000001Z": 1795262400001,
+        b"2026-11-21T13:00:00.123456789+01:00": 1795262400124,
+        b"2026-11-21T12:00:00.999999Z": 1795262401000,
+        b"2026-11-21T12:00:00.001000000Z": 1795262400001,
+        b"2026-11-21T12:00:00.0000000Z": 1795262400000,
+    }
+    times = [{"dejaq-deliver-at": raw, "dejaq-event-time": raw} for raw in cases]
+    df = records(spark, [(b"k", b"v", headers) for headers in times])
+    expected = list(cases.values())
+    for topic, column in ((TIMELINE, "deliver_at"), (EVENTS, "event_time")):
+        rows = parse(df, topic).orderBy("source_offset").collect()
+        assert [r.sort_key for r in rows] == expected
+        epoch = dt.datetime(1970, 1, 1)
+        assert [(r[column] - epoch) // dt.timedelta(milliseconds=1) for r in rows] == expected
+
+
 def test_epoch_seconds_are_quarantined_with_why(spark) -> None:
     df = records(
         spark,
