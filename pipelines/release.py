@@ -99,8 +99,8 @@ class ReleaseStats:
 
 
 class PartlySent(RuntimeError):
-    """A batch's send failed; `acked`: its messages Kafka acknowledged all the same,
-    `failed`: the others, in order."""
+    """A batch's send failed; `acked`: its messages Kafka acknowledged all the same, in
+    order (`in_partition_order`), `failed`: the others, in order."""
 
     def __init__(self, output: str, acked: list[Message], failed: list[Message]) -> None:
         of = len(acked) + len(failed)
@@ -115,6 +115,26 @@ Refused = tuple[Message, str]
 # Errors of one record that sending it again cannot mend: larger than the output topic
 # (or the producer) takes, or invalid to the broker.
 _REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError, InvalidRecordError)
+
+
+def in_partition_order(partitions: list[object], acked: list[bool]) -> list[bool]:
+    """Of sends in send order, each with its output partition and whether Kafka
+    acknowledged it, the ones written in order: in each partition, the acknowledged
+    sends before its first failed one.
+
+    An idempotent producer that drops a failed batch bumps its epoch and sends the
+    batches queued behind it, which Kafka then acknowledges: taken for released, they
+    would stay ahead of the failed ones, which a retry writes after them. Sent again
+    instead, each also follows them in the partition; its earlier copy carries the same
+    `dejaq-id`."""
+    first_failed: dict[object, int] = {}
+    for n, (partition, ok) in enumerate(zip(partitions, acked, strict=True)):
+        if not ok:
+            first_failed.setdefault(partition, n)
+    return [
+        ok and n < first_failed.get(partition, n + 1)
+        for n, (partition, ok) in enumerate(zip(partitions, acked, strict=True))
+    ]
 
 
 def refusal(error: BaseException | None) -> str | None:
@@ -306,7 +326,11 @@ class Releaser:
             # A send that raised left the earlier ones in flight: their outcome first.
             with contextlib.suppress(Exception):
                 producer.flush(timeout=SEND_TIMEOUT_S)
-            sent = [f.succeeded() for f in futures] + [False] * (len(messages) - len(futures))
+            # A message the producer never took comes after every one it did: none
+            # acknowledged follows it in any partition.
+            partitions = [f._produce_future.topic_partition for f in futures]
+            sent = in_partition_order(partitions, [f.succeeded() for f in futures])
+            sent += [False] * (len(messages) - len(futures))
             acked = [m for m, ok in zip(messages, sent, strict=True) if ok]
             failed = [m for m, ok in zip(messages, sent, strict=True) if not ok]
             raise PartlySent(self.output, acked, failed) from e

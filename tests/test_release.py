@@ -27,7 +27,7 @@ from dejaq.conf.settings import ConfigError, Settings, load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
 from dejaq.jobs.stopping import stop_between_batches
 from dejaq.pipelines.ingest import IngestJob
-from dejaq.pipelines.release import ReleaseJob, Releaser
+from dejaq.pipelines.release import ReleaseJob, Releaser, in_partition_order
 from dejaq.pipelines.session import detect_connectors
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
@@ -608,6 +608,19 @@ def test_a_record_of_headers_only_leaves_with_an_empty_value(
         (b"k2", b"payload-2"),
     ]
     assert sorted(ledger_released(s)) == sorted(written)
+
+
+@given(
+    sends=st.lists(st.tuples(st.integers(0, 2), st.booleans()), max_size=30),
+)
+def test_a_send_counts_as_released_only_behind_no_failure_of_its_partition(sends) -> None:
+    """A failed batch lets the idempotent producer send the ones queued behind it: those
+    acknowledged are sent again after the failed ones, or the partition keeps them ahead."""
+    partitions = [p for p, _ in sends]
+    released = in_partition_order(partitions, [ok for _, ok in sends])
+    for n, (partition, ok) in enumerate(sends):
+        behind_a_failure = any(not o for p, o in sends[:n] if p == partition)
+        assert released[n] == (ok and not behind_a_failure), (n, sends)
 
 
 def read_dead_letters(settings: Settings) -> list[dict]:
