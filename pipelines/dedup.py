@@ -61,7 +61,7 @@ class SeenIds:
 
     def __init__(self, window_ms: int) -> None:
         self.window_ms = window_ms
-        self._ids: dict[str, Coordinates | None] = {}
+        self._ids: dict[str, tuple[int, Coordinates | None]] = {}  # id -> (stored at ms, ...)
         self._expiry: deque[tuple[int, str]] = deque()  # (stored at ms, id), oldest first
         # Past the window, with a buffer row that may still be there: taken until `prune`.
         self.lingering: dict[str, Coordinates] = {}
@@ -79,19 +79,22 @@ class SeenIds:
         for mid, topic, partition, offset, at_ms in sorted(rows, key=lambda r: r[4]):
             here = None if topic is None else (topic, partition, offset)
             if mid not in self._ids:
-                self._ids[mid] = here
+                self._ids[mid] = (at_ms, here)
                 self._expiry.append((at_ms, mid))
-            elif self._ids[mid] is None:
-                self._ids[mid] = here
+            elif self._ids[mid][1] is None:
+                self._ids[mid] = (self._ids[mid][0], here)
 
-    def check(self, batch: pa.Table) -> Verdict:
-        """Judge a batch's valid explicit-id rows without changing the index.
+    def check(self, batch: pa.Table, now_ms: int) -> Verdict:
+        """Judge a batch's valid explicit-id rows at `now_ms` without changing the index.
 
         `batch` has message_id, source_topic, source_partition, source_offset and
         produced_at; within the batch the earliest Kafka timestamp wins, then the
-        coordinates, as Kafka order does.
+        coordinates, as Kafka order does. An id settled before the window is free,
+        though no commit has forgotten it yet (the input was idle), as a start would
+        judge it.
         """
         verdict = Verdict()
+        cutoff = now_ms - self.window_ms
         ordered = batch.sort_by(
             [
                 ("produced_at", "ascending"),
@@ -109,7 +112,12 @@ class SeenIds:
             if mid in verdict.kept:
                 verdict.duplicates[here] = IN_BATCH
                 continue
-            stored = self._ids.get(mid, self.lingering.get(mid, here))
+            if mid in self._ids:
+                at, stored = self._ids[mid]
+                if stored is None and at <= cutoff:
+                    stored = here
+            else:
+                stored = self.lingering.get(mid, here)
             if stored != here:
                 verdict.duplicates[here] = IN_BUFFER if stored else SETTLED
             else:
@@ -117,18 +125,19 @@ class SeenIds:
         return verdict
 
     def commit(self, verdict: Verdict, now_ms: int) -> None:
-        """Remember a committed batch's ids; those older than the window are forgotten,
-        or linger while they have a buffer row."""
-        for mid, coordinates in verdict.kept.items():
-            if mid not in self._ids and mid not in self.lingering:
-                self._ids[mid] = coordinates
-                self._expiry.append((now_ms, mid))
+        """Forget the ids older than the window (those with a buffer row linger), then
+        remember a committed batch's: in that order, so an id kept because its first
+        had settled before the window is stored anew."""
         cutoff = now_ms - self.window_ms
         while self._expiry and self._expiry[0][0] <= cutoff:
             _, mid = self._expiry.popleft()
-            coordinates = self._ids.pop(mid)
+            _, coordinates = self._ids.pop(mid)
             if coordinates is not None:
                 self.lingering[mid] = coordinates
+        for mid, coordinates in verdict.kept.items():
+            if mid not in self._ids and mid not in self.lingering:
+                self._ids[mid] = (now_ms, coordinates)
+                self._expiry.append((now_ms, mid))
 
     def prune(self, buffered: Iterable[str]) -> int:
         """Free the lingering ids whose rows are not among `buffered` (those of them the

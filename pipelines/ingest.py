@@ -251,7 +251,7 @@ class IngestJob:
             verdict = self._verdict_committed(files.judged, quarantine_path)
         else:
             self._prune_seen(buffer_path)
-            verdict = self._seen.check(files.judged)
+            verdict = self._seen.check(files.judged, int(time.time() * 1000))
         if verdict.duplicates:
             files.move_duplicates(buffer, quarantine, verdict.duplicates)
         clock.lap("dedup")

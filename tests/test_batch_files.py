@@ -87,7 +87,7 @@ def test_duplicates_move_to_the_quarantine_and_every_record_lands_once(
 ) -> None:
     warehouse = str(tmp_path / f"w{next(_tables)}")
     files, buffer, quarantine = write_batch(spark, batch, warehouse)
-    verdict = SeenIds(HOUR_MS).check(files.judged)
+    verdict = SeenIds(HOUR_MS).check(files.judged, 0)
     if verdict.duplicates:
         files.move_duplicates(buffer, quarantine, verdict.duplicates)
     commit(quarantine, files.quarantine, "append", ("t", 0))

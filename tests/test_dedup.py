@@ -33,24 +33,26 @@ def batch(rows: list[tuple[str, int, int, int]]) -> pa.Table:
 
 def test_first_wins_in_a_batch_by_produce_time_then_coordinates() -> None:
     seen = SeenIds(HOUR_MS)
-    verdict = seen.check(batch([("a", 1, 5, 2), ("a", 0, 9, 1), ("a", 0, 3, 2), ("b", 0, 4, 9)]))
+    verdict = seen.check(
+        batch([("a", 1, 5, 2), ("a", 0, 9, 1), ("a", 0, 3, 2), ("b", 0, 4, 9)]), 1_000
+    )
     assert verdict.kept == {"a": ("in", 0, 9), "b": ("in", 0, 4)}
     assert verdict.duplicates == {("in", 0, 3): IN_BATCH, ("in", 1, 5): IN_BATCH}
 
 
 def test_an_id_stored_earlier_is_a_duplicate_but_a_replay_of_its_record_is_not() -> None:
     seen = SeenIds(HOUR_MS)
-    seen.commit(seen.check(batch([("a", 0, 0, 0)])), now_ms=1_000)
-    assert seen.check(batch([("a", 1, 7, 5)])).duplicates == {("in", 1, 7): IN_BUFFER}
-    replay = seen.check(batch([("a", 0, 0, 0)]))
+    seen.commit(seen.check(batch([("a", 0, 0, 0)]), 1_000), now_ms=1_000)
+    assert seen.check(batch([("a", 1, 7, 5)]), 1_000).duplicates == {("in", 1, 7): IN_BUFFER}
+    replay = seen.check(batch([("a", 0, 0, 0)]), 1_000)
     assert replay.duplicates == {} and replay.kept == {"a": ("in", 0, 0)}
 
 
 def test_check_alone_changes_nothing_so_a_failed_batch_is_forgotten() -> None:
     seen = SeenIds(HOUR_MS)
-    seen.check(batch([("a", 0, 0, 0)]))
+    seen.check(batch([("a", 0, 0, 0)]), 1_000)
     assert len(seen) == 0
-    assert seen.check(batch([("a", 0, 1, 0)])).duplicates == {}
+    assert seen.check(batch([("a", 0, 1, 0)]), 1_000).duplicates == {}
 
 
 def test_ids_older_than_the_window_are_forgotten_once_their_rows_left_the_buffer() -> None:
@@ -58,25 +60,46 @@ def test_ids_older_than_the_window_are_forgotten_once_their_rows_left_the_buffer
     whose first is still in the buffer would be taken for the first, and never sent."""
     seen = SeenIds(HOUR_MS)
     seen.load([("old", "in", 0, 0, 0), ("new", "in", 0, 1, HOUR_MS), ("done", None, None, None, 0)])
-    seen.commit(seen.check(batch([])), now_ms=HOUR_MS + 1)
+    seen.commit(seen.check(batch([]), HOUR_MS + 1), now_ms=HOUR_MS + 1)
     assert seen.lingering == {"old": ("in", 0, 0)}, "settled ones have no row to wait for"
-    assert seen.check(batch([("done", 1, 0, 0)])).duplicates == {}
-    assert seen.check(batch([("old", 1, 0, 0)])).duplicates == {("in", 1, 0): IN_BUFFER}
-    assert seen.check(batch([("old", 0, 0, 0)])).duplicates == {}, "its own replay"
-    assert seen.check(batch([("new", 1, 0, 0)])).duplicates == {("in", 1, 0): IN_BUFFER}
+    assert seen.check(batch([("done", 1, 0, 0)]), HOUR_MS + 1).duplicates == {}
+    assert seen.check(batch([("old", 1, 0, 0)]), HOUR_MS + 1).duplicates == {
+        ("in", 1, 0): IN_BUFFER
+    }
+    assert seen.check(batch([("old", 0, 0, 0)]), HOUR_MS + 1).duplicates == {}, "its own replay"
+    assert seen.check(batch([("new", 1, 0, 0)]), HOUR_MS + 1).duplicates == {
+        ("in", 1, 0): IN_BUFFER
+    }
     assert seen.prune(["old"]) == 0 and "old" in seen.lingering, "its row is still there"
     assert seen.prune([]) == 1
-    assert seen.check(batch([("old", 1, 0, 0)])).duplicates == {}
+    assert seen.check(batch([("old", 1, 0, 0)]), HOUR_MS + 1).duplicates == {}
     assert len(seen) == 1
+
+
+def test_an_id_settled_before_the_window_is_free_before_a_commit_forgets_it() -> None:
+    """The input idle past the window: no commit has forgotten a settled id yet, but it is
+    free, as a start would judge; one whose row is in the buffer is still taken."""
+    seen = SeenIds(HOUR_MS)
+    seen.load([("done", None, None, None, 0), ("held", "in", 0, 0, 0)])
+    seen.commit(seen.check(batch([]), 0), now_ms=0)
+    later = seen.check(batch([("done", 1, 0, 0), ("held", 1, 1, 0)]), HOUR_MS + 1)
+    assert later.kept == {"done": ("in", 1, 0)}
+    assert later.duplicates == {("in", 1, 1): IN_BUFFER}
+    seen.commit(later, now_ms=HOUR_MS + 1)
+    assert seen.check(batch([("done", 1, 2, 0)]), HOUR_MS + 2).duplicates == {
+        ("in", 1, 2): IN_BUFFER
+    }, "stored anew"
 
 
 def test_a_zero_window_dedups_against_the_buffer_alone() -> None:
     seen = SeenIds(0)
-    seen.commit(seen.check(batch([("a", 0, 0, 0), ("a", 0, 1, 0)])), now_ms=0)
-    assert seen.check(batch([("a", 0, 2, 0)])).duplicates == {("in", 0, 2): IN_BUFFER}
+    seen.commit(seen.check(batch([("a", 0, 0, 0), ("a", 0, 1, 0)]), 0), now_ms=0)
+    assert seen.check(batch([("a", 0, 2, 0)]), 0).duplicates == {("in", 0, 2): IN_BUFFER}
+    seen.commit(seen.check(batch([]), 1), now_ms=1)
+    assert seen.lingering == {"a": ("in", 0, 0)}
     seen.prune([])
     assert len(seen) == 0
-    assert seen.check(batch([("a", 0, 2, 0)])).duplicates == {}
+    assert seen.check(batch([("a", 0, 2, 0)]), 0).duplicates == {}
 
 
 @given(
@@ -106,7 +129,7 @@ def test_an_id_is_never_stored_twice_while_its_first_row_is_in_the_buffer(events
             seen.prune([m for m in seen.lingering if m in buffer])
         else:
             offset += 1
-            verdict = seen.check(batch([(mid, 0, offset, now)]))
+            verdict = seen.check(batch([(mid, 0, offset, now)]), now)
             if mid in verdict.kept:
                 assert mid not in buffer, "a second row of an id in the buffer"
                 assert now - stored_at.get(mid, -window - 1) >= window, "within the window"
@@ -131,7 +154,7 @@ def test_each_id_is_kept_once_at_its_first_record_across_batches(batches) -> Non
         for mid, part, second in rows:
             numbered.append((mid, part, offset, n * 10 + second))
             offset += 1
-        verdict = seen.check(batch(numbered))
+        verdict = seen.check(batch(numbered), n)
         assert len(verdict.kept) + len(verdict.duplicates) == len(numbered)
         assert not set(verdict.kept) & set(stored), "an id stored earlier is kept again"
         for mid, coordinates in verdict.kept.items():
