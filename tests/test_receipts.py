@@ -369,6 +369,38 @@ def test_nodes_whose_snapshots_predate_receipts_at_different_points_number_lease
         assert settled_of(node.topics["t"]) == {"m4": "acked"}
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("c", 1, 10_000, [("m", 0, 1)]),  # before rate limits
+        ("c", 1, 10_000, [("m", 0, 1)], None),  # before receipts
+        ("c", 1, 10_000, [("m", 0, 1)], None, True),  # numbered, before the pick's seq
+    ],
+    ids=len,
+)
+def test_a_lease_command_of_every_older_layout_leases_what_its_ack_settles(args: tuple) -> None:
+    """A journal written by older builds is applied again after an upgrade: each lease
+    command's layout grants its pick, numbering no lease it did not number, and the
+    acknowledgement by id that followed it settles the message, as when it was written."""
+    node = BrokerState([topic_conf("t", buckets=1)], 5, NoIndex())
+    commands = [("t", "touch", ("c", 0)), ("t", "lease", args), ("t", "ack", ("c", 2, ["m"]))]
+    _, record, refused = node.batch(commands, _doApply=True)
+    assert list(record.mids) == ["m"] and refused == {}
+    assert settled_of(node.topics["t"]) == {"m": "acked"}
+    assert node.lids == (1 if len(args) == 6 else 0)
+
+
+def test_a_purge_command_of_the_older_layout_cancels_its_list() -> None:
+    """A purge command from before it carried the trim its list was taken at, (now,
+    picks), cancels the listed messages neither settled nor leased, as it did then."""
+    node = BrokerState([topic_conf("t", buckets=1)], 5, NoIndex())
+    node._apply("t", "lease", ("c", 1, 10_000, [("leased", 0, 1)], None, True))
+    pending = [("a", 0, 1), ("b", 0, 2), ("leased", 0, 1)]
+    [cancelled] = node.batch([("t", "purge", (3, pending))], _doApply=True)
+    assert cancelled == 2
+    assert settled_of(node.topics["t"]) == {"a": "cancelled", "b": "cancelled"}
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     picks=st.lists(

@@ -575,7 +575,7 @@ class BrokerState(SyncObjConsumer):
         if st is None:  # a leader whose configuration has a topic this node's lacks
             raise KeyError(f"no topic {topic!r} in this node's configuration")
         if op == "lease":
-            if len(args) == 5:  # from before receipts: unnumbered
+            if len(args) <= 5:  # from before receipts (4: before rate limits): unnumbered
                 return st.lease(*args)
             self.lids += 1  # a numbered lease: its sixth argument says so
             seen = args[6] if len(args) > 6 else None  # from before the pick's seq: None
@@ -589,6 +589,8 @@ class BrokerState(SyncObjConsumer):
         if op == "cancel":
             return st.cancel(*args)
         if op == "purge":
+            if len(args) == 2:  # (now, pending), from before it carried its trim: as then
+                return st.purge(args[0], st.trimmed_upto(), args[1])
             return st.purge(*args)
         if op == "pause":
             return st.pause(*args)
