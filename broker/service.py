@@ -137,6 +137,23 @@ class Settled:
         return self.ok
 
 
+def _refuse_removed_buckets(cfg: TopicConfig, dead: list[Dead]) -> None:
+    """A 409 if a dead message died in a bucket the topic no longer has (its buckets
+    lowered since, its buffer row gone by retention): no bucket would index it, and its
+    row put back into the buffer would keep every node from starting."""
+    beyond = [(mid, bucket) for mid, bucket, _ in dead if bucket >= cfg.buckets]
+    if beyond:
+        named = ", ".join(f"{mid} in bucket {bucket}" for mid, bucket in beyond[:10])
+        raise Problem(
+            409,
+            "dead in a removed bucket",
+            f"topics[{cfg.name}].buckets is {cfg.buckets}, but {len(beyond)} of these dead "
+            f"messages died in a higher bucket ({named}): they cannot be redriven unless "
+            "the topic's buckets are raised again; redrive the others by id",
+            ids=[mid for mid, _ in beyond],
+        )
+
+
 class Broker:
     def __init__(
         self,
@@ -759,6 +776,7 @@ class Broker:
         refused: dict[str, Refusal] = {}
         for _ in range(REDRIVE_READS):
             upto, dead, redriven = await asyncio.to_thread(self._dead, topic, ids)
+            _refuse_removed_buckets(cfg, dead)
             todo = [d for d in dead if d[0] not in refused and d[0] not in done]
             if await self._redrive(topic, upto, todo, key, done, refused):
                 break

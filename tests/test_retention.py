@@ -16,14 +16,24 @@ from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_broker import acked_batches, buffer_rows, fill, listed, loaded_topic, topic_conf
+from test_broker import (
+    acked_batches,
+    buffer_rows,
+    fill,
+    listed,
+    loaded_topic,
+    run_node,
+    topic_conf,
+)
 
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf import table_watch
+from dejaq.conf.settings import Settings
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
+from dejaq.jobs.ports import free_port
 from dejaq.pipelines import delta_source, retention
 from dejaq.pipelines.delta_source import DeltaBatchWriter, WriteTarget
 from dejaq.pipelines.retention import retain, watermark
@@ -619,6 +629,44 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     assert lagging.revive(snapshot) == 1, "from the dead letters"
     picks = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=3))
     assert [p[0] for p in picks] == ["m0", "m3"]
+
+
+def test_a_dead_letter_of_a_bucket_the_topic_no_longer_has_is_refused_by_a_redrive(
+    tmp_path: Path,
+) -> None:
+    """Buckets lowered from 8 to 4 once retention removed the rows of the higher ones: a
+    dead letter of bucket 6 cannot be indexed in 4 buckets, nor go back into the buffer
+    (no node would start), so a redrive naming it, or of all, is refused before anything
+    is committed, saying which bucket and how many the topic has; the others still go."""
+    import asyncio
+
+    from dejaq.broker.service import Broker, Problem
+
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows([5, 7], lambda i: 6 if i == 0 else 1))
+    index = TopicIndex(warehouse, topic_conf(buckets=8))
+    index.load()
+    state = TopicState(8, 5)
+    state.touch("c", 0)
+    state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 2, now=0)))
+    assert state.reject("c", 1, ["m0", "m1"]) == {}
+    checkpoint(warehouse, "jobs", state.events)
+    assert run(warehouse, now_ms() + 2 * HOUR) is not None and buffered(warehouse) == set()
+    settings = Settings(warehouse=warehouse, topics=[topic_conf(buckets=4)])
+
+    async def scenario(broker: Broker) -> None:
+        for ids in (["m0"], None):
+            with pytest.raises(Problem) as refused:
+                await broker.redrive("jobs", ids, None, None)
+            assert refused.value.status == 409, refused.value.detail
+            assert "m0 in bucket 6" in refused.value.detail
+            assert "topics[jobs].buckets is 4" in refused.value.detail
+        assert not broker.state("jobs").redriven_at, "nothing committed"
+        assert await broker.redrive("jobs", ["m1"], None, None) == (1, {})
+        await asyncio.to_thread(broker.indexes["jobs"].revive, broker.state("jobs"))
+        assert sorted(broker.indexes["jobs"].rows) == ["m1"]
+
+    run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario)
 
 
 def test_a_redriven_message_gets_its_buffer_row_back_and_survives_a_restart(
