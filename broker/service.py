@@ -257,6 +257,7 @@ class Broker:
             for name, health in self.checkpoint_health.items()
             if (alert := health.alert()) is not None
         ]
+        alerts += [a for index in self.indexes.values() if (a := index.beyond_alert())]
         return True, "; ".join(["ready", *alerts])
 
     def _registered(self) -> bool:

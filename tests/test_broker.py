@@ -854,6 +854,38 @@ def test_buckets_lowered_below_the_buffers_are_refused_by_name(tmp_path) -> None
         index.load()
 
 
+def test_rows_in_buckets_beyond_a_running_node_wait_and_the_others_are_indexed(
+    tmp_path: Path,
+) -> None:
+    """The ingest raised to 8 buckets before the brokers: its versions hold rows in
+    buckets this node (4) has not. Those wait for a restart with the new count, named in
+    the readiness answer; the rows of its own buckets, in the same versions and after,
+    are indexed and leased as ever. A node started with 8 indexes them all."""
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([1, 2], lambda i: 0, "a"))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf(buckets=4)])
+
+    async def scenario(broker: Any) -> tuple[list[str], str]:
+        index = broker.indexes["jobs"]
+        fill(warehouse, "jobs", buffer_rows([3, 4], lambda i: 6 * i, "b"))  # buckets 0, 6
+        fill(warehouse, "jobs", buffer_rows([5], lambda i: 1, "c"))
+        await _until(lambda: "c0" in index.rows, "row of the node's buckets after them")
+        ready, status = broker.ready()
+        assert ready
+        return sorted(index.rows), status
+
+    rows, status = run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario)
+    assert rows == ["a0", "a1", "b0", "c0"], "b1 (bucket 6) waits"
+    assert "jobs: the buffer holds messages in bucket 6" in status
+    assert "this node is configured for 4: restart the brokers" in status
+    raised = TopicIndex(warehouse, topic_conf(buckets=8))
+    raised.load()
+    assert sorted(raised.rows) == ["a0", "a1", "b0", "b1", "c0"]
+
+
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -133,6 +133,8 @@ class TopicIndex:
         self.unfound: dict[str, float] = {}
         self.from_dead_letters: set[str] = set()  # rows `revive` found there, not in the buffer
         self.files: set[str] = set()  # of the version indexed
+        # Buckets of files seen but not read: the ingest writes more than this node has.
+        self.beyond: set[int] = set()
         self.buffer_rows = 0  # in that version, pending or settled
         self.version = -1
         self.ledger_version = -1  # of the last full read of the ledger's settled ids
@@ -220,15 +222,25 @@ class TopicIndex:
         forgotten: set[str],
     ) -> int:
         """Index `unread` (`_unseen`), as of `version`; how many rows were new. Raises
-        before indexing any where a file is missing, once the first load is done."""
+        before indexing any where a file is missing, once the first load is done.
+
+        A file in a bucket this node has not refuses the first load (its messages would
+        never be leased); later, the ingest runs with more buckets than this node was
+        started with: such a file waits for a start with them (`beyond`), and the files
+        of this node's buckets are indexed all the same."""
         paths: dict[int, list[str]] = {}
+        beyond: set[int] = set()
         for path, bucket, _ in unread:
             if not 0 <= bucket < self.topic.buckets:
-                raise ConfigError(
-                    f"topics[{self.topic.name}].buckets is {self.topic.buckets}, but the buffer "
-                    f"holds messages in bucket {bucket}: a topic's buckets cannot be lowered "
-                    "while messages in the higher ones are pending or retained"
-                )
+                if not self.loaded:
+                    raise ConfigError(
+                        f"topics[{self.topic.name}].buckets is {self.topic.buckets}, but the "
+                        f"buffer holds messages in bucket {bucket}: a topic's buckets cannot "
+                        "be lowered while messages in the higher ones are pending or "
+                        "retained (if the ingest was given more, give the brokers as many)"
+                    )
+                beyond.add(bucket)
+                continue
             uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
             paths.setdefault(bucket, []).append(uri)
         # Read first, then insert every file of the version under one lock: a lease sees
@@ -253,7 +265,23 @@ class TopicIndex:
                 pa.default_memory_pool().release_unused()
         self.files = current
         self.version = version
+        if fresh := beyond - self.beyond:
+            log.warning("%s", self.beyond_alert(fresh))
+            self.beyond |= fresh
         return added
+
+    def beyond_alert(self, buckets: Set[int] | None = None) -> str | None:
+        """What readiness says of the buffer's buckets this node has not (`beyond`, or
+        `buckets`): their messages wait until it starts with them."""
+        buckets = self.beyond if buckets is None else buckets
+        if not buckets:
+            return None
+        listed = ", ".join(map(str, sorted(buckets)))
+        return (
+            f"{self.topic.name}: the buffer holds messages in bucket {listed}, this node is "
+            f"configured for {self.topic.buckets}: restart the brokers with the new "
+            "configuration; those messages wait until then"
+        )
 
     def _index(
         self, buckets: list[tuple[int, list[str]]], settled: Set[str], forgotten: set[str]
