@@ -8,6 +8,7 @@ Order is total: (sort_key, source partition, source offset, source topic, id).
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -144,10 +145,14 @@ class PendingSet:
         return added
 
     def apply_ledger_rows(self, rows: pa.Table) -> None:
-        """Settled ids leave for good; a reschedule moves a message to its new sort key.
+        """Settled ids leave; a reschedule moves a message to its new sort key, and a
+        redrive (the broker's, of a topic it delivered before) makes a dead one pending
+        again at its key.
 
-        Of several reschedules of one id, the latest (`at`) wins, whatever order the
-        ledger's files are read in.
+        Applied in `at` order, a redrive after a death at equal times (as
+        `retention.latest_events` reads them), so a message whose latest event here is
+        a redrive is pending, whatever order the ledger's files are read in. A death
+        applied in an earlier call is final here: its row has left.
         """
         columns = (
             rows.column("message_id").to_pylist(),
@@ -155,26 +160,40 @@ class PendingSet:
             rows.column("sort_key").to_pylist(),
             rows.column("at").cast(pa.int64()).fill_null(0).to_pylist(),
         )
-        for mid, event, sort_key, at in zip(*columns, strict=True):
+        ordered: Iterable[tuple[str, str, int | None, int]] = zip(*columns, strict=True)
+        if LedgerEvent.REDRIVEN in columns[1]:  # else the order changes nothing
+            ordered = sorted(ordered, key=lambda r: (r[3], r[1] == LedgerEvent.REDRIVEN))
+        dead: dict[str, Message] = {}  # died in these rows: a redrive after brings them back
+        for mid, event, sort_key, at in ordered:
             settles = event in SETTLED
-            if not settles and (event != LedgerEvent.RESCHEDULED or sort_key is None):
+            redrive = event == LedgerEvent.REDRIVEN
+            moves = event == LedgerEvent.RESCHEDULED or redrive
+            if not settles and (not moves or sort_key is None):
                 continue
             if mid in self._taken:  # written already: only its own release is news
                 if event in (LedgerEvent.RELEASED, LedgerEvent.DEAD):
                     self._taken.discard(mid)
                 continue
             m = self._messages.get(mid)
+            if m is None and redrive and mid in dead:
+                m = self._messages[mid] = dead.pop(mid)
+                heapq.heappush(self._heap, m.order)
             if m is None:
-                self._remember(mid, at, settles, sort_key)
+                self._remember(mid, at, settles, sort_key, redrive)
             elif settles:
                 del self._messages[mid]
+                if event == LedgerEvent.DEAD:
+                    dead[mid] = m
             elif at >= m.rescheduled_at and m.sort_key != sort_key:
                 m.sort_key, m.rescheduled_at = sort_key, at
                 heapq.heappush(self._heap, m.order)
         self._trim_heap()
 
-    def _remember(self, mid: str, at: int, settles: bool, sort_key: int | None) -> None:
-        """Keep an event that found no row, unless retention has passed it."""
+    def _remember(
+        self, mid: str, at: int, settles: bool, sort_key: int | None, redrive: bool = False
+    ) -> None:
+        """Keep an event that found no row, unless retention has passed it; a redrive
+        undoes a death before it."""
         if at < self._watermark_us:
             return
         early = self._early.get(mid)
@@ -182,8 +201,8 @@ class PendingSet:
             self._early[mid] = _Early(at, settles, None if settles else sort_key)
         elif settles:
             early.settled, early.at, early.sort_key = True, max(at, early.at), None
-        elif not early.settled and at >= early.at:
-            early.at, early.sort_key = at, sort_key
+        elif (redrive or not early.settled) and at >= early.at:
+            early.settled, early.at, early.sort_key = False, at, sort_key
 
     def forget_before(self, watermark_ms: int) -> None:
         """The buffer version read has this retention watermark: forget the early events

@@ -133,6 +133,34 @@ def test_an_event_ahead_of_its_row_settles_or_moves_it_when_the_row_comes() -> N
     assert [m.message_id for m in pending.add_buffer_rows(rows(["c2"]))] == ["c2"]
 
 
+def test_a_message_whose_latest_event_is_a_redrive_is_pending_at_its_key() -> None:
+    """A topic the broker delivered before: its ledger holds deaths and the redrives
+    that made them pending again, read in one go, in any order. A redrive after the
+    death is pending, at the redrive's key, with or without its row read yet (at equal
+    times it follows the death); a death after a redrive, or an ack, settles."""
+    pending = PendingSet()
+    pending.add_buffer_rows(rows(["back", "dead", "acked"], sort_key=50))
+    ledger = pa.concat_tables(
+        [
+            events(["back", "early", "same"], LedgerEvent.REDRIVEN, seconds=2, sort_key=3),
+            events(["dead"], LedgerEvent.REDRIVEN, seconds=1, sort_key=2),
+            events(["back", "dead", "acked", "early"], LedgerEvent.DEAD, seconds=1),
+            events(["same"], LedgerEvent.DEAD, seconds=2),
+            events(["dead"], LedgerEvent.DEAD, seconds=3),
+            events(["acked"], LedgerEvent.REDRIVEN, seconds=2, sort_key=1),
+            events(["acked"], LedgerEvent.ACKED, seconds=4),
+        ]
+    )
+    pending.apply_ledger_rows(ledger)
+    assert len(pending.add_buffer_rows(rows(["early", "same"], sort_key=90))) == 2
+    taken = pending.take(10)
+    assert [(m.message_id, m.sort_key) for m in taken] == [
+        ("back", 3),
+        ("early", 3),
+        ("same", 3),
+    ]
+
+
 def test_the_follower_reads_each_row_once_through_compactions_and_retention(tmp_path) -> None:
     """Rewritten files are seen, not read, even when a compaction replaces appended
     files the follower has not read yet; it holds the paths of one version only."""
