@@ -38,7 +38,7 @@ def _ingest(args: argparse.Namespace) -> int:
 def _release(args: argparse.Namespace) -> int:
     from dejaq.jobs import release
 
-    return release.run(args.topic, args.conf_file, args.once)
+    return release.run(args.topic, args.conf_file, args.once, args.take_over)
 
 
 def _status(args: argparse.Namespace) -> int:

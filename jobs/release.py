@@ -3,6 +3,7 @@
 Also `dejaq release`. Without --once it runs until SIGTERM or Ctrl-C and stops between
 two micro-batches; with --once it releases what is deliverable now and exits. Between
 batches it removes from the buffer what was settled over `settled_retention_ms` ago.
+A topic the lease broker delivered before needs --take-over (`require_owner`).
 """
 
 from __future__ import annotations
@@ -21,15 +22,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--topic", required=True, help="a topic name from the configuration")
     p.add_argument("--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or packaged)")
     p.add_argument("--once", action="store_true", help="release what is deliverable now, then exit")
+    p.add_argument(
+        "--take-over",
+        action="store_true",
+        help="release a topic the lease broker delivered before: its brokers are stopped "
+        "and its workers drained",
+    )
 
 
-def run(topic: str, conf_file: str | None, once: bool) -> int:
+def run(topic: str, conf_file: str | None, once: bool, take_over: bool = False) -> int:
     from pyspark.errors import StreamingQueryException
 
     from dejaq.conf.storage import export, spark_conf
     from dejaq.jobs.logs import query_failure, setup
     from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
-    from dejaq.pipelines.release import ReleaseJob, require_release
+    from dejaq.pipelines.release import ReleaseJob, require_owner, require_release
     from dejaq.pipelines.session import get_spark
 
     setup()
@@ -38,6 +45,7 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
     topic_conf = settings.topic(topic)
     require_release(topic_conf)  # before Spark starts: a usage error should be quick
     export(settings)
+    require_owner(settings, topic_conf, take_over)
     spark = get_spark(
         f"dejaq-release-{topic}",
         settings.spark.master,
@@ -45,7 +53,7 @@ def run(topic: str, conf_file: str | None, once: bool) -> int:
         settings.spark.connectors,
         conf=spark_conf(settings),
     )
-    job = ReleaseJob(spark, settings, topic_conf)
+    job = ReleaseJob(spark, settings, topic_conf, take_over)
     log.info(
         "release %s (%s) to Kafka topic %s every %d ms",
         topic,
@@ -94,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(p)
     args = p.parse_args(argv)
     try:
-        return run(args.topic, args.conf_file, args.once)
+        return run(args.topic, args.conf_file, args.once, args.take_over)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

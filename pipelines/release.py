@@ -42,6 +42,7 @@ from pyspark.sql.streaming import StreamingQuery
 from dejaq.conf.kafka_clients import close_producer, python_source_options
 from dejaq.conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import (
+    BROKER_APP_ID,
     BUFFER_SCHEMA,
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
@@ -155,6 +156,32 @@ def require_release(topic: TopicConfig) -> None:
         )
 
 
+def release_app_id(topic: str) -> str:
+    """The ledger's app transaction of a topic's release, its version the batch id."""
+    return f"dejaq-release-{topic}"
+
+
+def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> None:
+    """Refuse a topic the lease broker delivered, unless `take_over` says its brokers
+    are stopped and its workers drained: the brokers' Raft state holds what the ledger
+    does not yet (leases in flight, acks not yet checkpointed, nack delays, retry
+    backoffs and reschedules), which this job cannot see. Once this job has released
+    into the ledger, it owns the topic."""
+    if take_over:
+        return
+    ledger = DeltaTable(ensure_table(settings.warehouse, Table.LEDGER, topic.name))
+    released = ledger.transaction_version(release_app_id(topic.name)) is not None
+    if released or ledger.transaction_version(BROKER_APP_ID) is None:
+        return
+    raise ConfigError(
+        f"topic {topic.name!r} was delivered by the lease broker (its ledger holds the "
+        "brokers' checkpoints): messages leased or delayed there, and acks not yet "
+        "checkpointed, would be released while the brokers still hold them. Pause the "
+        "topic, let the workers drain it, stop the brokers, then start the release with "
+        "--take-over."
+    )
+
+
 def output_headers(m: Message, kind: TopicKind) -> list[tuple[str, bytes]]:
     """The input's own headers, then the envelope as released (sort key after reschedules).
 
@@ -190,8 +217,9 @@ def _now_ms() -> int:
 class Releaser:
     """One topic's release, batch by batch, on the driver."""
 
-    def __init__(self, settings: Settings, topic: TopicConfig) -> None:
+    def __init__(self, settings: Settings, topic: TopicConfig, take_over: bool = False) -> None:
         require_release(topic)
+        require_owner(settings, topic, take_over)
         self.settings = settings
         self.topic = topic
         self.output: str = topic.output or ""
@@ -213,7 +241,7 @@ class Releaser:
 
     @property
     def app_id(self) -> str:
-        return f"dejaq-release-{self.topic.name}"
+        return release_app_id(self.topic.name)
 
     def producer(self) -> KafkaProducer:
         if self._producer is None:
@@ -593,11 +621,12 @@ class ReleaseJob:
     spark: SparkSession
     settings: Settings
     topic: TopicConfig
+    take_over: bool = False  # `require_owner`
     releaser: Releaser = field(init=False)
     _reported: int = -1
 
     def __post_init__(self) -> None:
-        self.releaser = Releaser(self.settings, self.topic)
+        self.releaser = Releaser(self.settings, self.topic, self.take_over)
 
     @property
     def checkpoint(self) -> str:

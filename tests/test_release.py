@@ -200,6 +200,43 @@ def run_until(
     wait_until(step, timeout=timeout, what="release batches")
 
 
+def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A topic switched from delivery: lease: its ledger holds the brokers' checkpoints,
+    and their Raft state what the ledger does not yet. The release refuses it, before
+    Spark starts, until told it takes over; then it releases, and owns the topic."""
+    from dejaq.broker.state.leases import TopicState
+    from dejaq.broker.storage.ledger_writer import checkpoint
+
+    out = topic_factory(partitions=1)
+    conf = write_conf(tmp_path, kafka_bootstrap, "priority", out)
+    s = load_settings(conf, env={})
+    written = add_buffer(s, "priority", [3, 1, 2])
+    state = TopicState(4, 5)
+    state.lease("w", 0, 1000, [(written[0], 0, 3)])
+    assert state.ack("w", 1, [written[0]]) == {}
+    checkpoint(s.warehouse, "jobs", state.events)
+    with pytest.raises(ConfigError, match=r"delivered by the lease broker.*--take-over"):
+        Releaser(s, s.topic("jobs"))
+    result = subprocess.run(
+        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
+    releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
+        assert ids(output.wait_for(2)) == [written[1], written[2]], "the acked one is not"
+    finally:
+        releaser.finish()
+        output.close()
+    Releaser(s, s.topic("jobs")).finish()  # its own releases in the ledger: its topic
+
+
 def test_a_lease_topic_is_refused(kafka_bootstrap, tmp_path):
     conf = write_conf(tmp_path, kafka_bootstrap, "priority", "out", delivery="lease")
     with pytest.raises(ConfigError, match="delivery: lease: the lease broker delivers it"):

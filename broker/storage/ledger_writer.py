@@ -31,6 +31,7 @@ from dejaq.broker.state.settlements import (
     settlements,
 )
 from dejaq.conf.tables import (
+    BROKER_APP_ID,
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
     TIMESTAMP,
@@ -43,7 +44,7 @@ from dejaq.conf.tables import (
 from dejaq.pipelines.compaction import Compacted
 from dejaq.pipelines.log_compaction import maintain_log
 
-APP_ID = "dejaq-broker"
+APP_ID = BROKER_APP_ID
 # A ledger commit's last event, "<seq> <event> <message id>": which Raft history wrote
 # the tag, where a state's own event at that seq differs.
 LAST = "dejaq.last"
