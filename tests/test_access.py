@@ -42,7 +42,7 @@ from dejaq.broker.api.keys import (
     revoke_key,
     split_token,
 )
-from dejaq.client import Client, Forbidden, Unauthorized, Unavailable, Worker
+from dejaq.client import Client, Forbidden, NotFound, Unauthorized, Unavailable, Worker
 from dejaq.conf.settings import TOPIC_NAME
 from dejaq.jobs import children, cluster
 from dejaq.jobs.certificates import new_authority
@@ -68,6 +68,7 @@ def write_secure_conf(tmp: Path, bootstrap: str, source: str) -> tuple[Path, Pat
         "topics:\n"
         f"  - {{name: jobs, kind: priority, source: [{source}], buckets: 4}}\n"
         f"  - {{name: other, kind: priority, source: [{source}], buckets: 4}}\n"
+        f"  - {{name: orders.x, kind: cron, source: [unused-{source}], buckets: 2}}\n"
     )
     return conf, ca.cert, keys
 
@@ -269,6 +270,47 @@ def test_a_forwards_body_is_read_behind_a_timely_tag_only_and_no_larger_than_a_r
         assert (status(tag), pulled) == (401, 0), tag
     assert status(forward_tag("the raft password", "n2", "POST", path, b"")) == 413
     assert pulled == 11, "1,000 bytes of 100-byte chunks, and the one past them"
+
+
+def test_a_follower_forwards_the_path_it_was_sent_still_encoded(secure) -> None:
+    """A forward names the route and message the follower authorized: a double-encoded
+    `/` reaches no other route (a `read` grant on `orders.*` opens no schedules, which
+    need `operate`), and a `%` in an id is no escape where the leader reads it."""
+    http, nodes, keys = secure["http"], secure["nodes"], secure["keys"]
+    verify = ssl.create_default_context(cafile=str(secure["ca"]))
+    with httpx.Client(verify=verify, headers=bearer(keys["monitor"])) as monitor:
+        leader = wait_until(lambda: leader_of(nodes, monitor), what="a leader")
+    follower = next(n for n in nodes if n is not leader)
+    reader = add_key(secure["keys_file"], "orders-reader", ["read"], ["orders.*"])
+    schedules = f"{follower.url}/v1/topics/orders.x/schedules"
+    refused = wait_until(
+        lambda: (r := http.get(schedules, headers=bearer(reader))).status_code == 403 and r,
+        10,
+        "the new key on the follower",
+    )
+    assert "role 'operate'" in refused.json()["detail"]
+    smuggled = http.get(f"{follower.url}/v1/topics/orders.x%252Fschedules", headers=bearer(reader))
+    assert smuggled.status_code == 422, smuggled.text  # no topic has that name
+    assert "schedules" not in smuggled.text
+
+    fill(str(secure["tmp"] / "warehouse"), "jobs", buffer_rows([60_000], prefix="x%41"))
+    fill(str(secure["tmp"] / "warehouse"), "jobs", buffer_rows([60_000], prefix="xA"))
+    urls = {"follower": [follower.url], "leader": [leader.url]}
+    with (
+        Client(urls["follower"], token=keys["all"], verify=str(secure["ca"])) as via,
+        Client(urls["leader"], token=keys["all"], verify=str(secure["ca"])) as direct,
+    ):
+
+        def status(message_id: str) -> str | None:
+            try:
+                return direct.peek("jobs", message_id).status
+            except NotFound:
+                return None
+
+        wait_until(lambda: status("x%410") and status("xA0"), 10, "both messages buffered")
+        via.cancel("jobs", "x%410")
+        assert (status("x%410"), via.peek("jobs", "x%410").status) == ("cancelled", "cancelled")
+        assert status("xA0") != "cancelled"
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused(secure, tmp_path: Path) -> None:

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
 from functools import lru_cache
 from typing import Any
+from urllib.parse import quote
 
 from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.replayed_body import read_body, replay
@@ -125,9 +126,15 @@ def forward_key(password: str) -> bytes:
     return hashlib.pbkdf2_hmac("sha256", password.encode(), b"dejaq-forward", FORWARD_ROUNDS)
 
 
-def target_of(path: str, query: bytes) -> str:
-    """A request's path and query as a forward's tag signs them."""
-    return f"{path}?{query.decode('latin-1')}" if query else path
+def target_of(scope: Scope) -> bytes:
+    """A request's path and query as they came on the wire, still percent-encoded: what
+    a follower forwards and a forward's tag signs. The decoded path would be decoded
+    again where it arrives, naming another route or message than the one authorized."""
+    raw: bytes | None = scope.get("raw_path")
+    if raw is None:
+        raw = quote(scope["path"]).encode("ascii")
+    query: bytes = scope.get("query_string", b"")
+    return raw + b"?" + query if query else raw
 
 
 class Guard:
@@ -167,7 +174,7 @@ class Guard:
             body = await read_body(receive, self.max_body) if self._timely(forwarded) else b""
             if body is None:
                 return await _refuse(send, 413, "request too large", f"over {self.max_body} bytes")
-            target = target_of(path, scope.get("query_string", b""))
+            target = target_of(scope).decode("latin-1")
             if self._from_node(forwarded, scope["method"], target, body):
                 # Authorized where it arrived; a body cut short by its sender fails the tag.
                 return await self.app(scope, replay(body, receive), send)

@@ -108,24 +108,23 @@ async def _forward(request: Request, exc: Exception) -> Response:
     broker: Broker = request.app.state.broker
     client: httpx.AsyncClient = request.app.state.http
     body = await request.body()
+    raw = target_of(request.scope)  # as it came: decoded once, by the leader alone
     deadline = time.monotonic() + FORWARD_WAIT_S
     while True:
         target = await _leader_address(broker, deadline)
         if target is None:
             return problem(503, "no leader", "no Raft leader is known yet: retry shortly")
         try:
+            url = httpx.URL(f"{request.app.state.scheme}://{target}").copy_with(raw_path=raw)
             outgoing = client.build_request(
                 request.method,
-                f"{request.app.state.scheme}://{target}{request.url.path}",
-                params=request.query_params,
+                url,
                 content=body,
                 headers={"content-type": request.headers.get("content-type", "")},
             )
             tag = request.app.state.forward_tag
-            url = outgoing.url
-            outgoing.headers[FORWARDED] = (
-                tag(outgoing.method, target_of(url.path, url.query), body) if tag else "1"
-            )
+            sent = outgoing.url.raw_path.decode("latin-1")
+            outgoing.headers[FORWARDED] = tag(outgoing.method, sent, body) if tag else "1"
             with client_watch(request.receive) as gone:
                 answer = await _ask(
                     broker,
