@@ -389,6 +389,38 @@ def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_sourc
         assert response.json()["status"] == status
 
 
+def test_a_body_larger_than_its_route_takes_is_refused_as_it_comes(three) -> None:
+    """On every node, a chunked body (no Content-Length to check) and an announced one
+    get a 413 once past their route's limit, however valid their JSON: a produce's (one
+    payload of max_payload_bytes, 1000 here, in base64 with room), a lease's (64 KiB)."""
+    nodes, client, _ = three
+    leader = leader_of(nodes, client)
+    json_ = {"content-type": "application/json"}
+
+    def chunked(head: bytes, size: int) -> Iterator[bytes]:
+        yield head
+        for _ in range(size // 16_384):
+            yield b" " * 16_384
+        yield b"}"
+
+    for node in (leader, follower(nodes, client)):
+        assert node is not None
+        base = f"{node.url}/v1/topics"
+        produce = b'{"payload": "aGk=", "priority": 1'
+        lease = b'{"consumer_id": "big", "max_messages": 1'
+        answers = [
+            client.post(f"{base}/jobs/messages", content=chunked(produce, 300_000), headers=json_),
+            client.post(f"{base}/hot/leases", content=chunked(lease, 300_000), headers=json_),
+            client.post(f"{base}/hot/leases", content=lease + b" " * 70_000 + b"}", headers=json_),
+        ]
+        for answer in answers:
+            assert answer.status_code == 413, (node.url, answer.text)
+            assert answer.json()["title"] == "request too large"
+        assert "chunked" in answers[0].request.headers["transfer-encoding"]
+        small = client.post(f"{base}/hot/leases", content=lease + b" " * 1000 + b"}", headers=json_)
+        assert small.status_code == 200, small.text
+
+
 def test_produce_over_http_lands_in_kafka(three, kafka_bootstrap: str, kafka_source: str) -> None:
     nodes, client, _ = three
     base = f"{follower(nodes, client).url}/v1/topics/jobs/messages"

@@ -33,6 +33,7 @@ from dejaq.broker.api.access import (
     forward_tag,
     target_of,
 )
+from dejaq.broker.api.body_limits import BodyLimits, largest_body
 from dejaq.broker.api.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
 from dejaq.broker.api.hotpath import HotPath
 from dejaq.broker.api.keys import KeyRing
@@ -225,9 +226,10 @@ async def _ask(
 
 
 class BrokerApp(FastAPI):
-    """FastAPI, behind the key check (`broker.access`, when keys are on) and with lease
-    and ack offered to `broker.hotpath` before FastAPI's own per-request machinery
-    (telemetry checks, middleware stack, routing) runs."""
+    """FastAPI, behind the key check (`broker.access`, when keys are on) and the body
+    limits (`broker.body_limits`), and with lease and ack offered to `broker.hotpath`
+    before FastAPI's own per-request machinery (telemetry checks, middleware stack,
+    routing) runs."""
 
     front: Any
 
@@ -312,14 +314,14 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     app.state.forward_tag = partial(forward_tag, password, broker.http_addr) if password else None
     if password:
         forward_key(password)  # stretched here, once, not on the event loop at a forward
-    app.front = HotPath(partial(FastAPI.__call__, app), broker)
+    app.front = BodyLimits(HotPath(partial(FastAPI.__call__, app), broker), broker)
     if conf.keys_file is not None:
         broker.keys = KeyRing(Path(conf.keys_file))
         app.front = Guard(
             app.front,
             broker.keys,
             password,
-            messages.largest_body(conf.max_payload_bytes),
+            largest_body(conf.max_payload_bytes),
             conf.metrics_open,
         )
         _declare_security(app, conf.metrics_open)

@@ -8,7 +8,7 @@ import json
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from dejaq.broker.api.dependencies import AnyBroker, AnyProducer, LeaderBroker
@@ -17,7 +17,6 @@ from dejaq.broker.service import Broker, Outgoing, Problem, Producer
 from dejaq.conf.settings import JsonFields, TopicConfig, TopicKind
 
 router = APIRouter(tags=["messages"])
-MAX_BATCH_BODY = 16 * 1024 * 1024
 
 
 class NewMessage(Body):
@@ -56,25 +55,6 @@ class Peeked(BaseModel):
     deliveries: int | None = None
     lease_deadline: int | None = None
     consumer_id: str | None = None
-
-
-def _limit(request: Request, limit: int) -> None:
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise Problem(413, "request too large", f"{length} bytes; the limit is {limit}")
-
-
-async def body_limit(request: Request, broker: AnyBroker) -> None:
-    _limit(request, broker.conf.max_payload_bytes * 4 // 3 + 64 * 1024)
-
-
-async def batch_limit(request: Request, broker: AnyBroker) -> None:
-    _limit(request, largest_body(broker.conf.max_payload_bytes))
-
-
-def largest_body(max_payload_bytes: int) -> int:
-    """The largest body any route takes: a batch's, or one payload in base64 with room."""
-    return max(MAX_BATCH_BODY, max_payload_bytes * 4 // 3 + 64 * 1024)
 
 
 def decode_payload(b64: str, max_bytes: int) -> bytes:
@@ -173,7 +153,6 @@ async def _produce(topic: str, items: list[NewMessage], broker: Broker, producer
     response_model=Produced,
     status_code=201,
     responses=problems(404, 413, 422, 503),
-    dependencies=[Depends(body_limit)],
 )
 async def produce(
     topic: TopicName,
@@ -190,7 +169,6 @@ async def produce(
     response_model=Produced,
     status_code=201,
     responses=problems(404, 413, 422, 503),
-    dependencies=[Depends(batch_limit)],
 )
 async def produce_batch(
     topic: TopicName,

@@ -16,7 +16,7 @@ from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from dejaq.broker.api.dependencies import LeaderBroker, on_leader
 from dejaq.broker.api.routers._common import Body, EpochMs, TopicName, problems
-from dejaq.broker.api.routers.messages import body_limit, decode_payload, own_headers
+from dejaq.broker.api.routers.messages import decode_payload, own_headers
 from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.service import Problem, now_ms
 from dejaq.broker.state import cron
@@ -122,7 +122,6 @@ def _out(s: Schedule, now: int) -> ScheduleOut:
     response_model=ScheduleOut,
     status_code=201,
     responses=problems(404, 409, 413, 422, 503),
-    dependencies=[Depends(body_limit)],
 )
 async def create_schedule(
     topic: TopicName,
