@@ -373,12 +373,13 @@ def test_no_key_or_secret_reaches_a_log(secure) -> None:
 @given(
     topic=st.from_regex(TOPIC_NAME, fullmatch=True),
     other=st.from_regex(r"[\x21-\x2e\x30-\x7e]{1,40}", fullmatch=True),
+    slashed=st.from_regex(r"[\x21-\x7e]{1,40}", fullmatch=True),
 )
-def test_each_route_needs_its_role_on_its_own_topic(topic: str, other: str) -> None:
-    """Whatever the topic's name and the ids in the path, a route is matched to its own
-    role and topic, never to another route's."""
+def test_each_route_needs_its_role_on_its_own_topic(topic: str, other: str, slashed: str) -> None:
+    """Whatever the topic's name and the ids in the path (message and consumer ids may
+    hold "/"), a route is matched to its own role and topic, never to another route's."""
     for method, path, role in ROUTES:
-        params = {k: other for k in ("message_id", "consumer_id", "schedule_id")}
+        params = {"message_id": slashed, "consumer_id": slashed, "schedule_id": other}
         concrete = path.format(topic=topic, **params)
         assert required(method, concrete) == (role, topic if "{topic}" in path else None)
 

@@ -30,7 +30,8 @@ from test_broker import buffer_rows, fill
 
 from dejaq.broker.api.routers.topics import TopicStats
 from dejaq.broker.service import Outgoing, Problem, Producer
-from dejaq.client import Client, Worker
+from dejaq.client import Client, NotFound, Worker
+from dejaq.client.models import Left
 from dejaq.conf.settings import KafkaConfig
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
@@ -64,6 +65,7 @@ def write_conf(
         f"  - {{name: ord, kind: priority, source: [{source}], buckets: 4}}\n"
         f"  - {{name: hot, kind: priority, source: [{source}], buckets: 2}}\n"
         f"  - {{name: left, kind: priority, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: slash, kind: priority, source: [{source}], buckets: 2}}\n"
     )
     return conf
 
@@ -199,6 +201,33 @@ def test_expiry_nack_extend_reject_cancel_reschedule(three) -> None:
     assert client.patch(f"{url}/messages/t3", json={"deliver_at": now}).status_code == 409
     assert client.patch(f"{url}/messages/t0", json={"priority": 3}).status_code == 422
     assert client.get(f"{url}/messages/nope").status_code == 404
+
+
+def test_ids_holding_a_slash_name_their_message_and_consumer(three) -> None:
+    """A producer's message id and a worker's consumer id may hold "/": each names its
+    own message or consumer in a URL, on any node (peek, reschedule, cancel, heartbeat,
+    leave), never a 404 as if unknown."""
+    nodes, client, warehouse = three
+    fill(warehouse, "slash", buffer_rows([5, 6], prefix="a/b/", bucket_of=lambda i: 0))
+    with Client([follower(nodes, client).url]) as c:
+
+        def buffered() -> bool:
+            try:
+                return c.peek("slash", "a/b/1").status == "pending"
+            except NotFound:
+                return False
+
+        wait_until(buffered, 10, "a/b/1 buffered")
+        c.reschedule("slash", "a/b/1", priority=1)
+        assert c.peek("slash", "a/b/1").priority == 1
+        c.cancel("slash", "a/b/0")
+        assert c.peek("slash", "a/b/0").status == "cancelled"
+        with pytest.raises(NotFound, match="a/b/2"):
+            c.peek("slash", "a/b/2")
+        joined = c.heartbeat("slash", "svc/1")
+        assert joined.consumer_id == "svc/1" and joined.buckets == [0, 1]
+        assert [m.id for m in c.lease("slash", "svc/1", 5)] == ["a/b/1"]
+        assert c.leave("slash", "svc/1") == Left(consumer_id="svc/1", released=1)
 
 
 _examples = itertools.count()

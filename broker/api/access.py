@@ -80,9 +80,17 @@ ROUTES: tuple[tuple[str, str, str | None], ...] = (
 )
 
 
+# Path parameters that may hold "/" (message ids come from producers, consumer ids from
+# workers): their routes take the rest of the path (`{message_id:path}`), and so does
+# their pattern here, so a request is matched to the route that serves it.
+SLASHED = frozenset({"message_id", "consumer_id"})
+
+
 def _compile(path: str) -> re.Pattern[str]:
-    pattern = re.sub(r"\{(\w+)\}", lambda m: f"(?P<{m[1]}>[^/]+)", path)
-    return re.compile(pattern)
+    def group(m: re.Match[str]) -> str:
+        return f"(?P<{m[1]}>{'.*' if m[1] in SLASHED else '[^/]+'})"
+
+    return re.compile(re.sub(r"\{(\w+)\}", group, path))
 
 
 _BY_METHOD: dict[str, list[tuple[re.Pattern[str], str | None]]] = {}

@@ -11,11 +11,12 @@ from dejaq.broker.api.responses import Heartbeat, Left
 from dejaq.broker.api.routers._common import TopicName, problems
 
 router = APIRouter(tags=["consumers"])
+# The last segments of the path: a consumer id may hold "/", which arrives decoded.
 ConsumerPath = Annotated[str, Path(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
 
 
 @router.post(
-    "/topics/{topic}/consumers/{consumer_id}/heartbeat",
+    "/topics/{topic}/consumers/{consumer_id:path}/heartbeat",
     response_model=Heartbeat,
     responses=problems(404, 503),
 )
@@ -26,7 +27,9 @@ async def heartbeat(topic: TopicName, consumer_id: ConsumerPath, broker: LeaderB
 
 
 @router.delete(
-    "/topics/{topic}/consumers/{consumer_id}", response_model=Left, responses=problems(404, 503)
+    "/topics/{topic}/consumers/{consumer_id:path}",
+    response_model=Left,
+    responses=problems(404, 503),
 )
 async def leave(topic: TopicName, consumer_id: ConsumerPath, broker: LeaderBroker) -> Left:
     """Leave: the consumer's leases go back to pending and its buckets to the others."""

@@ -181,7 +181,9 @@ async def produce_batch(
 
 
 @router.get(
-    "/topics/{topic}/messages/{message_id}", response_model=Peeked, responses=problems(404, 503)
+    "/topics/{topic}/messages/{message_id:path}",
+    response_model=Peeked,
+    responses=problems(404, 503),
 )
 async def peek(topic: TopicName, message_id: str, broker: LeaderBroker) -> dict:
     """A message's status (pending, delayed, leased, acked, dead, cancelled) and payload."""
@@ -189,7 +191,7 @@ async def peek(topic: TopicName, message_id: str, broker: LeaderBroker) -> dict:
 
 
 @router.delete(
-    "/topics/{topic}/messages/{message_id}",
+    "/topics/{topic}/messages/{message_id:path}",
     status_code=204,
     responses=problems(404, 409, 503),
 )
@@ -199,7 +201,7 @@ async def cancel(topic: TopicName, message_id: str, broker: LeaderBroker) -> Non
 
 
 @router.patch(
-    "/topics/{topic}/messages/{message_id}",
+    "/topics/{topic}/messages/{message_id:path}",
     status_code=204,
     responses=problems(404, 409, 422, 503),
 )
