@@ -108,7 +108,9 @@ def serve(port: int) -> None:
 
 class StdlibConnections(Connections):
     """The baseline: the same pool of kept-alive connections, each request and answer
-    through `http.client` (its head and body written apart, headers parsed by `email`)."""
+    through `http.client` (its head and body written apart, headers parsed by `email`).
+    Its reads wait `timeout` each, not bounded by `until`: it measures CPU against a
+    local node that answers at once."""
 
     def __init__(self) -> None:
         super().__init__({}, True)
@@ -124,6 +126,7 @@ class StdlibConnections(Connections):
         *,
         timeout: float,
         connect_timeout: float,
+        until: float,
     ) -> Response:
         with self._stdlib_lock:
             conn = self._stdlib.pop() if self._stdlib else None

@@ -13,6 +13,7 @@ import re
 import socket
 import ssl
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -340,6 +341,77 @@ def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused() -> Non
         assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
         assert [m.id for m in c.lease("jobs", "w")] == ["m1"]
         assert node.connections == 2
+
+
+class Trickle:
+    """A node's stand-in that reads a request, sends an answer's head announcing a long
+    body, then one byte of it every `gap_s`, for ever: never silent for as long as one
+    read waits, never done."""
+
+    def __init__(self, gap_s: float) -> None:
+        self.gap_s = gap_s
+        self.stop = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:  # closed: the test is over
+                return
+            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
+
+    def _trickle(self, conn: socket.socket) -> None:
+        with conn:
+            data = b""
+            while b"\r\n\r\n" not in data:
+                more = conn.recv(65536)
+                if not more:
+                    return
+                data += more
+            try:
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n{")
+                while not self.stop.wait(self.gap_s):
+                    conn.sendall(b" ")
+            except OSError:  # the client gave up on it
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.close()
+
+
+def test_a_node_trickling_its_answer_fails_the_call_by_its_deadline() -> None:
+    """`deadline` bounds a call however a node paces its answer: a byte every little
+    while (under `stall_s`, under `timeout`) restarts no wait."""
+    node = Trickle(gap_s=1.9)
+    outcomes: list[tuple[str, BaseException | None, float]] = []
+
+    def call() -> None:
+        with Client([node.url], stall_s=2.0, timeout=10.0, deadline=3.0) as c:
+            calls = {"lease": lambda: c.lease("jobs", "w"), "stats": lambda: c.topic_stats("jobs")}
+            for name, do in calls.items():
+                began = time.monotonic()
+                try:
+                    do()
+                    error = None
+                except Unavailable as e:
+                    error = e
+                outcomes.append((name, error, time.monotonic() - began))
+
+    caller = threading.Thread(target=call, daemon=True)
+    try:
+        caller.start()
+        caller.join(15)
+        assert not caller.is_alive(), f"calls still waiting after 15 s: {outcomes}"
+    finally:
+        node.close()
+    assert [name for name, _, _ in outcomes] == ["lease", "stats"]
+    for name, error, took in outcomes:
+        assert isinstance(error, Unavailable), (name, error)
+        assert took < 4.5, (name, took)
 
 
 def test_a_request_goes_out_whole_with_its_headers() -> None:

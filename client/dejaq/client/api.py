@@ -99,8 +99,9 @@ class Client:
         heartbeat, leave), which the broker answers in milliseconds: a node silent for
         longer is taken for stalled (a stopped process still accepts connections) and
         the call moves to the next node. A lease's `wait_ms` is added to either.
-        `deadline` bounds a call, every node and retry included; a `Retry-After` is
-        obeyed up to `max_retry_after` seconds."""
+        `deadline` bounds a call, every node and retry included, and an answer still
+        arriving (a node sending a byte now and then is never silent for long); a
+        `Retry-After` is obeyed up to `max_retry_after` seconds."""
         if not nodes:
             raise ValueError("nodes: give at least one node base URL")
         self.nodes = [node_url(n) for n in nodes]
@@ -150,9 +151,13 @@ class Client:
         connect = min(attempt, CONNECT_TIMEOUT_S)
         maybe_applied = False
         failures = 0
+        why = "no time left"
         while True:
             node = self.node
             sent_at = time.monotonic()
+            left = deadline - sent_at  # an attempt, its answer too, ends by the deadline
+            if left <= 0:
+                raise Unavailable(f"{method} {path}: no node served it in time; last: {why}")
             stay = False
             try:
                 answer = self._http.request(
@@ -161,7 +166,8 @@ class Client:
                     path,
                     body,
                     timeout=attempt + wait_s,
-                    connect_timeout=connect,
+                    connect_timeout=min(connect, left),
+                    until=deadline,
                 )
             except NotSent as e:
                 why, pause = f"{node}: {e}", 0.0

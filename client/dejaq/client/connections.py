@@ -19,6 +19,7 @@ import select
 import socket
 import ssl
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -130,8 +131,11 @@ class Connections:
         *,
         timeout: float,
         connect_timeout: float,
+        until: float,
     ) -> Response:
-        """One request and its whole answer; `body` is sent as JSON. Raises `NotSent` or
+        """One request and its whole answer; `body` is sent as JSON. `timeout` bounds each
+        wait for the node's next bytes (an answer that keeps flowing is not cut), `until`
+        (monotonic) the whole exchange, however the node paces them. Raises `NotSent` or
         `Lost` when no answer came."""
         target = node.prefix + path
         if not target.isprintable() or " " in target or not target.isascii():
@@ -146,7 +150,7 @@ class Connections:
             request = head.encode("latin-1")
         conn = self._checkout(node, connect_timeout)
         try:
-            response, reusable = conn.exchange(request, timeout)
+            response, reusable = conn.exchange(request, timeout, until)
         except (OSError, httptools.HttpParserError, _Malformed) as e:
             conn.close()
             raise Lost(f"{type(e).__name__}: {e}") from e
@@ -238,15 +242,17 @@ class Connection:
         self._head_bytes = 0
         self._headed = False
 
-    def exchange(self, request: bytes, timeout: float) -> tuple[Response, bool]:
+    def exchange(self, request: bytes, timeout: float, until: float) -> tuple[Response, bool]:
         """Send `request`, read its answer: (the answer, whether the connection can carry
-        another request)."""
+        another request). Each read waits `timeout`, and no later than `until`: a node
+        sending a byte now and then would otherwise hold the call for ever."""
         sock = self.sock
-        sock.settimeout(timeout)
+        sock.settimeout(_wait(timeout, until))
         sock.sendall(request)
         parser = self._parser = httptools.HttpResponseParser(self)
         self._answer, self._more = None, False
         while self._answer is None:
+            sock.settimeout(_wait(timeout, until))
             data = sock.recv(READ_BYTES)
             if not data:
                 return self._ended(parser), False
@@ -302,6 +308,15 @@ class Connection:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def _wait(timeout: float, until: float) -> float:
+    """`timeout`, or the seconds left until `until` (monotonic) if fewer; TimeoutError
+    once none are."""
+    left = until - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("no whole answer by the call's deadline")
+    return min(timeout, left)
 
 
 def _is_token(name: str) -> bool:
