@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 import threading
 from collections.abc import Iterator
@@ -11,6 +12,7 @@ import httpx
 import pytest
 import uvicorn
 
+from dejaq.broker.api import http_server
 from dejaq.broker.api.http_server import SETTINGS, GatheringTransport
 from dejaq.jobs.children import wait_for_port
 from dejaq.jobs.ports import free_port
@@ -116,3 +118,45 @@ def test_writes_of_one_loop_pass_go_out_as_one() -> None:
 
     inner = asyncio.run(scenario())
     assert len(inner.writes) == 2
+
+
+def _closed_within(s: socket.socket, seconds: float) -> bytes | None:
+    """What the server sent before closing `s`, if it closed it within `seconds`."""
+    s.settimeout(seconds)
+    data = b""
+    try:
+        while chunk := s.recv(65536):
+            data += chunk
+    except TimeoutError:
+        return None
+    return data
+
+
+def test_a_request_head_late_or_without_end_closes_its_connection(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection that sends no head, or half of one, is closed once the head is late;
+    one sending headers without end gets a 400 at the size limit. A head that came in
+    time leaves its kept-alive connection to the idle timeout, as before."""
+    monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.5)
+    host, port = server.removeprefix("http://").split(":")
+    address = (host, int(port))
+    with socket.create_connection(address) as silent:
+        assert _closed_within(silent, 10) == b"", "no head"
+    with socket.create_connection(address) as half:
+        half.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n")
+        assert _closed_within(half, 10) == b"", "half a head"
+    with socket.create_connection(address) as endless:
+        filler = b"x-filler: " + b"y" * 1000 + b"\r\n"
+        with contextlib.suppress(OSError):  # closed while it still sends
+            endless.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n" + filler * 100)
+        answer = _closed_within(endless, 10)
+        assert answer is not None and answer.startswith(b"HTTP/1.1 400 "), answer
+    with socket.create_connection(address) as kept:
+        kept.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n")
+        head = b""
+        while b"/fixed" * 1000 not in head:
+            head += kept.recv(65536)
+        assert _closed_within(kept, 1.5) is None, "closed while idle, before its timeout"
+        kept.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert kept.recv(65536).startswith(b"HTTP/1.1 200 OK")

@@ -72,12 +72,66 @@ class GatheringTransport:
         return getattr(self._transport, name)
 
 
+# How long a request's head (request line and headers) may take to arrive, from the
+# connection's opening or the request's first byte; and how large it may be. uvicorn
+# bounds neither (its idle timer starts after a first answer): a connection that never
+# finishes its head, or one sending headers without end, would be held for ever.
+HEAD_TIMEOUT_S = 5.0
+HEAD_MAX_BYTES = 64 * 1024
+
+
+class HeadTooLarge(Exception):
+    """A request's head passed HEAD_MAX_BYTES: uvicorn answers 400 and closes."""
+
+
 class GatheringHttpToolsProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol over a `GatheringTransport`."""
+    """uvicorn's httptools protocol over a `GatheringTransport`, with a request's head
+    bounded in time and size."""
+
+    _head_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         gathering: Any = GatheringTransport(transport, self.loop)
         super().connection_made(gathering)
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._head_done()
+        super().connection_lost(exc)
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._head_bytes = 0
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+
+    def on_url(self, url: bytes) -> None:
+        self._count(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count(len(name) + len(value))
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._head_done()
+        super().on_headers_complete()
+
+    def _count(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > HEAD_MAX_BYTES:
+            raise HeadTooLarge(f"a request's head passed {HEAD_MAX_BYTES} bytes")
+
+    def _head_done(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_late(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 # uvicorn's settings for the broker, and for the benchmark's baselines, like for like.
