@@ -86,52 +86,60 @@ class HeadTooLarge(Exception):
 
 class GatheringHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over a `GatheringTransport`, with a request's head
-    bounded in time and size."""
+    bounded in time and size.
 
-    _head_timer: asyncio.TimerHandle | None = None
+    A request notes when its head began, and one timer per connection looks every
+    HEAD_TIMEOUT_S: a timer armed and cancelled per request would cost each lease and
+    ack more than the look does."""
+
+    _head_since: float | None = None  # loop time a head began, None between heads
     _head_bytes = 0
+    _head_check: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         gathering: Any = GatheringTransport(transport, self.loop)
         super().connection_made(gathering)
-        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+        self._head_since = self.loop.time()
+        self._head_check = self.loop.call_later(HEAD_TIMEOUT_S, self._look_at_head)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._head_done()
+        if self._head_check is not None:
+            self._head_check.cancel()
+            self._head_check = None
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self._head_bytes = 0
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_late)
+        self._head_since = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
-        self._count(len(url))
+        self._head_bytes += len(url)
+        if self._head_bytes > HEAD_MAX_BYTES:
+            raise HeadTooLarge(f"a request's head passed {HEAD_MAX_BYTES} bytes")
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._count(len(name) + len(value))
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > HEAD_MAX_BYTES:
+            raise HeadTooLarge(f"a request's head passed {HEAD_MAX_BYTES} bytes")
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._head_done()
+        self._head_since = None
         super().on_headers_complete()
 
-    def _count(self, size: int) -> None:
-        self._head_bytes += size
-        if self._head_bytes > HEAD_MAX_BYTES:
-            raise HeadTooLarge(f"a request's head passed {HEAD_MAX_BYTES} bytes")
-
-    def _head_done(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _head_late(self) -> None:
-        self._head_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    def _look_at_head(self) -> None:
+        """Close the connection if a head has been arriving for HEAD_TIMEOUT_S, else look
+        again when the one arriving now (or the next) could be late."""
+        since, now = self._head_since, self.loop.time()
+        if since is not None and now - since >= HEAD_TIMEOUT_S:
+            self._head_check = None
+            if not self.transport.is_closing():
+                self.transport.close()
+            return
+        wait = HEAD_TIMEOUT_S if since is None else since + HEAD_TIMEOUT_S - now
+        self._head_check = self.loop.call_later(wait, self._look_at_head)
 
 
 # uvicorn's settings for the broker, and for the benchmark's baselines, like for like.
