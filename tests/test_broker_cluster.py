@@ -371,6 +371,9 @@ def test_a_topic_reading_its_envelope_from_the_payload_takes_it_there_over_http(
     odd = base64.b64encode(b'{"p": 3, "order": {"ref": 1.5}}').decode()
     with pytest.raises(Problem, match="give a string or an integer"):
         _envelope(NewMessage(payload=odd), cfg, 10_000)
+    empty = base64.b64encode(b'{"p": 3, "order": {"ref": ""}}').decode()
+    with pytest.raises(Problem, match="is empty"):  # the ingest quarantines it
+        _envelope(NewMessage(payload=empty), cfg, 10_000)
     listed = cfg.model_copy(update={"json_fields": JsonFields(priority="p", id="refs[1]")})
     both = base64.b64encode(b'{"p": 3, "refs": ["r0", 17]}').decode()
     assert _envelope(NewMessage(payload=both), listed, 10_000).headers == [("dejaq-id", b"17")]

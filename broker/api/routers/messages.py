@@ -113,8 +113,8 @@ def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
 def payload_id(payload: bytes, path: str) -> str | None:
     """The id at the JSON `path` (`order.ref`, `refs[0]`) of a payload, as the ingest's
     `get_json_object` reads a string or an integer; None where the path holds nothing
-    (the message gets its default id). 422 where it holds another value: the answer
-    could not name the id the ingest gives it."""
+    (the message gets its default id). 422 where it holds another value, or an empty
+    string: the answer could not name the id the ingest gives it."""
     try:
         value = json.loads(payload)
     except ValueError:
@@ -130,6 +130,8 @@ def payload_id(payload: bytes, path: str) -> str | None:
             value = value[int(index)]
     if value is None:
         return None
+    if value == "":  # the ingest quarantines it: no id an API call could name
+        raise Problem(422, "invalid id", f"the payload's {path!r} is empty: give an id")
     if isinstance(value, str):
         return value
     if isinstance(value, int) and not isinstance(value, bool):
