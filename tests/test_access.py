@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from http import client as http_client
 from pathlib import Path
 
 import httpx
@@ -311,6 +312,22 @@ def test_a_follower_forwards_the_path_it_was_sent_still_encoded(secure) -> None:
         via.cancel("jobs", "x%410")
         assert (status("x%410"), via.peek("jobs", "x%410").status) == ("cancelled", "cancelled")
         assert status("xA0") != "cancelled"
+        for dots in (".", ".."):  # ids, sent as %2E: no folder of the path
+            with pytest.raises(NotFound):
+                via.peek("jobs", dots)
+
+    # `..` segments, sent as they are: authorized as a message of orders.x, they must not
+    # become the cluster's view (a `monitor` route) on the way to the leader.
+    host, port = follower.url.removeprefix("https://").split(":")
+    raw = http_client.HTTPSConnection(host, int(port), context=verify, timeout=10)
+    try:
+        path = "/v1/topics/orders.x/messages/../../../cluster"
+        raw.request("GET", path, headers=bearer(reader))
+        answer = raw.getresponse()
+        body = answer.read().decode()
+        assert answer.status == 400 and "percent-encode" in body, (answer.status, body)
+    finally:
+        raw.close()
 
 
 def test_a_client_that_does_not_trust_the_ca_is_refused(secure, tmp_path: Path) -> None:

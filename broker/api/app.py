@@ -110,6 +110,15 @@ async def _forward(request: Request, exc: Exception) -> Response:
     client: httpx.AsyncClient = request.app.state.http
     body = await request.body()
     raw = target_of(request.scope)  # as it came: decoded once, by the leader alone
+    # httpx drops `.` and `..` segments from a path: what it would send is not what this
+    # node authorized (`t/consumers/../../other/messages/m` would cancel in another
+    # topic). The client sends such an id percent-encoded.
+    if httpx.URL("http://leader").copy_with(raw_path=raw).raw_path != raw:
+        return problem(
+            400,
+            "invalid path",
+            "a path with . or .. segments is not taken: percent-encode an id of . or .. (%2E)",
+        )
     deadline = time.monotonic() + FORWARD_WAIT_S
     while True:
         target = await _leader_address(broker, deadline)

@@ -315,12 +315,12 @@ class Client:
 
     def heartbeat(self, topic: str, consumer_id: str) -> Heartbeat:
         """Join or stay alive; the answer lists the buckets the consumer may lease from."""
-        path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}/heartbeat"
+        path = f"/v1/topics/{topic}/consumers/{_segment(consumer_id)}/heartbeat"
         return decode(Heartbeat, self._json("POST", path, worker=True))
 
     def leave(self, topic: str, consumer_id: str) -> Left:
         """Leave: the consumer's leases go back to pending, its buckets to the others."""
-        path = f"/v1/topics/{topic}/consumers/{quote(consumer_id, safe='')}"
+        path = f"/v1/topics/{topic}/consumers/{_segment(consumer_id)}"
         return decode(Left, self._json("DELETE", path, worker=True))
 
     # --- messages ----------------------------------------------------------------------
@@ -475,12 +475,19 @@ class Client:
 
 
 def _message_path(topic: str, message_id: str) -> str:
-    return f"/v1/topics/{topic}/messages/{quote(message_id, safe='')}"
+    return f"/v1/topics/{topic}/messages/{_segment(message_id)}"
 
 
 def _schedule_path(topic: str, schedule_id: str) -> str:
-    return f"/v1/topics/{topic}/schedules/{quote(schedule_id, safe='')}"
+    return f"/v1/topics/{topic}/schedules/{_segment(schedule_id)}"
 
 
 def _epoch_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def _segment(name: str) -> str:
+    """An id as one path segment: percent-encoded, and `.` and `..` as `%2E`s, which a
+    URL's normalisation would otherwise take for the current and the parent folder."""
+    quoted = quote(name, safe="")
+    return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
