@@ -161,24 +161,40 @@ def release_app_id(topic: str) -> str:
     return f"dejaq-release-{topic}"
 
 
+def taken_over_app_id(topic: str) -> str:
+    """The ledger's app transaction a take-over writes, its version the brokers' tag then."""
+    return f"{release_app_id(topic)}:taken-over"
+
+
 def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> None:
-    """Refuse a topic the lease broker delivered, unless `take_over` says its brokers
-    are stopped and its workers drained: the brokers' Raft state holds what the ledger
-    does not yet (leases in flight, acks not yet checkpointed, nack delays, retry
-    backoffs and reschedules), which this job cannot see. Once this job has released
-    into the ledger, it owns the topic."""
-    if take_over:
-        return
+    """Refuse a topic the lease broker delivered since the last take-over, unless
+    `take_over` says its brokers are stopped and its workers drained: the brokers' Raft
+    state holds what the ledger does not yet (leases in flight, acks not yet
+    checkpointed, nack delays, retry backoffs and reschedules), which this job cannot
+    see. A take-over notes the brokers' tag as it found it: a topic handed back to the
+    brokers since, whose checkpoints moved the tag on, needs another."""
     ledger = DeltaTable(ensure_table(settings.warehouse, Table.LEDGER, topic.name))
-    released = ledger.transaction_version(release_app_id(topic.name)) is not None
-    if released or ledger.transaction_version(BROKER_APP_ID) is None:
+    brokers = ledger.transaction_version(BROKER_APP_ID)
+    if brokers is None:
+        return
+    taken = ledger.transaction_version(taken_over_app_id(topic.name))
+    if take_over:
+        if taken != brokers:
+            marker = CommitProperties(
+                app_transactions=[Transaction(taken_over_app_id(topic.name), brokers)]
+            )
+            ledger.create_write_transaction(
+                [], mode="append", schema=ledger.schema(), commit_properties=marker
+            )
+        return
+    if taken is not None and taken >= brokers:
         return
     raise ConfigError(
         f"topic {topic.name!r} was delivered by the lease broker (its ledger holds the "
-        "brokers' checkpoints): messages leased or delayed there, and acks not yet "
-        "checkpointed, would be released while the brokers still hold them. Pause the "
-        "topic, let the workers drain it, stop the brokers, then start the release with "
-        "--take-over."
+        "brokers' checkpoints since this job last took it over): messages leased or "
+        "delayed there, and acks not yet checkpointed, would be released while the "
+        "brokers still hold them. Pause the topic, let the workers drain it, stop the "
+        "brokers, then start the release with --take-over."
     )
 
 

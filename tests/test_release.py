@@ -205,7 +205,8 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
 ):
     """A topic switched from delivery: lease: its ledger holds the brokers' checkpoints,
     and their Raft state what the ledger does not yet. The release refuses it, before
-    Spark starts, until told it takes over; then it releases, and owns the topic."""
+    Spark starts, until told it takes over; then it releases, and owns the topic until
+    the brokers checkpoint it again."""
     from dejaq.broker.state.leases import TopicState
     from dejaq.broker.storage.ledger_writer import checkpoint
 
@@ -234,7 +235,13 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     finally:
         releaser.finish()
         output.close()
-    Releaser(s, s.topic("jobs")).finish()  # its own releases in the ledger: its topic
+    Releaser(s, s.topic("jobs")).finish()  # taken over: its topic, no flag needed
+    # Handed back to the brokers, whose checkpoints move their tag on: taken over again.
+    state.lease("w", 2, 1000, [("again-0", 0, 9)])
+    assert state.ack("w", 3, ["again-0"]) == {}
+    checkpoint(s.warehouse, "jobs", state.events)
+    with pytest.raises(ConfigError, match="--take-over"):
+        Releaser(s, s.topic("jobs"))
 
 
 def test_a_lease_topic_is_refused(kafka_bootstrap, tmp_path):
