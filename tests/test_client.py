@@ -538,6 +538,26 @@ def test_a_hung_handler_does_not_pin_the_rest_of_its_batch(three) -> None:
         Worker(c, "hot", handler, max_wait_s=0)
 
 
+def test_a_message_whose_turn_comes_late_is_extended_as_it_starts_or_left(three) -> None:
+    """Past `max_wait_s` the keeper no longer extends a waiting message: when its turn
+    comes with half its lease gone it is extended first, and one whose lease is lost
+    meanwhile is not started here."""
+    nodes, warehouse = three
+    fill(warehouse, "hot", buffer_rows([1, 2], bucket_of=lambda i: 0, prefix="turn"))
+    with Client(urls(nodes)) as c:
+        worker = Worker(c, "hot", lambda m: None, consumer_id="late", lease_ms=4000)
+        kept, lost = c.lease("hot", "late", max_messages=2, lease_ms=4000, wait_ms=5000)
+        first_deadline = kept.lease_deadline
+        kept.held_until = lost.held_until = time.monotonic() + 0.5  # half and more gone
+        c.cancel("hot", lost.id)  # its lease ends: settled by an operator
+        lost.held_until = time.monotonic() - 1  # and the worker's view of it lapsed
+        assert worker._renewed(kept)
+        assert c.peek("hot", kept.id).lease_deadline > first_deadline, "extended"
+        assert not worker._renewed(lost)
+        c.ack("hot", "late", receipts=[kept.receipt])
+        c.leave("hot", "late")
+
+
 class AckCounting(Client):
     """A client that counts its ack requests and the messages each names."""
 

@@ -11,10 +11,11 @@ message in the handler is finished and acked, the consumer leaves (its unstarted
 go back to pending, not counted as a delivery, and its buckets to the other consumers),
 and `run()` returns.
 
-A leased message waits in hand while the ones before it run. Its lease is kept for at
-most `max_wait_s`: past that, a handler that hangs would otherwise pin the rest of its
-batch for as long as it hangs. Its lease then lapses, it goes to another consumer (one
-more delivery counted), and this worker does not start it.
+A leased message waits in hand while the ones before it run. Its lease is extended for
+at most `max_wait_s`: past that, a handler that hangs would otherwise pin the rest of its
+batch for as long as it hangs. Its lease then lapses (within `lease_ms`), it goes to
+another consumer (one more delivery counted), and this worker does not start it; one
+whose turn comes before is extended as it starts.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class Worker:
         with the next ones'. A waiting ack's lease is kept as a handler's is; a handler
         that takes long after quick ones holds their acks until it returns (and a worker
         that dies meanwhile leaves them to be delivered again). `max_wait_s` is how long
-        a leased message not yet started is kept while the ones before it run."""
+        the lease of a message not yet started is extended while the ones before it run."""
         if not max_wait_s > 0:
             raise ValueError(f"max_wait_s must be above 0, not {max_wait_s}")
         self.client, self.topic, self.handler = client, topic, handler
@@ -181,7 +182,7 @@ class Worker:
                     break
                 with self._lock:
                     self._unstarted.discard(m.id)
-                if time.monotonic() >= m.held_until:
+                if not self._renewed(m):
                     self._lapsed(m)
                     continue
                 self._handle(m)
@@ -192,6 +193,17 @@ class Worker:
             if time.monotonic() - shown >= self.progress_s:
                 shown = time.monotonic()
                 log.info("%s: %s", self.consumer_id, self.counts)
+
+    def _renewed(self, m: Message) -> bool:
+        """Whether `m`, about to start, is still ours: one past `max_wait_s`, whose lease
+        the keeper stopped extending, is extended first if half of it is gone, or the
+        broker could hand it to another consumer before the keeper's next tick."""
+        if m.held_until - time.monotonic() < self.lease_ms / 2000:
+            try:
+                self._extend([m])
+            except BrokerError as e:
+                log.warning("%s: extending %s failed: %s", self.consumer_id, m.id, e)
+        return time.monotonic() < m.held_until
 
     def _lapsed(self, m: Message) -> None:
         """Leave a message whose lease lapsed before its turn to whoever has it now."""
