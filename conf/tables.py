@@ -174,6 +174,9 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
     return path
 
 
+# The ledger's app transaction of the lease broker's checkpoints (one per Raft history,
+# this and "<it>:<history>"): a ledger that has it is a topic the broker delivered.
+BROKER_APP_ID = "dejaq-broker"
 # Every table made here writes a Delta checkpoint each 10 commits, as Spark's Delta does by
 # default, not delta-rs's 100: opening a table, or committing to it, replays its log
 # since the last checkpoint, and a leader commits to its ledger every second. With 100,
@@ -191,9 +194,6 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
 # the buffer's compactions replace thousands of files an hour (a file a bucket a
 # micro-batch). No reader needs a version older than the log holds. A table whose
 # owner sets these properties otherwise keeps their values (`with_table_properties`).
-# The ledger's app transaction of the lease broker's checkpoints (one per Raft history,
-# this and "<it>:<history>"): a ledger that has it is a topic the broker delivered.
-BROKER_APP_ID = "dejaq-broker"
 LOG_RETENTION = "interval 2 hours"
 TABLE_PROPERTIES = {
     "delta.checkpointInterval": "10",

@@ -247,11 +247,14 @@ class IngestJob:
         results = self._parse(records).mapInArrow(write, RESULT_SPARK_SCHEMA).toArrow()
         files = BatchFiles.read(results)
         clock.lap("read_parse_write")
+        # One time for the verdict and the commit: a clock stepping back between two
+        # reads could leave an id judged free unstored, free again for the next batch.
+        judged_at = int(time.time() * 1000)
         if batch <= self._quarantined:
             verdict = self._verdict_committed(files.judged, quarantine_path)
         else:
             self._prune_seen(buffer_path)
-            verdict = self._seen.check(files.judged, int(time.time() * 1000))
+            verdict = self._seen.check(files.judged, judged_at)
         if verdict.duplicates:
             files.move_duplicates(buffer, quarantine, verdict.duplicates)
         clock.lap("dedup")
@@ -266,7 +269,7 @@ class IngestJob:
         if since is not None:  # as the table has it: a replay's commit is skipped
             self._positions_since = version(buffer_path, since_app_id(self.app_id))
         clock.lap("commit_buffer")
-        self._seen.commit(verdict, int(time.time() * 1000))
+        self._seen.commit(verdict, judged_at)
         every = self.topic.compact_every_batches
         if every and (batch_id + 1) % every == 0:
             self._expire_quarantine(quarantine_path)

@@ -157,6 +157,7 @@ def test_a_request_head_late_or_without_end_closes_its_connection(
         head = b""
         while b"/fixed" * 1000 not in head:
             head += kept.recv(65536)
+        assert uvicorn.Config(app, **SETTINGS).timeout_keep_alive > 1.5, "the server's idle"
         assert _closed_within(kept, 1.5) is None, "closed while idle, before its timeout"
         kept.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n")
         assert kept.recv(65536).startswith(b"HTTP/1.1 200 OK")
