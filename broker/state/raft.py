@@ -689,6 +689,7 @@ class RaftNode:
         self.on_lag: Callable[[float], None] = lambda lag: None
         self.sync.on_all_committed = self._all_committed
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._catching_up: asyncio.Future[bool] | None = None  # `lead`'s shared look
         self._tick_due = False
         self._flush_due = False
         self._ticker: asyncio.TimerHandle | None = None
@@ -757,11 +758,23 @@ class RaftNode:
 
     async def lead(self, wait_s: float) -> bool:
         """Whether this node is `leading`, waiting up to `wait_s` while it leads and
-        applies the entries committed before its term."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        applies the entries committed before its term. The requests waiting share one
+        look every CATCH_UP_STEP_S, on the loop that applies the entries they wait for."""
+        if self.leading():
+            return True
+        if not self.is_leader():
+            return False
+        if self._catching_up is None or self._catching_up.done():
+            self._catching_up = asyncio.ensure_future(self._catch_up())
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._catching_up), wait_s)
+        except TimeoutError:
+            return False
+
+    async def _catch_up(self) -> bool:
+        """Whether this node came to lead, looked at until it does or stops leading."""
         while not self.leading():
-            if not self.is_leader() or loop.time() >= deadline:
+            if not self.is_leader():
                 return False
             await asyncio.sleep(CATCH_UP_STEP_S)
         return True
