@@ -243,6 +243,9 @@ class TopicIndex:
                 continue
             uri = path if "://" in path or path.startswith("/") else f"{self.buffer_path}/{path}"
             paths.setdefault(bucket, []).append(uri)
+        if fresh := beyond - self.beyond:  # said before the version's other rows show
+            log.warning("%s", self.beyond_alert(fresh))
+            self.beyond |= fresh
         # Read first, then insert every file of the version under one lock: a lease sees
         # a Delta commit whole or not at all, never some of its buckets. Except on the
         # first load, before the node serves or applies anything: there a bucket at a
@@ -265,9 +268,6 @@ class TopicIndex:
                 pa.default_memory_pool().release_unused()
         self.files = current
         self.version = version
-        if fresh := beyond - self.beyond:
-            log.warning("%s", self.beyond_alert(fresh))
-            self.beyond |= fresh
         return added
 
     def beyond_alert(self, buckets: Set[int] | None = None) -> str | None:
