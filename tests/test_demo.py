@@ -38,7 +38,8 @@ def test_demo_passes_its_checks(where: list[str]) -> None:
     assert "FAIL" not in result.stdout
     assert result.stdout.count("ok  ") == 7
     assert "stopped Spark queries, 3 broker nodes and Kafka" in result.stdout
-    assert f"ignoring {', '.join(sorted(REAL_PLACES))} from the environment" in result.stdout
+    ignored = re.search(r"ignoring (.+) from the environment", result.stdout)
+    assert ignored and set(REAL_PLACES) <= set(ignored.group(1).split(", ")), result.stdout[:2000]
     assert not Path(REAL_PLACES["DEJAQ_WAREHOUSE"]).exists()
     if where:
         assert "warehouse s3://dejaq/warehouse" in result.stdout
