@@ -14,7 +14,7 @@ import time
 import uuid
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
@@ -135,6 +135,20 @@ class Settled:
                 refused={str(m): str(r) for m, r in self.refused.items()},
             )
         return self.ok
+
+
+@contextlib.contextmanager
+def _going_on(duty: str) -> Iterator[None]:
+    """A duty thread's round: what it raises is logged and the next round tries again,
+    a core panic (a `BaseException`) too, or the thread would end with its duty undone."""
+    try:
+        yield
+    except NotCommitted as e:  # a leader change: the next round asks again
+        log.warning("%s: %s; retrying", duty, e)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:
+        log.exception("%s failed; retrying", duty)
 
 
 def _refuse_removed_buckets(cfg: TopicConfig, dead: list[Dead]) -> None:
@@ -328,7 +342,7 @@ class Broker:
         while not self._stopping.wait(DUTY_PERIOD_S):
             raft = self.raft
             assert raft is not None
-            try:
+            with _going_on("leader duties"):
                 if raft.leader() is None:
                     continue
                 if not self._registered():
@@ -342,12 +356,6 @@ class Broker:
                     if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
                         args = (now, self.conf.heartbeat_timeout_ms, _backoff(cfg))
                         committed(raft.state.command, name, "expire", args, timeout=2)
-            except NotCommitted as e:  # a leader change: the next round asks again
-                log.warning("leader duties: %s; retrying", e)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException:  # a panic in the core too: the thread must go on
-                log.exception("leader duties failed; retrying")
 
     def _checkpoints_duty(self) -> None:
         """On the leader: checkpoint the ledger every CHECKPOINT_PERIOD_S, or as soon as
@@ -358,14 +366,8 @@ class Broker:
             raft = self.raft
             if raft is None or not raft.leading():
                 continue
-            try:
+            with _going_on("checkpoints"):
                 self._checkpoint()
-            except NotCommitted as e:  # a leader change: the next round asks again
-                log.warning("checkpoints: %s; retrying", e)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException:  # a panic in the core too: the thread must go on
-                log.exception("checkpoints failed; retrying")
 
     def _configure(self, name: str, cfg: TopicConfig, st: TopicState) -> None:
         """Commit the topic's `buckets` and `max_deliveries` from this node's configuration
