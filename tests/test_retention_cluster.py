@@ -105,7 +105,9 @@ def test_retention_under_load_then_a_late_node_and_a_full_restart(
                 text=True,
                 timeout=60,
             )
-            assert shown.returncode == 0, shown.stderr
+            assert shown.returncode == 1, shown.stderr  # a failed check: the late node
+            assert f"{late.url.removeprefix('http://')}" in shown.stdout
+            assert "unreachable" in shown.stdout
             assert "buffer      0" in shown.stdout
             assert "removed" in shown.stdout.split("retention", 1)[1].split("\n", 1)[0]
             for node in live:
