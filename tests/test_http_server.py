@@ -20,10 +20,16 @@ from dejaq.jobs.ports import free_port
 
 async def app(scope, receive, send) -> None:
     """/fixed: a head and a body; /stream: three body chunks over three loop passes;
-    /close: a body, then the connection closes."""
+    /close: a body, then the connection closes; /length: the request body's length. Each
+    reads the request's whole body first."""
     if scope["type"] != "http":
         return
-    await receive()
+    received = 0
+    while True:
+        message = await receive()
+        received += len(message.get("body", b""))
+        if not message.get("more_body"):
+            break
     path = scope["path"]
     headers = [(b"content-type", b"text/plain")]
     if path == "/stream":
@@ -33,7 +39,7 @@ async def app(scope, receive, send) -> None:
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
         return
-    body = path.encode() * 1000
+    body = b"%d" % received if path == "/length" else path.encode() * 1000
     headers.append((b"content-length", b"%d" % len(body)))
     if path == "/close":
         headers.append((b"connection", b"close"))
@@ -136,7 +142,7 @@ def test_a_request_head_late_or_without_end_closes_its_connection(
     server: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A connection that sends no head, or half of one, is closed once the head is late;
-    one sending headers without end gets a 400 at the size limit. A head that came in
+    one sending headers without end gets a 431 at the size limit. A head that came in
     time leaves its kept-alive connection to the idle timeout, as before."""
     monkeypatch.setattr(http_server, "HEAD_TIMEOUT_S", 0.5)
     host, port = server.removeprefix("http://").split(":")
@@ -151,7 +157,7 @@ def test_a_request_head_late_or_without_end_closes_its_connection(
         with contextlib.suppress(OSError):  # closed while it still sends
             endless.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n" + filler * 100)
         answer = _closed_within(endless, 10)
-        assert answer is not None and answer.startswith(b"HTTP/1.1 400 "), answer
+        assert answer is not None and answer.startswith(b"HTTP/1.1 431 "), answer
     with socket.create_connection(address) as kept:
         kept.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n")
         head = b""
@@ -161,3 +167,28 @@ def test_a_request_head_late_or_without_end_closes_its_connection(
         assert _closed_within(kept, 1.5) is None, "closed while idle, before its timeout"
         kept.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n")
         assert kept.recv(65536).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_a_body_that_stops_short_closes_its_connection_one_that_keeps_coming_does_not(
+    server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A body that stops arriving short of its length is cut once idle for BODY_IDLE_S;
+    one arriving slowly, each part within that, is read whole and answered."""
+    monkeypatch.setattr(http_server, "BODY_IDLE_S", 0.5)
+    host, port = server.removeprefix("http://").split(":")
+    address = (host, int(port))
+    head = b"POST /length HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\n"
+    with socket.create_connection(address) as short:
+        short.sendall(head + b"12345")
+        assert _closed_within(short, 10) == b"", "a body stopped at half its length"
+    with socket.create_connection(address) as slow:
+        slow.sendall(head)
+        for part in (b"12", b"34", b"56", b"78", b"90"):  # 1.2 s in all, 0.3 s apart
+            assert _closed_within(slow, 0.3) is None, "cut while its body still came"
+            slow.sendall(part)
+        answer = b""
+        while not answer.endswith(b"\r\n\r\n10"):
+            chunk = slow.recv(65536)
+            assert chunk, answer
+            answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200 OK"), answer

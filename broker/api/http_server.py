@@ -78,34 +78,46 @@ class GatheringTransport:
 # finishes its head, or one sending headers without end, would be held for ever.
 HEAD_TIMEOUT_S = 5.0
 HEAD_MAX_BYTES = 64 * 1024
+# How long a request's body may go without a byte arriving while the server reads it
+# (as nginx's `client_body_timeout`): a body that stops short of its length would hold
+# its connection, and the request's task, for ever. A slow body that keeps coming, or
+# one the app is not reading yet, is not cut.
+BODY_IDLE_S = 30.0
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+    b"content-type: text/plain; charset=utf-8\r\n"
+    b"connection: close\r\n"
+    b"content-length: %d\r\n\r\n%s"
+)
 
 
 class HeadTooLarge(Exception):
-    """A request's head passed HEAD_MAX_BYTES: uvicorn answers 400 and closes."""
+    """A request's head passed HEAD_MAX_BYTES: answered 431, the connection closed."""
 
 
 class GatheringHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over a `GatheringTransport`, with a request's head
-    bounded in time and size.
+    bounded in time and size, and its body in idle time.
 
-    A request notes when its head began, and one timer per connection looks every
-    HEAD_TIMEOUT_S: a timer armed and cancelled per request would cost each lease and
-    ack more than the look does."""
+    A request notes when its head began and when its body last moved, and one timer per
+    connection looks at both: a timer armed and cancelled per request would cost each
+    lease and ack more than the look does."""
 
     _head_since: float | None = None  # loop time a head began, None between heads
     _head_bytes = 0
-    _head_check: asyncio.TimerHandle | None = None
+    _body_at: float | None = None  # loop time its body last moved, None unless arriving
+    _look_due: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         gathering: Any = GatheringTransport(transport, self.loop)
         super().connection_made(gathering)
         self._head_since = self.loop.time()
-        self._head_check = self.loop.call_later(HEAD_TIMEOUT_S, self._look_at_head)
+        self._look_due = self.loop.call_later(HEAD_TIMEOUT_S, self._look)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_check is not None:
-            self._head_check.cancel()
-            self._head_check = None
+        if self._look_due is not None:
+            self._look_due.cancel()
+            self._look_due = None
         super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
@@ -127,19 +139,43 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._head_since = None
+        self._body_at = self.loop.time()
         super().on_headers_complete()
 
-    def _look_at_head(self) -> None:
-        """Close the connection if a head has been arriving for HEAD_TIMEOUT_S, else look
-        again when the one arriving now (or the next) could be late."""
-        since, now = self._head_since, self.loop.time()
-        if since is not None and now - since >= HEAD_TIMEOUT_S:
-            self._head_check = None
+    def on_body(self, body: bytes) -> None:
+        self._body_at = self.loop.time()
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._body_at = None
+        super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to a request it cannot parse; 431 for a head too large."""
+        if self._head_bytes <= HEAD_MAX_BYTES:
+            return super().send_400_response(msg)
+        text = f"A request's head is limited to {HEAD_MAX_BYTES} bytes.".encode()
+        self.transport.write(_HEAD_TOO_LARGE % (len(text), text))
+        self.transport.close()
+
+    def _look(self) -> None:
+        """Close the connection if a head has been arriving for HEAD_TIMEOUT_S, or a body
+        has not moved for BODY_IDLE_S, else look again when either could be late."""
+        now = self.loop.time()
+        head, body = self._head_since, self._body_at
+        if body is not None and self.flow.read_paused:  # the app is not reading it yet
+            body = self._body_at = now
+        if (head is not None and now - head >= HEAD_TIMEOUT_S) or (
+            body is not None and now - body >= BODY_IDLE_S
+        ):
+            self._look_due = None
             if not self.transport.is_closing():
                 self.transport.close()
             return
-        wait = HEAD_TIMEOUT_S if since is None else since + HEAD_TIMEOUT_S - now
-        self._head_check = self.loop.call_later(wait, self._look_at_head)
+        wait = HEAD_TIMEOUT_S if head is None else head + HEAD_TIMEOUT_S - now
+        if body is not None:
+            wait = min(wait, body + BODY_IDLE_S - now)
+        self._look_due = self.loop.call_later(wait, self._look)
 
 
 # uvicorn's settings for the broker, and for the benchmark's baselines, like for like.
