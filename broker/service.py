@@ -43,6 +43,7 @@ from dejaq.broker.state.raft import NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, count, last, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
+from dejaq.broker.storage.head_store import ReserveReached
 from dejaq.broker.storage.index import HeadsUnreadable, TopicIndex
 from dejaq.broker.storage.ledger_writer import (
     COMPACT_EVERY,
@@ -191,7 +192,9 @@ class Broker:
             t.name: t for t in settings.topics if t.delivery is Delivery.LEASE
         }
         self.indexes = {
-            n: TopicIndex(settings.warehouse, t, str(data_dir / "heads" / n))
+            n: TopicIndex(
+                settings.warehouse, t, str(data_dir / "heads" / n), self.conf.disk_reserve_bytes
+            )
             for n, t in self.topics.items()
         }
         self.metrics = Metrics()
@@ -204,6 +207,8 @@ class Broker:
         self.checkpoint_health = {n: Health() for n in self.topics}
         self.retention_runs: dict[str, RetentionRun] = {}  # the last one per topic, here
         self.keys: KeyRing | None = None  # the API keys, where `broker.keys_file` is set
+        # Topics whose new messages wait for disk space (`broker.disk_reserve_bytes`).
+        self.short_of_disk: dict[str, str] = {}
 
     # --- Listener: hooks from applied Raft commands ---------------------------------------
 
@@ -272,6 +277,7 @@ class Broker:
             if (alert := health.alert()) is not None
         ]
         alerts += [a for index in self.indexes.values() if (a := index.beyond_alert())]
+        alerts += self.short_of_disk.values()
         return True, "; ".join(["ready", *alerts])
 
     def _registered(self) -> bool:
@@ -289,8 +295,15 @@ class Broker:
         while not self._stopping.wait(FOLLOW_PERIOD_S):
             for name, index in self.indexes.items():
                 try:
-                    index.refresh()
-                    index.revive(self.state(name))
+                    try:
+                        index.refresh()
+                        index.revive(self.state(name))
+                    except ReserveReached as e:  # said once, and by readiness while it lasts
+                        if name not in self.short_of_disk:
+                            log.warning("%s: %s", name, e)
+                        self.short_of_disk[name] = f"{name}: {e.strerror}"
+                    else:
+                        self.short_of_disk.pop(name, None)
                     index.compact_heads()
                     index.narrow_ids()
                     index.shrink()

@@ -257,6 +257,10 @@ class BrokerConfig(_Strict):
     heartbeat_timeout_ms: int = Field(default=10_000, ge=100)
     max_payload_bytes: int = Field(default=1024 * 1024, ge=1)
     data_dir: str = "./.dejaq/broker"
+    # Free space in `data_dir` new messages' heads leave for the Raft journal and
+    # snapshots: PySyncObj maps its journal into memory, and a write into a full disk
+    # kills the node (SIGBUS). 0: none kept.
+    disk_reserve_bytes: int = Field(default=1024**3, ge=0)
 
 
 class StorageConfig(_Strict):

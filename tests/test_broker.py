@@ -14,6 +14,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import threading
 import time
 import tracemalloc
@@ -884,6 +885,49 @@ def test_rows_in_buckets_beyond_a_running_node_wait_and_the_others_are_indexed(
     raised = TopicIndex(warehouse, topic_conf(buckets=8))
     raised.load()
     assert sorted(raised.rows) == ["a0", "a1", "b0", "b1", "c0"]
+
+
+def test_new_messages_wait_in_the_buffer_while_the_disk_is_within_the_reserve(
+    tmp_path: Path,
+) -> None:
+    """A node keeps `disk_reserve_bytes` free for its Raft journal: while writing new
+    messages' heads would go below it, they stay pending in the buffer, not indexed, and
+    the readiness answer says why; once there is room they are indexed and leased, none
+    lost. A start within the reserve is refused with the same reason. A reserve above the
+    disk's free space stands in for a full disk (filling the machine's disk is no test)."""
+    from dejaq.broker.service import now_ms
+    from dejaq.broker.storage.head_store import ReserveReached
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([1, 2], lambda i: 0, "a"))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf(buckets=1)])
+    beyond = shutil.disk_usage(tmp_path).free + (1 << 40)
+
+    async def scenario(broker: Any) -> tuple[list[str], str, str, list[str]]:
+        index = broker.indexes["jobs"]
+        assert index.heads.reserve == settings.broker.disk_reserve_bytes > 0
+        index.heads.reserve = beyond
+        fill(warehouse, "jobs", buffer_rows([3, 4], lambda i: 0, "b"))
+        await _until(lambda: "jobs" in broker.short_of_disk, "the reserve reached")
+        held, status = sorted(index.rows), broker.ready()[1]
+        index.heads.reserve = 1
+        await _until(lambda: "b1" in index.rows, "the new rows indexed once there is room")
+        await broker.raft.commit("jobs", "touch", "w", now_ms())
+        leased = json.loads(await broker.lease("jobs", "w", 10, 30_000, 0))
+        return held, status, broker.ready()[1], [m["id"] for m in leased]
+
+    held, short, after, leased = run_node(
+        settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario
+    )
+    assert held == ["a0", "a1"], "the new rows wait in the buffer"
+    assert "jobs:" in short and "broker.disk_reserve_bytes" in short, short
+    assert "disk_reserve_bytes" not in after, after
+    assert sorted(leased) == ["a0", "a1", "b0", "b1"], "none lost"
+    index = TopicIndex(warehouse, topic_conf(buckets=1), str(tmp_path / "heads"), beyond)
+    with pytest.raises(ReserveReached, match="kept for the Raft journal"):
+        index.load()
 
 
 @settings(

@@ -101,6 +101,18 @@ class Segment:
         return self.number < other.number
 
 
+class ReserveReached(OSError):
+    """New heads would leave less free space than the node keeps (`reserve`)."""
+
+    def __init__(self, folder: str, free: int, reserve: int) -> None:
+        super().__init__(
+            errno.ENOSPC,
+            f"{folder} has {free} bytes free, within the {reserve} kept for the Raft journal "
+            "(broker.disk_reserve_bytes): new messages wait in the buffer until space is "
+            "freed there",
+        )
+
+
 class HeadStore:
     """Append heads, free empty segments; `RowStore.heads` reads them back.
 
@@ -109,10 +121,11 @@ class HeadStore:
     live. The store's own lock guards only the counts and the segment list.
     """
 
-    def __init__(self, folder: str | None = None) -> None:
+    def __init__(self, folder: str | None = None, reserve: int = 0) -> None:
         if folder is not None:
             os.makedirs(folder, exist_ok=True)
         self.folder = folder
+        self.reserve = reserve  # bytes `write` leaves free on the folder's disk
         self.current: Segment | None = None
         self.segments: set[Segment] = set()
         # Numbers of segments freed since the pick's cache of blocks by number was last
@@ -123,8 +136,16 @@ class HeadStore:
     def write(self, heads: list[str]) -> tuple[Segment, int]:
         """Append `heads` (ASCII JSON) to one segment; returns it and the first position.
 
-        Each head written counts as live until `release`d.
+        Each head written counts as live until `release`d. Raises `ReserveReached` if
+        the write would leave less than `reserve` bytes free on the folder's disk (a
+        compaction's `write_joined`, which frees more than it takes, does not look).
         """
+        if self.folder is not None and self.reserve:
+            stat = os.statvfs(self.folder)
+            free = stat.f_bavail * stat.f_frsize
+            size = sum(map(len, heads)) + len(heads)
+            if free - size < self.reserve:
+                raise ReserveReached(self.folder, free, self.reserve)
         return self.write_joined("\0".join(heads).encode("ascii") + SEP, ends(heads))
 
     def write_joined(self, data: bytes, placed: np.ndarray) -> tuple[Segment, int]:

@@ -107,7 +107,9 @@ class Stats:
 class TopicIndex:
     """The pending messages of one topic, ordered per bucket by (sort key, partition, offset)."""
 
-    def __init__(self, warehouse: str, topic: TopicConfig, heads_dir: str | None = None) -> None:
+    def __init__(
+        self, warehouse: str, topic: TopicConfig, heads_dir: str | None = None, reserve: int = 0
+    ) -> None:
         self.topic = topic
         self.timeline = topic.kind.sorted_as is TopicKind.TIMELINE
         self.buffer_path = ensure_table(warehouse, Table.BUFFER, topic.name)
@@ -115,7 +117,7 @@ class TopicIndex:
         self.dead_letter_path = ensure_table(warehouse, Table.DEAD_LETTER, topic.name)
         self.watch = TableWatch(self.buffer_path)
         self.lock = threading.Lock()
-        self.heads = HeadStore(heads_dir)
+        self.heads = HeadStore(heads_dir, reserve)  # `reserve`: disk bytes left free
         self.store = RowStore()
         self.rows = StoredIds(self.store)  # message id -> token: what is indexed
         # An entry is valid while its handle's batch is its token's (`RowStore.batch`).
@@ -413,7 +415,7 @@ class TopicIndex:
         order = pc.sort_indices(keys, sort_keys=_ORDER).to_numpy()
         del keys
         sorted_already = bool((order[1:] > order[:-1]).all())
-        store = self.heads if sorted_already else HeadStore(self.heads.folder)
+        store = self.heads if sorted_already else HeadStore(self.heads.folder, self.heads.reserve)
         mine: Counter[Segment] = Counter()  # heads written to the node's store so far
         try:
             mids: list[str] = []
