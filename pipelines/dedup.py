@@ -12,8 +12,10 @@ nothing and invents nothing.
 An id stays taken past the window while its row is in the buffer (a reminder due in a
 month, a backlog): the broker's index and the release job know a message by its id, and
 would take a second row of it for the first. Such ids linger until a look at the buffer
-(`prune`) finds their rows gone. Memory: about 200 bytes per explicit id within
-`dedup_window_ms` or in the buffer.
+(`prune`) finds their rows gone: the ingest looks for those a batch reuses before
+judging it, so a reused id is free as soon as its row has left, and for all of them now
+and then, for memory. Memory: about 200 bytes per explicit id within `dedup_window_ms`
+or in the buffer.
 """
 
 from __future__ import annotations
@@ -124,26 +126,38 @@ class SeenIds:
                 verdict.kept[mid] = here
         return verdict
 
-    def commit(self, verdict: Verdict, now_ms: int) -> None:
-        """Forget the ids older than the window (those with a buffer row linger), then
-        remember a committed batch's: in that order, so an id kept because its first
-        had settled before the window is stored anew."""
+    def expire(self, now_ms: int) -> None:
+        """Forget the ids older than the window at `now_ms`; those with a buffer row
+        linger. Time alone decides, so a batch may expire before it is judged: then the
+        ids it reuses past their window are all in `lingering`, to be looked for."""
         cutoff = now_ms - self.window_ms
         while self._expiry and self._expiry[0][0] <= cutoff:
             _, mid = self._expiry.popleft()
             _, coordinates = self._ids.pop(mid)
             if coordinates is not None:
                 self.lingering[mid] = coordinates
+
+    def lingering_among(self, ids: Iterable[str]) -> dict[str, Coordinates]:
+        """The lingering ones of `ids`, with their rows' coordinates: those a batch would
+        find duplicates without a look at whether their rows are still in the buffer."""
+        return {mid: self.lingering[mid] for mid in ids if mid in self.lingering}
+
+    def commit(self, verdict: Verdict, now_ms: int) -> None:
+        """Forget the ids older than the window (`expire`), then remember a committed
+        batch's: in that order, so an id kept because its first had settled before the
+        window is stored anew."""
+        self.expire(now_ms)
         for mid, coordinates in verdict.kept.items():
             if mid not in self._ids and mid not in self.lingering:
                 self._ids[mid] = (now_ms, coordinates)
                 self._expiry.append((now_ms, mid))
 
-    def prune(self, buffered: Iterable[str]) -> int:
-        """Free the lingering ids whose rows are not among `buffered` (those of them the
-        buffer holds); returns how many."""
+    def prune(self, buffered: Iterable[str], among: Iterable[str] | None = None) -> int:
+        """Free the lingering ids looked for (`among`, or all) whose rows are not among
+        `buffered` (those of them the buffer holds); returns how many."""
         still = set(buffered)
-        gone = [mid for mid in self.lingering if mid not in still]
+        looked = self.lingering if among is None else self.lingering_among(among)
+        gone = [mid for mid in looked if mid not in still]
         for mid in gone:
             del self.lingering[mid]
         return len(gone)

@@ -47,7 +47,7 @@ from dejaq.conf.tables import (
 )
 from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
-from dejaq.pipelines.dedup import SeenIds, Verdict, default_id_pattern
+from dejaq.pipelines.dedup import Coordinates, SeenIds, Verdict, default_id_pattern
 from dejaq.pipelines.delta_source import WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
 from dejaq.pipelines.ingest_resume import Resume, positions, resume, since_app_id, version
@@ -57,8 +57,8 @@ from dejaq.pipelines.session import Connectors, shaded_kafka
 log = logging.getLogger("dejaq.ingest")
 
 DEFAULT_MAX_OFFSETS_PER_TRIGGER = 250_000
-# How often ids past the dedup window are looked for in the buffer, to be freed once
-# their rows left it (`SeenIds.prune`).
+# How often all ids past the dedup window are looked for in the buffer, to be freed
+# once their rows left it (`SeenIds.prune`): memory, as a batch looks for those it reuses.
 PRUNE_EVERY_S = 600.0
 
 
@@ -88,6 +88,18 @@ class _Phases:
 
     def total_ms(self) -> int:
         return int((time.monotonic() - self.started) * 1000)
+
+
+def _still_buffered(buffer_path: str, ids: dict[str, Coordinates]) -> list[str]:
+    """Which of `ids` still have their rows (at the given coordinates) in the buffer.
+
+    Filtered by the rows' Kafka offsets too: each file's statistics bound its offsets,
+    so only the files that may hold one of these rows are read, not every file's ids.
+    The filter is weighed against every file's bounds: for the few ids a batch reuses.
+    """
+    offsets = {offset for _, _, offset in ids.values()}
+    where = matching(Table.BUFFER, source_offset=offsets, message_id=list(ids))
+    return scan(buffer_path, Table.BUFFER, ["message_id"], where).column("message_id").to_pylist()
 
 
 @dataclass
@@ -183,8 +195,9 @@ class IngestJob:
 
     def _prune_seen(self, buffer_path: str) -> None:
         """Free the ids past the dedup window whose rows left the buffer, every
-        `PRUNE_EVERY_S`: a read of the buffer's ids, as big as what is pending. Until
-        then such an id is still a duplicate. A failure is logged; the next round tries."""
+        `PRUNE_EVERY_S`, for memory (a batch that reuses one looks for it itself): a read
+        of the buffer's ids, as big as what is pending. A failure is logged; the next
+        round tries."""
         assert self._seen is not None
         if not self._seen.lingering or time.monotonic() < self._pruned_at + PRUNE_EVERY_S:
             return
@@ -198,6 +211,16 @@ class IngestJob:
             return
         gone = self._seen.prune(still.to_pylist())
         log.info("%s: %d ids past the dedup window left the buffer", self.topic.name, gone)
+
+    def _free_reused(self, buffer_path: str, judged: pa.Table) -> None:
+        """Free the ids a batch reuses past their dedup window whose rows left the
+        buffer, before it is judged: a message that reuses one is stored, not held a
+        duplicate until the next `_prune_seen`. A failed read fails the batch, as a
+        failed commit does: judged without it, such a message would be quarantined."""
+        assert self._seen is not None
+        reused = self._seen.lingering_among(judged.column("message_id").to_pylist())
+        if reused:
+            self._seen.prune(_still_buffered(buffer_path, reused), among=reused)
 
     def _expire_quarantine(self, path: str) -> None:
         """Maintenance, as compaction is: a failure is logged, and the next round tries."""
@@ -253,7 +276,9 @@ class IngestJob:
         if batch <= self._quarantined:
             verdict = self._verdict_committed(files.judged, quarantine_path)
         else:
+            self._seen.expire(judged_at)
             self._prune_seen(buffer_path)
+            self._free_reused(buffer_path, files.judged)
             verdict = self._seen.check(files.judged, judged_at)
         if verdict.duplicates:
             files.move_duplicates(buffer, quarantine, verdict.duplicates)

@@ -91,6 +91,22 @@ def test_an_id_settled_before_the_window_is_free_before_a_commit_forgets_it() ->
     }, "stored anew"
 
 
+def test_a_look_for_the_ids_a_batch_reuses_frees_those_whose_rows_left_alone() -> None:
+    """The ingest looks for the lingering ids a batch reuses before judging it: each
+    whose row has left is free for it, the others stay taken, and ids it did not look
+    for are left to the periodic prune."""
+    seen = SeenIds(HOUR_MS)
+    seen.load([("gone", "in", 0, 0, 0), ("held", "in", 0, 1, 0), ("other", "in", 0, 2, 0)])
+    seen.expire(HOUR_MS + 1)
+    reused = seen.lingering_among(["gone", "held", "fresh"])
+    assert reused == {"gone": ("in", 0, 0), "held": ("in", 0, 1)}
+    assert seen.prune(["held"], among=reused) == 1
+    assert set(seen.lingering) == {"held", "other"}, "not looked for: still lingering"
+    verdict = seen.check(batch([("gone", 1, 0, 0), ("held", 1, 1, 0)]), HOUR_MS + 1)
+    assert verdict.kept == {"gone": ("in", 1, 0)}
+    assert verdict.duplicates == {("in", 1, 1): IN_BUFFER}
+
+
 def test_a_zero_window_dedups_against_the_buffer_alone() -> None:
     seen = SeenIds(0)
     seen.commit(seen.check(batch([("a", 0, 0, 0), ("a", 0, 1, 0)]), 0), now_ms=0)
@@ -113,9 +129,10 @@ def test_a_zero_window_dedups_against_the_buffer_alone() -> None:
     )
 )
 def test_an_id_is_never_stored_twice_while_its_first_row_is_in_the_buffer(events) -> None:
-    """Whatever the window, the time and the rounds of `prune`: a record is kept only if
-    no row of its id is in the buffer (retention takes rows away: `leave`), nor was
-    stored within the window."""
+    """Whatever the window, the time and the rounds of `prune`: a record is kept if and
+    only if no row of its id is in the buffer (retention takes rows away: `leave`), nor
+    was stored within the window. Each batch looks for the lingering ids it reuses, as
+    the ingest does, so an id is free as soon as its row left and its window passed."""
     window = 5
     seen = SeenIds(window)
     buffer: dict[str, tuple] = {}  # id -> its row's coordinates
@@ -129,11 +146,17 @@ def test_an_id_is_never_stored_twice_while_its_first_row_is_in_the_buffer(events
             seen.prune([m for m in seen.lingering if m in buffer])
         else:
             offset += 1
+            seen.expire(now)
+            reused = seen.lingering_among([mid])
+            seen.prune([m for m in reused if m in buffer], among=reused)
             verdict = seen.check(batch([(mid, 0, offset, now)]), now)
+            past = now - stored_at.get(mid, -window - 1) >= window
             if mid in verdict.kept:
                 assert mid not in buffer, "a second row of an id in the buffer"
-                assert now - stored_at.get(mid, -window - 1) >= window, "within the window"
+                assert past, "within the window"
                 buffer[mid], stored_at[mid] = verdict.kept[mid], now
+            else:
+                assert mid in buffer or not past, "a free id held a duplicate"
             seen.commit(verdict, now_ms=now)
 
 

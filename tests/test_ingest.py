@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 from conftest import wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
@@ -521,6 +522,50 @@ def test_an_id_past_the_window_is_a_duplicate_while_its_row_is_in_the_buffer(
     )
     assert ingest(b"next") == [{"message_id": "reminder-42", "payload": b"next"}]
     assert job._seen is not None and not job._seen.lingering
+
+
+def test_an_id_reused_past_the_window_after_its_row_left_is_stored_without_waiting(
+    spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
+):
+    """A producer reuses an id once its first message was settled and removed from the
+    buffer, past the window: the message is stored at once, not quarantined until the
+    periodic look at the buffer (made never to come here) frees the id. The batch looks
+    for the id's row itself; while the new row is in the buffer, the id is taken again."""
+    source = topic_factory(partitions=1)
+    conf = write_conf(tmp_path, kafka_bootstrap, source)
+    conf.write_text(conf.read_text().replace("max_payload_bytes: 100", "dedup_window_ms: 1"))
+    settings = load_settings(conf, env={})
+    topic = settings.topic("jobs")
+    connectors = detect_connectors(spark)
+    explicit = {"dejaq-priority": b"1", "dejaq-id": b"reminder-42"}
+    monkeypatch.setattr("dejaq.pipelines.ingest.PRUNE_EVERY_S", float("inf"))
+    job = IngestJob(spark, settings, topic, connectors)
+
+    def ingest(value: bytes) -> list[dict]:
+        produce(kafka_bootstrap, source, [(b"k", value, explicit), good(0)], partitions=1)
+        query = job.start(once=True)
+        query.awaitTermination(180)
+        assert query.exception() is None
+        buffered = table(settings, Table.BUFFER).filter(pc.field("message_id") == "reminder-42")
+        return buffered.select(["message_id", "payload"]).to_pylist()
+
+    first = [{"message_id": "reminder-42", "payload": b"first"}]
+    assert ingest(b"first") == first
+    assert ingest(b"re-armed, past the window") == first
+    assert job._seen is not None and set(job._seen.lingering) == {"reminder-42"}
+
+    # Delivered and settled, its row leaves the buffer; the id is reused.
+    DeltaTable(table_path(settings.warehouse, Table.BUFFER, "jobs")).delete(
+        "message_id = 'reminder-42'"
+    )
+    reused = [{"message_id": "reminder-42", "payload": b"reused"}]
+    assert ingest(b"reused") == reused
+    assert ingest(b"reused again, past the window") == reused
+    quarantine = table(settings, Table.QUARANTINE).sort_by("source_offset")
+    assert quarantine.select(["value", "reason", "detail"]).to_pylist() == [
+        {"value": b"re-armed, past the window", "reason": "duplicate", "detail": IN_BUFFER},
+        {"value": b"reused again, past the window", "reason": "duplicate", "detail": IN_BUFFER},
+    ]
 
 
 def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
