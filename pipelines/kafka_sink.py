@@ -109,6 +109,27 @@ def wait_sent(producer: KafkaProducer, futures: list[FutureRecordMetadata]) -> N
         f.get(timeout=SEND_TIMEOUT_S)
 
 
+def in_partition_order(partitions: list[object], acked: list[bool]) -> list[bool]:
+    """Of sends in send order, each with its output partition and whether Kafka
+    acknowledged it, the ones written in order: in each partition, the acknowledged
+    sends before its first one not acknowledged (failed, or not answered yet: one
+    acknowledged behind it waits for its answer).
+
+    An idempotent producer that drops a failed batch bumps its epoch and sends the
+    batches queued behind it, which Kafka then acknowledges: taken for released, they
+    would stay ahead of the failed ones, which a retry writes after them. Sent again
+    instead, each also follows them in the partition; its earlier copy carries the same
+    `dejaq-id`."""
+    first_failed: dict[object, int] = {}
+    for n, (partition, ok) in enumerate(zip(partitions, acked, strict=True)):
+        if not ok:
+            first_failed.setdefault(partition, n)
+    return [
+        ok and n < first_failed.get(partition, n + 1)
+        for n, (partition, ok) in enumerate(zip(partitions, acked, strict=True))
+    ]
+
+
 @dataclass
 class KafkaCommitMessage(WriterCommitMessage):
     records: int

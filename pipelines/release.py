@@ -54,7 +54,12 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.delta_follower import DeltaFollower
-from dejaq.pipelines.kafka_sink import SEND_TIMEOUT_S, producer_config, wait_sent
+from dejaq.pipelines.kafka_sink import (
+    SEND_TIMEOUT_S,
+    in_partition_order,
+    producer_config,
+    wait_sent,
+)
 from dejaq.pipelines.log_compaction import maintain_log
 from dejaq.pipelines.pending import Message, PendingSet
 from dejaq.pipelines.retention import LogGap, RetentionRun, period_s, retain, watermark
@@ -116,26 +121,6 @@ Refused = tuple[Message, str]
 # Errors of one record that sending it again cannot mend: larger than the output topic
 # (or the producer) takes, or invalid to the broker.
 _REFUSALS = (MessageSizeTooLargeError, RecordListTooLargeError, InvalidRecordError)
-
-
-def in_partition_order(partitions: list[object], acked: list[bool]) -> list[bool]:
-    """Of sends in send order, each with its output partition and whether Kafka
-    acknowledged it, the ones written in order: in each partition, the acknowledged
-    sends before its first failed one.
-
-    An idempotent producer that drops a failed batch bumps its epoch and sends the
-    batches queued behind it, which Kafka then acknowledges: taken for released, they
-    would stay ahead of the failed ones, which a retry writes after them. Sent again
-    instead, each also follows them in the partition; its earlier copy carries the same
-    `dejaq-id`."""
-    first_failed: dict[object, int] = {}
-    for n, (partition, ok) in enumerate(zip(partitions, acked, strict=True)):
-        if not ok:
-            first_failed.setdefault(partition, n)
-    return [
-        ok and n < first_failed.get(partition, n + 1)
-        for n, (partition, ok) in enumerate(zip(partitions, acked, strict=True))
-    ]
 
 
 def refusal(error: BaseException | None) -> str | None:

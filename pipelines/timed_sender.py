@@ -1,8 +1,8 @@
 """A driver thread that produces each timeline message at its deliver_at, never before.
 
 Micro-batches hand it what falls due before the next trigger and collect what Kafka has
-acknowledged, for the ledger. Sending does not stop while a batch commits to Delta or
-Spark plans the next trigger, so that overhead does not make messages late.
+acknowledged in order, for the ledger. Sending does not stop while a batch commits to
+Delta or Spark plans the next trigger, so that overhead does not make messages late.
 """
 
 from __future__ import annotations
@@ -12,13 +12,25 @@ import heapq
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from kafka import KafkaProducer
+from kafka import KafkaProducer, TopicPartition
 
+from dejaq.pipelines.kafka_sink import in_partition_order
 from dejaq.pipelines.pending import Message, Order
 
 # A message as it leaves: its record's key, value and headers.
 Record = tuple[bytes | None, bytes | None, list[tuple[str, bytes]]]
+
+
+@dataclass
+class _Send:
+    """A message handed to the producer and not collected yet: its partition once the
+    producer chose one, and whether Kafka acknowledged it (None until it answered)."""
+
+    message: Message
+    partition: TopicPartition | None = None
+    acked: bool | None = None
 
 
 class TimedSender:
@@ -32,9 +44,7 @@ class TimedSender:
         self._record = record
         self._cv = threading.Condition()
         self._queue: list[tuple[Order, Message]] = []
-        self._in_flight = 0
-        self._acked: list[Message] = []
-        self._failed: list[Message] = []
+        self._sends: list[_Send] = []  # in send order
         self._error: BaseException | None = None
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="dejaq-timed-sender", daemon=True)
@@ -48,16 +58,20 @@ class TimedSender:
 
     @property
     def busy(self) -> bool:
-        """Messages queued, in flight, or acknowledged but not yet collected."""
+        """Messages queued, or sent and not yet collected."""
         with self._cv:
-            return bool(self._queue or self._in_flight or self._acked)
+            return bool(self._queue or self._sends)
 
     def take_acked(self) -> list[Message]:
-        """What Kafka acknowledged since the last call, an error or not: the ledger says
-        it was released, or a restart would send it again."""
+        """What Kafka acknowledged since the last call, an error or not, in order
+        (`in_partition_order`): the ledger says it was released, or a restart would send
+        it again. One acknowledged behind a send of its partition that failed is not
+        taken: it is among `failed`, to be sent again after that one."""
         with self._cv:
-            acked, self._acked = self._acked, []
-            return acked
+            written = self._written()
+            taken = [s.message for s, w in zip(self._sends, written, strict=True) if w]
+            self._sends = [s for s, w in zip(self._sends, written, strict=True) if not w]
+            return taken
 
     @property
     def error(self) -> BaseException | None:
@@ -67,9 +81,18 @@ class TimedSender:
 
     @property
     def failed(self) -> list[Message]:
-        """The messages whose send failed, in release order."""
+        """After `stop`: the messages sent and not written in order, in release order:
+        those whose send failed, and those behind one in their partition."""
         with self._cv:
-            return sorted(self._failed, key=lambda m: m.order)
+            written = self._written()
+            left = [s.message for s, w in zip(self._sends, written, strict=True) if not w]
+            return sorted(left, key=lambda m: m.order)
+
+    def _written(self) -> list[bool]:
+        """Under the lock: which sends Kafka wrote in order so far."""
+        return in_partition_order(
+            [s.partition for s in self._sends], [s.acked is True for s in self._sends]
+        )
 
     def stop(self) -> list[Message]:
         """Stop sending; wait for the acks of what was sent. Returns the unsent messages."""
@@ -84,7 +107,7 @@ class TimedSender:
             self._queue.clear()
             return unsent
 
-    def _next_due(self) -> Message | None:
+    def _next_due(self) -> _Send | None:
         """Under the lock: wait until the first message is due; None when stopping, or
         after a send error (what follows is the release's to send, in order)."""
         while not self._stopping and self._error is None:
@@ -93,34 +116,32 @@ class TimedSender:
                 continue
             wait_ms = self._queue[0][1].sort_key - time.time() * 1000
             if wait_ms <= 0:
-                self._in_flight += 1
-                return heapq.heappop(self._queue)[1]
+                send = _Send(heapq.heappop(self._queue)[1])
+                self._sends.append(send)
+                return send
             self._cv.wait(wait_ms / 1000)
         return None
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                m = self._next_due()
-            if m is None:
+                send = self._next_due()
+            if send is None:
                 return
             try:
-                key, value, headers = self._record(m)
+                key, value, headers = self._record(send.message)
                 future = self._producer.send(self._topic, key=key, value=value, headers=headers)
             except BaseException as e:
-                self._fail(m, e)
+                # Never taken by the producer, so last in every partition: no partition.
+                self._answered(send, e)
                 return
-            future.add_callback(lambda _, m=m: self._sent(m))
-            future.add_errback(lambda e, m=m: self._fail(m, e))
+            with self._cv:
+                send.partition = future._produce_future.topic_partition
+            future.add_callback(lambda _, s=send: self._answered(s, None))
+            future.add_errback(lambda e, s=send: self._answered(s, e))
 
-    def _sent(self, m: Message) -> None:
+    def _answered(self, send: _Send, error: BaseException | None) -> None:
         with self._cv:
-            self._in_flight -= 1
-            self._acked.append(m)
-
-    def _fail(self, m: Message, error: BaseException) -> None:
-        with self._cv:
-            self._in_flight -= 1
-            self._failed.append(m)
-            if self._error is None:
+            send.acked = error is None
+            if error is not None and self._error is None:
                 self._error = error

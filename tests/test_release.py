@@ -21,14 +21,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
+from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 
 from dejaq.conf import jvm
 from dejaq.conf.settings import ConfigError, Settings, load_settings
 from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
 from dejaq.jobs.stopping import stop_between_batches
 from dejaq.pipelines.ingest import IngestJob
+from dejaq.pipelines.pending import Message
 from dejaq.pipelines.release import ReleaseJob, Releaser, in_partition_order
 from dejaq.pipelines.session import detect_connectors
+from dejaq.pipelines.timed_sender import TimedSender
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -665,6 +669,123 @@ def test_a_send_counts_as_released_only_behind_no_failure_of_its_partition(sends
     for n, (partition, ok) in enumerate(sends):
         behind_a_failure = any(not o for p, o in sends[:n] if p == partition)
         assert released[n] == (ok and not behind_a_failure), (n, sends)
+
+
+class StandInProducer:
+    """A stand-in for the release's KafkaProducer, since a real Kafka cannot be made to
+    fail one batch while it acknowledges a later one of the same partition. It hands out
+    kafka-python's own futures, on the partition `partition_of` the record's key, and the
+    test answers each (`sent`, in send order); it writes nothing anywhere."""
+
+    def __init__(self, partition_of: Callable[[bytes | None], int] = lambda _: 0) -> None:
+        self.partition_of = partition_of
+        self.sent: list[FutureProduceResult] = []
+
+    def send(
+        self,
+        topic: str,
+        key: bytes | None = None,
+        value: bytes | None = None,
+        headers: list[tuple[str, bytes]] | None = None,
+    ) -> FutureRecordMetadata:
+        produced = FutureProduceResult(TopicPartition(topic, self.partition_of(key)))
+        self.sent.append(produced)
+        return FutureRecordMetadata(produced, 0, -1, None, 0, 0, 0)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Answers come from the test alone."""
+
+    def close(self, timeout: float | None = None) -> None:
+        """Nothing to release."""
+
+
+def answer(produced: FutureProduceResult, ok: bool, offset: int = 0) -> None:
+    """Kafka's answer to a send: acknowledged at `offset`, or failed as a batch that
+    timed out."""
+    if ok:
+        produced.success((offset, -1, None))
+    else:
+        produced.failure(KafkaTimeoutError("batch expired"))
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    sends=st.lists(st.tuples(st.integers(0, 2), st.booleans()), min_size=1, max_size=12),
+    data=st.data(),
+)
+def test_the_timed_sender_takes_an_ack_only_behind_no_failure_of_its_partition(sends, data) -> None:
+    """Whatever order Kafka answers in, the timeline's sender hands the ledger an
+    acknowledged message only once every earlier send of its partition was acknowledged.
+    One acknowledged behind a failure (the idempotent producer sends on past a batch it
+    drops) comes back with the failed ones, in order, to be sent again after them."""
+    messages = [
+        Message(f"m{n}", 0, n, str(p).encode(), b"", [], "in", 0, n)
+        for n, (p, _) in enumerate(sends)
+    ]
+    answers = data.draw(st.permutations(range(len(sends))))
+    producer = StandInProducer(lambda key: int(key or b"0"))
+    sender = TimedSender(producer, "out", lambda m: (m.key, m.payload, []))  # type: ignore[arg-type]
+    sender.schedule(messages)
+    wait_until(lambda: len(producer.sent) == len(sends), what="every message sent")
+    answered: set[int] = set()
+    taken: list[int] = []
+    for n in answers:
+        answer(producer.sent[n], sends[n][1], n)
+        answered.add(n)
+        for m in sender.take_acked():
+            k = m.source_offset
+            earlier = [i for i in range(k) if sends[i][0] == sends[k][0]]
+            assert all(sends[i][1] and i in answered for i in earlier), (k, sends, answers)
+            taken.append(k)
+    assert sender.stop() == []
+    taken += [m.source_offset for m in sender.take_acked()]
+    in_order = [
+        ok and all(o for p, o in sends[:n] if p == partition)
+        for n, (partition, ok) in enumerate(sends)
+    ]
+    assert sorted(taken) == [n for n, w in enumerate(in_order) if w]
+    assert [m.source_offset for m in sender.failed] == [n for n, w in enumerate(in_order) if not w]
+
+
+@pytest.mark.parametrize("error", [KafkaTimeoutError, MessageSizeTooLargeError])
+def test_a_timeline_ack_behind_a_failed_send_is_sent_again_after_it(
+    kafka_bootstrap, topic_factory, tmp_path, error
+):
+    """Three due timeline messages of one partition: Kafka acknowledges the first and the
+    third and fails the second. The ledger records only the first; the second and third
+    reach the output again, in order: after a restart when the error stops the job, or
+    at once, one at a time, after a refusal."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "timeline", out)
+    base = int(time.time() * 1000) - 60_000
+    written = add_buffer(s, "timeline", [base + k for k in (1, 2, 3)])
+    stand_in = StandInProducer()
+    releaser = Releaser(s, s.topic("jobs"))
+    releaser._producer = stand_in  # type: ignore[assignment]
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        releaser.run_batch(0)
+        wait_until(lambda: len(stand_in.sent) == 3, what="the three messages sent")
+        answer(stand_in.sent[0], True, 0)
+        answer(stand_in.sent[2], True, 1)
+        releaser.run_batch(1)
+        assert ledger_released(s) == written[:1], "the third waits for the second's answer"
+        stand_in.sent[1].failure(error("failed"))
+        if error is KafkaTimeoutError:
+            with pytest.raises(RuntimeError, match="failed"):
+                releaser.run_batch(2)
+            assert ledger_released(s) == written[:1], "the job stops with the third unreleased"
+            releaser.finish()
+            releaser = Releaser(s, s.topic("jobs"))
+            run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, first=3)
+        else:
+            releaser.run_batch(2)
+        records = output.to_end()
+    finally:
+        releaser.finish()
+        output.close()
+    assert ids(records) == written[1:], "the failed one and the one behind it, in order"
+    assert sorted(ledger_released(s)) == sorted(written)
 
 
 def read_dead_letters(settings: Settings) -> list[dict]:
