@@ -64,6 +64,13 @@ class Authority:
             .add_extension(x509.SubjectAlternativeName(alt), critical=False)
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),  # type: ignore[arg-type]
+                critical=False,
+            )
+            .add_extension(
+                x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+            )
             .sign(ca_key, hashes.SHA256())  # type: ignore[arg-type]
         )
         return Issued(_write_cert(folder, name, cert), _write_key(folder, name, key))
@@ -79,7 +86,7 @@ def run(folder: Path, hosts: list[str], name: str = "node", force: bool = False)
         return 2
     hosts = hosts or ["127.0.0.1", "localhost"]
     ca = Authority(folder / "ca.pem", folder / "ca-key.pem")
-    why = _unfit(ca) if ca.cert.exists() else None
+    why = unfit(ca) if ca.cert.exists() else None
     if why is None and not force:
         why = _taken(folder / f"{name}.pem", hosts)
     if why is not None:
@@ -94,7 +101,7 @@ def run(folder: Path, hosts: list[str], name: str = "node", force: bool = False)
     return 0
 
 
-def _unfit(ca: Authority) -> str | None:
+def unfit(ca: Authority) -> str | None:
     """Why the CA in place must not sign another certificate, if so."""
     if not ca.key.exists():
         return f"{ca.cert} has no key beside it ({ca.key}) to sign with"
@@ -159,6 +166,7 @@ def new_authority(
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(now + dt.timedelta(days=days))
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
         .add_extension(
             x509.KeyUsage(
                 digital_signature=True,

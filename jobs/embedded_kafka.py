@@ -9,6 +9,7 @@ against an external Kafka (`DEJAQ_KAFKA_BOOTSTRAP`).
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import json
 import secrets
 import subprocess
@@ -18,8 +19,11 @@ import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from cryptography import x509
+
 from dejaq.conf import jvm
 from dejaq.conf.settings import KafkaConfig, load_settings
+from dejaq.jobs.certificates import CA_LEFT_AT_LEAST, Authority, new_authority, unfit
 from dejaq.jobs.children import check_free, die_with_parent, serve, stop, wait_for_port
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.stopping import stop_on_signals
@@ -59,27 +63,39 @@ class Secure:
 
     @classmethod
     def load_or_create(cls, data_dir: Path) -> Secure:
+        """The data dir's, its broker certificate issued again from its CA when it has
+        less than a month left (it is valid a year; the CA ten); a new one on the first
+        start."""
         state = data_dir / SECURE_FILE
         if state.exists():
             saved = json.loads(state.read_text())
-            return cls(
+            secure = cls(
                 Path(saved["ca"]),
                 Path(saved["keystore"]),
                 saved["password"],
                 saved["broker_password"],
             )
-        from dejaq.jobs.certificates import new_authority
-
+            secure._renew_if_ending()
+            return secure
         pki = data_dir / "pki"
         ca = new_authority(pki, "dejaq-kafka-ca")
-        issued = ca.issue(pki, "kafka", ["127.0.0.1", "localhost"])
         keystore = pki / "kafka-keystore.pem"
-        keystore.touch(mode=0o600)
-        keystore.write_bytes(issued.key.read_bytes() + issued.cert.read_bytes())
+        _issue_keystore(ca, keystore)
         secure = cls(ca.cert, keystore, secrets.token_urlsafe(18), secrets.token_urlsafe(18))
         state.touch(mode=0o600)
         state.write_text(json.dumps({k: str(v) for k, v in asdict(secure).items()}))
         return secure
+
+    def _renew_if_ending(self) -> None:
+        """Issue the broker's certificate again if it ends within `CA_LEFT_AT_LEAST`;
+        a clear error if the CA does too (a new data dir makes a new one)."""
+        cert = x509.load_pem_x509_certificate(self.keystore.read_bytes())
+        if cert.not_valid_after_utc - dt.datetime.now(dt.UTC) >= CA_LEFT_AT_LEAST:
+            return
+        ca = Authority(self.ca, self.ca.with_name("ca-key.pem"))
+        if (why := unfit(ca)) is not None:
+            raise SecureMismatch(f"{why}; or start Kafka on a new data dir")
+        _issue_keystore(ca, self.keystore)
 
     def server_properties(self) -> dict[str, str]:
         plain = (
@@ -129,6 +145,13 @@ class Secure:
             "DEJAQ_KAFKA_SASL_PASSWORD": self.password,
             "DEJAQ_KAFKA_SSL_CAFILE": str(self.ca),
         }
+
+
+def _issue_keystore(ca: Authority, keystore: Path) -> None:
+    """The broker's key and a certificate for it from `ca`, as Kafka's PEM key store."""
+    issued = ca.issue(keystore.parent, "kafka", ["127.0.0.1", "localhost"])
+    keystore.touch(mode=0o600)
+    keystore.write_bytes(issued.key.read_bytes() + issued.cert.read_bytes())
 
 
 def server_properties(

@@ -286,3 +286,43 @@ def test_a_wrong_login_fails_at_start_naming_the_setting(
         assert done.returncode == 2, (command, done.stderr[-2000:])
         assert named in done.stderr and took < 20, (command, took, done.stderr[-2000:])
         assert secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"] not in done.stdout + done.stderr
+
+
+def test_the_brokers_certificate_is_issued_again_near_its_end_and_an_ending_ca_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded Kafka's certificate is valid a year: a data dir kept longer gets a new
+    one from its CA at the next start, the logins unchanged, the key store's key and
+    certificate a pair its CA vouches for. A CA near its own end is named, not reused."""
+    import ssl
+
+    from cryptography import x509
+    from cryptography.x509.verification import PolicyBuilder, Store
+
+    from dejaq.jobs import certificates
+
+    def ends(secure: embedded_kafka.Secure) -> float:
+        cert = x509.load_pem_x509_certificate(secure.keystore.read_bytes())
+        return (cert.not_valid_after_utc - cert.not_valid_before_utc).days
+
+    with monkeypatch.context() as m:
+        m.setattr(certificates, "VALID_DAYS", 1)
+        first = embedded_kafka.Secure.load_or_create(tmp_path / "kept")
+    assert ends(first) <= 1
+    again = embedded_kafka.Secure.load_or_create(tmp_path / "kept")
+    assert again == first, "the same files and logins"
+    assert ends(again) >= 300, "issued again for a year"
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(again.keystore)  # a pair
+    store = Store([x509.load_pem_x509_certificate(again.ca.read_bytes())])
+    verifier = PolicyBuilder().store(store).build_server_verifier(x509.DNSName("localhost"))
+    verifier.verify(x509.load_pem_x509_certificate(again.keystore.read_bytes()), [])
+    with monkeypatch.context() as m:
+        m.setattr(certificates, "VALID_DAYS", 1)
+        m.setattr(
+            embedded_kafka,
+            "new_authority",
+            lambda folder, name: new_authority(folder, name, days=2),
+        )
+        embedded_kafka.Secure.load_or_create(tmp_path / "old")
+    with pytest.raises(embedded_kafka.SecureMismatch, match=r"the CA .* expires .* new data dir"):
+        embedded_kafka.Secure.load_or_create(tmp_path / "old")
