@@ -20,7 +20,7 @@ import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.conf.settings import TOPIC_NAME
+from dejaq.conf.settings import TOPIC_NAME, ConfigError, TopicConfig, TopicKind
 from dejaq.conf.storage import filesystem
 
 
@@ -174,6 +174,71 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
     return path
 
 
+# The buffer's property naming the kind of the topic whose sort keys it holds: a priority,
+# an epoch-ms deliver_at and an event time are all one int64, and read as another kind's
+# they are delivered early or out of order.
+KIND_PROPERTY = "dejaq.kind"
+KIND_ATTEMPTS = 5  # recordings of the kind lost to a concurrent metadata commit, at most
+
+
+class KindChanged(ConfigError):
+    """A topic configured as another kind than the one its buffer's rows were written as."""
+
+
+def ensure_buffer(warehouse: str, topic: TopicConfig) -> str:
+    """`ensure_table` of the topic's buffer, whose rows are of the topic's configured kind;
+    every part that writes or reads sort keys opens the buffer so, before it does.
+
+    The kind is recorded in the table (`KIND_PROPERTY`): a buffer made before it takes
+    the configured kind, and an empty one takes a new kind. One holding rows written as
+    a kind sorted otherwise refuses the topic (`KindChanged`), as its rows would be read
+    in the new kind's terms.
+    """
+    path = table_path(warehouse, Table.BUFFER, topic.name)
+    configured = topic.kind.value
+    create_if_missing(path, BUFFER_SCHEMA, PARTITION_BY[Table.BUFFER], {KIND_PROPERTY: configured})
+    lost = 0
+    while True:
+        table = DeltaTable(path)
+        recorded = table.metadata().configuration.get(KIND_PROPERTY)
+        if recorded == configured:
+            return path
+        moved = recorded is not None and _sorted_as(recorded) is not topic.kind.sorted_as
+        if moved and (rows := _rows(table)):
+            raise KindChanged(
+                f"topic {topic.name!r} is configured as kind {configured}, but its buffer "
+                f"holds {rows} {'row' if rows == 1 else 'rows'} written as kind {recorded} "
+                f"(table property {KIND_PROPERTY} of {path}): read as {configured}, their "
+                f"sort keys would be delivered early or out of order. Set kind back to "
+                f"{recorded}; or stop the topic's ingest, deliver what it holds as {recorded} "
+                "until retention has emptied its buffer, stop its release or brokers, then "
+                "change the kind; or give the new kind a new topic name"
+            )
+        try:
+            table.alter.set_table_properties({KIND_PROPERTY: configured}, raise_if_not_exists=False)
+            return path
+        except CommitFailedError:
+            lost += 1
+            if lost == KIND_ATTEMPTS:
+                raise
+
+
+def _sorted_as(kind: str) -> TopicKind | None:
+    """The kind whose sort keys a recorded kind wrote; None for one this version lacks."""
+    try:
+        return TopicKind(kind).sorted_as
+    except ValueError:
+        return None
+
+
+def _rows(table: DeltaTable) -> int:
+    """The table's rows: from its files' statistics, or counted where one has none."""
+    counts = table.get_add_actions().column("num_records").to_pylist()
+    if None in counts:
+        return scan(table, Table.BUFFER, ["message_id"]).num_rows
+    return sum(counts)
+
+
 # The ledger's app transaction of the lease broker's checkpoints (one per Raft history,
 # this and "<it>:<history>"): a ledger that has it is a topic the broker delivered.
 BROKER_APP_ID = "dejaq-broker"
@@ -202,9 +267,14 @@ TABLE_PROPERTIES = {
 }
 
 
-def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> None:
+def create_if_missing(
+    path: str,
+    schema: pa.Schema,
+    partition_by: list[str],
+    properties: Mapping[str, str] | None = None,
+) -> None:
     """`DeltaTable.create(mode="ignore")`, safe against a concurrent creator, with
-    `TABLE_PROPERTIES`.
+    `TABLE_PROPERTIES` and the table's own `properties` (`KIND_PROPERTY`, say).
 
     delta-rs's "ignore" is not atomic: a racing creator can fail with CommitFailedError
     although the table now exists, which is all the caller wanted.
@@ -217,7 +287,8 @@ def create_if_missing(path: str, schema: pa.Schema, partition_by: list[str]) -> 
             schema,
             partition_by=partition_by or None,
             mode="ignore",
-            configuration=TABLE_PROPERTIES,
+            configuration=TABLE_PROPERTIES | dict(properties or {}),
+            raise_if_key_not_exists=False,  # delta-rs knows Delta's keys, not dejaq.*
         )
     except CommitFailedError:
         if not DeltaTable.is_deltatable(path):

@@ -108,6 +108,7 @@ def run(
     from pyspark.errors import PySparkException, StreamingQueryException
 
     from dejaq.conf.storage import export, spark_conf
+    from dejaq.conf.tables import ensure_buffer
     from dejaq.jobs.logs import one_line, query_failure, setup
     from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
     from dejaq.pipelines.ingest_resume import CannotResume
@@ -119,6 +120,7 @@ def run(
     check_login(settings.kafka)
     mode = settings.spark.connectors
     export(settings)
+    ensure_buffer(settings.warehouse, topic_conf)  # a changed kind, refused before Spark too
     spark = get_spark(
         f"dejaq-ingest-{topic}",
         settings.spark.master,

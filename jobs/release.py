@@ -34,6 +34,7 @@ def run(topic: str, conf_file: str | None, once: bool, take_over: bool = False) 
     from pyspark.errors import StreamingQueryException
 
     from dejaq.conf.storage import export, spark_conf
+    from dejaq.conf.tables import ensure_buffer
     from dejaq.jobs.logs import query_failure, setup
     from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
     from dejaq.pipelines.release import ReleaseJob, require_owner, require_release
@@ -46,6 +47,7 @@ def run(topic: str, conf_file: str | None, once: bool, take_over: bool = False) 
     require_release(topic_conf)  # before Spark starts: a usage error should be quick
     export(settings)
     require_owner(settings, topic_conf, take_over)
+    ensure_buffer(settings.warehouse, topic_conf)  # a changed kind, refused before Spark too
     spark = get_spark(
         f"dejaq-release-{topic}",
         settings.spark.master,

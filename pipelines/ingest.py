@@ -40,6 +40,7 @@ from dejaq.conf.tables import (
     Table,
     checkpoint_path,
     column,
+    ensure_buffer,
     ensure_table,
     matching,
     scan,
@@ -375,10 +376,11 @@ class IngestJob:
         """Start the query: `once` reads what is there now and stops (availableNow).
 
         The tables are created here, once, so every batch can simply append to them.
-        Raises CannotResume when the checkpoint is new and the tables cannot say where
-        the last one had got to (`pipelines.ingest_resume`).
+        Raises KindChanged when the buffer holds rows of another kind than the topic's
+        (`conf.tables.ensure_buffer`), and CannotResume when the checkpoint is new and
+        the tables cannot say where the last one had got to (`pipelines.ingest_resume`).
         """
-        buffer = ensure_table(self.settings.warehouse, Table.BUFFER, self.topic.name)
+        buffer = ensure_buffer(self.settings.warehouse, self.topic)
         quarantine = ensure_table(self.settings.warehouse, Table.QUARANTINE, self.topic.name)
         self._resume = resume(
             self.checkpoint, buffer, quarantine, self.app_id, self.settings.kafka, self.topic.source

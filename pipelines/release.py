@@ -49,6 +49,7 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     checkpoint_path,
+    ensure_buffer,
     ensure_table,
     matching,
     scan,
@@ -225,7 +226,7 @@ class Releaser:
         self.topic = topic
         self.output: str = topic.output or ""
         self.kind = topic.kind.sorted_as
-        self.buffer_path = ensure_table(settings.warehouse, Table.BUFFER, topic.name)
+        self.buffer_path = ensure_buffer(settings.warehouse, topic)
         self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
         self.buffer, self.ledger = self._followers()
         self.pending = PendingSet()

@@ -32,7 +32,8 @@ from dejaq.broker.api.routers.topics import TopicStats
 from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.client import Client, NotFound, Worker
 from dejaq.client.models import Left
-from dejaq.conf.settings import KafkaConfig
+from dejaq.conf.settings import KafkaConfig, TopicConfig
+from dejaq.conf.tables import ensure_buffer
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -998,6 +999,38 @@ def test_a_broker_whose_raft_port_is_taken_exits_with_the_reason(tmp_path) -> No
         )
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on the Raft address {raft}" in result.stderr
+
+
+def test_a_broker_refuses_a_topic_whose_buffer_holds_another_kinds_rows(tmp_path) -> None:
+    """A timeline's pending deliver_at times (epoch ms) read as priorities would be leased
+    at once: a node whose configuration made the topic a priority one exits at start,
+    naming the topic, both kinds and the way out, before it serves a lease."""
+    warehouse = str(tmp_path / "warehouse")
+    ensure_buffer(warehouse, TopicConfig(name="later", kind="timeline", source=["in"]))
+    due = int(time.time() * 1000) + 3_600_000
+    fill(warehouse, "later", buffer_rows([due, due + 1], timeline=True))
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {warehouse}\n"
+        "kafka: {bootstrap: '127.0.0.1:9'}\n"
+        "topics:\n  - {name: later, kind: priority, source: [in], buckets: 4}\n"
+    )
+    node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
+    log = tmp_path / "a.log"
+    with log.open("w") as err:
+        proc = node.proc = subprocess.Popen(
+            cluster.node_command(node, [node], str(conf)), stdout=subprocess.DEVNULL, stderr=err
+        )
+    try:
+        wait_until(lambda: proc.poll() is not None, timeout=60, what="the node to exit")
+    finally:
+        stop([node])
+    assert proc.returncode == 2, log.read_text()
+    assert (
+        "topic 'later' is configured as kind priority, but its buffer holds 2 rows written as "
+        "kind timeline" in log.read_text()
+    ), log.read_text()
+    assert "Set kind back to timeline" in log.read_text()
 
 
 def test_a_peer_on_the_old_wire_format_is_refused_and_named(

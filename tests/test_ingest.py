@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -26,6 +27,7 @@ from kafka import KafkaAdminClient, KafkaProducer
 from kafka.admin import NewTopic
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame
+from test_broker import buffer_rows, fill
 
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.storage.index import TopicIndex
@@ -34,9 +36,12 @@ from dejaq.conf import jvm
 from dejaq.conf.settings import Settings, load_settings
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
+    KIND_PROPERTY,
     LEDGER_SCHEMA,
+    KindChanged,
     LedgerEvent,
     Table,
+    ensure_buffer,
     ensure_table,
     table_path,
 )
@@ -241,6 +246,39 @@ def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
     quarantine = ensure_table(str(fresh), Table.QUARANTINE, "jobs")
     batch(Transaction(app_id, 0), *positions(app_id, {(source, 0): 7}, since=0))
     assert json.loads(resumed().starting_offsets) == {source: {"0": 7, "1": -2}}
+
+
+def test_a_buffer_of_another_kinds_rows_is_not_ingested_into_until_it_is_empty(
+    spark, kafka_bootstrap, topic_factory, tmp_path
+):
+    """Priorities appended among a timeline's deliver_at times would be read as one kind
+    or the other, both wrong: the ingest of a topic reconfigured from timeline to
+    priority refuses it by name while the buffer holds the timeline's rows. Emptied, the
+    buffer takes the new kind, and the ingest writes it, readable by Spark's Delta."""
+    source = topic_factory(partitions=1)
+    was = load_settings(write_conf(tmp_path, kafka_bootstrap, source, kind="timeline"), env={})
+    buffer = ensure_buffer(was.warehouse, was.topic("jobs"))
+    due = int(time.time() * 1000) + 3_600_000
+    fill(was.warehouse, "jobs", buffer_rows([due, due + 1, due + 2], timeline=True))
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    produce(kafka_bootstrap, source, [good(i) for i in range(5)], partitions=1)
+    job = IngestJob(spark, settings, settings.topic("jobs"), detect_connectors(spark, "jvm"))
+    with pytest.raises(
+        KindChanged,
+        match="'jobs' is configured as kind priority, but its buffer holds 3 rows written "
+        "as kind timeline",
+    ):
+        job.start(once=True)
+    assert table(settings, Table.BUFFER).num_rows == 3
+    assert not Path(job.checkpoint).exists(), "no query started"
+
+    DeltaTable(buffer).delete()  # what retention leaves once every message settled
+    query = job.start(once=True)
+    query.awaitTermination(180)
+    assert query.exception() is None
+    assert DeltaTable(buffer).metadata().configuration[KIND_PROPERTY] == "priority"
+    assert sorted(table(settings, Table.BUFFER).column("priority").to_pylist()) == list(range(5))
+    assert spark.read.format("delta").load(buffer).count() == 5
 
 
 def job_env(connectors: str = "auto") -> dict[str, str]:

@@ -26,7 +26,14 @@ from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
 
 from dejaq.conf import jvm
 from dejaq.conf.settings import ConfigError, Settings, load_settings
-from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    LEDGER_SCHEMA,
+    KindChanged,
+    LedgerEvent,
+    Table,
+    ensure_table,
+)
 from dejaq.jobs.stopping import stop_between_batches
 from dejaq.pipelines.ingest import IngestJob
 from dejaq.pipelines.pending import Message
@@ -246,6 +253,45 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     checkpoint(s.warehouse, "jobs", state.events)
     with pytest.raises(ConfigError, match="--take-over"):
         Releaser(s, s.topic("jobs"))
+
+
+def test_a_timeline_reconfigured_as_priority_is_refused_while_its_rows_are_pending(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A timeline's deliver_at (epoch ms) read as a priority is due at once: the release
+    of a topic reconfigured so refuses it, before Spark starts, naming both kinds and the
+    way out, and nothing goes out early. Set back, the timeline releases as before."""
+    out = topic_factory(partitions=1)
+    timeline = settings_for(tmp_path, kafka_bootstrap, "timeline", out)
+    due = int(time.time() * 1000) + 3_600_000
+    add_buffer(timeline, "timeline", [due, due + 1, due + 2])
+    Releaser(timeline, timeline.topic("jobs")).finish()  # the timeline's release ran
+    conf = write_conf(tmp_path, kafka_bootstrap, "priority", out)
+    result = subprocess.run(
+        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 2, result.stderr
+    assert (
+        "topic 'jobs' is configured as kind priority, but its buffer holds 3 rows written as "
+        "kind timeline" in result.stderr
+    ), result.stderr
+    assert "Set kind back to timeline" in result.stderr
+    with pytest.raises(KindChanged):
+        Releaser(load_settings(conf, env={}), load_settings(conf, env={}).topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        assert output.to_end() == [], "released early"
+    finally:
+        output.close()
+    assert ledger_released(timeline) == []
+    releaser = Releaser(timeline, timeline.topic("jobs"))
+    try:
+        assert releaser.run_batch(0).released == 0 and len(releaser.pending) == 3
+    finally:
+        releaser.finish()
 
 
 def test_a_lease_topic_is_refused(kafka_bootstrap, tmp_path):

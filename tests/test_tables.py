@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import time
+
 import pyarrow as pa
 import pytest
+from deltalake import DeltaTable, write_deltalake
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from dejaq.conf.tables import PARTITION_BY, SCHEMAS, Table, table_path
+from dejaq.conf.settings import TopicConfig
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    KIND_PROPERTY,
+    PARTITION_BY,
+    SCHEMAS,
+    TABLE_PROPERTIES,
+    KindChanged,
+    Table,
+    ensure_buffer,
+    ensure_table,
+    table_path,
+)
 
 
 def test_paths_local_and_uri(tmp_path) -> None:
@@ -32,3 +48,83 @@ def test_every_schema_converts_to_spark_and_partitions_exist(table: Table) -> No
         assert schema.field("headers").type == pa.list_(
             pa.struct([("key", pa.string()), ("value", pa.binary())])
         )
+
+
+def _buffer_rows(keys: list[int]) -> pa.Table:
+    """Buffer rows at these sort keys (a timeline's deliver_at, ms), as the ingest writes."""
+    now = dt.datetime.now(dt.UTC)
+    at = [dt.datetime.fromtimestamp(k / 1000, dt.UTC) for k in keys]
+    rows = {name: [None] * len(keys) for name in BUFFER_SCHEMA.names}
+    rows |= {
+        "message_id": [f"m{i}" for i in range(len(keys))],
+        "bucket": [0] * len(keys),
+        "sort_key": keys,
+        "deliver_at": at,
+        "source_topic": ["in"] * len(keys),
+        "source_partition": [0] * len(keys),
+        "source_offset": list(range(len(keys))),
+        "ingested_at": [now] * len(keys),
+    }
+    return pa.table(rows, schema=BUFFER_SCHEMA)
+
+
+def _topic(kind: str) -> TopicConfig:
+    return TopicConfig(name="jobs", kind=kind, source=["in"], delivery="release", output="out")
+
+
+def _kind(path: str) -> str | None:
+    return DeltaTable(path).metadata().configuration.get(KIND_PROPERTY)
+
+
+def test_a_buffer_holding_rows_of_another_kind_refuses_the_topic_by_name(tmp_path) -> None:
+    """A timeline's deliver_at read as a priority is due at once: with its rows pending,
+    a topic reconfigured to a kind sorted otherwise is refused, naming both kinds and
+    the way out; one sorted alike (a cron topic's occurrences are a timeline's) is not."""
+    warehouse = str(tmp_path)
+    path = ensure_buffer(warehouse, _topic("timeline"))
+    assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES | {
+        KIND_PROPERTY: "timeline"
+    }
+    future = int(time.time() * 1000) + 3_600_000
+    write_deltalake(path, _buffer_rows([future, future + 1]), mode="append")
+    for kind in ("priority", "event_time"):
+        with pytest.raises(
+            KindChanged,
+            match=rf"topic 'jobs' is configured as kind {kind}, but its buffer holds 2 rows "
+            r"written as kind timeline .*Set kind back to timeline",
+        ):
+            ensure_buffer(warehouse, _topic(kind))
+        assert _kind(path) == "timeline"
+    assert ensure_buffer(warehouse, _topic("cron")) == path
+    assert _kind(path) == "cron"
+    with pytest.raises(KindChanged, match="written as kind cron"):
+        ensure_buffer(warehouse, _topic("priority"))
+
+
+def test_an_empty_buffer_takes_the_kind_configured_now(tmp_path) -> None:
+    """No row to misread: a buffer never written to, or emptied by retention, records
+    the new kind, and guards it as it did the old one."""
+    warehouse = str(tmp_path)
+    path = ensure_buffer(warehouse, _topic("timeline"))
+    ensure_buffer(warehouse, _topic("priority"))
+    assert _kind(path) == "priority"
+    write_deltalake(path, _buffer_rows([5]), mode="append")
+    DeltaTable(path).delete()  # what retention leaves once every message settled
+    ensure_buffer(warehouse, _topic("timeline"))
+    assert _kind(path) == "timeline"
+    write_deltalake(path, _buffer_rows([5]), mode="append")
+    with pytest.raises(KindChanged, match="holds 1 row written as kind timeline"):
+        ensure_buffer(warehouse, _topic("priority"))
+
+
+def test_a_buffer_made_before_kinds_were_recorded_takes_the_configured_kind(tmp_path) -> None:
+    """Its rows were written as the topic is configured at its first start since: that
+    kind is recorded, and a later change guarded like any other."""
+    warehouse = str(tmp_path)
+    path = ensure_table(warehouse, Table.BUFFER, "jobs")
+    write_deltalake(path, _buffer_rows([7, 8, 9]), mode="append")
+    assert _kind(path) is None
+    assert ensure_buffer(warehouse, _topic("priority")) == path
+    assert _kind(path) == "priority"
+    with pytest.raises(KindChanged, match="holds 3 rows written as kind priority"):
+        ensure_buffer(warehouse, _topic("timeline"))

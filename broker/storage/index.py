@@ -57,6 +57,7 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     conform,
+    ensure_buffer,
     ensure_table,
     matching,
     scan,
@@ -112,7 +113,7 @@ class TopicIndex:
     ) -> None:
         self.topic = topic
         self.timeline = topic.kind.sorted_as is TopicKind.TIMELINE
-        self.buffer_path = ensure_table(warehouse, Table.BUFFER, topic.name)
+        self.buffer_path = ensure_buffer(warehouse, topic)
         self.ledger_path = ensure_table(warehouse, Table.LEDGER, topic.name)
         self.dead_letter_path = ensure_table(warehouse, Table.DEAD_LETTER, topic.name)
         self.watch = TableWatch(self.buffer_path)
