@@ -219,6 +219,8 @@ class IngestJob:
         duplicate until the next `_prune_seen`. A failed read fails the batch, as a
         failed commit does: judged without it, such a message would be quarantined."""
         assert self._seen is not None
+        if not self._seen.lingering:  # the usual case: no batch's ids to list
+            return
         reused = self._seen.lingering_among(judged.column("message_id").to_pylist())
         if reused:
             self._seen.prune(_still_buffered(buffer_path, reused), among=reused)
