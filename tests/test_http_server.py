@@ -21,8 +21,12 @@ from dejaq.jobs.ports import free_port
 async def app(scope, receive, send) -> None:
     """/fixed: a head and a body; /stream: three body chunks over three loop passes;
     /close: a body, then the connection closes; /length: the request body's length. Each
-    reads the request's whole body first."""
+    reads the request's whole body first, but /refuse: a 413 before reading any."""
     if scope["type"] != "http":
+        return
+    if scope["path"] == "/refuse":
+        await send({"type": "http.response.start", "status": 413, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
         return
     received = 0
     while True:
@@ -192,3 +196,32 @@ def test_a_body_that_stops_short_closes_its_connection_one_that_keeps_coming_doe
             assert chunk, answer
             answer += chunk
         assert answer.startswith(b"HTTP/1.1 200 OK"), answer
+
+
+def test_a_body_answered_before_it_was_read_is_discarded_only_so_far(server: str) -> None:
+    """A body the app refused unread (a 413) is read on and discarded, keeping the
+    connection for the next request; one that goes on past DISCARD_MAX_BYTES closes it,
+    rather than have the server read for as long as the client sends."""
+    host, port = server.removeprefix("http://").split(":")
+    address = (host, int(port))
+    small = 100 * 1024
+    with socket.create_connection(address) as kept:
+        kept.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % small)
+        kept.sendall(b"x" * small)
+        kept.sendall(b"GET /fixed HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers = b""
+        while b"/fixed" * 1000 not in answers:
+            chunk = kept.recv(65536)
+            assert chunk, answers
+            answers += chunk
+        assert answers.startswith(b"HTTP/1.1 413 "), answers[:100]
+    big = 64 * 1024 * 1024
+    sent = 0
+    with socket.create_connection(address) as endless:
+        endless.sendall(b"POST /refuse HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % big)
+        assert endless.recv(65536).startswith(b"HTTP/1.1 413 ")
+        endless.settimeout(10)
+        with contextlib.suppress(OSError):  # reset once closed
+            while sent < big:
+                sent += endless.send(b"x" * 65536)
+    assert sent < 16 * http_server.DISCARD_MAX_BYTES, f"{sent} bytes read and discarded"

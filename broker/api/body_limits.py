@@ -6,7 +6,8 @@ spent, and a chunked body, which has no Content-Length, would pass any check of 
 header. Here a body announced larger than its route takes is refused unread; a chunked
 one is read, counted as it comes, only up to that limit, then handed on as the server
 would have (a body framed by its Content-Length cannot grow past it, and goes on as it
-is). What a 413 leaves unread the server discards, keeping the connection.
+is). What a 413 leaves unread the server discards, keeping the connection, up to 1 MiB
+(`http_server.DISCARD_MAX_BYTES`); then it closes it.
 
 The limits: a produce or a schedule, one payload of the topic's `max_payload_bytes` in
 base64 with room for the rest; a produce batch, `MAX_BATCH_BODY` or that if larger;

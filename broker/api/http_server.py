@@ -83,6 +83,10 @@ HEAD_MAX_BYTES = 64 * 1024
 # its connection, and the request's task, for ever. A slow body that keeps coming, or
 # one the app is not reading yet, is not cut.
 BODY_IDLE_S = 30.0
+# How much of a body answered before it was read whole (a 413) the server reads on and
+# discards, keeping the connection for the client's next request; past it, the
+# connection is closed rather than read for as long as the client sends.
+DISCARD_MAX_BYTES = 1024 * 1024
 _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
     b"content-type: text/plain; charset=utf-8\r\n"
@@ -106,6 +110,7 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
     _head_since: float | None = None  # loop time a head began, None between heads
     _head_bytes = 0
     _body_at: float | None = None  # loop time its body last moved, None unless arriving
+    _discarded = 0  # bytes of the body arriving after its answer (`DISCARD_MAX_BYTES`)
     _look_due: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -122,7 +127,7 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self._head_bytes = 0
+        self._head_bytes = self._discarded = 0
         self._head_since = self.loop.time()
 
     def on_url(self, url: bytes) -> None:
@@ -144,6 +149,11 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
 
     def on_body(self, body: bytes) -> None:
         self._body_at = self.loop.time()
+        if self.cycle.response_complete:
+            self._discarded += len(body)
+            if self._discarded > DISCARD_MAX_BYTES and not self.transport.is_closing():
+                self.transport.close()
+            return
         super().on_body(body)
 
     def on_message_complete(self) -> None:
