@@ -1,7 +1,9 @@
 """`dejaq status --topic NAME [--broker URL]`: how much is buffered, quarantined, and
 not yet ingested; retention's last run; with a broker, each node's index and memory.
-Exit 1 when a check fails: Kafka not answering, a node unreachable, or a node's
-checkpoints failing. A source topic Kafka does not show is named, lag unknown, but is no
+For a cron topic, its schedules, naming those whose occurrences are late unsent (the
+materialiser on the Raft leader sends them ahead of their time). Exit 1 when a check
+fails: Kafka not answering, a node unreachable, a node's checkpoints failing, or a
+schedule behind. A source topic Kafka does not show is named, lag unknown, but is no
 failure: the ingest waits for a topic not made yet.
 
 Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log,
@@ -21,14 +23,40 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
 
+from dejaq.broker.state import cron
+from dejaq.broker.state.schedules import ScheduleStore
 from dejaq.client import BrokerError
 from dejaq.conf.kafka_clients import python_config
-from dejaq.conf.settings import KafkaConfig, load_settings
+from dejaq.conf.settings import KafkaConfig, TopicKind, load_settings
 from dejaq.conf.storage import describe, export, filesystem
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs.doctor import kafka_answers
 from dejaq.jobs.operations import connect
 from dejaq.pipelines.retention import OPERATION, watermark
+
+# How late a schedule's next occurrence may be, still unsent, before status calls it
+# behind: the materialiser sends within a second of an occurrence entering the horizon.
+SCHEDULE_LATE_MS = 60_000
+
+
+def schedules_behind(warehouse: str, topic: str, now_ms: int) -> tuple[int, list[str]] | None:
+    """A cron topic's schedule count and those behind (`SCHEDULE_LATE_MS`), each named
+    with how far it has been sent; None if the topic has no schedules table yet."""
+    if not DeltaTable.is_deltatable(table_path(warehouse, Table.SCHEDULES, topic)):
+        return None
+    schedules = ScheduleStore(warehouse, topic).all()
+    behind = []
+    for s in sorted(schedules.values(), key=lambda s: s.schedule_id):
+        sent = max(s.materialised_until, s.created_at)
+        due = cron.next_after(s.cron, cron.zone(s.time_zone), sent)
+        if due is None or due > now_ms - SCHEDULE_LATE_MS or (s.end_at and due > s.end_at):
+            continue
+        behind.append(f"{s.schedule_id} (due {_iso(due)}, sent up to {_iso(sent)})")
+    return len(schedules), behind
+
+
+def _iso(ms: int) -> str:
+    return f"{dt.datetime.fromtimestamp(ms / 1000, dt.UTC):%Y-%m-%d %H:%M:%S} UTC"
 
 
 def row_count(path: str) -> int | None:
@@ -176,7 +204,19 @@ def run(
         print(f"{table.value:<11} {'no table yet' if n is None else n}")
     print(f"retention   {last_retention(table_path(settings.warehouse, Table.BUFFER, topic))}")
     print(f"warehouse   {describe(settings)}")
-    nodes_ok = True
+    nodes_ok = schedules_ok = True
+    if conf.kind is TopicKind.CRON:
+        found = schedules_behind(settings.warehouse, topic, int(time.time() * 1000))
+        if found is None:
+            print("schedules   none yet")
+        else:
+            count, behind = found
+            print(f"schedules   {count}, {len(behind)} behind")
+            for line in behind[:20]:
+                print(f"  {line}")
+            if len(behind) > 20:
+                print(f"  and {len(behind) - 20} more")
+            schedules_ok = not behind
     if broker:
         try:
             nodes_ok = print_nodes(broker, topic, token, cacert)
@@ -205,4 +245,4 @@ def run(
         print(f"ingest lag  {sum(lag.values())}")
     for part, n in lag.items():
         print(f"  {part:<30} {n}")
-    return 0 if nodes_ok else 1
+    return 0 if nodes_ok and schedules_ok else 1

@@ -241,6 +241,41 @@ def test_status_says_a_source_topic_kafka_lacks(
     assert run("status", "--topic", "jobs", "--conf-file", str(spelt_right)).returncode == 0
 
 
+def test_status_names_a_cron_schedule_whose_occurrences_are_late_and_fails(
+    tmp_path: Path, kafka_bootstrap: str, topic_factory
+) -> None:
+    """A cron topic's status counts its schedules and names one whose next occurrence is
+    past and unsent (no leader materialising, or Kafka refusing it), exit 1; one sent
+    ahead, or ended, is no failure."""
+    from dejaq.broker.state.schedules import Schedule, ScheduleStore
+
+    source = topic_factory()
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        f"kafka: {{bootstrap: '{kafka_bootstrap}'}}\n"
+        f"topics:\n  - {{name: ticks, kind: cron, source: [{source}], output: out}}\n"
+    )
+    result = run("status", "--topic", "ticks", "--conf-file", str(conf), timeout=60)
+    assert "schedules   none yet" in result.stdout and result.returncode == 0, result.stdout
+    now = int(time.time() * 1000)
+    hour = 3600 * 1000
+    store = ScheduleStore(str(tmp_path / "warehouse"), "ticks")
+    for schedule_id, sent, end in (
+        ("hourly-late", now - 3 * hour, None),
+        ("hourly-ahead", now + hour, None),
+        ("ended", now - 3 * hour, now - 3 * hour),
+    ):
+        schedule = Schedule(schedule_id, "0 * * * *", "UTC", None, b"x", end_at=end)
+        store.add(Schedule(**{**schedule.__dict__, "created_at": now - 4 * hour}))
+        store.advance({(schedule_id, now - 4 * hour): sent})
+    result = run("status", "--topic", "ticks", "--conf-file", str(conf), timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "schedules   3, 1 behind" in result.stdout, result.stdout
+    named = [line for line in result.stdout.splitlines() if line.startswith("  hourly")]
+    assert len(named) == 1 and named[0].startswith("  hourly-late (due "), result.stdout
+
+
 def test_status_finds_a_retention_run_older_than_the_commits_it_reads(tmp_path: Path) -> None:
     """Retention commits its watermark with every run: a run further back than the
     commits looked at is still a run, not none."""
