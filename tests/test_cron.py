@@ -68,6 +68,26 @@ def test_a_daily_0230_in_berlin_runs_once_on_both_dst_days() -> None:
     ]
 
 
+def test_a_daily_0230_with_seconds_runs_once_on_both_dst_days_as_without() -> None:
+    """Six fields follow the five-field rules: a fixed second within each minute the
+    other fields give (once at 03:00:00 in spring, not skipped; once in autumn)."""
+    days = [dt.datetime(2026, 3, 29, tzinfo=BERLIN), dt.datetime(2026, 10, 25, tzinfo=BERLIN)]
+    runs = []
+    for day in days:
+        start, end = ms(day), ms(day + dt.timedelta(days=1))
+        six = cron.occurrences("0 30 2 * * *", BERLIN, start, end, 10)
+        assert six == cron.occurrences("30 2 * * *", BERLIN, start, end, 10)
+        runs.append([local(t, BERLIN).isoformat() for t in six])
+    assert runs == [["2026-03-29T03:00:00+02:00"], ["2026-10-25T02:30:00+02:00"]]
+    spring = cron.occurrences(
+        "15,45 30 2 * * *", BERLIN, ms(dt.datetime(2026, 3, 29, tzinfo=BERLIN)), 2**62, 2
+    )
+    assert [local(t, BERLIN).isoformat() for t in spring] == [
+        "2026-03-29T03:00:15+02:00",
+        "2026-03-29T03:00:45+02:00",
+    ]
+
+
 def test_hourly_follows_real_hours_across_the_autumn_change() -> None:
     day = ms(dt.datetime(2026, 10, 25, tzinfo=BERLIN))
     hours = cron.occurrences("0 * * * *", BERLIN, day - 1, day + 25 * HOUR_MS - 1, 100)

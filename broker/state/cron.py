@@ -5,7 +5,9 @@ job at a fixed time that falls in a spring-forward gap runs once, when the gap e
 daily 02:30 in Europe/Berlin runs at 03:00 CEST that day); one in the repeated autumn
 hour runs once, at its first pass. Jobs that run every hour or more often keep their
 wall-clock fields and follow real time. Expressions have five fields, or six with
-seconds first (`*/5 * * * * *`: every five seconds).
+seconds first (`*/5 * * * * *`: every five seconds). A six-field expression runs at its
+seconds within each minute its other five fields give, so it follows the same rules
+(cronsim itself applies them to five-field expressions only).
 
 Occurrences are instants in epoch milliseconds. Iterating from any instant yields the
 same occurrences after it as iterating from an earlier one: a materialiser that resumes
@@ -46,13 +48,22 @@ def check(expr: str) -> str:
 
 def _instants(expr: str, tz: ZoneInfo, after_ms: int) -> Iterator[int]:
     """Occurrences strictly after `after_ms`, ascending, without end."""
-    start = dt.datetime.fromtimestamp(after_ms / 1000, tz)
+    fields = expr.split()
+    seconds = [0]
+    if len(fields) == 6:
+        seconds = sorted(CronSim(expr, dt.datetime.now(dt.UTC)).seconds)
+        expr = " ".join(fields[1:])
+    # From a minute earlier: the minute under way may have seconds still to come.
+    start = dt.datetime.fromtimestamp(after_ms / 1000 - 60, tz)
     for at in CronSim(expr, start):
-        ms = int(at.timestamp() * 1000)
-        # cronsim resumes from the local wall time, which cannot tell the two passes of a
-        # repeated autumn hour apart: an occurrence of the first pass may come back.
-        if ms > after_ms:
-            yield ms
+        minute_ms = int(at.timestamp() * 1000)
+        for second in seconds:
+            ms = minute_ms + second * 1000
+            # cronsim resumes from the local wall time, which cannot tell the two passes
+            # of a repeated autumn hour apart: an occurrence of the first pass may come
+            # back.
+            if ms > after_ms:
+                yield ms
 
 
 def occurrences(expr: str, tz: ZoneInfo, after_ms: int, upto_ms: int, limit: int) -> list[int]:
