@@ -366,6 +366,7 @@ def test_schedules_crud_on_any_node(crons) -> None:
         ({"end": 1000}, "end"),
         ({"end": "2001-01-01T00:00:00Z"}, "end"),
         ({"end": "2099-01-01T00:00:00"}, "end"),
+        ({"end": "9999-12-31T23:00:00-05:00"}, "end"),
         ({"id": "a@b"}, "id"),
         ({"payload": "%%%"}, "payload"),
     ],

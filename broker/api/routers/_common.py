@@ -14,6 +14,7 @@ TopicName = Annotated[str, Path(description="a lease topic", pattern=TOPIC_NAME.
 ConsumerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
 MessageId = Annotated[str, Field(min_length=1, max_length=1000)]
 Ids = Annotated[list[MessageId], Field(min_length=1, max_length=1000)]
+MAX_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the last a Delta timestamp holds
 MAX_RECEIPT = 2**53 - 1  # exact in every JSON reader
 Receipt = Annotated[int, Field(ge=0, le=MAX_RECEIPT)]
 Receipts = Annotated[list[Receipt], Field(min_length=1, max_length=1000)]
@@ -28,7 +29,7 @@ def _not_seconds(ms: int) -> int:
 
 EpochMs = Annotated[
     int,
-    Field(ge=0, le=253_402_300_799_999, description="epoch milliseconds"),
+    Field(ge=0, le=MAX_EPOCH_MS, description="epoch milliseconds"),
     AfterValidator(_not_seconds),
 ]
 LeaseMs = Annotated[int, Field(ge=1, le=12 * 3600 * 1000)]

@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from dejaq.broker.api.dependencies import LeaderBroker, on_leader
-from dejaq.broker.api.routers._common import Body, EpochMs, TopicName, problems
+from dejaq.broker.api.routers._common import MAX_EPOCH_MS, Body, EpochMs, TopicName, problems
 from dejaq.broker.api.routers.messages import decode_payload, own_headers
 from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.service import Problem, now_ms
@@ -61,6 +61,9 @@ class NewSchedule(Body):
         if v is None:
             return None
         ms = v if isinstance(v, int) else int(v.timestamp() * 1000)
+        if ms > MAX_EPOCH_MS:
+            # An ISO time in year 9999 with a negative offset is past it in UTC.
+            raise ValueError("end is after 9999-12-31T23:59:59.999Z, the latest time stored")
         if ms <= now_ms():
             raise ValueError("end is in the past: the schedule would never produce")
         return ms
