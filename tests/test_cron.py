@@ -283,6 +283,36 @@ def test_schedules_read_by_two_threads_at_once_are_cached_under_their_own_versio
     assert set(store.all()) == in_table
 
 
+def test_two_nodes_creating_one_schedule_id_at_once_store_one_definition(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deposed leader that still takes itself for one and the new leader create the same
+    id at once, with different definitions: one is stored, and the other node is told
+    of it (not new), rather than two rows of which either may win a read. Here node A
+    looks for the id, node B creates it, then A goes on."""
+    from dejaq.broker.state import schedules
+
+    warehouse = str(tmp_path / "warehouse")
+    a, b = schedules.ScheduleStore(warehouse, "ticks"), schedules.ScheduleStore(warehouse, "ticks")
+    mine = Schedule("x", "* * * * *", "UTC", None, b"from a")
+    theirs = Schedule("x", "*/5 * * * *", "UTC", None, b"from b")
+    looked = a.get
+    told: list[tuple[Schedule, bool]] = []
+
+    def look_then_b_creates(schedule_id: str) -> Schedule | None:
+        found = looked(schedule_id)
+        if not told:
+            told.append(b.add(theirs))
+        return found
+
+    monkeypatch.setattr(a, "get", look_then_b_creates)
+    stored, new = a.add(mine)
+    assert told == [(theirs, True)]
+    assert (stored, new) == (theirs, False), "A is told of B's"
+    rows = DeltaTable(a.path).to_pyarrow_table().to_pylist()
+    assert [(r["schedule_id"], r["payload"]) for r in rows] == [("x", b"from b")]
+
+
 # --- over HTTP, on a real cluster --------------------------------------------------------
 
 HORIZON_MS = 60_000

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
 import pyarrow as pa
-from deltalake import DeltaTable, write_deltalake
+from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
 from dejaq.conf.tables import SCHEDULES_SCHEMA, TIMESTAMP, Table, ensure_table, scan
@@ -117,13 +117,30 @@ class ScheduleStore:
         return self.all().get(schedule_id)
 
     def add(self, schedule: Schedule) -> tuple[Schedule, bool]:
-        """Store `schedule` unless its id exists: (the stored one, whether it is new)."""
+        """Store `schedule` unless its id exists: (the stored one, whether it is new).
+
+        A MERGE inserting only where no row has the id, not an append: a deposed leader
+        that still takes itself for one, creating the same id at once, conflicts with
+        it (two appends would not), and the one that commits second finds the first's
+        row. Two rows of one id would leave either definition to win a read."""
+        source = _to_arrow([schedule])
+
+        def commit() -> dict:
+            return (
+                DeltaTable(self.path)
+                .merge(source, "t.schedule_id = s.schedule_id", "s", "t")
+                .when_not_matched_insert_all()
+                .execute()
+            )
+
         with self._lock:
-            existing = self.get(schedule.schedule_id)
-            if existing is not None:
-                return existing, False
-            write_deltalake(self.path, _to_arrow([schedule]), mode="append")
-            return schedule, True
+            for _ in range(COMMIT_TRIES):
+                existing = self.get(schedule.schedule_id)
+                if existing is not None:
+                    return existing, False
+                if _retrying(commit)["num_target_rows_inserted"]:
+                    return schedule, True
+        raise CommitFailedError(f"schedule {schedule.schedule_id!r} created and deleted meanwhile")
 
     def delete(self, schedule_id: str) -> bool:
         """Delete the schedule; False if there was none."""
