@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import load_settings
+
+if TYPE_CHECKING:
+    from dejaq.pipelines.release import Releaser
 
 log = logging.getLogger("dejaq.release")
 
@@ -27,6 +31,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="release a topic the lease broker delivered before: its brokers are stopped "
         "and its workers drained",
+    )
+
+
+def summary(topic: str, releaser: Releaser) -> str:
+    """The line printed at exit: totals over every batch the job ran, not only those
+    whose stats it keeps."""
+    t = releaser.totals
+    return (
+        f"release {topic}: {t.batches} batches, released {t.released}, late {t.late}, "
+        f"pending {len(releaser.pending)}, settled removed from the buffer {t.removed}"
     )
 
 
@@ -83,14 +97,7 @@ def run(topic: str, conf_file: str | None, once: bool, take_over: bool = False) 
     finally:
         job.releaser.finish()
     error = query_failure(query)
-    stats = list(job.releaser.stats)
-    removed = sum(s.retention.removed for s in stats if s.retention is not None)
-    print(
-        f"release {topic}: {len(stats)} batches, released {sum(s.released for s in stats)}, "
-        f"late {sum(s.late for s in stats)}, pending {len(job.releaser.pending)}, "
-        f"settled removed from the buffer {removed}",
-        flush=True,
-    )
+    print(summary(topic, job.releaser), flush=True)
     if error is not None:
         print(f"error: release {topic} failed: {error}", file=sys.stderr)
         return 1

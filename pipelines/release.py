@@ -83,6 +83,8 @@ HORIZON_TRIGGERS = 2
 # of LOG_FILE_BYTES: the ledger's tail, which a start of this job and the ingest's
 # dedup seed read, is then a few files, not one per batch.
 LEDGER_COMPACT_EVERY = 100
+# Batches whose stats a job keeps for its log lines (`ReleaseJob.report`) and the demo.
+STATS_KEPT = 1000
 # A released record's request size beyond its payload: its key, its headers (the input's
 # and DejaQ's three) and the request's framing.
 REQUEST_HEADROOM_BYTES = 64 * 1024
@@ -103,6 +105,24 @@ class ReleaseStats:
     buffer_version: int
     replay: bool = False
     retention: RetentionRun | None = None  # the retention run after this batch, if any
+
+
+@dataclass
+class ReleaseTotals:
+    """Every batch since the job started, for its summary at exit: `Releaser.stats`
+    keeps only the last STATS_KEPT, minutes of a job that triggers every 250 ms."""
+
+    batches: int = 0
+    released: int = 0
+    late: int = 0
+    removed: int = 0  # settled messages retention removed from the buffer
+
+    def add(self, stats: ReleaseStats, batch: bool = True) -> None:
+        """Count one batch's stats; `batch` False for what `finish` records after the last."""
+        self.batches += int(batch)
+        self.released += stats.released
+        self.late += stats.late
+        self.removed += stats.retention.removed if stats.retention is not None else 0
 
 
 class PartlySent(RuntimeError):
@@ -230,7 +250,8 @@ class Releaser:
         self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
         self.buffer, self.ledger = self._followers()
         self.pending = PendingSet()
-        self.stats: deque[ReleaseStats] = deque(maxlen=1000)
+        self.stats: deque[ReleaseStats] = deque(maxlen=STATS_KEPT)
+        self.totals = ReleaseTotals()
         self.idle = False
         self._producer: KafkaProducer | None = None
         self._sender: TimedSender | None = None
@@ -526,7 +547,7 @@ class Releaser:
             stats = ReleaseStats(
                 batch_id, 0, 0, len(self.pending), 0, started_ms, self.buffer.version, replay=True
             )
-            self.stats.append(stats)
+            self._note(stats)
             return stats
         late = self.refresh()
         taken = self.select()
@@ -570,8 +591,12 @@ class Releaser:
             buffer_version=self.buffer.version,
             retention=run,
         )
-        self.stats.append(stats)
+        self._note(stats)
         return stats
+
+    def _note(self, stats: ReleaseStats, batch: bool = True) -> None:
+        self.stats.append(stats)
+        self.totals.add(stats, batch)
 
     def _timed_failure(
         self, sender: TimedSender, acked: list[Message]
@@ -610,7 +635,7 @@ class Releaser:
                     stats = ReleaseStats(
                         batch_id, len(released), 0, 0, 0, _now_ms(), self.buffer.version
                     )
-                    self.stats.append(stats)
+                    self._note(stats, batch=False)
         finally:
             self._sender = None
             self.close()

@@ -34,10 +34,11 @@ from dejaq.conf.tables import (
     Table,
     ensure_table,
 )
+from dejaq.jobs.release import summary
 from dejaq.jobs.stopping import stop_between_batches
 from dejaq.pipelines.ingest import IngestJob
 from dejaq.pipelines.pending import Message
-from dejaq.pipelines.release import ReleaseJob, Releaser, in_partition_order
+from dejaq.pipelines.release import STATS_KEPT, ReleaseJob, Releaser, in_partition_order
 from dejaq.pipelines.session import detect_connectors
 from dejaq.pipelines.timed_sender import TimedSender
 
@@ -474,6 +475,35 @@ def test_event_time_sorts_within_the_lateness_bound_and_writes_late_ones(
     assert ids(records)[-1] == late[0] and stats.late == 1, "late: written at once, counted"
     assert times[:-1] == sorted(times[:-1]), "on time: in event-time order"
     assert max(times[:-1]) <= top - 100
+
+
+def test_the_summary_at_exit_counts_every_batch_not_only_those_kept(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A job runs far more batches than it keeps stats of: what it released and what
+    came late in its first batches still count in the line it prints at exit."""
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "event_time", out, allowed_lateness_ms=100)
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        first = add_buffer(s, "event_time", [1000 + i for i in range(20)] + [2000])
+        assert releaser.run_batch(0).released == 20
+        add_buffer(s, "event_time", [1500], first_offset=100)
+        assert releaser.run_batch(1).late == 1
+        idle = range(2, STATS_KEPT + 2)
+        assert sum(releaser.run_batch(b).released for b in idle) == 0
+        add_buffer(s, "event_time", [3000], first_offset=200)
+        assert releaser.run_batch(idle.stop).released == 1, "2000, passed by 3000's watermark"
+        output.wait_for(len(first) + 1)
+    finally:
+        releaser.finish()
+        output.close()
+    assert releaser.stats[0].batch_id > 1, "the first batches' stats are no longer kept"
+    assert summary("jobs", releaser) == (
+        f"release jobs: {STATS_KEPT + 3} batches, released 22, late 1, pending 1, "
+        "settled removed from the buffer 0"
+    )
 
 
 def test_an_event_time_far_ahead_of_the_clock_leaves_the_watermark_alone(
