@@ -92,6 +92,10 @@ class PendingSet:
     def __len__(self) -> int:
         return len(self._messages)
 
+    def __contains__(self, message_id: object) -> bool:
+        """Whether the message of this id is pending."""
+        return message_id in self._messages
+
     def afresh(self) -> PendingSet:
         """An empty set to read the tables into again, keeping the releases not yet read
         back from the ledger (a timeline's timed sender may still hold them: a re-read

@@ -298,8 +298,8 @@ class Releaser:
         except LogGap as gap:
             log.warning("release %s: %s; reading the tables afresh", self.topic.name, gap)
             self.buffer, self.ledger = self._followers()
-            self.pending = self.pending.afresh()
-            return self._refresh()
+            held, self.pending = self.pending, self.pending.afresh()
+            return self._refresh(held)
 
     def _followers(self) -> tuple[DeltaFollower, DeltaFollower]:
         """Followers of the buffer and the ledger that start from their latest versions."""
@@ -308,7 +308,7 @@ class Releaser:
             DeltaFollower(self.ledger_path, LEDGER_SCHEMA, time_column="at"),
         )
 
-    def _refresh(self) -> int:
+    def _refresh(self, held: PendingSet | None = None) -> int:
         """Take in new buffer rows, then the ledger; return how many new rows are late.
 
         The ledger is read after the buffer, so a cancel committed before this call is
@@ -316,6 +316,10 @@ class Releaser:
         read from the retention watermark of the buffer version read: the buffer holds
         nothing settled before it, so the first call (a start) reads the ledger's
         tail, not its history.
+
+        A row is late when it is still pending after the ledger: a re-read after a gap
+        adds the rows of messages released before it too, which the ledger then
+        settles. Those `held` pending before the re-read were new at an earlier call.
         """
         events = self.kind is TopicKind.EVENT_TIME
         before = self.watermark() if events else None
@@ -329,7 +333,13 @@ class Releaser:
         self.pending.apply_ledger_rows(self.ledger.poll(since_ms=since))
         if before is None:
             return 0
-        return sum(1 for m in added if m.sort_key <= before)
+        return sum(
+            1
+            for m in added
+            if m.sort_key <= before
+            and m.message_id in self.pending
+            and (held is None or m.message_id not in held)
+        )
 
     def _cap(self) -> int:
         """max_per_trigger, and with max_rate a token bucket holding at most 1 s of tokens."""

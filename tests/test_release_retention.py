@@ -312,6 +312,42 @@ def test_a_release_job_further_behind_than_the_log_reads_the_tables_afresh_and_g
     assert max(seen.values()) == 1, "nothing released twice"
 
 
+def test_a_re_read_after_a_gap_counts_late_only_the_events_new_to_the_job(
+    kafka_bootstrap, topic_factory, tmp_path, monkeypatch, caplog
+):
+    """Reading the tables afresh keeps the event-time watermark, and re-reads the rows
+    of events released or pending before the gap: late are only the events that came
+    behind the watermark during the gap, each released once."""
+    monkeypatch.setattr(table_watch, "CHECKPOINT_PROBE_S", 0.0)
+    out = topic_factory(partitions=1)
+    s = settings_for(
+        tmp_path, kafka_bootstrap, "event_time", out, allowed_lateness_ms=100, max_per_trigger=5
+    )
+    buffer_path = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    first = add_buffer(s, "event_time", [1000 + i for i in range(20)] + [2000])
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        stats = [releaser.run_batch(0), releaser.run_batch(1)]
+        assert [st.released for st in stats] == [5, 5], "the first 5 read back, 5 not yet"
+        late = add_buffer(s, "event_time", [1500], first_offset=100)
+        compact(buffer_path)
+        assert expire_log(buffer_path) > releaser.buffer.version + 1
+        stats.append(releaser.run_batch(2))
+        assert "reading the tables afresh" in caplog.text
+        assert stats[-1].late == 1, "only the event that came during the gap"
+        run_until(releaser, lambda: len(releaser.pending) == 1 and releaser.idle, first=3)
+        records = output.wait_for(len(first) - 1 + len(late))
+        output.poll()
+    finally:
+        releaser.finish()
+        output.close()
+    assert sum(st.late for st in releaser.stats) == 1
+    seen = Counter(ids(records))
+    assert set(seen) == set(first[:-1] + late), "all but 2000, the newest, held"
+    assert max(seen.values()) == 1, "nothing released twice"
+
+
 @pytest.mark.parametrize("kind", ["priority", "timeline"])
 def test_released_messages_leave_the_buffer_and_a_restart_reads_only_the_ledger_tail(
     kafka_bootstrap, topic_factory, tmp_path, kind
