@@ -303,6 +303,11 @@ def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
     return [a for m in messages if isinstance(m, DeltaCommitMessage) for a in m.actions]
 
 
+class SecondWriter(RuntimeError):
+    """A batch id the table has, committed with other app transactions than this
+    commit's `also`: another writer on the same checkpoint wrote it from other input."""
+
+
 def commit(
     table: WriteTarget,
     actions: list[AddAction],
@@ -314,6 +319,10 @@ def commit(
 
     `also` are more app transactions the commit records with txn (a streaming writer's
     source positions, say): an append of no files is still committed to record them.
+    A batch the table has is skipped as a replay only if it recorded `also` the same,
+    else SecondWriter: two drivers on one checkpoint (one left running after a retry,
+    or launched twice) plan the same batch id over different source ranges, and the
+    records one read past the other's would be skipped for good.
     An append loses its commit to a concurrent rewrite of files it did not touch (a
     retention run, a compaction: delta-rs counts the whole snapshot as read), though its
     rows depend on nothing it read: it is committed again on a fresh snapshot.
@@ -329,6 +338,7 @@ def commit(
             if committed is not None and committed >= batch_id:
                 # Spark crashed after our commit but before its own: the replay's files
                 # are orphans.
+                _same_batch(table.path, delta, txn, committed, also)
                 log.warning(
                     "appId %s batch %d is already in %s (up to batch %d): skipping the replay",
                     app_id,
@@ -355,6 +365,40 @@ def commit(
                 raise
             log.info("append to %s lost its commit (%s): committing again", table.path, e)
             time.sleep(random.uniform(0.01, 0.2))
+
+
+def _same_batch(
+    path: str, delta: DeltaTable, txn: tuple[str, int], committed: int, also: Sequence[Transaction]
+) -> None:
+    """Raise SecondWriter unless the table's commit of `txn` recorded `also` as given.
+
+    Reached only when the table has the batch: a replay, or another writer's."""
+    if not also:
+        return
+    app_id, batch_id = txn
+    then: DeltaTable | None = delta
+    if committed > batch_id:  # the app transactions since moved on: the batch's own commit
+        then = next(
+            (
+                DeltaTable(path, version=h["version"])
+                for h in delta.history()
+                if h.get("dejaq.appId") == app_id and h.get("dejaq.batchId") == batch_id
+            ),
+            None,
+        )
+    recorded = {
+        t.app_id: None if then is None else then.transaction_version(t.app_id) for t in also
+    }
+    if all(recorded[t.app_id] == t.version for t in also):
+        return
+    ours = ", ".join(f"{t.app_id}={t.version}" for t in also)
+    theirs = ", ".join(f"{a}={'none' if v is None else v}" for a, v in recorded.items())
+    raise SecondWriter(
+        f"appId {app_id} batch {batch_id} is in {path} with other positions ({theirs}) "
+        f"than this one's ({ours}): another driver wrote it on the same checkpoint (one "
+        "left running after a retry, or a second launch), and skipping it would lose the "
+        "records this one read past the other's"
+    )
 
 
 def _log_orphans(table: WriteTarget, messages: list[WriterCommitMessage | None], what: str) -> None:

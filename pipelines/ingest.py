@@ -49,7 +49,7 @@ from dejaq.conf.tables import (
 from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import Coordinates, SeenIds, Verdict, default_id_pattern
-from dejaq.pipelines.delta_source import WriteTarget, commit
+from dejaq.pipelines.delta_source import SecondWriter, WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
 from dejaq.pipelines.ingest_resume import Resume, positions, resume, since_app_id, version
 from dejaq.pipelines.retention import expire_quarantine, ledger_tail
@@ -293,7 +293,18 @@ class IngestJob:
         clock.lap("commit_quarantine")
         # With no files too: the buffer's last batch is where a new checkpoint resumes.
         since = batch if self._positions_since < 0 else None
-        commit(buffer, files.buffer, "append", txn, positions(self.app_id, files.consumed, since))
+        try:
+            commit(
+                buffer, files.buffer, "append", txn, positions(self.app_id, files.consumed, since)
+            )
+        except SecondWriter as e:
+            # The checkpoint may hold either driver's offsets now; the buffer holds the
+            # positions of its last whole batch, where a new checkpoint resumes.
+            raise SecondWriter(
+                f"{e}. Stop every ingest of topic {self.topic.name}, delete its checkpoint "
+                f"{self.checkpoint}, then start one: it reads Kafka on from where the "
+                "buffer's last batch left it"
+            ) from e
         if since is not None:  # as the table has it: a replay's commit is skipped
             self._positions_since = version(buffer_path, since_app_id(self.app_id))
         clock.lap("commit_buffer")

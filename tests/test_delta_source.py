@@ -18,6 +18,7 @@ import pytest
 from chispa import assert_df_equality
 from conftest import wait_until
 from deltalake import DeltaTable
+from deltalake.transaction import Transaction
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.datasource import CaseInsensitiveDict
@@ -447,3 +448,34 @@ def test_an_empty_append_opens_no_table(tmp_path: Path, monkeypatch: pytest.Monk
     delta_source.commit(target, [], "append", ("ingest", 0))
     assert opened == []
     assert real(path).version() == 0 and real(path).transaction_version("ingest") is None
+
+
+def test_a_batch_the_table_has_from_other_positions_is_a_second_writer_not_a_replay(
+    tmp_path: Path,
+) -> None:
+    """Two drivers on one checkpoint plan the same batch id over different Kafka ranges:
+    the second to commit finds the batch there with other positions and stops, rather
+    than skip the records it read past the other's. A replay of the same range, the
+    latest batch or one before it, is skipped as ever."""
+    path = ensure_table(str(tmp_path), Table.BUFFER, "jobs")
+    target = WriteTarget.of(path)
+
+    def positions(offset: int) -> list[Transaction]:
+        return [Transaction("ingest:in:0", offset), Transaction("ingest:in:1", 7)]
+
+    def append(batch: int, offset: int) -> None:
+        rows = buffer_rows(3, start=10 * batch)
+        actions = delta_source.write_files(target, rows)
+        delta_source.commit(target, actions, "append", ("ingest", batch), positions(offset))
+
+    append(0, 10)
+    append(0, 10)
+    with pytest.raises(delta_source.SecondWriter, match=r"ingest:in:0=10\b.*ingest:in:0=20\b"):
+        append(0, 20)
+    append(1, 30)
+    append(0, 10)
+    with pytest.raises(delta_source.SecondWriter, match="batch 0 "):
+        append(0, 20)
+    assert app_commits(path, "ingest") == [0, 1]
+    assert DeltaTable(path).transaction_version("ingest:in:0") == 30
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 6
