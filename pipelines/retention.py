@@ -6,12 +6,15 @@ lease topic, the release job for a release topic. Spark-free, on delta-rs.
 A run reads the ledger from the buffer's retention watermark W to the cutoff C and
 finds the messages settled there (the latest event of a message decides: a redrive
 makes it pending again). A redrive is the one event that can follow a settling one, a
-death, so past C the run looks up only the redrives of those that died. It rewrites
-each buffer file holding any of the settled messages without them, and commits the
-removes, the adds and C as the new W in one Delta commit (the app transaction
-`dejaq-retention`). Everything the buffer still holds was therefore
-pending at C or settled at or after W, so a reader that starts (a broker node, the
-release job) needs the ledger only from W on: the files whose largest `at` reaches W.
+death, so past C the run looks up only the redrives of those that died. The messages
+whose latest event there is a redrive get their buffer rows back from the dead letters
+where they have none (`restore`) before the run commits, so the watermark never passes
+a redrive of a message left without one. It rewrites each buffer file holding any of
+the settled messages without them, and commits the removes, the adds and C as the new
+W in one Delta commit (the app transaction `dejaq-retention`). Everything the buffer
+still holds was therefore pending at C or settled at or after W, so a reader that
+starts (a broker node, the release job) needs the ledger only from W on: the files
+whose largest `at` reaches W.
 
 The deliverer bounds C by what it has not yet written to the ledger (the broker's
 un-checkpointed events), so no event older than C can reach the ledger after a run.
@@ -178,16 +181,19 @@ def period_s(retention_ms: int) -> float:
 
 def settled_before(
     ledger_path: str, since_ms: int, cutoff_ms: int
-) -> tuple[pa.Array, int, list[str]]:
+) -> tuple[pa.Array, int, list[str], list[str]]:
     """The ids settled at or after `since_ms` and before `cutoff_ms` that are still
-    settled, how many messages the span's events name, and which of the ids are dead.
+    settled, how many messages the span's events name, which of the ids are dead, and
+    the ids whose latest event in the span is a redrive.
 
     Reads the ledger of that span, not the events after it, so a run each minute does
     not read the whole retention window again: only a death can be followed (by a
     redrive), so past the cutoff only the dead are looked up, and only for a redrive.
     """
     last = latest_events(ledger_path, since_ms, until_ms=cutoff_ms)
-    done = last.filter(pc.not_equal(last.column("event_last"), LedgerEvent.REDRIVEN))
+    is_redrive = pc.equal(last.column("event_last"), LedgerEvent.REDRIVEN)
+    redriven = last.filter(is_redrive).column("message_id").to_pylist()
+    done = last.filter(pc.invert(is_redrive))
     ids = done.column("message_id").combine_chunks()
     dead = pc.equal(done.column("event_last"), LedgerEvent.DEAD)
     died: list[str] = []
@@ -196,7 +202,7 @@ def settled_before(
         undone = set(redrives_since(ledger_path, cutoff_ms, died))
         ids = ids.filter(pc.invert(pc.is_in(ids, value_set=pa.array(sorted(undone), pa.string()))))
         died = [mid for mid in died if mid not in undone]
-    return ids, last.num_rows, died
+    return ids, last.num_rows, died, redriven
 
 
 def redrives_since(ledger_path: str, since_ms: int, ids: list[str]) -> list[str]:
@@ -224,8 +230,6 @@ def retain(
     `ATTEMPTS` times; then the error is raised.
     """
     started = time.monotonic()
-    if dead_letter_path is not None:
-        _restore_owed(buffer_path, dead_letter_path, set(), now_ms)
     for attempt in range(1, ATTEMPTS + 1):
         try:
             done = _run(
@@ -267,7 +271,13 @@ def _run(
     append makes the commit fail is the MERGE's alone. A dead message redriven while
     the run read and rewrote may have had its row restored-checked before the rewrite
     removed it (`restore` found the row still there): once the rewrite has landed, the
-    run looks again and restores such rows from `dead_letter_path`.
+    run looks again and restores such rows from `dead_letter_path` (`_put_back`).
+
+    That look, or its restore, can fail, or the process end before it: nothing of it is
+    kept, the ledger is the record. The redrive lies past the new watermark, where a
+    start reads the ledger (and takes the message from its dead letter), and the run
+    whose span reaches it restores the rows of the span's redriven messages before it
+    commits; if that fails, the run fails and the watermark stays.
     """
     upto = watermark(DeltaTable(buffer_path))
     cutoff = now_ms - retention_ms
@@ -275,7 +285,9 @@ def _run(
         cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
     if cutoff <= upto:
         return None
-    gone, read, died = settled_before(ledger_path, upto, cutoff)
+    gone, read, died, redriven = settled_before(ledger_path, upto, cutoff)
+    if redriven and dead_letter_path is not None:
+        restore(buffer_path, dead_letter_path, redriven, now_ms)
     buffer = DeltaTable(buffer_path)
     if watermark(buffer) != upto:
         return None  # another run (a deposed leader's) moved it meanwhile
@@ -283,8 +295,7 @@ def _run(
         removed, rewritten = _remove(buffer, gone, _commit(cutoff, len(gone)))
         if removed:
             if died and dead_letter_path is not None:
-                again = set(redrives_since(ledger_path, cutoff, died))
-                _restore_owed(buffer_path, dead_letter_path, again, now_ms)
+                _put_back(buffer_path, ledger_path, dead_letter_path, cutoff, died, now_ms)
             return removed, rewritten, read, cutoff
         # None of them had a row here (settled before their rows came, say): delta-rs
         # commits nothing for a MERGE that changes nothing, so the watermark moves alone.
@@ -351,24 +362,24 @@ def ingested_before(buffer: DeltaTable) -> int | None:
     return pc.max(latest).value // 1000 + 1
 
 
-# Redriven messages whose rows a run removed and could not put back (the store failing),
-# by buffer: the watermark has moved past them, so no later run would find them again.
-_OWED: dict[str, set[str]] = {}
-
-
-def _restore_owed(buffer_path: str, dead_letter_path: str, ids: set[str], now_ms: int) -> None:
-    """`restore` `ids` and those an earlier run of this process could not; what fails is
-    owed to the next run (one retention thread a process)."""
-    owed = _OWED.pop(buffer_path, set()) | ids
-    if not owed:
-        return
+def _put_back(
+    buffer_path: str,
+    ledger_path: str,
+    dead_letter_path: str,
+    cutoff_ms: int,
+    died: list[str],
+    now_ms: int,
+) -> None:
+    """Restore the rows of the dead a run removed that were redriven at or after its
+    cutoff, once its rewrite has landed. A failure is logged, not raised: the rewrite has
+    committed, and the run whose span reaches the redrive restores the row (`_run`)."""
     try:
-        restore(buffer_path, dead_letter_path, sorted(owed), now_ms)
+        again = sorted(set(redrives_since(ledger_path, cutoff_ms, died)))
+        restore(buffer_path, dead_letter_path, again, now_ms)
     except Exception:
-        _OWED[buffer_path] = owed
         log.warning(
-            "putting back the rows of %d redriven messages in %s failed; the next run tries",
-            len(owed),
+            "putting back the rows of messages redriven during a retention run of %s "
+            "failed; the run that reaches their redrives does",
             buffer_path,
             exc_info=True,
         )
@@ -395,10 +406,11 @@ def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int
     """Append the dead letters of redriven `ids` whose buffer row retention has removed
     back to the buffer; returns how many.
 
-    A pending message then always has a buffer row: a start reads the buffer and the
-    ledger from the watermark only, so a redrive older than the watermark would not be
-    seen, and the message with it. The broker runs this before it trims the redrive
-    from Raft, so a leader dying in between leaves the redrive for the next to restore.
+    A pending message then has a buffer row once the watermark has passed its redrive:
+    a start reads the buffer and the ledger from the watermark only, so a redrive older
+    than the watermark would not be seen, and the message with it. The broker runs this
+    before it trims the redrive from Raft, so a leader dying in between leaves the
+    redrive for the next to restore; a retention run, before its watermark passes one.
     """
     if not ids:
         return 0

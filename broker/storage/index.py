@@ -150,9 +150,17 @@ class TopicIndex:
     # --- following the tables ---------------------------------------------------------
 
     def load(self) -> None:
-        """First load: the settled ids in the ledger's tail, then every buffer file."""
+        """First load: the settled ids in the ledger's tail, then every buffer file.
+
+        A message the tail has redriven since its last death whose row no buffer file
+        holds (a retention run removed it, and its row is put back only before the
+        watermark passes the redrive) is pending all the same: `revive` reads it from
+        the dead letters."""
         self._buffer = DeltaTable(self.buffer_path)
-        self.refresh(self._settled_ids()[0])
+        settled, redriven = self._settled_ids()
+        self.refresh(settled)
+        with self.lock:
+            self.unread.update(m for m in redriven if self.store.get(m) is None)
         self.loaded = True
 
     def _settled_ids(self, note: bool = True) -> tuple[set[str], set[str]]:
