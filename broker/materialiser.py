@@ -83,6 +83,9 @@ class Materialiser:
         # (topic, id) of the schedules whose last round failed → the error logged for it
         # (None: none yet; failed among others, it is not told apart from them).
         self._failing: dict[tuple[str, str], str | None] = {}
+        # topic → (id, created at) of the schedules `plan` found past their end with
+        # every occurrence sent, for its round to delete.
+        self._ended: dict[str, list[tuple[str, int]]] = {}
 
     async def run(self) -> None:
         """Until cancelled. A failed round is logged; the next one does it again."""
@@ -103,6 +106,8 @@ class Materialiser:
         cfg, store = self.topics[topic], self.stores[topic]
         schedules = await asyncio.to_thread(store.all)
         due = await asyncio.to_thread(self.plan, cfg, schedules.values(), now)
+        if ended := self._ended.pop(topic, []):
+            await asyncio.to_thread(store.remove_ended, ended)
         if not due:
             return 0
         # Schedules whose last round failed go alone: Kafka's refusal of one record
@@ -159,9 +164,11 @@ class Materialiser:
 
     def plan(self, cfg: TopicConfig, schedules: Iterable[Schedule], now: int) -> list[Due]:
         """The schedules whose next occurrence is within half the horizon, each with its
-        occurrences up to the full horizon (or its end)."""
+        occurrences up to the full horizon (or its end). Those with no occurrence left
+        before their end are noted in `_ended`."""
         horizon = cfg.cron_horizon_ms
         due: list[Due] = []
+        ended: list[tuple[str, int]] = []
         seen: dict[tuple[str, str, int], tuple[int, int | None]] = {}
         for s in schedules:
             tz = cron.zone(s.time_zone)
@@ -170,6 +177,9 @@ class Materialiser:
             if progress != s.materialised_until:
                 first = cron.next_after(s.cron, tz, s.materialised_until)
             seen[key] = (s.materialised_until, first)
+            if first is None or (s.end_at is not None and first > s.end_at):
+                ended.append((s.schedule_id, s.created_at))
+                continue
             upto = now + horizon if s.end_at is None else min(now + horizon, s.end_at)
             if first is None or first > upto or first > now + horizon // 2:
                 continue
@@ -177,4 +187,5 @@ class Materialiser:
             until = times[-1] if len(times) == MAX_PER_ROUND else upto
             due.append(Due(s, times, [message(s, t) for t in times], until))
         self._next = {k: v for k, v in self._next.items() if k[0] != cfg.name} | seen
+        self._ended[cfg.name] = ended
         return due

@@ -463,6 +463,50 @@ def test_a_schedule_kafka_refuses_holds_back_no_other(
     assert len(refusals) == 1 and "takes at most 10000" in refusals[0].getMessage()
 
 
+def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """A schedule whose end has passed, its occurrences all sent, leaves the table: each
+    round's work and the table follow the live schedules, not every one ever made. One
+    still firing stays; one whose last occurrences before its end are yet to send stays
+    until a round has sent them; one re-created under an ended one's id stays. The broker is a stand-in holding the
+    settings alone (a round uses nothing else of it); Kafka and the table are real."""
+    source = f"ticks-in-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(source, 1, 1)])
+    settings = Settings(
+        warehouse=str(tmp_path / "warehouse"),
+        kafka=KafkaConfig(bootstrap=kafka_bootstrap),
+        topics=[TopicConfig(name="ticks", kind="cron", source=[source])],
+    )
+    producer = Producer(settings.kafka)
+    materialiser = Materialiser(SimpleNamespace(settings=settings), producer)  # type: ignore[arg-type]
+    store = materialiser.stores["ticks"]
+    now = int(time.time() * 1000)
+    hour = 3600 * 1000
+    for schedule_id, end, created in (
+        ("ended", now - hour, now - 2 * hour),  # all sent up to its end
+        ("firing", None, now - 2 * hour),
+        ("last-one-due", now + 90_000, now - 2 * hour),  # a minute's occurrence left
+    ):
+        store.add(Schedule(schedule_id, "* * * * *", "UTC", None, b"x", [], end, created))
+    store.advance({("ended", now - 2 * hour): now - hour, ("firing", now - 2 * hour): now + 60_000})
+    store.advance({("last-one-due", now - 2 * hour): now})
+    try:
+        asyncio.run(materialiser.round("ticks", now))
+        after_one = set(store.all())
+        store.add(Schedule("ended", "* * * * *", "UTC", None, b"y", [], None, now))
+        asyncio.run(materialiser.round("ticks", now))
+        after_two = store.all()
+    finally:
+        producer.close()
+        admin.delete_topics([source])
+        admin.close()
+    assert after_one == {"firing", "last-one-due"}
+    assert set(after_two) == {"ended", "firing"}, "last-one-due's sent by the first round"
+    assert after_two["ended"].payload == b"y", "the one made again under its id stays"
+
+
 def test_the_nodes_producer_takes_the_next_message_after_one_kafka_refuses(
     kafka_bootstrap: str,
 ) -> None:

@@ -157,6 +157,36 @@ class ScheduleStore:
         with self._lock:
             return _retrying(commit)["num_target_rows_deleted"] > 0
 
+    def remove_ended(self, ended: list[tuple[str, int]]) -> int:
+        """Delete the schedules (id, created at) past their end with every occurrence
+        sent: the table, and each round's work, follow the live schedules, not every one
+        ever made. One re-created under the same id since is a new row, left alone."""
+        if not ended:
+            return 0
+        ids, created = zip(*ended, strict=True)
+        source = pa.table(
+            {
+                "schedule_id": pa.array(ids, pa.string()),
+                "created_at": pa.array([_ts(c) for c in created], TIMESTAMP),
+            }
+        )
+
+        def commit() -> dict:
+            return (
+                DeltaTable(self.path)
+                .merge(
+                    source,
+                    "t.schedule_id = s.schedule_id AND t.created_at = s.created_at",
+                    "s",
+                    "t",
+                )
+                .when_matched_delete()
+                .execute()
+            )
+
+        with self._lock:
+            return _retrying(commit)["num_target_rows_deleted"]
+
     def advance(self, progress: dict[tuple[str, int], int]) -> None:
         """Record (schedule id, created at) → materialised until; never moves one back."""
         if not progress:
