@@ -828,13 +828,27 @@ class Broker:
 
     def _dead(self, topic: str, ids: list[str] | None) -> tuple[int, list[Dead], set[str]]:
         """The dead of `ids` (None: all), from the ledger and then the events not yet in
-        it; the ledger's checkpoint seq; the ids it has redriven since their last death."""
+        it; the ledger's checkpoint seq; the ids it has redriven since their last death.
+
+        The events are read before the tables as well: the tables know a death by its
+        dead letter, which a checkpoint writes before it trims the death, so one trimmed
+        while they are read is in that first read (unless they name its message)."""
         st = self.state(topic)
-        upto, dead, redriven = self.indexes[topic].dead(ids, (st.history, st.history_from))
         wanted = None if ids is None else set(ids)
-        for e in st.events:
-            if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted):
-                dead[e.message_id] = (e.bucket, e.sort_key)
+
+        def deaths() -> dict[str, tuple[int, int]]:
+            return {
+                e.message_id: (e.bucket, e.sort_key)
+                for e in st.events
+                if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted)
+            }
+
+        before = deaths()
+        upto, dead, redriven = self.indexes[topic].dead(ids, (st.history, st.history_from))
+        for mid, death in before.items():
+            if mid not in redriven:
+                dead.setdefault(mid, death)
+        dead.update(deaths())
         return upto, [(mid, b, k) for mid, (b, k) in dead.items()], redriven
 
     async def peek(self, topic: str, mid: str) -> dict[str, Any]:

@@ -81,6 +81,8 @@ TERMINAL = frozenset(
 )
 # The events that say whether a message is settled: a redrive undoes one death.
 SETTLING = tuple(sorted({*TERMINAL, LedgerEvent.REDRIVEN}))
+# The events that say whether a message is dead: its last death, or a redrive after it.
+DEATHS = (LedgerEvent.DEAD, LedgerEvent.REDRIVEN)
 
 
 @dataclass(frozen=True)
@@ -140,21 +142,28 @@ def ledger_tail(
 
 
 def latest_events(
-    ledger_path: str, since_ms: int, ids: list[str] | None = None, until_ms: int | None = None
+    ledger_path: str,
+    since_ms: int,
+    ids: list[str] | None = None,
+    until_ms: int | None = None,
+    events: tuple[str, ...] = SETTLING,
+    also: tuple[str, ...] = (),
 ) -> pa.Table:
-    """Each message's (of `ids`, if given) latest settling event at or after `since_ms`
-    (and before `until_ms`, if given): message_id, event_last, at_last.
+    """Each message's (of `ids`, if given) latest of `events` (settling ones unless told)
+    at or after `since_ms` (and before `until_ms`, if given): message_id, event_last,
+    at_last, and `<column>_last` of each column in `also`.
 
     A message's events are (dead, redriven)* then at most one terminal event, so its
     latest says what it is; at equal times a redrive follows the death it undoes.
     """
-    tail = ledger_tail(ledger_path, since_ms, ["message_id", "event", "at"], ids, until_ms)
+    columns = ["message_id", "event", "at", *also]
+    tail = ledger_tail(ledger_path, since_ms, columns, ids, until_ms, events)
     is_redrive = pc.equal(tail.column("event"), LedgerEvent.REDRIVEN).cast(pa.int8())
     ordered = tail.append_column("redrive", is_redrive).sort_by(
         [("message_id", "ascending"), ("at", "ascending"), ("redrive", "ascending")]
     )
     return ordered.group_by("message_id", use_threads=False).aggregate(
-        [("event", "last"), ("at", "last")]
+        [(c, "last") for c in columns[1:]]
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import json
 import logging
 import pickle
 import subprocess
@@ -14,16 +15,19 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from conftest import wait_until
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_broker import (
+    _until,
     acked_batches,
     buffer_rows,
     fill,
     listed,
     loaded_topic,
+    on_one_node,
     run_node,
     topic_conf,
 )
@@ -38,6 +42,7 @@ from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
 from dejaq.jobs.ports import free_port
 from dejaq.pipelines import delta_source, retention
 from dejaq.pipelines.delta_source import DeltaBatchWriter, WriteTarget
+from dejaq.pipelines.log_compaction import SEAL_MIN_FILES, seal
 from dejaq.pipelines.retention import retain, watermark
 
 HOUR = 3600 * 1000
@@ -821,6 +826,83 @@ def test_a_restored_row_read_after_its_message_settled_leaves_it_settled(tmp_pat
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
     index.refresh()
     assert [m for m, _, _ in listed(index.pick(state, state.buckets_of("c"), 5, now=5))] == ["m1"]
+
+
+def sealed_history(warehouse: str, before_ms: int) -> list[Path]:
+    """Acks of other messages a month before `before_ms`, appended as checkpoints and
+    sealed into one file, as maintenance leaves a ledger's history: a sealed file has no
+    string statistics, so no filter on `event` or `message_id` skips it. Its files."""
+    long_ago = before_ms - 30 * 24 * HOUR
+    for n in range(SEAL_MIN_FILES):
+        record(warehouse, [(f"old{n}-{i}", "acked", long_ago + n) for i in range(50)])
+    ledger = ensure_table(warehouse, Table.LEDGER, "jobs")
+    assert seal(ledger, "at", long_ago + HOUR) is not None
+    adds = pa.table(DeltaTable(ledger).get_add_actions(flatten=True))
+    assert adds.column("min.event").to_pylist() == [None], "nothing to skip the file by"
+    return [Path(ledger) / path for path in adds.column("path").to_pylist()]
+
+
+def test_a_redrive_reads_the_ledger_from_the_earliest_death_it_names_on(tmp_path: Path) -> None:
+    """A redrive of one id costs the time since its death, not the ledger's history: its
+    dead letter names it, and the ledger is read from that death on (less the clock
+    skew). The history before is deleted from disk: reading any of it would fail."""
+    warehouse, index, state = loaded_topic(tmp_path, [5, 1])
+    now = now_ms()
+    history = sealed_history(warehouse, now)
+    state.lease("c", now, 1000, [("m1", 1, 1)])
+    state.reject("c", now + 1, ["m1"])
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    for path in history:
+        path.unlink()
+    upto, found, redriven = index.dead(["m1"])
+    assert (found, redriven) == ({"m1": (1, 1)}, set())
+    assert state.redrive(now + 2, upto, [("m1", *found["m1"])]) == (["m1"], {})
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    assert index.dead(["m1"])[1:] == ({}, {"m1"}), "redriven since its death"
+    assert index.dead(["m0"])[1:] == ({}, set()), "never died"
+    assert index.dead(None)[1:] == ({}, {"m1"})
+
+
+def test_a_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriven(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tables know a death by its dead letter. A checkpoint that has written the death
+    to the ledger writes its dead letter only after the redrive has read them, and trims
+    the death from Raft before the redrive reads the state's events: the redrive still
+    finds it, in the events it read before the tables."""
+    import threading
+
+    from dejaq.broker.service import Broker
+    from dejaq.broker.storage import checkpoints
+
+    read = threading.Event()
+    real_write = checkpoints.write_dead_letters
+
+    def after_the_read(*args: object) -> None:
+        assert read.wait(30), "the redrive read the tables"
+        real_write(*args)
+
+    monkeypatch.setattr(checkpoints, "write_dead_letters", after_the_read)
+
+    async def scenario(broker: Broker) -> tuple[int, dict]:
+        leased = json.loads(await broker.lease("jobs", "w", 1, 60_000, 0))
+        assert [m["id"] for m in leased] == ["m1"]
+        index, st = broker.indexes["jobs"], broker.state("jobs")
+        real_dead = index.dead
+
+        def then_trimmed(*args: object) -> tuple:
+            answer = real_dead(*args)
+            read.set()
+            wait_until(lambda: not any(e.message_id == "m1" for e in st.events), what="trim")
+            return answer
+
+        index.dead = then_trimmed
+        await broker.settle("jobs", "reject", "w", ["m1"])
+        ledger = ensure_table(broker.settings.warehouse, Table.LEDGER, "jobs")
+        await _until(lambda: DeltaTable(ledger).version() > 0, "the death in the ledger")
+        return await broker.redrive("jobs", ["m1"], None, None)
+
+    assert on_one_node(tmp_path, scenario) == (1, {})
 
 
 def test_first_per_id_of_no_rows_is_no_rows() -> None:

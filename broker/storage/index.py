@@ -63,6 +63,8 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.retention import (
+    CLOCK_SKEW_MS,
+    DEATHS,
     LogGap,
     commits,
     first_per_id,
@@ -1029,24 +1031,40 @@ class TopicIndex:
 
         Returns the checkpoint seq the ledger was read at; the dead not redriven since,
         each with its bucket and sort key at its last death; and the ids redriven since
-        their last death. Blocking: call it off the event loop.
+        their last death. The dead letters name the candidates (they hold deaths only),
+        and the ledger is read from the earliest of their deaths on, less the clock skew
+        a redrive stamped by another leader may show: its cost follows how long ago they
+        died, not the ledger's history. A death whose dead letter is not written yet is
+        still in Raft (`TopicState.trim`'s `keep`), where the caller looks too.
+        Blocking: call it off the event loop.
         """
         table = DeltaTable(self.ledger_path)
         upto = max(table.transaction_version(app_id(history[0])) or 0, history[1])
-        deaths = [LedgerEvent.DEAD, LedgerEvent.REDRIVEN]
-        wanted = matching(Table.LEDGER, event=deaths, message_id=ids)
-        columns = ["message_id", "bucket", "event", "sort_key", "at"]
-        events = scan(table, Table.LEDGER, columns, wanted).sort_by("at")
-        deaths: Counter[str] = Counter()
-        last: dict[str, tuple[int, int]] = {}
-        for mid, bucket, event, key, _ in zip(*events.to_pydict().values(), strict=True):
-            if event == LedgerEvent.DEAD:
-                deaths[mid] += 1
-                last[mid] = (bucket, key)
-            else:
-                deaths[mid] -= 1
-        dead = {mid: last[mid] for mid, n in deaths.items() if n > 0}
-        return upto, dead, {mid for mid, n in deaths.items() if n <= 0}
+        named = None if ids is None else matching(Table.DEAD_LETTER, message_id=ids)
+        letters = scan(self.dead_letter_path, Table.DEAD_LETTER, ["message_id", "dead_at"], named)
+        if not letters.num_rows:
+            return upto, {}, set()
+        first_ms = pc.min(letters.column("dead_at")).value // 1000
+        candidates = None if ids is None else sorted(set(letters.column("message_id").to_pylist()))
+        last = latest_events(
+            self.ledger_path,
+            first_ms - CLOCK_SKEW_MS,
+            candidates,
+            events=DEATHS,
+            also=("bucket", "sort_key"),
+        )
+        died = pc.equal(last.column("event_last"), LedgerEvent.DEAD)
+        dead_rows = last.filter(died)
+        dead = {
+            mid: (bucket, key)
+            for mid, bucket, key in zip(
+                dead_rows.column("message_id").to_pylist(),
+                dead_rows.column("bucket_last").to_pylist(),
+                dead_rows.column("sort_key_last").to_pylist(),
+                strict=True,
+            )
+        }
+        return upto, dead, set(last.filter(pc.invert(died)).column("message_id").to_pylist())
 
     def pending(self, state: TopicState) -> list[Pick]:
         """Every indexed message neither settled nor leased, at its row's sort key (a
