@@ -619,13 +619,14 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     the retention watermark: the ledger's tail does not name them, the buffer no longer
     has them, and a message redriven from the dead letters stays."""
     warehouse, lagging, leader = loaded_topic(tmp_path, [5, 1, 3, 7])
-    leader.lease("c", 0, 1000, [("m1", 1, 1), ("m2", 2, 3), ("m3", 3, 7)])
-    assert leader.ack("c", 1, ["m1", "m2"]) == {}
-    leader.reject("c", 1, ["m3"])
+    now = now_ms()  # after the rows' ingestion, as every event of theirs is
+    leader.lease("c", now, 1000, [("m1", 1, 1), ("m2", 2, 3), ("m3", 3, 7)])
+    assert leader.ack("c", now + 1, ["m1", "m2"]) == {}
+    leader.reject("c", now + 1, ["m3"])
     leader.trim(checkpoint(warehouse, "jobs", leader.events))  # never reached `lagging`
-    assert run(warehouse, now_ms()) is not None
+    assert run(warehouse, now + 2 * HOUR) is not None
     assert buffered(warehouse) == {"m0"}
-    assert leader.redrive(2, leader.trimmed_upto(), [("m3", 3, 7)]) == (["m3"], {})
+    assert leader.redrive(now + 2, leader.trimmed_upto(), [("m3", 3, 7)]) == (["m3"], {})
     lagging.push(leader, ["m3"])
     assert lagging.refresh() == 0, "a retention run's files are not read"
     assert lagging.revive(leader) == 0, "m3 still has its buffer row here"
@@ -634,7 +635,7 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     lagging.rebuild(snapshot)
     assert sorted(lagging.rows) == ["m0"] and lagging.unread == {"m3"}
     assert lagging.revive(snapshot) == 1, "from the dead letters"
-    picks = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=3))
+    picks = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=now + 3))
     assert [p[0] for p in picks] == ["m0", "m3"]
 
 
@@ -903,6 +904,28 @@ def test_a_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriven(
         return await broker.redrive("jobs", ["m1"], None, None)
 
     assert on_one_node(tmp_path, scenario) == (1, {})
+
+
+def test_a_snapshot_reads_the_ledger_for_a_row_gone_from_its_ingestion_on(
+    tmp_path: Path,
+) -> None:
+    """A lagging node holds a row retention removed (its ack's trim never reached the
+    node): the ledger is read for it from the row's ingestion on (less the clock skew),
+    not from its start. The history before is deleted from disk: reading any of it would
+    fail."""
+    warehouse, lagging, leader = loaded_topic(tmp_path, [5, 1])
+    now = now_ms()
+    history = sealed_history(warehouse, now)
+    leader.lease("c", now, 1000, [("m1", 1, 1)])
+    assert leader.ack("c", now + 1, ["m1"]) == {}
+    leader.trim(checkpoint(warehouse, "jobs", leader.events))
+    assert run(warehouse, now + 2 * HOUR) is not None
+    assert buffered(warehouse) == {"m0"} and lagging.refresh() == 0
+    assert sorted(lagging.rows) == ["m0", "m1"]
+    for path in history:
+        path.unlink()
+    lagging.rebuild(pickle.loads(pickle.dumps(leader)))
+    assert sorted(lagging.rows) == ["m0"] and lagging.unread == set()
 
 
 def test_first_per_id_of_no_rows_is_no_rows() -> None:

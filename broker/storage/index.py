@@ -720,10 +720,10 @@ class TopicIndex:
         messages they settled are found in the ledger's tail, written before each trim,
         and forgotten. Rows it holds that the buffer no longer has are messages that
         settled before the retention watermark, or died, left the buffer and were
-        redriven since: the whole ledger says which, for them alone. Reads the ledger's
-        tail and the buffer's ids: a snapshot arrives rarely, to a node that lags. Not
-        when the ledger is as `load` read it and nothing was revived since (a node
-        starting from its own snapshot).
+        redriven since: the ledger from their rows' ingestion on says which, for them
+        alone (`_ingested_from`). Reads the ledger's tails and the buffer's ids: a
+        snapshot arrives rarely, to a node that lags. Not when the ledger is as `load`
+        read it and nothing was revived since (a node starting from its own snapshot).
         """
         settled: set[str] = set()
         revived: set[str] = set()
@@ -733,8 +733,10 @@ class TopicIndex:
             buffered = scan(self.buffer_path, Table.BUFFER, ["message_id"]).column("message_id")
             with self.lock:
                 held = set(self.rows) - self.from_dead_letters
-            if gone := sorted(held.difference(buffered.to_pylist())):
-                done, again = split(latest_events(self.ledger_path, 0, gone))
+                gone = sorted(held.difference(buffered.to_pylist()))
+                since = self._ingested_from(gone) - CLOCK_SKEW_MS
+            if gone:
+                done, again = split(latest_events(self.ledger_path, since, gone))
                 settled.update(done, again)  # its row here is the buffer's: the dead letter's next
                 revived.update(again)
         store = self.store
@@ -756,6 +758,19 @@ class TopicIndex:
             self._reorder(state, range(self.topic.buckets))
             self.delayed = [(nb, mid) for mid, nb in state.not_before.items()]
             heapq.heapify(self.delayed)
+
+    def _ingested_from(self, mids: list[str]) -> int:
+        """The earliest ingestion (epoch ms) of the rows held of `mids` (under the lock;
+        0: none held).
+
+        A message settles only once the leader has read its row (a lease, a cancel), and
+        a redrive follows a death, so no event of a held row's message is older, but for
+        the clocks of the ingest and the leaders, which `CLOCK_SKEW_MS` allows for: a
+        ledger read for them starts there, not at the ledger's first event.
+        """
+        store = self.store
+        tokens = [t for m in mids if (t := store.get(m)) is not None]
+        return min((store.row(t).ingested_at for t in tokens), default=0)
 
     def _reorder(self, state: TopicState, buckets: Iterable[int]) -> None:
         """Re-derive the order of `buckets` from the rows held (under the lock): re-keyed
