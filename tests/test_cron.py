@@ -469,8 +469,9 @@ def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
     """A schedule whose end has passed, its occurrences all sent, leaves the table: each
     round's work and the table follow the live schedules, not every one ever made. One
     still firing stays; one whose last occurrences before its end are yet to send stays
-    until a round has sent them; one re-created under an ended one's id stays. The broker is a stand-in holding the
-    settings alone (a round uses nothing else of it); Kafka and the table are real."""
+    until a round has sent them; one re-created under an ended one's id stays. The
+    broker is a stand-in holding the settings alone (a round uses nothing else of it);
+    Kafka and the table are real."""
     source = f"ticks-in-{uuid.uuid4().hex[:8]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(source, 1, 1)])
