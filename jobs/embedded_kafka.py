@@ -42,7 +42,8 @@ def _cluster_id() -> str:
 
 
 class SecureMismatch(Exception):
-    """A data dir made without --secure, started with it."""
+    """A data dir started otherwise than it was made (with --secure or without), or its
+    CA near its end."""
 
 
 USER = "dejaq"  # the SCRAM (and PLAIN) user clients log in as
@@ -236,6 +237,11 @@ def prepare(port: int, data_dir: Path, secure: bool = False) -> Path:
         raise SecureMismatch(
             f"{data_dir} holds a Kafka made without --secure (it has no SCRAM users): "
             "give --secure another --data-dir"
+        )
+    if not secure and (data_dir / SECURE_FILE).exists():
+        raise SecureMismatch(
+            f"{data_dir} holds a Kafka made with --secure: start it with --secure (without,"
+            " it would serve its topics to any local process, no login asked)"
         )
     security = Secure.load_or_create(data_dir) if secure else None
     config.touch(mode=0o600)  # it holds the users' passwords when secure

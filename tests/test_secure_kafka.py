@@ -326,3 +326,12 @@ def test_the_brokers_certificate_is_issued_again_near_its_end_and_an_ending_ca_i
         embedded_kafka.Secure.load_or_create(tmp_path / "old")
     with pytest.raises(embedded_kafka.SecureMismatch, match=r"the CA .* expires .* new data dir"):
         embedded_kafka.Secure.load_or_create(tmp_path / "old")
+
+
+def test_a_secure_data_dir_started_without_secure_is_refused(tmp_path: Path) -> None:
+    """Started without --secure, a data dir made with it would serve its topics on a
+    plain listener to any local process: refused, naming the flag."""
+    embedded_kafka.Secure.load_or_create(tmp_path)
+    with pytest.raises(embedded_kafka.SecureMismatch, match="start it with --secure"):
+        embedded_kafka.prepare(free_port(), tmp_path, secure=False)
+    assert not (tmp_path / "server.properties").exists(), "no plain configuration written"
