@@ -32,6 +32,9 @@ PERIOD_S = 1.0
 # Occurrences one schedule sends in a round: after a long outage a fast schedule catches
 # up over several rounds instead of in one Kafka batch of unbounded size.
 MAX_PER_ROUND = 10_000
+# How long a schedule past its end, every occurrence sent, stays readable before the
+# leader deletes it: a day to see how it ended, not the table growing with every one.
+ENDED_KEPT_MS = 24 * 3600 * 1000
 
 
 def occurrence_id(schedule_id: str, at_ms: int) -> str:
@@ -165,7 +168,7 @@ class Materialiser:
     def plan(self, cfg: TopicConfig, schedules: Iterable[Schedule], now: int) -> list[Due]:
         """The schedules whose next occurrence is within half the horizon, each with its
         occurrences up to the full horizon (or its end). Those with no occurrence left
-        before their end are noted in `_ended`."""
+        before an end ENDED_KEPT_MS past are noted in `_ended`."""
         horizon = cfg.cron_horizon_ms
         due: list[Due] = []
         ended: list[tuple[str, int]] = []
@@ -177,8 +180,9 @@ class Materialiser:
             if progress != s.materialised_until:
                 first = cron.next_after(s.cron, tz, s.materialised_until)
             seen[key] = (s.materialised_until, first)
-            if first is None or (s.end_at is not None and first > s.end_at):
-                ended.append((s.schedule_id, s.created_at))
+            if s.end_at is not None and (first is None or first > s.end_at):
+                if now - s.end_at >= ENDED_KEPT_MS:
+                    ended.append((s.schedule_id, s.created_at))
                 continue
             upto = now + horizon if s.end_at is None else min(now + horizon, s.end_at)
             if first is None or first > upto or first > now + horizon // 2:

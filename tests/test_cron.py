@@ -466,10 +466,10 @@ def test_a_schedule_kafka_refuses_holds_back_no_other(
 def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
-    """A schedule whose end has passed, its occurrences all sent, leaves the table: each
+    """A schedule a day past its end, its occurrences all sent, leaves the table: each
     round's work and the table follow the live schedules, not every one ever made. One
-    still firing stays; one whose last occurrences before its end are yet to send stays
-    until a round has sent them; one re-created under an ended one's id stays. The
+    still firing stays, as does one ended within the day, one whose last occurrences
+    before its end are yet to send, and one re-created under an ended one's id. The
     broker is a stand-in holding the settings alone (a round uses nothing else of it);
     Kafka and the table are real."""
     source = f"ticks-in-{uuid.uuid4().hex[:8]}"
@@ -486,13 +486,20 @@ def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
     now = int(time.time() * 1000)
     hour = 3600 * 1000
     for schedule_id, end, created in (
-        ("ended", now - hour, now - 2 * hour),  # all sent up to its end
-        ("firing", None, now - 2 * hour),
-        ("last-one-due", now + 90_000, now - 2 * hour),  # a minute's occurrence left
+        ("ended", now - 25 * hour, now - 26 * hour),  # all sent up to its end
+        ("ended-lately", now - hour, now - 26 * hour),  # kept a day
+        ("firing", None, now - 26 * hour),
+        ("last-one-due", now + 90_000, now - 26 * hour),  # a minute's occurrence left
     ):
         store.add(Schedule(schedule_id, "* * * * *", "UTC", None, b"x", [], end, created))
-    store.advance({("ended", now - 2 * hour): now - hour, ("firing", now - 2 * hour): now + 60_000})
-    store.advance({("last-one-due", now - 2 * hour): now})
+    store.advance(
+        {
+            ("ended", now - 26 * hour): now - 25 * hour,
+            ("ended-lately", now - 26 * hour): now - hour,
+            ("firing", now - 26 * hour): now + 60_000,
+        }
+    )
+    store.advance({("last-one-due", now - 26 * hour): now})
     try:
         asyncio.run(materialiser.round("ticks", now))
         after_one = set(store.all())
@@ -503,8 +510,8 @@ def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
         producer.close()
         admin.delete_topics([source])
         admin.close()
-    assert after_one == {"firing", "last-one-due"}
-    assert set(after_two) == {"ended", "firing"}, "last-one-due's sent by the first round"
+    assert after_one == {"ended-lately", "firing", "last-one-due"}
+    assert set(after_two) == {"ended", "ended-lately", "firing", "last-one-due"}
     assert after_two["ended"].payload == b"y", "the one made again under its id stays"
 
 
