@@ -152,6 +152,10 @@ class KafkaConfig(_Strict):
     ssl_certfile: str | None = None  # PEM: a client certificate, for mutual TLS
     ssl_keyfile: str | None = None  # PEM (PKCS#8): its key
     ssl_check_hostname: bool = True
+    # What the ingest reads of its input topics: read_committed skips the records of
+    # aborted transactions (a retry commits them again at other offsets, under other
+    # default ids) and stops at an open transaction until it ends.
+    isolation_level: Literal["read_committed", "read_uncommitted"] = "read_committed"
 
     @property
     def sasl(self) -> bool:

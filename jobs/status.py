@@ -89,7 +89,8 @@ def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
 
 def kafka_end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[str, dict[str, int]]:
     """Each topic's end offset per partition; none for a topic Kafka does not show (absent,
-    misspelt, or not visible to this user)."""
+    misspelt, or not visible to this user). The high watermark, read uncommitted: the
+    records of a transaction still open count as lag, as the ingest waits for its end."""
     from kafka import KafkaConsumer, TopicPartition
 
     consumer = KafkaConsumer(

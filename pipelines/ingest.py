@@ -147,6 +147,7 @@ class IngestJob:
         return (
             self.spark.readStream.format(self.connectors.kafka)
             .options(**security)
+            .option("kafka.isolation.level", kafka.isolation_level)
             .option("subscribe", ",".join(self.topic.source))
             .option("startingOffsets", self._resume.starting_offsets)
             .option("includeHeaders", "true")

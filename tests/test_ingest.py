@@ -210,6 +210,55 @@ def test_a_deleted_checkpoint_resumes_where_the_buffer_left_kafka(
     assert sorted(buffer.column("payload").to_pylist()) == good_payloads
 
 
+def produce_transaction(
+    bootstrap: str,
+    topic: str,
+    records: list[tuple[bytes, bytes, dict[str, bytes]]],
+    commit: bool,
+    partitions: int = 3,
+) -> None:
+    """`records` in one Kafka transaction, committed or aborted once they are all sent."""
+    producer = KafkaProducer(bootstrap_servers=bootstrap, transactional_id=uuid.uuid4().hex)
+    try:
+        producer.init_transactions()
+        producer.begin_transaction()
+        for i, (key, value, headers) in enumerate(records):
+            producer.send(
+                topic, key=key, value=value, headers=list(headers.items()), partition=i % partitions
+            )
+        producer.flush()
+        if commit:
+            producer.commit_transaction()
+        else:
+            producer.abort_transaction()
+    finally:
+        producer.close()
+
+
+@pytest.mark.parametrize("connectors", ["jvm", "python"])
+def test_records_of_an_aborted_transaction_are_not_ingested(
+    spark, kafka_bootstrap, topic_factory, tmp_path, connectors
+):
+    """A producer's transaction aborted, and the same messages committed by its retry at
+    later offsets: only the committed ones land. Read, the aborted ones would be
+    delivered too, under default ids of other offsets, which no dedup can match."""
+    source = topic_factory(partitions=3)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    records = [good(i) for i in range(12)]
+    produce_transaction(kafka_bootstrap, source, records, commit=False)
+    produce_transaction(kafka_bootstrap, source, records, commit=True)
+
+    job = IngestJob(spark, settings, settings.topic("jobs"), detect_connectors(spark, connectors))
+    query = job.start(once=True)
+    query.awaitTermination(180)
+    assert query.exception() is None
+
+    buffer = table(settings, Table.BUFFER)
+    assert table(settings, Table.QUARANTINE).num_rows == 0
+    assert sorted(buffer.column("payload").to_pylist()) == sorted(v for _, v, _ in records)
+    assert sum(s.rows_in for s in job.stats) == len(records)
+
+
 def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
     kafka_bootstrap, topic_factory, tmp_path
 ):

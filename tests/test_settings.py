@@ -44,6 +44,11 @@ def test_conf_file_from_env(tmp_path: Path) -> None:
         ("kafka: {bootstrap: nohostport}\n", {}, "kafka.bootstrap: expected host:port"),
         ("kafka: {bootstarp: a:1}\n", {}, "kafka.bootstarp: unknown key"),
         ("spark: {ui: maybe}\n", {}, "spark.ui"),
+        (
+            "kafka: {isolation_level: committed}\n",
+            {},
+            "kafka.isolation_level: Input should be 'read_committed' or 'read_uncommitted'",
+        ),
         ("", {"DEJAQ_KAFKA_BOOTSTRAP": "x"}, "kafka.bootstrap"),
         ("topics: [{name: a, kind: fifo, source: [x]}]\n", {}, "topics.0.kind"),
         ("topics: [{name: 'a/b', kind: priority, source: [x]}]\n", {}, "topics.0.name"),
