@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 from kafka import KafkaConsumer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
+from kafka.errors import LogTruncationError, OffsetOutOfRangeError
 from pyspark.sql.datasource import (
     CaseInsensitiveDict,
     DataSource,
@@ -177,10 +178,12 @@ def _consumer_config(opts: CaseInsensitiveDict) -> dict[str, Any]:
             f"got {config['isolation_level']!r}"
         )
     # Assigned partitions only: no group to join or rebalance, no offsets committed to Kafka.
+    # No offset reset either: a read Kafka answers out of range is handled (and logged) by
+    # the task, which knows the range it was given.
     config.update(
         group_id=None,
         enable_auto_commit=False,
-        auto_offset_reset="earliest",
+        auto_offset_reset="none",
         allow_auto_create_topics=False,
         max_poll_records=BATCH_ROWS,
     )
@@ -338,7 +341,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             return {}
         return self._driver().end_offsets(tps, timeout_ms=self.options.poll_timeout_ms)
 
-    def _rewound(self, begin: Positions, ends: Positions, warn: bool = False) -> Positions:
+    def _rewound(self, begin: Positions, ends: Positions) -> Positions:
         """`begin`, but at its end for a partition whose end is now below where the
         stream had got to (its topic deleted and made again, or its log cut by an
         unclean leader election), as Spark's own source does with `failOnDataLoss`
@@ -349,12 +352,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         behind = [tp for tp, end in ends.items() if end < begin.get(tp, 0)]
         if not behind:
             return begin
-        if warn:
-            log.warning(
-                "dejaq_kafka: the offsets of %s went back (a topic made again, or a log "
-                "cut): reading on from their ends; what they held below it is not read",
-                [f"{tp.topic}-{tp.partition}: {begin[tp]} -> {ends[tp]}" for tp in behind],
-            )
+        log.warning(
+            "dejaq_kafka: the offsets of %s went back (a topic made again, or a log "
+            "cut): reading on from their ends; what they held below it is not read",
+            [f"{tp.topic}-{tp.partition}: {begin[tp]} -> {ends[tp]}" for tp in behind],
+        )
         return begin | {tp: ends[tp] for tp in behind}
 
     def _with_new_partitions(self, start: dict, current: list[TopicPartition]) -> Positions:
@@ -398,7 +400,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         if latest is None:
             latest = self._end(self._current_partitions())
         self._last_latest = latest
-        begin = self._rewound(self._with_new_partitions(start, list(latest)), latest, warn=True)
+        begin = self._rewound(self._with_new_partitions(start, list(latest)), latest)
         backlog = {tp: max(end - begin[tp], 0) for tp, end in latest.items()}
         if isinstance(limit, ReadMaxRows):
             backlog = fair_share(backlog, limit.max_rows)
@@ -409,15 +411,38 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return None if self._last_latest is None else _to_offsets(self._last_latest)
 
     def partitions(self, start: dict, end: dict) -> list[KafkaInputPartition]:
-        """One task per partition with new data; big ranges are split across several tasks."""
+        """One task per partition with new data; big ranges are split across several tasks.
+
+        A batch replayed after a restart was planned against the Kafka of then: each range
+        is cut at the partition's end now, so offsets a topic made again (or a cut log) no
+        longer has are skipped with a warning rather than waited for, and not taken from
+        the new log's records once it grows past them.
+        """
         stop = _to_positions(end)
-        begin = self._rewound(self._with_new_partitions(start, list(stop)), stop)
+        begin = self._with_new_partitions(start, list(stop))
+        existing = set(self._current_partitions())
+        ends = self._end([tp for tp in stop if tp in existing])
         step = self.options.max_records_per_partition
-        return [
-            KafkaInputPartition(tp.topic, tp.partition, lo, min(lo + step, until))
-            for tp, until in stop.items()
-            for lo in range(begin[tp], until, step)
-        ]
+        planned = []
+        for tp, until in stop.items():
+            lo = begin[tp]
+            if tp in ends and ends[tp] < until:
+                if lo < until:
+                    log.warning(
+                        "dejaq_kafka: %s-%d offsets [%d, %d) are past the partition's end %d "
+                        "(its topic deleted and made again, or its log cut): not read",
+                        tp.topic,
+                        tp.partition,
+                        max(lo, ends[tp]),
+                        until,
+                        ends[tp],
+                    )
+                until = ends[tp]
+            planned += [
+                KafkaInputPartition(tp.topic, tp.partition, o, min(o + step, until))
+                for o in range(lo, until, step)
+            ]
+        return planned
 
     def stop(self) -> None:
         if self._consumer is not None:
@@ -431,7 +456,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
         The loop ends on the consumer's position, not on seeing offset end - 1: transaction
         markers, aborted records and compaction leave gaps that no record fills. It fails,
-        rather than hangs, when the position stops moving for pollTimeoutMs.
+        rather than hangs, when the position stops moving for pollTimeoutMs, and ends with a
+        warning, rather than waits, at offsets past the partition's end (see `_gone`).
         """
         p = partition
         tp = TopicPartition(p.topic, p.partition)
@@ -451,11 +477,19 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                         f"{self.options.poll_timeout_ms} ms (pollTimeoutMs). Is the broker "
                         "down, or was the topic deleted or recreated?"
                     )
-                columns.extend(consumer.poll(timeout_ms=_POLL_MS).get(tp, []), p.start, p.end)
+                try:
+                    records = consumer.poll(timeout_ms=_POLL_MS).get(tp, [])
+                    moved_to = consumer.position(tp, timeout_ms=_POLL_MS)
+                except (OffsetOutOfRangeError, LogTruncationError):
+                    moved_to = self._gone(consumer, p, position)
+                    if moved_to is None:
+                        break
+                    consumer.seek(tp, moved_to)
+                    records = []
+                columns.extend(records, p.start, p.end)
                 if len(columns) >= BATCH_ROWS:
                     yield columns.to_batch()
                     columns = RecordColumns(p.topic, p.partition)
-                moved_to = consumer.position(tp, timeout_ms=_POLL_MS)
                 if moved_to is not None and moved_to > position:
                     position = moved_to
                     deadline = time.monotonic() + timeout_s
@@ -463,6 +497,24 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                 yield columns.to_batch()
         finally:
             consumer.close()
+
+    def _gone(self, consumer: KafkaConsumer, p: KafkaInputPartition, position: int) -> int | None:
+        """Where to read on from after Kafka said `position` is not in the partition's log:
+        its beginning if the records there were deleted, or None (the task ends) if it is
+        past the end, the topic made again or the log cut since the batch was planned."""
+        tp = TopicPartition(p.topic, p.partition)
+        first = consumer.beginning_offsets([tp], timeout_ms=self.options.poll_timeout_ms)[tp]
+        if position < first:
+            return first
+        log.warning(
+            "dejaq_kafka: %s-%d offsets [%d, %d) are past the partition's end (its topic "
+            "deleted and made again, or its log cut): not read",
+            p.topic,
+            p.partition,
+            position,
+            p.end,
+        )
+        return None
 
 
 class KafkaDataSource(DataSource):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import time
 import uuid
@@ -99,6 +100,24 @@ def reader_for(bootstrap: str, topic: str, **extra: str) -> KafkaStreamReader:
     """The driver-side reader, called directly: no Spark, no query."""
     opts = {"kafka.bootstrap.servers": bootstrap, "subscribe": topic, **extra}
     return KafkaStreamReader(KafkaOptions.parse(opts))
+
+
+def make_again(admin: KafkaAdminClient, topic: str) -> None:
+    """Delete a one-partition `topic` and create it anew, empty."""
+    admin.delete_topics([topic])
+
+    def made_again() -> bool:
+        try:
+            admin.create_topics([NewTopic(topic, 1, 1)])
+        except TopicAlreadyExistsError:  # the deletion is still under way
+            return False
+        return True
+
+    wait_until(made_again, what="the topic made again")
+
+
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
 
 
 # --- rows -------------------------------------------------------------------------------------
@@ -307,16 +326,7 @@ def test_a_partition_whose_offsets_went_back_is_read_on_from_its_new_end(
     end = reader.latestOffset(start, reader.getDefaultReadLimit())
     assert sum(b.num_rows for p in reader.partitions(start, end) for b in reader.read(p)) == 10
     reader.stop()
-    admin.delete_topics([topic])
-
-    def made_again() -> bool:
-        try:
-            admin.create_topics([NewTopic(topic, 1, 1)])
-        except TopicAlreadyExistsError:  # the deletion is still under way
-            return False
-        return True
-
-    wait_until(made_again, what="the topic made again")
+    make_again(admin, topic)
     fresh = KafkaProducer(bootstrap_servers=kafka_bootstrap)  # metadata of the new topic
     reader = reader_for(kafka_bootstrap, topic)  # a restart from the checkpointed offsets
     try:
@@ -328,6 +338,33 @@ def test_a_partition_whose_offsets_went_back_is_read_on_from_its_new_end(
         batches = [b for p in reader.partitions(moved, nxt) for b in reader.read(p)]
         values = [v for b in batches for v in b.column("value").to_pylist()]
         assert values == [f"afterv{i}".encode() for i in range(3)]
+    finally:
+        fresh.close()
+        reader.stop()
+        admin.delete_topics([topic])
+
+
+def test_a_replayed_batch_past_the_end_of_a_topic_made_again_is_skipped_with_a_warning(
+    kafka_bootstrap: str, producer, admin: KafkaAdminClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Batch [5, 10) was planned and logged, then the topic deleted and made again with 3
+    records: its replay reads nothing and says so, rather than wait for the new topic's
+    offsets 5-9 (and later take them for the old batch's, the next batch starting at 10)."""
+    topic = f"again-{uuid.uuid4().hex[:10]}"
+    admin.create_topics([NewTopic(topic, 1, 1)])
+    produce(producer, topic, 10, partitions=1, tag="old")
+    start, end = {topic: {"0": 5}}, {topic: {"0": 10}}
+    make_again(admin, topic)
+    fresh = KafkaProducer(bootstrap_servers=kafka_bootstrap)  # metadata of the new topic
+    reader = reader_for(kafka_bootstrap, topic, pollTimeoutMs="3000")  # a restart
+    try:
+        produce(fresh, topic, 3, partitions=1, tag="new")
+        with caplog.at_level(logging.WARNING, logger="dejaq.kafka_source"):
+            assert reader.partitions(start, end) == []
+            planned_before = KafkaInputPartition(topic, 0, 5, 10)  # a task of the first run
+            assert list(reader.read(planned_before)) == []
+        warned = [m for m in warnings_of(caplog) if f"{topic}-0 offsets [5, 10)" in m]
+        assert len(warned) == 2 and all("not read" in m for m in warned)
     finally:
         fresh.close()
         reader.stop()
@@ -354,16 +391,26 @@ def test_available_now_stops_at_what_was_there_when_it_started(
 # --- planning and reading without Spark -------------------------------------------------------
 
 
-def test_large_ranges_are_split_into_several_input_partitions() -> None:
-    reader = KafkaStreamReader(KafkaOptions.parse(options(maxRecordsPerPartition="100")))
-    planned = reader.partitions(
-        {"t": {"0": 0, "1": 50, "2": 7}}, {"t": {"0": 250, "1": 60, "2": 7}}
-    )
+def test_large_ranges_are_split_into_several_input_partitions(
+    kafka_bootstrap: str, topic_factory: Callable[..., str], producer
+) -> None:
+    topic = topic_factory(3)
+    for partition, n in ((0, 25), (1, 6), (2, 7)):
+        for i in range(n):
+            producer.send(topic, value=b"x%d" % i, partition=partition)
+    producer.flush()
+    reader = reader_for(kafka_bootstrap, topic, maxRecordsPerPartition="10")
+    try:
+        planned = reader.partitions(
+            {topic: {"0": 0, "1": 5, "2": 7}}, {topic: {"0": 25, "1": 6, "2": 7}}
+        )
+    finally:
+        reader.stop()
     assert planned == [
-        KafkaInputPartition("t", 0, 0, 100),
-        KafkaInputPartition("t", 0, 100, 200),
-        KafkaInputPartition("t", 0, 200, 250),
-        KafkaInputPartition("t", 1, 50, 60),
+        KafkaInputPartition(topic, 0, 0, 10),
+        KafkaInputPartition(topic, 0, 10, 20),
+        KafkaInputPartition(topic, 0, 20, 25),
+        KafkaInputPartition(topic, 1, 5, 6),
     ]
 
 
