@@ -228,6 +228,28 @@ def fair_share(backlog: Mapping[TopicPartition, int], budget: int) -> Positions:
     return grant
 
 
+# Offsets a batch was given that Kafka no longer has: read by no task, so in neither the
+# buffer nor the quarantine, and said so by topic, partition and range.
+_DELETED = (
+    "dejaq_kafka: %s-%d offsets [%d, %d) were deleted from Kafka (retention, or "
+    "delete_records) before they were read: skipped"
+)
+_PAST_END = (
+    "dejaq_kafka: %s-%d offsets [%d, %d) are past the partition's end (its topic deleted "
+    "and made again, or its log cut): not read"
+)
+
+
+def _in_log(tp: TopicPartition, lo: int, until: int, first: int, end: int) -> tuple[int, int]:
+    """Offsets [lo, until) cut to the partition's log [first, end), warning of what is cut
+    on the driver, whose log is where the job's user looks."""
+    if lo < min(first, until):
+        log.warning(_DELETED, tp.topic, tp.partition, lo, min(first, until))
+    if max(lo, end) < until:
+        log.warning(_PAST_END, tp.topic, tp.partition, max(lo, end), until)
+    return max(lo, first), min(until, end)
+
+
 @dataclass(frozen=True)
 class KafkaInputPartition(InputPartition):
     """Offsets [start, end) of one Kafka partition: one Spark task."""
@@ -414,30 +436,21 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         """One task per partition with new data; big ranges are split across several tasks.
 
         A batch replayed after a restart was planned against the Kafka of then: each range
-        is cut at the partition's end now, so offsets a topic made again (or a cut log) no
-        longer has are skipped with a warning rather than waited for, and not taken from
-        the new log's records once it grows past them.
+        is cut to the partition's log now (see `_in_log`), so offsets a topic made again
+        (or a cut log) no longer has are skipped with a warning rather than waited for, and
+        not taken from the new log's records once it grows past them.
         """
         stop = _to_positions(end)
         begin = self._with_new_partitions(start, list(stop))
-        existing = set(self._current_partitions())
-        ends = self._end([tp for tp in stop if tp in existing])
+        current = set(self._current_partitions())
+        existing = [tp for tp in stop if tp in current]
+        firsts, ends = self._beginning(existing), self._end(existing)
         step = self.options.max_records_per_partition
         planned = []
         for tp, until in stop.items():
             lo = begin[tp]
-            if tp in ends and ends[tp] < until:
-                if lo < until:
-                    log.warning(
-                        "dejaq_kafka: %s-%d offsets [%d, %d) are past the partition's end %d "
-                        "(its topic deleted and made again, or its log cut): not read",
-                        tp.topic,
-                        tp.partition,
-                        max(lo, ends[tp]),
-                        until,
-                        ends[tp],
-                    )
-                until = ends[tp]
+            if tp in ends:
+                lo, until = _in_log(tp, lo, until, firsts[tp], ends[tp])
             planned += [
                 KafkaInputPartition(tp.topic, tp.partition, o, min(o + step, until))
                 for o in range(lo, until, step)
@@ -505,15 +518,9 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         tp = TopicPartition(p.topic, p.partition)
         first = consumer.beginning_offsets([tp], timeout_ms=self.options.poll_timeout_ms)[tp]
         if position < first:
+            log.warning(_DELETED, p.topic, p.partition, position, min(first, p.end))
             return first
-        log.warning(
-            "dejaq_kafka: %s-%d offsets [%d, %d) are past the partition's end (its topic "
-            "deleted and made again, or its log cut): not read",
-            p.topic,
-            p.partition,
-            position,
-            p.end,
-        )
+        log.warning(_PAST_END, p.topic, p.partition, position, p.end)
         return None
 
 

@@ -371,6 +371,31 @@ def test_a_replayed_batch_past_the_end_of_a_topic_made_again_is_skipped_with_a_w
         admin.delete_topics([topic])
 
 
+def test_records_deleted_before_they_are_read_are_skipped_with_a_warning(
+    kafka_bootstrap: str,
+    topic_factory: Callable[..., str],
+    producer,
+    admin: KafkaAdminClient,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Offsets [2, 10) are planned, then Kafka deletes the records below 6 (as retention
+    does): the plan and a task planned before both name the offsets skipped."""
+    topic = topic_factory(1)
+    produce(producer, topic, 10, partitions=1)
+    start, end = {topic: {"0": 2}}, {topic: {"0": 10}}
+    admin.delete_records({TopicPartition(topic, 0): 6})
+    reader = reader_for(kafka_bootstrap, topic, pollTimeoutMs="3000")
+    try:
+        with caplog.at_level(logging.WARNING, logger="dejaq.kafka_source"):
+            assert reader.partitions(start, end) == [KafkaInputPartition(topic, 0, 6, 10)]
+            batches = list(reader.read(KafkaInputPartition(topic, 0, 2, 10)))
+        assert [o for b in batches for o in b.column("offset").to_pylist()] == [6, 7, 8, 9]
+        warned = [m for m in warnings_of(caplog) if f"{topic}-0 offsets [2, 6)" in m]
+        assert len(warned) == 2 and all("deleted" in m for m in warned)
+    finally:
+        reader.stop()
+
+
 def test_available_now_stops_at_what_was_there_when_it_started(
     kafka_bootstrap: str, topic_factory: Callable[..., str], producer
 ) -> None:
