@@ -11,6 +11,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from zoneinfo import ZoneInfo
@@ -420,6 +421,30 @@ def test_unknown_and_non_cron_topics_are_404(crons) -> None:
         assert client.get(f"{node.url}/v1/topics/{topic}/schedules").status_code == 404
 
 
+@contextmanager
+def materialising(
+    kafka_bootstrap: str, tmp_path: Path, topic_configs: dict[str, str] | None = None
+) -> Iterator[tuple[Materialiser, str]]:
+    """A materialiser of cron topic `ticks` over a new Kafka input (with `topic_configs`),
+    and that input's name. Its broker is a stand-in holding the settings alone (a round
+    uses nothing else of it); Kafka, the producer and the schedules table are real."""
+    source = f"ticks-in-{uuid.uuid4().hex[:8]}"
+    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    admin.create_topics([NewTopic(source, 1, 1, topic_configs=topic_configs or {})])
+    settings = Settings(
+        warehouse=str(tmp_path / "warehouse"),
+        kafka=KafkaConfig(bootstrap=kafka_bootstrap),
+        topics=[TopicConfig(name="ticks", kind="cron", source=[source])],
+    )
+    producer = Producer(settings.kafka)
+    try:
+        yield Materialiser(SimpleNamespace(settings=settings), producer), source  # type: ignore[arg-type]
+    finally:
+        producer.close()
+        admin.delete_topics([source])
+        admin.close()
+
+
 def test_a_schedule_kafka_refuses_holds_back_no_other(
     kafka_bootstrap: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -427,30 +452,20 @@ def test_a_schedule_kafka_refuses_holds_back_no_other(
     refused unsent, round after round, while the other schedule's go out and its
     progress moves. The materialiser's broker is a stand-in holding the settings alone (a round
     uses nothing else of it); Kafka, the producer and the schedules table are real."""
-    source = f"ticks-in-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    admin.create_topics([NewTopic(source, 1, 1, topic_configs={"max.message.bytes": "10000"})])
-    settings = Settings(
-        warehouse=str(tmp_path / "warehouse"),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap),
-        topics=[TopicConfig(name="ticks", kind="cron", source=[source])],
-    )
-    producer = Producer(settings.kafka)
-    materialiser = Materialiser(SimpleNamespace(settings=settings), producer)  # type: ignore[arg-type]
-    store = materialiser.stores["ticks"]
-    now = int(time.time() * 1000)
-    for schedule_id, payload in (("small", b"hi"), ("big", b"x" * 20_000)):
-        store.add(Schedule(schedule_id, "* * * * * *", "UTC", None, payload, [], None, now, now))
-    try:
+    limited = {"max.message.bytes": "10000"}
+    with materialising(kafka_bootstrap, tmp_path, limited) as (materialiser, source):
+        store = materialiser.stores["ticks"]
+        now = int(time.time() * 1000)
+        for schedule_id, payload in (("small", b"hi"), ("big", b"x" * 20_000)):
+            schedule = Schedule(
+                schedule_id, "* * * * * *", "UTC", None, payload, [], None, now, now
+            )
+            store.add(schedule)
         with caplog.at_level("WARNING", logger="dejaq.broker.state.cron"):
             sent = [asyncio.run(materialiser.round("ticks", now)) for _ in range(3)]
         progress = {i: s.materialised_until for i, s in store.all().items()}
         records = input_records(kafka_bootstrap, source)
-    finally:
-        producer.close()
-        admin.delete_topics([source])
-        admin.close()
-    horizon = settings.topic("ticks").cron_horizon_ms
+    horizon = materialiser.topics["ticks"].cron_horizon_ms
     # The first round sends the small one's; the next have nothing of it due, and try
     # the big one alone.
     occurrences = horizon // 1000
@@ -472,16 +487,17 @@ def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
     before its end are yet to send, and one re-created under an ended one's id. The
     broker is a stand-in holding the settings alone (a round uses nothing else of it);
     Kafka and the table are real."""
-    source = f"ticks-in-{uuid.uuid4().hex[:8]}"
-    admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
-    admin.create_topics([NewTopic(source, 1, 1)])
-    settings = Settings(
-        warehouse=str(tmp_path / "warehouse"),
-        kafka=KafkaConfig(bootstrap=kafka_bootstrap),
-        topics=[TopicConfig(name="ticks", kind="cron", source=[source])],
-    )
-    producer = Producer(settings.kafka)
-    materialiser = Materialiser(SimpleNamespace(settings=settings), producer)  # type: ignore[arg-type]
+    with materialising(kafka_bootstrap, tmp_path) as (materialiser, _):
+        after_one, after_two = _rounds_over_ended_schedules(materialiser)
+    assert after_one == {"ended-lately", "firing", "last-one-due"}
+    assert set(after_two) == {"ended", "ended-lately", "firing", "last-one-due"}
+    assert after_two["ended"].payload == b"y", "the one made again under its id stays"
+
+
+def _rounds_over_ended_schedules(materialiser: Materialiser) -> tuple[set[str], dict]:
+    """Two rounds over schedules ended long ago or lately, firing, or with a minute's
+    occurrence left (one ended long ago made again between them): the ids after the
+    first, and the schedules after the second."""
     store = materialiser.stores["ticks"]
     now = int(time.time() * 1000)
     hour = 3600 * 1000
@@ -500,19 +516,11 @@ def test_a_schedule_past_its_end_with_every_occurrence_sent_is_removed(
         }
     )
     store.advance({("last-one-due", now - 26 * hour): now})
-    try:
-        asyncio.run(materialiser.round("ticks", now))
-        after_one = set(store.all())
-        store.add(Schedule("ended", "* * * * *", "UTC", None, b"y", [], None, now))
-        asyncio.run(materialiser.round("ticks", now))
-        after_two = store.all()
-    finally:
-        producer.close()
-        admin.delete_topics([source])
-        admin.close()
-    assert after_one == {"ended-lately", "firing", "last-one-due"}
-    assert set(after_two) == {"ended", "ended-lately", "firing", "last-one-due"}
-    assert after_two["ended"].payload == b"y", "the one made again under its id stays"
+    asyncio.run(materialiser.round("ticks", now))
+    after_one = set(store.all())
+    store.add(Schedule("ended", "* * * * *", "UTC", None, b"y", [], None, now))
+    asyncio.run(materialiser.round("ticks", now))
+    return after_one, store.all()
 
 
 def test_the_nodes_producer_takes_the_next_message_after_one_kafka_refuses(

@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -568,6 +568,30 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
     assert sum(counts()) + run.removed == len(first) + 2
 
 
+def _reminders(
+    spark, kafka_bootstrap: str, topic_factory, tmp_path: Path, *others: tuple
+) -> tuple[IngestJob, Settings, Callable[[bytes], list[dict]]]:
+    """An ingest of a topic whose dedup window is 1 ms, and a function producing a message
+    of id `reminder-42` with the payload given (and `others`), ingesting once, and
+    returning that id's rows in the buffer."""
+    source = topic_factory(partitions=1)
+    conf = write_conf(tmp_path, kafka_bootstrap, source)
+    conf.write_text(conf.read_text().replace("max_payload_bytes: 100", "dedup_window_ms: 1"))
+    settings = load_settings(conf, env={})
+    job = IngestJob(spark, settings, settings.topic("jobs"), detect_connectors(spark))
+    explicit = {"dejaq-priority": b"1", "dejaq-id": b"reminder-42"}
+
+    def ingest(value: bytes) -> list[dict]:
+        produce(kafka_bootstrap, source, [(b"k", value, explicit), *others], partitions=1)
+        query = job.start(once=True)
+        query.awaitTermination(180)
+        assert query.exception() is None
+        buffered = table(settings, Table.BUFFER).filter(pc.field("message_id") == "reminder-42")
+        return buffered.select(["message_id", "payload"]).to_pylist()
+
+    return job, settings, ingest
+
+
 def test_an_id_past_the_window_is_a_duplicate_while_its_row_is_in_the_buffer(
     spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
 ):
@@ -575,22 +599,8 @@ def test_an_id_past_the_window_is_a_duplicate_while_its_row_is_in_the_buffer(
     whose first is still in the buffer (a reminder due in a month outlives a week's
     window) would be taken for the first and never delivered. So the id stays taken
     until its row has left the buffer, then it is free again."""
-    source = topic_factory(partitions=1)
-    conf = write_conf(tmp_path, kafka_bootstrap, source)
-    conf.write_text(conf.read_text().replace("max_payload_bytes: 100", "dedup_window_ms: 1"))
-    settings = load_settings(conf, env={})
-    topic = settings.topic("jobs")
-    connectors = detect_connectors(spark)
-    explicit = {"dejaq-priority": b"1", "dejaq-id": b"reminder-42"}
     monkeypatch.setattr("dejaq.pipelines.ingest.PRUNE_EVERY_S", 0.0)  # a look each batch
-    job = IngestJob(spark, settings, topic, connectors)
-
-    def ingest(value: bytes) -> list[dict]:
-        produce(kafka_bootstrap, source, [(b"k", value, explicit)], partitions=1)
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
-        return table(settings, Table.BUFFER).select(["message_id", "payload"]).to_pylist()
+    job, settings, ingest = _reminders(spark, kafka_bootstrap, topic_factory, tmp_path)
 
     first = [{"message_id": "reminder-42", "payload": b"first"}]
     assert ingest(b"first") == first
@@ -618,23 +628,8 @@ def test_an_id_reused_past_the_window_after_its_row_left_is_stored_without_waiti
     buffer, past the window: the message is stored at once, not quarantined until the
     periodic look at the buffer (made never to come here) frees the id. The batch looks
     for the id's row itself; while the new row is in the buffer, the id is taken again."""
-    source = topic_factory(partitions=1)
-    conf = write_conf(tmp_path, kafka_bootstrap, source)
-    conf.write_text(conf.read_text().replace("max_payload_bytes: 100", "dedup_window_ms: 1"))
-    settings = load_settings(conf, env={})
-    topic = settings.topic("jobs")
-    connectors = detect_connectors(spark)
-    explicit = {"dejaq-priority": b"1", "dejaq-id": b"reminder-42"}
     monkeypatch.setattr("dejaq.pipelines.ingest.PRUNE_EVERY_S", float("inf"))
-    job = IngestJob(spark, settings, topic, connectors)
-
-    def ingest(value: bytes) -> list[dict]:
-        produce(kafka_bootstrap, source, [(b"k", value, explicit), good(0)], partitions=1)
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
-        buffered = table(settings, Table.BUFFER).filter(pc.field("message_id") == "reminder-42")
-        return buffered.select(["message_id", "payload"]).to_pylist()
+    job, settings, ingest = _reminders(spark, kafka_bootstrap, topic_factory, tmp_path, good(0))
 
     first = [{"message_id": "reminder-42", "payload": b"first"}]
     assert ingest(b"first") == first

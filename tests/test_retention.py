@@ -705,6 +705,18 @@ def failing(*args: object) -> int:
     raise OSError("the store is unreachable")
 
 
+def m0_dead(tmp_path: Path) -> tuple[str, TopicIndex, TopicState, tuple[str, str, str]]:
+    """A topic of m0 and m1, m0 rejected, dead and checkpointed: the warehouse, index and
+    state, and the paths of its buffer, ledger and dead letters."""
+    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
+    state.lease("c", 0, 100, [("m0", 0, 4)])
+    state.reject("c", 1, ["m0"])
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    tables = (Table.BUFFER, Table.LEDGER, Table.DEAD_LETTER)
+    buffer, ledger, dead = (ensure_table(warehouse, t, "jobs") for t in tables)
+    return warehouse, index, state, (buffer, ledger, dead)
+
+
 def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_rewrite(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -712,12 +724,7 @@ def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_re
     `restore`, between a run's read of the ledger and its rewrite: `restore` finds the
     row still there, the rewrite removes it, and the run puts it back from the dead
     letters, so a node started afterwards finds the message pending."""
-    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
-    state.lease("c", 0, 100, [("m0", 0, 4)])
-    state.reject("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
-    tables = (Table.BUFFER, Table.LEDGER, Table.DEAD_LETTER)
-    buffer, ledger, dead = (ensure_table(warehouse, t, "jobs") for t in tables)
+    warehouse, index, state, (buffer, ledger, dead) = m0_dead(tmp_path)
     read = retention.settled_before
 
     def redriven_meanwhile(*args: object) -> tuple:
@@ -747,12 +754,7 @@ def test_a_redrive_whose_row_a_run_removed_and_did_not_put_back_stays_pending(
     started then leases the message from its dead letter, and the run whose span
     reaches the redrive, in another process (a new leader), puts its row back before
     its watermark passes it, so a node started later reads it from the buffer."""
-    warehouse, index, state = loaded_topic(tmp_path, [4, 9])
-    state.lease("c", 0, 100, [("m0", 0, 4)])
-    state.reject("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
-    tables = (Table.BUFFER, Table.LEDGER, Table.DEAD_LETTER)
-    buffer, ledger, dead = (ensure_table(warehouse, t, "jobs") for t in tables)
+    warehouse, index, state, (buffer, ledger, dead) = m0_dead(tmp_path)
     read, real = retention.settled_before, getattr(retention, lost)
     armed: list[bool] = []
     redriven_at: list[int] = []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TypeVar
 
@@ -76,6 +76,22 @@ def _from_row(row: dict) -> Schedule:
         end_at=_ms(row["end_at"]),
         created_at=_ms(row["created_at"]) or 0,
         materialised_until=_ms(row["materialised_until"]) or 0,
+    )
+
+
+# A MERGE's match of a source row (`_rows`) to the schedule row it was made from: one
+# deleted and created again under its id since is another row.
+_SAME_ROW = "t.schedule_id = s.schedule_id AND t.created_at = s.created_at"
+
+
+def _rows(keys: Iterable[tuple[str, int]]) -> pa.Table:
+    """(schedule id, created at) pairs as a MERGE's source."""
+    ids, created = zip(*keys, strict=True)
+    return pa.table(
+        {
+            "schedule_id": pa.array(ids, pa.string()),
+            "created_at": pa.array([_ts(c) for c in created], TIMESTAMP),
+        }
     )
 
 
@@ -163,23 +179,12 @@ class ScheduleStore:
         ever made. One re-created under the same id since is a new row, left alone."""
         if not ended:
             return 0
-        ids, created = zip(*ended, strict=True)
-        source = pa.table(
-            {
-                "schedule_id": pa.array(ids, pa.string()),
-                "created_at": pa.array([_ts(c) for c in created], TIMESTAMP),
-            }
-        )
+        source = _rows(ended)
 
         def commit() -> dict:
             return (
                 DeltaTable(self.path)
-                .merge(
-                    source,
-                    "t.schedule_id = s.schedule_id AND t.created_at = s.created_at",
-                    "s",
-                    "t",
-                )
+                .merge(source, _SAME_ROW, "s", "t")
                 .when_matched_delete()
                 .execute()
             )
@@ -191,24 +196,13 @@ class ScheduleStore:
         """Record (schedule id, created at) → materialised until; never moves one back."""
         if not progress:
             return
-        ids, created = zip(*progress, strict=True)
-        source = pa.table(
-            {
-                "schedule_id": pa.array(ids, pa.string()),
-                "created_at": pa.array([_ts(c) for c in created], TIMESTAMP),
-                "until": pa.array([_ts(u) for u in progress.values()], TIMESTAMP),
-            }
-        )
+        until = pa.array([_ts(u) for u in progress.values()], TIMESTAMP)
+        source = _rows(progress).append_column("until", until)
 
         def commit() -> dict:
             return (
                 DeltaTable(self.path)
-                .merge(
-                    source,
-                    "t.schedule_id = s.schedule_id AND t.created_at = s.created_at",
-                    "s",
-                    "t",
-                )
+                .merge(source, _SAME_ROW, "s", "t")
                 .when_matched_update(
                     {"materialised_until": "s.until"}, "s.until > t.materialised_until"
                 )
