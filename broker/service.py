@@ -826,29 +826,31 @@ class Broker:
             refused.update(result[1])
         return True
 
-    def _dead(self, topic: str, ids: list[str] | None) -> tuple[int, list[Dead], set[str]]:
+    def _dead(self, topic: str, ids: list[str] | None) -> tuple[int, list[Dead], dict[str, int]]:
         """The dead of `ids` (None: all), from the ledger and then the events not yet in
         it; the ledger's checkpoint seq; the ids it has redriven since their last death.
 
         The events are read before the tables as well: the tables know a death by its
         dead letter, which a checkpoint writes before it trims the death, so one trimmed
-        while they are read is in that first read (unless they name its message)."""
+        while they are read is in that first read; it stands unless the tables hold a
+        redrive of its message from after it."""
         st = self.state(topic)
         wanted = None if ids is None else set(ids)
 
-        def deaths() -> dict[str, tuple[int, int]]:
+        def deaths() -> dict[str, tuple[int, int, int]]:
             return {
-                e.message_id: (e.bucket, e.sort_key)
+                e.message_id: (e.bucket, e.sort_key, e.at)
                 for e in st.events
                 if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted)
             }
 
         before = deaths()
         upto, dead, redriven = self.indexes[topic].dead(ids, (st.history, st.history_from))
-        for mid, death in before.items():
-            if mid not in redriven:
-                dead.setdefault(mid, death)
-        dead.update(deaths())
+        for mid, (bucket, key, at) in before.items():
+            if at > redriven.get(mid, at - 1):
+                dead.setdefault(mid, (bucket, key))
+                redriven.pop(mid, None)
+        dead.update((mid, (bucket, key)) for mid, (bucket, key, _) in deaths().items())
         return upto, [(mid, b, k) for mid, (b, k) in dead.items()], redriven
 
     async def peek(self, topic: str, mid: str) -> dict[str, Any]:

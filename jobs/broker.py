@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from dejaq.broker.api.app import create_app
     from dejaq.broker.api.http_server import SETTINGS
     from dejaq.broker.service import Broker, Producer
+    from dejaq.broker.storage.head_store import ReserveReached
     from dejaq.conf.kafka_login import check_login
     from dejaq.conf.settings import ConfigError, load_settings
     from dejaq.conf.storage import export
@@ -174,7 +175,14 @@ def run(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(settings, args.node_id, advertised, args.raft, peers, data_dir)
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
-    broker.start()
+    try:
+        broker.start()
+    except ReserveReached as e:
+        print(
+            f"error: node {args.node_id} cannot index its pending messages: {e.strerror}",
+            file=sys.stderr,
+        )
+        return 1
     print(
         f"broker {args.node_id}: {conf.tls.scheme}://{advertised} (listening on {args.http}) "
         f"raft {args.raft}",

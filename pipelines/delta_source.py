@@ -303,6 +303,9 @@ def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
     return [a for m in messages if isinstance(m, DeltaCommitMessage) for a in m.actions]
 
 
+HISTORY_LOOK = 1000  # commits `_same_batch` reads back for a batch's own
+
+
 class SecondWriter(RuntimeError):
     """A batch id the table has, committed with other app transactions than this
     commit's `also`: another writer on the same checkpoint wrote it from other input."""
@@ -372,23 +375,32 @@ def _same_batch(
 ) -> None:
     """Raise SecondWriter unless the table's commit of `txn` recorded `also` as given.
 
-    Reached only when the table has the batch: a replay, or another writer's."""
+    Reached only when the table has the batch: a replay, or another writer's. Where the
+    table has moved on and the batch's own commit is not among its last HISTORY_LOOK
+    commits (or left the log), what it recorded is unknown: a replay is assumed."""
     if not also:
         return
     app_id, batch_id = txn
-    then: DeltaTable | None = delta
+    then = delta
     if committed > batch_id:  # the app transactions since moved on: the batch's own commit
-        then = next(
+        found = next(
             (
-                DeltaTable(path, version=h["version"])
-                for h in delta.history()
+                h["version"]
+                for h in delta.history(limit=HISTORY_LOOK)
                 if h.get("dejaq.appId") == app_id and h.get("dejaq.batchId") == batch_id
             ),
             None,
         )
-    recorded = {
-        t.app_id: None if then is None else then.transaction_version(t.app_id) for t in also
-    }
+        if found is None:
+            log.warning(
+                "appId %s batch %d: its commit in %s is too far back to compare positions",
+                app_id,
+                batch_id,
+                path,
+            )
+            return
+        then = DeltaTable(path, version=found)
+    recorded = {t.app_id: then.transaction_version(t.app_id) for t in also}
     if all(recorded[t.app_id] == t.version for t in also):
         return
     ours = ", ".join(f"{t.app_id}={t.version}" for t in also)

@@ -94,12 +94,19 @@ class _Phases:
 def _still_buffered(buffer_path: str, ids: dict[str, Coordinates]) -> list[str]:
     """Which of `ids` still have their rows (at the given coordinates) in the buffer.
 
-    Filtered by the rows' Kafka offsets too: each file's statistics bound its offsets,
-    so only the files that may hold one of these rows are read, not every file's ids.
-    The filter is weighed against every file's bounds: for the few ids a batch reuses.
+    Filtered by the rows' Kafka coordinates too: each file's statistics bound its
+    partitions and offsets, so only the files that may hold one of these rows are read,
+    not every file's ids. The filter is weighed against every file's bounds: for the few
+    ids a batch reuses.
     """
-    offsets = {offset for _, _, offset in ids.values()}
-    where = matching(Table.BUFFER, source_offset=offsets, message_id=list(ids))
+    topics, partitions, offsets = (set(c) for c in zip(*ids.values(), strict=True))
+    where = matching(
+        Table.BUFFER,
+        source_topic=topics,
+        source_partition=partitions,
+        source_offset=offsets,
+        message_id=list(ids),
+    )
     return scan(buffer_path, Table.BUFFER, ["message_id"], where).column("message_id").to_pylist()
 
 

@@ -438,13 +438,17 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         A batch replayed after a restart was planned against the Kafka of then: each range
         is cut to the partition's log now (see `_in_log`), so offsets a topic made again
         (or a cut log) no longer has are skipped with a warning rather than waited for, and
-        not taken from the new log's records once it grows past them.
+        not taken from the new log's records once it grows past them. A batch this reader
+        has just planned ends at the ends it read: only the logs' beginnings are asked.
         """
         stop = _to_positions(end)
         begin = self._with_new_partitions(start, list(stop))
-        current = set(self._current_partitions())
-        existing = [tp for tp in stop if tp in current]
-        firsts, ends = self._beginning(existing), self._end(existing)
+        if stop == self._last_latest:
+            firsts, ends = self._beginning(list(stop)), stop
+        else:
+            current = set(self._current_partitions())
+            existing = [tp for tp in stop if tp in current]
+            firsts, ends = self._beginning(existing), self._end(existing)
         step = self.options.max_records_per_partition
         planned = []
         for tp, until in stop.items():

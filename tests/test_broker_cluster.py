@@ -1033,6 +1033,39 @@ def test_a_broker_refuses_a_topic_whose_buffer_holds_another_kinds_rows(tmp_path
     assert "Set kind back to timeline" in log.read_text()
 
 
+def test_a_node_whose_pending_messages_do_not_fit_its_disk_reserve_says_so_at_start(
+    tmp_path,
+) -> None:
+    """A node keeps `disk_reserve_bytes` free for its Raft journal; one whose disk is
+    within it cannot index its pending messages at start: it exits 1, naming the folder
+    and the setting, not with a traceback. A reserve above the disk's free space stands
+    in for a full disk."""
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([1, 2]))
+    beyond = shutil.disk_usage(tmp_path).free + (1 << 40)
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {warehouse}\n"
+        "kafka: {bootstrap: '127.0.0.1:9'}\n"
+        f"broker: {{disk_reserve_bytes: {beyond}}}\n"
+        "topics:\n  - {name: jobs, kind: priority, source: [in], buckets: 4}\n"
+    )
+    node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
+    log = tmp_path / "a.log"
+    with log.open("w") as err:
+        proc = node.proc = subprocess.Popen(
+            cluster.node_command(node, [node], str(conf)), stdout=subprocess.DEVNULL, stderr=err
+        )
+    try:
+        wait_until(lambda: proc.poll() is not None, timeout=60, what="the node to exit")
+    finally:
+        stop([node])
+    said = log.read_text()
+    assert proc.returncode == 1, said
+    assert "error: node a cannot index its pending messages:" in said, said
+    assert "broker.disk_reserve_bytes" in said and "Traceback" not in said, said
+
+
 def test_a_peer_on_the_old_wire_format_is_refused_and_named(
     tmp_path, kafka_bootstrap: str, kafka_source: str
 ) -> None:

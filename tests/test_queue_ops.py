@@ -248,7 +248,7 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
     assert "m1" not in index.rows
     upto, found, redriven = index.dead(None)
-    assert (upto, found, redriven) == (1, {"m1": (1, 1)}, set())
+    assert (upto, found, redriven) == (1, {"m1": (1, 1)}, {})
     redrive = state.redrive(2, upto, [("m1", *found["m1"])], sort_key=0)
     assert redrive == (["m1"], {})
     index.push(state, redrive[0])
@@ -259,7 +259,7 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
 
     checkpoint(warehouse, "jobs", state.events)
     assert index.settled_event("m1") is None, "dead, then redriven: pending"
-    assert index.dead(["m1"])[1:] == ({}, {"m1"})
+    assert index.dead(["m1"])[1] == {} and set(index.dead(["m1"])[2]) == {"m1"}
     fresh = TopicIndex(warehouse, topic_conf())
     fresh.load()
     assert sorted(fresh.rows) == ["m0", "m1"], "a node starting now indexes it"

@@ -858,12 +858,12 @@ def test_a_redrive_reads_the_ledger_from_the_earliest_death_it_names_on(tmp_path
     for path in history:
         path.unlink()
     upto, found, redriven = index.dead(["m1"])
-    assert (found, redriven) == ({"m1": (1, 1)}, set())
+    assert (found, redriven) == ({"m1": (1, 1)}, {})
     assert state.redrive(now + 2, upto, [("m1", *found["m1"])]) == (["m1"], {})
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
-    assert index.dead(["m1"])[1:] == ({}, {"m1"}), "redriven since its death"
-    assert index.dead(["m0"])[1:] == ({}, set()), "never died"
-    assert index.dead(None)[1:] == ({}, {"m1"})
+    assert index.dead(["m1"])[1] == {} and set(index.dead(["m1"])[2]) == {"m1"}, "redriven"
+    assert index.dead(["m0"])[1:] == ({}, {}), "never died"
+    assert index.dead(None)[1] == {} and set(index.dead(None)[2]) == {"m1"}
 
 
 def test_a_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriven(
@@ -906,6 +906,64 @@ def test_a_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriven(
         return await broker.redrive("jobs", ["m1"], None, None)
 
     assert on_one_node(tmp_path, scenario) == (1, {})
+
+
+def test_a_second_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriven(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A message died, was redriven, and died again. A redrive reads the tables before
+    the checkpoint writes the second death (they show the first redrive last), and the
+    checkpoint trims it from Raft before the redrive reads the state's events again: the
+    death it read before the tables, later than that redrive, still stands."""
+    import threading
+
+    from dejaq.broker.service import Broker
+    from dejaq.broker.storage import checkpoints
+
+    read, gate = threading.Event(), threading.Event()
+    real_write = checkpoints.write_ledger
+
+    def after_the_read(*args: object) -> int:
+        if gate.is_set():
+            assert read.wait(30), "the redrive read the tables"
+        return real_write(*args)
+
+    monkeypatch.setattr(checkpoints, "write_ledger", after_the_read)
+
+    async def scenario(broker: Broker) -> tuple[tuple, tuple]:
+        index, st = broker.indexes["jobs"], broker.state("jobs")
+
+        async def lease_and_reject() -> None:
+            await _until(lambda: "m1" in index.rows or "m1" in index.unread, "m1 pending")
+            leased: list = []
+            while not leased:
+                leased = json.loads(await broker.lease("jobs", "w", 1, 60_000, 0))
+            assert [m["id"] for m in leased] == ["m1"]
+            await broker.settle("jobs", "reject", "w", ["m1"])
+
+        def trimmed() -> bool:
+            return not any(e.message_id == "m1" for e in st.events)
+
+        await lease_and_reject()
+        await _until(trimmed, "the first death checkpointed")
+        first = await broker.redrive("jobs", ["m1"], None, None)
+        await _until(trimmed, "the redrive checkpointed")
+        real_dead = index.dead
+
+        def then_trimmed(*args: object) -> tuple:
+            answer = real_dead(*args)
+            read.set()
+            wait_until(trimmed, what="the second death trimmed")
+            return answer
+
+        index.dead = then_trimmed
+        gate.set()
+        await lease_and_reject()
+        return first, await broker.redrive("jobs", ["m1"], None, None)
+
+    first, second = on_one_node(tmp_path, scenario)
+    assert first == (1, {})
+    assert second == (1, {}), "redriven again, not refused as already redriven"
 
 
 def test_a_snapshot_reads_the_ledger_for_a_row_gone_from_its_ingestion_on(

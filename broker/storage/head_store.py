@@ -140,13 +140,16 @@ class HeadStore:
         the write would leave less than `reserve` bytes free on the folder's disk (a
         compaction's `write_joined`, which frees more than it takes, does not look).
         """
+        self.check_room(sum(map(len, heads)) + len(heads))
+        return self.write_joined("\0".join(heads).encode("ascii") + SEP, ends(heads))
+
+    def check_room(self, size: int = 0) -> None:
+        """`ReserveReached` unless `size` more bytes leave `reserve` free on the disk."""
         if self.folder is not None and self.reserve:
             stat = os.statvfs(self.folder)
             free = stat.f_bavail * stat.f_frsize
-            size = sum(map(len, heads)) + len(heads)
             if free - size < self.reserve:
                 raise ReserveReached(self.folder, free, self.reserve)
-        return self.write_joined("\0".join(heads).encode("ascii") + SEP, ends(heads))
 
     def write_joined(self, data: bytes, placed: np.ndarray) -> tuple[Segment, int]:
         """`write` for heads already joined, each followed by SEP, `placed[i]` where head

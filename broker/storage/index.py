@@ -412,8 +412,10 @@ class TopicIndex:
         then copied from it in sort order a slice at a time. Between two copies of an id
         in one bucket's new files the lower sort key wins (the ingest drops such
         duplicates before they reach the buffer: this only keeps the index consistent).
-        Raises with none of its heads counted live in the node's store.
+        Raises with none of its heads counted live in the node's store, at once if the
+        disk is within the node's reserve (`HeadStore.check_room`).
         """
+        self.heads.check_room()
         keys = pa.concat_tables(
             conform(
                 pq.read_table(
@@ -1040,26 +1042,30 @@ class TopicIndex:
 
     def dead(
         self, ids: list[str] | None, history: History = ("", 0)
-    ) -> tuple[int, dict[str, tuple[int, int]], set[str]]:
+    ) -> tuple[int, dict[str, tuple[int, int]], dict[str, int]]:
         """What the ledger says about deaths, for a redrive of `ids` (None: all); its
         checkpoint seq counted in the state's `history`.
 
         Returns the checkpoint seq the ledger was read at; the dead not redriven since,
         each with its bucket and sort key at its last death; and the ids redriven since
-        their last death. The dead letters name the candidates (they hold deaths only),
-        and the ledger is read from the earliest of their deaths on, less the clock skew
-        a redrive stamped by another leader may show: its cost follows how long ago they
-        died, not the ledger's history. A death whose dead letter is not written yet is
-        still in Raft (`TopicState.trim`'s `keep`), where the caller looks too.
-        Blocking: call it off the event loop.
+        their last death, each with its redrive's time (epoch ms). The dead letters name
+        the candidates (they hold deaths only), and the ledger is read from the earliest
+        of their last deaths on, less the clock skew a redrive stamped by another leader
+        may show: its cost follows how long ago they last died, not the ledger's history.
+        A death whose dead letter is not written yet is still in Raft (`TopicState.trim`'s
+        `keep`), where the caller looks too. Blocking: call it off the event loop.
         """
         table = DeltaTable(self.ledger_path)
         upto = max(table.transaction_version(app_id(history[0])) or 0, history[1])
         named = None if ids is None else matching(Table.DEAD_LETTER, message_id=ids)
         letters = scan(self.dead_letter_path, Table.DEAD_LETTER, ["message_id", "dead_at"], named)
         if not letters.num_rows:
-            return upto, {}, set()
-        first_ms = pc.min(letters.column("dead_at")).value // 1000
+            return upto, {}, {}
+        # Each message's last death: what came before it does not say what it is now.
+        last_deaths = letters.group_by("message_id", use_threads=False).aggregate(
+            [("dead_at", "max")]
+        )
+        first_ms = pc.min(last_deaths.column("dead_at_max")).value // 1000
         candidates = None if ids is None else sorted(set(letters.column("message_id").to_pylist()))
         last = latest_events(
             self.ledger_path,
@@ -1079,7 +1085,15 @@ class TopicIndex:
                 strict=True,
             )
         }
-        return upto, dead, set(last.filter(pc.invert(died)).column("message_id").to_pylist())
+        again = last.filter(pc.invert(died))
+        redriven = dict(
+            zip(
+                again.column("message_id").to_pylist(),
+                (at.value // 1000 for at in again.column("at_last")),
+                strict=True,
+            )
+        )
+        return upto, dead, redriven
 
     def pending(self, state: TopicState) -> list[Pick]:
         """Every indexed message neither settled nor leased, at its row's sort key (a
