@@ -306,6 +306,14 @@ def _actions(messages: list[WriterCommitMessage | None]) -> list[AddAction]:
 HISTORY_LOOK = 1000  # commits `_same_batch` reads back for a batch's own
 
 
+class TableChanged(RuntimeError):
+    """A table's properties no longer those the rows being committed were made for."""
+
+    def __init__(self, path: str, assumed: dict[str, str], found: dict[str, str | None]) -> None:
+        super().__init__(f"{path}: properties {found} where this writer assumed {assumed}")
+        self.assumed, self.found = assumed, found
+
+
 class SecondWriter(RuntimeError):
     """A batch id the table has, committed with other app transactions than this
     commit's `also`: another writer on the same checkpoint wrote it from other input."""
@@ -317,8 +325,12 @@ def commit(
     mode: str,
     txn: tuple[str, int] | None,
     also: Sequence[Transaction] = (),
+    assumes: Mapping[str, str] | None = None,
 ) -> None:
     """One Delta commit; with txn=(app id, batch id), none if the table already has it.
+
+    `assumes` are table properties the rows were made for (a topic's kind): a table
+    whose properties changed since, by another process, refuses them (`TableChanged`).
 
     `also` are more app transactions the commit records with txn (a streaming writer's
     source positions, say): an append of no files is still committed to record them.
@@ -334,6 +346,10 @@ def commit(
         return  # an empty batch: no commit, no version to record, no open of the table
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         delta = DeltaTable(table.path)
+        if assumes:
+            have = delta.metadata().configuration
+            if changed := {k: have.get(k) for k, v in assumes.items() if have.get(k) != v}:
+                raise TableChanged(table.path, dict(assumes), changed)
         properties = CommitProperties(app_transactions=list(also)) if also else None
         if txn is not None:
             app_id, batch_id = txn

@@ -37,6 +37,8 @@ from pyspark.sql.streaming import StreamingQuery
 from dejaq.conf.kafka_clients import jvm_options, python_source_options
 from dejaq.conf.settings import Settings, TopicConfig
 from dejaq.conf.tables import (
+    KIND_PROPERTY,
+    KindChanged,
     Table,
     checkpoint_path,
     column,
@@ -49,7 +51,7 @@ from dejaq.conf.tables import (
 from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import Coordinates, SeenIds, Verdict, default_id_pattern
-from dejaq.pipelines.delta_source import SecondWriter, WriteTarget, commit
+from dejaq.pipelines.delta_source import SecondWriter, TableChanged, WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
 from dejaq.pipelines.ingest_resume import Resume, positions, resume, since_app_id, version
 from dejaq.pipelines.retention import expire_quarantine, ledger_tail
@@ -303,8 +305,21 @@ class IngestJob:
         since = batch if self._positions_since < 0 else None
         try:
             commit(
-                buffer, files.buffer, "append", txn, positions(self.app_id, files.consumed, since)
+                buffer,
+                files.buffer,
+                "append",
+                txn,
+                positions(self.app_id, files.consumed, since),
+                {KIND_PROPERTY: self.topic.kind.value},
             )
+        except TableChanged as e:
+            raise KindChanged(
+                f"topic {self.topic.name!r}: its buffer was recorded as kind "
+                f"{e.found[KIND_PROPERTY]} (by a broker or release started since with that "
+                f"configuration) while this ingest writes kind {self.topic.kind.value}: its "
+                "batch is not committed; start the ingest with the topic's new configuration, "
+                "or give the brokers and release the old one back"
+            ) from e
         except SecondWriter as e:
             # The checkpoint may hold either driver's offsets now; the buffer holds the
             # positions of its last whole batch, where a new checkpoint resumes.

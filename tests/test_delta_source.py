@@ -479,3 +479,26 @@ def test_a_batch_the_table_has_from_other_positions_is_a_second_writer_not_a_rep
     assert app_commits(path, "ingest") == [0, 1]
     assert DeltaTable(path).transaction_version("ingest:in:0") == 30
     assert DeltaTable(path).to_pyarrow_table().num_rows == 6
+
+
+def test_rows_made_for_a_kind_the_buffer_no_longer_records_are_not_committed(
+    tmp_path: Path,
+) -> None:
+    """An ingest started as a timeline writes deliver_at times; a broker restarted since
+    as a priority topic, on an empty buffer, recorded the new kind: the ingest's next
+    batch is refused, not read as priorities and leased at once. Made for the recorded
+    kind, it is committed."""
+    from dejaq.conf.settings import TopicConfig
+    from dejaq.conf.tables import KIND_PROPERTY, ensure_buffer
+
+    warehouse = str(tmp_path)
+    path = ensure_buffer(warehouse, TopicConfig(name="jobs", kind="timeline", source=["in"]))
+    target = WriteTarget.of(path)
+    ensure_buffer(warehouse, TopicConfig(name="jobs", kind="priority", source=["in"]))
+    actions = delta_source.write_files(target, buffer_rows(3))
+    with pytest.raises(delta_source.TableChanged, match="'priority'") as refused:
+        delta_source.commit(target, actions, "append", None, (), {KIND_PROPERTY: "timeline"})
+    assert refused.value.found == {KIND_PROPERTY: "priority"}
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 0
+    delta_source.commit(target, actions, "append", None, (), {KIND_PROPERTY: "priority"})
+    assert DeltaTable(path).to_pyarrow_table().num_rows == 3
