@@ -911,6 +911,7 @@ def test_new_messages_wait_in_the_buffer_while_the_disk_is_within_the_reserve(
         index.heads.reserve = beyond
         fill(warehouse, "jobs", buffer_rows([3, 4], lambda i: 0, "b"))
         await _until(lambda: "jobs" in broker.short_of_disk, "the reserve reached")
+        await _until(lambda: broker.ready()[0], "the node ready, its HTTP address registered")
         held, status = sorted(index.rows), broker.ready()[1]
         index.heads.reserve = 1
         await _until(lambda: "b1" in index.rows, "the new rows indexed once there is room")
