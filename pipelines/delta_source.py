@@ -309,7 +309,7 @@ HISTORY_LOOK = 1000  # commits `_same_batch` reads back for a batch's own
 class TableChanged(RuntimeError):
     """A table's properties no longer those the rows being committed were made for."""
 
-    def __init__(self, path: str, assumed: dict[str, str], found: dict[str, str | None]) -> None:
+    def __init__(self, path: str, assumed: dict[str, str], found: dict[str, str]) -> None:
         super().__init__(f"{path}: properties {found} where this writer assumed {assumed}")
         self.assumed, self.found = assumed, found
 
@@ -330,7 +330,8 @@ def commit(
     """One Delta commit; with txn=(app id, batch id), none if the table already has it.
 
     `assumes` are table properties the rows were made for (a topic's kind): a table
-    whose properties changed since, by another process, refuses them (`TableChanged`).
+    that sets one of them otherwise, since changed by another process, refuses them
+    (`TableChanged`); one it does not set (a table made before it) changes nothing.
 
     `also` are more app transactions the commit records with txn (a streaming writer's
     source positions, say): an append of no files is still committed to record them.
@@ -348,7 +349,7 @@ def commit(
         delta = DeltaTable(table.path)
         if assumes:
             have = delta.metadata().configuration
-            if changed := {k: have.get(k) for k, v in assumes.items() if have.get(k) != v}:
+            if changed := {k: have[k] for k, v in assumes.items() if have.get(k, v) != v}:
                 raise TableChanged(table.path, dict(assumes), changed)
         properties = CommitProperties(app_transactions=list(also)) if also else None
         if txn is not None:

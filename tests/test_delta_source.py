@@ -502,3 +502,8 @@ def test_rows_made_for_a_kind_the_buffer_no_longer_records_are_not_committed(
     assert DeltaTable(path).to_pyarrow_table().num_rows == 0
     delta_source.commit(target, actions, "append", None, (), {KIND_PROPERTY: "priority"})
     assert DeltaTable(path).to_pyarrow_table().num_rows == 3
+    unset = ensure_table(warehouse, Table.BUFFER, "older")  # made before kinds were recorded
+    older = WriteTarget.of(unset)
+    rows = delta_source.write_files(older, buffer_rows(2))
+    delta_source.commit(older, rows, "append", None, (), {KIND_PROPERTY: "timeline"})
+    assert DeltaTable(unset).to_pyarrow_table().num_rows == 2, "no kind set: nothing changed"
