@@ -1001,6 +1001,22 @@ def test_a_broker_whose_raft_port_is_taken_exits_with_the_reason(tmp_path) -> No
     assert f"cannot listen on the Raft address {raft}" in result.stderr
 
 
+def exit_at_start(tmp_path: Path, conf: Path) -> tuple[int, str]:
+    """Start node "a" alone on `conf`, which it is expected to refuse: its exit code and
+    what it wrote to stderr."""
+    node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
+    log = tmp_path / "a.log"
+    with log.open("w") as err:
+        proc = node.proc = subprocess.Popen(
+            cluster.node_command(node, [node], str(conf)), stdout=subprocess.DEVNULL, stderr=err
+        )
+    try:
+        wait_until(lambda: proc.poll() is not None, timeout=60, what="the node to exit")
+    finally:
+        stop([node])
+    return proc.returncode, log.read_text()
+
+
 def test_a_broker_refuses_a_topic_whose_buffer_holds_another_kinds_rows(tmp_path) -> None:
     """A timeline's pending deliver_at times (epoch ms) read as priorities would be leased
     at once: a node whose configuration made the topic a priority one exits at start,
@@ -1015,22 +1031,13 @@ def test_a_broker_refuses_a_topic_whose_buffer_holds_another_kinds_rows(tmp_path
         "kafka: {bootstrap: '127.0.0.1:9'}\n"
         "topics:\n  - {name: later, kind: priority, source: [in], buckets: 4}\n"
     )
-    node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
-    log = tmp_path / "a.log"
-    with log.open("w") as err:
-        proc = node.proc = subprocess.Popen(
-            cluster.node_command(node, [node], str(conf)), stdout=subprocess.DEVNULL, stderr=err
-        )
-    try:
-        wait_until(lambda: proc.poll() is not None, timeout=60, what="the node to exit")
-    finally:
-        stop([node])
-    assert proc.returncode == 2, log.read_text()
+    code, said = exit_at_start(tmp_path, conf)
+    assert code == 2, said
     assert (
         "topic 'later' is configured as kind priority, but its buffer holds 2 rows written as "
-        "kind timeline" in log.read_text()
-    ), log.read_text()
-    assert "Set kind back to timeline" in log.read_text()
+        "kind timeline" in said
+    ), said
+    assert "Set kind back to timeline" in said
 
 
 def test_a_node_whose_pending_messages_do_not_fit_its_disk_reserve_says_so_at_start(
@@ -1050,18 +1057,8 @@ def test_a_node_whose_pending_messages_do_not_fit_its_disk_reserve_says_so_at_st
         f"broker: {{disk_reserve_bytes: {beyond}}}\n"
         "topics:\n  - {name: jobs, kind: priority, source: [in], buckets: 4}\n"
     )
-    node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
-    log = tmp_path / "a.log"
-    with log.open("w") as err:
-        proc = node.proc = subprocess.Popen(
-            cluster.node_command(node, [node], str(conf)), stdout=subprocess.DEVNULL, stderr=err
-        )
-    try:
-        wait_until(lambda: proc.poll() is not None, timeout=60, what="the node to exit")
-    finally:
-        stop([node])
-    said = log.read_text()
-    assert proc.returncode == 1, said
+    code, said = exit_at_start(tmp_path, conf)
+    assert code == 1, said
     assert "error: node a cannot index its pending messages:" in said, said
     assert "broker.disk_reserve_bytes" in said and "Traceback" not in said, said
 
