@@ -14,6 +14,7 @@ import socket
 import ssl
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -231,19 +232,15 @@ def answer(body: bytes = LEASE_BODY, *headers: str, status: str = "200 OK") -> b
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
-class Wire:
-    """A node's stand-in that answers each request (read whole) with the next scripted
-    bytes, sent in the pieces given, and closes the connection after those marked so.
-    Counts connections and requests."""
+class FakeNode(ABC):
+    """A node's stand-in on a raw socket: each connection is handed to `_handle` on its
+    own thread, until `close`. Counts connections."""
 
-    def __init__(self, script: list[tuple[list[bytes], bool]]) -> None:
-        self.script = iter(script)
+    def __init__(self) -> None:
         self.server = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
         self.connections = 0
-        self.requests: list[bytes] = []
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
@@ -252,9 +249,25 @@ class Wire:
             except OSError:  # closed: the test is over
                 return
             self.connections += 1
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
-    def _answer(self, conn: socket.socket) -> None:
+    @abstractmethod
+    def _handle(self, conn: socket.socket) -> None: ...
+
+    def close(self) -> None:
+        self.server.close()
+
+
+class Wire(FakeNode):
+    """Answers each request (read whole) with the next scripted bytes, sent in the
+    pieces given, and closes the connection after those marked so. Counts requests."""
+
+    def __init__(self, script: list[tuple[list[bytes], bool]]) -> None:
+        self.script = iter(script)
+        self.requests: list[bytes] = []
+        super().__init__()
+
+    def _handle(self, conn: socket.socket) -> None:
         with conn:
             data = b""
             while True:
@@ -278,9 +291,6 @@ class Wire:
                     conn.sendall(piece)
                 if close:
                     return
-
-    def close(self) -> None:
-        self.server.close()
 
 
 @contextmanager
@@ -343,27 +353,16 @@ def test_bytes_after_an_answer_leave_it_whole_and_the_connection_unused() -> Non
         assert node.connections == 2
 
 
-class Trickle:
-    """A node's stand-in that reads a request, sends an answer's head announcing a long
-    body, then one byte of it every `gap_s`, for ever: never silent for as long as one
-    read waits, never done."""
+class Trickle(FakeNode):
+    """Reads a request, sends an answer's head announcing a long body, then one byte of
+    it every `gap_s`, for ever: never silent for as long as one read waits, never done."""
 
     def __init__(self, gap_s: float) -> None:
         self.gap_s = gap_s
         self.stop = threading.Event()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
+        super().__init__()
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.server.accept()
-            except OSError:  # closed: the test is over
-                return
-            threading.Thread(target=self._trickle, args=(conn,), daemon=True).start()
-
-    def _trickle(self, conn: socket.socket) -> None:
+    def _handle(self, conn: socket.socket) -> None:
         with conn:
             data = b""
             while b"\r\n\r\n" not in data:
@@ -380,7 +379,7 @@ class Trickle:
 
     def close(self) -> None:
         self.stop.set()
-        self.server.close()
+        super().close()
 
 
 def test_a_node_trickling_its_answer_fails_the_call_by_its_deadline() -> None:
