@@ -37,6 +37,26 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
         time.sleep(0.05)
 
 
+def drop_first_answer(client: Any, suffix: str) -> list[str]:
+    """Make the client's first request to a path ending in `suffix` reach the broker,
+    then lose its answer as a dropped connection would (the client's own `Lost`); the
+    rest is real. Returns the paths dropped, to assert it happened."""
+    from dejaq.client.connections import Lost
+
+    real = client._http.request
+    dropped: list[str] = []
+
+    def request(node: str, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        answer = real(node, method, path, body, **kw)
+        if path.endswith(suffix) and not dropped:
+            dropped.append(path)
+            raise Lost("the connection dropped before the answer")
+        return answer
+
+    client._http.request = request
+    return dropped
+
+
 @pytest.fixture(scope="session")
 def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real Kafka: $DEJAQ_KAFKA_BOOTSTRAP if set, else `dejaq kafka` on a free port."""

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import wait_until
+from conftest import drop_first_answer, wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
@@ -31,7 +31,6 @@ from dejaq.client import (
     PayloadTooLarge,
     Worker,
 )
-from dejaq.client.connections import Lost
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -668,17 +667,7 @@ def test_a_nack_whose_answer_was_lost_counts_as_nacked_not_lost(three) -> None:
                 raise Transient("fails once")
 
     with Client(urls(nodes)) as c:
-        real = c._http.request
-        dropped: list[str] = []
-
-        def request(node, method, path, body=None, **kwargs):
-            answer = real(node, method, path, body, **kwargs)
-            if path.endswith("/nacks") and not dropped:
-                dropped.append(path)
-                raise Lost("the connection dropped before the answer")
-            return answer
-
-        c._http.request = request
+        dropped = drop_first_answer(c, "/nacks")
         worker = Worker(c, "ord", handler, wait_ms=200, backoff=Backoff(base_ms=10, max_ms=20))
         [thread] = run_workers([worker])
         try:
