@@ -8,6 +8,7 @@ two readers, no drift.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Collection, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -17,6 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
+import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
@@ -265,6 +267,45 @@ TABLE_PROPERTIES = {
     "delta.logRetentionDuration": LOG_RETENTION,
     "delta.deletedFileRetentionDuration": LOG_RETENTION,
 }
+
+
+def is_broker_app_id(app_id: str) -> bool:
+    """Whether `app_id` is the lease broker's, of any Raft history (`BROKER_APP_ID`)."""
+    return app_id == BROKER_APP_ID or app_id.startswith(f"{BROKER_APP_ID}:")
+
+
+def app_transactions(path: str) -> dict[str, int]:
+    """Every app transaction of the Delta table at `path`, by app id, with its version:
+    read from the log (its latest Delta checkpoint, then each commit after it), since
+    delta-rs looks one up only by its app id, and the brokers' ids name Raft histories
+    no reader of the table knows."""
+    fs, root = filesystem(path)
+    log_dir = f"{root}/_delta_log"
+    found: dict[str, int] = {}
+    try:
+        with fs.open_input_stream(f"{log_dir}/_last_checkpoint") as f:
+            last = json.loads(f.read())
+    except FileNotFoundError:
+        version = -1
+    else:
+        version = int(last["version"])
+        parts = int(last.get("parts") or 0)
+        stem = f"{log_dir}/{version:020d}.checkpoint"
+        files = [f"{stem}.{i:010d}.{parts:010d}.parquet" for i in range(1, parts + 1)]
+        for file in files or [f"{stem}.parquet"]:
+            txns = pq.read_table(file, columns=["txn"], filesystem=fs)
+            for txn in txns.column("txn").drop_null().to_pylist():
+                found[txn["appId"]] = txn["version"]
+    while True:
+        version += 1
+        try:
+            entry = fs.open_input_stream(f"{log_dir}/{version:020d}.json")
+        except FileNotFoundError:
+            return found
+        with entry:
+            for line in entry.read().decode().splitlines():
+                if txn := json.loads(line).get("txn"):
+                    found[txn["appId"]] = txn["version"]
 
 
 def create_if_missing(

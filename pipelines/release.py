@@ -48,9 +48,11 @@ from dejaq.conf.tables import (
     LEDGER_SCHEMA,
     LedgerEvent,
     Table,
+    app_transactions,
     checkpoint_path,
     ensure_buffer,
     ensure_table,
+    is_broker_app_id,
     matching,
     scan,
 )
@@ -167,9 +169,12 @@ def release_app_id(topic: str) -> str:
     return f"dejaq-release-{topic}"
 
 
-def taken_over_app_id(topic: str) -> str:
-    """The ledger's app transaction a take-over writes, its version the brokers' tag then."""
-    return f"{release_app_id(topic)}:taken-over"
+def taken_over_app_id(topic: str, brokers: str = BROKER_APP_ID) -> str:
+    """The ledger's app transaction a take-over writes for the brokers' app transaction
+    `brokers` (one per Raft history), its version that one's then."""
+    history = brokers.removeprefix(BROKER_APP_ID).removeprefix(":")
+    taken = f"{release_app_id(topic)}:taken-over"
+    return f"{taken}:{history}" if history else taken
 
 
 def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> None:
@@ -177,23 +182,24 @@ def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> No
     `take_over` says its brokers are stopped and its workers drained: the brokers' Raft
     state holds what the ledger does not yet (leases in flight, acks not yet
     checkpointed, nack delays, retry backoffs and reschedules), which this job cannot
-    see. A take-over notes the brokers' tag as it found it: a topic handed back to the
-    brokers since, whose checkpoints moved the tag on, needs another."""
-    ledger = DeltaTable(ensure_table(settings.warehouse, Table.LEDGER, topic.name))
-    brokers = ledger.transaction_version(BROKER_APP_ID)
-    if brokers is None:
+    see. A take-over notes each brokers' tag as it found it, one per Raft history that
+    checkpointed the topic: a topic handed back to the brokers since, whose checkpoints
+    moved a tag on or began one under a new history, needs another."""
+    path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
+    transactions = app_transactions(path)
+    behind = [
+        Transaction(taken_over_app_id(topic.name, app), tag)
+        for app, tag in transactions.items()
+        if is_broker_app_id(app) and transactions.get(taken_over_app_id(topic.name, app), -1) < tag
+    ]
+    if not behind:
         return
-    taken = ledger.transaction_version(taken_over_app_id(topic.name))
     if take_over:
-        if taken != brokers:
-            marker = CommitProperties(
-                app_transactions=[Transaction(taken_over_app_id(topic.name), brokers)]
-            )
-            ledger.create_write_transaction(
-                [], mode="append", schema=ledger.schema(), commit_properties=marker
-            )
-        return
-    if taken is not None and taken >= brokers:
+        ledger = DeltaTable(path)
+        marker = CommitProperties(app_transactions=behind)
+        ledger.create_write_transaction(
+            [], mode="append", schema=ledger.schema(), commit_properties=marker
+        )
         return
     raise ConfigError(
         f"topic {topic.name!r} was delivered by the lease broker (its ledger holds the "

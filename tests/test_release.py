@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import signal
 import subprocess
@@ -12,11 +13,12 @@ import uuid
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pytest
 from conftest import wait_until
-from deltalake import DeltaTable, write_deltalake
+from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
@@ -41,6 +43,9 @@ from dejaq.pipelines.pending import Message
 from dejaq.pipelines.release import STATS_KEPT, ReleaseJob, Releaser, in_partition_order
 from dejaq.pipelines.session import detect_connectors
 from dejaq.pipelines.timed_sender import TimedSender
+
+if TYPE_CHECKING:
+    from dejaq.broker.state.leases import TopicState
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -252,6 +257,83 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     state.lease("w", 2, 1000, [("again-0", 0, 9)])
     assert state.ack("w", 3, ["again-0"]) == {}
     checkpoint(s.warehouse, "jobs", state.events)
+    with pytest.raises(ConfigError, match="--take-over"):
+        Releaser(s, s.topic("jobs"))
+
+
+def brokers_checkpoint(
+    s: Settings, state: TopicState, history: tuple[str, int], rounds: int = 1
+) -> int:
+    """`rounds` brokers' checkpoints of one acked message each, written by the ledger
+    writer under Raft history `history`, as a leader of that history writes them;
+    return the last seq written."""
+    from dejaq.broker.storage.ledger_writer import checkpoint
+
+    upto = history[1]
+    for _ in range(rounds):
+        mid = f"leased-{uuid.uuid4().hex[:8]}"
+        state.lease("w", 0, 1000, [(mid, 0, 1)])
+        assert state.ack("w", 1, [mid]) == {}
+        upto = checkpoint(s.warehouse, "jobs", state.events, history)
+    return upto
+
+
+def test_a_take_over_counts_the_brokers_checkpoints_of_every_raft_history(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """Brokers started afresh over the warehouse checkpoint under a Raft history of
+    their own, and the tags of a take-over by a new history begin anew: a ledger whose
+    brokers' checkpoints are all under a later history is refused until taken over,
+    and so is one a new history checkpointed since the last take-over. Enough
+    checkpoints for a Delta checkpoint of the ledger, whose tags the start reads too."""
+    from dejaq.broker.state.leases import TopicState
+
+    out = topic_factory(partitions=1)
+    conf = write_conf(tmp_path, kafka_bootstrap, "priority", out)
+    s = load_settings(conf, env={})
+    state = TopicState(4, 5)
+    written = brokers_checkpoint(s, state, ("later", 0), rounds=9)
+    ledger = ensure_table(s.warehouse, Table.LEDGER, "jobs")
+    last = json.loads(Path(ledger, "_delta_log", "_last_checkpoint").read_text())
+    assert last["version"] == DeltaTable(ledger).version(), "the tags only in a Delta checkpoint"
+    with pytest.raises(ConfigError, match=r"delivered by the lease broker.*--take-over"):
+        Releaser(s, s.topic("jobs"))
+    result = subprocess.run(
+        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
+    Releaser(s, s.topic("jobs"), take_over=True).finish()
+    Releaser(s, s.topic("jobs")).finish()  # taken over: its topic, no flag needed
+    # Handed back to brokers that begin a new history past what the ledger holds.
+    brokers_checkpoint(s, state, ("newer", written))
+    with pytest.raises(ConfigError, match="--take-over"):
+        Releaser(s, s.topic("jobs"))
+    Releaser(s, s.topic("jobs"), take_over=True).finish()
+    Releaser(s, s.topic("jobs")).finish()
+
+
+def test_a_take_over_noted_before_histories_were_told_apart_still_holds(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A ledger taken over when only the brokers' first Raft history's tag was noted
+    (one app transaction, its version that tag) is still this job's: no flag needed,
+    until the brokers checkpoint it again, here under a new history begun past it."""
+    from dejaq.broker.state.leases import TopicState
+
+    out = topic_factory(partitions=1)
+    s = settings_for(tmp_path, kafka_bootstrap, "priority", out)
+    state = TopicState(4, 5)
+    tag = brokers_checkpoint(s, state, ("", 0))
+    ledger = DeltaTable(ensure_table(s.warehouse, Table.LEDGER, "jobs"))
+    mark = CommitProperties(app_transactions=[Transaction("dejaq-release-jobs:taken-over", tag)])
+    ledger.create_write_transaction(
+        [], mode="append", schema=ledger.schema(), commit_properties=mark
+    )
+    Releaser(s, s.topic("jobs")).finish()
+    brokers_checkpoint(s, state, ("newer", tag))
     with pytest.raises(ConfigError, match="--take-over"):
         Releaser(s, s.topic("jobs"))
 

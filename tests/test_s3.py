@@ -28,9 +28,9 @@ from test_retention import ingest_append
 from dejaq.broker.state.leases import Settlement
 from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.settings import ConfigError, StorageConfig, load_settings
-from dejaq.conf.storage import describe, environment, region, spark_conf
+from dejaq.conf.storage import describe, environment, filesystem, region, spark_conf
 from dejaq.conf.table_watch import IDLE_PROBE_MAX_S, TableWatch
-from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table, table_path
+from dejaq.conf.tables import LEDGER_SCHEMA, Table, app_transactions, ensure_table, table_path
 from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
 from dejaq.pipelines.compaction import maintain
@@ -300,6 +300,25 @@ def test_two_leaders_writing_the_ledger_keep_each_event_once(warehouse_s3: str) 
     ledger = DeltaTable(table_path(warehouse_s3, Table.LEDGER, "jobs"))
     ids = ledger.to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
     assert sorted(ids) == sorted(e.message_id for e in events)
+
+
+def test_a_ledgers_app_transactions_are_read_from_its_log_on_s3(warehouse_s3: str) -> None:
+    """The brokers' tags of every Raft history, as delta-rs has them, read from the
+    ledger's Delta checkpoint and the commits after it on an object store."""
+    now = int(time.time() * 1000)
+    events = [Settlement(s, f"m{s}", 0, "acked", s, 1, now) for s in range(1, 13)]
+    for end in range(1, 7):
+        write_ledger(warehouse_s3, "jobs", events[:end])
+    for end in range(7, 13):
+        write_ledger(warehouse_s3, "jobs", events[:end], ("later", 6))
+    ledger = ensure_table(warehouse_s3, Table.LEDGER, "jobs")
+    found = app_transactions(ledger)
+    table = DeltaTable(ledger)
+    assert found == {app: table.transaction_version(app) for app in found}
+    assert found == {"dejaq-broker": 6, "dejaq-broker:later": 12}, found
+    fs, root = filesystem(ledger)
+    with fs.open_input_stream(f"{root}/_delta_log/_last_checkpoint") as f:
+        assert 0 < json.loads(f.read())["version"] < table.version(), "a checkpoint, then commits"
 
 
 # --- the jobs on S3 ---------------------------------------------------------------------
