@@ -91,6 +91,10 @@ class TopicConfig(_Strict):
     # Event time: how far ahead of its record's Kafka timestamp an event time may be; one
     # further ahead is quarantined, as it would hold the watermark up there.
     max_event_time_ahead_ms: int = Field(default=3600 * 1000, ge=0, le=MAX_EVENT_TIME_AHEAD_MS)
+    # Event time: after this long without a newer event read, the watermark reaches the
+    # newest one (None: never, as Spark's, so an event waits for allowed_lateness_ms of
+    # newer event time however long that takes).
+    idle_timeout_ms: int | None = Field(default=None, ge=1)
     # Ingest batches between compactions of the buffer's small files (0: never).
     compact_every_batches: int = Field(default=100, ge=0)
     # Release job (delivery: release): its trigger, and priority mode's caps.
@@ -120,6 +124,8 @@ class TopicConfig(_Strict):
             raise ValueError("event_time topics are release-only: set delivery: release")
         if self.delivery is Delivery.RELEASE and not self.output:
             raise ValueError("delivery: release needs an output Kafka topic")
+        if self.idle_timeout_ms is not None and self.kind is not TopicKind.EVENT_TIME:
+            raise ValueError("idle_timeout_ms applies to event_time topics only")
         if self.retry_backoff_max_ms < self.retry_backoff_ms:
             raise ValueError("retry_backoff_max_ms must be at least retry_backoff_ms")
         if self.kind is TopicKind.CRON:

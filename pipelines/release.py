@@ -242,6 +242,44 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+def _monotonic_ms() -> int:
+    """The clock an idle timeout runs on: a wall clock stepped back would hold it."""
+    return int(time.monotonic() * 1000)
+
+
+@dataclass
+class EventWatermark:
+    """An event-time topic's watermark: the largest event time read (`top`) minus the
+    allowed lateness, or `top` itself once `idle_timeout_ms` (None: never) has passed by
+    this job's clock without a read moving `top`. Never lower than it has been, so an
+    event idleness let pass stays passed when newer ones lower the bound again. The idle
+    state lives in this process: a start runs the clock from its first read again."""
+
+    lateness_ms: int
+    idle_timeout_ms: int | None = None
+    top: int | None = None
+    _moved_ms: int = 0
+    _floor: int | None = None  # the highest `top` an idle timeout released up to
+
+    def follow(self, top: int | None, now_ms: int) -> None:
+        """After a read: note a moved `top`, or let it pass once idle long enough."""
+        if top != self.top:
+            self.top, self._moved_ms = top, now_ms
+        elif (
+            top is not None
+            and self.idle_timeout_ms is not None
+            and now_ms - self._moved_ms >= self.idle_timeout_ms
+        ):
+            self._floor = top
+
+    @property
+    def value(self) -> int | None:
+        if self.top is None:
+            return None
+        mark = self.top - self.lateness_ms
+        return mark if self._floor is None else max(mark, self._floor)
+
+
 class Releaser:
     """One topic's release, batch by batch, on the driver."""
 
@@ -256,6 +294,7 @@ class Releaser:
         self.ledger_path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
         self.buffer, self.ledger = self._followers()
         self.pending = PendingSet()
+        self.event_watermark = EventWatermark(topic.allowed_lateness_ms, topic.idle_timeout_ms)
         self.stats: deque[ReleaseStats] = deque(maxlen=STATS_KEPT)
         self.totals = ReleaseTotals()
         self.idle = False
@@ -289,11 +328,11 @@ class Releaser:
             close_producer(producer)
 
     def watermark(self) -> int | None:
-        """Event time: max event time seen minus the allowed lateness. Only event times
-        at most `max_event_time_ahead_ms` ahead of this job's clock when read count (see
+        """Event time: max event time seen minus the allowed lateness, or that max once the
+        input was idle `idle_timeout_ms` (`EventWatermark`). Only event times at most
+        `max_event_time_ahead_ms` ahead of this job's clock when read count (see
         `_refresh`)."""
-        top = self.pending.max_sort_key
-        return None if top is None else top - self.topic.allowed_lateness_ms
+        return self.event_watermark.value
 
     def refresh(self) -> int:
         """`_refresh`; a follower further behind than a table keeps its log (`LogGap`:
@@ -334,6 +373,8 @@ class Releaser:
         # judge), so that no one event holds the watermark in the future.
         mark_up_to = _now_ms() + self.topic.max_event_time_ahead_ms if events else None
         added = self.pending.add_buffer_rows(self.buffer.poll(), mark_up_to)
+        if events:
+            self.event_watermark.follow(self.pending.max_sort_key, _monotonic_ms())
         since = watermark(self.buffer.table) if self.buffer.table is not None else 0
         self.pending.forget_before(since)
         self.pending.apply_ledger_rows(self.ledger.poll(since_ms=since))

@@ -38,9 +38,16 @@ from dejaq.conf.tables import (
 )
 from dejaq.jobs.release import summary
 from dejaq.jobs.stopping import stop_between_batches
+from dejaq.pipelines import release
 from dejaq.pipelines.ingest import IngestJob
-from dejaq.pipelines.pending import Message
-from dejaq.pipelines.release import STATS_KEPT, ReleaseJob, Releaser, in_partition_order
+from dejaq.pipelines.pending import Message, PendingSet
+from dejaq.pipelines.release import (
+    STATS_KEPT,
+    EventWatermark,
+    ReleaseJob,
+    Releaser,
+    in_partition_order,
+)
 from dejaq.pipelines.session import detect_connectors
 from dejaq.pipelines.timed_sender import TimedSender
 
@@ -626,6 +633,139 @@ def test_an_event_time_far_ahead_of_the_clock_leaves_the_watermark_alone(
     assert times == [100, 200, 300, 1500, 1600, 1800, 1900, 2000, 4000]
     assert [x.late for x in stats] == [0] * 5
     assert held == 2, "the far one and now + 4000, within the lateness of the newest"
+
+
+def event_rows(times: list[int], first_offset: int) -> pa.Table:
+    """Buffer rows of these event times, as the release's pending set reads them."""
+    offsets = range(first_offset, first_offset + len(times))
+    return pa.table(
+        {
+            "message_id": [f"in-0-{o}" for o in offsets],
+            "bucket": [0] * len(times),
+            "sort_key": times,
+            "key": [None] * len(times),
+            "payload": [b"x"] * len(times),
+            "headers": [[] for _ in times],
+            "source_topic": ["in"] * len(times),
+            "source_partition": [0] * len(times),
+            "source_offset": list(offsets),
+        }
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    lateness=st.integers(min_value=0, max_value=300),
+    timeout=st.one_of(st.none(), st.integers(min_value=1, max_value=2000)),
+    steps=st.lists(
+        st.tuples(
+            st.integers(min_value=0, max_value=3000),  # clock advance before the trigger
+            st.lists(st.integers(min_value=0, max_value=2000), max_size=6),  # events read
+        ),
+        min_size=1,
+        max_size=25,
+    ),
+)
+def test_an_idle_timeout_releases_all_it_read_in_order_and_never_early(
+    lateness: int, timeout: int | None, steps: list[tuple[int, list[int]]]
+) -> None:
+    """Triggers as the release runs them: read, follow the watermark, take up to it.
+    The rule, kept here apart: an event may go once the largest event time read minus
+    the lateness reaches it, or once a largest event time that reaches it stood unmoved
+    for the idle timeout; and it goes then, in event-time order with those beside it."""
+    pending, mark = PendingSet(), EventWatermark(lateness, timeout)
+    now, offset, read, released = 0, 0, [], []
+    top: int | None = None
+    moved = allowed = None
+    last_value: int | None = None
+    for advance, times in [*steps, (timeout or 0, [])]:
+        now += advance
+        pending.add_buffer_rows(event_rows(times, offset))
+        offset += len(times)
+        read += times
+        mark.follow(pending.max_sort_key, now)
+        if times and (top is None or max(times) > top):
+            top, moved = max(times), now
+        if top is not None:
+            bounds = [top - lateness]
+            if timeout is not None and now - moved >= timeout:
+                bounds.append(top)
+            allowed = max(bounds) if allowed is None else max(allowed, *bounds)
+        value = mark.value
+        assert value == allowed
+        assert last_value is None or value >= last_value, "the watermark never goes back"
+        last_value = value
+        taken = [m.sort_key for m in pending.take(10_000, up_to=value)]
+        assert taken == sorted(taken), "released together: in event-time order"
+        assert all(t <= allowed for t in taken), "never before the rule lets it go"
+        nxt = pending.next_sort_key()
+        assert nxt is None or allowed is None or nxt > allowed, "held past the rule"
+        released += taken
+    held = [m.sort_key for m in pending.take(10_000)]
+    assert sorted(released + held) == sorted(read), "nothing lost, nothing twice"
+    if timeout is not None:
+        assert not held, "idle after the last read: all released"
+
+
+@pytest.mark.parametrize("idle_timeout_ms", [None, 60_000])
+def test_an_event_time_input_gone_quiet_lets_its_last_events_out_after_the_idle_timeout(
+    kafka_bootstrap, topic_factory, tmp_path, monkeypatch, idle_timeout_ms
+):
+    """No further input: with idle_timeout_ms, the events within the lateness of the newest
+    go out once that long has passed by the job's clock, in event-time order, and one
+    read after at or below the newest is late; without it they stay held."""
+    clock = [0]
+    monkeypatch.setattr(release, "_monotonic_ms", lambda: clock[0])
+    out = topic_factory(partitions=1)
+    extra = {} if idle_timeout_ms is None else {"idle_timeout_ms": idle_timeout_ms}
+    s = settings_for(tmp_path, kafka_bootstrap, "event_time", out, allowed_lateness_ms=100, **extra)
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        add_buffer(s, "event_time", [1000, 1150, 1100, 1190, 1120])
+        assert releaser.run_batch(0).released == 1, "1000, below 1190 - 100"
+        clock[0] = 59_999
+        assert releaser.run_batch(1).released == 0, "not before the idle timeout"
+        clock[0] = 10 * 3600 * 1000 if idle_timeout_ms is None else 60_000
+        stats = releaser.run_batch(2)
+        if idle_timeout_ms is None:
+            assert stats.released == 0 and len(releaser.pending) == 4, "held for ever"
+            assert len(output.to_end()) == 1
+            return
+        assert stats.released == 4 and not len(releaser.pending)
+        late = add_buffer(s, "event_time", [1170], first_offset=5)
+        stats = releaser.run_batch(3)
+        assert (stats.released, stats.late) == (1, 1), "below the idle watermark: late"
+        add_buffer(s, "event_time", [1250], first_offset=6)
+        assert releaser.run_batch(4).released == 0, "a newer event waits its lateness again"
+        records = output.wait_for(6)
+    finally:
+        releaser.finish()
+        output.close()
+    times = [int(header(r, "dejaq-event-time")) for r in records]
+    assert times == [1000, 1100, 1120, 1150, 1190, 1170]
+    assert ids(records)[-1] == late[0]
+
+
+def test_the_idle_timeout_runs_on_the_jobs_own_clock(kafka_bootstrap, topic_factory, tmp_path):
+    """The real clock: the held events come out once the timeout has passed, not before."""
+    out = topic_factory(partitions=1)
+    s = settings_for(
+        tmp_path, kafka_bootstrap, "event_time", out, allowed_lateness_ms=100, idle_timeout_ms=500
+    )
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        add_buffer(s, "event_time", [1150, 1100, 1190])
+        started = time.monotonic()
+        run_until(releaser, lambda: not len(releaser.pending), timeout=30)
+        waited = time.monotonic() - started
+        records = output.wait_for(3)
+    finally:
+        releaser.finish()
+        output.close()
+    assert waited >= 0.5
+    assert [int(header(r, "dejaq-event-time")) for r in records] == [1100, 1150, 1190]
 
 
 def test_the_streaming_job_releases_as_due(spark, kafka_bootstrap, topic_factory, tmp_path):

@@ -72,6 +72,18 @@ def test_conf_file_from_env(tmp_path: Path) -> None:
             "topics.0.max_event_time_ahead_ms",
         ),
         (
+            "topics: [{name: a, kind: event_time, source: [x], delivery: release, output: o,"
+            " idle_timeout_ms: 0}]\n",
+            {},
+            "topics.0.idle_timeout_ms: Input should be greater than or equal to 1",
+        ),
+        (
+            "topics: [{name: a, kind: timeline, source: [x], delivery: release, output: o,"
+            " idle_timeout_ms: 1000}]\n",
+            {},
+            "idle_timeout_ms applies to event_time topics only",
+        ),
+        (
             "topics: [{name: a, kind: priority, source: [x]},"
             " {name: a, kind: priority, source: [y]}]\n",
             {},
