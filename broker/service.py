@@ -213,10 +213,15 @@ class Broker:
     # --- Listener: hooks from applied Raft commands ---------------------------------------
 
     def pending(self, topic: str, state: TopicState, mids: list[str]) -> None:
-        self.indexes[topic].push(state, mids)
+        """Nothing to tell for a topic this node does not serve (`BrokerState`)."""
+        index = self.indexes.get(topic)
+        if index is not None:
+            index.push(state, mids)
 
     def gone(self, topic: str, mids: list[str]) -> None:
-        self.indexes[topic].forget(mids)
+        index = self.indexes.get(topic)
+        if index is not None:
+            index.forget(mids)
 
     def reset(self, states: dict[str, TopicState]) -> None:
         for name, index in self.indexes.items():
@@ -389,11 +394,15 @@ class Broker:
         from its own file, so only a command changes them on every node at one point.
         Each new leader's configuration wins."""
         assert self.raft is not None
-        wanted = (cfg.buckets, self.conf.max_deliveries)
+        wanted = self._configuration(cfg)
         if st.configured and (st.buckets, st.max_deliveries) == wanted:
             return
         committed(self.raft.state.command, name, "configure", wanted, timeout=2)
         log.info("topic %s configured: buckets %d, max_deliveries %d", name, *wanted)
+
+    def _configuration(self, cfg: TopicConfig) -> tuple[int, int]:
+        """A topic's `configure` command's arguments, from this node's configuration."""
+        return cfg.buckets, self.conf.max_deliveries
 
     def _checkpoint(self) -> None:
         """Each topic on its own: one whose store fails does not hold up the others."""
@@ -561,10 +570,17 @@ class Broker:
     async def _commit(self, topic: str, op: str, *args: Any) -> Any:
         """Commit a command on `topic`, named by its configured name rather than the
         request's copy: a group commit then holds one str for all its commands on the
-        topic (pickle's memo), which every node unpickles once."""
+        topic (pickle's memo), which every node unpickles once.
+
+        A topic the log never configured is configured first, ahead of the duties: a
+        node whose file lacks the topic takes its state from that command, and would
+        refuse one before it that the nodes serving the topic apply."""
         assert self.raft is not None
+        cfg = self.topic(topic)
         try:
-            return await self.raft.commit(self.topic(topic).name, op, *args)
+            if not self.state(cfg.name).configured:
+                await self.raft.commit(cfg.name, "configure", *self._configuration(cfg))
+            return await self.raft.commit(cfg.name, op, *args)
         except NotCommitted as e:
             raise Problem(503, "not committed", str(e)) from None
 

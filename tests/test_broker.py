@@ -2504,6 +2504,100 @@ def test_a_restarted_leader_commits_the_buckets_and_max_deliveries_its_snapshot_
     assert again == ["n0"] and deaths == [[], ["n0"]], "dead after 2 deliveries, not 5"
 
 
+def test_a_topic_a_nodes_file_lacks_is_kept_in_its_state_and_snapshot_from_its_configure(
+    tmp_path: Path,
+) -> None:
+    """Three real Raft nodes; the third's file lacks topic `t2` (added in a rolling
+    restart, that node not restarted yet). The leader's `configure` gives it t2's state,
+    so it applies t2's lease and ack too, and its snapshot carries them: restarted with
+    t2 in its file, it holds what the others hold (not a fresh t2 missing the commands
+    its snapshot covers) and applies the next ack alike. A command on a topic no
+    `configure` named is still refused."""
+    import asyncio
+
+    from dejaq.broker.state.raft import RaftNode
+    from dejaq.conf.settings import BrokerConfig
+    from dejaq.jobs.ports import free_port
+
+    t1, t2 = (TopicConfig(name=n, kind="priority", source=["in"], buckets=2) for n in ("t", "t2"))
+    addrs = [f"127.0.0.1:{free_port()}" for _ in range(3)]
+
+    def node(i: int, topics: list[TopicConfig]) -> RaftNode:
+        peers = [p for p in addrs if p != addrs[i]]
+        conf = BrokerConfig(raft_password="pw")
+        return RaftNode(addrs[i], peers, topics, conf, tmp_path / f"n{i}", _NoIndex())
+
+    nodes = [node(0, [t1, t2]), node(1, [t1, t2]), node(2, [t1])]
+
+    def view(n: RaftNode) -> tuple | None:
+        st = n.state.topics.get("t2")
+        if st is None:
+            return None
+        return st.configured, st.seq, dict(st.totals), leased_ids(st), settled_of(st)
+
+    def applied(n: RaftNode, leader: RaftNode) -> bool:
+        return n.sync._SyncObj__raftLastApplied >= leader.commit_index()
+
+    async def scenario() -> list:
+        leader = await _leader_once_attached(nodes)
+        await leader.commit("t2", "configure", 2, 5)
+        await leader.commit("t2", "touch", "w", 0)
+        picks = packed([(f"m{i}", 0, i) for i in range(3)])
+        await leader.commit("t2", "lease", "w", 1, 600_000, picks, None, True, None)
+        await leader.commit("t2", "ack", "w", 2, ["m0"])
+        await _until(lambda: all(applied(n, leader) for n in nodes), "every node applied")
+        lacking = nodes[2]
+        lacking.sync.forceLogCompaction()
+        await _until((tmp_path / "n2" / "raft.dump").exists, "a snapshot")
+        lacking.detach()
+        lacking.destroy()
+        nodes[2] = node(2, [t1, t2])
+        nodes[2].attach(asyncio.get_running_loop())
+        await _until(lambda: any(n.leading() for n in nodes), "a leader")
+        leader = next(n for n in nodes if n.leading())
+        await leader.commit("t2", "ack", "w", 3, ["m1"])
+        await _until(lambda: all(applied(n, leader) for n in nodes), "every node applied")
+        with pytest.raises(KeyError, match="no topic 't3'"):
+            await leader.commit("t3", "touch", "w", 4)
+        return [view(n) for n in nodes]
+
+    try:
+        views = asyncio.run(scenario())
+    finally:
+        for n in nodes:
+            n.destroy()
+    assert views[0] == views[1] == views[2], views
+    assert views[0] == (
+        True,
+        2,
+        {"leased": 3, "acked": 2},
+        {"m2"},
+        dict.fromkeys(["m0", "m1"], "acked"),
+    )
+
+
+def test_a_leader_configures_a_topic_before_its_first_command(tmp_path: Path, monkeypatch) -> None:
+    """A new leader may serve a request on a topic before its duties configure it: the
+    request's command then follows a `configure`, which a node whose file lacks the topic
+    takes its state from (it would refuse the command alone, before it)."""
+    from dejaq.broker.service import Broker
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    monkeypatch.setattr(Broker, "_leader_duties", lambda self: None)
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "jobs", buffer_rows([5], lambda i: 0))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf(buckets=2)])
+
+    async def scenario(broker: Any) -> tuple[bool, list]:
+        leased = json.loads(await broker.lease("jobs", "w", 10, 30_000, 0))
+        st = broker.state("jobs")
+        return st.configured, [m["id"] for m in leased]
+
+    raft = f"127.0.0.1:{free_port()}"
+    assert run_node(settings, raft, tmp_path / "node", scenario) == (True, ["m0"])
+
+
 def test_a_node_alone_commits_without_waiting_for_the_periodic_tick(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -952,6 +952,69 @@ def test_pipelined_entries_reach_each_follower_once(tmp_path, kafka_bootstrap, k
         assert "truncating already-applied" not in path.read_text(), path.read_text()[-2000:]
 
 
+def test_a_topic_added_in_a_rolling_restart_keeps_its_leases_and_acks_on_every_node(
+    tmp_path,
+) -> None:
+    """n1 and n2 serve topic `fresh`; n3's file lacks it (a rolling restart adding it,
+    n3 not restarted yet). n3 keeps the state of `fresh`'s leases and acks all the same,
+    in the snapshot it takes after Raft's minute: restarted with `fresh` in its file and
+    made leader, it leases neither an acked message nor a leased one again."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in", heartbeat_ms=600_000)
+    lacking = tmp_path / "lacking.yaml"
+    lines = conf.read_text().splitlines(keepends=True)
+    lacking.write_text("".join(line for line in lines if "name: fresh" not in line))
+    fill(str(tmp_path / "warehouse"), "fresh", buffer_rows(list(range(6)), lambda i: 0))
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(3, tmp_path / "raft")
+    a, b, c = nodes
+    try:
+        for node in (a, b):
+            cluster.start_node(node, nodes, str(conf), env)
+        cluster.wait_ready([a, b])
+        cluster.start_node(c, nodes, str(lacking), env)
+        cluster.wait_ready(nodes)
+        with httpx.Client(timeout=30) as client:
+            url = f"{a.url}/v1/topics/fresh"
+            body = {"consumer_id": "w", "max_messages": 4, "wait_ms": 3000, "lease_ms": 600_000}
+            got = client.post(f"{url}/leases", json=body)
+            assert [m["id"] for m in got.json()["messages"]] == ["m0", "m1", "m2", "m3"]
+            ack = {"consumer_id": "w", "ids": ["m0", "m1"]}
+            assert client.post(f"{url}/acks", json=ack).json() == {"settled": 2}
+            # Each node snapshots its state a minute after it started (PySyncObj's
+            # logCompactionMinTime), and replays only the journal after it on a restart.
+            wait_until((c.data_dir / "raft.dump").exists, timeout=120, what="n3's snapshot")
+            cluster.stop_node(c)
+            cluster.start_node(c, nodes, str(conf), env)
+            cluster.wait_ready(nodes)
+            cluster.stop_node(a)
+
+            def n3_leads() -> bool:
+                """n3 leads, or n2, leading, is stopped until n3 stands for election."""
+                leader = leader_of([b, c], client)
+                if leader is b:
+                    term = cluster_info(client, b)["term"]
+                    os.kill(b.proc.pid, signal.SIGSTOP)
+                    try:
+                        wait_until(
+                            lambda: (cluster_info(client, c) or {}).get("term", 0) > term,
+                            what="n3 standing for election",
+                        )
+                    finally:
+                        os.kill(b.proc.pid, signal.SIGCONT)
+                return leader is c
+
+            wait_until(n3_leads, timeout=60, what="n3 leading")
+            url = f"{c.url}/v1/topics/fresh"
+            got = client.post(f"{url}/leases", json={**body, "max_messages": 10})
+            assert got.status_code == 200, got.text
+            assert [m["id"] for m in got.json()["messages"]] == ["m4", "m5"]
+            held = client.get(f"{url}/messages/m2").json()
+            assert (held["status"], held["deliveries"]) == ("leased", 1), held
+            assert client.get(f"{url}/messages/m0").json()["status"] in ("acked", "settled")
+    finally:
+        stop(nodes)
+
+
 # --- the commands ----------------------------------------------------------------------------
 
 

@@ -467,7 +467,8 @@ _on_become_leader = SyncObj._SyncObj__onBecomeLeader  # type: ignore[attr-define
 
 
 class Listener(Protocol):
-    """Node-local side effects of applied commands (the indexes)."""
+    """Node-local side effects of applied commands (the indexes). It is told of every
+    topic in the replicated state, those this node does not serve too."""
 
     def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
     def gone(self, topic: str, mids: list[str]) -> None: ...
@@ -522,7 +523,10 @@ def committed(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
 
 
 class BrokerState(SyncObjConsumer):
-    """Replicated: per-topic lease state and the Raft-to-HTTP address book."""
+    """Replicated: per-topic lease state and the Raft-to-HTTP address book.
+
+    The topics are those the log configured (`_apply`), whatever each node's own file
+    names: a node's file only adds its own topics' states, unconfigured, until then."""
 
     def __init__(self, topics: list[TopicConfig], max_deliveries: int, listener: Listener) -> None:
         # Attributes set before SyncObjConsumer.__init__ are node-local (not serialised).
@@ -542,7 +546,7 @@ class BrokerState(SyncObjConsumer):
         super()._deserialize(data)
         if "lids" not in data:  # a snapshot from before receipts numbered no lease
             self.lids = 0
-        for name, t in self.topic_conf.items():
+        for name, t in self.topic_conf.items():  # the snapshot's state, where it has one
             self.topics.setdefault(name, TopicState(t.buckets, self.max_deliveries))
         self.listener.reset(self.topics)
 
@@ -572,8 +576,13 @@ class BrokerState(SyncObjConsumer):
 
     def _apply(self, topic: str, op: str, args: tuple) -> Any:
         st = self.topics.get(topic)
-        if st is None:  # a leader whose configuration has a topic this node's lacks
-            raise KeyError(f"no topic {topic!r} in this node's configuration")
+        if st is None:
+            if op != "configure":  # no leader configured the topic before it
+                raise KeyError(f"no topic {topic!r} in the replicated state")
+            # A topic of the leader's configuration that this node's file lacks (a topic
+            # added in a rolling restart): the node keeps its state all the same, so its
+            # snapshots carry it, and restarted with the topic in its file it serves it.
+            st = self.topics[topic] = TopicState(*args)
         if op == "lease":
             if len(args) <= 5:  # from before receipts (4: before rate limits): unnumbered
                 return st.lease(*args)
