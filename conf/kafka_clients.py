@@ -1,10 +1,11 @@
 """The `kafka:` settings as each Kafka client of the project takes them.
 
-One section, three dialects: kafka-python's keyword arguments (the Python connectors,
-the release job, the broker's producer, `status`, admin calls), the project's Python
-Data Source options (`kafka.sasl.plain.username`, ...), and the JVM connector's
-(`kafka.sasl.jaas.config`, PEM trust and key stores given inline, so nothing has to be
-copied to executors but the CA file). Spark-free: the broker uses it too.
+One section, three dialects: kafka-python's keyword arguments (the broker's producer,
+`status`, admin calls), the project's Python Data Source options
+(`kafka.sasl.plain.username`, ...; the release job's too), and the JVM connector's
+(`kafka.sasl.jaas.config`, ...). The Spark connectors get the PEM files' contents, read
+on the driver, not their paths: executors do not have the driver's files. Spark-free:
+the broker uses it too.
 """
 
 from __future__ import annotations
@@ -47,10 +48,16 @@ def python_config(kafka: KafkaConfig) -> dict[str, Any]:
 
 
 def python_source_options(kafka: KafkaConfig) -> dict[str, str]:
-    """`kafka.*` options of the project's Python Data Sources (`pipelines.kafka_options`)."""
+    """`kafka.*` options of the project's Python Data Sources (`pipelines.kafka_options`),
+    the PEM files given inline (`kafka.ssl.cadata`, ...)."""
+    config = python_config(kafka)
+    for kind in ("ca", "cert", "key"):
+        path = config.pop(f"ssl_{kind}file", None)
+        if path is not None:
+            config[f"ssl_{kind}data"] = Path(path).read_text()
     return {
         "kafka." + name.replace("_", "."): str(value).lower() if isinstance(value, bool) else value
-        for name, value in python_config(kafka).items()
+        for name, value in config.items()
     }
 
 

@@ -11,7 +11,7 @@ clients use, so a key lands on the same partition whichever client wrote it.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -25,7 +25,7 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, StringType, StructType
 
-from dejaq.pipelines.kafka_options import CONNECTION_OPTIONS, client_config
+from dejaq.pipelines.kafka_options import CONNECTION_OPTIONS, client_config, client_kwargs
 
 SEND_TIMEOUT_S = 120
 
@@ -46,7 +46,7 @@ class KafkaWriteOptions:
     """The sink's options, checked on the driver before any task starts."""
 
     topic: str | None
-    producer: dict[str, Any]
+    producer: dict[str, Any] = field(repr=False)  # a password, a key
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> KafkaWriteOptions:
@@ -138,7 +138,7 @@ class KafkaCommitMessage(WriterCommitMessage):
 def _write_task(
     options: KafkaWriteOptions, batches: Iterator[pa.RecordBatch]
 ) -> KafkaCommitMessage:
-    producer = KafkaProducer(**options.producer)
+    producer = KafkaProducer(**client_kwargs(options.producer))
     try:
         futures: list[FutureRecordMetadata] = []
         for batch in batches:

@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import pyarrow as pa
@@ -44,7 +44,12 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from dejaq.pipelines.kafka_options import CONNECTION_OPTIONS, client_config
+from dejaq.pipelines.kafka_options import (
+    CONNECTION_OPTIONS,
+    check_trust,
+    client_config,
+    client_kwargs,
+)
 from dejaq.pipelines.kafka_sink import (
     KafkaBatchWriter,
     KafkaStreamWriter,
@@ -112,7 +117,7 @@ class KafkaOptions:
     max_offsets_per_trigger: int | None
     max_records_per_partition: int
     poll_timeout_ms: int
-    consumer: dict[str, Any]
+    consumer: dict[str, Any] = field(repr=False)  # a password, a key
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> KafkaOptions:
@@ -337,7 +342,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _driver(self) -> KafkaConsumer:
         """One consumer for offset look-ups, kept for the life of the query."""
         if self._consumer is None:
-            self._consumer = KafkaConsumer(**self.options.consumer)
+            check_trust(self.options.consumer)
+            self._consumer = KafkaConsumer(**client_kwargs(self.options.consumer))
         return self._consumer
 
     def _current_partitions(self) -> list[TopicPartition]:
@@ -479,7 +485,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         p = partition
         tp = TopicPartition(p.topic, p.partition)
         timeout_s = self.options.poll_timeout_ms / 1000
-        consumer = KafkaConsumer(**self.options.consumer)
+        consumer = KafkaConsumer(**client_kwargs(self.options.consumer))
         try:
             consumer.assign([tp])
             consumer.seek(tp, p.start)
@@ -568,4 +574,5 @@ class KafkaDataSource(DataSource):
     def _write_options(self, schema: StructType) -> KafkaWriteOptions:
         options = KafkaWriteOptions.parse(self.options)
         check_input_schema(schema, options.topic)
+        check_trust(options.producer)
         return options

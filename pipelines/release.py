@@ -57,6 +57,7 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.kafka_options import client_kwargs
 from dejaq.pipelines.kafka_sink import (
     SEND_TIMEOUT_S,
     in_partition_order,
@@ -319,7 +320,7 @@ class Releaser:
             # would stop the release at that message.
             room = self.topic.max_payload_bytes + REQUEST_HEADROOM_BYTES
             config["max_request_size"] = max(config.get("max_request_size", 0), room)
-            self._producer = KafkaProducer(**config, linger_ms=0)
+            self._producer = KafkaProducer(**client_kwargs(config), linger_ms=0)
         return self._producer
 
     def close(self) -> None:

@@ -8,10 +8,14 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 import socket
+import ssl
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,8 +24,10 @@ import pytest
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from pydantic import SecretStr
+from pyspark.sql import SparkSession
+from pyspark.sql.types import BinaryType, StructField, StructType
 
-from dejaq.conf.kafka_clients import python_config
+from dejaq.conf.kafka_clients import python_config, python_source_options
 from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import ConfigError, load_settings
 from dejaq.conf.tables import Table, table_path
@@ -29,6 +35,8 @@ from dejaq.jobs import children, cluster, embedded_kafka
 from dejaq.jobs.certificates import Authority, new_authority
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.status import row_count
+from dejaq.pipelines.kafka_options import tls_context
+from dejaq.pipelines.kafka_source import KafkaDataSource, KafkaOptions, KafkaStreamReader
 
 DEJAQ = [sys.executable, "-m", "dejaq.jobs.cli"]
 
@@ -181,8 +189,8 @@ def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp
         f" delivery: release, output: {output}}}\n"
     )
     # Mutual TLS too: a client certificate from Kafka's CA, which the listener checks
-    # when one is sent, given to both ingests (the JVM's inline PEM key store, and
-    # kafka-python's certfile and keyfile).
+    # when one is sent, given to both ingests (as inline PEM: the JVM's key store, and
+    # `dejaq_kafka`'s kafka.ssl.certdata and kafka.ssl.keydata).
     ca = Path(secure_kafka["DEJAQ_KAFKA_SSL_CAFILE"])
     client = Authority(ca, ca.with_name("ca-key.pem")).issue(tmp_path, "client", ["dejaq"], True)
     mutual = {
@@ -220,6 +228,108 @@ def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp
     password = secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"]
     for text in outputs:
         assert password not in text
+
+
+def test_the_python_connector_needs_none_of_the_drivers_tls_files(
+    secure_kafka: dict[str, str], spark: SparkSession, tmp_path: Path
+) -> None:
+    """`dejaq_kafka` writes and reads over mutual TLS with the CA, client certificate and
+    key the settings name gone once its options are made: the driver passes their text,
+    as it must to executors on other hosts, which have none of its files."""
+    ca = Path(secure_kafka["DEJAQ_KAFKA_SSL_CAFILE"])
+    client = Authority(ca, ca.with_name("ca-key.pem")).issue(tmp_path, "client", ["dejaq"], True)
+    driver_ca = Path(shutil.copy(ca, tmp_path / "driver-ca.pem"))
+    env = {
+        **secure_kafka,
+        "DEJAQ_KAFKA_SSL_CAFILE": str(driver_ca),
+        "DEJAQ_KAFKA_SSL_CERTFILE": str(client.cert),
+        "DEJAQ_KAFKA_SSL_KEYFILE": str(client.key),
+    }
+    options = python_source_options(load_settings(env=env).kafka)
+    for path in (driver_ca, client.cert, client.key):
+        path.unlink()
+    topic = f"inline-tls-{secrets.token_hex(3)}"
+    admin = KafkaAdminClient(**kafka_config(secure_kafka))
+    admin.create_topics([NewTopic(topic, 2, 1)])
+    admin.close()
+    values = [f"v{i}".encode() for i in range(10)]
+    rows = spark.createDataFrame(
+        [(f"k{i}", v) for i, v in enumerate(values)], "key string, value binary"
+    )
+    rows.write.format("dejaq_kafka").options(**options).option("topic", topic).mode("append").save()
+    name = f"inline_tls_{uuid.uuid4().hex[:8]}"
+    query = (
+        spark.readStream.format("dejaq_kafka")
+        .options(**options)
+        .option("subscribe", topic)
+        .load()
+        .writeStream.format("memory")
+        .queryName(name)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination()
+    assert query.exception() is None
+    assert sorted(r.value for r in spark.table(name).collect()) == sorted(values)
+
+
+def test_wrong_tls_text_fails_the_python_connector_at_start_naming_the_option(
+    secure_kafka: dict[str, str], tmp_path: Path
+) -> None:
+    """Text that is no CA, another CA's certificate, a key that is not the certificate's:
+    each fails on the driver naming the option, never echoing a key or a password, where
+    kafka-python would retry until its bootstrap timed out."""
+    options = python_source_options(load_settings(env=secure_kafka).kafka)
+    read = {**options, "subscribe": "nowhere"}
+    ca = Path(secure_kafka["DEJAQ_KAFKA_SSL_CAFILE"])
+    authority = Authority(ca, ca.with_name("ca-key.pem"))
+    client = authority.issue(tmp_path, "client", ["dejaq"], True)
+    other = authority.issue(tmp_path, "other", ["dejaq"], True)
+    with pytest.raises(ValueError, match=r"option 'kafka\.ssl\.cadata' must be the PEM text"):
+        KafkaDataSource({**read, "kafka.ssl.cadata": "not a certificate"})
+    key = other.key.read_text()
+    mismatched = {**read, "kafka.ssl.certdata": client.cert.read_text(), "kafka.ssl.keydata": key}
+    with pytest.raises(
+        ValueError, match=r"'kafka\.ssl\.keydata' must be .*KEY_VALUES_MISMATCH"
+    ) as e:
+        KafkaDataSource(mismatched)
+    assert key not in str(e.value)
+    untrusted = {**read, "kafka.ssl.cadata": new_authority(tmp_path / "x").cert.read_text()}
+    reader = KafkaStreamReader(KafkaOptions.parse(untrusted))
+    started = time.monotonic()
+    with pytest.raises(ValueError, match=r"not trusted by option 'kafka\.ssl\.cadata'"):
+        reader.initialOffset()
+    assert time.monotonic() - started < 20
+    writer = KafkaDataSource(
+        {**options, "topic": "nowhere", "kafka.ssl.cadata": untrusted["kafka.ssl.cadata"]}
+    )
+    with pytest.raises(ValueError, match=r"not trusted by option 'kafka\.ssl\.cadata'"):
+        writer.writer(StructType([StructField("value", BinaryType())]), overwrite=False)
+    password = secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"]
+    assert password not in repr(KafkaOptions.parse(read))
+
+
+def test_inline_client_keys_touch_the_disk_only_while_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OpenSSL reads a client certificate and key from a file: one only its user reads,
+    gone once the TLS context is built."""
+    client = new_authority(tmp_path).issue(tmp_path, "client", ["dejaq"], True)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    modes: list[int] = []
+    load = ssl.SSLContext.load_cert_chain
+
+    def seen(context: ssl.SSLContext, certfile: str, *args: object) -> None:
+        modes.append(Path(certfile).stat().st_mode & 0o777)
+        load(context, certfile, *args)
+
+    monkeypatch.setattr(ssl.SSLContext, "load_cert_chain", seen)
+    config = {"ssl_certdata": client.cert.read_text(), "ssl_keydata": client.key.read_text()}
+    tls_context(config)
+    assert modes == [0o600]
+    assert list(scratch.iterdir()) == []
 
 
 def test_the_brokers_producer_logs_in(
