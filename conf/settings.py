@@ -402,6 +402,23 @@ def _describe(err: ValidationError, path: Path, from_env: Mapping[tuple[str, ...
     return "\n".join([f"invalid configuration in {' and '.join(sorted(sources))}:", *lines])
 
 
+# What PyYAML quotes in its messages: a parser token (kept) or the file's text (left out).
+_YAML_QUOTED = re.compile(r"'(?:\\.|[^'\\])*'" r'|"(?:\\.|[^"\\])*"')
+_YAML_TOKEN = re.compile(r"'(<[a-z ]+>|[\[\]{},?:-])'")
+
+
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """Where the file is not YAML and why, without its text: PyYAML's own message shows
+    the line, and the line may hold a password."""
+    if not isinstance(err, yaml.MarkedYAMLError):  # a character YAML takes nowhere: its code
+        return f": {err}"
+    mark = err.problem_mark or err.context_mark
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    said = "; ".join(p for p in (err.context, err.problem) if p)
+    said = _YAML_QUOTED.sub(lambda m: m[0] if _YAML_TOKEN.fullmatch(m[0]) else "<hidden>", said)
+    return f"{where}: {said}" if said else where
+
+
 def load_settings(
     conf_file: str | Path | None = None, env: Mapping[str, str] | None = None
 ) -> Settings:
@@ -413,7 +430,8 @@ def load_settings(
     except FileNotFoundError:
         raise ConfigError(f"configuration file not found: {path}") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"configuration file {path} is not valid YAML: {e}") from None
+        problem = _yaml_problem(e)
+        raise ConfigError(f"configuration file {path} is not valid YAML{problem}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"configuration file {path} must hold a mapping at the top level")
     variables = dict(_env_overrides(Settings, env))

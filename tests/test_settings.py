@@ -102,6 +102,28 @@ def test_invalid_config_names_the_key(tmp_path: Path, text: str, env: dict, mess
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "line",
+    [
+        "  raft_password: @Sup3rS3cret",
+        "  raft_password: `Sup3rS3cret`",
+        "  raft_password: %Sup3rS3cret",
+        '  raft_password: "a\\qSup3rS3cret"',
+        "  raft_password: *Sup3rS3cret",
+        "  raft_password: !Sup3rS3cret x",
+    ],
+)
+def test_a_file_that_is_not_yaml_is_named_by_line_and_column_not_by_its_text(
+    tmp_path: Path, line: str
+) -> None:
+    """The line YAML stops at may hold a password: no command prints it."""
+    with pytest.raises(ConfigError) as err:
+        load_settings(write(tmp_path, f"broker:\n  lease_ms: 100\n{line}\n"), env={})
+    said = str(err.value)
+    assert "Sup3r" not in said and "\\q" not in said
+    assert "not valid YAML at line 3, column " in said
+
+
 def test_the_environment_is_named_for_what_it_set(tmp_path: Path) -> None:
     conf = write(tmp_path, "broker: {max_deliveries: 3}\n")
     with pytest.raises(ConfigError) as err:
