@@ -317,26 +317,43 @@ class Broker:
                     raise
                 except BaseException:  # a panic in the core too: the thread must go on
                     log.exception("refreshing the index of %s failed", name)
-            try:  # reads Raft's state while the event loop changes it: never end the thread
-                self._publish_metrics()
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException:
-                log.exception("publishing metrics failed")
+            self._publish_metrics()
 
     def _publish_metrics(self) -> None:
+        """Each family of metrics on its own: one that fails (it reads Raft's state while
+        the event loop changes it) is logged and leaves the others current."""
         if self.raft is None:
             return
-        m = self.metrics
-        m.observe_raft(self.raft.role(), self.raft.term(), self.raft.log_entries())
+        for step in (
+            self._publish_raft,
+            self._publish_keys,
+            self._publish_ledger,
+            self._publish_index,
+            self._publish_totals,
+        ):
+            with _going_on(f"publishing metrics ({step.__name__})"):
+                step()
+
+    def _publish_raft(self) -> None:
+        assert self.raft is not None
+        self.metrics.observe_raft(self.raft.role(), self.raft.term(), self.raft.log_entries())
+
+    def _publish_keys(self) -> None:
         if self.keys is not None:
-            m.keys_unreadable.set(self.keys.check() is not None)
+            self.metrics.keys_unreadable.set(self.keys.check() is not None)
+
+    def _publish_ledger(self) -> None:
         now = now_ms()
         for name, health in self.checkpoint_health.items():
-            m.observe_ledger(name, lag(self.state(name)), now, health.failures)
-        m.observe_index(
+            self.metrics.observe_ledger(name, lag(self.state(name)), now, health.failures)
+
+    def _publish_index(self) -> None:
+        self.metrics.observe_index(
             {n: (len(i.rows), i.buffer_rows, i.heads.disk_bytes()) for n, i in self.indexes.items()}
         )
+
+    def _publish_totals(self) -> None:
+        m = self.metrics
         counters = {
             "leased": m.leased,
             "acked": m.acked,

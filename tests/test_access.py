@@ -13,7 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http import client as http_client
 from pathlib import Path
 
@@ -457,9 +457,36 @@ def test_keys_cli_adds_lists_and_revokes(tmp_path: Path) -> None:
     assert gone.returncode == 2 and "no key named" in gone.stderr
 
 
-def test_a_malformed_key_file_is_refused_with_its_path(tmp_path: Path) -> None:
+def stored_key(**fields: object) -> str:
+    """A key file of one key as `dejaq keys add` writes it, `fields` changed."""
+    key = {"id": "x", "name": "n", "sha256": "0" * 64, "created_at": 1}
+    key["grants"] = [{"role": "read", "topics": ["*"]}]
+    return json.dumps({"format": 1, "keys": [{**key, **fields}]})
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps({"keys": [{"id": "x"}]}),
+        json.dumps({"keys": {}}),
+        "[]",
+        stored_key(created_at="2026-12-01"),
+        stored_key(created_at=True),
+        stored_key().replace('"created_at": 1', '"created_at": 1e400'),
+        stored_key(name=["n"]),
+        stored_key(sha256="é" * 64),
+        stored_key(grants=[{"role": "read", "topics": "*"}]),
+        stored_key(grants=[{"role": "read", "topics": [1]}]),
+        stored_key(grants=["read"]),
+        "[" * 100_000 + "]" * 100_000,
+    ],
+)
+def test_a_malformed_key_file_is_refused_with_its_path(tmp_path: Path, text: str) -> None:
+    """Whatever is wrong in it, the error a node takes as "hold no keys"."""
     path = tmp_path / "keys.json"
-    path.write_text(json.dumps({"keys": [{"id": "x"}]}))
+    path.write_text(stored_key())
+    assert list(read_keys(path)) == ["x"]
+    path.write_text(text)
     with pytest.raises(KeyFileError, match=str(path)):
         read_keys(path)
 
@@ -525,26 +552,50 @@ def started_node(args: list[str], port: int) -> subprocess.Popen:
     return node
 
 
+def keyed_node(tmp_path: Path, flags: str) -> tuple[list[str], int]:
+    """`dejaq broker`'s arguments for one node on loopback with the keys of
+    `tmp_path / "keys.json"` and `flags` in its `broker` section; the port it listens on."""
+    conf = tmp_path / "dejaq.yaml"
+    flags = f"keys_file: '{tmp_path / 'keys.json'}', {flags}"
+    conf.write_text(f"warehouse: {tmp_path / 'w'}\nbroker: {{{flags}}}\ntopics: []\n")
+    port = free_port()
+    args = ["broker", "--node-id", "k", "--http", f"127.0.0.1:{port}"]
+    args += ["--raft", f"127.0.0.1:{free_port()}", "--conf-file", str(conf)]
+    return [*args, "--data-dir", str(tmp_path / "d")], port
+
+
+def saved_half_way(revoked: dict) -> tuple[str, str]:
+    """The file cut short, as an editor saving part of it leaves it; what the node says."""
+    text = json.dumps(revoked)
+    return text[: len(text) // 2], "key file"
+
+
+def a_field_of_another_type(revoked: dict) -> tuple[str, str]:
+    """Valid JSON, a key's time written as a date."""
+    revoked["keys"][0]["created_at"] = "2026-12-01"
+    return json.dumps(revoked), "'created_at' is str, not int"
+
+
+@pytest.mark.parametrize("broken", [saved_half_way, a_field_of_another_type])
 def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says_so(
-    tmp_path: Path,
+    tmp_path: Path, broken: Callable[[dict], tuple[str, str]]
 ) -> None:
     """A hand edit gone wrong must not leave a key the edit revokes working: the node
     holds no keys until it can read the file, answers 503 (a client tries another node),
     is not ready, shows it in a metric, and logs it once."""
     keys = tmp_path / "keys.json"
     key = add_key(keys, "ops", ["monitor", "read"], ["*"])
-    good = keys.read_text()
-    conf = tmp_path / "dejaq.yaml"
-    flags = f"keys_file: '{keys}', metrics_open: true"
-    conf.write_text(f"warehouse: {tmp_path / 'w'}\nbroker: {{{flags}}}\ntopics: []\n")
-    port = free_port()
+    gone = add_key(keys, "gone", ["read"], ["*"])
+    revoked = json.loads(keys.read_text())
+    revoked["keys"] = [k for k in revoked["keys"] if k["name"] != "gone"]
+    fixed = json.dumps(revoked)
+    edited, why = broken(revoked)
+    args, port = keyed_node(tmp_path, "metrics_open: true")
     url = f"http://127.0.0.1:{port}"
-    args = ["broker", "--node-id", "k", "--http", f"127.0.0.1:{port}"]
-    args += ["--raft", f"127.0.0.1:{free_port()}", "--conf-file", str(conf)]
-    node = started_node([*args, "--data-dir", str(tmp_path / "d")], port)
+    node = started_node(args, port)
 
-    def keyed() -> int:
-        return httpx.get(f"{url}/v1/topics", headers=bearer(key), timeout=5).status_code
+    def keyed(token: str) -> int:
+        return httpx.get(f"{url}/v1/topics", headers=bearer(token), timeout=5).status_code
 
     def ready() -> httpx.Response:
         return httpx.get(f"{url}/readyz", timeout=5)
@@ -556,15 +607,18 @@ def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says
 
     try:
         wait_until(lambda: ready().status_code == 200, 60, "the node ready")
-        assert keyed() == 200
-        keys.write_text(good[: len(good) // 2])  # saved half-way through an edit
-        wait_until(lambda: keyed() == 503, 10, "every keyed call refused")
+        assert (keyed(key), keyed(gone)) == (200, 200)
+        keys.write_text(edited)  # revokes `gone`, and cannot be read
+        wait_until(lambda: keyed(gone) == 503, 10, "every keyed call refused")
+        assert keyed(key) == 503
         assert httpx.get(f"{url}/v1/topics", timeout=5).status_code == 401  # no key at all
         not_ready = ready()
-        assert not_ready.status_code == 503 and str(keys) in not_ready.json()["detail"]
+        assert not_ready.status_code == 503
+        assert str(keys) in not_ready.json()["detail"] and why in not_ready.json()["detail"]
         wait_until(lambda: unreadable() == "1.0", 10, "the metric saying so")
-        keys.write_text(good)
-        wait_until(lambda: keyed() == 200, 10, "the key taken again")
+        keys.write_text(fixed)
+        wait_until(lambda: keyed(key) == 200, 10, "the key taken again")
+        assert keyed(gone) == 401
         assert ready().status_code == 200
         wait_until(lambda: unreadable() == "0.0", 10, "the metric cleared")
     finally:

@@ -637,6 +637,29 @@ def test_a_lease_expires_on_time_while_a_checkpoint_hangs(tmp_path: Path) -> Non
     assert took < 0.2 + 2 * DUTY_PERIOD_S + 1.0, f"expired after {took:.2f} s"
 
 
+def test_a_family_of_metrics_that_fails_leaves_the_others_published(tmp_path: Path) -> None:
+    """Each family of metrics is published on its own: one that raises every time (here
+    the key file's check, by a stand-in) is logged and the counters still count."""
+
+    class FailingKeys:
+        def check(self) -> str | None:
+            raise RuntimeError("the key file check failed")
+
+    async def scenario(broker: Any) -> float | None:
+        broker.keys = FailingKeys()
+        leased = json.loads(await broker.lease("jobs", "w", 1, 30_000, 0))
+        await broker.settle("jobs", "ack", "w", [m["id"] for m in leased])
+
+        def acked() -> float | None:
+            labels = {"topic": "jobs"}
+            return broker.metrics.registry.get_sample_value("dejaq_acked_messages_total", labels)
+
+        await _until(lambda: acked() == 1, "the ack counted")
+        return acked()
+
+    assert on_one_node(tmp_path, scenario) == 1
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_panic_in_a_background_duty_is_logged_and_the_duty_goes_on(tmp_path: Path) -> None:
     """A panic in the compiled core (PyO3's PanicException, a BaseException) on the

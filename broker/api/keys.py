@@ -22,6 +22,7 @@ import hmac
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import tempfile
@@ -90,27 +91,60 @@ def split_token(token: str) -> tuple[str, str] | None:
 
 
 def read_keys(path: Path) -> dict[str, Key]:
-    """The keys in `path` by id; an absent file holds none."""
+    """The keys in `path` by id; an absent file holds none. Any file that is not of the
+    format, however it fails, is a `KeyFileError`: a node then holds no keys."""
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:
         raise KeyFileError(f"key file {path}: {e}") from None
     try:
-        keys = [
-            Key(
-                id=k["id"],
-                name=k["name"],
-                sha256=k["sha256"],
-                grants=tuple(Grant(g["role"], tuple(g["topics"])) for g in k["grants"]),
-                created_at=int(k["created_at"]),
-            )
-            for k in data["keys"]
-        ]
-    except (KeyError, TypeError) as e:
-        raise KeyFileError(f"key file {path}: malformed ({type(e).__name__}: {e})") from None
+        keys = [_key(k) for k in _field(data, "keys", list)]
+    except _Malformed as e:
+        raise KeyFileError(f"key file {path}: malformed ({e})") from None
     return {k.id: k for k in keys}
+
+
+class _Malformed(Exception):
+    """A key file's field missing or not of the format's type."""
+
+
+def _field(data: object, name: str, kind: type) -> Any:
+    """`data[name]`, of type `kind` (a bool is no int)."""
+    if not isinstance(data, dict):
+        raise _Malformed(f"{type(data).__name__} where an object with {name!r} belongs")
+    if name not in data:
+        raise _Malformed(f"no {name!r}")
+    value = data[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise _Malformed(f"{name!r} is {type(value).__name__}, not {kind.__name__}")
+    return value
+
+
+def _strings(data: object, name: str) -> tuple[str, ...]:
+    """`data[name]`, a list of strings."""
+    values = _field(data, name, list)
+    if not all(isinstance(v, str) for v in values):
+        raise _Malformed(f"{name!r} holds other than strings")
+    return tuple(values)
+
+
+def _key(data: object) -> Key:
+    """One key of the file; its hash 64 hex digits, as the constant-time check needs."""
+    sha256 = _field(data, "sha256", str)
+    if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise _Malformed("'sha256' is not 64 hex digits")
+    grants = tuple(
+        Grant(_field(g, "role", str), _strings(g, "topics")) for g in _field(data, "grants", list)
+    )
+    return Key(
+        id=_field(data, "id", str),
+        name=_field(data, "name", str),
+        sha256=sha256,
+        grants=grants,
+        created_at=_field(data, "created_at", int),
+    )
 
 
 def _write(path: Path, keys: dict[str, Key]) -> None:
