@@ -629,6 +629,27 @@ def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says
     assert "read again: its keys are in force" in err
 
 
+def test_a_forward_tag_whose_time_is_not_ascii_digits_is_refused_as_any_bad_tag(
+    tmp_path: Path,
+) -> None:
+    """`1²` is a digit to `str.isdigit` and none to `int`; a 5,000-digit time is past
+    what `int` reads. Neither may fail the node's key check (a 500, logged), keyless."""
+    add_key(tmp_path / "keys.json", "ops", ["monitor"], ["*"])
+    args, port = keyed_node(tmp_path, "raft_password: the-raft-password")
+    node = started_node(args, port)
+    url = f"http://127.0.0.1:{port}/v1/topics/jobs/leases"
+    try:
+        for at in ("1\N{SUPERSCRIPT TWO}".encode("latin-1"), b"9" * 5000):
+            answer = httpx.post(url, content=b"{}", headers={FORWARDED: b"x " + at + b" n m"})
+            assert answer.status_code == 401, answer.text
+            assert answer.json()["title"] == "not a cluster node"
+    finally:
+        children.stop(node)
+    assert node.stderr is not None
+    err = node.stderr.read()
+    assert "Traceback" not in err, err
+
+
 def test_a_key_change_keeps_the_files_mode_owner_and_group(tmp_path: Path) -> None:
     """The nodes may read the file as another user or through its group. The owner and
     group are another's only where the test runs as root (as CI does); elsewhere the

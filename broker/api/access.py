@@ -47,6 +47,8 @@ METRICS = "/metrics"
 BEARER = "bearer"
 FORWARD_TTL_MS = 60_000
 FORWARD_ROUNDS = 100_000  # PBKDF2's, as PySyncObj's for the Raft traffic's key
+# A tag's time: ASCII digits, few enough for int() (not "1²", nor 5,000 digits).
+_EPOCH_MS = re.compile(r"[0-9]{1,15}")
 
 # (method, path, role): the role a key needs on the path's {topic}, or on any topic for
 # topic-less paths; None: any valid key (the list of topics' names).
@@ -215,7 +217,7 @@ class Guard:
         """Whether a forward's tag is well formed and within `FORWARD_TTL_MS` of now:
         checked before its body is read."""
         parts = forwarded.decode("latin-1").split(" ")
-        if self.password is None or len(parts) != 4 or not parts[1].isdigit():
+        if self.password is None or len(parts) != 4 or not _EPOCH_MS.fullmatch(parts[1]):
             return False
         return abs(time.time() * 1000 - int(parts[1])) <= FORWARD_TTL_MS
 
