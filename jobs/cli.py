@@ -44,7 +44,9 @@ def _release(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from dejaq.jobs import status
 
-    return status.run(args.topic, args.conf_file, args.broker, args.token, args.cacert)
+    return status.run(
+        args.topic, args.conf_file, args.broker, args.token, args.cacert, args.insecure_http
+    )
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 
 from dejaq.client import BrokerError, Client, Unavailable
+from dejaq.conf.settings import ConfigError
 
 EXIT_OK, EXIT_FAIL = 0, 1
 
@@ -42,6 +43,12 @@ def add_node(sp: argparse.ArgumentParser, required: bool = True) -> None:
         "listing shows)",
     )
     sp.add_argument("--cacert", metavar="PEM", help="the CA that signed an https:// node's cert")
+    sp.add_argument(
+        "--insecure-http",
+        action="store_true",
+        help="send the API key to an http:// node beyond loopback, in clear (only where "
+        "something in front of the node encrypts its traffic)",
+    )
 
 
 def add_common(sp: argparse.ArgumentParser) -> None:
@@ -72,13 +79,28 @@ PROBE_TIMEOUT_S = 2.0
 
 
 def connect(
-    url: str, timeout: float = 60.0, token: str | None = None, cacert: str | None = None
+    url: str,
+    timeout: float = 60.0,
+    token: str | None = None,
+    cacert: str | None = None,
+    insecure_http: bool = False,
 ) -> Client:
     """A client of the node at `url`, once it answers at all: a command given a wrong
     address fails at once, not after the client's retries (meant to ride out a node's
-    restart) have run out."""
+    restart) have run out. A URL the client refuses (the key in clear over http:// beyond
+    loopback) is a usage error, before anything is sent."""
     verify = ssl.create_default_context(cafile=cacert) if cacert else True
-    client = Client([url], token=token, verify=verify, timeout=timeout, deadline=10.0)
+    try:
+        client = Client(
+            [url],
+            token=token,
+            verify=verify,
+            timeout=timeout,
+            deadline=10.0,
+            insecure_http=insecure_http,
+        )
+    except ValueError as e:
+        raise ConfigError(f"--broker {e} (--insecure-http allows it)") from e
     try:
         httpx.get(f"{client.node}/healthz", timeout=PROBE_TIMEOUT_S, verify=verify)
     except httpx.HTTPError as e:
@@ -90,7 +112,9 @@ def connect(
 def _call(args: argparse.Namespace, call: Callable[[Client], Any]) -> Any:
     """The call's answer; a broker error is printed and becomes None."""
     try:
-        with connect(args.broker, token=args.token, cacert=args.cacert) as client:
+        with connect(
+            args.broker, token=args.token, cacert=args.cacert, insecure_http=args.insecure_http
+        ) as client:
             return call(client)
     except BrokerError as e:
         print(f"error: {e}", file=sys.stderr)

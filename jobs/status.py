@@ -27,7 +27,7 @@ from dejaq.broker.state import cron
 from dejaq.broker.state.schedules import ScheduleStore
 from dejaq.client import BrokerError
 from dejaq.conf.kafka_clients import python_config
-from dejaq.conf.settings import KafkaConfig, TopicKind, load_settings
+from dejaq.conf.settings import ConfigError, KafkaConfig, TopicKind, load_settings
 from dejaq.conf.storage import describe, export, filesystem
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs.doctor import kafka_answers
@@ -149,20 +149,28 @@ def last_retention(buffer_path: str, look_back: int = 200) -> str:
     return "none yet"
 
 
-def print_nodes(url: str, topic: str, token: str | None, cacert: str | None) -> bool:
+def print_nodes(
+    url: str, topic: str, token: str | None, cacert: str | None, insecure_http: bool = False
+) -> bool:
     """Each node's role, resident memory, index and view of the buffer; whether every node
-    answered and none has checkpoints failing."""
+    answered and none has checkpoints failing. The nodes the cluster lists are asked as
+    `url` is, so the key goes to none of them in clear unless `insecure_http`."""
     ok = True
-    with connect(url, timeout=10, token=token, cacert=cacert) as client:
+    reach = {"token": token, "cacert": cacert, "insecure_http": insecure_http}
+    with connect(url, timeout=10, **reach) as client:
         nodes = client.cluster().nodes
         scheme = client.node.partition("://")[0]
     print("nodes")
     for http in sorted(nodes.values()):
         try:
-            with connect(f"{scheme}://{http}", timeout=5, token=token, cacert=cacert) as client:
+            with connect(f"{scheme}://{http}", timeout=5, **reach) as client:
                 view = client.cluster()
         except BrokerError as e:
             print(f"  {http:<22} unreachable ({e})")
+            ok = False
+            continue
+        except ConfigError as e:
+            print(f"  {http:<22} not asked: {e}")
             ok = False
             continue
         t = view.topics.get(topic)
@@ -196,6 +204,7 @@ def run(
     broker: str | None = None,
     token: str | None = None,
     cacert: str | None = None,
+    insecure_http: bool = False,
 ) -> int:
     settings = load_settings(conf_file)
     export(settings)
@@ -220,7 +229,7 @@ def run(
             schedules_ok = not behind
     if broker:
         try:
-            nodes_ok = print_nodes(broker, topic, token, cacert)
+            nodes_ok = print_nodes(broker, topic, token, cacert, insecure_http)
         except BrokerError as e:
             print(f"nodes       unknown: the broker at {broker} does not answer ({e})")
             return 1

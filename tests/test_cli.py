@@ -82,6 +82,23 @@ def test_unknown_topic_names_the_configured_ones() -> None:
     assert "unknown topic 'nope' (configured: orders, reminders)" in result.stderr
 
 
+def test_a_command_sends_no_key_in_clear_beyond_loopback_unless_allowed() -> None:
+    """The key would cross the network in clear: refused as a usage error before any
+    connection; with --insecure-http the command goes on to look for the node (192.0.2.1,
+    a documentation address, answers nothing)."""
+    node = "http://192.0.2.1:8441"
+    env = {"DEJAQ_TOKEN": "dq_x_y"}
+    refused = run("pause", "--topic", "orders", "--broker", node, env=env, timeout=60)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"{node}: the API key would cross the network in clear" in refused.stderr
+    assert "--insecure-http" in refused.stderr
+    allowed = run(
+        "pause", "--topic", "orders", "--broker", node, "--insecure-http", env=env, timeout=60
+    )
+    assert allowed.returncode == 1, allowed.stdout + allowed.stderr
+    assert f"no broker node answers at {node}" in allowed.stderr
+
+
 def test_status_with_kafka_down_says_so_at_once(tmp_path: Path) -> None:
     nowhere = f"127.0.0.1:{free_port()}"
     env = {"DEJAQ_KAFKA_BOOTSTRAP": nowhere, "DEJAQ_WAREHOUSE": str(tmp_path / "wh")}

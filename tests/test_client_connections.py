@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from dejaq.client import Client, Unavailable
+from dejaq.client import Client, ProblemError, Unavailable
 from dejaq.client.connections import HEAD_MAX_BYTES
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
@@ -204,6 +204,43 @@ def test_a_node_url_that_is_not_http_is_refused_at_once() -> None:
     for bad in ("ftp://127.0.0.1:1", "http://127.0.0.1:port", "http://:8001"):
         with pytest.raises(ValueError):
             Client([bad])
+
+
+def test_a_key_goes_in_clear_only_to_loopback_unless_allowed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over http:// beyond this machine the key would cross the network in clear: such a
+    node is refused before anything is sent, whether the key is given or in the
+    environment, unless the caller allows it. Loopback and https:// are not."""
+    for beyond in ("10.0.0.1:1", "http://b1.example.com:8441", "http://[2001:db8::1]:1"):
+        with pytest.raises(ValueError, match=re.escape(beyond)):
+            Client([beyond], token="dq_x_y")
+    monkeypatch.setenv("DEJAQ_TOKEN", "dq_x_y")
+    with pytest.raises(ValueError, match=r"10\.0\.0\.1:1.*in clear"):
+        Client(["127.0.0.1:1", "10.0.0.1:1"])
+    for near in ("https://10.0.0.1:1", "127.0.0.1:1", "http://127.5.6.7:1", "localhost:1"):
+        Client([near]).close()
+    Client(["http://[::1]:1", "http://LOCALHOST:1"]).close()
+    Client(["10.0.0.1:1"], insecure_http=True).close()
+    monkeypatch.delenv("DEJAQ_TOKEN")
+    Client(["10.0.0.1:1"]).close()  # no key to give away
+
+
+def test_a_redirect_is_not_followed() -> None:
+    """The key goes to the nodes the caller named and nowhere else: a node's redirect is
+    an error answer, not a request to where it points."""
+
+    def redirects(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        return 307, {"title": "elsewhere"}, {"location": f"{elsewhere.url}{path}"}
+
+    with (
+        stands(redirects, no_messages) as (node, elsewhere),
+        Client([node.url], token="dq_x_y") as c,
+        pytest.raises(ProblemError) as raised,
+    ):
+        c.lease("jobs", "w")
+    assert raised.value.status == 307
+    assert len(node.requests) == 1 and elsewhere.requests == []
 
 
 # --- answers as bytes: how the client frames them ---------------------------------------

@@ -91,6 +91,7 @@ class Client:
         stall_s: float = 2.0,
         deadline: float = 30.0,
         max_retry_after: float = 5.0,
+        insecure_http: bool = False,
     ) -> None:
         """`token`: an API key, sent as a bearer token (default: `$DEJAQ_TOKEN`, if set).
         `verify`: how `https://` nodes are checked: True (the system's CAs), a CA file's
@@ -101,7 +102,9 @@ class Client:
         the call moves to the next node. A lease's `wait_ms` is added to either.
         `deadline` bounds a call, every node and retry included, and an answer still
         arriving (a node sending a byte now and then is never silent for long); a
-        `Retry-After` is obeyed up to `max_retry_after` seconds."""
+        `Retry-After` is obeyed up to `max_retry_after` seconds. With a token, an
+        `http://` node beyond loopback is refused, as the key would cross the network in
+        clear, unless `insecure_http` says something in front of it encrypts the traffic."""
         if not nodes:
             raise ValueError("nodes: give at least one node base URL")
         self.nodes = [node_url(n) for n in nodes]
@@ -109,6 +112,14 @@ class Client:
         self.timeout, self.deadline, self.max_retry_after = timeout, deadline, max_retry_after
         self.stall_s = stall_s
         token = token if token is not None else os.environ.get(TOKEN_VARIABLE) or None
+        if token and not insecure_http:
+            for url, node in self._parsed.items():
+                if not node.tls and not node.loopback:
+                    raise ValueError(
+                        f"{url}: the API key would cross the network in clear over http://; "
+                        "give an https:// URL, or allow it with insecure_http if something "
+                        "in front of the node encrypts its traffic"
+                    )
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = Connections(headers, verify)
         self._current = 0

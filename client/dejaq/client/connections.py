@@ -13,6 +13,7 @@ a connection per call in flight, reused afterwards unless either side closed it.
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import re
 import select
@@ -84,6 +85,17 @@ class Node:
         tls = parts.scheme == "https"
         port = parts.port or (443 if tls else 80)  # a port that is no number raises here
         return cls(tls, parts.hostname, port, parts.path.rstrip("/"))
+
+    @functools.cached_property
+    def loopback(self) -> bool:
+        """Whether only this machine is reached: `localhost`, 127.0.0.0/8 or ::1. No name
+        is resolved, as what a name resolves to may change after the check."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
 
     @functools.cached_property
     def host_header(self) -> str:
