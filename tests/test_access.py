@@ -178,6 +178,22 @@ def test_a_role_holds_on_its_topics_only(secure) -> None:
     assert http.post(f"{url}/v1/topics/other/leases", json=body, headers=lower).status_code == 200
 
 
+def test_a_monitor_key_sees_its_own_topics_only(secure) -> None:
+    """`/v1/cluster` and `/metrics` show the per-topic parts of the topics a key monitors;
+    Raft's and the process's to any monitor key."""
+    http, url, keys = secure["http"], secure["nodes"][0].url, secure["keys"]
+    every = {"jobs", "other", "orders.x"}
+    for key, topics in ((keys["monitor"], {"jobs"}), (keys["all"], every)):
+        view = http.get(f"{url}/v1/cluster", headers=bearer(key))
+        assert view.status_code == 200, view.text
+        assert set(view.json()["topics"]) == topics
+        assert view.json()["role"] and len(view.json()["nodes"]) == 3
+        scrape = http.get(f"{url}/metrics", headers=bearer(key))
+        assert scrape.status_code == 200, scrape.text
+        assert set(re.findall(r'topic="([^"]*)"', scrape.text)) == topics
+        assert "dejaq_raft_term " in scrape.text and "process_resident_memory_bytes" in scrape.text
+
+
 def test_a_follower_forwards_over_tls_and_a_forged_forward_is_refused(secure) -> None:
     http, nodes, keys = secure["http"], secure["nodes"], secure["keys"]
     verify = ssl.create_default_context(cafile=str(secure["ca"]))

@@ -4,6 +4,8 @@ An ASGI layer in front of the whole app (the lease and ack fast path included), 
 route can be reached around it: a route missing from `ROUTES` needs a valid key and no
 role, and a test holds every route of the OpenAPI to an entry here. Health, readiness
 and the API's own docs stay open; `/metrics` needs `monitor` unless configured open.
+The topic-less `monitor` routes show a key the per-topic parts of its own topics only
+(`monitored`).
 
 A follower authorizes a request once and forwards it with a tag only the cluster's
 nodes can make (an HMAC, under a key stretched from the Raft password as slowly as
@@ -33,12 +35,13 @@ from functools import lru_cache
 from typing import Any
 from urllib.parse import quote
 
-from dejaq.broker.api.keys import KeyRing
+from dejaq.broker.api.keys import Key, KeyRing
 from dejaq.broker.api.replayed_body import read_body, replay
 
 Scope = MutableMapping[str, Any]
 ASGIApp = Callable[[Scope, Any, Any], Awaitable[None]]
 
+KEY = "dejaq.key"  # the scope's entry for the caller's key, once authorized
 FORWARDED = "x-dejaq-forwarded"
 _FORWARDED = FORWARDED.encode()
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/docs", "/openapi.json"})
@@ -211,6 +214,7 @@ class Guard:
         if role is not None and not key.allows(role, topic):
             detail = f"this key lacks {_grant(role, topic)}"
             return await _refuse(send, 403, "role required", detail)
+        scope[KEY] = key
         return await self.app(scope, receive, send)
 
     def _timely(self, forwarded: bytes) -> bool:
@@ -243,6 +247,16 @@ class Guard:
         self._nonces.add(nonce)
         expiries.append((now + 2 * FORWARD_TTL_MS / 1000, nonce))
         return True
+
+
+def monitored(scope: Scope) -> Callable[[str], bool]:
+    """Which topics a topic-less `monitor` route (`/metrics`, `/v1/cluster`) shows the
+    caller: those its key's `monitor` grants name. Every topic where no key was asked
+    (keys off, `/metrics` configured open)."""
+    key: Key | None = scope.get(KEY)
+    if key is None:
+        return lambda topic: True
+    return lambda topic: key.allows("monitor", topic)
 
 
 def _grant(role: str, topic: str | None) -> str:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from itertools import accumulate
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from prometheus_client import (
     Histogram,
     ProcessCollector,
 )
-from prometheus_client.core import HistogramMetricFamily
+from prometheus_client.core import HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dejaq.broker.storage.checkpoints import Lag
@@ -156,6 +157,26 @@ class Metrics:
         self.retention_last.labels(topic).set(time.time())
         self.retention_seconds.labels(topic).set(run.seconds)
         self.retention_removed.labels(topic).inc(run.removed)
+
+
+class TopicsShown(Collector):
+    """A registry's metrics with the samples of the topics `shows` lets through, and every
+    sample without a topic (Raft, the process): what a scrape by a key of some topics gets."""
+
+    def __init__(self, registry: CollectorRegistry, shows: Callable[[str], bool]) -> None:
+        self.registry, self.shows = registry, shows
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.registry.collect():
+            kept = [
+                s
+                for s in family.samples
+                if "topic" not in s.labels or self.shows(s.labels["topic"])
+            ]
+            if len(kept) != len(family.samples):
+                family = copy.copy(family)
+                family.samples = kept
+            yield family
 
 
 class LeaseLatency(Collector):

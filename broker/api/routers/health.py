@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from dejaq.broker.api.access import monitored
 from dejaq.broker.api.dependencies import AnyBroker, problem
-from dejaq.broker.api.metrics import resident_bytes
+from dejaq.broker.api.metrics import TopicsShown, resident_bytes
 from dejaq.broker.api.responses import Cluster
 
 router = APIRouter(tags=["health"])
@@ -30,14 +31,18 @@ async def readyz(broker: AnyBroker) -> Response:
 
 
 @router.get("/metrics", response_class=Response)
-async def metrics(broker: AnyBroker) -> Response:
-    return Response(generate_latest(broker.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(broker: AnyBroker, request: Request) -> Response:
+    """A key's scrape has the series of its `monitor` topics, and those of no topic."""
+    shown = TopicsShown(broker.metrics.registry, monitored(request.scope))
+    return Response(generate_latest(shown), media_type=CONTENT_TYPE_LATEST)
 
 
 @router.get("/v1/cluster", response_model=Cluster)
-async def cluster(broker: AnyBroker) -> Cluster:
+async def cluster(broker: AnyBroker, request: Request) -> Cluster:
     """This node's view: role, term, the leader and every node's HTTP address; its
-    memory, and per topic its index and the buffer's settled rows."""
+    memory, and per topic (those the key monitors) its index and the buffer's settled
+    rows."""
+    shows = monitored(request.scope)
     raft = broker.raft
     assert raft is not None
     return Cluster(
@@ -49,5 +54,5 @@ async def cluster(broker: AnyBroker) -> Cluster:
         leader_http=raft.leader_http(),
         nodes=raft.http_addresses(),
         resident_bytes=resident_bytes(),
-        topics=broker.node_topics(),
+        topics={name: t for name, t in broker.node_topics().items() if shows(name)},
     )
