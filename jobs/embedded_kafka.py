@@ -11,9 +11,11 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import os
 import secrets
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -222,6 +224,17 @@ def _java(data_dir: Path, main: str, *args: str) -> list[str]:
     ]
 
 
+def _argument_file(args: list[str], folder: Path) -> Path:
+    """`args` as a JVM argument file (`java @file`) in `folder` that only its owner reads:
+    a command line is any local user's to read (ps, /proc/*/cmdline), and the format's
+    carries the SCRAM passwords. Each argument is quoted, `\\` and `"` escaped."""
+    fd, name = tempfile.mkstemp(prefix="java-", suffix=".args", dir=folder)
+    quoted = ('"' + a.replace("\\", "\\\\").replace('"', '\\"') + '"' for a in args)
+    with os.fdopen(fd, "w") as f:
+        f.write("\n".join(quoted))
+    return Path(name)
+
+
 def prepare(port: int, data_dir: Path, secure: bool = False) -> Path:
     """Write the configuration for this start; format the storage on first use.
 
@@ -258,7 +271,16 @@ def prepare(port: int, data_dir: Path, secure: bool = False) -> Path:
             str(config),
             *(security.format_arguments() if security else []),
         )
-        done = subprocess.run(fmt, capture_output=True, text=True, stdin=subprocess.DEVNULL)
+        argument_file = _argument_file(fmt[1:], data_dir)
+        try:
+            done = subprocess.run(
+                [fmt[0], f"@{argument_file}"],
+                capture_output=True,
+                text=True,
+                stdin=subprocess.DEVNULL,
+            )
+        finally:
+            argument_file.unlink()
         if done.returncode != 0:
             raise RuntimeError(f"formatting Kafka storage in {log_dir} failed: {done.stderr}")
     return config

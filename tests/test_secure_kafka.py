@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from conftest import wait_until
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from pydantic import SecretStr
@@ -445,3 +446,41 @@ def test_a_secure_data_dir_started_without_secure_is_refused(tmp_path: Path) -> 
     with pytest.raises(embedded_kafka.SecureMismatch, match="start it with --secure"):
         embedded_kafka.prepare(free_port(), tmp_path, secure=False)
     assert not (tmp_path / "server.properties").exists(), "no plain configuration written"
+
+
+def test_no_password_is_on_a_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any local user reads a process's command line (ps, /proc/*/cmdline): the storage
+    format that writes the SCRAM users reads them from a file only its owner reads,
+    removed once it ran, and the users it wrote log in."""
+    started: list[tuple[str, str, dict[str, int]]] = []  # argv, /proc cmdline, @files' modes
+
+    class Watched(subprocess.Popen):
+        """The real child, its command line read as ps would while it runs."""
+
+        def __init__(self, args: list[str], *more: object, **kw: object) -> None:
+            super().__init__(args, *more, **kw)
+            # Read once the exec has set the command line up (empty until then).
+            listed = Path(f"/proc/{self.pid}/cmdline")
+            cmdline = wait_until(listed.read_bytes, 10, "the child's command line")
+            modes = {a: Path(a[1:]).stat().st_mode & 0o777 for a in args if a.startswith("@")}
+            started.append((" ".join(args), cmdline.replace(b"\0", b" ").decode(), modes))
+
+    monkeypatch.setattr(subprocess, "Popen", Watched)
+    port = free_port()
+    proc = embedded_kafka.start(port, tmp_path, secure=True)
+    try:
+        monkeypatch.undo()
+        env = embedded_kafka.client_env(tmp_path, port)
+        for mechanism in ("SCRAM-SHA-256", "SCRAM-SHA-512"):
+            check_login(load_settings(env={**env, "DEJAQ_KAFKA_SASL_MECHANISM": mechanism}).kafka)
+    finally:
+        children.stop(proc)
+    secure = embedded_kafka.Secure.load_or_create(tmp_path)
+    assert len(started) == 2, started  # the storage format, then Kafka
+    for argv, cmdline, _ in started:
+        assert "java" in cmdline
+        for secret in (secure.password, secure.broker_password):
+            assert secret not in argv and secret not in cmdline
+    formatted = started[0][2]
+    assert list(formatted.values()) == [0o600], formatted
+    assert not any(Path(f[1:]).exists() for f in formatted), "the argument file is left"
