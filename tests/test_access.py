@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from http import client as http_client
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -113,10 +114,22 @@ def secure(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterato
             cluster.stop_node(node)
 
 
+def key_id(key: str) -> str:
+    parts = split_token(key)
+    assert parts is not None
+    return parts[0]
+
+
 def secret_of(key: str) -> str:
     parts = split_token(key)
     assert parts is not None
     return parts[1]
+
+
+def monitor_client(secure: dict) -> httpx.Client:
+    """A client with the `monitor` key, to find the leader by."""
+    verify = ssl.create_default_context(cafile=str(secure["ca"]))
+    return httpx.Client(verify=verify, headers=bearer(secure["keys"]["monitor"]))
 
 
 def bearer(key: str) -> dict[str, str]:
@@ -208,8 +221,8 @@ def test_a_follower_forwards_over_tls_and_a_forged_forward_is_refused(secure) ->
     lease = f"{leader.url}/v1/topics/jobs/leases"
     content = json.dumps(body).encode()
     path = "/v1/topics/jobs/leases"
-    guessed = forward_tag("guess", follower.http, "POST", path, content)
-    for forged in ("1", f"{follower.http} 1 2 {'0' * 64}", guessed):
+    guessed = forward_tag("guess", follower.http, "POST", path, content, key_id(keys["all"]))
+    for forged in ("1", f"{follower.http} 1 2 - 0 {'0' * 64} {'0' * 64}", guessed):
         answer = http.post(lease, content=content, headers={"x-dejaq-forwarded": forged})
         assert answer.status_code == 401, forged
         assert answer.json()["title"] == "not a cluster node"
@@ -229,7 +242,8 @@ def test_a_forward_tag_seen_on_the_wire_opens_nothing_else(secure) -> None:
     password = os.environ["DEJAQ_BROKER_RAFT_PASSWORD"]  # the cluster's, as a node has it
     content = json.dumps({"consumer_id": "tagged", "max_messages": 1}).encode()
     path = "/v1/topics/jobs/leases"
-    tag = forward_tag(password, follower.http, "POST", path, content)
+    consume = key_id(keys["consume"])
+    tag = forward_tag(password, follower.http, "POST", path, content, consume)
 
     def send(route: str, tag: str) -> httpx.Response:
         headers = {FORWARDED: tag, "content-type": "application/json"}
@@ -237,22 +251,150 @@ def test_a_forward_tag_seen_on_the_wire_opens_nothing_else(secure) -> None:
 
     assert send(path, tag).status_code == 200, "a node's tag, fresh"
     assert send(path, tag).status_code == 401, "the same tag again"
-    other = forward_tag(password, follower.http, "POST", path, content)
+    other = forward_tag(password, follower.http, "POST", path, content, consume)
     assert send("/v1/topics/jobs/purge", other).status_code == 401, "another route"
     stale = int(time.time() * 1000) - FORWARD_TTL_MS - 1000
-    old = forward_tag(password, follower.http, "POST", path, content, at_ms=stale)
+    old = forward_tag(password, follower.http, "POST", path, content, consume, at_ms=stale)
     assert send(path, old).status_code == 401, "a stale tag"
     assert send(path, other).status_code == 200, "its own request, once"
 
 
-def test_a_forwards_body_is_read_behind_a_timely_tag_only_and_no_larger_than_a_route_takes(
+def test_a_forged_forward_is_answered_before_its_body_is_sent(secure) -> None:
+    """A caller with no key announces a 16 MiB body behind a forward tag of the right
+    time, and sends none of it: the node answers at once, having read no body (reading
+    it would wait for bytes that never come), whether the tag has the form of another
+    version or was not made with the Raft password. A follower's own forward of a body
+    still goes through."""
+    nodes, keys = secure["nodes"], secure["keys"]
+    verify = ssl.create_default_context(cafile=str(secure["ca"]))
+    node = nodes[0]
+    host, port = node.http.split(":")
+    path = "/v1/topics/jobs/messages/batch"
+    size = 16 * 1024 * 1024
+
+    def answer(tag: str) -> tuple[int, str]:
+        conn = http_client.HTTPSConnection(host, int(port), context=verify, timeout=10)
+        try:
+            conn.putrequest("POST", path)
+            for name, value in (
+                (FORWARDED, tag),
+                ("content-type", "application/json"),
+                ("content-length", str(size)),
+            ):
+                conn.putheader(name, value)
+            conn.endheaders()  # the head alone: not a byte of the body
+            got = conn.getresponse()
+            return got.status, got.read().decode()
+        finally:
+            conn.close()
+
+    now = int(time.time() * 1000)
+    unsigned = f"{node.http} {now} n {key_id(keys['all'])} {size} {'0' * 64} {'0' * 64}"
+    assert answer(f"evil {now} n 00")[0] == 503, "a tag of another version's form"
+    status, body = answer(unsigned)
+    assert status == 401 and json.loads(body)["title"] == "not a cluster node", body
+
+    with monitor_client(secure) as monitor:
+        leader = wait_until(lambda: leader_of(nodes, monitor), what="a leader")
+    follower = next(n for n in nodes if n is not leader)
+    fill(str(secure["tmp"] / "warehouse"), "other", buffer_rows(list(range(8)), prefix="o"))
+    with Client([follower.url], token=keys["all"], verify=str(secure["ca"])) as via:
+        leased = wait_until(lambda: via.lease("other", "forwarded", 8), 20, "a forwarded lease")
+        acked = via.ack("other", "forwarded", receipts=[m.receipt for m in leased])
+        assert acked.settled == len(leased)
+
+
+def test_the_leader_holds_a_forward_to_the_key_its_tag_names(secure) -> None:
+    """A node's tag names the key it let the caller in with: the leader takes it only for
+    a key of its own file with the role the call needs, and from a node that let its
+    caller in without a key (one without a key file) not at all."""
+    http, nodes, keys = secure["http"], secure["nodes"], secure["keys"]
+    with monitor_client(secure) as monitor:
+        leader = wait_until(lambda: leader_of(nodes, monitor), what="a leader")
+    password = os.environ["DEJAQ_BROKER_RAFT_PASSWORD"]
+    path = "/v1/topics/jobs/purge"
+    content = json.dumps({"confirm": "jobs"}).encode()
+
+    def purge(key: str | None) -> httpx.Response:
+        tag = forward_tag(password, "127.0.0.1:1", "POST", path, content, key)
+        headers = {FORWARDED: tag, "content-type": "application/json"}
+        return http.post(f"{leader.url}{path}", content=content, headers=headers)
+
+    keyless = purge(None)
+    assert keyless.status_code == 401, keyless.text
+    assert "127.0.0.1:1, a node without API keys" in keyless.json()["detail"]
+    reader = purge(key_id(keys["read"]))
+    assert reader.status_code == 403 and "role 'operate'" in reader.json()["detail"]
+    unknown = purge("0123456789ab")
+    assert unknown.status_code == 401 and "key file lacks" in unknown.json()["detail"]
+    described = http.get(f"{leader.url}/v1/topics/jobs", headers=bearer(keys["read"]))
+    assert described.json()["pending"] > 0, "nothing purged"
+
+
+def test_a_node_without_keys_opens_no_leader_only_call_to_callers_without_one(
+    tmp_path: Path, kafka_bootstrap: str, kafka_source: str
+) -> None:
+    """Of three nodes on loopback, one is started without the key file (so it starts,
+    and lets anyone in): a purge sent through it without a key is refused by the leader,
+    which has keys, naming that node; with a key through a node with keys, it is done."""
+    conf, ca, keys_file = write_secure_conf(tmp_path, kafka_bootstrap, kafka_source)
+    operator = add_key(keys_file, "ops", ["operate", "read", "monitor"], ["*"])
+    keyless_conf = tmp_path / "keyless.yaml"
+    keyless_conf.write_text(re.sub(r"(?m)^  keys_file: .*\n", "", conf.read_text()))
+    assert "keys_file" not in keyless_conf.read_text()
+    fill(str(tmp_path / "warehouse"), "jobs", buffer_rows(list(range(8)), prefix="k"))
+    nodes = cluster.plan(3, tmp_path / "raft")
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    verify = ssl.create_default_context(cafile=str(ca))
+    ops = bearer(operator)
+    try:
+        with (
+            httpx.Client(timeout=30, verify=verify) as http,
+            httpx.Client(timeout=30, verify=verify, headers=ops) as operating,
+        ):
+            # The keyed nodes first: they elect a leader, whose log the late one lacks.
+            for node, node_conf in zip(nodes, (conf, conf, keyless_conf), strict=True):
+                node.scheme, node.ca = "https", str(ca)
+                node.proc = subprocess.Popen(
+                    cluster.node_command(node, nodes, str(node_conf)),
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+                if node is nodes[1]:
+                    cluster.wait_ready(nodes[:2])
+            cluster.wait_ready(nodes)
+            leader = wait_until(lambda: leader_of(nodes, operating), what="a leader")
+            keyless = nodes[2]
+            assert leader is not keyless
+            stats = f"{leader.url}/v1/topics/jobs"
+            wait_until(lambda: operating.get(stats).json()["pending"] == 8, 20, "indexed")
+
+            confirm = {"confirm": "jobs"}
+            refused = http.post(f"{keyless.url}/v1/topics/jobs/purge", json=confirm)
+            assert refused.status_code == 401, refused.text
+            assert f"{keyless.http}, a node without API keys" in refused.json()["detail"]
+            assert operating.get(stats).json()["pending"] == 8
+
+            keyed = next(n for n in nodes if n is not leader and n is not keyless)
+            done = operating.post(f"{keyed.url}/v1/topics/jobs/purge", json=confirm)
+            assert done.status_code == 200 and done.json()["cancelled"] == 8, done.text
+    finally:
+        for node in nodes:
+            cluster.stop_node(node)
+
+
+def test_a_forwards_tag_is_checked_before_its_body_is_read_and_holds_the_body(
     tmp_path: Path,
 ) -> None:
-    """A caller with no key sends a forward's header and a body without end: a tag of the
-    wrong form, or stale, is refused before a byte of the body is read; a timely one has
-    its body read up to the largest a route takes, then 413. The key check is driven
-    as the HTTP server drives it (ASGI), as a body without end cannot be sent here."""
+    """A caller with no key sends a forward's header and a body without end: a tag of
+    another form, stale, or not made with the Raft password is refused before a byte
+    of the body is read, as is a node's tag claiming more than a route takes; a node's
+    tag has its body read no further than the length it names, and a body other than
+    the one it signs is refused. The key check is driven as the HTTP server drives it
+    (ASGI), as a body without end cannot be sent here."""
     pulled = 0
+    reached: list[bytes] = []
 
     async def endless() -> dict:
         nonlocal pulled
@@ -260,13 +402,17 @@ def test_a_forwards_body_is_read_behind_a_timely_tag_only_and_no_larger_than_a_r
         assert pulled < 10_000, "the body was read on and on"
         return {"type": "http.request", "body": b"x" * 100, "more_body": True}
 
-    async def app(scope: object, receive: object, send: object) -> None:
-        raise AssertionError("a forged forward reached the app")
+    async def app(scope: dict, receive: Any, send: Any) -> None:
+        reached.append((await receive())["body"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
 
-    guard = Guard(app, KeyRing(tmp_path / "keys.json"), "the raft password", max_body=1_000)
+    keys_file = tmp_path / "keys.json"
+    consume = key_id(add_key(keys_file, "c", ["consume"], ["jobs"]))
+    guard = Guard(app, KeyRing(keys_file), "the raft password", max_body=1_000)
     path = "/v1/topics/jobs/leases"
 
-    def status(tag: str) -> int:
+    def status(tag: str, receive: Any = endless) -> int:
         sent: list[dict] = []
 
         async def send(message: dict) -> None:
@@ -279,14 +425,33 @@ def test_a_forwards_body_is_read_behind_a_timely_tag_only_and_no_larger_than_a_r
             "query_string": b"",
             "headers": [(FORWARDED.encode(), tag.encode())],
         }
-        asyncio.run(guard(scope, endless, send))
+        asyncio.run(guard(scope, receive, send))
         return sent[0]["status"]
 
-    stale = int(time.time() * 1000) - FORWARD_TTL_MS - 1000
-    for tag in ("1", forward_tag("the raft password", "n2", "POST", path, b"", at_ms=stale)):
-        assert (status(tag), pulled) == (401, 0), tag
-    assert status(forward_tag("the raft password", "n2", "POST", path, b"")) == 413
-    assert pulled == 11, "1,000 bytes of 100-byte chunks, and the one past them"
+    def tag(body: bytes, password: str = "the raft password", at_ms: int | None = None) -> str:
+        return forward_tag(password, "n2", "POST", path, body, consume, at_ms)
+
+    now = int(time.time() * 1000)
+    stale = now - FORWARD_TTL_MS - 1000
+    forged = {
+        "1": 401,
+        f"evil {now} n 00": 503,  # the form of another version
+        tag(b"x" * 10**9, password="a guess"): 401,
+        tag(b"", at_ms=stale): 401,
+        tag(b"x" * 2_000): 413,  # a node's, over the largest body a route takes
+    }
+    for forged_tag, refused in forged.items():
+        assert (status(forged_tag), pulled) == (refused, 0), forged_tag
+    assert status(tag(b"x" * 300)) == 401, "a body longer than its tag says"
+    assert pulled == 4, "300 bytes of 100-byte chunks, and the one past them"
+    assert reached == []
+
+    async def once() -> dict:
+        return {"type": "http.request", "body": b'{"consumer_id": "c"}', "more_body": False}
+
+    assert status(tag(b'{"consumer_id": "d"}'), once) == 401, "another body than it signs"
+    assert status(tag(b'{"consumer_id": "c"}'), once) == 200
+    assert reached == [b'{"consumer_id": "c"}']
 
 
 def test_a_follower_forwards_the_path_it_was_sent_still_encoded(secure) -> None:
@@ -648,17 +813,19 @@ def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says
 def test_a_forward_tag_whose_time_is_not_ascii_digits_is_refused_as_any_bad_tag(
     tmp_path: Path,
 ) -> None:
-    """`1²` is a digit to `str.isdigit` and none to `int`; a 5,000-digit time is past
-    what `int` reads. Neither may fail the node's key check (a 500, logged), keyless."""
+    """`1²` is a digit to `str.isdigit` and none to `int`; a 5,000-digit number is past
+    what `int` reads. Neither, as a tag's time or length, may fail the node's key check
+    (a 500, logged), keyless."""
     add_key(tmp_path / "keys.json", "ops", ["monitor"], ["*"])
     args, port = keyed_node(tmp_path, "raft_password: the-raft-password")
     node = started_node(args, port)
     url = f"http://127.0.0.1:{port}/v1/topics/jobs/leases"
     try:
-        for at in ("1\N{SUPERSCRIPT TWO}".encode("latin-1"), b"9" * 5000):
-            answer = httpx.post(url, content=b"{}", headers={FORWARDED: b"x " + at + b" n m"})
-            assert answer.status_code == 401, answer.text
-            assert answer.json()["title"] == "not a cluster node"
+        for bad in ("1\N{SUPERSCRIPT TWO}".encode("latin-1"), b"9" * 5000):
+            for tag in (b"x %s n - 2 d m" % bad, b"x 1 n - %s d m" % bad):
+                answer = httpx.post(url, content=b"{}", headers={FORWARDED: tag})
+                assert answer.status_code == 401, answer.text
+                assert answer.json()["title"] == "not a cluster node"
     finally:
         children.stop(node)
     assert node.stderr is not None

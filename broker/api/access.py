@@ -7,18 +7,21 @@ and the API's own docs stay open; `/metrics` needs `monitor` unless configured o
 The topic-less `monitor` routes show a key the per-topic parts of its own topics only
 (`monitored`).
 
-A follower authorizes a request once and forwards it with a tag only the cluster's
-nodes can make (an HMAC, under a key stretched from the Raft password as slowly as
-Raft's own, of the follower's HTTP address, the time, a nonce, and the request's
-method, path, query and body); a tag seen on the wire costs a password guess as much
-as Raft's traffic does. The leader reads a forward's body only if its tag is well
-formed and timely, and at most `max_body` of it, so a caller without a key cannot make
-a node hold a body of any size. The leader takes a
-forward with a valid tag, and from nobody else, whatever headers a client sends. A tag
-seen on the wire opens no other request, and not that one again: the leader takes each
-nonce once, within `FORWARD_TTL_MS` of its time (the nodes' clocks agree within it).
-The tag alone proves the sender a node: a node that has just started forwards before
-its address is in the replicated state, and must not be refused for it.
+A follower authenticates a request and forwards it with a tag only the cluster's nodes
+can make (an HMAC, under a key stretched from the Raft password as slowly as Raft's own,
+of the follower's HTTP address, the time, a nonce, the id of the key it let the caller
+in with, and the request's method, path, query, body length and body SHA-256); a tag
+seen on the wire costs a password guess as much as Raft's traffic does. The leader
+checks a tag before it reads a byte of the body, then reads no more than the length the
+tag names and holds the body to its digest, so a caller without a key cannot make a
+node read or hash a body. The leader takes a forward with a valid tag, and from nobody
+else, whatever headers a client sends; it checks the key the tag names against its own
+key file, with the route's role on its topic, and refuses a forward from a node that
+let its caller in without a key (a node without a key file). A tag seen on the wire
+opens no other request, and not that one again: the leader takes each nonce once,
+within `FORWARD_TTL_MS` of its time (the nodes' clocks agree within it). The tag alone
+proves the sender a node: a node that has just started forwards before its address is
+in the replicated state, and must not be refused for it.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import secrets
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, MutableMapping
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 from urllib.parse import quote
@@ -50,8 +54,11 @@ METRICS = "/metrics"
 BEARER = "bearer"
 FORWARD_TTL_MS = 60_000
 FORWARD_ROUNDS = 100_000  # PBKDF2's, as PySyncObj's for the Raft traffic's key
-# A tag's time: ASCII digits, few enough for int() (not "1²", nor 5,000 digits).
-_EPOCH_MS = re.compile(r"[0-9]{1,15}")
+# A tag's time and length: ASCII digits, few enough for int() (not "1²", nor 5,000 digits).
+_DIGITS = re.compile(r"[0-9]{1,15}")
+# A forward's key field where the sending node let its caller in without a key.
+NO_KEY = "-"
+NOT_A_NODE = "not a cluster node"
 
 # (method, path, role): the role a key needs on the path's {topic}, or on any topic for
 # topic-less paths; None: any valid key (the list of topics' names).
@@ -118,18 +125,56 @@ def forward_tag(
     method: str,
     target: str,
     body: bytes,
+    key: str | None = None,
     at_ms: int | None = None,
     nonce: str | None = None,
 ) -> str:
     """What a node sends as `FORWARDED` when it passes a request (`method`, `target`: its
-    path and query, `body`) on to the leader: `sender at_ms nonce mac`, now and a fresh
-    nonce unless given."""
+    path and query, `body`) on to the leader, let in with the key of id `key` (None: no
+    key): `sender at_ms nonce key length sha256 mac`, now and a fresh nonce unless
+    given. The length and digest let the leader check the tag before reading the body."""
     at_ms = int(time.time() * 1000) if at_ms is None else at_ms
     nonce = secrets.token_hex(12) if nonce is None else nonce
-    signed = f"dejaq-forward {sender} {at_ms} {nonce} {method} {target} "
-    signed += hashlib.sha256(body).hexdigest()
-    mac = hmac.new(forward_key(password), signed.encode(), hashlib.sha256)
-    return f"{sender} {at_ms} {nonce} {mac.hexdigest()}"
+    fields = (sender, str(at_ms), nonce, key or NO_KEY, str(len(body)), _sha256(body))
+    return " ".join((*fields, _mac(password, fields, method, target)))
+
+
+def _sha256(body: bytes) -> str:
+    return hashlib.sha256(body).hexdigest()
+
+
+def _mac(password: str, fields: tuple[str, ...], method: str, target: str) -> str:
+    """The HMAC of a tag's fields with the request's method and target."""
+    signed = " ".join(("dejaq-forward", *fields, method, target))
+    return hmac.new(forward_key(password), signed.encode(), hashlib.sha256).hexdigest()
+
+
+@dataclass(frozen=True)
+class Tag:
+    """A forward's tag as sent: what it claims, not yet checked."""
+
+    sender: str
+    at_ms: int
+    nonce: str
+    key: str
+    length: int
+    digest: str
+    mac: str
+
+    @classmethod
+    def parse(cls, forwarded: bytes) -> Tag | None:
+        """The tag's fields, or None if it is not of `forward_tag`'s form."""
+        parts = forwarded.decode("latin-1").split(" ")
+        if len(parts) != 7 or not (_DIGITS.fullmatch(parts[1]) and _DIGITS.fullmatch(parts[4])):
+            return None
+        sender, at, nonce, key, length, digest, mac = parts
+        return cls(sender, int(at), nonce, key, int(length), digest, mac)
+
+    def signed_by(self, password: str, method: str, target: str) -> bool:
+        """Whether a holder of `password` made this tag for `method` `target`."""
+        fields = (self.sender, str(self.at_ms), self.nonce, self.key, str(self.length))
+        expected = _mac(password, (*fields, self.digest), method, target)
+        return hmac.compare_digest(expected, self.mac)
 
 
 @lru_cache(maxsize=4)
@@ -184,20 +229,7 @@ class Guard:
             elif name == _FORWARDED:
                 forwarded = value
         if forwarded is not None:
-            body = await read_body(receive, self.max_body) if self._timely(forwarded) else b""
-            if body is None:
-                return await _refuse(send, 413, "request too large", f"over {self.max_body} bytes")
-            target = target_of(scope).decode("latin-1")
-            if self._from_node(forwarded, scope["method"], target, body):
-                # Authorized where it arrived; a body cut short by its sender fails the tag.
-                return await self.app(scope, replay(body, receive), send)
-            return await _refuse(
-                send,
-                401,
-                "not a cluster node",
-                "forwarded requests are taken from nodes only, each once, within "
-                f"{FORWARD_TTL_MS // 1000} s of its tag",
-            )
+            return await self._forwarded(scope, receive, send, forwarded)
         role, topic = required(scope["method"], path)
         needs = f"; this call needs {_grant(role, topic)}" if role is not None else ""
         scheme, _, token = (authorization or b"").decode("latin-1").partition(" ")
@@ -207,8 +239,7 @@ class Guard:
             )
         key = self.keys.authenticate(token.strip())
         if key is None and self.keys.error is not None:
-            detail = "this node cannot read its key file (its log and /readyz say why)"
-            return await _refuse(send, 503, "API keys unavailable", detail)
+            return await _refuse(send, 503, "API keys unavailable", _UNREADABLE)
         if key is None:
             return await _refuse(send, 401, "invalid API key", f"unknown or revoked key{needs}")
         if role is not None and not key.allows(role, topic):
@@ -217,23 +248,51 @@ class Guard:
         scope[KEY] = key
         return await self.app(scope, receive, send)
 
-    def _timely(self, forwarded: bytes) -> bool:
-        """Whether a forward's tag is well formed and within `FORWARD_TTL_MS` of now:
-        checked before its body is read."""
-        parts = forwarded.decode("latin-1").split(" ")
-        if self.password is None or len(parts) != 4 or not _EPOCH_MS.fullmatch(parts[1]):
-            return False
-        return abs(time.time() * 1000 - int(parts[1])) <= FORWARD_TTL_MS
-
-    def _from_node(self, forwarded: bytes, method: str, target: str, body: bytes) -> bool:
-        """Whether a node tagged this very request, lately, and it was not taken before."""
-        if not self._timely(forwarded):
-            return False
-        sender, at, nonce, _ = forwarded.decode("latin-1").split(" ")
-        expected = forward_tag(self.password, sender, method, target, body, int(at), nonce)
-        if not hmac.compare_digest(expected.encode("latin-1"), forwarded):
-            return False
-        return self._first(nonce)
+    async def _forwarded(self, scope: Scope, receive: Any, send: Any, forwarded: bytes) -> None:
+        """A forward: its tag checked, and the key it names, before a byte of its body is
+        read; then the body, no longer than the tag says, held to the tag's digest."""
+        tag = Tag.parse(forwarded)
+        if tag is None and len(forwarded.split(b" ")) == 4:
+            detail = (
+                "the forwarding node tags forwards in the form of another DejaQ version: "
+                "nodes of one cluster forward to each other when they run the same version"
+            )
+            return await _refuse(send, 503, "forward from another version", detail)
+        method, path = scope["method"], scope["path"]
+        target = target_of(scope).decode("latin-1")
+        if (
+            tag is None
+            or self.password is None
+            or abs(time.time() * 1000 - tag.at_ms) > FORWARD_TTL_MS
+            or not tag.signed_by(self.password, method, target)
+        ):
+            return await _refuse(send, 401, NOT_A_NODE, _FROM_NODES)
+        role, topic = required(method, path)
+        if tag.key == NO_KEY:
+            detail = (
+                f"forwarded by {tag.sender}, a node without API keys (broker.keys_file), "
+                "which lets in callers without a key: give it the cluster's key file"
+            )
+            return await _refuse(send, 401, "API key required", detail)
+        key: Key | None = self.keys.get(tag.key)
+        if key is None and self.keys.error is not None:
+            return await _refuse(send, 503, "API keys unavailable", _UNREADABLE)
+        if key is None:
+            detail = f"{tag.sender} let in key {tag.key}, which this node's key file lacks"
+            return await _refuse(send, 401, "invalid API key", detail)
+        if role is not None and not key.allows(role, topic):
+            detail = f"this key lacks {_grant(role, topic)}"
+            return await _refuse(send, 403, "role required", detail)
+        if not self._first(tag.nonce):
+            return await _refuse(send, 401, NOT_A_NODE, _FROM_NODES)
+        if tag.length > self.max_body:
+            return await _refuse(send, 413, "request too large", f"over {self.max_body} bytes")
+        body = await read_body(receive, tag.length)
+        # A body cut short, or other than the one the tag signs (the tag copied onto it).
+        if body is None or len(body) != tag.length or _sha256(body) != tag.digest:
+            return await _refuse(send, 401, NOT_A_NODE, "the body is not the one its tag signs")
+        scope[KEY] = key
+        return await self.app(scope, replay(body, receive), send)
 
     def _first(self, nonce: str) -> bool:
         """Note a forward's nonce; False if taken before (a replay). Nonces are kept while
@@ -247,6 +306,13 @@ class Guard:
         self._nonces.add(nonce)
         expiries.append((now + 2 * FORWARD_TTL_MS / 1000, nonce))
         return True
+
+
+_UNREADABLE = "this node cannot read its key file (its log and /readyz say why)"
+_FROM_NODES = (
+    "forwarded requests are taken from nodes only, each once, within "
+    f"{FORWARD_TTL_MS // 1000} s of its tag"
+)
 
 
 def monitored(scope: Scope) -> Callable[[str], bool]:

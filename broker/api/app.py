@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from dejaq.broker.api.access import (
     FORWARDED,
+    KEY,
     ROUTES,
     Guard,
     forward_key,
@@ -134,7 +135,9 @@ async def _forward(request: Request, exc: Exception) -> Response:
             )
             tag = request.app.state.forward_tag
             sent = outgoing.url.raw_path.decode("latin-1")
-            outgoing.headers[FORWARDED] = tag(outgoing.method, sent, body) if tag else "1"
+            key = request.scope.get(KEY)  # None on a node without keys
+            key_id = key.id if key is not None else None
+            outgoing.headers[FORWARDED] = tag(outgoing.method, sent, body, key_id) if tag else "1"
             with client_watch(request.receive) as gone:
                 answer = await _ask(
                     broker,

@@ -7,9 +7,9 @@ globs. Every node reads the file its configuration names and reads it again when
 changes, so `dejaq keys add` and `revoke` take effect on it within a second or two, with
 no restart. Nodes on several hosts must read the same file (shared, or copied to each
 after every change): a follower lets in what its own file holds, and the leader takes
-the follower's forward without checking the key again. A node that cannot read its
-file again (its mode, or a bad hand edit) holds no keys until it can: a key revoked in
-the file it cannot read must not go on working there.
+its forward only for a key its own file holds, with the role the call needs. A node
+that cannot read its file again (its mode, or a bad hand edit) holds no keys until it
+can: a key revoked in the file it cannot read must not go on working there.
 """
 
 from __future__ import annotations
@@ -297,6 +297,16 @@ class KeyRing:
             return self._signature()
         except KeyFileError:
             return None
+
+    def get(self, key_id: str) -> Key | None:
+        """The key of id `key_id`, which a node's forward names as the one it let the
+        caller in with; None if this file lacks it. The file is looked at again before
+        a key is found missing: the forwarding node may have read a newer one."""
+        self.check()
+        if key_id not in self._keys and self.error is None:
+            self._checked = 0.0
+            self.check()
+        return self._keys.get(key_id)
 
     def authenticate(self, token: str) -> Key | None:
         """The key `token` is, compared in constant time; None for any other token."""
