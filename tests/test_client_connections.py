@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import socket
 import ssl
 import threading
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dejaq.client import Client, ProblemError, Unavailable
+from dejaq.client import Client, ProblemError, Unavailable, Worker
 from dejaq.client.connections import HEAD_MAX_BYTES
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
@@ -160,6 +161,23 @@ def test_calls_over_tls_share_one_connection_and_an_unknown_ca_is_refused(
         with untrusting, pytest.raises(Unavailable, match="CERTIFICATE_VERIFY_FAILED"):
             untrusting.lease("jobs", "w")
         assert len(node.requests) == 20
+
+
+def test_a_worker_runs_where_sighup_does_not_exist(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows has no SIGHUP: a worker in the main thread stops on the signals there are
+    and gives their handlers back."""
+    monkeypatch.delattr(signal, "SIGHUP")
+    before = signal.getsignal(signal.SIGTERM)
+
+    def stops(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        worker.stop()
+        return no_messages(path, body)
+
+    with stands(stops) as (node,), Client([node.url]) as c:
+        worker = Worker(c, "jobs", lambda m: None, wait_ms=0)
+        worker.run()
+        assert [path for path, _ in node.requests] == ["/v1/topics/jobs/leases"]
+    assert signal.getsignal(signal.SIGTERM) is before
 
 
 def test_a_connection_the_node_closed_while_idle_is_not_used_again() -> None:

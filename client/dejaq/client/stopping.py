@@ -11,16 +11,16 @@ from contextlib import contextmanager
 @contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
     """SIGTERM, SIGINT and SIGHUP (its terminal closed) set the event instead of ending
-    the process, while inside.
+    the process, while inside; those the platform lacks (Windows has no SIGHUP) are
+    passed over.
 
     The command then stops its own work in order (a batch boundary, a child's SIGTERM);
     the previous handlers are back afterwards.
     """
     stopping = threading.Event()
-    previous = {
-        s: signal.signal(s, lambda *_: stopping.set())
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-    }
+    names = ("SIGTERM", "SIGINT", "SIGHUP")
+    present = [getattr(signal, n) for n in names if hasattr(signal, n)]
+    previous = {s: signal.signal(s, lambda *_: stopping.set()) for s in present}
     try:
         yield stopping
     finally:
