@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from dejaq.client import Client, ProblemError, Unavailable, Worker
+from dejaq.client import Client, Forbidden, ProblemError, Unauthorized, Unavailable, Worker
 from dejaq.client.connections import HEAD_MAX_BYTES
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.ports import free_port
@@ -242,6 +242,51 @@ def test_a_key_goes_in_clear_only_to_loopback_unless_allowed(
     Client(["10.0.0.1:1"], insecure_http=True).close()
     monkeypatch.delenv("DEJAQ_TOKEN")
     Client(["10.0.0.1:1"]).close()  # no key to give away
+
+
+def refusing(status: int) -> Script:
+    """A node whose copy of the key file does not (yet) give the key what it asks."""
+
+    def script(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        return status, {"title": "unauthorized" if status == 401 else "forbidden"}, {}
+
+    return script
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_key_one_node_refuses_is_asked_of_the_others(status: int) -> None:
+    """Each node reads its own copy of the key file, copied to it after each change: one
+    that refuses a key may be behind the others. A call goes on to the next node, a
+    produce without an id too (a refused call was not applied), and sticks to it."""
+
+    def current_node(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        return 200, {"messages": [], "ids": ["m1"]}, {}
+
+    with stands(refusing(status), current_node) as (behind, current):
+        with Client([behind.url, current.url], token="dq_k") as c:
+            assert c.lease("jobs", "w") == []
+            assert c.node == current.url
+            assert c.produce("jobs", b"x") == "m1"
+        assert len(behind.requests) == 1 and len(current.requests) == 2
+
+
+@pytest.mark.parametrize("status", [401, 403])
+def test_a_key_every_node_refuses_raises_once_each_was_asked(status: int) -> None:
+    """Each node is asked once, behind ones that cannot answer too, and the last
+    refusal is raised; a single node's at once."""
+    error = Unauthorized if status == 401 else Forbidden
+    gone = f"http://127.0.0.1:{free_port()}"
+    with stands(refusing(status), refusing(status)) as (a, b):
+        with Client([a.url, gone, b.url], token="dq_k") as c, pytest.raises(error) as raised:
+            c.lease("jobs", "w")
+        assert raised.value.status == status
+        assert len(a.requests) == 1 and len(b.requests) == 1
+        with Client([a.url, gone], token="dq_k") as c, pytest.raises(error):
+            c.lease("jobs", "w")
+        assert len(a.requests) == 2, "the node that cannot answer is passed over, not asked"
+        with Client([b.url], token="dq_k") as c, pytest.raises(error):
+            c.lease("jobs", "w")
+        assert len(b.requests) == 2
 
 
 def test_a_redirect_is_not_followed() -> None:

@@ -4,9 +4,10 @@ Any node takes any request (followers forward to the leader), so the client stic
 one node and moves to the next when it does not answer. A 503 (an election, a node not
 ready) is waited out as its `Retry-After` says. Both are bounded by a deadline per call;
 past it the call raises `Unavailable`. A call that is not safe to send twice (a produce
-without ids) is not retried: it raises `Unavailable`, or the 503's `ProblemError`. Other
-error answers raise a `ProblemError` (a subclass per status) carrying the RFC 9457
-problem details.
+without ids) is not retried: it raises `Unavailable`, or the 503's `ProblemError`. A 401
+or 403 is asked of every other node once (each reads its own copy of the key file) before
+it is raised. Other error answers raise a `ProblemError` (a subclass per status) carrying
+the RFC 9457 problem details.
 
 A call that may have been applied before its answer was lost (a reset connection, a
 read timeout, a 503 from a node that had forwarded it) is sent again only where that is
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from dejaq.client.connections import Connections, Lost, Node, NotSent, Response
-from dejaq.client.errors import Unavailable, problem_of, retry_after_s
+from dejaq.client.errors import ProblemError, Unavailable, problem_of, retry_after_s
 from dejaq.client.models import (
     Cluster,
     ExtendResult,
@@ -53,6 +54,7 @@ log = logging.getLogger("dejaq.client")
 
 TOKEN_VARIABLE = "DEJAQ_TOKEN"
 RETRYABLE = frozenset({502, 503, 504})
+DENIED = frozenset({401, 403})  # by this node's copy of the key file: others may differ
 CONNECT_TIMEOUT_S = 3.0  # at most, per attempt
 ROUND_PAUSE_S = (0.05, 1.0)  # after every node failed once: first pause, longest pause
 
@@ -155,7 +157,10 @@ class Client:
         worker: bool = False,
     ) -> Answer:
         """One call: across nodes and 503s until the deadline; an answer that is not a
-        retryable 5xx is returned (2xx) or raised (as its `ProblemError`). `worker`: one
+        retryable 5xx is returned (2xx) or raised (as its `ProblemError`). A 401 or 403
+        is raised once every node refused, or the turn comes back to one that did, each
+        node being asked once: each reads its own copy of the key file, and another's
+        may know the key already. `worker`: one
         of a worker's calls, given `stall_s` per attempt."""
         deadline = time.monotonic() + self.deadline + wait_s
         attempt = self.stall_s if worker else self.timeout
@@ -163,8 +168,12 @@ class Client:
         maybe_applied = False
         failures = 0
         why = "no time left"
+        denied: set[str] = set()  # nodes that refused the key (401, 403): it is not applied
+        refusal: ProblemError | None = None  # the last of their answers
         while True:
             node = self.node
+            if refusal is not None and node in denied:  # every other node was tried
+                raise refusal
             sent_at = time.monotonic()
             left = deadline - sent_at  # an attempt, its answer too, ends by the deadline
             if left <= 0:
@@ -187,19 +196,26 @@ class Client:
                     raise Unavailable(f"{node}: {e}; not safe to retry") from e
                 why, pause, maybe_applied = f"{node}: {e}", 0.0, True
             else:
-                if answer.status_code not in RETRYABLE:
+                if answer.status_code in DENIED:
+                    refusal = problem_of(answer, maybe_applied)
+                    denied.add(node)
+                    if len(denied) == len(self.nodes):
+                        raise refusal
+                    why, pause = f"{node}: {refusal}", 0.0
+                elif answer.status_code not in RETRYABLE:
                     if answer.is_success:
                         return Answer(answer, sent_at, maybe_applied)
                     raise problem_of(answer, maybe_applied)
-                if not replay_safe:
+                elif not replay_safe:
                     raise problem_of(answer, maybe_applied)
-                why = f"{node}: {answer.status_code} {answer.text[:200]}"
-                pause = min(retry_after_s(answer), self.max_retry_after)
-                maybe_applied = True  # a follower may have forwarded it before failing
-                # Retry-After 0: the node gave up on a stalled leader and knows the new
-                # one (or is it): asked again, it forwards there, where another node
-                # might be the stalled one.
-                stay = answer.headers.get("retry-after") == "0"
+                else:
+                    why = f"{node}: {answer.status_code} {answer.text[:200]}"
+                    pause = min(retry_after_s(answer), self.max_retry_after)
+                    maybe_applied = True  # a follower may have forwarded it before failing
+                    # Retry-After 0: the node gave up on a stalled leader and knows the new
+                    # one (or is it): asked again, it forwards there, where another node
+                    # might be the stalled one.
+                    stay = answer.headers.get("retry-after") == "0"
             failures += 1
             if not stay:
                 self._move_on(node)
