@@ -50,8 +50,11 @@ def three(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator
     tmp_path = tmp_path_factory.mktemp("client")
     conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, 3000)
     cron_topic = f"  - {{name: sched, kind: cron, source: [unused-{kafka_source}], buckets: 2}}\n"
-    acks_topic = f"  - {{name: acks, kind: priority, source: [{kafka_source}], buckets: 2}}\n"
-    conf.write_text(conf.read_text() + cron_topic + acks_topic)
+    topics = "".join(
+        f"  - {{name: {name}, kind: priority, source: [{kafka_source}], buckets: 2}}\n"
+        for name in ("acks", "poison", "idle", "trim")
+    )
+    conf.write_text(conf.read_text() + cron_topic + topics)
     nodes = start(tmp_path, conf)
     try:
         yield nodes, str(tmp_path / "warehouse")
@@ -678,3 +681,67 @@ def test_a_nack_whose_answer_was_lost_counts_as_nacked_not_lost(three) -> None:
             thread.join(30)
     assert dropped, "the first nack's answer was dropped"
     assert worker.counts.nacked >= 1 and worker.counts.lost == 0
+
+
+def test_a_handler_that_ends_the_process_counts_the_delivery(three) -> None:
+    """A handler that raises SystemExit (CLI code reused) ends `run()`, and the worker's
+    leave gives back its unstarted leases uncounted: the message in the handler is
+    nacked first, so a supervisor restarting the worker takes it to `max_deliveries`
+    (5) and the dead letters, not first in its bucket for ever; the others are acked."""
+    nodes, warehouse = three
+    fill(warehouse, "poison", buffer_rows([1, 2, 3, 4], bucket_of=lambda i: 0, prefix="exit"))
+    tries: list[int] = []
+    acked: list[str] = []
+    running: list[Worker] = []
+    exits: list[int] = []
+    done, lock = threading.Event(), threading.Lock()
+
+    def handler(m: Message) -> None:
+        if m.id == "exit0":
+            tries.append(m.deliveries)
+            raise SystemExit(3)
+
+    def supervise() -> None:
+        """Runs a fresh worker, with a consumer id of its own, whenever one ends."""
+        while True:
+            with lock:
+                if done.is_set():
+                    return
+                worker = Worker(
+                    c,
+                    "poison",
+                    handler,
+                    batch=4,
+                    wait_ms=200,
+                    backoff=Backoff(base_ms=10, max_ms=20),
+                    on_ack=lambda m: acked.append(m.id),
+                )
+                running.append(worker)
+            try:
+                worker.run()
+            except SystemExit as e:
+                exits.append(int(str(e.code)))
+
+    with Client(urls(nodes)) as c:
+        supervisor = threading.Thread(target=supervise)
+        supervisor.start()
+        try:
+
+            def dead() -> bool:
+                try:
+                    return c.peek("poison", "exit0").status == "dead"
+                except NotFound:  # not indexed yet
+                    return False
+
+            wait_until(dead, timeout=60, what="the message that ends its worker dead-lettered")
+            wait_until(lambda: len(acked) == 3, timeout=30, what="the others acked")
+        finally:
+            with lock:
+                done.set()
+                for worker in running:
+                    worker.stop()
+            supervisor.join(30)
+        assert not supervisor.is_alive()
+        assert tries == [1, 2, 3, 4, 5] and exits == [3] * 5
+        assert sorted(acked) == ["exit1", "exit2", "exit3"]
+        assert sum(w.counts.dead for w in running) == 1

@@ -1,10 +1,13 @@
 """A worker: lease from a topic, run a handler per message, settle by the outcome.
 
 Success acks; an exception nacks with exponential backoff, or rejects (dead letter) for
-the exception types named permanent. While handlers are quick, the acks of the messages
-they handled go to the broker together, one request for many (each request waits out a
-Raft commit): at most `ack_linger_s` after the first of them, or once a handler took
-longer than that, and always before the next lease and before leaving. While a handler
+the exception types named permanent. One that ends the process (SystemExit,
+KeyboardInterrupt) nacks too before it ends `run()`: however often the worker is
+restarted, such a message reaches `max_deliveries` and is dead-lettered. While handlers
+are quick, the acks of the messages they handled go to the broker together, one request
+for many (each request waits out a Raft commit): at most `ack_linger_s` after the first
+of them, or once a handler took longer than that, and always before the next lease and
+before leaving. While a handler
 runs, a keeper thread extends the leases in hand once half of one has passed, and
 heartbeats so the consumer keeps its buckets. On SIGTERM, SIGINT or `stop()` the
 message in the handler is finished and acked, the consumer leaves (its unstarted leases
@@ -223,26 +226,13 @@ class Worker:
             log.warning("%s: %s rejected to the dead letters: %r", self.consumer_id, m.id, e)
             self._settle([m], "rejected", self.client.reject)
         except Exception as e:
-            delay = self.backoff.delay_ms(m.deliveries)
-            dead: list[str] = []
-
-            def nack(topic: str, consumer: str, **named: Any) -> None:
-                dead.extend(self.client.nack(topic, consumer, delay_ms=delay, **named).dead)
-
-            if done := self._settle([m], "nacked", nack):
-                if dead or done[0][1] == SETTLED:  # the broker's last allowed delivery
-                    self.counts.dead += 1
-                    again = "out of deliveries: dead-lettered"
-                else:
-                    again = f"again in {delay} ms"
-                log.warning(
-                    "%s: %s failed on delivery %d, %s: %r",
-                    self.consumer_id,
-                    m.id,
-                    m.deliveries,
-                    again,
-                    e,
-                )
+            self._failed(m, e)
+        except BaseException as e:
+            # SystemExit, KeyboardInterrupt...: they end the worker, and its leave gives
+            # back what it holds uncounted. This message counts as a failed delivery, or
+            # one that ends every worker it reaches would be delivered first for ever.
+            self._failed(m, e)
+            raise
         else:
             if not self._acks:
                 self._acks_since = time.monotonic()
@@ -250,6 +240,29 @@ class Worker:
             now = time.monotonic()
             if now - self._acks_since >= self.ack_linger_s or now - started >= self.ack_linger_s:
                 self._send_acks()
+
+    def _failed(self, m: Message, e: BaseException) -> None:
+        """Nack `m` after its handler raised `e`, with the backoff of its delivery."""
+        delay = self.backoff.delay_ms(m.deliveries)
+        dead: list[str] = []
+
+        def nack(topic: str, consumer: str, **named: Any) -> None:
+            dead.extend(self.client.nack(topic, consumer, delay_ms=delay, **named).dead)
+
+        if done := self._settle([m], "nacked", nack):
+            if dead or done[0][1] == SETTLED:  # the broker's last allowed delivery
+                self.counts.dead += 1
+                again = "out of deliveries: dead-lettered"
+            else:
+                again = f"again in {delay} ms"
+            log.warning(
+                "%s: %s failed on delivery %d, %s: %r",
+                self.consumer_id,
+                m.id,
+                m.deliveries,
+                again,
+                e,
+            )
 
     def _send_acks(self) -> None:
         """Ack the handled messages in one request."""
