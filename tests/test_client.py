@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 import shutil
 import subprocess
@@ -31,6 +32,7 @@ from dejaq.client import (
     PayloadTooLarge,
     Worker,
 )
+from dejaq.client.worker import MIN_POLL_S
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -745,3 +747,34 @@ def test_a_handler_that_ends_the_process_counts_the_delivery(three) -> None:
         assert tries == [1, 2, 3, 4, 5] and exits == [3] * 5
         assert sorted(acked) == ["exit1", "exit2", "exit3"]
         assert sum(w.counts.dead for w in running) == 1
+
+
+class LeaseTiming(Client):
+    """A client that notes when each lease request was made."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.leases: list[float] = []
+
+    def lease(self, *args, **kwargs):
+        self.leases.append(time.monotonic())
+        return super().lease(*args, **kwargs)
+
+
+def test_a_worker_without_a_long_poll_asks_an_idle_topic_ten_times_a_second(three) -> None:
+    """With `wait_ms=0` the broker answers an idle topic's lease at once, empty: the
+    worker asks again only `MIN_POLL_S` after the last, not in a loop of ~1000 a
+    second, and a stop in that pause is not kept waiting."""
+    nodes, _ = three
+    with LeaseTiming(urls(nodes)) as c:
+        worker = Worker(c, "idle", lambda m: None, wait_ms=0)
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: len(c.leases) >= 6, timeout=30, what="6 leases")
+        finally:
+            worker.stop()
+            stopped = time.monotonic()
+            thread.join(30)
+        assert time.monotonic() - stopped < 1.0
+        gaps = [b - a for a, b in itertools.pairwise(c.leases)]
+        assert min(gaps) >= MIN_POLL_S * 0.9, gaps

@@ -51,6 +51,9 @@ _OWN = {"acked": {SETTLED}, "rejected": {SETTLED}, "nacked": {SETTLED, NOT_LEASE
 ERROR_PAUSE_S = 1.0  # after a failed lease: a broker answering 500 is not asked again at once
 ACK_LINGER_S = 0.05  # how long a handled message's ack may wait for the next ones
 MAX_WAIT_S = 300.0  # how long an unstarted message's lease is kept while others run
+# Leases go at most this often while a topic is idle: an empty answer comes at once with
+# a `wait_ms` under it, and asking again at once would keep the leader busy for nothing.
+MIN_POLL_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -102,7 +105,9 @@ class Worker:
         max_wait_s: float = MAX_WAIT_S,
     ) -> None:
         """`heartbeat_s` must stay under the broker's `heartbeat_timeout_ms`; `wait_ms`
-        (the long poll) bounds how long a stop waits while nothing is in hand; `on_ack`
+        (the long poll) bounds how long a stop waits while nothing is in hand, and after
+        an empty answer the next lease waits until `MIN_POLL_S` (0.1 s) after the last
+        (a `wait_ms` under it polls an idle topic 10 times a second, no more); `on_ack`
         is called with each message whose ack the broker confirmed; `ack_linger_s` (0:
         each ack in its own request) is how long a handled message's ack may wait to go
         with the next ones'. A waiting ack's lease is kept as a handler's is; a handler
@@ -165,6 +170,7 @@ class Worker:
     def _loop(self) -> None:
         shown = time.monotonic()
         while not self.stopping:
+            asked = time.monotonic()
             try:
                 messages = self.client.lease(
                     self.topic, self.consumer_id, self.batch, self.lease_ms, self.wait_ms
@@ -176,6 +182,8 @@ class Worker:
                 self._stop.wait(ERROR_PAUSE_S)
                 continue
             self._touched()
+            if not messages:
+                self._stop.wait(max(0.0, asked + MIN_POLL_S - time.monotonic()))
             with self._lock:
                 self._held.update((m.id, m) for m in messages)
                 self._unstarted.update(m.id for m in messages)
