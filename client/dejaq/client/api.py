@@ -246,6 +246,8 @@ class Client:
     ) -> list[Message]:
         """Up to `max_messages` of the lowest deliverable sort keys of the consumer's
         buckets, waiting up to `wait_ms` for some (long poll). Leasing joins the topic.
+        A `consumer_id` is one live process's own: another using it shares its buckets,
+        and its `leave` gives back this one's leases too.
 
         Sent again after a lost answer: what the lost attempt leased stays leased until
         it expires, and is then delivered again with one more delivery counted.
@@ -346,7 +348,8 @@ class Client:
         return decode(Heartbeat, self._json("POST", path, worker=True))
 
     def leave(self, topic: str, consumer_id: str) -> Left:
-        """Leave: the consumer's leases go back to pending, its buckets to the others."""
+        """Leave: the consumer's leases go back to pending, its buckets to the others;
+        all its leases, those of any other process using the same `consumer_id` too."""
         path = f"/v1/topics/{topic}/consumers/{_segment(consumer_id)}"
         return decode(Left, self._json("DELETE", path, worker=True))
 

@@ -113,7 +113,12 @@ class Worker:
         with the next ones'. A waiting ack's lease is kept as a handler's is; a handler
         that takes long after quick ones holds their acks until it returns (and a worker
         that dies meanwhile leaves them to be delivered again). `max_wait_s` is how long
-        the lease of a message not yet started is extended while the ones before it run."""
+        the lease of a message not yet started is extended while the ones before it run.
+
+        `consumer_id` must be unique to one live worker: two under one id share its
+        buckets, and the leave of the one that stops gives back the other's leases in
+        flight, to be delivered again. The default, `<host>-<pid>-<random>`, is new for
+        each Worker."""
         if not max_wait_s > 0:
             raise ValueError(f"max_wait_s must be above 0, not {max_wait_s}")
         self.client, self.topic, self.handler = client, topic, handler
