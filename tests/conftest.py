@@ -37,10 +37,14 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
         time.sleep(0.05)
 
 
-def drop_first_answer(client: Any, suffix: str) -> list[str]:
+def drop_first_answer(
+    client: Any, suffix: str, meanwhile: Callable[[Any], object] | None = None
+) -> list[str]:
     """Make the client's first request to a path ending in `suffix` reach the broker,
     then lose its answer as a dropped connection would (the client's own `Lost`); the
-    rest is real. Returns the paths dropped, to assert it happened."""
+    rest is real. `meanwhile` is called with that request's body before the loss, to
+    hold the retry back until the broker is in the state it is to find. Returns the
+    paths dropped, to assert it happened."""
     from dejaq.client.connections import Lost
 
     real = client._http.request
@@ -50,6 +54,8 @@ def drop_first_answer(client: Any, suffix: str) -> list[str]:
         answer = real(node, method, path, body, **kw)
         if path.endswith(suffix) and not dropped:
             dropped.append(path)
+            if meanwhile is not None:
+                meanwhile(body)
             raise Lost("the connection dropped before the answer")
         return answer
 

@@ -778,3 +778,40 @@ def test_a_worker_without_a_long_poll_asks_an_idle_topic_ten_times_a_second(thre
         assert time.monotonic() - stopped < 1.0
         gaps = [b - a for a, b in itertools.pairwise(c.leases)]
         assert min(gaps) >= MIN_POLL_S * 0.9, gaps
+
+
+def test_an_ack_whose_retry_comes_after_the_trim_counts_as_acked(three) -> None:
+    """The first ack reaches the broker and its answer is lost; its retry comes once the
+    checkpoint's trim dropped the lease's record, and is refused `not_leased`. The
+    message's status says acked: the worker counts its own ack and reports it."""
+    nodes, warehouse = three
+    fill(warehouse, "trim", buffer_rows([1], bucket_of=lambda i: 0, prefix="trimmed"))
+    acked: list[Message] = []
+    consumer = "after-trim"
+
+    def not_leased(receipts: list[int]) -> bool:
+        """What a retry of the ack is told now, asked the same way."""
+        try:
+            other.ack("trim", consumer, receipts=receipts)
+        except Conflict as e:
+            return set(e.refused.values()) == {"not_leased"}
+        pytest.fail("the ack was applied twice")
+
+    def until_trimmed(body: dict) -> None:
+        wait_until(lambda: not_leased(body["receipts"]), timeout=60, what="the trim")
+
+    with Client(urls(nodes)) as c, Client(urls(nodes)) as other:
+        dropped = drop_first_answer(c, "/acks", until_trimmed)
+        worker = Worker(
+            c, "trim", lambda m: None, consumer_id=consumer, wait_ms=200, on_ack=acked.append
+        )
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: acked or worker.counts.lost, timeout=90, what="the ack settled")
+        finally:
+            worker.stop()
+            thread.join(30)
+        assert dropped, "the first ack's answer was dropped"
+        assert [m.id for m in acked] == ["trimmed0"]
+        assert (worker.counts.acked, worker.counts.lost) == (1, 0)
+        assert c.peek("trim", "trimmed0").status == "acked"

@@ -48,6 +48,9 @@ NOT_LEASED = "not_leased"
 # it: an ack or a reject settled the message; a nack gave it back (not leased now) or,
 # on its last delivery, dead-lettered it (settled).
 _OWN = {"acked": {SETTLED}, "rejected": {SETTLED}, "nacked": {SETTLED, NOT_LEASED}}
+# Once the trim after a checkpoint has dropped a settled lease's record, a retried ack or
+# reject is told `not_leased`: the message's status then says whether it is settled so.
+_STATUS = {"acked": {"acked", "cancelled"}, "rejected": {"dead", "cancelled"}}
 ERROR_PAUSE_S = 1.0  # after a failed lease: a broker answering 500 is not asked again at once
 ACK_LINGER_S = 0.05  # how long a handled message's ack may wait for the next ones
 MAX_WAIT_S = 300.0  # how long an unstarted message's lease is kept while others run
@@ -293,9 +296,10 @@ class Worker:
         has settled by this worker, each with the refusal that says its retry found it
         done (None: done by this attempt), and lets go of them all.
 
-        Such a refusal (`_OWN`) after a retry is this call's own first attempt when the
-        lease still held: no one else could settle a message leased to us (but for an
-        operator's cancel, which the worker takes for its own).
+        Such a refusal (`_OWN`, or a `not_leased` that `_status_says` is) after a retry
+        is this call's own first attempt when the lease still held: no one else could
+        settle a message leased to us (but for an operator's cancel, which the worker
+        takes for its own).
         """
         named, keys = _named(messages)
         refused: dict[str, str] = {}
@@ -315,7 +319,11 @@ class Worker:
             why = refused.get(key)
             if why is None:
                 settled.append((m, None))
-            elif why in _OWN[outcome] and maybe_applied and time.monotonic() < m.held_until:
+            elif (
+                maybe_applied
+                and time.monotonic() < m.held_until
+                and (why in _OWN[outcome] or self._status_says(m, outcome, why))
+            ):
                 log.info(
                     "%s: %s %s by an attempt whose answer was lost", self.consumer_id, m.id, outcome
                 )
@@ -328,6 +336,19 @@ class Worker:
         log.debug("%s: %d %s", self.consumer_id, len(settled), outcome)
         self._let_go(messages)
         return settled
+
+    def _status_says(self, m: Message, outcome: str, why: str) -> bool:
+        """Whether a retried ack's or reject's `not_leased` is its lost first attempt's
+        doing, by `m`'s status: the trim may have dropped the lease's record since. A
+        status the key may not read (no `read` role) leaves the message lost."""
+        if why != NOT_LEASED or outcome not in _STATUS:
+            return False
+        try:
+            status = self.client.peek(self.topic, m.id).status
+        except BrokerError as e:
+            log.warning("%s: status of %s unknown: %s", self.consumer_id, m.id, e)
+            return False
+        return status in _STATUS[outcome]
 
     def _let_go(self, messages: list[Message]) -> None:
         with self._lock:
