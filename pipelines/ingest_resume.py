@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,9 @@ BASE_FILE = "dejaq-version-base"  # in the checkpoint's folder: deleted with it
 EARLIEST = -2  # both Kafka connectors' marker in a startingOffsets JSON
 
 Partition = tuple[str, int]  # (Kafka topic, partition)
+# How long a new checkpoint waits for Kafka to list every partition of its topics (a
+# leader election, metadata not loaded yet) before it refuses to start.
+PARTITIONS_WAIT_S = 30.0
 
 
 class CannotResume(RuntimeError):
@@ -86,12 +90,14 @@ def resume(
     topics: list[str],
 ) -> Resume:
     """Where the query starts: on a checkpoint with batches, where Spark says, its base
-    as kept; on a new one, where the buffer's last batch left Kafka.
+    as kept; on a new one, where the buffer's last batch left Kafka (Kafka's start only
+    for tables with no batch, or partitions none recorded since `since_app_id`).
 
     Raises CannotResume when the tables hold batches of `app_id` but not where they
-    left some partition (their commits carry no positions), or when the last batch is
-    in the quarantine only (cut between its commits): reading from Kafka's start would
-    ingest its records again, and reading past them would lose some."""
+    left some partition (their commits carry no positions), when the last batch is in
+    the quarantine only (cut between its commits), or when Kafka does not list every
+    partition of the topics in time: reading from Kafka's start would ingest its records
+    again, and reading past them would lose some."""
     fs, root = _folder(checkpoint)
     if _has_batches(fs, root):
         return Resume(_read_base(fs, root))
@@ -109,7 +115,7 @@ def resume(
             f"{quarantined}) is in {quarantine_path} but not in {buffer_path}: a batch cut "
             f"between its two commits, which only its checkpoint can finish. {restore}"
         )
-    partitions = _partitions(kafka, topics)
+    partitions = _listed(kafka, topics, buffer_path, app_id)
     table = DeltaTable(buffer_path)
     recorded = {
         p: offset
@@ -143,12 +149,37 @@ def resume(
 def _starting_offsets(partitions: list[Partition], recorded: dict[Partition, int]) -> str:
     """Both Kafka connectors want every partition of the topics: those not recorded
     (added since) from their start."""
-    if not partitions:
-        return "earliest"
     offsets: dict[str, dict[str, int]] = {}
     for topic, number in partitions:
         offsets.setdefault(topic, {})[str(number)] = recorded.get((topic, number), EARLIEST)
     return json.dumps(offsets)
+
+
+def _listed(
+    kafka: KafkaConfig, topics: list[str], buffer_path: str, app_id: str
+) -> list[Partition]:
+    """Every partition of `topics`, once Kafka lists them all, waiting PARTITIONS_WAIT_S
+    at most. A topic listed with no partitions (an election, metadata not loaded yet, no
+    Describe permission), or with a gap among them, would read from its start what the
+    buffer has: CannotResume instead. The job starts once every topic exists, so none
+    is missing for good."""
+    deadline = time.monotonic() + PARTITIONS_WAIT_S
+    while True:
+        found = _partitions(kafka, topics)
+        numbers = {t: sorted(p for topic, p in found if topic == t) for t in topics}
+        short = [t for t, ns in numbers.items() if not ns or ns != list(range(len(ns)))]
+        if not short:
+            return found
+        if time.monotonic() >= deadline:
+            raise CannotResume(
+                f"the ingest's checkpoint is new, and {buffer_path} holds batches of {app_id}, "
+                f"but Kafka did not list every partition of {', '.join(short)} within "
+                f"{PARTITIONS_WAIT_S:g} s (a leader election, metadata not loaded yet, or no "
+                "Describe permission on the topic): reading them from their start would "
+                "ingest again what the buffer has. Start the ingest again once Kafka lists them"
+            )
+        log.info("ingest %s: Kafka lists no partitions of %s yet; asking again", app_id, short)
+        time.sleep(1.0)
 
 
 def _partitions(kafka: KafkaConfig, topics: list[str]) -> list[Partition]:

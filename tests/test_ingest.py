@@ -297,6 +297,46 @@ def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
     assert json.loads(resumed().starting_offsets) == {source: {"0": 7, "1": -2}}
 
 
+def test_a_new_checkpoint_waits_for_kafka_to_list_partitions_and_never_reads_from_the_start(
+    kafka_bootstrap, topic_factory, tmp_path, monkeypatch
+):
+    """Kafka lists no partitions of a topic for a while (a leader election, metadata not
+    loaded yet, no Describe permission): a new checkpoint over batches asks again, then
+    refuses to start, rather than read everything Kafka holds again. Tables with no
+    batch start from Kafka's start without asking."""
+    source = topic_factory(partitions=2)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    app_id = "dejaq-ingest-jobs"
+    checkpoint = tmp_path / "checkpoint"
+    buffer = ensure_table(settings.warehouse, Table.BUFFER, "jobs")
+    quarantine = ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
+    asked: list[str] = []
+
+    def lists_nothing(consumer, topic: str) -> None:
+        asked.append(topic)
+
+    def resumed() -> Resume:
+        return resume(str(checkpoint), buffer, quarantine, app_id, settings.kafka, [source])
+
+    monkeypatch.setattr("kafka.KafkaConsumer.partitions_for_topic", lists_nothing)
+    monkeypatch.setattr("dejaq.pipelines.ingest_resume.PARTITIONS_WAIT_S", 1.5)
+    assert resumed().starting_offsets == "earliest", "no batch yet: Kafka's start"
+    assert asked == []
+    shutil.rmtree(checkpoint)
+
+    rows = pa.table({f.name: pa.nulls(0, f.type) for f in BUFFER_SCHEMA}, schema=BUFFER_SCHEMA)
+    recorded = [Transaction(app_id, 0), *positions(app_id, {(source, 0): 7}, since=0)]
+    write_deltalake(
+        buffer, rows, mode="append", commit_properties=CommitProperties(app_transactions=recorded)
+    )
+    with pytest.raises(CannotResume, match=f"did not list every partition of {source}"):
+        resumed()
+    assert len(asked) >= 2, "asked again before refusing"
+
+    monkeypatch.undo()
+    assert json.loads(resumed().starting_offsets) == {source: {"0": 7, "1": -2}}
+
+
 def test_a_buffer_of_another_kinds_rows_is_not_ingested_into_until_it_is_empty(
     spark, kafka_bootstrap, topic_factory, tmp_path
 ):
