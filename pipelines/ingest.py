@@ -65,6 +65,12 @@ DEFAULT_MAX_OFFSETS_PER_TRIGGER = 250_000
 PRUNE_EVERY_S = 600.0
 
 
+class CheckpointBehind(RuntimeError):
+    """The checkpoint plans a batch the buffer has, over other Kafka positions than the
+    buffer's commit of it: a copy older than the tables, or another driver's. Skipped
+    as a replay, its records would land in neither table."""
+
+
 @dataclass
 class BatchStats:
     batch_id: int
@@ -146,6 +152,14 @@ class IngestJob:
     @property
     def checkpoint(self) -> str:
         return checkpoint_path(self.settings.warehouse, "ingest", self.topic.name)
+
+    @property
+    def _way_out(self) -> str:
+        return (
+            f"Stop every ingest of topic {self.topic.name}, delete its checkpoint "
+            f"{self.checkpoint}, then start one: it reads Kafka on from where the "
+            "buffer's last batch left it"
+        )
 
     def source(self) -> DataFrame:
         kafka = self.settings.kafka
@@ -254,9 +268,10 @@ class IngestJob:
         A batch the buffer already has (Spark replays the last batch after a crash) is
         skipped whole: the quarantine was appended before it, and judging it again
         would find its own ids in the dedup seed, from the ledger without coordinates
-        once they are settled, and quarantine its own rows. The tables know a batch by
-        its version: its id past the base of a checkpoint made anew
-        (`pipelines.ingest_resume`).
+        once they are settled, and quarantine its own rows. Only the buffer's last batch
+        can be replayed, from the positions its commit recorded: any other is refused
+        (`CheckpointBehind`). The tables know a batch by its version: its id past the
+        base of a checkpoint made anew (`pipelines.ingest_resume`).
         """
         clock = _Phases()
         buffer_path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
@@ -266,16 +281,17 @@ class IngestJob:
             self._quarantined = version(quarantine_path, self.app_id)
             self._positions_since = version(buffer_path, since_app_id(self.app_id))
             self._seen = self._load_seen()
+        if self._targets is None:
+            self._targets = WriteTarget.of(buffer_path), WriteTarget.of(quarantine_path)
+        buffer, quarantine = self._targets
         batch = self._resume.base + batch_id
         if batch <= self._stored:
+            self._check_replay(records, buffer, batch_id, batch)
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
             self.stats.append(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
             return
         if self._parse is None:
             self._parse = Parser(self.topic)
-        if self._targets is None:
-            self._targets = WriteTarget.of(buffer_path), WriteTarget.of(quarantine_path)
-        buffer, quarantine = self._targets
         # No more tasks than cores (fewer stay as they are): each writes a file per
         # bucket, and tasks beyond those that run at once only make more, smaller files.
         records = records.coalesce(self.spark.sparkContext.defaultParallelism)
@@ -299,10 +315,10 @@ class IngestJob:
         counts = dict(files.counts)
         buffered = counts.pop(VALID, 0)
         txn = (self.app_id, batch)
-        commit(quarantine, files.quarantine, "append", txn)
-        clock.lap("commit_quarantine")
         # With no files too: the buffer's last batch is where a new checkpoint resumes.
         since = batch if self._positions_since < 0 else None
+        commit(quarantine, files.quarantine, "append", txn)
+        clock.lap("commit_quarantine")
         try:
             commit(
                 buffer,
@@ -323,11 +339,7 @@ class IngestJob:
         except SecondWriter as e:
             # The checkpoint may hold either driver's offsets now; the buffer holds the
             # positions of its last whole batch, where a new checkpoint resumes.
-            raise SecondWriter(
-                f"{e}. Stop every ingest of topic {self.topic.name}, delete its checkpoint "
-                f"{self.checkpoint}, then start one: it reads Kafka on from where the "
-                "buffer's last batch left it"
-            ) from e
+            raise SecondWriter(f"{e}. {self._way_out}") from e
         if since is not None:  # as the table has it: a replay's commit is skipped
             self._positions_since = version(buffer_path, since_app_id(self.app_id))
         clock.lap("commit_buffer")
@@ -348,6 +360,34 @@ class IngestJob:
             phases_ms=clock.laps,
         )
         self.stats.append(stats)
+
+    def _check_replay(
+        self, records: DataFrame, buffer: WriteTarget, batch_id: int, batch: int
+    ) -> None:
+        """Raise CheckpointBehind unless batch `batch` is the buffer's last, read from
+        the positions its commit recorded: Spark replays only the last batch it planned,
+        so an earlier one, or one over other positions, is a checkpoint behind the
+        tables (an older copy, another driver's), and skipping it loses its records."""
+        behind = (
+            f"ingest {self.topic.name} batch {batch_id} (version {batch}) is one the buffer "
+            f"has (up to version {self._stored})"
+        )
+        if batch < self._stored:
+            raise CheckpointBehind(
+                f"{behind}: the checkpoint {self.checkpoint} is behind the buffer (an older "
+                "copy, or another driver's), and skipping its batches would lose the records "
+                f"they read. {self._way_out}"
+            )
+        read = records.groupBy("topic", "partition").agg(F.max("offset")).collect()
+        consumed = {(topic, partition): last + 1 for topic, partition, last in read}
+        try:
+            commit(buffer, [], "append", (self.app_id, batch), positions(self.app_id, consumed))
+        except SecondWriter as e:
+            raise CheckpointBehind(
+                f"{behind}, from other Kafka positions: the checkpoint {self.checkpoint} is "
+                f"not the one that wrote it (an older copy, or another driver's). {e}. "
+                f"{self._way_out}"
+            ) from e
 
     def _verdict_committed(self, judged: pa.Table, quarantine_path: str) -> Verdict:
         """The verdict a batch cut between its two commits was given: its duplicates are

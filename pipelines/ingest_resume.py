@@ -106,8 +106,10 @@ def resume(
         _write_base(fs, root, 0)
         return Resume()
     restore = (
-        f"Restore the checkpoint {checkpoint} from a copy, and start the ingest again: "
-        "starting over would ingest again every record Kafka still holds"
+        f"Put back the checkpoint {checkpoint} as the stopped ingest left it, and start the "
+        "ingest again (an older copy plans batches the buffer has, from other Kafka "
+        "positions, and is refused): starting over would ingest again every record Kafka "
+        "still holds"
     )
     if quarantined > buffered:
         raise CannotResume(

@@ -50,7 +50,7 @@ from dejaq.jobs.status import row_count
 from dejaq.pipelines import ingest as ingest_module
 from dejaq.pipelines.dedup import IN_BUFFER, SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
-from dejaq.pipelines.ingest import BatchStats, IngestJob
+from dejaq.pipelines.ingest import BatchStats, CheckpointBehind, IngestJob
 from dejaq.pipelines.ingest_resume import CannotResume, Resume, positions, resume
 from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain
@@ -283,7 +283,7 @@ def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
 
     checkpoint = tmp_path / "checkpoint"
     batch(Transaction(app_id, 4))
-    with pytest.raises(CannotResume, match="Restore the checkpoint"):
+    with pytest.raises(CannotResume, match="as the stopped ingest left it"):
         resumed()
     assert not checkpoint.exists(), "nothing kept for a query that does not start"
     batch(Transaction(app_id, 5), *positions(app_id, {(source, 0): 7}, since=5))
@@ -530,6 +530,23 @@ def test_compaction_keeps_every_row_once_for_every_reader(
     assert fresh.rows.keys() == index.rows.keys()
 
 
+def kafka_range(
+    spark, kafka_format: str, bootstrap: str, source: str, start: int, end: int
+) -> DataFrame:
+    """The records of partition 0 of `source` from offset `start` to `end`, as Spark
+    hands a micro-batch over, the first time or on a replay."""
+    offsets = lambda n: json.dumps({source: {"0": n}})  # noqa: E731
+    return (
+        spark.read.format(kafka_format)
+        .option("kafka.bootstrap.servers", bootstrap)
+        .option("subscribe", source)
+        .option("startingOffsets", offsets(start))
+        .option("endingOffsets", offsets(end))
+        .option("includeHeaders", "true")
+        .load()
+    )
+
+
 def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_restart(
     spark, kafka_bootstrap, topic_factory, tmp_path
 ):
@@ -552,17 +569,7 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
         return job
 
     def batch(start: int, end: int) -> DataFrame:
-        """The records of a micro-batch, as Spark hands them over again on a replay."""
-        offsets = lambda n: json.dumps({source: {"0": n}})  # noqa: E731
-        return (
-            spark.read.format(connectors.kafka)
-            .option("kafka.bootstrap.servers", kafka_bootstrap)
-            .option("subscribe", source)
-            .option("startingOffsets", offsets(start))
-            .option("endingOffsets", offsets(end))
-            .option("includeHeaders", "true")
-            .load()
-        )
+        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
 
     def counts() -> tuple[int, int]:
         return table(settings, Table.BUFFER).num_rows, table(settings, Table.QUARANTINE).num_rows
@@ -746,6 +753,43 @@ def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
     buffer = table(settings, Table.BUFFER)
     assert sorted(buffer.column("payload").to_pylist()) == [b"kept", b"payload-0"]
     assert table(settings, Table.QUARANTINE).column("reason").to_pylist() == ["missing_priority"]
+
+
+def test_a_checkpoint_behind_the_buffer_stops_the_ingest_rather_than_skip_its_batches(
+    spark, kafka_bootstrap, topic_factory, tmp_path
+):
+    """A checkpoint older than the buffer (a copy put back, another driver's) plans batch
+    ids the buffer has over Kafka positions it has not read: skipped as replays, their
+    records would land nowhere. Only the buffer's last batch, over the positions its
+    commit recorded, is a replay."""
+    source = topic_factory(partitions=1)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    topic = settings.topic("jobs")
+    connectors = detect_connectors(spark)
+    produce(kafka_bootstrap, source, [good(i) for i in range(12)], partitions=1)
+    ensure_buffer(settings.warehouse, topic)
+    ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
+
+    def batch(start: int, end: int) -> DataFrame:
+        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
+
+    ran = IngestJob(spark, settings, topic, connectors)
+    for batch_id in range(3):
+        ran.process_batch(batch(3 * batch_id, 3 * batch_id + 3), batch_id)
+    assert table(settings, Table.BUFFER).num_rows == 9
+
+    with pytest.raises(CheckpointBehind, match="delete its checkpoint"):
+        IngestJob(spark, settings, topic, connectors).process_batch(batch(3, 12), 1)
+    with pytest.raises(CheckpointBehind, match="other Kafka positions"):
+        IngestJob(spark, settings, topic, connectors).process_batch(batch(6, 12), 2)
+    assert table(settings, Table.BUFFER).num_rows == 9, "nothing committed by either"
+
+    replaying = IngestJob(spark, settings, topic, connectors)
+    replaying.process_batch(batch(6, 9), 2)
+    assert [(s.batch_id, s.replay) for s in replaying.stats] == [(2, True)]
+    replaying.process_batch(batch(9, 12), 3)
+    buffer = table(settings, Table.BUFFER)
+    assert sorted(coordinates(buffer)) == [(source, 0, n) for n in range(12)]
 
 
 class Lines:
