@@ -6,9 +6,10 @@ explicit ids and commits each table's files. Both Delta commits carry the
 (app id, batch version) pair, so a batch replayed after a crash is skipped by the table
 that already has it. A record thus lands exactly once in exactly one of the tables.
 The quarantine is appended first, so a batch the buffer has is done: its replay is
-not judged again (the dedup seed has learnt its ids since, see `process_batch`). The
-buffer's commit also records where the batch left each Kafka partition, so a query
-whose checkpoint was lost resumes there (`pipelines.ingest_resume`).
+not judged again (the dedup seed has learnt its ids since, see `process_batch`). Both
+commits also record where the batch left each Kafka partition: a query whose checkpoint
+was lost resumes from the buffer's (`pipelines.ingest_resume`), and a batch a table has
+from other positions is another driver's, or a checkpoint's older than the tables.
 
 Both tables are written by delta-rs only, whichever connectors read: executors write
 the files, the driver commits them (`pipelines.delta_source`). Retention and compaction
@@ -317,9 +318,12 @@ class IngestJob:
         txn = (self.app_id, batch)
         # With no files too: the buffer's last batch is where a new checkpoint resumes.
         since = batch if self._positions_since < 0 else None
-        commit(quarantine, files.quarantine, "append", txn)
-        clock.lap("commit_quarantine")
         try:
+            # Positions here too, so a second driver fails at its first commit, before
+            # its quarantine's rows of the batch are skipped for the other's.
+            at = positions(self.app_id, files.consumed)
+            commit(quarantine, files.quarantine, "append", txn, at)
+            clock.lap("commit_quarantine")
             commit(
                 buffer,
                 files.buffer,

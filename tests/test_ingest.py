@@ -50,6 +50,7 @@ from dejaq.jobs.status import row_count
 from dejaq.pipelines import ingest as ingest_module
 from dejaq.pipelines.dedup import IN_BUFFER, SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
+from dejaq.pipelines.delta_source import SecondWriter
 from dejaq.pipelines.ingest import BatchStats, CheckpointBehind, IngestJob
 from dejaq.pipelines.ingest_resume import CannotResume, Resume, positions, resume
 from dejaq.pipelines.pending import PendingSet
@@ -790,6 +791,49 @@ def test_a_checkpoint_behind_the_buffer_stops_the_ingest_rather_than_skip_its_ba
     replaying.process_batch(batch(9, 12), 3)
     buffer = table(settings, Table.BUFFER)
     assert sorted(coordinates(buffer)) == [(source, 0, n) for n in range(12)]
+
+
+def _cut(spark, settings: Settings, topic, records: DataFrame, batch_id: int, monkeypatch) -> None:
+    """Batch `batch_id` of `records` under `topic`, its process killed between its
+    quarantine's commit and its buffer's (the buffer's commit made to raise)."""
+    real = ingest_module.commit
+
+    def dies_on_the_buffer(target, files, mode, txn, *also):
+        if "/buffer/" in target.path:
+            raise RuntimeError("the process died between the two commits")
+        return real(target, files, mode, txn, *also)
+
+    with monkeypatch.context() as m:
+        m.setattr(ingest_module, "commit", dies_on_the_buffer)
+        with pytest.raises(RuntimeError, match="between the two commits"):
+            job = IngestJob(spark, settings, topic, detect_connectors(spark))
+            job.process_batch(records, batch_id)
+
+
+def test_a_second_driver_fails_at_its_quarantine_commit_of_a_batch_the_first_wrote(
+    spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
+):
+    """Two drivers on one checkpoint plan batch 0 over different ranges; the first
+    commits its quarantine and stops before its buffer. The second's quarantine commit
+    of the batch is refused, not skipped: skipped, its bad records past the first's
+    range would land nowhere, once its buffer commit made the buffer resume past them."""
+    source = topic_factory(partitions=1)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    topic = settings.topic("jobs")
+    connectors = detect_connectors(spark)
+    records = [good(0), (b"k", b"no priority", {}), good(1), (b"k", b"x", {})]
+    produce(kafka_bootstrap, source, records, partitions=1)
+    ensure_buffer(settings.warehouse, topic)
+    ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
+
+    def batch(start: int, end: int) -> DataFrame:
+        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
+
+    _cut(spark, settings, topic, batch(0, 2), 0, monkeypatch)
+    with pytest.raises(SecondWriter, match=r"/quarantine/.*other positions"):
+        IngestJob(spark, settings, topic, connectors).process_batch(batch(0, 4), 0)
+    assert table(settings, Table.BUFFER).num_rows == 0
+    assert coordinates(table(settings, Table.QUARANTINE)) == [(source, 0, 1)]
 
 
 class Lines:
