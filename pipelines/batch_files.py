@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Callable, Iterator
+from collections import Counter
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -232,6 +233,43 @@ class BatchFiles:
         n = sum(m.num_rows for m in moved)
         self.counts[VALID] -= n
         self.counts[Reason.DUPLICATE.value] = n
+
+    def drop(
+        self, buffer: WriteTarget, quarantine: WriteTarget, coordinates: Collection[Coordinates]
+    ) -> None:
+        """Rewrite each file holding a row of `coordinates` without it: those records
+        are in the quarantine already (a batch cut between its two commits, done again),
+        so they land in neither table again. The files replaced were never committed:
+        they are deleted. Every file is read: a batch is done again only after a crash."""
+        marks = pa.array([_key(*c) for c in coordinates], pa.string())
+        self.buffer, gone = _without(buffer, self.buffer, marks, BUFFER_SCHEMA)
+        self.counts[VALID] = self.counts.get(VALID, 0) - gone.num_rows
+        self.quarantine, gone = _without(quarantine, self.quarantine, marks, QUARANTINE_SCHEMA)
+        for reason, n in Counter(gone.column("reason").to_pylist()).items():
+            self.counts[reason] -= n
+            if not self.counts[reason]:
+                del self.counts[reason]
+
+
+def _without(
+    target: WriteTarget, actions: list[AddAction], marks: pa.Array, schema: pa.Schema
+) -> tuple[list[AddAction], pa.Table]:
+    """`actions`' files rewritten without the rows whose `_key` is in `marks`, and
+    those rows."""
+    fs, root = filesystem(target.path)
+    keep: list[AddAction] = []
+    gone = [schema.empty_table()]
+    for action in actions:
+        with fs.open_input_file(f"{root}/{action.path}") as f:
+            rows = conform(pq.read_table(f), schema, action.partition_values)
+        hit = pc.is_in(_keys(rows), value_set=marks)
+        if not pc.any(hit).as_py():
+            keep.append(action)
+            continue
+        keep += write_files(target, rows.filter(pc.invert(hit)))
+        gone.append(rows.filter(hit))
+        fs.delete_file(f"{root}/{action.path}")
+    return keep, pa.concat_tables(gone)
 
 
 def _key(topic: str, partition: int, offset: int) -> str:

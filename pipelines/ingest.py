@@ -53,8 +53,15 @@ from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, 
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.dedup import Coordinates, SeenIds, Verdict, default_id_pattern
 from dejaq.pipelines.delta_source import SecondWriter, TableChanged, WriteTarget, commit
-from dejaq.pipelines.envelope import COORDINATES, Parser, Reason, explicit_id
-from dejaq.pipelines.ingest_resume import Resume, positions, resume, since_app_id, version
+from dejaq.pipelines.envelope import COORDINATES, Parser, explicit_id
+from dejaq.pipelines.ingest_resume import (
+    Resume,
+    offset_app_id,
+    positions,
+    resume,
+    since_app_id,
+    version,
+)
 from dejaq.pipelines.retention import expire_quarantine, ledger_tail
 from dejaq.pipelines.session import Connectors, shaded_kafka
 
@@ -153,6 +160,12 @@ class IngestJob:
     @property
     def checkpoint(self) -> str:
         return checkpoint_path(self.settings.warehouse, "ingest", self.topic.name)
+
+    @property
+    def _cut_app_id(self) -> str:
+        """The quarantine's txn for the records a batch done again after its cut finds
+        bad that the first try did not: that batch's own txn is committed already."""
+        return f"{self.app_id}:after-cut"
 
     @property
     def _way_out(self) -> str:
@@ -303,8 +316,9 @@ class IngestJob:
         # One time for the verdict and the commit: a clock stepping back between two
         # reads could leave an id judged free unstored, free again for the next batch.
         judged_at = int(time.time() * 1000)
-        if batch <= self._quarantined:
-            verdict = self._verdict_committed(files.judged, quarantine_path)
+        cut = batch <= self._quarantined
+        if cut:
+            verdict = self._finish_cut(files, buffer_path, quarantine_path)
         else:
             self._seen.expire(judged_at)
             self._prune_seen(buffer_path)
@@ -322,7 +336,9 @@ class IngestJob:
             # Positions here too, so a second driver fails at its first commit, before
             # its quarantine's rows of the batch are skipped for the other's.
             at = positions(self.app_id, files.consumed)
-            commit(quarantine, files.quarantine, "append", txn, at)
+            commit(quarantine, [] if cut else files.quarantine, "append", txn, at)
+            if cut:
+                commit(quarantine, files.quarantine, "append", (self._cut_app_id, batch))
             clock.lap("commit_quarantine")
             commit(
                 buffer,
@@ -393,29 +409,36 @@ class IngestJob:
                 f"{self._way_out}"
             ) from e
 
-    def _verdict_committed(self, judged: pa.Table, quarantine_path: str) -> Verdict:
-        """The verdict a batch cut between its two commits was given: its duplicates are
-        the rows the quarantine holds, the rest were kept. Judged again, against a dedup
-        seed read since (settled ids from the ledger, which the process that judged it
-        did not hold), a row it kept could be found a duplicate, for the quarantine,
-        whose commit of this batch is done: it would land in neither table."""
-        offsets = set(judged.column("source_offset").to_pylist())
-        columns = [*COORDINATES, "detail"]
-        held = scan(
-            quarantine_path,
-            Table.QUARANTINE,
-            columns,
-            matching(Table.QUARANTINE, source_offset=offsets, reason=[Reason.DUPLICATE.value]),
-        )
-        mine = set(zip(*(judged.column(c).to_pylist() for c in COORDINATES), strict=True))
+    def _finish_cut(self, files: BatchFiles, buffer_path: str, quarantine_path: str) -> Verdict:
+        """The verdict on a batch cut between its two commits, done again: the rows the
+        quarantine holds from the batch's Kafka range stay its only rows there, whatever
+        put them there (a parse under another configuration, a dedup seed since grown),
+        and leave the files of this try; every other record is kept, or quarantined if
+        it is bad now (`_cut_app_id`). Judged again, a record the first try kept could be
+        found bad or a duplicate, for a quarantine whose commit is done: it would land
+        nowhere, and one the first quarantined could land in both tables."""
+        started = DeltaTable(buffer_path)  # where the batch before left each partition
+        where = None
+        for (topic, partition), end in files.consumed.items():
+            start = started.transaction_version(offset_app_id(self.app_id, (topic, partition)))
+            offset = column(Table.QUARANTINE, "source_offset")
+            read = matching(Table.QUARANTINE, source_topic=[topic], source_partition=[partition])
+            read &= (offset >= (start or 0)) & (offset < end)
+            where = read if where is None else where | read
+        if where is None:
+            return Verdict()
+        held = scan(quarantine_path, Table.QUARANTINE, [*COORDINATES, "reason"], where)
+        done = set(zip(*(held.column(c).to_pylist() for c in COORDINATES), strict=True))
+        assert self._targets is not None
+        files.drop(*self._targets, done)
+        for reason in held.column("reason").to_pylist():
+            files.counts[reason] = files.counts.get(reason, 0) + 1
         verdict = Verdict()
-        for *coordinates, detail in zip(*held.to_pydict().values(), strict=True):
-            if tuple(coordinates) in mine:
-                verdict.duplicates[tuple(coordinates)] = detail  # type: ignore[index]
         names = ["message_id", *COORDINATES]
-        rows = zip(*(judged.column(c).to_pylist() for c in names), strict=True)
-        for mid, *coordinates in rows:
-            if tuple(coordinates) not in verdict.duplicates:
+        for mid, *coordinates in zip(
+            *(files.judged.column(c).to_pylist() for c in names), strict=True
+        ):
+            if tuple(coordinates) not in done:
                 verdict.kept[mid] = tuple(coordinates)  # type: ignore[assignment]
         return verdict
 

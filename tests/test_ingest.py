@@ -810,6 +810,58 @@ def _cut(spark, settings: Settings, topic, records: DataFrame, batch_id: int, mo
             job.process_batch(records, batch_id)
 
 
+def test_a_cut_batch_done_again_under_a_changed_configuration_lands_each_record_once(
+    spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
+):
+    """The topic's configuration changes while a batch is cut between its two commits:
+    done again, the records the quarantine holds stay there alone, and every other one
+    lands once, in the buffer, or in the quarantine if it is bad now."""
+    source = topic_factory(partitions=1)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    topic = settings.topic("jobs")
+    connectors = detect_connectors(spark)
+    first = [
+        good(0),  # payload of 9 bytes
+        (b"k", b"kept", {"dejaq-priority": b"1", "dejaq-id": b"order-9"}),
+        (b"k", b"no priority", {}),
+    ]
+    second = [good(1), (b"k", b"tiny", {"dejaq-priority": b"1"})]
+    produce(kafka_bootstrap, source, first + second, partitions=1)
+    ensure_buffer(settings.warehouse, topic)
+    ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
+
+    def batch(start: int, end: int) -> DataFrame:
+        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
+
+    def landed() -> tuple[list, list]:
+        buffer, quarantine = table(settings, Table.BUFFER), table(settings, Table.QUARANTINE)
+        return coordinates(buffer), coordinates(quarantine)
+
+    # Payloads up to 100 bytes when cut, 5 when done again: payload-0 turns bad.
+    small = topic.model_copy(update={"max_payload_bytes": 5})
+    _cut(spark, settings, topic, batch(0, 3), 0, monkeypatch)
+    IngestJob(spark, settings, small, connectors).process_batch(batch(0, 3), 0)
+    buffered, quarantined = landed()
+    assert sorted(buffered + quarantined) == [(source, 0, n) for n in range(3)]
+    assert not set(buffered) & set(quarantined)
+    assert table(settings, Table.BUFFER).column("payload").to_pylist() == [b"kept"]
+    assert sorted(table(settings, Table.QUARANTINE).column("reason").to_pylist()) == [
+        "missing_priority",
+        "payload_too_large",
+    ]
+
+    # 5 bytes when cut, 100 when done again: payload-1, quarantined, turns good.
+    _cut(spark, settings, small, batch(3, 5), 1, monkeypatch)
+    IngestJob(spark, settings, topic, connectors).process_batch(batch(3, 5), 1)
+    buffered, quarantined = landed()
+    assert sorted(buffered + quarantined) == [(source, 0, n) for n in range(5)]
+    assert not set(buffered) & set(quarantined)
+    assert sorted(table(settings, Table.BUFFER).column("payload").to_pylist()) == [
+        b"kept",
+        b"tiny",
+    ]
+
+
 def test_a_second_driver_fails_at_its_quarantine_commit_of_a_batch_the_first_wrote(
     spark, kafka_bootstrap, topic_factory, tmp_path, monkeypatch
 ):
