@@ -7,9 +7,10 @@ explicit ids and commits each table's files. Both Delta commits carry the
 that already has it. A record thus lands exactly once in exactly one of the tables.
 The quarantine is appended first, so a batch the buffer has is done: its replay is
 not judged again (the dedup seed has learnt its ids since, see `process_batch`). Both
-commits also record where the batch left each Kafka partition: a query whose checkpoint
-was lost resumes from the buffer's (`pipelines.ingest_resume`), and a batch a table has
-from other positions is another driver's, or a checkpoint's older than the tables.
+commits (the quarantine's where it has rows) also record where the batch left each Kafka
+partition: a query whose checkpoint was lost resumes from the buffer's
+(`pipelines.ingest_resume`), and a batch a table has from other positions is another
+driver's, or a checkpoint's older than the tables.
 
 Both tables are written by delta-rs only, whichever connectors read: executors write
 the files, the driver commits them (`pipelines.delta_source`). Retention and compaction
@@ -333,10 +334,12 @@ class IngestJob:
         # With no files too: the buffer's last batch is where a new checkpoint resumes.
         since = batch if self._positions_since < 0 else None
         try:
-            # Positions here too, so a second driver fails at its first commit, before
-            # its quarantine's rows of the batch are skipped for the other's.
-            at = positions(self.app_id, files.consumed)
-            commit(quarantine, [] if cut else files.quarantine, "append", txn, at)
+            # Positions with the quarantine's rows too, so a second driver fails at its
+            # first commit, before its rows of the batch are skipped for the other's. A
+            # batch that quarantines none commits nothing here: no commit a batch.
+            quarantined = [] if cut else files.quarantine
+            at = positions(self.app_id, files.consumed) if quarantined or cut else ()
+            commit(quarantine, quarantined, "append", txn, at)
             if cut:
                 commit(quarantine, files.quarantine, "append", (self._cut_app_id, batch))
             clock.lap("commit_quarantine")
