@@ -61,6 +61,11 @@ from dejaq.pipelines.retention import RetentionRun, period_s, redriven, restore,
 log = logging.getLogger("dejaq.broker")
 
 FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta commit
+# An index refresh failing this long makes the node unready, naming the topic and the
+# error: its new messages are not indexed meanwhile. Long past a transient failure of
+# the object store (a throttled or retried read fails a few rounds, seconds), short
+# against the minutes an operator would otherwise learn of it from a stalled topic.
+REFRESH_ALERT_S = 30.0
 DUTY_PERIOD_S = 0.05
 CHECKPOINT_PERIOD_S = 1.0
 # Events a checkpoint writes at most: a backlog the ledger could not take for hours is
@@ -138,6 +143,44 @@ class Settled:
         return self.ok
 
 
+@dataclass
+class Refreshes:
+    """A topic's index refreshes on this node: the current streak of failures, if any,
+    which readiness and `/metrics` show (a failed refresh is otherwise only logged)."""
+
+    topic: str
+    failures: int = 0  # in all, since the node started: a counter
+    failing_since: float | None = None  # monotonic: the streak's first failure
+    last_error: str = ""
+
+    def failed(self, error: BaseException) -> None:
+        self.failures += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        if self.failing_since is None:
+            self.failing_since = time.monotonic()
+
+    def ok(self) -> None:
+        if self.failing_since is not None:
+            log.info("indexing %s works again after %.0f s", self.topic, self.failing_for())
+        self.failing_since, self.last_error = None, ""
+
+    def failing_for(self) -> float:
+        """Seconds the streak has lasted; 0 if the last refresh worked. Read once: the
+        follow thread ends a streak while other threads ask."""
+        since = self.failing_since
+        return 0.0 if since is None else time.monotonic() - since
+
+    def alert(self, bound_s: float) -> str | None:
+        """Why the node is not ready, once the streak has lasted `bound_s`."""
+        failing_s, error = self.failing_for(), self.last_error
+        if failing_s < bound_s or failing_s == 0.0:
+            return None
+        return (
+            f"indexing {self.topic} has failed for {failing_s:.0f} s ({error}); "
+            "its new messages wait in the buffer"
+        )
+
+
 @contextlib.contextmanager
 def _going_on(duty: str) -> Iterator[None]:
     """A duty thread's round: what it raises is logged and the next round tries again,
@@ -205,6 +248,8 @@ class Broker:
         self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
         self._checkpoints: Counter[str] = Counter()
         self.checkpoint_health = {n: Health() for n in self.topics}
+        self.refreshes = {n: Refreshes(n) for n in self.topics}
+        self.refresh_alert_s = REFRESH_ALERT_S
         self.retention_runs: dict[str, RetentionRun] = {}  # the last one per topic, here
         self.keys: KeyRing | None = None  # the API keys, where `broker.keys_file` is set
         # Topics whose new messages wait for disk space (`broker.disk_reserve_bytes`).
@@ -276,6 +321,9 @@ class Broker:
             return False, "this node's HTTP address not yet registered"
         if self.keys is not None and (error := self.keys.check()) is not None:
             return False, f"{error}; every call with a key is refused"
+        stalled = [a for r in self.refreshes.values() if (a := r.alert(self.refresh_alert_s))]
+        if stalled:
+            return False, "; ".join(stalled)
         alerts = [
             f"checkpoints of {name} {alert}"
             for name, health in self.checkpoint_health.items()
@@ -315,8 +363,11 @@ class Broker:
                     index.release_columns()
                 except (KeyboardInterrupt, SystemExit):
                     raise
-                except BaseException:  # a panic in the core too: the thread must go on
+                except BaseException as e:  # a panic in the core too: the thread must go on
                     log.exception("refreshing the index of %s failed", name)
+                    self.refreshes[name].failed(e)
+                else:
+                    self.refreshes[name].ok()
             self._publish_metrics()
 
     def _publish_metrics(self) -> None:
@@ -351,6 +402,8 @@ class Broker:
         self.metrics.observe_index(
             {n: (len(i.rows), i.buffer_rows, i.heads.disk_bytes()) for n, i in self.indexes.items()}
         )
+        for name, r in self.refreshes.items():
+            self.metrics.observe_refreshes(name, r.failing_for(), r.failures)
 
     def _publish_totals(self) -> None:
         m = self.metrics

@@ -954,6 +954,61 @@ def test_new_messages_wait_in_the_buffer_while_the_disk_is_within_the_reserve(
         index.load()
 
 
+def test_an_index_refresh_failing_past_its_bound_makes_the_node_unready(tmp_path: Path) -> None:
+    """A buffer file the node cannot read (its mode, the store's credentials expired)
+    fails every refresh: past the bound (0.5 s here) the node is unready, naming the
+    topic and the error, and `/metrics` says for how long; the rows it cannot read count
+    neither as indexed nor as settled. Once they can be read it is ready again and
+    indexes them. A stand-in for `_read_bucket` makes the file unreadable (the tests run
+    as root, whom a file's mode does not stop)."""
+    warehouse = str(tmp_path / "warehouse")
+    labels = {"topic": "jobs"}
+
+    async def scenario(broker: Any) -> tuple[str, list[float | None], tuple[bool, str], list]:
+        index = broker.indexes["jobs"]
+        sample = broker.metrics.registry.get_sample_value
+        await _until(lambda: broker.ready()[0], "the node ready")
+        broker.refresh_alert_s = 0.5
+
+        def unreadable(bucket: int, uris: list[str]) -> Any:
+            raise PermissionError(13, "Permission denied", uris[0])
+
+        index._read_bucket = unreadable
+        fill(warehouse, "jobs", buffer_rows([1, 2, 3], lambda i: 0, "n"))
+        await _until(lambda: not broker.ready()[0], "the node unready")
+        unready = broker.ready()[1]
+        await _until(lambda: sample("dejaq_index_refresh_failing_seconds", labels), "published")
+        failing = [
+            sample(name, labels)
+            for name in (
+                "dejaq_buffer_rows",
+                "dejaq_buffer_settled_rows",
+                "dejaq_index_messages",
+            )
+        ]
+        assert sample("dejaq_index_refresh_failures_total", labels) > 0
+        del index._read_bucket
+        await _until(lambda: broker.ready()[0], "the node ready again")
+        await _until(lambda: sample("dejaq_index_messages", labels) == 6, "the rows published")
+        after = [
+            sample(name, labels)
+            for name in (
+                "dejaq_index_refresh_failing_seconds",
+                "dejaq_buffer_rows",
+                "dejaq_buffer_settled_rows",
+            )
+        ]
+        return unready, failing, broker.ready(), [sorted(index.rows), *after]
+
+    unready, failing, ready, after = on_one_node(tmp_path, scenario)
+    assert unready.startswith("indexing jobs has failed for "), unready
+    assert "(PermissionError: [Errno 13] Permission denied: " in unready
+    assert unready.endswith("its new messages wait in the buffer"), unready
+    assert failing == [3, 0, 3], "the unread rows count neither as settled nor as indexed"
+    assert ready == (True, "ready")
+    assert after == [["m0", "m1", "m2", "n0", "n1", "n2"], 0, 6, 0]
+
+
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -29,6 +29,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self._failures_seen: dict[str, int] = {}
+        self._refresh_failures_seen: dict[str, int] = {}
         r = self.registry
         GCCollector(registry=r)  # collections per generation: GC pressure shows as latency
         ProcessCollector(registry=r)  # process_resident_memory_bytes among them
@@ -112,6 +113,19 @@ class Metrics:
             ["topic"],
             registry=r,
         )
+        self.refresh_failing = Gauge(
+            "dejaq_index_refresh_failing_seconds",
+            "How long this node's refreshes of the topic's index have failed in a row (0: "
+            "the last one worked); new messages are not indexed meanwhile",
+            ["topic"],
+            registry=r,
+        )
+        self.refresh_failures = Counter(
+            "dejaq_index_refresh_failures",
+            "Failed refreshes of the topic's index on this node (one every 0.2 s while failing)",
+            ["topic"],
+            registry=r,
+        )
         self.retention_last = Gauge(
             "dejaq_retention_last_run_timestamp_seconds",
             "When this node last ran retention (the leader runs it)",
@@ -152,6 +166,14 @@ class Metrics:
             self.head_store.labels(topic).set(head_bytes)
             self.buffer_rows.labels(topic).set(rows)
             self.settled_rows.labels(topic).set(max(rows - indexed, 0))
+
+    def observe_refreshes(self, topic: str, failing_s: float, failures: int) -> None:
+        """How long the topic's index refreshes have failed in a row, and their failures
+        in all."""
+        self.refresh_failing.labels(topic).set(failing_s)
+        seen = self._refresh_failures_seen.get(topic, 0)
+        self.refresh_failures.labels(topic).inc(max(failures - seen, 0))
+        self._refresh_failures_seen[topic] = failures
 
     def observe_retention(self, topic: str, run: RetentionRun) -> None:
         self.retention_last.labels(topic).set(time.time())

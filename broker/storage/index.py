@@ -222,20 +222,23 @@ class TopicIndex:
             # since the retention watermark (a start's `settled`). Applied to those
             # files alone: `rebuild` must still read the ledger for the rows held.
             log.warning("%s: reading the buffer's files not indexed yet, as a start does", e)
-            unread, current = self._unseen(version, walk=False)
+            unread, current, rows = self._unseen(version, walk=False)
             settled = set(settled) | self._settled_ids(note=False)[0]
-            return self._read_new(version, unread, current, settled, forgotten)
+            return self._read_new(version, unread, current, rows, settled, forgotten)
 
     def _read_new(
         self,
         version: int,
         unread: list[tuple[str, int, int]],
         current: set[str],
+        rows: int,
         settled: Set[str],
         forgotten: set[str],
     ) -> int:
-        """Index `unread` (`_unseen`), as of `version`; how many rows were new. Raises
-        before indexing any where a file is missing, once the first load is done.
+        """Index `unread` (`_unseen`), as of `version`, which holds `rows` rows; how many
+        rows were new. Raises before indexing any where a file is missing, once the first
+        load is done. `buffer_rows` takes `rows` once they are read: counted before, rows
+        that cannot be read would count as settled (buffer rows the index lacks).
 
         A file in a bucket this node has not refuses the first load (its messages would
         never be leased); later, the ingest runs with more buckets than this node was
@@ -281,6 +284,7 @@ class TopicIndex:
                 pa.default_memory_pool().release_unused()
         self.files = current
         self.version = version
+        self.buffer_rows = rows
         return added
 
     def beyond_alert(self, buckets: Set[int] | None = None) -> str | None:
@@ -365,10 +369,10 @@ class TopicIndex:
 
     def _unseen(
         self, version: int, walk: bool = True
-    ) -> tuple[list[tuple[str, int, int]], set[str]]:
+    ) -> tuple[list[tuple[str, int, int]], set[str], int]:
         """Files of `version` that this index has not seen: (to read, with their bucket
-        and row count; all of them). `walk`: False to read every file not seen, without
-        the versions between (`LogGap`).
+        and row count; all of them; the rows of `version`). `walk`: False to read every
+        file not seen, without the versions between (`LogGap`).
 
         A compaction (OPTIMIZE) or a retention run rewrites rows the table already had,
         settled ones too, so its files are seen but not read: the index keeps no settled
@@ -377,7 +381,7 @@ class TopicIndex:
         the rewrite has replaced them (replaced files stay on disk for the table's
         retention), each from its own log entry (`commits`), which says whether it is a
         rewrite anyway: a snapshot of each would cost a listing, a checkpoint and all
-        its add actions. Also counts the rows of `version` (`buffer_rows`).
+        its add actions.
         """
         assert self._buffer is not None
         actions = pa.table(self._buffer.get_add_actions(flatten=True)).to_pydict()
@@ -398,8 +402,7 @@ class TopicIndex:
             seen.add(path)
             if not rewrite:
                 unread.append((path, bucket, rows or 0))
-        self.buffer_rows = sum(n or 0 for n in actions["num_records"])
-        return unread, set(actions["path"])
+        return unread, set(actions["path"]), sum(n or 0 for n in actions["num_records"])
 
     def _read_bucket(self, bucket: int, uris: list[str]) -> Batch:
         """Rows of one bucket's files in sort order, their heads written, read a slice of
