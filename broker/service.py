@@ -326,12 +326,19 @@ class Broker:
             return False, "; ".join(stalled)
         alerts = [
             f"checkpoints of {name} {alert}"
-            for name, health in self.checkpoint_health.items()
-            if (alert := health.alert()) is not None
+            for name in self.checkpoint_health
+            if (alert := self._checkpoint_alert(name)) is not None
         ]
         alerts += [a for index in self.indexes.values() if (a := index.beyond_alert())]
         alerts += self.short_of_disk.values()
         return True, "; ".join(["ready", *alerts])
+
+    def _checkpoint_alert(self, name: str) -> str | None:
+        """The topic's checkpoints failing for minutes, while this node leads: only the
+        leader checkpoints, and a former leader's last streak says nothing of the ledger."""
+        if self.raft is None or not self.raft.leading():
+            return None
+        return self.checkpoint_health[name].alert()
 
     def _registered(self) -> bool:
         """Whether the applied state lists this node's HTTP address, as clients read it
@@ -453,6 +460,8 @@ class Broker:
             began = time.monotonic()
             raft = self.raft
             if raft is None or not raft.leading():
+                for health in self.checkpoint_health.values():
+                    health.ended()
                 continue
             with _going_on("checkpoints"):
                 self._checkpoint()
@@ -612,7 +621,7 @@ class Broker:
                     oldest_ms=behind.oldest_ms,
                     unwritten_dead_letters=behind.unwritten_dead_letters,
                     checkpoint_failures=health.failures,
-                    failing=health.alert(),
+                    failing=self._checkpoint_alert(name),
                 ),
                 indexed=indexed,
                 buffer_rows=index.buffer_rows,

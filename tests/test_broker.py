@@ -1009,6 +1009,30 @@ def test_an_index_refresh_failing_past_its_bound_makes_the_node_unready(tmp_path
     assert after == [["m0", "m1", "m2", "n0", "n1", "n2"], 0, 6, 0]
 
 
+def test_checkpoints_failing_are_reported_while_the_node_leads_only(tmp_path: Path) -> None:
+    """Only the leader checkpoints: a node whose checkpoints failed for minutes while it
+    led and that then stopped leading (a stand-in for `leading`) reports them neither in
+    its readiness nor in its view (`/v1/cluster`, which `dejaq status --broker` prints),
+    and its streak ends, so a new term as leader starts one afresh."""
+
+    async def scenario(broker: Any) -> tuple[list[Any], list[Any]]:
+        health = broker.checkpoint_health["jobs"]
+        await _until(lambda: broker.ready()[0], "the node ready")
+        health.failures, health.streak = 3, 3
+        health.failing_since = time.time() - 200
+        health.last_error = "ledger of jobs: OSError: the store refused the write"
+        leading = [broker.ready(), broker.node_topics()["jobs"].ledger_lag.failing]
+        broker.raft.leading = lambda: False
+        following = [broker.ready(), broker.node_topics()["jobs"].ledger_lag.failing]
+        await _until(lambda: health.failing_since is None, "the streak ended")
+        return leading, [*following, health.streak, health.failures]
+
+    leading, following = on_one_node(tmp_path, scenario)
+    assert leading[0][0] and "checkpoints of jobs failing for 20" in leading[0][1]
+    assert leading[1].startswith("failing for 20") and "(ledger of jobs: OSError: " in leading[1]
+    assert following == [(True, "ready"), None, 0, 3], "the failures stay counted"
+
+
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )

@@ -80,7 +80,9 @@ class LedgerLag(BaseModel):
         description="deaths in the ledger whose dead letters wait in Raft"
     )
     checkpoint_failures: int = Field(description="failed checkpoints on this node as leader")
-    failing: str | None = Field(description="checkpoints failing for minutes: since when, why")
+    failing: str | None = Field(
+        description="while this node leads, its checkpoints failing for minutes: since when, why"
+    )
 
 
 class NodeTopic(BaseModel):

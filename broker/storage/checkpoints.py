@@ -61,6 +61,11 @@ class Health:
     def ok(self) -> None:
         if self.failing_since is not None:
             log.info("checkpoints work again after %.0f s", time.time() - self.failing_since)
+        self.ended()
+
+    def ended(self) -> None:
+        """End the streak without a success: this node stopped leading, and the next
+        leader's checkpoints, not this node's last ones, are what an operator watches."""
         self.streak, self.failing_since, self.last_error = 0, None, ""
         self.retry_at = 0.0
         self.logged.clear()
