@@ -912,6 +912,39 @@ def test_a_stopped_leader_is_failed_over_before_it_wakes(
         stop(nodes)
 
 
+def test_a_leader_cut_off_from_its_followers_steps_down_within_seconds(tmp_path) -> None:
+    """Both followers stopped: the others' majority would elect another leader within an
+    election timeout, and none of the old one's writes commits. Within seconds it no
+    longer says it leads nor answers ready; the followers resumed, the cluster has a
+    leader again and every node is ready."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    nodes = start(tmp_path, conf)
+    try:
+        with httpx.Client(timeout=5) as http:
+            leader = wait_until(lambda: leader_of(nodes, http), what="a leader")
+            others = [n for n in nodes if n is not leader]
+            assert http.get(f"{leader.url}/readyz").status_code == 200
+            for node in others:
+                os.kill(node.proc.pid, signal.SIGSTOP)
+            try:
+                wait_until(
+                    lambda: http.get(f"{leader.url}/readyz").status_code == 503,
+                    timeout=8,
+                    what="the cut-off leader unready",
+                )
+                readyz = http.get(f"{leader.url}/readyz").json()
+                role = cluster_info(http, leader)["role"]
+            finally:
+                for node in others:
+                    os.kill(node.proc.pid, signal.SIGCONT)
+            wait_until(lambda: leader_of(nodes, http), what="a leader again")
+            wait_until(lambda: cluster.ready(nodes), what="every node ready again")
+        assert role != "leader"
+        assert readyz["detail"] == "no Raft leader", readyz
+    finally:
+        stop(nodes)
+
+
 def restart_then_lease(
     nodes: list[Node], conf: Path, warehouse: str, topic: str
 ) -> tuple[list[str], int]:

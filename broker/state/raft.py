@@ -77,6 +77,15 @@ CATCH_UP_STEP_S = 0.005  # `RaftNode.lead` looks again after this
 TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
 ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader for 300 ms
 WARN_LAG_S = ELECTION_TIMEOUT_S[0] / 2
+# A leader that has heard from no majority this long becomes a follower, and its /readyz
+# says there is no leader (PySyncObj's default, 30 s, left a leader cut off from the
+# others reporting itself leader and ready that long, while they elected another within
+# an election timeout and none of its writes committed). Twice the longest election
+# timeout: a leader stalled that long has been replaced already (its followers heard no
+# heartbeat), and the followers answer every heartbeat (`appendEntriesPeriod`, 50 ms), so
+# only all of them stalled together that long, ten times what a loaded machine stalls a
+# loop, makes a working leader step down, and an election follows.
+LEADER_FALLBACK_S = 2 * ELECTION_TIMEOUT_S[1]
 COMPRESS_MIN_BYTES = 64 * 1024  # smaller Raft messages travel as stored (uncompressed) zlib
 AUTH_LOG_EVERY_S = 30.0
 PICKLE_PROTOCOL = 5  # Python 3.8 and later read it
@@ -655,6 +664,7 @@ def raft_conf(broker: BrokerConfig, data_dir: Path, multi_node: bool) -> SyncObj
         appendEntriesPeriod=0.05,
         raftMinTimeout=ELECTION_TIMEOUT_S[0],
         raftMaxTimeout=ELECTION_TIMEOUT_S[1],
+        leaderFallbackTimeout=LEADER_FALLBACK_S,
         connectionRetryTime=0.5,
         commandsQueueSize=100_000,
         logCompactionMinEntries=20_000,
