@@ -757,13 +757,16 @@ def a_field_of_another_type(revoked: dict) -> tuple[str, str]:
     return json.dumps(revoked), "'created_at' is str, not int"
 
 
-@pytest.mark.parametrize("broken", [saved_half_way, a_field_of_another_type])
+@pytest.mark.parametrize(
+    ("broken", "metrics_open"), [(saved_half_way, True), (a_field_of_another_type, False)]
+)
 def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says_so(
-    tmp_path: Path, broken: Callable[[dict], tuple[str, str]]
+    tmp_path: Path, broken: Callable[[dict], tuple[str, str]], metrics_open: bool
 ) -> None:
     """A hand edit gone wrong must not leave a key the edit revokes working: the node
     holds no keys until it can read the file, answers 503 (a client tries another node),
-    is not ready, shows it in a metric, and logs it once."""
+    is not ready, and logs it once. With `/metrics` open a metric shows it; where a scrape
+    needs a key, the scrape fails with 503 meanwhile (a key it cannot check shows nothing)."""
     keys = tmp_path / "keys.json"
     key = add_key(keys, "ops", ["monitor", "read"], ["*"])
     gone = add_key(keys, "gone", ["read"], ["*"])
@@ -771,7 +774,7 @@ def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says
     revoked["keys"] = [k for k in revoked["keys"] if k["name"] != "gone"]
     fixed = json.dumps(revoked)
     edited, why = broken(revoked)
-    args, port = keyed_node(tmp_path, "metrics_open: true")
+    args, port = keyed_node(tmp_path, f"metrics_open: {str(metrics_open).lower()}")
     url = f"http://127.0.0.1:{port}"
     node = started_node(args, port)
 
@@ -781,8 +784,11 @@ def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says
     def ready() -> httpx.Response:
         return httpx.get(f"{url}/readyz", timeout=5)
 
+    def scrape() -> httpx.Response:
+        return httpx.get(f"{url}/metrics", headers={} if metrics_open else bearer(key), timeout=5)
+
     def unreadable() -> str:
-        text = httpx.get(f"{url}/metrics", timeout=5).text
+        text = scrape().text
         (line,) = [x for x in text.splitlines() if x.startswith("dejaq_keys_file_unreadable ")]
         return line.split()[1]
 
@@ -796,7 +802,12 @@ def test_a_node_that_cannot_read_its_changed_key_file_refuses_every_key_and_says
         not_ready = ready()
         assert not_ready.status_code == 503
         assert str(keys) in not_ready.json()["detail"] and why in not_ready.json()["detail"]
-        wait_until(lambda: unreadable() == "1.0", 10, "the metric saying so")
+        if metrics_open:
+            wait_until(lambda: unreadable() == "1.0", 10, "the metric saying so")
+        else:
+            refused = scrape()
+            assert refused.status_code == 503
+            assert refused.json()["title"] == "API keys unavailable"
         keys.write_text(fixed)
         wait_until(lambda: keyed(key) == 200, 10, "the key taken again")
         assert keyed(gone) == 401

@@ -59,7 +59,8 @@ class Metrics:
         self.raft_term = Gauge("dejaq_raft_term", "Current Raft term", registry=r)
         self.keys_unreadable = Gauge(
             "dejaq_keys_file_unreadable",
-            "1 while this node cannot read its changed key file and refuses every keyed call",
+            "1 while this node cannot read its changed key file and refuses every keyed call "
+            "(a keyed scrape too: seen where /metrics is open)",
             registry=r,
         )
         self.raft_log = Gauge(
