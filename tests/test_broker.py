@@ -660,6 +660,30 @@ def test_a_family_of_metrics_that_fails_leaves_the_others_published(tmp_path: Pa
     assert on_one_node(tmp_path, scenario) == 1
 
 
+def test_the_cluster_total_counters_say_to_take_the_max_over_nodes() -> None:
+    """Leases, acks, nacks, redeliveries and deaths are counted in the replicated state
+    and every node publishes the cluster's total: their help says to aggregate them over
+    nodes with max, as a sum counts each event once per node."""
+    from dejaq.broker.api.metrics import Metrics
+
+    text = generate_latest(Metrics().registry).decode()
+    helps = dict(
+        line.removeprefix("# HELP ").split(" ", 1)
+        for line in text.splitlines()
+        if line.startswith("# HELP dejaq_")
+    )
+    for name in (
+        "dejaq_leased_messages_total",
+        "dejaq_acked_messages_total",
+        "dejaq_nacked_messages_total",
+        "dejaq_redelivered_messages_total",
+        "dejaq_dead_letters_total",
+    ):
+        assert "every node publishes the same total" in helps[name], helps[name]
+        assert "max by (topic), not sum" in helps[name], helps[name]
+    assert "max by" not in helps["dejaq_lease_seconds"], "observed on the leader alone"
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_panic_in_a_background_duty_is_logged_and_the_duty_goes_on(tmp_path: Path) -> None:
     """A panic in the compiled core (PyO3's PanicException, a BaseException) on the

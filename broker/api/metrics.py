@@ -24,6 +24,11 @@ from prometheus_client.registry import Collector
 from dejaq.broker.storage.checkpoints import Lag
 from dejaq.pipelines.retention import RetentionRun
 
+CLUSTER_TOTAL = (
+    ", in the whole cluster: every node publishes the same total, so aggregate over "
+    "nodes with max by (topic), not sum"
+)
+
 
 class Metrics:
     def __init__(self) -> None:
@@ -33,17 +38,19 @@ class Metrics:
         r = self.registry
         GCCollector(registry=r)  # collections per generation: GC pressure shows as latency
         ProcessCollector(registry=r)  # process_resident_memory_bytes among them
-        self.leased = Counter("dejaq_leased_messages", "Messages leased", ["topic"], registry=r)
-        self.acked = Counter("dejaq_acked_messages", "Messages acked", ["topic"], registry=r)
-        self.nacked = Counter("dejaq_nacked_messages", "Messages nacked", ["topic"], registry=r)
-        self.redelivered = Counter(
-            "dejaq_redelivered_messages",
-            "Leases of a message delivered before",
-            ["topic"],
-            registry=r,
-        )
-        self.dead = Counter(
-            "dejaq_dead_letters", "Messages sent to the dead letters", ["topic"], registry=r
+        # The cluster's totals, counted in the replicated state: every node publishes the
+        # same (a follower a moment behind), so a sum over nodes counts each event once
+        # per node. Published by every node, not the leader alone, so each node's series
+        # counts on across leader changes instead of a new node's appearing at the total.
+        self.leased, self.acked, self.nacked, self.redelivered, self.dead = (
+            Counter(name, f"{what}{CLUSTER_TOTAL}", ["topic"], registry=r)
+            for name, what in (
+                ("dejaq_leased_messages", "Messages leased"),
+                ("dejaq_acked_messages", "Messages acked"),
+                ("dejaq_nacked_messages", "Messages nacked"),
+                ("dejaq_redelivered_messages", "Leases of a message delivered before"),
+                ("dejaq_dead_letters", "Messages sent to the dead letters"),
+            )
         )
         self.lease_latency = LeaseLatency(registry=r)
         self.loop_lag = Histogram(
