@@ -71,10 +71,12 @@ class Health:
         self.logged.clear()
 
     def alert(self) -> str | None:
-        """Why an operator should look, once failures have lasted `FAILING_ALERT_S`."""
-        if self.failing_since is None or time.time() - self.failing_since < FAILING_ALERT_S:
+        """Why an operator should look, once failures have lasted `FAILING_ALERT_S`. The
+        streak is read once: the checkpoints' thread ends it while others ask."""
+        since, error = self.failing_since, self.last_error
+        if since is None or time.time() - since < FAILING_ALERT_S:
             return None
-        return f"failing for {time.time() - self.failing_since:.0f} s ({self.last_error})"
+        return f"failing for {time.time() - since:.0f} s ({error})"
 
 
 @dataclass(frozen=True)
