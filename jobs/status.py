@@ -2,22 +2,25 @@
 not yet ingested; retention's last run; with a broker, each node's index and memory.
 For a cron topic, its schedules, naming those whose occurrences are late unsent (the
 materialiser on the Raft leader sends them ahead of their time). Exit 1 when a check
-fails: Kafka not answering, a node unreachable, a node's checkpoints failing, or a
-schedule behind. A source topic Kafka does not show is named, lag unknown, but is no
-failure: the ingest waits for a topic not made yet.
+fails: Kafka not answering, a node unreachable, not ready or naming an alert in its
+`/readyz`, no node knowing of a Raft leader, a node's checkpoints failing, or a schedule
+behind. A source topic Kafka does not show is named, lag unknown, but is no failure:
+the ingest waits for a topic not made yet.
 
 Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log,
-Kafka's end offsets and the nodes' `/v1/cluster`, so it answers in a second while the
-jobs run.
+Kafka's end offsets and the nodes' `/v1/cluster` and `/readyz`, so it answers in a
+second while the jobs run.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import json
+import ssl
 import time
 from pathlib import Path
 
+import httpx
 import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
@@ -26,6 +29,7 @@ from kafka.errors import KafkaError
 from dejaq.broker.state import cron
 from dejaq.broker.state.schedules import ScheduleStore
 from dejaq.client import BrokerError
+from dejaq.client.models import Cluster
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import ConfigError, KafkaConfig, TopicKind, load_settings
 from dejaq.conf.storage import describe, export, filesystem
@@ -149,21 +153,77 @@ def last_retention(buffer_path: str, look_back: int = 200) -> str:
     return "none yet"
 
 
+def readiness(url: str, verify: ssl.SSLContext | bool) -> tuple[bool, str]:
+    """A node's `/readyz`: whether it can serve, and its status ("ready", then any alert)
+    or why not. `/v1/cluster` answers on a node that cannot serve; `/readyz` says so,
+    and needs no key."""
+    try:
+        answer = httpx.get(f"{url}/readyz", timeout=5, verify=verify)
+    except httpx.HTTPError as e:
+        return False, f"/readyz unanswered ({type(e).__name__})"
+    try:
+        body = answer.json()
+    except ValueError:
+        body = {}
+    said = body.get("status") if answer.status_code == 200 else body.get("detail")
+    return answer.status_code == 200, str(said or f"/readyz answered {answer.status_code}")
+
+
+def node_lines(view: Cluster, topic: str, ready: bool, status: str) -> tuple[list[str], bool]:
+    """A node's lines: role, memory, readiness, and its view of `topic`; whether it is
+    ready with no alert and no checkpoints failing."""
+    ok = ready and status == "ready"
+    line = f"  {view.node_id:<6} {view.role:<9} rss {view.resident_bytes / 2**20:,.0f} MiB"
+    t = view.topics.get(topic)
+    if t is not None:
+        line += (
+            f", index {t.indexed}, buffer rows {t.buffer_rows}, "
+            f"settled awaiting retention {t.settled_rows}, "
+            f"head store {t.head_store_bytes / 2**20:,.1f} MiB"
+        )
+        if t.last_retention is not None:
+            r = t.last_retention
+            line += f", last retention removed {r.removed} in {r.seconds:.2f} s"
+    lines = [line]
+    if not ready:
+        lines.append(f"         NOT READY: {status}")
+    elif status != "ready":
+        lines.append(f"         READY WITH ALERTS: {status.removeprefix('ready; ')}")
+    if t is not None and (lag := t.ledger_lag) is not None:
+        age = 0 if lag.oldest_ms is None else max(time.time() * 1000 - lag.oldest_ms, 0)
+        lines.append(
+            f"         ledger behind by {lag.events} events ({age / 1000:.1f} s), "
+            f"{lag.unwritten_dead_letters} dead letters unwritten, "
+            f"{lag.checkpoint_failures} checkpoint failures"
+        )
+        if lag.failing:
+            lines.append(f"         CHECKPOINTS FAILING {lag.failing}")
+            ok = False
+    return lines, ok
+
+
 def print_nodes(
     url: str, topic: str, token: str | None, cacert: str | None, insecure_http: bool = False
 ) -> bool:
-    """Each node's role, resident memory, index and view of the buffer; whether every node
-    answered and none has checkpoints failing. The nodes the cluster lists are asked as
-    `url` is, so the key goes to none of them in clear unless `insecure_http`."""
+    """Each node's role, resident memory, readiness, index and view of the buffer;
+    whether every node answered and is ready with no alert, one knows a Raft leader and
+    none has checkpoints failing. The nodes the cluster lists are asked as `url` is, so
+    the key goes to none of them in clear unless `insecure_http`; the node at `url` is
+    shown too if the cluster does not list it (it never registered: no leader to commit
+    its address)."""
     ok = True
     reach = {"token": token, "cacert": cacert, "insecure_http": insecure_http}
+    verify = ssl.create_default_context(cafile=cacert) if cacert else True
     with connect(url, timeout=10, **reach) as client:
-        nodes = client.cluster().nodes
-        scheme = client.node.partition("://")[0]
+        asked = client.cluster()
+        asked_url = client.node
+    scheme = asked_url.partition("://")[0]
     print("nodes")
-    for http in sorted(nodes.values()):
+    views: list[Cluster] = []
+    for http in sorted(asked.nodes.values()):
+        node = f"{scheme}://{http}"
         try:
-            with connect(f"{scheme}://{http}", timeout=5, **reach) as client:
+            with connect(node, timeout=5, **reach) as client:
                 view = client.cluster()
         except BrokerError as e:
             print(f"  {http:<22} unreachable ({e})")
@@ -173,28 +233,19 @@ def print_nodes(
             print(f"  {http:<22} not asked: {e}")
             ok = False
             continue
-        t = view.topics.get(topic)
-        line = f"  {view.node_id:<6} {view.role:<9} rss {view.resident_bytes / 2**20:,.0f} MiB"
-        if t is not None:
-            line += (
-                f", index {t.indexed}, buffer rows {t.buffer_rows}, "
-                f"settled awaiting retention {t.settled_rows}, "
-                f"head store {t.head_store_bytes / 2**20:,.1f} MiB"
-            )
-            if t.last_retention is not None:
-                r = t.last_retention
-                line += f", last retention removed {r.removed} in {r.seconds:.2f} s"
-            if (lag := t.ledger_lag) is not None:
-                age = 0 if lag.oldest_ms is None else max(time.time() * 1000 - lag.oldest_ms, 0)
-                line += (
-                    f"\n         ledger behind by {lag.events} events ({age / 1000:.1f} s), "
-                    f"{lag.unwritten_dead_letters} dead letters unwritten, "
-                    f"{lag.checkpoint_failures} checkpoint failures"
-                )
-                if lag.failing:
-                    line += f"\n         CHECKPOINTS FAILING {lag.failing}"
-                    ok = False
-        print(line)
+        views.append(view)
+        lines, node_ok = node_lines(view, topic, *readiness(node, verify))
+        print(*lines, sep="\n")
+        ok = ok and node_ok
+    if asked.node_id not in {v.node_id for v in views}:
+        views.append(asked)
+        lines, node_ok = node_lines(asked, topic, *readiness(asked_url, verify))
+        print(*lines, sep="\n")
+        ok = ok and node_ok
+    if not any(v.leader for v in views):
+        print("  NO RAFT LEADER: no node knows of one, so none serves (Raft ports unreachable")
+        print("  between the nodes, different Raft passwords, or too few nodes up)")
+        ok = False
     return ok
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -333,6 +336,64 @@ def test_status_with_a_node_down_names_it_and_fails(
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"{down.http} " in result.stdout and "unreachable" in result.stdout
     assert "ingest lag  0" in result.stdout  # the rest is still shown
+
+
+def test_status_fails_while_no_node_can_serve_and_passes_once_all_serve(
+    tmp_path: Path, kafka_bootstrap: str, kafka_source: str
+) -> None:
+    """A node answers /v1/cluster also when it cannot serve: status reads its /readyz too.
+    One node of three up knows of no Raft leader: exit 1, naming why (the cluster lists
+    no node then, as none registered: the node asked is shown); with the other two up,
+    every node ready, exit 0."""
+    conf = status_conf(tmp_path, kafka_bootstrap, kafka_source)
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(3, tmp_path / "raft")
+    alone = nodes[0]
+    status = ["status", "--topic", "jobs", "--conf-file", str(conf), "--broker", alone.url]
+    try:
+        cluster.start_node(alone, nodes, str(conf), env)
+        wait_for_port(int(alone.http.rsplit(":", 1)[1]), timeout=90, proc=alone.proc)
+        lone = run(*status, timeout=60)
+        for node in nodes[1:]:
+            cluster.start_node(node, nodes, str(conf), env)
+        cluster.wait_ready(nodes)
+        serving = run(*status, timeout=60)
+    finally:
+        stop(nodes)
+    assert lone.returncode == 1, lone.stdout + lone.stderr
+    assert re.search(r"  n1 +(follower|candidate) .*\n +NOT READY: no Raft leader", lone.stdout)
+    assert "NO RAFT LEADER" in lone.stdout, lone.stdout
+    assert "ingest lag  0" in lone.stdout  # the rest is still shown
+    assert serving.returncode == 0, serving.stdout + serving.stderr
+    shown = re.findall(r"^  (n\d) +(\w+) ", serving.stdout, re.MULTILINE)
+    assert sorted(n for n, _ in shown) == ["n1", "n2", "n3"], serving.stdout
+    assert [r for _, r in shown].count("leader") == 1, serving.stdout
+    assert "NOT READY" not in serving.stdout and "LEADER" not in serving.stdout
+
+
+def test_status_fails_on_a_node_whose_readiness_names_an_alert(
+    tmp_path: Path, kafka_bootstrap: str, kafka_source: str
+) -> None:
+    """A node short of disk stays ready (200) while new messages wait in the buffer; its
+    /readyz status says so, and status shows it and exits 1. A disk reserve above the
+    free space stands in for a full disk."""
+    beyond = shutil.disk_usage(tmp_path).free + (1 << 40)
+    conf = status_conf(tmp_path, kafka_bootstrap, kafka_source)
+    conf.write_text(conf.read_text() + f"broker: {{disk_reserve_bytes: {beyond}}}\n")
+    nodes = start(tmp_path, conf, n=1)
+    try:
+        fill(str(tmp_path / "warehouse"), "jobs", buffer_rows([1, 2]))
+        wait_until(
+            lambda: "disk_reserve_bytes" in httpx.get(f"{nodes[0].url}/readyz").text,
+            what="the node short of disk",
+        )
+        status = ["status", "--topic", "jobs", "--conf-file", str(conf)]
+        result = run(*status, "--broker", nodes[0].url, timeout=60)
+    finally:
+        stop(nodes)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert re.search(r"  n1 +leader .*\n +READY WITH ALERTS: jobs: ", result.stdout)
+    assert "broker.disk_reserve_bytes" in result.stdout, result.stdout
 
 
 def test_certs_refuses_a_ca_at_or_near_its_end(tmp_path: Path) -> None:
