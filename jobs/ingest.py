@@ -13,11 +13,15 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.kafka_login import check_login
 from dejaq.conf.settings import ConfigError, KafkaConfig, load_settings
 from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
+
+if TYPE_CHECKING:
+    from dejaq.pipelines.ingest import IngestJob
 
 log = logging.getLogger("dejaq.ingest")
 
@@ -101,6 +105,16 @@ def unreadable_topics(kafka: KafkaConfig, topics: Sequence[str]) -> str | None:
     return f"{subject} {verb} not exist (create {it} or produce to {it})"
 
 
+def summary(topic: str, job: IngestJob) -> str:
+    """The line printed at exit: totals over every batch the job ran, not only those
+    whose stats it keeps."""
+    t = job.totals
+    return (
+        f"ingest {topic}: {t.batches} batches, in {t.rows_in}, "
+        f"buffered {t.buffered}, quarantined {t.quarantined}"
+    )
+
+
 def run(
     topic: str, conf_file: str | None, once: bool, max_offsets_per_trigger: int | None = None
 ) -> int:
@@ -172,12 +186,7 @@ def run(
             stop_between_batches(query)
         job.report(query)
     error = query_failure(query)
-    totals = [sum(getattr(s, f) for s in job.stats) for f in ("rows_in", "buffered", "quarantined")]
-    print(
-        f"ingest {topic}: {len(job.stats)} batches, in {totals[0]}, "
-        f"buffered {totals[1]}, quarantined {totals[2]}",
-        flush=True,
-    )
+    print(summary(topic, job), flush=True)
     if error is not None:
         print(f"error: ingest {topic} failed: {error}", file=sys.stderr)
         return 1

@@ -72,6 +72,7 @@ DEFAULT_MAX_OFFSETS_PER_TRIGGER = 250_000
 # How often all ids past the dedup window are looked for in the buffer, to be freed
 # once their rows left it (`SeenIds.prune`): memory, as a batch looks for those it reuses.
 PRUNE_EVERY_S = 600.0
+STATS_KEPT = 1000  # the last batches' stats, for their log lines
 
 
 class CheckpointBehind(RuntimeError):
@@ -90,6 +91,23 @@ class BatchStats:
     reasons: dict[str, int] = field(default_factory=dict)
     phases_ms: dict[str, int] = field(default_factory=dict)
     replay: bool = False  # a batch the buffer already had: skipped
+
+
+@dataclass
+class IngestTotals:
+    """Every batch since the job started, for its summary at exit: `IngestJob.stats`
+    keeps only the last STATS_KEPT."""
+
+    batches: int = 0
+    rows_in: int = 0
+    buffered: int = 0
+    quarantined: int = 0
+
+    def add(self, stats: BatchStats) -> None:
+        self.batches += 1
+        self.rows_in += stats.rows_in
+        self.buffered += stats.buffered
+        self.quarantined += stats.quarantined
 
 
 class _Phases:
@@ -136,7 +154,8 @@ class IngestJob:
     topic: TopicConfig
     connectors: Connectors
     max_offsets_per_trigger: int = DEFAULT_MAX_OFFSETS_PER_TRIGGER
-    stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=1000))
+    stats: deque[BatchStats] = field(default_factory=lambda: deque(maxlen=STATS_KEPT))
+    totals: IngestTotals = field(default_factory=IngestTotals)
     _reported: int = -1
     _seen: SeenIds | None = None
     _pruned_at: float = 0.0  # time.monotonic() of the last `_prune_seen`
@@ -303,7 +322,7 @@ class IngestJob:
         if batch <= self._stored:
             self._check_replay(records, buffer, batch_id, batch)
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
-            self.stats.append(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
+            self._note(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
             return
         if self._parse is None:
             self._parse = Parser(self.topic)
@@ -382,7 +401,11 @@ class IngestJob:
             reasons=counts,
             phases_ms=clock.laps,
         )
+        self._note(stats)
+
+    def _note(self, stats: BatchStats) -> None:
         self.stats.append(stats)
+        self.totals.add(stats)
 
     def _check_replay(
         self, records: DataFrame, buffer: WriteTarget, batch_id: int, batch: int

@@ -45,13 +45,14 @@ from dejaq.conf.tables import (
     ensure_table,
     table_path,
 )
+from dejaq.jobs.ingest import summary
 from dejaq.jobs.logs import query_failure
 from dejaq.jobs.status import row_count
 from dejaq.pipelines import ingest as ingest_module
 from dejaq.pipelines.dedup import IN_BUFFER, SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.delta_source import SecondWriter
-from dejaq.pipelines.ingest import BatchStats, CheckpointBehind, IngestJob
+from dejaq.pipelines.ingest import STATS_KEPT, BatchStats, CheckpointBehind, IngestJob
 from dejaq.pipelines.ingest_resume import CannotResume, Resume, positions, resume
 from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain
@@ -103,6 +104,22 @@ def good(i: int) -> tuple[bytes, bytes, dict[str, bytes]]:
         f"k{i % 7}".encode(),
         f"payload-{i}".encode(),
         {"dejaq-priority": str(i % 100).encode()},
+    )
+
+
+def test_the_summary_at_exit_counts_every_batch_not_only_those_kept(tmp_path) -> None:
+    """A job runs far more batches than it keeps stats of (minutes of a busy ingest):
+    what its first batches took in still counts in the line it prints at exit."""
+    settings = load_settings(write_conf(tmp_path, "127.0.0.1:9", "in"))
+    job = IngestJob(None, settings, settings.topic("jobs"), None)  # type: ignore[arg-type]
+    job._note(BatchStats(0, rows_in=100, buffered=90, quarantined=10, millis=5))
+    job._note(BatchStats(1, 0, 0, 0, millis=1, replay=True))
+    for batch_id in range(2, STATS_KEPT + 500):
+        job._note(BatchStats(batch_id, rows_in=1, buffered=1, quarantined=0, millis=5))
+    assert len(job.stats) == STATS_KEPT and job.stats[0].batch_id > 1, "the first not kept"
+    assert summary("jobs", job) == (
+        f"ingest jobs: {STATS_KEPT + 500} batches, in {STATS_KEPT + 598}, "
+        f"buffered {STATS_KEPT + 588}, quarantined 10"
     )
 
 
