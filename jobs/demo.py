@@ -3,8 +3,9 @@
 Starts the embedded Kafka and a 3-node broker cluster; ingests a priority topic and a
 timeline topic in one SparkSession; HTTP workers lease and ack the priority topic while
 the release job emits the timeline topic to an output topic. A live display shows the
-counts; the summary checks the claims (out of order in, in order out, 0 early, 0 lost)
-and the exit code is non-zero if any fails. Every process it started is stopped.
+counts; the summary checks the claims (out of order in, in order out, 0 early, 0 lost,
+none delivered twice) and the exit code is non-zero if any fails. Every process it
+started is stopped.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -65,8 +67,10 @@ class Counters:
     lateness_ms: list[int] = field(default_factory=list)
     leases: dict[str, list[list[int]]] = field(default_factory=dict)
     output: dict[int, list[tuple[int, str]]] = field(default_factory=dict)  # (due, id)
-    released_ids: set[str] = field(default_factory=set)
-    acked_ids: set[str] = field(default_factory=set)
+    # How many times each id was leased, acked, released: once each is the claim.
+    leased_ids: Counter[str] = field(default_factory=Counter)
+    acked_ids: Counter[str] = field(default_factory=Counter)
+    released_ids: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
 
 
@@ -112,17 +116,24 @@ def _produce(bootstrap: str, topic: str, records: list[Record], c: Counters) -> 
     producer.close()
 
 
+def _ids(name: str, count: int) -> list[str]:
+    """The ids of `count` records named `name`, as `_records` gives them."""
+    return [f"{name}-{i}" for i in range(count)]
+
+
 def _records(
     header: str, values: list[int], name: str, payload: bytes, key: str, keys: int
 ) -> list[Record]:
-    """One record per value, in that header; ids `<name>-<i>`, keys spread over `keys`."""
+    """One record per value, in that header; ids `_ids(name, ...)`, keys spread over
+    `keys`."""
+    ids = _ids(name, len(values))
     return [
         (
             f"{key}-{i % keys}".encode(),
             payload,
-            [(header, str(v).encode()), ("dejaq-id", f"{name}-{i}".encode())],
+            [(header, str(v).encode()), ("dejaq-id", mid.encode())],
         )
-        for i, v in enumerate(values)
+        for i, (v, mid) in enumerate(zip(values, ids, strict=True))
     ]
 
 
@@ -155,9 +166,10 @@ def _worker(name: str, urls: list[str], c: Counters, stop: threading.Event) -> N
                 continue  # no node served it within the deadline: the next lease tries again
             if not batch:
                 continue
-            c.leased += len(batch)
-            c.leases.setdefault(name, []).append([m.sort_key for m in batch])
             ids = [m.id for m in batch]
+            c.leased += len(batch)
+            c.leased_ids.update(ids)
+            c.leases.setdefault(name, []).append([m.sort_key for m in batch])
             try:
                 client.ack("orders", name, ids)
             except BrokerError as e:
@@ -180,7 +192,7 @@ def _output_reader(bootstrap: str, c: Counters, stop: threading.Event) -> None:
                 due = int(headers["dejaq-deliver-at"])
                 c.released += 1
                 mid = headers["dejaq-id"].decode()
-                c.released_ids.add(mid)
+                c.released_ids[mid] += 1
                 c.lateness_ms.append(r.timestamp - due)
                 c.early += r.timestamp < due
                 c.output.setdefault(tp.partition, []).append((due, mid))
@@ -334,7 +346,7 @@ def _run(console: Console, work: Path, s3: bool) -> int:
                 threads.append(threading.Thread(target=_worker, args=(f"w{i}", urls, c, stop)))
                 threads[-1].start()
             while time.monotonic() < deadline and not (
-                c.acked >= PRIORITY_MESSAGES and c.released >= TIMELINE_MESSAGES
+                len(c.acked_ids) >= PRIORITY_MESSAGES and len(c.released_ids) >= TIMELINE_MESSAGES
             ):
                 buffered = {n: row_count(p) or 0 for n, p in buffers.items()}
                 live.update(_view(c, buffered, time.monotonic() - started))
@@ -428,13 +440,16 @@ def _summary(
     }
     in_order = not any(inversions.values())
     lat = sorted(c.lateness_ms)
+    orders, reminders = _ids("order", PRIORITY_MESSAGES), _ids("reminder", TIMELINE_MESSAGES)
     checks = {
         "priorities were produced out of order": priorities != sorted(priorities),
         f"every lease came lowest priority first (per worker, {WORKERS} workers)": in_order,
-        f"all {PRIORITY_MESSAGES} orders leased and acked once": len(c.acked_ids)
-        == PRIORITY_MESSAGES
-        == c.acked,
-        f"all {TIMELINE_MESSAGES} reminders released": len(c.released_ids) == TIMELINE_MESSAGES,
+        f"each of the {PRIORITY_MESSAGES} orders leased exactly once and acked exactly once": (
+            _once(c.leased_ids, orders) and _once(c.acked_ids, orders)
+        ),
+        f"each of the {TIMELINE_MESSAGES} reminders released exactly once": _once(
+            c.released_ids, reminders
+        ),
         "0 released early": c.early == 0,
         "reminders in deliver_at order per output partition": _in_order(c.output, late),
         f"{BAD_MESSAGES} bad records quarantined, none lost": quarantined == BAD_MESSAGES
@@ -456,6 +471,25 @@ def _summary(
     for worker, first in inversions.items():
         if first:
             console.print(f"  [yellow]{worker}[/]: first out-of-order lease: {first}")
+    for what, seen in (("leased", c.leased_ids), ("acked", c.acked_ids)):
+        _say_not_once(console, "orders", what, seen, orders)
+    _say_not_once(console, "reminders", "released", c.released_ids, reminders)
     for e in c.errors[:5]:
         console.print(f"  [yellow]worker error[/]: {e}")
     return 0 if all(checks.values()) else 1
+
+
+def _once(seen: Counter[str], expected: list[str]) -> bool:
+    """Every expected id seen, each exactly once, and no other."""
+    return seen.keys() == set(expected) and all(n == 1 for n in seen.values())
+
+
+def _say_not_once(
+    console: Console, name: str, what: str, seen: Counter[str], expected: list[str]
+) -> None:
+    """Name an id of `name` `what` twice or more, and one expected but never `what`."""
+    twice = [f"{mid} ({n} times)" for mid, n in seen.items() if n > 1]
+    never = [mid for mid in expected if mid not in seen]
+    for ids, how in ((twice, "more than once"), (never, "never")):
+        if ids:
+            console.print(f"  [yellow]{len(ids)} {name}[/] {what} {how}, first {ids[0]}")

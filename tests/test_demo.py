@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 from deltalake import write_deltalake
+from rich.console import Console
 
-from dejaq.jobs.demo import _held_late, _in_order
+from dejaq.jobs.demo import (
+    BAD_MESSAGES,
+    PRIORITY_MESSAGES,
+    TIMELINE_MESSAGES,
+    Counters,
+    _held_late,
+    _in_order,
+    _summary,
+)
 from dejaq.pipelines.release import ReleaseStats
 
 # An operator's shell pointing at real tables and Kafka: the demo must not touch them.
@@ -72,3 +83,48 @@ def test_order_check_excuses_only_reminders_the_release_job_held_after_they_fell
     assert _in_order(released, late)
     assert not _in_order({0: [(2_200, "b"), (1_100, "a")]}, late)
     assert not _in_order({0: [(2_200, "b"), (2_000, "c")]}, set())
+
+
+def demo_summary(c: Counters) -> tuple[int, str]:
+    """The demo's exit code and summary for counters of a run otherwise as it should be."""
+    console = Console(file=io.StringIO(), width=200)
+    c.produced = PRIORITY_MESSAGES + TIMELINE_MESSAGES + BAD_MESSAGES
+    buffered = {"orders": PRIORITY_MESSAGES, "reminders": TIMELINE_MESSAGES}
+    code = _summary(console, c, [2, 1], buffered, BAD_MESSAGES, set(), 1.0)
+    return code, console.file.getvalue()
+
+
+def test_the_delivery_checks_fail_on_an_id_delivered_twice() -> None:
+    """Each order leased and acked exactly once, each reminder released exactly once:
+    a repeat fails the check even where every id came (a lease that expired and was
+    leased again, a reminder written twice), as does a missing id."""
+    orders = [f"order-{i}" for i in range(PRIORITY_MESSAGES)]
+    reminders = [f"reminder-{i}" for i in range(TIMELINE_MESSAGES)]
+
+    def counters(leased: list[str], acked: list[str], released: list[str]) -> Counters:
+        return Counters(
+            leased=len(leased),
+            acked=len(acked),
+            released=len(released),
+            leased_ids=Counter(leased),
+            acked_ids=Counter(acked),
+            released_ids=Counter(released),
+        )
+
+    code, said = demo_summary(counters(orders, orders, reminders))
+    assert code == 0 and "FAIL" not in said, said
+    leased_line = (
+        f"each of the {PRIORITY_MESSAGES} orders leased exactly once and acked exactly once"
+    )
+    released_line = f"each of the {TIMELINE_MESSAGES} reminders released exactly once"
+    for c, failed, named in (
+        (counters([*orders, orders[7]], orders, reminders), leased_line, "order-7 (2 times)"),
+        (counters(orders, [*orders, orders[7]], reminders), leased_line, "order-7 (2 times)"),
+        (counters(orders, orders[1:], reminders), leased_line, "acked never, first order-0"),
+        (counters(orders, orders, [*reminders, reminders[3]]), released_line, "reminder-3 (2"),
+        (counters(orders, orders, reminders[:-1]), released_line, "released never"),
+    ):
+        code, said = demo_summary(c)
+        assert code == 1, said
+        assert [line for line in said.splitlines() if "FAIL" in line] == [f"  FAIL {failed}"]
+        assert named in said, said
