@@ -107,6 +107,7 @@ def run(args: argparse.Namespace) -> int:
     from dejaq.broker.api.app import create_app
     from dejaq.broker.api.http_server import SETTINGS
     from dejaq.broker.service import Broker, Producer
+    from dejaq.broker.state.data_dir import DataDirError
     from dejaq.broker.storage.head_store import ReserveReached
     from dejaq.conf.kafka_login import check_login
     from dejaq.conf.settings import ConfigError, load_settings
@@ -182,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
             f"error: node {args.node_id} cannot index its pending messages: {e.strerror}",
             file=sys.stderr,
         )
+        return 1
+    except DataDirError as e:
+        print(f"error: node {args.node_id}: {e}", file=sys.stderr)
         return 1
     print(
         f"broker {args.node_id}: {conf.tls.scheme}://{advertised} (listening on {args.http}) "

@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+import pysyncobj.atomic_replace
 import pysyncobj.pickle
 import pysyncobj.serializer
 import pysyncobj.tcp_connection
@@ -55,6 +56,7 @@ from pysyncobj.monotonic import monotonic as raft_clock
 from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
+from dejaq.broker.state.data_dir import RECOVERY, DataDirError, check_raft_files
 from dejaq.broker.state.leases import TRANSITIONS, TopicState
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
@@ -166,8 +168,27 @@ class _SnapshotOs:
         return pid
 
 
+def _durable_replace(tmp: str, path: str) -> None:
+    """Stands in for PySyncObj's serializer's rename of a snapshot written (or received)
+    over the last: the file reaches the disk first, and the rename after it. Renamed
+    unsynced, a crash can leave a snapshot of zeros in place of the last good one, the
+    journal before it already compacted away."""
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    pysyncobj.atomic_replace.atomicReplace(tmp, path)
+    folder = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
 pysyncobj.serializer.gzip = _SnapshotGzip  # type: ignore[attr-defined]
 pysyncobj.serializer.os = _SnapshotOs()  # type: ignore[attr-defined]
+pysyncobj.serializer.atomicReplace = _durable_replace  # type: ignore[attr-defined]
 
 
 class _RaftZlib:
@@ -396,6 +417,28 @@ class _SyncObj(SyncObj):
             return own[1]()
         return _do_apply_command(self, command)
 
+    def load_snapshot(self) -> None:
+        """Load this node's snapshot now, at start: PySyncObj loads it at the first tick
+        and, where it cannot, logs it and goes on with the journal after it alone. Such
+        a node never applies an entry again, yet votes and can lead, and then no write
+        commits anywhere, restart or not."""
+        self._SyncObj__needLoadDumpFile = False
+        path = self._SyncObj__conf.fullDumpFile
+        if path is None or not os.path.isfile(path):
+            return
+        serializer = self._SyncObj__serializer
+        try:
+            data = serializer.deserialize()
+        except Exception as e:
+            raise DataDirError(f"{path} cannot be read ({e!r}): {RECOVERY}") from None
+        serializer.deserialize = lambda: data  # PySyncObj's load, on what was read
+        try:
+            _load_dump_file(self, clearJournal=False)
+        finally:
+            del serializer.deserialize
+        if self._SyncObj__raftLastApplied != data[1][1]:
+            raise DataDirError(f"{path} did not load (its error is logged above): {RECOVERY}")
+
     @property
     def _poller(self) -> LoopPoller:
         return self._loop_poller
@@ -473,6 +516,7 @@ _do_apply_command = SyncObj._SyncObj__doApplyCommand  # type: ignore[attr-define
 _on_message_received = SyncObj._SyncObj__onMessageReceived  # type: ignore[attr-defined]
 _connected_to_anyone = SyncObj._SyncObj__connectedToAnyone  # type: ignore[attr-defined]
 _on_become_leader = SyncObj._SyncObj__onBecomeLeader  # type: ignore[attr-defined]
+_load_dump_file = SyncObj._SyncObj__loadDumpFile  # type: ignore[attr-defined]
 
 
 class Listener(Protocol):
@@ -693,6 +737,7 @@ class RaftNode:
         self.members = frozenset([raft_addr, *peers])
         self.state = BrokerState(topics, broker.max_deliveries, listener)
         conf = raft_conf(broker, data_dir, multi_node=bool(peers))
+        check_raft_files(data_dir)
         self.poller = LoopPoller()
         try:
             self.sync = _SyncObj(
@@ -705,6 +750,11 @@ class RaftNode:
             )
         except SyncObjException as e:
             raise ConfigError(f"cannot listen on the Raft address {raft_addr} ({e})") from None
+        try:
+            self.sync.load_snapshot()
+        except BaseException:
+            self.sync.destroy()
+            raise
         self.on_lag: Callable[[float], None] = lambda lag: None
         self.sync.on_all_committed = self._all_committed
         self._loop: asyncio.AbstractEventLoop | None = None

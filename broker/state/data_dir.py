@@ -1,0 +1,83 @@
+"""A broker node's data dir: Raft files that either load whole or end the node at start.
+
+Raft's safety rests on each node's disk: its journal, and the term and vote it gave. A
+node that goes on without them (PySyncObj logs the error and carries on) can stall the
+cluster for good, or vote twice in a term. Each is refused here, with the way out
+(README, Operations, "Membership and disks").
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from pathlib import Path
+
+JOURNAL, META, DUMP = "raft.journal", "raft.journal.meta", "raft.dump"
+RAFT_FILES = (JOURNAL, META, DUMP)
+PROCEDURES = "README, Operations, 'Membership and disks'"
+RECOVERY = (
+    "this node's Raft state is damaged: do not edit or delete single files, replace the "
+    f"node's data dir as for a lost disk ({PROCEDURES})"
+)
+
+
+class DataDirError(Exception):
+    """The data dir cannot be used as it is: the node exits at start, saying why."""
+
+
+def check_raft_files(data_dir: Path) -> None:
+    """Refuse a term-and-vote file or a journal that does not read whole. PySyncObj
+    takes an unreadable meta file for no vote in no term (a node that can vote twice in
+    a term), and a torn journal record for a traceback or for garbage entries."""
+    meta = data_dir / META
+    if meta.exists():
+        from pysyncobj.pickle import loads
+
+        try:
+            if not isinstance(loads(meta.read_bytes()), dict):
+                raise ValueError("not a dict")
+        except Exception as e:
+            raise DataDirError(f"{meta} cannot be read ({e!r}): {RECOVERY}") from None
+    journal = data_dir / JOURNAL
+    if journal.exists():
+        why = _journal_damage(journal)
+        if why is not None:
+            raise DataDirError(f"{journal} cannot be read ({why}): {RECOVERY}")
+
+
+def _journal_damage(path: Path) -> str | None:
+    """What is wrong with PySyncObj's journal file, if anything. Each record is its size,
+    its index and term, the command and its size again: a torn or zeroed record shows as
+    sizes that disagree or run past the end, or indexes that do not follow each other."""
+    from pysyncobj.journal import APP_NAME, FIRST_RECORD_OFFSET, LAST_RECORD_OFFSET_OFFSET
+
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < FIRST_RECORD_OFFSET:
+            return f"{size} bytes, shorter than its header"
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+            if data[: len(APP_NAME)] != APP_NAME:
+                return "not a PySyncObj journal"
+            (end,) = struct.unpack_from("<I", data, LAST_RECORD_OFFSET_OFFSET)
+            if not FIRST_RECORD_OFFSET <= end <= size:
+                return f"its records end at byte {end}, beyond its {size} bytes"
+            offset, last = FIRST_RECORD_OFFSET, None
+            while offset < end:
+                if offset + 4 > end:
+                    return f"a record at byte {offset} cut short"
+                (length,) = struct.unpack_from("<I", data, offset)
+                if length < 16 or offset + 8 + length > end:
+                    return f"the record at byte {offset} has a size of {length} bytes"
+                (again,) = struct.unpack_from("<I", data, offset + 4 + length)
+                if again != length:
+                    return f"the record at byte {offset} is torn (sizes {length} and {again})"
+                index, term = struct.unpack_from("<QQ", data, offset + 4)
+                if last is not None and (index != last[0] + 1 or term < last[1]):
+                    return (
+                        f"the record at byte {offset} (index {index}, term {term}) does not "
+                        f"follow index {last[0]}, term {last[1]}"
+                    )
+                last = index, term
+                offset += length + 8
+    return None
