@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kafka.errors import (
     KafkaError,
@@ -32,6 +32,7 @@ from kafka.record.default_records import DefaultRecordBatchBuilder
 from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
+from dejaq.broker.state.data_dir import lock
 from dejaq.broker.state.leases import (
     Dead,
     Refusal,
@@ -243,6 +244,7 @@ class Broker:
         self.metrics = Metrics()
         self._lease_latency = {n: self.metrics.lease_latency.labels(n) for n in self.topics}
         self.raft: RaftNode | None = None
+        self._held: IO[str] | None = None  # the data dir's lock (`lock`)
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
         self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
@@ -275,7 +277,9 @@ class Broker:
     # --- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Load the indexes, then join Raft (replaying the journal needs the indexes)."""
+        """Hold the data dir, load the indexes, then join Raft (replaying the journal
+        needs the indexes)."""
+        self._held = lock(self.data_dir)
         for index in self.indexes.values():
             index.load()
         # The loaded rows live as long as the node: keep them out of the cyclic GC, or
@@ -306,6 +310,8 @@ class Broker:
             self.raft.destroy()
         for index in self.indexes.values():
             index.close()
+        if self._held is not None:
+            self._held.close()
 
     def ready(self) -> tuple[bool, str]:
         if self.raft is None or not all(i.loaded for i in self.indexes.values()):

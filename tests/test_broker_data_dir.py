@@ -1,15 +1,23 @@
-"""A broker node's data dir as real `dejaq broker` processes meet it: damaged Raft files."""
+"""A broker node's data dir as real `dejaq broker` processes meet it: damaged Raft
+files, a dir in use."""
 
 from __future__ import annotations
 
 import gzip
+import os
 import pickle
+import secrets
 import struct
+import subprocess
 from pathlib import Path
 
 import pytest
 from pysyncobj.journal import FileJournal
 from test_broker_cluster import exit_at_start, write_conf
+
+from dejaq.jobs import cluster
+from dejaq.jobs.cluster import Node
+from dejaq.jobs.ports import free_port
 
 
 def truncated_dump(data_dir: Path) -> Path:
@@ -56,3 +64,25 @@ def test_a_node_whose_raft_files_do_not_read_exits_at_start_naming_the_file(
     assert code == 1, said
     assert f"{path} cannot be read" in said, said
     assert "Membership and disks" in said and "Traceback" not in said, said
+
+
+def test_a_second_node_on_a_data_dir_in_use_exits_naming_the_process(tmp_path) -> None:
+    """Two processes on one data dir (a --node-id pasted twice on one host) would write
+    one journal and give two votes from one: the second refuses, naming the first."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    os.environ.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(8))
+    (first,) = cluster.up(1, tmp_path / "raft", str(conf))
+    try:
+        second = Node("b", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", first.data_dir)
+        result = subprocess.run(
+            cluster.node_command(second, [second], str(conf)),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert result.returncode == 1, result.stderr
+        assert f"data dir {first.data_dir} in use by PID {first.proc.pid}" in result.stderr
+        assert "Traceback" not in result.stderr, result.stderr
+        assert cluster.ready([first])
+    finally:
+        cluster.stop_node(first)

@@ -1,4 +1,5 @@
-"""A broker node's data dir: Raft files that either load whole or end the node at start.
+"""A broker node's data dir: one process at a time, and Raft files that either load
+whole or end the node at start.
 
 Raft's safety rests on each node's disk: its journal, and the term and vote it gave. A
 node that goes on without them (PySyncObj logs the error and carries on) can stall the
@@ -8,13 +9,16 @@ cluster for good, or vote twice in a term. Each is refused here, with the way ou
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import struct
 from pathlib import Path
+from typing import IO
 
 JOURNAL, META, DUMP = "raft.journal", "raft.journal.meta", "raft.dump"
 RAFT_FILES = (JOURNAL, META, DUMP)
+LOCK = ".lock"
 PROCEDURES = "README, Operations, 'Membership and disks'"
 RECOVERY = (
     "this node's Raft state is damaged: do not edit or delete single files, replace the "
@@ -24,6 +28,27 @@ RECOVERY = (
 
 class DataDirError(Exception):
     """The data dir cannot be used as it is: the node exits at start, saying why."""
+
+
+def lock(data_dir: Path) -> IO[str]:
+    """Hold `data_dir` for this process's life (the open file holds the lock): two nodes
+    on one dir would write one journal and vote twice."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    held = (data_dir / LOCK).open("a+")
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.seek(0)
+        pid = held.read().strip() or "unknown"
+        held.close()
+        raise DataDirError(
+            f"data dir {data_dir} in use by PID {pid}: each node needs a data dir of its own "
+            "(--data-dir, or a --node-id of its own)"
+        ) from None
+    held.truncate(0)
+    held.write(f"{os.getpid()}\n")
+    held.flush()
+    return held
 
 
 def check_raft_files(data_dir: Path) -> None:
