@@ -32,7 +32,7 @@ from kafka.record.default_records import DefaultRecordBatchBuilder
 from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.state.data_dir import lock
+from dejaq.broker.state.data_dir import admit, lock
 from dejaq.broker.state.leases import (
     Dead,
     Refusal,
@@ -222,7 +222,9 @@ class Broker:
         raft_addr: str,
         peers: list[str],
         data_dir: Path,
+        reconfigure: bool = False,
     ) -> None:
+        """`reconfigure`: this node's Raft address or members change (`admit`)."""
         self.settings = settings
         self.conf = settings.broker
         self.node_id, self.http_addr, self.raft_addr, self.peers = (
@@ -232,6 +234,7 @@ class Broker:
             peers,
         )
         self.data_dir = data_dir
+        self.reconfigure = reconfigure
         self.topics: dict[str, TopicConfig] = {
             t.name: t for t in settings.topics if t.delivery is Delivery.LEASE
         }
@@ -277,9 +280,10 @@ class Broker:
     # --- life cycle ---------------------------------------------------------------------
 
     def start(self) -> None:
-        """Hold the data dir, load the indexes, then join Raft (replaying the journal
-        needs the indexes)."""
+        """Hold the data dir and check it is this node's, load the indexes, then join Raft
+        (replaying the journal needs the indexes)."""
         self._held = lock(self.data_dir)
+        admit(self.data_dir, self.raft_addr, self.peers, self.reconfigure)
         for index in self.indexes.values():
             index.load()
         # The loaded rows live as long as the node: keep them out of the cyclic GC, or

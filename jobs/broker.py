@@ -38,6 +38,12 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         help="the other nodes' Raft addresses (this node's own is ignored); none: one node",
     )
     sp.add_argument(
+        "--reconfigure",
+        action="store_true",
+        help="this node's --raft or --peers differ from those its data dir was made with: "
+        "only with every node stopped, and all started so (README: Membership and disks)",
+    )
+    sp.add_argument(
         "--data-dir",
         help="Raft journal, snapshots, pending messages' heads (default: broker.data_dir/ID)",
     )
@@ -174,7 +180,9 @@ def run(args: argparse.Namespace) -> int:
     pa.set_memory_pool(pa.system_memory_pool())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
-    broker = Broker(settings, args.node_id, advertised, args.raft, peers, data_dir)
+    broker = Broker(
+        settings, args.node_id, advertised, args.raft, peers, data_dir, args.reconfigure
+    )
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
     try:
         broker.start()

@@ -1,23 +1,28 @@
-"""A broker node's data dir: one process at a time, and Raft files that either load
-whole or end the node at start.
+"""A broker node's data dir: one process at a time, one node's identity and member set,
+and Raft files that either load whole or end the node at start.
 
 Raft's safety rests on each node's disk: its journal, and the term and vote it gave. A
 node that goes on without them (PySyncObj logs the error and carries on) can stall the
-cluster for good, or vote twice in a term. Each is refused here, with the way out
-(README, Operations, "Membership and disks").
+cluster for good, or vote twice in a term; one that starts on another node's files, or
+on a member set the others do not share, can let two leaders commit, each what the
+other then overwrites. Each is refused here, with the way out (README, Operations,
+"Membership and disks").
 """
 
 from __future__ import annotations
 
 import fcntl
+import json
 import mmap
 import os
 import struct
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
 
 JOURNAL, META, DUMP = "raft.journal", "raft.journal.meta", "raft.dump"
 RAFT_FILES = (JOURNAL, META, DUMP)
+IDENTITY = "node.json"
 LOCK = ".lock"
 PROCEDURES = "README, Operations, 'Membership and disks'"
 RECOVERY = (
@@ -49,6 +54,70 @@ def lock(data_dir: Path) -> IO[str]:
     held.write(f"{os.getpid()}\n")
     held.flush()
     return held
+
+
+@dataclass
+class Identity:
+    """What `node.json` records: the Raft address this dir's state belongs to, and the
+    member set it was made with."""
+
+    raft: str
+    members: list[str]
+
+
+def _write(path: Path, identity: Identity) -> None:
+    """Durably: a dir's identity outlives the process that wrote it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w") as f:
+        json.dump(asdict(identity), f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _sync_dir(path.parent)
+
+
+def _sync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def admit(data_dir: Path, raft: str, peers: list[str], reconfigure: bool) -> Identity:
+    """This node's identity, checked against its flags (recorded at its first start;
+    a dir with Raft files and no identity, made before nodes recorded one, takes these
+    flags' as it stands). `reconfigure` records the new address and members."""
+    members = sorted({raft, *peers})
+    path = data_dir / IDENTITY
+    if not path.exists():
+        identity = Identity(raft, members)
+        _write(path, identity)
+        return identity
+    try:
+        identity = Identity(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise DataDirError(f"{path} cannot be read ({e}): {RECOVERY}") from None
+    if identity.raft != raft and not reconfigure:
+        raise DataDirError(
+            f"data dir {data_dir} belongs to the node at Raft address {identity.raft}, not "
+            f"--raft {raft}: a data dir copied from another node, or a node moved. Start "
+            "each node on its own data dir; a node's new address is a membership change: "
+            f"stop every node and start them all with --reconfigure ({PROCEDURES})"
+        )
+    if identity.members != members and not reconfigure:
+        raise DataDirError(
+            f"the members {', '.join(members)} (--raft and --peers) are not those data dir "
+            f"{data_dir} was made with: {', '.join(identity.members)}. Members must not be "
+            "changed by restarting nodes one at a time with other --peers: old and new "
+            "members can then each elect a leader, and both commit. Pause the topics until "
+            "dejaq_ledger_unwritten_events is 0 on the leader, stop every node, then start "
+            f"them all with the new --peers and --reconfigure ({PROCEDURES})"
+        )
+    if reconfigure and (identity.raft, identity.members) != (raft, members):
+        identity.raft, identity.members = raft, members
+        _write(path, identity)
+    return identity
 
 
 def check_raft_files(data_dir: Path) -> None:
