@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from itertools import islice
 from pathlib import Path
 from typing import IO, Any
@@ -32,7 +33,7 @@ from kafka.record.default_records import DefaultRecordBatchBuilder
 from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.state.data_dir import admit, lock
+from dejaq.broker.state.data_dir import admit, lock, mark_joined
 from dejaq.broker.state.leases import (
     Dead,
     Refusal,
@@ -223,8 +224,10 @@ class Broker:
         peers: list[str],
         data_dir: Path,
         reconfigure: bool = False,
+        new_cluster: bool = False,
     ) -> None:
-        """`reconfigure`: this node's Raft address or members change (`admit`)."""
+        """`reconfigure`: this node's Raft address or members change; `new_cluster`: its
+        empty data dir starts a new cluster, so it votes from the start (`admit`)."""
         self.settings = settings
         self.conf = settings.broker
         self.node_id, self.http_addr, self.raft_addr, self.peers = (
@@ -234,7 +237,7 @@ class Broker:
             peers,
         )
         self.data_dir = data_dir
-        self.reconfigure = reconfigure
+        self.reconfigure, self.new_cluster = reconfigure, new_cluster
         self.topics: dict[str, TopicConfig] = {
             t.name: t for t in settings.topics if t.delivery is Delivery.LEASE
         }
@@ -283,7 +286,9 @@ class Broker:
         """Hold the data dir and check it is this node's, load the indexes, then join Raft
         (replaying the journal needs the indexes)."""
         self._held = lock(self.data_dir)
-        admit(self.data_dir, self.raft_addr, self.peers, self.reconfigure)
+        identity = admit(
+            self.data_dir, self.raft_addr, self.peers, self.new_cluster, self.reconfigure
+        )
         for index in self.indexes.values():
             index.load()
         # The loaded rows live as long as the node: keep them out of the cyclic GC, or
@@ -298,6 +303,7 @@ class Broker:
             self.conf,
             self.data_dir,
             listener=self,
+            on_joined=None if identity.joined else partial(mark_joined, self.data_dir, identity),
         )
         self.raft.on_lag = self.metrics.loop_lag.observe
         duties = (self._follow_tables, self._leader_duties, self._checkpoints_duty, self._retention)
@@ -323,6 +329,11 @@ class Broker:
         ended = [t.name for t in self._threads if not t.is_alive()]
         if ended:  # its duty undone for good: expiry, checkpoints, indexing new rows
             return False, f"background thread {', '.join(ended)} ended; restart the node"
+        if not self.raft.sync.voting:
+            return False, (
+                "this node started on an empty data dir: it waits for a leader to bring it "
+                "up to date, and neither votes nor stands for election until then"
+            )
         if self.raft.leader() is None:
             return False, "no Raft leader"
         if not self.raft.sync.isReady():

@@ -38,6 +38,13 @@ def add_arguments(sp: argparse.ArgumentParser) -> None:
         help="the other nodes' Raft addresses (this node's own is ignored); none: one node",
     )
     sp.add_argument(
+        "--new-cluster",
+        action="store_true",
+        help="the first start of a new cluster, every node's data dir empty: this node "
+        "votes from the start. Without it an empty node beside --peers waits for a leader "
+        "to bring it up to date (a replaced disk, an added node) before it votes",
+    )
+    sp.add_argument(
         "--reconfigure",
         action="store_true",
         help="this node's --raft or --peers differ from those its data dir was made with: "
@@ -181,7 +188,14 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(
-        settings, args.node_id, advertised, args.raft, peers, data_dir, args.reconfigure
+        settings,
+        args.node_id,
+        advertised,
+        args.raft,
+        peers,
+        data_dir,
+        args.reconfigure,
+        args.new_cluster,
     )
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
     try:
@@ -195,6 +209,15 @@ def run(args: argparse.Namespace) -> int:
     except DataDirError as e:
         print(f"error: node {args.node_id}: {e}", file=sys.stderr)
         return 1
+    assert broker.raft is not None
+    if not broker.raft.sync.voting:
+        print(
+            f"broker {args.node_id}: data dir {data_dir} was empty, so this node waits for a "
+            "leader to bring it up to date and neither votes nor stands for election until "
+            "then (a new cluster's first start takes --new-cluster on every node)",
+            file=sys.stderr,
+            flush=True,
+        )
     print(
         f"broker {args.node_id}: {conf.tls.scheme}://{advertised} (listening on {args.http}) "
         f"raft {args.raft}",

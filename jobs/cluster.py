@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 
+from dejaq.broker.state.data_dir import holds_data
 from dejaq.conf.settings import load_settings
 from dejaq.jobs.children import die_with_parent, stop
 from dejaq.jobs.ports import free_port
@@ -77,8 +78,16 @@ def taken(nodes: list[Node]) -> list[str]:
     return busy
 
 
-def node_command(node: Node, nodes: list[Node], conf_file: str | None) -> list[str]:
-    """`dejaq broker` for `node`, with the others in `nodes` as its Raft peers."""
+def fresh(nodes: list[Node]) -> bool:
+    """Whether no node's data dir holds Raft state: a new cluster."""
+    return not any(holds_data(n.data_dir) for n in nodes)
+
+
+def node_command(
+    node: Node, nodes: list[Node], conf_file: str | None, new_cluster: bool | None = None
+) -> list[str]:
+    """`dejaq broker` for `node`, with the others in `nodes` as its Raft peers, and
+    --new-cluster if `new_cluster` (default: if the cluster is `fresh`)."""
     peers = ",".join(n.raft for n in nodes if n is not node)
     cmd = [
         sys.executable,
@@ -98,13 +107,21 @@ def node_command(node: Node, nodes: list[Node], conf_file: str | None) -> list[s
     ]
     if conf_file:
         cmd += ["--conf-file", conf_file]
+    if fresh(nodes) if new_cluster is None else new_cluster:
+        cmd.append("--new-cluster")
     return cmd
 
 
-def start_node(node: Node, nodes: list[Node], conf_file: str | None, env: dict[str, str]) -> None:
+def start_node(
+    node: Node,
+    nodes: list[Node],
+    conf_file: str | None,
+    env: dict[str, str],
+    new_cluster: bool | None = None,
+) -> None:
     """Start a node tied to this process: a `cluster up` killed hard takes its nodes with
     it, rather than leave a leader acting on the tables that nobody stops."""
-    cmd = node_command(node, nodes, conf_file)
+    cmd = node_command(node, nodes, conf_file, new_cluster)
     node.proc = subprocess.Popen(
         cmd,
         env=env,
@@ -151,7 +168,8 @@ def up(
     http_port: int | None = None,
     raft_port: int | None = None,
 ) -> list[Node]:
-    """Start `n` nodes sharing one Raft password (the configured one, else a fresh one)."""
+    """Start `n` nodes sharing one Raft password (the configured one, else a fresh one):
+    a new cluster (--new-cluster) where no node's data dir holds state yet."""
     env = dict(os.environ)
     env.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
     tls = load_settings(conf_file, env).broker.tls
@@ -160,8 +178,11 @@ def up(
         node.scheme, node.ca = tls.scheme, tls.ca
     if busy := taken(nodes):
         raise PortsTaken(busy)
+    held = [n for n in nodes if holds_data(n.data_dir)]
+    if held and len(held) < len(nodes):
+        raise MixedDataDirs(held, [n for n in nodes if n not in held])
     for node in nodes:
-        start_node(node, nodes, conf_file, env)
+        start_node(node, nodes, conf_file, env, new_cluster=not held)
     try:
         wait_ready(nodes)
     except BaseException:
@@ -176,6 +197,20 @@ class PortsTaken(Exception):
         super().__init__(
             f"already in use: {', '.join(addresses)} (another cluster running? "
             "pick others with --http-port and --raft-port)"
+        )
+
+
+class MixedDataDirs(Exception):
+    """Some nodes hold Raft state and others none: started together, the empty ones
+    would need a leader to bring them up to date, and the others alone are no majority
+    (more nodes than last time), or a disk was lost."""
+
+    def __init__(self, held: list[Node], empty: list[Node]) -> None:
+        super().__init__(
+            f"{', '.join(str(n.data_dir) for n in held)} hold Raft state and "
+            f"{', '.join(str(n.data_dir) for n in empty)} none (more --nodes than this data "
+            "dir was started with, or a lost disk): give another --data-dir for a new "
+            "cluster, or see README, Operations, 'Membership and disks'"
         )
 
 
@@ -195,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             nodes = up(
                 args.nodes, Path(args.data_dir), args.conf_file, args.http_port, args.raft_port
             )
-        except PortsTaken as e:
+        except (PortsTaken, MixedDataDirs) as e:
             print(f"error: {e}", file=sys.stderr)
             return 2
         try:

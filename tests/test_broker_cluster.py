@@ -1266,8 +1266,9 @@ def test_cluster_up_on_fixed_ports_prints_a_client_line_and_stops_on_sighup(tmp_
         for url in urls:
             with pytest.raises(httpx.ConnectError):
                 httpx.get(f"{url}/healthz", timeout=2)
-        # Again on the same data, other ports: the cluster names its nodes as they are now.
-        proc, lines = cluster_up(tmp_path, conf, ports(3))
+        # Again on the same data, other HTTP ports (a node's Raft address is its identity):
+        # the cluster names its nodes as they are now.
+        proc, lines = cluster_up(tmp_path, conf, [*ports(3)[:2], *options[2:]])
         now = {line.split()[1].removeprefix("http://") for line in lines[:3]}
         info = httpx.get(f"http://{sorted(now)[0]}/v1/cluster", timeout=10).json()
         assert set(info["nodes"].values()) == now

@@ -1,5 +1,5 @@
 """A broker node's data dir as real `dejaq broker` processes meet it: damaged Raft
-files, a dir in use, another node's dir, members changed."""
+files, a dir in use, another node's dir, members changed, empty dirs beside peers."""
 
 from __future__ import annotations
 
@@ -8,15 +8,21 @@ import json
 import os
 import pickle
 import secrets
+import shutil
 import struct
 import subprocess
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 from conftest import wait_until
 from pysyncobj.journal import FileJournal
-from test_broker_cluster import exit_at_start, write_conf
+from test_broker import buffer_rows, fill
+from test_broker_cluster import cluster_info, exit_at_start, leader_of, stop, write_conf
 
+from dejaq.broker.state.data_dir import IDENTITY, RAFT_FILES
+from dejaq.broker.state.raft import ELECTION_TIMEOUT_S
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -121,7 +127,7 @@ def test_a_data_dir_made_for_another_raft_address_is_refused(tmp_path) -> None:
     """A data dir copied from another node, or a node moved to another address, would
     vote and ack as the node whose journal it holds: refused, naming both addresses."""
     node, conf = one_node(tmp_path)
-    assert identity(node) == {"raft": node.raft, "members": [node.raft]}
+    assert identity(node) == {"raft": node.raft, "members": [node.raft], "joined": True}
     moved = Node("n1", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", node.data_dir)
     said = refused(moved, [moved], conf)
     assert f"belongs to the node at Raft address {node.raft}, not --raft {moved.raft}" in said
@@ -159,6 +165,116 @@ def test_a_data_dir_from_before_identities_adopts_the_nodes_flags_once(tmp_path)
     cluster.start_node(node, [node], str(conf), dict(os.environ))
     try:
         cluster.wait_ready([node])
-        assert identity(node) == {"raft": node.raft, "members": [node.raft]}
+        assert identity(node) == {"raft": node.raft, "members": [node.raft], "joined": True}
     finally:
         cluster.stop_node(node)
+
+
+def lease_and_ack(client: httpx.Client, node: Node, n: int) -> list[str]:
+    """Lease `n` messages of topic `hot` on `node` and ack them: their ids."""
+    url = f"{node.url}/v1/topics/hot"
+    body = {"consumer_id": "c", "max_messages": n, "wait_ms": 5000, "lease_ms": 600_000}
+    ids = [m["id"] for m in client.post(f"{url}/leases", json=body).json()["messages"]]
+    assert len(ids) == n
+    acks = client.post(f"{url}/acks", json={"consumer_id": "c", "ids": ids}).json()
+    assert acks == {"settled": n}
+    return ids
+
+
+def test_empty_nodes_beside_one_with_history_elect_nobody_until_it_leads(tmp_path) -> None:
+    """Growing one node to three by starting two empty ones: the two could elect each
+    other and have the first node's log, its acks, truncated. An empty node beside
+    peers waits for a leader to bring it up to date and neither votes nor stands until
+    then; `cluster up` refuses such a mix. The way that works: every node stopped, the
+    first one's Raft files copied to the new ones, all started with --reconfigure."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    fill(str(tmp_path / "warehouse"), "hot", buffer_rows(list(range(4)), lambda i: 0))
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(3, tmp_path / "raft")
+    first, *added = nodes
+    try:
+        with httpx.Client(timeout=30) as client:
+            cluster.start_node(first, [first], str(conf), env)
+            cluster.wait_ready([first])
+            acked = lease_and_ack(client, first, 2)
+            cluster.stop_node(first)
+            with pytest.raises(cluster.MixedDataDirs, match="hold Raft state"):
+                cluster.up(3, tmp_path / "raft", str(conf))
+            for node in added:
+                cluster.start_node(node, nodes, str(conf), env)
+
+            def term(node: Node) -> int:
+                info = cluster_info(client, node)
+                return -1 if info is None else info["term"]
+
+            wait_until(lambda: min(map(term, added)) == 0, what="the empty nodes serving")
+            for node in added:
+                said = client.get(f"{node.url}/readyz").text
+                assert "waits for a leader to bring it up to date" in said, said
+            # Three election timeouts: they stand for no election, so no term begins.
+            deadline = time.monotonic() + 3 * ELECTION_TIMEOUT_S[1]
+            while time.monotonic() < deadline:
+                assert [term(node) for node in added] == [0, 0]
+            stop(added)
+            for node in added:
+                shutil.rmtree(node.data_dir)
+                node.data_dir.mkdir()
+                for name in (*RAFT_FILES, IDENTITY):
+                    if (first.data_dir / name).exists():
+                        shutil.copy(first.data_dir / name, node.data_dir / name)
+            for node in nodes:
+                node.proc = subprocess.Popen(
+                    [*cluster.node_command(node, nodes, str(conf)), "--reconfigure"], env=env
+                )
+            cluster.wait_ready(nodes)
+            for node in nodes:
+                for mid in acked:
+                    status = client.get(f"{node.url}/v1/topics/hot/messages/{mid}").json()
+                    assert status["status"] in ("acked", "settled"), (node.node_id, status)
+            leader = leader_of(nodes, client)
+            assert sorted(lease_and_ack(client, leader, 2)) == sorted(
+                {"m0", "m1", "m2", "m3"} - set(acked)
+            )
+    finally:
+        stop(nodes)
+
+
+def test_a_node_on_a_replaced_disk_votes_once_a_leader_brought_it_up_to_date(
+    tmp_path,
+) -> None:
+    """A node whose disk was replaced starts empty, without --new-cluster: it may not
+    vote as if it never had. The leader brings it up to date; it records that it has
+    joined, and from then on it votes: with another node stopped, it and the third
+    elect a leader that still knows the acks made before."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    fill(str(tmp_path / "warehouse"), "hot", buffer_rows(list(range(4)), lambda i: 0))
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(3, tmp_path / "raft")
+    try:
+        for node in nodes:
+            cluster.start_node(node, nodes, str(conf), env, new_cluster=True)
+        cluster.wait_ready(nodes)
+        with httpx.Client(timeout=30) as client:
+            acked = lease_and_ack(client, leader_of(nodes, client), 2)
+            replaced = next(n for n in nodes if n is not leader_of(nodes, client))
+            cluster.stop_node(replaced)
+            shutil.rmtree(replaced.data_dir)
+            cluster.start_node(replaced, nodes, str(conf), env)
+            cluster.wait_ready(nodes)
+            assert identity(replaced)["joined"] is True
+            cluster.stop_node(leader_of(nodes, client))
+            running = [n for n in nodes if n.proc.poll() is None]
+            wait_until(lambda: leader_of(running, client), what="a leader of the two left")
+            for mid in acked:
+                status = client.get(f"{replaced.url}/v1/topics/hot/messages/{mid}").json()
+                assert status["status"] in ("acked", "settled"), status
+    finally:
+        stop(nodes)
+
+
+def test_new_cluster_is_refused_on_a_data_dir_with_data(tmp_path) -> None:
+    """--new-cluster lets an empty node vote from the start: left on a node's command
+    line past its first start, it must not make a replaced disk's node vote at once."""
+    node, conf = one_node(tmp_path)
+    said = refused(node, [node], conf, "--new-cluster")
+    assert f"--new-cluster: data dir {node.data_dir} already holds this node's state" in said

@@ -56,17 +56,24 @@ def lock(data_dir: Path) -> IO[str]:
     return held
 
 
+def holds_data(data_dir: Path) -> bool:
+    """Whether `data_dir` holds a node's Raft state or identity (an empty dir holds none)."""
+    return any((data_dir / name).exists() for name in (*RAFT_FILES, IDENTITY))
+
+
 @dataclass
 class Identity:
-    """What `node.json` records: the Raft address this dir's state belongs to, and the
-    member set it was made with."""
+    """What `node.json` records: the Raft address this dir's state belongs to, the member
+    set it was made with, and whether the node may vote and stand for election
+    (`joined`: it started a new cluster, or a leader has brought it up to date)."""
 
     raft: str
     members: list[str]
+    joined: bool = True
 
 
 def _write(path: Path, identity: Identity) -> None:
-    """Durably: a dir's identity outlives the process that wrote it."""
+    """Durably, before the node acts on it: a joined node votes."""
     tmp = path.with_name(path.name + ".tmp")
     with tmp.open("w") as f:
         json.dump(asdict(identity), f, indent=1)
@@ -84,14 +91,33 @@ def _sync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def admit(data_dir: Path, raft: str, peers: list[str], reconfigure: bool) -> Identity:
+def mark_joined(data_dir: Path, identity: Identity) -> None:
+    identity.joined = True
+    _write(data_dir / IDENTITY, identity)
+
+
+def admit(
+    data_dir: Path, raft: str, peers: list[str], new_cluster: bool, reconfigure: bool
+) -> Identity:
     """This node's identity, checked against its flags (recorded at its first start;
     a dir with Raft files and no identity, made before nodes recorded one, takes these
-    flags' as it stands). `reconfigure` records the new address and members."""
+    flags' as it stands). `reconfigure` records the new address and members.
+
+    An empty dir with peers has not joined unless `new_cluster`: it may be a lost disk's
+    replacement, whose node voted before in terms it no longer knows, or a node added
+    beside others that hold the cluster's history. Voting as if empty, it could elect a
+    node that lacks committed entries; standing, it could win with another empty node's
+    vote and have the entries they lack truncated everywhere."""
     members = sorted({raft, *peers})
     path = data_dir / IDENTITY
+    if new_cluster and holds_data(data_dir):
+        raise DataDirError(
+            f"--new-cluster: data dir {data_dir} already holds this node's state; the flag "
+            "is only for each node's first start in a new cluster: start it without"
+        )
     if not path.exists():
-        identity = Identity(raft, members)
+        raft_files = any((data_dir / name).exists() for name in RAFT_FILES)
+        identity = Identity(raft, members, joined=raft_files or new_cluster or not peers)
         _write(path, identity)
         return identity
     try:
@@ -111,8 +137,8 @@ def admit(data_dir: Path, raft: str, peers: list[str], reconfigure: bool) -> Ide
             f"{data_dir} was made with: {', '.join(identity.members)}. Members must not be "
             "changed by restarting nodes one at a time with other --peers: old and new "
             "members can then each elect a leader, and both commit. Pause the topics until "
-            "dejaq_ledger_unwritten_events is 0 on the leader, stop every node, then start "
-            f"them all with the new --peers and --reconfigure ({PROCEDURES})"
+            "every node's /v1/cluster shows the same commit_index, stop every node, then "
+            f"start them all with the new --peers and --reconfigure ({PROCEDURES})"
         )
     if reconfigure and (identity.raft, identity.members) != (raft, members):
         identity.raft, identity.members = raft, members

@@ -382,6 +382,10 @@ class _SyncObj(SyncObj):
         # The index of the first entry of this node's current term as leader (None while
         # it becomes leader): `RaftNode.leading`.
         self.term_start: int | None = None
+        # False for a node started on an empty data dir beside peers (`RaftNode`): it
+        # neither votes nor stands for election until `_join`, which calls `on_joined`.
+        self.voting = True
+        self.on_joined: Callable[[], None] = lambda: None
         super().__init__(*args, **kwargs)
 
     @contextmanager
@@ -467,7 +471,27 @@ class _SyncObj(SyncObj):
         if self._own and not self._isLeader():  # appended in a term that has ended
             self._own.clear()
         _apply_log_entries(self)
+        if not self.voting:
+            self._join()
         return False
+
+    def _join(self) -> None:
+        """Vote and stand from now on, once a leader has brought this node up to date:
+        it has applied what the leader last said is committed, an entry of the leader's
+        own term, so every entry committed before that term too. Recorded first
+        (`on_joined`), and as a vote for that leader in its term: this node's earlier
+        life may have voted in it."""
+        leader = self._SyncObj__raftLeader
+        commit = self._SyncObj__leaderCommitIndex
+        if leader is None or commit is None or self._SyncObj__raftLastApplied < commit:
+            return
+        entries = self._SyncObj__getEntries(commit, 1)
+        term = self._SyncObj__raftCurrentTerm
+        if not entries or entries[0][2] != term:
+            return
+        self.on_joined()
+        self._SyncObj__setCurrentTerm(term, leader.id)
+        self.voting = True
 
     def _SyncObj__onBecomeLeader(self) -> None:  # overrides SyncObj.__onBecomeLeader
         """Note the index of the no-op entry PySyncObj appends on becoming leader: only
@@ -487,6 +511,8 @@ class _SyncObj(SyncObj):
         heartbeats that arrived during it look late, wherever in the tick it lands. (Raft's
         deadlines are on PySyncObj's clock, CLOCK_MONOTONIC_RAW, not `time.monotonic`.)
         """
+        if not self.voting:  # stands for no election until it has joined (`_join`)
+            return False
         now = raft_clock()
         self._loop_poller.drain()
         if self._SyncObj__raftElectionDeadline >= now:
@@ -501,7 +527,12 @@ class _SyncObj(SyncObj):
         sends k+1 again; the follower then truncates what it has (applied, maybe) and
         appends the same entries anew, twice the Raft traffic to the slower follower. A
         refusal (`reset`) still moves the index back: that is how a diverged log heals.
+
+        A node that has not joined (`_join`) ignores vote requests and leadership
+        transfers: it votes in no election until it is up to date.
         """
+        if not self.voting and message.get("type") in ("request_vote", "timeout_now"):
+            return None
         if message.get("type") != "next_node_idx" or message["reset"] or not message["success"]:
             return _on_message_received(self, node, message)
         next_index = self._SyncObj__raftNextIndex
@@ -732,7 +763,11 @@ class RaftNode:
         broker: BrokerConfig,
         data_dir: Path,
         listener: Listener,
+        on_joined: Callable[[], None] | None = None,
     ) -> None:
+        """`on_joined`: this node's data dir was empty beside peers that may hold the
+        cluster's history; it neither votes nor stands for election until a leader has
+        brought it up to date, and then calls `on_joined` (which records that) first."""
         self.raft_addr = raft_addr
         self.members = frozenset([raft_addr, *peers])
         self.state = BrokerState(topics, broker.max_deliveries, listener)
@@ -750,6 +785,8 @@ class RaftNode:
             )
         except SyncObjException as e:
             raise ConfigError(f"cannot listen on the Raft address {raft_addr} ({e})") from None
+        if on_joined is not None:
+            self.sync.voting, self.sync.on_joined = False, on_joined
         try:
             self.sync.load_snapshot()
         except BaseException:
