@@ -350,12 +350,12 @@ def test_status_fails_while_no_node_can_serve_and_passes_once_all_serve(
     nodes = cluster.plan(3, tmp_path / "raft")
     alone = nodes[0]
     status = ["status", "--topic", "jobs", "--conf-file", str(conf), "--broker", alone.url]
-    try:
-        cluster.start_node(alone, nodes, str(conf), env)
+    try:  # a new cluster's nodes, started one by one: each bootstraps it
+        cluster.start_node(alone, nodes, str(conf), env, new_cluster=True)
         wait_for_port(int(alone.http.rsplit(":", 1)[1]), timeout=90, proc=alone.proc)
         lone = run(*status, timeout=60)
         for node in nodes[1:]:
-            cluster.start_node(node, nodes, str(conf), env)
+            cluster.start_node(node, nodes, str(conf), env, new_cluster=True)
         cluster.wait_ready(nodes)
         serving = run(*status, timeout=60)
     finally:
