@@ -492,12 +492,14 @@ class Cluster:
     def log(self, node: Node) -> Path:
         return self.tmp / f"{node.node_id}.log"
 
-    def start(self, node: Node) -> None:
+    def start(self, node: Node, new_cluster: bool | None = None) -> None:
+        """Start `node`; `new_cluster` as `cluster.node_command` takes it (None: a
+        restart, or a node joining a cluster that has state)."""
         with self.log(node).open("a") as log:
             log.write(f"=== nemesis: {node.node_id} started at {dt.datetime.now(dt.UTC)}\n")
             log.flush()
             node.proc = subprocess.Popen(
-                cluster.node_command(node, self.nodes, str(self.conf)),
+                cluster.node_command(node, self.nodes, str(self.conf), new_cluster),
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -997,8 +999,9 @@ def start_cluster(tmp: Path, conf: Path, attempts: int = 3) -> Cluster:
     cluster new ports, up to `attempts` times."""
     for attempt in range(1, attempts + 1):
         c = Cluster(tmp, conf)
+        new = cluster.fresh(c.nodes)  # once: a node started first may have made its dir
         for node in c.nodes:
-            c.start(node)
+            c.start(node, new)
         try:
             cluster.wait_ready(c.nodes, timeout=120)
             return c

@@ -214,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"broker {args.node_id}: data dir {data_dir} was empty, so this node waits for a "
             "leader to bring it up to date and neither votes nor stands for election until "
-            "then (a new cluster's first start takes --new-cluster on every node)",
+            "then (a new cluster's first start takes --new-cluster on every node; started "
+            "without it, restart each with it while no node has heard of a Raft term)",
             file=sys.stderr,
             flush=True,
         )

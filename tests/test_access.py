@@ -87,11 +87,12 @@ def secure(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterato
     logs.mkdir()
     nodes = cluster.plan(3, tmp / "raft")
     env = dict(os.environ)
+    new = cluster.fresh(nodes)  # once: a node started first may have made its dir
     for node in nodes:
         node.scheme, node.ca = "https", str(ca)
         with (logs / f"{node.node_id}.log").open("w") as log:
             node.proc = subprocess.Popen(
-                cluster.node_command(node, nodes, str(conf)),
+                cluster.node_command(node, nodes, str(conf), new),
                 env=env,
                 stdout=log,
                 stderr=subprocess.STDOUT,

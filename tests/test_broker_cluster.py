@@ -81,11 +81,12 @@ def start_logged(
 ) -> list[Path]:
     """Start `nodes` as members of `cluster_nodes`, each one's log in <tmp>/<node id>.log."""
     logs = []
+    new = cluster.fresh(cluster_nodes)  # once: a node started first may have made its dir
     for node in nodes:
         path = tmp_path / f"{node.node_id}.log"
         with path.open("w") as log:
             node.proc = subprocess.Popen(
-                cluster.node_command(node, cluster_nodes, str(conf)),
+                cluster.node_command(node, cluster_nodes, str(conf), new),
                 env=env,
                 stdout=subprocess.DEVNULL,
                 stderr=log,
@@ -1002,7 +1003,7 @@ def test_a_topic_added_in_a_rolling_restart_keeps_its_leases_and_acks_on_every_n
     a, b, c = nodes
     try:
         for node in (a, b):
-            cluster.start_node(node, nodes, str(conf), env)
+            cluster.start_node(node, nodes, str(conf), env, new_cluster=True)
         cluster.wait_ready([a, b])
         cluster.start_node(c, nodes, str(lacking), env)
         cluster.wait_ready(nodes)

@@ -278,3 +278,29 @@ def test_new_cluster_is_refused_on_a_data_dir_with_data(tmp_path) -> None:
     node, conf = one_node(tmp_path)
     said = refused(node, [node], conf, "--new-cluster")
     assert f"--new-cluster: data dir {node.data_dir} already holds this node's state" in said
+
+
+def test_a_new_cluster_started_without_its_flag_takes_it_at_a_restart(tmp_path) -> None:
+    """Every node of a new cluster started without --new-cluster waits for a leader that
+    never comes: none has heard of a term. Restarted with the flag, each may vote, as
+    nothing was ever committed that an election could lose."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(3, tmp_path / "raft")
+    try:
+        with httpx.Client(timeout=30) as client:
+            for node in nodes:
+                cluster.start_node(node, nodes, str(conf), env, new_cluster=False)
+            wait_until(
+                lambda: all(cluster_info(client, n) is not None for n in nodes),
+                what="the nodes serving",
+            )
+            assert all(identity(n)["joined"] is False for n in nodes)
+            stop(nodes)
+            for node in nodes:
+                cluster.start_node(node, nodes, str(conf), env, new_cluster=True)
+            cluster.wait_ready(nodes)
+            assert all(identity(n)["joined"] is True for n in nodes)
+            assert leader_of(nodes, client) is not None
+    finally:
+        stop(nodes)

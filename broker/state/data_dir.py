@@ -110,11 +110,17 @@ def admit(
     vote and have the entries they lack truncated everywhere."""
     members = sorted({raft, *peers})
     path = data_dir / IDENTITY
+    bootstrap_late = False
     if new_cluster and holds_data(data_dir):
-        raise DataDirError(
-            f"--new-cluster: data dir {data_dir} already holds this node's state; the flag "
-            "is only for each node's first start in a new cluster: start it without"
-        )
+        # A node that has waited for a leader who never came (each node of a new cluster
+        # started without the flag) has heard of no term: nobody stood, nothing to lose.
+        bootstrap_late = _waiting(path) and _term(data_dir) == 0
+        if not bootstrap_late:
+            raise DataDirError(
+                f"--new-cluster: data dir {data_dir} already holds this node's state; the "
+                "flag is only for each node's first start in a new cluster: start it "
+                "without"
+            )
     if not path.exists():
         raft_files = any((data_dir / name).exists() for name in RAFT_FILES)
         identity = Identity(raft, members, joined=raft_files or new_cluster or not peers)
@@ -143,7 +149,28 @@ def admit(
     if reconfigure and (identity.raft, identity.members) != (raft, members):
         identity.raft, identity.members = raft, members
         _write(path, identity)
+    if bootstrap_late:
+        mark_joined(data_dir, identity)
     return identity
+
+
+def _waiting(path: Path) -> bool:
+    """Whether the identity at `path` says the node has not joined (it may not vote)."""
+    try:
+        return json.loads(path.read_text()).get("joined") is False
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _term(data_dir: Path) -> int:
+    """The Raft term the node's term-and-vote file holds (0: it has heard of none)."""
+    from pysyncobj.pickle import loads
+
+    meta = data_dir / META
+    try:
+        return int(loads(meta.read_bytes()).get("currentTerm", 0)) if meta.exists() else 0
+    except Exception:
+        return -1  # unreadable: `check_raft_files` says why at start
 
 
 def check_raft_files(data_dir: Path) -> None:
