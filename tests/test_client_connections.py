@@ -270,6 +270,20 @@ def test_a_key_one_node_refuses_is_asked_of_the_others(status: int) -> None:
         assert len(behind.requests) == 1 and len(current.requests) == 2
 
 
+def test_a_key_refused_by_one_node_waits_for_another_in_an_election() -> None:
+    """A node that refused the key is not the last word while another answers 503 (an
+    election): that one is asked again, and takes the key."""
+    answers = iter([(503, {"title": "no leader"}, {"retry-after": "0.1"})])
+
+    def electing(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        return next(answers, (200, {"messages": []}, {}))
+
+    with stands(refusing(401), electing) as (behind, current):
+        with Client([behind.url, current.url], token="dq_k") as c:
+            assert c.lease("jobs", "w") == []
+        assert len(behind.requests) == 1 and len(current.requests) == 2
+
+
 @pytest.mark.parametrize("status", [401, 403])
 def test_a_key_every_node_refuses_raises_once_each_was_asked(status: int) -> None:
     """Each node is asked once, behind ones that cannot answer too, and the last

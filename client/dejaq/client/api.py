@@ -158,10 +158,11 @@ class Client:
     ) -> Answer:
         """One call: across nodes and 503s until the deadline; an answer that is not a
         retryable 5xx is returned (2xx) or raised (as its `ProblemError`). A 401 or 403
-        is raised once every node refused, or the turn comes back to one that did, each
-        node being asked once: each reads its own copy of the key file, and another's
-        may know the key already. `worker`: one
-        of a worker's calls, given `stall_s` per attempt."""
+        is raised once every node has refused or could not be reached: each reads its
+        own copy of the key file, and another's may know the key already, so a node that
+        refused is not asked again while another may still judge the key (one answering
+        503, an election say, is asked until the deadline). `worker`: one of a worker's
+        calls, given `stall_s` per attempt."""
         deadline = time.monotonic() + self.deadline + wait_s
         attempt = self.stall_s if worker else self.timeout
         connect = min(attempt, CONNECT_TIMEOUT_S)
@@ -169,11 +170,15 @@ class Client:
         failures = 0
         why = "no time left"
         denied: set[str] = set()  # nodes that refused the key (401, 403): it is not applied
-        refusal: ProblemError | None = None  # the last of their answers
+        unreachable: set[str] = set()  # nodes that could not be sent the call
+        refusal: ProblemError | None = None  # the last of the refusals
         while True:
             node = self.node
-            if refusal is not None and node in denied:  # every other node was tried
-                raise refusal
+            if refusal is not None and node in denied | unreachable:
+                if denied | unreachable >= set(self.nodes):  # no node left to judge it
+                    raise refusal
+                self._move_on(node)  # another node's copy of the key file decides
+                continue
             sent_at = time.monotonic()
             left = deadline - sent_at  # an attempt, its answer too, ends by the deadline
             if left <= 0:
@@ -191,6 +196,7 @@ class Client:
                 )
             except NotSent as e:
                 why, pause = f"{node}: {e}", 0.0
+                unreachable.add(node)
             except Lost as e:
                 if not replay_safe:
                     raise Unavailable(f"{node}: {e}; not safe to retry") from e
@@ -199,8 +205,7 @@ class Client:
                 if answer.status_code in DENIED:
                     refusal = problem_of(answer, maybe_applied)
                     denied.add(node)
-                    if len(denied) == len(self.nodes):
-                        raise refusal
+                    unreachable.discard(node)
                     why, pause = f"{node}: {refusal}", 0.0
                 elif answer.status_code not in RETRYABLE:
                     if answer.is_success:
