@@ -76,6 +76,9 @@ def client_config(
             raise ValueError(f"dejaq_kafka: give option '{_option(path)}' or '{_option(data)}'")
     if "ssl_keydata" in config and "ssl_certdata" not in config:
         raise ValueError("dejaq_kafka: option 'kafka.ssl.keydata' goes with 'kafka.ssl.certdata'")
+    if "ssl_certdata" in config and "ssl_keyfile" in config:
+        # The tasks run where the driver's key file is not: both inline, or both files.
+        raise ValueError("dejaq_kafka: option 'kafka.ssl.certdata' goes with 'kafka.ssl.keydata'")
     if any(name in config for name in _INLINE):
         tls_context(config)
     return config
@@ -140,6 +143,7 @@ def check_trust(config: Mapping[str, Any]) -> None:
     deadline = time.monotonic() + TRUST_CHECK_S
     for address in config["bootstrap_servers"].split(","):
         host, _, port = address.strip().rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")  # an IPv6 address: [::1]:9093
         left = deadline - time.monotonic()
         if left <= 0:
             return

@@ -295,6 +295,9 @@ def test_wrong_tls_text_fails_the_python_connector_at_start_naming_the_option(
     ) as e:
         KafkaDataSource(mismatched)
     assert key not in str(e.value)
+    mixed = {**read, "kafka.ssl.certdata": client.cert.read_text(), "kafka.ssl.keyfile": "k"}
+    with pytest.raises(ValueError, match=r"'kafka\.ssl\.certdata' goes with 'kafka\.ssl\.keydata'"):
+        KafkaDataSource(mixed)  # the key file is the driver's: tasks run elsewhere
     untrusted = {**read, "kafka.ssl.cadata": new_authority(tmp_path / "x").cert.read_text()}
     reader = KafkaStreamReader(KafkaOptions.parse(untrusted))
     started = time.monotonic()
