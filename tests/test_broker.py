@@ -524,8 +524,9 @@ def on_one_node(
     node: str = "node",
 ) -> T:
     """Run `scenario` with a one-node broker (in process, its own Raft, its data in
-    `tmp_path / node`) over messages m0, m1, m2 (`prefix`) at sort keys 5, 3, 9 in
-    bucket 0, added to the warehouse, once it leads and "w" is a member."""
+    `tmp_path / node`: at the Raft address that dir was made with, a restart being the
+    same node) over messages m0, m1, m2 (`prefix`) at sort keys 5, 3, 9 in bucket 0,
+    added to the warehouse, once it leads and "w" is a member."""
     from dejaq.broker.service import now_ms
     from dejaq.conf.settings import Settings
     from dejaq.jobs.ports import free_port
@@ -538,7 +539,9 @@ def on_one_node(
         await broker.raft.commit("jobs", "touch", "w", now_ms())  # a member: no join
         return await scenario(broker)
 
-    return run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / node, member)
+    made = tmp_path / node / "node.json"
+    raft = json.loads(made.read_text())["raft"] if made.exists() else f"127.0.0.1:{free_port()}"
+    return run_node(settings, raft, tmp_path / node, member)
 
 
 def test_a_long_poll_of_a_consumer_that_left_during_it_leases_nothing(tmp_path: Path) -> None:
