@@ -50,9 +50,13 @@ from dejaq.broker.storage.index import HeadsUnreadable, TopicIndex
 from dejaq.broker.storage.ledger_writer import (
     COMPACT_EVERY,
     Claimed,
+    Contested,
+    Rival,
+    app_id,
     compact_dead_letters,
     compact_ledger,
     foreign,
+    tag_of,
 )
 from dejaq.broker.storage.row_store import Row
 from dejaq.conf.kafka_clients import close_producer, python_config
@@ -70,6 +74,10 @@ FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta 
 REFRESH_ALERT_S = 30.0
 DUTY_PERIOD_S = 0.05
 CHECKPOINT_PERIOD_S = 1.0
+# A ledger tag of another Raft history is taken over only if the ledger had no commit
+# for this long (read twice this far apart otherwise): a live cluster's checkpoints,
+# one a second under load, move it well within.
+TAKEOVER_QUIET_S = 5 * CHECKPOINT_PERIOD_S
 # Events a checkpoint writes at most: a backlog the ledger could not take for hours is
 # written a part at a time, each part's id column well within Arrow's 2 GiB of strings.
 CHECKPOINT_MAX_EVENTS = 1_000_000
@@ -262,6 +270,11 @@ class Broker:
         self.keys: KeyRing | None = None  # the API keys, where `broker.keys_file` is set
         # Topics whose new messages wait for disk space (`broker.disk_reserve_bytes`).
         self.short_of_disk: dict[str, str] = {}
+        # Topics whose ledger another cluster writes, with the alert: this node leases
+        # them no more and leaves their duties (checkpoints, retention, expiry) undone.
+        self.contested: dict[str, str] = {}
+        self._rivals: dict[str, Rival] = {}  # the tags each topic's history replaced
+        self._claims_checked: dict[str, int] = {}  # the term each topic's tag was read in
 
     # --- Listener: hooks from applied Raft commands ---------------------------------------
 
@@ -340,6 +353,8 @@ class Broker:
             return False, "Raft log not yet applied"
         if not self._registered():
             return False, "this node's HTTP address not yet registered"
+        if self.contested:
+            return False, "; ".join(self.contested.values())
         if self.keys is not None and (error := self.keys.check()) is not None:
             return False, f"{error}; every call with a key is refused"
         stalled = [a for r in self.refreshes.values() if (a := r.alert(self.refresh_alert_s))]
@@ -425,6 +440,7 @@ class Broker:
         now = now_ms()
         for name, health in self.checkpoint_health.items():
             self.metrics.observe_ledger(name, lag(self.state(name)), now, health.failures)
+            self.metrics.ledger_contested.labels(name).set(name in self.contested)
 
     def _publish_index(self) -> None:
         self.metrics.observe_index(
@@ -466,6 +482,8 @@ class Broker:
                 if not raft.leading():
                     continue
                 for name, cfg in self.topics.items():
+                    if name in self.contested:
+                        continue
                     st = self.state(name)
                     self._configure(name, cfg, st)
                     now = now_ms()
@@ -518,6 +536,14 @@ class Broker:
 
     def _checkpoint_topic(self, name: str) -> None:
         assert self.raft is not None
+        if name in self.contested:
+            return
+        term = self.raft.term()
+        if self._claims_checked.get(name) != term:
+            self._check_claim(name)
+            self._claims_checked[name] = term
+            if name in self.contested:
+                return
         st = self.state(name)
         events = first_events(st.events.view(), st.trimmed, CHECKPOINT_MAX_EVENTS)
         if not events:
@@ -525,8 +551,13 @@ class Broker:
         health = self.checkpoint_health[name]
         history = (st.history, st.history_from)
         warehouse = self.settings.warehouse
+        trimmed = st.trimmed_upto()
         try:
-            upto, keep = checkpoint(warehouse, name, events, health, history, st.trimmed_upto())
+            rival = self._rival(name, st)
+            upto, keep = checkpoint(warehouse, name, events, health, history, trimmed, rival)
+        except Contested as e:
+            self._contest(name, e.app, f"moved from version {e.since} to {e.now}")
+            return
         except Claimed as claim:
             if self._began_history(name, claim.done):
                 return  # the next round writes under it
@@ -546,11 +577,70 @@ class Broker:
             compact_ledger(self.settings.warehouse, name, tail_ms)
             compact_dead_letters(self.settings.warehouse, name, tail_ms)
 
+    def _check_claim(self, name: str) -> None:
+        """At the start of a term's leadership: a ledger tag past the last trim is looked
+        into at once (`_began_history`), not at the first checkpoint with events, by
+        when this node would have leased messages another cluster leases too."""
+        st = self.state(name)
+        app = app_id(st.history)
+        try:
+            done, _ = tag_of(self.settings.warehouse, name, app)
+        except Exception as e:
+            self.checkpoint_health[name].failed(f"ledger of {name}", e, [])
+            raise
+        if done > st.trimmed_upto():
+            self._began_history(name, done)
+
+    def _rival(self, name: str, st: TopicState) -> Rival | None:
+        """The watch on the tags `st`'s history replaced, kept across rounds."""
+        if st.replaced is None:
+            return None
+        rival = self._rivals.get(name)
+        if rival is None or (rival.app, rival.origin) != st.replaced:
+            rival = self._rivals[name] = Rival(*st.replaced)
+        return rival
+
+    def _contest(self, name: str, app: str, how: str) -> None:
+        """Stop serving `name`: another cluster writes its ledger under `app`."""
+        alert = (
+            f"another broker cluster writes the ledger of {name}: its tag {app} {how}. Two "
+            "clusters run over this warehouse, each leasing the topic's messages and "
+            "unaware of the other's acks; this node no longer leases them nor checkpoints, "
+            f"expires or retains {name}. Stop one of the clusters, then restart this one's "
+            "nodes if it is to serve the topic"
+        )
+        if name not in self.contested:
+            log.error("%s", alert)
+        self.contested[name] = alert
+
+    def _quiet(self, name: str, app: str, done: int) -> int | None:
+        """The version of the tag `done` for `app`, to take over from, unless it moves
+        (`None`, and the topic contested): taken at once where the ledger had no commit
+        for `TAKEOVER_QUIET_S`, else read again that long after its newest commit."""
+        warehouse = self.settings.warehouse
+        version, age_s = tag_of(warehouse, name, app)
+        if version == done and age_s >= TAKEOVER_QUIET_S:
+            return version
+        if version == done:
+            self.contested[name] = (
+                f"the ledger of {name} holds tags of another Raft history, written "
+                f"{age_s:.0f} s ago: leases wait while this node checks that no other "
+                "cluster writes them"
+            )
+            self._stopping.wait(min(TAKEOVER_QUIET_S, TAKEOVER_QUIET_S - age_s))
+            version, _ = tag_of(warehouse, name, app)
+            self.contested.pop(name, None)
+            if version == done:
+                return version
+        self._contest(name, app, f"moved from version {done} to {version} meanwhile")
+        return None
+
     def _began_history(self, name: str, done: int) -> bool:
         """Whether the ledger's tag `done` past the last trim is another Raft history's
         (`ledger_writer.foreign`): then this leader begins one, under which the events
-        past what the ledger holds of this state are written. Asked once every entry
-        committed before is applied here: the `register` command orders it after them."""
+        past what the ledger holds of this state are written, unless that tag moves
+        (`_quiet`): another cluster's, live. Asked once every entry committed before is
+        applied here: the `register` command orders it after them."""
         assert self.raft is not None
         committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
         st = self.state(name)
@@ -559,6 +649,10 @@ class Broker:
         )
         if written is None:
             return False
+        replaced = app_id(st.history)
+        version = self._quiet(name, replaced, done)
+        if version is None:
+            return True  # contested: the topic's duties stop here
         history = uuid.uuid4().hex
         log.error(
             "the ledger of %s holds checkpoints up to seq %d of another Raft history (the "
@@ -569,7 +663,8 @@ class Broker:
             history,
             written,
         )
-        committed(self.raft.state.command, name, "history", (history, written), timeout=5)
+        args = (history, written, (replaced, version))
+        committed(self.raft.state.command, name, "history", args, timeout=5)
         return True
 
     def _retention(self) -> None:
@@ -585,6 +680,8 @@ class Broker:
             if raft is None or not raft.is_leader():
                 continue
             for name, cfg in self.topics.items():
+                if name in self.contested:
+                    continue
                 period = period_s(cfg.settled_retention_ms)
                 if time.monotonic() - last.get(name, -period) < period:
                     continue
@@ -706,6 +803,8 @@ class Broker:
         nobody wait out their lease and come back a delivery closer to dead.
         """
         cfg = self.topic(topic)
+        if (contested := self.contested.get(cfg.name)) is not None:
+            raise Problem(503, "topic contested", contested)
         index, st = self.indexes[topic], self.state(topic)
         started = time.monotonic()
         deadline = started + wait_ms / 1000

@@ -33,7 +33,7 @@ from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.client import Client, NotFound, Worker
 from dejaq.client.models import Left
 from dejaq.conf.settings import KafkaConfig, TopicConfig
-from dejaq.conf.tables import ensure_buffer
+from dejaq.conf.tables import BROKER_APP_ID, ensure_buffer
 from dejaq.jobs import cluster
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -1426,3 +1426,91 @@ def test_a_forwarded_lease_is_relayed_as_it_arrives_not_after_the_client_gave_up
             thread.join(timeout=10)
     assert [m.id for m in got] == ["m0"] and len(got[0].payload) == 6 << 20
     assert len(leases) == 1, "leased once: the client did not give up and lease again"
+
+
+def solo_conf(tmp_path: Path) -> tuple[Path, str]:
+    """A configuration of one topic, "jobs", its buffer filled: (its file, the warehouse)."""
+    warehouse = str(tmp_path / "warehouse")
+    ensure_buffer(warehouse, TopicConfig(name="jobs", kind="priority", source=["in"]))
+    fill(warehouse, "jobs", buffer_rows(list(range(20_000)), bucket_of=lambda i: i % 2))
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {warehouse}\n"
+        "kafka: {bootstrap: '127.0.0.1:9'}\n"
+        "topics:\n  - {name: jobs, kind: priority, source: [in], buckets: 2}\n"
+    )
+    return conf, warehouse
+
+
+def solo(tmp_path: Path, name: str, conf: Path) -> tuple[Node, dict[str, str]]:
+    """A one-node cluster of its own (data dir, Raft password) over `conf`'s warehouse,
+    started, not waited for: (its node, its environment, to restart it with)."""
+    [node] = cluster.plan(1, tmp_path / name)
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    cluster.start_node(node, [node], str(conf), env, new_cluster=True)
+    return node, env
+
+
+def ledger_tags(warehouse: str) -> dict[str, int]:
+    """The ledger's app transactions (`ledger_writer.app_id`) and their latest versions."""
+    from dejaq.conf.tables import Table, ensure_table
+
+    tags: dict[str, int] = {}
+    log = Path(ensure_table(warehouse, Table.LEDGER, "jobs")) / "_delta_log"
+    for commit in sorted(log.glob("*.json")):
+        for line in commit.read_text().splitlines():
+            txn = json.loads(line).get("txn")
+            if txn is not None:
+                tags[txn["appId"]] = txn["version"]
+    return tags
+
+
+def contested(client: httpx.Client, node: Node) -> str | None:
+    """The node's /readyz detail once it says another cluster writes the ledger."""
+    try:
+        got = client.get(f"{node.url}/readyz")
+    except httpx.HTTPError:  # not listening yet
+        return None
+    if got.status_code == 503 and "another broker cluster writes the ledger" in got.text:
+        return got.text
+    return None
+
+
+def test_a_second_cluster_over_one_warehouse_leaves_the_topic_to_the_first(tmp_path) -> None:
+    """A second cluster started over a live one's warehouse (another Raft password) finds
+    the ledger tagged by a history whose tag keeps moving: it turns unready naming the
+    topic and what to do, refuses leases, and writes nothing to the ledger, while the
+    first goes on checkpointing. Restarted once the first is stopped, it takes the
+    ledger over under a new history and serves."""
+    conf, warehouse = solo_conf(tmp_path)
+    a, _ = solo(tmp_path, "a", conf)
+    b: Node | None = None
+    try:
+        cluster.wait_ready([a])
+        with httpx.Client(timeout=10) as client, Workers([a], 1, 5, "jobs"):
+            wait_until(
+                lambda: ledger_tags(warehouse).get(BROKER_APP_ID), what="the first's checkpoints"
+            )
+            b, b_env = solo(tmp_path, "b", conf)
+            with Workers([b], 1, 5, "jobs"):
+                said = wait_until(lambda: contested(client, b), timeout=60, what="b contested")
+            assert f"of jobs: its tag {BROKER_APP_ID} moved" in said, said
+            assert "Stop one of the clusters" in said, said
+            lease = client.post(
+                f"{b.url}/v1/topics/jobs/leases", json={"consumer_id": "x", "max_messages": 1}
+            )
+            assert lease.status_code == 503 and "another broker cluster" in lease.text
+            metrics = client.get(f"{b.url}/metrics").text
+            assert 'dejaq_ledger_contested{topic="jobs"} 1.0' in metrics
+            before = ledger_tags(warehouse)[BROKER_APP_ID]
+            wait_until(lambda: ledger_tags(warehouse)[BROKER_APP_ID] > before, what="a checkpoint")
+            assert set(ledger_tags(warehouse)) == {BROKER_APP_ID}, "only the first wrote the ledger"
+            assert client.get(f"{a.url}/readyz").status_code == 200
+        stop([a])
+        stop([b])
+        cluster.start_node(b, [b], str(conf), b_env)
+        cluster.wait_ready([b])
+        with Workers([b], 1, 5, "jobs"):
+            wait_until(lambda: len(ledger_tags(warehouse)) == 2, what="b's new history")
+    finally:
+        stop([a] if b is None else [a, b])

@@ -21,6 +21,8 @@ from dejaq.broker.storage import ledger_writer
 from dejaq.broker.storage.checkpoints import Health, Lag, checkpoint, lag
 from dejaq.broker.storage.ledger_writer import (
     Claimed,
+    Contested,
+    Rival,
     compact_dead_letters,
     compact_ledger,
     foreign,
@@ -292,3 +294,36 @@ def test_a_tag_past_the_state_is_another_historys_where_no_commit_says_its_last_
     write_deltalake(path, LEDGER_SCHEMA.empty_table(), mode="append", commit_properties=untold)
     assert foreign(warehouse, "jobs", state.events, 0, 7, state.seq) == 0
     assert foreign(warehouse, "jobs", state.events, 0, 1, state.seq) is None
+
+
+def test_a_replaced_tag_that_keeps_moving_stops_the_checkpoint_before_it_writes(
+    tmp_path: Path,
+) -> None:
+    """The tags a new history replaced, watched at each checkpoint: one move (a deposed
+    leader's late checkpoint of this cluster) is let pass; a second is another live
+    cluster's, and the checkpoint raises `Contested` without writing."""
+    warehouse = str(tmp_path)
+    other = TopicState(buckets=1, max_deliveries=5)
+    other.touch("c", 0)
+    other.lease("c", 1, 1000, [(f"o{i}", 0, i) for i in range(3)])
+    ours = TopicState(buckets=1, max_deliveries=5)
+    ours.touch("c", 0)
+    ours.lease("c", 1, 1000, [(f"m{i}", 0, i) for i in range(3)])
+    assert other.ack("c", 2, ["o0"]) == {}
+    assert write_ledger(warehouse, "jobs", other.events) == 1
+    ours.begin_history("h", 0, ("dejaq-broker", 1))
+    rival = Rival(*ours.replaced)
+    history = (ours.history, ours.history_from)
+    assert ours.ack("c", 2, ["m0"]) == {}
+    assert write_ledger(warehouse, "jobs", ours.events, history, None, rival) == 1
+    assert other.ack("c", 3, ["o1"]) == {}
+    assert write_ledger(warehouse, "jobs", other.events) == 2
+    assert ours.ack("c", 3, ["m1"]) == {}
+    assert write_ledger(warehouse, "jobs", ours.events, history, None, rival) == 2, "one move"
+    assert other.ack("c", 4, ["o2"]) == {}
+    assert write_ledger(warehouse, "jobs", other.events) == 3
+    assert ours.ack("c", 4, ["m2"]) == {}
+    with pytest.raises(Contested, match="moved from 1 to 3"):
+        write_ledger(warehouse, "jobs", ours.events, history, None, rival)
+    ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs"))
+    assert ledger.transaction_version("dejaq-broker:h") == 2, "nothing written"

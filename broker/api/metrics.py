@@ -94,6 +94,13 @@ class Metrics:
             ["topic"],
             registry=r,
         )
+        self.ledger_contested = Gauge(
+            "dejaq_ledger_contested",
+            "1 while another broker cluster writes the topic's ledger over the same "
+            "warehouse: this node stopped serving the topic (see /readyz)",
+            ["topic"],
+            registry=r,
+        )
         self.checkpoint_failures = Counter(
             "dejaq_checkpoint_failures",
             "Failed checkpoint attempts (ledger or dead letters) on this node as leader",

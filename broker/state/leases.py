@@ -133,6 +133,9 @@ class TopicState:
         # (`ledger_writer.app_id`), and the last seq of it the ledger held when it began:
         # a new one when the leader finds the tags written by another (`Broker`).
         self.history, self.history_from = "", 0
+        # The app transaction of the tags the history replaced and their version then:
+        # watched by the leader, as another cluster's if they keep moving (`Rival`).
+        self.replaced: tuple[str, int] | None = None
         # message -> its lease's record, while leased and, once acked, until the trim of
         # its event: an ack's settled mark is the record's `ended` byte, so the ack path
         # touches no table by id, and the lease path's one probe finds leased and acked.
@@ -192,6 +195,7 @@ class TopicState:
         self.records, self.unnumbered, self.ending = {}, 0, deque()
         self.configured = False  # from before `configure`: the leader commits one
         self.history, self.history_from = "", 0  # from before histories: the first
+        self.replaced = None
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
@@ -289,11 +293,15 @@ class TopicState:
             self._rebalance()
         return changed
 
-    def begin_history(self, history: str, written: int) -> None:
+    def begin_history(
+        self, history: str, written: int, replaced: tuple[str, int] | None = None
+    ) -> None:
         """Count the ledger's tags under `history` from now on, its events up to seq
         `written` in the ledger already: the tags found were another history's, and
-        this state's events past its last trim would not be written under them."""
-        self.history, self.history_from = history, written
+        this state's events past its last trim would not be written under them.
+        `replaced`: those tags' app transaction and version (none in commands from
+        before it)."""
+        self.history, self.history_from, self.replaced = history, written, replaced
 
     # --- leasing ---------------------------------------------------------------------
 

@@ -20,7 +20,9 @@ from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import Events, count, entries_of
 from dejaq.broker.storage.ledger_writer import (
     Claimed,
+    Contested,
     History,
+    Rival,
     deaths,
     write_dead_letters,
     write_ledger,
@@ -109,14 +111,16 @@ def checkpoint(
     health: Health,
     history: History = ("", 0),
     trimmed: int | None = None,
+    rival: Rival | None = None,
 ) -> tuple[int, list[int]]:
     """Write `events` to the ledger and their dead letters under `history`: (the last
     seq the ledger holds, the seqs of deaths to keep in Raft). Raises if the ledger
-    write fails, and `Claimed` where its tag is past `trimmed` (if given)."""
+    write fails, `Claimed` where its tag is past `trimmed` (if given), and `Contested`
+    where `rival`'s tag keeps moving."""
     events = entries_of(events)
     try:
-        upto = write_ledger(warehouse, topic, events, history, trimmed)
-    except Claimed:
+        upto = write_ledger(warehouse, topic, events, history, trimmed, rival)
+    except (Claimed, Contested):
         raise
     except Exception as e:
         health.failed(f"ledger of {topic}", e, [])

@@ -12,6 +12,7 @@ import datetime as dt
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
@@ -88,6 +89,49 @@ class Claimed(Exception):
         self.done = done
 
 
+class Contested(Exception):
+    """Another cluster writes the ledger: the tags of the history this state replaced
+    (`TopicState.replaced`) move on, so a second cluster over the warehouse checkpoints
+    the topic beside this one."""
+
+    def __init__(self, app: str, since: int, now: int) -> None:
+        super().__init__(f"the tag {app} moved from {since} to {now}")
+        self.app, self.since, self.now = app, since, now
+
+
+@dataclass
+class Rival:
+    """The app transaction of the tags a new history replaced, watched at each
+    checkpoint (`Contested` once it moves on). One move is let pass: a deposed leader
+    of this cluster may write one late checkpoint under the history its successor left.
+    Only a tag that keeps moving is another live cluster's."""
+
+    app: str
+    origin: int  # its version when the history was replaced
+    seen: int = -1  # the last version read, -1 before any
+    moved: bool = False
+
+    def check(self, table: DeltaTable) -> None:
+        """Raises `Contested` once the tag has moved twice since `origin`."""
+        version = table.transaction_version(self.app) or 0
+        last = self.origin if self.seen < 0 else self.seen
+        self.seen = version
+        if version == last:
+            return
+        if self.moved:
+            raise Contested(self.app, self.origin, version)
+        self.moved = True
+
+
+def tag_of(warehouse: str, topic: str, app: str) -> tuple[int, float]:
+    """The ledger's tag for `app`, and the age in seconds of the ledger's newest commit
+    by this node's clock."""
+    table = DeltaTable(ensure_table(warehouse, Table.LEDGER, topic))
+    newest = table.history(1)
+    at_ms = newest[0].get("timestamp", 0) if newest else 0
+    return table.transaction_version(app) or 0, time.time() - at_ms / 1000
+
+
 def checkpoint(warehouse: str, topic: str, events: Events, history: History = ("", 0)) -> int:
     """Write `events` (ascending seq) to the ledger, then their dead letters; return the
     last seq. The leader runs the two steps apart, to go on trimming while dead letters
@@ -135,9 +179,11 @@ def write_ledger(
     events: Events,
     history: History = ("", 0),
     trimmed: int | None = None,
+    rival: Rival | None = None,
 ) -> int:
     """Write `events` (ascending seq) past the ledger's tag to it; return the last seq.
-    Raises `Claimed` where the tag is past `trimmed` (the state's last trim), if given.
+    Raises `Claimed` where the tag is past `trimmed` (the state's last trim), if given,
+    and `Contested` where `rival`'s tag keeps moving, before writing.
 
     The table is tagged with the last seq it holds and gets only the events past it, so
     a checkpoint after one whose trim was lost (a leader change) writes no row twice.
@@ -157,7 +203,7 @@ def write_ledger(
 
     path = ensure_table(warehouse, Table.LEDGER, topic)
     mark = {LAST: _last_event(entries[-1:], upto) or str(upto)}
-    _append_tagged(path, history, upto, rows_past, trimmed, mark)
+    _append_tagged(path, history, upto, rows_past, trimmed, mark, rival)
     return upto
 
 
@@ -168,10 +214,12 @@ def _append_tagged(
     rows_past: Callable[[int], pa.Table | None],
     trimmed: int | None = None,
     metadata: dict[str, str] | None = None,
+    rival: Rival | None = None,
 ) -> None:
     """Append `rows_past(tag)` to the table at `path` in a commit tagged `upto` for
     `history`'s app transaction, unless its tag (at least the seq the history began
-    at) already reaches `upto`; `Claimed` where the tag is past `trimmed`, if given.
+    at) already reaches `upto`; `Claimed` where the tag is past `trimmed`, if given;
+    `rival` checked on the snapshot read anyway.
 
     The tag and the write share one snapshot: a writer whose snapshot is older than
     another's commit of the same app id (a deposed leader's late checkpoint, made after
@@ -183,6 +231,8 @@ def _append_tagged(
     """
     for attempt in range(1, COMMIT_ATTEMPTS + 1):
         table = DeltaTable(path)
+        if rival is not None:
+            rival.check(table)
         app = app_id(history[0])
         tag = table.transaction_version(app) or 0
         if trimmed is not None and tag > trimmed:
