@@ -742,17 +742,7 @@ def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
         .option("includeHeaders", "true")
         .load()
     )
-    real = ingest_module.commit
-
-    def dies_on_the_buffer(target, files, mode, txn, *also):
-        if "/buffer/" in target.path:
-            raise RuntimeError("the process died between the two commits")
-        return real(target, files, mode, txn, *also)
-
-    with monkeypatch.context() as m:
-        m.setattr(ingest_module, "commit", dies_on_the_buffer)
-        with pytest.raises(RuntimeError, match="between the two commits"):
-            IngestJob(spark, settings, topic, connectors).process_batch(whole, 0)
+    _cut(spark, settings, topic, whole, 0, monkeypatch)
     assert table(settings, Table.QUARANTINE).num_rows == 1
     # An earlier copy of order-9, settled since: the restarted job's seed has it.
     ledger = ensure_table(settings.warehouse, Table.LEDGER, "jobs")

@@ -224,6 +224,19 @@ def run_until(
     wait_until(step, timeout=timeout, what="release batches")
 
 
+def refused_without_take_over(s: Settings, conf: Path) -> None:
+    """The release refuses the topic, as a job and as `dejaq release` (exit 2)."""
+    with pytest.raises(ConfigError, match=r"delivered by the lease broker.*--take-over"):
+        Releaser(s, s.topic("jobs"))
+    result = subprocess.run(
+        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf), "--once"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
+
+
 def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     kafka_bootstrap, topic_factory, tmp_path
 ):
@@ -242,15 +255,7 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     state.lease("w", 0, 1000, [(written[0], 0, 3)])
     assert state.ack("w", 1, [written[0]]) == {}
     checkpoint(s.warehouse, "jobs", state.events)
-    with pytest.raises(ConfigError, match=r"delivered by the lease broker.*--take-over"):
-        Releaser(s, s.topic("jobs"))
-    result = subprocess.run(
-        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf), "--once"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
+    refused_without_take_over(s, conf)
     releaser = Releaser(s, s.topic("jobs"), take_over=True)
     output = Output(kafka_bootstrap, out, 1)
     try:
@@ -303,15 +308,7 @@ def test_a_take_over_counts_the_brokers_checkpoints_of_every_raft_history(
     ledger = ensure_table(s.warehouse, Table.LEDGER, "jobs")
     last = json.loads(Path(ledger, "_delta_log", "_last_checkpoint").read_text())
     assert last["version"] == DeltaTable(ledger).version(), "the tags only in a Delta checkpoint"
-    with pytest.raises(ConfigError, match=r"delivered by the lease broker.*--take-over"):
-        Releaser(s, s.topic("jobs"))
-    result = subprocess.run(
-        [*DEJAQ, "release", "--topic", "jobs", "--conf-file", str(conf), "--once"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
+    refused_without_take_over(s, conf)
     Releaser(s, s.topic("jobs"), take_over=True).finish()
     Releaser(s, s.topic("jobs")).finish()  # taken over: its topic, no flag needed
     # Handed back to brokers that begin a new history past what the ledger holds.
