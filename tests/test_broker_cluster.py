@@ -1503,11 +1503,14 @@ def test_a_second_cluster_over_one_warehouse_leaves_the_topic_to_the_first(tmp_p
             metrics = client.get(f"{b.url}/metrics").text
             assert 'dejaq_ledger_contested{topic="jobs"} 1.0' in metrics
             before = ledger_tags(warehouse)[BROKER_APP_ID]
+            # Messages for the first to settle, however far it got with the others.
+            fill(warehouse, "jobs", buffer_rows(list(range(200)), lambda i: i % 2, "more"))
             wait_until(lambda: ledger_tags(warehouse)[BROKER_APP_ID] > before, what="a checkpoint")
             assert set(ledger_tags(warehouse)) == {BROKER_APP_ID}, "only the first wrote the ledger"
             assert client.get(f"{a.url}/readyz").status_code == 200
         stop([a])
         stop([b])
+        fill(warehouse, "jobs", buffer_rows(list(range(200)), lambda i: i % 2, "late"))
         cluster.start_node(b, [b], str(conf), b_env)
         cluster.wait_ready([b])
         with Workers([b], 1, 5, "jobs"):
