@@ -14,9 +14,9 @@ too, once a `CHECKPOINT_PROBE_S`, and a checkpoint past the follower's version i
 
 from __future__ import annotations
 
-import json
 import time
 
+from dejaq.conf.delta_log import checkpointed, entry_key
 from dejaq.conf.storage import filesystem, has_folders
 
 IDLE_PROBE_MAX_S = 1.0
@@ -42,11 +42,11 @@ class TableWatch:
         if now < self.next_probe:
             return False
         self.probes += 1
-        found = self._exists(f"{self.root}/_delta_log/{version + 1:020d}.json")
+        found = self._exists(entry_key(self.root, version + 1))
         if not found and now >= self.next_checkpoint_probe:
             self.next_checkpoint_probe = now + CHECKPOINT_PROBE_S
             self.probes += 1
-            found = self._checkpointed() > version
+            found = checkpointed(self.fs, self.root) > version
         if found:
             self.wait_s = 0.0
         elif self.remote:
@@ -62,11 +62,3 @@ class TableWatch:
         except FileNotFoundError:
             return False
         return True
-
-    def _checkpointed(self) -> int:
-        """The version of the table's latest Delta checkpoint (-1: none)."""
-        try:
-            with self.fs.open_input_stream(f"{self.root}/_delta_log/_last_checkpoint") as f:
-                return int(json.loads(f.read())["version"])
-        except FileNotFoundError:
-            return -1

@@ -8,7 +8,6 @@ two readers, no drift.
 from __future__ import annotations
 
 import datetime as dt
-import json
 from collections.abc import Collection, Mapping
 from enum import StrEnum
 from pathlib import Path
@@ -18,10 +17,10 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-import pyarrow.parquet as pq
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
+from dejaq.conf.delta_log import actions, checkpoint_column, last_checkpoint
 from dejaq.conf.settings import TOPIC_NAME, ConfigError, TopicConfig, TopicKind
 from dejaq.conf.storage import filesystem
 
@@ -280,32 +279,17 @@ def app_transactions(path: str) -> dict[str, int]:
     delta-rs looks one up only by its app id, and the brokers' ids name Raft histories
     no reader of the table knows."""
     fs, root = filesystem(path)
-    log_dir = f"{root}/_delta_log"
     found: dict[str, int] = {}
-    try:
-        with fs.open_input_stream(f"{log_dir}/_last_checkpoint") as f:
-            last = json.loads(f.read())
-    except FileNotFoundError:
-        version = -1
-    else:
-        version = int(last["version"])
-        parts = int(last.get("parts") or 0)
-        stem = f"{log_dir}/{version:020d}.checkpoint"
-        files = [f"{stem}.{i:010d}.{parts:010d}.parquet" for i in range(1, parts + 1)]
-        for file in files or [f"{stem}.parquet"]:
-            txns = pq.read_table(file, columns=["txn"], filesystem=fs)
-            for txn in txns.column("txn").drop_null().to_pylist():
+    last = last_checkpoint(fs, root)
+    version = -1 if last is None else int(last["version"])
+    if last is not None:
+        for txn in checkpoint_column(fs, root, last, "txn"):
+            found[txn["appId"]] = txn["version"]
+    while (entry := actions(fs, root, version := version + 1)) is not None:
+        for action in entry:
+            if txn := action.get("txn"):
                 found[txn["appId"]] = txn["version"]
-    while True:
-        version += 1
-        try:
-            entry = fs.open_input_stream(f"{log_dir}/{version:020d}.json")
-        except FileNotFoundError:
-            return found
-        with entry:
-            for line in entry.read().decode().splitlines():
-                if txn := json.loads(line).get("txn"):
-                    found[txn["appId"]] = txn["version"]
+    return found
 
 
 def create_if_missing(

@@ -47,6 +47,7 @@ import pyarrow.dataset as ds
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
+from dejaq.conf.delta_log import actions as log_actions
 from dejaq.conf.storage import filesystem
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
@@ -521,17 +522,13 @@ def commits(table_path: str, versions: range) -> list[Commit]:
     fs, root = filesystem(table_path)
     found = []
     for v in versions:
-        entry = f"{root}/_delta_log/{v:020d}.json"
-        try:
-            log_file = fs.open_input_stream(entry)
-        except FileNotFoundError as e:
+        actions = log_actions(fs, root, v)
+        if actions is None:
             raise LogGap(
                 f"{table_path}'s Delta log no longer holds version {v}, which this reader"
                 f" has not read (a table keeps its log {LOG_RETENTION.removeprefix('interval ')}):"
                 " a start reads the table afresh"
-            ) from e
-        with log_file:
-            actions = [json.loads(line) for line in log_file.read().decode().splitlines()]
+            )
         info = next((a["commitInfo"] for a in actions if "commitInfo" in a), {})
         adds = [a["add"] for a in actions if "add" in a]
         changed = [add.get("dataChange", True) for add in adds]
