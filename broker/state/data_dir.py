@@ -110,26 +110,23 @@ def admit(
     vote and have the entries they lack truncated everywhere."""
     members = sorted({raft, *peers})
     path = data_dir / IDENTITY
-    bootstrap_late = False
-    if new_cluster and holds_data(data_dir):
-        # A node that has waited for a leader who never came (each node of a new cluster
-        # started without the flag) has heard of no term: nobody stood, nothing to lose.
-        bootstrap_late = _waiting(path) and _term(data_dir) == 0
-        if not bootstrap_late:
-            raise DataDirError(
-                f"--new-cluster: data dir {data_dir} already holds this node's state; the "
-                "flag is only for each node's first start in a new cluster: start it "
-                "without"
-            )
-    if not path.exists():
+    identity = _read(path)
+    # A node that has waited for a leader who never came (each node of a new cluster
+    # started without the flag) has heard of no term: nobody stood, nothing to lose.
+    bootstrap_late = (
+        new_cluster and identity is not None and not identity.joined and _term(data_dir) == 0
+    )
+    if new_cluster and holds_data(data_dir) and not bootstrap_late:
+        raise DataDirError(
+            f"--new-cluster: data dir {data_dir} already holds this node's state; the "
+            "flag is only for each node's first start in a new cluster: start it "
+            "without"
+        )
+    if identity is None:
         raft_files = any((data_dir / name).exists() for name in RAFT_FILES)
         identity = Identity(raft, members, joined=raft_files or new_cluster or not peers)
         _write(path, identity)
         return identity
-    try:
-        identity = Identity(**json.loads(path.read_text()))
-    except (OSError, ValueError, TypeError) as e:
-        raise DataDirError(f"{path} cannot be read ({e}): {RECOVERY}") from None
     if identity.raft != raft and not reconfigure:
         raise DataDirError(
             f"data dir {data_dir} belongs to the node at Raft address {identity.raft}, not "
@@ -154,12 +151,14 @@ def admit(
     return identity
 
 
-def _waiting(path: Path) -> bool:
-    """Whether the identity at `path` says the node has not joined (it may not vote)."""
+def _read(path: Path) -> Identity | None:
+    """The identity at `path`; None if the dir has none yet."""
+    if not path.exists():
+        return None
     try:
-        return json.loads(path.read_text()).get("joined") is False
-    except (OSError, ValueError, AttributeError):
-        return False
+        return Identity(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise DataDirError(f"{path} cannot be read ({e}): {RECOVERY}") from None
 
 
 def _term(data_dir: Path) -> int:
