@@ -41,7 +41,7 @@ from dejaq.broker.state.leases import (
     TopicState,
     consecutive,
 )
-from dejaq.broker.state.raft import NotCommitted, RaftNode, committed
+from dejaq.broker.state.raft import STAMPED_WITHIN_MS, NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, count, last, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
@@ -704,8 +704,13 @@ class Broker:
         asked: a command committed through Raft first (the leader's own address, again)
         orders the question after them. A new leader has not applied the last term's
         entries yet when it is elected, and a run before them would miss their events.
+        A command stamped before the question but logged after it (queued behind a
+        group in flight, or stamped on another thread) is not ordered so: the cutoff
+        stays `STAMPED_WITHIN_MS` back at least, or its event could land below the
+        watermark.
         """
         assert self.raft is not None
+        now = now_ms()  # read before the question, so that it orders what was stamped before
         committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
         entries = self.state(name).events.view()
         unwritten = min((e.at for e in entries), default=None)
@@ -713,8 +718,8 @@ class Broker:
         run = retain(
             index.buffer_path,
             index.ledger_path,
-            cfg.settled_retention_ms,
-            now_ms(),
+            max(cfg.settled_retention_ms, STAMPED_WITHIN_MS),
+            now,
             unwritten,
             index.dead_letter_path,
         )

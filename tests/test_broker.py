@@ -2350,6 +2350,70 @@ def test_the_next_group_is_sent_before_the_leader_applies_the_last(tmp_path: Pat
     assert in_log_at_apply == {"a": 2, "b": 1}
 
 
+def test_a_command_that_waited_out_its_commit_timeout_for_an_entry_is_never_logged(
+    tmp_path: Path,
+) -> None:
+    """Three real Raft nodes. A command still waiting for a log entry COMMIT_TIMEOUT_S
+    after it arrived (groups ahead of it slow to commit) fails and is not sent: its caller
+    was told it did not commit, and its time stamp, logged later, could fall below a
+    retention run's watermark made meanwhile (`STAMPED_WITHIN_MS`). Its arrival is set
+    back by hand here, as a Raft slow for seconds would leave it."""
+    import asyncio
+
+    from dejaq.broker.state import raft
+
+    nodes = _raft_nodes(tmp_path)
+
+    async def scenario() -> set[str]:
+        leader = await _leader_once_attached(nodes)
+        await leader.commit("t", "touch", "warm-up", 0)
+        loop = asyncio.get_running_loop()
+        stale: asyncio.Future = loop.create_future()
+        arrived = loop.time() - raft.COMMIT_TIMEOUT_S
+        leader._pending.append((("t", "touch", ("stale", 1)), stale, arrived))
+        assert await leader.commit("t", "touch", "fresh", 2) is True
+        with pytest.raises(raft.NotCommitted, match="waiting for a Raft log entry"):
+            await stale
+        await leader.commit("t", "touch", "after", 3)
+        return set(leader.state.topics["t"].consumers)
+
+    try:
+        consumers = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert consumers == {"warm-up", "fresh", "after"}, "the stale command never applied"
+
+
+def test_a_retention_run_keeps_its_cutoff_back_by_what_a_command_in_flight_may_carry(
+    tmp_path: Path,
+) -> None:
+    """With `settled_retention_ms` 0, a run's cutoff is still `STAMPED_WITHIN_MS` back:
+    a command stamped before the run asked and logged after it would otherwise put its
+    event below the watermark, where no start or run reads: its message's row would stay
+    in the buffer for good, pending again at the next start. Acks just made stay."""
+    import asyncio
+
+    from dejaq.broker.service import now_ms
+    from dejaq.broker.state.raft import STAMPED_WITHIN_MS
+    from dejaq.pipelines.retention import watermark
+
+    async def scenario(broker: Any) -> tuple[int, int, int]:
+        leased = json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))
+        await broker.settle("jobs", "ack", "w", [m["id"] for m in leased])
+        st = broker.state("jobs")
+        await _until(lambda: st.trimmed_upto() >= st.seq, "the acks checkpointed")
+        cfg = broker.topics["jobs"].model_copy(update={"settled_retention_ms": 0})
+        before = now_ms()
+        await asyncio.to_thread(broker._retain, "jobs", cfg)
+        buffer = DeltaTable(broker.indexes["jobs"].buffer_path)
+        return before, watermark(buffer), buffer.to_pyarrow_table().num_rows
+
+    before, upto, rows = on_one_node(tmp_path, scenario)
+    assert upto < before - STAMPED_WITHIN_MS + 5_000, "the cutoff is 10 s back"
+    assert rows == 3, "messages acked within the last 10 s stay in the buffer"
+
+
 def test_a_new_leader_answers_only_once_it_applied_the_last_terms_commits(
     tmp_path: Path,
 ) -> None:

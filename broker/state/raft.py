@@ -75,6 +75,10 @@ if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
 MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit (not apply)
 MAX_GROUP = 256  # commands per entry
 COMMIT_TIMEOUT_S = 5.0
+# A command reaches the Raft log within this of the time it was stamped with, or never
+# (`RaftNode._flush`): a retention run's cutoff stays this far back, or the event of a
+# command stamped before it asked, and logged after, could land below its watermark.
+STAMPED_WITHIN_MS = int(2 * COMMIT_TIMEOUT_S * 1000)
 CATCH_UP_STEP_S = 0.005  # `RaftNode.lead` looks again after this
 TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
 ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader for 300 ms
@@ -936,7 +940,17 @@ class RaftNode:
         return result
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send the waiting commands, a group an entry, while entries are free. One that
+        waited COMMIT_TIMEOUT_S for an entry fails and is not sent: its caller is told it
+        did not commit, so it must not (and its time stamp is as old as that, at most
+        `STAMPED_WITHIN_MS` when it is logged)."""
         self._flush_due = False
+        stale = loop.time() - COMMIT_TIMEOUT_S
+        waited = next((i for i, p in enumerate(self._pending) if p[2] > stale), None)
+        for _, fut, _ in self._pending[:waited]:  # in order of arrival: the stale first
+            if not fut.done():
+                fut.set_exception(NotCommitted("timed out waiting for a Raft log entry"))
+        del self._pending[:waited]
         while self._pending and len(self._uncommitted) < MAX_IN_FLIGHT:
             group, self._pending = self._pending[:MAX_GROUP], self._pending[MAX_GROUP:]
             self._batches += 1
