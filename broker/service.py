@@ -342,6 +342,8 @@ class Broker:
         ended = [t.name for t in self._threads if not t.is_alive()]
         if ended:  # its duty undone for good: expiry, checkpoints, indexing new rows
             return False, f"background thread {', '.join(ended)} ended; restart the node"
+        if self.raft.sync.failure is not None:  # it exits (`jobs.broker`)
+            return False, str(self.raft.sync.failure)
         if not self.raft.sync.voting:
             return False, (
                 "this node started on an empty data dir: it waits for a leader to bring it "

@@ -8,6 +8,8 @@ import ipaddress
 import logging
 import socket
 import sys
+from contextlib import suppress
+from functools import partial
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -226,7 +228,15 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         app = create_app(broker, Producer(settings.kafka))
-        uvicorn.run(app, host=host, port=port, **SETTINGS, **tls)
+        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **SETTINGS, **tls))
+        # A snapshot from the leader that does not load ends the node as a damaged file
+        # at start does: it stops serving, then says why and exits 1, below.
+        broker.raft.sync.on_failure = partial(setattr, server, "should_exit", True)
+        with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down, as on SIGTERM
+            server.run()
     finally:
         broker.stop()
+    if broker.raft.sync.failure is not None:
+        print(f"error: node {args.node_id}: {broker.raft.sync.failure}", file=sys.stderr)
+        return 1
     return 0

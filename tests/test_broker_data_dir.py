@@ -7,11 +7,15 @@ import gzip
 import json
 import os
 import pickle
+import re
 import secrets
 import shutil
+import signal
 import struct
 import subprocess
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -19,7 +23,14 @@ import pytest
 from conftest import wait_until
 from pysyncobj.journal import FileJournal
 from test_broker import buffer_rows, fill
-from test_broker_cluster import cluster_info, exit_at_start, leader_of, stop, write_conf
+from test_broker_cluster import (
+    cluster_info,
+    exit_at_start,
+    leader_of,
+    start_logged,
+    stop,
+    write_conf,
+)
 
 from dejaq.broker.state.data_dir import IDENTITY, RAFT_FILES
 from dejaq.broker.state.raft import ELECTION_TIMEOUT_S
@@ -295,5 +306,85 @@ def test_a_new_cluster_started_without_its_flag_takes_it_at_a_restart(tmp_path) 
             cluster.wait_ready(nodes)
             assert all(identity(n)["joined"] is True for n in nodes)
             assert leader_of(nodes, client) is not None
+    finally:
+        stop(nodes)
+
+
+def log_entries(client: httpx.Client, node: Node) -> int:
+    """The entries in `node`'s Raft log, as its metrics last published them."""
+    text = client.get(f"{node.url}/metrics").text
+    return int(float(re.search(r"^dejaq_raft_log_entries (\S+)$", text, re.M).group(1)))
+
+
+@contextmanager
+def ledgers_out_of_reach(warehouse: Path) -> Iterator[None]:
+    """The warehouse's ledgers out of every node's reach, as an object store's outage
+    leaves them: moved aside, with a file in their place so that no writer makes them
+    anew; back as they were after."""
+    ledgers, aside = warehouse / "ledger", warehouse / "ledger.aside"
+    ledgers.rename(aside)
+    ledgers.write_bytes(b"")
+    try:
+        yield
+    finally:
+        ledgers.unlink()
+        aside.rename(ledgers)
+
+
+def test_a_follower_whose_snapshot_from_the_leader_does_not_load_exits_naming_it(
+    tmp_path,
+) -> None:
+    """A follower stopped while the leader compacts its log gets the leader's snapshot
+    when it returns. Loading it rebuilds the node's indexes from the warehouse's ledgers:
+    with those out of reach it does not load, and PySyncObj would log that and go on
+    with the state from before the snapshot, the node voting and standing for election.
+    It exits 1 instead, naming the file and the way back, as a damaged file at start
+    does; the others go on leasing. Started again, the ledgers back, it loads the
+    snapshot from its file and knows the acks made while it was stopped."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    warehouse = tmp_path / "warehouse"
+    fill(str(warehouse), "hot", buffer_rows(list(range(6)), lambda i: 0))
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(3, tmp_path / "raft")
+    try:
+        logs = start_logged(nodes, nodes, conf, env, tmp_path)
+        cluster.wait_ready(nodes)
+        with httpx.Client(timeout=30) as client:
+            leader = leader_of(nodes, client)
+            lagging = next(n for n in nodes if n is not leader)
+            os.kill(lagging.proc.pid, signal.SIGSTOP)
+            try:
+                acked = lease_and_ack(client, leader, 2)
+                before = log_entries(client, leader)
+                # PySyncObj compacts a log a minute after the last compaction (or start).
+                wait_until(
+                    lambda: log_entries(client, leader) < before,
+                    timeout=120,
+                    what="the leader to compact its log",
+                )
+                with ledgers_out_of_reach(warehouse):
+                    os.kill(lagging.proc.pid, signal.SIGCONT)
+                    wait_until(
+                        lambda: lagging.proc.poll() is not None, timeout=60, what="it to exit"
+                    )
+            finally:
+                if lagging.proc.poll() is None:
+                    os.kill(lagging.proc.pid, signal.SIGCONT)
+            said = logs[nodes.index(lagging)].read_text()
+            assert lagging.proc.returncode == 1, said
+            dump = lagging.data_dir / "raft.dump"
+            failed = f"{dump}, the snapshot received from the leader, did not load"
+            assert f"error: node {lagging.node_id}: {failed}" in said, said
+            assert "takes no further part in Raft and exits; start it again" in said, said
+            running = [n for n in nodes if n is not lagging]
+            leading = wait_until(lambda: leader_of(running, client), what="a leader of the two")
+            assert sorted(lease_and_ack(client, leading, 2)) == sorted(
+                {f"m{i}" for i in range(4)} - set(acked)
+            )
+            cluster.start_node(lagging, nodes, str(conf), env)
+            cluster.wait_ready(nodes)
+            for mid in acked:
+                status = client.get(f"{lagging.url}/v1/topics/hot/messages/{mid}").json()
+                assert status["status"] in ("acked", "settled"), status
     finally:
         stop(nodes)

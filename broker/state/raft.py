@@ -390,6 +390,10 @@ class _SyncObj(SyncObj):
         # neither votes nor stands for election until `_join`, which calls `on_joined`.
         self.voting = True
         self.on_joined: Callable[[], None] = lambda: None
+        # Why this node stopped taking part in Raft (a snapshot received from the leader
+        # did not load: `_SyncObj__loadDumpFile`), and what then ends the node.
+        self.failure: DataDirError | None = None
+        self.on_failure: Callable[[], None] = lambda: None
         super().__init__(*args, **kwargs)
 
     @contextmanager
@@ -434,18 +438,51 @@ class _SyncObj(SyncObj):
         path = self._SyncObj__conf.fullDumpFile
         if path is None or not os.path.isfile(path):
             return
+        why = self._unloaded(clear_journal=False)
+        if why is not None:
+            raise DataDirError(f"{path} {why}: {RECOVERY}")
+
+    def _SyncObj__loadDumpFile(self, clearJournal: bool) -> None:  # overrides SyncObj's
+        """Load the snapshot the leader sent, written over this node's own (PySyncObj's
+        install path, for a follower whose next entry the leader's log no longer holds).
+
+        Where it does not load (the warehouse out of reach while the indexes are rebuilt
+        from it, say), PySyncObj logs it and goes on: the node keeps the state from
+        before the snapshot, or part of the snapshot's, applies no entry again, yet
+        votes and stands for election, and takes each copy the leader sends again, each
+        written and fsynced on the event loop. Instead it stops taking part at once
+        (`failure`: no vote, no election, nothing applied) and ends (`on_failure`), as a
+        damaged file at start ends it. Started again, it loads the file as its own
+        snapshot, or exits saying why."""
+        if self.failure is not None:
+            return
+        why = self._unloaded(clear_journal=clearJournal)
+        if why is None:
+            return
+        self.voting = False
+        self.failure = DataDirError(
+            f"{self._SyncObj__conf.fullDumpFile}, the snapshot received from the leader, "
+            f"{why}: this node takes no further part in Raft and exits; start it again "
+            "once the cause is put right, and it loads the file at start or exits saying why"
+        )
+        log.error("%s", self.failure)
+        self.on_failure()
+
+    def _unloaded(self, clear_journal: bool) -> str | None:
+        """Load the snapshot file as PySyncObj does: why it did not load, or None."""
         serializer = self._SyncObj__serializer
         try:
             data = serializer.deserialize()
         except Exception as e:
-            raise DataDirError(f"{path} cannot be read ({e!r}): {RECOVERY}") from None
+            return f"cannot be read ({e!r})"
         serializer.deserialize = lambda: data  # PySyncObj's load, on what was read
         try:
-            _load_dump_file(self, clearJournal=False)
+            _load_dump_file(self, clearJournal=clear_journal)
         finally:
             del serializer.deserialize
         if self._SyncObj__raftLastApplied != data[1][1]:
-            raise DataDirError(f"{path} did not load (its error is logged above): {RECOVERY}")
+            return "did not load (its error is logged above)"
+        return None
 
     @property
     def _poller(self) -> LoopPoller:
@@ -465,7 +502,10 @@ class _SyncObj(SyncObj):
     def _SyncObj__applyLogEntries(self) -> bool:  # overrides SyncObj.__applyLogEntries
         """Apply what is committed; on the leader, once the whole log is, first send the
         commands that waited for that (`RaftNode._all_committed`): the followers take
-        them while this node applies."""
+        them while this node applies. Nothing, once the node stopped taking part
+        (`failure`)."""
+        if self.failure is not None:
+            return False
         if (
             self._SyncObj__raftCommitIndex > self._SyncObj__raftLastApplied
             and self._SyncObj__raftCommitIndex == self._SyncObj__getCurrentLogIndex()
