@@ -17,6 +17,7 @@ from dejaq.client import BrokerError, Client, Unavailable
 from dejaq.conf.settings import ConfigError
 
 EXIT_OK, EXIT_FAIL = 0, 1
+EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 
 
 def epoch_ms(value: str) -> int:
@@ -31,7 +32,10 @@ def epoch_ms(value: str) -> int:
         raise argparse.ArgumentTypeError(
             f"expected epoch ms or ISO-8601 with an offset, got {value!r}"
         )
-    return int(at.timestamp() * 1000)
+    # Exact, and rounded up as the header's: a time finer than a millisecond is not due
+    # before it.
+    micros = (at - EPOCH) // dt.timedelta(microseconds=1)
+    return -(-micros // 1000)
 
 
 def add_node(sp: argparse.ArgumentParser, required: bool = True) -> None:

@@ -293,6 +293,8 @@ def test_topic_settings_default_to_no_limit_and_no_backoff() -> None:
 def test_the_redrive_command_takes_deliver_at_as_epoch_ms_or_iso_8601() -> None:
     assert epoch_ms("1700000000000") == 1_700_000_000_000
     assert epoch_ms("2023-11-14T23:13:20+01:00") == 1_700_000_000_000
+    assert epoch_ms("2023-11-14T22:13:20.0009+00:00") == 1_700_000_000_001, "rounded up"
+    assert epoch_ms("2023-11-14T22:13:20.123+00:00") == 1_700_000_000_123
     for bad in ("2023-11-14T22:13:20", "soon"):
         with pytest.raises(argparse.ArgumentTypeError, match="offset"):
             epoch_ms(bad)
