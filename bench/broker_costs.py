@@ -201,7 +201,11 @@ async def measure(
         sent[me] = []
         for _ in range(rounds):
             t = time.perf_counter()
-            body = f'{{"consumer_id": "{me}", "max_messages": {args.batch}}}'.encode()
+            request = secrets.token_hex(16)  # as the client makes one per lease call
+            body = (
+                f'{{"consumer_id": "{me}", "max_messages": {args.batch}, '
+                f'"request_id": "{request}"}}'
+            ).encode()
             assert _lease_args(_parsed(body)) is not None
             now = int(time.time() * 1000)
             t = clock.time("leader", "parse requests", t)
@@ -211,7 +215,7 @@ async def measure(
                 t = clock.time("leader", "pick", t)
                 if not picks[0]:
                     raise RuntimeError(f"{me}'s buckets ran dry: fill more messages")
-                lease = (me, now, 30_000, picks, None, True, state.seq)  # as `Broker.lease`
+                lease = (me, now, 30_000, picks, None, request, state.seq)  # as `Broker.lease`
                 grants = await leader.commit("t", "lease", *lease)
                 sent[me].append(lease)
                 tally["repicks"] += not grants

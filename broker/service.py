@@ -35,7 +35,9 @@ from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.data_dir import admit, lock, mark_joined
 from dejaq.broker.state.leases import (
+    Again,
     Dead,
+    LeaseRecord,
     Refusal,
     RetryBackoff,
     TopicState,
@@ -796,6 +798,7 @@ class Broker:
         lease_ms: int,
         wait_ms: int,
         gone: Callable[[], bool] = lambda: False,
+        request: str | None = None,
     ) -> bytes:
         """The lowest deliverable sort keys of the consumer's buckets, long-polling.
 
@@ -808,6 +811,12 @@ class Broker:
         A poll grants nothing once `gone()` says its client has disconnected, nor once
         its consumer has left meanwhile (it would join again): messages leased to
         nobody wait out their lease and come back a delivery closer to dead.
+
+        `request`: the id the client made for the request, sent again with it when its
+        answer is lost. The consumer's last lease, if it answered that request, is the
+        answer (`_again`): found before picking, or by the lease command itself when the
+        first attempt committed meanwhile (`TopicState.again`). Each lease command
+        carries the id, so a new leader knows it too.
         """
         cfg = self.topic(topic)
         if (contested := self.contested.get(cfg.name)) is not None:
@@ -822,6 +831,8 @@ class Broker:
         repicks = 0
         first = True
         while True:
+            if request is not None and (again := st.again(consumer, request)) is not None:
+                return self._again(topic, again, consumer)
             now = now_ms()
             seen = st.consumers.get(consumer)
             if seen is None and not first:
@@ -842,12 +853,16 @@ class Broker:
             if picks[0]:
                 granted = None
                 try:
-                    # Numbered (True), and made from the state at `seq`: see `TopicState.lease`.
-                    args = (consumer, now, lease_ms, picks, rate, True, st.seq)
+                    # Numbered (True, or the request's id), and made from the state at
+                    # `seq`: see `TopicState.lease`.
+                    numbered = True if request is None else request
+                    args = (consumer, now, lease_ms, picks, rate, numbered, st.seq)
                     granted = await self._commit(topic, "lease", *args)
                 finally:
-                    if granted is None or len(granted) < len(picks[0]):  # some to put back
-                        index.release(st, picks)
+                    if type(granted) is not LeaseRecord or len(granted) < len(picks[0]):
+                        index.release(st, picks)  # some to put back
+                if type(granted) is Again:
+                    return self._again(topic, granted, consumer)
                 if granted:
                     self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
@@ -858,6 +873,19 @@ class Broker:
             if time.monotonic() >= deadline:
                 return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
+
+    def _again(self, topic: str, again: Again, consumer: str) -> bytes:
+        """The JSON array of what the lease `again` names still holds for `consumer`,
+        as its first answer rendered it: a message of it acked, nacked, rejected or
+        past its deadline since is left out."""
+        record = self.state(topic).records.get(again.lid)
+        if record is None:  # every message of it ended, and the trim forgot the record
+            return b"[]"
+        now, index = now_ms(), self.indexes[topic]
+        held = [p for p in record.live_positions() if not record.status(p, consumer, now)]
+        heads = [index.head(record.mid(p)) for p in held]
+        timeline = self.topic(topic).kind.sorted_as is TopicKind.TIMELINE
+        return message_json.held_array(record, held, heads, timeline)
 
     async def settle(
         self, topic: str, op: str, consumer: str, ids: Named, receipts: bool = False

@@ -38,13 +38,17 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
 
 
 def drop_first_answer(
-    client: Any, suffix: str, meanwhile: Callable[[Any], object] | None = None
+    client: Any,
+    suffix: str,
+    meanwhile: Callable[[Any], object] | None = None,
+    lost: list[Any] | None = None,
 ) -> list[str]:
     """Make the client's first request to a path ending in `suffix` reach the broker,
     then lose its answer as a dropped connection would (the client's own `Lost`); the
     rest is real. `meanwhile` is called with that request's body before the loss, to
-    hold the retry back until the broker is in the state it is to find. Returns the
-    paths dropped, to assert it happened."""
+    hold the retry back until the broker is in the state it is to find; `lost`, if
+    given, receives the answer the client never saw. Returns the paths dropped, to
+    assert it happened."""
     from dejaq.client.connections import Lost
 
     real = client._http.request
@@ -54,6 +58,8 @@ def drop_first_answer(
         answer = real(node, method, path, body, **kw)
         if path.endswith(suffix) and not dropped:
             dropped.append(path)
+            if lost is not None:
+                lost.append(answer)
             if meanwhile is not None:
                 meanwhile(body)
             raise Lost("the connection dropped before the answer")

@@ -271,6 +271,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert sorted(old.leases) == ["m2", "m3"] and old.settled == {"m1": "acked"}
     assert old.deliveries == {} and old.lease_of("m3").deliveries == 1, "counted by the lease"
     assert not old.paused and old.redriven_at == {}, "from before pause and redrive"
+    assert old.requests == {} and old.again("a", "r1") is None, "and before lease requests"
     assert old.held == {0: {}, 1: {"a": 1}, 2: {"b": 1}}, "counts above 0 only"
     assert all(type(h) is dict for h in old.held.values()), "plain dicts, as a new state's"
     assert old.lease_budget(10**12, 5.0) == 5, "and before rate limits: a full bucket"
@@ -279,8 +280,10 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert (event.seq, event.message_id, event.bucket, event.event) == (1, "m1", 0, "acked")
     assert (event.sort_key, event.deliveries, event.at, event.reason) == (7, 1, 4, None)
     old.ack("b", 5, ["m3"])
+    old.requested("b", "r1", old.lease("b", 6, 1000, [("m4", 2, 9)], lid=1))
     again = pickle.loads(pickle.dumps(old))
     assert again.events == old.events and again.owned == old.owned
+    assert again.requests == {"b": ("r1", 1)} and again.again("b", "r1") is not None
     assert again.buckets_of("a") == old.buckets_of("a")
 
 
@@ -1439,8 +1442,9 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
     """A lease joins JSON rendered when the rows were indexed: the text `json.dumps` gives
     of the messages built from the buffer rows, on first delivery at the row's own sort
     key (the joined case) and on redelivery or at another key (rendered apart), mixed,
-    and only of the picks the lease granted. A record without a value has a null
-    payload, an empty one an empty payload."""
+    and only of the picks the lease granted; the same again from the lease's record,
+    for a request sent again. A record without a value has a null payload, an empty one
+    an empty payload."""
     warehouse = str(tmp_path / "wh")
     for kind, keys in (("priority", [7, 65535, 3, 9]), ("timeline", [1_700_000_000_000] * 4)):
         timeline = kind == "timeline"
@@ -1485,6 +1489,9 @@ def test_leased_json_is_what_json_dumps_gives(tmp_path: Path) -> None:
             rendered = Heads.of(index.head(p[0]) for p in picks)
             got = message_json.leased_array(packed(picks), rendered, lease, timeline)
             assert got == json.dumps(want).encode() and len(want) == sum(map(bool, deliveries))
+            held = list(range(len(mids)))
+            again = message_json.held_array(lease, held, [index.head(m) for m in mids], timeline)
+            assert again == got, "a request sent again is answered as its lease was"
 
 
 def test_a_lease_rendered_from_heads_its_keys_do_not_match_is_refused() -> None:
@@ -2085,6 +2092,7 @@ def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int, rece
                 model.max_messages,
                 model.lease_ms,
                 model.wait_ms,
+                None,
             )
     body = {"consumer_id": "w", "ids": ids}
     try:
@@ -2114,21 +2122,25 @@ def test_hot_path_takes_only_what_the_models_accept(ids: list[str], n: int, rece
     | st.sampled_from(["w" * 200, "w" * 201, "\x21\x7e", "a b", "\x7f", "é", "\ud800", "\t"]),
     st.sampled_from([None, 0, 1, 43_200_000, 43_200_001, True, 2.0]),
     st.sampled_from([0, 30_000, 30_001, -1, False]),
+    st.sampled_from(["absent", None, "r", "r" * 64, "r" * 65, "", "a b", "é", 7, ["r"]]),
 )
 @settings(max_examples=200, deadline=None)
 def test_hot_path_takes_consumer_ids_and_limits_as_the_models_do(
-    consumer: str, lease_ms: object, wait_ms: object
+    consumer: str, lease_ms: object, wait_ms: object, request: object
 ) -> None:
     """The core's checks of a body (`dejaq_core.Bodies`) take a consumer id, a lease
     time and a wait exactly where `LeaseRequest` and `Settle` take them as they are:
     printable ASCII, 1 to 200 characters; the limits at their bounds; no bool for an
-    int, no float to coerce."""
+    int, no float to coerce. The hot path's own check of a request id, as well: printable
+    ASCII, 1 to 64 characters, or null."""
     from pydantic import ValidationError
 
     from dejaq.broker.api.hotpath import _ack_args, _lease_args
     from dejaq.broker.api.routers.leases import LeaseRequest, Settle
 
     body = {"consumer_id": consumer, "lease_ms": lease_ms, "wait_ms": wait_ms}
+    if request != "absent":
+        body["request_id"] = request
     taken = _lease_args(body)
     try:
         model = LeaseRequest(**body)
@@ -2136,8 +2148,15 @@ def test_hot_path_takes_consumer_ids_and_limits_as_the_models_do(
         assert taken is None
     else:
         exact = type(lease_ms) in (int, type(None)) and type(wait_ms) is int
-        assert taken == ((consumer, 1, lease_ms, wait_ms) if exact else None)
-        assert taken is None or taken == (model.consumer_id, 1, model.lease_ms, model.wait_ms)
+        given = None if request == "absent" else request
+        assert taken == ((consumer, 1, lease_ms, wait_ms, given) if exact else None)
+        assert taken is None or taken == (
+            model.consumer_id,
+            1,
+            model.lease_ms,
+            model.wait_ms,
+            model.request_id,
+        )
     ack = {"consumer_id": consumer, "receipts": [0]}
     try:
         Settle(**ack)
@@ -2161,7 +2180,9 @@ _BODY_VALUES = st.recursive(
 
 @given(
     st.dictionaries(
-        st.sampled_from(["consumer_id", "max_messages", "lease_ms", "wait_ms", "receipts", "ids"]),
+        st.sampled_from(
+            ["consumer_id", "max_messages", "lease_ms", "wait_ms", "request_id", "receipts", "ids"]
+        ),
         _BODY_VALUES,
     ),
     st.sampled_from(["utf-8", "utf-16"]),

@@ -692,6 +692,12 @@ def test_hot_path_answers_as_the_routes_do(three) -> None:
         ("hot/leases", {**w, "extra": 1}),
         ("hot/leases", {"consumer_id": "w x"}),
         ("hot/leases", []),
+        ("hot/leases", {**w, "request_id": "0123456789abcdef"}),
+        ("hot/leases", {**w, "request_id": None}),
+        ("hot/leases", {**w, "request_id": "x" * 65}),
+        ("hot/leases", {**w, "request_id": "a b"}),
+        ("hot/leases", {**w, "request_id": 7}),
+        ("hot/leases", {**w, "request_id": ""}),
         ("nope/leases", w),
         ("hot/acks", {**w, "ids": ["never-leased"]}),  # 409, reason per id
         ("hot/acks", {**w, "ids": ["\ud800"]}),  # a lone surrogate: not a string to pydantic
@@ -709,6 +715,9 @@ def test_hot_path_answers_as_the_routes_do(three) -> None:
         hot, routed = ((a.status_code, a.headers["content-type"], a.json()) for a in answers)
         assert hot == routed, (path, body)
         assert hot[0] < 500 and (hot[0] < 400 or hot[1] == PROBLEM), (path, body, hot)
+    for bad in ("x" * 65, "a b", 7, ""):
+        got = client.post(f"{base}/hot/leases", json={**w, "request_id": bad})
+        assert got.status_code == 422 and "request_id" in got.text, (bad, got.text)
 
 
 def test_nodes_run_without_pandas(three) -> None:

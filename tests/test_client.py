@@ -54,7 +54,7 @@ def three(tmp_path_factory, kafka_bootstrap: str, kafka_source: str) -> Iterator
     cron_topic = f"  - {{name: sched, kind: cron, source: [unused-{kafka_source}], buckets: 2}}\n"
     topics = "".join(
         f"  - {{name: {name}, kind: priority, source: [{kafka_source}], buckets: 2}}\n"
-        for name in ("acks", "poison", "idle", "trim")
+        for name in ("acks", "poison", "idle", "trim", "retried", "reworked")
     )
     conf.write_text(conf.read_text() + cron_topic + topics)
     nodes = start(tmp_path, conf)
@@ -683,6 +683,95 @@ def test_a_nack_whose_answer_was_lost_counts_as_nacked_not_lost(three) -> None:
             thread.join(30)
     assert dropped, "the first nack's answer was dropped"
     assert worker.counts.nacked >= 1 and worker.counts.lost == 0
+
+
+def test_a_lease_whose_answer_was_lost_is_answered_again_not_leased_anew(three) -> None:
+    """The first lease reaches the broker, but the connection drops before its answer
+    (injected in the client's transport, after the real request: the rest is real). The
+    client sends the same request again: it is answered with what that lease holds, the
+    same receipts and one delivery, and nothing more is leased; the next call leases
+    anew."""
+    nodes, warehouse = three
+    fill(warehouse, "retried", buffer_rows([1, 2, 3, 4], bucket_of=lambda i: 0, prefix="r"))
+    lost: list = []
+    lost_at: list[float] = []
+    with Client(urls(nodes)) as c:
+        dropped = drop_first_answer(c, "/leases", lambda _: lost_at.append(time.monotonic()), lost)
+        got = c.lease("retried", "w", max_messages=2, lease_ms=60_000, wait_ms=5000)
+        assert dropped, "the first lease's answer was dropped"
+        unseen = lost[0].json()["messages"]
+        assert [m["id"] for m in unseen] == ["r0", "r1"]
+        assert [(m.id, m.receipt, m.deliveries) for m in got] == [
+            (m["id"], m["receipt"], 1) for m in unseen
+        ]
+        assert all(m.held_until - 60 < lost_at[0] for m in got), "held from the first attempt"
+        assert c.topic_stats("retried").leased == 2, "the retry leased nothing more"
+        assert c.ack("retried", "w", receipts=[m.receipt for m in got]).settled == 2
+        rest = c.lease("retried", "w", max_messages=4, lease_ms=60_000, wait_ms=5000)
+        assert [(m.id, m.deliveries) for m in rest] == [("r2", 1), ("r3", 1)]
+
+
+def test_a_worker_whose_lease_answer_was_lost_handles_those_messages_first_time(three) -> None:
+    """The worker's first lease answer is lost (as above): its retry hands it the same
+    messages, each handled once, on its first delivery, and acked."""
+    nodes, warehouse = three
+    fill(warehouse, "reworked", buffer_rows([1, 2, 3], bucket_of=lambda i: 0, prefix="w"))
+    calls: list[tuple[str, int]] = []
+    acked: list[Message] = []
+    with Client(urls(nodes)) as c:
+        dropped = drop_first_answer(c, "/leases")
+        worker = Worker(
+            c,
+            "reworked",
+            lambda m: calls.append((m.id, m.deliveries)),
+            batch=3,
+            lease_ms=60_000,
+            wait_ms=1000,
+            on_ack=acked.append,
+        )
+        [thread] = run_workers([worker])
+        try:
+            wait_until(lambda: len(acked) == 3, timeout=30, what="the three acked")
+        finally:
+            worker.stop()
+            thread.join(30)
+    assert dropped, "the first lease's answer was dropped"
+    assert sorted(calls) == [("w0", 1), ("w1", 1), ("w2", 1)]
+    assert (worker.counts.acked, worker.counts.lost) == (3, 0)
+
+
+def test_a_lease_sent_again_to_a_new_leader_is_answered_by_the_lost_attempt(
+    tmp_path, kafka_bootstrap, kafka_source
+) -> None:
+    """The first lease commits, then its leader is killed before the client reads the
+    answer (the loss injected in the client's transport, after the real request: the
+    rest is real). The retry reaches the new leader, which knows the request's id from
+    the lease command: the same messages, receipts and deliveries, which acks settle."""
+    conf = write_conf(tmp_path, kafka_bootstrap, kafka_source, heartbeat_ms=30_000)
+    fill(str(tmp_path / "warehouse"), "fo", buffer_rows([1, 2, 3, 4], lambda i: 0, "k"))
+    nodes = start(tmp_path, conf)
+    try:
+        with httpx.Client() as http:
+            leader = wait_until(lambda: leader_of(nodes, http), what="a leader")
+        lost: list = []
+
+        def kill_leader(body: dict) -> None:
+            cluster.stop_node(leader, kill=True)
+
+        order = [leader.url, *(n.url for n in nodes if n is not leader)]
+        with Client(order, deadline=60) as c:
+            dropped = drop_first_answer(c, "/leases", kill_leader, lost)
+            got = c.lease("fo", "w", max_messages=2, lease_ms=60_000, wait_ms=5000)
+            assert dropped and c.node != leader.url, "answered by another node"
+            unseen = lost[0].json()["messages"]
+            assert [m["id"] for m in unseen] == ["k0", "k1"]
+            assert [(m.id, m.receipt, m.deliveries) for m in got] == [
+                (m["id"], m["receipt"], 1) for m in unseen
+            ]
+            assert c.ack("fo", "w", receipts=[m.receipt for m in got]).settled == 2
+            assert c.topic_stats("fo").leased == 0, "the retry leased nothing more"
+    finally:
+        stop(nodes)
 
 
 def test_a_handler_that_ends_the_process_counts_the_delivery(three) -> None:

@@ -21,6 +21,7 @@ from test_broker import leased_ids, packed, settled_of, topic_conf
 from dejaq.broker.state.leases import (
     BULK_MIN,
     POSITION_BITS,
+    Again,
     Lease,
     LeaseRecord,
     Refusal,
@@ -586,6 +587,7 @@ def groups(draw: st.DrawFn) -> list[list[tuple]]:
         st.sampled_from(["packed", "listed", "list of picks"]),
         st.sampled_from([None, None, 5.0]),
         st.sampled_from(["now", "now", "stale", "none"]),
+        st.sampled_from([True, True, "r1", "r2"]),
     )
     ack = st.tuples(
         st.just("ack"),
@@ -593,7 +595,9 @@ def groups(draw: st.DrawFn) -> list[list[tuple]]:
         st.lists(st.integers(0, 40), max_size=20),
         st.sampled_from(["receipts", "receipts", "whole lease", "ids", "bogus"]),
     )
-    other = st.tuples(st.sampled_from(["trim", "pause", "resume", "expire", "nack", "touch"]))
+    other = st.tuples(
+        st.sampled_from(["trim", "pause", "resume", "expire", "nack", "touch", "leave"])
+    )
     op = st.one_of(lease, lease, ack, ack, other)
     return draw(st.lists(st.lists(op, min_size=1, max_size=6), max_size=12))
 
@@ -605,9 +609,11 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
 ) -> None:
     """Leases and acks by receipt are applied by the compiled core (`TRANSITIONS`), the
     rest, and their rarer cases (a new consumer, a paused or rate-limited topic, picks as
-    a list, acks by id or of a whole lease), by `BrokerState._apply`. A history of group
-    commits applied that way and one command at a time by `_apply` alone leaves two
-    nodes with the same results and the same state, to the byte of their snapshots."""
+    a list, acks by id or of a whole lease), by `BrokerState._apply`; a lease carrying
+    its request's id ends a run of the core's, and one of the consumer's last request is
+    answered by `_apply`. A history of group commits applied that way and one command at
+    a time by `_apply` alone leaves two nodes with the same results and the same state,
+    to the byte of their snapshots."""
     core, python = (BrokerState([topic_conf("t", buckets=2)], 3, NoIndex()) for _ in range(2))
     for node in (core, python):
         node._apply("t", "touch", ("c", 0))
@@ -620,12 +626,12 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
         commands: list[tuple[str, str, tuple]] = []
         for step in group:
             if step[0] == "lease":
-                _, who, chosen, form, rate, seen = step
+                _, who, chosen, form, rate, seen, numbered = step
                 picks = [(m, b, i) for i, (m, b) in enumerate(chosen)]
                 carried = {"packed": packed, "listed": partial(packed, pack_ids=False)}
                 as_sent = carried[form](picks) if form in carried else picks
                 at = {"now": s.seq, "stale": s.seq - 3, "none": None}[seen]
-                args = (who, now, 50, as_sent, rate, True) + (() if at is None else (at,))
+                args = (who, now, 50, as_sent, rate, numbered) + (() if at is None else (at,))
                 commands.append(("t", "lease", args))
             elif step[0] == "ack":
                 _, who, picked, how = step
@@ -648,6 +654,8 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
                 commands.append(("t", "expire", (now, 10**9, (5, 20))))
             elif step[0] == "nack":
                 commands.append(("t", "nack", ("c", now, GROUP_MIDS[:2])))
+            elif step[0] == "leave":
+                commands.append(("t", "leave", ("c", now, True)))
             else:
                 commands.append(("t", "touch", ("d", now)))
         got = core.batch(pickle.loads(pickle.dumps(commands)), _doApply=True)
@@ -658,6 +666,58 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
         assert pickle.dumps(core.topics["t"]) == pickle.dumps(python.topics["t"]), commands
         assert core.topics["t"].leased.keys() == python.topics["t"].leased.keys()
         assert core.topics["t"].ending == python.topics["t"].ending
+
+
+def asked(consumer: str, now: int, picks: list[tuple[str, int, int]], request: str) -> tuple:
+    """A lease command carrying its request's id, as the leader commits it."""
+    return ("t", "lease", (consumer, now, 60_000, packed(picks), None, request, None))
+
+
+@pytest.mark.parametrize("path", ["core", "python"])
+def test_a_lease_request_sent_again_is_answered_by_the_lease_that_answered_it(path: str) -> None:
+    """A request whose answer was lost comes again with the same id: in the same group
+    commit as its first attempt (sent again while that one was in flight) or in a later
+    one, its command grants none of its picks and names the first lease; nothing is
+    numbered, leased or counted anew. Another request of the consumer leases anew."""
+    node = BrokerState([topic_conf("t", buckets=1)], 5, NoIndex())
+    node._apply("t", "touch", ("c", 0))
+    s = node.topics["t"]
+    apply = (lambda g: node.batch(g, _doApply=True)) if path == "core" else partial(by_python, node)
+    first, again = apply(
+        [asked("c", 1, [("a", 0, 1), ("b", 0, 2)], "r1"), asked("c", 1, [("x", 0, 3)], "r1")]
+    )
+    assert list(first.mids) == ["a", "b"] and again == Again(first.lid)
+    assert apply([asked("c", 2, [("y", 0, 4)], "r1")]) == [Again(first.lid)]
+    assert (node.lids, sorted(s.leases), s.totals["leased"]) == (1, ["a", "b"], 2)
+    assert s.ack("c", 3, [], [first.receipt(0)]) == {}
+    assert apply([asked("c", 4, [("y", 0, 4)], "r1")]) == [Again(first.lid)], "b still held"
+    [other] = apply([asked("c", 4, [("x", 0, 3), ("y", 0, 4)], "r2")])
+    assert list(other.mids) == ["x", "y"] and list(other.deliveries) == [1, 1]
+    assert s.requests == {"c": ("r2", other.lid)}
+
+
+def test_a_lease_request_is_remembered_while_its_consumer_is_a_member_and_only_if_it_granted() -> (
+    None
+):
+    """A request whose lease granted nothing (a long poll commits several) is not taken
+    for answered. One entry per consumer, dropped as the consumer leaves or is expired
+    silent (in the same group commit as the lease, too): the request sent after that
+    leases anew."""
+    node = BrokerState([topic_conf("t", buckets=1)], 5, NoIndex())
+    node._apply("t", "touch", ("c", 0))
+    s = node.topics["t"]
+    [empty] = node.batch([asked("c", 1, [], "r1")], _doApply=True)
+    assert len(empty) == 0 and s.requests == {}
+    [first] = node.batch([asked("c", 1, [("a", 0, 1)], "r1")], _doApply=True)
+    assert s.requests == {"c": ("r1", first.lid)}
+    assert node._apply("t", "leave", ("c", 2, True)) == ["a"] and s.requests == {}
+    [anew] = node.batch([asked("c", 3, [("a", 0, 1)], "r1")], _doApply=True)
+    assert list(anew.mids) == ["a"] and anew.lid != first.lid
+    assert s.expire(2_000, heartbeat_timeout_ms=1_000) == [] and s.requests == {}
+    group = [asked("c", 3_000, [("b", 0, 2)], "r2"), ("t", "leave", ("c", 3_001, True))]
+    granted, released = node.batch(group, _doApply=True)
+    assert (list(granted.mids), released) == (["b"], ["a", "b"]), "granted, then left"
+    assert s.requests == {}, "a lease and its consumer's leave in one group: forgotten"
 
 
 def test_a_trim_in_a_group_commit_is_seen_by_the_leases_after_it() -> None:

@@ -24,7 +24,7 @@ from dejaq_core import Bodies
 
 from dejaq.broker.api.dependencies import problem
 from dejaq.broker.api.replayed_body import client_watch, read_body, replay
-from dejaq.broker.api.routers._common import MAX_RECEIPT
+from dejaq.broker.api.routers._common import MAX_RECEIPT, MAX_REQUEST_ID
 from dejaq.broker.service import Broker, Problem
 
 Scope = MutableMapping[str, Any]
@@ -38,12 +38,13 @@ _JSON = [(b"content-type", b"application/json")]
 MAX_LEASE_MS = 12 * 3600 * 1000
 
 # A lease's body parsed, checked as `LeaseRequest` checks it without coercion: its
-# (consumer, max_messages, lease_ms, wait_ms), else None. An ack's as `Settle`: its
-# (consumer, ids or receipts, whether receipts), else None. In the compiled core (the
-# same checks cost ~0.5 µs a request in Python).
+# (consumer, max_messages, lease_ms, wait_ms), else None (`_lease_args` adds the
+# request id, which the core knows nothing of). An ack's as `Settle`: its (consumer,
+# ids or receipts, whether receipts), else None. In the compiled core (the same checks
+# cost ~0.5 µs a request in Python).
 _BODIES = Bodies(MAX_LEASE_MS, MAX_RECEIPT)
-_lease_args = _BODIES.lease
 _ack_args = _BODIES.ack
+_REQUEST_ID = re.compile(rf"[\x21-\x7e]{{1,{MAX_REQUEST_ID}}}")  # as `RequestId` takes it
 
 
 class HotPath:
@@ -72,11 +73,11 @@ class HotPath:
             if route[2] == "leases":
                 args = _lease_args(parsed)
                 if args is not None:
-                    consumer, n, lease_ms, wait_ms = args
+                    consumer, n, lease_ms, wait_ms, request = args
                     lease_ms = lease_ms or self.broker.conf.lease_ms
                     with client_watch(receive) as gone:
                         messages = await self.broker.lease(
-                            topic, consumer, n, lease_ms, wait_ms, gone
+                            topic, consumer, n, lease_ms, wait_ms, gone, request
                         )
                     return await _send(send, 200, b'{"messages": %s}' % messages)
             else:
@@ -89,6 +90,24 @@ class HotPath:
             response = problem(e.status, e.title, e.detail, **e.extra)
             return await response(scope, receive, send)
         await self.app(scope, replay(body, receive), send)
+
+
+def _lease_args(
+    parsed: Any,
+) -> tuple[str, int, int | None, int, str | None] | None:
+    """(consumer, max_messages, lease_ms, wait_ms, request_id) of a plainly valid lease
+    body, else None: the request id checked here, the rest by the core (`Bodies.lease`),
+    given the body without it."""
+    request = None
+    if type(parsed) is dict and "request_id" in parsed:
+        parsed = dict(parsed)
+        request = parsed.pop("request_id")
+        if request is not None and (
+            type(request) is not str or _REQUEST_ID.fullmatch(request) is None
+        ):
+            return None
+    args = _BODIES.lease(parsed)
+    return None if args is None else (*args, request)
 
 
 def _parsed(body: bytes) -> Any:

@@ -108,6 +108,16 @@ BULK_MIN = 16
 # (`BrokerState.batch`), with the objects they name.
 TRANSITIONS = Transitions(LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN)
 
+
+@dataclass(frozen=True, slots=True)
+class Again:
+    """A lease command of the request the consumer's last lease answered (its answer
+    lost, the request sent again): nothing is granted, and the answer is what lease
+    `lid` still holds for the consumer."""
+
+    lid: int
+
+
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
 # A lease command's picks: their ids (packed, or a list of str if one cannot be), and
 # their buckets and sort keys as little-endian uint16 and int64 bytes, as the leader's
@@ -165,6 +175,10 @@ class TopicState:
         self.events = EventLog()
         self.seq = 0
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
+        # consumer_id -> (request id, lid) of its last lease that granted something and
+        # carried the id its client made for the request: the same request sent again is
+        # answered with that lease (`again`). One entry per member, dropped as it leaves.
+        self.requests: dict[str, tuple[str, int]] = {}
         self.assignment: dict[int, str] = {}
         self.owned: dict[str, list[int]] = {}  # the assignment by consumer (derived)
         # bucket -> leases per consumer, each count above 0: plain dicts, as Counter's
@@ -192,6 +206,7 @@ class TopicState:
         # Snapshots from before pause, rate limits and redrive hold none of their state.
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
         self.trimmed = 0
+        self.requests = {}  # from before lease requests carried their id
         self.records, self.unnumbered, self.ending = {}, 0, deque()
         self.configured = False  # from before `configure`: the leader commits one
         self.history, self.history_from = "", 0  # from before histories: the first
@@ -254,6 +269,7 @@ class TopicState:
         member = self.consumers.pop(consumer, None) is not None
         if not (member or expired_too):
             return []
+        self.requests.pop(consumer, None)
         released: list[str] = []
         for record in [r for r in self.leased.values() if r.consumer == consumer]:
             for pos in record.live_positions():
@@ -405,6 +421,21 @@ class TopicState:
         if rate is not None:
             self.tokens -= n
         return record
+
+    def again(self, consumer: str, request: str) -> Again | None:
+        """The consumer's last lease, if `request` is the request it answered: a client
+        that lost the answer sends the same request (and id) again, and is given what
+        that lease still holds rather than more messages, while the first stay leased
+        to it unseen. None for any other request."""
+        last = self.requests.get(consumer)
+        return Again(last[1]) if last is not None and last[0] == request else None
+
+    def requested(self, consumer: str, request: str, record: LeaseRecord) -> None:
+        """Remember `record` as the lease that answered the consumer's `request`, if it
+        granted anything: one that granted nothing has nothing to answer again with,
+        and the request polls on (a long poll commits several)."""
+        if len(record):
+            self.requests[consumer] = (request, record.lid)
 
     def lease_budget(self, now: int, rate: float) -> int:
         """How many messages a lease at `now` may take under `rate`: the leader picks no
@@ -753,6 +784,7 @@ class TopicState:
         silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
         for consumer in silent:
             del self.consumers[consumer]
+            self.requests.pop(consumer, None)
         if silent:
             self._rebalance()
         return pending

@@ -57,7 +57,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
 from dejaq.broker.state.data_dir import RECOVERY, DataDirError, check_raft_files
-from dejaq.broker.state.leases import TRANSITIONS, TopicState
+from dejaq.broker.state.leases import TRANSITIONS, LeaseRecord, TopicState
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
 log = logging.getLogger("dejaq.broker.state.raft")
@@ -699,8 +699,85 @@ class BrokerState(SyncObjConsumer):
         """Group commit: many requests' commands in one log entry, each result apart, or
         the Exception it raised (deterministic on every node: it fails that command
         only). Leases and acks by receipt are applied in the compiled core, the rest
-        by `_apply`."""
-        return TRANSITIONS.apply_group(self, commands, self._apply)
+        by `_apply`.
+
+        A lease may carry its request's id where the core reads the mark of a numbered
+        lease (True), and the core reads no id: runs of commands go to the core as one,
+        and the ids of their leases that granted are remembered once the run is
+        applied, in order, as `_apply` remembers each as it leases (those the core
+        hands it, too): a run holds no command that forgets one (a leave or an expiry
+        ends it). A lease that may be the same request again (its id is its consumer's
+        last, or a lease before it in the run carries it) ends the run too, and is
+        applied alone, from the state every command before it left (`_asked`). Every
+        node does the same, so all hold the same ids."""
+        marked = [
+            i
+            for i, c in enumerate(commands)
+            if type(c) is tuple and len(c) == 3 and c[1] in _MARKED
+        ]
+        if not marked:
+            return TRANSITIONS.apply_group(self, commands, self._apply)
+        results: list[Any] = []
+        start = 0  # the run is commands[start:], up to the next cut
+        asked: list[tuple[int, TopicState, str, str]] = []  # (place, state, consumer, id)
+        ids: set[str] = set()  # of `asked`
+
+        def apply_run(end: int) -> None:
+            got = TRANSITIONS.apply_group(self, commands[start:end], self._apply)
+            for place, st, consumer, request in asked:
+                record = got[place - start]
+                if type(record) is LeaseRecord and len(record):  # `requested`, inlined
+                    st.requests[consumer] = (request, record.lid)
+            results.extend(got)
+            asked.clear()
+            ids.clear()
+
+        topics = self.topics
+        for i in marked:
+            topic, op, args = commands[i]
+            if op == "lease":
+                if not (
+                    type(args) is tuple
+                    and len(args) > 5
+                    and type(request := args[5]) is str
+                    and type(consumer := args[0]) is str
+                    and type(topic) is str
+                ):
+                    continue  # no id (True), or malformed: the core fails it alone
+                st = topics.get(topic)
+                last = None if st is None else st.requests.get(consumer)  # `again`, inlined
+                if st is None or request in ids or (last is not None and last[0] == request):
+                    apply_run(i)
+                    results.append(self._asked(topic, op, args))
+                    start = i + 1
+                else:
+                    asked.append((i, st, consumer, request))
+                    ids.add(request)
+            elif asked:  # a leave or an expiry: it may forget one
+                apply_run(i)
+                start = i
+        apply_run(len(commands))
+        return results
+
+    def _asked(self, topic: str, op: str, args: tuple) -> Any:
+        """`batch`'s lease command carrying its request's id: the consumer's last lease
+        if it answered that request, else the lease applied by the core where it can
+        (marked numbered, as the core reads it) and remembered as the request's. What
+        it raises is its result."""
+        try:
+            st = self.topics.get(topic)
+            again = None if st is None else st.again(args[0], args[5])
+            if again is not None:
+                return again
+            numbered = (topic, op, (*args[:5], True, *args[6:]))
+            [result] = TRANSITIONS.apply_group(self, [numbered], self._apply)
+            if st is not None and type(result) is LeaseRecord:
+                st.requested(args[0], args[5], result)
+            return result
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:
+            return e
 
     def _apply(self, topic: str, op: str, args: tuple) -> Any:
         st = self.topics.get(topic)
@@ -714,9 +791,17 @@ class BrokerState(SyncObjConsumer):
         if op == "lease":
             if len(args) <= 5:  # from before receipts (4: before rate limits): unnumbered
                 return st.lease(*args)
-            self.lids += 1  # a numbered lease: its sixth argument says so
+            # A numbered lease: its sixth argument says so, True or the id its client
+            # made for the request (`TopicState.again`).
+            request = args[5] if _asks(args) else None
+            if request is not None and (again := st.again(args[0], request)) is not None:
+                return again
+            self.lids += 1
             seen = args[6] if len(args) > 6 else None  # from before the pick's seq: None
-            return st.lease(args[0], args[1], args[2], args[3], args[4], self.lids, seen)
+            record = st.lease(args[0], args[1], args[2], args[3], args[4], self.lids, seen)
+            if request is not None:
+                st.requested(args[0], request, record)
+            return record
         if op in ("ack", "reject"):
             return getattr(st, op)(*args)
         if op == "touch":
@@ -761,6 +846,17 @@ class BrokerState(SyncObjConsumer):
             raise ValueError(f"unknown command {op!r}")
         self.listener.pending(topic, st, pending)
         return pending
+
+
+def _asks(lease: tuple) -> bool:
+    """Whether a lease command's arguments carry its request's id (a str where others
+    carry True)."""
+    return len(lease) > 5 and type(lease[5]) is str
+
+
+# A group commit's commands that `BrokerState.batch` looks at: leases, and those that
+# may forget a consumer's last request.
+_MARKED = ("lease", "leave", "expire")
 
 
 def raft_conf(broker: BrokerConfig, data_dir: Path, multi_node: bool) -> SyncObjConf:

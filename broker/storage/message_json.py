@@ -106,3 +106,19 @@ def leased_array(picks: Picks, rendered: Heads, lease: LeaseRecord, timeline: bo
             parts.append(json.dumps(msg).encode() + b", ")
         receipt += 1
     return b"[" + b"".join(parts)[:-2] + b"]"
+
+
+def held_array(
+    lease: LeaseRecord, positions: list[int], rendered: list[Taken | None], timeline: bool
+) -> bytes:
+    """The JSON array of the messages at `positions` of `lease`, each with its
+    `rendered` head (None: the index forgot it, and it is left out), as `leased_array`
+    rendered them when it was granted but for a deadline extended since: the answer to
+    the same request sent again."""
+    messages = []
+    for pos, taken in zip(positions, rendered, strict=True):
+        if taken is not None:
+            _, sort_key, deadline, deliveries = lease.entry(pos)
+            receipt = lease.receipt(pos)
+            messages.append(message(taken, sort_key, deliveries, deadline, timeline, receipt))
+    return json.dumps(messages).encode()

@@ -12,6 +12,10 @@ from dejaq.conf.tables import SECONDS_LIKE_MS
 
 TopicName = Annotated[str, Path(description="a lease topic", pattern=TOPIC_NAME.pattern)]
 ConsumerId = Annotated[str, Field(min_length=1, max_length=200, pattern=r"^[\x21-\x7e]+$")]
+MAX_REQUEST_ID = 64  # characters: a uuid4's hex is 32
+RequestId = Annotated[
+    str, Field(min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[\x21-\x7e]+$")
+]
 MessageId = Annotated[str, Field(min_length=1, max_length=1000)]
 Ids = Annotated[list[MessageId], Field(min_length=1, max_length=1000)]
 MAX_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the last a Delta timestamp holds

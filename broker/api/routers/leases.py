@@ -26,6 +26,7 @@ from dejaq.broker.api.routers._common import (
     LeaseMs,
     Priority,
     Receipts,
+    RequestId,
     TopicName,
     problems,
 )
@@ -39,6 +40,14 @@ class LeaseRequest(Body):
     max_messages: Annotated[int, Field(ge=1, le=1000)] = 1
     lease_ms: LeaseMs | None = Field(default=None, description="default: broker.lease_ms")
     wait_ms: Annotated[int, Field(ge=0, le=30_000, description="long-poll up to 30 s")] = 0
+    request_id: RequestId | None = Field(
+        default=None,
+        description="a token the client makes for this request (1-64 printable ASCII "
+        "characters, no space; a uuid4's hex, say) and sends again with it if the answer "
+        "is lost: while it is the consumer's last lease's, the request is answered with "
+        "what that lease still holds (the same receipts and deliveries; messages acked, "
+        "nacked, rejected or expired since left out), and nothing more is leased",
+    )
 
 
 class LeasedMessage(BaseModel):
@@ -96,11 +105,20 @@ def _settled(result: Settled, verb: str) -> dict:
 
 @router.post("/topics/{topic}/leases", response_model=Leased, responses=problems(404, 422, 503))
 async def lease(topic: TopicName, body: LeaseRequest, broker: LeaderBroker, request: Request):
-    """Lease up to `max_messages` of the lowest deliverable sort keys of your buckets."""
+    """Lease up to `max_messages` of the lowest deliverable sort keys of your buckets.
+
+    Sent again with the same `request_id` after a lost answer, it is answered with what
+    the first attempt leased, rather than leasing more while those wait out their lease."""
     lease_ms = body.lease_ms or broker.conf.lease_ms
     with client_watch(request.receive) as gone:
         messages = await broker.lease(
-            topic, body.consumer_id, body.max_messages, lease_ms, body.wait_ms, gone
+            topic,
+            body.consumer_id,
+            body.max_messages,
+            lease_ms,
+            body.wait_ms,
+            gone,
+            body.request_id,
         )
     # Serialised by the broker: the hot path skips response-model validation.
     return Response(b'{"messages": %s}' % messages, media_type="application/json")

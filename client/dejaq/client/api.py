@@ -254,23 +254,31 @@ class Client:
         A `consumer_id` is one live process's own: another using it shares its buckets,
         and its `leave` gives back this one's leases too.
 
-        Sent again after a lost answer: what the lost attempt leased stays leased until
-        it expires, and is then delivered again with one more delivery counted.
+        Each call makes a `request_id` and sends it with every attempt: one sent again
+        after a lost answer is answered with what the lost attempt leased, its receipts
+        and deliveries (less what ended since: expired, or settled through another
+        call), rather than more messages while those wait out their lease unseen. The
+        broker keeps the consumer's last request only: a consumer that left or was
+        expired meanwhile leases anew, and the lost attempt's messages come back once
+        their lease expires, with one more delivery counted.
         """
         body: dict[str, Any] = {
             "consumer_id": consumer_id,
             "max_messages": max_messages,
             "wait_ms": wait_ms,
+            "request_id": uuid.uuid4().hex,
         }
         if lease_ms is not None:
             body["lease_ms"] = lease_ms
+        first_sent = time.monotonic()
         answer = self._send(
             "POST", f"/v1/topics/{topic}/leases", body, wait_s=wait_ms / 1000, worker=True
         )
+        sent_at = first_sent if answer.maybe_applied else answer.sent_at  # whose lease it is
         messages = decode(list[Message], answer.response.json()["messages"])
         for m in messages:
             held_ms = lease_ms if lease_ms is not None else m.lease_deadline - _epoch_ms()
-            m.held_until = answer.sent_at + held_ms / 1000
+            m.held_until = sent_at + held_ms / 1000
         return messages
 
     def _settle(

@@ -92,7 +92,8 @@ class Message:
     receipt: int | None = None
     # time.monotonic() before which the lease surely holds: the request's send time plus
     # lease_ms, so neither clock skew nor the answer's trip stretches it (without a
-    # lease_ms: the broker's deadline read on the local clock).
+    # lease_ms: the broker's deadline read on the local clock). A request sent again may
+    # be answered with its first attempt's lease: then the first attempt's send time.
     held_until: float = field(default=0.0, init=False)
 
 
