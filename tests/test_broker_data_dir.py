@@ -127,6 +127,32 @@ def identity(node: Node) -> dict:
     return json.loads((node.data_dir / "node.json").read_text())
 
 
+def test_a_child_the_node_forked_does_not_keep_its_data_dir_locked(tmp_path) -> None:
+    """A node forks a child to write each snapshot: killed and restarted while that child
+    still writes, the node must find its dir free, not in use by itself."""
+    from dejaq.broker.state.data_dir import lock
+
+    held = lock(tmp_path)
+    done_r, done_w = os.pipe()
+    ready_r, ready_w = os.pipe()
+    child = os.fork()
+    if child == 0:  # the snapshot writer's stand-in: it lives until told
+        os.close(done_w)
+        os.write(ready_w, b"1")  # forked: what runs in a child at its fork has run
+        os.read(done_r, 1)
+        os._exit(0)
+    os.close(done_r)
+    try:
+        assert os.read(ready_r, 1) == b"1"
+        held.close()  # the node ends, its child still writing
+        lock(tmp_path).close()
+    finally:
+        os.close(done_w)
+        os.waitpid(child, 0)
+        os.close(ready_r)
+        os.close(ready_w)
+
+
 def test_a_data_dir_made_for_another_raft_address_is_refused(tmp_path) -> None:
     """A data dir copied from another node, or a node moved to another address, would
     vote and ack as the node whose journal it holds: refused, naming both addresses."""

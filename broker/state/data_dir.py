@@ -53,6 +53,9 @@ def lock(data_dir: Path) -> IO[str]:
     held.truncate(0)
     held.write(f"{os.getpid()}\n")
     held.flush()
+    # A forked child (the one writing a snapshot) shares the lock while it lives: it
+    # would hold the dir past this process's end, and a restart would find it in use.
+    os.register_at_fork(after_in_child=held.close)
     return held
 
 
