@@ -31,9 +31,8 @@ from dejaq.pipelines.dedup import Coordinates
 from dejaq.pipelines.delta_source import WriteTarget, gathered, write_files
 from dejaq.pipelines.envelope import COORDINATES, Reason
 
-# What a task returns: a row per file (`table` set), per reason (`reason`, `rows`), per
-# explicit id to judge (`message_id`, its coordinates, and the file holding it), and per
-# Kafka partition read (its topic, partition and largest offset alone).
+# What a task returns: a row per file (`table` set), per reason (`reason`, `rows`), and
+# per explicit id to judge (`message_id`, its coordinates, and the file holding it).
 RESULT_SCHEMA = pa.schema(
     [
         ("table", pa.string()),
@@ -106,14 +105,6 @@ def task(
                 rows=[kept.num_rows, *counts.column("count_all").to_pylist()],
             )
         )
-        topic, partition, offset = COORDINATES
-        read = rows.group_by([topic, partition], use_threads=False).aggregate([(offset, "max")])
-        results.append(
-            _rows(
-                **{topic: read.column(topic), partition: read.column(partition)},
-                **{offset: read.column(f"{offset}_max")},
-            )
-        )
         judged = rows.filter(rows.column("judge"))
         if judged.num_rows:
             # One buffer file per bucket in a task: a judged row's bucket names its file.
@@ -165,8 +156,6 @@ class BatchFiles:
     counts: dict[str, int] = field(default_factory=dict)  # reason → rows (VALID: buffered)
     # The explicit ids, their coordinates, produced_at and the buffer file holding each.
     judged: pa.Table = field(default_factory=RESULT_SCHEMA.empty_table)
-    # (source topic, partition) → the offset after the batch's last record there.
-    consumed: dict[tuple[str, int], int] = field(default_factory=dict)
 
     @classmethod
     def read(cls, results: pa.Table) -> BatchFiles:
@@ -188,18 +177,6 @@ class BatchFiles:
         ):
             batch.counts[reason] = batch.counts.get(reason, 0) + n
         batch.judged = results.filter(pc.is_valid(results.column("message_id")))
-        read = results.filter(
-            pc.and_(
-                pc.is_null(results.column("message_id")),
-                pc.is_valid(results.column("source_offset")),
-            )
-        )
-        for topic, partition, offset in zip(
-            *(read.column(c).to_pylist() for c in COORDINATES), strict=True
-        ):
-            batch.consumed[topic, partition] = max(
-                batch.consumed.get((topic, partition), 0), offset + 1
-            )
         return batch
 
     def move_duplicates(

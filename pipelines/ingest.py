@@ -8,9 +8,9 @@ that already has it. A record thus lands exactly once in exactly one of the tabl
 The quarantine is appended first, so a batch the buffer has is done: its replay is
 not judged again (the dedup seed has learnt its ids since, see `process_batch`). Both
 commits (the quarantine's where it has rows) also record where the batch left each Kafka
-partition: a query whose checkpoint was lost resumes from the buffer's
-(`pipelines.ingest_resume`), and a batch a table has from other positions is another
-driver's, or a checkpoint's older than the tables.
+partition, as Spark planned it in the checkpoint's offsets log: a query whose checkpoint
+was lost resumes from the buffer's (`pipelines.ingest_resume`), and a batch a table has
+from other positions is another driver's, or a checkpoint's older than the tables.
 
 Both tables are written by delta-rs only, whichever connectors read: executors write
 the files, the driver commits them (`pipelines.delta_source`). Retention and compaction
@@ -56,8 +56,10 @@ from dejaq.pipelines.dedup import Coordinates, SeenIds, Verdict, default_id_patt
 from dejaq.pipelines.delta_source import SecondWriter, TableChanged, WriteTarget, commit
 from dejaq.pipelines.envelope import COORDINATES, Parser, explicit_id
 from dejaq.pipelines.ingest_resume import (
+    Partition,
     Resume,
     offset_app_id,
+    planned,
     positions,
     resume,
     since_app_id,
@@ -303,9 +305,9 @@ class IngestJob:
         skipped whole: the quarantine was appended before it, and judging it again
         would find its own ids in the dedup seed, from the ledger without coordinates
         once they are settled, and quarantine its own rows. Only the buffer's last batch
-        can be replayed, from the positions its commit recorded: any other is refused
-        (`CheckpointBehind`). The tables know a batch by its version: its id past the
-        base of a checkpoint made anew (`pipelines.ingest_resume`).
+        can be replayed, planned to the positions its commit recorded: any other is
+        refused (`CheckpointBehind`). The tables know a batch by its version: its id past
+        the base of a checkpoint made anew (`pipelines.ingest_resume`).
         """
         clock = _Phases()
         buffer_path = table_path(self.settings.warehouse, Table.BUFFER, self.topic.name)
@@ -319,8 +321,9 @@ class IngestJob:
             self._targets = WriteTarget.of(buffer_path), WriteTarget.of(quarantine_path)
         buffer, quarantine = self._targets
         batch = self._resume.base + batch_id
+        ends = planned(self.checkpoint, batch_id)
         if batch <= self._stored:
-            self._check_replay(records, buffer, batch_id, batch)
+            self._check_replay(ends, buffer, batch_id, batch)
             log.warning("ingest %s batch %d is in the buffer: a replay", self.topic.name, batch_id)
             self._note(BatchStats(batch_id, 0, 0, 0, clock.total_ms(), replay=True))
             return
@@ -338,7 +341,7 @@ class IngestJob:
         judged_at = int(time.time() * 1000)
         cut = batch <= self._quarantined
         if cut:
-            verdict = self._finish_cut(files, buffer_path, quarantine_path)
+            verdict = self._finish_cut(files, ends, buffer_path, quarantine_path)
         else:
             self._seen.expire(judged_at)
             self._prune_seen(buffer_path)
@@ -357,7 +360,7 @@ class IngestJob:
             # first commit, before its rows of the batch are skipped for the other's. A
             # batch that quarantines none commits nothing here: no commit a batch.
             quarantined = [] if cut else files.quarantine
-            at = positions(self.app_id, files.consumed) if quarantined or cut else ()
+            at = positions(self.app_id, ends) if quarantined or cut else ()
             commit(quarantine, quarantined, "append", txn, at)
             if cut:
                 commit(quarantine, files.quarantine, "append", (self._cut_app_id, batch))
@@ -367,7 +370,7 @@ class IngestJob:
                 files.buffer,
                 "append",
                 txn,
-                positions(self.app_id, files.consumed, since),
+                positions(self.app_id, ends, since),
                 {KIND_PROPERTY: self.topic.kind.value},
             )
         except TableChanged as e:
@@ -408,12 +411,15 @@ class IngestJob:
         self.totals.add(stats)
 
     def _check_replay(
-        self, records: DataFrame, buffer: WriteTarget, batch_id: int, batch: int
+        self, ends: dict[Partition, int], buffer: WriteTarget, batch_id: int, batch: int
     ) -> None:
-        """Raise CheckpointBehind unless batch `batch` is the buffer's last, read from
-        the positions its commit recorded: Spark replays only the last batch it planned,
-        so an earlier one, or one over other positions, is a checkpoint behind the
-        tables (an older copy, another driver's), and skipping it loses its records."""
+        """Raise CheckpointBehind unless batch `batch` is the buffer's last, planned to
+        the positions its commit recorded (`ends`, every partition of the plan): Spark
+        replays only the last batch it planned, so an earlier one, or one over other
+        positions, is a checkpoint behind the tables (an older copy, another driver's),
+        and skipping it loses its records. The plan, not the records read: a replay
+        reads Kafka as it is then, which may have compacted the batch's last records
+        away, and a partition it reads nothing of is compared too."""
         behind = (
             f"ingest {self.topic.name} batch {batch_id} (version {batch}) is one the buffer "
             f"has (up to version {self._stored})"
@@ -424,10 +430,8 @@ class IngestJob:
                 "copy, or another driver's), and skipping its batches would lose the records "
                 f"they read. {self._way_out}"
             )
-        read = records.groupBy("topic", "partition").agg(F.max("offset")).collect()
-        consumed = {(topic, partition): last + 1 for topic, partition, last in read}
         try:
-            commit(buffer, [], "append", (self.app_id, batch), positions(self.app_id, consumed))
+            commit(buffer, [], "append", (self.app_id, batch), positions(self.app_id, ends))
         except SecondWriter as e:
             raise CheckpointBehind(
                 f"{behind}, from other Kafka positions: the checkpoint {self.checkpoint} is "
@@ -435,21 +439,31 @@ class IngestJob:
                 f"{self._way_out}"
             ) from e
 
-    def _finish_cut(self, files: BatchFiles, buffer_path: str, quarantine_path: str) -> Verdict:
+    def _finish_cut(
+        self,
+        files: BatchFiles,
+        ends: dict[Partition, int],
+        buffer_path: str,
+        quarantine_path: str,
+    ) -> Verdict:
         """The verdict on a batch cut between its two commits, done again: the rows the
-        quarantine holds from the batch's Kafka range stay its only rows there, whatever
-        put them there (a parse under another configuration, a dedup seed since grown),
-        and leave the files of this try; every other record is kept, or quarantined if
-        it is bad now (`_cut_app_id`). Judged again, a record the first try kept could be
-        found bad or a duplicate, for a quarantine whose commit is done: it would land
-        nowhere, and one the first quarantined could land in both tables."""
+        quarantine holds from the batch's Kafka range (from the buffer's positions to
+        `ends`) stay its only rows there, whatever put them there (a parse under another
+        configuration, a dedup seed since grown), and leave the files of this try; every
+        other record is kept, or quarantined if it is bad now (`_cut_app_id`). Judged
+        again, a record the first try kept could be found bad or a duplicate, for a
+        quarantine whose commit is done: it would land nowhere, and one the first
+        quarantined could land in both tables."""
         started = DeltaTable(buffer_path)  # where the batch before left each partition
         where = None
-        for (topic, partition), end in files.consumed.items():
-            start = started.transaction_version(offset_app_id(self.app_id, (topic, partition)))
+        for (topic, partition), end in ends.items():
+            at = offset_app_id(self.app_id, (topic, partition))
+            start = started.transaction_version(at) or 0
+            if start >= end:
+                continue  # no offset of it in the batch
             offset = column(Table.QUARANTINE, "source_offset")
             read = matching(Table.QUARANTINE, source_topic=[topic], source_partition=[partition])
-            read &= (offset >= (start or 0)) & (offset < end)
+            read &= (offset >= start) & (offset < end)
             where = read if where is None else where | read
         if where is None:
             return Verdict()

@@ -2,10 +2,10 @@
 
 The checkpoint holds the Kafka offsets the query has read and numbers its batches from
 0. The buffer's commits record both as Delta app transactions, which outlive the
-checkpoint: (`<app id>`, the batch's version) and, per Kafka partition the batch read,
-(`<app id>:<topic>:<partition>`, the next offset to read). Every batch that read a
-record commits the buffer, with no files if all went to the quarantine, so the buffer
-has the positions of the last whole batch.
+checkpoint: (`<app id>`, the batch's version) and, per Kafka partition of the topics,
+(`<app id>:<topic>:<partition>`, the offset where Spark planned the batch to end, the
+next to read: `planned`). Every batch commits the buffer, with no files if all went to
+the quarantine, so the buffer has the positions of the last whole batch.
 
 A query on a new checkpoint reads Kafka from those positions, as a consumer group
 resumes from its committed offsets, and gives its batches versions past the last the
@@ -65,12 +65,27 @@ def since_app_id(app_id: str) -> str:
 
 
 def positions(
-    app_id: str, consumed: dict[Partition, int], since: int | None = None
+    app_id: str, ends: dict[Partition, int], since: int | None = None
 ) -> list[Transaction]:
-    """The app transactions recording where a batch leaves each partition it read, and
-    `since` (`since_app_id`) if given."""
-    found = [Transaction(offset_app_id(app_id, p), o) for p, o in sorted(consumed.items())]
+    """The app transactions recording where a batch leaves each partition (`planned`),
+    and `since` (`since_app_id`) if given."""
+    found = [Transaction(offset_app_id(app_id, p), o) for p, o in sorted(ends.items())]
     return found if since is None else [*found, Transaction(since_app_id(app_id), since)]
+
+
+def planned(checkpoint: str, batch_id: int) -> dict[Partition, int]:
+    """Where Spark planned batch `batch_id` of the query to end in each Kafka partition
+    of its topics: the entry of the checkpoint's offsets log it writes before it runs
+    the batch, and reads again to replay it. The batch's own range, which the offsets
+    of its records cannot give: gaps no record fills (transaction markers, aborted
+    records, a compacted topic's removed records) can end it, and a replay reads the
+    log as it is then."""
+    fs, root = _folder(checkpoint)
+    with fs.open_input_stream(f"{root}/offsets/{batch_id}") as f:
+        lines = f.read().decode().splitlines()
+    # A version line, the batch's metadata, then a line per source: the query's one, Kafka.
+    offsets = json.loads(lines[2])
+    return {(topic, int(p)): end for topic, parts in offsets.items() for p, end in parts.items()}
 
 
 def version(path: str, app_id: str) -> int:

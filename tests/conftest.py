@@ -103,7 +103,7 @@ def kafka_bootstrap(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture
 def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
-    """Create uniquely named topics; delete them afterwards."""
+    """Create uniquely named topics (with topic `configs`, if given); delete them afterwards."""
     from kafka import KafkaAdminClient
     from kafka.admin import NewTopic
     from kafka.errors import KafkaError
@@ -111,9 +111,9 @@ def topic_factory(kafka_bootstrap: str) -> Iterator[Callable[..., str]]:
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     created: list[str] = []
 
-    def make(partitions: int = 3, prefix: str = "t") -> str:
+    def make(partitions: int = 3, prefix: str = "t", configs: dict[str, str] | None = None) -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        admin.create_topics([NewTopic(name, partitions, 1)])
+        admin.create_topics([NewTopic(name, partitions, 1, topic_configs=configs or {})])
         created.append(name)
         return name
 

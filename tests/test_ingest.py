@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 import pytest
 from conftest import wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from kafka import KafkaAdminClient, KafkaProducer
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame
@@ -53,7 +53,7 @@ from dejaq.pipelines.dedup import IN_BUFFER, SETTLED
 from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.delta_source import SecondWriter
 from dejaq.pipelines.ingest import STATS_KEPT, BatchStats, CheckpointBehind, IngestJob
-from dejaq.pipelines.ingest_resume import CannotResume, Resume, positions, resume
+from dejaq.pipelines.ingest_resume import CannotResume, Resume, offset_app_id, positions, resume
 from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain
 from dejaq.pipelines.session import detect_connectors
@@ -77,11 +77,19 @@ def produce(
     topic: str,
     records: list[tuple[bytes, bytes, dict[str, bytes]]],
     partitions: int = 3,
+    timestamp_ms: int | None = None,
 ):
+    """`records` spread over `partitions` in turn, with `timestamp_ms` (else the producer's
+    time)."""
     producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
     for i, (key, value, headers) in enumerate(records):
         producer.send(
-            topic, key=key, value=value, headers=list(headers.items()), partition=i % partitions
+            topic,
+            key=key,
+            value=value,
+            headers=list(headers.items()),
+            partition=i % partitions,
+            timestamp_ms=timestamp_ms,
         )
     producer.flush()
     producer.close()
@@ -253,6 +261,14 @@ def produce_transaction(
         producer.close()
 
 
+def crash_before_sparks_commit(checkpoint: str, batch_id: int) -> None:
+    """The checkpoint as a driver leaves it that died after the tables' commits of batch
+    `batch_id` and before Spark's own: the next start replays the batch, over the Kafka
+    range its offsets log planned."""
+    for name in (str(batch_id), f".{batch_id}.crc"):
+        (Path(checkpoint) / "commits" / name).unlink(missing_ok=True)
+
+
 @pytest.mark.parametrize("connectors", ["jvm", "python"])
 def test_records_of_an_aborted_transaction_are_not_ingested(
     spark, kafka_bootstrap, topic_factory, tmp_path, connectors
@@ -266,15 +282,98 @@ def test_records_of_an_aborted_transaction_are_not_ingested(
     produce_transaction(kafka_bootstrap, source, records, commit=False)
     produce_transaction(kafka_bootstrap, source, records, commit=True)
 
-    job = IngestJob(spark, settings, settings.topic("jobs"), detect_connectors(spark, connectors))
-    query = job.start(once=True)
-    query.awaitTermination(180)
-    assert query.exception() is None
+    def ingest() -> IngestJob:
+        job = IngestJob(
+            spark, settings, settings.topic("jobs"), detect_connectors(spark, connectors)
+        )
+        query = job.start(once=True)
+        query.awaitTermination(180)
+        assert query.exception() is None
+        return job
+
+    job = ingest()
 
     buffer = table(settings, Table.BUFFER)
     assert table(settings, Table.QUARANTINE).num_rows == 0
     assert sorted(buffer.column("payload").to_pylist()) == sorted(v for _, v, _ in records)
     assert sum(s.rows_in for s in job.stats) == len(records)
+    # Each partition: 4 aborted records, the abort marker, 4 records, the commit marker.
+    # The buffer records where the batch's range ends, past the marker no record carries:
+    # a replay of the batch, whose records end before it, is that batch.
+    recorded = DeltaTable(table_path(settings.warehouse, Table.BUFFER, "jobs"))
+    at = {p: recorded.transaction_version(offset_app_id(job.app_id, (source, p))) for p in range(3)}
+    assert at == dict.fromkeys(range(3), 10)
+    last = job.stats[-1].batch_id
+    crash_before_sparks_commit(job.checkpoint, last)
+    assert [(s.batch_id, s.replay) for s in ingest().stats] == [(last, True)]
+    assert table(settings, Table.BUFFER).num_rows == len(records)
+
+
+# Compacted, and cleaned as soon as a segment is closed: a record whose key is written
+# again in a later closed segment is removed within the log cleaner's next round.
+COMPACTED = {
+    "cleanup.policy": "compact",
+    "segment.ms": "60000",
+    "min.cleanable.dirty.ratio": "0.01",
+    "min.compaction.lag.ms": "0",
+}
+
+
+def offsets_in(bootstrap: str, topic: str, end: int) -> list[int]:
+    """The offsets partition 0 of `topic` holds below `end`, read from its start."""
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    try:
+        tp = TopicPartition(topic, 0)
+        consumer.assign([tp])
+        consumer.seek_to_beginning(tp)
+        found: list[int] = []
+        while consumer.position(tp) < end:
+            found += [r.offset for r in consumer.poll(timeout_ms=1000).get(tp, [])]
+        return [o for o in found if o < end]
+    finally:
+        consumer.close()
+
+
+@pytest.mark.parametrize("connectors", ["jvm", "python"])
+def test_a_replay_whose_last_record_kafka_compacted_away_is_skipped(
+    spark, kafka_bootstrap, topic_factory, tmp_path, connectors
+):
+    """A driver dies between the tables' commits of a batch and Spark's; meanwhile the
+    log cleaner of the compacted source topic removes the batch's last record, its key
+    written again. Replayed, the batch reads records ending before the end its commit
+    recorded, yet it is the same batch over the same range: skipped, and the ingest
+    goes on. Refused as a checkpoint behind, the ingest could never start again."""
+    source = topic_factory(partitions=1, configs=COMPACTED)
+    settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
+    topic = settings.topic("jobs")
+    produce(kafka_bootstrap, source, [good(i) for i in range(6)], partitions=1)  # keys k0-k5
+
+    def ingest() -> IngestJob:
+        job = IngestJob(spark, settings, topic, detect_connectors(spark, connectors))
+        query = job.start(once=True)
+        query.awaitTermination(180)
+        assert query.exception() is None
+        return job
+
+    first = ingest()
+    assert [s.batch_id for s in first.stats] == [0]
+    crash_before_sparks_commit(first.checkpoint, 0)
+    # Key k5 again at offset 6, then offset 7: each timestamped two segment.ms past the
+    # one before, so Kafka closes a segment before each, and the cleaner may take 5.
+    now = int(time.time() * 1000)
+    for i, record in enumerate([good(12), good(13)], start=1):
+        produce(kafka_bootstrap, source, [record], partitions=1, timestamp_ms=now + i * 120_000)
+    wait_until(
+        lambda: offsets_in(kafka_bootstrap, source, 8) == [0, 1, 2, 3, 4, 6, 7],
+        timeout=120,
+        what="the log cleaner to remove offset 5",
+    )
+
+    replayed = ingest()
+
+    assert [(s.batch_id, s.replay) for s in replayed.stats] == [(0, True), (1, False)]
+    buffer = table(settings, Table.BUFFER)
+    assert sorted(coordinates(buffer)) == [(source, 0, n) for n in range(8)]
 
 
 def test_a_new_checkpoint_over_batches_without_kafka_positions_refuses_to_start(
@@ -548,20 +647,37 @@ def test_compaction_keeps_every_row_once_for_every_reader(
     assert fresh.rows.keys() == index.rows.keys()
 
 
-def kafka_range(
-    spark, kafka_format: str, bootstrap: str, source: str, start: int, end: int
-) -> DataFrame:
-    """The records of partition 0 of `source` from offset `start` to `end`, as Spark
-    hands a micro-batch over, the first time or on a replay."""
-    offsets = lambda n: json.dumps({source: {"0": n}})  # noqa: E731
+Ranges = dict[int, tuple[int, int]]  # Kafka partition → offsets [start, end)
+
+
+def kafka_range(spark, kafka_format: str, bootstrap: str, source: str, ranges: Ranges) -> DataFrame:
+    """The records of `source` in `ranges` (every partition of it), as Spark hands a
+    micro-batch over, the first time or on a replay."""
+    offsets = lambda i: json.dumps({source: {str(p): r[i] for p, r in ranges.items()}})  # noqa: E731
     return (
         spark.read.format(kafka_format)
         .option("kafka.bootstrap.servers", bootstrap)
         .option("subscribe", source)
-        .option("startingOffsets", offsets(start))
-        .option("endingOffsets", offsets(end))
+        .option("startingOffsets", offsets(0))
+        .option("endingOffsets", offsets(1))
         .option("includeHeaders", "true")
         .load()
+    )
+
+
+def hand_over(job: IngestJob, batch_id: int, source: str, ranges: Ranges) -> None:
+    """Batch `batch_id` of `job` over `ranges` of `source`, run as Spark runs one: the
+    ends it plans go to the checkpoint's offsets log, then its records to
+    `process_batch`. These tests run batches with no query, so the offsets log entry is
+    written here, in Spark's format: a version line, the batch's metadata, the source's
+    offsets."""
+    offsets = Path(job.checkpoint) / "offsets"
+    offsets.mkdir(parents=True, exist_ok=True)
+    ends = {source: {str(p): end for p, (_, end) in ranges.items()}}
+    (offsets / str(batch_id)).write_text(f"v1\n{{}}\n{json.dumps(ends)}")
+    bootstrap = job.settings.kafka.bootstrap
+    job.process_batch(
+        kafka_range(job.spark, job.connectors.kafka, bootstrap, source, ranges), batch_id
     )
 
 
@@ -587,7 +703,7 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
         return job
 
     def batch(start: int, end: int) -> DataFrame:
-        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
+        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, {0: (start, end)})
 
     def counts() -> tuple[int, int]:
         return table(settings, Table.BUFFER).num_rows, table(settings, Table.QUARANTINE).num_rows
@@ -610,8 +726,8 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
     assert run is not None and run.removed == 2
     assert counts() == (len(first) - 2, 0)
 
-    # Spark replays the last batch after a crash: the buffer has it, so it is skipped,
-    # though the ledger now says its order-7 is settled.
+    # Spark replays the last batch after a crash (the query's offsets log has it): the
+    # buffer has it, so it is skipped, though the ledger now says its order-7 is settled.
     replaying = IngestJob(spark, settings, topic, connectors)
     replaying.process_batch(batch(0, len(first)), 0)
     assert counts() == (len(first) - 2, 0)
@@ -735,14 +851,7 @@ def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
     produce(kafka_bootstrap, source, records, partitions=1)
     ensure_buffer(settings.warehouse, topic)  # as the job's start makes them
     ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
-    whole = (
-        spark.read.format(connectors.kafka)
-        .option("kafka.bootstrap.servers", kafka_bootstrap)
-        .option("subscribe", source)
-        .option("includeHeaders", "true")
-        .load()
-    )
-    _cut(spark, settings, topic, whole, 0, monkeypatch)
+    _cut(IngestJob(spark, settings, topic, connectors), 0, source, {0: (0, 3)}, monkeypatch)
     assert table(settings, Table.QUARANTINE).num_rows == 1
     # An earlier copy of order-9, settled since: the restarted job's seed has it.
     ledger = ensure_table(settings.warehouse, Table.LEDGER, "jobs")
@@ -756,7 +865,7 @@ def test_a_batch_cut_between_its_two_commits_keeps_its_verdict_when_done_again(
     }
     write_deltalake(ledger, pa.table(settled, schema=LEDGER_SCHEMA), mode="append")
 
-    IngestJob(spark, settings, topic, connectors).process_batch(whole, 0)
+    hand_over(IngestJob(spark, settings, topic, connectors), 0, source, {0: (0, 3)})
 
     buffer = table(settings, Table.BUFFER)
     assert sorted(buffer.column("payload").to_pylist()) == [b"kept", b"payload-0"]
@@ -769,40 +878,44 @@ def test_a_checkpoint_behind_the_buffer_stops_the_ingest_rather_than_skip_its_ba
     """A checkpoint older than the buffer (a copy put back, another driver's) plans batch
     ids the buffer has over Kafka positions it has not read: skipped as replays, their
     records would land nowhere. Only the buffer's last batch, over the positions its
-    commit recorded, is a replay."""
-    source = topic_factory(partitions=1)
+    commit recorded on every partition it planned, is a replay: one that plans no
+    records of a partition the buffer's batch read is another batch too."""
+    source = topic_factory(partitions=2)
     settings = load_settings(write_conf(tmp_path, kafka_bootstrap, source), env={})
     topic = settings.topic("jobs")
     connectors = detect_connectors(spark)
-    produce(kafka_bootstrap, source, [good(i) for i in range(12)], partitions=1)
+    produce(kafka_bootstrap, source, [good(i) for i in range(24)], partitions=2)
     ensure_buffer(settings.warehouse, topic)
     ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
 
-    def batch(start: int, end: int) -> DataFrame:
-        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
+    def job() -> IngestJob:
+        return IngestJob(spark, settings, topic, connectors)
 
-    ran = IngestJob(spark, settings, topic, connectors)
-    for batch_id in range(3):
-        ran.process_batch(batch(3 * batch_id, 3 * batch_id + 3), batch_id)
-    assert table(settings, Table.BUFFER).num_rows == 9
+    ran = job()
+    hand_over(ran, 0, source, {0: (0, 3), 1: (0, 0)})
+    hand_over(ran, 1, source, {0: (3, 6), 1: (0, 0)})
+    hand_over(ran, 2, source, {0: (6, 9), 1: (0, 3)})
+    assert table(settings, Table.BUFFER).num_rows == 12
 
     with pytest.raises(CheckpointBehind, match="delete its checkpoint"):
-        IngestJob(spark, settings, topic, connectors).process_batch(batch(3, 12), 1)
+        hand_over(job(), 1, source, {0: (3, 12), 1: (0, 0)})
     with pytest.raises(CheckpointBehind, match="other Kafka positions"):
-        IngestJob(spark, settings, topic, connectors).process_batch(batch(6, 12), 2)
-    assert table(settings, Table.BUFFER).num_rows == 9, "nothing committed by either"
+        hand_over(job(), 2, source, {0: (6, 12), 1: (0, 3)})
+    with pytest.raises(CheckpointBehind, match="other Kafka positions"):
+        hand_over(job(), 2, source, {0: (6, 9), 1: (0, 0)})  # reads none of partition 1
+    assert table(settings, Table.BUFFER).num_rows == 12, "nothing committed by any"
 
-    replaying = IngestJob(spark, settings, topic, connectors)
-    replaying.process_batch(batch(6, 9), 2)
+    replaying = job()
+    hand_over(replaying, 2, source, {0: (6, 9), 1: (0, 3)})
     assert [(s.batch_id, s.replay) for s in replaying.stats] == [(2, True)]
-    replaying.process_batch(batch(9, 12), 3)
+    hand_over(replaying, 3, source, {0: (9, 12), 1: (3, 12)})
     buffer = table(settings, Table.BUFFER)
-    assert sorted(coordinates(buffer)) == [(source, 0, n) for n in range(12)]
+    assert sorted(coordinates(buffer)) == [(source, p, n) for p in (0, 1) for n in range(12)]
 
 
-def _cut(spark, settings: Settings, topic, records: DataFrame, batch_id: int, monkeypatch) -> None:
-    """Batch `batch_id` of `records` under `topic`, its process killed between its
-    quarantine's commit and its buffer's (the buffer's commit made to raise)."""
+def _cut(job: IngestJob, batch_id: int, source: str, ranges: Ranges, monkeypatch) -> None:
+    """Batch `batch_id` of `job` over `ranges` of `source`, its process killed between
+    its quarantine's commit and its buffer's (the buffer's commit made to raise)."""
     real = ingest_module.commit
 
     def dies_on_the_buffer(target, files, mode, txn, *also):
@@ -813,8 +926,7 @@ def _cut(spark, settings: Settings, topic, records: DataFrame, batch_id: int, mo
     with monkeypatch.context() as m:
         m.setattr(ingest_module, "commit", dies_on_the_buffer)
         with pytest.raises(RuntimeError, match="between the two commits"):
-            job = IngestJob(spark, settings, topic, detect_connectors(spark))
-            job.process_batch(records, batch_id)
+            hand_over(job, batch_id, source, ranges)
 
 
 def test_a_cut_batch_done_again_under_a_changed_configuration_lands_each_record_once(
@@ -837,17 +949,14 @@ def test_a_cut_batch_done_again_under_a_changed_configuration_lands_each_record_
     ensure_buffer(settings.warehouse, topic)
     ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
 
-    def batch(start: int, end: int) -> DataFrame:
-        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
-
     def landed() -> tuple[list, list]:
         buffer, quarantine = table(settings, Table.BUFFER), table(settings, Table.QUARANTINE)
         return coordinates(buffer), coordinates(quarantine)
 
     # Payloads up to 100 bytes when cut, 5 when done again: payload-0 turns bad.
     small = topic.model_copy(update={"max_payload_bytes": 5})
-    _cut(spark, settings, topic, batch(0, 3), 0, monkeypatch)
-    IngestJob(spark, settings, small, connectors).process_batch(batch(0, 3), 0)
+    _cut(IngestJob(spark, settings, topic, connectors), 0, source, {0: (0, 3)}, monkeypatch)
+    hand_over(IngestJob(spark, settings, small, connectors), 0, source, {0: (0, 3)})
     buffered, quarantined = landed()
     assert sorted(buffered + quarantined) == [(source, 0, n) for n in range(3)]
     assert not set(buffered) & set(quarantined)
@@ -858,8 +967,8 @@ def test_a_cut_batch_done_again_under_a_changed_configuration_lands_each_record_
     ]
 
     # 5 bytes when cut, 100 when done again: payload-1, quarantined, turns good.
-    _cut(spark, settings, small, batch(3, 5), 1, monkeypatch)
-    IngestJob(spark, settings, topic, connectors).process_batch(batch(3, 5), 1)
+    _cut(IngestJob(spark, settings, small, connectors), 1, source, {0: (3, 5)}, monkeypatch)
+    hand_over(IngestJob(spark, settings, topic, connectors), 1, source, {0: (3, 5)})
     buffered, quarantined = landed()
     assert sorted(buffered + quarantined) == [(source, 0, n) for n in range(5)]
     assert not set(buffered) & set(quarantined)
@@ -885,12 +994,9 @@ def test_a_second_driver_fails_at_its_quarantine_commit_of_a_batch_the_first_wro
     ensure_buffer(settings.warehouse, topic)
     ensure_table(settings.warehouse, Table.QUARANTINE, "jobs")
 
-    def batch(start: int, end: int) -> DataFrame:
-        return kafka_range(spark, connectors.kafka, kafka_bootstrap, source, start, end)
-
-    _cut(spark, settings, topic, batch(0, 2), 0, monkeypatch)
+    _cut(IngestJob(spark, settings, topic, connectors), 0, source, {0: (0, 2)}, monkeypatch)
     with pytest.raises(SecondWriter, match=r"/quarantine/.*other positions"):
-        IngestJob(spark, settings, topic, connectors).process_batch(batch(0, 4), 0)
+        hand_over(IngestJob(spark, settings, topic, connectors), 0, source, {0: (0, 4)})
     assert table(settings, Table.BUFFER).num_rows == 0
     assert coordinates(table(settings, Table.QUARANTINE)) == [(source, 0, 1)]
 
