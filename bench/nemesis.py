@@ -19,11 +19,14 @@ workers drain what is left and stop.
 The checker reads what the clients recorded (every lease with its deadline and
 extensions, every ack or rejection answered 2xx) and the cluster itself (peeks, the
 ledger, the dead letters, the buffer, each node's stats and /metrics). Safety: `lost`
-(never settled), `leased_after_ack`, `double_leased` (overlapping leases of a message,
-each ending at its deadline, or earlier at the send time of its settle or its
-consumer's leave). Liveness: the longest time without a lease answer after each fault,
-the ledger holding every settled message within 30 s of the load stopping, dead letters
-equal to the ledger's dead events, the buffer drained by retention, the nodes agreeing.
+(never settled), `acked_2xx_not_acked` (an ack answered 2xx whose message did not end
+acked), `leased_after_ack`, `leased_after_reject` (a dead-lettered message leased
+again), `deliveries_over_max` (a lease beyond `max_deliveries`), `double_leased`
+(overlapping leases of a message, each ending at its deadline, or earlier at the send
+time of its settle or its consumer's leave). Liveness: the longest time without a lease
+answer after each fault, the ledger holding every settled message within 30 s of the load
+stopping, dead letters equal to the ledger's dead events, the buffer drained by
+retention, the nodes agreeing.
 
 `--secure` runs the same with TLS on every node's HTTP and API keys on: the workers and
 the checker then go through HTTPS with a key, and every forward through its node tag.
@@ -652,7 +655,8 @@ class Nemesis:
 
 
 def check_leases(j: Journal, max_deliveries: int) -> dict[str, Any]:
-    """leased_after_ack, double_leased, and delivery counts, from the journal."""
+    """leased_after_ack, leased_after_reject, double_leased, and delivery counts, from
+    the journal."""
     by_mid: dict[str, list[Lease]] = defaultdict(list)
     for rec in j.leases:
         by_mid[rec.mid].append(rec)
@@ -665,7 +669,7 @@ def check_leases(j: Journal, max_deliveries: int) -> dict[str, Any]:
             if acked is not None and rec.start_ms > acked:
                 after_ack.append((mid, rec.consumer, rec.start_ms - acked))
             if rejected is not None and rec.start_ms > rejected:
-                after_reject.append((mid, rec.consumer))
+                after_reject.append((mid, rec.consumer, rec.start_ms - rejected))
             if rec.start_ms < held_until:
                 double.append((mid, holder, rec.consumer, held_until - rec.start_ms))
             if prev is not None and rec.deliveries <= prev.deliveries:
@@ -687,12 +691,18 @@ def check_leases(j: Journal, max_deliveries: int) -> dict[str, Any]:
         "deliveries_over_max": len(over),
         "examples": {
             "leased_after_ack (id, consumer, ms after the ack's answer)": after_ack[:5],
+            "leased_after_reject (id, consumer, ms after the rejection's answer)": (
+                after_reject[:5]
+            ),
             "double_leased (id, holder, taker, overlap ms)": double[:5],
             "deliveries_not_increasing (id, before, after)": backwards[:5],
+            "deliveries_over_max (id, deliveries)": over[:5],
         },
         "timelines": {
             mid: timeline(j, by_mid[mid])
-            for mid in dict.fromkeys(e[0] for e in [*after_ack, *double, *backwards][:20])
+            for mid in dict.fromkeys(
+                e[0] for e in [*after_ack, *after_reject, *double, *over, *backwards][:20]
+            )
         },
     }
 
@@ -974,11 +984,20 @@ def lag_recovered(progress: list[dict], start_s: float) -> bool:
     return any(p["t_s"] > start_s and p.get("ledger_lag_s", 10) < 10 for p in progress)
 
 
-SAFETY = ("lost", "leased_after_ack", "double_leased")  # counts a safe run has at 0
+# The counts a safe run has at 0. Not `deliveries_not_increasing`: a leave's release
+# hands a message on without counting a delivery.
+SAFETY = (
+    "lost",
+    "acked_2xx_not_acked",
+    "leased_after_ack",
+    "leased_after_reject",
+    "deliveries_over_max",
+    "double_leased",
+)
 
 
 def failed_checks(out: dict[str, Any]) -> list[str]:
-    """The liveness checks a run failed, beside its safety counts and errors."""
+    """The checks a run failed: its errors, any safety count not 0, and the liveness ones."""
     f = out["figures"]
     checks = {
         "errors": not out["errors"],
@@ -1132,7 +1151,9 @@ def check_tables(
     out["lost"] = len(lost)
     out["lost_examples"] = [(m, final[m]) for m in lost[:5]]
     out["final_status"] = dict(Counter(final.values()))
-    out["acked_2xx_not_acked"] = sum(1 for m in j.acked if final.get(m) != "acked")
+    not_acked = [m for m in j.acked if final.get(m) != "acked"]
+    out["acked_2xx_not_acked"] = len(not_acked)
+    out["acked_2xx_not_acked_examples"] = [(m, final.get(m)) for m in not_acked[:5]]
     out["ledger"] = {
         "caught_up": bool(caught) and not missing,
         "seconds": round(took, 1),

@@ -26,6 +26,14 @@ _spec.loader.exec_module(nemesis)
 # Two rounds of the three faults, then kill -9 of all three at 84 s: about 2 minutes in
 # all with the drain and the checks (3.5 when the ledger or buffer never catch up).
 ARGS = ["--seconds", "84", "--messages", "3000", "--fault-every", "12"]
+SAFETY = (
+    "lost",
+    "acked_2xx_not_acked",
+    "leased_after_ack",
+    "leased_after_reject",
+    "deliveries_over_max",
+    "double_leased",
+)
 
 
 @pytest.mark.slow
@@ -52,9 +60,10 @@ def test_faults_lose_nothing_and_the_ledger_and_buffer_catch_up(tmp_path: Path) 
     assert report["errors"] == [], report["errors"]
     kinds = [fault["kind"] for fault in report["faults"]]
     assert kinds == [*["kill_leader", "sigstop", "kill_follower"] * 2, "kill_all"], kinds
-    assert report["safety"] == {"lost": 0, "leased_after_ack": 0, "double_leased": 0}, (
+    assert report["safety"] == dict.fromkeys(SAFETY, 0), (
         f["examples"],
         f.get("lost_examples"),
+        f.get("acked_2xx_not_acked_examples"),
     )
     assert proc.returncode == 0
     assert f["final_status"].get("acked", 0) > 0 and f["final_status"].get("dead", 0) > 0
@@ -71,9 +80,8 @@ def test_faults_lose_nothing_and_the_ledger_and_buffer_catch_up(tmp_path: Path) 
 
 def test_the_checker_names_each_failed_check_and_waits_for_a_lag_under_10s() -> None:
     figures = {
-        "lost": 0,
-        "leased_after_ack": 0,
-        "double_leased": 0,
+        **dict.fromkeys(SAFETY, 0),
+        "deliveries_not_increasing": 1,  # a leave's release hands a message on uncounted
         "ledger": {"caught_up": True},
         "buffer": {"drained": True},
         "nodes_agree": True,
@@ -86,8 +94,29 @@ def test_the_checker_names_each_failed_check_and_waits_for_a_lag_under_10s() -> 
         "safety",
         "ledger_lag_under_10s_within_30s_of_each_fault",
     ]
+    for count in SAFETY:
+        unsafe = {**figures, count: 1}
+        assert nemesis.failed_checks({"figures": unsafe, "errors": []}) == ["safety"], count
     # A restart's first samples are over 10 s; only a later one under it is a recovery.
     progress = [{"t_s": 80, "ledger_lag_s": 2.0}, {"t_s": 90, "ledger_lag_s": 14.0}]
     assert not nemesis.lag_recovered(progress, 84)
     assert not nemesis.lag_recovered([*progress, {"t_s": 95}], 84)
     assert nemesis.lag_recovered([*progress, {"t_s": 95, "ledger_lag_s": 3.0}], 84)
+
+
+def test_the_checker_counts_a_rejected_message_leased_again_and_a_delivery_over_max() -> None:
+    j = nemesis.Journal()
+    j.leases = [
+        nemesis.Lease("m1", "c1", 1, 1_000, 4_000, 1.0, end_ms=1_500),
+        nemesis.Lease("m1", "c2", 2, 5_000, 8_000, 5.0),  # after its rejection's answer
+        nemesis.Lease("m2", "c1", 3, 1_000, 4_000, 1.0),
+        nemesis.Lease("m2", "c2", 4, 5_000, 8_000, 5.0),  # beyond max_deliveries 3
+    ]
+    j.rejected["m1"] = 2_000
+    out = nemesis.check_leases(j, max_deliveries=3)
+    assert (out["leased_after_reject"], out["deliveries_over_max"]) == (1, 1), out["examples"]
+    assert (out["leased_after_ack"], out["double_leased"], out["deliveries_not_increasing"]) == (
+        0,
+        0,
+        0,
+    )
