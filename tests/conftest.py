@@ -23,6 +23,7 @@ from dejaq.jobs.ports import free_port
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
+    from pyspark.sql.streaming import StreamingQuery
 
 
 def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "condition") -> object:
@@ -35,6 +36,17 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+def run_to_end(query: StreamingQuery, timeout: float = 180) -> None:
+    """Wait for a query that stops by itself (once, availableNow) to end, without an
+    error; stopped either way, so a query that hangs or fails holds no Spark thread
+    after its test."""
+    try:
+        assert query.awaitTermination(timeout), f"the streaming query ran over {timeout} s"
+    finally:
+        query.stop()
+    assert query.exception() is None, query.exception()
 
 
 def drop_first_answer(

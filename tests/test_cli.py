@@ -129,13 +129,18 @@ def test_kafka_serves_stops_on_sigterm_and_keeps_its_data(tmp_path: Path) -> Non
     port, data_dir = free_port(), tmp_path / "kafka"
     bootstrap = f"127.0.0.1:{port}"
     proc = start_kafka(port, data_dir)
-    producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
-    for i in range(5):
-        producer.send("kept", f"m{i}".encode())
-    producer.flush()
-    producer.close()
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    try:
+        producer = KafkaProducer(bootstrap_servers=bootstrap, acks="all")
+        for i in range(5):
+            producer.send("kept", f"m{i}".encode())
+        producer.flush()
+        producer.close()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:  # a failure before its SIGTERM was answered
+            proc.kill()
+            proc.communicate(timeout=30)
     assert proc.returncode == 0, err
     assert f"kafka bootstrap: {bootstrap}" in out
     assert "kafka stopped" in out

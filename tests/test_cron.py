@@ -18,7 +18,7 @@ from zoneinfo import ZoneInfo
 
 import httpx
 import pytest
-from conftest import wait_until
+from conftest import run_to_end, wait_until
 from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -570,9 +570,7 @@ def input_records(bootstrap: str, topic: str) -> list:
 
 def ingest_once(spark, conf: Path) -> None:
     s = load_settings(conf, env={})
-    query = IngestJob(spark, s, s.topic("ticks"), detect_connectors(spark)).start(once=True)
-    query.awaitTermination(180)
-    assert query.exception() is None
+    run_to_end(IngestJob(spark, s, s.topic("ticks"), detect_connectors(spark)).start(once=True))
 
 
 def buffered(conf: Path, table: Table) -> list[dict]:

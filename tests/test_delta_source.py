@@ -16,7 +16,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from chispa import assert_df_equality
-from conftest import wait_until
+from conftest import run_to_end, wait_until
 from deltalake import DeltaTable
 from deltalake.transaction import Transaction
 from pyspark.sql import DataFrame, SparkSession
@@ -244,11 +244,6 @@ def stream_into(spark: SparkSession, source: Path, path: str, checkpoint: Path) 
         .trigger(availableNow=True)
         .start(path)
     )
-
-
-def run_to_end(query: StreamingQuery) -> None:
-    assert query.awaitTermination(120), "streaming query did not finish"
-    assert query.exception() is None
 
 
 def assert_exactly(spark: SparkSession, path: str, rows: pa.Table) -> None:

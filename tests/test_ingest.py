@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from conftest import wait_until
+from conftest import run_to_end, wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -156,9 +156,7 @@ def test_once_lands_good_and_bad_records_exactly_once(
         detect_connectors(spark, connectors),
         max_offsets_per_trigger=20,
     )
-    query = job.start(once=True)
-    query.awaitTermination(180)
-    assert query.exception() is None
+    run_to_end(job.start(once=True))
 
     buffer, quarantine = table(settings, Table.BUFFER), table(settings, Table.QUARANTINE)
     assert buffer.num_rows + quarantine.num_rows == len(records), "in = buffer + quarantine"
@@ -185,8 +183,7 @@ def test_once_lands_good_and_bad_records_exactly_once(
 
     # Running again finds nothing new, and records produced later come in once.
     produce(kafka_bootstrap, source, [good(i) for i in range(100, 110)])
-    query = job.start(once=True)
-    query.awaitTermination(180)
+    run_to_end(job.start(once=True))
     assert table(settings, Table.BUFFER).num_rows == buffer.num_rows + 10
     assert row_count(table_path(settings.warehouse, Table.BUFFER, "jobs")) == buffer.num_rows + 10
 
@@ -208,9 +205,7 @@ def test_a_deleted_checkpoint_resumes_where_the_buffer_left_kafka(
         job = IngestJob(
             spark, settings, topic, detect_connectors(spark, connectors), max_offsets_per_trigger=9
         )
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
+        run_to_end(job.start(once=True))
         return job
 
     ran = run()
@@ -286,9 +281,7 @@ def test_records_of_an_aborted_transaction_are_not_ingested(
         job = IngestJob(
             spark, settings, settings.topic("jobs"), detect_connectors(spark, connectors)
         )
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
+        run_to_end(job.start(once=True))
         return job
 
     job = ingest()
@@ -479,9 +472,7 @@ def test_a_buffer_of_another_kinds_rows_is_not_ingested_into_until_it_is_empty(
     assert not Path(job.checkpoint).exists(), "no query started"
 
     DeltaTable(buffer).delete()  # what retention leaves once every message settled
-    query = job.start(once=True)
-    query.awaitTermination(180)
-    assert query.exception() is None
+    run_to_end(job.start(once=True))
     assert DeltaTable(buffer).metadata().configuration[KIND_PROPERTY] == "priority"
     assert sorted(table(settings, Table.BUFFER).column("priority").to_pylist()) == list(range(5))
     assert spark.read.format("delta").load(buffer).count() == 5
@@ -612,9 +603,7 @@ def test_compaction_keeps_every_row_once_for_every_reader(
 
     def ingest(first: int) -> None:
         produce(kafka_bootstrap, source, [good(i) for i in range(first, first + 30)])
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
+        run_to_end(job.start(once=True))
 
     ingest(0)
     index = TopicIndex(settings.warehouse, topic)
@@ -697,9 +686,7 @@ def test_an_id_settled_and_removed_from_the_buffer_is_still_a_duplicate_after_a_
 
     def ingest() -> IngestJob:
         job = IngestJob(spark, settings, topic, connectors)
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
+        run_to_end(job.start(once=True))
         return job
 
     def batch(start: int, end: int) -> DataFrame:
@@ -764,9 +751,7 @@ def _reminders(
 
     def ingest(value: bytes) -> list[dict]:
         produce(kafka_bootstrap, source, [(b"k", value, explicit), *others], partitions=1)
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
+        run_to_end(job.start(once=True))
         buffered = table(settings, Table.BUFFER).filter(pc.field("message_id") == "reminder-42")
         return buffered.select(["message_id", "payload"]).to_pylist()
 

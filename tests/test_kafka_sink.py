@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
-from conftest import wait_until
+from conftest import run_to_end, wait_until
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.consumer.fetcher import ConsumerRecord
 from pyspark.sql.types import _parse_datatype_string
@@ -79,8 +79,7 @@ def test_stream_from_kafka_to_kafka_where_the_topic_column_wins(
         .trigger(availableNow=True)
         .start()
     )
-    query.awaitTermination(120)
-    assert query.exception() is None
+    run_to_end(query)
     records = read_all(kafka_bootstrap, out, 2, 30)
     assert sorted(r.value for r in records) == sorted(f"v{i}".encode() for i in range(30))
     assert all(r.headers == [("n", b"1")] for r in records)

@@ -58,11 +58,18 @@ class Terminal:
             "PATH": f"{venv_bin}{os.pathsep}{os.environ['PATH']}",
             "PYTHONUNBUFFERED": "1",
         }
-        self.jobs: list[subprocess.Popen] = []
+        self.jobs: list[subprocess.Popen] = []  # every process it started: `close` stops them
+        self.logged: dict[subprocess.Popen, Path] = {}  # a background job: its log
         self.logs = Path(tempfile.mkdtemp(prefix="logs-", dir=cwd))
 
+    @property
+    def background_jobs(self) -> list[subprocess.Popen]:
+        """The `&` lines' jobs, which run until `close`."""
+        return [job for job in self.jobs if job in self.logged]
+
     def background(self, line: str) -> subprocess.Popen:
-        out = (self.logs / f"job{len(self.jobs)}.log").open("w")
+        path = self.logs / f"job{len(self.logged)}.log"
+        out = path.open("w")
         job = subprocess.Popen(
             ["bash", "-c", f"exec {line}"],
             cwd=self.cwd,
@@ -72,6 +79,7 @@ class Terminal:
             text=True,
         )
         self.jobs.append(job)
+        self.logged[job] = path
         return job
 
     def run(self, script: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -85,7 +93,9 @@ class Terminal:
         )
 
     def python(self, code: str) -> subprocess.Popen:
-        return subprocess.Popen(
+        """`code` run by the venv's python, its output piped; a job, so `close` stops it
+        should the test fail first."""
+        job = subprocess.Popen(
             [sys.executable, "-c", code],
             cwd=self.cwd,
             env=self.env,
@@ -93,12 +103,14 @@ class Terminal:
             stderr=subprocess.PIPE,
             text=True,
         )
+        self.jobs.append(job)
+        return job
 
     def log(self, job: subprocess.Popen) -> str:
-        return (self.logs / f"job{self.jobs.index(job)}.log").read_text()
+        return self.logged[job].read_text()
 
     def close(self) -> None:
-        for job in reversed(self.jobs):  # cluster, ingest, then Kafka: as `kill %3 %2 %1`
+        for job in reversed(self.jobs):  # worker, cluster, ingest, Kafka: as `kill %3 %2 %1`
             if job.poll() is None:
                 job.send_signal(signal.SIGTERM)
                 try:
@@ -219,7 +231,7 @@ def test_the_secure_set_up_works_as_written(folder: Path) -> None:
         assert shell.env["DEJAQ_KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL"
         assert (folder / "worker-1.key").read_text().startswith("dq_")
         assert (folder / "worker-1.key").stat().st_mode & 0o077 == 0, "the key, for its owner"
-        cluster = shell.jobs[-1]
+        cluster = shell.background_jobs[-1]
         wait_until(
             lambda: "stops the cluster" in shell.log(cluster) or cluster.poll() is not None,
             timeout=120,
@@ -243,7 +255,7 @@ def test_the_secure_set_up_works_as_written(folder: Path) -> None:
         for log in shell.logs.iterdir():
             assert password not in log.read_text()
             assert shell.env["DEJAQ_TOKEN"].split("_", 2)[2] not in log.read_text()
-        for job in shell.jobs:
+        for job in shell.background_jobs:
             assert job.poll() is None, shell.log(job)
     finally:
         shell.close()
@@ -298,7 +310,7 @@ def test_the_s3_warehouse_works_as_written(folder: Path) -> None:
         assert list((bucket / "buffer" / "orders" / "_delta_log").glob("*.json"))
         now = {p for p in folder.glob("warehouse*/**/*") if p.is_file()}
         assert now == local, "no table on local disk"
-        for job in shell.jobs:
+        for job in shell.background_jobs:
             assert job.poll() is None, shell.log(job)
     finally:
         shell.close()

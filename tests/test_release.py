@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pytest
-from conftest import wait_until
+from conftest import run_to_end, wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -804,9 +804,7 @@ def test_ingested_records_come_out_with_their_envelope(
         producer.send(source, key=f"k{i}".encode(), value=f"v{i}".encode(), headers=headers)
     producer.flush()
     producer.close()
-    query = IngestJob(spark, s, s.topic("jobs"), detect_connectors(spark)).start(once=True)
-    query.awaitTermination(180)
-    assert query.exception() is None
+    run_to_end(IngestJob(spark, s, s.topic("jobs"), detect_connectors(spark)).start(once=True))
 
     releaser = Releaser(s, s.topic("jobs"))
     output = Output(kafka_bootstrap, out, 2)
@@ -843,9 +841,7 @@ def test_kill_9_then_restart_loses_nothing_and_repeats_only_the_cut_batch(
     producer.flush()
     producer.close()
     ingest = IngestJob(spark, s, s.topic("jobs"), detect_connectors(spark, connectors))
-    query = ingest.start(once=True)
-    query.awaitTermination(180)
-    assert query.exception() is None
+    run_to_end(ingest.start(once=True))
     buffer = DeltaTable(ensure_table(s.warehouse, Table.BUFFER, "jobs")).to_pyarrow_table()
     written = buffer.column("message_id").to_pylist()
     assert len(written) == 600
