@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import pytest
 
@@ -36,6 +38,46 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+class Lines:
+    """A child's output lines, read by a thread of their own, so that waiting for one
+    has a deadline: a child that falls silent fails its test instead of hanging it."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, args=(stream,), daemon=True).start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self._lines.put(line)
+        self._lines.put("")  # the end of the output
+
+    def next(self, timeout: float = 60, what: str = "a line") -> str:
+        """The next line, "" at the end of the output; fails the test at the deadline."""
+        try:
+            return self._lines.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+    def until(self, cond: Callable[[str], bool], timeout: float = 60, what: str = "") -> list[str]:
+        """The lines read up to and including the first `cond` holds for (without their
+        newlines); fails the test at the deadline or at the end of the output."""
+        deadline = time.monotonic() + timeout
+        lines: list[str] = []
+        while not (lines and cond(lines[-1])):
+            line = self.next(max(0.0, deadline - time.monotonic()), what or "a line")
+            assert line, f"the output ended before {what or 'the line'}: {lines}"
+            lines.append(line.rstrip("\n"))
+        return lines
+
+    def rest(self, timeout: float = 60) -> str:
+        """The output left, to its end (the child exited or closed it)."""
+        deadline = time.monotonic() + timeout
+        out = []
+        while line := self.next(max(0.0, deadline - time.monotonic()), "the output's end"):
+            out.append(line)
+        return "".join(out)
 
 
 def run_to_end(query: StreamingQuery, timeout: float = 180) -> None:
@@ -272,7 +314,7 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     )
     try:
         assert proc.stdout is not None
-        wait_until(lambda: "s3 endpoint" in proc.stdout.readline(), 90, "dejaq s3 to serve")
+        Lines(proc.stdout).until(lambda line: "s3 endpoint" in line, 90, "dejaq s3 to serve")
         lines = (data_dir / "client.env").read_text().splitlines()
         yield S3Server(dict(line.removeprefix("export ").split("=", 1) for line in lines), data_dir)
     finally:

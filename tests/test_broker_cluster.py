@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import wait_until
+from conftest import Lines, wait_until
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -35,6 +35,7 @@ from dejaq.client.models import Left
 from dejaq.conf.settings import KafkaConfig, TopicConfig
 from dejaq.conf.tables import BROKER_APP_ID, ensure_buffer
 from dejaq.jobs import cluster
+from dejaq.jobs.children import stop as stop_child
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
 
@@ -1246,12 +1247,13 @@ def cluster_up(
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines = []
-    while not (lines and "stops the cluster" in lines[-1]):
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read()
-        lines.append(line.rstrip("\n"))
-    return proc, lines
+    assert proc.stdout is not None
+    try:
+        up = Lines(proc.stdout).until(lambda line: "stops the cluster" in line, 180, "up")
+    except (AssertionError, pytest.fail.Exception):
+        stop_child(proc, timeout=60)  # it stops the nodes it started
+        pytest.fail(f"`dejaq cluster up` did not come up: {proc.stderr.read()}")
+    return proc, up
 
 
 def test_cluster_up_on_fixed_ports_prints_a_client_line_and_stops_on_sighup(tmp_path) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import drop_first_answer, wait_until
+from conftest import Lines, drop_first_answer, wait_until
 from hypothesis import given
 from hypothesis import strategies as st
 from test_broker import buffer_rows, fill
@@ -426,13 +426,16 @@ def test_sigterm_finishes_the_message_in_hand_and_leaves(three, tmp_path: Path) 
         stderr=subprocess.PIPE,
         text=True,
     )
+    assert proc.stdout is not None
+    out = Lines(proc.stdout)
     try:
-        assert proc.stdout.readline().split() == ["started", "s0"], proc.stderr.read()
+        started = out.next(60, "the worker's first message")
+        assert started.split() == ["started", "s0"], started or proc.stderr.read()
         with Client(urls(nodes)) as c:
             assert set(c.heartbeat("rb", "other").buckets) < {0, 1, 2, 3}, "sub has some"
             proc.terminate()
             assert proc.wait(30) == 0
-            assert proc.stdout.read().split() == ["acked", "s0"]
+            assert out.rest().split() == ["acked", "s0"]
             assert "left rb, 2 leases released" in proc.stderr.read()
             assert c.peek("rb", "s0").status == "acked"
             assert c.topic_stats("rb").consumers == ["other"]

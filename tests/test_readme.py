@@ -17,12 +17,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import wait_until
+from conftest import Lines, wait_until
 
 from dejaq.jobs.embedded_kafka import answers
 
@@ -143,9 +142,10 @@ def quick_start_worker(terminal: Terminal, work: str) -> list[str]:
     (it must exit 0); the lines."""
     worker = terminal.python(work)
     printed: list[str] = []
+    out = Lines(worker.stdout)
     try:
         while len(printed) < 5:
-            line = worker.stdout.readline()
+            line = out.next(180, "the worker's next line")
             assert line, worker.stderr.read()
             printed.append(line.strip())
     finally:
@@ -243,12 +243,10 @@ def test_the_secure_set_up_works_as_written(folder: Path) -> None:
         assert "send 'Authorization: Bearer <key>'; this call needs role 'read'" in said.stdout
         assert "nodes" in said.stdout and "ingest lag" in said.stdout, said.stdout
         worker = shell.python(work)
-        watchdog = threading.Timer(180, worker.kill)  # a worker that never prints fails
-        watchdog.start()
         try:
-            assert worker.stdout.readline().strip() == "hello", worker.stderr.read()
+            hello = Lines(worker.stdout).next(180, "the worker's hello")
+            assert hello.strip() == "hello", hello or worker.stderr.read()
         finally:
-            watchdog.cancel()
             worker.send_signal(signal.SIGTERM)
         assert worker.wait(60) == 0, worker.stderr.read()
         password = shell.env["DEJAQ_KAFKA_SASL_PASSWORD"]
