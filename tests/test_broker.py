@@ -615,32 +615,28 @@ def test_a_message_named_twice_in_one_request_is_settled_and_counted_once(tmp_pa
     assert (nope, list(refused), bad, list(bad_refused)) == (0, ["nope"], 0, [12345 << 20])
 
 
-def test_a_lease_expires_on_time_while_a_checkpoint_hangs(tmp_path: Path) -> None:
+def test_a_lease_expires_while_a_checkpoint_hangs(tmp_path: Path) -> None:
     """The object store hangs inside a checkpoint: lease expiry goes on (its own thread),
-    so a 200 ms lease is back to pending within its time and a few duty periods."""
-    from dejaq.broker.service import DUTY_PERIOD_S
-
+    so a 200 ms lease is back to pending while the checkpoint still hangs, which it does
+    until the expiry is seen (an expiry that waited for it fails `_until`'s deadline)."""
     entered, release = threading.Event(), threading.Event()
 
     def hanging(name: str) -> None:
         entered.set()
         release.wait()
 
-    async def scenario(broker: Any) -> tuple[list[str], float]:
+    async def scenario(broker: Any) -> list[str]:
         broker._checkpoint_topic = hanging
         await _until(entered.is_set, "a checkpoint under way")
         leased = json.loads(await broker.lease("jobs", "w", 1, 200, 0))
-        began, st = time.monotonic(), broker.state("jobs")
+        st = broker.state("jobs")
         try:
             await _until(lambda: st.lease_of("m1") is None, "the lease expired")
         finally:
             release.set()
-        took = time.monotonic() - began
-        return [m["id"] for m in leased], took
+        return [m["id"] for m in leased]
 
-    leased, took = on_one_node(tmp_path, scenario)
-    assert leased == ["m1"]
-    assert took < 0.2 + 2 * DUTY_PERIOD_S + 1.0, f"expired after {took:.2f} s"
+    assert on_one_node(tmp_path, scenario) == ["m1"]
 
 
 def test_a_family_of_metrics_that_fails_leaves_the_others_published(tmp_path: Path) -> None:
@@ -2246,43 +2242,38 @@ def test_raft_messages_stay_zlib_and_sealed(caplog: pytest.LogCaptureFixture) ->
     assert "Fernet wire format" in caplog.text
 
 
-class HoldTimes:
-    """A lock that records how long each holder kept it."""
+class NoIdsProbingTheLock(set[str]):
+    """An empty set of settled ids that counts, at each membership test (the per-row
+    work a refresh or a walk does), whether `lock` was held then."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._since = 0.0
-        self.held: list[float] = []
+    def __init__(self, lock: threading.Lock) -> None:
+        super().__init__()
+        self.lock = lock
+        self.held: Counter[bool] = Counter()
 
-    def __enter__(self) -> None:
-        self._lock.acquire()
-        self._since = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.held.append(time.perf_counter() - self._since)
-        self._lock.release()
+    def __contains__(self, mid: object) -> bool:
+        self.held[self.lock.locked()] += 1
+        return False
 
 
 def test_index_row_work_and_walks_run_outside_its_lock(tmp_path: Path) -> None:
     """The event loop takes the index lock for every lease and every applied Raft command:
-    a refresh or `stats` may hold it for C-level inserts and copies, not for per-row work."""
+    a refresh or `stats` may hold it for C-level inserts and copies, not for per-row work
+    (here each row's settled check, made while the test alone runs the index)."""
     warehouse = str(tmp_path / "wh")
     before_ms = int(time.time() * 1000)
     fill(warehouse, "jobs", buffer_rows([1, 2, 3], prefix="a"))
     index = TopicIndex(warehouse, topic_conf())
     index.load()
     fill(warehouse, "jobs", buffer_rows([i % 100 for i in range(50_000)], prefix="b"))
-    index.lock = lock = HoldTimes()  # type: ignore[assignment]
-    started = time.perf_counter()
-    assert index.refresh() == 50_000
-    took = time.perf_counter() - started
-    assert max(lock.held) < took / 5, (lock.held, took)
-    lock.held.clear()
-    started = time.perf_counter()
-    stats, delayed = index.stats(TopicState(4, 5), now=0)
-    took = time.perf_counter() - started
+    settled = NoIdsProbingTheLock(index.lock)
+    assert index.refresh(settled) == 50_000
+    assert settled.held == {False: 50_000}, "each new row checked, none under the lock"
+    state = TopicState(4, 5)
+    state.settled = settled = NoIdsProbingTheLock(index.lock)  # type: ignore[assignment]
+    stats, delayed = index.stats(state, now=0)
     assert sum(s.pending for s in stats.values()) == 50_003 and delayed == 0
-    assert max(lock.held) < took / 5, (lock.held, took)
+    assert settled.held == {False: 50_003}, "each row walked, none under the lock"
     oldest = min(s.oldest_ingested_ms for s in stats.values() if s.oldest_ingested_ms)
     assert before_ms - 1000 < oldest <= time.time() * 1000, "ingestion times kept to the second"
 

@@ -524,7 +524,8 @@ def test_a_node_trickling_its_answer_fails_the_call_by_its_deadline() -> None:
     assert [name for name, _, _ in outcomes] == ["lease", "stats"]
     for name, error, took in outcomes:
         assert isinstance(error, Unavailable), (name, error)
-        assert took < 4.5, (name, took)
+        assert "no node served it in time" in str(error), (name, error)
+        assert took >= 3.0, f"{name} gave up {took:.2f} s in, before its deadline"
 
 
 def test_a_request_goes_out_whole_with_its_headers() -> None:

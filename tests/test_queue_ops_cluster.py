@@ -159,18 +159,17 @@ def test_a_redrive_whose_answer_was_lost_is_redriven_not_an_error(
 
 
 def test_a_command_given_a_wrong_broker_address_fails_at_once() -> None:
+    """The command's probe of the node fails it: the client's retries, meant to ride
+    out a node's restart, would end in "no node served it in time" after its deadline."""
     nowhere = f"http://127.0.0.1:{free_port()}"
-    started = time.monotonic()
     cli = subprocess.run(
         [*DEJAQ, "pause", "--topic", "dl", "--broker", nowhere],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    took = time.monotonic() - started
     assert cli.returncode == 1
-    assert cli.stderr.startswith(f"error: no broker node answers at {nowhere}"), cli.stderr
-    assert took < 10, f"{took:.1f} s: the client's retries ran out first"
+    assert cli.stderr == f"error: no broker node answers at {nowhere} (ConnectError)\n"
 
 
 def test_redrive_takes_one_target_and_the_topics_own_sort_key(ops) -> None:

@@ -14,7 +14,6 @@ import ssl
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -300,10 +299,8 @@ def test_wrong_tls_text_fails_the_python_connector_at_start_naming_the_option(
         KafkaDataSource(mixed)  # the key file is the driver's: tasks run elsewhere
     untrusted = {**read, "kafka.ssl.cadata": new_authority(tmp_path / "x").cert.read_text()}
     reader = KafkaStreamReader(KafkaOptions.parse(untrusted))
-    started = time.monotonic()
     with pytest.raises(ValueError, match=r"not trusted by option 'kafka\.ssl\.cadata'"):
         reader.initialOffset()
-    assert time.monotonic() - started < 20
     writer = KafkaDataSource(
         {**options, "topic": "nowhere", "kafka.ssl.cadata": untrusted["kafka.ssl.cadata"]}
     )
@@ -394,11 +391,9 @@ def test_a_wrong_login_fails_at_start_naming_the_setting(
         ["release", "--topic", "t", "--once"],
         ["broker", "--node-id", "x", "--data-dir", str(tmp_path / "node"), *addresses],
     ):
-        started = time.monotonic()
         done = dejaq(*command, "--conf-file", str(conf), env=env, timeout=60)
-        took = time.monotonic() - started
         assert done.returncode == 2, (command, done.stderr[-2000:])
-        assert named in done.stderr and took < 20, (command, took, done.stderr[-2000:])
+        assert named in done.stderr, (command, done.stderr[-2000:])
         assert secure_kafka["DEJAQ_KAFKA_SASL_PASSWORD"] not in done.stdout + done.stderr
 
 
