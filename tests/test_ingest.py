@@ -343,9 +343,7 @@ def test_a_replay_whose_last_record_kafka_compacted_away_is_skipped(
 
     def ingest() -> IngestJob:
         job = IngestJob(spark, settings, topic, detect_connectors(spark, connectors))
-        query = job.start(once=True)
-        query.awaitTermination(180)
-        assert query.exception() is None
+        run_to_end(job.start(once=True))
         return job
 
     first = ingest()
