@@ -1,7 +1,7 @@
 """A Delta table's log, read directly for what delta-rs has no call for: one version's
 own actions (`pipelines.retention.commits`), the latest Delta checkpoint's version
-(`conf.table_watch`), every app transaction (`conf.tables.app_transactions`). The
-log's layout is known here only.
+(`conf.table_watch`), every app transaction (`conf.tables.app_transactions`), from a
+classic checkpoint or a v2 one. The log's layout is known here only.
 """
 
 from __future__ import annotations
@@ -49,12 +49,36 @@ def checkpoint_column(
     fs: pafs.FileSystem, root: str, last: dict[str, Any], column: str
 ) -> list[dict[str, Any]]:
     """The actions of one kind (`column`: "txn", "add"...) the checkpoint `last` (read
-    by `last_checkpoint`) holds, from each of its parts."""
+    by `last_checkpoint`) holds, from each of its parts.
+
+    A v2 checkpoint (`last` names its file, `<version>.checkpoint.<uuid>.json` or
+    `.parquet`) holds every action but the files' in that file, and the files' (add,
+    remove) in the sidecars it lists under `_delta_log/_sidecars`."""
+    log = f"{root}/_delta_log"
+    if v2 := last.get("v2Checkpoint"):
+        top = _checkpoint_file(fs, f"{log}/{v2['path']}", [column, "sidecar"])
+        found = [a[column] for a in top if a.get(column) is not None]
+        if column in ("add", "remove"):
+            for sidecar in (a["sidecar"] for a in top if a.get("sidecar") is not None):
+                for action in _checkpoint_file(fs, f"{log}/_sidecars/{sidecar['path']}", [column]):
+                    if action.get(column) is not None:
+                        found.append(action[column])
+        return found
     version, parts = int(last["version"]), int(last.get("parts") or 0)
-    stem = f"{root}/_delta_log/{version:020d}.checkpoint"
+    stem = f"{log}/{version:020d}.checkpoint"
     files = [f"{stem}.{i:010d}.{parts:010d}.parquet" for i in range(1, parts + 1)]
-    found: list[dict[str, Any]] = []
+    found = []
     for file in files or [f"{stem}.parquet"]:
         table = pq.read_table(file, columns=[column], filesystem=fs)
         found.extend(table.column(column).drop_null().to_pylist())
     return found
+
+
+def _checkpoint_file(fs: pafs.FileSystem, key: str, columns: list[str]) -> list[dict[str, Any]]:
+    """The actions of a checkpoint file, JSON lines or Parquet, as dicts of `columns`."""
+    if key.endswith(".json"):
+        with fs.open_input_stream(key) as f:
+            lines = f.read().decode().splitlines()
+        return [{c: a.get(c) for c in columns} for a in map(json.loads, filter(None, lines))]
+    present = [c for c in columns if c in pq.read_schema(key, filesystem=fs).names]
+    return pq.read_table(key, columns=present, filesystem=fs).to_pylist()

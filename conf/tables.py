@@ -23,6 +23,7 @@ from deltalake.exceptions import CommitFailedError
 from dejaq.conf.delta_log import actions, checkpoint_column, last_checkpoint
 from dejaq.conf.settings import TOPIC_NAME, ConfigError, TopicConfig, TopicKind
 from dejaq.conf.storage import filesystem
+from dejaq.conf.table_features import check_path, check_table, refused_commit
 
 
 class Table(StrEnum):
@@ -168,10 +169,13 @@ def ensure_table(warehouse: str, table: Table, topic: str) -> str:
     """Create the table from the contract if it does not exist; return its path.
 
     Creating up front (rather than on first write) gives every reader, the broker's
-    included, an empty table with the right schema from the start.
+    included, an empty table with the right schema from the start. One that exists with
+    a Delta feature DejaQ cannot honour is refused (`conf.table_features`), at the
+    process's first ensure of it.
     """
     path = table_path(warehouse, table, topic)
     create_if_missing(path, SCHEMAS[table], PARTITION_BY[table])
+    check_path(path)
     return path
 
 
@@ -188,7 +192,8 @@ class KindChanged(ConfigError):
 
 def ensure_buffer(warehouse: str, topic: TopicConfig) -> str:
     """`ensure_table` of the topic's buffer, whose rows are of the topic's configured kind;
-    every part that writes or reads sort keys opens the buffer so, before it does.
+    every part that writes or reads sort keys opens the buffer so, before it does. A
+    buffer with a Delta feature DejaQ cannot honour is refused (`conf.table_features`).
 
     The kind is recorded in the table (`KIND_PROPERTY`): a buffer made before it takes
     the configured kind, and an empty one takes a new kind. One holding rows written as
@@ -201,6 +206,7 @@ def ensure_buffer(warehouse: str, topic: TopicConfig) -> str:
     lost = 0
     while True:
         table = DeltaTable(path)
+        check_table(table, path)
         recorded = table.metadata().configuration.get(KIND_PROPERTY)
         if recorded == configured:
             return path
@@ -218,7 +224,8 @@ def ensure_buffer(warehouse: str, topic: TopicConfig) -> str:
         try:
             table.alter.set_table_properties({KIND_PROPERTY: configured}, raise_if_not_exists=False)
             return path
-        except CommitFailedError:
+        except CommitFailedError as e:
+            refused_commit(path, e)
             lost += 1
             if lost == KIND_ATTEMPTS:
                 raise

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from deltalake import DeltaTable
 
+from dejaq.conf.table_features import has_deletion_vectors
 from dejaq.conf.tables import with_table_properties
 
 log = logging.getLogger("dejaq.compaction")
@@ -55,7 +56,7 @@ def compact(path: str, target_size: int | None = None) -> Compacted:
     """
     table = DeltaTable(path)
     metrics = table.optimize.compact(target_size=target_size)
-    vacuumed = table.vacuum(dry_run=False, full=_lists_whole(path))
+    vacuumed = table.vacuum(dry_run=False, full=_lists_whole(table, path))
     return Compacted(metrics["numFilesRemoved"], metrics["numFilesAdded"], len(vacuumed))
 
 
@@ -96,16 +97,22 @@ def vacuum(path: str) -> int:
 
     Maintenance: a failure is logged, not raised."""
     try:
-        return len(DeltaTable(path).vacuum(dry_run=False, full=_lists_whole(path)))
+        table = DeltaTable(path)
+        return len(table.vacuum(dry_run=False, full=_lists_whole(table, path)))
     except Exception:
         log.warning("vacuuming %s failed; the next round tries again", path, exc_info=True)
         return 0
 
 
-def _lists_whole(path: str) -> bool:
-    """Whether this vacuum of `path` lists the whole table: the process's first, then one
-    each `FULL_VACUUM_EVERY_S`. A listing's cost follows the table's files, so it is
-    not paid every round; a failed one is not tried again before the next is due."""
+def _lists_whole(table: DeltaTable, path: str) -> bool:
+    """Whether this vacuum of `table` (at `path`) lists the whole table: the process's
+    first, then one each `FULL_VACUUM_EVERY_S`. A listing's cost follows the table's
+    files, so it is not paid every round; a failed one is not tried again before the
+    next is due. Never on a table with deletion vectors (refused at a start, but one
+    can be altered meanwhile): a full vacuum knows no deletion vector file from an
+    orphan, and would delete those past the retention that the table still reads."""
+    if has_deletion_vectors(table):
+        return False
     now = time.monotonic()
     with _listed_lock:
         last = _listed.get(path)

@@ -47,6 +47,7 @@ from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 from pyspark.sql.types import StructType
 
 from dejaq.conf.storage import exported, filesystem, has_folders
+from dejaq.conf.table_features import check_table, refused_commit
 from dejaq.conf.tables import conform, create_if_missing, iso_ms
 
 log = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ class DeltaDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DeltaReader:
         delta = self._open_existing()
-        _check_readable(delta)
+        check_table(delta, self._path())
         missing = sorted(set(schema.fieldNames()) - set(_arrow_schema(delta).names))
         if missing:
             raise ValueError(f"columns {missing} requested but not in Delta table {self._path()}")
@@ -162,8 +163,9 @@ class WriteTarget:
 
     @classmethod
     def of(cls, path: str) -> WriteTarget:
-        """An existing table's."""
+        """An existing table's, refused if it has a feature DejaQ cannot honour."""
         delta = DeltaTable(path)
+        check_table(delta, path)
         return cls(path, _arrow_schema(delta), tuple(delta.metadata().partition_columns))
 
     @property
@@ -178,14 +180,6 @@ def _names(option: str | None) -> list[str]:
 
 def _arrow_schema(delta: DeltaTable) -> pa.Schema:
     return pa.schema(delta.schema().to_arrow())  # delta-rs returns an arro3 schema
-
-
-def _check_readable(delta: DeltaTable) -> None:
-    """Refuse features this reader would get silently wrong rather than misread rows."""
-    if "deletionVectors" in (delta.protocol().reader_features or []):
-        raise ValueError(f"Delta table {delta.table_uri} uses deletion vectors: unsupported")
-    if delta.metadata().configuration.get("delta.columnMapping.mode", "none") != "none":
-        raise ValueError(f"Delta table {delta.table_uri} uses column mapping: unsupported")
 
 
 def _check_partition_columns(path: str, schema: pa.Schema, partition_by: Sequence[str]) -> None:
@@ -381,6 +375,7 @@ def commit(
             )
             return
         except CommitFailedError as e:
+            refused_commit(table.path, e)
             if mode != "append" or attempt == COMMIT_ATTEMPTS:
                 raise
             log.info("append to %s lost its commit (%s): committing again", table.path, e)

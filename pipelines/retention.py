@@ -49,6 +49,7 @@ from deltalake.exceptions import CommitFailedError
 
 from dejaq.conf.delta_log import actions as log_actions
 from dejaq.conf.storage import filesystem
+from dejaq.conf.table_features import refused_commit
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     LEDGER_SCHEMA,
@@ -247,6 +248,7 @@ def retain(
             )
             break
         except CommitFailedError as e:
+            refused_commit(buffer_path, e)
             if attempt == ATTEMPTS:
                 raise
             log.info("retention of %s lost its commit (%s): trying again", buffer_path, e)

@@ -2,22 +2,42 @@
 
 Each writes what the other reads and writes again: a row written by either is read back
 exactly once by both, a replayed (app id, version) is skipped, and no table carries a
-feature delta-rs cannot write.
+feature delta-rs cannot write. A table Spark gave a feature DejaQ cannot honour is
+refused by name, at a process's start or at a commit.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import time
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from chispa import assert_df_equality
 from deltalake import DeltaTable, write_deltalake
 from pyspark.sql import DataFrame, SparkSession
 from test_delta_source import buffer_rows
 
-from dejaq.conf.tables import BUFFER_SCHEMA, TIMESTAMP, Table, ensure_table
-from dejaq.pipelines.compaction import compact
+from dejaq.broker.storage.index import TopicIndex
+from dejaq.conf.settings import TopicConfig
+from dejaq.conf.table_features import UnsupportedTable, check_table
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    LEDGER_SCHEMA,
+    TIMESTAMP,
+    Table,
+    app_transactions,
+    create_if_missing,
+    ensure_table,
+    table_path,
+)
+from dejaq.pipelines.compaction import compact, vacuum
+from dejaq.pipelines.delta_source import WriteTarget, commit, write_files
 from dejaq.pipelines.session import detect_connectors
 
 # Table features delta-rs 1.x cannot write (DESIGN.md): none may appear on a table.
@@ -86,6 +106,7 @@ def test_spark_and_delta_rs_write_one_buffer_table_in_turn(
         ignore_nullable=True,
     )
     assert not features(path) & UNWRITABLE
+    check_table(DeltaTable(path))  # DejaQ honours every feature of its own tables
 
 
 def test_a_table_spark_creates_stays_writable_by_delta_rs(
@@ -94,6 +115,7 @@ def test_a_table_spark_creates_stays_writable_by_delta_rs(
     path = str(tmp_path / "made_by_spark")
     spark.createDataFrame(buffer_rows(20)).write.format("delta").partitionBy("bucket").save(path)
     assert not features(path) & UNWRITABLE
+    check_table(DeltaTable(path))  # nor any of a table Spark made with its defaults
     write_deltalake(path, buffer_rows(20, start=20), mode="append")
     compact(path)
     spark_append(spark, buffer_rows(20, start=40), path, "ingest", 0)
@@ -102,3 +124,78 @@ def test_a_table_spark_creates_stays_writable_by_delta_rs(
     ids = [f"m-{i:05d}" for i in range(60)]
     assert sorted(r.message_id for r in from_spark.select("message_id").collect()) == ids
     assert sorted(from_rs.column("message_id").to_pylist()) == ids
+
+
+def spark_alter(spark: SparkSession, path: str, properties: dict[str, str]) -> None:
+    given = ", ".join(f"'{k}' = '{v}'" for k, v in properties.items())
+    spark.sql(f"ALTER TABLE delta.`{path}` SET TBLPROPERTIES ({given})")
+
+
+def refused(path: str, feature: str) -> str:
+    """The refusal's message names the table and the feature."""
+    return rf"{re.escape(path)}.*{feature}"
+
+
+def test_a_buffer_with_deletion_vectors_is_refused_and_keeps_its_vectors(
+    spark: SparkSession, warehouse: str
+) -> None:
+    """Rows a Spark DELETE marks in a deletion vector are still in their files, which
+    the broker's index reads whole: it would lease them again. The buffer is refused at
+    the broker's start, and vacuum never lists the table whole to delete its vectors."""
+    path = table_path(warehouse, Table.BUFFER, "orders")
+    spark.createDataFrame(buffer_rows(30)).write.format("delta").partitionBy("bucket").save(path)
+    spark_alter(spark, path, {"delta.enableDeletionVectors": "true"})
+    spark.sql(f"DELETE FROM delta.`{path}` WHERE source_offset < 5")
+    vectors = list(Path(path).glob("deletion_vector_*.bin"))
+    assert vectors and "deletionVectors" in features(path)
+
+    topic = TopicConfig(name="orders", kind="priority", source=["in"])
+    with pytest.raises(UnsupportedTable, match=refused(path, "deletionVectors")):
+        TopicIndex(warehouse, topic)
+
+    month_ago = time.time() - 30 * 24 * 3600
+    for vector in vectors:
+        os.utime(vector, (month_ago, month_ago))
+    vacuum(path)
+    assert all(vector.exists() for vector in vectors)
+    assert spark.read.format("delta").load(path).count() == 25
+
+
+def test_a_column_mapped_ledger_is_refused(spark: SparkSession, warehouse: str) -> None:
+    """Its files name columns by physical names: read by the contract's, every column is
+    null and the ledger reads as empty, its acked messages leased again."""
+    path = table_path(warehouse, Table.LEDGER, "orders")
+    create_if_missing(path, LEDGER_SCHEMA, [])
+    spark_alter(spark, path, {"delta.columnMapping.mode": "name"})
+    with pytest.raises(UnsupportedTable, match=refused(path, "columnMapping")):
+        ensure_table(warehouse, Table.LEDGER, "orders")
+
+
+def test_the_app_transactions_of_a_v2_checkpoint_are_read(
+    spark: SparkSession, warehouse: str
+) -> None:
+    """`_last_checkpoint` names the checkpoint's own file (`<v>.checkpoint.<uuid>.*`);
+    the table itself is refused at a start, as delta-rs writes classic checkpoints."""
+    path = table_path(warehouse, Table.BUFFER, "orders")
+    create_if_missing(path, BUFFER_SCHEMA, ["bucket"])
+    spark_alter(spark, path, {"delta.checkpointPolicy": "v2", "delta.checkpointInterval": "2"})
+    spark_append(spark, buffer_rows(10), path, "first", 0)  # version 2: a checkpoint
+    spark_append(spark, buffer_rows(10, start=10), path, "second", 7)
+    last = json.loads((Path(path) / "_delta_log" / "_last_checkpoint").read_text())
+    assert "v2Checkpoint" in last, last
+    assert app_transactions(path) == {"first": 0, "second": 7}
+    with pytest.raises(UnsupportedTable, match=refused(path, "v2Checkpoint")):
+        check_table(DeltaTable(path))
+
+
+def test_a_commit_to_a_table_spark_gave_row_tracking_fails_at_once_by_name(
+    spark: SparkSession, warehouse: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """delta-rs refuses to commit to it: no retry can succeed, so none is made."""
+    path = ensure_table(warehouse, Table.BUFFER, "orders")
+    target = WriteTarget.of(path)  # as a stream's start opens it, before the change
+    spark_alter(spark, path, {"delta.enableRowTracking": "true"})
+    caplog.set_level(logging.INFO)
+    with pytest.raises(UnsupportedTable, match=refused(path, "rowTracking")):
+        commit(target, write_files(target, buffer_rows(5)), "append", ("ingest", 0))
+    assert not [r for r in caplog.records if "lost its commit" in r.getMessage()]

@@ -11,6 +11,7 @@ from deltalake import DeltaTable, write_deltalake
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from dejaq.conf.settings import TopicConfig
+from dejaq.conf.table_features import UnsupportedTable, check_table, features
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     KIND_PROPERTY,
@@ -19,6 +20,7 @@ from dejaq.conf.tables import (
     TABLE_PROPERTIES,
     KindChanged,
     Table,
+    create_if_missing,
     ensure_buffer,
     ensure_table,
     table_path,
@@ -128,3 +130,21 @@ def test_a_buffer_made_before_kinds_were_recorded_takes_the_configured_kind(tmp_
     assert _kind(path) == "priority"
     with pytest.raises(KindChanged, match="holds 3 rows written as kind priority"):
         ensure_buffer(warehouse, _topic("timeline"))
+
+
+def test_every_table_dejaq_makes_has_only_features_it_honours(tmp_path) -> None:
+    """Delta's first writer protocol: append-only and invariants, implied, nothing more."""
+    for table in Table:
+        path = ensure_table(str(tmp_path), table, "jobs")
+        assert features(DeltaTable(path)) == {"appendOnly", "invariants"}
+        check_table(DeltaTable(path))
+
+
+def test_a_table_with_a_check_constraint_is_refused_by_name(tmp_path) -> None:
+    """A constraint raises the protocol to writer version 3, whose features imply it:
+    the ingest commits files it wrote without evaluating it."""
+    path = table_path(str(tmp_path), Table.LEDGER, "jobs")
+    create_if_missing(path, SCHEMAS[Table.LEDGER], [])
+    DeltaTable(path).alter.add_constraint({"tried": "deliveries >= 0"})
+    with pytest.raises(UnsupportedTable, match=rf"{path}.*checkConstraints.*DROP FEATURE"):
+        ensure_table(str(tmp_path), Table.LEDGER, "jobs")

@@ -21,6 +21,7 @@ import pyarrow as pa
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
 
+from dejaq.conf.table_features import refused_commit
 from dejaq.conf.tables import SCHEDULES_SCHEMA, TIMESTAMP, Table, ensure_table, scan
 from dejaq.pipelines.compaction import maintain
 
@@ -95,13 +96,14 @@ def _rows(keys: Iterable[tuple[str, int]]) -> pa.Table:
     )
 
 
-def _retrying(commit: Callable[[], T]) -> T:
-    """Run a delta-rs commit again when a concurrent one beat it."""
+def _retrying(path: str, commit: Callable[[], T]) -> T:
+    """Run a delta-rs commit to the table at `path` again when a concurrent one beat it
+    (not when delta-rs refused the table's features: `refused_commit`)."""
     for _ in range(COMMIT_TRIES - 1):
         try:
             return commit()
-        except CommitFailedError:
-            continue
+        except CommitFailedError as e:
+            refused_commit(path, e)
     return commit()
 
 
@@ -154,7 +156,7 @@ class ScheduleStore:
                 existing = self.get(schedule.schedule_id)
                 if existing is not None:
                     return existing, False
-                if _retrying(commit)["num_target_rows_inserted"]:
+                if _retrying(self.path, commit)["num_target_rows_inserted"]:
                     return schedule, True
         raise CommitFailedError(f"schedule {schedule.schedule_id!r} created and deleted meanwhile")
 
@@ -171,7 +173,7 @@ class ScheduleStore:
             )
 
         with self._lock:
-            return _retrying(commit)["num_target_rows_deleted"] > 0
+            return _retrying(self.path, commit)["num_target_rows_deleted"] > 0
 
     def remove_ended(self, ended: list[tuple[str, int]]) -> int:
         """Delete the schedules (id, created at) past their end with every occurrence
@@ -190,7 +192,7 @@ class ScheduleStore:
             )
 
         with self._lock:
-            return _retrying(commit)["num_target_rows_deleted"]
+            return _retrying(self.path, commit)["num_target_rows_deleted"]
 
     def advance(self, progress: dict[tuple[str, int], int]) -> None:
         """Record (schedule id, created at) → materialised until; never moves one back."""
@@ -210,7 +212,7 @@ class ScheduleStore:
             )
 
         with self._lock:
-            _retrying(commit)
+            _retrying(self.path, commit)
             self._progress_commits += 1
             if self._progress_commits % MAINTAIN_EVERY == 0:
                 maintain(self.path)

@@ -31,6 +31,7 @@ from dejaq.broker.state.settlements import (
     past,
     settlements,
 )
+from dejaq.conf.table_features import refused_commit
 from dejaq.conf.tables import (
     BROKER_APP_ID,
     DEAD_LETTER_SCHEMA,
@@ -249,7 +250,8 @@ def _append_tagged(
         try:
             write_deltalake(table, rows, mode="append", commit_properties=commit)
             return
-        except CommitFailedError:
+        except CommitFailedError as e:
+            refused_commit(path, e)
             if attempt == COMMIT_ATTEMPTS:
                 raise
 

@@ -1,0 +1,132 @@
+"""The Delta table features a DejaQ table may carry, and the refusal of any other.
+
+A table made by DejaQ has none beyond Delta's first protocol, but one made or altered
+by Spark or Databricks can carry features every one of its readers and writers would
+have to honour: DejaQ's readers list a version's files and read their Parquet with
+Arrow (the broker's index, the release job's follower, retention, `dejaq_delta`), and
+its writers are delta-rs and files committed by hand. Read so, a deletion vector's rows
+are read (and leased) again, and column-mapped files read as nulls; delta-rs refuses
+to commit to some. Such a table is refused, naming it and the feature, when a process
+opens it (`conf.tables.ensure_table`), rather than read wrong or retried to no end.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+from deltalake import DeltaTable
+from deltalake.exceptions import CommitFailedError
+
+from dejaq.conf.settings import ConfigError
+
+# Every DejaQ reader and writer handles these: Delta's first writer protocol (2), which
+# every table DejaQ makes has, implies the first two; the contract has no timestamp
+# without a time zone, and delta-rs and Arrow read one alike.
+HONOURED = frozenset({"appendOnly", "invariants", "timestampNtz"})
+
+# The features a protocol older than table features (reader 3, writer 7) implies.
+_LEGACY_READER = {2: {"columnMapping"}}
+_LEGACY_WRITER = {
+    2: {"appendOnly", "invariants"},
+    3: {"checkConstraints"},
+    4: {"changeDataFeed", "generatedColumns"},
+    5: {"columnMapping"},
+    6: {"identityColumns"},
+}
+
+# Why a feature is refused, where more can be said than that DejaQ does not handle it.
+_WHY = {
+    "deletionVectors": "DejaQ reads a table's files whole, so rows a deletion vector "
+    "marks deleted would be read, and delivered, again",
+    "columnMapping": "its files name columns by physical names DejaQ does not map: "
+    "every column would read as null",
+    "v2Checkpoint": "DejaQ's log readers and delta-rs's checkpoints are classic ones",
+    "checkConstraints": "the ingest commits files it wrote without evaluating constraints",
+    "changeDataFeed": "the rewrites DejaQ commits itself write no change data",
+    "generatedColumns": "DejaQ's writers compute no generated column",
+    "identityColumns": "DejaQ's writers assign no identity values",
+    "rowTracking": "delta-rs cannot commit to such a table",
+    "domainMetadata": "delta-rs cannot commit to such a table",
+    "inCommitTimestamp": "delta-rs cannot commit to such a table",
+}
+
+# delta-rs's refusal of a commit for the table's features, as its message words it.
+_REFUSED_COMMIT = re.compile(r"Unsupported table features required: \[([^\]]*)\]")
+
+# Tables this process found honoured: checked at its first open of each, not at every
+# ensure (the ledger's is once a second). A table altered while a process runs is
+# caught by delta-rs's refusal to commit (`refused_commit`), and by vacuum's own look.
+_honoured: set[str] = set()
+_honoured_lock = threading.Lock()
+
+
+class UnsupportedTable(ConfigError):
+    """A table with a Delta feature DejaQ's readers or writers cannot honour."""
+
+
+def features(table: DeltaTable) -> set[str]:
+    """The reader and writer features of the table's protocol, named as Delta lists them
+    (a legacy protocol's implied by its versions)."""
+    protocol = table.protocol()
+    found = set(protocol.reader_features or []) | set(protocol.writer_features or [])
+    reader, writer = protocol.min_reader_version, protocol.min_writer_version
+    if reader < 3:
+        found.update(*(f for v, f in _LEGACY_READER.items() if reader >= v))
+    if writer < 7:
+        found.update(*(f for v, f in _LEGACY_WRITER.items() if writer >= v))
+    return found
+
+
+def has_deletion_vectors(table: DeltaTable) -> bool:
+    """Whether the table may hold deletion vectors (whose files only a full vacuum, which
+    knows nothing of them, would delete)."""
+    return "deletionVectors" in features(table)
+
+
+def check_table(table: DeltaTable, path: str | None = None) -> None:
+    """Raise UnsupportedTable, naming the table (`path`, as its caller knows it, or its
+    URI) and the feature, where the table has a feature outside `HONOURED` or maps its
+    columns."""
+    path = path or table.table_uri
+    mode = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+    if mode != "none":
+        raise UnsupportedTable(
+            f"Delta table {path} maps its columns (delta.columnMapping.mode={mode}, feature "
+            f"columnMapping): {_WHY['columnMapping']}. Make the table without it, or drop "
+            "the feature (ALTER TABLE ... DROP FEATURE columnMapping, in Spark)"
+        )
+    if unhonoured := sorted(features(table) - HONOURED):
+        raise UnsupportedTable(_refusal(path, unhonoured))
+
+
+def check_path(path: str) -> None:
+    """`check_table` of the table at `path`, once per process (`_honoured`)."""
+    with _honoured_lock:
+        if path in _honoured:
+            return
+    check_table(DeltaTable(path), path)
+    with _honoured_lock:
+        _honoured.add(path)
+
+
+def refused_commit(path: str, error: CommitFailedError) -> None:
+    """Raise UnsupportedTable where delta-rs refused a commit to the table at `path` for
+    its features: a retry meets the same features, so a commit loop calls this before
+    it tries again."""
+    if found := _REFUSED_COMMIT.search(str(error)):
+        named = [name[:1].lower() + name[1:] for name in found.group(1).split(", ") if name]
+        raise UnsupportedTable(_refusal(path, named)) from error
+
+
+def _refusal(path: str, unhonoured: list[str]) -> str:
+    """The message naming the table, its features DejaQ cannot honour, why, and the way
+    out."""
+    why = "; ".join(f"{name}: {_WHY.get(name, 'DejaQ does not handle it')}" for name in unhonoured)
+    return (
+        f"Delta table {path} has table features DejaQ cannot honour ({why}). Make the "
+        "table without them (Databricks turns deletion vectors on for new tables: "
+        "set delta.enableDeletionVectors = false), or remove them where Delta can "
+        "(ALTER TABLE ... SET TBLPROPERTIES to turn one off, then ALTER TABLE ... DROP "
+        "FEATURE, in Spark)"
+    )
