@@ -41,7 +41,8 @@ _WHY = {
     "marks deleted would be read, and delivered, again",
     "columnMapping": "its files name columns by physical names DejaQ does not map: "
     "every column would read as null",
-    "v2Checkpoint": "DejaQ's log readers and delta-rs's checkpoints are classic ones",
+    "v2Checkpoint": "delta-rs writes classic checkpoints into it, which a v2 table's "
+    "Delta readers may not expect",
     "checkConstraints": "the ingest commits files it wrote without evaluating constraints",
     "changeDataFeed": "the rewrites DejaQ commits itself write no change data",
     "generatedColumns": "DejaQ's writers compute no generated column",
@@ -66,16 +67,38 @@ class UnsupportedTable(ConfigError):
 
 
 def features(table: DeltaTable) -> set[str]:
-    """The reader and writer features of the table's protocol, named as Delta lists them
-    (a legacy protocol's implied by its versions)."""
+    """The reader and writer features of the table's protocol, named as Delta lists them.
+    A legacy protocol's versions imply features whether the table uses them or not (a
+    change data feed turned on once leaves writer version 4 for good), so of those only
+    the ones it uses count (`_used`)."""
     protocol = table.protocol()
     found = set(protocol.reader_features or []) | set(protocol.writer_features or [])
     reader, writer = protocol.min_reader_version, protocol.min_writer_version
+    implied: set[str] = set()
     if reader < 3:
-        found.update(*(f for v, f in _LEGACY_READER.items() if reader >= v))
+        implied.update(*(f for v, f in _LEGACY_READER.items() if reader >= v))
     if writer < 7:
-        found.update(*(f for v, f in _LEGACY_WRITER.items() if writer >= v))
-    return found
+        implied.update(*(f for v, f in _LEGACY_WRITER.items() if writer >= v))
+    return found | (implied & _used(table))
+
+
+def _used(table: DeltaTable) -> set[str]:
+    """The legacy protocol's features the table uses: Delta's first writer protocol's
+    two always, the others as its properties and columns say."""
+    config = table.metadata().configuration
+    fields = [f.metadata for f in table.schema().fields]
+    used = {"appendOnly", "invariants"}
+    if any(key.startswith("delta.constraints.") for key in config):
+        used.add("checkConstraints")
+    if config.get("delta.enableChangeDataFeed", "false").lower() == "true":
+        used.add("changeDataFeed")
+    if any("delta.generationExpression" in m for m in fields):
+        used.add("generatedColumns")
+    if any(any(k.startswith("delta.identity.") for k in m) for m in fields):
+        used.add("identityColumns")
+    if config.get("delta.columnMapping.mode", "none") != "none":
+        used.add("columnMapping")
+    return used
 
 
 def has_deletion_vectors(table: DeltaTable) -> bool:
@@ -94,7 +117,14 @@ def check_table(table: DeltaTable, path: str | None = None) -> None:
         raise UnsupportedTable(
             f"Delta table {path} maps its columns (delta.columnMapping.mode={mode}, feature "
             f"columnMapping): {_WHY['columnMapping']}. Make the table without it, or drop "
-            "the feature (ALTER TABLE ... DROP FEATURE columnMapping, in Spark)"
+            "the feature (ALTER TABLE ... DROP FEATURE columnMapping TRUNCATE HISTORY, in "
+            "Spark)"
+        )
+    if table.metadata().configuration.get("delta.appendOnly", "false").lower() == "true":
+        raise UnsupportedTable(
+            f"Delta table {path} is append-only (delta.appendOnly=true): retention and "
+            "compaction remove the files they replace, which Delta refuses on such a "
+            "table. Set delta.appendOnly = false"
         )
     if unhonoured := sorted(features(table) - HONOURED):
         raise UnsupportedTable(_refusal(path, unhonoured))
@@ -115,8 +145,20 @@ def refused_commit(path: str, error: CommitFailedError) -> None:
     its features: a retry meets the same features, so a commit loop calls this before
     it tries again."""
     if found := _REFUSED_COMMIT.search(str(error)):
-        named = [name[:1].lower() + name[1:] for name in found.group(1).split(", ") if name]
+        named = [_delta_name(name) for name in found.group(1).split(", ") if name]
         raise UnsupportedTable(_refusal(path, named)) from error
+
+
+def _delta_name(rust: str) -> str:
+    """A feature as Delta names it, from delta-rs's name of it (`DeletionVectors`,
+    `TimestampWithoutTimezone`, `Unknown("x")`)."""
+    if unknown := re.fullmatch(r'Unknown\("?([^")]*)"?\)', rust):
+        return unknown.group(1)
+    return _RUST_NAMES.get(rust, rust[:1].lower() + rust[1:])
+
+
+# delta-rs's names for the features whose Delta names are not theirs with a lower initial.
+_RUST_NAMES = {"TimestampWithoutTimezone": "timestampNtz"}
 
 
 def _refusal(path: str, unhonoured: list[str]) -> str:
@@ -128,5 +170,6 @@ def _refusal(path: str, unhonoured: list[str]) -> str:
         "table without them (Databricks turns deletion vectors on for new tables: "
         "set delta.enableDeletionVectors = false), or remove them where Delta can "
         "(ALTER TABLE ... SET TBLPROPERTIES to turn one off, then ALTER TABLE ... DROP "
-        "FEATURE, in Spark)"
+        "FEATURE ... TRUNCATE HISTORY, in Spark: without TRUNCATE HISTORY, Delta 4 adds "
+        "the checkpointProtection feature in its place)"
     )

@@ -148,3 +148,30 @@ def test_a_table_with_a_check_constraint_is_refused_by_name(tmp_path) -> None:
     DeltaTable(path).alter.add_constraint({"tried": "deliveries >= 0"})
     with pytest.raises(UnsupportedTable, match=rf"{path}.*checkConstraints.*DROP FEATURE"):
         ensure_table(str(tmp_path), Table.LEDGER, "jobs")
+
+
+def test_a_legacy_protocol_bars_a_table_only_for_the_features_it_uses(tmp_path) -> None:
+    """A change data feed turned on raises the protocol to writer version 4 for good;
+    turned off again, the table is honoured (no feature left to drop). A dropped
+    constraint leaves writer version 3 the same way."""
+    path = table_path(str(tmp_path), Table.LEDGER, "jobs")
+    create_if_missing(path, SCHEMAS[Table.LEDGER], [], {"delta.enableChangeDataFeed": "true"})
+    table = DeltaTable(path)
+    assert table.protocol().min_writer_version == 4
+    with pytest.raises(UnsupportedTable, match="changeDataFeed"):
+        check_table(table)
+    table.alter.set_table_properties({"delta.enableChangeDataFeed": "false"})
+    table.alter.add_constraint({"tried": "deliveries >= 0"})
+    with pytest.raises(UnsupportedTable, match="checkConstraints"):
+        check_table(DeltaTable(path))
+    DeltaTable(path).alter.drop_constraint("tried")
+    check_table(DeltaTable(path))
+
+
+def test_an_append_only_table_is_refused_by_name(tmp_path) -> None:
+    """Retention and compaction remove the files they replace, which Delta refuses on an
+    append-only table: every run would fail, and settled rows never leave."""
+    path = table_path(str(tmp_path), Table.BUFFER, "jobs")
+    create_if_missing(path, SCHEMAS[Table.BUFFER], [], {"delta.appendOnly": "true"})
+    with pytest.raises(UnsupportedTable, match=rf"{path}.*delta.appendOnly"):
+        check_table(DeltaTable(path), path)

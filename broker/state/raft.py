@@ -75,10 +75,12 @@ if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
 MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit (not apply)
 MAX_GROUP = 256  # commands per entry
 COMMIT_TIMEOUT_S = 5.0
-# A command reaches the Raft log within this of the time it was stamped with, or never
-# (`RaftNode._flush`): a retention run's cutoff stays this far back, or the event of a
-# command stamped before it asked, and logged after, could land below its watermark.
-STAMPED_WITHIN_MS = int(2 * COMMIT_TIMEOUT_S * 1000)
+# A command reaches the Raft log within this of the time it was stamped with, or never:
+# it waits for an entry COMMIT_TIMEOUT_S at most (`RaftNode._flush`), after as long for
+# the topic's first `configure` (`Broker._commit`), with as much again to spare. A
+# retention run's cutoff stays this far back, or the event of a command stamped before
+# it asked, and logged after, could land below its watermark.
+STAMPED_WITHIN_MS = int(3 * COMMIT_TIMEOUT_S * 1000)
 CATCH_UP_STEP_S = 0.005  # `RaftNode.lead` looks again after this
 TICK_PERIOD_S = 0.01  # Raft timers (heartbeats, elections, reconnects) between events
 ELECTION_TIMEOUT_S = (0.5, 1.5)  # a loaded 2-core machine can starve a leader for 300 ms
