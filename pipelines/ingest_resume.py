@@ -81,9 +81,16 @@ def planned(checkpoint: str, batch_id: int) -> dict[Partition, int]:
     records, a compacted topic's removed records) can end it, and a replay reads the
     log as it is then."""
     fs, root = _folder(checkpoint)
-    with fs.open_input_stream(f"{root}/offsets/{batch_id}") as f:
+    entry = f"{root}/offsets/{batch_id}"
+    with fs.open_input_stream(entry) as f:
         lines = f.read().decode().splitlines()
     # A version line, the batch's metadata, then a line per source: the query's one, Kafka.
+    if len(lines) != 3 or lines[0] != "v1":
+        raise ValueError(
+            f"{entry} is not an offsets log entry of the layout this ingest reads (v1, the "
+            f"batch's metadata, one source's offsets): {len(lines)} lines, the first "
+            f"{lines[0] if lines else ''!r}"
+        )
     offsets = json.loads(lines[2])
     return {(topic, int(p)): end for topic, parts in offsets.items() for p, end in parts.items()}
 

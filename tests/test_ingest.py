@@ -1179,3 +1179,16 @@ def test_batch_line_reports_how_long_the_batch_took(
         progress = ran(stats.batch_id)
         assert logged[stats.batch_id] == progress.batchDuration
         assert logged[stats.batch_id] >= progress.durationMs["triggerExecution"] >= stats.millis
+
+
+def test_an_offsets_log_entry_of_another_layout_is_refused_by_name(tmp_path) -> None:
+    """A Spark that writes its offsets log otherwise (another version line, more lines)
+    is refused rather than its batch's range misread."""
+    from dejaq.pipelines.ingest_resume import planned
+
+    (tmp_path / "offsets").mkdir()
+    (tmp_path / "offsets" / "0").write_text('v1\n{"batchWatermarkMs":0}\n{"t":{"0":5}}\n')
+    assert planned(str(tmp_path), 0) == {("t", 0): 5}
+    (tmp_path / "offsets" / "1").write_text('v2\n{"batchWatermarkMs":0}\n{"t":{"0":5}}\n')
+    with pytest.raises(ValueError, match=r"offsets/1 is not an offsets log entry.*'v2'"):
+        planned(str(tmp_path), 1)
