@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import ssl
 import sys
 from collections.abc import Callable
@@ -18,6 +19,7 @@ from dejaq.conf.settings import ConfigError
 
 EXIT_OK, EXIT_FAIL = 0, 1
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+FRACTION = re.compile(r"\d{2}:\d{2}:\d{2}[.,](\d+)")  # an ISO time's fraction of a second
 
 
 def epoch_ms(value: str) -> int:
@@ -33,8 +35,10 @@ def epoch_ms(value: str) -> int:
             f"expected epoch ms or ISO-8601 with an offset, got {value!r}"
         )
     # Exact, and rounded up as the header's: a time finer than a millisecond is not due
-    # before it.
+    # before it. Python keeps microseconds: a digit past them makes one more.
     micros = (at - EPOCH) // dt.timedelta(microseconds=1)
+    fraction = FRACTION.search(value)
+    micros += fraction is not None and fraction.group(1)[6:].strip("0") != ""
     return -(-micros // 1000)
 
 

@@ -294,6 +294,8 @@ def test_the_redrive_command_takes_deliver_at_as_epoch_ms_or_iso_8601() -> None:
     assert epoch_ms("1700000000000") == 1_700_000_000_000
     assert epoch_ms("2023-11-14T23:13:20+01:00") == 1_700_000_000_000
     assert epoch_ms("2023-11-14T22:13:20.0009+00:00") == 1_700_000_000_001, "rounded up"
+    assert epoch_ms("1970-01-01T00:00:00.0000001+00:00") == 1, "finer than Python keeps"
+    assert epoch_ms("1970-01-01T00:00:00.0010000+00:00") == 1
     assert epoch_ms("2023-11-14T22:13:20.123+00:00") == 1_700_000_000_123
     for bad in ("2023-11-14T22:13:20", "soon"):
         with pytest.raises(argparse.ArgumentTypeError, match="offset"):
