@@ -133,6 +133,22 @@ def test_a_503_with_retry_after_0_is_asked_again_on_the_same_node() -> None:
     assert len(a.requests) == 2 and b.requests == []
 
 
+def test_a_broker_that_refuses_a_leases_request_id_is_leased_from_without_it() -> None:
+    """A broker of a version from before request ids refuses the field as FastAPI does
+    (422, extra_forbidden; a stand-in, as no such broker is installed here): the lease
+    is sent again without it, and so is every lease after."""
+
+    def older(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        if "request_id" in body:
+            refused = [{"loc": ["body", "request_id"], "msg": "Extra inputs are not permitted"}]
+            return 422, {"title": "invalid request", "errors": refused}, {}
+        return 200, {"messages": []}, {}
+
+    with stands(older) as (a,), Client([a.url]) as c:
+        assert c.lease("jobs", "w") == [] and c.lease("jobs", "w") == []
+    assert ["request_id" in body for _, body in a.requests] == [True, False, False]
+
+
 def test_calls_share_one_kept_alive_connection() -> None:
     with stands(no_messages) as (node,), Client([node.url]) as c:
         for _ in range(20):

@@ -30,7 +30,13 @@ from typing import Any, TypeVar
 from urllib.parse import quote
 
 from dejaq.client.connections import Connections, Lost, Node, NotSent, Response
-from dejaq.client.errors import ProblemError, Unavailable, problem_of, retry_after_s
+from dejaq.client.errors import (
+    InvalidRequest,
+    ProblemError,
+    Unavailable,
+    problem_of,
+    retry_after_s,
+)
 from dejaq.client.models import (
     Cluster,
     ExtendResult,
@@ -113,6 +119,9 @@ class Client:
         self._parsed = {url: Node.parse(url) for url in self.nodes}
         self.timeout, self.deadline, self.max_retry_after = timeout, deadline, max_retry_after
         self.stall_s = stall_s
+        # False once a node refused a lease's `request_id` (a broker of a version from
+        # before it): leases go without, as that broker would take them.
+        self._request_ids = True
         token = token if token is not None else os.environ.get(TOKEN_VARIABLE) or None
         if token and not insecure_http:
             for url, node in self._parsed.items():
@@ -266,14 +275,23 @@ class Client:
             "consumer_id": consumer_id,
             "max_messages": max_messages,
             "wait_ms": wait_ms,
-            "request_id": uuid.uuid4().hex,
         }
+        if self._request_ids:
+            body["request_id"] = uuid.uuid4().hex
         if lease_ms is not None:
             body["lease_ms"] = lease_ms
+        path = f"/v1/topics/{topic}/leases"
         first_sent = time.monotonic()
-        answer = self._send(
-            "POST", f"/v1/topics/{topic}/leases", body, wait_s=wait_ms / 1000, worker=True
-        )
+        try:
+            answer = self._send("POST", path, body, wait_s=wait_ms / 1000, worker=True)
+        except InvalidRequest as e:
+            if "request_id" not in body or not _names_field(e, "request_id"):
+                raise
+            log.warning("%s refuses a lease's request_id (an older broker): leasing without", e)
+            self._request_ids = False
+            del body["request_id"]
+            first_sent = time.monotonic()
+            answer = self._send("POST", path, body, wait_s=wait_ms / 1000, worker=True)
         sent_at = first_sent if answer.maybe_applied else answer.sent_at  # whose lease it is
         messages = decode(list[Message], answer.response.json()["messages"])
         for m in messages:
@@ -534,3 +552,8 @@ def _segment(name: str) -> str:
     URL's normalisation would otherwise take for the current and the parent folder."""
     quoted = quote(name, safe="")
     return quoted.replace(".", "%2E") if quoted in (".", "..") else quoted
+
+
+def _names_field(error: InvalidRequest, name: str) -> bool:
+    """Whether a 422 refused the body's field `name` (FastAPI's `loc` ends with it)."""
+    return any(list(e.get("loc") or [])[-1:] == [name] for e in error.errors)
