@@ -52,18 +52,14 @@ def checkpoint_column(
     by `last_checkpoint`) holds, from each of its parts.
 
     A v2 checkpoint (`last` names its file, `<version>.checkpoint.<uuid>.json` or
-    `.parquet`) holds every action but the files' in that file, and the files' (add,
-    remove) in the sidecars it lists under `_delta_log/_sidecars`."""
+    `.parquet`) holds every action but the files' in that file; the files' (add, remove)
+    are in sidecars, which no reader here needs."""
     log = f"{root}/_delta_log"
     if v2 := last.get("v2Checkpoint"):
-        top = _checkpoint_file(fs, f"{log}/{v2['path']}", [column, "sidecar"])
-        found = [a[column] for a in top if a.get(column) is not None]
         if column in ("add", "remove"):
-            for sidecar in (a["sidecar"] for a in top if a.get("sidecar") is not None):
-                for action in _checkpoint_file(fs, f"{log}/_sidecars/{sidecar['path']}", [column]):
-                    if action.get(column) is not None:
-                        found.append(action[column])
-        return found
+            raise ValueError(f"a v2 checkpoint keeps its {column} actions in sidecars")
+        top = _checkpoint_file(fs, f"{log}/{v2['path']}", [column])
+        return [a[column] for a in top if a.get(column) is not None]
     version, parts = int(last["version"]), int(last.get("parts") or 0)
     stem = f"{log}/{version:020d}.checkpoint"
     files = [f"{stem}.{i:010d}.{parts:010d}.parquet" for i in range(1, parts + 1)]
