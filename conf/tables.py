@@ -44,6 +44,27 @@ class LedgerEvent(StrEnum):
     REDRIVEN = "redriven"  # a dead message pending again (one per death at most)
 
 
+# A message's ledger events are (dead, redriven)* then at most one terminal event, and
+# their `at` is in milliseconds: events of one message in one millisecond rank as they
+# can have been applied. A redrive undoes a death before it; what a pending message gets
+# (a nack, a reschedule) comes after; an ack, a cancel or a release is final. A death
+# and a redrive are the one pair either order of which the grammar allows there: taken
+# as the death and then its redrive (the other order needs a redrive, a lease and a
+# death within the millisecond).
+_APPLIED_AT_ONE_TIME = pa.array(
+    [
+        LedgerEvent.DEAD,
+        LedgerEvent.REDRIVEN,
+        LedgerEvent.NACKED,
+        LedgerEvent.RESCHEDULED,
+        LedgerEvent.ACKED,
+        LedgerEvent.CANCELLED,
+        LedgerEvent.RELEASED,
+    ],
+    pa.string(),
+)
+
+
 TIMESTAMP = pa.timestamp("us", tz="UTC")
 # Epoch milliseconds of 10 or 11 digits fall within 1970-01-12 and 1973-03-03, a time no
 # producer means: they are epoch seconds (2001 to 5138) sent for milliseconds, refused
@@ -392,6 +413,22 @@ def scan(
     """The rows of `table` (a path or an open snapshot) matching `where` (built from
     `column` or `matching`), in the contract's types."""
     return dataset(source, table).to_table(columns=columns, filter=where)
+
+
+def in_applied_order(events: pa.Table) -> pa.Table:
+    """Ledger rows (`message_id`, `event`, `at`, any others) by message, each message's
+    in the order they were applied: by `at`, and within a millisecond by the events'
+    grammar (`_APPLIED_AT_ONE_TIME`), so its last row is its latest event."""
+    rank = pc.index_in(events.column("event"), value_set=_APPLIED_AT_ONE_TIME)
+    order = pa.table(
+        {"message_id": events.column("message_id"), "at": events.column("at"), "rank": rank}
+    )
+    return events.take(
+        pc.sort_indices(
+            order,
+            [("message_id", "ascending"), ("at", "ascending"), ("rank", "ascending")],
+        )
+    )
 
 
 def conform(

@@ -12,8 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from dejaq.conf.tables import LedgerEvent
+from dejaq.conf.tables import LedgerEvent, in_applied_order
 
 # Ledger events after which a message is never written again.
 SETTLED = frozenset(
@@ -153,11 +154,14 @@ class PendingSet:
         redrive (the broker's, of a topic it delivered before) makes a dead one pending
         again at its key.
 
-        Applied in `at` order, a redrive after a death at equal times (as
-        `retention.latest_events` reads them), so a message whose latest event here is
-        a redrive is pending, whatever order the ledger's files are read in. A death
-        applied in an earlier call is final here: its row has left.
+        Applied in the order they were (`in_applied_order`, as `retention.latest_events`
+        reads them: within a millisecond a redrive follows a death, and an ack or a
+        cancel follows the redrive), so a message whose latest event here is a redrive
+        is pending, whatever order the ledger's files are read in. A death applied in an
+        earlier call is final here: its row has left.
         """
+        if pc.any(pc.equal(rows.column("event"), LedgerEvent.REDRIVEN)).as_py():
+            rows = in_applied_order(rows)  # else the order changes nothing
         columns = (
             rows.column("message_id").to_pylist(),
             rows.column("event").to_pylist(),
@@ -165,8 +169,6 @@ class PendingSet:
             rows.column("at").cast(pa.int64()).fill_null(0).to_pylist(),
         )
         ordered: Iterable[tuple[str, str, int | None, int]] = zip(*columns, strict=True)
-        if LedgerEvent.REDRIVEN in columns[1]:  # else the order changes nothing
-            ordered = sorted(ordered, key=lambda r: (r[3], r[1] == LedgerEvent.REDRIVEN))
         dead: dict[str, Message] = {}  # died in these rows: a redrive after brings them back
         for mid, event, sort_key, at in ordered:
             settles = event in SETTLED

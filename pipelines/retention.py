@@ -58,6 +58,7 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     column,
+    in_applied_order,
     iso_ms,
     matching,
     scan,
@@ -156,16 +157,16 @@ def latest_events(
     at_last, and `<column>_last` of each column in `also`.
 
     A message's events are (dead, redriven)* then at most one terminal event, so its
-    latest says what it is; at equal times a redrive follows the death it undoes.
+    latest says what it is; those of one millisecond are taken in the order the
+    grammar allows (`in_applied_order`): a cancel or an ack after a redrive of that
+    millisecond settles the message.
     """
     columns = ["message_id", "event", "at", *also]
     tail = ledger_tail(ledger_path, since_ms, columns, ids, until_ms, events)
-    is_redrive = pc.equal(tail.column("event"), LedgerEvent.REDRIVEN).cast(pa.int8())
-    ordered = tail.append_column("redrive", is_redrive).sort_by(
-        [("message_id", "ascending"), ("at", "ascending"), ("redrive", "ascending")]
-    )
-    return ordered.group_by("message_id", use_threads=False).aggregate(
-        [(c, "last") for c in columns[1:]]
+    return (
+        in_applied_order(tail)
+        .group_by("message_id", use_threads=False)
+        .aggregate([(c, "last") for c in columns[1:]])
     )
 
 

@@ -28,6 +28,7 @@ from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.settings import TopicConfig
 from dejaq.conf.tables import LedgerEvent
 from dejaq.jobs.operations import epoch_ms
+from dejaq.pipelines.retention import settled_before
 
 
 def test_a_paused_topic_leases_nothing_while_acks_nacks_and_extends_go_on() -> None:
@@ -263,6 +264,35 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     fresh = TopicIndex(warehouse, topic_conf())
     fresh.load()
     assert sorted(fresh.rows) == ["m0", "m1"], "a node starting now indexes it"
+
+
+def test_a_settle_in_its_redrive_s_millisecond_is_what_every_ledger_reader_sees(
+    tmp_path: Path,
+) -> None:
+    """The ledger's times are milliseconds: a redrive and what follows it can share one
+    (a cancel right after it; a lease and an ack within it). The settle came last, so
+    the message is settled for every reader of the ledger: a question about it, a node
+    starting (which would otherwise index and lease it again), retention."""
+    warehouse, index, state = loaded_topic(tmp_path, [5, 1, 3])
+    picks = listed(index.pick(state, state.buckets_of("c"), 3, now=0))
+    state.lease("c", 0, 1000, picks)
+    assert state.reject("c", 1, ["m0", "m1", "m2"]) == {}
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    upto, found, _ = index.dead(None)
+    dead = [(mid, *found[mid]) for mid in sorted(found)]
+    assert state.redrive(2, upto, dead) == (["m0", "m1", "m2"], {})
+    assert state.cancel(2, "m0", *found["m0"]) is None
+    state.lease("c", 2, 1000, [("m1", *found["m1"])])
+    assert state.ack("c", 2, ["m1"]) == {}
+    checkpoint(warehouse, "jobs", state.events)
+
+    assert [index.settled_event(m) for m in ("m0", "m1", "m2")] == ["cancelled", "acked", None]
+    fresh = TopicIndex(warehouse, topic_conf())
+    fresh.load()
+    assert sorted(fresh.rows) == ["m2"], "a node starting now indexes the redriven one alone"
+    settled, _, died, redriven = settled_before(index.ledger_path, 0, 10)
+    assert (sorted(settled.to_pylist()), died, redriven) == (["m0", "m1"], [], ["m2"])
+    assert index.dead(None)[1] == {}, "none is dead"
 
 
 def test_revive_skips_what_settled_or_was_checkpointed_meanwhile(tmp_path: Path) -> None:

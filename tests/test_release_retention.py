@@ -161,6 +161,24 @@ def test_a_message_whose_latest_event_is_a_redrive_is_pending_at_its_key() -> No
     ]
 
 
+def test_a_settle_in_its_redrive_s_millisecond_settles_the_message() -> None:
+    """A redrive and the cancel or ack after it can share a millisecond (the broker's
+    times, before a topic moves to release): nothing follows those, so the message is
+    settled, in whichever order the rows come."""
+    pending = PendingSet()
+    pending.add_buffer_rows(rows(["cancelled", "acked", "back"], sort_key=50))
+    ledger = pa.concat_tables(
+        [
+            events(["cancelled"], LedgerEvent.CANCELLED, seconds=2),
+            events(["acked"], LedgerEvent.ACKED, seconds=2),
+            events(["cancelled", "acked", "back"], LedgerEvent.REDRIVEN, seconds=2, sort_key=3),
+            events(["cancelled", "acked", "back"], LedgerEvent.DEAD, seconds=1),
+        ]
+    )
+    pending.apply_ledger_rows(ledger)
+    assert [m.message_id for m in pending.take(10)] == ["back"]
+
+
 def test_the_follower_reads_each_row_once_through_compactions_and_retention(tmp_path) -> None:
     """Rewritten files are seen, not read, even when a compaction replaces appended
     files the follower has not read yet; it holds the paths of one version only."""
