@@ -24,7 +24,7 @@ from dejaq.jobs.embedded_kafka import answers
 from dejaq.jobs.ports import free_port
 
 if TYPE_CHECKING:
-    from pyspark.sql import SparkSession
+    from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming import StreamingQuery
 
 
@@ -78,6 +78,16 @@ class Lines:
         while line := self.next(max(0.0, deadline - time.monotonic()), "the output's end"):
             out.append(line)
         return "".join(out)
+
+
+def assert_rows(actual: DataFrame, expected: list[tuple], ddl: str) -> None:
+    """`actual` holds the rows `expected` (typed by the DDL `ddl`), each as often, in any
+    order: chispa's comparison, nullability aside (Spark's sources and the contract's
+    tables set it their own ways)."""
+    from chispa import assert_df_equality
+
+    want = actual.sparkSession.createDataFrame(expected, ddl)
+    assert_df_equality(actual, want, ignore_row_order=True, ignore_nullable=True)
 
 
 def run_to_end(query: StreamingQuery, timeout: float = 180) -> None:

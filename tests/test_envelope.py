@@ -6,8 +6,10 @@ import datetime as dt
 
 import pytest
 from chispa import assert_df_equality
+from conftest import assert_rows
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pyspark.sql import DataFrame
 
 from dejaq.conf.settings import JsonFields, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
@@ -41,8 +43,10 @@ def records(spark, rows: list[tuple[bytes | None, bytes | None, Headers]], parti
     return spark.createDataFrame(data, KAFKA_DDL)
 
 
-def reasons(parsed) -> list[tuple[int, str | None]]:
-    return [(r.source_offset, r.reason) for r in parsed.orderBy("source_offset").collect()]
+def assert_reasons(parsed: DataFrame, expected: list[tuple[int, str | None]]) -> None:
+    """Each record's offset with its quarantine reason, None for a record buffered."""
+    ddl = "source_offset long, reason string"
+    assert_rows(parsed.select("source_offset", "reason"), expected, ddl)
 
 
 def test_priority_records_become_buffer_rows(spark) -> None:
@@ -98,7 +102,7 @@ def test_priority_records_become_buffer_rows(spark) -> None:
 )
 def test_bad_priority_records_are_quarantined_with_a_reason(spark, headers, value, reason) -> None:
     parsed = parse(records(spark, [(b"k", value, headers)]), PRIORITY)
-    assert reasons(parsed) == [(0, reason)]
+    assert_reasons(parsed, [(0, reason)])
     q = quarantine_part(parsed.toArrow(), T0)
     assert q.schema.equals(QUARANTINE_SCHEMA)
     assert q.num_rows == (reason is not None)
@@ -153,12 +157,17 @@ def test_an_iso_time_finer_than_a_millisecond_rounds_up_never_early(spark) -> No
     }
     times = [{"dejaq-deliver-at": raw, "dejaq-event-time": raw} for raw in cases]
     df = records(spark, [(b"k", b"v", headers) for headers in times])
-    expected = list(cases.values())
+    epoch = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+    expected = [
+        (offset, ms, epoch + dt.timedelta(milliseconds=ms))
+        for offset, ms in enumerate(cases.values())
+    ]
     for topic, column in ((TIMELINE, "deliver_at"), (EVENTS, "event_time")):
-        rows = parse(df, topic).orderBy("source_offset").collect()
-        assert [r.sort_key for r in rows] == expected
-        epoch = dt.datetime(1970, 1, 1)
-        assert [(r[column] - epoch) // dt.timedelta(milliseconds=1) for r in rows] == expected
+        assert_rows(
+            parse(df, topic).select("source_offset", "sort_key", column),
+            expected,
+            f"source_offset long, sort_key long, {column} timestamp",
+        )
 
 
 def test_epoch_seconds_are_quarantined_with_why(spark) -> None:
@@ -167,18 +176,13 @@ def test_epoch_seconds_are_quarantined_with_why(spark) -> None:
         [(b"k", b"v", {"dejaq-deliver-at": b"1795262400", "dejaq-event-time": b"1795262400"})],
     )
     why = "1795262400: milliseconds expected; this looks like seconds"
-    assert [(r.reason, r.detail) for r in parse(df, TIMELINE).collect()] == [
-        ("invalid_deliver_at", why)
-    ]
-    assert [(r.reason, r.detail) for r in parse(df, EVENTS).collect()] == [
-        ("invalid_event_time", why)
-    ]
+    for topic, reason in ((TIMELINE, "invalid_deliver_at"), (EVENTS, "invalid_event_time")):
+        parsed = parse(df, topic).select("reason", "detail")
+        assert_rows(parsed, [(reason, why)], "reason string, detail string")
 
 
 def test_timeline_without_deliver_at_is_quarantined(spark) -> None:
-    assert reasons(parse(records(spark, [(b"k", b"v", {})]), TIMELINE)) == [
-        (0, "missing_deliver_at")
-    ]
+    assert_reasons(parse(records(spark, [(b"k", b"v", {})]), TIMELINE), [(0, "missing_deliver_at")])
 
 
 def test_event_time_from_header_or_kafka_timestamp(spark) -> None:
@@ -190,9 +194,13 @@ def test_event_time_from_header_or_kafka_timestamp(spark) -> None:
             (b"k", b"v", {"dejaq-event-time": b"?"}),
         ],
     )
-    rows = parse(df, EVENTS).orderBy("source_offset").collect()
-    assert [r.sort_key for r in rows[:2]] == [1000, int(T0.timestamp() * 1000)]
-    assert rows[2].reason == "invalid_event_time"
+    parsed = parse(df, EVENTS)
+    assert_reasons(parsed, [(0, None), (1, None), (2, "invalid_event_time")])
+    assert_rows(
+        parsed.where("reason IS NULL").select("source_offset", "sort_key"),
+        [(0, 1000), (1, int(T0.timestamp() * 1000))],
+        "source_offset long, sort_key long",
+    )
 
 
 def test_an_event_time_far_ahead_of_its_record_is_quarantined_the_rest_buffered(spark) -> None:
@@ -228,13 +236,13 @@ def test_the_event_time_bound_is_the_topic_s_and_needs_a_kafka_timestamp(spark) 
     t0_ms = int(T0.timestamp() * 1000)
     exact = EVENTS.model_copy(update={"max_event_time_ahead_ms": 0})
     ahead = [(b"k", b"v", {"dejaq-event-time": str(t0_ms + d).encode()}) for d in (0, 1)]
-    assert reasons(parse(records(spark, ahead), exact)) == [(0, None), (1, "event_time_in_future")]
+    assert_reasons(parse(records(spark, ahead), exact), [(0, None), (1, "event_time_in_future")])
     no_timestamp = dt.datetime(1969, 12, 31, 23, 59, 59, 999000, tzinfo=dt.UTC)
     df = spark.createDataFrame(
         [(b"k", b"v", "in", 0, 0, no_timestamp, 0, [("dejaq-event-time", b"1795262400000")])],
         KAFKA_DDL,
     )
-    assert reasons(parse(df, exact)) == [(0, None)]
+    assert_reasons(parse(df, exact), [(0, None)])
 
 
 def test_an_empty_id_is_quarantined_not_taken_for_a_duplicate(spark) -> None:
@@ -273,12 +281,11 @@ def test_json_field_mapping(spark) -> None:
             (b"k", b"not json", {}),
         ],
     )
-    rows = parse(df, topic).orderBy("source_offset").collect()
-    assert [(r.message_id, r.sort_key, r.reason) for r in rows] == [
-        ("u-1", 12, None),
-        ("in-0-1", 13, None),
-        ("in-0-2", None, "missing_priority"),
-    ]
+    assert_rows(
+        parse(df, topic).select("message_id", "sort_key", "reason"),
+        [("u-1", 12, None), ("in-0-1", 13, None), ("in-0-2", None, "missing_priority")],
+        "message_id string, sort_key long, reason string",
+    )
 
 
 header_values = st.one_of(

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import wait_until
+from conftest import assert_rows, wait_until
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from pydantic import SecretStr
@@ -34,7 +34,6 @@ from dejaq.conf.tables import Table, table_path
 from dejaq.jobs import children, cluster, embedded_kafka
 from dejaq.jobs.certificates import Authority, new_authority
 from dejaq.jobs.ports import free_port
-from dejaq.jobs.status import row_count
 from dejaq.pipelines.kafka_options import tls_context
 from dejaq.pipelines.kafka_source import KafkaDataSource, KafkaOptions, KafkaStreamReader
 
@@ -160,7 +159,9 @@ def test_the_login_check_leaves_a_silent_kafka_to_the_caller(
     check_login(kafka.model_copy(update={"bootstrap": f"127.0.0.1:{free_port()}"}))
 
 
-def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp_path) -> None:
+def test_the_whole_pipeline_on_a_secured_kafka(
+    secure_kafka: dict[str, str], spark: SparkSession, tmp_path: Path
+) -> None:
     config = kafka_config(secure_kafka)
     suffix = secrets.token_hex(3)
     sources = {name: f"{name}-in-{suffix}" for name in ("jvm", "py", "rel")}
@@ -207,7 +208,14 @@ def test_the_whole_pipeline_on_a_secured_kafka(secure_kafka: dict[str, str], tmp
         assert "buffered 20" in done.stdout, done.stdout
         outputs.append(done.stdout + done.stderr)
         buffer = table_path(str(tmp_path / "warehouse"), Table.BUFFER, topic)
-        assert row_count(buffer) == 20
+        assert_rows(
+            spark.read.format("delta").load(buffer).select("key", "payload", "sort_key"),
+            [
+                (f"k{i}".encode(), f"{topic}{i}".encode(), 0 if topic == "rel" else i % 5)
+                for i in range(20)
+            ],
+            "key binary, payload binary, sort_key long",
+        )
     released = dejaq(
         "release", "--topic", "rel", "--once", "--conf-file", str(conf), env=secure_kafka
     )
@@ -270,7 +278,7 @@ def test_the_python_connector_needs_none_of_the_drivers_tls_files(
     )
     query.awaitTermination()
     assert query.exception() is None
-    assert sorted(r.value for r in spark.table(name).collect()) == sorted(values)
+    assert_rows(spark.table(name).select("value"), [(v,) for v in values], "value binary")
 
 
 def test_wrong_tls_text_fails_the_python_connector_at_start_naming_the_option(
