@@ -59,13 +59,22 @@ def test_the_table_puts_each_headline_beside_its_same_run_baseline_and_skips_abs
             "results": [{"phase": "batch_100_workers_8", "msgs_per_s": 40_000}],
             "floor_http_and_raft": [{"phase": "batch_100_workers_8", "msgs_per_s": 80_000}],
         },
-        "release": {"timeline": {"early": 0}},
+        "release": {
+            "timeline": {
+                "early": 0,
+                "lateness_ms": {"p99": 2},
+                "baseline_sleeping_producer": {"lateness_ms": {"p99": 0}},
+            }
+        },
     }
     rows = report.headline(results)
     assert [(h.path, value, base) for h, value, base in rows] == [
         ("results.batch_100_workers_8.msgs_per_s", 40_000, 80_000),
+        ("timeline.lateness_ms.p99", 2, 0),
         ("timeline.early", 0, None),
     ]
     text = report.table(rows, "2026-11-24", "VM")
     assert "| 40,000 msgs/s | Raft floor (HTTP + one Raft command): 80,000 | 0.50x |" in text
+    sleeping = "kafka-python producer sleeping until each is due"
+    assert f"| timeline lateness p99 | 2 ms | {sleeping}: 0 |  |" in text, "0 shown, no ratio"
     assert "| timeline messages sent early | 0 messages |  |  |" in text
