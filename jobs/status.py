@@ -15,13 +15,10 @@ second while the jobs run.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import ssl
 import time
-from pathlib import Path
 
 import httpx
-import pyarrow.fs as pafs
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 from kafka.errors import KafkaError
@@ -32,10 +29,11 @@ from dejaq.client import BrokerError
 from dejaq.client.models import Cluster
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import ConfigError, KafkaConfig, TopicKind, load_settings
-from dejaq.conf.storage import describe, export, filesystem
+from dejaq.conf.storage import describe, export
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs.doctor import kafka_answers
 from dejaq.jobs.operations import connect
+from dejaq.pipelines.offsets_log import last_committed
 from dejaq.pipelines.retention import OPERATION, watermark
 
 # How late a schedule's next occurrence may be, still unsent, before status calls it
@@ -74,23 +72,6 @@ def row_count(path: str) -> int | None:
     return int(sum(v.as_py() or 0 for v in column))
 
 
-def committed_offsets(checkpoint: str) -> dict[str, dict[str, int]]:
-    """The source offsets of the last micro-batch in a Structured Streaming checkpoint
-    (a folder or an object-store prefix)."""
-    fs, root = filesystem(checkpoint if "://" in checkpoint else str(Path(checkpoint).resolve()))
-
-    def batches(folder: str) -> set[int]:
-        found = fs.get_file_info(pafs.FileSelector(f"{root}/{folder}", allow_not_found=True))
-        return {int(f.base_name) for f in found if f.base_name.isdigit()}
-
-    committed = batches("offsets") & batches("commits")
-    if not committed:
-        return {}
-    with fs.open_input_stream(f"{root}/offsets/{max(committed)}") as f:
-        lines = f.read().decode().splitlines()
-    return json.loads(lines[2]) if len(lines) > 2 else {}
-
-
 def kafka_end_offsets(kafka: KafkaConfig, topics: list[str]) -> dict[str, dict[str, int]]:
     """Each topic's end offset per partition; none for a topic Kafka does not show (absent,
     misspelt, or not visible to this user). The high watermark, read uncommitted: the
@@ -119,8 +100,9 @@ def ingest_lag(
     kafka: KafkaConfig, topics: list[str], checkpoint: str
 ) -> tuple[dict[str, int], list[str]]:
     """Records not yet ingested per `topic/partition`, and the source topics Kafka does not
-    show: their lag is unknown, not 0."""
-    done = committed_offsets(checkpoint)
+    show: their lag is unknown, not 0. Raises ValueError where the checkpoint's last
+    committed batch is of another layout than the ingest reads (`offsets_log.entry`)."""
+    done = last_committed(checkpoint)
     ends = kafka_end_offsets(kafka, topics)
     lag = {
         f"{t}/{p}": end - done.get(t, {}).get(p, 0)
@@ -296,6 +278,9 @@ def run(
         )
     except KafkaError as e:
         print(f"ingest lag  unknown: Kafka at {settings.kafka.bootstrap} does not answer ({e})")
+        return 1
+    except ValueError as e:  # an offsets log entry of another layout than the ingest reads
+        print(f"ingest lag  unknown: {e}")
         return 1
     if missing:
         print(

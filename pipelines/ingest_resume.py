@@ -19,7 +19,6 @@ import json
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow.fs as pafs
 from deltalake import DeltaTable
@@ -27,7 +26,8 @@ from deltalake.transaction import Transaction
 
 from dejaq.conf.kafka_clients import python_config
 from dejaq.conf.settings import KafkaConfig
-from dejaq.conf.storage import filesystem, has_folders
+from dejaq.conf.storage import has_folders
+from dejaq.pipelines import offsets_log
 
 log = logging.getLogger("dejaq.ingest")
 
@@ -80,18 +80,7 @@ def planned(checkpoint: str, batch_id: int) -> dict[Partition, int]:
     of its records cannot give: gaps no record fills (transaction markers, aborted
     records, a compacted topic's removed records) can end it, and a replay reads the
     log as it is then."""
-    fs, root = _folder(checkpoint)
-    entry = f"{root}/offsets/{batch_id}"
-    with fs.open_input_stream(entry) as f:
-        lines = f.read().decode().splitlines()
-    # A version line, the batch's metadata, then a line per source: the query's one, Kafka.
-    if len(lines) != 3 or lines[0] != "v1":
-        raise ValueError(
-            f"{entry} is not an offsets log entry of the layout this ingest reads (v1, the "
-            f"batch's metadata, one source's offsets): {len(lines)} lines, the first "
-            f"{lines[0] if lines else ''!r}"
-        )
-    offsets = json.loads(lines[2])
+    offsets = offsets_log.entry(*offsets_log.folder(checkpoint), batch_id)
     return {(topic, int(p)): end for topic, parts in offsets.items() for p, end in parts.items()}
 
 
@@ -120,8 +109,8 @@ def resume(
     the quarantine only (cut between its commits), or when Kafka does not list every
     partition of the topics in time: reading from Kafka's start would ingest its records
     again, and reading past them would lose some."""
-    fs, root = _folder(checkpoint)
-    if _has_batches(fs, root):
+    fs, root = offsets_log.folder(checkpoint)
+    if offsets_log.batches(fs, root):  # Spark planned a batch: it reads on from its offsets
         return Resume(_read_base(fs, root))
     buffered, quarantined = version(buffer_path, app_id), version(quarantine_path, app_id)
     if max(buffered, quarantined) < 0:
@@ -218,16 +207,6 @@ def _partitions(kafka: KafkaConfig, topics: list[str]) -> list[Partition]:
         )
     finally:
         consumer.close()
-
-
-def _folder(checkpoint: str) -> tuple[pafs.FileSystem, str]:
-    return filesystem(checkpoint if "://" in checkpoint else str(Path(checkpoint).resolve()))
-
-
-def _has_batches(fs: pafs.FileSystem, root: str) -> bool:
-    """Whether Spark has planned a batch here: then it reads on from its own offsets."""
-    found = fs.get_file_info(pafs.FileSelector(f"{root}/offsets", allow_not_found=True))
-    return any(f.base_name.isdigit() for f in found)
 
 
 def _read_base(fs: pafs.FileSystem, root: str) -> int:

@@ -22,7 +22,7 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from test_broker import buffer_rows, fill
 from test_broker_cluster import follower, leader_of, start, stop
 
-from dejaq.conf.tables import Table, table_path
+from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs import cluster
 from dejaq.jobs.certificates import hosts_of, new_authority
 from dejaq.jobs.children import wait_for_port
@@ -262,6 +262,37 @@ def test_status_says_a_source_topic_kafka_lacks(
     assert lines == [[f"{present}/0", "0"], [f"{present}/1", "0"]]
     spelt_right = status_conf(tmp_path, kafka_bootstrap, present)
     assert run("status", "--topic", "jobs", "--conf-file", str(spelt_right)).returncode == 0
+
+
+def test_status_reads_the_last_committed_batch_of_the_offsets_log_as_the_ingest_does(
+    tmp_path: Path, kafka_bootstrap: str, topic_factory
+) -> None:
+    """The lag counts from the last batch Spark committed (one planned and not committed
+    yet is not done), and an offsets log entry of another layout than the ingest reads
+    is refused by the same name, lag unknown, rather than misread."""
+    source = topic_factory(partitions=2)
+    producer = KafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all")
+    for i in range(5):
+        producer.send(source, f"m{i}".encode(), partition=0)
+    producer.flush()
+    producer.close()
+    conf = status_conf(tmp_path, kafka_bootstrap, source)
+    checkpoint = Path(checkpoint_path(str(tmp_path / "warehouse"), "ingest", "jobs"))
+    (checkpoint / "offsets").mkdir(parents=True)
+    (checkpoint / "commits").mkdir()
+    meta = '{"batchWatermarkMs":0,"batchTimestampMs":0}'
+    (checkpoint / "offsets" / "0").write_text(f'v1\n{meta}\n{{"{source}":{{"0":3,"1":0}}}}\n')
+    (checkpoint / "commits" / "0").write_text('v1\n{"nextBatchWatermarkMs":0}\n')
+    (checkpoint / "offsets" / "1").write_text(f'v1\n{meta}\n{{"{source}":{{"0":5,"1":0}}}}\n')
+    result = run("status", "--topic", "jobs", "--conf-file", str(conf), timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "ingest lag  2" in result.stdout, result.stdout
+    (checkpoint / "offsets" / "1").write_text(f'v2\n{meta}\n{{"{source}":{{"0":5,"1":0}}}}\n')
+    (checkpoint / "commits" / "1").write_text('v1\n{"nextBatchWatermarkMs":0}\n')
+    result = run("status", "--topic", "jobs", "--conf-file", str(conf), timeout=60)
+    assert result.returncode == 1, result.stdout + result.stderr
+    said = f"ingest lag  unknown: {checkpoint}/offsets/1 is not an offsets log entry"
+    assert said in result.stdout, result.stdout + result.stderr
 
 
 def test_status_names_a_cron_schedule_whose_occurrences_are_late_and_fails(
