@@ -17,6 +17,7 @@ import threading
 
 from deltalake import DeltaTable
 from deltalake.exceptions import CommitFailedError
+from deltalake.table import ProtocolVersions
 
 from dejaq.conf.settings import ConfigError
 
@@ -34,6 +35,13 @@ _LEGACY_WRITER = {
     5: {"columnMapping"},
     6: {"identityColumns"},
 }
+
+# Delta's first writer protocol's features, which every table uses; of the others a
+# legacy protocol implies, those its properties or its columns say it uses.
+_ALWAYS_USED = frozenset({"appendOnly", "invariants"})
+_BY_PROPERTIES = frozenset({"checkConstraints", "changeDataFeed", "columnMapping"})
+_BY_COLUMNS = frozenset({"generatedColumns", "identityColumns"})
+
 
 # Why a feature is refused, where more can be said than that DejaQ does not handle it.
 _WHY = {
@@ -66,45 +74,55 @@ class UnsupportedTable(ConfigError):
     """A table with a Delta feature DejaQ's readers or writers cannot honour."""
 
 
-def features(table: DeltaTable) -> set[str]:
+def features(table: DeltaTable, configuration: dict[str, str] | None = None) -> set[str]:
     """The reader and writer features of the table's protocol, named as Delta lists them.
     A legacy protocol's versions imply features whether the table uses them or not (a
     change data feed turned on once leaves writer version 4 for good), so of those only
-    the ones it uses count (`_used`)."""
+    the ones it uses count (`_used`). `configuration`: the table's, where the caller has
+    read it."""
     protocol = table.protocol()
-    found = set(protocol.reader_features or []) | set(protocol.writer_features or [])
     reader, writer = protocol.min_reader_version, protocol.min_writer_version
     implied: set[str] = set()
     if reader < 3:
         implied.update(*(f for v, f in _LEGACY_READER.items() if reader >= v))
     if writer < 7:
         implied.update(*(f for v, f in _LEGACY_WRITER.items() if writer >= v))
-    return found | (implied & _used(table))
+    return _listed(protocol) | _used(table, implied, configuration)
 
 
-def _used(table: DeltaTable) -> set[str]:
-    """The legacy protocol's features the table uses: Delta's first writer protocol's
-    two always, the others as its properties and columns say."""
-    config = table.metadata().configuration
-    fields = [f.metadata for f in table.schema().fields]
-    used = {"appendOnly", "invariants"}
-    if any(key.startswith("delta.constraints.") for key in config):
-        used.add("checkConstraints")
-    if config.get("delta.enableChangeDataFeed", "false").lower() == "true":
-        used.add("changeDataFeed")
-    if any("delta.generationExpression" in m for m in fields):
-        used.add("generatedColumns")
-    if any(any(k.startswith("delta.identity.") for k in m) for m in fields):
-        used.add("identityColumns")
-    if config.get("delta.columnMapping.mode", "none") != "none":
-        used.add("columnMapping")
-    return used
+def _listed(protocol: ProtocolVersions) -> set[str]:
+    """The features a table-features protocol lists (a legacy one lists none)."""
+    return set(protocol.reader_features or []) | set(protocol.writer_features or [])
+
+
+def _used(table: DeltaTable, implied: set[str], configuration: dict[str, str] | None) -> set[str]:
+    """Of the legacy protocol's `implied` features, those the table uses: the table's
+    properties and columns read only where a feature they decide is implied (every
+    table DejaQ makes implies none of those), the properties from `configuration` if
+    given."""
+    used = implied & _ALWAYS_USED
+    if implied & _BY_PROPERTIES:
+        config = table.metadata().configuration if configuration is None else configuration
+        if any(key.startswith("delta.constraints.") for key in config):
+            used.add("checkConstraints")
+        if config.get("delta.enableChangeDataFeed", "false").lower() == "true":
+            used.add("changeDataFeed")
+        if config.get("delta.columnMapping.mode", "none") != "none":
+            used.add("columnMapping")
+    if implied & _BY_COLUMNS:
+        fields = [f.metadata for f in table.schema().fields]
+        if any("delta.generationExpression" in m for m in fields):
+            used.add("generatedColumns")
+        if any(any(k.startswith("delta.identity.") for k in m) for m in fields):
+            used.add("identityColumns")
+    return used & implied
 
 
 def has_deletion_vectors(table: DeltaTable) -> bool:
     """Whether the table may hold deletion vectors (whose files only a full vacuum, which
-    knows nothing of them, would delete)."""
-    return "deletionVectors" in features(table)
+    knows nothing of them, would delete): a feature its protocol lists, as no legacy
+    protocol implies it."""
+    return "deletionVectors" in _listed(table.protocol())
 
 
 def check_table(table: DeltaTable, path: str | None = None) -> None:
@@ -112,7 +130,8 @@ def check_table(table: DeltaTable, path: str | None = None) -> None:
     URI) and the feature, where the table has a feature outside `HONOURED` or maps its
     columns."""
     path = path or table.table_uri
-    mode = table.metadata().configuration.get("delta.columnMapping.mode", "none")
+    config = table.metadata().configuration
+    mode = config.get("delta.columnMapping.mode", "none")
     if mode != "none":
         raise UnsupportedTable(
             f"Delta table {path} maps its columns (delta.columnMapping.mode={mode}, feature "
@@ -120,13 +139,13 @@ def check_table(table: DeltaTable, path: str | None = None) -> None:
             "the feature (ALTER TABLE ... DROP FEATURE columnMapping TRUNCATE HISTORY, in "
             "Spark)"
         )
-    if table.metadata().configuration.get("delta.appendOnly", "false").lower() == "true":
+    if config.get("delta.appendOnly", "false").lower() == "true":
         raise UnsupportedTable(
             f"Delta table {path} is append-only (delta.appendOnly=true): retention and "
             "compaction remove the files they replace, which Delta refuses on such a "
             "table. Set delta.appendOnly = false"
         )
-    if unhonoured := sorted(features(table) - HONOURED):
+    if unhonoured := sorted(features(table, config) - HONOURED):
         raise UnsupportedTable(_refusal(path, unhonoured))
 
 

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -11,7 +14,12 @@ from deltalake import DeltaTable, write_deltalake
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from dejaq.conf.settings import TopicConfig
-from dejaq.conf.table_features import UnsupportedTable, check_table, features
+from dejaq.conf.table_features import (
+    UnsupportedTable,
+    check_table,
+    features,
+    has_deletion_vectors,
+)
 from dejaq.conf.tables import (
     BUFFER_SCHEMA,
     KIND_PROPERTY,
@@ -166,6 +174,44 @@ def test_a_legacy_protocol_bars_a_table_only_for_the_features_it_uses(tmp_path) 
         check_table(DeltaTable(path))
     DeltaTable(path).alter.drop_constraint("tried")
     check_table(DeltaTable(path))
+
+
+def reads(table: DeltaTable) -> Counter[str]:
+    """How often `table`'s metadata and schema are read: each read counted, then made
+    on the real table (a spy, no stand-in)."""
+    counted: Counter[str] = Counter()
+
+    def counting(name: str, read: Callable[[], Any]) -> Callable[[], Any]:
+        def counted_read() -> Any:
+            counted[name] += 1
+            return read()
+
+        return counted_read
+
+    for name in ("metadata", "schema"):
+        setattr(table, name, counting(name, getattr(table, name)))
+    return counted
+
+
+def test_a_tables_features_are_judged_from_each_read_once(tmp_path) -> None:
+    """Deletion vectors are in the protocol alone; a legacy protocol's implied features
+    need the properties or the columns only where it implies one that they decide, and
+    `check_table` reads the properties once for all its checks."""
+    own = ensure_table(str(tmp_path), Table.BUFFER, "jobs")
+    table = DeltaTable(own)
+    counted = reads(table)
+    assert not has_deletion_vectors(table)
+    assert features(table) == {"appendOnly", "invariants"}
+    assert counted == Counter()
+    check_table(table)
+    assert counted == Counter(metadata=1)
+    path = table_path(str(tmp_path), Table.LEDGER, "jobs")
+    create_if_missing(path, SCHEMAS[Table.LEDGER], [], {"delta.enableChangeDataFeed": "true"})
+    DeltaTable(path).alter.set_table_properties({"delta.enableChangeDataFeed": "false"})
+    table = DeltaTable(path)
+    counted = reads(table)
+    check_table(table)  # writer 4: a change data feed by the properties, generated columns
+    assert counted == Counter(metadata=1, schema=1)
 
 
 def test_an_append_only_table_is_refused_by_name(tmp_path) -> None:
