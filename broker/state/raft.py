@@ -689,12 +689,7 @@ class BrokerState(SyncObjConsumer):
         """One command; what it raises is its result, as in `batch`: raised out of the
         apply, PySyncObj would apply this entry again at every tick and never the
         entries after it, a node stalled for good."""
-        try:
-            return self._apply(topic, op, args)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as e:  # a panic in the core is a BaseException
-            return e
+        return self._applied(topic, op, args)
 
     @replicated
     def batch(self, commands: list[tuple[str, str, tuple]]) -> list[Any]:
@@ -710,7 +705,7 @@ class BrokerState(SyncObjConsumer):
         hands it, too): a run holds no command that forgets one (a leave or an expiry
         ends it). A lease that may be the same request again (its id is its consumer's
         last, or a lease before it in the run carries it) ends the run too, and is
-        applied alone, from the state every command before it left (`_asked`). Every
+        applied alone by `_apply`, from the state every command before it left. Every
         node does the same, so all hold the same ids."""
         marked = [
             i
@@ -728,8 +723,8 @@ class BrokerState(SyncObjConsumer):
             got = TRANSITIONS.apply_group(self, commands[start:end], self._apply)
             for place, st, consumer, request in asked:
                 record = got[place - start]
-                if type(record) is LeaseRecord and len(record):  # `requested`, inlined
-                    st.requests[consumer] = (request, record.lid)
+                if type(record) is LeaseRecord:
+                    st.requested(consumer, request, record)
             results.extend(got)
             asked.clear()
             ids.clear()
@@ -747,10 +742,9 @@ class BrokerState(SyncObjConsumer):
                 ):
                     continue  # no id (True), or malformed: the core fails it alone
                 st = topics.get(topic)
-                last = None if st is None else st.requests.get(consumer)  # `again`, inlined
-                if st is None or request in ids or (last is not None and last[0] == request):
+                if st is None or request in ids or st.again(consumer, request) is not None:
                     apply_run(i)
-                    results.append(self._asked(topic, op, args))
+                    results.append(self._applied(topic, op, args))
                     start = i + 1
                 else:
                     asked.append((i, st, consumer, request))
@@ -761,21 +755,10 @@ class BrokerState(SyncObjConsumer):
         apply_run(len(commands))
         return results
 
-    def _asked(self, topic: str, op: str, args: tuple) -> Any:
-        """`batch`'s lease command carrying its request's id: the consumer's last lease
-        if it answered that request, else the lease applied by the core where it can
-        (marked numbered, as the core reads it) and remembered as the request's. What
-        it raises is its result."""
+    def _applied(self, topic: str, op: str, args: tuple) -> Any:
+        """`_apply`, what it raises its result (a panic in the core is a BaseException)."""
         try:
-            st = self.topics.get(topic)
-            again = None if st is None else st.again(args[0], args[5])
-            if again is not None:
-                return again
-            numbered = (topic, op, (*args[:5], True, *args[6:]))
-            [result] = TRANSITIONS.apply_group(self, [numbered], self._apply)
-            if st is not None and type(result) is LeaseRecord:
-                st.requested(args[0], args[5], result)
-            return result
+            return self._apply(topic, op, args)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:
