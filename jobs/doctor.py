@@ -34,7 +34,12 @@ def java_version() -> tuple[int | None, str]:
 
 def kafka_answers(kafka: KafkaConfig, timeout_ms: int = 3000) -> tuple[bool, str]:
     """Whether Kafka answers, logged in as configured, and a line saying so (the login
-    named, never its password)."""
+    named, never its password).
+
+    The bootstrap address only hands out the brokers' advertised addresses, which every
+    client then uses: a broker advertising an address this machine cannot reach (a
+    container's, another network's) answers the bootstrap and nothing else.
+    """
     from kafka import KafkaAdminClient
     from kafka.errors import KafkaError
 
@@ -63,6 +68,8 @@ def kafka_answers(kafka: KafkaConfig, timeout_ms: int = 3000) -> tuple[bool, str
         return False, f"no answer from {bootstrap} ({login}): {type(e).__name__}"
     try:
         topics = admin.list_topics()
+    except KafkaError as e:
+        return False, f"{bootstrap} answers, but its brokers' advertised addresses do not ({e})"
     finally:
         admin.close()
     return True, f"{bootstrap} answers ({login}; {len(topics)} topics)"

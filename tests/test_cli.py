@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,15 +19,17 @@ import pytest
 from conftest import wait_until
 from cryptography import x509
 from deltalake import CommitProperties, DeltaTable, Transaction
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.errors import KafkaError
 from test_broker import buffer_rows, fill
 from test_broker_cluster import follower, leader_of, start, stop
 
 from dejaq.conf.tables import Table, checkpoint_path, table_path
 from dejaq.jobs import cluster
 from dejaq.jobs.certificates import hosts_of, new_authority
+from dejaq.jobs.children import stop as stop_process
 from dejaq.jobs.children import wait_for_port
-from dejaq.jobs.embedded_kafka import answers
+from dejaq.jobs.embedded_kafka import _java, answers, prepare
 from dejaq.jobs.ports import free_port
 from dejaq.jobs.status import last_retention
 from dejaq.pipelines.retention import APP_ID, OPERATION
@@ -227,6 +230,65 @@ def test_doctor_fails_when_kafka_does_not_answer() -> None:
     result = run("doctor", env={"DEJAQ_KAFKA_BOOTSTRAP": f"127.0.0.1:{free_port()}"})
     assert result.returncode == 1
     assert "kafka    FAIL" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def kafka_advertising_nowhere(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The bootstrap of a real embedded Kafka whose advertised listener is a closed port.
+
+    Started from `dejaq kafka`'s own configuration and command line, its advertised
+    address changed: `dejaq kafka` itself waits for an answer this broker never gives.
+    """
+    port, data_dir = free_port(), tmp_path_factory.mktemp("kafka-nowhere")
+    config = prepare(port, data_dir)
+    settings = config.read_text().replace(
+        f"advertised.listeners=PLAINTEXT://127.0.0.1:{port}",
+        f"advertised.listeners=PLAINTEXT://127.0.0.1:{free_port()}",
+    )
+    assert settings != config.read_text()
+    config.write_text(settings)
+    proc = subprocess.Popen(
+        _java(data_dir.resolve(), "kafka.Kafka", str(config)),
+        stdout=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL,
+    )
+    bootstrap = f"127.0.0.1:{port}"
+
+    def bootstraps() -> bool:
+        try:
+            KafkaAdminClient(bootstrap_servers=bootstrap, request_timeout_ms=2000).close()
+        except KafkaError:
+            return False
+        return True
+
+    try:
+        wait_for_port(port, timeout=90, proc=proc)
+        wait_until(bootstraps, timeout=90, what="Kafka's bootstrap to answer")
+        yield bootstrap
+    finally:
+        stop_process(proc)
+
+
+def test_doctor_and_status_say_kafka_advertises_an_address_they_cannot_reach(
+    kafka_advertising_nowhere: str, tmp_path: Path
+) -> None:
+    """The bootstrap answers, the advertised address not: a FAIL line each, no traceback;
+    doctor goes on to its other checks."""
+    bootstrap = kafka_advertising_nowhere
+    said = f"{bootstrap} answers, but its brokers' advertised addresses do not ("
+    doctor = run("doctor", env={"DEJAQ_KAFKA_BOOTSTRAP": bootstrap})
+    assert doctor.returncode == 1, doctor.stdout + doctor.stderr
+    assert f"kafka    FAIL {said}" in doctor.stdout, doctor.stdout + doctor.stderr
+    assert "Traceback" not in doctor.stderr, doctor.stderr
+    labels = [line.split()[0] for line in doctor.stdout.splitlines() if not line.startswith(" ")]
+    assert labels[-3:] == ["kafka", "warehouse", "platform"], doctor.stdout
+
+    conf = status_conf(tmp_path, bootstrap, "orders")
+    status = run("status", "--topic", "jobs", "--conf-file", str(conf), timeout=60)
+    assert status.returncode == 1, status.stdout + status.stderr
+    assert f"ingest lag  unknown: {said}" in status.stdout, status.stdout + status.stderr
+    assert "Traceback" not in status.stderr, status.stderr
+    assert "buffer      no table yet" in status.stdout
 
 
 def test_invalid_config_exits_2_naming_the_key(tmp_path: Path) -> None:
