@@ -21,7 +21,7 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dejaq.broker.service import Broker, Outgoing, Producer, now_ms
+from dejaq.broker.service import Broker, Outgoing, Producer, Streak, now_ms
 from dejaq.broker.state import cron
 from dejaq.broker.state.schedules import Schedule, ScheduleStore
 from dejaq.conf.settings import TopicConfig, TopicKind
@@ -89,9 +89,11 @@ class Materialiser:
         # topic → (id, created at) of the schedules `plan` found past their end with
         # every occurrence sent, for its round to delete.
         self._ended: dict[str, list[tuple[str, int]]] = {}
+        self._rounds = {name: Streak(f"materialising cron topic {name}") for name in self.topics}
 
     async def run(self) -> None:
-        """Until cancelled. A failed round is logged; the next one does it again."""
+        """Until cancelled. A failed round is logged (once per streak and kind of error);
+        the next one does it again."""
         while True:
             await asyncio.sleep(PERIOD_S)
             raft = self.broker.raft
@@ -100,8 +102,10 @@ class Materialiser:
             for name in self.topics:
                 try:
                     await self.round(name, now_ms())
-                except Exception:
-                    log.exception("materialising cron topic %s failed; retrying", name)
+                except Exception as e:
+                    self._rounds[name].failed(e)
+                else:
+                    self._rounds[name].ok()
 
     async def round(self, topic: str, now: int) -> int:
         """Send what falls due within the horizon, then store the progress; returns how

@@ -156,31 +156,47 @@ class Settled:
 
 
 @dataclass
-class Refreshes:
-    """A topic's index refreshes on this node: the current streak of failures, if any,
-    which readiness and `/metrics` show (a failed refresh is otherwise only logged)."""
+class Streak:
+    """A background duty's failures in a row. Each kind of error (its type: messages
+    carry paths and numbers that change every round) is logged once per streak, not at
+    each round: an index refresh fails five times a second, a traceback each would fill
+    the disk. The end is logged at WARNING as the failure is, so a node logging warnings
+    only (`jobs.broker`) shows both."""
 
-    topic: str
+    what: str  # the duty, as a log line names it: "indexing jobs"
     failures: int = 0  # in all, since the node started: a counter
     failing_since: float | None = None  # monotonic: the streak's first failure
     last_error: str = ""
+    kinds: set[str] = field(default_factory=set)  # error types logged this streak
 
     def failed(self, error: BaseException) -> None:
         self.failures += 1
         self.last_error = f"{type(error).__name__}: {error}"
+        if type(error).__name__ not in self.kinds:
+            self.kinds.add(type(error).__name__)
+            log.error("%s failed; retrying", self.what, exc_info=error)
         if self.failing_since is None:
             self.failing_since = time.monotonic()
 
     def ok(self) -> None:
         if self.failing_since is not None:
-            log.info("indexing %s works again after %.0f s", self.topic, self.failing_for())
+            log.warning("%s works again after %.0f s", self.what, self.failing_for())
         self.failing_since, self.last_error = None, ""
+        self.kinds.clear()
 
     def failing_for(self) -> float:
-        """Seconds the streak has lasted; 0 if the last refresh worked. Read once: the
-        follow thread ends a streak while other threads ask."""
+        """Seconds the streak has lasted; 0 if the last round worked. Read once: the
+        duty's thread ends a streak while other threads ask."""
         since = self.failing_since
         return 0.0 if since is None else time.monotonic() - since
+
+
+@dataclass
+class Refreshes(Streak):
+    """A topic's index refreshes on this node: the current streak of failures, if any,
+    which readiness and `/metrics` show."""
+
+    topic: str = ""
 
     def alert(self, bound_s: float) -> str | None:
         """Why the node is not ready, once the streak has lasted `bound_s`."""
@@ -194,17 +210,20 @@ class Refreshes:
 
 
 @contextlib.contextmanager
-def _going_on(duty: str) -> Iterator[None]:
-    """A duty thread's round: what it raises is logged and the next round tries again,
-    a core panic (a `BaseException`) too, or the thread would end with its duty undone."""
+def _going_on(duty: Streak) -> Iterator[None]:
+    """A duty thread's round: what it raises is told to the duty's streak and the next
+    round tries again, a core panic (a `BaseException`) too, or the thread would end with
+    its duty undone."""
     try:
         yield
     except NotCommitted as e:  # a leader change: the next round asks again
-        log.warning("%s: %s; retrying", duty, e)
+        log.warning("%s: %s; retrying", duty.what, e)
     except (KeyboardInterrupt, SystemExit):
         raise
-    except BaseException:
-        log.exception("%s failed; retrying", duty)
+    except BaseException as e:
+        duty.failed(e)
+    else:
+        duty.ok()
 
 
 def _refuse_removed_buckets(cfg: TopicConfig, dead: list[Dead]) -> None:
@@ -266,7 +285,8 @@ class Broker:
         self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
         self._checkpoints: Counter[str] = Counter()
         self.checkpoint_health = {n: Health() for n in self.topics}
-        self.refreshes = {n: Refreshes(n) for n in self.topics}
+        self.refreshes = {n: Refreshes(f"indexing {n}", topic=n) for n in self.topics}
+        self._duties: dict[str, Streak] = {}  # the other duties' streaks, by what they do
         self.refresh_alert_s = REFRESH_ALERT_S
         self.retention_runs: dict[str, RetentionRun] = {}  # the last one per topic, here
         self.keys: KeyRing | None = None  # the API keys, where `broker.keys_file` is set
@@ -411,11 +431,17 @@ class Broker:
                 except (KeyboardInterrupt, SystemExit):
                     raise
                 except BaseException as e:  # a panic in the core too: the thread must go on
-                    log.exception("refreshing the index of %s failed", name)
                     self.refreshes[name].failed(e)
                 else:
                     self.refreshes[name].ok()
             self._publish_metrics()
+
+    def _duty(self, what: str) -> Streak:
+        """The streak of failures of a background duty, kept across its rounds."""
+        streak = self._duties.get(what)
+        if streak is None:
+            streak = self._duties[what] = Streak(what)
+        return streak
 
     def _publish_metrics(self) -> None:
         """Each family of metrics on its own: one that fails (it reads Raft's state while
@@ -429,7 +455,7 @@ class Broker:
             self._publish_index,
             self._publish_totals,
         ):
-            with _going_on(f"publishing metrics ({step.__name__})"):
+            with _going_on(self._duty(f"publishing metrics ({step.__name__})")):
                 step()
 
     def _publish_raft(self) -> None:
@@ -478,7 +504,7 @@ class Broker:
         while not self._stopping.wait(DUTY_PERIOD_S):
             raft = self.raft
             assert raft is not None
-            with _going_on("leader duties"):
+            with _going_on(self._duty("leader duties")):
                 if raft.leader() is None:
                     continue
                 if not self._registered():
@@ -506,7 +532,7 @@ class Broker:
                 for health in self.checkpoint_health.values():
                     health.ended()
                 continue
-            with _going_on("checkpoints"):
+            with _going_on(self._duty("checkpoints")):
                 self._checkpoint()
 
     def _configure(self, name: str, cfg: TopicConfig, st: TopicState) -> None:
@@ -529,30 +555,62 @@ class Broker:
     def _checkpoint(self) -> None:
         """Each topic on its own: one whose store fails does not hold up the others."""
         for name in self.topics:
-            try:
-                self._checkpoint_topic(name)
-            except Exception:  # logged once per streak by its `Health`
-                continue
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException:  # a panic in the core, which `Health` does not see
-                log.exception("checkpointing %s failed", name)
+            self._checkpoint_topic(name)
 
     def _checkpoint_topic(self, name: str) -> None:
+        """One round of a topic's checkpoint, a failure of any step told to its `Health`
+        under the step's name. A step after the ledger took the events (restoring
+        redriven rows, the trim, a compaction) stalls the checkpoints as surely as the
+        ledger: the trims stop, Raft's state and the buffer grow. So a streak ends only
+        with a round that went through, no death kept back."""
+        assert self.raft is not None
+        health = self.checkpoint_health[name]
+        step = f"ledger of {name}"
+        try:
+            written = self._write_ledger(name, health)
+            if written is None:
+                return
+            events, upto, keep = written
+            if self.state(name).redriven_at:  # before their redrives leave Raft
+                step = f"redriven rows of {name}"
+                index = self.indexes[name]
+                again = redriven(settlements(events))
+                restore(index.buffer_path, index.dead_letter_path, again, now_ms())
+            step = f"trim of {name}"
+            for cut in trim_cuts(events, upto):
+                args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
+                committed(self.raft.state.command, name, "trim", args, timeout=5)
+            self._checkpoints[name] += 1
+            if self._checkpoints[name] % COMPACT_EVERY == 0:
+                step = f"compaction of {name}"
+                tail_ms = self.topic(name).settled_retention_ms
+                compact_ledger(self.settings.warehouse, name, tail_ms)
+                compact_dead_letters(self.settings.warehouse, name, tail_ms)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # a panic in the core too: the thread must go on
+            health.failed(step, e, [])
+        else:
+            if not keep:
+                health.ok()
+
+    def _write_ledger(self, name: str, health: Health) -> tuple[list[Entry], int, list[int]] | None:
+        """Write the topic's next events to the ledger and their dead letters: (the
+        events, the last seq the ledger holds, the deaths to keep in Raft), or None if
+        there is nothing to trim (no events, the topic contested, a history begun)."""
         assert self.raft is not None
         if name in self.contested:
-            return
+            return None
         term = self.raft.term()
         if self._claims_checked.get(name) != term:
             self._check_claim(name)
             self._claims_checked[name] = term
             if name in self.contested:
-                return
+                return None
         st = self.state(name)
         events = first_events(st.events.view(), st.trimmed, CHECKPOINT_MAX_EVENTS)
         if not events:
-            return
-        health = self.checkpoint_health[name]
+            return None
         history = (st.history, st.history_from)
         warehouse = self.settings.warehouse
         trimmed = st.trimmed_upto()
@@ -561,25 +619,14 @@ class Broker:
             upto, keep = checkpoint(warehouse, name, events, health, history, trimmed, rival)
         except Contested as e:
             self._contest(name, e.app, f"moved from version {e.since} to {e.now}")
-            return
+            return None
         except Claimed as claim:
             if self._began_history(name, claim.done):
-                return  # the next round writes under it
+                return None  # the next round writes under it
             upto, keep = checkpoint(warehouse, name, events, health, history)
         if keep and upto <= self.state(name).trimmed:
-            return  # only deaths a trim kept, and their dead letters still fail
-        if self.state(name).redriven_at:  # before their redrives leave Raft
-            index = self.indexes[name]
-            again = redriven(settlements(events))
-            restore(index.buffer_path, index.dead_letter_path, again, now_ms())
-        for cut in trim_cuts(events, upto):
-            args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
-            committed(self.raft.state.command, name, "trim", args, timeout=5)
-        self._checkpoints[name] += 1
-        if self._checkpoints[name] % COMPACT_EVERY == 0:
-            tail_ms = self.topic(name).settled_retention_ms
-            compact_ledger(self.settings.warehouse, name, tail_ms)
-            compact_dead_letters(self.settings.warehouse, name, tail_ms)
+            return None  # only deaths a trim kept, and their dead letters still fail
+        return events, upto, keep
 
     def _check_claim(self, name: str) -> None:
         """At the start of a term's leadership: a ledger tag past the last trim is looked
@@ -587,11 +634,7 @@ class Broker:
         when this node would have leased messages another cluster leases too."""
         st = self.state(name)
         app = app_id(st.history)
-        try:
-            done, _ = tag_of(self.settings.warehouse, name, app)
-        except Exception as e:
-            self.checkpoint_health[name].failed(f"ledger of {name}", e, [])
-            raise
+        done, _ = tag_of(self.settings.warehouse, name, app)
         if done > st.trimmed_upto():
             self._began_history(name, done)
 

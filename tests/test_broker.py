@@ -11,6 +11,7 @@ import importlib
 import io
 import itertools
 import json
+import logging
 import os
 import pickle
 import random
@@ -980,13 +981,16 @@ def test_new_messages_wait_in_the_buffer_while_the_disk_is_within_the_reserve(
         index.load()
 
 
-def test_an_index_refresh_failing_past_its_bound_makes_the_node_unready(tmp_path: Path) -> None:
+def test_an_index_refresh_failing_past_its_bound_makes_the_node_unready(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     """A buffer file the node cannot read (its mode, the store's credentials expired)
     fails every refresh: past the bound (0.5 s here) the node is unready, naming the
     topic and the error, and `/metrics` says for how long; the rows it cannot read count
     neither as indexed nor as settled. Once they can be read it is ready again and
-    indexes them. A stand-in for `_read_bucket` makes the file unreadable (the tests run
-    as root, whom a file's mode does not stop)."""
+    indexes them. The streak is logged once, not at each of its rounds, and its end at
+    WARNING, the level the broker logs at. A stand-in for `_read_bucket` makes the file
+    unreadable (the tests run as root, whom a file's mode does not stop)."""
     warehouse = str(tmp_path / "warehouse")
     labels = {"topic": "jobs"}
 
@@ -1012,7 +1016,7 @@ def test_an_index_refresh_failing_past_its_bound_makes_the_node_unready(tmp_path
                 "dejaq_index_messages",
             )
         ]
-        assert sample("dejaq_index_refresh_failures_total", labels) > 0
+        assert sample("dejaq_index_refresh_failures_total", labels) >= 2
         del index._read_bucket
         await _until(lambda: broker.ready()[0], "the node ready again")
         await _until(lambda: sample("dejaq_index_messages", labels) == 6, "the rows published")
@@ -1026,13 +1030,75 @@ def test_an_index_refresh_failing_past_its_bound_makes_the_node_unready(tmp_path
         ]
         return unready, failing, broker.ready(), [sorted(index.rows), *after]
 
-    unready, failing, ready, after = on_one_node(tmp_path, scenario)
+    with caplog.at_level(logging.WARNING, "dejaq.broker"):
+        unready, failing, ready, after = on_one_node(tmp_path, scenario)
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "indexing" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.ERROR, logging.WARNING], said
+    assert said[0][1] == "indexing jobs failed; retrying"
+    assert said[1][1].startswith("indexing jobs works again after "), said
     assert unready.startswith("indexing jobs has failed for "), unready
     assert "(PermissionError: [Errno 13] Permission denied: " in unready
     assert unready.endswith("its new messages wait in the buffer"), unready
     assert failing == [3, 0, 3], "the unread rows count neither as settled nor as indexed"
     assert ready == (True, "ready")
     assert after == [["m0", "m1", "m2", "n0", "n1", "n2"], 0, 6, 0]
+
+
+def test_a_trim_that_fails_after_the_ledger_write_is_a_checkpoint_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ledger takes a round's events, then their trim from Raft fails, round after
+    round: the checkpoints stall as surely as if the ledger had failed (Raft's state and
+    the buffer grow), so they count as failing, logged once for the streak, in the
+    node's readiness (`/readyz`) and its view (`/v1/cluster`, which `dejaq status
+    --broker` reads) past the alert's bound (3 minutes, 0.5 s here). Once the trim goes
+    through, the events leave Raft and the streak ends, said at WARNING. A stand-in
+    fails the trim's Raft command, as a leader cut off from its majority would: a
+    one-node cluster cannot lose its majority and go on leading."""
+    from dejaq.broker import service
+    from dejaq.broker.state.raft import NotCommitted
+    from dejaq.broker.storage import checkpoints
+
+    monkeypatch.setattr(checkpoints, "FAILING_ALERT_S", 0.5)
+    warehouse = str(tmp_path / "warehouse")
+    failing = threading.Event()
+    committed = service.committed
+
+    def trim_fails(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
+        if args[1:2] == ("trim",) and failing.is_set():
+            raise NotCommitted("timed out waiting for a Raft majority")
+        return committed(method, *args, timeout=timeout)
+
+    monkeypatch.setattr(service, "committed", trim_fails)
+
+    async def scenario(broker: Any) -> list[Any]:
+        health, st = broker.checkpoint_health["jobs"], broker.state("jobs")
+        await _until(lambda: broker.ready()[0], "the node ready")
+        failing.set()
+        leased = json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))
+        await broker.settle("jobs", "ack", "w", [m["id"] for m in leased])
+        await _until(lambda: sorted(ledger_ids(warehouse)) == ["m0", "m1", "m2"], "the ledger")
+        await _until(lambda: health.failures >= 3, "three rounds failing")
+        await _until(lambda: "checkpoints of jobs failing" in broker.ready()[1], "the alert")
+        view = broker.node_topics()["jobs"].ledger_lag
+        stalled = [broker.ready(), view.failing, view.checkpoint_failures, view.events]
+        failing.clear()
+        await _until(lambda: health.failing_since is None, "the streak ended")
+        await _until(lambda: len(st.events) == 0, "the events trimmed")
+        view = broker.node_topics()["jobs"].ledger_lag
+        return [*stalled, broker.ready(), view.failing, view.events]
+
+    with caplog.at_level(logging.WARNING, "dejaq.broker"):
+        ready, failing, failures, events, *after = on_one_node(tmp_path, scenario)
+    assert ready[0] and "checkpoints of jobs failing for " in ready[1], ready
+    assert "(trim of jobs: NotCommitted: timed out waiting for a Raft majority)" in ready[1]
+    assert failing.startswith("failing for ") and "trim of jobs" in failing, failing
+    assert failures >= 3 and events > 0, (failures, events)
+    assert after == [(True, "ready"), None, 0]
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "checkpoint" in r.getMessage()]
+    assert [level for level, _ in said] == [logging.ERROR, logging.WARNING], said
+    assert said[0][1] == "checkpoint trim of jobs failed; retrying"
+    assert said[1][1].startswith("checkpoints work again after "), said
 
 
 def test_checkpoints_failing_are_reported_while_the_node_leads_only(tmp_path: Path) -> None:

@@ -5,9 +5,11 @@ the deaths among them, then trims them from Raft. The ledger settles messages: i
 first, and a dead letter that cannot be written never holds it back. Deaths whose dead
 letters failed are kept in Raft by the trim (`TopicState.trim`'s `keep`) and tried again
 with a backoff, while everything else is trimmed: retention cannot remove their buffer
-rows meanwhile (it stops before the oldest event still in Raft). Failures are logged
-once per streak and per message id, counted, and shown (`Lag`) on `/metrics`,
-`/v1/cluster`, `/readyz` and `dejaq status`.
+rows meanwhile (it stops before the oldest event still in Raft). Failures of any step
+of a round (the broker's: the ledger, the dead letters, restoring redriven rows, the
+trim, the compactions) are logged once per streak and kind (step and error type), and
+per message id, counted, and shown (`Lag`) on `/metrics`, `/v1/cluster`, `/readyz` and
+`dejaq status`.
 """
 
 from __future__ import annotations
@@ -19,8 +21,6 @@ from dataclasses import dataclass, field
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import Events, count, entries_of
 from dejaq.broker.storage.ledger_writer import (
-    Claimed,
-    Contested,
     History,
     Rival,
     deaths,
@@ -46,14 +46,17 @@ class Health:
     last_error: str = ""
     retry_at: float = 0.0  # monotonic: dead letters are not tried before it
     logged: set[str] = field(default_factory=set)  # ids named in a log line this streak
+    kinds: set[str] = field(default_factory=set)  # steps and error types logged this streak
 
-    def failed(self, what: str, error: Exception, ids: list[str]) -> None:
+    def failed(self, what: str, error: BaseException, ids: list[str]) -> None:
         self.failures += 1
         self.streak += 1
         self.last_error = f"{what}: {type(error).__name__}: {error}"
+        if (kind := f"{what}: {type(error).__name__}") not in self.kinds:
+            self.kinds.add(kind)
+            log.error("checkpoint %s failed; retrying", what, exc_info=error)
         if self.failing_since is None:
             self.failing_since = time.time()
-            log.error("checkpoint %s failed; retrying with backoff", what, exc_info=error)
         delay = min(BACKOFF_MAX_S, BACKOFF_MIN_S * 2 ** min(self.streak - 1, 16))
         self.retry_at = time.monotonic() + delay
         if new := [i for i in ids if i not in self.logged]:
@@ -61,8 +64,10 @@ class Health:
             log.warning("%s: %d messages wait for it: %s", what, len(new), new[:20])
 
     def ok(self) -> None:
+        """A round went through, nothing kept back: at WARNING, as its failure was, so a
+        node logging warnings only shows both."""
         if self.failing_since is not None:
-            log.info("checkpoints work again after %.0f s", time.time() - self.failing_since)
+            log.warning("checkpoints work again after %.0f s", time.time() - self.failing_since)
         self.ended()
 
     def ended(self) -> None:
@@ -71,6 +76,7 @@ class Health:
         self.streak, self.failing_since, self.last_error = 0, None, ""
         self.retry_at = 0.0
         self.logged.clear()
+        self.kinds.clear()
 
     def alert(self) -> str | None:
         """Why an operator should look, once failures have lasted `FAILING_ALERT_S`. The
@@ -116,18 +122,15 @@ def checkpoint(
     """Write `events` to the ledger and their dead letters under `history`: (the last
     seq the ledger holds, the seqs of deaths to keep in Raft). Raises if the ledger
     write fails, `Claimed` where its tag is past `trimmed` (if given), and `Contested`
-    where `rival`'s tag keeps moving."""
+    where `rival`'s tag keeps moving; a dead letter that fails is told to `health`.
+
+    The caller tells `health` what it raises, and ends a streak (`Health.ok`) once the
+    rest of its round (the trim) has gone through too, with nothing to keep: a step
+    after the ledger that fails stalls the checkpoints as surely."""
     events = entries_of(events)
-    try:
-        upto = write_ledger(warehouse, topic, events, history, trimmed, rival)
-    except (Claimed, Contested):
-        raise
-    except Exception as e:
-        health.failed(f"ledger of {topic}", e, [])
-        raise
+    upto = write_ledger(warehouse, topic, events, history, trimmed, rival)
     dead = deaths(events)
     if not dead:
-        health.ok()
         return upto, []
     if time.monotonic() < health.retry_at:
         return upto, [e.seq for e in dead]
@@ -136,5 +139,4 @@ def checkpoint(
     except Exception as e:
         health.failed(f"dead letters of {topic}", e, [d.message_id for d in dead])
         return upto, [e.seq for e in dead]
-    health.ok()
     return upto, []
