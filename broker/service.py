@@ -865,14 +865,14 @@ class Broker:
         if (contested := self.contested.get(cfg.name)) is not None:
             raise Problem(503, "topic contested", contested)
         index, st = self.indexes[topic], self.state(topic)
-        started = time.monotonic()
-        deadline = started + wait_ms / 1000
+        deadline = time.monotonic() + wait_ms / 1000
         rate = cfg.max_lease_rate
         # A lease first commits the consumer's heartbeat (`touch`) if it is new, or once
         # a third of its heartbeat timeout has passed; most leases need none.
         touch_after = self.conf.heartbeat_timeout_ms // 3
         repicks = 0
         first = True
+        picked: float | None = None  # when picks were first found: the latency's start
         while True:
             if request is not None and (again := st.again(consumer, request)) is not None:
                 return self._again(topic, again, consumer)
@@ -894,6 +894,7 @@ class Broker:
                 index.release(st, picks)
                 return b"[]"
             if picks[0]:
+                picked = time.monotonic() if picked is None else picked
                 granted = None
                 try:
                     # Numbered (True, or the request's id), and made from the state at
@@ -907,9 +908,10 @@ class Broker:
                 if type(granted) is Again:
                     return self._again(topic, granted, consumer)
                 if granted:
-                    self._lease_latency[topic].observe(time.monotonic() - started)
                     timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
-                    return message_json.leased_array(picks, heads, granted, timeline)
+                    answer = message_json.leased_array(picks, heads, granted, timeline)
+                    self._lease_latency[topic].observe(time.monotonic() - picked)
+                    return answer
                 if repicks < REDRIVE_READS:
                     repicks += 1
                     continue

@@ -3452,7 +3452,8 @@ def test_the_lease_latency_histogram_reads_as_prometheus_clients_would(
     latency = LeaseLatency(ours)
     reference = Histogram(
         "dejaq_lease_seconds",
-        "Lease request latency on the leader, Raft commit included",
+        "Lease latency on the leader, from the messages picked to the answer: the lease "
+        "command's Raft commit included, a long poll's wait for messages not",
         ["topic"],
         buckets=LeaseLatency.BOUNDS,
         registry=theirs,
@@ -3462,6 +3463,34 @@ def test_the_lease_latency_histogram_reads_as_prometheus_clients_would(
         reference.labels(topic).observe(seconds)
     expected = [x for x in generate_latest(theirs).decode().splitlines() if "_created" not in x]
     assert generate_latest(ours).decode().splitlines() == expected
+
+
+def test_the_lease_latency_leaves_out_a_long_polls_wait_for_messages(tmp_path: Path) -> None:
+    """A long poll that waits half a second and more for its messages (written to the
+    buffer meanwhile) is observed in `dejaq_lease_seconds` for its commit and answer
+    only: the wait says nothing of the broker's speed."""
+    import asyncio
+
+    warehouse = str(tmp_path / "warehouse")
+
+    async def scenario(broker: Any) -> tuple[float, float, list[str]]:
+        sample = broker.metrics.registry.get_sample_value
+        labels = {"topic": "jobs"}
+        assert len(json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))) == 3
+        began = time.monotonic()
+        poll = asyncio.create_task(broker.lease("jobs", "w", 3, 60_000, 20_000))
+        await asyncio.sleep(0.5)  # the wait to leave out, not a synchronisation
+        assert not poll.done(), "nothing to lease yet"
+        fill(warehouse, "jobs", buffer_rows([1], lambda i: 0, "n"))
+        leased = json.loads(await poll)
+        waited = time.monotonic() - began
+        assert sample("dejaq_lease_seconds_count", labels) == 2
+        return waited, sample("dejaq_lease_seconds_sum", labels), [m["id"] for m in leased]
+
+    waited, observed, leased = on_one_node(tmp_path, scenario)
+    assert leased == ["n0"]
+    assert waited >= 0.5
+    assert observed < 0.25, f"{observed:.3f} s observed for two leases, one waiting {waited:.2f} s"
 
 
 def test_a_settling_request_by_ids_commits_their_receipts(tmp_path: Path) -> None:

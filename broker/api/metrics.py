@@ -217,7 +217,10 @@ class TopicsShown(Collector):
 
 
 class LeaseLatency(Collector):
-    """`dejaq_lease_seconds`: each topic's lease latency on the leader, a histogram.
+    """`dejaq_lease_seconds`: each topic's lease latency on the leader, a histogram. From
+    the picks found to the answer: the lease command's Raft commit and the answer's
+    rendering, not a long poll's wait for messages to come (seconds that say nothing of
+    the broker's speed, as many as the worker asked to wait).
 
     Observed once a lease, on the event loop: prometheus_client's `Histogram.observe`
     (a lock, and a Python loop over the buckets) takes ~0.75 µs, a count in a list found
@@ -238,7 +241,8 @@ class LeaseLatency(Collector):
     def collect(self) -> Iterator[HistogramMetricFamily]:
         family = HistogramMetricFamily(
             "dejaq_lease_seconds",
-            "Lease request latency on the leader, Raft commit included",
+            "Lease latency on the leader, from the messages picked to the answer: the lease "
+            "command's Raft commit included, a long poll's wait for messages not",
             labels=["topic"],
         )
         les = [*(str(float(bound)) for bound in self.BOUNDS), "+Inf"]
