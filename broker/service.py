@@ -560,9 +560,9 @@ class Broker:
     def _checkpoint_topic(self, name: str) -> None:
         """One round of a topic's checkpoint, a failure of any step told to its `Health`
         under the step's name. A step after the ledger took the events (restoring
-        redriven rows, the trim, a compaction) stalls the checkpoints as surely as the
-        ledger: the trims stop, Raft's state and the buffer grow. So a streak ends only
-        with a round that went through, no death kept back."""
+        redriven rows, the trim) stalls the checkpoints as surely as the ledger: the
+        trims stop, Raft's state and the buffer grow. So a streak ends only with a round
+        that went through, no death kept back."""
         assert self.raft is not None
         health = self.checkpoint_health[name]
         step = f"ledger of {name}"
@@ -581,18 +581,20 @@ class Broker:
                 args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
                 committed(self.raft.state.command, name, "trim", args, timeout=5)
             self._checkpoints[name] += 1
-            if self._checkpoints[name] % COMPACT_EVERY == 0:
-                step = f"compaction of {name}"
-                tail_ms = self.topic(name).settled_retention_ms
-                compact_ledger(self.settings.warehouse, name, tail_ms)
-                compact_dead_letters(self.settings.warehouse, name, tail_ms)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # a panic in the core too: the thread must go on
             health.failed(step, e, [])
-        else:
-            if not keep:
-                health.ok()
+            return
+        if not keep:
+            health.ok()
+        if self._checkpoints[name] % COMPACT_EVERY == 0:
+            # Not a step of the round: a compaction that fails holds no trim back, and
+            # an idle topic would keep its alert until the next one (thirty rounds on).
+            with _going_on(self._duty(f"compaction of {name}")):
+                tail_ms = self.topic(name).settled_retention_ms
+                compact_ledger(self.settings.warehouse, name, tail_ms)
+                compact_dead_letters(self.settings.warehouse, name, tail_ms)
 
     def _write_ledger(self, name: str, health: Health) -> tuple[list[Entry], int, list[int]] | None:
         """Write the topic's next events to the ledger and their dead letters: (the

@@ -7,8 +7,8 @@ letters failed are kept in Raft by the trim (`TopicState.trim`'s `keep`) and tri
 with a backoff, while everything else is trimmed: retention cannot remove their buffer
 rows meanwhile (it stops before the oldest event still in Raft). Failures of any step
 of a round (the broker's: the ledger, the dead letters, restoring redriven rows, the
-trim, the compactions) are logged once per streak and kind (step and error type), and
-per message id, counted, and shown (`Lag`) on `/metrics`, `/v1/cluster`, `/readyz` and
+trim) are logged once per streak and kind (step and error type), and per message id,
+counted, and shown (`Lag`) on `/metrics`, `/v1/cluster`, `/readyz` and
 `dejaq status`.
 """
 
