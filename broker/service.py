@@ -33,7 +33,7 @@ from kafka.record.default_records import DefaultRecordBatchBuilder
 from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
-from dejaq.broker.state.data_dir import admit, lock, mark_joined
+from dejaq.broker.state.data_dir import Identity, admit, lock, mark_joined
 from dejaq.broker.state.leases import (
     Again,
     Dead,
@@ -48,7 +48,7 @@ from dejaq.broker.state.settlements import Entry, count, last, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.head_store import ReserveReached
-from dejaq.broker.storage.index import HeadsUnreadable, TopicIndex
+from dejaq.broker.storage.index import HeadsUnreadable, LoadStopped, TopicIndex, load_log
 from dejaq.broker.storage.ledger_writer import (
     COMPACT_EVERY,
     Claimed,
@@ -75,6 +75,9 @@ FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta 
 # against the minutes an operator would otherwise learn of it from a stalled topic.
 REFRESH_ALERT_S = 30.0
 DUTY_PERIOD_S = 0.05
+# How long a stop waits for a load to end: it checks between slices of rows, but a read
+# of the warehouse it waits on ends when the object store answers.
+LOAD_STOP_WAIT_S = 10.0
 CHECKPOINT_PERIOD_S = 1.0
 # A ledger tag of another Raft history is taken over only if the ledger had no commit
 # for this long (read twice this far apart otherwise): a live cluster's checkpoints,
@@ -280,7 +283,13 @@ class Broker:
         self._lease_latency = {n: self.metrics.lease_latency.labels(n) for n in self.topics}
         self.raft: RaftNode | None = None
         self._held: IO[str] | None = None  # the data dir's lock (`lock`)
+        self.identity: Identity | None = None  # its data dir's (`open`)
         self._stopping = threading.Event()
+        self._loader: threading.Thread | None = None  # `start_behind`'s
+        # What ended a load run behind the HTTP server (`start_behind`), and what then
+        # ends the node: it stops serving, then says why and exits, as `start` would.
+        self.failure: BaseException | None = None
+        self.on_failure: Callable[[], None] = lambda: None
         self._threads: list[threading.Thread] = []
         self._totals: dict[str, dict[str, int]] = {n: {} for n in self.topics}
         self._checkpoints: Counter[str] = Counter()
@@ -317,20 +326,70 @@ class Broker:
 
     # --- life cycle ---------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Hold the data dir and check it is this node's, load the indexes, then join Raft
-        (replaying the journal needs the indexes)."""
+    def open(self) -> None:
+        """Hold the data dir and check it is this node's: before it serves anything."""
         self._held = lock(self.data_dir)
-        identity = admit(
+        self.identity = admit(
             self.data_dir, self.raft_addr, self.peers, self.new_cluster, self.reconfigure
         )
-        for index in self.indexes.values():
-            index.load()
+
+    def start(self) -> None:
+        """`open`, then `load`, in this thread: a node run in process, Raft attached to a
+        loop by the caller. `dejaq broker` serves HTTP first (`start_behind`)."""
+        self.open()
+        self.load()
+
+    def start_behind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """`load` on a thread of its own while `loop` serves HTTP, then run Raft on
+        `loop`. A large backlog takes minutes to load: meanwhile liveness answers (an
+        orchestrator does not kill the node for the time its start takes), readiness
+        says how far the load is, and every other request is refused (`serving`). A
+        load that fails sets `failure` and calls `on_failure`."""
+        self._loader = threading.Thread(
+            target=self._load_behind, args=(loop,), name="load", daemon=True
+        )
+        self._loader.start()
+
+    def _load_behind(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            self.load()
+        except LoadStopped as e:
+            load_log.info("%s: the node stops", e)
+            return
+        except BaseException as e:  # said by `dejaq broker` as a failed `start` is
+            self.failure = e
+            self.on_failure()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop closed: the node stopped
+            loop.call_soon_threadsafe(self._run_raft, loop)
+
+    def _run_raft(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On `loop`: Raft runs there from now on, and requests are served."""
+        if self.raft is not None and not self._stopping.is_set():
+            self.raft.attach(loop)
+
+    def load(self) -> None:
+        """Load the indexes, then join Raft (replaying the journal needs the indexes) and
+        start the duties. Raises LoadStopped if the node stops meanwhile."""
+        assert self.identity is not None, "open() first"
+        identity = self.identity
+        for n, (name, index) in enumerate(self.indexes.items(), 1):
+            load_log.info("loading the index of %s (topic %d of %d)", name, n, len(self.indexes))
+            index.load(self._stopping)
+            load_log.info(
+                "indexed %s: %d pending messages of %d buffer rows in %.1f s",
+                name,
+                len(index.rows),
+                index.buffer_rows,
+                index.loading.seconds(),
+            )
         # The loaded rows live as long as the node: keep them out of the cyclic GC, or
         # each full collection walks them all (~100 ms for 200k rows, stalling requests).
         gc.freeze()
         gc.set_threshold(GC_YOUNG_OBJECTS, 10, 10)
         _return_free_heap()
+        if self._stopping.is_set():
+            raise LoadStopped("the node stopped once its indexes were loaded")
         self.raft = RaftNode(
             self.raft_addr,
             self.peers,
@@ -341,14 +400,42 @@ class Broker:
             on_joined=None if identity.joined else partial(mark_joined, self.data_dir, identity),
         )
         self.raft.on_lag = self.metrics.loop_lag.observe
+        self.raft.sync.on_failure = lambda: self.on_failure()
         duties = (self._follow_tables, self._leader_duties, self._checkpoints_duty, self._retention)
         for target in duties:
             t = threading.Thread(target=target, name=target.__name__, daemon=True)
             t.start()
             self._threads.append(t)
 
-    def stop(self) -> None:
+    def serving(self) -> bool:
+        """Whether the indexes are loaded and Raft runs: requests other than probes,
+        metrics and docs are refused until then (`api.starting`)."""
+        return self.raft is not None and self.raft.attached()
+
+    def starting(self) -> str:
+        """Why the node does not serve yet: the load's progress, or Raft's start."""
+        loading = [i for i in self.indexes.values() if not i.loaded]
+        if not loading:
+            return "indexes loaded, Raft starting"
+        at = len(self.indexes) - len(loading) + 1
+        of = f" (topic {at} of {len(self.indexes)})" if len(self.indexes) > 1 else ""
+        return f"indexes loading: {loading[0].loading}{of}"
+
+    def halt(self) -> None:
+        """The node is stopping: a load still running ends at its next slice of rows,
+        Raft does not start after it, and the duties end their rounds (`stop`)."""
         self._stopping.set()
+
+    def stop(self) -> None:
+        """Stop the load if it runs, the duties, Raft and the head stores; release the
+        data dir. A load held up reading the warehouse past LOAD_STOP_WAIT_S is left to
+        end with the process, its head stores open under it."""
+        self.halt()
+        if self._loader is not None:
+            self._loader.join(LOAD_STOP_WAIT_S)
+            if self._loader.is_alive():
+                log.warning("the load did not stop within %.0f s", LOAD_STOP_WAIT_S)
+                return
         for t in self._threads:
             t.join(5)
         if self.raft is not None:
@@ -359,8 +446,8 @@ class Broker:
             self._held.close()
 
     def ready(self) -> tuple[bool, str]:
-        if self.raft is None or not all(i.loaded for i in self.indexes.values()):
-            return False, "indexes loading"
+        if not self.serving():
+            return False, self.starting()
         ended = [t.name for t in self._threads if not t.is_alive()]
         if ended:  # its duty undone for good: expiry, checkpoints, indexing new rows
             return False, f"background thread {', '.join(ended)} ended; restart the node"

@@ -124,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
     from dejaq.broker.service import Broker, Producer
     from dejaq.broker.state.data_dir import DataDirError
     from dejaq.broker.storage.head_store import ReserveReached
+    from dejaq.broker.storage.index import LOAD_LOGGER
     from dejaq.conf.kafka_login import check_login
     from dejaq.conf.settings import ConfigError, load_settings
     from dejaq.conf.storage import export
@@ -188,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
     # memory then follows what it holds, not the most its start read at once.
     pa.set_memory_pool(pa.system_memory_pool())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger(LOAD_LOGGER).setLevel(logging.INFO)  # a start's load, as it goes
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(
         settings,
@@ -201,18 +203,12 @@ def run(args: argparse.Namespace) -> int:
     )
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
     try:
-        broker.start()
-    except ReserveReached as e:
-        print(
-            f"error: node {args.node_id} cannot index its pending messages: {e.strerror}",
-            file=sys.stderr,
-        )
-        return 1
+        broker.open()
     except DataDirError as e:
         print(f"error: node {args.node_id}: {e}", file=sys.stderr)
         return 1
-    assert broker.raft is not None
-    if not broker.raft.sync.voting:
+    assert broker.identity is not None
+    if not broker.identity.joined:
         print(
             f"broker {args.node_id}: data dir {data_dir} was empty, so this node waits for a "
             "leader to bring it up to date and neither votes nor stands for election until "
@@ -229,14 +225,28 @@ def run(args: argparse.Namespace) -> int:
     try:
         app = create_app(broker, Producer(settings.kafka))
         server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **SETTINGS, **tls))
-        # A snapshot from the leader that does not load ends the node as a damaged file
-        # at start does: it stops serving, then says why and exits 1, below.
-        broker.raft.sync.on_failure = partial(setattr, server, "should_exit", True)
+        # The indexes load while the server answers probes (`Broker.start_behind`). A
+        # load that fails, or a snapshot from the leader that does not load, ends the
+        # node as a damaged file at start does: it stops serving, then says why and
+        # exits, below.
+        broker.on_failure = partial(setattr, server, "should_exit", True)
         with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down, as on SIGTERM
             server.run()
     finally:
         broker.stop()
-    if broker.raft.sync.failure is not None:
+    try:
+        if broker.failure is not None:
+            raise broker.failure
+    except ReserveReached as e:
+        print(
+            f"error: node {args.node_id} cannot index its pending messages: {e.strerror}",
+            file=sys.stderr,
+        )
+        return 1
+    except DataDirError as e:
+        print(f"error: node {args.node_id}: {e}", file=sys.stderr)
+        return 1
+    if broker.raft is not None and broker.raft.sync.failure is not None:
         print(f"error: node {args.node_id}: {broker.raft.sync.failure}", file=sys.stderr)
         return 1
     return 0

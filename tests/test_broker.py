@@ -94,6 +94,28 @@ def buffer_rows(
     return pa.Table.from_pylist(rows, schema=BUFFER_SCHEMA)
 
 
+def backlog_rows(n: int, buckets: int, payload_bytes: int = 100) -> pa.Table:
+    """`n` priority rows (ids b0.., sort key = position, spread over `buckets`), built a
+    column at a time: a buffer large enough that a node takes seconds to load it."""
+    at = np.arange(n)
+    now = pa.array([dt.datetime.now(dt.UTC)] * n, BUFFER_SCHEMA.field("ingested_at").type)
+    columns = {
+        "message_id": pa.array([f"b{i}" for i in range(n)]),
+        "bucket": pa.array(at % buckets, pa.int32()),
+        "sort_key": pa.array(at, pa.int64()),
+        "priority": pa.array(at % 65536, pa.int32()),
+        "payload": pa.array([b"x" * payload_bytes] * n, pa.binary()),
+        "source_topic": pa.array(["in"] * n),
+        "source_partition": pa.array(np.zeros(n, np.int32)),
+        "source_offset": pa.array(at + next(_offsets) * n, pa.int64()),
+        "produced_at": now,
+        "ingested_at": now,
+    }
+    return pa.Table.from_arrays(
+        [columns.get(f.name, pa.nulls(n, f.type)) for f in BUFFER_SCHEMA], schema=BUFFER_SCHEMA
+    )
+
+
 HOUR_MS = 3_600_000  # a topic's settled retention, as it defaults
 
 

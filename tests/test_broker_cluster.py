@@ -26,7 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
 from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
-from test_broker import buffer_rows, fill
+from test_broker import backlog_rows, buffer_rows, fill
 
 from dejaq.broker.api.routers.topics import TopicStats
 from dejaq.broker.service import Outgoing, Problem, Producer
@@ -106,11 +106,11 @@ def leader_of(nodes: list[Node], client: httpx.Client) -> Node | None:
         if node.proc is None or node.proc.poll() is not None:
             continue
         try:
-            info = client.get(f"{node.url}/v1/cluster", timeout=1).json()
+            answer = client.get(f"{node.url}/v1/cluster", timeout=1)
         except httpx.HTTPError:
             continue
-        if info["role"] == "leader":
-            return node
+        if answer.status_code == 200 and answer.json()["role"] == "leader":
+            return node  # a node still loading its indexes answers 503
     return None
 
 
@@ -740,10 +740,12 @@ def test_nodes_run_without_pandas(three) -> None:
 
 
 def cluster_info(client: httpx.Client, node: Node) -> dict | None:
+    """`node`'s view; None while it does not answer, or loads its indexes (a 503)."""
     try:
-        return client.get(f"{node.url}/v1/cluster", timeout=5).json()
+        answer = client.get(f"{node.url}/v1/cluster", timeout=5)
     except httpx.HTTPError:
         return None
+    return answer.json() if answer.status_code == 200 else None
 
 
 def test_a_follower_stalled_past_the_election_timeout_does_not_depose_the_leader(
@@ -1176,6 +1178,111 @@ def test_a_node_whose_pending_messages_do_not_fit_its_disk_reserve_says_so_at_st
     assert code == 1, said
     assert "error: node a cannot index its pending messages:" in said, said
     assert "broker.disk_reserve_bytes" in said and "Traceback" not in said, said
+
+
+BACKLOG_ROWS, BACKLOG_BUCKETS = 300_000, 8
+LOADING = re.compile(rf"indexes loading: jobs (\d+)/{BACKLOG_BUCKETS} buckets, (\d+) rows")
+
+
+@pytest.fixture(scope="module")
+def backlog(tmp_path_factory) -> Path:
+    """The configuration of one topic whose buffer holds a backlog a node takes seconds
+    to load: the nodes of the tests that use it only read it (nothing is leased)."""
+    tmp = tmp_path_factory.mktemp("backlog")
+    warehouse = str(tmp / "warehouse")
+    fill(warehouse, "jobs", backlog_rows(BACKLOG_ROWS, BACKLOG_BUCKETS))
+    conf = tmp / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {warehouse}\n"
+        "kafka: {bootstrap: '127.0.0.1:9'}\n"
+        f"topics:\n  - {{name: jobs, kind: priority, source: [in], buckets: {BACKLOG_BUCKETS}}}\n"
+    )
+    return conf
+
+
+def start_on_backlog(tmp_path: Path, conf: Path) -> tuple[Node, Path]:
+    """A one-node cluster started on `backlog`: the node and its log (stderr)."""
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(1, tmp_path / "raft")
+    (log,) = start_logged(nodes, nodes, conf, env, tmp_path)
+    return nodes[0], log
+
+
+def loading_seen(client: httpx.Client, node: Node) -> tuple[int, int] | None:
+    """The load's progress (buckets done, rows), if `node` answers that it loads; its
+    liveness answers 200 meanwhile, and any other call a 503 saying so."""
+    assert node.proc.poll() is None, f"the node exited with code {node.proc.returncode}"
+    try:
+        ready = client.get(f"{node.url}/readyz")
+    except httpx.TransportError:  # not listening yet
+        return None
+    loading = LOADING.search(ready.json().get("detail", "")) if ready.status_code == 503 else None
+    if loading is None:
+        return None
+    assert client.get(f"{node.url}/healthz").status_code == 200
+    other = client.get(f"{node.url}/v1/topics/jobs")
+    assert other.status_code == 503 and other.headers["content-type"] == PROBLEM, other.text
+    assert other.json()["title"] == "node starting", other.text
+    assert "indexes loading: jobs" in other.json()["detail"], other.text
+    return int(loading[1]), int(loading[2])
+
+
+def test_a_node_loading_a_backlog_answers_liveness_and_its_progress_until_ready(
+    tmp_path, backlog: Path
+) -> None:
+    """A node loads its indexes (the whole buffer) before it joins Raft: over a large
+    backlog that takes minutes. It serves HTTP meanwhile: `/healthz` answers 200, so a
+    liveness probe does not kill it again and again; `/readyz` 503 with the load's
+    progress, every other call 503; its log says how the load goes. Then it serves."""
+    node, log = start_on_backlog(tmp_path, backlog)
+    seen: list[tuple[int, int]] = []
+    try:
+        with httpx.Client(timeout=10) as client:
+
+            def ready() -> bool:
+                progress = loading_seen(client, node)
+                if progress is not None:
+                    seen.append(progress)
+                    return False
+                return cluster.ready([node])
+
+            wait_until(ready, timeout=180, what="the node to load, then be ready")
+            stats = client.get(f"{node.url}/v1/topics/jobs").json()
+    finally:
+        stop([node])
+    assert seen, "the node answered nothing while it loaded"
+    assert any(0 < buckets < BACKLOG_BUCKETS for buckets, _ in seen), seen
+    assert seen == sorted(seen) and seen[-1][1] > 0, seen
+    assert stats["pending"] == BACKLOG_ROWS, stats
+    said = log.read_text()
+    assert "loading the index of jobs" in said, said
+    assert f"indexed jobs: {BACKLOG_ROWS} pending messages" in said, said
+
+
+@pytest.mark.parametrize(
+    "sig, code", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 0)], ids=["SIGTERM", "Ctrl-C"]
+)
+def test_a_node_stopped_while_it_loads_ends_promptly(
+    tmp_path, backlog: Path, sig: signal.Signals, code: int
+) -> None:
+    """SIGTERM or Ctrl-C while the indexes load (an orchestrator giving up on a start)
+    ends the node within seconds, as either does once it serves (uvicorn shuts down, then
+    raises a SIGTERM again, which ends the process; a Ctrl-C ends it by stopping the
+    broker): the load stops between two slices of rows."""
+    node, log = start_on_backlog(tmp_path, backlog)
+    try:
+        with httpx.Client(timeout=10) as client:
+            wait_until(lambda: loading_seen(client, node), timeout=120, what="the load")
+        node.proc.send_signal(sig)
+        began = time.monotonic()
+        ended = node.proc.wait(timeout=30)
+        took = time.monotonic() - began
+    finally:
+        stop([node])
+    said = log.read_text()
+    assert ended == code and "Traceback" not in said, said
+    assert took < 5, f"{took:.1f} s to end"
+    assert "indexed jobs" not in said, said
 
 
 def test_a_peer_on_the_old_wire_format_is_refused_and_named(

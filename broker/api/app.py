@@ -49,6 +49,7 @@ from dejaq.broker.api.routers import (
     schedules,
     topics,
 )
+from dejaq.broker.api.starting import Starting
 from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.service import Broker, Problem, Producer
 
@@ -269,13 +270,14 @@ def _serve_docs(app: FastAPI) -> None:
 
 
 def create_app(broker: Broker, producer: Producer) -> FastAPI:
-    """The HTTP API of one node; the caller starts and stops `broker`."""
+    """The HTTP API of one node; the caller opens (`Broker.open`) and stops `broker`. Its
+    indexes load and its Raft node starts behind the server (`Broker.start_behind`),
+    which answers probes meanwhile (`starting.Starting`)."""
     materialiser = Materialiser(broker, producer)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        if broker.raft is not None:
-            broker.raft.attach(asyncio.get_running_loop())
+        broker.start_behind(asyncio.get_running_loop())
         try:
             async with httpx.AsyncClient(timeout=40, verify=_verify(broker)) as client:
                 app.state.http = client
@@ -287,7 +289,8 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
                     with contextlib.suppress(asyncio.CancelledError):
                         await crons
         finally:
-            if broker.raft is not None:
+            broker.halt()  # before Raft is detached: a load ending now does not attach it
+            if broker.raft is not None and broker.raft.attached():
                 broker.raft.detach()
         producer.close()
 
@@ -326,7 +329,9 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
     app.state.forward_tag = partial(forward_tag, password, broker.http_addr) if password else None
     if password:
         forward_key(password)  # stretched here, once, not on the event loop at a forward
-    app.front = BodyLimits(HotPath(partial(FastAPI.__call__, app), broker), broker)
+    app.front = Starting(
+        BodyLimits(HotPath(partial(FastAPI.__call__, app), broker), broker), broker
+    )
     if conf.keys_file is not None:
         broker.keys = KeyRing(Path(conf.keys_file))
         app.front = Guard(

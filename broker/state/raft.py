@@ -937,6 +937,10 @@ class RaftNode:
         self._due = loop.time()
         self._periodic()
 
+    def attached(self) -> bool:
+        """Whether Raft runs on a loop (`attach`)."""
+        return self._loop is not None
+
     def detach(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()

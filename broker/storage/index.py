@@ -74,6 +74,11 @@ from dejaq.pipelines.retention import (
 )
 
 log = logging.getLogger("dejaq.broker.storage.index")
+# A start's load, topic by topic and as it goes: lines an operator waits on, at INFO on a
+# logger of their own, which `dejaq broker` shows beside its warnings.
+LOAD_LOGGER = "dejaq.broker.load"
+load_log = logging.getLogger(LOAD_LOGGER)
+LOAD_SAID_EVERY_S = 10.0  # a load's progress is logged at most this often
 
 _COLUMNS = ["message_id", "sort_key", "deliver_at", "key", "payload", "ingested_at"]
 _COORDS = ["source_partition", "source_offset"]
@@ -93,6 +98,38 @@ NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 # How long a message pending again may have a row nowhere before it is warned of: a node
 # catching up forgets those a later entry settles within seconds (`TopicIndex.revive`).
 UNFOUND_GRACE_S = 60.0
+
+
+class LoadStopped(Exception):
+    """The node stops while a topic's first load runs: it ends between two slices."""
+
+
+class Loading:
+    """A topic's first load as it goes, which readiness shows and the node logs: buckets
+    read of the topic's (those without files count once the files are listed), rows
+    indexed so far."""
+
+    def __init__(self, topic: str, buckets: int) -> None:
+        self.topic, self.buckets = topic, buckets
+        self.done = self.rows = 0
+        self.began = self._said = time.monotonic()
+
+    def listed(self, to_read: int) -> None:
+        """The buffer's files are listed: `to_read` buckets hold some."""
+        self.done = self.buckets - to_read
+
+    def read(self, rows: int) -> None:
+        """A bucket is indexed, `rows` rows in all so far."""
+        self.done, self.rows = self.done + 1, rows
+        if time.monotonic() - self._said >= LOAD_SAID_EVERY_S:
+            self._said = time.monotonic()
+            load_log.info("loading the index of %s", self)
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.began
+
+    def __str__(self) -> str:
+        return f"{self.topic} {self.done}/{self.buckets} buckets, {self.rows} rows"
 
 
 class HeadsUnreadable(Exception):
@@ -147,23 +184,36 @@ class TopicIndex:
         # message that a later entry, or the snapshot that replaces the state, settles.
         self.revived_since_read = False
         self.loaded = False
+        self.loading = Loading(topic.name, topic.buckets)
+        self._halt: threading.Event | None = None  # set: the first load stops (`load`)
         self._buffer: DeltaTable | None = None
 
     # --- following the tables ---------------------------------------------------------
 
-    def load(self) -> None:
-        """First load: the settled ids in the ledger's tail, then every buffer file.
+    def load(self, halt: threading.Event | None = None) -> None:
+        """First load: the settled ids in the ledger's tail, then every buffer file, a
+        bucket at a time (`loading` says how far). Raises LoadStopped once `halt` is set.
 
         A message the tail has redriven since its last death whose row no buffer file
         holds (a retention run removed it, and its row is put back only before the
         watermark passes the redrive) is pending all the same: `revive` reads it from
         the dead letters."""
-        self._buffer = DeltaTable(self.buffer_path)
-        settled, redriven = self._settled_ids()
-        self.refresh(settled)
+        self._halt = halt
+        self.loading = Loading(self.topic.name, self.topic.buckets)
+        try:
+            self._buffer = DeltaTable(self.buffer_path)
+            settled, redriven = self._settled_ids()
+            self.refresh(settled)
+        finally:
+            self._halt = None
         with self.lock:
             self.unread.update(m for m in redriven if self.store.get(m) is None)
         self.loaded = True
+
+    def _halted(self) -> None:
+        """Raise LoadStopped if the first load is to stop."""
+        if self._halt is not None and self._halt.is_set():
+            raise LoadStopped(f"the load of {self.topic.name} stopped at {self.loading}")
 
     def _settled_ids(self, note: bool = True) -> tuple[set[str], set[str]]:
         """The ids the ledger has settled since the buffer's retention watermark, and
@@ -267,6 +317,8 @@ class TopicIndex:
         # first load, before the node serves or applies anything: there a bucket at a
         # time, so that a load holds one bucket's rows, not the buffer's.
         groups = [list(paths.items())] if self.loaded else [[item] for item in paths.items()]
+        if not self.loaded:
+            self.loading.listed(len(groups))
         if len(groups) > 1:
             # Sized once for what the load will likely add (every row it reads, but the
             # settled), not grown a bucket at a time: each growth copies the columns.
@@ -276,12 +328,14 @@ class TopicIndex:
                 self.store.reserve(expected)
         added = 0
         for group in groups:
+            self._halted()
             added += self._index(group, settled, forgotten)
             if not self.loaded:
                 # Arrow's allocator keeps what a bucket's reading freed for reuse: a load
                 # would hold the most any bucket took, and a node that never reads that
                 # much again would hold it for its life.
                 pa.default_memory_pool().release_unused()
+                self.loading.read(added)
         self.files = current
         self.version = version
         self.buffer_rows = rows
@@ -439,6 +493,7 @@ class TopicIndex:
             parts: list[tuple[np.ndarray, ...]] = []
             for uri in uris:
                 for rows in _slices(uri):
+                    self._halted()
                     part_mids = rows.column("message_id").to_pylist()
                     segment, positions = self._render(store, rows, part_mids, bucket)
                     if store is self.heads:

@@ -16,14 +16,17 @@ router = APIRouter(tags=["health"])
 
 @router.get("/healthz")
 async def healthz() -> dict[str, str]:
-    """The process serves HTTP."""
+    """The process serves HTTP: the liveness probe. It answers from the node's start on,
+    while its indexes load too (minutes over a large backlog)."""
     return {"status": "ok"}
 
 
 @router.get("/readyz", responses={503: {"content": {"application/problem+json": {}}}})
 async def readyz(broker: AnyBroker) -> Response:
     """Ready: a Raft leader is known, the log is applied, the indexes are loaded and
-    the background threads run."""
+    the background threads run. While the indexes load, a 503 says how far: "indexes
+    loading: <topic> <n>/<m> buckets, <rows> rows"; every call but the probes, metrics
+    and docs answers 503 "node starting" meanwhile."""
     ok, why = broker.ready()
     if not ok:
         return problem(503, "not ready", why)
