@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib.abc
 import ipaddress
 import logging
 import socket
 import sys
-from contextlib import suppress
+from contextlib import ExitStack, suppress
 from functools import partial
 from pathlib import Path
+
+from dejaq.jobs.ports import PORTS
 
 EXIT_USAGE = 2
 
@@ -65,7 +68,32 @@ def _address(value: str, flag: str) -> tuple[str, int]:
     host, _, port = value.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"{flag} expects HOST:PORT, got {value!r}")
+    if int(port) not in PORTS:
+        raise ValueError(f"{flag} {value}: the port must be in 1..65535")
     return host, int(port)
+
+
+def _bind(host: str, port: int) -> list[socket.socket]:
+    """The HTTP API's sockets, bound (as asyncio binds them) before the node starts Raft:
+    an address in use ends the node at once, and says so. uvicorn listens on them once
+    the node serves; until then a client is refused and tries another node."""
+    infos = socket.getaddrinfo(
+        host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )
+    sockets: list[socket.socket] = []
+    try:
+        for family, kind, proto, _, address in dict.fromkeys(infos):
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind(address)
+    except OSError:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
 
 
 def _wildcard(host: str) -> bool:
@@ -202,38 +230,50 @@ def run(args: argparse.Namespace) -> int:
         args.new_cluster,
     )
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
-    try:
-        broker.open()
-    except DataDirError as e:
-        print(f"error: node {args.node_id}: {e}", file=sys.stderr)
-        return 1
-    assert broker.identity is not None
-    if not broker.identity.joined:
-        print(
-            f"broker {args.node_id}: data dir {data_dir} was empty, so this node waits for a "
-            "leader to bring it up to date and neither votes nor stands for election until "
-            "then (a new cluster's first start takes --new-cluster on every node; started "
-            "without it, restart each with it while no node has heard of a Raft term)",
-            file=sys.stderr,
-            flush=True,
-        )
-    print(
-        f"broker {args.node_id}: {conf.tls.scheme}://{advertised} (listening on {args.http}) "
-        f"raft {args.raft}",
-        flush=True,
-    )
-    try:
-        app = create_app(broker, Producer(settings.kafka))
-        server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, **SETTINGS, **tls))
-        # The indexes load while the server answers probes (`Broker.start_behind`). A
-        # load that fails, or a snapshot from the leader that does not load, ends the
-        # node as a damaged file at start does: it stops serving, then says why and
-        # exits, below.
-        broker.on_failure = partial(setattr, server, "should_exit", True)
-        with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down, as on SIGTERM
-            server.run()
-    finally:
-        broker.stop()
+    with ExitStack() as held:
+        try:
+            sockets = [held.enter_context(sock) for sock in _bind(host, port)]
+        except OSError as e:
+            taken = e.errno == errno.EADDRINUSE
+            why = "is already in use" if taken else f"cannot be listened on: {e.strerror or e}"
+            print(f"error: --http {args.http} {why}", file=sys.stderr)
+            return 1
+        try:
+            broker.open()
+        except DataDirError as e:
+            print(f"error: node {args.node_id}: {e}", file=sys.stderr)
+            return 1
+        assert broker.identity is not None
+        if not broker.identity.joined:
+            print(
+                f"broker {args.node_id}: data dir {data_dir} was empty, so this node waits for "
+                "a leader to bring it up to date and neither votes nor stands for election "
+                "until then (a new cluster's first start takes --new-cluster on every node; "
+                "started without it, restart each with it while no node has heard of a Raft "
+                "term)",
+                file=sys.stderr,
+                flush=True,
+            )
+        try:
+            app = create_app(broker, Producer(settings.kafka))
+            config = uvicorn.Config(app, host=host, port=port, **SETTINGS, **tls)
+            server = uvicorn.Server(config)
+            # The indexes load while the server answers probes (`Broker.start_behind`). A
+            # load that fails, or a snapshot from the leader that does not load, ends the
+            # node as a damaged file at start does: it stops serving, then says why and
+            # exits, below.
+            broker.on_failure = partial(setattr, server, "should_exit", True)
+            for sock in sockets:
+                sock.listen(config.backlog)
+            print(
+                f"broker {args.node_id}: {conf.tls.scheme}://{advertised} "
+                f"(listening on {args.http}) raft {args.raft}",
+                flush=True,
+            )
+            with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down, as on SIGTERM
+                server.run(sockets)
+        finally:
+            broker.stop()
     try:
         if broker.failure is not None:
             raise broker.failure

@@ -116,13 +116,17 @@ def _parser() -> argparse.ArgumentParser:
         sp.set_defaults(fn=fn)
         return sp
 
+    from dejaq.jobs.ports import port
+
     def conf_file(sp: argparse.ArgumentParser) -> None:
         sp.add_argument(
             "--conf-file", help="YAML configuration (default: $DEJAQ_CONF_FILE or the packaged one)"
         )
 
     k = add("kafka", _kafka, "Run Apache Kafka (one KRaft node) on 127.0.0.1 in the foreground.")
-    k.add_argument("--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)")
+    k.add_argument(
+        "--port", type=port, default=None, help="port on 127.0.0.1 (default: a free one)"
+    )
     k.add_argument("--data-dir", default=".dejaq/kafka", help="where the broker keeps its data")
     k.add_argument(
         "--secure",
@@ -131,7 +135,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     s3 = add("s3", _s3, "Run an S3-compatible server (S3Proxy) on 127.0.0.1 in the foreground.")
     s3.add_argument(
-        "--port", type=int, default=None, help="port on 127.0.0.1 (default: a free one)"
+        "--port", type=port, default=None, help="port on 127.0.0.1 (default: a free one)"
     )
     s3.add_argument("--data-dir", default=".dejaq/s3", help="where its buckets and key are kept")
 
@@ -189,9 +193,11 @@ def _parser() -> argparse.ArgumentParser:
     from dejaq.jobs.cluster import HTTP_PORT, RAFT_PORT
 
     cl.add_argument(
-        "--http-port", type=int, default=HTTP_PORT, help="node i's HTTP port is this + i - 1"
+        "--http-port", type=port, default=HTTP_PORT, help="node i's HTTP port is this + i - 1"
     )
-    cl.add_argument("--raft-port", type=int, default=RAFT_PORT, help="node i's Raft port, likewise")
+    cl.add_argument(
+        "--raft-port", type=port, default=RAFT_PORT, help="node i's Raft port, likewise"
+    )
     conf_file(cl)
     return p
 

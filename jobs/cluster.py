@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import httpx
 from dejaq.broker.state.data_dir import holds_data
 from dejaq.conf.settings import load_settings
 from dejaq.jobs.children import die_with_parent, stop
-from dejaq.jobs.ports import free_port
+from dejaq.jobs.ports import PORTS, free_port
 from dejaq.jobs.stopping import stop_on_signals
 
 
@@ -87,7 +88,9 @@ def node_command(
     node: Node, nodes: list[Node], conf_file: str | None, new_cluster: bool | None = None
 ) -> list[str]:
     """`dejaq broker` for `node`, with the others in `nodes` as its Raft peers, and
-    --new-cluster if `new_cluster` (default: if the cluster is `fresh`)."""
+    --new-cluster if `new_cluster` (default: if the cluster is `fresh`). Each node
+    advertises its own --http: one `broker.advertise` for all would have every node
+    register the same address, and the others forward to it."""
     peers = ",".join(n.raft for n in nodes if n is not node)
     cmd = [
         sys.executable,
@@ -97,6 +100,8 @@ def node_command(
         "--node-id",
         node.node_id,
         "--http",
+        node.http,
+        "--advertise",
         node.http,
         "--raft",
         node.raft,
@@ -161,6 +166,15 @@ def wait_ready(nodes: list[Node], timeout: float = 60) -> None:
         time.sleep(0.1)
 
 
+def node_env(conf_file: str | None, environ: Mapping[str, str]) -> dict[str, str]:
+    """The nodes' environment: `environ`, with a fresh Raft password for them to share
+    where neither it nor the configuration holds one."""
+    env = dict(environ)
+    if not load_settings(conf_file, env).broker.raft_password:
+        env["DEJAQ_BROKER_RAFT_PASSWORD"] = secrets.token_hex(16)
+    return env
+
+
 def up(
     n: int,
     data_dir: Path,
@@ -170,8 +184,7 @@ def up(
 ) -> list[Node]:
     """Start `n` nodes sharing one Raft password (the configured one, else a fresh one):
     a new cluster (--new-cluster) where no node's data dir holds state yet."""
-    env = dict(os.environ)
-    env.setdefault("DEJAQ_BROKER_RAFT_PASSWORD", secrets.token_hex(16))
+    env = node_env(conf_file, os.environ)
     tls = load_settings(conf_file, env).broker.tls
     nodes = plan(n, data_dir, http_port, raft_port)
     for node in nodes:
@@ -225,6 +238,10 @@ def run(args: argparse.Namespace) -> int:
     if args.nodes not in (1, 3, 5):
         print("error: --nodes must be 1, 3 or 5", file=sys.stderr)
         return 2
+    for flag, base in (("--http-port", args.http_port), ("--raft-port", args.raft_port)):
+        if base + args.nodes - 1 not in PORTS:
+            print(f"error: {flag} {base} puts node {args.nodes} past port 65535", file=sys.stderr)
+            return 2
     with stop_on_signals() as stopping:
         try:
             nodes = up(

@@ -13,6 +13,7 @@ import datetime as dt
 import json
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -338,11 +339,12 @@ def start(port: int, data_dir: Path, secure: bool = False) -> subprocess.Popen:
 
 def client_env(data_dir: Path, port: int) -> dict[str, str]:
     """A secured broker's client settings, also written (owner-only) to data_dir/client.env
-    for a shell to `source`."""
+    for a shell to `source`, each value quoted: the CA's path is the data dir's, which
+    may hold a space."""
     settings = Secure.load_or_create(data_dir.resolve()).client_settings(f"127.0.0.1:{port}")
     path = data_dir / CLIENT_ENV
     path.touch(mode=0o600)
-    path.write_text("".join(f"export {k}={v}\n" for k, v in settings.items()))
+    path.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in settings.items()))
     return settings
 
 

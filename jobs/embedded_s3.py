@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import shlex
 import subprocess
 import sys
 import time
@@ -115,7 +116,9 @@ def prepare(port: int, data_dir: Path) -> tuple[Path, Credentials]:
     env = data_dir / CLIENT_ENV
     env.touch(mode=0o600)
     env.write_text(
-        "".join(f"export {k}={v}\n" for k, v in client_settings(port, credentials).items())
+        "".join(
+            f"export {k}={shlex.quote(v)}\n" for k, v in client_settings(port, credentials).items()
+        )
     )
     return path, credentials
 

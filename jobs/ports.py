@@ -1,4 +1,5 @@
-"""Free TCP ports on 127.0.0.1 for the servers a parent starts: Kafka, broker nodes.
+"""TCP ports: the free ones on 127.0.0.1 for the servers a parent starts (Kafka, broker
+nodes), and the port numbers a command takes.
 
 A port is picked now and bound later by a child process. A port the kernel hands out
 (`bind(0)`) comes from its ephemeral range, the same range it draws the local port of
@@ -10,6 +11,7 @@ by one process.
 
 from __future__ import annotations
 
+import argparse
 import random
 import socket
 from pathlib import Path
@@ -18,6 +20,9 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 20000
 ENOUGH = 1000
 ATTEMPTS = 100
+# The ports a server can be told to listen on: the kernel takes a larger number modulo
+# 65536 (99999 listens on 34463), and 0 asks it for any port, which nobody can then dial.
+PORTS = range(1, 65536)
 
 _handed_out: set[int] = set()
 
@@ -53,3 +58,14 @@ def free_port() -> int:
         port = s.getsockname()[1]
     _handed_out.add(port)
     return port
+
+
+def port(value: str) -> int:
+    """argparse's type for a `--port` option: a port in `PORTS`, else a usage error."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a port: {value!r}") from None
+    if number not in PORTS:
+        raise argparse.ArgumentTypeError(f"{value} is not a port in 1..65535")
+    return number

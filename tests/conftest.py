@@ -40,6 +40,19 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
         time.sleep(0.05)
 
 
+def sourced(env_file: Path) -> dict[str, str]:
+    """The variables `env_file` (a `client.env`) exports, as a shell that sources it has
+    them."""
+    lines = env_file.read_text().splitlines()
+    names = [line.removeprefix("export ").split("=", 1)[0] for line in lines]
+    script = 'source "$1" && shift && for name; do printf "%s\\0" "${!name}"; done'
+    shell = subprocess.run(
+        ["bash", "-c", script, "bash", str(env_file), *names], capture_output=True, text=True
+    )
+    assert shell.returncode == 0 and not shell.stderr, shell.stderr
+    return dict(zip(names, shell.stdout.split("\0")[:-1], strict=True))
+
+
 class Lines:
     """A child's output lines, read by a thread of their own, so that waiting for one
     has a deadline: a child that falls silent fails its test instead of hanging it."""
@@ -325,7 +338,6 @@ def s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     try:
         assert proc.stdout is not None
         Lines(proc.stdout).until(lambda line: "s3 endpoint" in line, 90, "dejaq s3 to serve")
-        lines = (data_dir / "client.env").read_text().splitlines()
-        yield S3Server(dict(line.removeprefix("export ").split("=", 1) for line in lines), data_dir)
+        yield S3Server(sourced(data_dir / "client.env"), data_dir)
     finally:
         stop(proc, timeout=20)

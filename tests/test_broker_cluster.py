@@ -32,7 +32,7 @@ from dejaq.broker.api.routers.topics import TopicStats
 from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.client import Client, NotFound, Worker
 from dejaq.client.models import Left
-from dejaq.conf.settings import KafkaConfig, TopicConfig
+from dejaq.conf.settings import KafkaConfig, TopicConfig, load_settings
 from dejaq.conf.tables import BROKER_APP_ID, ensure_buffer
 from dejaq.jobs import cluster
 from dejaq.jobs.children import stop as stop_child
@@ -1344,9 +1344,14 @@ def ports(n: int) -> list[str]:
 
 
 def cluster_up(
-    tmp_path: Path, conf: Path, options: list[str], nodes: int = 3
+    tmp_path: Path,
+    conf: Path,
+    options: list[str],
+    nodes: int = 3,
+    env: dict[str, str] | None = None,
 ) -> tuple[subprocess.Popen, list[str]]:
-    """`dejaq cluster up`; the process and the lines it printed up to "stops"."""
+    """`dejaq cluster up` (`env` added to this process's); the process and the lines it
+    printed up to "stops"."""
     proc = subprocess.Popen(
         [
             *CLUSTER_UP,
@@ -1361,6 +1366,7 @@ def cluster_up(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **(env or {})},
     )
     assert proc.stdout is not None
     try:
@@ -1403,6 +1409,47 @@ def test_cluster_up_on_fixed_ports_prints_a_client_line_and_stops_on_sighup(tmp_
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             proc.wait(30)
+
+
+def test_cluster_up_registers_each_node_at_its_own_address_whatever_advertise_says(
+    tmp_path,
+) -> None:
+    """`broker.advertise` (here from the environment, as a one-node setup leaves it) names
+    one node: had every node registered it, the others would forward their leader-only
+    calls to that one address."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    advertise = {"DEJAQ_BROKER_ADVERTISE": "127.0.0.1:8001"}
+    proc, lines = cluster_up(tmp_path, conf, ports(3), env=advertise)
+    try:
+        # "n1: http://HOST:PORT  (raft HOST:PORT)": the cluster lists its nodes by Raft address
+        own = {
+            line.rsplit("(raft ", 1)[1].rstrip(")"): line.split()[1].removeprefix("http://")
+            for line in lines[:3]
+        }
+        assert len(set(own.values())) == 3
+        for address in own.values():
+            info = httpx.get(f"http://{address}/v1/cluster", timeout=10).json()
+            assert info["nodes"] == own
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_cluster_up_shares_the_configured_raft_password_else_a_fresh_one(tmp_path) -> None:
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    environ = {k: v for k, v in os.environ.items() if k != "DEJAQ_BROKER_RAFT_PASSWORD"}
+
+    def nodes_password(environ: dict[str, str]) -> str | None:
+        """The Raft password the nodes of `cluster up` load, started in `environ`."""
+        return load_settings(str(conf), cluster.node_env(str(conf), environ)).broker.raft_password
+
+    fresh = nodes_password(environ)
+    assert fresh and fresh != nodes_password(environ)  # one per cluster, not a fixed one
+    assert nodes_password({**environ, "DEJAQ_BROKER_RAFT_PASSWORD": "given"}) == "given"
+    conf.write_text(
+        conf.read_text().replace("lease_ms: 2000", "lease_ms: 2000, raft_password: set")
+    )
+    assert nodes_password(environ) == "set"
 
 
 def test_cluster_up_prints_addresses_and_stops_on_sigterm(tmp_path) -> None:

@@ -8,6 +8,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -534,3 +535,71 @@ def test_certs_for_a_second_host_keep_the_first_hosts(tmp_path: Path) -> None:
     assert forced.returncode == 0 and hosts_of(pki / "node.pem") == {"b3.example.com"}
     assert run("certs", str(pki), "x", "--name", "ca").returncode == 2  # not the CA's files
     assert x509.load_pem_x509_certificate((pki / "ca.pem").read_bytes()) == ca
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["kafka", "--port", "99999"],
+        ["s3", "--port", "99999"],
+        ["kafka", "--port", "0"],
+        ["cluster", "up", "--http-port", "70000"],
+        ["cluster", "up", "--raft-port", "-1"],
+        ["cluster", "up", "--nodes", "3", "--http-port", "65534"],
+        ["broker", "--node-id", "n1", "--http", "127.0.0.1:99999", "--raft", "127.0.0.1:8101"],
+        ["broker", "--node-id", "n1", "--http", "127.0.0.1:8001", "--raft", "127.0.0.1:0"],
+        [
+            "broker",
+            "--node-id",
+            "n1",
+            "--http",
+            "127.0.0.1:8001",
+            "--raft",
+            "127.0.0.1:8101",
+            "--peers",
+            "127.0.0.1:8102,127.0.0.1:70000",
+        ],
+        [
+            "broker",
+            "--node-id",
+            "n1",
+            "--http",
+            "127.0.0.1:8001",
+            "--advertise",
+            "b1.example.com:65536",
+            "--raft",
+            "127.0.0.1:8101",
+        ],
+    ],
+)
+def test_a_port_outside_1_to_65535_is_a_usage_error(args: list[str], tmp_path: Path) -> None:
+    """The kernel wraps a larger port modulo 65536 (99999 listens on 34463) or refuses it
+    with a traceback: every command refuses it before it starts anything."""
+    result = run(*args, "--data-dir", str(tmp_path / "d"), timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+    assert re.search(r"port|65535", result.stderr.strip().splitlines()[-1]), result.stderr
+    assert not list(tmp_path.iterdir()), "nothing started"
+
+
+def test_a_broker_whose_http_port_is_taken_exits_1_naming_it(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        http = f"127.0.0.1:{taken.getsockname()[1]}"
+        result = run(
+            "broker",
+            "--node-id",
+            "n1",
+            "--http",
+            http,
+            "--raft",
+            f"127.0.0.1:{free_port()}",
+            "--data-dir",
+            str(tmp_path / "n1"),
+            env={"DEJAQ_KAFKA_BOOTSTRAP": "127.0.0.1:9", "DEJAQ_WAREHOUSE": str(tmp_path)},
+            timeout=60,
+        )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --http {http} is already in use"]
+    assert "listening" not in result.stdout

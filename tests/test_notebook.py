@@ -11,15 +11,17 @@ import nbformat
 import pytest
 from deltalake import DeltaTable
 from nbclient import NotebookClient
+from test_secure_kafka import secure_kafka, secure_kafka_dir  # noqa: F401 (its fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("store", ["local", "s3"])
+@pytest.mark.parametrize("store", ["local", "s3", "secure-kafka"])
 def test_quickstart_notebook_runs(
     store: str, request: pytest.FixtureRequest, kafka_bootstrap: str, monkeypatch, tmp_path: Path
 ) -> None:
-    """`s3`: its warehouse, and so its Spark SQL reads, on the S3 server."""
+    """`s3`: its warehouse, and so its Spark SQL reads, on the S3 server. `secure-kafka`:
+    a Kafka that takes SASL_SSL only, given as its advice says (`DEJAQ_KAFKA_*`)."""
     # The kernel starts in an empty folder with its own temporary folder, so whatever
     # the notebook leaves behind in either shows.
     cwd, temp = tmp_path / "cwd", tmp_path / "tmp"
@@ -32,6 +34,9 @@ def test_quickstart_notebook_runs(
         for name in ("DEJAQ_STORAGE_ENDPOINT", "DEJAQ_STORAGE_PATH_STYLE"):
             monkeypatch.setenv(name, s3[name])
         monkeypatch.setenv("DEJAQ_WAREHOUSE", f"s3://dejaq/{tmp_path.name}")
+    if store == "secure-kafka":
+        for name, value in request.getfixturevalue("secure_kafka").items():
+            monkeypatch.setenv(name, value)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(ROOT / "notebooks" / "quickstart.ipynb", as_version=4)
     NotebookClient(

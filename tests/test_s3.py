@@ -19,7 +19,7 @@ import botocore.session
 import pyarrow as pa
 import pytest
 from botocore.config import Config
-from conftest import S3Server, wait_until
+from conftest import S3Server, sourced, wait_until
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from test_broker import buffer_rows
@@ -33,6 +33,7 @@ from dejaq.conf.table_watch import IDLE_PROBE_MAX_S, TableWatch
 from dejaq.conf.tables import LEDGER_SCHEMA, Table, app_transactions, ensure_table, table_path
 from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
+from dejaq.jobs.ports import free_port
 from dejaq.pipelines.compaction import maintain
 from dejaq.pipelines.log_compaction import Rewritten, seal
 from dejaq.pipelines.retention import OPERATION, LogGap, commits, retain
@@ -93,6 +94,15 @@ def test_the_storage_section_reaches_every_engine_and_no_secret_does(s3: S3Serve
     assert not any(secret in v for v in [*variables.values(), *conf.values()])
     assert env["DEJAQ_STORAGE_ENDPOINT"] in describe(settings)
     assert spark_conf(load_settings(env={})) == {}, "a local warehouse needs nothing"
+
+
+def test_client_env_sources_whole_from_a_data_dir_whose_path_has_a_space(tmp_path) -> None:
+    """What a shell reads from `client.env` is the settings the server was started with
+    (written before it starts; none needs it running)."""
+    data_dir, port = tmp_path / "my s3", free_port()
+    _, credentials = embedded_s3.prepare(port, data_dir)
+    settings = embedded_s3.client_settings(port, credentials)
+    assert sourced(data_dir / embedded_s3.CLIENT_ENV) == settings
 
 
 def test_the_region_is_the_sections_else_the_aws_variables() -> None:

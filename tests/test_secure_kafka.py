@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import assert_rows, wait_until
+from conftest import assert_rows, sourced, wait_until
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer
 from kafka.admin import NewTopic
 from pydantic import SecretStr
@@ -78,6 +78,16 @@ def dejaq(*args: str, env: dict[str, str], timeout: float = 240) -> subprocess.C
             **env,
         },
     )
+
+
+def test_client_env_sources_whole_from_a_data_dir_whose_path_has_a_space(tmp_path) -> None:
+    """The CA's path is the data dir's: a shell reads each value whole, not cut at a space
+    (the data dir needs no running Kafka for its settings)."""
+    data_dir = tmp_path / "my kafka"
+    data_dir.mkdir()
+    settings = embedded_kafka.client_env(data_dir, free_port())
+    assert " " in settings["DEJAQ_KAFKA_SSL_CAFILE"]
+    assert sourced(data_dir / embedded_kafka.CLIENT_ENV) == settings
 
 
 def test_a_plain_client_is_refused(secure_kafka: dict[str, str]) -> None:
