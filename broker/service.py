@@ -60,7 +60,7 @@ from dejaq.broker.storage.ledger_writer import (
     foreign,
     tag_of,
 )
-from dejaq.broker.storage.row_store import Row
+from dejaq.broker.storage.row_store import Row, Taken
 from dejaq.conf.kafka_clients import close_producer, python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
@@ -229,6 +229,14 @@ def _going_on(duty: Streak) -> Iterator[None]:
         duty.ok()
 
 
+def _head(index: TopicIndex, mid: str) -> Taken | None:
+    """`TopicIndex.head`, a 503 where the node cannot read it (its repair under way)."""
+    try:
+        return index.head(mid)
+    except HeadsUnreadable as e:
+        raise Problem(503, "messages unreadable on this node", str(e)) from None
+
+
 def _refuse_removed_buckets(cfg: TopicConfig, dead: list[Dead]) -> None:
     """A 409 if a dead message died in a bucket the topic no longer has (its buckets
     lowered since, its buffer row gone by retention): no bucket would index it, and its
@@ -281,6 +289,9 @@ class Broker:
         }
         self.metrics = Metrics()
         self._lease_latency = {n: self.metrics.lease_latency.labels(n) for n in self.topics}
+        for n in self.topics:  # at 0 from the start: an alert sees the first repair's rise
+            self.metrics.heads_repaired.labels(n)
+            self.metrics.heads_unreadable.labels(n)
         self.raft: RaftNode | None = None
         self._held: IO[str] | None = None  # the data dir's lock (`lock`)
         self.identity: Identity | None = None  # its data dir's (`open`)
@@ -301,6 +312,9 @@ class Broker:
         self.keys: KeyRing | None = None  # the API keys, where `broker.keys_file` is set
         # Topics whose new messages wait for disk space (`broker.disk_reserve_bytes`).
         self.short_of_disk: dict[str, str] = {}
+        # Topics with heads this node can read neither from its head store nor again from
+        # the buffer (`TopicIndex.repair_heads`), with the alert: their lowest keys wait.
+        self.heads_unreadable: dict[str, str] = {}
         # Topics whose ledger another cluster writes, with the alert: this node leases
         # them no more and leaves their duties (checkpoints, retention, expiry) undone.
         self.contested: dict[str, str] = {}
@@ -471,6 +485,8 @@ class Broker:
         stalled = [a for r in self.refreshes.values() if (a := r.alert(self.refresh_alert_s))]
         if stalled:
             return False, "; ".join(stalled)
+        if self.heads_unreadable:
+            return False, "; ".join(self.heads_unreadable.values())
         alerts = [
             f"checkpoints of {name} {alert}"
             for name in self.checkpoint_health
@@ -521,6 +537,7 @@ class Broker:
                     self.refreshes[name].failed(e)
                 else:
                     self.refreshes[name].ok()
+                self._repair_heads(name, index)
             self._publish_metrics()
 
     def _duty(self, what: str) -> Streak:
@@ -529,6 +546,30 @@ class Broker:
         if streak is None:
             streak = self._duties[what] = Streak(what)
         return streak
+
+    def _repair_heads(self, name: str, index: TopicIndex) -> None:
+        """Read again from the buffer the heads of `name` this node failed to read
+        (`TopicIndex.repair_heads`). A repair that fails is counted, said once a streak,
+        and by readiness while it lasts: the lowest keys of the topic cannot be leased
+        from this node meanwhile, however often the next leases try."""
+        try:
+            repaired = index.repair_heads()
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # the buffer unreadable too, a panic in the core
+            self.metrics.heads_unreadable.labels(name).inc()
+            if name not in self.heads_unreadable:
+                log.error("repairing the heads of %s failed: %s; retrying", name, e, exc_info=e)
+            self.heads_unreadable[name] = (
+                f"heads of {name} unreadable on this node, and reading them again from the "
+                f"buffer failed ({type(e).__name__}: {e}): its lowest keys wait"
+            )
+            return
+        if repaired:
+            self.metrics.heads_repaired.labels(name).inc(repaired)
+            log.warning("%s: %d heads read again from the buffer", name, repaired)
+        if self.heads_unreadable.pop(name, None) is not None:
+            log.warning("the heads of %s read again", name)
 
     def _publish_metrics(self) -> None:
         """Each family of metrics on its own: one that fails (it reads Raft's state while
@@ -944,6 +985,10 @@ class Broker:
         its consumer has left meanwhile (it would join again): messages leased to
         nobody wait out their lease and come back a delivery closer to dead.
 
+        Picks whose heads this node cannot read (its disk failing them) are pending again
+        at once; the poll waits while the index reads those heads again from the buffer
+        (`TopicIndex.repair_heads`), and is refused (503) if `wait_ms` passes first.
+
         `request`: the id the client made for the request, sent again with it when its
         answer is lost. The consumer's last lease, if it answered that request, is the
         answer (`_again`): found before picking, or by the lease command itself when the
@@ -976,9 +1021,12 @@ class Broker:
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
             try:
                 picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
-            except HeadsUnreadable as e:
-                log.error("%s", e)
-                raise Problem(503, "messages unreadable on this node", str(e)) from None
+            except HeadsUnreadable as e:  # logged by the index, which repairs them
+                if time.monotonic() >= deadline:
+                    raise Problem(503, "messages unreadable on this node", str(e)) from None
+                while index.repairing() and time.monotonic() < deadline:
+                    await asyncio.sleep(LONG_POLL_STEP_S)
+                continue
             if picks[0] and gone():
                 index.release(st, picks)
                 return b"[]"
@@ -1017,7 +1065,7 @@ class Broker:
             return b"[]"
         now, index = now_ms(), self.indexes[topic]
         held = [p for p in record.live_positions() if not record.status(p, consumer, now)]
-        heads = [index.head(record.mid(p)) for p in held]
+        heads = [_head(index, record.mid(p)) for p in held]
         timeline = self.topic(topic).kind.sorted_as is TopicKind.TIMELINE
         return message_json.held_array(record, held, heads, timeline)
 
@@ -1241,7 +1289,7 @@ class Broker:
         cfg = self.topic(topic)
         index = self.indexes[topic]
         row = await self._row_or_event(topic, mid)
-        rendered = None if isinstance(row, str) else index.head(mid)
+        rendered = None if isinstance(row, str) else _head(index, mid)
         if isinstance(row, str) or rendered is None:  # checkpointed: the ledger's fact alone
             if not isinstance(row, str):  # just now
                 row = await asyncio.to_thread(index.settled_event, mid) or "pending"

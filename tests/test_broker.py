@@ -2091,6 +2091,148 @@ def test_a_lease_whose_heads_cannot_be_read_answers_503_and_loses_no_pick(
     assert keys == [3, 5, 9], "the refused lease's picks back, in order"
 
 
+def test_heads_the_leader_cannot_read_are_read_again_from_the_buffer(tmp_path: Path) -> None:
+    """The head store is a cache of the buffer's rows: a segment the node's disk fails
+    (its file truncated here, through its descriptor, a stand-in for an I/O error) has
+    the heads it lost read again from the buffer into a fresh segment. A long poll that
+    meets the damage waits for that and leases, in order and with the messages' own
+    payloads; the node stays ready."""
+    labels = {"topic": "jobs"}
+
+    async def scenario(broker: Any) -> tuple[Any, ...]:
+        index = broker.indexes["jobs"]
+        await _until(lambda: broker.ready()[0], "the node ready")
+        segment = index.heads.current
+        os.ftruncate(segment.fd, 0)
+        leased = json.loads(await broker.lease("jobs", "w", 3, 30_000, 10_000))
+        sample = broker.metrics.registry.get_sample_value
+        return (
+            leased,
+            broker.ready(),
+            index.heads.current is not segment,
+            sample("dejaq_heads_repaired_total", labels),
+            sample("dejaq_heads_unreadable_total", labels),
+        )
+
+    leased, ready, retired, repaired, failed = on_one_node(tmp_path, scenario)
+    assert [(m["id"], m["sort_key"]) for m in leased] == [("m1", 3), ("m0", 5), ("m2", 9)]
+    assert [base64.b64decode(m["payload"]) for m in leased] == [
+        b"payload-m1",
+        b"payload-m0",
+        b"payload-m2",
+    ]
+    assert ready == (True, "ready")
+    assert retired, "no more heads written to the damaged segment"
+    assert (repaired, failed) == (3, 0)
+
+
+def test_heads_neither_the_node_nor_the_buffer_can_read_make_the_node_unready(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A repair that cannot read the buffer either (its files moved away here) is
+    counted, makes the node unready, naming the topic, and is logged once however long
+    it lasts, as is the damage; a lease waits for it up to its long poll, then is
+    refused (503). Once the buffer reads again the heads are repaired, the node leases
+    and is ready again."""
+    from dejaq.broker.service import Problem
+
+    labels = {"topic": "jobs"}
+    bucket = tmp_path / "warehouse" / "buffer" / "jobs" / "bucket=0"
+    aside = tmp_path / "aside"
+
+    async def scenario(broker: Any) -> tuple[Any, ...]:
+        index = broker.indexes["jobs"]
+        sample = broker.metrics.registry.get_sample_value
+        await _until(lambda: broker.ready()[0], "the node ready")
+        shutil.move(bucket, aside)
+        os.ftruncate(index.heads.current.fd, 0)
+        with pytest.raises(Problem) as refused:
+            await broker.lease("jobs", "w", 3, 30_000, 500)
+        await _until(lambda: (sample("dejaq_heads_unreadable_total", labels) or 0) >= 3, "fails")
+        unready = broker.ready()
+        with pytest.raises(Problem):
+            await broker.lease("jobs", "w", 3, 30_000, 0)
+        logged = Counter(r.message.split(":")[0] for r in caplog.records if r.levelname == "ERROR")
+        shutil.move(aside, bucket)
+        leased = json.loads(await broker.lease("jobs", "w", 3, 30_000, 10_000))
+        await _until(lambda: broker.ready()[0], "the node ready again")
+        return refused.value, unready, logged, [m["id"] for m in leased], broker.ready()
+
+    refused, unready, logged, leased, ready = on_one_node(tmp_path, scenario)
+    assert refused.status == 503 and "jobs: reading heads to lease" in refused.detail
+    assert not unready[0] and "heads of jobs unreadable on this node" in unready[1], unready
+    assert "(FileNotFoundError: " in unready[1], unready
+    assert logged == {"jobs": 1, "repairing the heads of jobs failed": 1}, "once each"
+    assert leased == ["m1", "m0", "m2"]
+    assert ready == (True, "ready")
+
+
+def test_a_repair_reads_again_only_the_heads_that_cannot_be_read(tmp_path: Path) -> None:
+    """Heads lost past where a segment's file was cut (truncated through its descriptor,
+    a stand-in for a disk error) are read again from the buffer, the others stay where
+    they are; the damaged segment takes no more writes."""
+    _, index, state = loaded_topic(tmp_path, [5, 1, 3, 7])
+    before = {m: index.head(m) for m in ("m0", "m1", "m2", "m3")}
+    segment = index.heads.current
+    assert segment is not None and len(segment.ends) == 4, "a bucket a write"
+    place = {
+        m: int(index.store.position[index.store.get(m) & index_module.HANDLE_MASK]) for m in before
+    }
+    os.ftruncate(segment.fd, segment.ends[1])
+    lost = sorted(m for m, p in place.items() if p >= 2)
+    with pytest.raises(index_module.HeadsUnreadable):
+        index.head(lost[0])  # a peek's
+    assert index.repairing()
+    with pytest.raises(index_module.HeadsUnreadable):
+        index.pick_with_heads(state, state.buckets_of("c"), 4, now=0)
+    assert index.repair_heads() == 2
+    assert not index.repairing()
+    assert index.repair_heads() == 0, "nothing left to repair"
+    assert index.heads.current is not segment
+    kept = {
+        m
+        for m in before
+        if index.store.segment[index.rows[m] & index_module.HANDLE_MASK] == segment.number
+    }
+    assert kept == set(before) - set(lost), "the readable heads stay where they are"
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 4, now=0)
+    assert listed(picked) == [("m1", 1, 1), ("m2", 2, 3), ("m0", 0, 5), ("m3", 3, 7)]
+    assert list(taken) == [before[m] for m, _, _ in listed(picked)]
+    index.close()
+
+
+def test_heads_awaiting_repair_follow_their_rows_renumbered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Messages whose heads wait for a repair that failed (the buffer moved away here,
+    its head segments truncated through their descriptors, a stand-in for a disk that
+    fails both) keep waiting for it while their rows are renumbered (`shrink`), and get
+    their own heads once the buffer reads again."""
+    monkeypatch.setattr(row_store_module, "MIN_HANDLES", 8)
+    monkeypatch.setattr(row_store_module, "SHRINK_MIN", 1)
+    _, index, state = loaded_topic(tmp_path, list(range(40)))
+    next(acked_batches(index, state, 30))
+    index.forget(state.trim(state.seq))
+    before = {m: index.head(m) for m in index.rows}
+    for segment in index.heads.segments:
+        os.ftruncate(segment.fd, 0)
+    buffer, aside = Path(index.buffer_path), tmp_path / "aside"
+    shutil.move(buffer, aside)
+    with pytest.raises(index_module.HeadsUnreadable):
+        index.pick_with_heads(state, state.buckets_of("c"), 100, now=0)
+    with pytest.raises(Exception, match="No such file"):
+        index.repair_heads()
+    handles = len(index.store.batch)
+    index.shrink()
+    assert len(index.store.batch) < handles, "renumbered"
+    shutil.move(aside, buffer)
+    assert index.repair_heads() == 10
+    picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 100, now=0)
+    assert [k for _, _, k in listed(picked)] == list(range(30, 40))
+    assert list(taken) == [before[m] for m, _, _ in listed(picked)]
+    index.close()
+
+
 @pytest.mark.parametrize("keys", [[5, 6, 7, 8, 9, 10, 11, 12], [12, 11, 10, 9, 8, 7, 6, 5]])
 def test_a_refresh_that_fails_partway_leaves_no_head_counted_live(
     tmp_path: Path, keys: list[int]

@@ -141,6 +141,20 @@ class Metrics:
             ["topic"],
             registry=r,
         )
+        self.heads_repaired = Counter(
+            "dejaq_heads_repaired",
+            "Heads of pending messages this node could not read from its head store (its "
+            "disk failing) and read again from the buffer",
+            ["topic"],
+            registry=r,
+        )
+        self.heads_unreadable = Counter(
+            "dejaq_heads_unreadable",
+            "Failed repairs of unreadable heads (one every 0.2 s while failing): the buffer "
+            "could not give them again, and /readyz answers 503 meanwhile",
+            ["topic"],
+            registry=r,
+        )
         self.retention_last = Gauge(
             "dejaq_retention_last_run_timestamp_seconds",
             "When this node last ran retention (the leader runs it)",

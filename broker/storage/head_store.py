@@ -11,7 +11,8 @@ one message means reading its row group. Here the heads of a bucket are written 
 sort order, so the picks of a lease, mostly consecutive, come in a few `pread`s from the
 page cache. The store is a cache: written as the node indexes buffer rows, in unlinked
 temporary files (gone with the process, however it ends), and rebuilt from the buffer at
-start.
+start. A segment the disk fails is retired, and the heads it lost are read again from
+the buffer (`TopicIndex.repair_heads`).
 
 Heads are appended to segments of up to SEGMENT_BYTES; a segment is freed once every
 message written to it is settled and forgotten. A few long-pending messages would keep
@@ -28,6 +29,7 @@ import tempfile
 import threading
 import time
 from array import array
+from collections.abc import Iterable
 from typing import IO
 
 import numpy as np
@@ -185,6 +187,16 @@ class HeadStore:
             for seg, n in counts.items():
                 seg.live -= n
                 if seg.live <= 0 and seg is not self.current:
+                    self._free(seg)
+
+    def retire(self, segments: Iterable[Segment]) -> None:
+        """Segments whose file the disk fails: written to no more (the next write opens
+        a segment), and freed once their live heads are moved or settled."""
+        with self._lock:
+            for seg in segments:
+                if seg is self.current:
+                    self.current = None
+                if seg.live <= 0:
                     self._free(seg)
 
     def sparse(self, now: float | None = None) -> list[Segment]:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import os
 import threading
 import time
 from collections import Counter
@@ -37,7 +38,7 @@ from deltalake.exceptions import TableNotFoundError
 
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
-from dejaq.broker.storage.head_store import SPAN_PER_HEAD, HeadStore, Segment
+from dejaq.broker.storage.head_store import SEP, SPAN_PER_HEAD, HeadStore, Segment
 from dejaq.broker.storage.id_table import Encoded, decode
 from dejaq.broker.storage.ledger_writer import History, app_id
 from dejaq.broker.storage.row_store import (
@@ -100,6 +101,11 @@ NO_LIMIT = (1 << 63) - 1  # the highest key a pick takes where none is too early
 UNFOUND_GRACE_S = 60.0
 
 
+# Bytes of a head segment a repair's check reads per hold of the index lock (`pread`s
+# from the page cache, well under a millisecond).
+CHECK_READ = 1 << 20
+
+
 class LoadStopped(Exception):
     """The node stops while a topic's first load runs: it ends between two slices."""
 
@@ -134,7 +140,8 @@ class Loading:
 
 class HeadsUnreadable(Exception):
     """A lease's picks whose heads could not be read (the node's disk failing them):
-    they are pending again, in the index as before the pick."""
+    they are pending again, in the index as before the pick. Or a repair of such heads
+    that failed (`TopicIndex.repair_heads`)."""
 
 
 @dataclass
@@ -187,6 +194,11 @@ class TopicIndex:
         self.loading = Loading(topic.name, topic.buckets)
         self._halt: threading.Event | None = None  # set: the first load stops (`load`)
         self._buffer: DeltaTable | None = None
+        # A read of heads failed (a lease's, a peek's): why, until `repair_heads` looks
+        # for the heads that cannot be read.
+        self.heads_failed: str | None = None
+        # Tokens whose heads cannot be read, until read again from the buffer.
+        self.damaged = np.zeros(0, np.int64)
 
     # --- following the tables ---------------------------------------------------------
 
@@ -895,8 +907,21 @@ class TopicIndex:
                 # and hands none back when a read fails: the buckets are re-derived from
                 # the rows, or the picks would lease nowhere until the node restarted.
                 self._reorder(state, buckets)
-                raise HeadsUnreadable(f"{self.topic.name}: reading heads to lease: {e}") from e
+                raise self._unreadable("reading heads to lease", e) from e
             return picks, Heads(*read)
+
+    def repairing(self) -> bool:
+        """Whether a read of heads failed and `repair_heads` has not read them again."""
+        return self.heads_failed is not None or len(self.damaged) > 0
+
+    def _unreadable(self, doing: str, error: Exception) -> HeadsUnreadable:
+        """A read of heads failed (under the lock): noted for `repair_heads`, and logged
+        unless a repair is under way already."""
+        failed = HeadsUnreadable(f"{self.topic.name}: {doing}: {error}")
+        if not self.repairing():
+            log.error("%s; reading them again from the buffer", failed)
+        self.heads_failed = str(failed)
+        return failed
 
     def _pick_args(self, state: TopicState, now: int) -> tuple:
         """`Order.pick`'s arguments from `max_key` to `long`, the delayed messages due by
@@ -945,11 +970,165 @@ class TopicIndex:
         """An indexed message's row sort key and head (None once forgotten): a peek's."""
         with self.lock:
             token = self.store.get(mid)
-            return None if token is None else self.store.heads(np.array([token], np.int64))[0]
+            if token is None:
+                return None
+            try:
+                return self.store.heads(np.array([token], np.int64))[0]
+            except Exception as e:
+                raise self._unreadable(f"reading the head of {mid}", e) from e
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
         self.heads.close()
+
+    def repair_heads(self) -> int:
+        """Read again from the buffer the heads that cannot be read, into fresh segments,
+        once a read of heads has failed; returns how many. The heads are a cache of the
+        buffer's rows: a segment the disk fails (an I/O error, a file cut short) would
+        otherwise fail every lease that picks its messages, the lowest keys, for as long
+        as the node runs. Run by the thread that follows the tables, which alone writes
+        heads. Raises `HeadsUnreadable` while some cannot be read again (the buffer
+        failing too), kept for the next call."""
+        with self.lock:
+            failed, self.heads_failed = self.heads_failed, None
+        # While a repair is pending, the failures are its messages': looked for again
+        # once it is done.
+        if failed is not None and not len(self.damaged):
+            found = self._unreadable_heads()
+            with self.lock:
+                self.damaged = np.union1d(self.damaged, found)
+                if not len(self.damaged):
+                    raise HeadsUnreadable(f"{failed}, yet every head held reads whole")
+        if not len(self.damaged):
+            return 0
+        moved, unfound = self._read_again(self.damaged)
+        with self.lock:
+            self.damaged = unfound[current(self.store.batch, unfound)]
+            if len(self.damaged):
+                raise HeadsUnreadable(
+                    f"{self.topic.name}: {len(self.damaged)} messages' heads cannot be read, "
+                    "and neither the buffer nor the dead letters hold their rows"
+                )
+        return moved
+
+    def _unreadable_heads(self) -> np.ndarray:
+        """The tokens whose heads cannot be read (`_unreadable_in`), their segments
+        retired (`HeadStore.retire`)."""
+        store = self.store
+        with self.lock:
+            h = store.stored()
+            tokens = store.tokens_at(h)
+            numbers = store.segment[h]
+            positions = store.position[h].astype(np.int64)
+        found = [np.zeros(0, np.int64)]
+        for number in np.unique(numbers).tolist():
+            at = numbers == number
+            lost = self._unreadable_in(number, positions[at])
+            if lost.any():
+                found.append(tokens[at][lost])
+                with self.lock:
+                    segment = store.segments.get(number)
+                if segment is not None:
+                    self.heads.retire([segment])
+        return np.concatenate(found)
+
+    def _unreadable_in(self, number: int, positions: np.ndarray) -> np.ndarray:
+        """Which heads at `positions` of segment `number` cannot be read: past its ends, in
+        a range its file fails or ends before, or not a head (a head starts with "{" and
+        is followed by SEP; a file cut and written past its end again reads zeros there).
+        Read CHECK_READ at a time under the lock, which keeps the segment open."""
+        with self.lock:
+            segment = self.store.segments.get(number)
+            if segment is None:
+                return np.ones(len(positions), bool)
+            ends = np.frombuffer(segment.ends, np.uint32).astype(np.int64)
+        lost = positions >= len(ends)
+        if lost.all():
+            return lost
+        p = np.where(lost, 0, positions)
+        stops = np.where(lost, 0, ends[p])
+        starts = np.where(lost | (p == 0), 0, ends[np.maximum(p - 1, 0)])
+        read_to = int(stops.max())
+        for at in range(int(starts[~lost].min()), read_to, CHECK_READ):
+            size = min(CHECK_READ, read_to - at)
+            failed = False
+            with self.lock:
+                if segment.file.closed:  # freed: its messages settled meanwhile
+                    return np.zeros(len(positions), bool)
+                try:
+                    data = os.pread(segment.fd, size, at)
+                except OSError:
+                    data, failed = b"", True
+            got = np.frombuffer(data, np.uint8)
+            end = at + len(got)
+            if len(got) < size:  # the range failed, or the file ends early: all past it
+                lost |= (starts < (at + size if failed else read_to)) & (stops > end)
+            first = (starts >= at) & (starts < end)
+            lost[first] |= got[starts[first] - at] != ord("{")
+            last = (stops > at) & (stops <= end)
+            lost[last] |= got[stops[last] - 1 - at] != SEP[0]
+            if len(got) < size and not failed:
+                break
+        return lost
+
+    def _read_again(self, tokens: np.ndarray) -> tuple[int, np.ndarray]:
+        """Render the heads of `tokens` again from their rows (the buffer's, else the
+        dead letters'), found by id and coordinates, into the head store, and move the
+        rows still indexed to them; returns how many moved, and the tokens whose rows
+        neither table holds."""
+        store = self.store
+        with self.lock:
+            tokens = tokens[current(store.batch, tokens)]
+            h = tokens & HANDLE_MASK
+            mids = store.table.mids(h)
+            wanted = dict(
+                zip(
+                    zip(mids, store.partition[h].tolist(), store.offset[h].tolist(), strict=True),
+                    tokens.tolist(),
+                    strict=True,
+                )
+            )
+        if not wanted:
+            return 0, tokens
+        ids = sorted(set(mids))
+        buffered = _read_ids(self.buffer_path, Table.BUFFER, ids, "ingested_at")
+        rows = _coordinated(buffered, wanted.keys())
+        if missing := set(wanted).difference(_coordinates(rows)):
+            dead = _read_ids(
+                self.dead_letter_path,
+                Table.DEAD_LETTER,
+                sorted({mid for mid, _, _ in missing}),
+                "dead_at",
+            )
+            rows = pa.concat_tables(
+                [rows, _coordinated(dead, missing)],
+                promote_options="permissive",
+            )
+        batches: list[tuple[int, Batch]] = []
+        try:
+            for bucket in pc.unique(rows.column("bucket")).to_pylist():
+                t = rows.filter(pc.equal(rows.column("bucket"), bucket))
+                batches.append((bucket, self._batch(t, bucket)))
+        except BaseException:
+            self.heads.release(_heads_of(batch for _, batch in batches))
+            raise
+        unused: Counter[Segment] = Counter()
+        moved = 0
+        with self.lock:
+            for _, batch in batches:
+                was = np.array([wanted.get(c, 0) for c in _coordinates_of(batch)], np.int64)
+                keep = np.flatnonzero((was != 0) & current(store.batch, was))
+                unused.update(_unindexed(batch, keep))
+                for number, segment in batch.written.items():
+                    at = keep[batch.segment[keep] == number]
+                    if len(at):
+                        unused.update(
+                            store.move(was[at] & HANDLE_MASK, segment, batch.position[at])
+                        )
+                moved += len(keep)
+        self.heads.release(+unused)
+        found = {c for _, batch in batches for c in _coordinates_of(batch)}
+        return moved, np.array([t for c, t in wanted.items() if c not in found], np.int64)
 
     def compact_heads(self, now: float | None = None) -> int:
         """Move the heads still live in segments that have stayed mostly settled
@@ -957,6 +1136,8 @@ class TopicIndex:
         how many moved: up to COMPACT_BYTES of heads, the rest in the next calls. Run by
         the thread that follows the tables, which alone adds rows: a moved message keeps
         its handle and entries, only its head's place changes."""
+        if self.repairing():  # the heads to move may be the ones that cannot be read
+            return 0
         sparse = set(self.heads.sparse(now))
         if not sparse:
             return 0
@@ -1019,7 +1200,10 @@ class TopicIndex:
             with self.lock:
                 part = tokens[start : start + COMPACT_READ]
                 part = part[current(self.store.batch, part)]  # not settled meanwhile
-                joined, part_ends = self.store.separated_heads(part)
+                try:
+                    joined, part_ends = self.store.separated_heads(part)
+                except Exception as e:
+                    raise self._unreadable("reading heads to move", e) from e
             kept.append(part)
             parts.append(joined)
             ends.append(part_ends + np.int64(read_to))
@@ -1048,6 +1232,8 @@ class TopicIndex:
 
             def moved(tokens: np.ndarray) -> np.ndarray:
                 return (tokens & ~HANDLE_MASK) | new[tokens & HANDLE_MASK]
+
+            self.damaged = moved(self.damaged[current(before, self.damaged)])
 
             store = self.store
             for b in range(self.topic.buckets):
@@ -1213,6 +1399,26 @@ def _read_ids(path: str, table: Table, ids: list[str], ingested_at: str) -> pa.T
     columns = ["bucket", *(c for c in _COLUMNS if c != "ingested_at"), *_COORDS, ingested_at]
     t = scan(path, table, columns, matching(table, message_id=ids))
     return t.rename_columns([*columns[:-1], "ingested_at"])
+
+
+def _coordinates(t: pa.Table) -> list[tuple[str, int, int]]:
+    """Each row's id and place in its source (partition, offset): a row of the index."""
+    columns = ("message_id", "source_partition", "source_offset")
+    return list(zip(*(t.column(c).to_pylist() for c in columns), strict=True))
+
+
+def _coordinates_of(batch: Batch) -> Iterator[tuple[str, int, int]]:
+    """`_coordinates` of a batch's rows."""
+    return zip(batch.mids, batch.partition.tolist(), batch.offset.tolist(), strict=True)
+
+
+def _coordinated(t: pa.Table, wanted: Set[tuple[str, int, int]]) -> pa.Table:
+    """The rows of `t` at `wanted` (`_coordinates`), one each."""
+    rows: dict[tuple[str, int, int], int] = {}
+    for i, c in enumerate(_coordinates(t)):
+        if c in wanted:
+            rows.setdefault(c, i)
+    return t.take(pa.array(sorted(rows.values()), pa.int64()))
 
 
 def _ms(timestamps: pa.ChunkedArray) -> list[int | None]:

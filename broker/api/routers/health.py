@@ -24,7 +24,8 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz", responses={503: {"content": {"application/problem+json": {}}}})
 async def readyz(broker: AnyBroker) -> Response:
     """Ready: a Raft leader is known, the log is applied, the indexes are loaded and
-    the background threads run. While the indexes load, a 503 says how far: "indexes
+    refresh, the background threads run, and no topic's message heads are unreadable
+    here and from the buffer alike. While the indexes load, a 503 says how far: "indexes
     loading: <topic> <n>/<m> buckets, <rows> rows"; every call but the probes, metrics
     and docs answers 503 "node starting" meanwhile."""
     ok, why = broker.ready()

@@ -108,7 +108,10 @@ async def lease(topic: TopicName, body: LeaseRequest, broker: LeaderBroker, requ
     """Lease up to `max_messages` of the lowest deliverable sort keys of your buckets.
 
     Sent again with the same `request_id` after a lost answer, it is answered with what
-    the first attempt leased, rather than leasing more while those wait out their lease."""
+    the first attempt leased, rather than leasing more while those wait out their lease.
+    Messages whose stored JSON the node's disk fails are read again from the buffer
+    while the poll waits; a 503 "messages unreadable on this node" if `wait_ms` passes
+    first."""
     lease_ms = body.lease_ms or broker.conf.lease_ms
     with client_watch(request.receive) as gone:
         messages = await broker.lease(
