@@ -6,17 +6,20 @@ stack trace twenty minutes into a job.
 
 from __future__ import annotations
 
+import copy
 import difflib
+import ipaddress
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from enum import StrEnum
 from importlib.resources import files
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -27,7 +30,11 @@ from pydantic import (
 )
 
 ENV_PREFIX = "DEJAQ_"
+# Anchored for the HTTP API's path pattern (searched, in JSON Schema's way); Python
+# callers fullmatch it, as `$` alone lets a trailing newline through.
 TOPIC_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+# Kafka's own rule for a topic name: one it refuses would be waited for forever.
+KAFKA_TOPIC = re.compile(r"[A-Za-z0-9._-]{1,249}")
 # A cron occurrence can be materialised again until its progress is stored, which happens
 # seconds after it was first sent: the dedup window covers the horizon plus this margin.
 CRON_DEDUP_SLACK_MS = 3600 * 1000
@@ -39,6 +46,22 @@ MAX_EVENT_TIME_AHEAD_MS = 7 * 24 * 3600 * 1000
 
 class ConfigError(ValueError):
     """A configuration problem, with the offending key in the message."""
+
+
+def _kafka_topic(v: str) -> str:
+    if not KAFKA_TOPIC.fullmatch(v) or v in (".", ".."):
+        raise ValueError(f"not a Kafka topic name: 1-249 of [A-Za-z0-9._-], not . or .., got {v!r}")
+    return v
+
+
+KafkaTopic = Annotated[str, AfterValidator(_kafka_topic)]
+
+
+def _host_port(v: str) -> bool:
+    """Whether `v` is HOST:PORT with a port a socket can have: beyond 65535 a server
+    would listen on the port modulo 65536, and clients would call the one written."""
+    host, _, port = v.strip().rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
 
 
 class TopicKind(StrEnum):
@@ -71,15 +94,35 @@ class JsonFields(_Strict):
     id: str | None = None
     event_time: str | None = None
 
+    @field_validator("*")
+    @classmethod
+    def _path(cls, v: str | None) -> str | None:
+        """A path is read as `$.<path>`: an empty one, or one with its own `$`, finds no
+        field in any payload, and every record would be quarantined."""
+        if v is not None and (not v or v.startswith("$")):
+            raise ValueError(
+                "a JSON field path such as order.ref (read as $.order.ref), without the $, "
+                f"got {v!r}"
+            )
+        return v
+
+
+# The settings only one delivery reads: given to a topic of the other, they would do
+# nothing.
+DELIVERY_SETTINGS = {
+    Delivery.LEASE: ("max_lease_rate", "retry_backoff_ms", "retry_backoff_max_ms"),
+    Delivery.RELEASE: ("release_interval_ms", "max_per_trigger", "max_rate"),
+}
+
 
 class TopicConfig(_Strict):
     name: str
     kind: TopicKind
-    source: list[str] = Field(min_length=1)
+    source: list[KafkaTopic] = Field(min_length=1)
     buckets: int = Field(default=16, ge=1, le=4096)
     max_payload_bytes: int = Field(default=1024 * 1024, ge=1)
     delivery: Delivery = Delivery.LEASE
-    output: str | None = None
+    output: KafkaTopic | None = None
     json_fields: JsonFields | None = None
     dedup_window_ms: int = Field(default=7 * 24 * 3600 * 1000, ge=0)
     # How long a quarantined record is kept (deleted at the ingest's compactions).
@@ -114,8 +157,15 @@ class TopicConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not TOPIC_NAME.match(v):
+        if not TOPIC_NAME.fullmatch(v):
             raise ValueError("must be 1-200 of [A-Za-z0-9._-], starting with a letter or digit")
+        return v
+
+    @field_validator("source")
+    @classmethod
+    def _sources(cls, v: list[str]) -> list[str]:
+        if dupes := sorted({t for t in v if v.count(t) > 1}):
+            raise ValueError(f"Kafka topics must be unique, repeated: {', '.join(dupes)}")
         return v
 
     @model_validator(mode="after")
@@ -126,11 +176,26 @@ class TopicConfig(_Strict):
             raise ValueError("delivery: release needs an output Kafka topic")
         if self.idle_timeout_ms is not None and self.kind is not TopicKind.EVENT_TIME:
             raise ValueError("idle_timeout_ms applies to event_time topics only")
+        if self._given("max_event_time_ahead_ms") and self.kind is not TopicKind.EVENT_TIME:
+            raise ValueError("max_event_time_ahead_ms applies to event_time topics only")
+        other = Delivery.LEASE if self.delivery is Delivery.RELEASE else Delivery.RELEASE
+        if given := self._given(*DELIVERY_SETTINGS[other]):
+            verb = "applies" if len(given) == 1 else "apply"
+            raise ValueError(
+                f"{', '.join(given)} {verb} to delivery: {other} topics only, and this "
+                f"topic's is {self.delivery}"
+            )
         if self.retry_backoff_max_ms < self.retry_backoff_ms:
             raise ValueError("retry_backoff_max_ms must be at least retry_backoff_ms")
         if self.kind is TopicKind.CRON:
             self._cron()
         return self
+
+    def _given(self, *names: str) -> list[str]:
+        """Those of `names` set to other than their defaults (a default written out, as
+        a full dump of the settings does, changes nothing and is not refused)."""
+        fields = type(self).model_fields
+        return [n for n in names if getattr(self, n) != fields[n].default]
 
     def _cron(self) -> None:
         """Occurrences carry their envelope in headers and are deduplicated by id."""
@@ -202,10 +267,8 @@ class KafkaConfig(_Strict):
     @field_validator("bootstrap")
     @classmethod
     def _bootstrap(cls, v: str) -> str:
-        for server in v.split(","):
-            host, _, port = server.strip().rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"expected host:port[,host:port...], got {v!r}")
+        if not all(_host_port(server) for server in v.split(",")):
+            raise ValueError(f"expected host:port[,host:port...] with ports 1..65535, got {v!r}")
         return v
 
 
@@ -215,6 +278,15 @@ class SparkConfig(_Strict):
     # auto: the JVM Kafka and Delta connectors where Spark has them, else the Python ones;
     # jvm: fail without them; python: always the Python Data Sources (kafka-python, delta-rs).
     connectors: Literal["auto", "jvm", "python"] = "auto"
+
+    @field_validator("master")
+    @classmethod
+    def _master(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError(
+                f"name the Spark master, such as local[2] or spark://host:7077, got {v!r}"
+            )
+        return v
 
 
 class TlsConfig(_Strict):
@@ -272,6 +344,27 @@ class BrokerConfig(_Strict):
     # kills the node (SIGBUS). 0: none kept.
     disk_reserve_bytes: int = Field(default=1024**3, ge=0)
 
+    @field_validator("advertise")
+    @classmethod
+    def _advertise(cls, v: str | None) -> str | None:
+        """The address the other nodes forward to: a wildcard would send each forward
+        back to the forwarding node itself."""
+        if v is None:
+            return v
+        if not _host_port(v):
+            raise ValueError(f"expected HOST:PORT with a port 1..65535, got {v!r}")
+        host = v.rpartition(":")[0].strip("[]")
+        try:
+            wildcard = ipaddress.ip_address(host).is_unspecified
+        except ValueError:
+            wildcard = False
+        if wildcard:
+            raise ValueError(
+                f"{v.rpartition(':')[0]} listens on every interface, which names no host: "
+                "give this host's name or address, as its certificate names it"
+            )
+        return v
+
 
 class StorageConfig(_Strict):
     """How every engine reaches an `s3://` warehouse (see `conf.storage`).
@@ -289,7 +382,7 @@ class StorageConfig(_Strict):
     @field_validator("endpoint")
     @classmethod
     def _endpoint(cls, v: str | None) -> str | None:
-        if v is not None and not re.match(r"^https?://[^/\s]+/?$", v):
+        if v is not None and not re.fullmatch(r"https?://[^/\s]+/?", v):
             raise ValueError(f"expected http(s)://host[:port], got {v!r}")
         return v.rstrip("/") if v else v
 
@@ -387,19 +480,68 @@ def _set(data: dict[str, Any], key: tuple[str, ...], value: str) -> None:
     data[key[-1]] = value
 
 
-def _describe(err: ValidationError, path: Path, from_env: Mapping[tuple[str, ...], str]) -> str:
-    """A line per error, naming the key and where its value came from."""
+def _in_file(data: Any, key: tuple[str, ...]) -> bool:
+    """Whether the file's own data holds `key` (a list index as its digits)."""
+    for part in key:
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        elif isinstance(data, list) and part.isdigit() and int(part) < len(data):
+            data = data[int(part)]
+        else:
+            return False
+    return True
+
+
+def _describe(
+    err: ValidationError, path: Path, file_data: Any, from_env: Mapping[tuple[str, ...], str]
+) -> str:
+    """A line per error, naming the key and where its value came from: the key's own
+    variable, or for a section's error (one setting against another) every variable set
+    under it, beside the file where the file sets the section too."""
     lines = []
     sources = set()
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = tuple(str(p) for p in e["loc"])
+        loc = ".".join(key) or "(top level)"
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        var = from_env.get(tuple(str(p) for p in e["loc"]))
-        sources.add("the environment" if var else str(path))
-        lines.append(f"  {loc}: {msg}" + (f" (from the environment: {var})" if var else ""))
+        own = [var for k, var in from_env.items() if key[: len(k)] == k]
+        under = [var for k, var in from_env.items() if key and k[: len(key)] == key]
+        names = own or under
+        if names:
+            sources.add("the environment")
+        if not own and (not names or _in_file(file_data, key)):
+            sources.add(str(path))
+        said = f" (from the environment: {', '.join(names)})" if names else ""
+        lines.append(f"  {loc}: {msg}{said}")
     return "\n".join([f"invalid configuration in {' and '.join(sorted(sources))}:", *lines])
+
+
+class _RepeatedKey(Exception):
+    """A mapping names a key twice: YAML would keep the last value without a word."""
+
+    def __init__(self, key: Hashable, line: int, first: int) -> None:
+        super().__init__(f"the key {key!r} at line {line} (first at line {first})")
+
+
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key repeated in a mapping (a second `broker:`
+    section would drop the first one's keys_file, and API keys with it)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Hashable, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<`: merged keys are defaults the mapping's own override
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, Hashable):
+                continue  # the mapping's own construction refuses it, with its mark
+            line = key_node.start_mark.line + 1
+            if key in seen:
+                raise _RepeatedKey(key, line, seen[key])
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 # What PyYAML quotes in its messages: a parser token (kept) or the file's text (left out).
@@ -426,9 +568,11 @@ def load_settings(
     env = os.environ if env is None else env
     path = Path(conf_file or env.get("DEJAQ_CONF_FILE") or default_conf_file())
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.load(path.read_text(), Loader=_Loader) or {}
     except FileNotFoundError:
         raise ConfigError(f"configuration file not found: {path}") from None
+    except _RepeatedKey as e:
+        raise ConfigError(f"configuration file {path} repeats {e}") from None
     except yaml.YAMLError as e:
         problem = _yaml_problem(e)
         raise ConfigError(f"configuration file {path} is not valid YAML{problem}") from None
@@ -438,9 +582,10 @@ def load_settings(
     if unknown := _unknown_variables(env, set(variables.values())):
         raise ConfigError("\n".join(["invalid configuration in the environment:", *unknown]))
     from_env = {key: var for key, var in variables.items() if var in env}
+    file_data = copy.deepcopy(data)
     for key, var in from_env.items():
         _set(data, key, env[var])
     try:
         return Settings.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_describe(e, path, from_env)) from None
+        raise ConfigError(_describe(e, path, file_data, from_env)) from None

@@ -174,7 +174,7 @@ def iso_ms(ms: int) -> str:
 
 def table_path(warehouse: str, table: Table, topic: str) -> str:
     """`<warehouse>/<table>/<topic>`; the warehouse may be a local folder or a URI."""
-    if not TOPIC_NAME.match(topic):
+    if not TOPIC_NAME.fullmatch(topic):
         raise ValueError(f"invalid topic name {topic!r}: use [A-Za-z0-9._-]")
     if "://" not in warehouse:
         warehouse = str(Path(warehouse).expanduser().resolve())

@@ -41,7 +41,7 @@ def test_paths_local_and_uri(tmp_path) -> None:
     assert table_path("relative", "quarantine", "x").startswith("/")
 
 
-@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "-x", "a b"])
+@pytest.mark.parametrize("bad", ["", "../etc", "a/b", "-x", "a b", "orders\n"])
 def test_topic_names_that_would_escape_the_warehouse_are_refused(bad: str) -> None:
     with pytest.raises(ValueError, match="invalid topic name"):
         table_path("/w", Table.BUFFER, bad)
