@@ -121,12 +121,13 @@ def run(
     from py4j.protocol import Py4JError
     from pyspark.errors import PySparkException, StreamingQueryException
 
-    from dejaq.conf.storage import export, spark_conf
+    from dejaq.conf.storage import export
     from dejaq.conf.tables import ensure_buffer
     from dejaq.jobs.logs import one_line, query_failure, setup
+    from dejaq.jobs.spark_start import start_spark
     from dejaq.pipelines.ingest import DEFAULT_MAX_OFFSETS_PER_TRIGGER, IngestJob
     from dejaq.pipelines.ingest_resume import CannotResume
-    from dejaq.pipelines.session import detect_connectors, get_spark
+    from dejaq.pipelines.session import detect_connectors
 
     setup()
     settings = load_settings(conf_file)
@@ -135,13 +136,7 @@ def run(
     mode = settings.spark.connectors
     export(settings)
     ensure_buffer(settings.warehouse, topic_conf)  # a changed kind, refused before Spark too
-    spark = get_spark(
-        f"dejaq-ingest-{topic}",
-        settings.spark.master,
-        settings.spark.ui,
-        mode,
-        conf=spark_conf(settings),
-    )
+    spark = start_spark(f"dejaq-ingest-{topic}", settings)
     connectors = detect_connectors(spark, mode)
     log.info(
         "ingest %s from %s; %s",

@@ -47,12 +47,12 @@ def summary(topic: str, releaser: Releaser) -> str:
 def run(topic: str, conf_file: str | None, once: bool, take_over: bool = False) -> int:
     from pyspark.errors import StreamingQueryException
 
-    from dejaq.conf.storage import export, spark_conf
+    from dejaq.conf.storage import export
     from dejaq.conf.tables import ensure_buffer
     from dejaq.jobs.logs import query_failure, setup
+    from dejaq.jobs.spark_start import start_spark
     from dejaq.jobs.stopping import stop_between_batches, stop_on_signals
     from dejaq.pipelines.release import ReleaseJob, require_owner, require_release
-    from dejaq.pipelines.session import get_spark
 
     setup()
     settings = load_settings(conf_file)
@@ -62,13 +62,7 @@ def run(topic: str, conf_file: str | None, once: bool, take_over: bool = False) 
     export(settings)
     require_owner(settings, topic_conf, take_over)
     ensure_buffer(settings.warehouse, topic_conf)  # a changed kind, refused before Spark too
-    spark = get_spark(
-        f"dejaq-release-{topic}",
-        settings.spark.master,
-        settings.spark.ui,
-        settings.spark.connectors,
-        conf=spark_conf(settings),
-    )
+    spark = start_spark(f"dejaq-release-{topic}", settings)
     job = ReleaseJob(spark, settings, topic_conf, take_over)
     log.info(
         "release %s (%s) to Kafka topic %s every %d ms",

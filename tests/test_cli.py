@@ -300,6 +300,25 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "kafka.bootstrap" in result.stderr
 
 
+@pytest.mark.parametrize("job", ["ingest", "release"])
+def test_a_spark_master_spark_cannot_start_ends_the_job_with_one_line(
+    tmp_path: Path, job: str
+) -> None:
+    """The reason Spark's launcher gives comes first (its own lines); then one line
+    naming the setting, not a Python traceback."""
+    conf = tmp_path / "dejaq.yaml"
+    conf.write_text(
+        f"warehouse: {tmp_path / 'warehouse'}\n"
+        "spark: {master: 'locl[2]'}\n"
+        "topics:\n  - {name: jobs, kind: priority, source: [in], delivery: release, output: out}\n"
+    )
+    result = run(job, "--topic", "jobs", "--conf-file", str(conf), "--once", timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: Spark did not start (spark.master 'locl[2]'): "), last
+
+
 def status_conf(tmp_path: Path, bootstrap: str, *sources: str) -> Path:
     conf = tmp_path / "dejaq.yaml"
     conf.write_text(
