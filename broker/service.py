@@ -74,6 +74,8 @@ FOLLOW_PERIOD_S = 0.2  # new buffer rows are indexed within this of their Delta 
 # the object store (a throttled or retried read fails a few rounds, seconds), short
 # against the minutes an operator would otherwise learn of it from a stalled topic.
 REFRESH_ALERT_S = 30.0
+# A failed repair of unreadable heads is tried again after this, doubled per failure.
+REPAIR_BACKOFF_MIN_S, REPAIR_BACKOFF_MAX_S = 1.0, 60.0
 DUTY_PERIOD_S = 0.05
 # How long a stop waits for a load to end: it checks between slices of rows, but a read
 # of the warehouse it waits on ends when the object store answers.
@@ -315,6 +317,8 @@ class Broker:
         # Topics with heads this node can read neither from its head store nor again from
         # the buffer (`TopicIndex.repair_heads`), with the alert: their lowest keys wait.
         self.heads_unreadable: dict[str, str] = {}
+        self._repair_at: dict[str, float] = {}  # monotonic: no repair of a topic before it
+        self._repair_delay: dict[str, float] = {}  # the last backoff, doubled per failure
         # Topics whose ledger another cluster writes, with the alert: this node leases
         # them no more and leaves their duties (checkpoints, retention, expiry) undone.
         self.contested: dict[str, str] = {}
@@ -549,27 +553,35 @@ class Broker:
 
     def _repair_heads(self, name: str, index: TopicIndex) -> None:
         """Read again from the buffer the heads of `name` this node failed to read
-        (`TopicIndex.repair_heads`). A repair that fails is counted, said once a streak,
-        and by readiness while it lasts: the lowest keys of the topic cannot be leased
-        from this node meanwhile, however often the next leases try."""
+        (`TopicIndex.repair_heads`). A repair that fails is counted, logged once a
+        streak, said by readiness while it lasts (the lowest keys of the topic cannot be
+        leased from this node meanwhile), and tried again after a backoff: each try may
+        read the whole buffer, which the follow thread would otherwise do five times a
+        second."""
+        if time.monotonic() < self._repair_at.get(name, 0.0):
+            return
+        streak = self._duty(f"repairing the heads of {name}")
         try:
             repaired = index.repair_heads()
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # the buffer unreadable too, a panic in the core
             self.metrics.heads_unreadable.labels(name).inc()
-            if name not in self.heads_unreadable:
-                log.error("repairing the heads of %s failed: %s; retrying", name, e, exc_info=e)
+            streak.failed(e)
+            delay = min(REPAIR_BACKOFF_MAX_S, 2 * self._repair_delay.get(name, 0.0))
+            self._repair_delay[name] = max(REPAIR_BACKOFF_MIN_S, delay)
+            self._repair_at[name] = time.monotonic() + self._repair_delay[name]
             self.heads_unreadable[name] = (
                 f"heads of {name} unreadable on this node, and reading them again from the "
                 f"buffer failed ({type(e).__name__}: {e}): its lowest keys wait"
             )
             return
+        streak.ok()
+        self._repair_delay.pop(name, None)
+        self.heads_unreadable.pop(name, None)
         if repaired:
             self.metrics.heads_repaired.labels(name).inc(repaired)
             log.warning("%s: %d heads read again from the buffer", name, repaired)
-        if self.heads_unreadable.pop(name, None) is not None:
-            log.warning("the heads of %s read again", name)
 
     def _publish_metrics(self) -> None:
         """Each family of metrics on its own: one that fails (it reads Raft's state while

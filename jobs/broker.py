@@ -73,10 +73,14 @@ def _address(value: str, flag: str) -> tuple[str, int]:
     return host, int(port)
 
 
-def _bind(host: str, port: int) -> list[socket.socket]:
-    """The HTTP API's sockets, bound (as asyncio binds them) before the node starts Raft:
-    an address in use ends the node at once, and says so. uvicorn listens on them once
-    the node serves; until then a client is refused and tries another node."""
+BACKLOG = 2048  # connections queued on the HTTP sockets: uvicorn's default
+
+
+def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
+    """The HTTP API's sockets, bound (as asyncio binds them) and listening before the node
+    opens its data dir: an address in use ends the node at once, and says so. Listening
+    at once, as two sockets with SO_REUSEADDR that do not listen yet can share an
+    address; connections queue until the server accepts them."""
     infos = socket.getaddrinfo(
         host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )
@@ -89,6 +93,7 @@ def _bind(host: str, port: int) -> list[socket.socket]:
             if family == socket.AF_INET6:
                 sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             sock.bind(address)
+            sock.listen(backlog)
     except OSError:
         for sock in sockets:
             sock.close()
@@ -232,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
     with ExitStack() as held:
         try:
-            sockets = [held.enter_context(sock) for sock in _bind(host, port)]
+            sockets = [held.enter_context(s) for s in _bind(host, port, BACKLOG)]
         except OSError as e:
             taken = e.errno == errno.EADDRINUSE
             why = "is already in use" if taken else f"cannot be listened on: {e.strerror or e}"
@@ -263,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
             # node as a damaged file at start does: it stops serving, then says why and
             # exits, below.
             broker.on_failure = partial(setattr, server, "should_exit", True)
-            for sock in sockets:
-                sock.listen(config.backlog)
             print(
                 f"broker {args.node_id}: {conf.tls.scheme}://{advertised} "
                 f"(listening on {args.http}) raft {args.raft}",

@@ -2162,7 +2162,7 @@ def test_heads_neither_the_node_nor_the_buffer_can_read_make_the_node_unready(
     assert refused.status == 503 and "jobs: reading heads to lease" in refused.detail
     assert not unready[0] and "heads of jobs unreadable on this node" in unready[1], unready
     assert "(FileNotFoundError: " in unready[1], unready
-    assert logged == {"jobs": 1, "repairing the heads of jobs failed": 1}, "once each"
+    assert logged == {"jobs": 1, "repairing the heads of jobs failed; retrying": 1}, "once each"
     assert leased == ["m1", "m0", "m2"]
     assert ready == (True, "ready")
 

@@ -217,6 +217,30 @@ def test_a_node_that_refuses_connections_is_passed_over() -> None:
     assert len(up.requests) == 1
 
 
+def test_a_starting_node_s_503_sends_any_call_to_the_next_node() -> None:
+    """A node loading its indexes answers 503 marked as applying nothing
+    (`dejaq-not-applied`): a produce without an id, which a plain 503 would fail (it
+    may have been forwarded and applied), goes on to the next node."""
+
+    def starting(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        return 503, {"title": "node starting"}, {"retry-after": "1", "dejaq-not-applied": "1"}
+
+    def plain_503(path: str, body: dict) -> tuple[int, dict, dict[str, str]]:
+        return 503, {"title": "no Raft leader"}, {"retry-after": "1"}
+
+    with stands(starting, produced) as (loading, up), Client([loading.url, up.url]) as c:
+        assert c.produce("jobs", b"x") == "m1"
+        assert c.node == up.url
+    assert (len(loading.requests), len(up.requests)) == (1, 1)
+    with (
+        stands(plain_503, produced) as (failing, up),
+        Client([failing.url, up.url]) as c,
+        pytest.raises(ProblemError),
+    ):
+        c.produce("jobs", b"x")
+    assert (len(failing.requests), len(up.requests)) == (1, 0)
+
+
 def test_an_answer_lost_after_the_request_was_read() -> None:
     """The node read the request and closed without answering: it may have been applied.
     A produce without an id is not sent again (it raises); one a retry cannot repeat

@@ -4,8 +4,8 @@ and its Raft node runs only after them (`Broker.start_behind`).
 Liveness, readiness, metrics and the API docs answer meanwhile: an orchestrator's
 liveness probe must not kill a node for the time its start takes, and readiness says how
 far the load is. Every other request would read a half-loaded index or a Raft node not
-started: it gets a 503 saying so, which a client takes as it takes an election (it tries
-again, on this node or another).
+started: it gets a 503 saying so, marked as applying nothing, which the client takes as a
+node it could not reach: it sends the request to another node, whatever the request.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ANSWERED = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"})
 DOCS_ASSETS = "/docs-assets/"
 NODE_STARTING = "node starting"
+NOT_APPLIED = "dejaq-not-applied"  # as the client reads it (`dejaq.client.api`)
 
 
 class Starting:
@@ -44,4 +45,6 @@ class Starting:
         if path in ANSWERED or path.startswith(DOCS_ASSETS):
             return await self.app(scope, receive, send)
         detail = f"{self.broker.starting()}: retry shortly, or ask another node"
-        await problem(503, NODE_STARTING, detail)(scope, receive, send)
+        answer = problem(503, NODE_STARTING, detail)
+        answer.headers[NOT_APPLIED] = "starting"  # nothing done: any request may go elsewhere
+        await answer(scope, receive, send)

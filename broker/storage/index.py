@@ -967,7 +967,8 @@ class TopicIndex:
             return None if token is None else self.store.row(token)
 
     def head(self, mid: str) -> Taken | None:
-        """An indexed message's row sort key and head (None once forgotten): a peek's."""
+        """An indexed message's row sort key and head (None once forgotten): a peek's.
+        Raises `HeadsUnreadable` where the node cannot read it, noted for a repair."""
         with self.lock:
             token = self.store.get(mid)
             if token is None:

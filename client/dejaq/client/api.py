@@ -60,6 +60,10 @@ log = logging.getLogger("dejaq.client")
 
 TOKEN_VARIABLE = "DEJAQ_TOKEN"
 RETRYABLE = frozenset({502, 503, 504})
+# A header of a node's 503 that applied nothing, not even by forwarding (a node starting):
+# the request goes to another node as one that never left would, a produce without ids
+# too, and no later answer is taken for a repeat of it.
+NOT_APPLIED = "dejaq-not-applied"
 DENIED = frozenset({401, 403})  # by this node's copy of the key file: others may differ
 CONNECT_TIMEOUT_S = 3.0  # at most, per attempt
 ROUND_PAUSE_S = (0.05, 1.0)  # after every node failed once: first pause, longest pause
@@ -220,6 +224,8 @@ class Client:
                     if answer.is_success:
                         return Answer(answer, sent_at, maybe_applied)
                     raise problem_of(answer, maybe_applied)
+                elif NOT_APPLIED in answer.headers:
+                    why, pause = f"{node}: {answer.status_code} {answer.text[:200]}", 0.0
                 elif not replay_safe:
                     raise problem_of(answer, maybe_applied)
                 else:
