@@ -1223,6 +1223,7 @@ def loading_seen(client: httpx.Client, node: Node) -> tuple[int, int] | None:
     other = client.get(f"{node.url}/v1/topics/jobs")
     assert other.status_code == 503 and other.headers["content-type"] == PROBLEM, other.text
     assert other.json()["title"] == "node starting", other.text
+    assert other.headers["dejaq-not-applied"] == "starting", "the client may send it elsewhere"
     assert "indexes loading: jobs" in other.json()["detail"], other.text
     return int(loading[1]), int(loading[2])
 
