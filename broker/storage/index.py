@@ -616,6 +616,19 @@ class TopicIndex:
             written,
         )
 
+    def _batches(self, t: pa.Table) -> list[tuple[int, Batch]]:
+        """Rows of any buckets (read by id: a revive's, a repair's) as a batch per bucket,
+        their heads written; those written are released if one bucket fails."""
+        batches: list[tuple[int, Batch]] = []
+        try:
+            for bucket in pc.unique(t.column("bucket")).to_pylist():
+                rows = t.filter(pc.equal(t.column("bucket"), bucket))
+                batches.append((bucket, self._batch(rows, bucket)))
+        except BaseException:
+            self.heads.release(_heads_of(batch for _, batch in batches))
+            raise
+        return batches
+
     def revive(self, state: TopicState) -> int:
         """Index the `unread` messages again from the buffer; returns how many.
 
@@ -640,14 +653,7 @@ class TopicIndex:
             t = pa.concat_tables([t, dead], promote_options="permissive")
             with self.lock:
                 self.from_dead_letters.update(dead.column("message_id").to_pylist())
-        batches: list[tuple[int, Batch]] = []
-        try:
-            for bucket in pc.unique(t.column("bucket")).to_pylist():
-                rows = t.filter(pc.equal(t.column("bucket"), bucket))
-                batches.append((bucket, self._batch(rows, bucket)))
-        except BaseException:
-            self.heads.release(_heads_of(batch for _, batch in batches))
-            raise
+        batches = self._batches(t)
         found = {mid for _, batch in batches for mid in batch.mids}
         found_here: set[str] = set()  # a row read twice is indexed once
         unused: Counter[Segment] = Counter()
@@ -1105,14 +1111,7 @@ class TopicIndex:
                 [rows, _coordinated(dead, missing)],
                 promote_options="permissive",
             )
-        batches: list[tuple[int, Batch]] = []
-        try:
-            for bucket in pc.unique(rows.column("bucket")).to_pylist():
-                t = rows.filter(pc.equal(rows.column("bucket"), bucket))
-                batches.append((bucket, self._batch(t, bucket)))
-        except BaseException:
-            self.heads.release(_heads_of(batch for _, batch in batches))
-            raise
+        batches = self._batches(rows)
         unused: Counter[Segment] = Counter()
         moved = 0
         with self.lock:
