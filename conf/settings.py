@@ -57,11 +57,16 @@ def _kafka_topic(v: str) -> str:
 KafkaTopic = Annotated[str, AfterValidator(_kafka_topic)]
 
 
+# The ports a server can be told to listen on: the kernel takes a larger number modulo
+# 65536 (99999 listens on 34463), and 0 asks it for any port, which nobody can then dial.
+PORTS = range(1, 65536)
+
+
 def _host_port(v: str) -> bool:
-    """Whether `v` is HOST:PORT with a port a socket can have: beyond 65535 a server
-    would listen on the port modulo 65536, and clients would call the one written."""
+    """Whether `v` is HOST:PORT with a port a socket can have (`PORTS`): clients would
+    call the port written, not the one a server listens on."""
     host, _, port = v.strip().rpartition(":")
-    return bool(host) and port.isdigit() and 1 <= int(port) <= 65535
+    return bool(host) and port.isdigit() and int(port) in PORTS
 
 
 class TopicKind(StrEnum):

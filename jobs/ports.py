@@ -16,13 +16,12 @@ import random
 import socket
 from pathlib import Path
 
+from dejaq.conf.settings import PORTS
+
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 LOWEST = 20000
 ENOUGH = 1000
 ATTEMPTS = 100
-# The ports a server can be told to listen on: the kernel takes a larger number modulo
-# 65536 (99999 listens on 34463), and 0 asks it for any port, which nobody can then dial.
-PORTS = range(1, 65536)
 
 _handed_out: set[int] = set()
 
