@@ -21,9 +21,10 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from dejaq.broker.service import Broker, Outgoing, Producer, Streak, now_ms
+from dejaq.broker.service import Broker, Outgoing, Producer, now_ms
 from dejaq.broker.state import cron
 from dejaq.broker.state.schedules import Schedule, ScheduleStore
+from dejaq.broker.streak import Streak
 from dejaq.conf.settings import TopicConfig, TopicKind
 
 log = logging.getLogger("dejaq.broker.state.cron")

@@ -61,6 +61,7 @@ from dejaq.broker.storage.ledger_writer import (
     tag_of,
 )
 from dejaq.broker.storage.row_store import Row, Taken
+from dejaq.broker.streak import Streak
 from dejaq.conf.kafka_clients import close_producer, python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
@@ -158,42 +159,6 @@ class Settled:
                 refused={str(m): str(r) for m, r in self.refused.items()},
             )
         return self.ok
-
-
-@dataclass
-class Streak:
-    """A background duty's failures in a row. Each kind of error (its type: messages
-    carry paths and numbers that change every round) is logged once per streak, not at
-    each round: an index refresh fails five times a second, a traceback each would fill
-    the disk. The end is logged at WARNING as the failure is, so a node logging warnings
-    only (`jobs.broker`) shows both."""
-
-    what: str  # the duty, as a log line names it: "indexing jobs"
-    failures: int = 0  # in all, since the node started: a counter
-    failing_since: float | None = None  # monotonic: the streak's first failure
-    last_error: str = ""
-    kinds: set[str] = field(default_factory=set)  # error types logged this streak
-
-    def failed(self, error: BaseException) -> None:
-        self.failures += 1
-        self.last_error = f"{type(error).__name__}: {error}"
-        if type(error).__name__ not in self.kinds:
-            self.kinds.add(type(error).__name__)
-            log.error("%s failed; retrying", self.what, exc_info=error)
-        if self.failing_since is None:
-            self.failing_since = time.monotonic()
-
-    def ok(self) -> None:
-        if self.failing_since is not None:
-            log.warning("%s works again after %.0f s", self.what, self.failing_for())
-        self.failing_since, self.last_error = None, ""
-        self.kinds.clear()
-
-    def failing_for(self) -> float:
-        """Seconds the streak has lasted; 0 if the last round worked. Read once: the
-        duty's thread ends a streak while other threads ask."""
-        since = self.failing_since
-        return 0.0 if since is None else time.monotonic() - since
 
 
 @dataclass

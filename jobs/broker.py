@@ -7,13 +7,19 @@ import errno
 import importlib.abc
 import ipaddress
 import logging
+import signal
 import socket
 import sys
-from contextlib import ExitStack, suppress
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dejaq.jobs.ports import PORTS
+
+if TYPE_CHECKING:  # uvicorn is imported when the node runs, not with the CLI
+    from dejaq.broker.api.http_server import Server
 
 EXIT_USAGE = 2
 
@@ -74,6 +80,34 @@ def _address(value: str, flag: str) -> tuple[str, int]:
 
 
 BACKLOG = 2048  # connections queued on the HTTP sockets: uvicorn's default
+
+
+# How long a stopping node lets the requests in flight finish (a long poll waits up to
+# 30 s) before it ends them: a stop takes this, then `Broker.stop`'s own bounds at most.
+STOP_REQUESTS_S = 10.0
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@contextmanager
+def _stopping_on_signals(server: Server) -> Iterator[list[signal.Signals]]:
+    """SIGTERM (systemd, Kubernetes, `kill`) or SIGINT while inside stops the server
+    taking requests and returns from its `run`, so that the node stops (`Broker.stop`)
+    and exits 0; the signals taken are listed. A second signal ends the process at
+    once: their default actions are back from the first."""
+    taken: list[signal.Signals] = []
+
+    def stop(sig: int, _: object) -> None:
+        taken.append(signal.Signals(sig))
+        server.should_exit = True
+        for s in STOP_SIGNALS:
+            signal.signal(s, signal.SIG_DFL)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        yield taken
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -153,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dejaq.broker.api.app import create_app
-    from dejaq.broker.api.http_server import SETTINGS
+    from dejaq.broker.api.http_server import SETTINGS, Server
     from dejaq.broker.service import Broker, Producer
     from dejaq.broker.state.data_dir import DataDirError
     from dejaq.broker.storage.head_store import ReserveReached
@@ -235,6 +269,20 @@ def run(args: argparse.Namespace) -> int:
         args.new_cluster,
     )
     tls = {"ssl_certfile": conf.tls.cert, "ssl_keyfile": conf.tls.key} if conf.tls.on else {}
+    app = create_app(broker, Producer(settings.kafka))
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        timeout_graceful_shutdown=STOP_REQUESTS_S,
+        **SETTINGS,
+        **tls,
+    )
+    server = Server(config)
+    # The indexes load while the server answers probes (`Broker.start_behind`). A load
+    # that fails, or a snapshot from the leader that does not load, ends the node as a
+    # damaged file at start does: it stops serving, then says why and exits, below.
+    broker.on_failure = partial(setattr, server, "should_exit", True)
     with ExitStack() as held:
         try:
             sockets = [held.enter_context(s) for s in _bind(host, port, BACKLOG)]
@@ -259,24 +307,18 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-        try:
-            app = create_app(broker, Producer(settings.kafka))
-            config = uvicorn.Config(app, host=host, port=port, **SETTINGS, **tls)
-            server = uvicorn.Server(config)
-            # The indexes load while the server answers probes (`Broker.start_behind`). A
-            # load that fails, or a snapshot from the leader that does not load, ends the
-            # node as a damaged file at start does: it stops serving, then says why and
-            # exits, below.
-            broker.on_failure = partial(setattr, server, "should_exit", True)
-            print(
-                f"broker {args.node_id}: {conf.tls.scheme}://{advertised} "
-                f"(listening on {args.http}) raft {args.raft}",
-                flush=True,
-            )
-            with suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn has shut down, as on SIGTERM
+        print(
+            f"broker {args.node_id}: {conf.tls.scheme}://{advertised} "
+            f"(listening on {args.http}) raft {args.raft}",
+            flush=True,
+        )
+        with _stopping_on_signals(server) as signals:
+            try:
                 server.run(sockets)
-        finally:
-            broker.stop()
+            finally:
+                broker.stop()
+            if signals:
+                print(f"broker {args.node_id}: stopped on {signals[0].name}", flush=True)
     try:
         if broker.failure is not None:
             raise broker.failure

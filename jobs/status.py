@@ -2,10 +2,11 @@
 not yet ingested; retention's last run; with a broker, each node's index and memory.
 For a cron topic, its schedules, naming those whose occurrences are late unsent (the
 materialiser on the Raft leader sends them ahead of their time). Exit 1 when a check
-fails: Kafka not answering, a node unreachable, not ready or naming an alert in its
-`/readyz`, no node knowing of a Raft leader, a node's checkpoints failing, or a schedule
-behind. A source topic Kafka does not show is named, lag unknown, but is no failure:
-the ingest waits for a topic not made yet.
+fails: Kafka not answering, a node unreachable, starting (its indexes loading, shown
+with their progress), not ready or naming an alert in its `/readyz`, no node knowing of
+a Raft leader, a node's checkpoints failing, or a schedule behind. A source topic Kafka
+does not show is named, lag unknown, but is no failure: the ingest waits for a topic
+not made yet.
 
 Spark-free: it reads the Delta logs with delta-rs, the ingest checkpoint's offset log,
 Kafka's end offsets and the nodes' `/v1/cluster` and `/readyz`, so it answers in a
@@ -17,6 +18,7 @@ from __future__ import annotations
 import datetime as dt
 import ssl
 import time
+from typing import NamedTuple
 
 import httpx
 from deltalake import DeltaTable
@@ -39,6 +41,9 @@ from dejaq.pipelines.retention import OPERATION, watermark
 # How late a schedule's next occurrence may be, still unsent, before status calls it
 # behind: the materialiser sends within a second of an occurrence entering the horizon.
 SCHEDULE_LATE_MS = 60_000
+# The title of a starting node's 503s, `/readyz`'s too (`broker.api.starting`, which
+# status does not import: it would load the node's HTTP app).
+NODE_STARTING = "node starting"
 
 
 def schedules_behind(warehouse: str, topic: str, now_ms: int) -> tuple[int, list[str]] | None:
@@ -135,20 +140,36 @@ def last_retention(buffer_path: str, look_back: int = 200) -> str:
     return "none yet"
 
 
-def readiness(url: str, verify: ssl.SSLContext | bool) -> tuple[bool, str]:
+class Readiness(NamedTuple):
+    """A node's `/readyz` answer."""
+
+    ready: bool
+    status: str  # "ready", then any alert; or why not
+    starting: bool  # its indexes load, or Raft starts: it serves nothing else yet
+
+
+def readiness(url: str, verify: ssl.SSLContext | bool) -> Readiness:
     """A node's `/readyz`: whether it can serve, and its status ("ready", then any alert)
-    or why not. `/v1/cluster` answers on a node that cannot serve; `/readyz` says so,
-    and needs no key."""
+    or why not, and whether it is starting. `/v1/cluster` answers on a node that cannot
+    serve, but not on one starting; `/readyz` says so, and needs no key."""
     try:
         answer = httpx.get(f"{url}/readyz", timeout=5, verify=verify)
     except httpx.HTTPError as e:
-        return False, f"/readyz unanswered ({type(e).__name__})"
+        return Readiness(False, f"/readyz unanswered ({type(e).__name__})", False)
     try:
         body = answer.json()
     except ValueError:
         body = {}
     said = body.get("status") if answer.status_code == 200 else body.get("detail")
-    return answer.status_code == 200, str(said or f"/readyz answered {answer.status_code}")
+    starting = answer.status_code == 503 and body.get("title") == NODE_STARTING
+    return Readiness(
+        answer.status_code == 200, str(said or f"/readyz answered {answer.status_code}"), starting
+    )
+
+
+def starting_line(http: str, status: str) -> str:
+    """A node that loads its indexes (minutes over a large backlog), with how far."""
+    return f"  {http:<22} STARTING: {status}"
 
 
 def node_lines(view: Cluster, topic: str, ready: bool, status: str) -> tuple[list[str], bool]:
@@ -197,13 +218,24 @@ def print_nodes(
     reach = {"token": token, "cacert": cacert, "insecure_http": insecure_http}
     verify = ssl.create_default_context(cafile=cacert) if cacert else True
     with connect(url, timeout=10, **reach) as client:
-        asked = client.cluster()
         asked_url = client.node
+        asked_ready = readiness(asked_url, verify)
+        if asked_ready.starting:  # it knows no other node yet
+            print("nodes")
+            host = asked_url.partition("://")[2]
+            print(f"{starting_line(host, asked_ready.status)}; ask another node for the others")
+            return False
+        asked = client.cluster()
     scheme = asked_url.partition("://")[0]
     print("nodes")
     views: list[Cluster] = []
     for http in sorted(asked.nodes.values()):
         node = f"{scheme}://{http}"
+        ready = readiness(node, verify)
+        if ready.starting:
+            print(starting_line(http, ready.status))
+            ok = False
+            continue
         try:
             with connect(node, timeout=5, **reach) as client:
                 view = client.cluster()
@@ -216,12 +248,12 @@ def print_nodes(
             ok = False
             continue
         views.append(view)
-        lines, node_ok = node_lines(view, topic, *readiness(node, verify))
+        lines, node_ok = node_lines(view, topic, ready.ready, ready.status)
         print(*lines, sep="\n")
         ok = ok and node_ok
     if asked.node_id not in {v.node_id for v in views}:
         views.append(asked)
-        lines, node_ok = node_lines(asked, topic, *readiness(asked_url, verify))
+        lines, node_ok = node_lines(asked, topic, asked_ready.ready, asked_ready.status)
         print(*lines, sep="\n")
         ok = ok and node_ok
     if not any(v.leader for v in views):

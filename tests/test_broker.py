@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import threading
 import time
@@ -3063,6 +3064,74 @@ def test_a_node_alone_commits_without_waiting_for_the_periodic_tick(
         assert uvloop.run(scenario()) == [True, True, True]
     finally:
         node.destroy()
+
+
+def test_raft_ticks_and_socket_events_that_keep_failing_are_logged_once_a_streak(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Raft tick runs at every event of the loop, and a socket event PySyncObj fails
+    to handle fails again as long as its socket stays readable: a traceback each would
+    flood the node's log. Each kind of error is logged once a streak, and the streak's
+    end at WARNING. Stand-ins fail them (a real one needs a damaged disk or a peer in a
+    state PySyncObj does not expect); the node, its loop and its sockets are real."""
+    import asyncio
+    import socket
+
+    from dejaq.broker.state import raft
+    from dejaq.conf.settings import BrokerConfig
+    from dejaq.jobs.ports import free_port
+
+    topic = TopicConfig(name="t", kind="priority", source=["t-in"], buckets=4)
+    node = raft.RaftNode(
+        f"127.0.0.1:{free_port()}", [], [topic], BrokerConfig(), tmp_path / "n", _NoIndex()
+    )
+    kinds = [OSError(28, "No space left on device"), ValueError("torn entry")]
+    failed = Counter[str]()
+
+    def failing_tick(timeToWait: float = 0.0) -> None:
+        error = kinds[sum(failed.values()) // 20 % 2]
+        failed[type(error).__name__] += 1
+        raise error
+
+    async def scenario() -> None:
+        node.attach(asyncio.get_running_loop())
+        await _until(node.is_leader, "leadership")
+        node.sync.doTick = failing_tick
+        await _until(lambda: sum(failed.values()) >= 60, "ticks failing", step=0.05)
+        del node.sync.doTick
+        await node.commit("t", "touch", "w", 0)  # Raft runs again
+        readable, writer = socket.socketpair()
+        handled: list[bytes] = []
+
+        def event(fd: int, _: int) -> None:
+            if failed["event"] < 50:
+                failed["event"] += 1
+                raise RuntimeError("a connection in a state PySyncObj does not expect")
+            handled.append(readable.recv(1))
+
+        node.poller.subscribe(readable.fileno(), event, raft.POLL_EVENT_TYPE.READ)
+        writer.send(b"x")  # readable until read: its event fires again and again
+        await _until(lambda: handled, "the socket's event handled")
+        node.poller.unsubscribe(readable.fileno())
+        readable.close()
+        writer.close()
+
+    try:
+        with caplog.at_level(logging.WARNING, "dejaq.broker.state.raft"):
+            asyncio.run(scenario())
+    finally:
+        node.destroy()
+    raft_lines = [r for r in caplog.records if r.getMessage().startswith("Raft ")]
+    said = [(r.levelname, re.sub(r"\d+ s$", "N s", r.getMessage())) for r in raft_lines]
+    assert said == [
+        ("ERROR", "Raft tick failed; retrying"),
+        ("ERROR", "Raft tick failed; retrying"),
+        ("WARNING", "Raft tick works again after N s"),
+        ("ERROR", "Raft socket event failed; retrying"),
+        ("WARNING", "Raft socket event works again after N s"),
+    ], said
+    errors = [type(r.exc_info[1]).__name__ for r in raft_lines if r.exc_info]
+    assert errors == ["OSError", "ValueError", "RuntimeError"], "each with its traceback"
 
 
 def test_a_tick_past_the_election_deadline_reads_the_heartbeats_waiting_first(

@@ -38,6 +38,7 @@ from dejaq.jobs import cluster
 from dejaq.jobs.children import stop as stop_child
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
+from dejaq.jobs.status import print_nodes
 
 PROBLEM = "application/problem+json"
 
@@ -80,7 +81,8 @@ def start(tmp_path: Path, conf: Path, n: int = 3) -> list[Node]:
 def start_logged(
     nodes: list[Node], cluster_nodes: list[Node], conf: Path, env: dict, tmp_path: Path
 ) -> list[Path]:
-    """Start `nodes` as members of `cluster_nodes`, each one's log in <tmp>/<node id>.log."""
+    """Start `nodes` as members of `cluster_nodes`, each one's output (its start and stop
+    lines, its log) in <tmp>/<node id>.log."""
     logs = []
     new = cluster.fresh(cluster_nodes)  # once: a node started first may have made its dir
     for node in nodes:
@@ -89,8 +91,8 @@ def start_logged(
             node.proc = subprocess.Popen(
                 cluster.node_command(node, cluster_nodes, str(conf), new),
                 env=env,
-                stdout=subprocess.DEVNULL,
-                stderr=log,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         logs.append(path)
     return logs
@@ -1260,30 +1262,93 @@ def test_a_node_loading_a_backlog_answers_liveness_and_its_progress_until_ready(
     assert f"indexed jobs: {BACKLOG_ROWS} pending messages" in said, said
 
 
-@pytest.mark.parametrize(
-    "sig, code", [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 0)], ids=["SIGTERM", "Ctrl-C"]
-)
+def test_status_shows_a_node_loading_its_indexes_as_starting_with_its_progress(
+    tmp_path, backlog: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`status --broker` on a node that loads its indexes: every call but the probes
+    answers 503 "node starting" (no cluster view), and /readyz says how far. Status
+    shows the node starting, with that progress, not unreachable; a node not ready
+    fails status (exit 1) as any other."""
+    node, _ = start_on_backlog(tmp_path, backlog)
+    host = node.url.partition("://")[2]
+    try:
+        with httpx.Client(timeout=10) as client:
+
+            def shown_starting() -> tuple[bool, str] | None:
+                if loading_seen(client, node) is None:
+                    return None
+                ok = print_nodes(node.url, "jobs", None, None)
+                said = capsys.readouterr().out
+                return (ok, said) if "STARTING" in said else None
+
+            ok, said = wait_until(shown_starting, timeout=120, what="the node shown starting")
+    finally:
+        stop([node])
+    assert ok is False, said
+    assert re.search(
+        rf"^  {re.escape(host)} +STARTING: indexes loading: jobs \d+/{BACKLOG_BUCKETS} "
+        r"buckets, \d+ rows; ask another node for the others$",
+        said,
+        re.MULTILINE,
+    ), said
+    assert "unreachable" not in said, said
+
+
+SIGNALS = pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "Ctrl-C"])
+
+
+def stopped_by(node: Node, log: Path, sig: signal.Signals) -> tuple[float, str]:
+    """Send `node` the signal and wait for it to exit 0: how long that took, and what
+    it said. Its last line says the node stopped (`Broker.stop` returned), naming the
+    signal."""
+    node.proc.send_signal(sig)
+    began = time.monotonic()
+    ended = node.proc.wait(timeout=30)
+    took = time.monotonic() - began
+    said = log.read_text()
+    assert ended == 0 and "Traceback" not in said, said
+    assert said.splitlines()[-1] == f"broker {node.node_id}: stopped on {sig.name}", said
+    return took, said
+
+
+@SIGNALS
 def test_a_node_stopped_while_it_loads_ends_promptly(
-    tmp_path, backlog: Path, sig: signal.Signals, code: int
+    tmp_path, backlog: Path, sig: signal.Signals
 ) -> None:
     """SIGTERM or Ctrl-C while the indexes load (an orchestrator giving up on a start)
-    ends the node within seconds, as either does once it serves (uvicorn shuts down, then
-    raises a SIGTERM again, which ends the process; a Ctrl-C ends it by stopping the
-    broker): the load stops between two slices of rows."""
+    ends the node within seconds, exit 0, as either does once it serves: the load stops
+    between two slices of rows, then the node stops."""
     node, log = start_on_backlog(tmp_path, backlog)
     try:
         with httpx.Client(timeout=10) as client:
             wait_until(lambda: loading_seen(client, node), timeout=120, what="the load")
-        node.proc.send_signal(sig)
-        began = time.monotonic()
-        ended = node.proc.wait(timeout=30)
-        took = time.monotonic() - began
+        took, said = stopped_by(node, log, sig)
     finally:
         stop([node])
-    said = log.read_text()
-    assert ended == code and "Traceback" not in said, said
     assert took < 5, f"{took:.1f} s to end"
     assert "indexed jobs" not in said, said
+
+
+@SIGNALS
+def test_a_serving_node_stopped_by_a_signal_stops_raft_and_exits_0(
+    tmp_path, sig: signal.Signals
+) -> None:
+    """SIGTERM (systemd, Kubernetes, `kill`) or Ctrl-C ends a serving node as a stop:
+    the HTTP server stops taking requests, the node stops its duties, Raft and head
+    stores, and the process exits 0, within seconds."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    env = {**os.environ, "DEJAQ_BROKER_RAFT_PASSWORD": secrets.token_hex(8)}
+    nodes = cluster.plan(1, tmp_path / "raft")
+    (log,) = start_logged(nodes, nodes, conf, env, tmp_path)
+    (node,) = nodes
+    try:
+        cluster.wait_ready(nodes)
+        took, _ = stopped_by(node, log, sig)
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{node.url}/healthz", timeout=5)
+    finally:
+        stop(nodes)
+    assert took < 10, f"{took:.1f} s to end"
 
 
 def test_a_peer_on_the_old_wire_format_is_refused_and_named(

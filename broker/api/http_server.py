@@ -12,6 +12,8 @@ protocol class it extends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import uvicorn
@@ -186,6 +188,17 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
         if body is not None:
             wait = min(wait, body + BODY_IDLE_S - now)
         self._look_due = self.loop.call_later(wait, self._look)
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, leaving SIGTERM and SIGINT to its caller. uvicorn's own handlers
+    raise the signal again once the server has shut down, which ends the process before
+    the caller stops what runs beside the server (a node's Raft and duties); the caller
+    sets `should_exit` on a signal instead (`jobs.broker`)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
 
 
 # uvicorn's settings for the broker, and for the benchmark's baselines, like for like.

@@ -58,6 +58,7 @@ from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
 from dejaq.broker.state.data_dir import RECOVERY, DataDirError, check_raft_files
 from dejaq.broker.state.leases import TRANSITIONS, LeaseRecord, TopicState
+from dejaq.broker.streak import Streak
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
 
 log = logging.getLogger("dejaq.broker.state.raft")
@@ -295,6 +296,12 @@ class LoopPoller:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.on_event: Callable[[], None] = lambda: None
         self._subs: dict[int, tuple[Callable[[int, int], None], int]] = {}
+        # A socket event PySyncObj fails to handle fails again at the next, many a second
+        # (a connection in a state it does not expect, still readable): logged once a
+        # streak. The streak ends when that socket's next event is handled, not another
+        # socket's: the other peers' events go on meanwhile.
+        self.events = Streak("Raft socket event", log=log)
+        self._failed_fd: int | None = None
 
     def attach(self, loop: asyncio.AbstractEventLoop, on_event: Callable[[], None]) -> None:
         self.loop, self.on_event = loop, on_event
@@ -355,12 +362,16 @@ class LoopPoller:
             self._call(sub[0], fd, event)
         self.on_event()
 
-    @staticmethod
-    def _call(callback: Callable[[int, int], None], fd: int, event: int) -> None:
+    def _call(self, callback: Callable[[int, int], None], fd: int, event: int) -> None:
         try:
             callback(fd, event)
-        except Exception:
-            log.exception("Raft socket event failed")
+        except Exception as e:
+            self._failed_fd = fd
+            self.events.failed(e)
+        else:
+            if fd == self._failed_fd:
+                self._failed_fd = None
+                self.events.ok()
 
 
 class _SyncObj(SyncObj):
@@ -922,6 +933,8 @@ class RaftNode:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._catching_up: asyncio.Future[bool] | None = None  # `lead`'s shared look
         self._tick_due = False
+        # A tick that fails fails again at the next, many a second: logged once a streak.
+        self.ticks = Streak("Raft tick", log=log)
         self._flush_due = False
         self._ticker: asyncio.TimerHandle | None = None
         self._due = 0.0
@@ -957,8 +970,10 @@ class RaftNode:
         self._tick_due = False
         try:
             self.sync.doTick(0)
-        except Exception:
-            log.exception("Raft tick failed")
+        except Exception as e:
+            self.ticks.failed(e)
+        else:
+            self.ticks.ok()
 
     def _periodic(self) -> None:
         if self._loop is None:

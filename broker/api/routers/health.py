@@ -10,6 +10,7 @@ from dejaq.broker.api.access import monitored
 from dejaq.broker.api.dependencies import AnyBroker, problem
 from dejaq.broker.api.metrics import TopicsShown, resident_bytes
 from dejaq.broker.api.responses import Cluster
+from dejaq.broker.api.starting import NODE_STARTING
 
 router = APIRouter(tags=["health"])
 
@@ -25,12 +26,12 @@ async def healthz() -> dict[str, str]:
 async def readyz(broker: AnyBroker) -> Response:
     """Ready: a Raft leader is known, the log is applied, the indexes are loaded and
     refresh, the background threads run, and no topic's message heads are unreadable
-    here and from the buffer alike. While the indexes load, a 503 says how far: "indexes
-    loading: <topic> <n>/<m> buckets, <rows> rows"; every call but the probes, metrics
-    and docs answers 503 "node starting" meanwhile."""
+    here and from the buffer alike. While the indexes load, a 503 titled "node starting"
+    says how far: "indexes loading: <topic> <n>/<m> buckets, <rows> rows"; every call
+    but the probes, metrics and docs answers 503 "node starting" meanwhile."""
     ok, why = broker.ready()
     if not ok:
-        return problem(503, "not ready", why)
+        return problem(503, "not ready" if broker.serving() else NODE_STARTING, why)
     return JSONResponse({"status": why})
 
 
