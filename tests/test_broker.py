@@ -17,6 +17,7 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import threading
 import time
 import tracemalloc
@@ -260,6 +261,79 @@ def test_rebalance_is_fair_total_and_sticky(buckets: int, before: set, after: se
     quota = -(-buckets // len(after))
     assert kept >= sum(min(list(old.values()).count(c), quota - 1) for c in stay)
     assert rebalance(buckets, after, old) == new, "deterministic"
+
+
+def _rebalance_reference(
+    buckets: int, consumers: set[str], current: dict[int, str]
+) -> dict[int, str]:
+    """`rebalance` as first written, a max over every consumer per free bucket: the
+    assignment is replicated state, so any faster one must give exactly this."""
+    live = sorted(set(consumers))
+    if not live:
+        return {}
+    base, extra = divmod(buckets, len(live))
+    quota = {c: base + (1 if i < extra else 0) for i, c in enumerate(live)}
+    owned = dict.fromkeys(live, 0)
+    result: dict[int, str] = {}
+    for b in range(buckets):
+        owner = current.get(b)
+        if owner in quota and owned[owner] < quota[owner]:
+            result[b] = owner
+            owned[owner] += 1
+    for b in range(buckets):
+        if b not in result:
+            owner = max(live, key=lambda c: (quota[c] - owned[c], [-ord(ch) for ch in c]))
+            result[b] = owner
+            owned[owner] += 1
+    return result
+
+
+# Ids that are prefixes of each other, differ in case, or reach beyond ASCII, where a
+# tie-break by code points and lengths could go either way.
+CONSUMER_IDS = st.text(st.sampled_from("aAb\x00\xe9\u4e00\ud800\U0010ffff"), max_size=4)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    buckets=st.integers(1, 200),
+    consumers=st.sets(CONSUMER_IDS, max_size=12),
+    current=st.dictionaries(st.integers(0, 220), CONSUMER_IDS, max_size=220),
+)
+@example(buckets=7, consumers={"a", "ab", "b", "aa"}, current={})
+@example(buckets=10, consumers={"ab", "a"}, current={0: "a", 1: "a", 2: "a", 3: "gone"})
+def test_rebalance_is_the_reference_assignment(
+    buckets: int, consumers: set[str], current: dict[int, str]
+) -> None:
+    """Every node and every replayed journal computes the same assignment, whichever
+    way the free buckets are handed out."""
+    expected = _rebalance_reference(buckets, consumers, current)
+    assert rebalance(buckets, consumers, current) == expected
+    settled = rebalance(buckets, consumers | {"joiner"}, expected)
+    assert settled == _rebalance_reference(buckets, consumers | {"joiner"}, expected)
+
+
+def test_a_join_costs_in_buckets_and_ids_not_their_product() -> None:
+    """A join on the largest topic walks the buckets once and each consumer once: picking
+    each free bucket's owner by a scan over every consumer's id (free buckets x consumers x
+    id length calls) blocks every node's event loop while it applies the join."""
+    buckets, ids = 4096, [f"{i:08x}-worker-{i * 7919:012x}-host-pool" for i in range(500)]
+    before = rebalance(buckets, ids[:-1], {})
+    calls = 0
+
+    def count(frame: Any, event: str, arg: Any) -> None:
+        nonlocal calls
+        calls += event in ("call", "c_call")
+
+    sys.setprofile(count)
+    try:
+        after = rebalance(buckets, ids, before)
+    finally:
+        sys.setprofile(None)
+    assert after == _rebalance_reference(buckets, set(ids), before)
+    moved = sum(1 for b in range(buckets) if after[b] != before[b])
+    assert 0 < moved <= 16, "a join moves only the joiner's share"
+    bound = 2 * (buckets + len(ids))
+    assert calls <= bound, f"{calls} calls to apply one join (bound {bound})"
 
 
 OLD_SNAPSHOT = bytes.fromhex(
