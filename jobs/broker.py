@@ -7,6 +7,7 @@ import errno
 import importlib.abc
 import ipaddress
 import logging
+import resource
 import signal
 import socket
 import sys
@@ -108,6 +109,34 @@ def _stopping_on_signals(server: Server) -> Iterator[list[signal.Signals]]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+# A node's own files (Delta logs it reads, the Raft journal and term file, head store
+# segments of 64 MB each, Kafka and Raft sockets) take a quarter of the open-file limit,
+# at least FILES_RESERVED; HTTP connections the rest, so a crowd of long polls cannot
+# take the descriptors the node needs to stay up.
+FILES_RESERVED = 256
+UNBOUNDED_FILES = 1 << 20  # taken for a limit RLIM_INFINITY: Linux's default fs.nr_open
+
+
+def _open_files() -> tuple[int, int]:
+    """The open-file limit before and after raising the soft one to the hard one: the
+    soft default (often 1024) is far below what a node with many long polls holds."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = UNBOUNDED_FILES if hard == resource.RLIM_INFINITY else hard
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):  # above what the kernel allows (macOS: OPEN_MAX)
+            return soft, soft
+        return soft, want
+    return soft, soft
+
+
+def connection_cap(files: int) -> int:
+    """The HTTP connections a node serves under an open-file limit of `files`."""
+    files = min(files, UNBOUNDED_FILES)
+    return max(files - max(FILES_RESERVED, files // 4), 1)
 
 
 def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -257,6 +286,15 @@ def run(args: argparse.Namespace) -> int:
     pa.set_memory_pool(pa.system_memory_pool())
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger(LOAD_LOGGER).setLevel(logging.INFO)  # a start's load, as it goes
+    was, files = _open_files()
+    cap = connection_cap(files)
+    print(
+        f"broker {args.node_id}: open files {files}"
+        + (f" (raised from {was})" if files != was else "")
+        + f", HTTP connections up to {cap}",
+        file=sys.stderr,
+        flush=True,
+    )
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(
         settings,
@@ -275,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
         host=host,
         port=port,
         timeout_graceful_shutdown=STOP_REQUESTS_S,
+        limit_concurrency=cap,
         **SETTINGS,
         **tls,
     )

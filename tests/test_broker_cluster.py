@@ -35,6 +35,7 @@ from dejaq.client.models import Left
 from dejaq.conf.settings import KafkaConfig, TopicConfig, load_settings
 from dejaq.conf.tables import BROKER_APP_ID, ensure_buffer
 from dejaq.jobs import cluster
+from dejaq.jobs.broker import connection_cap
 from dejaq.jobs.children import stop as stop_child
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.ports import free_port
@@ -1134,6 +1135,86 @@ def exit_at_start(tmp_path: Path, conf: Path) -> tuple[int, str]:
     finally:
         stop([node])
     return proc.returncode, log.read_text()
+
+
+FILES = 512  # the open-file limit, soft and hard, of the node below
+
+
+def _few_files() -> None:
+    """In the child before it runs: a limit the node cannot raise."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_NOFILE, (FILES, FILES))
+
+
+def test_a_node_past_its_connection_cap_answers_503_and_keeps_its_files_and_probes(
+    tmp_path,
+) -> None:
+    """More long polls than the open-file limit allows: a node that took them all could
+    open no Delta log, Raft file or probe's connection. It serves up to its cap, answers
+    the rest a 503 that applied nothing (the client asks another node), and its probes,
+    files and Raft keep working."""
+    conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
+    with (tmp_path / "a.log").open("w") as err:
+        proc = node.proc = subprocess.Popen(
+            cluster.node_command(node, [node], str(conf)),
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            preexec_fn=_few_files,
+        )
+    cap, polls = connection_cap(FILES), FILES + 100
+    host, port = node.http.split(":")
+    socks: list[socket.socket] = []
+    try:
+        wait_until(lambda: cluster.ready([node]), timeout=90, what="the node ready")
+        assert f"HTTP connections up to {cap}" in (tmp_path / "a.log").read_text()
+        for i in range(polls):
+            body = json.dumps({"consumer_id": f"w{i}", "max_messages": 1, "wait_ms": 30_000})
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            sock.sendall(
+                b"POST /v1/topics/jobs/leases HTTP/1.1\r\nhost: a\r\n"
+                b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(body), body.encode())
+            )
+            sock.setblocking(False)
+            socks.append(sock)
+        answers: dict[socket.socket, bytes] = {}
+
+        def read() -> int:
+            for sock in socks:
+                try:
+                    answers[sock] = answers.get(sock, b"") + sock.recv(4096)
+                except BlockingIOError:
+                    pass
+                except ConnectionResetError:  # accepted and dropped: no answer
+                    answers[sock] = answers.get(sock, b"") + b"(reset)"
+            return len(answers)
+
+        wait_until(lambda: read() >= polls - cap, timeout=60, what="the excess answered")
+        assert polls - cap <= len(answers) < polls, "the polls within the cap wait"
+        for answer in answers.values():
+            assert answer.startswith(b"HTTP/1.1 503 "), answer[:200]
+            assert b"dejaq-not-applied: connections" in answer and b"node full" in answer
+        with httpx.Client(timeout=10) as client:
+            assert client.get(f"{node.url}/healthz").status_code == 200
+            readyz = client.get(f"{node.url}/readyz")
+            assert readyz.status_code == 200, readyz.text
+            assert len(os.listdir(f"/proc/{proc.pid}/fd")) < FILES
+            for sock in socks:
+                sock.close()
+            socks.clear()
+
+            def leased() -> bool:
+                body = {"consumer_id": "after", "max_messages": 1}
+                return client.post(f"{node.url}/v1/topics/jobs/leases", json=body).is_success
+
+            wait_until(leased, timeout=60, what="a lease once the polls are gone")
+        assert proc.poll() is None, (tmp_path / "a.log").read_text()
+    finally:
+        for sock in socks:
+            sock.close()
+        stop([node])
 
 
 def test_a_broker_refuses_a_topic_whose_buffer_holds_another_kinds_rows(tmp_path) -> None:

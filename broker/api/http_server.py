@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import logging
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,13 +100,67 @@ _HEAD_TOO_LARGE = (
 )
 
 
+# The header of a 503 that applied nothing (a node starting, a node full): the client
+# sends the request to another node, whatever the request (`dejaq.client.api`).
+NOT_APPLIED = "dejaq-not-applied"
+# Requests answered beyond the connection cap: the probes and the metrics, so a node that
+# holds its most long polls is neither restarted as dead nor left unwatched.
+PROBES = frozenset({b"/healthz", b"/readyz", b"/metrics"})
+# Connections held beyond the cap for those; a connection past them is answered 503 and
+# closed as it opens, so idle connections cannot take the node's last file descriptors.
+PROBE_ROOM = 64
+FULL_WARNING_EVERY_S = 60.0
+_log = logging.getLogger("dejaq.broker.http")
+_full_warned_at = -FULL_WARNING_EVERY_S
+
+
+def _full(cap: int) -> tuple[list[tuple[bytes, bytes]], bytes]:
+    """The headers and body of the 503 for a request beyond the connection cap."""
+    body = json.dumps(
+        {
+            "type": "about:blank",
+            "title": "node full",
+            "status": 503,
+            "detail": f"this node holds its most HTTP connections ({cap}): retry shortly, "
+            "or ask another node",
+        }
+    ).encode()
+    headers = [
+        (b"content-type", b"application/problem+json"),
+        (b"content-length", b"%d" % len(body)),
+        (b"retry-after", b"1"),
+        (NOT_APPLIED.encode(), b"connections"),
+        (b"connection", b"close"),
+    ]
+    return headers, body
+
+
+def _warn_full(cap: int) -> None:
+    """Log that the cap refuses requests, at most every FULL_WARNING_EVERY_S: once per
+    request would flood the log just when the node is busiest."""
+    global _full_warned_at
+    now = time.monotonic()
+    if now - _full_warned_at >= FULL_WARNING_EVERY_S:
+        _full_warned_at = now
+        _log.warning(
+            "%d HTTP connections open: requests beyond them answered 503 (README: "
+            "Operations, connections)",
+            cap,
+        )
+
+
 class HeadTooLarge(Exception):
     """A request's head passed HEAD_MAX_BYTES: answered 431, the connection closed."""
 
 
 class GatheringHttpToolsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol over a `GatheringTransport`, with a request's head
-    bounded in time and size, and its body in idle time.
+    bounded in time and size, and its body in idle time, and the server's connections
+    capped by uvicorn's `limit_concurrency`.
+
+    Past the cap a request gets a 503 that applied nothing, but a probe's, answered up to
+    PROBE_ROOM connections further; past those a connection gets the 503 as it opens.
+    (uvicorn's own check would answer the probes 503 too.)
 
     A request notes when its head began and when its body last moved, and one timer per
     connection looks at both: a timer armed and cancelled per request would cost each
@@ -115,9 +172,22 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
     _discarded = 0  # bytes of the body arriving after its answer (`DISCARD_MAX_BYTES`)
     _look_due: asyncio.TimerHandle | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.max_connections: int | None = self.limit_concurrency
+        self.limit_concurrency = None
+
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         gathering: Any = GatheringTransport(transport, self.loop)
         super().connection_made(gathering)
+        cap = self.max_connections
+        if cap is not None and len(self.connections) > cap + PROBE_ROOM:
+            _warn_full(cap)
+            headers, body = _full(cap)
+            head = b"".join(b"%s: %s\r\n" % h for h in headers)
+            gathering.write(b"HTTP/1.1 503 Service Unavailable\r\n%s\r\n%s" % (head, body))
+            gathering.close()
+            return
         self._head_since = self.loop.time()
         self._look_due = self.loop.call_later(HEAD_TIMEOUT_S, self._look)
 
@@ -147,7 +217,15 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._head_since = None
         self._body_at = self.loop.time()
-        super().on_headers_complete()
+        cap = self.max_connections
+        if cap is None or len(self.connections) <= cap or self.url.split(b"?")[0] in PROBES:
+            return super().on_headers_complete()
+        _warn_full(cap)
+        app, self.app = self.app, _FullApp(cap)
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
 
     def on_body(self, body: bytes) -> None:
         self._body_at = self.loop.time()
@@ -199,6 +277,18 @@ class Server(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+
+class _FullApp:
+    """The ASGI app of a request beyond the connection cap: its 503, the body unread."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers, body = _full(self.cap)
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
 
 
 # uvicorn's settings for the broker, and for the benchmark's baselines, like for like.

@@ -14,6 +14,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from dejaq.broker.api.dependencies import problem
+from dejaq.broker.api.http_server import NOT_APPLIED
 from dejaq.broker.service import Broker
 
 Scope = MutableMapping[str, Any]
@@ -25,7 +26,6 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 ANSWERED = frozenset({"/healthz", "/readyz", "/metrics", "/docs", "/openapi.json"})
 DOCS_ASSETS = "/docs-assets/"
 NODE_STARTING = "node starting"
-NOT_APPLIED = "dejaq-not-applied"  # as the client reads it (`dejaq.client.api`)
 
 
 class Starting:

@@ -60,9 +60,9 @@ log = logging.getLogger("dejaq.client")
 
 TOKEN_VARIABLE = "DEJAQ_TOKEN"
 RETRYABLE = frozenset({502, 503, 504})
-# A header of a node's 503 that applied nothing, not even by forwarding (a node starting):
-# the request goes to another node as one that never left would, a produce without ids
-# too, and no later answer is taken for a repeat of it.
+# A header of a node's 503 that applied nothing, not even by forwarding (a node starting,
+# a node at its connection cap): the request goes to another node as one that never left
+# would, a produce without ids too, and no later answer is taken for a repeat of it.
 NOT_APPLIED = "dejaq-not-applied"
 DENIED = frozenset({401, 403})  # by this node's copy of the key file: others may differ
 CONNECT_TIMEOUT_S = 3.0  # at most, per attempt
