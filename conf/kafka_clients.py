@@ -93,10 +93,11 @@ def _jaas(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def close_producer(producer: Any, timeout: float | None = None) -> None:
-    """Close a producer, even one an error it cannot retry broke: its close begins with
-    a flush that then raises, before it stops the producer's I/O thread, which is then
-    stopped here (kafka-python has no close without the flush)."""
+def close_producer(producer: Any, timeout: float) -> None:
+    """Close a producer within about `timeout` seconds, even one an error it cannot retry
+    broke or one stuck: its close begins with a flush that then raises (failed, or past
+    the timeout), before it stops the producer's I/O thread, which is then stopped here
+    (kafka-python has no close without the flush)."""
     try:
         producer.close(timeout=timeout)
     except Exception:

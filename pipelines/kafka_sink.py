@@ -10,6 +10,7 @@ clients use, so a key lands on the same partition whichever client wrote it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +26,12 @@ from pyspark.sql.datasource import (
 )
 from pyspark.sql.types import BinaryType, StringType, StructType
 
+from dejaq.conf.kafka_clients import close_producer
 from dejaq.pipelines.kafka_options import CONNECTION_OPTIONS, client_config, client_kwargs
 
 SEND_TIMEOUT_S = 120
+# A close after `wait_sent` has nothing left to wait for but its I/O thread, forced past this.
+CLOSE_TIMEOUT_S = 10.0
 
 # `kafka.*` options handed to kafka-python's KafkaProducer (see pipelines.kafka_options).
 _PRODUCER_OPTIONS: dict[str, type] = {
@@ -102,11 +106,15 @@ def send_rows(
     return futures
 
 
-def wait_sent(producer: KafkaProducer, futures: list[FutureRecordMetadata]) -> None:
-    """Flush, then raise the first send error: a write succeeds only if every record did."""
-    producer.flush(timeout=SEND_TIMEOUT_S)
+def wait_sent(
+    producer: KafkaProducer, futures: list[FutureRecordMetadata], timeout: float = SEND_TIMEOUT_S
+) -> None:
+    """Flush, then raise the first send error: a write succeeds only if every record did,
+    within `timeout` seconds (KafkaTimeoutError past it)."""
+    deadline = time.monotonic() + timeout
+    producer.flush(timeout=timeout)
     for f in futures:
-        f.get(timeout=SEND_TIMEOUT_S)
+        f.get(timeout=max(deadline - time.monotonic(), 0.0))
 
 
 def in_partition_order(partitions: list[object], acked: list[bool]) -> list[bool]:
@@ -145,7 +153,7 @@ def _write_task(
             futures += send_rows(producer, batch.to_pylist(), options.topic)
         wait_sent(producer, futures)
     finally:
-        producer.close()
+        close_producer(producer, CLOSE_TIMEOUT_S)
     return KafkaCommitMessage(len(futures))
 
 

@@ -8,7 +8,7 @@ Order is total: (sort_key, source partition, source offset, source topic, id).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -22,6 +22,9 @@ SETTLED = frozenset(
 )
 # Stale heap entries (settled or moved messages) tolerated beyond the live ones.
 HEAP_SLACK = 1024
+# Buffer rows turned into messages at a time: a start's read of a large buffer says its
+# progress per slice.
+ROWS_AT_A_TIME = 50_000
 
 Order = tuple[int, int, int, str, str]
 
@@ -112,14 +115,30 @@ class PendingSet:
         releases not yet read back from the ledger."""
         return len(self._early) + len(self._taken)
 
-    def add_buffer_rows(self, rows: pa.Table, mark_up_to: int | None = None) -> list[Message]:
+    def add_buffer_rows(
+        self,
+        rows: pa.Table,
+        mark_up_to: int | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[Message]:
         """Add new buffer rows; a repeated id is ignored (first wins). Returns those added.
 
         `max_sort_key` follows the sort keys up to `mark_up_to` (None: all): an event
-        time ahead of the clock must not raise the event-time watermark.
+        time ahead of the clock must not raise the event-time watermark. `progress` is
+        told the rows done after each slice of ROWS_AT_A_TIME.
         """
+        added: list[Message] = []
+        done = 0
+        for batch in rows.to_batches(max_chunksize=ROWS_AT_A_TIME):
+            added += self._add_rows(batch.to_pylist(), mark_up_to)
+            done += batch.num_rows
+            if progress is not None:
+                progress(done)
+        return added
+
+    def _add_rows(self, rows: list[dict], mark_up_to: int | None) -> list[Message]:
         added = []
-        for row in rows.to_pylist():
+        for row in rows:
             sort_key = row["sort_key"]
             if (self.max_sort_key is None or sort_key > self.max_sort_key) and (
                 mark_up_to is None or sort_key <= mark_up_to

@@ -28,6 +28,7 @@ import datetime as dt
 import logging
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -57,28 +58,33 @@ from dejaq.conf.tables import (
     scan,
 )
 from dejaq.pipelines.delta_follower import DeltaFollower
-from dejaq.pipelines.kafka_options import client_kwargs
-from dejaq.pipelines.kafka_sink import (
-    SEND_TIMEOUT_S,
-    in_partition_order,
-    producer_config,
-    wait_sent,
+from dejaq.pipelines.envelope import (
+    HEADER_DELIVER_AT,
+    HEADER_EVENT_TIME,
+    HEADER_ID,
+    HEADER_PRIORITY,
 )
+from dejaq.pipelines.kafka_options import client_kwargs
+from dejaq.pipelines.kafka_sink import in_partition_order, producer_config, wait_sent
 from dejaq.pipelines.log_compaction import maintain_log
-from dejaq.pipelines.pending import Message, PendingSet
+from dejaq.pipelines.pending import ROWS_AT_A_TIME, Message, PendingSet
 from dejaq.pipelines.retention import LogGap, RetentionRun, period_s, retain, watermark
 from dejaq.pipelines.timed_sender import Record, TimedSender
 
 log = logging.getLogger("dejaq.release")
 
-HEADER_ID = "dejaq-id"
 HEADER_SOURCE = "dejaq-source"
 # The header that carries the sort key in force, per kind.
 SORT_KEY_HEADER = {
-    TopicKind.PRIORITY: "dejaq-priority",
-    TopicKind.TIMELINE: "dejaq-deliver-at",
-    TopicKind.EVENT_TIME: "dejaq-event-time",
+    TopicKind.PRIORITY: HEADER_PRIORITY,
+    TopicKind.TIMELINE: HEADER_DELIVER_AT,
+    TopicKind.EVENT_TIME: HEADER_EVENT_TIME,
 }
+# The input's headers a released record does not keep: the envelope's, which it carries
+# as released instead, and the one the release adds.
+REPLACED_HEADERS = frozenset(
+    {HEADER_ID, HEADER_PRIORITY, HEADER_DELIVER_AT, HEADER_EVENT_TIME, HEADER_SOURCE}
+)
 # How far ahead, in triggers, a timeline batch takes messages to produce at their time:
 # more than one, so a message due just after the next tick is not late by a tick's overhead.
 HORIZON_TRIGGERS = 2
@@ -91,6 +97,22 @@ STATS_KEPT = 1000
 # A released record's request size beyond its payload: its key, its headers (the input's
 # and DejaQ's three) and the request's framing.
 REQUEST_HEADROOM_BYTES = 64 * 1024
+# The producer's timeouts (kafka-python's defaults, set here because the job's waits
+# follow from them): a request Kafka does not answer within REQUEST_TIMEOUT_MS is sent
+# again, and a record not acknowledged DELIVERY_TIMEOUT_MS after its send has failed.
+DELIVERY_TIMEOUT_MS = 120_000
+REQUEST_TIMEOUT_MS = 30_000
+# How long closing the producer may take: every wait before a close has had its answers
+# (or given up on them), so a close only stops its I/O thread, forced past this.
+CLOSE_TIMEOUT_S = 10.0
+
+
+def send_wait_s() -> float:
+    """The longest the job waits for its producer's answers. Each record has one by the
+    delivery timeout, unless the producer is stuck: kafka-python's idempotent producer
+    can leave a flush unfinished for good after Kafka was unreachable past that timeout.
+    The job then fails, and its restart sends what Kafka had not acknowledged."""
+    return (DELIVERY_TIMEOUT_MS + REQUEST_TIMEOUT_MS) / 1000
 
 
 @dataclass
@@ -178,12 +200,24 @@ def taken_over_app_id(topic: str, brokers: str = BROKER_APP_ID) -> str:
     return f"{taken}:{history}" if history else taken
 
 
+# What a take-over cannot carry, said where it is asked for and where it happens.
+TAKE_OVER_LEFT = (
+    "Reschedules and priorities given with a nack live in the brokers' Raft state only: "
+    "the release takes each such message at its buffer row's key (a timeline message "
+    "rescheduled later goes at its original deliver_at, early). Before the brokers "
+    "stop, cancel each one still pending and produce it again with the key in force "
+    "and a new dejaq-id."
+)
+
+
 def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> None:
     """Refuse a topic the lease broker delivered since the last take-over, unless
     `take_over` says its brokers are stopped and its workers drained: the brokers' Raft
     state holds what the ledger does not yet (leases in flight, acks not yet
-    checkpointed, nack delays, retry backoffs and reschedules), which this job cannot
-    see. A take-over notes each brokers' tag as it found it, one per Raft history that
+    checkpointed, nack delays, retry backoffs), which this job cannot see. Reschedules
+    and priorities given with a nack the ledger never holds: a take-over does not carry
+    them, and releases each message at the key of its buffer row (`TAKE_OVER_LEFT`).
+    A take-over notes each brokers' tag as it found it, one per Raft history that
     checkpointed the topic: a topic handed back to the brokers since, whose checkpoints
     moved a tag on or began one under a new history, needs another."""
     path = ensure_table(settings.warehouse, Table.LEDGER, topic.name)
@@ -201,25 +235,27 @@ def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> No
         ledger.create_write_transaction(
             [], mode="append", schema=ledger.schema(), commit_properties=marker
         )
+        log.warning("release %s: taken over from the lease broker; %s", topic.name, TAKE_OVER_LEFT)
         return
     raise ConfigError(
         f"topic {topic.name!r} was delivered by the lease broker (its ledger holds the "
         "brokers' checkpoints since this job last took it over): messages leased or "
         "delayed there, and acks not yet checkpointed, would be released while the "
         "brokers still hold them. Pause the topic, let the workers drain it, stop the "
-        "brokers, then start the release with --take-over."
+        f"brokers, then start the release with --take-over. {TAKE_OVER_LEFT}"
     )
 
 
 def output_headers(m: Message, kind: TopicKind) -> list[tuple[str, bytes]]:
-    """The input's own headers, then the envelope as released (sort key after reschedules).
+    """The input's own headers, in order, then the envelope as released (sort key after
+    reschedules) in place of the input's (`REPLACED_HEADERS`).
 
     A header whose value is null (Kafka allows it) leaves with an empty value: the
     producer sends none null, and refused, it would stop the release at that message."""
     own = [
         (h["key"], b"" if h["value"] is None else h["value"])
         for h in m.headers
-        if not h["key"].startswith("dejaq-")
+        if h["key"] not in REPLACED_HEADERS
     ]
     return [
         *own,
@@ -320,13 +356,16 @@ class Releaser:
             # would stop the release at that message.
             room = self.topic.max_payload_bytes + REQUEST_HEADROOM_BYTES
             config["max_request_size"] = max(config.get("max_request_size", 0), room)
+            config.update(
+                delivery_timeout_ms=DELIVERY_TIMEOUT_MS, request_timeout_ms=REQUEST_TIMEOUT_MS
+            )
             self._producer = KafkaProducer(**client_kwargs(config), linger_ms=0)
         return self._producer
 
     def close(self) -> None:
         if self._producer is not None:
             producer, self._producer = self._producer, None
-            close_producer(producer)
+            close_producer(producer, CLOSE_TIMEOUT_S)
 
     def watermark(self) -> int | None:
         """Event time: max event time seen minus the allowed lateness, or that max once the
@@ -373,7 +412,13 @@ class Releaser:
         # the clock bounds the rest (a producer's clock ahead, rows the ingest did not
         # judge), so that no one event holds the watermark in the future.
         mark_up_to = _now_ms() + self.topic.max_event_time_ahead_ms if events else None
-        added = self.pending.add_buffer_rows(self.buffer.poll(), mark_up_to)
+        starting = self.buffer.version < 0
+        if starting:
+            log.info("release %s: reading the buffer's pending rows", self.topic.name)
+        read_from = time.monotonic()
+        rows = self.buffer.poll()
+        progress = self._read_progress(rows.num_rows, read_from) if starting else None
+        added = self.pending.add_buffer_rows(rows, mark_up_to, progress)
         if events:
             self.event_watermark.follow(self.pending.max_sort_key, _monotonic_ms())
         since = watermark(self.buffer.table) if self.buffer.table is not None else 0
@@ -388,6 +433,26 @@ class Releaser:
             and m.message_id in self.pending
             and (held is None or m.message_id not in held)
         )
+
+    def _read_progress(self, total: int, since: float) -> Callable[[int], None]:
+        """A start's progress line per slice of rows taken in: a large buffer takes
+        seconds a hundred thousand rows, and the job releases nothing until it is read."""
+
+        said = [0]
+
+        def say(done: int) -> None:
+            if done - said[0] < ROWS_AT_A_TIME and done < total:
+                return
+            said[0] = done
+            log.info(
+                "release %s: %d of %d buffer rows read, %.1f s",
+                self.topic.name,
+                done,
+                total,
+                time.monotonic() - since,
+            )
+
+        return say
 
     def _cap(self) -> int:
         """max_per_trigger, and with max_rate a token bucket holding at most 1 s of tokens."""
@@ -423,18 +488,20 @@ class Releaser:
         return first is not None and bound is not None and first <= bound
 
     def _produce(self, messages: list[Message]) -> None:
-        """Send in order and wait for every ack; `PartlySent` if any send failed."""
+        """Send in order and wait for every ack, `send_wait_s` at most in all; `PartlySent`
+        if any send failed or was not answered in that time."""
         producer = self.producer()
         futures: list[FutureRecordMetadata] = []
+        deadline = time.monotonic() + send_wait_s()
         try:
             for m in messages:
                 key, value, headers = output_record(m, self.kind)
                 futures.append(producer.send(self.output, key=key, value=value, headers=headers))
-            wait_sent(producer, futures)
+            wait_sent(producer, futures, max(deadline - time.monotonic(), 0.0))
         except Exception as e:
             # A send that raised left the earlier ones in flight: their outcome first.
             with contextlib.suppress(Exception):
-                producer.flush(timeout=SEND_TIMEOUT_S)
+                producer.flush(timeout=max(deadline - time.monotonic(), 0.0))
             # A message the producer never took comes after every one it did: none
             # acknowledged follows it in any partition.
             partitions = [f._produce_future.topic_partition for f in futures]
@@ -475,7 +542,10 @@ class Releaser:
     def sender(self) -> TimedSender:
         if self._sender is None:
             self._sender = TimedSender(
-                self.producer(), self.output, lambda m: output_record(m, self.kind)
+                self.producer(),
+                self.output,
+                lambda m: output_record(m, self.kind),
+                send_wait_s(),
             )
         return self._sender
 
@@ -680,12 +750,14 @@ class Releaser:
             if self._sender is not None:
                 self._sender.stop()
                 released = self._sender.take_acked()
-                if self._sender.error is not None:
+                failed = self._sender.failed
+                if failed:
                     log.warning(
-                        "release %s: %d messages not sent (%s): sent at the next start",
+                        "release %s: %d messages sent and not acknowledged (%s): sent at "
+                        "the next start",
                         self.topic.name,
-                        len(self._sender.failed),
-                        self._sender.error,
+                        len(failed),
+                        self._sender.error or f"no answer within {send_wait_s():.0f} s",
                     )
                 if released and self._last_batch is not None:
                     batch_id = max(self._last_batch, self._committed or 0)

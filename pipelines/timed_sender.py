@@ -37,11 +37,16 @@ class TimedSender:
     """Sends scheduled messages in release order, each when the wall clock reaches its key."""
 
     def __init__(
-        self, producer: KafkaProducer, topic: str, record: Callable[[Message], Record]
+        self,
+        producer: KafkaProducer,
+        topic: str,
+        record: Callable[[Message], Record],
+        wait_s: float,
     ) -> None:
         self._producer = producer
         self._topic = topic
         self._record = record
+        self._wait_s = wait_s  # `stop`'s wait for Kafka's answers
         self._cv = threading.Condition()
         self._queue: list[tuple[Order, Message]] = []
         self._sends: list[_Send] = []  # in send order
@@ -95,13 +100,15 @@ class TimedSender:
         )
 
     def stop(self) -> list[Message]:
-        """Stop sending; wait for the acks of what was sent. Returns the unsent messages."""
+        """Stop sending; wait for the acks of what was sent, `wait_s` at most: a send
+        not answered by then stays among `failed`. Returns the unsent messages."""
         with self._cv:
             self._stopping = True
             self._cv.notify()
         self._thread.join()
-        with contextlib.suppress(Exception):  # after an error, each future says its own
-            self._producer.flush()
+        # After an error each future says its own; past the wait, the producer is stuck.
+        with contextlib.suppress(Exception):
+            self._producer.flush(timeout=self._wait_s)
         with self._cv:
             unsent = [m for _, m in sorted(self._queue)]
             self._queue.clear()

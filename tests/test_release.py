@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -21,7 +24,8 @@ from conftest import run_to_end, wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.admin import NewTopic
 from kafka.consumer.fetcher import ConsumerRecord
 from kafka.errors import KafkaTimeoutError, MessageSizeTooLargeError
 from kafka.producer.future import FutureProduceResult, FutureRecordMetadata
@@ -36,9 +40,12 @@ from dejaq.conf.tables import (
     Table,
     ensure_table,
 )
+from dejaq.jobs import embedded_kafka
+from dejaq.jobs.children import stop
+from dejaq.jobs.ports import free_port
 from dejaq.jobs.release import summary
 from dejaq.jobs.stopping import stop_between_batches
-from dejaq.pipelines import release
+from dejaq.pipelines import pending, release
 from dejaq.pipelines.ingest import IngestJob
 from dejaq.pipelines.pending import Message, PendingSet
 from dejaq.pipelines.release import (
@@ -98,10 +105,12 @@ def add_buffer(
     payload_bytes: int | None = None,
     trace: Callable[[int], bytes | None] = lambda o: f"t{o}".encode(),
     bare: frozenset[int] = frozenset(),
+    more_headers: tuple[tuple[str, bytes], ...] = (),
 ) -> list[str]:
     """Append buffer rows as ingest would write them; return their ids in offset order.
     `payload_bytes`: payloads of that size; `trace`: the "trace" header's value; `bare`:
-    the offsets whose records have neither key nor value."""
+    the offsets whose records have neither key nor value; `more_headers`: every
+    record's headers after "trace"."""
     now = dt.datetime.now(dt.UTC)
     n = len(sort_keys)
     offsets = range(first_offset, first_offset + n)
@@ -122,7 +131,10 @@ def add_buffer(
             else b"x" * payload_bytes
             for o in offsets
         ],
-        "headers": [[{"key": "trace", "value": trace(o)}] for o in offsets],
+        "headers": [
+            [{"key": k, "value": v} for k, v in (("trace", trace(o)), *more_headers)]
+            for o in offsets
+        ],
         "source_topic": ["in"] * n,
         "source_partition": [0] * n,
         "source_offset": list(offsets),
@@ -235,15 +247,17 @@ def refused_without_take_over(s: Settings, conf: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
+    assert "Reschedules and priorities given with a nack" in result.stderr, result.stderr
 
 
 def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
-    kafka_bootstrap, topic_factory, tmp_path
+    kafka_bootstrap, topic_factory, tmp_path, caplog
 ):
     """A topic switched from delivery: lease: its ledger holds the brokers' checkpoints,
     and their Raft state what the ledger does not yet. The release refuses it, before
     Spark starts, until told it takes over; then it releases, and owns the topic until
-    the brokers checkpoint it again."""
+    the brokers checkpoint it again. A reschedule the brokers held is not carried (it
+    never reaches the ledger): the refusal and the take-over's log say so."""
     from dejaq.broker.state.leases import TopicState
     from dejaq.broker.storage.ledger_writer import checkpoint
 
@@ -254,16 +268,20 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     state = TopicState(4, 5)
     state.lease("w", 0, 1000, [(written[0], 0, 3)])
     assert state.ack("w", 1, [written[0]]) == {}
+    assert state.reschedule(written[2], 0) is None  # ahead of written[1], in Raft only
     checkpoint(s.warehouse, "jobs", state.events)
     refused_without_take_over(s, conf)
-    releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    with caplog.at_level("WARNING", logger="dejaq.release"):
+        releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    assert "taken over from the lease broker; Reschedules and priorities" in caplog.text
     output = Output(kafka_bootstrap, out, 1)
     try:
         run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
-        assert ids(output.wait_for(2)) == [written[1], written[2]], "the acked one is not"
+        released = ids(output.wait_for(2))
     finally:
         releaser.finish()
         output.close()
+    assert released == [written[1], written[2]], "the acked one is not; at buffered keys"
     Releaser(s, s.topic("jobs")).finish()  # taken over: its topic, no flag needed
     # Handed back to the brokers, whose checkpoints move their tag on: taken over again.
     state.lease("w", 2, 1000, [("again-0", 0, 9)])
@@ -561,6 +579,27 @@ def test_event_time_sorts_within_the_lateness_bound_and_writes_late_ones(
     assert ids(records)[-1] == late[0] and stats.late == 1, "late: written at once, counted"
     assert times[:-1] == sorted(times[:-1]), "on time: in event-time order"
     assert max(times[:-1]) <= top - 100
+
+
+def test_a_start_says_its_progress_reading_the_buffer(tmp_path, monkeypatch, caplog):
+    """A start takes the whole buffer's pending rows in before it releases anything,
+    seconds a hundred thousand rows: it says so, and its progress, a slice at a time
+    (two rows here, thousands in production). Nothing is sent, so no Kafka runs."""
+    monkeypatch.setattr(pending, "ROWS_AT_A_TIME", 2)
+    monkeypatch.setattr(release, "ROWS_AT_A_TIME", 2)
+    s = settings_for(tmp_path, "127.0.0.1:9", "priority", "out")
+    add_buffer(s, "priority", [5, 4, 3, 2, 1])
+    releaser = Releaser(s, s.topic("jobs"))
+    with caplog.at_level("INFO", logger="dejaq.release"):
+        releaser.refresh()
+        releaser.refresh()  # later reads say nothing
+    first, *lines = [r.getMessage().split(", ")[0] for r in caplog.records]
+    assert first == "release jobs: reading the buffer's pending rows"
+    assert all(re.fullmatch(r"release jobs: \d of 5 buffer rows read", line) for line in lines)
+    done = [int(line.split()[2]) for line in lines]
+    assert len(done) >= 2 and done[-1] == 5, "a line per slice, the last at the end"
+    assert all(b - a >= 2 for a, b in itertools.pairwise(done)), "a slice apart"
+    assert len(releaser.pending) == 5
 
 
 def test_the_summary_at_exit_counts_every_batch_not_only_those_kept(
@@ -922,6 +961,53 @@ def test_a_null_header_value_leaves_empty_and_holds_nothing_back(
     assert sorted(ledger_released(s)) == sorted(written)
 
 
+@pytest.mark.parametrize("kind", ["priority", "timeline", "event_time"])
+def test_a_record_keeps_its_own_headers_and_leaves_with_the_envelope_in_force(
+    kafka_bootstrap, topic_factory, tmp_path, kind
+):
+    """The release writes the envelope as released (`dejaq-id`, the sort key in force,
+    `dejaq-source`) in place of the input's envelope headers and `dejaq-source`; every
+    other header leaves as it came, in its order, whatever its name begins with."""
+    out = topic_factory(partitions=1)
+    lateness = {"allowed_lateness_ms": 0} if kind == "event_time" else {}
+    s = settings_for(tmp_path, kafka_bootstrap, kind, out, **lateness)
+    base = int(time.time() * 1000) - 60_000 if kind != "priority" else 0
+    stale = (
+        ("dejaq-trace", b"a"),
+        ("dejaq-priority", b"9"),
+        ("dejaq-deliver-at", b"1"),
+        ("Dejaq-Tenant", b"b"),
+        ("dejaq-event-time", b"1"),
+        ("dejaq-id", b"other"),
+        ("dejaq-source", b"elsewhere/0/0"),
+        ("dejaq-", b"c"),
+    )
+    written = add_buffer(s, kind, [base + 1, base + 2], more_headers=stale)
+    releaser = Releaser(s, s.topic("jobs"))
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: len(ledger_released(s)) == len(written))
+        records = output.to_end()
+    finally:
+        releaser.finish()
+        output.close()
+    sort_key = {"priority": "dejaq-priority", "timeline": "dejaq-deliver-at"}.get(
+        kind, "dejaq-event-time"
+    )
+    assert [r.headers for r in records] == [
+        [
+            ("trace", f"t{n}".encode()),
+            ("dejaq-trace", b"a"),
+            ("Dejaq-Tenant", b"b"),
+            ("dejaq-", b"c"),
+            ("dejaq-id", mid.encode()),
+            (sort_key, str(base + 1 + n).encode()),
+            ("dejaq-source", f"in/0/{n}".encode()),
+        ]
+        for n, mid in enumerate(written)
+    ]
+
+
 @pytest.mark.parametrize("kind", ["priority", "timeline"])
 def test_a_record_of_headers_only_leaves_with_an_empty_value(
     kafka_bootstrap, topic_factory, tmp_path, kind
@@ -1015,7 +1101,7 @@ def test_the_timed_sender_takes_an_ack_only_behind_no_failure_of_its_partition(s
     ]
     answers = data.draw(st.permutations(range(len(sends))))
     producer = StandInProducer(lambda key: int(key or b"0"))
-    sender = TimedSender(producer, "out", lambda m: (m.key, m.payload, []))  # type: ignore[arg-type]
+    sender = TimedSender(producer, "out", lambda m: (m.key, m.payload, []), 5.0)  # type: ignore[arg-type]
     sender.schedule(messages)
     wait_until(lambda: len(producer.sent) == len(sends), what="every message sent")
     answered: set[int] = set()
@@ -1090,9 +1176,6 @@ def test_a_record_kafka_refuses_is_dead_lettered_and_the_rest_flow(kafka_bootstr
     record the idempotent producer held: sent again, it would stop the release there
     each time. It goes to the dead letters whole, with the reason, and the ledger says
     it is dead; the messages before and after it are released once each, in order."""
-    from kafka import KafkaAdminClient
-    from kafka.admin import NewTopic
-
     out = f"small-{uuid.uuid4().hex[:10]}"
     admin = KafkaAdminClient(bootstrap_servers=kafka_bootstrap)
     admin.create_topics([NewTopic(out, 1, 1, topic_configs={"max.message.bytes": "10000"})])
@@ -1154,3 +1237,90 @@ def test_a_checkpoint_made_anew_releases_on_from_batch_zero(
     assert (stats.replay, stats.released) == (False, 2)
     assert ids(records) == first + later, "each once, in order"
     assert sorted(ledger_released(s)) == sorted(first + later)
+
+
+@pytest.fixture
+def own_kafka(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A Kafka of the test's own (bootstrap, its JVM), to stop with SIGSTOP: the run's
+    shared one serves the other tests."""
+    port = free_port()
+    proc = embedded_kafka.start(port, tmp_path / "kafka")
+    try:
+        yield f"127.0.0.1:{port}", proc
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)  # a stopped JVM would not act on the SIGTERM
+        stop(proc, timeout=20)
+
+
+class Job(threading.Thread):
+    """A release job on the driver, as `dejaq release` runs one: batches until all is
+    released or a batch raises (`error`), then `finish`."""
+
+    def __init__(self, releaser: Releaser) -> None:
+        super().__init__(name="release-job", daemon=True)
+        self.releaser = releaser
+        self.batch = 0  # the next batch's id
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        try:
+            while len(self.releaser.pending) or not self.releaser.idle:
+                self.releaser.run_batch(self.batch)
+                self.batch += 1
+        except Exception as e:
+            self.error = e
+        finally:
+            self.releaser.finish()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["priority", "timeline"])
+def test_kafka_gone_past_the_delivery_timeout_ends_the_job_and_a_restart_loses_nothing(
+    own_kafka, tmp_path, monkeypatch, kind
+):
+    """Kafka stops answering mid-release (its JVM SIGSTOPped) for longer than the
+    producer's delivery timeout, then answers again: kafka-python's idempotent producer
+    may then never finish a flush. The job's waits are bounded: it fails with an error
+    and its close returns, and a restart releases every message, repeating only ones
+    the ledger did not record."""
+    bootstrap, kafka = own_kafka
+    # Minutes in production, seconds here: the outage only has to outlast them.
+    monkeypatch.setattr(release, "DELIVERY_TIMEOUT_MS", 6000)
+    monkeypatch.setattr(release, "REQUEST_TIMEOUT_MS", 2000)
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    admin.create_topics([NewTopic("out", 3, 1)])
+    admin.close()
+    s = settings_for(tmp_path, bootstrap, kind, "out", max_per_trigger=300)
+    base = int(time.time() * 1000) - 600_000 if kind == "timeline" else 0
+    written = add_buffer(s, kind, [base + k for k in range(6000)], payload_bytes=1000)
+    output = Output(bootstrap, "out", 3)
+    job = Job(Releaser(s, s.topic("jobs")))
+    try:
+        job.start()
+        output.wait_for(600, timeout=120)
+        os.kill(kafka.pid, signal.SIGSTOP)
+        try:
+            time.sleep(2 * release.send_wait_s())  # the outage itself, not a wait for a state
+        finally:
+            os.kill(kafka.pid, signal.SIGCONT)
+        job.join(release.send_wait_s() + release.CLOSE_TIMEOUT_S + 60)
+        assert not job.is_alive(), "the job ends, its close included"
+        assert isinstance(job.error, RuntimeError), job.error
+        assert "sending to Kafka topic out failed" in str(job.error)
+        recorded = set(ledger_released(s))
+        assert len(recorded) < len(written), "the job failed mid-release"
+
+        again = Releaser(s, s.topic("jobs"))
+        try:
+            run_until(
+                again, lambda: not len(again.pending) and again.idle, timeout=180, first=job.batch
+            )
+        finally:
+            again.finish()
+        records = output.to_end()
+    finally:
+        output.close()
+    seen = Counter(ids(records))
+    assert set(seen) == set(written), "nothing lost"
+    assert not {mid for mid, n in seen.items() if n > 1} & recorded, "the ledger's not again"
+    assert sorted(ledger_released(s)) == sorted(written)
