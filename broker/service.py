@@ -1029,7 +1029,9 @@ class Broker:
                 if repicks < REDRIVE_READS:
                     repicks += 1
                     continue
-            if time.monotonic() >= deadline:
+            # A node stopping answers its waiting polls at once: a poll cut at the stop's
+            # end would get an error, and keep the stop waiting until then.
+            if time.monotonic() >= deadline or self._stopping.is_set():
                 return b"[]"
             await asyncio.sleep(LONG_POLL_STEP_S)
 

@@ -11,7 +11,7 @@ import resource
 import signal
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from functools import partial
 from pathlib import Path
@@ -90,16 +90,20 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
 @contextmanager
-def _stopping_on_signals(server: Server) -> Iterator[list[signal.Signals]]:
+def _stopping_on_signals(
+    server: Server, halt: Callable[[], None]
+) -> Iterator[list[signal.Signals]]:
     """SIGTERM (systemd, Kubernetes, `kill`) or SIGINT while inside stops the server
     taking requests and returns from its `run`, so that the node stops (`Broker.stop`)
-    and exits 0; the signals taken are listed. A second signal ends the process at
-    once: their default actions are back from the first."""
+    and exits 0; the signals taken are listed. `halt` tells the node at once, so its
+    waiting long polls answer rather than hold the stop. A second signal ends the
+    process at once: their default actions are back from the first."""
     taken: list[signal.Signals] = []
 
     def stop(sig: int, _: object) -> None:
         taken.append(signal.Signals(sig))
         server.should_exit = True
+        halt()
         for s in STOP_SIGNALS:
             signal.signal(s, signal.SIG_DFL)
 
@@ -120,23 +124,28 @@ UNBOUNDED_FILES = 1 << 20  # taken for a limit RLIM_INFINITY: Linux's default fs
 
 
 def _open_files() -> tuple[int, int]:
-    """The open-file limit before and after raising the soft one to the hard one: the
-    soft default (often 1024) is far below what a node with many long polls holds."""
+    """The open-file limit before and after raising the soft one towards the hard one:
+    the soft default (often 1024) is far below what a node with many long polls holds."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = UNBOUNDED_FILES if hard == resource.RLIM_INFINITY else hard
-    if soft != resource.RLIM_INFINITY and soft < want:
+    # The kernel may refuse the hard limit itself (macOS: OPEN_MAX, 10240): lower tries.
+    for target in (want, 1 << 16, 10240):
+        if soft == resource.RLIM_INFINITY or soft >= target:
+            break
         try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
-        except (ValueError, OSError):  # above what the kernel allows (macOS: OPEN_MAX)
-            return soft, soft
-        return soft, want
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            continue
+        return soft, target
     return soft, soft
 
 
-def connection_cap(files: int) -> int:
-    """The HTTP connections a node serves under an open-file limit of `files`."""
+def connection_cap(files: int, probe_room: int) -> int:
+    """The HTTP connections a node serves under an open-file limit of `files`, with
+    `probe_room` more for its probes: what is left for its own files is a quarter of the
+    limit, at least FILES_RESERVED; under a small limit, half of it goes to connections."""
     files = min(files, UNBOUNDED_FILES)
-    return max(files - max(FILES_RESERVED, files // 4), 1)
+    return max(files - max(FILES_RESERVED, files // 4) - probe_room, files // 2, 1)
 
 
 def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -216,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from dejaq.broker.api.app import create_app
-    from dejaq.broker.api.http_server import SETTINGS, Server
+    from dejaq.broker.api.http_server import PROBE_ROOM, SETTINGS, Server
     from dejaq.broker.service import Broker, Producer
     from dejaq.broker.state.data_dir import DataDirError
     from dejaq.broker.storage.head_store import ReserveReached
@@ -287,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger(LOAD_LOGGER).setLevel(logging.INFO)  # a start's load, as it goes
     was, files = _open_files()
-    cap = connection_cap(files)
+    cap = connection_cap(files, PROBE_ROOM)
     print(
         f"broker {args.node_id}: open files {files}"
         + (f" (raised from {was})" if files != was else "")
@@ -351,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
             f"(listening on {args.http}) raft {args.raft}",
             flush=True,
         )
-        with _stopping_on_signals(server) as signals:
+        with _stopping_on_signals(server, broker.halt) as signals:
             try:
                 server.run(sockets)
             finally:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import uvicorn
+from conftest import wait_until
 
 from dejaq.broker.api import http_server
 from dejaq.broker.api.http_server import SETTINGS, GatheringTransport
@@ -226,3 +227,52 @@ def test_a_body_answered_before_it_was_read_is_discarded_only_so_far(server: str
             while sent < big:
                 sent += endless.send(b"x" * 65536)
     assert sent < 16 * http_server.DISCARD_MAX_BYTES, f"{sent} bytes read and discarded"
+
+
+@contextlib.contextmanager
+def _capped(cap: int) -> Iterator[str]:
+    """A real uvicorn on the broker's settings, capped at `cap` connections."""
+    port = free_port()
+    config = uvicorn.Config(
+        app, host="127.0.0.1", port=port, lifespan="off", limit_concurrency=cap, **SETTINGS
+    )
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    wait_for_port(port, timeout=30, what="uvicorn")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+    assert not thread.is_alive()
+
+
+def test_a_connection_served_within_the_cap_stays_served_past_it(monkeypatch) -> None:
+    """Idle connections past the cap must not turn away a worker already served (its
+    acks delayed past its leases); a request on a connection opened past it gets the 503
+    that applied nothing, a probe's still answers, and once the crowd has gone a new
+    connection is served again."""
+    monkeypatch.setattr(http_server, "PROBE_ROOM", 2)
+    with _capped(2) as url, httpx.Client(base_url=url) as kept:
+        assert kept.get("/fixed").status_code == 200  # opened within the cap
+        host, port = url.removeprefix("http://").split(":")
+        crowd = [socket.create_connection((host, int(port)), timeout=10) for _ in range(2)]
+        try:
+            with httpx.Client(base_url=url) as late:
+                # Over the cap, within its probe room: served by a probe's path only.
+                answer = late.get("/fixed")
+                assert answer.status_code == 503, answer.text
+                assert answer.headers[http_server.NOT_APPLIED] == "connections"
+                assert answer.json()["title"] == "node full"
+                assert late.get("/healthz").status_code == 200
+            assert kept.get("/fixed").status_code == 200
+        finally:
+            for sock in crowd:
+                sock.close()
+        with httpx.Client(base_url=url) as later:
+            wait_until(
+                lambda: later.get("/fixed").status_code == 200,
+                timeout=10,
+                what="a new connection served once the crowd's closes landed",
+            )

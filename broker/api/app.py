@@ -37,6 +37,7 @@ from dejaq.broker.api.access import (
 from dejaq.broker.api.body_limits import BodyLimits, largest_body
 from dejaq.broker.api.dependencies import NOT_LEADER, PROBLEM, ForwardToLeader, problem
 from dejaq.broker.api.hotpath import HotPath
+from dejaq.broker.api.http_server import NOT_APPLIED
 from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.replayed_body import client_watch
 from dejaq.broker.api.routers import (
@@ -165,9 +166,7 @@ async def _forward(request: Request, exc: Exception) -> Response:
         if _not_leader(answer) and time.monotonic() < deadline:
             await asyncio.sleep(LEADER_POLL_S)  # it stepped down before taking the request
             continue
-        keep = {
-            k: v for k, v in answer.headers.items() if k.lower() in ("content-type", "retry-after")
-        }
+        keep = {k: v for k, v in answer.headers.items() if k.lower() in _RELAYED_HEADERS}
         if not answer.is_success:
             return Response(answer.content, status_code=answer.status_code, headers=keep)
         for name in ("content-length", "content-encoding"):  # of the bytes relayed as they are
@@ -180,6 +179,11 @@ async def _forward(request: Request, exc: Exception) -> Response:
             headers=keep,
             background=BackgroundTask(answer.aclose),
         )
+
+
+# The leader's headers a forwarded answer carries: with `dejaq-not-applied` (a leader
+# starting or full), the client sends the request elsewhere, as it would asked directly.
+_RELAYED_HEADERS = frozenset({"content-type", "retry-after", NOT_APPLIED})
 
 
 async def _relayed(answer: httpx.Response) -> AsyncIterator[bytes]:

@@ -158,9 +158,13 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
     bounded in time and size, and its body in idle time, and the server's connections
     capped by uvicorn's `limit_concurrency`.
 
-    Past the cap a request gets a 503 that applied nothing, but a probe's, answered up to
-    PROBE_ROOM connections further; past those a connection gets the 503 as it opens.
-    (uvicorn's own check would answer the probes 503 too.)
+    A connection opened within the cap is served for as long as it stays open: a burst of
+    new or idle ones must not turn away the workers already served, whose acks a 503
+    would delay past their leases. A request on a connection opened past the cap gets a
+    503 that applied nothing (and the connection closes), unless the node is back within
+    the cap or it is a probe's, answered up to PROBE_ROOM connections further; past those
+    a connection gets the 503 as it opens. (uvicorn's own check would answer the probes
+    503 too.)
 
     A request notes when its head began and when its body last moved, and one timer per
     connection looks at both: a timer armed and cancelled per request would cost each
@@ -171,6 +175,7 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
     _body_at: float | None = None  # loop time its body last moved, None unless arriving
     _discarded = 0  # bytes of the body arriving after its answer (`DISCARD_MAX_BYTES`)
     _look_due: asyncio.TimerHandle | None = None
+    _admitted = True  # opened within the connection cap
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -181,6 +186,7 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
         gathering: Any = GatheringTransport(transport, self.loop)
         super().connection_made(gathering)
         cap = self.max_connections
+        self._admitted = cap is None or len(self.connections) <= cap
         if cap is not None and len(self.connections) > cap + PROBE_ROOM:
             _warn_full(cap)
             headers, body = _full(cap)
@@ -218,7 +224,12 @@ class GatheringHttpToolsProtocol(HttpToolsProtocol):
         self._head_since = None
         self._body_at = self.loop.time()
         cap = self.max_connections
-        if cap is None or len(self.connections) <= cap or self.url.split(b"?")[0] in PROBES:
+        if (
+            cap is None
+            or self._admitted
+            or len(self.connections) <= cap
+            or self.url.split(b"?")[0] in PROBES
+        ):
             return super().on_headers_complete()
         _warn_full(cap)
         app, self.app = self.app, _FullApp(cap)
