@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kafka import KafkaProducer, TopicPartition
+from kafka.errors import KafkaTimeoutError
 
 from dejaq.pipelines.kafka_sink import in_partition_order
 from dejaq.pipelines.pending import Message, Order
@@ -31,6 +32,7 @@ class _Send:
     message: Message
     partition: TopicPartition | None = None
     acked: bool | None = None
+    sent_at: float = 0.0  # monotonic
 
 
 class TimedSender:
@@ -46,7 +48,7 @@ class TimedSender:
         self._producer = producer
         self._topic = topic
         self._record = record
-        self._wait_s = wait_s  # `stop`'s wait for Kafka's answers
+        self._wait_s = wait_s  # the longest a send waits for Kafka's answer
         self._cv = threading.Condition()
         self._queue: list[tuple[Order, Message]] = []
         self._sends: list[_Send] = []  # in send order
@@ -80,8 +82,20 @@ class TimedSender:
 
     @property
     def error(self) -> BaseException | None:
-        """The first send error: sending stopped at it."""
+        """The first send error, or a send Kafka has not answered within `wait_s`:
+        sending stopped at it. A producer can be stuck for good (kafka-python's
+        idempotent one, after Kafka was unreachable past its delivery timeout), and the
+        job would go on scheduling sends that never end."""
         with self._cv:
+            if self._error is None:
+                now = time.monotonic()
+                late = next((s for s in self._sends if s.acked is None), None)
+                if late is not None and now - late.sent_at > self._wait_s:
+                    self._error = KafkaTimeoutError(
+                        f"Kafka has not answered a send to {self._topic} for "
+                        f"{now - late.sent_at:.0f} s"
+                    )
+                    self._cv.notify()
             return self._error
 
     @property
@@ -123,7 +137,7 @@ class TimedSender:
                 continue
             wait_ms = self._queue[0][1].sort_key - time.time() * 1000
             if wait_ms <= 0:
-                send = _Send(heapq.heappop(self._queue)[1])
+                send = _Send(heapq.heappop(self._queue)[1], sent_at=time.monotonic())
                 self._sends.append(send)
                 return send
             self._cv.wait(wait_ms / 1000)

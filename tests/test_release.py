@@ -1324,3 +1324,20 @@ def test_kafka_gone_past_the_delivery_timeout_ends_the_job_and_a_restart_loses_n
     assert set(seen) == set(written), "nothing lost"
     assert not {mid for mid, n in seen.items() if n > 1} & recorded, "the ledger's not again"
     assert sorted(ledger_released(s)) == sorted(written)
+
+
+def test_a_timed_send_kafka_never_answers_stops_the_sender_with_an_error() -> None:
+    """A producer stuck for good (kafka-python's idempotent one after a long outage:
+    made here by a stand-in whose sends the test never answers, as a real one cannot be
+    made stuck on demand) would leave the timeline job running and releasing nothing.
+    Past its wait, an unanswered send is the sender's error, the job's end, and the
+    message is among the failed, to be sent again by the next start."""
+    producer = StandInProducer()
+    sender = TimedSender(producer, "out", lambda m: (m.key, m.payload, []), 0.2)  # type: ignore[arg-type]
+    due = Message("m0", 0, 0, b"k", b"", [], "in", 0, 0)
+    sender.schedule([due])
+    wait_until(lambda: len(producer.sent) == 1, what="the message sent")
+    assert isinstance(wait_until(lambda: sender.error, what="the error"), KafkaTimeoutError)
+    assert "has not answered a send to out" in str(sender.error)
+    assert sender.stop() == []
+    assert sender.take_acked() == [] and sender.failed == [due]
