@@ -1177,12 +1177,23 @@ class Broker:
                 errors=[{"loc": ["body", "confirm"], "msg": "must be the topic's name"}],
             )
         cancelled = 0
+        index = self.indexes[topic]
         for _ in range(REDRIVE_READS):
-            state = self.state(topic)
-            upto = state.trimmed_upto()
-            pending = await asyncio.to_thread(self.indexes[topic].pending, state)
+            pending = await asyncio.to_thread(index.pending, self.state(topic))
             for i in range(0, len(pending), OPS_SLICE):
-                chunk = pending[i : i + OPS_SLICE]
+                # Checked again here, on the event loop, where no trim is half applied:
+                # the walk may have listed a message a trim forgot meanwhile (settled
+                # then), which the index no longer holds. The chunk is then a list taken
+                # at this trim, which the command refuses only if another passes it.
+                state = self.state(topic)
+                chunk = [
+                    (mid, bucket, key)
+                    for mid, bucket, key in index.held(pending[i : i + OPS_SLICE])
+                    if mid not in state.settled and mid not in state.leases
+                ]
+                if not chunk:
+                    continue
+                upto = state.trimmed_upto()
                 done = await self._commit(topic, "purge", now_ms(), upto, chunk)
                 if done is None:  # trimmed since the list was taken: list the rest again
                     break

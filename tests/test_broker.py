@@ -692,6 +692,74 @@ def test_a_consumer_the_heartbeat_expiry_removed_hands_its_leases_back_when_it_l
     assert st.lease_of("m") is None and sorted(st.buckets_of("a")) == [0, 1]
 
 
+class Overtaken:
+    """A spy: a topic's state as a walk off the event loop reads it, `land` run each
+    time the walk reads what is settled, after it copied the index's entries."""
+
+    def __init__(self, state: TopicState, land: Callable[[], None]) -> None:
+        self._state, self._land = state, land
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._state, name)
+
+    @property
+    def settled(self) -> Any:
+        self._land()
+        return self._state.settled
+
+
+def test_a_purge_whose_listing_a_trim_overtook_cancels_what_is_still_pending(
+    tmp_path: Path,
+) -> None:
+    """The purge lists the pending off the event loop, while checkpoints trim: a message
+    settled, checkpointed and trimmed during the walk is on its list though settled. It
+    is left out once seen gone from the index, and the rest cancelled, not the purge
+    refused as listed before a trim, over and over while trims go on."""
+    import asyncio
+
+    async def scenario(broker: Any) -> tuple[int, list[str]]:
+        loop = asyncio.get_running_loop()
+        index = broker.indexes["jobs"]
+        walk = index.pending
+        overtaken: list[str] = []
+
+        def trimmed() -> None:  # the next message cancelled, checkpointed and forgotten
+            mid = f"m{len(overtaken)}"
+            overtaken.append(mid)
+            asyncio.run_coroutine_threadsafe(broker.cancel("jobs", mid), loop).result(10)
+            wait_until(lambda: index.row(mid) is None, 30, f"{mid} checkpointed")
+
+        index.pending = lambda state: walk(Overtaken(state, trimmed))
+        return await broker.purge("jobs", "jobs"), overtaken
+
+    cancelled, overtaken = on_one_node(tmp_path, scenario)
+    assert (cancelled, overtaken) == (2, ["m0"]), "m1 and m2, on the first listing"
+
+
+def test_a_topics_counts_leave_out_what_a_trim_forgot_during_their_walk(tmp_path: Path) -> None:
+    """Messages settled (a purge) and checkpointed while the counts walk the index are
+    not counted as pending, though no longer in the settled set when the walk gets there."""
+    import asyncio
+
+    from dejaq.broker.service import now_ms
+
+    async def scenario(broker: Any) -> tuple[int, int]:
+        index = broker.indexes["jobs"]
+        assert await broker.purge("jobs", "jobs") == 3
+        landed: list[bool] = []
+
+        def trimmed() -> None:
+            if not landed:
+                landed.append(True)
+                wait_until(lambda: index.row("m0") is None, 30, "the purge checkpointed")
+
+        state = Overtaken(broker.state("jobs"), trimmed)
+        counts, _ = await asyncio.to_thread(index.stats, state, now_ms())
+        return counts[0].pending, len(landed)
+
+    assert on_one_node(tmp_path, scenario) == (0, 1)
+
+
 def test_a_message_named_twice_in_one_request_is_settled_and_counted_once(tmp_path: Path) -> None:
     """By id and by receipt: the answer's count is of messages, not of names."""
 

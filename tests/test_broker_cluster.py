@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import http.client
 import itertools
 import json
 import os
@@ -71,6 +72,8 @@ def write_conf(
         f"  - {{name: hot, kind: priority, source: [{source}], buckets: 2}}\n"
         f"  - {{name: left, kind: priority, source: [{source}], buckets: 2}}\n"
         f"  - {{name: slash, kind: priority, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: long, kind: priority, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: poll, kind: priority, source: [{source}], buckets: 2}}\n"
     )
     return conf
 
@@ -203,7 +206,8 @@ def test_expiry_nack_extend_reject_cancel_reschedule(three) -> None:
     assert lease_all(client, url, "w") == {"t0": 2}, "nacked: at once, deliveries + 1"
     # t2's lease (300 ms) expires: it comes back with deliveries 2.
     assert wait_until(lambda: lease_all(client, url, "w"), timeout=10, what="expiry") == {"t2": 2}
-    assert client.delete(f"{url}/messages/t3").status_code == 204
+    cancelled = client.delete(f"{url}/messages/t3")
+    assert cancelled.status_code == 204 and "content-type" not in cancelled.headers, "no body"
     assert client.get(f"{url}/messages/t3").json()["status"] in ("cancelled", "settled")
     assert client.patch(f"{url}/messages/t3", json={"deliver_at": now}).status_code == 409
     assert client.patch(f"{url}/messages/t0", json={"priority": 3}).status_code == 422
@@ -235,6 +239,74 @@ def test_ids_holding_a_slash_name_their_message_and_consumer(three) -> None:
         assert joined.consumer_id == "svc/1" and joined.buckets == [0, 1]
         assert [m.id for m in c.lease("slash", "svc/1", 5)] == ["a/b/1"]
         assert c.leave("slash", "svc/1") == Left(consumer_id="svc/1", released=1)
+
+
+def test_a_topic_describes_itself_after_a_message_of_a_long_id_is_cancelled(three) -> None:
+    """An id past the id column's width is kept whole apart, the column holding its
+    digest; once its cancel is checkpointed that copy is gone, and the description of
+    the topic, which walks the bucket the message's entry stays in, counts the rest."""
+    nodes, client, warehouse = three
+    long_id = "L" * 999 + "0"
+    for prefix, key in (("short", 5), ("L" * 999, 6), ("mid", 7)):
+        fill(warehouse, "long", buffer_rows([key], prefix=prefix, bucket_of=lambda i: 0))
+    url = f"{leader_of(nodes, client).url}/v1/topics/long"
+
+    def pending(mid: str) -> bool:
+        return client.get(f"{url}/messages/{mid}").json().get("status") == "pending"
+
+    wait_until(lambda: all(map(pending, ["short0", long_id, "mid0"])), 10, "the rows indexed")
+    assert client.delete(f"{url}/messages/{long_id}").status_code == 204
+    # Checkpointed: only the ledger's fact is left of it, the index holds no row.
+    wait_until(
+        lambda: client.get(f"{url}/messages/{long_id}").json()["bucket"] is None,
+        20,
+        "the cancel checkpointed",
+    )
+    described = client.get(url)
+    assert described.status_code == 200, described.text
+    assert described.json()["pending"] == 2
+
+
+def test_a_followers_long_poll_waits_as_long_as_the_leader_reads_its_wait(three) -> None:
+    """`wait_ms` as the leader's validation takes it (2500.0, "2500", 2.5e3 are all
+    2500): past the 2 s a follower gives a stalled leader, the poll is answered."""
+    nodes, client, _ = three
+    url = f"{follower(nodes, client).url}/v1/topics/poll/leases"
+    for wait in ("2500.0", '"2500"', "2.5e3"):
+        began = time.monotonic()
+        got = client.post(
+            url,
+            content=f'{{"consumer_id": "p", "wait_ms": {wait}}}'.encode(),
+            headers={"content-type": "application/json"},
+        )
+        assert got.status_code == 200, (wait, got.text)
+        assert got.json() == {"messages": []} and time.monotonic() - began >= 2.5
+
+
+def test_a_follower_forwards_a_path_or_query_with_characters_http_clients_encode(three) -> None:
+    """A raw `"`, `{`, `}` or backtick in a path, or `"` in a query, reach the leader
+    percent-encoded, naming the same message; only `.` and `..` segments, which HTTP
+    clients drop, are refused."""
+    nodes, client, warehouse = three
+    fill(warehouse, "slash", buffer_rows([5], prefix='q"{`}', bucket_of=lambda i: 0))
+    host, port = follower(nodes, client).url.removeprefix("http://").rsplit(":", 1)
+
+    def get(target: str) -> tuple[int, dict]:
+        conn = http.client.HTTPConnection(host, int(port), timeout=10)
+        try:
+            conn.request("GET", target)  # sent as written, not encoded as httpx would
+            answer = conn.getresponse()
+            return answer.status, json.loads(answer.read())
+        finally:
+            conn.close()
+
+    leader = f"{leader_of(nodes, client).url}/v1/topics/slash/messages/q%22%7B%60%7D0"
+    wait_until(lambda: client.get(leader).status_code == 200, 10, "the message indexed")
+    status, body = get('/v1/topics/slash/messages/q"{`}0?x="')
+    assert status == 200, body
+    assert body["id"] == 'q"{`}0' and body["status"] == "pending"
+    status, body = get("/v1/topics/slash/messages/a/../q0")
+    assert status == 400 and body["title"] == "invalid path"
 
 
 _examples = itertools.count()
@@ -432,6 +504,41 @@ def test_bad_input_gets_problem_details(three, kafka_bootstrap: str, kafka_sourc
         assert response.status_code == status, response.text
         assert response.headers["content-type"] == PROBLEM
         assert response.json()["status"] == status
+
+    json_ = {"content-type": "application/json"}
+
+    def post(path: str, body: dict) -> httpx.Response:  # "\ud800" as JSON escapes it
+        return client.post(f"{base}/{path}", content=json.dumps(body).encode(), headers=json_)
+
+    lone = {"payload": "", "headers": {"a": "\ud800"}}
+    cursor = base64.urlsafe_b64encode(b"[" * 2000).decode()
+    now = int(time.time() * 1000)
+    named = [
+        (post("jobs/messages", {**lone, "priority": 1}), "header 'a'"),
+        (post("jobs/messages/batch", {"messages": [{**lone, "priority": 1}]}), "header 'a'"),
+        (post("jobs/schedules", {**lone, "cron": "* * * * *"}), "header 'a'"),
+        (client.get(f"{base}/jobs/dead-letters", params={"after": cursor}), "not a cursor"),
+        (client.get(f"{base}/jobs/quarantine", params={"after": cursor}), "not a cursor"),
+        (
+            post("later/messages", {"payload": "", "deliver_at": now, "priority": 1}),
+            "topic later is a timeline topic: it takes deliver_at",
+        ),
+        (
+            post("jobs/messages", {"payload": "", "priority": 1, "deliver_at": now}),
+            "topic jobs is a priority topic: it takes priority",
+        ),
+    ]
+    for kind in (None, "text/plain"):
+        unread = client.post(
+            f"{base}/jobs/leases",
+            content=b'{"consumer_id": "x"}',
+            headers={"content-type": kind} if kind else {},
+        )
+        named.append((unread, "the body must be JSON, with content-type application/json"))
+    for response, named_in_detail in named:
+        assert response.status_code == 422, response.text
+        assert response.headers["content-type"] == PROBLEM
+        assert named_in_detail in response.json()["detail"]
 
 
 def test_a_body_larger_than_its_route_takes_is_refused_as_it_comes(three) -> None:
@@ -657,6 +764,17 @@ def test_health_readiness_metrics_and_openapi(three) -> None:
     assert info["topics"]["jobs"]["ledger_lag"]["checkpoint_failures"] == 0
     spec = client.get(f"{leader.url}/openapi.json").json()
     assert "/v1/topics/{topic}/leases" in spec["paths"]
+    problem_schema = {"schema": {"$ref": "#/components/schemas/ProblemDetail"}}
+    for path, operations in spec["paths"].items():
+        for method, operation in operations.items():
+            answers = operation["responses"]
+            for code, answer in answers.items():  # as sent (`test_bad_input_gets_...`)
+                if code >= "400":
+                    assert answer["content"] == {PROBLEM: problem_schema}, (path, method, code)
+            if "requestBody" in operation:
+                assert {"400", "413", "422"} <= set(answers), (path, method)
+    assert "200" in spec["paths"]["/v1/topics/{topic}/schedules"]["post"]["responses"]
+    assert "409" in spec["paths"]["/v1/topics/{topic}/dead-letters/redrive"]["post"]["responses"]
     page = client.get(f"{leader.url}/docs")
     assert page.status_code == 200
     assets = re.findall(r'(?:src|href)="([^"]+)"', page.text)

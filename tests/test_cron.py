@@ -421,6 +421,21 @@ def test_unknown_and_non_cron_topics_are_404(crons) -> None:
         assert client.get(f"{node.url}/v1/topics/{topic}/schedules").status_code == 404
 
 
+def test_a_produce_to_a_cron_topic_takes_a_deliver_at_and_names_its_kind(crons) -> None:
+    """A message produced to a cron topic is delivered by its deliver_at, as the
+    occurrences are: without one, or with a priority, it is refused naming the kind."""
+    nodes, client, _ = crons
+    url = f"{follower(nodes, client).url}/v1/topics/crud/messages"
+    now = int(time.time() * 1000)
+    for body, detail in (
+        ({"payload": ""}, "topic crud is a cron topic"),
+        ({"payload": "", "deliver_at": now, "priority": 1}, "topic crud is a cron topic: it "),
+    ):
+        refused = client.post(url, json=body)
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["detail"].startswith(detail), refused.text
+
+
 @contextmanager
 def materialising(
     kafka_bootstrap: str, tmp_path: Path, topic_configs: dict[str, str] | None = None

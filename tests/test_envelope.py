@@ -11,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pyspark.sql import DataFrame
 
+from dejaq.broker.api.routers.messages import payload_id
+from dejaq.broker.service import Problem
 from dejaq.conf.settings import JsonFields, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, QUARANTINE_SCHEMA
 from dejaq.pipelines.batch_files import buffer_part, quarantine_part
@@ -286,6 +288,37 @@ def test_json_field_mapping(spark) -> None:
         [("u-1", 12, None), ("in-0-1", 13, None), ("in-0-2", None, "missing_priority")],
         "message_id string, sort_key long, reason string",
     )
+
+
+def test_a_produce_answers_the_id_the_ingest_reads_from_the_payload(spark) -> None:
+    """On a `json_fields` topic the broker answers a produce with the id it reads from
+    the payload, as the ingest's `get_json_object` reads it: of a duplicated name, the
+    first field that holds the path; no id (the default) for a lone surrogate."""
+    path = "order.refs[1]"
+    topic = TopicConfig(
+        name="j", kind="priority", source=["in"], json_fields=JsonFields(priority="p", id=path)
+    )
+    payloads = [
+        b'{"p": 1, "order": {"refs": ["a", "b"]}}',
+        b'{"p": 1, "order": {"refs": ["a", "first"], "refs": ["a", "second"]}}',
+        b'{"p": 1, "order": {"refs": ["a", "c"]}, "order": {"refs": ["a", "d"]}}',
+        b'{"p": 1, "order": {"refs": null}, "order": {"refs": ["a", "e"]}}',
+        b'{"p": 1, "order": {"refs": ["a"]}, "order": {"refs": ["a", "f"]}}',
+        b'{"p": 1, "order": 5, "order": {"refs": ["a", 7]}}',
+        b'{"p": 1, "order": {"refs": ["a", null]}, "order": {"refs": ["a", "g"]}}',
+        b'{"p": 1, "order": {"refs": ["a", "\\ud800"]}, "order": {"refs": ["a", "h"]}}',
+        b'{"p": 1, "order": {"refs": ["a", "x\\udc00y"]}}',
+        '{"p": 1, "order": {"refs": ["a", "\u00e9\u20ac"]}}'.encode(),
+        b'{"p": 1}',
+    ]
+    parsed = parse(records(spark, [(b"k", p, {}) for p in payloads]), topic)
+    stored = dict(parsed.select("source_offset", "message_id").collect())
+    answered = [payload_id(p, path) or f"in-0-{i}" for i, p in enumerate(payloads)]
+    assert [stored[i] for i in range(len(payloads))] == answered
+    assert answered[1:8] == ["first", "c", "e", "f", "7", "null", "in-0-7"]
+    deep = b'{"p": 1, "order": {"refs": ["a", "b"]}, "x": ' + b"[" * 960 + b"]" * 960 + b"}"
+    with pytest.raises(Problem, match="nests too deep"):  # no id named that it may not get
+        payload_id(deep, path)
 
 
 header_values = st.one_of(

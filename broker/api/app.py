@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 import fastapi_offline
 import httpx
@@ -50,6 +51,7 @@ from dejaq.broker.api.routers import (
     schedules,
     topics,
 )
+from dejaq.broker.api.routers.leases import WAIT_MS
 from dejaq.broker.api.starting import Starting
 from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.service import Broker, Problem, Producer
@@ -80,7 +82,21 @@ async def _on_invalid(request: Request, exc: Exception) -> Response:
         {"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg", ""), "type": e.get("type")}
         for e in exc.errors()
     ]
-    return problem(422, "invalid request", "; ".join(e["msg"] for e in errors), errors=errors)
+    detail = "; ".join(e["msg"] for e in errors)
+    kind = request.headers.get("content-type", "")
+    if ["body"] in (e["loc"] for e in errors) and not _is_json(kind):
+        # FastAPI reads no body but a JSON one: its own words name the body's shape.
+        given = repr(kind) if kind else "none"
+        detail = f"the body must be JSON, with content-type application/json (given: {given})"
+    return problem(422, "invalid request", detail, errors=errors)
+
+
+def _is_json(content_type: str) -> bool:
+    """A content type FastAPI reads a body of as JSON."""
+    kind = content_type.split(";", 1)[0].strip().lower()
+    return kind == "application/json" or (
+        kind.startswith("application/") and kind.endswith("+json")
+    )
 
 
 async def _leader_address(broker: Broker, deadline: float) -> str | None:
@@ -115,8 +131,10 @@ async def _forward(request: Request, exc: Exception) -> Response:
     raw = target_of(request.scope)  # as it came: decoded once, by the leader alone
     # httpx drops `.` and `..` segments from a path: what it would send is not what this
     # node authorized (`t/consumers/../../other/messages/m` would cancel in another
-    # topic). The client sends such an id percent-encoded.
-    if httpx.URL("http://leader").copy_with(raw_path=raw).raw_path != raw:
+    # topic). The client sends such an id percent-encoded. The characters it encodes
+    # (`"`, `{`, a backtick) the leader decodes back to what this node read.
+    encoded = httpx.URL("http://leader").copy_with(raw_path=raw).raw_path
+    if unquote_to_bytes(encoded) != unquote_to_bytes(raw):
         return problem(
             400,
             "invalid path",
@@ -201,14 +219,15 @@ class ClientGone(Exception):
 
 
 def _long_poll_s(body: bytes) -> float:
-    """A request's long-poll wait (a lease's `wait_ms`), which its answer may take."""
+    """A request's long-poll wait (a lease's `wait_ms`), which its answer may take: read
+    as the leader's validation reads it, 0 where that refuses it."""
     if b'"wait_ms"' not in body:
         return 0.0
     try:
-        wait = json.loads(body).get("wait_ms", 0)
-    except (ValueError, AttributeError):
+        wait = WAIT_MS.validate_python(json.loads(body).get("wait_ms", 0))
+    except (ValueError, AttributeError, RecursionError):
         return 0.0
-    return wait / 1000 if isinstance(wait, int) and 0 <= wait <= 30_000 else 0.0
+    return wait / 1000
 
 
 async def _ask(
@@ -346,6 +365,7 @@ def create_app(broker: Broker, producer: Producer) -> FastAPI:
             conf.metrics_open,
         )
         _declare_security(app, conf.metrics_open)
+    _document_problems(app)
     return app
 
 
@@ -353,6 +373,29 @@ def _verify(broker: Broker) -> ssl.SSLContext | bool:
     """How a follower checks the leader it forwards to: the cluster's CA, if given."""
     tls = broker.conf.tls
     return ssl.create_default_context(cafile=tls.ca) if tls.ca is not None else True
+
+
+def _document_problems(app: FastAPI) -> None:
+    """The OpenAPI as the node answers: every error a problem detail under its own media
+    type (FastAPI files a response model under application/json), and what any route
+    taking a body may answer besides its own."""
+    schema = app.openapi()
+    detail = {PROBLEM: {"schema": {"$ref": "#/components/schemas/ProblemDetail"}}}
+    body_errors = {
+        "400": "the body cannot be read: not UTF-8",
+        "413": "the body is larger than the route takes",
+        "422": "the body is invalid: not JSON, sent without content-type application/json, "
+        "or not what the route takes",
+    }
+    for operations in schema["paths"].values():
+        for operation in operations.values():
+            responses = operation.setdefault("responses", {})
+            if "requestBody" in operation:
+                for code, description in body_errors.items():
+                    responses.setdefault(code, {})["description"] = description
+            for code, response in responses.items():
+                if code.startswith(("4", "5")):
+                    response["content"] = detail
 
 
 def _declare_security(app: FastAPI, metrics_open: bool) -> None:

@@ -1353,6 +1353,12 @@ class TopicIndex:
             if m not in settled and m not in leases
         ]
 
+    def held(self, picks: list[Pick]) -> list[Pick]:
+        """The picks whose messages the index still holds (not forgotten by a trim)."""
+        with self.lock:
+            tokens = self.store.tokens([mid for mid, _, _ in picks])
+        return [p for p, token in zip(picks, tokens.tolist(), strict=True) if token]
+
     def stats(self, state: TopicState, now: int) -> tuple[dict[int, Stats], int]:
         """Per-bucket pending/deliverable counts and oldest ingestion; delayed count."""
         # Walks every entry: on a copy, so the lock (and the event loop waiting for it)
@@ -1365,30 +1371,44 @@ class TopicIndex:
             parts = []
             for b in range(self.topic.buckets):
                 tokens, heap_keys = self._entries(b)
-                h = tokens & HANDLE_MASK
-                base = store.sort_key[h]
-                keys = base.copy()
+                keys = store.sort_key[tokens & HANDLE_MASK]
                 keys[len(tokens) - len(heap_keys) :] = heap_keys
-                parts.append((h, current(store.batch, tokens), keys, base, store.ingested_at[h]))
+                # The entries of freed handles are left out: a freed handle's id slot
+                # may hold the digest of a long id whose whole copy is gone.
+                live = current(store.batch, tokens)
+                tokens, keys = tokens[live], keys[live]
+                h = tokens & HANDLE_MASK
+                parts.append((tokens, h, keys, store.sort_key[h], store.ingested_at[h]))
             delayed_ids = [m for _, m in self.delayed]
-        out: dict[int, Stats] = {}
-        for b, (h, *columns) in enumerate(parts):
+        counted: list[tuple[np.ndarray, list[int], list[bool]]] = []
+        for tokens, h, *columns in parts:
             seen: set[str] = set()
-            pending = deliverable = 0
-            oldest: int | None = None
+            taken: list[int] = []
+            ingested: list[int] = []
+            ready: list[bool] = []
             mids = decode(ids, long, h)
             lists = [c.tolist() for c in columns]
-            for mid, live, key, base_key, at in zip(mids, *lists, strict=True):
-                if not live or mid in seen or mid in state.settled:
+            for token, mid, key, base_key, at in zip(tokens.tolist(), mids, *lists, strict=True):
+                if mid in seen or mid in state.settled:
                     continue
                 if mid in state.leases or key != state.sort_key(mid, base_key):
                     continue
                 seen.add(mid)
-                pending += 1
-                oldest = at if oldest is None else min(oldest, at)
-                if state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now):
-                    deliverable += 1
-            out[b] = Stats(pending, deliverable, None if oldest is None else oldest * 1000)
+                taken.append(token)
+                ingested.append(at)
+                ready.append(
+                    state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now)
+                )
+            counted.append((np.array(taken, np.int64), ingested, ready))
+        # A message a trim forgot during the walk has left the settled set, so it was
+        # counted: the index no longer holding it tells it apart.
+        with self.lock:
+            held = [current(store.batch, tokens).tolist() for tokens, _, _ in counted]
+        out: dict[int, Stats] = {}
+        for b, ((_, ingested, ready), still) in enumerate(zip(counted, held, strict=True)):
+            at = [a for a, kept in zip(ingested, still, strict=True) if kept]
+            deliverable = sum(r for r, kept in zip(ready, still, strict=True) if kept)
+            out[b] = Stats(len(at), deliverable, min(at) * 1000 if at else None)
         delayed = len({m for m in delayed_ids if m not in state.leases})
         return out, delayed
 

@@ -138,7 +138,7 @@ def _decode(cursor: str, order: list[str]) -> list[Any]:
     number of seconds in range: anything else is not a cursor a page gave."""
     try:
         values = json.loads(base64.urlsafe_b64decode(cursor.encode()))
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # nested past what json reads
         raise BadCursor("not a cursor this listing gave") from e
     if not isinstance(values, list) or len(values) != len(order):
         raise BadCursor("not a cursor this listing gave")

@@ -16,7 +16,31 @@ MAX_REQUEST_ID = 64  # characters: a uuid4's hex is 32
 RequestId = Annotated[
     str, Field(min_length=1, max_length=MAX_REQUEST_ID, pattern=r"^[\x21-\x7e]+$")
 ]
-MessageId = Annotated[str, Field(min_length=1, max_length=1000)]
+
+
+def _utf8(s: str) -> str:
+    """A JSON string may hold a lone surrogate ("\\ud800"), which no UTF-8 holds."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        raise ValueError("holds a lone surrogate, which UTF-8 cannot encode") from None
+    return s
+
+
+def _utf8_headers(headers: dict[str, str]) -> dict[str, str]:
+    for name, value in headers.items():
+        for part, s in (("name", name), ("value", value)):
+            try:
+                _utf8(s)
+            except ValueError as e:
+                raise ValueError(f"header {name!r}: its {part} {e}") from None
+    return headers
+
+
+Utf8 = Annotated[str, AfterValidator(_utf8)]
+# A message's headers, as Kafka carries them: UTF-8 names and values.
+Headers = Annotated[dict[Annotated[str, Field(max_length=200)], str], AfterValidator(_utf8_headers)]
+MessageId = Annotated[Utf8, Field(min_length=1, max_length=1000)]
 Ids = Annotated[list[MessageId], Field(min_length=1, max_length=1000)]
 MAX_EPOCH_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z: the last a Delta timestamp holds
 MAX_RECEIPT = 2**53 - 1  # exact in every JSON reader

@@ -58,11 +58,12 @@ async def purge(topic: TopicName, body: Purge, broker: LeaderBroker) -> Purged:
 @router.post(
     "/topics/{topic}/dead-letters/redrive",
     response_model=Redriven,
-    responses=problems(404, 422, 503),
+    responses=problems(404, 409, 422, 503),
 )
 async def redrive(topic: TopicName, body: Redrive, broker: LeaderBroker) -> Redriven:
     """Dead messages pending again, deliveries from 0, at a new priority or deliver_at
     if given (else the sort key they died with). Once per death: a message redriven
-    and not dead since is skipped."""
+    and not dead since is skipped. A 409 names any that died in a bucket the topic no
+    longer has."""
     count, skipped = await broker.redrive(topic, body.ids, body.priority, body.deliver_at)
     return Redriven(redriven=count, skipped={m: str(r) for m, r in skipped.items()})

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, TypeAdapter, model_validator
 
 from dejaq.broker.api.dependencies import LeaderBroker
 from dejaq.broker.api.replayed_body import client_watch
@@ -34,12 +34,16 @@ from dejaq.broker.service import Settled
 
 router = APIRouter(tags=["leases"])
 
+WaitMs = Annotated[int, Field(ge=0, le=30_000, description="long-poll up to 30 s")]
+# A follower reads a forwarded lease's wait as the leader will (2500.0 and "2500" too).
+WAIT_MS: TypeAdapter[int] = TypeAdapter(WaitMs)
+
 
 class LeaseRequest(Body):
     consumer_id: ConsumerId
     max_messages: Annotated[int, Field(ge=1, le=1000)] = 1
     lease_ms: LeaseMs | None = Field(default=None, description="default: broker.lease_ms")
-    wait_ms: Annotated[int, Field(ge=0, le=30_000, description="long-poll up to 30 s")] = 0
+    wait_ms: WaitMs = 0
     request_id: RequestId | None = Field(
         default=None,
         description="a token the client makes for this request (1-64 printable ASCII "

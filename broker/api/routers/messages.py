@@ -6,13 +6,23 @@ import base64
 import binascii
 import json
 import re
+from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, Field
 
 from dejaq.broker.api.dependencies import AnyBroker, AnyProducer, LeaderBroker
-from dejaq.broker.api.routers._common import Body, EpochMs, MessageId, Priority, TopicName, problems
+from dejaq.broker.api.routers._common import (
+    Body,
+    EpochMs,
+    Headers,
+    MessageId,
+    Priority,
+    TopicName,
+    Utf8,
+    problems,
+)
 from dejaq.broker.service import Broker, Outgoing, Problem, Producer
 from dejaq.conf.settings import JsonFields, TopicConfig, TopicKind
 
@@ -21,11 +31,11 @@ router = APIRouter(tags=["messages"])
 
 class NewMessage(Body):
     payload: str = Field(description="base64", max_length=200 * 1024 * 1024)
-    key: str | None = Field(default=None, max_length=10_000, description="bucket key, UTF-8")
+    key: Utf8 | None = Field(default=None, max_length=10_000, description="bucket key, UTF-8")
     priority: Priority | None = None
     deliver_at: EpochMs | None = None
     id: MessageId | None = Field(default=None, description="idempotency id (dejaq-id)")
-    headers: dict[Annotated[str, Field(max_length=200)], str] | None = None
+    headers: Headers | None = None
 
 
 class Batch(Body):
@@ -85,13 +95,23 @@ def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
                 f"topic {cfg.name} reads {name} from the payload's JSON field {field!r} "
                 "(json_fields): set it there, not in the request",
             )
-    if cfg.kind is TopicKind.PRIORITY and mapped.priority is None:
+    # The field a topic's kind sorts by; the other would be dropped (the ingest reads
+    # the header of its own kind only): refused rather than silently lost.
+    sorted_by = {TopicKind.PRIORITY: "priority", TopicKind.TIMELINE: "deliver_at"}
+    own = sorted_by.get(cfg.kind.sorted_as)
+    for name in ("priority", "deliver_at"):
+        if name != own and getattr(m, name) is not None:
+            takes = f"takes {own}" if own else "takes neither priority nor deliver_at"
+            raise Problem(
+                422, f"{name} does not apply", f"topic {cfg.name} is a {cfg.kind} topic: it {takes}"
+            )
+    if own == "priority" and mapped.priority is None:
         if m.priority is None:
-            raise Problem(422, "missing priority", f"topic {cfg.name} is a priority topic")
+            raise Problem(422, "missing priority", f"topic {cfg.name} is a {cfg.kind} topic")
         headers.append(("dejaq-priority", str(m.priority).encode()))
-    elif cfg.kind.sorted_as is TopicKind.TIMELINE and mapped.deliver_at is None:
+    elif own == "deliver_at" and mapped.deliver_at is None:
         if m.deliver_at is None:
-            raise Problem(422, "missing deliver_at", f"topic {cfg.name} is a timeline topic")
+            raise Problem(422, "missing deliver_at", f"topic {cfg.name} is a {cfg.kind} topic")
         headers.append(("dejaq-deliver-at", str(m.deliver_at).encode()))
     if mapped.id is not None:
         if m.id is not None:
@@ -110,37 +130,70 @@ def _envelope(m: NewMessage, cfg: TopicConfig, max_bytes: int) -> Outgoing:
     return Outgoing(None if m.key is None else m.key.encode(), payload, headers)
 
 
+class _Fields(tuple):
+    """A JSON object's fields in order, duplicates kept: the ingest reads the first."""
+
+
+_NOTHING = object()
+_JSON_KINDS = {_Fields: "an object", list: "an array", float: "a number", bool: "a boolean"}
+
+
 def payload_id(payload: bytes, path: str) -> str | None:
     """The id at the JSON `path` (`order.ref`, `refs[0]`) of a payload, as the ingest's
-    `get_json_object` reads a string or an integer; None where the path holds nothing
-    (the message gets its default id). 422 where it holds another value, or an empty
+    `get_json_object` reads a string or an integer; None where it reads nothing (the
+    message gets its default id). 422 where it holds another value, or an empty
     string: the answer could not name the id the ingest gives it."""
     try:
-        value = json.loads(payload)
-    except ValueError:
+        value = json.loads(payload.decode(), object_pairs_hook=_Fields)
+    except ValueError:  # not UTF-8 or not JSON, which the ingest reads no field of
         return None
-    for name, index in re.findall(r"([^.\[\]]*)(?:\[(\d+)\])?", path):
-        if name:
-            if not isinstance(value, dict) or name not in value:
-                return None
-            value = value[name]
-        if index:
-            if not isinstance(value, list) or int(index) >= len(value):
-                return None
-            value = value[int(index)]
-    if value is None:
+    except RecursionError:
+        raise Problem(
+            422, "invalid payload", f"the payload nests too deep to read its {path!r}"
+        ) from None
+    steps = re.findall(r"([^.\[\]]*)(?:\[(\d+)\])?", path)
+    walk = [(name, int(i) if i else None) for name, i in steps if name or i]
+    value = next(_matches(value, walk), _NOTHING)
+    if value is _NOTHING:
         return None
+    if value is None:  # an array's null element, which the ingest reads as this text
+        return "null"
     if value == "":  # the ingest quarantines it: no id an API call could name
         raise Problem(422, "invalid id", f"the payload's {path!r} is empty: give an id")
     if isinstance(value, str):
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # a lone surrogate: the ingest reads no id, as here
+            return None
         return value
     if isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     raise Problem(
         422,
         "invalid id",
-        f"the payload's {path!r} holds {type(value).__name__}: give a string or an integer",
+        f"the payload's {path!r} holds {_JSON_KINDS[type(value)]}: give a string or an integer",
     )
+
+
+def _matches(value: object, steps: list[tuple[str, int | None]]) -> Iterator[object]:
+    """The values at `steps` (name, then index) in document order, as `get_json_object`
+    walks them: every field of a duplicated name in turn, a null field matching
+    nothing, a null array element matching as null."""
+    if not steps:
+        yield value
+        return
+    (name, index), rest = steps[0], steps[1:]
+    if not name:
+        found = [value]
+    elif isinstance(value, _Fields):
+        found = [v for k, v in value if k == name and v is not None]
+    else:
+        return
+    for field in found:
+        if index is None:
+            yield from _matches(field, rest)
+        elif isinstance(field, list) and index < len(field):
+            yield from _matches(field[index], rest)
 
 
 async def _produce(topic: str, items: list[NewMessage], broker: Broker, producer: Producer):
@@ -195,6 +248,7 @@ async def peek(topic: TopicName, message_id: str, broker: LeaderBroker) -> dict:
 @router.delete(
     "/topics/{topic}/messages/{message_id:path}",
     status_code=204,
+    response_class=Response,  # no body, so no content-type
     responses=problems(404, 409, 503),
 )
 async def cancel(topic: TopicName, message_id: str, broker: LeaderBroker) -> None:
@@ -205,6 +259,7 @@ async def cancel(topic: TopicName, message_id: str, broker: LeaderBroker) -> Non
 @router.patch(
     "/topics/{topic}/messages/{message_id:path}",
     status_code=204,
+    response_class=Response,  # no body, so no content-type
     responses=problems(404, 409, 422, 503),
 )
 async def reschedule(

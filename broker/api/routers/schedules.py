@@ -15,7 +15,15 @@ from fastapi import APIRouter, Depends, Path, Request, Response
 from pydantic import AwareDatetime, BaseModel, Field, field_validator
 
 from dejaq.broker.api.dependencies import LeaderBroker, on_leader
-from dejaq.broker.api.routers._common import MAX_EPOCH_MS, Body, EpochMs, TopicName, problems
+from dejaq.broker.api.routers._common import (
+    MAX_EPOCH_MS,
+    Body,
+    EpochMs,
+    Headers,
+    TopicName,
+    Utf8,
+    problems,
+)
 from dejaq.broker.api.routers.messages import decode_payload, own_headers
 from dejaq.broker.materialiser import Materialiser
 from dejaq.broker.service import Problem, now_ms
@@ -38,8 +46,8 @@ class NewSchedule(Body):
     )
     time_zone: str = Field(default="UTC", max_length=100, description="IANA name")
     payload: str = Field(description="base64", max_length=200 * 1024 * 1024)
-    key: str | None = Field(default=None, max_length=10_000, description="bucket key, UTF-8")
-    headers: dict[Annotated[str, Field(max_length=200)], str] | None = None
+    key: Utf8 | None = Field(default=None, max_length=10_000, description="bucket key, UTF-8")
+    headers: Headers | None = None
     end: EpochMs | AwareDatetime | None = Field(
         default=None, description="epoch ms or ISO-8601 with offset: no occurrence after it"
     )
@@ -124,7 +132,10 @@ def _out(s: Schedule, now: int) -> ScheduleOut:
     "/topics/{topic}/schedules",
     response_model=ScheduleOut,
     status_code=201,
-    responses=problems(404, 409, 413, 422, 503),
+    responses={
+        200: {"model": ScheduleOut, "description": "the id exists with this definition"},
+        **problems(404, 409, 422, 503),
+    },
 )
 async def create_schedule(
     topic: TopicName,
@@ -198,6 +209,7 @@ async def get_schedule(
 @router.delete(
     "/topics/{topic}/schedules/{schedule_id}",
     status_code=204,
+    response_class=Response,  # no body, so no content-type
     responses=problems(404, 503),
     dependencies=[Depends(on_leader)],
 )
