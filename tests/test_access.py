@@ -44,6 +44,7 @@ from dejaq.broker.api.keys import (
     revoke_key,
     split_token,
 )
+from dejaq.broker.api.starting import NODE_STARTING
 from dejaq.client import Client, Forbidden, NotFound, Unauthorized, Unavailable, Worker
 from dejaq.conf.settings import TOPIC_NAME
 from dejaq.jobs import children, cluster
@@ -710,8 +711,9 @@ def test_a_node_beyond_loopback_with_keys_but_no_tls_refuses_to_start(tmp_path: 
 
 
 def started_node(args: list[str], port: int) -> subprocess.Popen:
-    """A broker node run as `dejaq <args>`, once its plain /healthz on `port` answers;
-    its stderr kept for the test to read."""
+    """A broker node run as `dejaq <args>`, once it serves on `port` (its /readyz,
+    plain HTTP, no longer says it is starting: its /healthz answers while its indexes
+    load, and every other call 503 until then); its stderr kept for the test to read."""
     node = subprocess.Popen(
         [sys.executable, "-m", "dejaq.jobs.cli", *args],
         stdout=subprocess.DEVNULL,
@@ -722,9 +724,10 @@ def started_node(args: list[str], port: int) -> subprocess.Popen:
     def healthy() -> bool:
         assert node.poll() is None, node.stderr.read() if node.stderr else ""
         try:
-            return httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            ready = httpx.get(f"http://127.0.0.1:{port}/readyz", timeout=1)
         except httpx.HTTPError:
             return False
+        return ready.status_code == 200 or ready.json().get("title") != NODE_STARTING
 
     try:
         wait_until(healthy, 60, f"the node on port {port}")
