@@ -301,7 +301,6 @@ def run(args: argparse.Namespace) -> int:
         f"broker {args.node_id}: open files {files}"
         + (f" (raised from {was})" if files != was else "")
         + f", HTTP connections up to {cap}",
-        file=sys.stderr,
         flush=True,
     )
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)

@@ -1278,7 +1278,7 @@ def test_a_node_past_its_connection_cap_answers_503_and_keeps_its_files_and_prob
     with (tmp_path / "a.log").open("w") as err:
         proc = node.proc = subprocess.Popen(
             cluster.node_command(node, [node], str(conf)),
-            stdout=subprocess.DEVNULL,
+            stdout=err,
             stderr=err,
             preexec_fn=_few_files,
         )
