@@ -65,18 +65,22 @@ def plan(
     ]
 
 
+def bindable(address: str) -> bool:
+    """Whether a server could listen on `address` ("host:port") now, binding as
+    uvicorn and PySyncObj do (SO_REUSEADDR: a port in TIME_WAIT counts as free)."""
+    host, port = address.rsplit(":", 1)
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, int(port)))
+        except OSError:
+            return False
+    return True
+
+
 def taken(nodes: list[Node]) -> list[str]:
     """The addresses of `nodes` that something already listens on."""
-    busy = []
-    for address in (a for n in nodes for a in (n.http, n.raft)):
-        host, port = address.rsplit(":", 1)
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, int(port)))
-            except OSError:
-                busy.append(address)
-    return busy
+    return [a for n in nodes for a in (n.http, n.raft) if not bindable(a)]
 
 
 def fresh(nodes: list[Node]) -> bool:

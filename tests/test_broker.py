@@ -63,6 +63,7 @@ from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger, write
 from dejaq.broker.storage.row_store import HANDLE_MASK, Heads
 from dejaq.conf.settings import ConfigError, TopicConfig
 from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.jobs.cluster import bindable
 
 _offsets = itertools.count()
 T = TypeVar("T")
@@ -2690,20 +2691,6 @@ async def _until(condition: Callable[[], object], what: str, step: float = 0.005
         await asyncio.sleep(step)
 
 
-def _raft_bindable(addr: str) -> bool:
-    """Whether a node could listen on `addr` now, binding as PySyncObj does."""
-    import socket
-
-    host, port = addr.rsplit(":", 1)
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, int(port)))
-        except OSError:
-            return False
-    return True
-
-
 async def _leader_once_attached(nodes: list) -> Any:
     """Run the nodes on the running loop; their leader, once they elect one."""
     import asyncio
@@ -3145,7 +3132,7 @@ def test_a_topic_a_nodes_file_lacks_is_kept_in_its_state_and_snapshot_from_its_c
         lacking.destroy()
         # Its accepted connections stay in FIN-WAIT-2, holding its port, until the other
         # nodes (on this loop) read their ends' close and close them too.
-        await _until(lambda: _raft_bindable(addrs[2]), "its Raft port free")
+        await _until(lambda: bindable(addrs[2]), "its Raft port free")
         nodes[2] = node(2, [t1, t2])
         nodes[2].attach(asyncio.get_running_loop())
         await _until(lambda: any(n.leading() for n in nodes), "a leader")
