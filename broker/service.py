@@ -62,6 +62,7 @@ from dejaq.broker.storage.ledger_writer import (
 )
 from dejaq.broker.storage.row_store import Row, Taken
 from dejaq.broker.streak import Streak
+from dejaq.broker.wakeups import Wakeups
 from dejaq.conf.kafka_clients import close_producer, python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
@@ -95,7 +96,18 @@ CHECKPOINT_MAX_EVENTS = 1_000_000
 # were a third of the log, and 2,000 took 15% off the CPU per message of the three nodes
 # (`bench/broker_costs.py`, 5.9-6.1 against 4.9-5.6 µs), the stalls ~1 ms.
 TRIM_SLICE = 2000
+# A long poll looks for messages again at each change of its topic (`Wakeups`), and at
+# least this often when time alone can make one leasable: a timeline's due messages, a
+# delay in force, a rate limit's refill.
 LONG_POLL_STEP_S = 0.02
+# And at least this often otherwise: a change no command or index refresh told of (none
+# known) costs a poll this much delay at most, where a step each costs the idle CPU.
+IDLE_POLL_STEP_S = 1.0
+# Commands after which a topic may hold something to lease: they end leases, move
+# messages or buckets, or lift a pause (a lease, a heartbeat or an extension do not).
+WAKING = frozenset(
+    {"ack", "reject", "nack", "leave", "expire", "reschedule", "redrive", "pause", "configure"}
+)
 # Messages per Raft command of a redrive or purge: each applies in one event-loop tick on
 # every node (about a microsecond a message), a stall of ~0.5 ms.
 OPS_SLICE = 500
@@ -263,6 +275,7 @@ class Broker:
         self._held: IO[str] | None = None  # the data dir's lock (`lock`)
         self.identity: Identity | None = None  # its data dir's (`open`)
         self._stopping = threading.Event()
+        self.wakeups = Wakeups()
         self._loader: threading.Thread | None = None  # `start_behind`'s
         # What ended a load run behind the HTTP server (`start_behind`), and what then
         # ends the node: it stops serving, then says why and exits, as `start` would.
@@ -383,6 +396,7 @@ class Broker:
             on_joined=None if identity.joined else partial(mark_joined, self.data_dir, identity),
         )
         self.raft.on_lag = self.metrics.loop_lag.observe
+        self.raft.on_committed = self._committed
         self.raft.sync.on_failure = lambda: self.on_failure()
         duties = (self._follow_tables, self._leader_duties, self._checkpoints_duty, self._retention)
         for target in duties:
@@ -408,6 +422,7 @@ class Broker:
         """The node is stopping: a load still running ends at its next slice of rows,
         Raft does not start after it, and the duties end their rounds (`stop`)."""
         self._stopping.set()
+        self.wakeups.notify_all()  # waiting polls answer at once
 
     def stop(self) -> None:
         """Stop the load if it runs, the duties, Raft and the head stores; release the
@@ -488,8 +503,8 @@ class Broker:
             for name, index in self.indexes.items():
                 try:
                     try:
-                        index.refresh()
-                        index.revive(self.state(name))
+                        if index.refresh() + index.revive(self.state(name)):
+                            self.wakeups.notify(name)
                     except ReserveReached as e:  # said once, and by readiness while it lasts
                         if name not in self.short_of_disk:
                             log.warning("%s: %s", name, e)
@@ -923,6 +938,12 @@ class Broker:
             raise Problem(404, "unknown topic", f"no lease topic named {name!r}")
         return t
 
+    def _committed(self, topic: str, op: str) -> None:
+        """A command this node committed is applied: polls waiting on its topic look
+        again if it may have made something leasable."""
+        if op in WAKING:
+            self.wakeups.notify(topic)
+
     async def _commit(self, topic: str, op: str, *args: Any) -> Any:
         """Commit a command on `topic`, named by its configured name rather than the
         request's copy: a group commit then holds one str for all its commands on the
@@ -958,9 +979,10 @@ class Broker:
         times, whatever `wait_ms`: messages are pending, and an empty answer would tell
         the worker there are none.
 
-        A poll grants nothing once `gone()` says its client has disconnected, nor once
-        its consumer has left meanwhile (it would join again): messages leased to
-        nobody wait out their lease and come back a delivery closer to dead.
+        A poll ends with nothing once `gone()` says its client has disconnected (it
+        would heartbeat a consumer that is gone), and grants nothing then, nor once its
+        consumer has left meanwhile (it would join again): messages leased to nobody
+        wait out their lease and come back a delivery closer to dead.
 
         Picks whose heads this node cannot read (its disk failing them) are pending again
         at once; the poll waits while the index reads those heads again from the buffer
@@ -985,6 +1007,9 @@ class Broker:
         first = True
         picked: float | None = None  # when picks were first found: the latency's start
         while True:
+            changed = self.wakeups.mark(topic)  # before the look: a change meanwhile sets it
+            if not first and gone():
+                return b"[]"  # its client left: the poll ends, and heartbeats nobody
             if request is not None and (again := st.again(consumer, request)) is not None:
                 return self._again(topic, again, consumer)
             now = now_ms()
@@ -1006,6 +1031,7 @@ class Broker:
                 continue
             if picks[0] and gone():
                 index.release(st, picks)
+                self.wakeups.notify(topic)  # put back: another poll may take them
                 return b"[]"
             if picks[0]:
                 picked = time.monotonic() if picked is None else picked
@@ -1019,6 +1045,7 @@ class Broker:
                 finally:
                     if type(granted) is not LeaseRecord or len(granted) < len(picks[0]):
                         index.release(st, picks)  # some to put back
+                        self.wakeups.notify(topic)
                 if type(granted) is Again:
                     return self._again(topic, granted, consumer)
                 if granted:
@@ -1033,7 +1060,14 @@ class Broker:
             # end would get an error, and keep the stop waiting until then.
             if time.monotonic() >= deadline or self._stopping.is_set():
                 return b"[]"
-            await asyncio.sleep(LONG_POLL_STEP_S)
+            timed = cfg.kind.sorted_as is TopicKind.TIMELINE or rate is not None or st.not_before
+            step = LONG_POLL_STEP_S if timed else IDLE_POLL_STEP_S
+            looked = time.monotonic()
+            await self.wakeups.wait(changed, min(step, deadline - looked))
+            # Changes come in bursts (each ack of a busy topic is one): a poll looks at
+            # most once a step, as it would on a timer.
+            if (since := time.monotonic() - looked) < LONG_POLL_STEP_S:
+                await asyncio.sleep(LONG_POLL_STEP_S - since)
 
     def _again(self, topic: str, again: Again, consumer: str) -> bytes:
         """The JSON array of what the lease `again` names still holds for `consumer`,

@@ -677,6 +677,79 @@ def test_a_long_poll_of_a_consumer_that_left_during_it_leases_nothing(tmp_path: 
     assert leased_and_members == 3, "w is no member after the poll"
 
 
+def test_an_idle_long_poll_looks_again_when_its_topic_changes_not_on_a_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long poll with nothing to lease on a priority topic waits for the topic's next
+    change: a lease nacked, rows indexed. It does not pick every few milliseconds
+    meanwhile, which costs a leader half a core per thousand idle workers. The idle
+    step is set past the test's length here, so only a change can answer the polls."""
+    import asyncio
+
+    from dejaq.broker import service
+
+    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
+    warehouse = str(tmp_path / "warehouse")
+
+    async def scenario(broker: Any) -> tuple[int, list[str], list[str], float]:
+        began = time.monotonic()
+        assert len(json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))) == 3
+        index = broker.indexes["jobs"]
+        picks: list[int] = []
+        pick = index.pick_with_heads
+
+        def counted(*args: Any) -> Any:
+            picks.append(1)
+            return pick(*args)
+
+        index.pick_with_heads = counted
+        poll = asyncio.ensure_future(broker.lease("jobs", "w", 3, 60_000, 20_000))
+        await _until(lambda: picks, "the poll's first pick")
+        await asyncio.sleep(1.0)  # the idle second to count picks in, not a synchronisation
+        idle_picks = len(picks)
+        await broker.nack("jobs", "w", ["m1"], 0, None)
+        nacked = [m["id"] for m in json.loads(await poll)]
+        poll = asyncio.ensure_future(broker.lease("jobs", "w", 3, 60_000, 20_000))
+        fill(warehouse, "jobs", buffer_rows([1], lambda i: 0, "n"))
+        landed = [m["id"] for m in json.loads(await poll)]
+        return idle_picks, nacked, landed, time.monotonic() - began
+
+    idle_picks, nacked, landed, took = on_one_node(tmp_path, scenario)
+    assert idle_picks == 1, f"{idle_picks} picks in an idle second"
+    assert nacked == ["m1"]
+    assert landed == ["n0"]
+    assert took < 15, "each poll answered by its change, not at its 20 s end"
+
+
+def test_a_long_poll_whose_client_left_ends_at_its_next_look(tmp_path: Path) -> None:
+    """A disconnected client's poll would otherwise look until its wait ends, committing
+    heartbeats for a consumer nobody runs: it ends with nothing at its next look."""
+    import asyncio
+
+    async def scenario(broker: Any) -> tuple[bytes, float]:
+        assert len(json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))) == 3
+        index = broker.indexes["jobs"]
+        picks: list[int] = []
+        pick = index.pick_with_heads
+
+        def counted(*args: Any) -> Any:
+            picks.append(1)
+            return pick(*args)
+
+        index.pick_with_heads = counted
+        left = [False]
+        began = time.monotonic()
+        poll = asyncio.ensure_future(broker.lease("jobs", "w", 3, 60_000, 20_000, lambda: left[0]))
+        await _until(lambda: picks, "the poll's first pick")
+        left[0] = True
+        broker.wakeups.notify("jobs")
+        return await poll, time.monotonic() - began
+
+    answer, took = on_one_node(tmp_path, scenario)
+    assert answer == b"[]"
+    assert took < 10, f"answered after {took:.1f} s of its 20 s wait"
+
+
 def test_a_consumer_the_heartbeat_expiry_removed_hands_its_leases_back_when_it_leaves() -> None:
     """Its leases hold its buckets until their deadline (up to 12 h): a leave releases
     them, as a member's."""

@@ -929,6 +929,8 @@ class RaftNode:
             self.sync.destroy()
             raise
         self.on_lag: Callable[[float], None] = lambda lag: None
+        # Told of each command this node committed (topic, op), once applied here.
+        self.on_committed: Callable[[str, str], None] = lambda topic, op: None
         self.sync.on_all_committed = self._all_committed
         self._loop: asyncio.AbstractEventLoop | None = None
         self._catching_up: asyncio.Future[bool] | None = None  # `lead`'s shared look
@@ -1077,6 +1079,7 @@ class RaftNode:
         result = await fut
         if isinstance(result, BaseException):
             raise _raised(result)
+        self.on_committed(topic, op)
         return result
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
