@@ -1150,7 +1150,13 @@ def test_rows_in_buckets_beyond_a_running_node_wait_and_the_others_are_indexed(
     """The ingest raised to 8 buckets before the brokers: its versions hold rows in
     buckets this node (4) has not. Those wait for a restart with the new count, named in
     the readiness answer; the rows of its own buckets, in the same versions and after,
-    are indexed and leased as ever. A node started with 8 indexes them all."""
+    are indexed and leased as ever. A node started with 8 indexes them all.
+
+    The node is waited on until it has read the version of the last append, not until
+    c0 shows: a refresh that reads both appends inserts their buckets under one hold of
+    the index's lock in the order delta-rs lists the files, newest first: bucket 1 (c0)
+    before bucket 0 (b0). `rows`, read here without that lock, can show c0 while b0 is
+    being inserted; a lease takes the lock and sees the version whole."""
     from dejaq.conf.settings import Settings
     from dejaq.jobs.ports import free_port
 
@@ -1162,10 +1168,10 @@ def test_rows_in_buckets_beyond_a_running_node_wait_and_the_others_are_indexed(
         index = broker.indexes["jobs"]
         fill(warehouse, "jobs", buffer_rows([3, 4], lambda i: 6 * i, "b"))  # buckets 0, 6
         fill(warehouse, "jobs", buffer_rows([5], lambda i: 1, "c"))
-        await _until(lambda: "c0" in index.rows, "row of the node's buckets after them")
-        ready, status = broker.ready()
-        assert ready
-        return sorted(index.rows), status
+        appended = DeltaTable(index.buffer_path).version()
+        await _until(lambda: index.version >= appended, "the version of the last append read")
+        await _until(lambda: broker.ready()[0], "the node ready, its HTTP address registered")
+        return sorted(index.rows), broker.ready()[1]
 
     rows, status = run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario)
     assert rows == ["a0", "a1", "b0", "c0"], "b1 (bucket 6) waits"
