@@ -2424,6 +2424,44 @@ def test_a_repair_reads_again_only_the_heads_that_cannot_be_read(tmp_path: Path)
     index.close()
 
 
+def test_reads_of_heads_failing_while_their_repair_runs_are_the_repairs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads that fail on damaged heads while their repair runs (a long poll trying
+    again, a peek) are the repair's: it is under way for them until the heads have moved
+    (a long poll waits that long), and once they have, the next repair has nothing to
+    do, not a failure no head explains that would make the node unready. Spies fail
+    such a read at each step of the repair: while it looks for the damaged heads, and
+    while it reads them again from the buffer. The segment is truncated through its
+    descriptor, a stand-in for a disk error."""
+    _, index, state = loaded_topic(tmp_path, [5, 1, 3, 7])
+    buckets = state.buckets_of("c")
+    under_way: list[bool] = []
+
+    def spied(step: Callable[..., Any]) -> Callable[..., Any]:
+        def run(*args: Any) -> Any:  # in the first repair, once a step
+            if len(under_way) < 2:
+                under_way.append(index.repairing())
+                with pytest.raises(index_module.HeadsUnreadable):
+                    index.pick_with_heads(state, buckets, 4, now=0)
+            return step(*args)
+
+        return run
+
+    monkeypatch.setattr(index, "_unreadable_heads", spied(index._unreadable_heads))
+    monkeypatch.setattr(index, "_read_again", spied(index._read_again))
+    os.ftruncate(index.heads.current.fd, 0)
+    with pytest.raises(index_module.HeadsUnreadable):
+        index.pick_with_heads(state, buckets, 4, now=0)
+    assert index.repair_heads() == 4
+    assert index.repair_heads() == 0, "nothing left to repair"
+    assert under_way == [True, True], "the repair under way while its heads fail"
+    assert not index.repairing()
+    picked, _ = index.pick_with_heads(state, buckets, 4, now=0)
+    assert [m for m, _, _ in listed(picked)] == ["m1", "m2", "m0", "m3"]
+    index.close()
+
+
 def test_heads_awaiting_repair_follow_their_rows_renumbered(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -922,11 +922,15 @@ class TopicIndex:
 
     def _unreadable(self, doing: str, error: Exception) -> HeadsUnreadable:
         """A read of heads failed (under the lock): noted for `repair_heads`, and logged
-        unless a repair is under way already."""
+        unless a repair is under way already. Not noted while damaged heads wait for
+        their repair: the read failed on those (a long poll trying again, a peek), or it
+        fails again once they have moved and is noted then; noted, it would send the
+        next repair looking for damage it has already repaired."""
         failed = HeadsUnreadable(f"{self.topic.name}: {doing}: {error}")
         if not self.repairing():
             log.error("%s; reading them again from the buffer", failed)
-        self.heads_failed = str(failed)
+        if not len(self.damaged):
+            self.heads_failed = str(failed)
         return failed
 
     def _pick_args(self, state: TopicState, now: int) -> tuple:
@@ -995,14 +999,18 @@ class TopicIndex:
         otherwise fail every lease that picks its messages, the lowest keys, for as long
         as the node runs. Run by the thread that follows the tables, which alone writes
         heads. Raises `HeadsUnreadable` while some cannot be read again (the buffer
-        failing too), kept for the next call."""
+        failing too), kept for the next call.
+
+        The failure stays noted until the damage found takes its place, in one hold of
+        the lock, so that the repair is under way (`repairing`) from the failure until
+        the heads have moved: a reader waiting on it does not read them meanwhile."""
         with self.lock:
-            failed, self.heads_failed = self.heads_failed, None
-        # While a repair is pending, the failures are its messages': looked for again
-        # once it is done.
+            failed = self.heads_failed
         if failed is not None and not len(self.damaged):
             found = self._unreadable_heads()
             with self.lock:
+                # A read that failed during the search met what it found, or fails again.
+                self.heads_failed = None
                 self.damaged = np.union1d(self.damaged, found)
                 if not len(self.damaged):
                     raise HeadsUnreadable(f"{failed}, yet every head held reads whole")
