@@ -269,14 +269,16 @@ def test_a_topic_describes_itself_after_a_message_of_a_long_id_is_cancelled(thre
 
 def test_a_followers_long_poll_waits_as_long_as_the_leader_reads_its_wait(three) -> None:
     """`wait_ms` as the leader's validation takes it (2500.0, "2500", 2.5e3 are all
-    2500): past the 2 s a follower gives a stalled leader, the poll is answered."""
+    2500, and a key escaped in JSON is the same key): past the 2 s a follower gives a
+    stalled leader, the poll is answered."""
     nodes, client, _ = three
     url = f"{follower(nodes, client).url}/v1/topics/poll/leases"
-    for wait in ("2500.0", '"2500"', "2.5e3"):
+    waits = [("wait_ms", "2500.0"), ("wait_ms", '"2500"'), ("wait_ms", "2.5e3")]
+    for key, wait in [*waits, ("\\u0077ait_ms", "2500")]:
         began = time.monotonic()
         got = client.post(
             url,
-            content=f'{{"consumer_id": "p", "wait_ms": {wait}}}'.encode(),
+            content=f'{{"consumer_id": "p", "{key}": {wait}}}'.encode(),
             headers={"content-type": "application/json"},
         )
         assert got.status_code == 200, (wait, got.text)

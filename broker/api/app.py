@@ -220,8 +220,9 @@ class ClientGone(Exception):
 
 def _long_poll_s(body: bytes) -> float:
     """A request's long-poll wait (a lease's `wait_ms`), which its answer may take: read
-    as the leader's validation reads it, 0 where that refuses it."""
-    if b'"wait_ms"' not in body:
+    as the leader's validation reads it, 0 where that refuses it. Parsed only where the
+    key may be: written plainly, or escaped (`\\u0077ait_ms` is the same key)."""
+    if b'"wait_ms"' not in body and b"\\u" not in body:
         return 0.0
     try:
         wait = WAIT_MS.validate_python(json.loads(body).get("wait_ms", 0))
