@@ -1212,29 +1212,31 @@ class Broker:
             )
         cancelled = 0
         index = self.indexes[topic]
-        for _ in range(REDRIVE_READS):
-            pending = await asyncio.to_thread(index.pending, self.state(topic))
-            for i in range(0, len(pending), OPS_SLICE):
-                # Checked again here, on the event loop, where no trim is half applied:
-                # the walk may have listed a message a trim forgot meanwhile (settled
-                # then), which the index no longer holds. The chunk is then a list taken
-                # at this trim, which the command refuses only if another passes it.
+        pending = await asyncio.to_thread(index.pending, self.state(topic))
+        for i in range(0, len(pending), OPS_SLICE):
+            listed = pending[i : i + OPS_SLICE]
+            for _ in range(REDRIVE_READS):
+                # Checked here, on the event loop, where no trim is half applied: the walk
+                # may have listed a message a trim forgot meanwhile (settled then), which
+                # the index no longer holds. The slice is then a list taken at this trim,
+                # which the command refuses only if another passes it: checked again at
+                # that one, the slice alone, not the walk (seconds for a large topic,
+                # where trims come every second).
                 state = self.state(topic)
                 chunk = [
                     (mid, bucket, key)
-                    for mid, bucket, key in index.held(pending[i : i + OPS_SLICE])
+                    for mid, bucket, key in index.held(listed)
                     if mid not in state.settled and mid not in state.leases
                 ]
                 if not chunk:
-                    continue
-                upto = state.trimmed_upto()
-                done = await self._commit(topic, "purge", now_ms(), upto, chunk)
-                if done is None:  # trimmed since the list was taken: list the rest again
                     break
-                cancelled += done
+                done = await self._commit(topic, "purge", now_ms(), state.trimmed_upto(), chunk)
+                if done is not None:
+                    cancelled += done
+                    break
             else:
-                return cancelled
-        raise Problem(503, "purge interrupted", "checkpoints kept trimming under it: retry")
+                raise Problem(503, "purge interrupted", "checkpoints kept trimming under it: retry")
+        return cancelled
 
     async def redrive(
         self, topic: str, ids: list[str] | None, priority: int | None, deliver_at: int | None

@@ -810,6 +810,53 @@ def test_a_purge_whose_listing_a_trim_overtook_cancels_what_is_still_pending(
     assert (cancelled, overtaken) == (2, ["m0"]), "m1 and m2, on the first listing"
 
 
+def test_a_purge_overtaken_by_trims_tries_each_slice_again_not_the_whole_listing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trims come every second under load, and a large topic's listing takes seconds:
+    a purge whose command a trim overtook checks that slice again at the new trim and
+    sends it again, rather than list every pending message again (and give up after a
+    few such listings). A spy stands in for the trims: it sends each slice's first two
+    commands as listed before the last trim, which the state machine refuses."""
+    from dejaq.broker import service
+
+    monkeypatch.setattr(service, "OPS_SLICE", 1)
+
+    async def scenario(broker: Any) -> tuple[int, int, list[int]]:
+        leased = json.loads(await broker.lease("jobs", "w", 1, 60_000, 0))
+        await broker.settle("jobs", "ack", "w", [leased[0]["id"]])
+        state = broker.state("jobs")
+        await _until(lambda: state.trimmed_upto() > 0, "the ack checkpointed and trimmed")
+        commit = broker._commit
+        tries: Counter[tuple] = Counter()
+
+        async def overtaken(topic: str, op: str, *args: Any) -> Any:
+            if op == "purge":
+                now, upto, chunk = args
+                tries[tuple(chunk)] += 1
+                if tries[tuple(chunk)] <= 2:
+                    upto -= 1
+                args = (now, upto, chunk)
+            return await commit(topic, op, *args)
+
+        broker._commit = overtaken
+        index = broker.indexes["jobs"]
+        walk = index.pending
+        walks: list[int] = []
+
+        def counted(state: Any) -> Any:
+            walks.append(1)
+            return walk(state)
+
+        index.pending = counted
+        return await broker.purge("jobs", "jobs"), len(walks), sorted(tries.values())
+
+    cancelled, walks, tries = on_one_node(tmp_path, scenario)
+    assert cancelled == 2, "the two messages not acked"
+    assert walks == 1, "listed once"
+    assert tries == [3, 3], "each slice sent three times, the third applied"
+
+
 def test_a_topics_counts_leave_out_what_a_trim_forgot_during_their_walk(tmp_path: Path) -> None:
     """Messages settled (a purge) and checkpointed while the counts walk the index are
     not counted as pending, though no longer in the settled set when the walk gets there."""
