@@ -8,6 +8,7 @@ Order is total: (sort_key, source partition, source offset, source topic, id).
 from __future__ import annotations
 
 import heapq
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -27,18 +28,22 @@ HEAP_SLACK = 1024
 ROWS_AT_A_TIME = 50_000
 
 Order = tuple[int, int, int, str, str]
+Header = tuple[str, bytes | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
-    """One buffer row, with the sort key in force (a reschedule replaces the buffer's)."""
+    """One buffer row, with the sort key in force (a reschedule replaces the buffer's).
+
+    Held for every pending message, so kept small beside its payload: slots, headers as
+    pairs (a dict each would cost ~230 bytes), the source topic's name shared."""
 
     message_id: str
     bucket: int
     sort_key: int
     key: bytes | None
     payload: bytes | None
-    headers: list[dict]
+    headers: tuple[Header, ...]
     source_topic: str
     source_partition: int
     source_offset: int
@@ -156,8 +161,8 @@ class PendingSet:
                 sort_key=sort_key,
                 key=row["key"],
                 payload=row["payload"],
-                headers=row["headers"] or [],
-                source_topic=row["source_topic"],
+                headers=tuple((h["key"], h["value"]) for h in row["headers"] or ()),
+                source_topic=sys.intern(row["source_topic"]),
                 source_partition=row["source_partition"],
                 source_offset=row["source_offset"],
             )

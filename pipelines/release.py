@@ -253,9 +253,9 @@ def output_headers(m: Message, kind: TopicKind) -> list[tuple[str, bytes]]:
     A header whose value is null (Kafka allows it) leaves with an empty value: the
     producer sends none null, and refused, it would stop the release at that message."""
     own = [
-        (h["key"], b"" if h["value"] is None else h["value"])
-        for h in m.headers
-        if h["key"] not in REPLACED_HEADERS
+        (key, b"" if value is None else value)
+        for key, value in m.headers
+        if key not in REPLACED_HEADERS
     ]
     return [
         *own,
@@ -419,6 +419,11 @@ class Releaser:
         rows = self.buffer.poll()
         progress = self._read_progress(rows.num_rows, read_from) if starting else None
         added = self.pending.add_buffer_rows(rows, mark_up_to, progress)
+        if rows.num_rows >= ROWS_AT_A_TIME:
+            # Arrow's allocator keeps what a read freed for reuse: after a start's read of
+            # a large buffer, the job would hold about twice its pending set for its life.
+            del rows
+            pa.default_memory_pool().release_unused()
         if events:
             self.event_watermark.follow(self.pending.max_sort_key, _monotonic_ms())
         since = watermark(self.buffer.table) if self.buffer.table is not None else 0
