@@ -1,16 +1,18 @@
-"""What waiting workers cost a broker's leader while their topic is empty.
+"""What waiting workers cost a broker's leader while their topic has nothing to lease.
 
     .venv/bin/python bench/idle_polls.py [--polls 200] [--seconds 10]
 
-A worker with nothing to do holds a long poll open at the leader. A long poll on a
-priority topic waits for the topic's next change (rows indexed, a lease ended); one on
-a timeline topic looks again every 20 ms, since time alone makes its messages due. A
-3-node cluster (real `dejaq broker` processes) serves one empty topic of each kind; the
-leader's CPU (user + system time of its process, from /proc) is measured over the same
-window three times: with no poll (the baseline: an idle node), with P polls on the
-priority topic, then with P polls on the timeline topic. Prints one JSON object: each
-phase's share of a core, each poll phase's cost beyond the baseline, and the priority
-phase's ratio to the timeline phase's (the cost a timer per poll has).
+A worker with nothing to do holds a long poll open at the leader. A long poll waits for
+its topic's next change (rows indexed, a lease ended), or on a timeline until its next
+message is due; one on a topic where a nack delay is in force looks again every 20 ms,
+since time alone ends the delay. A 3-node cluster (real `dejaq broker` processes)
+serves three topics with nothing to lease: an empty priority one, an empty timeline one,
+and one whose only message was nacked with an hour's delay. The leader's CPU (user +
+system time of its process, from /proc) is measured over the same window four times:
+with no poll (the baseline: an idle node), then with P polls on each topic in turn.
+Prints one JSON object: each phase's share of a core, each poll phase's cost beyond the
+baseline, and the priority and timeline phases' ratios to the delayed one's (the cost
+of a poll that looks on a timer).
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 # This file is in bench/: keep its folder off the path (bench/broker.py shadows the package).
-sys.path[:1] = [str(ROOT)]
+sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
+
+from test_broker import buffer_rows, fill  # noqa: E402
 
 from dejaq.jobs import cluster  # noqa: E402
 from dejaq.jobs.cluster import Node  # noqa: E402
 
-TOPICS = {"timeline": "timers", "priority": "jobs"}
+TOPICS = {"priority": "jobs", "timeline": "timers", "stepping": "delayed"}
 WAIT_MS = 20_000
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -48,6 +52,7 @@ def write_conf(tmp: Path) -> Path:
         "topics:\n"
         "  - {name: jobs, kind: priority, source: [jobs-in], buckets: 16}\n"
         "  - {name: timers, kind: timeline, source: [timers-in], buckets: 16}\n"
+        "  - {name: delayed, kind: priority, source: [delayed-in], buckets: 16}\n"
     )
     return conf
 
@@ -66,6 +71,21 @@ def leader(nodes: list[Node]) -> Node:
                     return node
             time.sleep(0.2)  # polling a cluster for its leader
     raise TimeoutError("no leader within 60 s")
+
+
+def delay_one(node: Node, warehouse: str) -> None:
+    """Land one message in the delayed topic, lease it and nack it with an hour's delay;
+    its consumer leaves, so that the polls' consumers share every bucket."""
+    fill(warehouse, TOPICS["stepping"], buffer_rows([1], prefix="d"))
+    url = f"{node.url}/v1/topics/{TOPICS['stepping']}"
+    with httpx.Client(timeout=30) as client:
+        body = {"consumer_id": "setup", "max_messages": 1, "wait_ms": 20_000}
+        leased = client.post(f"{url}/leases", json=body).raise_for_status().json()["messages"]
+        if not leased:
+            raise RuntimeError("the delayed topic's message was not leased within 20 s")
+        nack = {"consumer_id": "setup", "ids": [leased[0]["id"]], "delay_ms": 3_600_000}
+        client.post(f"{url}/nacks", json=nack).raise_for_status()
+        client.delete(f"{url}/consumers/setup").raise_for_status()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -125,29 +145,28 @@ def main() -> int:
         nodes = cluster.up(3, Path(tmp) / "raft", str(conf))
         try:
             lead = leader(nodes)
+            delay_one(lead, str(Path(tmp) / "warehouse"))
             idle = asyncio.run(phase(lead, None, 0, args.warm, args.seconds))
-            priority = asyncio.run(
-                phase(lead, TOPICS["priority"], args.polls, args.warm, args.seconds)
-            )
-            timeline = asyncio.run(
-                phase(lead, TOPICS["timeline"], args.polls, args.warm, args.seconds)
-            )
+            polled = {
+                kind: asyncio.run(phase(lead, topic, args.polls, args.warm, args.seconds))
+                for kind, topic in TOPICS.items()
+            }
         finally:
             for node in nodes:
                 cluster.stop_node(node)
-    beyond = {
-        p["topic"]: max(0.0, p["core_share"] - idle["core_share"]) for p in (timeline, priority)
-    }
+    beyond = {k: max(0.0, p["core_share"] - idle["core_share"]) for k, p in polled.items()}
+    stepping = beyond["stepping"]
     report = {
         "benchmark": "idle_polls",
         "date": dt.date.today().isoformat(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "parameters": {"polls": args.polls, "seconds": args.seconds, "wait_ms": WAIT_MS},
-        "phases": [idle, priority, timeline],
+        "phases": [idle, *polled.values()],
         "leader_core_share_beyond_idle": {k: round(v, 4) for k, v in beyond.items()},
-        "priority_vs_timeline": round(beyond["jobs"] / beyond["timers"], 3)
-        if beyond["timers"]
-        else None,
+        "vs_stepping": {
+            k: round(beyond[k] / stepping, 3) if stepping else None
+            for k in ("priority", "timeline")
+        },
     }
     print(json.dumps(report))
     return 0

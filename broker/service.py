@@ -96,9 +96,9 @@ CHECKPOINT_MAX_EVENTS = 1_000_000
 # were a third of the log, and 2,000 took 15% off the CPU per message of the three nodes
 # (`bench/broker_costs.py`, 5.9-6.1 against 4.9-5.6 µs), the stalls ~1 ms.
 TRIM_SLICE = 2000
-# A long poll looks for messages again at each change of its topic (`Wakeups`), and at
-# least this often when time alone can make one leasable: a timeline's due messages, a
-# delay in force, a rate limit's refill.
+# A long poll looks for messages again at each change of its topic (`Wakeups`), when its
+# timeline's next message is due, and at least this often when time alone can make one
+# leasable otherwise: a nack delay in force, a rate limit's refill.
 LONG_POLL_STEP_S = 0.02
 # And at least this often otherwise: a change no command or index refresh told of (none
 # known) costs a poll this much delay at most, where a step each costs the idle CPU.
@@ -1021,8 +1021,9 @@ class Broker:
                 now = now_ms()
             first = False
             take = 0 if st.paused else n if rate is None else min(n, st.lease_budget(now, rate))
+            buckets = st.buckets_of(consumer)
             try:
-                picks, heads = index.pick_with_heads(st, st.buckets_of(consumer), take, now)
+                picks, heads = index.pick_with_heads(st, buckets, take, now)
             except HeadsUnreadable as e:  # logged by the index, which repairs them
                 if time.monotonic() >= deadline:
                     raise Problem(503, "messages unreadable on this node", str(e)) from None
@@ -1060,14 +1061,37 @@ class Broker:
             # end would get an error, and keep the stop waiting until then.
             if time.monotonic() >= deadline or self._stopping.is_set():
                 return b"[]"
-            timed = cfg.kind.sorted_as is TopicKind.TIMELINE or rate is not None or st.not_before
-            step = LONG_POLL_STEP_S if timed else IDLE_POLL_STEP_S
+            limited = take == 0 and rate is not None and not st.paused
+            step = self._idle_step(cfg, st, index, buckets, now, limited)
             looked = time.monotonic()
             await self.wakeups.wait(changed, min(step, deadline - looked))
             # Changes come in bursts (each ack of a busy topic is one): a poll looks at
             # most once a step, as it would on a timer.
             if (since := time.monotonic() - looked) < LONG_POLL_STEP_S:
                 await asyncio.sleep(LONG_POLL_STEP_S - since)
+
+    @staticmethod
+    def _idle_step(
+        cfg: TopicConfig,
+        st: TopicState,
+        index: TopicIndex,
+        buckets: list[int],
+        now: int,
+        limited: bool,
+    ) -> float:
+        """How long a poll that found nothing may wait for its topic's next change: until
+        its timeline's next message is due, a short step where a nack delay is in force
+        or the rate limit left it nothing (`limited`: time alone ends them), else at most
+        IDLE_POLL_STEP_S."""
+        if limited or st.not_before:
+            return LONG_POLL_STEP_S
+        if cfg.kind.sorted_as is not TopicKind.TIMELINE:
+            return IDLE_POLL_STEP_S
+        due = index.due(buckets)
+        if due is None:
+            return IDLE_POLL_STEP_S
+        # Due already, yet not picked: an entry the pick skips; looked at again soon.
+        return LONG_POLL_STEP_S if due <= now else min(IDLE_POLL_STEP_S, (due - now) / 1000)
 
     def _again(self, topic: str, again: Again, consumer: str) -> bytes:
         """The JSON array of what the lease `again` names still holds for `consumer`,

@@ -721,6 +721,49 @@ def test_an_idle_long_poll_looks_again_when_its_topic_changes_not_on_a_timer(
     assert took < 15, "each poll answered by its change, not at its 20 s end"
 
 
+def test_a_timeline_poll_sleeps_until_its_next_message_is_due(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long poll on a timeline topic whose messages are not due yet looks again when
+    the next one is due, not every few milliseconds until then, and leases it then,
+    never before. The idle step is set past the test's length: only the due time can
+    answer the poll."""
+
+    from dejaq.broker import service
+    from dejaq.broker.service import now_ms
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "later", buffer_rows([1], lambda i: 0, "past", timeline=True))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf("later", "timeline")])
+
+    async def scenario(broker: Any) -> tuple[list[str], int, int, int]:
+        assert len(json.loads(await broker.lease("later", "w", 1, 60_000, 0))) == 1
+        index = broker.indexes["later"]
+        due = now_ms() + 1_500
+        fill(warehouse, "later", buffer_rows([due], lambda i: 0, "n", timeline=True))
+        await _until(lambda: index.row("n0") is not None, "the row indexed")
+        picks: list[int] = []
+        pick = index.pick_with_heads
+
+        def counted(*args: Any) -> Any:
+            picks.append(1)
+            return pick(*args)
+
+        index.pick_with_heads = counted
+        leased = json.loads(await broker.lease("later", "w", 1, 60_000, 20_000))
+        return [m["id"] for m in leased], now_ms(), due, len(picks)
+
+    leased, at, due, picks = run_node(
+        settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario
+    )
+    assert leased == ["n0"]
+    assert at >= due, "never before its deliver_at"
+    assert picks <= 3, f"{picks} picks while it was not due"
+
+
 def test_a_long_poll_whose_client_left_ends_at_its_next_look(tmp_path: Path) -> None:
     """A disconnected client's poll would otherwise look until its wait ends, committing
     heartbeats for a consumer nobody runs: it ends with nothing at its next look."""

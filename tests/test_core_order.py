@@ -140,6 +140,8 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
             held_apart = any(e[3] & ((1 << BITS) - 1) in rows.long for e, _ in taken)
             packs = not held_apart and len(taken) >= pack_from
             assert isinstance(picks[0], PackedIds) == packs, "packed unless one is long, or few"
+            left = [e[0] for e, b in model if b in buckets and rows.current(e[3])]
+            assert order.lowest(buckets) == min(left, default=None), "a timeline's next due"
         live = [e for e, _ in model if rows.current(e[3])]
         assert len(order) >= len(live), "no current entry is lost"
     _, found = order.pick(
@@ -148,6 +150,19 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
     assert sorted(np.frombuffer(found, np.int64).tolist()) == sorted(
         e[3] for e, _ in model if rows.current(e[3])
     )
+
+
+def test_the_lowest_key_is_not_known_before_a_pick_holds_the_columns() -> None:
+    """`lowest` reads the columns the last pick held: none before one, or once they are
+    released (the row store grew), and a waiting timeline lease looks again on its step."""
+    rows = Rows()
+    order = Order(BUCKETS)
+    order.add(0, rows.store([(5, 0), (7, 0)]), 1, *rows.columns())
+    assert order.lowest([0]) is None
+    order.pick([1], 1, 0, 0, NO_STATE, *rows.columns(), *rows.id_columns())
+    assert order.lowest([0, 1]) == 5
+    order.release_columns()
+    assert order.lowest([0]) is None
 
 
 def test_a_merge_keeps_re_keyed_entries_in_the_heap_at_their_keys() -> None:

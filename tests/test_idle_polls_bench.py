@@ -13,7 +13,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "idle_polls.py"
 
 
-def test_the_idle_polls_benchmark_measures_each_phase_against_an_idle_leader() -> None:
+def test_the_idle_polls_benchmark_measures_each_topic_against_an_idle_leader() -> None:
     args = ["--polls", "20", "--seconds", "1", "--warm", "1"]
     done = subprocess.run(
         [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=600
@@ -21,10 +21,16 @@ def test_the_idle_polls_benchmark_measures_each_phase_against_an_idle_leader() -
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
     phases = report["phases"]
-    assert [(p["topic"], p["polls"]) for p in phases] == [(None, 0), ("jobs", 20), ("timers", 20)]
+    assert [(p["topic"], p["polls"]) for p in phases] == [
+        (None, 0),
+        ("jobs", 20),
+        ("timers", 20),
+        ("delayed", 20),
+    ]
     assert all(p["core_share"] >= 0 for p in phases)
     beyond = report["leader_core_share_beyond_idle"]
-    assert set(beyond) == {"jobs", "timers"}
-    if beyond["timers"]:
-        assert report["priority_vs_timeline"] == round(beyond["jobs"] / beyond["timers"], 3)
+    assert set(beyond) == {"priority", "timeline", "stepping"}
+    for kind in ("priority", "timeline"):
+        if beyond["stepping"]:
+            assert report["vs_stepping"][kind] == round(beyond[kind] / beyond["stepping"], 3)
     assert report["parameters"] == {"polls": 20, "seconds": 1.0, "wait_ms": 20_000}

@@ -916,6 +916,13 @@ class TopicIndex:
                 raise self._unreadable("reading heads to lease", e) from e
             return picks, Heads(*read)
 
+    def due(self, buckets: list[int]) -> int | None:
+        """The lowest sort key of `buckets`' messages, which on a timeline is when the
+        next is due; None if none or not known (`Order.lowest`: maybe early, never
+        late)."""
+        with self.lock:
+            return self.order.lowest(buckets)
+
     def repairing(self) -> bool:
         """Whether a read of heads failed and `repair_heads` has not read them again."""
         return self.heads_failed is not None or len(self.damaged) > 0

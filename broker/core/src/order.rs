@@ -568,6 +568,33 @@ impl Order {
         Ok((picks, read))
     }
 
+    /// The lowest sort key among `buckets`' entries still their messages' (a
+    /// timeline's next due time, at which its waiting leases look again), or None if
+    /// they hold none, or if no pick has held the columns since they were released. An
+    /// entry a pick would skip (settled, moved by an override) may be the lowest: a
+    /// lease then looks early, never late.
+    fn lowest(&mut self, py: Python<'_>, buckets: Vec<usize>) -> PyResult<Option<i64>> {
+        let h = &self.held;
+        if h.batch.is_none() || h.sort_key.is_none() || h.partition.is_none() || h.offset.is_none()
+        {
+            return Ok(None);
+        }
+        let c = Columns::new(
+            py,
+            buffer(&h.batch),
+            buffer(&h.sort_key),
+            buffer(&h.partition),
+            buffer(&h.offset),
+        )?;
+        let mut lowest: Option<i64> = None;
+        for b in buckets {
+            if let Some((e, _)) = bucket_of(&mut self.buckets, b)?.top(&c) {
+                lowest = Some(lowest.map_or(e.key, |k| k.min(e.key)));
+            }
+        }
+        Ok(lowest)
+    }
+
     /// A bucket's tokens not taken, as int64 bytes: the run's in order, then the heap's;
     /// and the heap's entries' keys, in the same order as its tokens.
     fn entries<'py>(
