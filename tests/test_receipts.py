@@ -14,7 +14,7 @@ from weakref import WeakKeyDictionary
 
 import pytest
 from dejaq_core import PackedIds
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_broker import leased_ids, packed, settled_of, topic_conf
 
@@ -575,6 +575,16 @@ def comparable(result: object) -> object:
     return result
 
 
+def snapshot(state: TopicState) -> bytes:
+    """A state's snapshot with its consumers' last requests in consumer order: the core
+    remembers those of a run's leases once the run is applied, `_apply` as it goes, so
+    a lease `_apply` takes within a run is remembered before earlier ones. Nothing reads
+    them in order (one consumer's, by its name), so the order is no difference."""
+    copy = pickle.loads(pickle.dumps(state))
+    copy.requests = dict(sorted(copy.requests.items()))
+    return pickle.dumps(copy)
+
+
 @st.composite
 def groups(draw: st.DrawFn) -> list[list[tuple]]:
     """Group commits of leases, acks by receipt and the commands around them, each a
@@ -604,6 +614,15 @@ def groups(draw: st.DrawFn) -> list[list[tuple]]:
 
 @settings(max_examples=150, deadline=None)
 @given(groups())
+@example(
+    [
+        [
+            ("lease", "c", [], "packed", None, "now", True),
+            ("lease", "d", [("g1", 1)], "packed", None, "now", "r1"),
+            ("lease", "c", [("g0", 0)], "list of picks", None, "now", "r2"),
+        ]
+    ]
+)
 def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
     history: list[list[tuple]],
 ) -> None:
@@ -663,7 +682,7 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
         assert list(map(comparable, got)) == list(map(comparable, expected)), commands
         records += [r for r in got if isinstance(r, LeaseRecord) and len(r)]
         assert core.lids == python.lids
-        assert pickle.dumps(core.topics["t"]) == pickle.dumps(python.topics["t"]), commands
+        assert snapshot(core.topics["t"]) == snapshot(python.topics["t"]), commands
         assert core.topics["t"].leased.keys() == python.topics["t"].leased.keys()
         assert core.topics["t"].ending == python.topics["t"].ending
 
@@ -785,4 +804,4 @@ def test_a_rebalance_in_a_group_commit_moves_the_buckets_the_leases_after_it_see
     assert (owned["d"], len(got[1])) == ([1 - mine], 0), "the newcomer's pick was not its"
     buckets = got[2].__getstate__()[0]
     assert list(buckets) == [mine], "the member's last lease granted in its one bucket only"
-    assert pickle.dumps(core.topics["t"]) == pickle.dumps(python.topics["t"])
+    assert snapshot(core.topics["t"]) == snapshot(python.topics["t"])
