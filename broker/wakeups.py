@@ -4,8 +4,9 @@ A long poll that finds nothing waits for its topic's next change: rows indexed, 
 ended (acked, nacked, expired, left), a message rescheduled or redriven, a pause lifted,
 a configuration applied. An idle topic's waiting polls then cost nothing between
 changes, where a timer costs each poll a pick every few milliseconds: a thousand idle
-workers would keep half a core busy. What time alone makes leasable (a timeline's due
-messages, a delay, a rate limit's refill) is still looked for on a short step.
+workers would keep half a core busy. What time alone makes leasable is looked for when
+it is due (a timeline's next message), or on a short step (a nack delay, a rate limit's
+refill): `Broker.lease` decides how long a poll waits.
 """
 
 from __future__ import annotations
