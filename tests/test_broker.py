@@ -657,14 +657,7 @@ def test_a_long_poll_of_a_consumer_that_left_during_it_leases_nothing(tmp_path: 
     async def scenario(broker: Any) -> tuple[bytes, list[str], int]:
         first = await broker.lease("jobs", "w", 10, 60_000, 0)
         index = broker.indexes["jobs"]
-        picks: list[int] = []
-        pick = index.pick_with_heads
-
-        def counted(*args: Any) -> Any:
-            picks.append(1)
-            return pick(*args)
-
-        index.pick_with_heads = counted  # a spy: the poll has made its first pass
+        picks = picks_counted(index)
         poll = asyncio.ensure_future(broker.lease("jobs", "w", 10, 60_000, 5_000))
         await _until(lambda: picks, "the poll's first pick")
         released = await broker.raft.commit("jobs", "leave", "w", now_ms())
@@ -695,14 +688,7 @@ def test_an_idle_long_poll_looks_again_when_its_topic_changes_not_on_a_timer(
         began = time.monotonic()
         assert len(json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))) == 3
         index = broker.indexes["jobs"]
-        picks: list[int] = []
-        pick = index.pick_with_heads
-
-        def counted(*args: Any) -> Any:
-            picks.append(1)
-            return pick(*args)
-
-        index.pick_with_heads = counted
+        picks = picks_counted(index)
         poll = asyncio.ensure_future(broker.lease("jobs", "w", 3, 60_000, 20_000))
         await _until(lambda: picks, "the poll's first pick")
         await asyncio.sleep(1.0)  # the idle second to count picks in, not a synchronisation
@@ -745,14 +731,7 @@ def test_a_timeline_poll_sleeps_until_its_next_message_is_due(
         due = now_ms() + 1_500
         fill(warehouse, "later", buffer_rows([due], lambda i: 0, "n", timeline=True))
         await _until(lambda: index.row("n0") is not None, "the row indexed")
-        picks: list[int] = []
-        pick = index.pick_with_heads
-
-        def counted(*args: Any) -> Any:
-            picks.append(1)
-            return pick(*args)
-
-        index.pick_with_heads = counted
+        picks = picks_counted(index)
         leased = json.loads(await broker.lease("later", "w", 1, 60_000, 20_000))
         return [m["id"] for m in leased], now_ms(), due, len(picks)
 
@@ -772,14 +751,7 @@ def test_a_long_poll_whose_client_left_ends_at_its_next_look(tmp_path: Path) -> 
     async def scenario(broker: Any) -> tuple[bytes, float]:
         assert len(json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))) == 3
         index = broker.indexes["jobs"]
-        picks: list[int] = []
-        pick = index.pick_with_heads
-
-        def counted(*args: Any) -> Any:
-            picks.append(1)
-            return pick(*args)
-
-        index.pick_with_heads = counted
+        picks = picks_counted(index)
         left = [False]
         began = time.monotonic()
         poll = asyncio.ensure_future(broker.lease("jobs", "w", 3, 60_000, 20_000, lambda: left[0]))
@@ -2896,6 +2868,20 @@ async def _until(condition: Callable[[], object], what: str, step: float = 0.005
     while not condition():
         assert asyncio.get_running_loop().time() < deadline, f"no {what} within 30 s"
         await asyncio.sleep(step)
+
+
+def picks_counted(index: Any) -> list[int]:
+    """A spy on `index`'s picks: the list gets an entry at each pick a poll makes, for a
+    test to wait on a poll's first pass and count the passes after it."""
+    picks: list[int] = []
+    pick = index.pick_with_heads
+
+    def counted(*args: Any) -> Any:
+        picks.append(1)
+        return pick(*args)
+
+    index.pick_with_heads = counted
+    return picks
 
 
 async def _leader_once_attached(nodes: list) -> Any:
