@@ -348,6 +348,9 @@ class BrokerConfig(_Strict):
     # snapshots: PySyncObj maps its journal into memory, and a write into a full disk
     # kills the node (SIGBUS). 0: none kept.
     disk_reserve_bytes: int = Field(default=1024**3, ge=0)
+    # HTTP connections a node serves at once, long polls' too; None: what its open-file
+    # limit leaves after its own files. Lower bounds the memory a crowd of them holds.
+    max_connections: int | None = Field(default=None, ge=1)
 
     @field_validator("advertise")
     @classmethod

@@ -140,12 +140,14 @@ def _open_files() -> tuple[int, int]:
     return soft, soft
 
 
-def connection_cap(files: int, probe_room: int) -> int:
+def connection_cap(files: int, probe_room: int, wanted: int | None = None) -> int:
     """The HTTP connections a node serves under an open-file limit of `files`, with
     `probe_room` more for its probes: what is left for its own files is a quarter of the
-    limit, at least FILES_RESERVED; under a small limit, half of it goes to connections."""
+    limit, at least FILES_RESERVED; under a small limit, half of it goes to connections.
+    `wanted` (`broker.max_connections`) lowers it, never raises it past the limit."""
     files = min(files, UNBOUNDED_FILES)
-    return max(files - max(FILES_RESERVED, files // 4) - probe_room, files // 2, 1)
+    cap = max(files - max(FILES_RESERVED, files // 4) - probe_room, files // 2, 1)
+    return cap if wanted is None else min(cap, wanted)
 
 
 def _bind(host: str, port: int, backlog: int) -> list[socket.socket]:
@@ -296,13 +298,21 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
     logging.getLogger(LOAD_LOGGER).setLevel(logging.INFO)  # a start's load, as it goes
     was, files = _open_files()
-    cap = connection_cap(files, PROBE_ROOM)
+    wanted = settings.broker.max_connections
+    cap = connection_cap(files, PROBE_ROOM, wanted)
     print(
         f"broker {args.node_id}: open files {files}"
         + (f" (raised from {was})" if files != was else "")
-        + f", HTTP connections up to {cap}",
+        + f", HTTP connections up to {cap}"
+        + (f" (broker.max_connections {wanted})" if wanted is not None else ""),
         flush=True,
     )
+    if wanted is not None and cap < wanted:
+        print(
+            f"warning: broker.max_connections is {wanted}, but the open-file limit "
+            f"({files}) leaves room for {cap}: raise the hard limit for more",
+            file=sys.stderr,
+        )
     data_dir = Path(args.data_dir or Path(settings.broker.data_dir) / args.node_id)
     broker = Broker(
         settings,

@@ -1268,14 +1268,22 @@ def _few_files() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (FILES, FILES))
 
 
+@pytest.mark.parametrize(
+    "wanted", [None, 40, 10 * FILES], ids=["files", "max_connections", "beyond_files"]
+)
 def test_a_node_past_its_connection_cap_answers_503_and_keeps_its_files_and_probes(
-    tmp_path,
+    tmp_path, wanted: int | None
 ) -> None:
     """More long polls than the open-file limit allows: a node that took them all could
     open no Delta log, Raft file or probe's connection. It serves up to its cap, answers
     the rest a 503 that applied nothing (the client asks another node), and its probes,
-    files and Raft keep working."""
+    files and Raft keep working. `broker.max_connections` lowers the cap."""
     conf = write_conf(tmp_path, "127.0.0.1:9", "in")
+    if wanted is not None:
+        text = conf.read_text().replace(
+            "lease_ms: 2000", f"lease_ms: 2000, max_connections: {wanted}"
+        )
+        conf.write_text(text)
     node = Node("a", f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}", tmp_path / "a")
     with (tmp_path / "a.log").open("w") as err:
         proc = node.proc = subprocess.Popen(
@@ -1284,12 +1292,16 @@ def test_a_node_past_its_connection_cap_answers_503_and_keeps_its_files_and_prob
             stderr=err,
             preexec_fn=_few_files,
         )
-    cap, polls = connection_cap(FILES, PROBE_ROOM), FILES + 100
+    cap, polls = connection_cap(FILES, PROBE_ROOM, wanted), FILES + 100
+    assert cap == min(wanted or FILES, connection_cap(FILES, PROBE_ROOM)), "never raised"
     host, port = node.http.split(":")
     socks: list[socket.socket] = []
     try:
         wait_until(lambda: cluster.ready([node]), timeout=90, what="the node ready")
-        assert f"HTTP connections up to {cap}" in (tmp_path / "a.log").read_text()
+        said = (tmp_path / "a.log").read_text()
+        assert f"HTTP connections up to {cap}" in said, said
+        beyond = f"warning: broker.max_connections is {wanted}, but the open-file limit"
+        assert (beyond in said) == (wanted is not None and wanted > cap), said
         for i in range(polls):
             body = json.dumps({"consumer_id": f"w{i}", "max_messages": 1, "wait_ms": 30_000})
             sock = socket.create_connection((host, int(port)), timeout=10)
