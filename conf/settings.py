@@ -349,7 +349,7 @@ class BrokerConfig(_Strict):
     # kills the node (SIGBUS). 0: none kept.
     disk_reserve_bytes: int = Field(default=1024**3, ge=0)
     # HTTP connections a node serves at once, long polls' too; None: what its open-file
-    # limit leaves after its own files. Lower bounds the memory a crowd of them holds.
+    # limit leaves after its own files. A lower cap bounds the memory a crowd holds.
     max_connections: int | None = Field(default=None, ge=1)
 
     @field_validator("advertise")
