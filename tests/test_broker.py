@@ -3473,6 +3473,36 @@ def test_raft_ticks_and_socket_events_that_keep_failing_are_logged_once_a_streak
     assert errors == ["OSError", "ValueError", "RuntimeError"], "each with its traceback"
 
 
+def test_a_raft_connection_dropped_with_bytes_to_send_is_torn_down_whole() -> None:
+    """PySyncObj's disconnect closes a connection's socket, then unsubscribes it from the
+    poller. A connection still watched for writing (a peer restarting while the leader
+    had entries to send it) must be torn down whole: state disconnected, its callback
+    told, the loop no longer watching the fd, so that the transport dials its peer again.
+    A real connection over a real socket, on the node's poller and a real loop."""
+    import asyncio
+    import socket
+
+    from pysyncobj.tcp_connection import CONNECTION_STATE, TcpConnection
+
+    from dejaq.broker.state import raft
+
+    async def scenario() -> tuple[Any, list[int], bool]:
+        loop = asyncio.get_running_loop()
+        poller = raft.LoopPoller()
+        poller.attach(loop, lambda: None)
+        ours, theirs = socket.socketpair()
+        told: list[int] = []
+        conn = TcpConnection(poller, onDisconnected=lambda: told.append(1), socket=ours)
+        fd = conn.fileno()
+        conn.disconnect()  # watched for reading and writing: as accepted, bytes unsent
+        theirs.close()
+        return conn.state, told, fd in {key.fd for key in loop._selector.get_map().values()}
+
+    state, told, watched = asyncio.run(scenario())
+    assert state == CONNECTION_STATE.DISCONNECTED and told == [1], "torn down whole"
+    assert not watched, "the loop no longer watches its fd"
+
+
 def test_a_tick_past_the_election_deadline_reads_the_heartbeats_waiting_first(
     tmp_path: Path,
 ) -> None:

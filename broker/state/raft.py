@@ -352,9 +352,17 @@ class LoopPoller:
             self.loop.remove_writer(fd)
 
     def _unregister(self, fd: int) -> None:
+        """Stop watching `fd`, which may be closed already: PySyncObj's disconnect closes
+        a connection's socket before it unsubscribes, and removing the reader of an fd
+        also watched for writing (a connection with bytes still to send) modifies its
+        registration, which fails on a closed fd. The selector has dropped the fd then,
+        as the kernel did at its close. Raised out of the disconnect, the failure would
+        leave the connection half torn down and never dialled again: its peer out of
+        reach until a restart."""
         assert self.loop is not None
-        self.loop.remove_reader(fd)
-        self.loop.remove_writer(fd)
+        for remove in (self.loop.remove_reader, self.loop.remove_writer):
+            with suppress(OSError):
+                remove(fd)
 
     def _fire(self, fd: int, event: int) -> None:
         sub = self._subs.get(fd)
