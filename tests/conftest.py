@@ -12,7 +12,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
@@ -38,6 +38,30 @@ def wait_until(cond: Callable[[], object], timeout: float = 30, what: str = "con
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+class Named(dict[int, str]):
+    """The ids a test wrote, by message handle: the lease state is keyed by handle
+    (`broker/state/handles.py`), and a test names what it finds there by the ids it
+    knows. Reading a handle it never noted fails the test, naming the handle."""
+
+    def __init__(self, mids: Iterable[str] = ()) -> None:
+        super().__init__()
+        self.note(mids)
+
+    def note(self, mids: Iterable[str]) -> None:
+        """Know the handles of `mids` from now on."""
+        from dejaq.broker.state.handles import mhs
+
+        mids = list(mids)
+        self.update(zip(mhs(mids), mids, strict=True))
+
+    def __missing__(self, handle: int) -> str:
+        pytest.fail(f"handle {handle:032x} is of no id this test wrote")
+
+    def ids(self, handles: Iterable[int]) -> list[str]:
+        """The id of each of `handles`, in their order."""
+        return [self[h] for h in handles]
 
 
 def sourced(env_file: Path) -> dict[str, str]:

@@ -9,6 +9,7 @@ mod apply;
 mod bodies;
 mod buckets;
 mod grant;
+mod handles;
 mod heads;
 mod id_map;
 mod ids;
@@ -31,6 +32,8 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(buckets::free_buckets, m)?)?;
     m.add_function(wrap_pyfunction!(buckets::hold, m)?)?;
     m.add_function(wrap_pyfunction!(grant::grant, m)?)?;
+    m.add_function(wrap_pyfunction!(handles::message_handle, m)?)?;
+    m.add_function(wrap_pyfunction!(handles::message_handles, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::take_slots, m)?)?;

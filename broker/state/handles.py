@@ -1,0 +1,32 @@
+"""Message handles ("mh") in Python: the compiled core's hash of an id (the first 16 bytes
+of its BLAKE3, little-endian, `dejaq_core.message_handle`), as an int, and batches of
+them packed 16 bytes each, as Raft commands carry them and the index looks them up."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from dejaq_core import message_handle, message_handles
+
+WIDTH = 16  # bytes of a packed handle
+
+
+def mh(mid: str) -> int:
+    """The handle of `mid`: every node computes the same one, with no key to share."""
+    return message_handle(mid)
+
+
+def packed(mids: Iterable[str]) -> bytes:
+    """The handles of `mids` packed in one bytes object, in their order: one call for a
+    batch, no int per id."""
+    return message_handles(mids if isinstance(mids, list) else list(mids))
+
+
+def unpacked(blob: bytes) -> list[int]:
+    """The handles packed in `blob`, as ints."""
+    return [int.from_bytes(blob[i : i + WIDTH], "little") for i in range(0, len(blob), WIDTH)]
+
+
+def mhs(mids: Iterable[str]) -> list[int]:
+    """The handle of each of `mids`, as ints."""
+    return unpacked(packed(mids))
