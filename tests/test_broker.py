@@ -3889,18 +3889,21 @@ def _words(mid: str) -> int:
         max_size=30,
     ),
     short=st.booleans(),
+    by_mh=st.booleans(),
 )
 def test_the_id_table_finds_what_a_dict_would(
-    steps: list[tuple[str, list[int]]], short: bool
+    steps: list[tuple[str, list[int]]], short: bool, by_mh: bool
 ) -> None:
     """Stored and forgotten ids, handles reused as the row store reuses them, in a table
     that starts at 4 slots: collisions, deleted slots and rebuilds at every size, and
-    rebuilds outside the lock (`make_room`, and `narrow` once the widest ids are gone)
-    while the event loop forgets ids. Probes include ids that were never stored, and
-    ids that share a stored one's first bytes. The column is never narrower than the
-    ids stored need, and after a narrow no wider."""
+    rebuilds outside the lock (`make_room`) while the event loop forgets ids, by id or
+    by message handle. Probes, by id and by message handle, include ids that were never
+    stored, and ids that share a stored one's first bytes. The column is never narrower
+    than the ids stored need, and after a narrow (once the widest ids are gone) no
+    wider."""
     import numpy as np
 
+    from dejaq.broker.state.handles import packed
     from dejaq.broker.storage import id_table
 
     small, id_table.MIN_SLOTS = id_table.MIN_SLOTS, 4
@@ -3912,7 +3915,8 @@ def test_the_id_table_finds_what_a_dict_would(
 
         def forget(mids: list[str]) -> None:
             assert table.find(mids)[0].tolist() == [model.get(m, -1) for m in mids]
-            assert table.take(mids).tolist() == _taken(mids, model)
+            taken = table.take_mh(packed(mids)) if by_mh else table.take(mids)
+            assert taken.tolist() == _taken(mids, model)
             for mid in dict.fromkeys(mids):
                 if mid in model:
                     free.append(model.pop(mid))
@@ -3965,6 +3969,7 @@ def test_the_id_table_finds_what_a_dict_would(
             probe = [_id(n, short) for n in range(61)] + ["m", "x" * 70, "n1", "n1\0", "message-00"]
             assert [table.get(m) for m in probe] == [model.get(m) for m in probe]
             assert table.find(probe)[0].tolist() == [model.get(m, -1) for m in probe]
+            assert table.find_mh(packed(probe))[0].tolist() == [model.get(m, -1) for m in probe]
             stored = np.array(sorted(model.values()), np.int64)
             assert table.mids(stored) == sorted(model, key=model.__getitem__)
             assert 4 * (table.live + table.deleted) <= 3 * len(table.slots)
@@ -3983,13 +3988,14 @@ def test_the_id_table_forgets_and_finds_a_trims_worth_of_ids_as_a_dict_would(
 ) -> None:
     """A trim forgets thousands of ids in one call, and a look-up can name as many, which
     the compiled core walks a chunk at a time: across the chunks' edges, with ids named
-    twice, stored, deleted and never stored, in any order, packed or as strs, each is
-    taken and found where a dict says, and the widths' tally follows."""
+    twice, stored, deleted and never stored, in any order, packed, as strs or by message
+    handle, each is taken and found where a dict says, and the widths' tally follows."""
     import random
 
     import numpy as np
     from dejaq_core import PackedIds
 
+    from dejaq.broker.state.handles import packed
     from dejaq.broker.storage import id_table
 
     mids = [f"bench-{seed % 97}-{n}" for n in range(stored + 2100)]  # past two chunks
@@ -4002,7 +4008,8 @@ def test_the_id_table_forgets_and_finds_a_trims_worth_of_ids_as_a_dict_would(
     # Some named twice, some never stored, in any order.
     named = gone + gone[: forgotten // 3] + mids[stored : stored + 50]
     named = random.Random(seed + 2).sample(named, len(named))
-    taken = table.take(PackedIds.pack(named) if seed % 2 else named)
+    how = [PackedIds.pack, packed, list][seed % 3]
+    taken = table.take_mh(how(named)) if how is packed else table.take(how(named))
     assert taken.tolist() == _taken(named, model)
     for m in gone:
         del model[m]
@@ -4012,6 +4019,7 @@ def test_the_id_table_forgets_and_finds_a_trims_worth_of_ids_as_a_dict_would(
     want = [model.get(m, -1) for m in probe]
     assert table.find(probe)[0].tolist() == want
     assert table.find(PackedIds.pack(probe))[0].tolist() == want
+    assert table.find_mh(packed(probe))[0].tolist() == want
 
 
 def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> None:

@@ -8,49 +8,44 @@ to the longest id it holds, at most WIDEST. An id longer than that, or ending in
 byte (which the column cannot tell from its padding), is kept whole in `long`, by
 handle, and in the column as an 8-byte digest of it.
 
-Handles by id: an open-addressing hash table in one int32 array. A dict from id to token
-cost ~60 bytes per message; here a message costs 5 to 16 bytes of int32 slots (the table
-is a quarter to three quarters full). A slot holds a handle + 1 (0: empty, -1:
-deleted), and matches an id when the column at its handle is equal (and, for an id in
-`long`, the whole id is). Positions come from a hash of the column's bytes, computed for
-many ids in one vectorised pass and seeded per process, so ids cannot be chosen ahead to
-collide: the table is a node's own, rebuilt from its handles at start.
+Handles by message: an open-addressing hash table in one int32 array, and a tag per slot
+in a uint8 array. A dict from id to token cost ~60 bytes per message; here a message
+costs 5 to 16 bytes of int32 slots and 1 to 4 of tags (the table is a quarter to three
+quarters full). A slot holds a handle + 1 (0: empty, -1: deleted). A message is found
+by its id or by its message handle ("mh", `broker/state/handles.py`), which the lease
+state and Raft commands carry in place of ids: its position and tag are a mix of its mh
+with a seed drawn per process (so ids cannot be chosen ahead to collide on a node: the
+mh alone anyone can compute), and a slot whose tag matches is confirmed by its row's
+id, compared with the id asked for, or hashed again for an mh. The column's width is
+not in the position: a wider or narrower column moves no slot.
 
-Linear probing. Look-ups run in the compiled core (`dejaq_core.find_slots`), which
-hashes and probes each id as it reads it, with no array or bytes object per id, and so
-do inserts and rebuilds (`dejaq_core.place_slots`); where
-the table holds ids as digests, many ids walk their chains in vectorised steps, a slot
-a step, until fewer than FEW are left, which are probed one at a time. Deleted slots
-are reused only by a rebuild, when used slots would pass three quarters, into a table
-at most half full. A rebuild over a million ids takes a fraction of a second:
-`make_room` does it before an insert, outside the caller's lock.
+Linear probing, in the compiled core (`dejaq_core.find_slots`, `take_slots`,
+`place_slots`), which hashes and probes each message as it reads it, with no array or
+bytes object per message. Deleted slots are reused only by a rebuild, when used slots
+would pass three quarters, into a table at most half full. A rebuild over a million
+ids takes a fraction of a second: `make_room` does it before an insert, outside the
+caller's lock.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import struct
 from contextlib import AbstractContextManager
 from itertools import compress
 from typing import NamedTuple
 
 import numpy as np
-from dejaq_core import find_slots, place_slots, take_slots
+from dejaq_core import PackedIds, find_slots, place_slots, take_slots
 
 EMPTY = 0
 DELETED = -1
 MIN_SLOTS = 1024
-STEP = 8  # the column's width grows in words of 8 bytes, which the hash reads whole
+STEP = 8  # the column's width grows in words of 8 bytes
 WIDEST = 64
-FEW = 8  # ids probed one at a time in Python: fewer than this cost more in NumPy calls
-ASK = -2  # `find_slots`: an id the column holds as a digest, for Python to look up
 ABSENT = -1  # `take`: an id not stored
 AGAIN = -3  # `take`: an id named earlier in the same call
-_SEED = int.from_bytes(os.urandom(8), "little")
-_MIX = 0x9E3779B97F4A7C15
-_FMIX = (0xFF51AFD7ED558CCD, 0xC4CEB9FE1A85EC53)  # MurmurHash3's finaliser
-_U64 = (1 << 64) - 1
+_SEED = int.from_bytes(os.urandom(8), "little")  # mixed into each position (module doc)
 
 
 class Encoded(NamedTuple):
@@ -74,6 +69,7 @@ class IdTable:
         self.ids = np.zeros(0, f"S{STEP}")  # by handle; a freed handle keeps its old id
         self.long: dict[int, str] = {}  # ids the column holds as a digest, by handle
         self.slots = np.zeros(MIN_SLOTS, np.int32)
+        self.tags = np.zeros(MIN_SLOTS, np.uint8)  # each slot's, read where it is used
         self.live = 0
         self.deleted = 0
         # Stored ids by the words of column they need (index 1..WIDEST // STEP): the
@@ -100,7 +96,7 @@ class IdTable:
         """`mids` as `insert` stores them. A bytes object per id, 0.1-0.3 s a million
         ids: made before the caller takes the lock that `insert` runs under, by the one
         thread that inserts, which alone changes the column's width."""
-        keys, long, _ = self._keys(mids, grow=True)
+        keys, long = self._keys(mids)
         return Encoded(mids, keys, long)
 
     def insert(self, handles: np.ndarray, encoded: Encoded) -> None:
@@ -109,25 +105,21 @@ class IdTable:
         mids, keys, long = encoded
         if keys.dtype.itemsize < self.ids.dtype.itemsize:  # encoded before a wider insert
             keys = keys.astype(self.ids.dtype)
-        widened = keys.dtype != self.ids.dtype  # the positions of every id stored change
-        if widened:
+        if keys.dtype != self.ids.dtype:  # wider: no position changes (module doc)
             self.ids = self.ids.astype(keys.dtype)
-        if widened or self._full(len(handles)):
-            self.slots = self._built(self.ids, self._stored(), len(handles))
+        if self._full(len(handles)):
+            self.slots, self.tags = self._built(self.ids, self._stored(), len(handles))
             self.deleted = 0
         self.ids[handles] = keys
         for i in np.flatnonzero(long).tolist():
             self.long[int(handles[i])] = mids[i]
-        _place(self.slots, self.ids, handles)
+        self._place(self.slots, self.tags, self.ids, handles)
         self.live += len(handles)
         self.words += _words_of(keys, long)
 
-    def _keys(
-        self, mids: list[str], grow: bool = False
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Each id as the column holds it; which of them are in `long`; and which cannot
-        be stored at the column's width (longer than it, not long). With `grow`, the
-        width is the column's or the longest short id's, whichever is wider."""
+    def _keys(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Each id as the column holds it, at the column's width or the longest short
+        id's, whichever is wider; and which of them are in `long`."""
         raw = [m.encode() for m in mids]
         lengths = np.fromiter(map(len, raw), np.int64, len(raw))
         long = lengths > WIDEST
@@ -137,102 +129,31 @@ class IdTable:
             raw[i] = _digest(raw[i])
         width = self.ids.dtype.itemsize
         short = lengths[~long]
-        if grow and len(short) and short.max() > width:
+        if len(short) and short.max() > width:
             width = -(-int(short.max()) // STEP) * STEP
-        return np.array(raw, f"S{width}"), long, ~long & (lengths > width)
+        return np.array(raw, f"S{width}"), long
 
     # --- the table -------------------------------------------------------------------
 
     def get(self, mid: str) -> int | None:
         """The handle of `mid`, if stored."""
-        slot = self._find_one(mid) if self.long else int(self._found([mid])[0][0])
-        if slot == ASK:
-            slot = self._find_one(mid)
-        return None if slot < 0 else int(self.slots[slot]) - 1
+        h = int(self.find([mid])[0][0])
+        return None if h < 0 else h
 
-    def _found(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """The slot of each id, or -1, or ASK for one the column holds as a digest, and
-        its handle, or -1: by the compiled core, for a table that holds no id as one."""
-        width = self.ids.dtype.itemsize
-        slots, handles = find_slots(mids, self.slots, self.ids.view(np.uint8), width, _SEED)
-        return np.frombuffer(slots, np.int64), np.frombuffer(handles, np.int64)
-
-    def _find_one(self, mid: str) -> int:
-        """The slot of `mid`, or -1: one id, probed in Python, with no arrays made."""
-        raw = mid.encode()
-        width = self.ids.dtype.itemsize
-        long = len(raw) > WIDEST or raw.endswith(b"\0")
-        if long:  # as the column holds it: without the padding's NUL bytes
-            raw = _digest(raw).rstrip(b"\0")
-        elif len(raw) > width:
-            return -1
-        return self._slot(mid, raw, long, _position(raw, width))
-
-    def _slot(self, mid: str, key: bytes, long: bool, position: int) -> int:
-        """The slot of `mid` (as the column holds it: `key`) probing from `position`, or -1."""
-        slots, ids = self.slots, self.ids
-        mask = len(slots) - 1
-        i = position & mask
-        while True:
-            s = int(slots[i])
-            if s == EMPTY:
-                return -1
-            if s > 0 and ids[s - 1] == key and self._whole(s - 1, mid, long):
-                return i
-            i = (i + 1) & mask
-
-    def _whole(self, handle: int, mid: str, long: bool) -> bool:
-        """Whether an id whose key the column at `handle` matches is the one stored."""
-        if long or handle in self.long:
-            return self.long.get(handle) == mid
-        return True
-
-    def find(self, mids: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def find(self, mids: list[str] | PackedIds) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each id; -1 for both where it is not stored."""
-        if not self.long:
-            found, handles = self._found(mids)
-            asked = np.flatnonzero(found == ASK)
-            if not len(asked):
-                return handles, found
-            found = found.copy()
-            for i in asked.tolist():
-                found[i] = self._find_one(mids[i])
-        elif len(mids) < FEW:
-            found = np.array([self._find_one(m) for m in mids], np.int64)
-        else:
-            found = self._find_many(mids)
-        handles = np.where(found >= 0, self.slots[np.maximum(found, 0)].astype(np.int64) - 1, -1)
-        return handles, found
+        return self._found(mids)
 
-    def _find_many(self, mids: list[str]) -> np.ndarray:
-        """The slot of each id, or -1: probed a slot a step for all ids at once, each
-        step for those still walking, down to the few left, probed one at a time.
+    def find_mh(self, mhs: bytes) -> tuple[np.ndarray, np.ndarray]:
+        """(handle, slot) of each message whose handle `mhs` packs (16 bytes each,
+        `broker/state/handles.py`); -1 for both where it is not stored."""
+        return self._found(mhs)
 
-        After many deletes most chains cross deleted slots: walking every id past its
-        first slot in Python made this most of what forgetting a message costs."""
-        keys, long, absent = self._keys(mids)
-        slots, ids = self.slots, self.ids
-        mask = len(slots) - 1
-        whole = bool(self.long) or bool(long.any())
-        found = np.full(len(mids), -1, np.int64)
-        at = _positions(keys) & mask
-        todo = np.flatnonzero(~absent)
-        at = at[todo]
-        while len(todo) >= FEW:
-            s = slots[at].astype(np.int64)
-            live = np.flatnonzero(s > 0)
-            hit = np.zeros(len(todo), bool)
-            hit[live] = ids[s[live] - 1] == keys[todo[live]]
-            if whole:
-                for j in np.flatnonzero(hit).tolist():
-                    k = int(todo[j])
-                    hit[j] = self._whole(int(s[j]) - 1, mids[k], bool(long[k]))
-            found[todo[hit]] = at[hit]
-            walk = ~hit & (s != EMPTY)
-            todo, at = todo[walk], (at[walk] + 1) & mask
-        for k, position in zip(todo.tolist(), at.tolist(), strict=True):
-            found[k] = self._slot(mids[k], keys[k], bool(long[k]), position)
-        return found
+    def _found(self, asked: list[str] | PackedIds | bytes) -> tuple[np.ndarray, np.ndarray]:
+        width = self.ids.dtype.itemsize
+        ids = self.ids.view(np.uint8)
+        slots, handles = find_slots(asked, self.slots, self.tags, ids, width, self.long, _SEED)
+        return np.frombuffer(handles, np.int64), np.frombuffer(slots, np.int64)
 
     def _full(self, n: int) -> bool:
         return 4 * (self.live + self.deleted + n) > 3 * len(self.slots)
@@ -245,32 +166,27 @@ class IdTable:
                 return
             kept = self._stored()
             self._deleting = []
-        self._rebuild(lock, kept, self.ids.dtype.itemsize, n)
+        self._rebuild(lock, kept, n)
 
     def narrow(self, lock: AbstractContextManager) -> int | None:
         """The column at the width its longest stored id needs, once the ids that made it
         wider are gone: a node's memory follows the ids pending, not the longest id it
-        ever held. Called as `make_room` is; returns the new width, None if unchanged."""
+        ever held. A narrower column cuts the ids of freed handles, which no slot names,
+        and moves no slot. Called as `make_room` is; returns the new width, None if
+        unchanged."""
         with lock:
             width = STEP * max(1, int(np.flatnonzero(self.words)[-1]) if self.words.any() else 1)
             if width >= self.ids.dtype.itemsize:
                 return None
-            kept = self._stored()
-            self._deleting = []
-        self._rebuild(lock, kept, width, 0)
+            self.ids = self.ids.astype(f"S{width}")
         return width
 
-    def _rebuild(
-        self, lock: AbstractContextManager, kept: np.ndarray, width: int, more: int
-    ) -> None:
+    def _rebuild(self, lock: AbstractContextManager, kept: np.ndarray, more: int) -> None:
         """A new table of `kept` (the handles stored when `_deleting` was opened) with
-        room for `more`, its column at `width`, built outside `lock`: the handles
-        deleted meanwhile are noted as they go, and deleted from it under the lock, as
-        it replaces the old table. A narrower column cuts the ids of freed handles,
-        which no slot names."""
+        room for `more`, built outside `lock`: the handles deleted meanwhile are noted
+        as they go, and deleted from it under the lock, as it replaces the old table."""
         try:
-            ids = self.ids if width == self.ids.dtype.itemsize else self.ids.astype(f"S{width}")
-            slots = self._built(ids, kept, more)
+            slots, tags = self._built(self.ids, kept, more)
         except BaseException:
             with lock:
                 self._deleting = None
@@ -282,7 +198,7 @@ class IdTable:
                 gone = np.isin(slots[used] - 1, np.concatenate(deleting))
                 slots[used[gone]] = DELETED
             deleted = sum(map(len, deleting))
-            self.ids, self.slots = ids, slots
+            self.slots, self.tags = slots, tags
             self.live, self.deleted = len(kept) - deleted, deleted
 
     def renumber(self, handles: np.ndarray, capacity: int) -> None:
@@ -296,25 +212,24 @@ class IdTable:
             at = dict(zip(handles.tolist(), range(n), strict=True))
             self.long = {at[h]: mid for h, mid in self.long.items()}
         self.ids = ids
-        self.slots = self._built(ids, np.arange(n), 0)
+        self.slots, self.tags = self._built(ids, np.arange(n), 0)
         self.live, self.deleted = n, 0
 
-    def take(self, mids: list[str]) -> np.ndarray:
+    def take(self, mids: list[str] | PackedIds) -> np.ndarray:
         """Delete the ids `mids`: the handle of each, ABSENT where it is not stored, AGAIN
         where `mids` named it before. Every node forgets each trim's ids: the compiled
         core empties each slot in the walk that finds it, and tallies the ids' widths as
-        it goes (a `find`, then a `delete`, would read every slot and its id twice)."""
-        if self.long:
-            handles, slots = self.find(mids)
-            hit = np.flatnonzero(handles >= 0)
-            _, first = np.unique(slots[hit], return_index=True)
-            codes = handles.copy()
-            codes[hit] = AGAIN
-            codes[hit[first]] = handles[hit[first]]
-            self.delete(slots[hit[first]])
-            return codes
+        it goes (a `find`, then a delete, would read every slot and its id twice)."""
+        return self._taken(mids)
+
+    def take_mh(self, mhs: bytes) -> np.ndarray:
+        """`take` of the messages whose handles `mhs` packs (16 bytes each)."""
+        return self._taken(mhs)
+
+    def _taken(self, asked: list[str] | PackedIds | bytes) -> np.ndarray:
         width = self.ids.dtype.itemsize
-        found, words = take_slots(mids, self.slots, self.ids.view(np.uint8), width, _SEED)
+        ids = self.ids.view(np.uint8)
+        found, words = take_slots(asked, self.slots, self.tags, ids, width, self.long, _SEED)
         codes = np.frombuffer(found, np.int64)
         taken = codes[codes >= 0]
         if self._deleting is not None:  # a rebuild is under way
@@ -324,34 +239,28 @@ class IdTable:
         self.deleted += len(taken)
         return codes
 
-    def delete(self, slots: np.ndarray) -> None:
-        """Empty `slots` (as `find` returned them, each a stored id's)."""
-        handles = self.slots[slots].astype(np.int64) - 1
-        if self._deleting is not None:  # a rebuild is under way
-            self._deleting.append(handles)
-        long = (
-            np.fromiter(map(self.long.__contains__, handles.tolist()), bool, len(handles))
-            if self.long
-            else np.zeros(len(handles), bool)
-        )
-        self.words -= _words_of(self.ids[handles], long)
-        if self.long:
-            for h in handles.tolist():
-                self.long.pop(h, None)
-        self.slots[slots] = DELETED
-        self.live -= len(slots)
-        self.deleted += len(slots)
-
     def _stored(self) -> np.ndarray:
         """The handles the table holds."""
         return self.slots[self.slots > 0].astype(np.int64) - 1
 
-    @staticmethod
-    def _built(ids: np.ndarray, handles: np.ndarray, more: int) -> np.ndarray:
-        """A table of `handles` (ids in column `ids`) with room for `more`."""
-        slots = np.zeros(_size_for(len(handles) + more), np.int32)
-        _place(slots, ids, handles)
-        return slots
+    def _built(
+        self, ids: np.ndarray, handles: np.ndarray, more: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """A table and its tags of `handles` (ids in column `ids`, or in `long`) with
+        room for `more`."""
+        size = _size_for(len(handles) + more)
+        slots, tags = np.zeros(size, np.int32), np.zeros(size, np.uint8)
+        self._place(slots, tags, ids, handles)
+        return slots, tags
+
+    def _place(
+        self, slots: np.ndarray, tags: np.ndarray, ids: np.ndarray, handles: np.ndarray
+    ) -> None:
+        """Each handle into the first empty slot from its position, by the compiled core,
+        which hashes each row's id again for its mh."""
+        handles = np.ascontiguousarray(handles, np.int64)
+        width = ids.dtype.itemsize
+        place_slots(slots, tags, ids.view(np.uint8), width, self.long, _SEED, handles)
 
 
 def _digest(raw: bytes) -> bytes:
@@ -376,38 +285,6 @@ def decode(ids: np.ndarray, long: dict[int, str], handles: np.ndarray) -> list[s
         long[h] if h in long else key.decode()
         for h, key in zip(handles.tolist(), keys, strict=True)
     ]
-
-
-def _positions(keys: np.ndarray) -> np.ndarray:
-    """The hash of each key (a fixed-width bytes array whose width is a multiple of 8),
-    word by word, then mixed so that its low bits, a table's position, depend on all."""
-    words = np.ascontiguousarray(keys).view("<u8").reshape(len(keys), keys.dtype.itemsize // 8)
-    h = np.full(len(keys), _SEED, np.uint64)
-    for k in range(words.shape[1]):
-        h ^= words[:, k]
-        h *= np.uint64(_MIX)
-    for c in _FMIX:
-        h ^= h >> np.uint64(33)
-        h *= np.uint64(c)
-    h ^= h >> np.uint64(33)
-    return (h >> np.uint64(1)).astype(np.int64)
-
-
-def _position(key: bytes, width: int) -> int:
-    """`_positions` of one key, in Python: a probe of one id makes no arrays."""
-    h = _SEED
-    for (word,) in struct.iter_unpack("<Q", key.ljust(width, b"\0")):
-        h = ((h ^ word) * _MIX) & _U64
-    for c in _FMIX:
-        h = ((h ^ (h >> 33)) * c) & _U64
-    return (h ^ (h >> 33)) >> 1
-
-
-def _place(slots: np.ndarray, ids: np.ndarray, handles: np.ndarray) -> None:
-    """Each handle into the first empty slot from its id's position, by the compiled
-    core, which hashes as `_positions` does."""
-    handles = np.ascontiguousarray(handles, np.int64)
-    place_slots(slots, ids.view(np.uint8), ids.dtype.itemsize, _SEED, handles)
 
 
 def _size_for(live: int) -> int:

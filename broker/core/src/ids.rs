@@ -1,13 +1,20 @@
-//! Look-ups in the index's id table (`broker/storage/id_table.py`): each id's slot, found
-//! by the same hash and linear probing as the table was built with, without making an
-//! array or a bytes object per id; ids deleted in the walk that finds them; and an id
-//! read back from the column by its handle.
+//! Look-ups in the index's id table (`broker/storage/id_table.py`): each message's slot,
+//! by its id or by its handle ("mh", `handles.rs`), found by linear probing from a
+//! position mixed from the mh, without making an array or a bytes object per message;
+//! messages deleted in the walk that finds them; and an id read back from the column by
+//! its row's handle.
+//!
+//! A slot holds its row's handle + 1 and, in a parallel byte array, a tag of the mh's
+//! mix: a probe reads the row only where the tag matches. A match is confirmed by the
+//! row's id: compared with the one asked for, or hashed again for a look-up by mh; so
+//! the table holds no 16-byte mh per row.
 
 use pyo3::buffer::{PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 
+use crate::handles::{mh, WIDTH};
 use crate::lease_table::{id_strs, raw_ids};
 use crate::order::slice;
 use crate::packed_ids::unpadded;
@@ -18,45 +25,46 @@ const MIX: u64 = 0x9E37_79B9_7F4A_7C15;
 const FMIX: [u64; 2] = [0xFF51_AFD7_ED55_8CCD, 0xC4CE_B9FE_1A85_EC53];
 const EMPTY: i32 = 0;
 const DELETED: i32 = -1;
-/// `take_slots`: an id not stored, and one its call named before.
+/// `take_slots`: a message not stored, and one its call named before.
 const ABSENT: i64 = -1;
 const AGAIN: i64 = -3;
-/// An id the caller must look up itself: one the column holds as a digest.
-const ASK: i64 = -2;
-/// Ids whose first slots and column entries a walk loads ahead of walking them.
+/// Messages whose first slots and column entries a walk loads ahead of walking them.
 const CHUNK: usize = 1024;
 
-/// The position of an id padded with NUL bytes to `width` (a multiple of 8), as
-/// `id_table._positions` computes it for a column: hashed word by word, then mixed.
-fn hash(raw: &[u8], width: usize, seed: u64) -> u64 {
+/// The mix of a message's handle with the node's seed: its low bits are its position,
+/// its top 8 its tag. The mh is uniform already, but anyone can compute it: mixed with
+/// a seed drawn per process, ids cannot be chosen ahead to share a position on a node.
+fn mixed(handle: u128, seed: u64) -> u64 {
     let mut h = seed;
-    for start in (0..width).step_by(8) {
-        let mut word = [0u8; 8];
-        if start < raw.len() {
-            let end = raw.len().min(start + 8);
-            word[..end - start].copy_from_slice(&raw[start..end]);
-        }
-        h ^= u64::from_le_bytes(word);
+    for word in [handle as u64, (handle >> 64) as u64] {
+        h ^= word;
         h = h.wrapping_mul(MIX);
     }
     for c in FMIX {
         h ^= h >> 33;
         h = h.wrapping_mul(c);
     }
-    (h ^ (h >> 33)) >> 1
+    h ^ (h >> 33)
 }
 
-/// The mask of a table of `len` slots over a column `width` bytes wide: a power of two
-/// and a multiple of 8 up to WIDEST, or the caller passed something else.
-fn mask_of(len: usize, width: usize) -> PyResult<usize> {
+fn tag_of(mix: u64) -> u8 {
+    (mix >> 56) as u8
+}
+
+/// The mask of a table of `len` slots over a column `width` bytes wide, whose tags are
+/// `tags` long: a power of two, a multiple of 8 up to WIDEST, and as many tags as slots,
+/// or the caller passed something else.
+fn mask_of(len: usize, tags: usize, width: usize) -> PyResult<usize> {
     if len == 0
         || !len.is_power_of_two()
+        || tags != len
         || width == 0
         || width > WIDEST
         || !width.is_multiple_of(8)
     {
         return Err(PyValueError::new_err(
-            "the table's size must be a power of two and the width a multiple of 8 up to 64",
+            "the table's size must be a power of two, its tags as many, and the width a \
+             multiple of 8 up to 64",
         ));
     }
     Ok(len - 1)
@@ -67,24 +75,148 @@ fn holds(ids: &[ReadOnlyCell<u8>], handle: usize, width: usize, raw: &[u8]) -> b
     let Some(key) = ids.get(handle * width..(handle + 1) * width) else {
         return false;
     };
-    key[..raw.len()].iter().zip(raw).all(|(a, b)| a.get() == *b)
+    raw.len() <= width
+        && key[..raw.len()].iter().zip(raw).all(|(a, b)| a.get() == *b)
         && key[raw.len()..].iter().all(|a| a.get() == 0)
 }
 
-/// Each id's first slot in a table of `mask + 1` slots over a column `width` bytes wide,
-/// or its answer if it is not walked: ASK for one the column would hold as a digest,
-/// ABSENT for one longer than the column.
-fn starts_of(chunk: &[&[u8]], width: usize, seed: u64, mask: usize) -> Vec<Result<usize, i64>> {
+/// Whether the column holds an id whole: one it does not is kept in `long`, the column
+/// holding a digest of it.
+fn whole(raw: &[u8]) -> bool {
+    raw.len() <= WIDEST && raw.last() != Some(&0)
+}
+
+/// The rows' ids: the column, `width` bytes a handle, and `long`, the ids it holds as a
+/// digest, by handle.
+struct Rows<'a, 'py> {
+    column: &'a [ReadOnlyCell<u8>],
+    width: usize,
+    long: &'a Bound<'py, PyDict>,
+}
+
+impl Rows<'_, '_> {
+    /// The id `long` holds for handle `h`, if any.
+    fn long_id(&self, h: usize) -> PyResult<Option<Bound<'_, PyString>>> {
+        if self.long.is_empty() {
+            return Ok(None);
+        }
+        match self.long.get_item(h)? {
+            Some(mid) => Ok(Some(mid.downcast_into::<PyString>()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Whether the row at `h` is the message `query` names.
+    fn is(&self, h: usize, query: &Query<'_>) -> PyResult<bool> {
+        let long = self.long_id(h)?;
+        match (query, long) {
+            (Query::Id(raw, _), Some(mid)) => Ok(mid.to_str()?.as_bytes() == *raw),
+            (Query::Id(raw, _), None) => Ok(whole(raw) && holds(self.column, h, self.width, raw)),
+            (Query::Mh(handle), Some(mid)) => Ok(mh(mid.to_str()?.as_bytes()) == *handle),
+            (Query::Mh(handle), None) => Ok(mh(unpadded(
+                &column_key(self.column, h, self.width)?[..self.width],
+            )) == *handle),
+        }
+    }
+
+    /// The handle of the row at `h`, hashed from its id.
+    fn mh_at(&self, h: usize) -> PyResult<u128> {
+        if let Some(mid) = self.long_id(h)? {
+            return Ok(mh(mid.to_str()?.as_bytes()));
+        }
+        // A freed handle's digest, which a rebuild may meet, need not be UTF-8: hashed
+        // as bytes, it only places a slot that the rebuild then deletes.
+        let key = column_key(self.column, h, self.width)?;
+        Ok(mh(unpadded(&key[..self.width])))
+    }
+
+    /// The 8-byte words of column the row at `h` needs: a digest's one if kept whole.
+    fn words_at(&self, h: usize) -> PyResult<usize> {
+        if self.long_id(h)?.is_some() {
+            return Ok(1);
+        }
+        let key = column_key(self.column, h, self.width)?;
+        Ok(unpadded(&key[..self.width]).len().div_ceil(8).max(1))
+    }
+}
+
+/// A message asked for: by its id's bytes (and their mh), or by its mh.
+enum Query<'a> {
+    Id(&'a [u8], u128),
+    Mh(u128),
+}
+
+impl Query<'_> {
+    fn mh(&self) -> u128 {
+        match self {
+            Query::Id(_, handle) | Query::Mh(handle) => *handle,
+        }
+    }
+
+    /// Whether the table cannot hold it, without a walk: an id wider than the column
+    /// (which is as wide as the widest whole id it holds), or one held as a digest
+    /// where none is.
+    fn surely_absent(&self, width: usize, any_long: bool) -> bool {
+        match self {
+            Query::Id(raw, _) if whole(raw) => raw.len() > width,
+            Query::Id(..) => !any_long,
+            Query::Mh(_) => false,
+        }
+    }
+}
+
+/// The messages `mids` names: ids (a list of str, or `PackedIds`), or handles packed 16
+/// bytes each (bytes), as the ids' bytes (`raws` holds them) and handles.
+fn queries<'a>(mids: &'a Bound<'_, PyAny>, raws: &'a [&'a [u8]]) -> PyResult<Vec<Query<'a>>> {
+    if let Ok(blob) = mids.downcast::<PyBytes>() {
+        let blob = blob.as_bytes();
+        if !blob.len().is_multiple_of(WIDTH) {
+            return Err(PyValueError::new_err("packed handles are 16 bytes each"));
+        }
+        return Ok(blob
+            .chunks_exact(WIDTH)
+            .map(|b| Query::Mh(u128::from_le_bytes(b.try_into().expect("16 bytes"))))
+            .collect());
+    }
+    Ok(raws.iter().map(|&raw| Query::Id(raw, mh(raw))).collect())
+}
+
+/// The ids' bytes that `mids` names (none for packed handles), `strs` holding their strs.
+fn raws_of<'a, 'py>(
+    py: Python<'py>,
+    mids: &'a Bound<'py, PyAny>,
+    strs: &'a [Bound<'py, PyString>],
+) -> PyResult<Vec<&'a [u8]>> {
+    if mids.downcast::<PyBytes>().is_ok() {
+        return Ok(Vec::new());
+    }
+    raw_ids(py, mids, strs)
+}
+
+/// The strs of `mids`, if it names ids as str.
+fn strs_of<'py>(mids: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyString>>> {
+    if mids.downcast::<PyBytes>().is_ok() {
+        return Ok(Vec::new());
+    }
+    id_strs(mids)
+}
+
+/// Each message's first slot and tag, or None where it is surely absent.
+fn starts_of(
+    chunk: &[Query<'_>],
+    width: usize,
+    any_long: bool,
+    seed: u64,
+    mask: usize,
+) -> Vec<Option<(usize, u8)>> {
     chunk
         .iter()
-        .map(|raw| {
-            if raw.len() > WIDEST || raw.last() == Some(&0) {
-                Err(ASK)
-            } else if raw.len() > width {
-                Err(ABSENT)
-            } else {
-                Ok((hash(raw, width, seed) as usize) & mask)
+        .map(|q| {
+            if q.surely_absent(width, any_long) {
+                return None;
             }
+            let mix = mixed(q.mh(), seed);
+            Some((mix as usize & mask, tag_of(mix)))
         })
         .collect()
 }
@@ -92,18 +224,18 @@ fn starts_of(chunk: &[&[u8]], width: usize, seed: u64, mask: usize) -> Vec<Resul
 /// Reads the first slots of `starts` (`slot` reads one), and the column at their
 /// handles, in passes of independent loads. A table of a million ids misses the cache
 /// at almost every probe: loaded this way the CPU overlaps those misses, instead of
-/// waiting each one out in turn as the walk would. Called a CHUNK of ids at a time:
-/// over a whole trim's ids (tens of thousands), the lines the passes brought in were
+/// waiting each one out in turn as the walk would. Called a CHUNK of messages at a
+/// time: over a whole trim's (tens of thousands), the lines the passes brought in were
 /// gone again before the walk used them.
 fn preload(
     slot: impl Fn(usize) -> i32,
     column: &[ReadOnlyCell<u8>],
-    starts: &[Result<usize, i64>],
+    starts: &[Option<(usize, u8)>],
     width: usize,
 ) {
     let firsts: Vec<i32> = starts
         .iter()
-        .map(|start| start.map_or(EMPTY, &slot))
+        .map(|start| start.map_or(EMPTY, |(i, _)| slot(i)))
         .collect();
     let mut touched = 0u8;
     for &s in &firsts {
@@ -114,7 +246,7 @@ fn preload(
     std::hint::black_box(touched);
 }
 
-/// What a walk from an id's first slot met: the slot holding it and its value (the
+/// What a walk from a message's first slot met: the slot holding it and its value (the
 /// handle + 1), a slot `take_slots` marked for it earlier in its call, or an empty slot.
 enum Probe {
     Found(usize, i32),
@@ -122,68 +254,82 @@ enum Probe {
     Absent,
 }
 
-/// Walks a table of `len` slots (`slot` reads one) from `start` until a slot holds `raw`
-/// in the column, or a slot is empty, or every slot was read. A slot below DELETED is one
-/// `take_slots` marked in this call, holding its handle `h` as `-(h + 2)`; no other walk
-/// meets one, since `take_slots` leaves no marks behind.
+/// Walks a table of `len` slots (`slot` reads one, `tag` its tag) from `start` until a
+/// slot of tag `want` holds the message `query` names, or a slot is empty, or every
+/// slot was read. A slot below DELETED is one `take_slots` marked in this call, holding
+/// its handle `h` as `-(h + 2)`; no other walk meets one, since `take_slots` leaves no
+/// marks behind.
 fn probe(
     slot: impl Fn(usize) -> i32,
+    tag: impl Fn(usize) -> u8,
     len: usize,
-    column: &[ReadOnlyCell<u8>],
-    width: usize,
-    raw: &[u8],
-    start: usize,
-) -> Probe {
+    rows: &Rows<'_, '_>,
+    query: &Query<'_>,
+    (start, want): (usize, u8),
+) -> PyResult<Probe> {
     let mut i = start;
     for _ in 0..len {
         let s = slot(i);
         if s == EMPTY {
-            return Probe::Absent;
+            return Ok(Probe::Absent);
         }
-        if s > 0 && holds(column, (s - 1) as usize, width, raw) {
-            return Probe::Found(i, s);
+        if s > 0 && tag(i) == want && rows.is((s - 1) as usize, query)? {
+            return Ok(Probe::Found(i, s));
         }
-        if s < DELETED && holds(column, (-2 - i64::from(s)) as usize, width, raw) {
-            return Probe::Marked;
+        if s < DELETED && tag(i) == want && rows.is((-2 - i64::from(s)) as usize, query)? {
+            return Ok(Probe::Marked);
         }
         i = (i + 1) & (len - 1);
     }
-    Probe::Absent
+    Ok(Probe::Absent)
 }
 
-/// The slot of each id in `mids` (str, or `PackedIds`) (-1: not stored; -2: held as a
-/// digest, for the caller to look up), and its handle (-1 unless found), as two int64
-/// bytes: the walk has read the slot, so the caller does not read the table again.
-/// `slots` is the table (a handle + 1 per used slot, -1 deleted), `ids` the column's
-/// bytes (`width` per handle) and `seed` the hash's. For a table that holds no id as a
-/// digest.
+/// The slot of each message `mids` names (ids as a list of str or `PackedIds`, or
+/// handles packed 16 bytes each in bytes) (-1: not stored), and its row's handle (-1
+/// unless found), as two int64 bytes: the walk has read the slot, so the caller does
+/// not read the table again. `slots` is the table (a handle + 1 per used slot, -1
+/// deleted), `tags` each slot's tag, `ids` the column's bytes (`width` per handle),
+/// `long` the ids it holds as a digest, by handle, and `seed` the position's.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 pub fn find_slots<'py>(
     py: Python<'py>,
     mids: &Bound<'py, PyAny>,
     slots: PyBuffer<i32>,
+    tags: PyBuffer<u8>,
     ids: PyBuffer<u8>,
     width: usize,
+    long: &Bound<'py, PyDict>,
     seed: u64,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let table = slice(py, &slots, "id table's")?;
+    let tags = slice(py, &tags, "id table's tag")?;
     let column = slice(py, &ids, "id")?;
-    let mask = mask_of(table.len(), width)?;
-    let strs = id_strs(mids)?;
-    let raws = raw_ids(py, mids, &strs)?;
-    let mut found: Vec<u8> = Vec::with_capacity(raws.len() * 8);
-    let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
+    let mask = mask_of(table.len(), tags.len(), width)?;
+    let strs = strs_of(mids)?;
+    let raws = raws_of(py, mids, &strs)?;
+    let asked = queries(mids, &raws)?;
+    let rows = Rows {
+        column,
+        width,
+        long,
+    };
+    let mut found: Vec<u8> = Vec::with_capacity(asked.len() * 8);
+    let mut handles: Vec<u8> = Vec::with_capacity(asked.len() * 8);
     let at = |i: usize| table[i].get();
-    for chunk in raws.chunks(CHUNK) {
-        let starts = starts_of(chunk, width, seed, mask);
+    let tag = |i: usize| tags[i].get();
+    for chunk in asked.chunks(CHUNK) {
+        let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
         preload(at, column, &starts, width);
-        for (raw, start) in chunk.iter().zip(&starts) {
-            let (slot, handle) =
-                match start.map(|start| probe(at, table.len(), column, width, raw, start)) {
-                    Err(answer) => (answer, -1),
-                    Ok(Probe::Found(slot, s)) => (slot as i64, i64::from(s) - 1),
-                    Ok(Probe::Marked | Probe::Absent) => (-1, -1),
-                };
+        for (query, start) in chunk.iter().zip(&starts) {
+            let walked = match start {
+                Some(start) => probe(at, tag, table.len(), &rows, query, *start)?,
+                None => Probe::Absent,
+            };
+            let (slot, handle) = match walked {
+                Probe::Found(slot, s) => (slot as i64, i64::from(s) - 1),
+                Probe::Marked | Probe::Absent => (-1, -1),
+            };
             found.extend_from_slice(&slot.to_ne_bytes());
             handles.extend_from_slice(&handle.to_ne_bytes());
         }
@@ -191,101 +337,127 @@ pub fn find_slots<'py>(
     Ok((PyBytes::new(py, &found), PyBytes::new(py, &handles)))
 }
 
-/// Deletes the ids in `mids` (str, or `PackedIds`) from the table, in the one walk that
-/// finds them: the handle of each (int64 bytes), ABSENT where it is not stored, AGAIN
-/// where `mids` named it earlier; and how many of the ids deleted need each count of
-/// the column's 8-byte words (index 1..=WIDEST / 8), for the caller's tally. Each node
-/// forgets a trim's ids this way: finding them, then emptying their slots, would read
-/// every slot and the column at it twice. Arguments as `find_slots`'s, the table
-/// writable; for a table that holds no id as a digest (an id it would hold as one is
-/// ABSENT).
+/// Deletes the messages `mids` names (as `find_slots`'s) from the table, in the one
+/// walk that finds them, and their ids from `long`: the handle of each (int64 bytes),
+/// ABSENT where it is not stored, AGAIN where `mids` named it earlier; and how many of
+/// those deleted need each count of the column's 8-byte words (index 1..=WIDEST / 8),
+/// for the caller's tally. Each node forgets a trim's messages this way: finding them,
+/// then emptying their slots, would read every slot and the column at it twice.
+/// Arguments as `find_slots`'s, the table writable.
 ///
 /// A slot found is marked with its handle `h` as `-(h + 2)` until the walk ends, so that
-/// a later id of the same message is told apart from one never stored; then every mark
-/// becomes a deleted slot.
+/// a later naming of the same message is told apart from one never stored; then every
+/// mark becomes a deleted slot.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 pub fn take_slots<'py>(
     py: Python<'py>,
     mids: &Bound<'py, PyAny>,
     slots: PyBuffer<i32>,
+    tags: PyBuffer<u8>,
     ids: PyBuffer<u8>,
     width: usize,
+    long: &Bound<'py, PyDict>,
     seed: u64,
 ) -> PyResult<(Bound<'py, PyBytes>, Vec<i64>)> {
     let table = slots
         .as_mut_slice(py)
         .ok_or_else(|| PyValueError::new_err("the id table is not writable and contiguous"))?;
+    let tags = slice(py, &tags, "id table's tag")?;
     let column = slice(py, &ids, "id")?;
-    let mask = mask_of(table.len(), width)?;
-    let strs = id_strs(mids)?;
-    let raws = raw_ids(py, mids, &strs)?;
-    let mut handles: Vec<u8> = Vec::with_capacity(raws.len() * 8);
-    let mut taken: Vec<usize> = Vec::with_capacity(raws.len());
+    let mask = mask_of(table.len(), tags.len(), width)?;
+    let strs = strs_of(mids)?;
+    let raws = raws_of(py, mids, &strs)?;
+    let asked = queries(mids, &raws)?;
+    let rows = Rows {
+        column,
+        width,
+        long,
+    };
+    let mut handles: Vec<u8> = Vec::with_capacity(asked.len() * 8);
+    let mut taken: Vec<usize> = Vec::with_capacity(asked.len());
     let mut words = vec![0i64; WIDEST / 8 + 1];
     let at = |i: usize| table[i].get();
-    for chunk in raws.chunks(CHUNK) {
-        let starts = starts_of(chunk, width, seed, mask);
+    let tag = |i: usize| tags[i].get();
+    for chunk in asked.chunks(CHUNK) {
+        let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
         preload(at, column, &starts, width);
-        for (raw, start) in chunk.iter().zip(&starts) {
-            let handle = match start.map(|start| probe(at, table.len(), column, width, raw, start))
-            {
-                Ok(Probe::Found(i, s)) => {
+        for (query, start) in chunk.iter().zip(&starts) {
+            let walked = match start {
+                Some(start) => probe(at, tag, table.len(), &rows, query, *start)?,
+                None => Probe::Absent,
+            };
+            let handle = match walked {
+                Probe::Found(i, s) => {
                     table[i].set(-1 - s);
                     taken.push(i);
-                    words[raw.len().div_ceil(8).max(1)] += 1;
+                    words[rows.words_at((s - 1) as usize)?] += 1;
                     i64::from(s) - 1
                 }
-                Ok(Probe::Marked) => AGAIN,
-                Ok(Probe::Absent) | Err(_) => ABSENT,
+                Probe::Marked => AGAIN,
+                Probe::Absent => ABSENT,
             };
             handles.extend_from_slice(&handle.to_ne_bytes());
         }
     }
+    // Marks, and ids in `long`, are read by the walk until it ends.
     for i in taken {
+        let h = -2 - i64::from(table[i].get());
         table[i].set(DELETED);
+        if !long.is_empty() && long.contains(h)? {
+            long.del_item(h)?;
+        }
     }
     Ok((PyBytes::new(py, &handles), words))
 }
 
-/// Index `handles` (stored in the column: `width` bytes each) in `slots`: each into the
-/// first empty slot from its id's position, in order, as `find_slots` walks. Positions
-/// are computed for all first and their slots read in a pass of independent loads, as
-/// in `find_slots`; a table too full to take them all is an error (the caller sizes it).
+/// Index `handles` (stored in the column: `width` bytes each, or in `long`) in `slots`
+/// and `tags`: each into the first empty slot from its position, in order, as
+/// `find_slots` walks. Each row's id is hashed again for its mh; positions are computed
+/// for all first and their slots read in a pass of independent loads, as in
+/// `find_slots`; a table too full to take them all is an error (the caller sizes it).
 #[pyfunction]
+#[allow(clippy::too_many_arguments)]
 pub fn place_slots(
     py: Python<'_>,
     slots: PyBuffer<i32>,
+    tags: PyBuffer<u8>,
     ids: PyBuffer<u8>,
     width: usize,
+    long: &Bound<'_, PyDict>,
     seed: u64,
     handles: PyBuffer<i64>,
 ) -> PyResult<()> {
     let table = slots
         .as_mut_slice(py)
         .ok_or_else(|| PyValueError::new_err("the id table is not writable and contiguous"))?;
+    let tags = tags
+        .as_mut_slice(py)
+        .ok_or_else(|| PyValueError::new_err("the id table's tags are not writable"))?;
     let column = slice(py, &ids, "id")?;
     let handles = slice(py, &handles, "handle")?;
-    let mask = mask_of(table.len(), width)?;
+    let mask = mask_of(table.len(), tags.len(), width)?;
+    let rows = Rows {
+        column,
+        width,
+        long,
+    };
     let mut starts = Vec::with_capacity(handles.len());
     for h in handles {
         let h = h.get();
-        let key = usize::try_from(h)
+        let handle = usize::try_from(h)
             .ok()
-            .and_then(|h| column.get(h * width..(h + 1) * width))
-            .filter(|_| h < i64::from(i32::MAX))
+            .filter(|&h| h < i32::MAX as usize && (h + 1) * width <= column.len())
             .ok_or_else(|| PyValueError::new_err(format!("no handle {h} in the id column")))?;
-        let mut raw = [0u8; WIDEST];
-        for (to, from) in raw.iter_mut().zip(key) {
-            *to = from.get();
-        }
-        starts.push((hash(&raw[..width], width, seed) as usize) & mask);
+        let mix = mixed(rows.mh_at(handle)?, seed);
+        starts.push((mix as usize & mask, tag_of(mix)));
     }
     let mut touched = 0i32;
-    for &i in &starts {
+    for &(i, _) in &starts {
         touched ^= table[i].get();
     }
     std::hint::black_box(touched);
-    for (h, &start) in handles.iter().zip(&starts) {
+    for (h, &(start, tag)) in handles.iter().zip(&starts) {
         let mut i = start;
         let mut probes = 0;
         while table[i].get() != EMPTY {
@@ -296,6 +468,7 @@ pub fn place_slots(
             i = (i + 1) & mask;
         }
         table[i].set(h.get() as i32 + 1);
+        tags[i].set(tag);
     }
     Ok(())
 }
