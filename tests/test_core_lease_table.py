@@ -1,7 +1,8 @@
 """The compiled core's packed ids (`dejaq_core.PackedIds`) against the list of str they
-stand for, and its lease table (`dejaq_core.LeaseTable`) against a dict model; a
-topic's state pickled with its leases as a dict (every snapshot) loads into the table;
-a lease record (`dejaq_core.LeaseRecord`) pickles as the Python record did."""
+stand for, and its lease table (`dejaq_core.LeaseTable`, by message handle) against a
+dict model; a topic's state pickled with its leases as a dict (every snapshot: by
+handle, or by id before handles) loads into the table; a lease record
+(`dejaq_core.LeaseRecord`) pickles as the Python record did."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import pickle
 from array import array
 
 import pytest
+from conftest import Named
 from dejaq_core import LeaseTable, PackedIds, free_buckets, grant, hold
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import ACKED, LeaseRecord, Refusal, TopicState, joined
 
 IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
@@ -98,6 +101,11 @@ OPS = st.lists(
 )
 
 
+def by_mh(model: dict[str, int]) -> dict[int, int]:
+    """A model by id as the table holds it: by message handle."""
+    return {mh(m): v for m, v in model.items()}
+
+
 def _ids(mids: list[str], pack: bool) -> PackedIds | list[str]:
     """`mids` packed if asked and they can be, else as a list."""
     return (PackedIds.pack(mids) if pack else None) or mids
@@ -106,6 +114,8 @@ def _ids(mids: list[str], pack: bool) -> PackedIds | list[str]:
 @settings(max_examples=300, deadline=None)
 @given(OPS)
 def test_the_table_answers_as_a_dict_of_ids(ops: list[tuple]) -> None:
+    """Named by id, the table answers as a dict by id would; its keys are the ids'
+    handles, by which it answers alike."""
     table, model = LeaseTable(), {}
     for op in ops:
         if op[0] == "set":
@@ -131,12 +141,15 @@ def test_the_table_answers_as_a_dict_of_ids(ops: list[tuple]) -> None:
             table.discard_all(_ids(op[1], op[2]))
             for mid in op[1]:
                 model.pop(mid, None)
-        assert len(table) == len(model) and dict(table.items()) == model and table == model
-        assert table.keys() == model.keys() and sorted(table) == sorted(model)
+        handles = by_mh(model)
+        assert len(table) == len(model) and dict(table.items()) == handles and table == handles
+        assert table.keys() == handles.keys() and sorted(table) == sorted(handles)
         assert all(mid in table and table[mid] == table.get(mid) for mid in model)
+        assert all(h in table and table[h] == table.get(h) == v for h, v in handles.items())
     with pytest.raises(KeyError):
         table["never"]
-    assert 7 not in table and table.get("never", 3) == 3
+    assert mh("never") not in table and table.get("never", 3) == 3
+    assert b"a" not in table and table.get(b"a", 3) == 3, "names no message"
 
 
 @settings(max_examples=12, deadline=None)
@@ -172,7 +185,7 @@ def test_a_large_table_grows_cleans_and_packs_as_a_dict_would(
         table.discard_all(_ids(out, pack))
         for mid in out:
             del model[mid]
-        assert len(table) == len(model) and dict(table.items()) == model
+        assert len(table) == len(model) and dict(table.items()) == by_mh(model)
         assert all(table.get(mid) == value for mid, value in model.items())
         assert not any(mid in table for mid in out)
 
@@ -219,11 +232,17 @@ def test_held_counts_and_free_buckets_answer_as_the_dicts_would(ops: list[tuple]
         hold({1: {"c2": 1}}, {1: 1}, "c1", -1)
 
 
-def test_ids_that_are_not_str_are_a_clear_error() -> None:
+def test_messages_named_neither_by_id_nor_by_handle_are_a_clear_error() -> None:
     with pytest.raises(TypeError):
-        LeaseTable().add_all(["a", 1], 1)
+        LeaseTable().add_all(["a", b"a"], 1)
     with pytest.raises(TypeError):
         LeaseTable().discard_all([b"a"])
+    with pytest.raises(TypeError):
+        LeaseTable()[1.0] = 1
+    with pytest.raises(ValueError, match="16 bytes each"):
+        LeaseTable().discard_all(b"a")
+    table = LeaseTable()
+    assert table.add_all([mh("a"), "b"], 1) and sorted(table) == sorted([mh("a"), mh("b")])
 
 
 def test_a_grant_whose_columns_do_not_match_its_ids_changes_nothing() -> None:
@@ -241,17 +260,23 @@ def test_a_grant_whose_columns_do_not_match_its_ids_changes_nothing() -> None:
     assert list(record.mids) == ["a", "b"] and held == {0: {"c": 2}} and record.live == 2
 
 
-def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table() -> None:
-    """Snapshots hold `leases` as a dict of id -> lease record, as before the table:
-    every message leased or acked is found again, by id and by receipt."""
+@pytest.mark.parametrize("by_id", [False, True], ids=["by handle", "by id, before handles"])
+def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table(by_id: bool) -> None:
+    """Snapshots hold `leases` as a dict of message handle -> lease record, as before the
+    table (and by id, before handles: hashed on load): every message leased or acked is
+    found again, by id and by receipt."""
     s = TopicState(buckets=1, max_deliveries=5)
     named = receipts(lease(s, "c", ["a", "b", "d"], now=0))
     assert s.ack("c", 1, [], [named["a"]]) == {}
     state = s.__getstate__()
-    assert type(state["leases"]) is dict and sorted(state["leases"]) == ["a", "b", "d"]
-    again = pickle.loads(pickle.dumps(s))
+    names = Named(["a", "b", "d"])
+    assert type(state["leases"]) is dict and sorted(names.ids(state["leases"])) == ["a", "b", "d"]
+    if by_id:
+        state["leases"] = {names[h]: record for h, record in state["leases"].items()}
+    again = TopicState.__new__(TopicState)
+    again.__setstate__(pickle.loads(pickle.dumps(state)))
     assert isinstance(again.leases, LeaseTable)
-    assert sorted(again.leases) == ["a", "b", "d"], "acked until its trim, and leased"
+    assert sorted(names.ids(again.leases)) == ["a", "b", "d"], "acked until its trim, and leased"
     assert again.leases["b"] is again.records[again.leases["d"].lid]
     assert again.settled_event("a") == "acked" and again.lease_of("b") is not None
     assert again.ack("c", 2, ["b"]) == {} and again.ack("c", 2, ["a"]) == {"a": Refusal.SETTLED}

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 from test_broker import (
     buffer_rows,
     fill,
+    lease_ids,
     leased,
     listed,
     loaded_topic,
@@ -146,7 +147,7 @@ def test_backoff_never_lets_a_message_out_early(
             for mid, deliveries, _ in leased(s, "c", mids, now, lease_ms=300):
                 assert now >= earliest.get(mid, 0), (mid, deliveries, now, earliest)
             continue
-        leases = {m: s.lease_of(m) for m in s.leases}
+        leases = {m: s.lease_of(m) for m in lease_ids(s)}
         held = {m: lease.deliveries for m, lease in leases.items() if lease.deadline > now}
         if op == "expire":
             due = {m: lease.deliveries for m, lease in leases.items() if lease.deadline <= now}

@@ -149,8 +149,9 @@ class TopicState:
         # message -> its lease's record, while leased and, once acked, until the trim of
         # its event: an ack's settled mark is the record's `ended` byte, so the ack path
         # touches no table by id, and the lease path's one probe finds leased and acked.
-        # Keyed by the ids' bytes in the compiled core: a lease's packed ids enter, and
-        # a trim's leave, without a Python object per message.
+        # Keyed by message handle (`handles.py`) in the compiled core, named by id or
+        # handle: a lease's picks enter, and a trim's leave, without a Python object per
+        # message.
         self.leases = LeaseTable()
         # Every lease's record by lid, until its messages' leases ended and the events of
         # that are trimmed (`ending`): a receipt resolves as long as an id would.
@@ -196,7 +197,8 @@ class TopicState:
 
     def __getstate__(self) -> dict:
         """Snapshots hold what they held before `owned` and `leased`: both are derived,
-        rebuilt on load; and `leases` as the dict they held before it was a `LeaseTable`."""
+        rebuilt on load; and `leases` as the dict they held before it was a `LeaseTable`,
+        by message handle (by id before handles: `__setstate__` hashes those)."""
         state = self.__dict__.copy()
         del state["owned"], state["leased"]
         state["leases"] = dict(self.leases.items())
@@ -240,7 +242,7 @@ class TopicState:
             )
             self.records[record.lid] = self.leases[mid] = record
         leases, self.leases = self.leases, LeaseTable()
-        for mid, record in leases.items():
+        for mid, record in leases.items():  # by handle, or by id (hashed) from before
             self.leases[mid] = record
         self.leased = {lid: r for lid, r in self.records.items() if r.live}
 

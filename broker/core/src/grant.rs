@@ -14,6 +14,7 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::buckets::{hold_in, is_free};
+use crate::handles::mh;
 use crate::lease_record::{Granted, LeaseRecord};
 use crate::lease_table::{id_strs, raw_ids, LeaseTable};
 use crate::packed_ids::PackedIds;
@@ -112,9 +113,9 @@ pub fn grant<'py>(
         candidates.push(i);
     }
 
+    let picked: Vec<u128> = candidates.iter().map(|&i| mh(raws[i])).collect();
     let granted: Vec<usize> = {
         let mut t = table.borrow_mut();
-        let picked: Vec<&[u8]> = candidates.iter().map(|&i| raws[i]).collect();
         t.enter_each(&picked, record.as_any())
             .into_iter()
             .map(|k| candidates[k])

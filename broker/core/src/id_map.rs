@@ -1,62 +1,33 @@
-//! A map keyed by message ids' bytes, built for batches: a lease enters its ids and a
-//! trim removes its acked ones, hundreds or thousands at a time, in a map of hundreds of
-//! thousands. Its slots are 8 bytes (a 32-bit hash tag and where the entry is), so the
-//! slot array of such a map (a few MB) mostly fits in the last-level cache, where its
-//! entries (48 bytes each) do not: a probe reads an entry only when the tag matches. A
-//! batch first reads each id's first slot, then each entry those name, in passes of
-//! independent loads, so the CPU overlaps the misses instead of waiting each out in turn
-//! (as `ids::find_slots` does).
-//! A slot alone says where its id's probe starts (its tag's low bits), so resizing or
-//! cleaning the slots reads no entry.
+//! A map keyed by message handles (`handles.rs`), built for batches: a lease enters its
+//! messages and a trim removes its acked ones, hundreds or thousands at a time, in a map
+//! of hundreds of thousands. Its slots are 8 bytes (a 32-bit hash tag and where the
+//! entry is), so the slot array of such a map (a few MB) mostly fits in the last-level
+//! cache, where its entries (32 bytes each) do not: a probe reads an entry only when the
+//! tag matches. A batch first reads each handle's first slot, then each entry those
+//! name, in passes of independent loads, so the CPU overlaps the misses instead of
+//! waiting each out in turn (as `ids::find_slots` does).
+//! A slot alone says where its handle's probe starts (its tag's low bits), so resizing
+//! or cleaning the slots reads no entry.
 
 use std::hash::BuildHasher;
 
 use foldhash::fast::RandomState;
 
-/// Bytes of an id held inline; longer ones go on the heap. Most ids fit, and entering
-/// one then allocates nothing.
-const INLINE: usize = 38;
 const EMPTY: u64 = 0;
 const DELETED: u64 = u64::MAX;
 const MIN_SLOTS: usize = 16;
 
-/// A message id's UTF-8 bytes, as the map holds them.
-pub(crate) enum Id {
-    Short(u8, [u8; INLINE]),
-    Long(Box<[u8]>),
-}
-
-impl Id {
-    pub(crate) fn as_bytes(&self) -> &[u8] {
-        match self {
-            Id::Short(len, bytes) => &bytes[..*len as usize],
-            Id::Long(raw) => raw,
-        }
-    }
-}
-
-impl From<&[u8]> for Id {
-    fn from(raw: &[u8]) -> Self {
-        if raw.len() <= INLINE {
-            let mut bytes = [0u8; INLINE];
-            bytes[..raw.len()].copy_from_slice(raw);
-            Id::Short(raw.len() as u8, bytes)
-        } else {
-            Id::Long(raw.into())
-        }
-    }
-}
-
-/// Id -> `V`. Linear probing over `slots` from each tag's home; an entry keeps its place
-/// in `entries` (freed places are reused) until the map packs them, once a quarter or
-/// fewer are held: its memory follows what it holds, not the most it ever held.
+/// Message handle -> `V`. Linear probing over `slots` from each tag's home; an entry
+/// keeps its place in `entries` (freed places are reused) until the map packs them, once
+/// a quarter or fewer are held: its memory follows what it holds, not the most it ever
+/// held.
 pub(crate) struct IdMap<V> {
-    // foldhash, seeded at random per process, as the index's id table is
-    // (`ids.rs`): producers choose the ids, and cannot choose ones that collide on a
-    // node without its seed.
+    // foldhash, seeded at random per process, as the index's id table is (`ids.rs`):
+    // anyone can compute a message's handle, so its bits cannot be positions, or ids
+    // could be chosen to collide on every node.
     hasher: RandomState,
     slots: Vec<u64>, // EMPTY, DELETED, or tag << 32 | (entry + 1)
-    entries: Vec<Option<(Id, V)>>,
+    entries: Vec<Option<(u128, V)>>,
     free: Vec<u32>, // places in `entries` that hold nothing
     live: usize,
     used: usize, // slots not EMPTY: live and DELETED
@@ -94,17 +65,17 @@ impl<V> IdMap<V> {
         self.live
     }
 
-    /// The id's tag: the high half of its hash.
-    fn tag(&self, raw: &[u8]) -> u64 {
-        self.hasher.hash_one(raw) >> 32
+    /// The handle's tag: the high half of its hash.
+    fn tag(&self, key: u128) -> u64 {
+        self.hasher.hash_one(key) >> 32
     }
 
     fn home(&self, tag: u64) -> usize {
         tag as usize & (self.slots.len() - 1)
     }
 
-    /// The slot holding `raw` and its entry, if held.
-    fn find(&self, raw: &[u8], tag: u64) -> Option<(usize, usize)> {
+    /// The slot holding `key` and its entry, if held.
+    fn find(&self, key: u128, tag: u64) -> Option<(usize, usize)> {
         let mask = self.slots.len() - 1;
         let mut i = self.home(tag);
         loop {
@@ -115,7 +86,7 @@ impl<V> IdMap<V> {
             if held(s) && s >> 32 == tag {
                 let e = entry_of(s);
                 if let Some((id, _)) = &self.entries[e] {
-                    if id.as_bytes() == raw {
+                    if *id == key {
                         return Some((i, e));
                     }
                 }
@@ -124,46 +95,46 @@ impl<V> IdMap<V> {
         }
     }
 
-    pub(crate) fn contains_key(&self, raw: &[u8]) -> bool {
-        self.find(raw, self.tag(raw)).is_some()
+    pub(crate) fn contains_key(&self, key: u128) -> bool {
+        self.find(key, self.tag(key)).is_some()
     }
 
-    pub(crate) fn get(&self, raw: &[u8]) -> Option<&V> {
-        let (_, e) = self.find(raw, self.tag(raw))?;
+    pub(crate) fn get(&self, key: u128) -> Option<&V> {
+        let (_, e) = self.find(key, self.tag(key))?;
         self.entries[e].as_ref().map(|(_, v)| v)
     }
 
-    /// Enter `raw` unless it is held: whether it was entered (else `value` is dropped).
-    pub(crate) fn add(&mut self, raw: &[u8], value: V) -> bool {
-        self.add_tagged(raw, self.tag(raw), value)
+    /// Enter `key` unless it is held: whether it was entered (else `value` is dropped).
+    pub(crate) fn add(&mut self, key: u128, value: V) -> bool {
+        self.add_tagged(key, self.tag(key), value)
     }
 
     /// `add` with the tag `warm` gave.
-    pub(crate) fn add_tagged(&mut self, raw: &[u8], tag: u64, value: V) -> bool {
-        if self.find(raw, tag).is_some() {
+    pub(crate) fn add_tagged(&mut self, key: u128, tag: u64, value: V) -> bool {
+        if self.find(key, tag).is_some() {
             return false;
         }
-        self.put(raw, tag, value);
+        self.put(key, tag, value);
         true
     }
 
-    /// Enter `raw` with `value`, replacing what it held.
-    pub(crate) fn insert(&mut self, raw: &[u8], value: V) {
-        let tag = self.tag(raw);
-        match self.find(raw, tag) {
+    /// Enter `key` with `value`, replacing what it held.
+    pub(crate) fn insert(&mut self, key: u128, value: V) {
+        let tag = self.tag(key);
+        match self.find(key, tag) {
             Some((_, e)) => {
                 if let Some((_, v)) = &mut self.entries[e] {
                     *v = value;
                 }
             }
-            None => self.put(raw, tag, value),
+            None => self.put(key, tag, value),
         }
     }
 
-    /// Enter `raw`, known not to be held.
-    fn put(&mut self, raw: &[u8], tag: u64, value: V) {
+    /// Enter `key`, known not to be held.
+    fn put(&mut self, key: u128, tag: u64, value: V) {
         self.reserve(1);
-        let entry = Some((Id::from(raw), value));
+        let entry = Some((key, value));
         let e = match self.free.pop() {
             Some(e) => {
                 self.entries[e as usize] = entry;
@@ -190,14 +161,14 @@ impl<V> IdMap<V> {
         self.live += 1;
     }
 
-    /// Remove `raw`: its value, if it was held.
-    pub(crate) fn remove(&mut self, raw: &[u8]) -> Option<V> {
-        self.remove_tagged(raw, self.tag(raw))
+    /// Remove `key`: its value, if it was held.
+    pub(crate) fn remove(&mut self, key: u128) -> Option<V> {
+        self.remove_tagged(key, self.tag(key))
     }
 
     /// `remove` with the tag `warm` gave.
-    pub(crate) fn remove_tagged(&mut self, raw: &[u8], tag: u64) -> Option<V> {
-        let (i, e) = self.find(raw, tag)?;
+    pub(crate) fn remove_tagged(&mut self, key: u128, tag: u64) -> Option<V> {
+        let (i, e) = self.find(key, tag)?;
         let mask = self.slots.len() - 1;
         // A slot followed by an empty one ends every probe that reaches it: it can be
         // empty itself. Otherwise it is marked, so probes go on past it.
@@ -254,14 +225,14 @@ impl<V> IdMap<V> {
 
     /// Each id's tag, with its first slot and any entry that slot names read in two
     /// passes of independent loads: the batch's misses overlap.
-    pub(crate) fn warm(&self, raws: &[&[u8]]) -> Vec<u64> {
-        let tags: Vec<u64> = raws.iter().map(|raw| self.tag(raw)).collect();
+    pub(crate) fn warm(&self, keys: &[u128]) -> Vec<u64> {
+        let tags: Vec<u64> = keys.iter().map(|&key| self.tag(key)).collect();
         let firsts: Vec<u64> = tags.iter().map(|&t| self.slots[self.home(t)]).collect();
         let mut touched = 0usize;
         for (&s, &t) in firsts.iter().zip(&tags) {
             if held(s) && s >> 32 == t {
                 if let Some((id, _)) = &self.entries[entry_of(s)] {
-                    touched ^= id.as_bytes().len();
+                    touched ^= *id as usize;
                 }
             }
         }
@@ -276,7 +247,7 @@ impl<V> IdMap<V> {
         }
     }
 
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (&Id, &V)> {
-        self.entries.iter().flatten().map(|(id, v)| (id, v))
+    pub(crate) fn iter(&self) -> impl Iterator<Item = (u128, &V)> {
+        self.entries.iter().flatten().map(|(id, v)| (*id, v))
     }
 }

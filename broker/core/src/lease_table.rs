@@ -1,17 +1,20 @@
 //! Which lease record holds each leased message (and each acked one, until its trim):
-//! the state's one table by id, probed by every lease on every node. Keyed by the ids'
-//! bytes, so a lease's packed ids (`packed_ids.rs`) are checked and entered, and a
-//! trim's removed, in one call that makes no Python object per message; a value is a
-//! reference to the record, as a dict's would be.
+//! the state's one table of messages, probed by every lease on every node. Keyed by
+//! message handle (`handles.rs`), 16 bytes whatever the id, so a lease's picks are
+//! checked and entered, and a trim's removed, in one call that makes no Python object
+//! per message; a value is a reference to the record, as a dict's would be.
 
-use pyo3::exceptions::{PyKeyError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString};
+use pyo3::types::{PyBytes, PyDict, PyInt, PyList, PySet, PyString};
 
+use crate::handles::{mh, WIDTH};
 use crate::id_map::IdMap;
 use crate::packed_ids::PackedIds;
 
-/// Message id -> its lease record (`leases.LeaseRecord`), as `TopicState.leases`.
+/// Message handle -> its lease record (`leases.LeaseRecord`), as `TopicState.leases`.
+/// A message is named by its handle (int) or its id (str, hashed to its handle); the
+/// keys it gives back are handles.
 ///
 /// Threads off the event loop read it (an index's stats) while the loop changes it.
 /// The GIL serialises them, but making a Python object while the table is borrowed may
@@ -23,9 +26,54 @@ pub struct LeaseTable {
     map: IdMap<Py<PyAny>>,
 }
 
-fn as_str<'py>(py: Python<'py>, raw: &[u8]) -> Bound<'py, PyString> {
-    // Every key was entered from a str's UTF-8 or from packed ids checked to be UTF-8.
-    PyString::new(py, &String::from_utf8_lossy(raw))
+/// The handle of a message named by `key`: its handle (int) or its id (str); None for
+/// anything else, which names no message.
+fn handle_of(key: &Bound<'_, PyAny>) -> PyResult<Option<u128>> {
+    if let Ok(mid) = key.downcast::<PyString>() {
+        return Ok(Some(mh(mid.to_str()?.as_bytes())));
+    }
+    if key.downcast::<PyInt>().is_ok() {
+        return Ok(key.extract::<u128>().ok());
+    }
+    Ok(None)
+}
+
+/// `handle_of`, for a call that must name a message.
+fn named(key: &Bound<'_, PyAny>) -> PyResult<u128> {
+    handle_of(key)?.ok_or_else(|| PyTypeError::new_err("a message is named by its id or handle"))
+}
+
+/// A message a call names, by handle or id: read as the call's argument, before the
+/// table is borrowed (`LeaseTable`'s note).
+struct Named(u128);
+
+impl<'py> FromPyObject<'py> for Named {
+    fn extract_bound(key: &Bound<'py, PyAny>) -> PyResult<Self> {
+        named(key).map(Named)
+    }
+}
+
+/// The handles of the messages `mids` names: handles packed 16 bytes each (bytes),
+/// packed ids, or an iterable of ids (str) or handles (int).
+pub(crate) fn handles_of(py: Python<'_>, mids: &Bound<'_, PyAny>) -> PyResult<Vec<u128>> {
+    if let Ok(blob) = mids.downcast::<PyBytes>() {
+        let blob = blob.as_bytes();
+        if !blob.len().is_multiple_of(WIDTH) {
+            return Err(PyValueError::new_err("packed handles are 16 bytes each"));
+        }
+        return Ok(blob
+            .chunks_exact(WIDTH)
+            .map(|b| u128::from_le_bytes(b.try_into().expect("16 bytes")))
+            .collect());
+    }
+    if let Ok(packed) = mids.downcast::<PackedIds>() {
+        let strs = Vec::new();
+        return Ok(raw_ids(py, packed.as_any(), &strs)?
+            .into_iter()
+            .map(mh)
+            .collect());
+    }
+    mids.try_iter()?.map(|m| named(&m?)).collect()
 }
 
 /// The strs of a list (or any iterable) of str; none for packed ids, whose bytes
@@ -60,31 +108,27 @@ pub(crate) fn raw_ids<'a, 'py>(
 }
 
 impl LeaseTable {
-    fn ids<'py>(slf: &Bound<'py, Self>) -> PyResult<Vec<Bound<'py, PyString>>> {
-        let py = slf.py();
-        let raws: Vec<Vec<u8>> = (slf.borrow().map.iter())
-            .map(|(k, _)| k.as_bytes().to_vec())
-            .collect();
-        Ok(raws.iter().map(|r| as_str(py, r)).collect())
+    fn handles(slf: &Bound<'_, Self>) -> Vec<u128> {
+        slf.borrow().map.iter().map(|(k, _)| k).collect()
     }
 
-    /// Enter each of `raws` in `record` unless it is in a lease, or was entered just
+    /// Enter each of `handles` in `record` unless it is in a lease, or was entered just
     /// before (picked twice): the indexes of those entered.
-    pub(crate) fn enter_each(&mut self, raws: &[&[u8]], record: &Bound<'_, PyAny>) -> Vec<usize> {
-        self.map.reserve(raws.len());
-        let tags = self.map.warm(raws);
-        (raws.iter().zip(&tags).enumerate())
-            .filter_map(|(k, (&raw, &tag))| {
+    pub(crate) fn enter_each(&mut self, handles: &[u128], record: &Bound<'_, PyAny>) -> Vec<usize> {
+        self.map.reserve(handles.len());
+        let tags = self.map.warm(handles);
+        (handles.iter().zip(&tags).enumerate())
+            .filter_map(|(k, (&handle, &tag))| {
                 self.map
-                    .add_tagged(raw, tag, record.clone().unbind())
+                    .add_tagged(handle, tag, record.clone().unbind())
                     .then_some(k)
             })
             .collect()
     }
 
-    /// Whether the id whose bytes are `raw` is in a lease (the index's pick asks).
-    pub(crate) fn holds(&self, raw: &[u8]) -> bool {
-        self.map.contains_key(raw)
+    /// Whether the message of handle `handle` is in a lease (the index's pick asks).
+    pub(crate) fn holds(&self, handle: u128) -> bool {
+        self.map.contains_key(handle)
     }
 }
 
@@ -99,7 +143,8 @@ impl LeaseTable {
         self.map.len()
     }
 
-    /// Equal to another table or a dict holding the same ids, each in an equal record.
+    /// Equal to another table, or a dict by handle, holding the same messages, each in
+    /// an equal record.
     fn __eq__(slf: &Bound<'_, Self>, other: &Bound<'_, PyAny>) -> PyResult<bool> {
         let mine = Self::items(slf)?;
         let theirs = if let Ok(table) = other.downcast::<LeaseTable>() {
@@ -121,102 +166,103 @@ impl LeaseTable {
     }
 
     fn __contains__(&self, mid: &Bound<'_, PyAny>) -> PyResult<bool> {
-        match mid.downcast::<PyString>() {
-            Ok(mid) => Ok(self.map.contains_key(mid.to_str()?.as_bytes())),
-            Err(_) => Ok(false),
-        }
+        Ok(handle_of(mid)?.is_some_and(|h| self.map.contains_key(h)))
     }
 
-    fn __getitem__(&self, py: Python<'_>, mid: &str) -> PyResult<PyObject> {
+    fn __getitem__(&self, py: Python<'_>, mid: Named) -> PyResult<PyObject> {
         self.map
-            .get(mid.as_bytes())
+            .get(mid.0)
             .map(|r| r.clone_ref(py))
-            .ok_or_else(|| PyKeyError::new_err(mid.to_owned()))
+            .ok_or_else(|| PyKeyError::new_err(mid.0))
     }
 
-    fn __setitem__(&mut self, mid: &str, record: PyObject) {
-        self.map.insert(mid.as_bytes(), record);
+    fn __setitem__(&mut self, mid: Named, record: PyObject) {
+        self.map.insert(mid.0, record);
     }
 
-    fn __delitem__(&mut self, mid: &str) -> PyResult<()> {
+    fn __delitem__(&mut self, mid: Named) -> PyResult<()> {
         self.map
-            .remove(mid.as_bytes())
+            .remove(mid.0)
             .map(drop)
-            .ok_or_else(|| PyKeyError::new_err(mid.to_owned()))
+            .ok_or_else(|| PyKeyError::new_err(mid.0))
     }
 
     /// `mid`'s record, or `default`.
     #[pyo3(signature = (mid, default = None))]
-    fn get(&self, py: Python<'_>, mid: &str, default: Option<PyObject>) -> Option<PyObject> {
-        self.map
-            .get(mid.as_bytes())
-            .map(|r| r.clone_ref(py))
-            .or(default)
+    fn get(
+        &self,
+        py: Python<'_>,
+        mid: &Bound<'_, PyAny>,
+        default: Option<PyObject>,
+    ) -> PyResult<Option<PyObject>> {
+        let Some(h) = handle_of(mid)? else {
+            return Ok(default);
+        };
+        Ok(self.map.get(h).map(|r| r.clone_ref(py)).or(default))
     }
 
     /// Enter `mid` in `record` unless it is in one: whether it was entered.
-    fn add(&mut self, mid: &str, record: PyObject) -> bool {
-        self.map.add(mid.as_bytes(), record)
+    fn add(&mut self, mid: Named, record: PyObject) -> bool {
+        self.map.add(mid.0, record)
     }
 
     /// Remove `mid`: its record, or `default` if it was in none.
     #[pyo3(signature = (mid, default = None))]
-    fn pop(&mut self, mid: &str, default: Option<PyObject>) -> Option<PyObject> {
-        self.map.remove(mid.as_bytes()).or(default)
+    fn pop(&mut self, mid: Named, default: Option<PyObject>) -> Option<PyObject> {
+        self.map.remove(mid.0).or(default)
     }
 
-    /// The ids, as a set (a dict's keys compare as one).
+    /// The handles, as a set (a dict's keys compare as one).
     fn keys<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PySet>> {
-        PySet::new(slf.py(), Self::ids(slf)?)
+        PySet::new(slf.py(), Self::handles(slf))
     }
 
-    /// The ids, in no order.
+    /// The handles, in no order.
     fn __iter__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        PyList::new(slf.py(), Self::ids(slf)?)?
+        PyList::new(slf.py(), Self::handles(slf))?
             .try_iter()
             .map(Bound::into_any)
     }
 
-    /// (id, record) pairs, in no order.
+    /// (handle, record) pairs, in no order.
     fn items<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyList>> {
         let py = slf.py();
-        let items: Vec<(Vec<u8>, PyObject)> = (slf.borrow().map.iter())
-            .map(|(k, r)| (k.as_bytes().to_vec(), r.clone_ref(py)))
+        let items: Vec<(u128, PyObject)> = (slf.borrow().map.iter())
+            .map(|(k, r)| (k, r.clone_ref(py)))
             .collect();
-        PyList::new(py, items.into_iter().map(|(k, r)| (as_str(py, &k), r)))
+        PyList::new(py, items)
     }
 
-    /// Enter every id of `mids` in `record` if none is in a lease and none is named
-    /// twice: whether they were. Otherwise nothing changes.
+    /// Enter every message `mids` names (as `handles_of` reads it) in `record` if none
+    /// is in a lease and none is named twice: whether they were. Otherwise nothing
+    /// changes.
     fn add_all(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>, record: PyObject) -> PyResult<bool> {
         let py = slf.py();
-        let strs = id_strs(mids)?;
-        let raws = raw_ids(py, mids, &strs)?;
+        let handles = handles_of(py, mids)?;
         let removed: Vec<PyObject> = {
             let mut table = slf.borrow_mut();
-            let entered = table.enter_each(&raws, record.bind(py));
-            if entered.len() == raws.len() {
+            let entered = table.enter_each(&handles, record.bind(py));
+            if entered.len() == handles.len() {
                 return Ok(true);
             }
             // In no lease before this call: as they were.
             (entered.iter())
-                .filter_map(|&k| table.map.remove(raws[k]))
+                .filter_map(|&k| table.map.remove(handles[k]))
                 .collect()
         };
         drop(removed); // the record's references go after the borrow
         Ok(false)
     }
 
-    /// Remove every id of `mids` (packed ids, or str) that is in a lease: a trim's
-    /// acked messages.
+    /// Remove every message `mids` names (as `handles_of` reads it) that is in a lease:
+    /// a trim's acked messages.
     fn discard_all(slf: &Bound<'_, Self>, mids: &Bound<'_, PyAny>) -> PyResult<()> {
-        let strs = id_strs(mids)?;
-        let raws = raw_ids(slf.py(), mids, &strs)?;
+        let handles = handles_of(slf.py(), mids)?;
         let removed: Vec<PyObject> = {
             let map = &mut slf.borrow_mut().map;
-            let tags = map.warm(&raws);
-            (raws.iter().zip(tags))
-                .filter_map(|(raw, tag)| map.remove_tagged(raw, tag))
+            let tags = map.warm(&handles);
+            (handles.iter().zip(tags))
+                .filter_map(|(&handle, tag)| map.remove_tagged(handle, tag))
                 .collect()
         };
         drop(removed); // the records' references go after the borrow

@@ -14,6 +14,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use crate::handles::mh;
 use crate::ids::{column_key, id_of, key_str, WIDEST};
 use crate::lease_table::LeaseTable;
 use crate::packed_ids::{unpadded, PackedIds};
@@ -316,8 +317,8 @@ impl Order {
             };
             let digest = long_mid.is_some();
             let leased = match &long_mid {
-                Some(mid) => leases.borrow().holds(mid.to_str()?.as_bytes()),
-                None => leases.borrow().holds(unpadded(&raw[..width])),
+                Some(mid) => leases.borrow().holds(mh(mid.to_str()?.as_bytes())),
+                None => leases.borrow().holds(mh(unpadded(&raw[..width]))),
             };
             let stale = leased
                 || (asks_dicts && {
