@@ -34,6 +34,7 @@ from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.data_dir import Identity, admit, lock, mark_joined
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import (
     Again,
     Dead,
@@ -1356,7 +1357,7 @@ class Broker:
         else:
             status = "pending"
         timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
-        deliveries = lease.deliveries if lease else st.deliveries.get(mid, 0)
+        deliveries = lease.deliveries if lease else st.deliveries.get(mh(mid), 0)
         msg = message_json.message(rendered, key, deliveries, 0, timeline)
         msg.update(
             status=status,

@@ -41,6 +41,7 @@ from pysyncobj.serializer import Serializer
 
 from dejaq.broker.api.metrics import LeaseLatency
 from dejaq.broker.state.assignment import rebalance
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import (
     ACKED,
     BULK_MIN,
@@ -149,11 +150,18 @@ def lease_ids(state: TopicState) -> list[str]:
     return Named(m for r in state.records.values() for m in r.mids).ids(state.leases)
 
 
+def settled_ids(state: TopicState) -> dict[str, str]:
+    """`state.settled`, which names messages by handle, by id: named by the events that
+    settled them, which stay until the trim that forgets them."""
+    named = Named(e.message_id for e in settlements(state.events.entries))
+    return {named[h]: event for h, event in state.settled.items()}
+
+
 def settled_of(state: TopicState) -> dict[str, str]:
     """Every message settled and not yet trimmed, with its event: those in `settled`, and
     the acked ones, which `leases` keeps (their mark is in the lease's record)."""
     acked = [m for m in lease_ids(state) if state.settled_event(m) == LedgerEvent.ACKED]
-    return {**state.settled, **dict.fromkeys(acked, "acked")}
+    return {**settled_ids(state), **dict.fromkeys(acked, "acked")}
 
 
 def leased_ids(state: TopicState) -> set[str]:
@@ -197,11 +205,11 @@ def test_expiry_redelivers_then_dead_letters_at_max_deliveries() -> None:
     s = one_bucket_state(max_deliveries=2)
     assert leased(s, "c1", ["a"], now=0) == [("a", 1, 1000)]
     assert s.expire(1000, heartbeat_timeout_ms=10**9) == ["a"]
-    assert s.deliveries == {"a": 1}, "pending again, its count kept"
+    assert s.deliveries == {mh("a"): 1}, "pending again, its count kept"
     assert leased(s, "c1", ["a"], now=1001) == [("a", 2, 2001)], "deliveries + 1"
     assert s.deliveries == {} and s.lease_of("a").deliveries == 2, "the lease holds it"
     assert s.expire(2001, heartbeat_timeout_ms=10**9) == [], "second expiry: dead"
-    assert s.settled == {"a": "dead"}
+    assert settled_ids(s) == {"a": "dead"}
     assert s.events[-1].reason == "max_deliveries" and s.events[-1].deliveries == 2
 
 
@@ -212,7 +220,7 @@ def test_nack_delay_priority_and_reject() -> None:
     assert not s.is_available("a", 104) and s.is_available("a", 105)
     assert s.sort_key("a", 1) == 7
     assert s.reject("c1", 6, ["b"]) == {}
-    assert s.settled == {"b": "dead"} and s.events[-1].reason == "rejected"
+    assert settled_ids(s) == {"b": "dead"} and s.events[-1].reason == "rejected"
 
 
 def test_consumers_join_leave_and_time_out() -> None:
@@ -373,7 +381,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     old = Serializer(str(snapshot), 0, False, None, None, None).deserialize()
     assert old.owned == {"a": [0, 1], "b": [2, 3]}
     assert sorted(old.buckets_of("a")) == [0, 1] and old.buckets_of("b") == [2, 3]
-    assert sorted(lease_ids(old)) == ["m2", "m3"] and old.settled == {"m1": "acked"}
+    assert sorted(lease_ids(old)) == ["m2", "m3"] and settled_ids(old) == {"m1": "acked"}
     assert old.deliveries == {} and old.lease_of("m3").deliveries == 1, "counted by the lease"
     assert not old.paused and old.redriven_at == {}, "from before pause and redrive"
     assert old.requests == {} and old.again("a", "r1") is None, "and before lease requests"
@@ -416,7 +424,7 @@ def test_a_snapshotted_topic_takes_new_buckets_and_max_deliveries_by_a_configure
     assert node._apply("jobs", "lease", (owner, 10, 1000, packed([lease]), None, True, 0)).mids
     assert st.expire(1010, 10**9) == ["m20"], "first delivery failed: pending again"
     assert node._apply("jobs", "lease", (owner, 1011, 1000, packed([lease]), None, True, 0)).mids
-    assert st.expire(2011, 10**9) == [] and st.settled == {"m20": "dead"}, "2 deliveries: dead"
+    assert st.expire(2011, 10**9) == [] and settled_ids(st) == {"m20": "dead"}, "2 deliveries: dead"
 
     owner = st.assignment[12]
     granted = node._apply(
@@ -567,7 +575,7 @@ def test_buckets_of_and_the_leased_records_match_their_definitions_through_any_h
         elif op == "lease":
             s.touch(consumer, now)  # as the lease would: a newcomer joins, and buckets move
             free = free_buckets(s, consumer)
-            taken = {m for m in mids if m in s.leases or m in s.settled}
+            taken = {m for m in mids if m in s.leases or mh(m) in s.settled}
             picks = [(m, i % buckets, i) for m, i in zip(mids, ids, strict=True)]
             record = s.lease(consumer, now, 5, picks)
             expected = granted_by_definition(picks, free, taken)
@@ -1634,12 +1642,12 @@ def test_a_cancel_or_reschedule_made_before_a_trim_passed_it_is_sent_back() -> N
     record = state.lease("c", 0, 1000, [("m0", 0, 5), ("m1", 0, 6)], lid=1)
     seen = state.seq
     assert state.ack("c", 1, [], [record.receipt(0)]) == {}
-    assert state.trim(state.seq) == ["m0"] and "m0" not in state.settled
+    assert state.trim(state.seq) == ["m0"] and mh("m0") not in state.settled
     assert state.cancel(2, "m0", 0, 5, seen) == Refusal.TRIMMED
     assert state.reschedule("m0", 9, seen) == Refusal.TRIMMED
     assert state.seq == 1 and not state.sort_keys, "nothing settled or re-keyed"
     assert state.cancel(2, "m1", 0, 6, state.seq) is None, "a fresh view is applied"
-    assert state.settled == {"m1": "cancelled"}
+    assert settled_ids(state) == {"m1": "cancelled"}
     assert state.reschedule("m2", 9) is None and state.sort_keys == {"m2": 9}
 
 

@@ -12,6 +12,7 @@ from dejaq_core import LeaseTable, Order, PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dejaq.broker.state.handles import mh, mhs
 from dejaq.broker.state.leases import unpacked
 
 BITS = 32
@@ -118,7 +119,7 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
         elif op[0] == "pick":
             _, buckets, n, max_key, gone = op
             gone_ids = [rows.mid(rows.token(h)) for h in sorted(gone) if rows.batch[h]]
-            settled = dict.fromkeys(gone_ids[::2], "acked")
+            settled = dict.fromkeys(mhs(gone_ids[::2]), "acked")  # by handle, as the state
             leased = LeaseTable()
             assert leased.add_all(gone_ids[1::2], 1)
             state = (settled, leased, {}, {})
@@ -131,7 +132,7 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
                 if len(taken) == n:
                     break
                 model.remove((e, b))  # met: taken, or stale and dropped
-                if rows.mid(e[3]) not in settled and rows.mid(e[3]) not in leased:
+                if mh(rows.mid(e[3])) not in settled and rows.mid(e[3]) not in leased:
                     taken.append((e, b))
             assert np.frombuffer(found, np.int64).tolist() == [e[3] for e, _ in taken]
             assert list(zip(*unpacked(picks), strict=True)) == [

@@ -19,10 +19,12 @@ from test_broker import (
     listed,
     loaded_topic,
     one_bucket_state,
+    settled_ids,
     settled_of,
     topic_conf,
 )
 
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
@@ -69,7 +71,7 @@ def test_a_purge_listed_before_a_trim_is_listed_again_not_applied() -> None:
     leased(s, "c", ["m"], now=0)
     s.ack("c", 1, ["m"])
     s.trim(s.seq)
-    assert "m" not in s.settled, "forgotten once checkpointed"
+    assert mh("m") not in s.settled, "forgotten once checkpointed"
     assert s.purge(2, upto, picks) is None
     assert s.events == [] and s.totals["cancelled"] == 0
     assert s.purge(3, s.trimmed_upto(), []) == 0, "a fresh list is taken and applied"
@@ -186,7 +188,7 @@ def test_redrive_once_per_death_with_deliveries_reset() -> None:
     assert s.redrive(4, 0, [("a", 0, 1)]) == ([], {"a": Refusal.REDRIVEN}), "leased"
     assert s.expire(1003, 10**9) == ["a"]
     assert leased(s, "c", ["a"], now=1004)[0][:2] == ("a", 2)
-    assert s.expire(2004, 10**9) == [] and s.settled == {"a": "dead"}, "died again"
+    assert s.expire(2004, 10**9) == [] and settled_ids(s) == {"a": "dead"}, "died again"
     assert s.redrive(2005, 0, [("a", 0, 1)], sort_key=7) == (["a"], {})
     assert s.sort_key("a", 1) == 7
     s.lease("c", 2006, 1000, [("a", 0, 7), ("b", 0, 1)])  # picked at its new key
@@ -224,7 +226,7 @@ def test_trimming_keeps_what_a_redrive_made_pending_again() -> None:
     s.redrive(3, 2, [("b", 0, 1)])
     leased(s, "c", ["b"], now=4)
     s.reject("c", 5, ["b"])
-    assert s.trim(4) == [] and s.settled == {"b": "dead"}, "the later death stands"
+    assert s.trim(4) == [] and settled_ids(s) == {"b": "dead"}, "the later death stands"
     assert s.trim(5) == ["b"] and s.settled == {}
 
 
@@ -303,7 +305,7 @@ def test_revive_skips_what_settled_or_was_checkpointed_meanwhile(tmp_path: Path)
     index.load()
     index.forget(["m0", "m1"])  # both checkpointed, as if settled before
     state = TopicState(4, 5)
-    state.settled["m0"] = LedgerEvent.ACKED
+    state.settled[mh("m0")] = LedgerEvent.ACKED
     index.push(state, ["m0", "m1"])
     index.forget(["m1"])
     assert index.unread == {"m0"}

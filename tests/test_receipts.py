@@ -16,8 +16,9 @@ import pytest
 from dejaq_core import PackedIds
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_broker import lease_ids, leased_ids, packed, settled_of, topic_conf
+from test_broker import lease_ids, leased_ids, packed, settled_ids, settled_of, topic_conf
 
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import (
     BULK_MIN,
     POSITION_BITS,
@@ -163,12 +164,12 @@ def granted_by_the_rules(s: TopicState, consumer: str, picks: list, now: int) ->
     for mid, bucket, key in picks:
         if (
             bucket in mine
-            and mid not in s.settled
+            and mh(mid) not in s.settled
             and s.not_before.get(mid, 0) <= now
             and mid not in s.leases
             and mid not in {g[0] for g in granted}
         ):
-            granted.append((mid, bucket, key, s.deliveries.get(mid, 0) + 1))
+            granted.append((mid, bucket, key, s.deliveries.get(mh(mid), 0) + 1))
     return granted
 
 
@@ -263,7 +264,7 @@ def test_extend_by_receipt_moves_only_the_messages_named() -> None:
     assert s.lease_of("a").deadline == 1050 and s.lease_of("b").deadline == 100
     assert s.expire(100, 10**9) == ["b"]
     assert s.reject("c", 200, [], [named["a"], named["b"]]) == {named["b"]: Refusal.EXPIRED}
-    assert s.settled == {"a": "dead"}
+    assert settled_ids(s) == {"a": "dead"}
 
 
 def test_records_go_once_their_events_are_trimmed() -> None:
@@ -286,7 +287,7 @@ def test_records_go_once_their_events_are_trimmed() -> None:
     for i in range(50):  # never settled: no trim comes, and none is needed
         named = receipts(lease(s, "c", [f"x{i}"], now=100 + i))
         assert s.nack("c", 100 + i, [], receipts=list(named.values()))[0] == {}
-    assert s.records == {} and not s.ending and s.deliveries["x49"] == 1
+    assert s.records == {} and not s.ending and s.deliveries[mh("x49")] == 1
     assert s.ack("c", 60, [], [named[f"x{49}"]]) == {named["x49"]: Refusal.NOT_LEASED}
 
 

@@ -15,6 +15,7 @@ from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from itertools import repeat
+from typing import TypeVar
 
 from dejaq_core import (
     ACKED,
@@ -40,6 +41,7 @@ from dejaq_core import (
 )
 
 from dejaq.broker.state.assignment import rebalance
+from dejaq.broker.state.handles import mh, mhs
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
@@ -166,13 +168,14 @@ class TopicState:
         self.unnumbered = 0
         self.ending: deque[tuple[int, int]] = deque()  # (seq to trim past, lid)
         # Unsettled messages delivered at least once and not leased now (a lease holds its
-        # own count): leasing and acking a first delivery, the usual case, touch no entry.
-        self.deliveries: dict[str, int] = {}
+        # own count), by message handle: leasing and acking a first delivery, the usual
+        # case, touch no entry.
+        self.deliveries: dict[int, int] = {}
         self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
         self.not_before: dict[str, int] = {}  # nack with delay
-        # message_id -> event, until checkpointed: settled other than by an ack (those
-        # are in `leases`), see `settled_event`.
-        self.settled: dict[str, str] = {}
+        # message handle -> event, until checkpointed: settled other than by an ack
+        # (those are in `leases`), see `settled_event`.
+        self.settled: dict[int, str] = {}
         self.events = EventLog()
         self.seq = 0
         self.consumers: dict[str, int] = {}  # consumer_id -> last seen, ms
@@ -191,8 +194,8 @@ class TopicState:
         # leader-stamped time a lease carried: every node counts the same tokens.
         self.tokens = 0.0
         self.refilled_at = 0
-        # message_id -> seq of its latest redriven event not yet trimmed (see `trim`).
-        self.redriven_at: dict[str, int] = {}
+        # message handle -> seq of its latest redriven event not yet trimmed (`trim`).
+        self.redriven_at: dict[int, int] = {}
         self.trimmed = 0  # the highest seq a trim reached (events it kept stay below it)
 
     def __getstate__(self) -> dict:
@@ -216,8 +219,12 @@ class TopicState:
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
+        # Snapshots from before message handles: their maps by id, by handle.
+        self.deliveries = _by_handle(self.deliveries)
+        self.redriven_at = _by_handle(self.redriven_at)
+        self.settled = _by_handle(self.settled)
         for mid in self.leases:  # snapshots from before leases held the only count
-            self.deliveries.pop(mid, None)
+            self.deliveries.pop(mid if type(mid) is int else mh(mid), None)
         if not isinstance(self.events, EventLog):  # from before runs: a list of events
             self.events = EventLog(
                 e.settlement() if isinstance(e, Event) else e for e in self.events
@@ -278,7 +285,7 @@ class TopicState:
                 mid = self._end(record, pos, RELEASED)
                 deliveries = record.entry(pos)[3]
                 if deliveries > 1:
-                    self.deliveries[mid] = deliveries - 1
+                    self.deliveries[mh(mid)] = deliveries - 1
                 released.append(mid)
         if member:
             self._rebalance()
@@ -329,18 +336,16 @@ class TopicState:
     def settled_event(self, mid: str) -> str | None:
         """What settled the message, if its event is not trimmed yet: `settled`, or an
         ack marked in its lease's record."""
-        event = self.settled.get(mid)
-        if event is not None or (record := self.leases.get(mid)) is None:
+        h = mh(mid)
+        event = self.settled.get(h)
+        if event is not None or (record := self.leases.get(h)) is None:
             return event
         return LedgerEvent.ACKED if record.ended_at(record.position(mid)) == ACKED else None
 
     def is_available(self, mid: str, now: int) -> bool:
         """Neither leased nor settled nor held back by a nack delay."""
-        return (
-            mid not in self.leases
-            and mid not in self.settled
-            and self.not_before.get(mid, 0) <= now
-        )
+        h = mh(mid)
+        return h not in self.leases and h not in self.settled and self.not_before.get(mid, 0) <= now
 
     def lease(
         self,
@@ -491,9 +496,10 @@ class TopicState:
         refused: dict[str, Refusal] = {}
         leases, settled = self.leases, self.settled
         for mid in mids:
-            record = None if mid in settled else leases.get(mid)
+            h = mh(mid)
+            record = None if h in settled else leases.get(h)
             if record is None:
-                refused[mid] = Refusal.SETTLED if mid in settled else Refusal.NOT_LEASED
+                refused[mid] = Refusal.SETTLED if h in settled else Refusal.NOT_LEASED
             elif record.lid < 0:
                 return None
             else:
@@ -523,10 +529,11 @@ class TopicState:
                     continue
                 pos = key & POSITION_MASK
             else:
-                if key in self.settled:
+                h = mh(key)
+                if h in self.settled:
                     refused[key] = Refusal.SETTLED
                     continue
-                record = self.leases.get(key)
+                record = self.leases.get(h)
                 if record is None:
                     refused[key] = Refusal.NOT_LEASED
                     continue
@@ -551,8 +558,10 @@ class TopicState:
         self.events.append(
             Settlement(self.seq, mid, bucket, event, sort_key, deliveries, now, reason)
         )
-        self.settled[mid] = event
-        self.deliveries.pop(mid, None)
+        h = mh(mid)
+        self.settled[h] = event
+        if self.deliveries:
+            self.deliveries.pop(h, None)
         self.sort_keys.pop(mid, None)
         self.not_before.pop(mid, None)
         self.totals[event] += 1
@@ -590,9 +599,10 @@ class TopicState:
                     continue
                 pos = key & POSITION_MASK
             else:
-                record = leases.get(key)
+                h = mh(key)
+                record = leases.get(h)
                 if record is None:
-                    refused[key] = Refusal.SETTLED if key in settled else Refusal.NOT_LEASED
+                    refused[key] = Refusal.SETTLED if h in settled else Refusal.NOT_LEASED
                     continue
                 pos = record.position(key)
             taken = record.take(pos, consumer, now, ACKED)  # checked and ended, or why not
@@ -702,7 +712,7 @@ class TopicState:
         bucket, base_key, _, deliveries = record.entry(pos)
         if deliveries < self.max_deliveries:
             mid = self._end(record, pos, how)
-            self.deliveries[mid] = deliveries
+            self.deliveries[mh(mid)] = deliveries
             if backoff is not None and backoff[0] > 0:
                 self.not_before[mid] = now + retry_delay(deliveries, *backoff)
             return True
@@ -746,7 +756,7 @@ class TopicState:
             return Refusal.TRIMMED
         if self.settled_event(mid) is not None:
             return Refusal.SETTLED
-        deliveries = self.deliveries.get(mid, 0)
+        deliveries = self.deliveries.get(mh(mid), 0)
         record = self.leases.get(mid)
         if record is not None:
             pos = record.position(mid)
@@ -817,10 +827,11 @@ class TopicState:
             return None
         cancelled = 0
         for mid, bucket, sort_key in pending:
-            if mid in self.settled or mid in self.leases:
+            h = mh(mid)
+            if h in self.settled or h in self.leases:
                 continue
             key = self.sort_key(mid, sort_key)
-            deliveries = self.deliveries.get(mid, 0)
+            deliveries = self.deliveries.get(mh(mid), 0)
             self._settle(mid, bucket, key, LedgerEvent.CANCELLED, now, deliveries)
             cancelled += 1
         return cancelled
@@ -843,19 +854,20 @@ class TopicState:
         refused: dict[str, Refusal] = {}
         for mid, bucket, key in dead:
             event = self.settled_event(mid)
-            if event is None and (mid in self.redriven_at or mid in self.leases):
+            h = mh(mid)
+            if event is None and (h in self.redriven_at or h in self.leases):
                 refused[mid] = Refusal.REDRIVEN
                 continue
             if event is not None and event != LedgerEvent.DEAD:
                 refused[mid] = Refusal.SETTLED
                 continue
-            self.settled.pop(mid, None)
+            self.settled.pop(h, None)
             key = key if sort_key is None else sort_key
             self.seq += 1
             self.events.append(Settlement(self.seq, mid, bucket, LedgerEvent.REDRIVEN, key, 0, now))
-            self.redriven_at[mid] = self.seq
+            self.redriven_at[h] = self.seq
             self.sort_keys[mid] = key
-            self.deliveries.pop(mid, None)
+            self.deliveries.pop(h, None)
             self.not_before.pop(mid, None)
             redriven.append(mid)
         self.totals[LedgerEvent.REDRIVEN] += len(redriven)
@@ -898,7 +910,8 @@ class TopicState:
                 else:
                     others.extend(mids)
         self.leases.discard_all(acked)
-        deque(map(self.settled.pop, others, repeat(None)), maxlen=0)
+        if others:
+            deque(map(self.settled.pop, mhs(others), repeat(None)), maxlen=0)
         return joined([*parts, one] if one else parts)
 
     def _trim_redriven(self, done: Iterable[Settlement], upto_seq: int) -> list[str]:
@@ -913,13 +926,25 @@ class TopicState:
         mids: list[str] = []
         for e in done:
             mid = e.message_id
-            if e.event != LedgerEvent.REDRIVEN and redriven_at.get(mid, 0) < e.seq:
-                (leases if e.event == LedgerEvent.ACKED else settled).pop(mid, None)
+            h = mh(mid)
+            if e.event != LedgerEvent.REDRIVEN and redriven_at.get(h, 0) < e.seq:
+                (leases if e.event == LedgerEvent.ACKED else settled).pop(h, None)
                 mids.append(mid)
-        kept = {e.message_id for e in settlements(self.events.past(upto_seq)[0])}
-        for mid in [m for m, seq in redriven_at.items() if seq <= upto_seq and m not in kept]:
-            del redriven_at[mid]
+        kept = set(mhs(e.message_id for e in settlements(self.events.past(upto_seq)[0])))
+        for h in [h for h, seq in redriven_at.items() if seq <= upto_seq and h not in kept]:
+            del redriven_at[h]
         return mids
+
+
+_V = TypeVar("_V")
+
+
+def _by_handle(by_id: dict[str | int, _V]) -> dict[int, _V]:
+    """A map of a snapshot from before message handles (by id) by handle; one by handle
+    as it is. Every node hashes alike, so their states stay equal."""
+    if not any(type(k) is str for k in by_id):
+        return by_id
+    return {mh(k) if type(k) is str else k: v for k, v in by_id.items()}
 
 
 def joined(parts: list[PackedIds | list[str]]) -> PackedIds | list[str]:

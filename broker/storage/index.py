@@ -36,6 +36,7 @@ from dejaq_core import Order
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
+from dejaq.broker.state.handles import mhs
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SEP, SPAN_PER_HEAD, HeadStore, Segment
@@ -1274,9 +1275,10 @@ class TopicIndex:
 
     def release(self, state: TopicState, picks: Picks) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
+        mids, buckets, keys = unpacked(picks)
         with self.lock:
-            for mid, bucket, key in zip(*unpacked(picks), strict=True):
-                if mid in state.leases or mid in state.settled:
+            for mid, h, bucket, key in zip(mids, mhs(mids), buckets, keys, strict=True):
+                if h in state.leases or h in state.settled:
                     continue  # the usual case: taken
                 token = self.store.get(mid)
                 if token is not None:
@@ -1364,8 +1366,8 @@ class TopicIndex:
         settled, leases = state.settled, state.leases
         return [
             (m, b, k)
-            for m, b, k in zip(mids, buckets, keys, strict=True)
-            if m not in settled and m not in leases
+            for m, h, b, k in zip(mids, mhs(mids), buckets, keys, strict=True)
+            if h not in settled and h not in leases
         ]
 
     def held(self, picks: list[Pick]) -> list[Pick]:
@@ -1403,10 +1405,13 @@ class TopicIndex:
             ready: list[bool] = []
             mids = decode(ids, long, h)
             lists = [c.tolist() for c in columns]
-            for token, mid, key, base_key, at in zip(tokens.tolist(), mids, *lists, strict=True):
-                if mid in seen or mid in state.settled:
+            handles = mhs(mids)
+            for token, mid, m, key, base_key, at in zip(
+                tokens.tolist(), mids, handles, *lists, strict=True
+            ):
+                if mid in seen or m in state.settled:
                     continue
-                if mid in state.leases or key != state.sort_key(mid, base_key):
+                if m in state.leases or key != state.sort_key(mid, base_key):
                     continue
                 seen.add(mid)
                 taken.append(token)

@@ -26,7 +26,8 @@ use crate::packed_ids::PackedIds;
 /// the key in force (`sort_keys`: a reschedule or a nack's priority applied since the
 /// pick moved it), nor leased (in `table`), nor picked twice; each with one delivery
 /// more than its count in `deliveries`. Fills the record's positions (all leased);
-/// counts the holds. Returns how many of the granted were redelivered.
+/// counts the holds. Returns how many of the granted were redelivered. `table`,
+/// `settled` and `deliveries` are keyed by message handle, the others by id.
 /// `TopicState.lease` says the rules; this is their loop.
 #[pyfunction]
 #[pyo3(signature = (
@@ -92,10 +93,10 @@ pub fn grant<'py>(
             continue;
         }
         if probe {
-            let mid = id_str(py, raw, &holder, i)?;
-            if settled.contains(&mid)? {
+            if !settled.is_empty() && settled.contains(mh(raw))? {
                 continue;
             }
+            let mid = id_str(py, raw, &holder, i)?;
             // Picked before a reschedule moved it: early at its old time, or out of order.
             if let Some(key) = sort_keys.get_item(&mid)? {
                 if key.extract::<i64>()? != key_of(i) {
@@ -114,22 +115,17 @@ pub fn grant<'py>(
     }
 
     let picked: Vec<u128> = candidates.iter().map(|&i| mh(raws[i])).collect();
-    let granted: Vec<usize> = {
-        let mut t = table.borrow_mut();
-        t.enter_each(&picked, record.as_any())
-            .into_iter()
-            .map(|k| candidates[k])
-            .collect()
-    };
+    let entered: Vec<usize> = table.borrow_mut().enter_each(&picked, record.as_any());
+    let granted: Vec<usize> = entered.iter().map(|&k| candidates[k]).collect();
 
     let mut counts: Vec<i32> = vec![1; granted.len()];
     let mut redelivered = 0;
     if !deliveries.is_empty() {
-        for (count, &i) in counts.iter_mut().zip(&granted) {
-            let mid = id_str(py, raws[i], &holder, i)?;
-            if let Some(before) = deliveries.get_item(&mid)? {
+        for (count, &k) in counts.iter_mut().zip(&entered) {
+            let handle = picked[k];
+            if let Some(before) = deliveries.get_item(handle)? {
                 *count += before.extract::<i32>()?;
-                deliveries.del_item(&mid)?;
+                deliveries.del_item(handle)?;
                 if *count > 1 {
                     redelivered += 1;
                 }

@@ -219,7 +219,8 @@ type PickColumns<'a, 'py> = (
     &'a Bound<'py, PyAny>,
 );
 
-/// The Raft state's maps a pick asks: settled, leases, not_before, overrides.
+/// The Raft state's maps a pick asks: settled and leases (by message handle),
+/// not_before and overrides (by id).
 type PickState<'py> = (
     Bound<'py, PyDict>,
     Bound<'py, LeaseTable>,
@@ -256,7 +257,7 @@ impl Order {
         pack_from: usize,
     ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
-        let asks_dicts = !settled.is_empty() || !not_before.is_empty() || !overrides.is_empty();
+        let asks_dicts = !not_before.is_empty() || !overrides.is_empty();
         let (batch, sort_key, partition, offset, ids) = columns;
         let h = &mut self.held;
         // Acquired in turn (each borrows `held` mutably), then read together.
@@ -316,22 +317,22 @@ impl Order {
                     .transpose()?
             };
             let digest = long_mid.is_some();
-            let leased = match &long_mid {
-                Some(mid) => leases.borrow().holds(mh(mid.to_str()?.as_bytes())),
-                None => leases.borrow().holds(mh(unpadded(&raw[..width]))),
+            let handle = match &long_mid {
+                Some(mid) => mh(mid.to_str()?.as_bytes()),
+                None => mh(unpadded(&raw[..width])),
             };
-            let stale = leased
+            let stale = leases.borrow().holds(handle)
+                || (!settled.is_empty() && settled.contains(handle)?)
                 || (asks_dicts && {
                     let mid = match long_mid {
                         Some(mid) => mid,
                         None => key_str(py, h, &raw[..width])?,
                     };
-                    settled.contains(&mid)?
-                        || (!not_before.is_empty()
-                            && match not_before.get_item(&mid)? {
-                                Some(at) => at.extract::<i64>()? > now,
-                                None => false,
-                            })
+                    (!not_before.is_empty()
+                        && match not_before.get_item(&mid)? {
+                            Some(at) => at.extract::<i64>()? > now,
+                            None => false,
+                        })
                         || (!overrides.is_empty()
                             && match overrides.get_item(&mid)? {
                                 Some(key) => key.extract::<i64>()? != e.key,
@@ -470,9 +471,9 @@ impl Order {
 
     /// Take the `n` lowest deliverable entries across `buckets`, in order: `TopicIndex.pick`
     /// in one call. An entry is stale, and dropped as it is met, when its token is no
-    /// longer its message's, or by the Raft state: its message `settled`, in `leases` (a
-    /// `LeaseTable`, asked by the id's bytes),
-    /// held back in `not_before` past `now`, or re-keyed (its key not the one in force:
+    /// longer its message's, or by the Raft state: its message `settled` or in `leases`
+    /// (a `LeaseTable`; both asked by its message handle), held back in `not_before`
+    /// past `now`, or re-keyed (its key not the one in force:
     /// its override in `overrides`, else its row's own). A bucket whose lowest key is
     /// above `max_key` has nothing due and gives none. Ids come from the id column
     /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
