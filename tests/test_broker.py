@@ -2251,6 +2251,28 @@ def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -
     assert sorted(node.rows) == ["m0", "m2"], "the ledger, unchanged since load, settled m1"
 
 
+def test_a_snapshots_redrive_of_a_message_without_a_row_here_waits_for_its_row(
+    tmp_path: Path,
+) -> None:
+    """A snapshot holds a redrive, by message handle, of a message this node has no row
+    of (its row left the buffer as it died, or is in a version not read yet): the
+    rebuild names it by id from the redrive's event, and the message waits for its row
+    (`unread`), which the dead letter's revive brings, rather than being lost."""
+    _, index, state = loaded_topic(tmp_path, [5, 1])
+    state.lease("c", 0, 1000, [("gone", 0, 1), ("m0", 0, 5)])
+    assert state.reject("c", 1, ["gone", "m0"]) == {}
+    assert state.redrive(2, state.trimmed_upto(), [("gone", 0, 1), ("m0", 0, 5)])[0] == [
+        "gone",
+        "m0",
+    ]
+    snapshot = pickle.loads(pickle.dumps(state))
+    assert snapshot.redriven_ids() == {"gone", "m0"}
+    index.rebuild(snapshot)
+    assert index.unread == {"gone"}, "m0's row is here"
+    snapshot.trim(snapshot.seq)
+    assert snapshot.redriven_at == {} and snapshot.redriven_ids() == set()
+
+
 def test_the_index_keeps_nothing_of_a_settled_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -873,6 +873,15 @@ class TopicState:
         self.totals[LedgerEvent.REDRIVEN] += len(redriven)
         return redriven, refused
 
+    def redriven_ids(self) -> set[str]:
+        """The ids of the messages `redriven_at` holds (by handle): named by the events
+        not yet trimmed, which hold each one's redrive, or the death a trim kept before
+        it (a redrive is held until both are trimmed)."""
+        if not self.redriven_at:
+            return set()
+        mids = [e.message_id for e in settlements(self.events.past(self.seq)[0])]
+        return {m for m, h in zip(mids, mhs(mids), strict=True) if h in self.redriven_at}
+
     def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
         leased = list(self.leased.values())
         return any(r.earliest() <= now for r in leased) or any(
