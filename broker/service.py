@@ -1346,18 +1346,19 @@ class Broker:
                 row = await asyncio.to_thread(index.settled_event, mid) or "pending"
             return {"id": mid, "status": row}
         st = self.state(topic)
-        key = st.sort_key(mid, row.sort_key)
+        h = mh(mid)
+        key = st.sort_key(h, row.sort_key)
         lease = st.lease_of(mid)
         if (event := st.settled_event(mid)) is not None:
             status = event
         elif lease is not None:
             status = "leased"
-        elif st.not_before.get(mid, 0) > now_ms():
+        elif st.not_before.get(h, 0) > now_ms():
             status = "delayed"
         else:
             status = "pending"
         timeline = cfg.kind.sorted_as is TopicKind.TIMELINE
-        deliveries = lease.deliveries if lease else st.deliveries.get(mh(mid), 0)
+        deliveries = lease.deliveries if lease else st.deliveries.get(h, 0)
         msg = message_json.message(rendered, key, deliveries, 0, timeline)
         msg.update(
             status=status,

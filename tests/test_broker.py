@@ -218,7 +218,7 @@ def test_nack_delay_priority_and_reject() -> None:
     leased(s, "c1", ["a", "b"], now=0)
     assert s.nack("c1", 5, ["a"], delay_ms=100, sort_key=7) == ({}, ["a"], [])
     assert not s.is_available("a", 104) and s.is_available("a", 105)
-    assert s.sort_key("a", 1) == 7
+    assert s.sort_key(mh("a"), 1) == 7
     assert s.reject("c1", 6, ["b"]) == {}
     assert settled_ids(s) == {"b": "dead"} and s.events[-1].reason == "rejected"
 
@@ -1648,7 +1648,7 @@ def test_a_cancel_or_reschedule_made_before_a_trim_passed_it_is_sent_back() -> N
     assert state.seq == 1 and not state.sort_keys, "nothing settled or re-keyed"
     assert state.cancel(2, "m1", 0, 6, state.seq) is None, "a fresh view is applied"
     assert settled_ids(state) == {"m1": "cancelled"}
-    assert state.reschedule("m2", 9) is None and state.sort_keys == {"m2": 9}
+    assert state.reschedule("m2", 9) is None and state.sort_keys == {mh("m2"): 9}
 
 
 def test_a_run_token_whose_handle_went_to_a_later_message_hides_no_lower_key(
@@ -2079,6 +2079,25 @@ def test_a_message_nacked_before_a_node_read_its_row_keeps_its_delay_or_key_ther
         assert later == []
 
 
+def test_a_snapshots_new_key_of_a_message_without_a_row_here_holds_once_its_row_is_read(
+    tmp_path: Path,
+) -> None:
+    """A snapshot names a nacked message's new priority by message handle alone, and this
+    node has not read its row: the rebuild awaits the row by handle, and once a refresh
+    reads it the message is indexed at its new key, not dropped as a stale entry at its
+    row's own key."""
+    _, _, lagging, state = leased_before_a_node_read_it(tmp_path, lease_ms=10_000)
+    assert state.nack("c", 1, ["new0"], 0, 7)[:2] == ({}, ["new0"])
+    snapshot = pickle.loads(pickle.dumps(state))
+    lagging.rebuild(snapshot)
+    assert lagging.awaited == {mh("new0")} and lagging.unread == set()
+    assert lagging.refresh() == 2
+    lagging.revive(snapshot)
+    assert lagging.awaited == set()
+    picked = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 5, now=2))
+    assert [(m, key) for m, _, key in picked] == [("m0", 1), ("new1", 2), ("new0", 7)]
+
+
 def test_a_death_kept_by_the_trims_then_redriven_is_not_forgotten_with_its_trim(
     tmp_path: Path,
 ) -> None:
@@ -2196,7 +2215,8 @@ def test_a_followers_delayed_entries_follow_the_delays_in_force(
     assert len(index.delayed) <= 4 + 1, "the stale delays were dropped"
     state.lease("c", 500_000, 10, [("m40", 0, 40)])
     index.push(state, state.expire(500_020, 10**9, (100, 1000)))
-    assert (state.not_before["m40"], "m40") in index.delayed, "the delay in force stays"
+    h = mh("m40")
+    assert (state.not_before[h], h) in index.delayed, "the delay in force stays"
 
 
 def test_a_delay_that_passes_before_the_node_reads_the_row_leaves_the_message_leasable(

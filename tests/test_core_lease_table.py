@@ -323,29 +323,34 @@ def test_a_lease_record_pickles_as_the_python_record_did() -> None:
     assert record.live == 2 and record.ended == bytes([0, ACKED, 0])
 
 
-def test_a_snapshots_counts_settlements_and_redrives_by_id_load_by_handle() -> None:
-    """Snapshots from before message handles hold delivery counts, settlements and
-    untrimmed redrives by id: they load by handle, and the next lease counts the
-    delivery, a settled message is refused, and the trim forgets the settlement and the
+def test_a_snapshots_counts_settlements_redrives_and_overrides_by_id_load_by_handle() -> None:
+    """Snapshots from before message handles hold delivery counts, settlements, untrimmed
+    redrives, overrides and delays by id: they load by handle, and a lease holds back the
+    delayed message until its delay and counts the delivery, a settled message is
+    refused, a redriven one keeps its key, and the trim forgets the settlement and the
     redrive, as in the state they were taken from."""
     s = TopicState(buckets=1, max_deliveries=5)
     first = receipts(lease(s, "c", ["a", "b", "d"], now=0))
-    assert s.nack("c", 1, [], receipts=[first["a"]])[0] == {}
+    assert s.nack("c", 1, [], delay_ms=2, sort_key=0, receipts=[first["a"]])[0] == {}
     assert s.reject("c", 1, [], [first["b"], first["d"]]) == {}
     assert s.redrive(2, s.trimmed_upto(), [("b", 0, 5)]) == (["b"], {})
     state = s.__getstate__()
     names = Named(["a", "b", "d"])
     assert state["deliveries"] == {mh("a"): 1} and names.ids(state["redriven_at"]) == ["b"]
-    assert state["settled"] == {mh("d"): "dead"}
-    for name in ("deliveries", "redriven_at", "settled"):
+    assert state["settled"] == {mh("d"): "dead"} and state["not_before"] == {mh("a"): 3}
+    assert state["sort_keys"] == {mh("a"): 0, mh("b"): 5}
+    by_handle = ("deliveries", "redriven_at", "settled", "sort_keys", "not_before")
+    for name in by_handle:
         state[name] = {names[h]: value for h, value in state[name].items()}
     again = TopicState.__new__(TopicState)
     again.__setstate__(pickle.loads(pickle.dumps(state)))
-    assert again.deliveries == s.deliveries and again.redriven_at == s.redriven_at
-    assert again.settled == s.settled
+    for name in by_handle:
+        assert getattr(again, name) == getattr(s, name), name
     for state_now in (s, again):
+        assert len(lease(state_now, "c", ["a"], now=2)) == 0, "delayed until 3"
         assert list(lease(state_now, "c", ["a", "d"], now=3).deliveries) == [2]
         assert state_now.deliveries == {} and state_now.settled_event("d") == "dead"
+        assert state_now.not_before == {} and state_now.sort_key(mh("b"), 1) == 5
         assert state_now.cancel(4, "d", 0, 1) == Refusal.SETTLED
         state_now.trim(state_now.seq)
         assert state_now.redriven_at == {} and state_now.settled == {}

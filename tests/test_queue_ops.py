@@ -52,7 +52,7 @@ def test_purge_cancels_the_pending_and_leaves_the_leased_to_their_consumer() -> 
     s = one_bucket_state()
     leased(s, "c", ["held", "done"], now=0)
     s.ack("c", 1, ["done"])
-    s.sort_keys["late"] = 9
+    s.sort_keys[mh("late")] = 9
     picks = [("p1", 0, 5), ("late", 0, 3), ("held", 0, 1), ("done", 0, 2)]
     upto = s.trimmed_upto()
     assert s.purge(2, upto, picks) == 2
@@ -182,7 +182,7 @@ def test_redrive_once_per_death_with_deliveries_reset() -> None:
     s = one_bucket_state(max_deliveries=2)
     dead(s, "a", 0)
     assert s.redrive(1, 0, [("a", 0, 1), ("a", 0, 1)]) == (["a"], {"a": Refusal.REDRIVEN})
-    assert s.settled == {} and s.sort_key("a", 99) == 1, "the key it died with"
+    assert s.settled == {} and s.sort_key(mh("a"), 99) == 1, "the key it died with"
     assert s.redrive(2, 0, [("a", 0, 1)]) == ([], {"a": Refusal.REDRIVEN}), "no new death"
     assert leased(s, "c", ["a"], now=3)[0][:2] == ("a", 1), "deliveries from 0"
     assert s.redrive(4, 0, [("a", 0, 1)]) == ([], {"a": Refusal.REDRIVEN}), "leased"
@@ -190,7 +190,7 @@ def test_redrive_once_per_death_with_deliveries_reset() -> None:
     assert leased(s, "c", ["a"], now=1004)[0][:2] == ("a", 2)
     assert s.expire(2004, 10**9) == [] and settled_ids(s) == {"a": "dead"}, "died again"
     assert s.redrive(2005, 0, [("a", 0, 1)], sort_key=7) == (["a"], {})
-    assert s.sort_key("a", 1) == 7
+    assert s.sort_key(mh("a"), 1) == 7
     s.lease("c", 2006, 1000, [("a", 0, 7), ("b", 0, 1)])  # picked at its new key
     s.ack("c", 2007, ["a", "b"])
     assert s.redrive(2008, 0, [("a", 0, 1)]) == ([], {"a": Refusal.SETTLED})

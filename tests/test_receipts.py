@@ -165,7 +165,7 @@ def granted_by_the_rules(s: TopicState, consumer: str, picks: list, now: int) ->
         if (
             bucket in mine
             and mh(mid) not in s.settled
-            and s.not_before.get(mid, 0) <= now
+            and s.not_before.get(mh(mid), 0) <= now
             and mid not in s.leases
             and mid not in {g[0] for g in granted}
         ):
@@ -210,7 +210,7 @@ def test_a_lease_grants_exactly_the_picks_the_rules_allow(history) -> None:
         assert r.live == len(want) and r.ended == bytearray(len(want))
     for field in ("deliveries", "not_before", "settled", "held", "totals"):
         assert getattr(as_list, field) == getattr(as_packed, field), field
-    granted = {mid for mid, *_ in want}
+    granted = {mh(mid) for mid, *_ in want}
     assert not granted & (as_list.deliveries.keys() | as_list.not_before.keys())
     assert as_list.held.get(0, {}) == ({"c": len(want)} if want else {})
     assert as_list.totals["redelivered"] == sum(n > 1 for *_, n in want)

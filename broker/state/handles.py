@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dejaq_core import message_handle, message_handles
+from dejaq_core import PackedIds, message_handle, message_handles
 
 WIDTH = 16  # bytes of a packed handle
 
@@ -16,10 +16,15 @@ def mh(mid: str) -> int:
     return message_handle(mid)
 
 
-def packed(mids: Iterable[str]) -> bytes:
+def packed(mids: Iterable[str] | PackedIds) -> bytes:
     """The handles of `mids` packed in one bytes object, in their order: one call for a
     batch, no int per id."""
-    return message_handles(mids if isinstance(mids, list) else list(mids))
+    return message_handles(mids if isinstance(mids, list | PackedIds) else list(mids))
+
+
+def packed_handles(handles: Iterable[int]) -> bytes:
+    """Handles (ints) packed as `packed` packs those of ids: an index looks them up so."""
+    return b"".join(h.to_bytes(WIDTH, "little") for h in handles)
 
 
 def unpacked(blob: bytes) -> list[int]:
@@ -27,6 +32,6 @@ def unpacked(blob: bytes) -> list[int]:
     return [int.from_bytes(blob[i : i + WIDTH], "little") for i in range(0, len(blob), WIDTH)]
 
 
-def mhs(mids: Iterable[str]) -> list[int]:
+def mhs(mids: Iterable[str] | PackedIds) -> list[int]:
     """The handle of each of `mids`, as ints."""
     return unpacked(packed(mids))

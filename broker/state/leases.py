@@ -171,8 +171,10 @@ class TopicState:
         # own count), by message handle: leasing and acking a first delivery, the usual
         # case, touch no entry.
         self.deliveries: dict[int, int] = {}
-        self.sort_keys: dict[str, int] = {}  # overrides: nack with priority, reschedule
-        self.not_before: dict[str, int] = {}  # nack with delay
+        # By message handle: overrides (a nack's priority, a reschedule, a redrive's key),
+        # and delays (a nack's, a retry backoff's).
+        self.sort_keys: dict[int, int] = {}
+        self.not_before: dict[int, int] = {}
         # message handle -> event, until checkpointed: settled other than by an ack
         # (those are in `leases`), see `settled_event`.
         self.settled: dict[int, str] = {}
@@ -223,6 +225,8 @@ class TopicState:
         self.deliveries = _by_handle(self.deliveries)
         self.redriven_at = _by_handle(self.redriven_at)
         self.settled = _by_handle(self.settled)
+        self.sort_keys = _by_handle(self.sort_keys)
+        self.not_before = _by_handle(self.not_before)
         for mid in self.leases:  # snapshots from before leases held the only count
             self.deliveries.pop(mid if type(mid) is int else mh(mid), None)
         if not isinstance(self.events, EventLog):  # from before runs: a list of events
@@ -330,8 +334,9 @@ class TopicState:
 
     # --- leasing ---------------------------------------------------------------------
 
-    def sort_key(self, mid: str, base: int) -> int:
-        return self.sort_keys.get(mid, base)
+    def sort_key(self, h: int, base: int) -> int:
+        """The key in force of the message of handle `h`, whose own key is `base`."""
+        return self.sort_keys.get(h, base)
 
     def settled_event(self, mid: str) -> str | None:
         """What settled the message, if its event is not trimmed yet: `settled`, or an
@@ -345,7 +350,7 @@ class TopicState:
     def is_available(self, mid: str, now: int) -> bool:
         """Neither leased nor settled nor held back by a nack delay."""
         h = mh(mid)
-        return h not in self.leases and h not in self.settled and self.not_before.get(mid, 0) <= now
+        return h not in self.leases and h not in self.settled and self.not_before.get(h, 0) <= now
 
     def lease(
         self,
@@ -562,8 +567,8 @@ class TopicState:
         self.settled[h] = event
         if self.deliveries:
             self.deliveries.pop(h, None)
-        self.sort_keys.pop(mid, None)
-        self.not_before.pop(mid, None)
+        self.sort_keys.pop(h, None)
+        self.not_before.pop(h, None)
         self.totals[event] += 1
 
     def ack(
@@ -622,7 +627,7 @@ class TopicState:
             seq += 1
             events.ack(seq, mid, bucket, acked, sort_key, deliveries, now)
             if sort_keys:
-                sort_keys.pop(mid, None)
+                sort_keys.pop(mh(mid), None)
         if seq != self.seq:
             self.totals[acked] += seq - self.seq
             self.seq = seq
@@ -653,7 +658,7 @@ class TopicState:
         hold(self.held, count_buckets(buckets), record.consumer, -1)
         self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
         if self.sort_keys:
-            deque(map(self.sort_keys.pop, mids, repeat(None)), maxlen=0)
+            deque(map(self.sort_keys.pop, mhs(mids), repeat(None)), maxlen=0)
         self.seq = seq + n
         self.totals[acked] += n
 
@@ -688,13 +693,14 @@ class TopicState:
         for record, pos in self._held(consumer, now, mids, receipts, refused):
             self.totals["nacked"] += 1
             mid = record.mid(pos)
+            h = mh(mid)
             if sort_key is not None:
-                self.sort_keys[mid] = sort_key
+                self.sort_keys[h] = sort_key
             retry = None if delay_ms > 0 else backoff
             if self._redeliver_or_die(record, pos, NACKED, now, retry):
                 pending.append(mid)
                 if delay_ms > 0:
-                    self.not_before[mid] = now + delay_ms
+                    self.not_before[h] = now + delay_ms
             else:
                 dead.append(mid)
         return refused, pending, dead
@@ -711,16 +717,16 @@ class TopicState:
         backoff, if any), or dead if out of tries."""
         bucket, base_key, _, deliveries = record.entry(pos)
         if deliveries < self.max_deliveries:
-            mid = self._end(record, pos, how)
-            self.deliveries[mh(mid)] = deliveries
+            h = mh(self._end(record, pos, how))
+            self.deliveries[h] = deliveries
             if backoff is not None and backoff[0] > 0:
-                self.not_before[mid] = now + retry_delay(deliveries, *backoff)
+                self.not_before[h] = now + retry_delay(deliveries, *backoff)
             return True
         mid = self._end(record, pos, DEAD)
         self._settle(
             mid,
             bucket,
-            self.sort_key(mid, base_key),
+            self.sort_key(mh(mid), base_key),
             LedgerEvent.DEAD,
             now,
             deliveries,
@@ -756,14 +762,15 @@ class TopicState:
             return Refusal.TRIMMED
         if self.settled_event(mid) is not None:
             return Refusal.SETTLED
-        deliveries = self.deliveries.get(mh(mid), 0)
-        record = self.leases.get(mid)
+        h = mh(mid)
+        deliveries = self.deliveries.get(h, 0)
+        record = self.leases.get(h)
         if record is not None:
             pos = record.position(mid)
             deliveries = record.entry(pos)[3]
             self._end(record, pos, CANCELLED)
         self._settle(
-            mid, bucket, self.sort_key(mid, sort_key), LedgerEvent.CANCELLED, now, deliveries
+            mid, bucket, self.sort_key(h, sort_key), LedgerEvent.CANCELLED, now, deliveries
         )
         return None
 
@@ -774,10 +781,11 @@ class TopicState:
             return Refusal.TRIMMED
         if self.settled_event(mid) is not None:
             return Refusal.SETTLED
-        if mid in self.leases:
+        h = mh(mid)
+        if h in self.leases:
             return Refusal.LEASED
-        self.sort_keys[mid] = sort_key
-        self.not_before.pop(mid, None)
+        self.sort_keys[h] = sort_key
+        self.not_before.pop(h, None)
         return None
 
     def expire(
@@ -830,8 +838,8 @@ class TopicState:
             h = mh(mid)
             if h in self.settled or h in self.leases:
                 continue
-            key = self.sort_key(mid, sort_key)
-            deliveries = self.deliveries.get(mh(mid), 0)
+            key = self.sort_key(h, sort_key)
+            deliveries = self.deliveries.get(h, 0)
             self._settle(mid, bucket, key, LedgerEvent.CANCELLED, now, deliveries)
             cancelled += 1
         return cancelled
@@ -866,9 +874,9 @@ class TopicState:
             self.seq += 1
             self.events.append(Settlement(self.seq, mid, bucket, LedgerEvent.REDRIVEN, key, 0, now))
             self.redriven_at[h] = self.seq
-            self.sort_keys[mid] = key
+            self.sort_keys[h] = key
             self.deliveries.pop(h, None)
-            self.not_before.pop(mid, None)
+            self.not_before.pop(h, None)
             redriven.append(mid)
         self.totals[LedgerEvent.REDRIVEN] += len(redriven)
         return redriven, refused

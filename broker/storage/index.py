@@ -36,7 +36,7 @@ from dejaq_core import Order
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from dejaq.broker.state.handles import mhs
+from dejaq.broker.state.handles import mh, mhs, packed_handles
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SEP, SPAN_PER_HEAD, HeadStore, Segment
@@ -173,10 +173,14 @@ class TopicIndex:
         # The id column and its bytes view as the last pick passed them (`_pick_args`).
         self._ids: np.ndarray | None = None
         self._ids_bytes: np.ndarray | None = None
-        self.delayed: list[tuple[int, str]] = []  # (not_before, message_id)
+        self.delayed: list[tuple[int, int]] = []  # (not_before, message handle)
         # Pending again with no row here: redriven after the row was forgotten (or not yet
         # read by this node). `revive` reads them from the buffer.
         self.unread: set[str] = set()
+        # Message handles of messages with a delay or an override in force and no row
+        # here yet, which the state names by handle alone (a snapshot's, a delay come
+        # due): indexed at them once a `refresh` reads their rows (`_repend_indexed`).
+        self.awaited: set[int] = set()
         self.forgotten: set[str] = set()  # settled without a row here yet (`forget`)
         # Pending again, `revive` found no row: id -> when (time.monotonic), until a trim
         # forgets it or it is warned of (`_warn_unfound`).
@@ -677,8 +681,9 @@ class TopicIndex:
                 if not len(keep):
                     continue
                 tokens = self.store.add(bucket, batch, keep)
-                for i, token in zip(keep.tolist(), tokens.tolist(), strict=True):
-                    self._pending(state, batch.mids[i], token)
+                handles = mhs(batch.mids_at(keep))
+                for h, token in zip(handles, tokens.tolist(), strict=True):
+                    self._pending(state, h, token)
                 revived += len(keep)
                 self.revived_since_read = True
             self.unread.difference_update(wanted)
@@ -699,10 +704,18 @@ class TopicIndex:
         indexed = [(mid, token) for mid in self.unread if (token := store.get(mid)) is not None]
         for mid, token in indexed:
             self.unread.discard(mid)
-            if state.settled_event(mid) is None and (
-                mid in state.not_before or mid in state.sort_keys
-            ):
-                self._pending(state, mid, token)
+            h = mh(mid)
+            if state.settled_event(mid) is None and (h in state.not_before or h in state.sort_keys):
+                self._pending(state, h, token)
+        if not self.awaited:
+            return
+        awaited = list(self.awaited)
+        tokens = store.tokens_mh(packed_handles(awaited)).tolist()
+        for h, token in zip(awaited, tokens, strict=True):
+            if token:
+                self.awaited.discard(h)
+                if h not in state.settled and (h in state.not_before or h in state.sort_keys):
+                    self._pending(state, h, token)
 
     def _warn_unfound(self) -> None:
         """Warn of the messages pending again with a row nowhere that no trim has
@@ -727,36 +740,40 @@ class TopicIndex:
 
     def push(self, state: TopicState, mids: list[str]) -> None:
         """Messages pending again (lease expired, nacked, rescheduled, consumer left)."""
+        if not mids:
+            return
+        handles = mhs(mids)  # the state's maps are by handle
         with self.lock:
-            for mid in mids:
-                token = self.store.get(mid)
-                if token is None:
-                    self.unread.add(mid)
+            tokens = self.store.tokens(mids).tolist()
+            for mid, h, token in zip(mids, handles, tokens, strict=True):
+                if token:
+                    self._pending(state, h, token)
                 else:
-                    self._pending(state, mid, token)
+                    self.unread.add(mid)
 
-    def _pending(self, state: TopicState, mid: str, token: int) -> None:
-        """An entry for a pending message (under the lock): delayed, or at its sort key."""
-        not_before = state.not_before.get(mid)
+    def _pending(self, state: TopicState, h: int, token: int) -> None:
+        """An entry for a pending message of handle `h` (under the lock): delayed, or at
+        its sort key."""
+        not_before = state.not_before.get(h)
         if not_before is not None:
-            heapq.heappush(self.delayed, (not_before, mid))
+            heapq.heappush(self.delayed, (not_before, h))
             if len(self.delayed) > 2 * len(state.not_before) + DELAYED_SLACK:
                 self._drop_stale_delays(state)
         else:
-            self._due(state, mid, token)
+            self._due(state, h, token)
 
     def _drop_stale_delays(self, state: TopicState) -> None:
         """Keep the delayed entries the state still holds (under the lock). Only a pick
         pops them, so a follower's would hold one for each delay ever made; a delay
         ends with its message's lease (`grant`), or is replaced by a later one."""
         held = state.not_before
-        self.delayed = sorted({(nb, mid) for nb, mid in self.delayed if held.get(mid) == nb})
+        self.delayed = sorted({(nb, h) for nb, h in self.delayed if held.get(h) == nb})
 
-    def _due(self, state: TopicState, mid: str, token: int) -> None:
-        """An entry at the message's sort key in force, on its bucket's heap (under the
-        lock)."""
+    def _due(self, state: TopicState, h: int, token: int) -> None:
+        """An entry at the sort key in force of the message of handle `h`, on its
+        bucket's heap (under the lock)."""
         row = self.store.row(token)
-        key = state.sort_key(mid, row.sort_key)
+        key = state.sort_key(h, row.sort_key)
         self.order.push(row.bucket, key, row.partition, row.offset, token)
 
     def _add(self, bucket: int, tokens: np.ndarray) -> None:
@@ -788,6 +805,8 @@ class TopicIndex:
                 self.from_dead_letters.difference_update(mids)
             if self.unread:
                 self.unread.difference_update(mids)
+            if self.awaited:
+                self.awaited.difference_update(mhs(mids))
             if self.unfound:
                 for mid in mids:
                     self.unfound.pop(mid, None)
@@ -831,11 +850,15 @@ class TopicIndex:
             # node read its row (indexed at it once read, `revive`; a delay's entry is the
             # delayed heap's, below).
             again = revived | state.redriven_ids()
-            again |= state.sort_keys.keys() - state.not_before.keys()
             self.unread = {m for m in again if store.get(m) is None and m not in state.leases}
+            keyed = list(state.sort_keys.keys() - state.not_before.keys())
+            tokens = store.tokens_mh(packed_handles(keyed)).tolist()
+            self.awaited = {
+                h for h, t in zip(keyed, tokens, strict=True) if not t and h not in state.leases
+            }
             self.unfound.clear()
             self._reorder(state, range(self.topic.buckets))
-            self.delayed = [(nb, mid) for mid, nb in state.not_before.items()]
+            self.delayed = [(nb, h) for h, nb in state.not_before.items()]
             heapq.heapify(self.delayed)
 
     def _ingested_from(self, mids: list[str]) -> int:
@@ -858,18 +881,18 @@ class TopicIndex:
         store = self.store
         wanted = sorted(set(buckets))
         heaps: dict[int, list[tuple[int, int, int, int]]] = {b: [] for b in wanted}
-        overrides = state.sort_keys
-        for mid in overrides:
-            token = store.get(mid)
-            if token is not None:
+        overrides = list(state.sort_keys.items())
+        tokens = store.tokens_mh(packed_handles(h for h, _ in overrides))
+        for (_, key), token in zip(overrides, tokens.tolist(), strict=True):
+            if token:
                 row = store.row(token)
                 if row.bucket in heaps:
-                    heaps[row.bucket].append((overrides[mid], row.partition, row.offset, token))
+                    heaps[row.bucket].append((key, row.partition, row.offset, token))
         h = store.stored()
         if len(wanted) < self.topic.buckets:
             h = h[np.isin(store.bucket[h], wanted)]
-        if overrides:
-            h = h[[m not in overrides for m in store.table.mids(h)]]
+        if overrides:  # re-keyed: in the heaps, at their overrides
+            h = h[~np.isin(h, tokens[tokens != 0] & HANDLE_MASK)]
         tokens = store.tokens_at(h)
         in_bucket = store.bucket[h]
         for b, heap in heaps.items():
@@ -945,12 +968,12 @@ class TopicIndex:
         """`Order.pick`'s arguments from `max_key` to `long`, the delayed messages due by
         `now` put back first; the caller holds the lock."""
         while self.delayed and self.delayed[0][0] <= now:
-            not_before, mid = heapq.heappop(self.delayed)
-            token = self.store.get(mid)
-            if token is not None:
-                self._due(state, mid, token)
-            elif state.not_before.get(mid) == not_before:  # its row not read here yet
-                self.unread.add(mid)
+            not_before, h = heapq.heappop(self.delayed)
+            token = int(self.store.tokens_mh(packed_handles([h]))[0])
+            if token:
+                self._due(state, h, token)
+            elif state.not_before.get(h) == not_before:  # its row not read here yet
+                self.awaited.add(h)
         table = self.store.table
         ids = table.ids
         if self._ids is not ids:  # the same view while the column is, as the core holds it
@@ -1396,7 +1419,7 @@ class TopicIndex:
                 tokens, keys = tokens[live], keys[live]
                 h = tokens & HANDLE_MASK
                 parts.append((tokens, h, keys, store.sort_key[h], store.ingested_at[h]))
-            delayed_ids = [m for _, m in self.delayed]
+            delayed_handles = [m for _, m in self.delayed]
         counted: list[tuple[np.ndarray, list[int], list[bool]]] = []
         for tokens, h, *columns in parts:
             seen: set[str] = set()
@@ -1411,13 +1434,13 @@ class TopicIndex:
             ):
                 if mid in seen or m in state.settled:
                     continue
-                if m in state.leases or key != state.sort_key(mid, base_key):
+                if m in state.leases or key != state.sort_key(m, base_key):
                     continue
                 seen.add(mid)
                 taken.append(token)
                 ingested.append(at)
                 ready.append(
-                    state.not_before.get(mid, 0) <= now and (not self.timeline or key <= now)
+                    state.not_before.get(m, 0) <= now and (not self.timeline or key <= now)
                 )
             counted.append((np.array(taken, np.int64), ingested, ready))
         # A message a trim forgot during the walk has left the settled set, so it was
@@ -1429,7 +1452,7 @@ class TopicIndex:
             at = [a for a, kept in zip(ingested, still, strict=True) if kept]
             deliverable = sum(r for r, kept in zip(ready, still, strict=True) if kept)
             out[b] = Stats(len(at), deliverable, min(at) * 1000 if at else None)
-        delayed = len({m for m in delayed_ids if m not in state.leases})
+        delayed = len({m for m in delayed_handles if m not in state.leases})
         return out, delayed
 
 

@@ -201,8 +201,20 @@ class RowStore:
 
     def tokens(self, mids: list[str]) -> np.ndarray:
         """The token of each message, 0 for one not stored."""
-        handles, _ = self.table.find(mids)
-        return np.where(handles >= 0, self.tokens_at(np.maximum(handles, 0)), 0)
+        return self._tokens_found(self.table.find(mids)[0])
+
+    def tokens_mh(self, mhs: bytes) -> np.ndarray:
+        """The token of each message whose message handle `mhs` packs (16 bytes each),
+        0 for one not stored: the Raft state names pending messages by handle."""
+        return self._tokens_found(self.table.find_mh(mhs)[0])
+
+    def _tokens_found(self, handles: np.ndarray) -> np.ndarray:
+        """The tokens at `handles`, 0 where one is -1 (not stored: the store may hold
+        no row at all)."""
+        tokens = np.zeros(len(handles), np.int64)
+        found = handles >= 0
+        tokens[found] = self.tokens_at(handles[found])
+        return tokens
 
     def tokens_at(self, handles: np.ndarray) -> np.ndarray:
         """The tokens of the messages at `handles`, 0 at a free one."""

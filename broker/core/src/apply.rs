@@ -16,6 +16,7 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::ack_run::AckRun;
 use crate::buckets::hold_in;
 use crate::grant::grant;
+use crate::handles::mh;
 use crate::lease_record::{LeaseRecord, ACKED, POSITION_BITS};
 use crate::lease_table::LeaseTable;
 
@@ -464,8 +465,11 @@ impl Transitions {
             )?;
             t.seq += 1;
             t.tally(Tally::Acked, 1, acked)?;
-            if !t.sort_keys.is_empty() && t.sort_keys.contains(&mid)? {
-                t.sort_keys.del_item(&mid)?;
+            if !t.sort_keys.is_empty() {
+                let handle = mh(mid.downcast::<PyString>()?.to_str()?.as_bytes());
+                if t.sort_keys.contains(handle)? {
+                    t.sort_keys.del_item(handle)?;
+                }
             }
         }
         if let Some(seen) = t.consumers.get_item(&consumer)? {

@@ -27,7 +27,7 @@ use crate::packed_ids::PackedIds;
 /// pick moved it), nor leased (in `table`), nor picked twice; each with one delivery
 /// more than its count in `deliveries`. Fills the record's positions (all leased);
 /// counts the holds. Returns how many of the granted were redelivered. `table`,
-/// `settled` and `deliveries` are keyed by message handle, the others by id.
+/// `settled`, `not_before`, `sort_keys` and `deliveries` are keyed by message handle.
 /// `TopicState.lease` says the rules; this is their loop.
 #[pyfunction]
 #[pyo3(signature = (
@@ -93,22 +93,26 @@ pub fn grant<'py>(
             continue;
         }
         if probe {
-            if !settled.is_empty() && settled.contains(mh(raw))? {
+            let handle = mh(raw);
+            if !settled.is_empty() && settled.contains(handle)? {
                 continue;
             }
-            let mid = id_str(py, raw, &holder, i)?;
             // Picked before a reschedule moved it: early at its old time, or out of order.
-            if let Some(key) = sort_keys.get_item(&mid)? {
-                if key.extract::<i64>()? != key_of(i) {
-                    continue;
+            if !sort_keys.is_empty() {
+                if let Some(key) = sort_keys.get_item(handle)? {
+                    if key.extract::<i64>()? != key_of(i) {
+                        continue;
+                    }
                 }
             }
             // A leased message has neither a delay nor a count outside its lease.
-            if let Some(at) = not_before.get_item(&mid)? {
-                if at.extract::<i64>()? > now {
-                    continue;
+            if !not_before.is_empty() {
+                if let Some(at) = not_before.get_item(handle)? {
+                    if at.extract::<i64>()? > now {
+                        continue;
+                    }
+                    not_before.del_item(handle)?;
                 }
-                not_before.del_item(&mid)?;
             }
         }
         candidates.push(i);
@@ -180,19 +184,6 @@ pub fn grant<'py>(
         hold_in(held, &bucket.into_bound_py_any(py)?, count, consumer, 1)?;
     }
     Ok(redelivered)
-}
-
-/// Pick `i`'s id as a str: the list's own, or made from its packed bytes.
-fn id_str<'py>(
-    py: Python<'py>,
-    raw: &[u8],
-    holder: &[Bound<'py, PyString>],
-    i: usize,
-) -> PyResult<Bound<'py, PyString>> {
-    match holder.get(i) {
-        Some(mid) => Ok(mid.clone()),
-        None => Ok(PyString::new(py, std::str::from_utf8(raw)?)),
-    }
 }
 
 /// The consumer's buckets (`owned`: a list, or a tuple when it owns none), sorted for

@@ -15,7 +15,7 @@ use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
 use crate::handles::mh;
-use crate::ids::{column_key, id_of, key_str, WIDEST};
+use crate::ids::{column_key, id_of, WIDEST};
 use crate::lease_table::LeaseTable;
 use crate::packed_ids::{unpadded, PackedIds};
 
@@ -219,8 +219,8 @@ type PickColumns<'a, 'py> = (
     &'a Bound<'py, PyAny>,
 );
 
-/// The Raft state's maps a pick asks: settled and leases (by message handle),
-/// not_before and overrides (by id).
+/// The Raft state's maps a pick asks, each by message handle: settled, leases,
+/// not_before and overrides.
 type PickState<'py> = (
     Bound<'py, PyDict>,
     Bound<'py, LeaseTable>,
@@ -257,7 +257,6 @@ impl Order {
         pack_from: usize,
     ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
-        let asks_dicts = !not_before.is_empty() || !overrides.is_empty();
         let (batch, sort_key, partition, offset, ids) = columns;
         let h = &mut self.held;
         // Acquired in turn (each borrows `held` mutably), then read together.
@@ -323,22 +322,16 @@ impl Order {
             };
             let stale = leases.borrow().holds(handle)
                 || (!settled.is_empty() && settled.contains(handle)?)
-                || (asks_dicts && {
-                    let mid = match long_mid {
-                        Some(mid) => mid,
-                        None => key_str(py, h, &raw[..width])?,
-                    };
-                    (!not_before.is_empty()
-                        && match not_before.get_item(&mid)? {
-                            Some(at) => at.extract::<i64>()? > now,
-                            None => false,
-                        })
-                        || (!overrides.is_empty()
-                            && match overrides.get_item(&mid)? {
-                                Some(key) => key.extract::<i64>()? != e.key,
-                                None => c.entry(e.token).key != e.key,
-                            })
-                });
+                || (!not_before.is_empty()
+                    && match not_before.get_item(handle)? {
+                        Some(at) => at.extract::<i64>()? > now,
+                        None => false,
+                    })
+                || (!overrides.is_empty()
+                    && match overrides.get_item(handle)? {
+                        Some(key) => key.extract::<i64>()? != e.key,
+                        None => c.entry(e.token).key != e.key,
+                    });
             if !stale {
                 let bucket = u16::try_from(b)
                     .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
@@ -472,9 +465,9 @@ impl Order {
     /// Take the `n` lowest deliverable entries across `buckets`, in order: `TopicIndex.pick`
     /// in one call. An entry is stale, and dropped as it is met, when its token is no
     /// longer its message's, or by the Raft state: its message `settled` or in `leases`
-    /// (a `LeaseTable`; both asked by its message handle), held back in `not_before`
-    /// past `now`, or re-keyed (its key not the one in force:
-    /// its override in `overrides`, else its row's own). A bucket whose lowest key is
+    /// (a `LeaseTable`), held back in `not_before` past `now`, or re-keyed (its key not
+    /// the one in force: its override in `overrides`, else its row's own); each asked by
+    /// its message handle, hashed once per entry met. A bucket whose lowest key is
     /// above `max_key` has nothing due and gives none. Ids come from the id column
     /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
     /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
@@ -482,7 +475,7 @@ impl Order {
     /// digest, or if there are fewer than `pack_from`: a lease of one message makes one
     /// object either way, and a str costs less), and their buckets and keys as
     /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
-    /// order, for NumPy). A str is made for a pick only to ask the dicts that hold any.
+    /// order, for NumPy).
     /// The columns' buffers are held until other arrays are passed (`release_columns`).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (
