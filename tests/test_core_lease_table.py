@@ -339,12 +339,13 @@ def test_a_snapshots_counts_settlements_redrives_and_overrides_by_id_load_by_han
     assert state["deliveries"] == {mh("a"): 1} and names.ids(state["redriven_at"]) == ["b"]
     assert state["settled"] == {mh("d"): "dead"} and state["not_before"] == {mh("a"): 3}
     assert state["sort_keys"] == {mh("a"): 0, mh("b"): 5}
+    assert state.pop("redriven_ids") == {mh("b"): "b"}, "named by its events, if not kept"
     by_handle = ("deliveries", "redriven_at", "settled", "sort_keys", "not_before")
     for name in by_handle:
         state[name] = {names[h]: value for h, value in state[name].items()}
     again = TopicState.__new__(TopicState)
     again.__setstate__(pickle.loads(pickle.dumps(state)))
-    for name in by_handle:
+    for name in (*by_handle, "redriven_ids"):
         assert getattr(again, name) == getattr(s, name), name
     for state_now in (s, again):
         assert len(lease(state_now, "c", ["a"], now=2)) == 0, "delayed until 3"
@@ -354,3 +355,4 @@ def test_a_snapshots_counts_settlements_redrives_and_overrides_by_id_load_by_han
         assert state_now.cancel(4, "d", 0, 1) == Refusal.SETTLED
         state_now.trim(state_now.seq)
         assert state_now.redriven_at == {} and state_now.settled == {}
+        assert state_now.redriven_ids == {}

@@ -198,6 +198,9 @@ class TopicState:
         self.refilled_at = 0
         # message handle -> seq of its latest redriven event not yet trimmed (`trim`).
         self.redriven_at: dict[int, int] = {}
+        # message handle -> id of each message `redriven_at` holds: its ledger row, the
+        # putting back of its row and an index waiting for that row name it by id.
+        self.redriven_ids: dict[int, str] = {}
         self.trimmed = 0  # the highest seq a trim reached (events it kept stay below it)
 
     def __getstate__(self) -> dict:
@@ -212,6 +215,7 @@ class TopicState:
     def __setstate__(self, state: dict) -> None:
         # Snapshots from before pause, rate limits and redrive hold none of their state.
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
+        self.redriven_ids: dict[int, str] | None = None  # from before it was kept
         self.trimmed = 0
         self.requests = {}  # from before lease requests carried their id
         self.records, self.unnumbered, self.ending = {}, 0, deque()
@@ -256,6 +260,8 @@ class TopicState:
         for mid, record in leases.items():  # by handle, or by id (hashed) from before
             self.leases[mid] = record
         self.leased = {lid: r for lid, r in self.records.items() if r.live}
+        if self.redriven_ids is None:
+            self.redriven_ids = self._named_redriven()
 
     # --- consumers -------------------------------------------------------------------
 
@@ -874,6 +880,7 @@ class TopicState:
             self.seq += 1
             self.events.append(Settlement(self.seq, mid, bucket, LedgerEvent.REDRIVEN, key, 0, now))
             self.redriven_at[h] = self.seq
+            self.redriven_ids[h] = mid
             self.sort_keys[h] = key
             self.deliveries.pop(h, None)
             self.not_before.pop(h, None)
@@ -881,14 +888,14 @@ class TopicState:
         self.totals[LedgerEvent.REDRIVEN] += len(redriven)
         return redriven, refused
 
-    def redriven_ids(self) -> set[str]:
-        """The ids of the messages `redriven_at` holds (by handle): named by the events
-        not yet trimmed, which hold each one's redrive, or the death a trim kept before
-        it (a redrive is held until both are trimmed)."""
+    def _named_redriven(self) -> dict[int, str]:
+        """`redriven_ids` of a snapshot from before it was kept: named by the events not
+        yet trimmed, which hold each redrive, or the death a trim kept before it (a
+        redrive is held until both are trimmed)."""
         if not self.redriven_at:
-            return set()
+            return {}
         mids = [e.message_id for e in settlements(self.events.past(self.seq)[0])]
-        return {m for m, h in zip(mids, mhs(mids), strict=True) if h in self.redriven_at}
+        return {h: m for m, h in zip(mids, mhs(mids), strict=True) if h in self.redriven_at}
 
     def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
         leased = list(self.leased.values())
@@ -950,6 +957,7 @@ class TopicState:
         kept = set(mhs(e.message_id for e in settlements(self.events.past(upto_seq)[0])))
         for h in [h for h, seq in redriven_at.items() if seq <= upto_seq and h not in kept]:
             del redriven_at[h]
+            self.redriven_ids.pop(h, None)
         return mids
 
 

@@ -849,7 +849,7 @@ class TopicIndex:
             # a row now means redriven since its row left, or given a new key before this
             # node read its row (indexed at it once read, `revive`; a delay's entry is the
             # delayed heap's, below).
-            again = revived | state.redriven_ids()
+            again = revived | set(state.redriven_ids.values())
             self.unread = {m for m in again if store.get(m) is None and m not in state.leases}
             keyed = list(state.sort_keys.keys() - state.not_before.keys())
             tokens = store.tokens_mh(packed_handles(keyed)).tolist()
