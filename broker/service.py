@@ -34,7 +34,7 @@ from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.data_dir import Identity, admit, lock, mark_joined
-from dejaq.broker.state.handles import mh
+from dejaq.broker.state.handles import mh, mhs
 from dejaq.broker.state.leases import (
     Again,
     Dead,
@@ -1248,10 +1248,11 @@ class Broker:
                 # that one, the slice alone, not the walk (seconds for a large topic,
                 # where trims come every second).
                 state = self.state(topic)
+                held = index.held(listed)
                 chunk = [
-                    (mid, bucket, key)
-                    for mid, bucket, key in index.held(listed)
-                    if mid not in state.settled and mid not in state.leases
+                    pick
+                    for pick, m in zip(held, mhs([mid for mid, _, _ in held]), strict=True)
+                    if m not in state.settled and m not in state.leases
                 ]
                 if not chunk:
                     break
