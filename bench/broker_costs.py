@@ -76,8 +76,8 @@ class IndexListener:
     def pending(self, topic: str, state: TopicState, mids: list[str]) -> None:
         self.index.push(state, mids)
 
-    def gone(self, topic: str, mids: list[str]) -> None:
-        self.index.forget(mids)
+    def gone(self, topic: str, handles: bytes) -> None:
+        self.index.forget(handles)
 
     def reset(self, states: dict[str, TopicState]) -> None:
         self.index.rebuild(states[self.index.topic.name])

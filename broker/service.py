@@ -312,10 +312,11 @@ class Broker:
         if index is not None:
             index.push(state, mids)
 
-    def gone(self, topic: str, mids: list[str]) -> None:
+    def gone(self, topic: str, handles: bytes) -> None:
+        """Messages checkpointed and trimmed, by handle (packed): the index forgets them."""
         index = self.indexes.get(topic)
         if index is not None:
-            index.forget(mids)
+            index.forget(handles)
 
     def reset(self, states: dict[str, TopicState]) -> None:
         for name, index in self.indexes.items():

@@ -41,7 +41,9 @@ from pysyncobj.serializer import Serializer
 
 from dejaq.broker.api.metrics import LeaseLatency
 from dejaq.broker.state.assignment import rebalance
-from dejaq.broker.state.handles import mh
+from dejaq.broker.state.handles import mh, mhs
+from dejaq.broker.state.handles import packed as packed_mhs
+from dejaq.broker.state.handles import unpacked as unpacked_mhs
 from dejaq.broker.state.leases import (
     ACKED,
     BULK_MIN,
@@ -1183,7 +1185,7 @@ def test_a_lease_refused_for_a_trimmed_view_picks_again_even_when_not_waiting(
         cancelled = asyncio.create_task(broker.raft.commit("jobs", "cancel", 1, "m0", 0, 5))
         trimmed = asyncio.create_task(broker.raft.commit("jobs", "trim", state.seq + 1))
         leased = asyncio.create_task(broker.lease("jobs", "w", 3, 30_000, 0))
-        assert await cancelled is None and await trimmed == ["m0"]
+        assert await cancelled is None and unpacked_mhs(await trimmed) == [mh("m0")]
         return state.trimmed_upto(), json.loads(await leased)
 
     trimmed_upto, leased = on_one_node(tmp_path, scenario)
@@ -1499,7 +1501,7 @@ def test_a_load_reads_a_slice_at_a_time_and_writes_heads_in_sort_order(
         assert (shown["id"], shown["sort_key"]) == (mid, key) and key == row_key
     assert [p[2] for p in picks] == sorted(keys)
     assert index.row(_id(2)) is not None and index.row("x" * 70) is None
-    index.forget([p[0] for p in picks])
+    index.forget(packed_mhs([p[0] for p in picks]))
     assert len(index.rows) == 0 and store.segments == {}, "every segment released"
 
 
@@ -1525,7 +1527,7 @@ def test_a_versions_ids_encoded_before_the_lock_are_stored_as_they_would_be(
     room = index.store.table.make_room
 
     def settled_meanwhile(n: int, lock: Any) -> None:
-        index.forget(gone)
+        index.forget(packed_mhs(gone))
         room(n, lock)
 
     monkeypatch.setattr(index.store.table, "make_room", settled_meanwhile)
@@ -1557,9 +1559,9 @@ def test_an_id_forgotten_twice_in_one_trim_frees_its_handle_and_head_once(tmp_pa
     index = TopicIndex(warehouse, topic_conf())
     index.load()
     store = index.store
-    index.forget(["m1", "m1", "m2", "nowhere", "m2", "m3", "m1"])
+    index.forget(packed_mhs(["m1", "m1", "m2", "nowhere", "m2", "m3", "m1"]))
     assert len(store._free) == 3 and len(set(store._free)) == 3, "each handle freed once"
-    assert len(index.rows) == 37 and index.forgotten == {"nowhere"}
+    assert len(index.rows) == 37 and index.forgotten == {mh("nowhere")}
     assert sum(store._rows_in.values()) == 37, "each head left its segment once"
     fill(warehouse, "jobs", buffer_rows(list(range(100, 103)), prefix="n"))
     index.refresh()
@@ -1642,7 +1644,7 @@ def test_a_cancel_or_reschedule_made_before_a_trim_passed_it_is_sent_back() -> N
     record = state.lease("c", 0, 1000, [("m0", 0, 5), ("m1", 0, 6)], lid=1)
     seen = state.seq
     assert state.ack("c", 1, [], [record.receipt(0)]) == {}
-    assert state.trim(state.seq) == ["m0"] and mh("m0") not in state.settled
+    assert unpacked_mhs(state.trim(state.seq)) == [mh("m0")] and mh("m0") not in state.settled
     assert state.cancel(2, "m0", 0, 5, seen) == Refusal.TRIMMED
     assert state.reschedule("m0", 9, seen) == Refusal.TRIMMED
     assert state.seq == 1 and not state.sort_keys, "nothing settled or re-keyed"
@@ -2044,7 +2046,7 @@ def test_a_trim_outlives_a_refresh_that_read_no_new_version(tmp_path: Path) -> N
     lagging.watch.moved = lambda version: False  # backing off: no new version read
 
     assert lagging.refresh() == 0
-    assert lagging.forgotten == {"new0"}
+    assert lagging.forgotten == {mh("new0")}
 
     lagging.watch.moved = probe
     assert lagging.refresh() == 1
@@ -2065,7 +2067,7 @@ def test_a_message_nacked_before_a_node_read_its_row_keeps_its_delay_or_key_ther
     refused, pending, _ = state.nack("c", 1, ["new0"], delay, priority)
     assert not refused and pending == ["new0"]
     follower.push(state, pending)  # the Raft hook, before the node read the row
-    assert follower.unread == {"new0"}
+    assert follower.unread == {mh("new0"): "new0"}
     assert follower.refresh() == 2  # the follow thread: refresh, then revive
     follower.revive(state)
 
@@ -2090,7 +2092,7 @@ def test_a_snapshots_new_key_of_a_message_without_a_row_here_holds_once_its_row_
     assert state.nack("c", 1, ["new0"], 0, 7)[:2] == ({}, ["new0"])
     snapshot = pickle.loads(pickle.dumps(state))
     lagging.rebuild(snapshot)
-    assert lagging.awaited == {mh("new0")} and lagging.unread == set()
+    assert lagging.awaited == {mh("new0")} and lagging.unread == {}
     assert lagging.refresh() == 2
     lagging.revive(snapshot)
     assert lagging.awaited == set()
@@ -2288,7 +2290,7 @@ def test_a_snapshots_redrive_of_a_message_without_a_row_here_waits_for_its_row(
     snapshot = pickle.loads(pickle.dumps(state))
     assert snapshot.redriven_ids == {mh("gone"): "gone", mh("m0"): "m0"}
     index.rebuild(snapshot)
-    assert index.unread == {"gone"}, "m0's row is here"
+    assert index.unread == {mh("gone"): "gone"}, "m0's row is here"
     snapshot.trim(snapshot.seq)
     assert snapshot.redriven_at == {} and snapshot.redriven_ids == {}
 
@@ -2666,7 +2668,8 @@ def test_ack_twice_in_one_batch_and_trim_by_slices() -> None:
     assert s.ack("c1", 1, ["a", "a", "b"]) == {"a": Refusal.SETTLED}
     assert s.held[0] == {"c1": 1} and s.totals["acked"] == 2
     assert s.ack("c1", 2, ["c"]) == {}
-    assert s.trim(1) == ["a"] and s.trim(1) == [] and s.trim(99) == ["b", "c"]
+    assert unpacked_mhs(s.trim(1)) == [mh("a")] and s.trim(1) == b""
+    assert unpacked_mhs(s.trim(99)) == mhs(["b", "c"])
     assert s.events == [] and s.settled == {}
 
 
@@ -2891,7 +2894,7 @@ class _NoIndex:
     """A Raft node's listener with no index to tell."""
 
     def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
-    def gone(self, topic: str, mids: list[str]) -> None: ...
+    def gone(self, topic: str, handles: bytes) -> None: ...
     def reset(self, states: dict[str, TopicState]) -> None: ...
 
 
@@ -3701,7 +3704,7 @@ def test_a_draining_segment_is_left_to_empty_and_moved_only_once_it_stays_sparse
     segment = {m: int(index.store.segment[index.store.get(m) & HANDLE_MASK]) for m in keep}
     older = sorted({segment[m] for m in keep} - {index.heads.current.number})
     drained = [m for m in keep if segment[m] in older[: len(older) // 2]]
-    index.forget(drained)  # the drain goes on: the older segments' last heads settle
+    index.forget(packed_mhs(drained))  # the drain goes on: the older segments' last heads settle
     assert index.heads.disk_bytes() < disk, "segments emptied and freed, none moved"
     stay = [m for m in keep if m not in drained]
     before = {mid: index.head(mid) for mid in stay}
@@ -3782,7 +3785,7 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
 
         def settle_the_rest() -> None:
             gone[:] = [m for m in keep if index.rows[m] not in read]
-            index.forget(gone)
+            index.forget(packed_mhs(gone))
 
         monkeypatch.setattr(index.store, "separated_heads", reading)
         # Its holds of the lock: the segments, the order, then a read each.
@@ -3792,7 +3795,7 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
 
         def write_while_settling(joined: bytes, ends: np.ndarray) -> tuple:
             written = write(joined, ends)
-            index.forget(gone)
+            index.forget(packed_mhs(gone))
             return written
 
         monkeypatch.setattr(index.heads, "write_joined", write_while_settling)
@@ -3802,7 +3805,7 @@ def test_a_message_settled_while_its_head_moves_is_dropped_and_frees_its_heads(
     monkeypatch.undo()
     again = listed(index.pick(state, state.buckets_of("c"), 1000, now=2))
     assert sorted(p[0] for p in again) == stay, "the rest lease, each once"
-    index.forget(stay)
+    index.forget(packed_mhs(stay))
     assert index.heads.segments == {index.heads.current}, "every other segment freed"
     assert index.store.segments == {}, "no row names a segment"
     index.close()
@@ -3822,7 +3825,7 @@ def test_a_followers_runs_hold_what_is_pending_not_every_message_it_saw(
     index.load()
     sizes = [400, 8, 400, 8, 400, 400]  # 8: two rows a bucket, pushed on its heap
     for r in range(1, len(sizes)):
-        index.forget([f"r{r - 1}-{i}" for i in range(sizes[r - 1])])
+        index.forget(packed_mhs([f"r{r - 1}-{i}" for i in range(sizes[r - 1])]))
         fill(warehouse, "jobs", buffer_rows(list(range(sizes[r])), prefix=f"r{r}-"))
         assert index.refresh() == sizes[r]
         if sizes[r] == 400:  # merged: what the merge left is what is pending

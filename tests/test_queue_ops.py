@@ -24,7 +24,7 @@ from test_broker import (
     topic_conf,
 )
 
-from dejaq.broker.state.handles import mh
+from dejaq.broker.state.handles import mh, packed, unpacked
 from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
@@ -220,14 +220,14 @@ def test_trimming_keeps_what_a_redrive_made_pending_again() -> None:
     s = one_bucket_state()
     dead(s, "a", 0)
     s.redrive(1, 0, [("a", 0, 1)])
-    assert s.trim(2) == [], "a's death and redrive settle nothing: its row stays indexed"
+    assert s.trim(2) == b"", "a's death and redrive settle nothing: its row stays indexed"
     assert s.redriven_at == {} and s.settled == {}
     dead(s, "b", 2)
     s.redrive(3, 2, [("b", 0, 1)])
     leased(s, "c", ["b"], now=4)
     s.reject("c", 5, ["b"])
-    assert s.trim(4) == [] and settled_ids(s) == {"b": "dead"}, "the later death stands"
-    assert s.trim(5) == ["b"] and s.settled == {}
+    assert s.trim(4) == b"" and settled_ids(s) == {"b": "dead"}, "the later death stands"
+    assert unpacked(s.trim(5)) == [mh("b")] and s.settled == {}
 
 
 def test_a_snapshot_keeps_pause_tokens_and_redrives() -> None:
@@ -256,8 +256,8 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     redrive = state.redrive(2, upto, [("m1", *found["m1"])], sort_key=0)
     assert redrive == (["m1"], {})
     index.push(state, redrive[0])
-    assert index.unread == {"m1"} and listed(index.pick(state, [1], 5, now=3)) == []
-    assert index.revive(state) == 1 and index.unread == set()
+    assert index.unread == {mh("m1"): "m1"} and listed(index.pick(state, [1], 5, now=3)) == []
+    assert index.revive(state) == 1 and index.unread == {}
     assert listed(index.pick(state, state.buckets_of("c"), 1, now=3)) == [("m1", 1, 0)]
     assert index.settled_event("m1") == "dead", "the ledger has not seen the redrive yet"
 
@@ -303,12 +303,12 @@ def test_revive_skips_what_settled_or_was_checkpointed_meanwhile(tmp_path: Path)
     fill(warehouse, "jobs", buffer_rows([3, 4], bucket_of=lambda i: 0))
     index = TopicIndex(warehouse, topic_conf())
     index.load()
-    index.forget(["m0", "m1"])  # both checkpointed, as if settled before
+    index.forget(packed(["m0", "m1"]))  # both checkpointed, as if settled before
     state = TopicState(4, 5)
     state.settled[mh("m0")] = LedgerEvent.ACKED
     index.push(state, ["m0", "m1"])
-    index.forget(["m1"])
-    assert index.unread == {"m0"}
+    index.forget(packed(["m1"]))
+    assert index.unread == {mh("m0"): "m0"}
     assert index.revive(state) == 0 and index.rows == {}
 
 

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_broker import lease_ids, leased_ids, packed, settled_ids, settled_of, topic_conf
 
-from dejaq.broker.state.handles import mh
+from dejaq.broker.state.handles import mh, mhs, unpacked
 from dejaq.broker.state.leases import (
     BULK_MIN,
     POSITION_BITS,
@@ -238,7 +238,8 @@ def test_a_lease_granted_in_part_keeps_its_ids_packed() -> None:
 
 def test_a_trim_of_leases_packed_at_several_widths_names_their_ids_packed() -> None:
     """Ids of varied lengths: each lease packs its picks at its own width, and the trim
-    of their acks (bulk, and one by id) names them all in one pack, no str per message."""
+    of their acks (bulk, and one by id) names them all by handle, packed in one bytes
+    object: no str or int per message."""
     s = TopicState(buckets=1, max_deliveries=5)
     s.touch("c", 0)
     widths = {}
@@ -252,8 +253,8 @@ def test_a_trim_of_leases_packed_at_several_widths_names_their_ids_packed() -> N
     assert s.ack("c", 5, ["one"]) == {} and len(single.mids) == 1
     assert len(widths) == 3
     trimmed = s.trim(s.seq)
-    assert isinstance(trimmed, PackedIds) and trimmed.width == max(widths)
-    assert list(trimmed) == [*(m for w in widths for m in widths[w]), "one"]
+    assert type(trimmed) is bytes
+    assert unpacked(trimmed) == mhs([*(m for w in widths for m in widths[w]), "one"])
     assert not s.leases and not s.records
 
 
@@ -317,7 +318,7 @@ def test_an_acked_message_is_settled_to_every_path_until_its_trim() -> None:
     again = s.lease("c", 3, 100, [(m, 0, 0) for m in [*many, "one", "dies"]], lid=99)
     assert again.mids == ["dies"], "neither the bulk nor the one-at-a-time grant takes them"
     assert leased_ids(s) == {"dies"} and s.ack("c", 4, ["dies"]) == {}
-    assert sorted(s.trim(s.seq)) == sorted([*many, "one", "dies"]), "its death: redriven"
+    assert sorted(unpacked(s.trim(s.seq))) == sorted(mhs([*many, "one", "dies"])), "redriven"
     assert s.leases == {} and s.settled == {} and s.redriven_at == {}
     assert s.settled_event("one") is None and s.is_available("one", 5), "forgotten: the ledger's"
 
@@ -339,7 +340,7 @@ class NoIndex:
     """The Raft state's listener: no index to tell."""
 
     def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
-    def gone(self, topic: str, mids: list[str]) -> None: ...
+    def gone(self, topic: str, handles: bytes) -> None: ...
     def reset(self, states: dict[str, TopicState]) -> None: ...
 
 

@@ -32,6 +32,7 @@ from test_broker import (
     topic_conf,
 )
 
+from dejaq.broker.state.handles import mh, packed
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage.index import TopicIndex
@@ -534,9 +535,9 @@ def test_a_node_catching_up_warns_only_of_rows_no_trim_forgets(
 
     with caplog.at_level(logging.WARNING, logger="dejaq.broker.storage.index"):
         assert restarted.revive(replaying) == 0
-        assert restarted.unread == set() and set(restarted.rows) == {"m1"}
+        assert restarted.unread == {} and set(restarted.rows) == {"m1"}
         assert warned() == [], "within the grace"
-        restarted.forget(["m0"])  # the replayed trim of its ack
+        restarted.forget(packed(["m0"]))  # the replayed trim of its ack
         monkeypatch.setattr(index_module, "UNFOUND_GRACE_S", 0.0)
         restarted.revive(replaying)
         restarted.revive(replaying)
@@ -609,7 +610,7 @@ def test_retention_keeps_every_pending_message_and_a_start_agrees(
     assert not settled_early & left, "every message settled before the cutoff left"
     index = TopicIndex(warehouse, topic_conf())
     index.load()
-    assert set(index.rows) | index.unread == pending
+    assert set(index.rows) | set(index.unread.values()) == pending
 
 
 def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
@@ -633,7 +634,7 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     leader.trim(checkpoint(warehouse, "jobs", leader.events))  # the redrive: trimmed too
     snapshot = pickle.loads(pickle.dumps(leader))
     lagging.rebuild(snapshot)
-    assert sorted(lagging.rows) == ["m0"] and lagging.unread == {"m3"}
+    assert sorted(lagging.rows) == ["m0"] and lagging.unread == {mh("m3"): "m3"}
     assert lagging.revive(snapshot) == 1, "from the dead letters"
     picks = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 3, now=now + 3))
     assert [p[0] for p in picks] == ["m0", "m3"]
@@ -934,7 +935,7 @@ def test_a_second_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriv
         index, st = broker.indexes["jobs"], broker.state("jobs")
 
         async def lease_and_reject() -> None:
-            await _until(lambda: "m1" in index.rows or "m1" in index.unread, "m1 pending")
+            await _until(lambda: "m1" in index.rows or mh("m1") in index.unread, "m1 pending")
             leased: list = []
             while not leased:
                 leased = json.loads(await broker.lease("jobs", "w", 1, 60_000, 0))
@@ -985,7 +986,7 @@ def test_a_snapshot_reads_the_ledger_for_a_row_gone_from_its_ingestion_on(
     for path in history:
         path.unlink()
     lagging.rebuild(pickle.loads(pickle.dumps(leader)))
-    assert sorted(lagging.rows) == ["m0"] and lagging.unread == set()
+    assert sorted(lagging.rows) == ["m0"] and lagging.unread == {}
 
 
 def test_first_per_id_of_no_rows_is_no_rows() -> None:

@@ -41,7 +41,8 @@ from dejaq_core import (
 )
 
 from dejaq.broker.state.assignment import rebalance
-from dejaq.broker.state.handles import mh, mhs
+from dejaq.broker.state.handles import mh, mhs, packed, packed_handles
+from dejaq.broker.state.handles import unpacked as unpacked_handles
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
@@ -903,8 +904,9 @@ class TopicState:
             seen + heartbeat_timeout_ms <= now for seen in list(self.consumers.values())
         )
 
-    def trim(self, upto_seq: int, keep: Collection[int] = ()) -> list[str]:
-        """Forget events checkpointed into the ledger; returns their message ids.
+    def trim(self, upto_seq: int, keep: Collection[int] = ()) -> bytes:
+        """Forget events checkpointed into the ledger; returns their messages' handles,
+        packed (`handles.packed`): every node's index forgets them by handle.
 
         Events are appended in `seq` order, so the checkpointed ones are a prefix of the
         runs (`EventLog.cut`). The events of seqs in `keep` (deaths whose dead letter is
@@ -918,27 +920,30 @@ class TopicState:
         self.trimmed = max(self.trimmed, upto_seq)
         if self.redriven_at:
             return self._trim_redriven(settlements(done), upto_seq)
-        parts: list[PackedIds | list[str]] = []
-        one: list[str] = []  # the settlements' ids
-        acked: list[str] = []  # in `leases`, by their records; the others in `settled`
-        others: list[str] = []
+        parts: list[bytes] = []
+        acked: list[str] = []  # single settlements' ids: acks from snapshots, by records
+        others: list[str] = []  # in `settled`
         for e in done:
             if type(e) is Settlement:
-                one.append(e.message_id)
                 (acked if e.event == LedgerEvent.ACKED else others).append(e.message_id)
             else:  # a `Run` or an `AckRun`
-                mids = e.message_ids
-                parts.append(mids)
-                if e.event == LedgerEvent.ACKED:
-                    self.leases.discard_all(mids)
-                else:
-                    others.extend(mids)
-        self.leases.discard_all(acked)
+                parts.append(self._forget(packed(e.message_ids), e.event == LedgerEvent.ACKED))
+        if acked:
+            parts.append(self._forget(packed(acked), True))
         if others:
-            deque(map(self.settled.pop, mhs(others), repeat(None)), maxlen=0)
-        return joined([*parts, one] if one else parts)
+            parts.append(self._forget(packed(others), False))
+        return b"".join(parts)
 
-    def _trim_redriven(self, done: Iterable[Settlement], upto_seq: int) -> list[str]:
+    def _forget(self, handles: bytes, acked: bool) -> bytes:
+        """Drop the settled messages of `handles` (packed): acked ones from `leases`
+        (their records mark them), the others from `settled`."""
+        if acked:
+            self.leases.discard_all(handles)
+        else:
+            deque(map(self.settled.pop, unpacked_handles(handles), repeat(None)), maxlen=0)
+        return handles
+
+    def _trim_redriven(self, done: Iterable[Settlement], upto_seq: int) -> bytes:
         """`trim` while some message has an untrimmed redrive: a settlement followed by a
         later redrive of its message no longer says what the message is (pending again,
         or settled anew), and a redriven event settles nothing: neither is forgotten.
@@ -947,18 +952,17 @@ class TopicState:
         are trimmed: a death the trims kept (its dead letter not written yet) can be
         redriven, and trimmed after the redrive's event."""
         redriven_at, settled, leases = self.redriven_at, self.settled, self.leases
-        mids: list[str] = []
+        handles: list[int] = []
         for e in done:
-            mid = e.message_id
-            h = mh(mid)
+            h = mh(e.message_id)
             if e.event != LedgerEvent.REDRIVEN and redriven_at.get(h, 0) < e.seq:
                 (leases if e.event == LedgerEvent.ACKED else settled).pop(h, None)
-                mids.append(mid)
+                handles.append(h)
         kept = set(mhs(e.message_id for e in settlements(self.events.past(upto_seq)[0])))
         for h in [h for h, seq in redriven_at.items() if seq <= upto_seq and h not in kept]:
             del redriven_at[h]
             self.redriven_ids.pop(h, None)
-        return mids
+        return packed_handles(handles)
 
 
 _V = TypeVar("_V")
@@ -970,19 +974,6 @@ def _by_handle(by_id: dict[str | int, _V]) -> dict[int, _V]:
     if not any(type(k) is str for k in by_id):
         return by_id
     return {mh(k) if type(k) is str else k: v for k, v in by_id.items()}
-
-
-def joined(parts: list[PackedIds | list[str]]) -> PackedIds | list[str]:
-    """Parts of ids as one. Packed where any part is (a trim's runs: the lists, its
-    single settlements' ids, packed with them), whatever their widths, so a trim makes
-    no str per id on any node; a list of str where none is, or an id cannot be packed."""
-    if len(parts) == 1:
-        return parts[0]
-    if any(type(p) is PackedIds for p in parts):
-        packs = [p if type(p) is PackedIds else PackedIds.pack(p) for p in parts]
-        if all(p is not None for p in packs):
-            return PackedIds.join(packs)
-    return [m for p in parts for m in p]
 
 
 def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, array]:

@@ -620,7 +620,7 @@ class Listener(Protocol):
     topic in the replicated state, those this node does not serve too."""
 
     def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
-    def gone(self, topic: str, mids: list[str]) -> None: ...
+    def gone(self, topic: str, handles: bytes) -> None: ...
     def reset(self, states: dict[str, TopicState]) -> None: ...
 
 
@@ -830,9 +830,9 @@ class BrokerState(SyncObjConsumer):
                 self.listener.pending(topic, st, result[0])
             return result
         if op == "trim":
-            mids = st.trim(*args)
-            self.listener.gone(topic, mids)
-            return mids
+            handles = st.trim(*args)
+            self.listener.gone(topic, handles)
+            return handles
         if op == "nack":
             refused, pending, dead = st.nack(*args)
             self.listener.pending(topic, st, pending)

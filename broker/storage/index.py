@@ -24,9 +24,10 @@ import logging
 import os
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Set
 from dataclasses import dataclass
+from itertools import repeat
 
 import numpy as np
 import pyarrow as pa
@@ -36,7 +37,8 @@ from dejaq_core import Order
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from dejaq.broker.state.handles import mh, mhs, packed_handles
+from dejaq.broker.state.handles import mhs, packed_handles
+from dejaq.broker.state.handles import unpacked as unpacked_handles
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SEP, SPAN_PER_HEAD, HeadStore, Segment
@@ -175,17 +177,20 @@ class TopicIndex:
         self._ids_bytes: np.ndarray | None = None
         self.delayed: list[tuple[int, int]] = []  # (not_before, message handle)
         # Pending again with no row here: redriven after the row was forgotten (or not yet
-        # read by this node). `revive` reads them from the buffer.
-        self.unread: set[str] = set()
+        # read by this node). `revive` reads them from the buffer. By message handle (a
+        # trim names messages so), each with its id.
+        self.unread: dict[int, str] = {}
         # Message handles of messages with a delay or an override in force and no row
         # here yet, which the state names by handle alone (a snapshot's, a delay come
         # due): indexed at them once a `refresh` reads their rows (`_repend_indexed`).
         self.awaited: set[int] = set()
-        self.forgotten: set[str] = set()  # settled without a row here yet (`forget`)
-        # Pending again, `revive` found no row: id -> when (time.monotonic), until a trim
-        # forgets it or it is warned of (`_warn_unfound`).
-        self.unfound: dict[str, float] = {}
-        self.from_dead_letters: set[str] = set()  # rows `revive` found there, not in the buffer
+        # Message handles of messages settled without a row here yet (`forget`).
+        self.forgotten: set[int] = set()
+        # Pending again, `revive` found no row: message handle -> (id, when, by
+        # time.monotonic), until a trim forgets it or it is warned of (`_warn_unfound`).
+        self.unfound: dict[int, tuple[str, float]] = {}
+        # Rows `revive` found there, not in the buffer: message handle -> id.
+        self.from_dead_letters: dict[int, str] = {}
         self.files: set[str] = set()  # of the version indexed
         # Buckets of files seen but not read: the ingest writes more than this node has.
         self.beyond: set[int] = set()
@@ -224,7 +229,7 @@ class TopicIndex:
         finally:
             self._halt = None
         with self.lock:
-            self.unread.update(m for m in redriven if self.store.get(m) is None)
+            self._unread(m for m in redriven if self.store.get(m) is None)
         self.loaded = True
 
     def _halted(self) -> None:
@@ -267,7 +272,7 @@ class TopicIndex:
                 self.forgotten |= forgotten
             raise
 
-    def _refresh(self, settled: Set[str], forgotten: set[str]) -> int:
+    def _refresh(self, settled: Set[str], forgotten: set[int]) -> int:
         if self._buffer is None:
             self._buffer = DeltaTable(self.buffer_path)
         elif self.watch.moved(self._buffer.version()):
@@ -300,7 +305,7 @@ class TopicIndex:
         current: set[str],
         rows: int,
         settled: Set[str],
-        forgotten: set[str],
+        forgotten: set[int],
     ) -> int:
         """Index `unread` (`_unseen`), as of `version`, which holds `rows` rows; how many
         rows were new. Raises before indexing any where a file is missing, once the first
@@ -372,7 +377,7 @@ class TopicIndex:
         )
 
     def _index(
-        self, buckets: list[tuple[int, list[str]]], settled: Set[str], forgotten: set[str]
+        self, buckets: list[tuple[int, list[str]]], settled: Set[str], forgotten: set[int]
     ) -> int:
         """Read the files of `buckets` and index their rows not indexed, settled or
         forgotten already; returns how many. Raises with no head of its own counted live:
@@ -381,7 +386,7 @@ class TopicIndex:
         try:
             for bucket, uris in buckets:
                 batches.append((bucket, self._read_bucket(bucket, uris)))
-            kept, adding, seen = self._new_rows(batches, settled, forgotten)
+            kept, adding = self._new_rows(batches, settled, forgotten)
         except BaseException:
             self.heads.release(_heads_of(batch for _, batch in batches))
             raise
@@ -391,10 +396,10 @@ class TopicIndex:
         with self.lock:
             self.store.reserve(adding)
             # Forgotten while the files were read: not indexed.
-            gone = self.forgotten & seen
+            gone = self.forgotten
             for bucket, batch, keep, encoded in kept:
-                if gone:
-                    stay = np.array([mid not in gone for mid in encoded.mids], bool)
+                if gone and len(keep):
+                    stay = ~_named(mhs(encoded.mids), gone)
                     keep, encoded = keep[stay], encoded.kept(stay)
                 if len(keep) < len(batch.mids):
                     unused.update(_unindexed(batch, keep))
@@ -405,11 +410,12 @@ class TopicIndex:
         return added
 
     def _new_rows(
-        self, batches: list[tuple[int, Batch]], settled: Set[str], forgotten: set[str]
-    ) -> tuple[list[tuple[int, Batch, np.ndarray, Encoded]], int, set[str]]:
+        self, batches: list[tuple[int, Batch]], settled: Set[str], forgotten: set[int]
+    ) -> tuple[list[tuple[int, Batch, np.ndarray, Encoded]], int]:
         """Each batch's rows to index (neither indexed, settled nor forgotten already,
-        the first of duplicates) with their ids encoded, how many in all (room made for
-        them in the id table), and the ids of the first of duplicates."""
+        the first of duplicates) with their ids encoded, and how many in all (room made
+        for them in the id table). Hashed (`mhs`) only while something is `forgotten`,
+        which names messages by handle."""
         # The per-row checks, and the ids' encoding for the id table, happen before
         # taking the lock, which the event loop (Raft applies, leases) also takes: under
         # it, column copies and inserts. The id table is read outside it: only this
@@ -422,13 +428,14 @@ class TopicIndex:
             # per row, made while the ids are, would leave the heap fragmented.
             new = np.fromiter(
                 (
-                    not (mid in seen or mid in settled or mid in forgotten)
-                    and seen.add(mid) is None
+                    not (mid in seen or mid in settled) and seen.add(mid) is None
                     for mid in batch.mids
                 ),
                 bool,
                 len(batch.mids),
             )
+            if forgotten and len(batch.mids):
+                new &= ~_named(mhs(batch.mids), forgotten)
             keep = np.flatnonzero(new)
             if len(table) and len(keep):  # indexed already (by `revive`)
                 keep = keep[self.store.tokens(batch.mids_at(keep)) == 0]
@@ -436,7 +443,7 @@ class TopicIndex:
             kept.append((bucket, batch, keep, encoded))
         adding = sum(len(keep) for _, _, keep, _ in kept)
         table.make_room(adding, self.lock)
-        return kept, adding, seen
+        return kept, adding
 
     def _unseen(
         self, version: int, walk: bool = True
@@ -645,9 +652,10 @@ class TopicIndex:
             self._warn_unfound()
         with self.lock:
             self._repend_indexed(state)
-        if not self.unread:
+            unread = dict(self.unread)
+        if not unread:
             return 0
-        wanted = sorted(self.unread)
+        wanted = sorted(unread.values())
         t = _read_ids(self.buffer_path, Table.BUFFER, wanted, "ingested_at")
         if missing := set(wanted).difference(t.column("message_id").to_pylist()):
             # Dead long enough for retention to have removed its buffer row: the dead
@@ -656,8 +664,9 @@ class TopicIndex:
                 _read_ids(self.dead_letter_path, Table.DEAD_LETTER, sorted(missing), "dead_at")
             )
             t = pa.concat_tables([t, dead], promote_options="permissive")
+            lettered = dead.column("message_id").to_pylist()
             with self.lock:
-                self.from_dead_letters.update(dead.column("message_id").to_pylist())
+                self.from_dead_letters.update(zip(mhs(lettered), lettered, strict=True))
         batches = self._batches(t)
         found = {mid for _, batch in batches for mid in batch.mids}
         found_here: set[str] = set()  # a row read twice is indexed once
@@ -668,8 +677,8 @@ class TopicIndex:
                 keep = np.array(
                     [
                         i
-                        for i, mid in enumerate(batch.mids)
-                        if mid in self.unread
+                        for i, (mid, h) in enumerate(zip(batch.mids, mhs(batch.mids), strict=True))
+                        if h in self.unread
                         and self.store.get(mid) is None
                         and state.settled_event(mid) is None
                         and mid not in found_here
@@ -686,13 +695,14 @@ class TopicIndex:
                     self._pending(state, h, token)
                 revived += len(keep)
                 self.revived_since_read = True
-            self.unread.difference_update(wanted)
+            for h in unread:
+                self.unread.pop(h, None)
         self.heads.release(+unused)
-        if missing := set(wanted).difference(found):
+        if missing := [(h, m) for h, m in unread.items() if m not in found]:
             now = time.monotonic()
             with self.lock:
-                for mid in missing:
-                    self.unfound.setdefault(mid, now)
+                for h, mid in missing:
+                    self.unfound.setdefault(h, (mid, now))
         return revived
 
     def _repend_indexed(self, state: TopicState) -> None:
@@ -701,10 +711,13 @@ class TopicIndex:
         backoff's) or a new key (a nack's priority, a redrive's) in force gets its own
         entry, as `push` would have made it; a pick drops the row's entry as stale."""
         store = self.store
-        indexed = [(mid, token) for mid in self.unread if (token := store.get(mid)) is not None]
-        for mid, token in indexed:
-            self.unread.discard(mid)
-            h = mh(mid)
+        indexed = [
+            (h, mid, token)
+            for h, mid in self.unread.items()
+            if (token := store.get(mid)) is not None
+        ]
+        for h, mid, token in indexed:
+            del self.unread[h]
             if state.settled_event(mid) is None and (h in state.not_before or h in state.sort_keys):
                 self._pending(state, h, token)
         if not self.awaited:
@@ -724,9 +737,10 @@ class TopicIndex:
         removed since; that entry's trim comes next, and forgets it (`forget`)."""
         now = time.monotonic()
         with self.lock:
-            late = sorted(m for m, t in self.unfound.items() if now - t >= UNFOUND_GRACE_S)
-            for mid in late:
-                del self.unfound[mid]
+            gone = [(h, m) for h, (m, t) in self.unfound.items() if now - t >= UNFOUND_GRACE_S]
+            for h, _ in gone:
+                del self.unfound[h]
+            late = sorted(m for _, m in gone)
         if late:
             log.warning(
                 "%s: %d messages pending again have neither a buffer row nor a dead letter, "
@@ -749,7 +763,12 @@ class TopicIndex:
                 if token:
                     self._pending(state, h, token)
                 else:
-                    self.unread.add(mid)
+                    self.unread[h] = mid
+
+    def _unread(self, mids: Iterable[str]) -> None:
+        """Messages pending again with no row here (under the lock): `revive` reads them."""
+        mids = list(mids)
+        self.unread.update(zip(mhs(mids), mids, strict=True))
 
     def _pending(self, state: TopicState, h: int, token: int) -> None:
         """An entry for a pending message of handle `h` (under the lock): delayed, or at
@@ -790,26 +809,25 @@ class TopicIndex:
         store = self.store
         return store.batch, store.sort_key, store.partition, store.offset
 
-    def forget(self, mids: list[str]) -> None:
-        """Settled messages checkpointed into the ledger: gone for good.
+    def forget(self, handles: bytes) -> None:
+        """Settled messages checkpointed into the ledger, named by their message handles
+        packed (as a trim returns them, `TopicState.trim`): gone for good.
 
         One without a row here is remembered until the next `refresh`: its row is in a
         version this node has not read yet.
         """
         with self.lock:
             # Entries left behind are dropped when they surface.
-            released, missing = self.store.forget(mids)
+            released, missing = self.store.forget_mh(handles)
             self.forgotten.update(missing)
             self.heads.release(released)
-            if self.from_dead_letters:
-                self.from_dead_letters.difference_update(mids)
-            if self.unread:
-                self.unread.difference_update(mids)
-            if self.awaited:
-                self.awaited.difference_update(mhs(mids))
-            if self.unfound:
-                for mid in mids:
-                    self.unfound.pop(mid, None)
+            if self.from_dead_letters or self.unread or self.awaited or self.unfound:
+                gone = unpacked_handles(handles)
+                for named in (self.from_dead_letters, self.unread, self.unfound):
+                    if named:
+                        deque(map(named.pop, gone, repeat(None)), maxlen=0)
+                if self.awaited:
+                    self.awaited.difference_update(gone)
 
     def rebuild(self, state: TopicState) -> None:
         """After a snapshot replaced the state wholesale: re-derive every entry.
@@ -830,7 +848,7 @@ class TopicIndex:
             settled, revived = self._settled_ids()
             buffered = scan(self.buffer_path, Table.BUFFER, ["message_id"]).column("message_id")
             with self.lock:
-                held = set(self.rows) - self.from_dead_letters
+                held = set(self.rows).difference(self.from_dead_letters.values())
                 gone = sorted(held.difference(buffered.to_pylist()))
                 since = self._ingested_from(gone) - CLOCK_SKEW_MS
             if gone:
@@ -843,14 +861,15 @@ class TopicIndex:
             self.heads.release(released)
             # Settled in a version this node has not read yet (the trims the snapshot
             # covers came before it read the row): skipped when it does, as `forget`'s.
-            self.forgotten.update(missing)
+            self.forgotten.update(mhs(missing))
             # What earlier commands pushed without a row is history the snapshot replaced
             # (a journal replayed over tables that had settled it since): pending without
             # a row now means redriven since its row left, or given a new key before this
             # node read its row (indexed at it once read, `revive`; a delay's entry is the
             # delayed heap's, below).
             again = revived | set(state.redriven_ids.values())
-            self.unread = {m for m in again if store.get(m) is None and m not in state.leases}
+            self.unread = {}
+            self._unread(m for m in again if store.get(m) is None and m not in state.leases)
             keyed = list(state.sort_keys.keys() - state.not_before.keys())
             tokens = store.tokens_mh(packed_handles(keyed)).tolist()
             self.awaited = {
@@ -1454,6 +1473,11 @@ class TopicIndex:
             out[b] = Stats(len(at), deliverable, min(at) * 1000 if at else None)
         delayed = len({m for m in delayed_handles if m not in state.leases})
         return out, delayed
+
+
+def _named(handles: list[int], named: Set[int]) -> np.ndarray:
+    """A mask of `handles` (message handles) in `named`."""
+    return np.fromiter((h in named for h in handles), bool, len(handles))
 
 
 def _read_ids(path: str, table: Table, ids: list[str], ingested_at: str) -> pa.Table:

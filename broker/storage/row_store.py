@@ -17,14 +17,17 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import NamedTuple, overload
+from itertools import compress
+from typing import NamedTuple, TypeVar, overload
 
 import numpy as np
 from dejaq_core import read_heads, read_joined_heads
 
+from dejaq.broker.state.handles import unpacked
 from dejaq.broker.storage.head_store import COMPACT_SPAN, SEP, SPAN_PER_HEAD, Segment
 from dejaq.broker.storage.id_table import ABSENT, Encoded, IdTable
 
+_T = TypeVar("_T")
 HANDLE_BITS = 32
 HANDLE_MASK = (1 << HANDLE_BITS) - 1
 # Batch numbers run 1..BATCH_MAX and wrap: a token is a signed 64-bit integer, and a
@@ -83,6 +86,11 @@ class Heads(Sequence[Taken]):
         start = int(ends[i - 1]) if i else 0
         key = int.from_bytes(self.row_keys[8 * i : 8 * i + 8], "little", signed=True)
         return key, self.joined[start : int(ends[i])]
+
+
+def _where(names: list[_T], mask: np.ndarray) -> list[_T]:
+    """The names where the mask is true (none, without a walk, where it is false)."""
+    return list(compress(names, mask.tolist())) if mask.any() else []
 
 
 def current(batch: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -230,15 +238,24 @@ class RowStore:
         heads to release, by segment, and the ids of `mids` that were not stored (one
         named twice is forgotten once)."""
         codes = self.table.take(mids)
+        return self._forgotten(codes), _where(mids, codes == ABSENT)
+
+    def forget_mh(self, mhs: bytes) -> tuple[Counter[Segment], list[int]]:
+        """`forget` of the messages whose message handles `mhs` packs (16 bytes each), as
+        a trim names them; the handles of those not stored, as ints."""
+        codes = self.table.take_mh(mhs)
         absent = codes == ABSENT
-        missing = (
-            [m for m, a in zip(mids, absent.tolist(), strict=True) if a] if absent.any() else []
-        )
+        missing = _where(unpacked(mhs), absent) if absent.any() else []
+        return self._forgotten(codes), missing
+
+    def _forgotten(self, codes: np.ndarray) -> Counter[Segment]:
+        """Free the handles `IdTable.take` found (`codes`, negative where none was);
+        their heads to release, by segment."""
         handles = codes[codes >= 0]
         self.batch[handles] = 0
         released = self._leave(handles)
         self._free.frombytes(handles.tobytes())
-        return released, missing
+        return released
 
     def move(
         self, handles: np.ndarray, segment: Segment, positions: np.ndarray

@@ -54,7 +54,7 @@ impl PackedIds {
 }
 
 /// `count` ids, `width` bytes apiece in one bytes object, each NUL-padded (the object
-/// starts zeroed): an id already padded to a narrower width is padded further.
+/// starts zeroed).
 fn padded<'py, 'a>(
     py: Python<'py>,
     width: usize,
@@ -111,17 +111,6 @@ impl PackedIds {
         }
         let blob = padded(py, width, mids.len(), mids.iter().map(String::as_bytes))?;
         Self::new(blob, width).map(Some)
-    }
-
-    /// `parts` as one, at the width of the widest, the narrower ones' ids padded
-    /// further: a trim's runs, leased at their own widths (ids of varied lengths), stay
-    /// packed rather than become a str each on every node.
-    #[staticmethod]
-    fn join(py: Python<'_>, parts: Vec<PyRef<'_, PackedIds>>) -> PyResult<Self> {
-        let width = parts.iter().map(|p| p.width).max().unwrap_or(1);
-        let count = parts.iter().map(|p| p.len).sum();
-        let ids = parts.iter().flat_map(|p| p.raw(py).chunks_exact(p.width));
-        Self::new(padded(py, width, count, ids)?, width)
     }
 
     #[getter]
