@@ -34,7 +34,7 @@ from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.data_dir import Identity, admit, lock, mark_joined
-from dejaq.broker.state.handles import mh, mhs
+from dejaq.broker.state.handles import mh, mhs, packed_handles, unpacked
 from dejaq.broker.state.leases import (
     Again,
     Dead,
@@ -45,7 +45,7 @@ from dejaq.broker.state.leases import (
     consecutive,
 )
 from dejaq.broker.state.raft import STAMPED_WITHIN_MS, NotCommitted, RaftNode, committed
-from dejaq.broker.state.settlements import Entry, count, last, seqs, settlements
+from dejaq.broker.state.settlements import Entry, count, last, redriven, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
 from dejaq.broker.storage.head_store import ReserveReached
@@ -54,12 +54,14 @@ from dejaq.broker.storage.ledger_writer import (
     COMPACT_EVERY,
     Claimed,
     Contested,
+    Names,
     Rival,
     app_id,
     compact_dead_letters,
     compact_ledger,
     foreign,
     tag_of,
+    up_to,
 )
 from dejaq.broker.storage.row_store import Row, Taken
 from dejaq.broker.streak import Streak
@@ -67,7 +69,7 @@ from dejaq.broker.wakeups import Wakeups
 from dejaq.conf.kafka_clients import close_producer, python_config
 from dejaq.conf.settings import Delivery, KafkaConfig, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import LedgerEvent
-from dejaq.pipelines.retention import RetentionRun, period_s, redriven, restore, retain
+from dejaq.pipelines.retention import RetentionRun, period_s, restore, retain
 
 log = logging.getLogger("dejaq.broker")
 
@@ -591,7 +593,8 @@ class Broker:
     def _publish_ledger(self) -> None:
         now = now_ms()
         for name, health in self.checkpoint_health.items():
-            self.metrics.observe_ledger(name, lag(self.state(name)), now, health.failures)
+            st = self.state(name)
+            self.metrics.observe_ledger(name, lag(st), now, health.failures, health.unnamed)
             self.metrics.ledger_contested.labels(name).set(name in self.contested)
 
     def _publish_index(self) -> None:
@@ -693,10 +696,11 @@ class Broker:
             if written is None:
                 return
             events, upto, keep = written
-            if self.state(name).redriven_at:  # before their redrives leave Raft
+            st = self.state(name)
+            if st.redriven_at:  # before their redrives leave Raft
                 step = f"redriven rows of {name}"
                 index = self.indexes[name]
-                again = redriven(settlements(events))
+                again = [st.redriven_ids[h] for h in redriven(settlements(events))]
                 restore(index.buffer_path, index.dead_letter_path, again, now_ms())
             step = f"trim of {name}"
             for cut in trim_cuts(events, upto):
@@ -738,19 +742,42 @@ class Broker:
         history = (st.history, st.history_from)
         warehouse = self.settings.warehouse
         trimmed = st.trimmed_upto()
+        names = self._names(name)
         try:
             rival = self._rival(name, st)
-            upto, keep = checkpoint(warehouse, name, events, health, history, trimmed, rival)
+            upto, keep = checkpoint(warehouse, name, events, names, health, history, trimmed, rival)
         except Contested as e:
             self._contest(name, e.app, f"moved from version {e.since} to {e.now}")
             return None
         except Claimed as claim:
             if self._began_history(name, claim.done):
                 return None  # the next round writes under it
-            upto, keep = checkpoint(warehouse, name, events, health, history)
-        if keep and upto <= self.state(name).trimmed:
-            return None  # only deaths a trim kept, and their dead letters still fail
-        return events, upto, keep
+            upto, keep = checkpoint(warehouse, name, events, names, health, history)
+        last_trim = self.state(name).trimmed
+        if upto <= last_trim and (keep or events[0].seq > last_trim):
+            # Nothing to trim: only deaths a trim kept, their dead letters still failing,
+            # or nothing written, the first event's message not named here yet
+            # (`Health.waiting`).
+            return None
+        return up_to(events, upto), upto, keep
+
+    def _names(self, name: str) -> Names:
+        """The ids of messages named by handle, as the leader's checkpoint asks
+        (`ledger_writer.Names`): its index's rows, else the redriven messages' ids the
+        state keeps (a redrive's row may have left the index with its death's trim)."""
+        index, st = self.indexes[name], self.state(name)
+
+        def names(handles: bytes) -> list[str | None]:
+            ids = index.ids_of(handles)
+            if None not in ids or not st.redriven_ids:
+                return ids
+            redriven = st.redriven_ids
+            return [
+                redriven.get(h) if m is None else m
+                for m, h in zip(ids, unpacked(handles), strict=True)
+            ]
+
+        return names
 
     def _check_claim(self, name: str) -> None:
         """At the start of a term's leadership: a ledger tag past the last trim is looked
@@ -1320,17 +1347,31 @@ class Broker:
         while they are read is in that first read; it stands unless the tables hold a
         redrive of its message from after it."""
         st = self.state(topic)
-        wanted = None if ids is None else set(ids)
+        index = self.indexes[topic]
+        wanted = None if ids is None else dict(zip(mhs(ids), ids, strict=True))
 
         def deaths() -> dict[str, tuple[int, int, int]]:
+            """The deaths among the events, by id: those asked for, or all that the
+            index names (one whose row it has not read yet is redriven once it has)."""
+            dead = [
+                e
+                for e in settlements(e for e in st.events.view() if e.event == LedgerEvent.DEAD)
+                if wanted is None or e.mh in wanted
+            ]
+            handles = [e.mh for e in dead]
+            named = (
+                [wanted[h] for h in handles]
+                if wanted is not None
+                else index.ids_of(packed_handles(handles))
+            )
             return {
-                e.message_id: (e.bucket, e.sort_key, e.at)
-                for e in st.events
-                if e.event == LedgerEvent.DEAD and (wanted is None or e.message_id in wanted)
+                mid: (e.bucket, e.sort_key, e.at)
+                for e, mid in zip(dead, named, strict=True)
+                if mid is not None
             }
 
         before = deaths()
-        upto, dead, redriven = self.indexes[topic].dead(ids, (st.history, st.history_from))
+        upto, dead, redriven = index.dead(ids, (st.history, st.history_from))
         for mid, (bucket, key, at) in before.items():
             if at > redriven.get(mid, at - 1):
                 dead.setdefault(mid, (bucket, key))

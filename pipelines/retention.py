@@ -36,7 +36,6 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -407,12 +406,6 @@ _RESTORING_GUARD = threading.Lock()
 def _restoring(buffer_path: str) -> threading.Lock:
     with _RESTORING_GUARD:
         return _RESTORING.setdefault(buffer_path, threading.Lock())
-
-
-def redriven(events: Iterable) -> list[str]:
-    """The ids whose latest of `events` (settlements, in seq order) is a redrive."""
-    last = {e.message_id: e.event for e in events}
-    return [mid for mid, event in last.items() if event == LedgerEvent.REDRIVEN]
 
 
 def restore(buffer_path: str, dead_letter_path: str, ids: list[str], now_ms: int) -> int:

@@ -63,6 +63,28 @@ class Named(dict[int, str]):
         """The id of each of `handles`, in their order."""
         return [self[h] for h in handles]
 
+    def names(self, handles: bytes) -> list[str | None]:
+        """The id of each handle `handles` packs, None for one this test never noted: a
+        `ledger_writer.Names`, as the leader's index names events."""
+        from dejaq.broker.state.handles import unpacked
+
+        return [self.get(h) for h in unpacked(handles)]
+
+
+def buffer_names(warehouse: str, topic: str = "jobs") -> Callable[[bytes], list[str | None]]:
+    """`Named.names` of the ids in the topic's buffer and dead letters now: what the
+    leader's index names a test's events from (`ledger_writer.Names`)."""
+    from dejaq.conf.tables import Table, ensure_table, scan
+
+    ids = [
+        mid
+        for table in (Table.BUFFER, Table.DEAD_LETTER)
+        for mid in scan(ensure_table(warehouse, table, topic), table, ["message_id"])
+        .column("message_id")
+        .to_pylist()
+    ]
+    return Named(ids).names
+
 
 def sourced(env_file: Path) -> dict[str, str]:
     """The variables `env_file` (a `client.env`) exports, as a shell that sources it has

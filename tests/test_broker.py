@@ -31,7 +31,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pyarrow as pa
 import pytest
-from conftest import Named, wait_until
+from conftest import Named, buffer_names, wait_until
 from dejaq_core import PackedIds, read_heads, read_joined_heads, render_leased
 from deltalake import DeltaTable, write_deltalake
 from hypothesis import HealthCheck, example, given, settings
@@ -152,11 +152,20 @@ def lease_ids(state: TopicState) -> list[str]:
     return Named(m for r in state.records.values() for m in r.mids).ids(state.leases)
 
 
+# The ids these tests write, by handle: the state names settled messages by handle
+# alone (its events too), and a test names them back by the ids it may have written.
+TEST_IDS = Named(
+    [
+        *"abcdefghijklmnopqrstuvwxyz",
+        *(f"{p}{i}" for p in ("m", "a", "b", "d", "o", "p", "r", "new", "x") for i in range(1000)),
+        *("done", "late", "one", "dies", "gone", "nowhere", "back", "unknown"),
+    ]
+)
+
+
 def settled_ids(state: TopicState) -> dict[str, str]:
-    """`state.settled`, which names messages by handle, by id: named by the events that
-    settled them, which stay until the trim that forgets them."""
-    named = Named(e.message_id for e in settlements(state.events.entries))
-    return {named[h]: event for h, event in state.settled.items()}
+    """`state.settled`, which names messages by handle, by id (`TEST_IDS`)."""
+    return {TEST_IDS[h]: event for h, event in state.settled.items()}
 
 
 def settled_of(state: TopicState) -> dict[str, str]:
@@ -392,7 +401,7 @@ def test_a_snapshot_from_before_derived_bucket_owners_and_unfrozen_events_loads(
     assert old.lease_budget(10**12, 5.0) == 5, "and before rate limits: a full bucket"
     [event] = old.events
     assert type(event) is Settlement, "made the tuple a checkpoint converts to Arrow"
-    assert (event.seq, event.message_id, event.bucket, event.event) == (1, "m1", 0, "acked")
+    assert (event.seq, event.mh, event.bucket, event.event) == (1, mh("m1"), 0, "acked")
     assert (event.sort_key, event.deliveries, event.at, event.reason) == (7, 1, 4, None)
     old.ack("b", 5, ["m3"])
     old.requested("b", "r1", old.lease("b", 6, 1000, [("m4", 2, 9)], lid=1))
@@ -1132,8 +1141,8 @@ def test_a_backlog_is_checkpointed_a_part_at_a_time_and_whole(
 def test_the_first_events_of_a_checkpoint_do_not_count_the_deaths_a_trim_kept() -> None:
     """Deaths whose dead letters failed stay in front of the events: counted, a million
     of them would make every checkpoint theirs alone, and hold the acks back."""
-    kept = [Settlement(s, f"d{s}", 0, LedgerEvent.DEAD, s, 5, s) for s in (1, 2)]
-    after = [Settlement(s, f"m{s}", 0, LedgerEvent.ACKED, s, 1, s) for s in (5, 6, 7)]
+    kept = [Settlement(s, mh(f"d{s}"), 0, LedgerEvent.DEAD, s, 5, s) for s in (1, 2)]
+    after = [Settlement(s, mh(f"m{s}"), 0, LedgerEvent.ACKED, s, 1, s) for s in (5, 6, 7)]
     from dejaq.broker.service import first_events
 
     assert first_events(kept + after, 4, 2) == [*kept, *after[:2]]
@@ -1145,7 +1154,7 @@ def test_the_first_events_of_a_checkpoint_do_not_count_the_deaths_a_trim_kept() 
         assert state.ack("c", 2, [], [record.receipt(position)]) == {}
     [run] = state.events.view()
     [part] = first_events([run], 0, 3)
-    assert [e.message_id for e in settlements([part])] == ["a0", "a1", "a2"]
+    assert [e.mh for e in settlements([part])] == mhs(["a0", "a1", "a2"])
 
 
 def test_the_picks_of_a_lease_its_command_refused_go_back_into_the_index(tmp_path: Path) -> None:
@@ -1448,6 +1457,66 @@ def test_checkpoints_failing_are_reported_while_the_node_leads_only(tmp_path: Pa
     assert following == [(True, "ready"), None, 0, 3], "the failures stay counted"
 
 
+def test_a_leader_whose_index_has_not_read_a_settled_message_waits_to_write_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state names settled messages by handle, and the leader names them by id
+    through its index to write the ledger. A message cancelled (as a leader whose index
+    had read its row commits it) before this node's index read its row cannot be named:
+    the checkpoint writes the events before it and none from it on (the acks after it
+    wait too), counts them on /metrics and, past the grace, says so on /readyz. Once
+    the index reads the row, every event is written by its id, once, and trimmed."""
+    from dejaq.broker.service import now_ms
+    from dejaq.broker.storage import checkpoints
+
+    monkeypatch.setattr(checkpoints, "UNNAMED_GRACE_S", 0.3)
+    warehouse = str(tmp_path / "warehouse")
+
+    async def scenario(broker: Any) -> list[Any]:
+        index, health = broker.indexes["jobs"], broker.checkpoint_health["jobs"]
+        sample = broker.metrics.registry.get_sample_value
+
+        def unnamed() -> float | None:
+            return sample("dejaq_checkpoint_unnamed_events", {"topic": "jobs"})
+
+        await _until(lambda: broker.ready()[0], "the node ready")
+        first = json.loads(await broker.lease("jobs", "w", 1, 60_000, 0))
+        await broker.settle("jobs", "ack", "w", [m["id"] for m in first])
+        await _until(lambda: ledger_ids(warehouse) == ["m1"], "m1's ack written")
+        read_bucket, read = index._read_bucket, threading.Event()
+
+        def lagging(bucket: int, uris: list[str]) -> Any:
+            if not read.is_set():
+                raise OSError("this node's index has not read the row yet")
+            return read_bucket(bucket, uris)
+
+        index._read_bucket = lagging
+        fill(warehouse, "jobs", buffer_rows([1], lambda i: 0, "late"))
+        assert await broker.raft.commit("jobs", "cancel", now_ms(), "late0", 0, 1) is None
+        rest = json.loads(await broker.lease("jobs", "w", 2, 60_000, 0))
+        await broker.settle("jobs", "ack", "w", [m["id"] for m in rest])
+        await _until(lambda: health.unnamed == 3 and unnamed() == 3, "3 events counted")
+        await _until(lambda: "waiting" in broker.ready()[1], "told on /readyz")
+        waiting = [broker.ready(), sorted(ledger_ids(warehouse, None)), health.unnamed_from]
+        read.set()
+        await _until(lambda: len(broker.state("jobs").events) == 0, "every event trimmed")
+        await _until(lambda: unnamed() == 0 and broker.ready() == (True, "ready"), "none left")
+        rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+        events = zip(rows["message_id"].to_pylist(), rows["event"].to_pylist(), strict=True)
+        return [*waiting, sorted(events)]
+
+    ready, written, first, ledger = on_one_node(tmp_path, scenario)
+    assert ready[0] and "checkpoints of jobs waiting " in ready[1], ready
+    assert "to read the rows of 3 settled messages (from seq 2 on)" in ready[1], ready
+    assert written == ["m1"] and first == 2, "nothing from the cancel on"
+    assert ledger == [
+        ("late0", "cancelled"),
+        ("m0", "acked"),
+        ("m1", "acked"),
+        ("m2", "acked"),
+    ], "each by its id, once"
+
+
 @settings(
     max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -1706,7 +1775,9 @@ def test_a_freed_segments_number_names_no_other_segment_for_the_picks_cache(
     index.release(state, picked)
     state.lease("c", 0, 1000, listed(picked))
     assert state.ack("c", 1, ["m0"]) == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))  # its head gone
+    index.forget(
+        state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
+    )  # its head gone
     monkeypatch.setattr(head_store, "SEGMENT_BYTES", 1)  # the next write opens a segment
     fill(warehouse, "jobs", buffer_rows([1], prefix="n"))
     index.refresh()  # frees m0's segment as it opens one
@@ -1957,8 +2028,10 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert list(taken) == [index.head("m1")], "a lone pick's head, read on its own"
     state.lease("c", 0, 1000, picks)
     assert state.ack("c", 1, ["m1"]) == {}
-    upto = checkpoint(warehouse, "jobs", list(state.events))
-    assert checkpoint(warehouse, "jobs", list(state.events)) == upto, "replay is skipped"
+    upto = checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse))
+    assert checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse)) == upto, (
+        "replay is skipped"
+    )
     ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
     assert ledger.column("message_id").to_pylist() == ["m1"]
     index.forget(state.trim(upto))
@@ -2024,7 +2097,7 @@ def test_a_node_that_reads_a_row_after_its_trim_does_not_index_it(tmp_path: Path
     pending there, or that node, once leader, would deliver it again."""
     warehouse, leader, lagging, state = leased_before_a_node_read_it(tmp_path)
     assert state.ack("c", 1, ["new0"]) == {}
-    mids = state.trim(checkpoint(warehouse, "jobs", state.events))
+    mids = state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
     leader.forget(mids)
     lagging.forget(mids)
     assert lagging.refresh() == 1
@@ -2039,7 +2112,7 @@ def test_a_trim_outlives_a_refresh_that_read_no_new_version(tmp_path: Path) -> N
     skip its probe on cue here); the tables and indexes are real."""
     warehouse, leader, lagging, state = leased_before_a_node_read_it(tmp_path)
     assert state.ack("c", 1, ["new0"]) == {}
-    mids = state.trim(checkpoint(warehouse, "jobs", state.events))
+    mids = state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
     leader.forget(mids)
     lagging.forget(mids)
     probe = lagging.watch.moved
@@ -2110,11 +2183,15 @@ def test_a_death_kept_by_the_trims_then_redriven_is_not_forgotten_with_its_trim(
     state.lease("c", 0, 1000, listed(index.pick(state, [0], 1, now=0)))
     assert state.reject("c", 1, ["m0"]) == {}
     death = state.seq
-    index.forget(state.trim(write_ledger(warehouse, "jobs", state.events), [death]))
+    index.forget(
+        state.trim(write_ledger(warehouse, "jobs", state.events, buffer_names(warehouse)), [death])
+    )
     redriven, refused = state.redrive(2, state.trimmed_upto(), [("m0", 0, 5)])
     assert redriven == ["m0"] and not refused
     index.push(state, redriven)
-    index.forget(state.trim(write_ledger(warehouse, "jobs", state.events), [death]))
+    index.forget(
+        state.trim(write_ledger(warehouse, "jobs", state.events, buffer_names(warehouse)), [death])
+    )
 
     gone = state.trim(state.seq)  # the dead letter written at last
 
@@ -2132,14 +2209,16 @@ def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -
     batches = []
     for _ in acked_batches(index, state, 8):
         batches.append(list(state.events))
-        index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+        index.forget(
+            state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
+        )
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
     before = DeltaTable(path).to_pyarrow_table().sort_by("message_id")
     assert len(DeltaTable(path).file_uris()) == 5, "5 checkpoints of 4 buckets each"
     done = compact_ledger(warehouse, "jobs", HOUR_MS)
     assert done is not None and (done.files_removed, done.files_added) == (5, 1)
     assert DeltaTable(path).to_pyarrow_table().sort_by("message_id").equals(before)
-    assert checkpoint(warehouse, "jobs", batches[2]) == batches[2][-1].seq
+    assert checkpoint(warehouse, "jobs", batches[2], buffer_names(warehouse)) == batches[2][-1].seq
     assert DeltaTable(path).to_pyarrow_table().num_rows == 40, "the replay wrote nothing"
     assert index.settled_event("m7") == "acked"
 
@@ -2150,7 +2229,9 @@ def test_a_snapshot_covering_unapplied_trims_forgets_what_they_settled(tmp_path:
     warehouse, lagging, leader = loaded_topic(tmp_path, [5, 1, 3])
     leader.lease("c", 0, 1000, [("m1", 1, 1), ("m2", 2, 3)])
     assert leader.ack("c", 1, ["m1", "m2"]) == {}
-    leader.trim(checkpoint(warehouse, "jobs", leader.events))  # never reached `lagging`
+    leader.trim(
+        checkpoint(warehouse, "jobs", leader.events, buffer_names(warehouse))
+    )  # never reached `lagging`
     snapshot = pickle.loads(pickle.dumps(leader))
     lagging.rebuild(snapshot)
     assert sorted(lagging.rows) == ["m0"]
@@ -2165,7 +2246,7 @@ def test_a_snapshot_covering_the_trim_of_a_row_the_node_has_not_read_keeps_it_se
     pending, or that node, once leader, would deliver an acked message again."""
     warehouse, leader, lagging, state = leased_before_a_node_read_it(tmp_path)
     assert state.ack("c", 1, ["new0"]) == {}
-    leader.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    leader.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     snapshot = pickle.loads(pickle.dumps(state))
     lagging.rebuild(snapshot)
     assert lagging.refresh() == 1
@@ -2248,7 +2329,7 @@ def test_a_restarted_node_revives_nothing_its_snapshot_settled(tmp_path: Path) -
     warehouse, _, leader = loaded_topic(tmp_path, [5, 1, 3])
     leader.lease("c", 0, 1000, [("m1", 1, 1)])
     leader.ack("c", 1, ["m1"])
-    leader.trim(checkpoint(warehouse, "jobs", leader.events))
+    leader.trim(checkpoint(warehouse, "jobs", leader.events, buffer_names(warehouse)))
     node = TopicIndex(warehouse, topic_conf())
     node.load()
     assert sorted(node.rows) == ["m0", "m2"]
@@ -2313,7 +2394,9 @@ def test_the_index_keeps_nothing_of_a_settled_message(
             fill(warehouse, "jobs", buffer_rows(list(range(10_000)), prefix=f"settled-{r}-"))
             index.load() if r == 0 else index.refresh()
             assert sum(map(len, acked_batches(index, state, 1000))) == 10_000
-            index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+            index.forget(
+                state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
+            )
             assert not index.rows and not state.settled and not state.events
             assert len(index.heads.segments) == 1, "only the segment written last is left"
             assert index.heads.disk_bytes() < 10_000 * 100, "one file's heads at most"
@@ -2646,7 +2729,7 @@ def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
     state.touch("c", 0)
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
-    checkpoint(warehouse, "jobs", list(state.events))
+    checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse))
     dead = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, "jobs")).to_pyarrow_table()
     assert dead.to_pylist()[0]["payload"] == b"payload-m0"
     assert dead.column("reason").to_pylist() == ["rejected"]

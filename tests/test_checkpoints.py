@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from conftest import wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
-from test_broker import listed, loaded_topic
+from test_broker import TEST_IDS, listed, loaded_topic
 
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import Settlement
 from dejaq.broker.storage import ledger_writer
@@ -40,6 +41,12 @@ from dejaq.conf.tables import (
 )
 
 HOUR_MS = 3_600_000  # a topic's settled retention, as it defaults
+NAMES = TEST_IDS.names  # the events' messages, by the ids these tests write
+
+
+def acked(seq: int) -> Settlement:
+    """An ack of message f"m{seq}" at seq `seq`."""
+    return Settlement(seq, mh(f"m{seq}"), 0, "acked", 0, 1, seq)
 
 
 def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
@@ -56,8 +63,8 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
     dead_path.write_text("not a Delta table")
     health = Health()
     with caplog.at_level(logging.WARNING, "dejaq.broker.storage.checkpoints"):
-        upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
-    death = next(e.seq for e in state.events if e.message_id == "m0")
+        upto, keep = checkpoint(warehouse, "jobs", list(state.events), NAMES, health)
+    death = next(e.seq for e in state.events if e.mh == mh("m0"))
     assert keep == [death]
     index.forget(state.trim(upto, keep))
     ledger = scan(table_path(warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
@@ -67,7 +74,7 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
         ("m1", LedgerEvent.ACKED),
         ("m2", LedgerEvent.ACKED),
     ], "the acks are written, and the death"
-    assert [e.message_id for e in state.events] == ["m0"], "only the death stays in Raft"
+    assert [e.mh for e in state.events] == [mh("m0")], "only the death stays in Raft"
     assert state.trimmed_upto() == upto
     assert lag(state) == Lag(events=0, oldest_ms=None, unwritten_dead_letters=1)
     assert health.failures == 1 and health.streak == 1
@@ -77,16 +84,16 @@ def test_a_dead_letter_that_cannot_be_written_holds_back_nothing_else(
     assert state.ack("c", 2, ["m3"]) == {}
     assert lag(state) == Lag(events=1, oldest_ms=2, unwritten_dead_letters=1)
     caplog.clear()
-    upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
+    upto, keep = checkpoint(warehouse, "jobs", list(state.events), NAMES, health)
     index.forget(state.trim(upto, keep))
-    assert keep == [death] and [e.message_id for e in state.events] == ["m0"]
+    assert keep == [death] and [e.mh for e in state.events] == [mh("m0")]
     assert not [r for r in caplog.records if "m0" in r.getMessage()], "logged once"
     assert health.alert() is None, "not failing for minutes yet"
 
     dead_path.unlink()  # the store is back: the next try after the backoff writes it
 
     def retried() -> bool:
-        upto, keep = checkpoint(warehouse, "jobs", list(state.events), health)
+        upto, keep = checkpoint(warehouse, "jobs", list(state.events), NAMES, health)
         index.forget(state.trim(upto, keep))
         if not keep:  # the round went through, its trim too: the broker ends the streak
             health.ok()
@@ -122,7 +129,7 @@ def test_a_deposed_leaders_late_dead_letters_are_refused_then_found_written(
     state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 2, now=0)))
     assert state.reject("c", 1, ["m0", "m1"]) == {}
     events = list(state.events)
-    write_ledger(warehouse, "jobs", events)
+    write_ledger(warehouse, "jobs", events, NAMES)
     reading, resume = threading.Event(), threading.Event()
     read_rows = ledger_writer._dead_letters
 
@@ -149,14 +156,14 @@ def test_a_deposed_leaders_late_dead_letters_are_refused_then_found_written(
 
     def deposed() -> None:
         try:
-            write_dead_letters(warehouse, "jobs", events)
+            write_dead_letters(warehouse, "jobs", events, NAMES)
         except Exception as e:
             failed.append(e)
 
     old = threading.Thread(target=deposed, name="deposed")
     old.start()
     assert reading.wait(30)
-    write_dead_letters(warehouse, "jobs", events)  # the successor
+    write_dead_letters(warehouse, "jobs", events, NAMES)  # the successor
     resume.set()
     old.join(30)
     assert failed == []
@@ -175,7 +182,7 @@ def test_dead_letters_are_compacted_and_keep_their_checkpoint_tags(tmp_path: Pat
         state.lease("c", i, 1000, listed(index.pick(state, state.buckets_of("c"), 1, now=i)))
         assert state.reject("c", i, [f"m{i}"]) == {}
         batches.append(list(state.events))
-        index.forget(state.trim(ledger_writer.checkpoint(warehouse, "jobs", state.events)))
+        index.forget(state.trim(ledger_writer.checkpoint(warehouse, "jobs", state.events, NAMES)))
     path = table_path(warehouse, Table.DEAD_LETTER, "jobs")
     before = scan(path, Table.DEAD_LETTER).sort_by("message_id")
     assert before["message_id"].to_pylist() == [f"m{i}" for i in range(6)]
@@ -184,7 +191,7 @@ def test_dead_letters_are_compacted_and_keep_their_checkpoint_tags(tmp_path: Pat
     assert done is not None and (done.files_removed, done.files_added) == (6, 1)
     assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES
     assert scan(path, Table.DEAD_LETTER).sort_by("message_id").equals(before)
-    write_dead_letters(warehouse, "jobs", batches[2])
+    write_dead_letters(warehouse, "jobs", batches[2], NAMES)
     assert DeltaTable(path).to_pyarrow_table().num_rows == 6, "the replay wrote nothing"
 
 
@@ -197,7 +204,7 @@ def test_a_compaction_gives_a_table_the_properties_it_has_no_value_for_and_keeps
     path = table_path(warehouse, Table.LEDGER, "owned")
     own = {"delta.logRetentionDuration": "interval 30 days"}
     DeltaTable.create(path, LEDGER_SCHEMA, configuration=own)
-    write_ledger(warehouse, "owned", [Settlement(1, "m1", 0, "acked", 0, 1, 1)])
+    write_ledger(warehouse, "owned", [Settlement(1, mh("m1"), 0, "acked", 0, 1, 1)], NAMES)
     assert compact_ledger(warehouse, "owned", HOUR_MS) is not None
     assert DeltaTable(path).metadata().configuration == TABLE_PROPERTIES | own
 
@@ -218,7 +225,7 @@ def test_ledgers_write_a_delta_checkpoint_every_ten_commits_older_ones_once_comp
     DeltaTable.create(old, LEDGER_SCHEMA)  # as made before the property
     for topic in ("new", "old"):
         for seq in range(1, 13):
-            write_ledger(warehouse, topic, [Settlement(seq, f"m{seq}", 0, "acked", 0, 1, seq)])
+            write_ledger(warehouse, topic, [acked(seq)], NAMES)
     new = table_path(warehouse, Table.LEDGER, "new")
     assert DeltaTable(new).metadata().configuration == TABLE_PROPERTIES
     assert len(_delta_checkpoints(new)) == 1, "one in 13 versions"
@@ -228,7 +235,7 @@ def test_ledgers_write_a_delta_checkpoint_every_ten_commits_older_ones_once_comp
     assert DeltaTable(old).metadata().configuration == TABLE_PROPERTIES
     before = DeltaTable(old).version()
     for seq in range(13, 25):
-        write_ledger(warehouse, "old", [Settlement(seq, f"m{seq}", 0, "acked", 0, 1, seq)])
+        write_ledger(warehouse, "old", [acked(seq)], NAMES)
     assert _delta_checkpoints(old), f"none in the 12 commits after version {before}"
     for path, rows in ((new, 12), (old, 24)):
         ids = scan(path, Table.LEDGER)["message_id"].to_pylist()
@@ -246,21 +253,21 @@ def test_a_ledger_tag_of_another_raft_history_is_told_from_a_lost_trim(tmp_path:
     lost.touch("c", 0)
     lost.lease("c", 1, 1000, [(f"m{i}", 0, i) for i in range(5)])
     assert lost.ack("c", 2, ["m0", "m1", "m2"]) == {}
-    assert write_ledger(warehouse, "jobs", lost.events) == 3
+    assert write_ledger(warehouse, "jobs", lost.events, NAMES) == 3
     survived = pickle.loads(pickle.dumps(lost))  # the journal as far as it survived
     assert lost.ack("c", 3, ["m3", "m4"]) == {}
-    assert write_ledger(warehouse, "jobs", lost.events) == 5
+    assert write_ledger(warehouse, "jobs", lost.events, NAMES) == 5
     with pytest.raises(Claimed):
-        write_ledger(warehouse, "jobs", lost.events, trimmed=lost.trimmed_upto())
+        write_ledger(warehouse, "jobs", lost.events, NAMES, trimmed=lost.trimmed_upto())
     assert foreign(warehouse, "jobs", lost.events, 0, 5, lost.seq) is None, "a lost trim"
 
     assert survived.ack("c", 3, ["m4", "m3"]) == {}  # seqs 4 and 5 again, other events
     with pytest.raises(Claimed):
-        write_ledger(warehouse, "jobs", survived.events, trimmed=survived.trimmed_upto())
+        write_ledger(warehouse, "jobs", survived.events, NAMES, trimmed=survived.trimmed_upto())
     assert foreign(warehouse, "jobs", survived.events, 0, 5, survived.seq) == 3
     survived.begin_history("h", 3)
     history = (survived.history, survived.history_from)
-    assert write_ledger(warehouse, "jobs", survived.events, history, trimmed=0) == 5
+    assert write_ledger(warehouse, "jobs", survived.events, NAMES, history, trimmed=0) == 5
     ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
     assert sorted(ledger.column("message_id").to_pylist()) == [
         *["m0", "m1", "m2"],
@@ -275,7 +282,7 @@ def test_a_new_history_writes_the_dead_letters_a_trim_kept(tmp_path: Path) -> No
     warehouse, _, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
-    write_dead_letters(warehouse, "jobs", state.events, ("h", state.seq))
+    write_dead_letters(warehouse, "jobs", state.events, NAMES, ("h", state.seq))
     dead = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, "jobs")).to_pyarrow_table()
     assert dead.column("message_id").to_pylist() == ["m0"]
 
@@ -312,20 +319,22 @@ def test_a_replaced_tag_that_keeps_moving_stops_the_checkpoint_before_it_writes(
     ours.touch("c", 0)
     ours.lease("c", 1, 1000, [(f"m{i}", 0, i) for i in range(3)])
     assert other.ack("c", 2, ["o0"]) == {}
-    assert write_ledger(warehouse, "jobs", other.events) == 1
+    assert write_ledger(warehouse, "jobs", other.events, NAMES) == 1
     ours.begin_history("h", 0, ("dejaq-broker", 1))
     rival = Rival(*ours.replaced)
     history = (ours.history, ours.history_from)
     assert ours.ack("c", 2, ["m0"]) == {}
-    assert write_ledger(warehouse, "jobs", ours.events, history, None, rival) == 1
+    assert write_ledger(warehouse, "jobs", ours.events, NAMES, history, None, rival) == 1
     assert other.ack("c", 3, ["o1"]) == {}
-    assert write_ledger(warehouse, "jobs", other.events) == 2
+    assert write_ledger(warehouse, "jobs", other.events, NAMES) == 2
     assert ours.ack("c", 3, ["m1"]) == {}
-    assert write_ledger(warehouse, "jobs", ours.events, history, None, rival) == 2, "one move"
+    assert write_ledger(warehouse, "jobs", ours.events, NAMES, history, None, rival) == 2, (
+        "one move"
+    )
     assert other.ack("c", 4, ["o2"]) == {}
-    assert write_ledger(warehouse, "jobs", other.events) == 3
+    assert write_ledger(warehouse, "jobs", other.events, NAMES) == 3
     assert ours.ack("c", 4, ["m2"]) == {}
     with pytest.raises(Contested, match="moved from 1 to 3"):
-        write_ledger(warehouse, "jobs", ours.events, history, None, rival)
+        write_ledger(warehouse, "jobs", ours.events, NAMES, history, None, rival)
     ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs"))
     assert ledger.transaction_version("dejaq-broker:h") == 2, "nothing written"

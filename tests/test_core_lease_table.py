@@ -18,6 +18,7 @@ from test_receipts import lease, receipts
 
 from dejaq.broker.state.handles import mh, mhs, unpacked
 from dejaq.broker.state.leases import ACKED, LeaseRecord, Refusal, TopicState
+from dejaq.broker.state.settlements import EventLog
 
 IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
 PACKABLE = st.lists(
@@ -299,7 +300,7 @@ def test_a_lease_record_pickles_as_the_python_record_did() -> None:
 
 def test_a_snapshots_counts_settlements_redrives_and_overrides_by_id_load_by_handle() -> None:
     """Snapshots from before message handles hold delivery counts, settlements, untrimmed
-    redrives, overrides and delays by id: they load by handle, and a lease holds back the
+    redrives, overrides, delays and events by id: they load by handle, and a lease holds back the
     delayed message until its delay and counts the delivery, a settled message is
     refused, a redriven one keeps its key, and the trim forgets the settlement and the
     redrive, as in the state they were taken from."""
@@ -317,9 +318,10 @@ def test_a_snapshots_counts_settlements_redrives_and_overrides_by_id_load_by_han
     by_handle = ("deliveries", "redriven_at", "settled", "sort_keys", "not_before")
     for name in by_handle:
         state[name] = {names[h]: value for h, value in state[name].items()}
+    state["events"] = EventLog(e._replace(mh=names[e.mh]) for e in s.events)  # by id too
     again = TopicState.__new__(TopicState)
     again.__setstate__(pickle.loads(pickle.dumps(state)))
-    for name in (*by_handle, "redriven_ids"):
+    for name in (*by_handle, "redriven_ids", "events"):
         assert getattr(again, name) == getattr(s, name), name
     for state_now in (s, again):
         assert len(lease(state_now, "c", ["a"], now=2)) == 0, "delayed until 3"

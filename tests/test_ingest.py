@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 import pytest
-from conftest import run_to_end, wait_until
+from conftest import buffer_names, run_to_end, wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from kafka import KafkaAdminClient, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.admin import NewTopic
@@ -615,7 +615,11 @@ def test_compaction_keeps_every_row_once_for_every_reader(
     state.lease("c", 0, 1000, picks)
     index.release(state, picks)
     assert state.ack("c", 1, picks[0]) == {}
-    index.forget(state.trim(checkpoint(settings.warehouse, "jobs", state.events)))
+    index.forget(
+        state.trim(
+            checkpoint(settings.warehouse, "jobs", state.events, buffer_names(settings.warehouse))
+        )
+    )
     assert len(index.rows) == 20
     ingest(30)  # appends, and compacts files the index and the follower have read
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from conftest import buffer_names
 from deltalake import DeltaTable, write_deltalake
 from test_broker import listed, loaded_topic
 
@@ -53,7 +54,7 @@ def test_dead_letters_come_in_order_of_death_a_page_at_a_time(tmp_path: Path) ->
     state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 5, now=0)))
     for at, mid in enumerate(["m3", "m0", "m4", "m1", "m2"], start=1):
         assert state.reject("c", at, [mid]) == {}
-    checkpoint(warehouse, "jobs", list(state.events), Health())
+    checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse), Health())
     path = ensure_table(warehouse, Table.DEAD_LETTER, "jobs")
     seen, after = [], None
     while True:

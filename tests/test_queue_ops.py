@@ -8,10 +8,12 @@ import pickle
 from pathlib import Path
 
 import pytest
+from conftest import buffer_names
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from test_broker import (
+    TEST_IDS,
     buffer_rows,
     fill,
     lease_ids,
@@ -57,7 +59,7 @@ def test_purge_cancels_the_pending_and_leaves_the_leased_to_their_consumer() -> 
     upto = s.trimmed_upto()
     assert s.purge(2, upto, picks) == 2
     assert settled_of(s) == {"done": "acked", "p1": "cancelled", "late": "cancelled"}
-    assert [(e.message_id, e.sort_key) for e in s.events[1:]] == [("p1", 5), ("late", 9)]
+    assert [(e.mh, e.sort_key) for e in s.events[1:]] == [(mh("p1"), 5), (mh("late"), 9)]
     assert s.ack("c", 3, ["held"]) == {}, "a leased message is still its consumer's"
     assert s.purge(4, upto, picks) == 0, "purged already"
 
@@ -194,7 +196,7 @@ def test_redrive_once_per_death_with_deliveries_reset() -> None:
     s.lease("c", 2006, 1000, [("a", 0, 7), ("b", 0, 1)])  # picked at its new key
     s.ack("c", 2007, ["a", "b"])
     assert s.redrive(2008, 0, [("a", 0, 1)]) == ([], {"a": Refusal.SETTLED})
-    events = [(e.message_id, e.event, e.sort_key, e.deliveries) for e in s.events]
+    events = [(TEST_IDS[e.mh], e.event, e.sort_key, e.deliveries) for e in s.events]
     assert events == [
         ("a", "dead", 1, 1),
         ("a", "redriven", 1, 0),
@@ -249,7 +251,7 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     picks = listed(index.pick(state, state.buckets_of("c"), 1, now=0))
     state.lease("c", 0, 1000, picks)
     state.reject("c", 1, ["m1"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     assert "m1" not in index.rows
     upto, found, redriven = index.dead(None)
     assert (upto, found, redriven) == (1, {"m1": (1, 1)}, {})
@@ -261,7 +263,7 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     assert listed(index.pick(state, state.buckets_of("c"), 1, now=3)) == [("m1", 1, 0)]
     assert index.settled_event("m1") == "dead", "the ledger has not seen the redrive yet"
 
-    checkpoint(warehouse, "jobs", state.events)
+    checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
     assert index.settled_event("m1") is None, "dead, then redriven: pending"
     assert index.dead(["m1"])[1] == {} and set(index.dead(["m1"])[2]) == {"m1"}
     fresh = TopicIndex(warehouse, topic_conf())
@@ -280,14 +282,14 @@ def test_a_settle_in_its_redrive_s_millisecond_is_what_every_ledger_reader_sees(
     picks = listed(index.pick(state, state.buckets_of("c"), 3, now=0))
     state.lease("c", 0, 1000, picks)
     assert state.reject("c", 1, ["m0", "m1", "m2"]) == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     upto, found, _ = index.dead(None)
     dead = [(mid, *found[mid]) for mid in sorted(found)]
     assert state.redrive(2, upto, dead) == (["m0", "m1", "m2"], {})
     assert state.cancel(2, "m0", *found["m0"]) is None
     state.lease("c", 2, 1000, [("m1", *found["m1"])])
     assert state.ack("c", 2, ["m1"]) == {}
-    checkpoint(warehouse, "jobs", state.events)
+    checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
 
     assert [index.settled_event(m) for m in ("m0", "m1", "m2")] == ["cancelled", "acked", None]
     fresh = TopicIndex(warehouse, topic_conf())

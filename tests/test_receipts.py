@@ -79,7 +79,7 @@ def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_
     assert 1 not in s.records, "all of the first lease back to pending: nothing to keep"
     assert s.ack("c", 104, [], [first["a"]]) == {first["a"]: Refusal.NOT_LEASED}
     [event] = s.events
-    assert (event.message_id, event.deliveries) == ("a", 2)
+    assert (event.mh, event.deliveries) == (mh("a"), 2)
 
 
 def test_a_batch_acked_by_its_receipts_in_bulk_leaves_what_acks_one_by_one_leave(

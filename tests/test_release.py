@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pytest
-from conftest import run_to_end, wait_until
+from conftest import buffer_names, run_to_end, wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -269,7 +269,7 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     state.lease("w", 0, 1000, [(written[0], 0, 3)])
     assert state.ack("w", 1, [written[0]]) == {}
     assert state.reschedule(written[2], 0) is None  # ahead of written[1], in Raft only
-    checkpoint(s.warehouse, "jobs", state.events)
+    checkpoint(s.warehouse, "jobs", state.events, buffer_names(s.warehouse))
     refused_without_take_over(s, conf)
     with caplog.at_level("WARNING", logger="dejaq.release"):
         releaser = Releaser(s, s.topic("jobs"), take_over=True)
@@ -286,7 +286,7 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     # Handed back to the brokers, whose checkpoints move their tag on: taken over again.
     state.lease("w", 2, 1000, [("again-0", 0, 9)])
     assert state.ack("w", 3, ["again-0"]) == {}
-    checkpoint(s.warehouse, "jobs", state.events)
+    checkpoint(s.warehouse, "jobs", state.events, buffer_names(s.warehouse))
     with pytest.raises(ConfigError, match="--take-over"):
         Releaser(s, s.topic("jobs"))
 
@@ -304,7 +304,7 @@ def brokers_checkpoint(
         mid = f"leased-{uuid.uuid4().hex[:8]}"
         state.lease("w", 0, 1000, [(mid, 0, 1)])
         assert state.ack("w", 1, [mid]) == {}
-        upto = checkpoint(s.warehouse, "jobs", state.events, history)
+        upto = checkpoint(s.warehouse, "jobs", state.events, buffer_names(s.warehouse), history)
     return upto
 
 

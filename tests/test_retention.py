@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from conftest import wait_until
+from conftest import buffer_names, wait_until
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from hypothesis import HealthCheck, given, settings
@@ -34,6 +34,7 @@ from test_broker import (
 
 from dejaq.broker.state.handles import mh, packed
 from dejaq.broker.state.leases import TopicState
+from dejaq.broker.state.settlements import redriven
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
@@ -89,6 +90,12 @@ def run(warehouse: str, now: int, retention_ms: int = HOUR) -> retention.Retenti
         retention_ms,
         now,
     )
+
+
+def redriven_now(state: TopicState) -> list[str]:
+    """The ids of the messages whose latest event in `state` is a redrive, as the leader's
+    checkpoint puts their rows back (`Broker._checkpoint_topic`)."""
+    return [state.redriven_ids[h] for h in redriven(state.events)]
 
 
 def test_settled_messages_past_retention_leave_and_nothing_else_does(tmp_path: Path) -> None:
@@ -330,13 +337,15 @@ def test_a_start_after_retention_reads_only_the_ledger_tail(tmp_path: Path) -> N
     loads, so nothing on its start reads them."""
     warehouse, index, state = loaded_topic(tmp_path, list(range(300)))
     for n, _ in enumerate(acked_batches(index, state, 50)):  # settled at epoch ms 1
-        index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+        index.forget(
+            state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
+        )
         if n == 3:
             break
     settled_now = [m for m, _, _ in listed(index.pick(state, state.buckets_of("c"), 10, now=0))]
     state.lease("c", 0, 10**15, [(m, index.row(m).bucket, 0) for m in settled_now])
     assert state.ack("c", now_ms(), settled_now) == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     done = run(warehouse, now_ms())
     assert done is not None and done.removed == 200
     ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs"))
@@ -358,12 +367,12 @@ def settled_long_ago_and_now(tmp_path: Path) -> tuple[str, TopicIndex, set[str]]
     the 20 pending."""
     warehouse, index, state = loaded_topic(tmp_path, list(range(40)))
     next(acked_batches(index, state, 10))
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
     state.lease("c", 0, 10**15, picks)
     index.release(state, picks)
     assert state.ack("c", now_ms(), [m for m, _, _ in picks]) == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     return warehouse, index, set(index.rows)
 
 
@@ -496,7 +505,7 @@ def m0_settled_and_retained(tmp_path: Path, settle: str) -> tuple[str, TopicInde
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     getattr(state, settle)("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     assert run(warehouse, now_ms()) is not None
     assert buffered(warehouse) == {"m1"}
     return warehouse, index, state
@@ -624,14 +633,18 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     leader.lease("c", now, 1000, [("m1", 1, 1), ("m2", 2, 3), ("m3", 3, 7)])
     assert leader.ack("c", now + 1, ["m1", "m2"]) == {}
     leader.reject("c", now + 1, ["m3"])
-    leader.trim(checkpoint(warehouse, "jobs", leader.events))  # never reached `lagging`
+    leader.trim(
+        checkpoint(warehouse, "jobs", leader.events, buffer_names(warehouse))
+    )  # never reached `lagging`
     assert run(warehouse, now + 2 * HOUR) is not None
     assert buffered(warehouse) == {"m0"}
     assert leader.redrive(now + 2, leader.trimmed_upto(), [("m3", 3, 7)]) == (["m3"], {})
     lagging.push(leader, ["m3"])
     assert lagging.refresh() == 0, "a retention run's files are not read"
     assert lagging.revive(leader) == 0, "m3 still has its buffer row here"
-    leader.trim(checkpoint(warehouse, "jobs", leader.events))  # the redrive: trimmed too
+    leader.trim(
+        checkpoint(warehouse, "jobs", leader.events, buffer_names(warehouse))
+    )  # the redrive: trimmed too
     snapshot = pickle.loads(pickle.dumps(leader))
     lagging.rebuild(snapshot)
     assert sorted(lagging.rows) == ["m0"] and lagging.unread == {mh("m3"): "m3"}
@@ -659,7 +672,7 @@ def test_a_dead_letter_of_a_bucket_the_topic_no_longer_has_is_refused_by_a_redri
     state.touch("c", 0)
     state.lease("c", 0, 1000, listed(index.pick(state, state.buckets_of("c"), 2, now=0)))
     assert state.reject("c", 1, ["m0", "m1"]) == {}
-    checkpoint(warehouse, "jobs", state.events)
+    checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
     assert run(warehouse, now_ms() + 2 * HOUR) is not None and buffered(warehouse) == set()
     settings = Settings(warehouse=warehouse, topics=[topic_conf(buckets=4)])
 
@@ -687,11 +700,11 @@ def test_a_redriven_message_gets_its_buffer_row_back_and_survives_a_restart(
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     assert run(warehouse, now_ms()) is not None and buffered(warehouse) == {"m1"}
     assert state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
-    assert retention.redriven(state.events) == ["m0"]
-    checkpoint(warehouse, "jobs", state.events)
+    assert redriven_now(state) == ["m0"]
+    checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
     buffer, dead = (ensure_table(warehouse, t, "jobs") for t in (Table.BUFFER, Table.DEAD_LETTER))
     assert retention.restore(buffer, dead, ["m0", "m1"], now_ms()) == 1, "m1 has its row"
     assert retention.restore(buffer, dead, ["m0"], now_ms()) == 0, "once"
@@ -712,7 +725,7 @@ def m0_dead(tmp_path: Path) -> tuple[str, TopicIndex, TopicState, tuple[str, str
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     tables = (Table.BUFFER, Table.LEDGER, Table.DEAD_LETTER)
     buffer, ledger, dead = (ensure_table(warehouse, t, "jobs") for t in tables)
     return warehouse, index, state, (buffer, ledger, dead)
@@ -731,8 +744,8 @@ def test_a_redrive_checkpointed_while_a_run_reads_gets_its_row_back_after_the_re
     def redriven_meanwhile(*args: object) -> tuple:
         got = read(*args)
         assert state.redrive(now_ms(), state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
-        checkpoint(warehouse, "jobs", state.events)
-        assert retention.restore(buffer, dead, retention.redriven(state.events), now_ms()) == 0
+        checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
+        assert retention.restore(buffer, dead, redriven_now(state), now_ms()) == 0
         return got
 
     monkeypatch.setattr(retention, "settled_before", redriven_meanwhile)
@@ -764,8 +777,8 @@ def test_a_redrive_whose_row_a_run_removed_and_did_not_put_back_stays_pending(
         got = read(*args)
         redriven_at.append(now_ms())
         assert state.redrive(redriven_at[0], state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
-        checkpoint(warehouse, "jobs", state.events)
-        assert retention.restore(buffer, dead, retention.redriven(state.events), now_ms()) == 0
+        checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
+        assert retention.restore(buffer, dead, redriven_now(state), now_ms()) == 0
         armed.append(True)  # the run's next call of `lost` is after its rewrite
         return got
 
@@ -813,13 +826,13 @@ def test_a_restored_row_read_after_its_message_settled_leaves_it_settled(tmp_pat
     warehouse, index, state = loaded_topic(tmp_path, [4, 9])
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     assert run(warehouse, now_ms()) is not None and buffered(warehouse) == {"m1"}
     index.refresh()
     assert state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
     index.push(state, ["m0"])
     assert index.revive(state) == 1, "from its dead letter"
-    checkpoint(warehouse, "jobs", state.events)
+    checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
     buffer, dead = (ensure_table(warehouse, t, "jobs") for t in (Table.BUFFER, Table.DEAD_LETTER))
     assert retention.restore(buffer, dead, ["m0"], now_ms()) == 1
     picks = listed(index.pick(state, state.buckets_of("c"), 1, now=3))
@@ -827,7 +840,7 @@ def test_a_restored_row_read_after_its_message_settled_leaves_it_settled(tmp_pat
     assert len(state.lease("c", 3, 100, picks)) == 1
     index.release(state, picks)
     assert state.ack("c", 4, ["m0"]) == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     index.refresh()
     assert [m for m, _, _ in listed(index.pick(state, state.buckets_of("c"), 5, now=5))] == ["m1"]
 
@@ -855,13 +868,13 @@ def test_a_redrive_reads_the_ledger_from_the_earliest_death_it_names_on(tmp_path
     history = sealed_history(warehouse, now)
     state.lease("c", now, 1000, [("m1", 1, 1)])
     state.reject("c", now + 1, ["m1"])
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     for path in history:
         path.unlink()
     upto, found, redriven = index.dead(["m1"])
     assert (found, redriven) == ({"m1": (1, 1)}, {})
     assert state.redrive(now + 2, upto, [("m1", *found["m1"])]) == (["m1"], {})
-    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events)))
+    index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     assert index.dead(["m1"])[1] == {} and set(index.dead(["m1"])[2]) == {"m1"}, "redriven"
     assert index.dead(["m0"])[1:] == ({}, {}), "never died"
     assert index.dead(None)[1] == {} and set(index.dead(None)[2]) == {"m1"}
@@ -897,7 +910,7 @@ def test_a_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriven(
         def then_trimmed(*args: object) -> tuple:
             answer = real_dead(*args)
             read.set()
-            wait_until(lambda: not any(e.message_id == "m1" for e in st.events), what="trim")
+            wait_until(lambda: not any(e.mh == mh("m1") for e in st.events), what="trim")
             return answer
 
         index.dead = then_trimmed
@@ -943,7 +956,7 @@ def test_a_second_death_trimmed_while_a_redrive_reads_the_tables_is_still_redriv
             await broker.settle("jobs", "reject", "w", ["m1"])
 
         def trimmed() -> bool:
-            return not any(e.message_id == "m1" for e in st.events)
+            return not any(e.mh == mh("m1") for e in st.events)
 
         await lease_and_reject()
         await _until(trimmed, "the first death checkpointed")
@@ -979,7 +992,7 @@ def test_a_snapshot_reads_the_ledger_for_a_row_gone_from_its_ingestion_on(
     history = sealed_history(warehouse, now)
     leader.lease("c", now, 1000, [("m1", 1, 1)])
     assert leader.ack("c", now + 1, ["m1"]) == {}
-    leader.trim(checkpoint(warehouse, "jobs", leader.events))
+    leader.trim(checkpoint(warehouse, "jobs", leader.events, buffer_names(warehouse)))
     assert run(warehouse, now + 2 * HOUR) is not None
     assert buffered(warehouse) == {"m0"} and lagging.refresh() == 0
     assert sorted(lagging.rows) == ["m0", "m1"]

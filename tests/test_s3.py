@@ -19,12 +19,13 @@ import botocore.session
 import pyarrow as pa
 import pytest
 from botocore.config import Config
-from conftest import S3Server, sourced, wait_until
+from conftest import Named, S3Server, sourced, wait_until
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 from test_broker import buffer_rows
 from test_retention import ingest_append
 
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import Settlement
 from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.settings import ConfigError, StorageConfig, load_settings
@@ -292,14 +293,15 @@ def test_two_leaders_writing_the_ledger_keep_each_event_once(warehouse_s3: str) 
     """A deposed leader's late checkpoints race its successor's on S3: each settled
     event lands exactly once, whichever commit wins each version."""
     now = int(time.time() * 1000)
-    events = [Settlement(s, f"m{s}", 0, "acked", s, 1, now) for s in range(1, 301)]
+    events = [Settlement(s, mh(f"m{s}"), 0, "acked", s, 1, now) for s in range(1, 301)]
+    names = Named(f"m{s}" for s in range(1, 301))
 
     def leader(ends: list[int]) -> Callable[[], None]:
         def checkpoints() -> None:
             for end in ends:
                 while True:
                     try:
-                        write_ledger(warehouse_s3, "jobs", events[:end])
+                        write_ledger(warehouse_s3, "jobs", events[:end], names.names)
                         break
                     except CommitFailedError:
                         continue  # the next checkpoint round, from a fresh snapshot
@@ -309,18 +311,19 @@ def test_two_leaders_writing_the_ledger_keep_each_event_once(warehouse_s3: str) 
     race(leader([50, 100, 150, 200]), leader([100, 200, 250, 300]))
     ledger = DeltaTable(table_path(warehouse_s3, Table.LEDGER, "jobs"))
     ids = ledger.to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
-    assert sorted(ids) == sorted(e.message_id for e in events)
+    assert sorted(ids) == sorted(names.values())
 
 
 def test_a_ledgers_app_transactions_are_read_from_its_log_on_s3(warehouse_s3: str) -> None:
     """The brokers' tags of every Raft history, as delta-rs has them, read from the
     ledger's Delta checkpoint and the commits after it on an object store."""
     now = int(time.time() * 1000)
-    events = [Settlement(s, f"m{s}", 0, "acked", s, 1, now) for s in range(1, 13)]
+    events = [Settlement(s, mh(f"m{s}"), 0, "acked", s, 1, now) for s in range(1, 13)]
+    names = Named(f"m{s}" for s in range(1, 13)).names
     for end in range(1, 7):
-        write_ledger(warehouse_s3, "jobs", events[:end])
+        write_ledger(warehouse_s3, "jobs", events[:end], names)
     for end in range(7, 13):
-        write_ledger(warehouse_s3, "jobs", events[:end], ("later", 6))
+        write_ledger(warehouse_s3, "jobs", events[:end], names, ("later", 6))
     ledger = ensure_table(warehouse_s3, Table.LEDGER, "jobs")
     found = app_transactions(ledger)
     table = DeltaTable(ledger)

@@ -10,12 +10,13 @@ import threading
 from array import array
 from pathlib import Path
 
+from conftest import Named
 from dejaq_core import AckRun, PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import leased
 
-from dejaq.broker.state.handles import mhs, unpacked
+from dejaq.broker.state.handles import mh, mhs, unpacked
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import (
     EventLog,
@@ -31,6 +32,8 @@ from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.tables import Table, scan, table_path
 
 EVENTS = ("acked", "dead", "cancelled")
+# The ids the ledger tests' events name, by handle (`ledger_writer.Names`).
+NAMES = Named(["a", "b", "bé", "c", "d", "e", "f", "g", "h", "i", "j", "k", "lé", "m", "n"])
 
 # Steps on a log: ("add", events in the run, which event), ("append", the same as
 # settlements), ("ack", acks, -) one at a time into the open `AckRun`, ("view", -, -) a
@@ -66,8 +69,8 @@ def test_a_log_reads_and_cuts_as_the_list_of_its_settlements(plan: list) -> None
             event = "acked" if how == "ack" else event
             mids = [f"m{seq + i + 1}" for i in range(n)]
             events = [
-                Settlement(seq + 1 + i, m, i % 3, event, i, 1, seq * 10 + i)
-                for i, m in enumerate(mids)
+                Settlement(seq + 1 + i, h, i % 3, event, i, 1, seq * 10 + i)
+                for i, h in enumerate(mhs(mids))
             ]
             if how == "add":
                 at = seq * 10
@@ -79,8 +82,8 @@ def test_a_log_reads_and_cuts_as_the_list_of_its_settlements(plan: list) -> None
                 for e in events:
                     log.append(e)
             else:
-                for e in events:
-                    log.ack(*e[:7])
+                for e, m in zip(events, mids, strict=True):
+                    log.ack(e.seq, m, *e[2:7])
             model += events
             seq += n
             continue
@@ -123,14 +126,14 @@ def test_a_bulk_ack_adds_one_run_and_an_old_snapshot_s_list_loads_into_a_log() -
     old.__setstate__(pickle.loads(pickle.dumps(state)))
     assert isinstance(old.events, EventLog) and old.events == s.events
     assert unpacked(old.trim(41)) == mhs([*record.mids, "y"])
-    assert [e.message_id for e in old.events] == ["x"]
+    assert [e.mh for e in old.events] == [mh("x")]
 
 
 def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: Path) -> None:
     events = [
-        Settlement(1, "a", 0, "acked", 5, 1, 1_000),
-        Settlement(2, "b", 1, "dead", 7, 3, 1_001, "max_deliveries"),
-        Settlement(3, "c", 2, "acked", 9, 1, 1_002),
+        Settlement(1, mh("a"), 0, "acked", 5, 1, 1_000),
+        Settlement(2, mh("b"), 1, "dead", 7, 3, 1_001, "max_deliveries"),
+        Settlement(3, mh("c"), 2, "acked", 9, 1, 1_002),
     ]
     runs = [
         Run(1, ["a"], [0], "acked", [5], [1], 1_000),
@@ -140,8 +143,8 @@ def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: P
     assert entries_of(EventLog(runs)) == runs and EventLog(runs) == events
     for name, given_as in (("settlements", events), ("runs", runs)):
         warehouse = str(tmp_path / name)
-        assert write_ledger(warehouse, "t", given_as) == 3
-        assert write_ledger(warehouse, "t", given_as) == 3, "a replay writes nothing"
+        assert write_ledger(warehouse, "t", given_as, NAMES.names) == 3
+        assert write_ledger(warehouse, "t", given_as, NAMES.names) == 3, "a replay: nothing"
     rows = [
         sorted(
             scan(table_path(str(tmp_path / n), Table.LEDGER, "t"), Table.LEDGER).to_pylist(),
@@ -167,8 +170,8 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
             array("i", [1, 2]),
             10,
         ),
-        Settlement(3, "c", 5, "cancelled", None, 0, 11),
-        Settlement(4, "d", 6, "dead", 7, 3, 12, "max_deliveries"),
+        Settlement(3, mh("c"), 5, "cancelled", None, 0, 11),
+        Settlement(4, mh("d"), 6, "dead", 7, 3, 12, "max_deliveries"),
         Run(5, ["e"], [7], "acked", [8], [1], 13),
         Run(
             6,
@@ -188,27 +191,27 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
             array("i", [2, 1]),
             15,
         ),
-        Settlement(10, "h", 1, "acked", 2, 1, 16),
+        Settlement(10, mh("h"), 1, "acked", 2, 1, 16),
     ]
     for e in (
-        Settlement(11, "k", 3, "acked", 4, 1, 19),
-        Settlement(12, "lé", 4, "acked", 2**35, 2, 17),
-        Settlement(13, "m", 5, "dead", 1, 5, 20, "max_deliveries"),
-        Settlement(14, "n", 6, "acked", 3, 1, 21),
+        Settlement(11, mh("k"), 3, "acked", 4, 1, 19),
+        Settlement(12, mh("lé"), 4, "acked", 2**35, 2, 17),
+        Settlement(13, mh("m"), 5, "dead", 1, 5, 20, "max_deliveries"),
+        Settlement(14, mh("n"), 6, "acked", 3, 1, 21),
     ):
         if e.event == "acked":  # each ack with its own time, as the core's ack adds it
-            AckRun.append(entries, *e[:7])
+            AckRun.append(entries, e.seq, NAMES[e.mh], *e[2:7])
         else:
             entries.append(e)
     assert [type(e) for e in entries[-3:]] == [AckRun, Settlement, AckRun]
-    assert write_ledger(str(tmp_path), "t", entries) == 14
+    assert write_ledger(str(tmp_path), "t", entries, NAMES.names) == 14
     rows = scan(table_path(str(tmp_path), Table.LEDGER, "t"), Table.LEDGER).to_pylist()
     got = [
         (r["message_id"], r["bucket"], r["event"], r["sort_key"], r["deliveries"], r["at"])
         for r in rows
     ]
     want = [
-        (e.message_id, e.bucket, e.event, e.sort_key, e.deliveries, e.at) for e in EventLog(entries)
+        (NAMES[e.mh], e.bucket, e.event, e.sort_key, e.deliveries, e.at) for e in EventLog(entries)
     ]
     assert [g[:5] for g in got] == [w[:5] for w in want]
     assert [int(g[5].timestamp() * 1000) for g in got] == [w[5] for w in want]
@@ -243,12 +246,13 @@ def test_the_ledger_s_ids_are_the_entries_ids_in_order(plan: list, convert_slice
     changes or another kind of entry comes between, padded ones in chunks of
     CONVERT_SLICE ids, unpadded ones as their bytes are: whichever way they fall, the
     column holds every id once, in seq order."""
-    entries, want = [], []
+    entries, want, singles = [], [], []
     for kind, named, *start in plan:
         seq = len(want) + 1
         if kind == "one":
-            entries.append(Settlement(seq, named, 0, "acked", 1, 1, 10))
+            entries.append(Settlement(seq, mh(named), 0, "acked", 1, 1, 10))
             want.append(named)
+            singles.append(named)
             continue
         if kind == "packed":
             named = named[min(start[0], len(named) - 1) :]
@@ -260,7 +264,7 @@ def test_the_ledger_s_ids_are_the_entries_ids_in_order(plan: list, convert_slice
     before = ledger_writer.CONVERT_SLICE
     ledger_writer.CONVERT_SLICE = convert_slice
     try:
-        column = ledger_writer._ids_column(entries)
+        column = ledger_writer._ids_column(entries, iter(singles))
     finally:
         ledger_writer.CONVERT_SLICE = before
     assert column.to_pylist() == want

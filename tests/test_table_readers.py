@@ -19,6 +19,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from chispa import assert_df_equality
+from conftest import buffer_names
 from deltalake import DeltaTable
 from pyspark.sql import SparkSession
 from test_broker import buffer_rows, fill, topic_conf
@@ -60,7 +61,9 @@ def settle(
     state.lease("c", at, 1000, picks)
     settled = state.ack("c", at + 1, mids) if how == "ack" else state.reject("c", at + 1, mids)
     assert settled == {}
-    index.forget(state.trim(checkpoint(warehouse, "jobs", list(state.events))))
+    index.forget(
+        state.trim(checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse)))
+    )
 
 
 def test_every_reader_gets_the_contract_from_every_writer(
@@ -103,7 +106,9 @@ def test_every_reader_gets_the_contract_from_every_writer(
     assert index.settled_event("s1") == LedgerEvent.DEAD
     assert index.settled_event("s0") is None, "settled before the watermark: the ledger's"
     assert index.dead(["s1", "x1"])[1].keys() == {"s1", "x1"}, "the redrive is in Raft"
-    index.forget(state.trim(checkpoint(warehouse, "jobs", list(state.events))))
+    index.forget(
+        state.trim(checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse)))
+    )
     assert index.dead(["s1", "x1"])[1].keys() == {"s1"}
     assert split(latest_events(ledger, 0, ["s0", "x1"])) == (["s0"], ["x1"])
 

@@ -94,6 +94,14 @@ class Metrics:
             ["topic"],
             registry=r,
         )
+        self.checkpoint_unnamed = Gauge(
+            "dejaq_checkpoint_unnamed_events",
+            "Settled events this node, as leader, cannot write to the ledger yet: its index "
+            "has not read their messages' rows (a new leader catching up); they and every "
+            "later event wait (see /readyz once it lasts)",
+            ["topic"],
+            registry=r,
+        )
         self.ledger_contested = Gauge(
             "dejaq_ledger_contested",
             "1 while another broker cluster writes the topic's ledger over the same "
@@ -171,12 +179,16 @@ class Metrics:
             registry=r,
         )
 
-    def observe_ledger(self, topic: str, lag: Lag, now_ms: int, failures: int) -> None:
-        """The ledger's lag behind Raft, and this node's checkpoint failures in all."""
+    def observe_ledger(
+        self, topic: str, lag: Lag, now_ms: int, failures: int, unnamed: int
+    ) -> None:
+        """The ledger's lag behind Raft, this node's checkpoint failures in all, and the
+        events its last checkpoint could not name (`Health.unnamed`)."""
         age = 0.0 if lag.oldest_ms is None else max(now_ms - lag.oldest_ms, 0) / 1000
         self.ledger_lag.labels(topic).set(age)
         self.ledger_unwritten.labels(topic).set(lag.events)
         self.dead_letters_unwritten.labels(topic).set(lag.unwritten_dead_letters)
+        self.checkpoint_unnamed.labels(topic).set(unnamed)
         if (delta := failures - self._failures_seen.get(topic, 0)) > 0:
             self.checkpoint_failures.labels(topic).inc(delta)
             self._failures_seen[topic] = failures

@@ -238,6 +238,7 @@ class TopicState:
             self.events = EventLog(
                 e.settlement() if isinstance(e, Event) else e for e in self.events
             )
+        named = self.events.by_handle()  # from before handles: events by id
         old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
         for mid, lease in old:  # from before lease records: a record each
             self.unnumbered -= 1
@@ -262,7 +263,7 @@ class TopicState:
             self.leases[mid] = record
         self.leased = {lid: r for lid, r in self.records.items() if r.live}
         if self.redriven_ids is None:
-            self.redriven_ids = self._named_redriven()
+            self.redriven_ids = {h: m for h, m in named.items() if h in self.redriven_at}
 
     # --- consumers -------------------------------------------------------------------
 
@@ -567,10 +568,10 @@ class TopicState:
         reason: str | None = None,
     ) -> None:
         self.seq += 1
-        self.events.append(
-            Settlement(self.seq, mid, bucket, event, sort_key, deliveries, now, reason)
-        )
         h = mh(mid)
+        self.events.append(
+            Settlement(self.seq, h, bucket, event, sort_key, deliveries, now, reason)
+        )
         self.settled[h] = event
         if self.deliveries:
             self.deliveries.pop(h, None)
@@ -879,7 +880,7 @@ class TopicState:
             self.settled.pop(h, None)
             key = key if sort_key is None else sort_key
             self.seq += 1
-            self.events.append(Settlement(self.seq, mid, bucket, LedgerEvent.REDRIVEN, key, 0, now))
+            self.events.append(Settlement(self.seq, h, bucket, LedgerEvent.REDRIVEN, key, 0, now))
             self.redriven_at[h] = self.seq
             self.redriven_ids[h] = mid
             self.sort_keys[h] = key
@@ -888,15 +889,6 @@ class TopicState:
             redriven.append(mid)
         self.totals[LedgerEvent.REDRIVEN] += len(redriven)
         return redriven, refused
-
-    def _named_redriven(self) -> dict[int, str]:
-        """`redriven_ids` of a snapshot from before it was kept: named by the events not
-        yet trimmed, which hold each redrive, or the death a trim kept before it (a
-        redrive is held until both are trimmed)."""
-        if not self.redriven_at:
-            return {}
-        mids = [e.message_id for e in settlements(self.events.past(self.seq)[0])]
-        return {h: m for m, h in zip(mids, mhs(mids), strict=True) if h in self.redriven_at}
 
     def needs_expiry(self, now: int, heartbeat_timeout_ms: int) -> bool:
         leased = list(self.leased.values())
@@ -921,17 +913,17 @@ class TopicState:
         if self.redriven_at:
             return self._trim_redriven(settlements(done), upto_seq)
         parts: list[bytes] = []
-        acked: list[str] = []  # single settlements' ids: acks from snapshots, by records
-        others: list[str] = []  # in `settled`
+        acked: list[int] = []  # single settlements' handles: acks from snapshots, by records
+        others: list[int] = []  # in `settled`
         for e in done:
             if type(e) is Settlement:
-                (acked if e.event == LedgerEvent.ACKED else others).append(e.message_id)
+                (acked if e.event == LedgerEvent.ACKED else others).append(e.mh)
             else:  # a `Run` or an `AckRun`
                 parts.append(self._forget(packed(e.message_ids), e.event == LedgerEvent.ACKED))
         if acked:
-            parts.append(self._forget(packed(acked), True))
+            parts.append(self._forget(packed_handles(acked), True))
         if others:
-            parts.append(self._forget(packed(others), False))
+            parts.append(self._forget(packed_handles(others), False))
         return b"".join(parts)
 
     def _forget(self, handles: bytes, acked: bool) -> bytes:
@@ -954,11 +946,11 @@ class TopicState:
         redriven_at, settled, leases = self.redriven_at, self.settled, self.leases
         handles: list[int] = []
         for e in done:
-            h = mh(e.message_id)
+            h = e.mh
             if e.event != LedgerEvent.REDRIVEN and redriven_at.get(h, 0) < e.seq:
                 (leases if e.event == LedgerEvent.ACKED else settled).pop(h, None)
                 handles.append(h)
-        kept = set(mhs(e.message_id for e in settlements(self.events.past(upto_seq)[0])))
+        kept = {e.mh for e in settlements(self.events.past(upto_seq)[0])}
         for h in [h for h, seq in redriven_at.items() if seq <= upto_seq and h not in kept]:
             del redriven_at[h]
             self.redriven_ids.pop(h, None)

@@ -4,10 +4,12 @@ acks, one tuple per other event.
 Every node keeps them, and every ack adds to them. A bulk ack of a whole lease is one
 `Run` holding slices of the lease record's columns; smaller acks append to the
 `AckRun` at the log's end (the compiled core's: a row of columns an ack, no object);
-any other settle (a death, a cancel, a reject) adds a `Settlement`. Only the leader
-reads them whole, a checkpoint at a time, into Arrow columns (`broker.ledger_writer`);
-the other readers (a redrive's look for the dead, tests) and snapshots see
-`Settlement`s.
+any other settle (a death, a cancel, a reject, a redrive) adds a `Settlement`, which
+names its message by handle (`broker/state/handles.py`), as the lease state does: the
+leader names it by id again through its index when it writes the ledger. Only the
+leader reads them whole, a checkpoint at a time, into Arrow columns
+(`broker.ledger_writer`); the other readers (a redrive's look for the dead, tests) and
+snapshots see `Settlement`s.
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ from typing import NamedTuple
 
 from dejaq_core import AckRun
 
+from dejaq.broker.state.handles import mhs
+from dejaq.conf.tables import LedgerEvent
+
 
 class Settlement(NamedTuple):
-    """One settled message, as the ledger gets it and snapshots hold it."""
+    """One settled message, by its handle, as snapshots hold it (by id in snapshots
+    from before handles: `EventLog.by_handle`)."""
 
     seq: int
-    message_id: str
+    mh: int
     bucket: int
     event: str
     sort_key: int
@@ -111,12 +117,12 @@ def acks(run: AckRun) -> Iterator[Settlement]:
 
 
 def _settlements(run: Run | AckRun, ats: Iterable[int]) -> Iterator[Settlement]:
-    """A run's events, each at its time in `ats`."""
+    """A run's events, each at its time in `ats`, its ids hashed (`mhs`)."""
     ids = run.message_ids
     n = len(ids)
     columns = (
         range(run.seq, run.seq + n),
-        ids,
+        mhs(ids),
         run.buckets,
         repeat(run.event, n),
         run.sort_keys,
@@ -125,6 +131,12 @@ def _settlements(run: Run | AckRun, ats: Iterable[int]) -> Iterator[Settlement]:
         repeat(run.reason, n),
     )
     return map(Settlement._make, zip(*columns, strict=True))
+
+
+def redriven(events: Iterable[Settlement]) -> list[int]:
+    """The handles of the messages whose latest of `events` (in seq order) is a redrive."""
+    latest = {e.mh: e.event for e in events}
+    return [h for h, event in latest.items() if event == LedgerEvent.REDRIVEN]
 
 
 def past(entries: list[Entry], seq: int) -> list[Entry]:
@@ -160,6 +172,21 @@ class EventLog:
 
     def __setstate__(self, entries: list[Entry]) -> None:
         self.__init__(entries)
+
+    def by_handle(self) -> dict[int, str]:
+        """Name by handle the single settlements that name their message by id (those of
+        snapshots from before handles); returns those ids by handle. Every node hashes
+        alike, so their logs stay equal."""
+        entries = self.entries
+        at = [i for i, e in enumerate(entries) if type(e) is Settlement and type(e.mh) is str]
+        if not at:
+            return {}
+        ids = [entries[i].mh for i in at]
+        handles = mhs(ids)
+        with self._lock:
+            for i, h in zip(at, handles, strict=True):
+                entries[i] = entries[i]._replace(mh=h)
+        return dict(zip(handles, ids, strict=True))
 
     def add(self, run: Run) -> None:
         if run.message_ids:

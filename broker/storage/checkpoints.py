@@ -10,6 +10,11 @@ of a round (the broker's: the ledger, the dead letters, restoring redriven rows,
 trim) are logged once per streak and kind (step and error type), and per message id,
 counted, and shown (`Lag`) on `/metrics`, `/v1/cluster`, `/readyz` and
 `dejaq status`.
+
+A leader writes the events up to the first whose message its index cannot name yet (a
+new leader whose index has not read the row the old one leased): the rest wait for its
+index, counted (`Health.unnamed`, on `/metrics`) and, past `UNNAMED_GRACE_S`, told on
+`/readyz`.
 """
 
 from __future__ import annotations
@@ -18,12 +23,15 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from dejaq.broker.state.handles import packed_handles
 from dejaq.broker.state.leases import TopicState
-from dejaq.broker.state.settlements import Events, count, entries_of
+from dejaq.broker.state.settlements import Events, count, entries_of, last, past
 from dejaq.broker.storage.ledger_writer import (
     History,
+    Names,
     Rival,
     deaths,
+    up_to,
     write_dead_letters,
     write_ledger,
 )
@@ -34,6 +42,9 @@ BACKOFF_MIN_S = 1.0
 BACKOFF_MAX_S = 60.0
 # A checkpoint failing this long shows in `/readyz`'s detail: an operator's alert.
 FAILING_ALERT_S = 180.0
+# Events waiting this long for the leader's index to name their messages show there
+# too: an index that does not catch up (its refreshes failing, say) holds every trim.
+UNNAMED_GRACE_S = 60.0
 
 
 @dataclass
@@ -47,6 +58,11 @@ class Health:
     retry_at: float = 0.0  # monotonic: dead letters are not tried before it
     logged: set[str] = field(default_factory=set)  # ids named in a log line this streak
     kinds: set[str] = field(default_factory=set)  # steps and error types logged this streak
+    # Events the last round could not write, their messages not named by this node's
+    # index yet (`ledger_writer.Names`), from seq `unnamed_from` on, since (wall clock).
+    unnamed: int = 0
+    unnamed_from: int = 0
+    unnamed_since: float | None = None
 
     def failed(self, what: str, error: BaseException, ids: list[str]) -> None:
         self.failures += 1
@@ -63,6 +79,18 @@ class Health:
             self.logged.update(new)
             log.warning("%s: %d messages wait for it: %s", what, len(new), new[:20])
 
+    def waiting(self, events: int, first: int) -> None:
+        """The round wrote the events before seq `first`: `events` from it on wait for
+        this node's index to read their messages' rows."""
+        if self.unnamed_since is None:
+            self.unnamed_since = time.time()
+            log.info("checkpoint: %d events from seq %d wait for the index", events, first)
+        self.unnamed, self.unnamed_from = events, first
+
+    def named(self) -> None:
+        """The round named every event it took."""
+        self.unnamed, self.unnamed_since = 0, None
+
     def ok(self) -> None:
         """A round went through, nothing kept back: at WARNING, as its failure was, so a
         node logging warnings only shows both."""
@@ -77,14 +105,23 @@ class Health:
         self.retry_at = 0.0
         self.logged.clear()
         self.kinds.clear()
+        self.named()
 
     def alert(self) -> str | None:
-        """Why an operator should look, once failures have lasted `FAILING_ALERT_S`. The
-        streak is read once: the checkpoints' thread ends it while others ask."""
+        """Why an operator should look, once failures have lasted `FAILING_ALERT_S`, or
+        events waited `UNNAMED_GRACE_S` for the index. Each is read once: the
+        checkpoints' thread changes them while others ask."""
         since, error = self.failing_since, self.last_error
-        if since is None or time.time() - since < FAILING_ALERT_S:
-            return None
-        return f"failing for {time.time() - since:.0f} s ({error})"
+        if since is not None and time.time() - since >= FAILING_ALERT_S:
+            return f"failing for {time.time() - since:.0f} s ({error})"
+        waiting, events, first = self.unnamed_since, self.unnamed, self.unnamed_from
+        if waiting is not None and time.time() - waiting >= UNNAMED_GRACE_S:
+            return (
+                f"waiting {time.time() - waiting:.0f} s for this node's index to read the "
+                f"rows of {events} settled messages (from seq {first} on): the ledger "
+                "and the trims wait for them"
+            )
+        return None
 
 
 @dataclass(frozen=True)
@@ -114,29 +151,40 @@ def checkpoint(
     warehouse: str,
     topic: str,
     events: Events,
+    names: Names,
     health: Health,
     history: History = ("", 0),
     trimmed: int | None = None,
     rival: Rival | None = None,
 ) -> tuple[int, list[int]]:
-    """Write `events` to the ledger and their dead letters under `history`: (the last
-    seq the ledger holds, the seqs of deaths to keep in Raft). Raises if the ledger
-    write fails, `Claimed` where its tag is past `trimmed` (if given), and `Contested`
-    where `rival`'s tag keeps moving; a dead letter that fails is told to `health`.
+    """Write `events` to the ledger and their dead letters under `history`, up to the
+    first whose message `names` cannot name (the rest told to `health` as waiting): (the
+    last seq the ledger holds of them, the seqs of deaths to keep in Raft). Raises if
+    the ledger write fails, `Claimed` where its tag is past `trimmed` (if given), and
+    `Contested` where `rival`'s tag keeps moving; a dead letter that fails is told to
+    `health`.
 
     The caller tells `health` what it raises, and ends a streak (`Health.ok`) once the
     rest of its round (the trim) has gone through too, with nothing to keep: a step
     after the ledger that fails stalls the checkpoints as surely."""
     events = entries_of(events)
-    upto = write_ledger(warehouse, topic, events, history, trimmed, rival)
+    upto = write_ledger(warehouse, topic, events, names, history, trimmed, rival)
+    if upto < last(events[-1]):
+        left = past(events, upto)
+        health.waiting(sum(map(count, left)), left[0].seq)
+    else:
+        health.named()
+    events = up_to(events, upto)
     dead = deaths(events)
     if not dead:
         return upto, []
     if time.monotonic() < health.retry_at:
         return upto, [e.seq for e in dead]
     try:
-        write_dead_letters(warehouse, topic, events, history)
+        write_dead_letters(warehouse, topic, events, names, history)
     except Exception as e:
-        health.failed(f"dead letters of {topic}", e, [d.message_id for d in dead])
+        ids = names(packed_handles([d.mh for d in dead]))
+        named = [m or f"handle {d.mh:032x}" for d, m in zip(dead, ids, strict=True)]
+        health.failed(f"dead letters of {topic}", e, named)
         return upto, [e.seq for e in dead]
     return upto, []

@@ -829,6 +829,17 @@ class TopicIndex:
                 if self.awaited:
                     self.awaited.difference_update(gone)
 
+    def ids_of(self, handles: bytes) -> list[str | None]:
+        """The id of each message whose handle `handles` packs (16 bytes each), None for
+        one with no row here: the leader names the events the state holds by handle
+        when it writes them to the ledger."""
+        with self.lock:
+            table = self.store.table
+            found = table.find_mh(handles)[0]
+            held = table.mids(found[found >= 0])
+        named = iter(held)
+        return [next(named) if f >= 0 else None for f in found.tolist()]
+
     def rebuild(self, state: TopicState) -> None:
         """After a snapshot replaced the state wholesale: re-derive every entry.
 

@@ -4,6 +4,11 @@ The leader writes the events up to sequence number N as one Delta commit tagged 
 the transaction (app id, N), then commits `trim(N)` through Raft, which drops them from
 the replicated state. A leader that dies between the two leaves the tag behind, and
 its successor sees the tag and only trims: the ledger never gets a row twice.
+
+The state names a single settlement's message by handle (`settlements.Settlement`): the
+writer asks the leader for their ids (`Names`, its index's), and writes the events up
+to the first it cannot name yet (a new leader whose index has not read that row), which
+waits for the next checkpoint: never a row with a wrong id.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ from __future__ import annotations
 import datetime as dt
 import time
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -21,6 +27,7 @@ from dejaq_core import AckRun, PackedIds
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
+from dejaq.broker.state.handles import mh, packed_handles
 from dejaq.broker.state.settlements import (
     Entry,
     Events,
@@ -66,6 +73,29 @@ CONVERT_SLICE = 4096  # events per Arrow conversion, ~0.3 ms holding the GIL
 
 def _ts(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
+
+
+# The ids of the messages whose handles a bytes object packs, in their order, None for
+# each this node cannot name (the leader's index, `TopicIndex.ids_of`).
+Names = Callable[[bytes], list[str | None]]
+
+
+class Rows(NamedTuple):
+    """What a tagged commit appends: its rows, the last seq they hold (its tag), and
+    the commit's metadata."""
+
+    table: pa.Table
+    upto: int
+    metadata: dict[str, str] | None = None
+
+
+class Unnamed(Exception):
+    """Deaths whose messages neither the leader's index nor the ledger names: their dead
+    letters wait, kept in Raft (`checkpoints.checkpoint`)."""
+
+    def __init__(self, seqs: list[int]) -> None:
+        super().__init__(f"the messages of the deaths of seqs {seqs[:10]} cannot be named here")
+        self.seqs = seqs
 
 
 # A Raft history (`TopicState.history`) and the last of its seqs the ledger held when it
@@ -133,21 +163,55 @@ def tag_of(warehouse: str, topic: str, app: str) -> tuple[int, float]:
     return table.transaction_version(app) or 0, time.time() - at_ms / 1000
 
 
-def checkpoint(warehouse: str, topic: str, events: Events, history: History = ("", 0)) -> int:
-    """Write `events` (ascending seq) to the ledger, then their dead letters; return the
-    last seq. The leader runs the two steps apart, to go on trimming while dead letters
+def checkpoint(
+    warehouse: str, topic: str, events: Events, names: Names, history: History = ("", 0)
+) -> int:
+    """Write `events` (ascending seq) to the ledger, then the dead letters of those
+    written; return the last seq written (short of the last event where `names` cannot
+    name one). The leader runs the two steps apart, to go on trimming while dead letters
     fail (`broker.service`)."""
     entries = entries_of(events)
-    upto = write_ledger(warehouse, topic, entries, history)
-    write_dead_letters(warehouse, topic, entries, history)
+    upto = write_ledger(warehouse, topic, entries, names, history)
+    write_dead_letters(warehouse, topic, up_to(entries, upto), names, history)
     return upto
 
 
-def _last_event(entries: list[Entry], seq: int) -> str | None:
-    """`LAST`'s form of the event at `seq` among `entries`, if they hold it."""
-    for e in settlements(past(entries, seq - 1)):
-        return f"{e.seq} {e.event} {e.message_id}" if e.seq == seq else None
-    return None
+def up_to(entries: list[Entry], seq: int) -> list[Entry]:
+    """The entries of `entries` (ascending seqs) up to `seq`, the last cut there."""
+    out = [e for e in entries if e.seq <= seq]
+    if out and last(out[-1]) > seq:
+        out[-1] = out[-1].part(out[-1].seq, seq + 1)
+    return out
+
+
+def _is_event(theirs: str, entries: list[Entry]) -> bool:
+    """Whether `LAST`'s form of an event ("<seq> <event> <message id>") is the event of
+    its seq among `entries`, its message compared by handle."""
+    seq, event, mid = theirs.split(" ", 2)
+    for e in settlements(past(entries, int(seq) - 1)):
+        return e.seq == int(seq) and e.event == event and e.mh == mh(mid)
+    return False
+
+
+def _mark(entries: list[Entry], ids: list[str]) -> str:
+    """`LAST`'s form of the last event of `entries`; `ids`: their single settlements'."""
+    e = entries[-1]
+    mid = ids[-1] if type(e) is Settlement else e.message_ids[-1]
+    return f"{last(e)} {e.event} {mid}"
+
+
+def _named(entries: list[Entry], names: Names) -> tuple[list[Entry], list[str]]:
+    """The entries up to the first single settlement whose message `names` cannot name
+    (all, if it names every one), and the ids of their single settlements, in order."""
+    singles = [e for e in entries if type(e) is Settlement]
+    if not singles:
+        return entries, []
+    ids = names(packed_handles([e.mh for e in singles]))
+    if None not in ids:
+        return entries, ids  # type: ignore[return-value]
+    n = ids.index(None)
+    first = singles[n].seq
+    return [e for e in entries if e.seq < first], ids[:n]  # type: ignore[return-value]
 
 
 def foreign(
@@ -168,7 +232,7 @@ def foreign(
         if not isinstance(theirs, str):
             continue
         written = int(theirs.split(" ", 1)[0])
-        if written <= trimmed or theirs == _last_event(entries, written):
+        if written <= trimmed or _is_event(theirs, entries):
             return max(written, trimmed) if differed else None
         differed = True
     return trimmed if differed or done > seq else None
@@ -178,13 +242,15 @@ def write_ledger(
     warehouse: str,
     topic: str,
     events: Events,
+    names: Names,
     history: History = ("", 0),
     trimmed: int | None = None,
     rival: Rival | None = None,
 ) -> int:
-    """Write `events` (ascending seq) past the ledger's tag to it; return the last seq.
-    Raises `Claimed` where the tag is past `trimmed` (the state's last trim), if given,
-    and `Contested` where `rival`'s tag keeps moving, before writing.
+    """Write `events` (ascending seq) past the ledger's tag to it, up to the first whose
+    message `names` cannot name; return the last seq the ledger holds of them. Raises
+    `Claimed` where the tag is past `trimmed` (the state's last trim), if given, and
+    `Contested` where `rival`'s tag keeps moving, before writing.
 
     The table is tagged with the last seq it holds and gets only the events past it, so
     a checkpoint after one whose trim was lost (a leader change) writes no row twice.
@@ -194,33 +260,34 @@ def write_ledger(
     ~15 ms.
     """
     entries = entries_of(events)
-    upto = last(entries[-1])
 
-    def rows_past(written: int) -> pa.Table:
+    def rows_past(written: int) -> Rows | None:
+        named, ids = _named(past(entries, written), names)
+        if not named:
+            return None
         # One batch: the writer takes batches in no set order, and the ledger's rows
         # stay in seq order (each column's chunks are cut differently).
-        columns = _ledger_columns(past(entries, written))
-        return pa.table(columns, schema=LEDGER_SCHEMA).combine_chunks()
+        columns = _ledger_columns(named, ids)
+        rows = pa.table(columns, schema=LEDGER_SCHEMA).combine_chunks()
+        return Rows(rows, last(named[-1]), {LAST: _mark(named, ids)})
 
     path = ensure_table(warehouse, Table.LEDGER, topic)
-    mark = {LAST: _last_event(entries[-1:], upto) or str(upto)}
-    _append_tagged(path, history, upto, rows_past, trimmed, mark, rival)
-    return upto
+    return _append_tagged(path, history, last(entries[-1]), rows_past, trimmed, rival)
 
 
 def _append_tagged(
     path: str,
     history: History,
     upto: int,
-    rows_past: Callable[[int], pa.Table | None],
+    rows_past: Callable[[int], Rows | None],
     trimmed: int | None = None,
-    metadata: dict[str, str] | None = None,
     rival: Rival | None = None,
-) -> None:
-    """Append `rows_past(tag)` to the table at `path` in a commit tagged `upto` for
-    `history`'s app transaction, unless its tag (at least the seq the history began
-    at) already reaches `upto`; `Claimed` where the tag is past `trimmed`, if given;
-    `rival` checked on the snapshot read anyway.
+) -> int:
+    """Append `rows_past(tag)` to the table at `path` in a commit tagged with the last
+    seq they hold (at most `upto`) for `history`'s app transaction, unless its tag (at
+    least the seq the history began at) already reaches `upto`; returns the seq the
+    table holds then, at most `upto`. `Claimed` where the tag is past `trimmed`, if
+    given; `rival` checked on the snapshot read anyway.
 
     The tag and the write share one snapshot: a writer whose snapshot is older than
     another's commit of the same app id (a deposed leader's late checkpoint, made after
@@ -230,7 +297,9 @@ def _append_tagged(
     raises nothing (a failure would be logged and counted as one, and alert nobody
     usefully).
     """
-    for attempt in range(1, COMMIT_ATTEMPTS + 1):
+    attempt = 0
+    while True:
+        attempt += 1
         table = DeltaTable(path)
         if rival is not None:
             rival.check(table)
@@ -240,27 +309,28 @@ def _append_tagged(
             raise Claimed(tag)
         done = max(tag, history[1])
         if done >= upto:
-            return
+            return upto
         rows = rows_past(done)
         if rows is None:
-            return
+            return done
         commit = CommitProperties(
-            app_transactions=[Transaction(app, upto)], custom_metadata=metadata
+            app_transactions=[Transaction(app, rows.upto)], custom_metadata=rows.metadata
         )
         try:
-            write_deltalake(table, rows, mode="append", commit_properties=commit)
-            return
+            write_deltalake(table, rows.table, mode="append", commit_properties=commit)
+            return rows.upto
         except CommitFailedError as e:
             refused_commit(path, e)
             if attempt == COMMIT_ATTEMPTS:
                 raise
 
 
-def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Array]:
-    """The ledger's columns of `entries`, in their order. A run's packed ids reach Arrow
-    from their bytes, and its packed columns (`LeaseRecord`) are joined by NumPy,
-    without a str or int object per event; its event and time are repeated from one
-    value (an `AckRun`'s time is a column too)."""
+def _ledger_columns(entries: list[Entry], ids: list[str]) -> dict[str, pa.ChunkedArray | pa.Array]:
+    """The ledger's columns of `entries`, in their order; `ids`: their single
+    settlements', in order. A run's packed ids reach Arrow from their bytes, and its
+    packed columns (`LeaseRecord`) are joined by NumPy, without a str or int object per
+    event; its event and time are repeated from one value (an `AckRun`'s time is a
+    column too)."""
     lengths = list(map(count, entries))
     names: dict[str, int] = {}
     codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)
@@ -268,7 +338,7 @@ def _ledger_columns(entries: list[Entry]) -> dict[str, pa.ChunkedArray | pa.Arra
     ms = pa.array(_times(entries, lengths))
     bucket, sort_key, deliveries = _int_columns(entries)
     return {
-        "message_id": _ids_column(entries),
+        "message_id": _ids_column(entries, iter(ids)),
         "bucket": bucket,
         "event": events,
         "sort_key": sort_key,
@@ -288,13 +358,14 @@ def _times(entries: list[Entry], lengths: list[int]) -> np.ndarray:
     return ms
 
 
-def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
-    """The message ids of `entries`: a stretch of runs whose ids are packed at one width
-    (`PackedIds`, the usual case) joined into one buffer and made Arrow from its bytes
-    (`_packed_column`); the others converted from str, a stretch at a time. Per
-    stretch, not per run: a run's conversion cost ~15 µs whatever its length, most of a
-    checkpoint's time in Python. What is converted goes through `_arrow`, which offers
-    the GIL after each chunk."""
+def _ids_column(entries: list[Entry], single_ids: Iterator[str]) -> pa.ChunkedArray:
+    """The message ids of `entries` (those of its single settlements from `single_ids`,
+    in order): a stretch of runs whose ids are packed at one width (`PackedIds`, the
+    usual case) joined into one buffer and made Arrow from its bytes (`_packed_column`);
+    the others converted from str, a stretch at a time. Per stretch, not per run: a
+    run's conversion cost ~15 µs whatever its length, most of a checkpoint's time in
+    Python. What is converted goes through `_arrow`, which offers the GIL after each
+    chunk."""
     chunks: list[pa.Array] = []
     loose: list[str] = []
     packed: list[bytes] = []
@@ -309,7 +380,7 @@ def _ids_column(entries: list[Entry]) -> pa.ChunkedArray:
         loose.clear()
 
     for e in entries:
-        ids = e.message_id if type(e) is Settlement else e.message_ids
+        ids = next(single_ids) if type(e) is Settlement else e.message_ids
         if isinstance(ids, PackedIds):
             if loose:
                 close_loose()
@@ -409,23 +480,25 @@ def deaths(events: Events) -> list[Settlement]:
 
 
 def write_dead_letters(
-    warehouse: str, topic: str, events: Events, history: History = ("", 0)
+    warehouse: str, topic: str, events: Events, names: Names, history: History = ("", 0)
 ) -> None:
     """Write the dead letters of the deaths among `events` past the table's tag, tagged
-    with the last seq of `events`. Raises if a dead message's row cannot be read."""
+    with the last seq of `events`. Raises if a dead message's row cannot be read, or
+    its message named (`Unnamed`)."""
     entries = entries_of(events)
     dead = deaths(entries)
     if not dead:
         return
+    upto = last(entries[-1])
 
-    def rows_past(done: int) -> pa.Table | None:
+    def rows_past(done: int) -> Rows | None:
         left = [e for e in dead if e.seq > done]
-        return _dead_letters(warehouse, topic, left) if left else None
+        return Rows(_dead_letters(warehouse, topic, left, names), upto) if left else None
 
     # From the history's first seq, not the seq it began past: deaths a trim kept (their
     # dead letters failed) lie below that, and were written under no tag.
     path = ensure_table(warehouse, Table.DEAD_LETTER, topic)
-    _append_tagged(path, (history[0], 0), last(entries[-1]), rows_past)
+    _append_tagged(path, (history[0], 0), upto, rows_past)
 
 
 def compact_ledger(warehouse: str, topic: str, tail_ms: int) -> Compacted | None:
@@ -447,19 +520,41 @@ def compact_dead_letters(warehouse: str, topic: str, tail_ms: int) -> Compacted 
     return maintain_log(ensure_table(warehouse, Table.DEAD_LETTER, topic), "dead_at", tail_ms)
 
 
-def _dead_letters(warehouse: str, topic: str, dead: list[Settlement]) -> pa.Table:
+def _dead_letters(warehouse: str, topic: str, dead: list[Settlement], names: Names) -> pa.Table:
     """The buffer rows of the dead messages, with deliveries, reason and time of death."""
+    by_id = dict(zip(_death_ids(warehouse, topic, dead, names), dead, strict=True))
     buffer = ensure_table(warehouse, Table.BUFFER, topic)
-    by_id = {e.message_id: e for e in dead}
     found = scan(buffer, Table.BUFFER, where=matching(Table.BUFFER, message_id=by_id))
     out: list[dict] = []
     seen: set[str] = set()
     for row in found.to_pylist():
-        e = by_id[row["message_id"]]
-        if e.message_id in seen:
+        mid = row["message_id"]
+        e = by_id[mid]
+        if mid in seen:
             continue
-        seen.add(e.message_id)
+        seen.add(mid)
         row.pop("ingested_at", None)
         row.update(deliveries=e.deliveries, reason=e.reason or "dead", dead_at=_ts(e.at))
         out.append(row)
     return pa.Table.from_pylist(out, schema=DEAD_LETTER_SCHEMA)
+
+
+def _death_ids(warehouse: str, topic: str, dead: list[Settlement], names: Names) -> list[str]:
+    """The ids of the dead messages: `names`', else the ledger's, which holds every
+    death before its dead letter is written. A node's index no longer holds the row of
+    a death the ledger has settled when it loaded or rebuilt (`TopicIndex.load`), so a
+    death whose dead letter failed is named by its ledger row: a dead event at its time,
+    whose id hashes to its handle. Raises `Unnamed` for any named by neither."""
+    ids = names(packed_handles([e.mh for e in dead]))
+    unnamed = [e for e, mid in zip(dead, ids, strict=True) if mid is None]
+    if unnamed:
+        at = matching(Table.LEDGER, event=[LedgerEvent.DEAD], at={_ts(e.at) for e in unnamed})
+        rows = scan(ensure_table(warehouse, Table.LEDGER, topic), Table.LEDGER, ["message_id"], at)
+        ledger = rows.column("message_id").to_pylist()
+        by_handle = dict(zip(map(mh, ledger), ledger, strict=True))
+        ids = [
+            by_handle.get(e.mh) if mid is None else mid for e, mid in zip(dead, ids, strict=True)
+        ]
+        if missing := [e.seq for e, mid in zip(dead, ids, strict=True) if mid is None]:
+            raise Unnamed(missing)
+    return ids  # type: ignore[return-value]
