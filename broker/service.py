@@ -161,7 +161,8 @@ class Problem(Exception):
 class Settled:
     ok: int
     refused: dict[str | int, Refusal]  # by id, or by receipt
-    dead: list[str] = field(default_factory=list)  # of a nack: out of deliveries
+    # Of a nack: out of deliveries, by id (by handle in hex where unnamed, `_ids_of`).
+    dead: list[str] = field(default_factory=list)
 
     def settled_or_409(self, verb: str) -> int:
         """How many were settled; a 409 naming each refused id and why, if any was."""
@@ -1163,7 +1164,18 @@ class Broker:
         args = (consumer, now_ms(), mids, delay_ms, priority, _backoff(cfg), named)
         refused, dead = await self._commit(topic, "nack", *args)
         refused = _by_name(refused, names, early)
-        return Settled(len(ids) - len(refused), refused, dead)
+        asked = [] if receipts else ids
+        return Settled(len(ids) - len(refused), refused, self._ids_of(topic, dead, asked))
+
+    def _ids_of(self, topic: str, handles: list[int], asked: list[str]) -> list[str]:
+        """The ids of messages a command answered by handle (a nack's dead): those the
+        request named, else the leader's index's. One neither names (a new leader whose
+        index has not read its row) is given as its handle, in hex."""
+        by_handle = dict(zip(mhs(asked), asked, strict=True)) if asked else {}
+        if missing := [h for h in handles if h not in by_handle]:
+            found = self.indexes[topic].ids_of(packed_handles(missing))
+            by_handle.update(zip(missing, found, strict=True))
+        return [by_handle[h] or f"{h:032x}" for h in handles]
 
     async def extend(
         self, topic: str, consumer: str, ids: Named, lease_ms: int, receipts: bool = False

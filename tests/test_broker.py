@@ -1457,6 +1457,37 @@ def test_checkpoints_failing_are_reported_while_the_node_leads_only(tmp_path: Pa
     assert following == [(True, "ready"), None, 0, 3], "the failures stay counted"
 
 
+def test_the_index_names_the_messages_of_handles_it_holds_a_slice_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`ids_of` names each handle by its row's id, None where no row here holds it, in
+    the handles' order, across the slices it takes the lock for."""
+    monkeypatch.setattr(index_module, "NAME_SLICE", 2)
+    _, index, _ = loaded_topic(tmp_path, [1, 2, 3])
+    asked = ["m2", "nowhere", "m0", "m1", "m2", "late0"]
+    assert index.ids_of(packed_mhs(asked)) == ["m2", None, "m0", "m1", "m2", None]
+    index.forget(packed_mhs(["m0"]))
+    assert index.ids_of(packed_mhs(["m0", "m1"])) == [None, "m1"], "forgotten: unnamed"
+    assert index.ids_of(b"") == []
+
+
+def test_a_nack_answers_its_dead_by_id_whether_it_named_ids_or_receipts(tmp_path: Path) -> None:
+    """The state tells a nack's dead by handle; the leader answers with their ids: those
+    the request named, or its index's for a request by receipts."""
+
+    async def scenario(broker: Any) -> list[list[str]]:
+        dead = []
+        for by_receipt in (True, False):
+            for _ in range(5):  # max_deliveries
+                [m] = json.loads(await broker.lease("jobs", "w", 1, 60_000, 5_000))
+                named = [m["receipt"]] if by_receipt else [m["id"]]
+                nacked = await broker.nack("jobs", "w", named, 0, None, by_receipt)
+            dead.append(nacked.dead)
+        return dead
+
+    assert on_one_node(tmp_path, scenario) == [["m1"], ["m0"]], "the lowest key first"
+
+
 def test_a_leader_whose_index_has_not_read_a_settled_message_waits_to_write_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -3415,7 +3446,7 @@ def test_a_restarted_leader_commits_the_buckets_and_max_deliveries_its_snapshot_
     fill(warehouse, "jobs", buffer_rows([1], lambda i: 20, prefix="n"))  # ingest at 32
     leased, again, deaths = run(32, 2, restarted)
     assert sorted(leased) == [("m0", 0), ("n0", 20)]
-    assert again == ["n0"] and deaths == [[], ["n0"]], "dead after 2 deliveries, not 5"
+    assert again == ["n0"] and deaths == [[], [mh("n0")]], "dead after 2 deliveries, not 5"
 
 
 def test_a_topic_a_nodes_file_lacks_is_kept_in_its_state_and_snapshot_from_its_configure(

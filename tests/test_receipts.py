@@ -302,7 +302,7 @@ def test_an_acked_message_is_settled_to_every_path_until_its_trim() -> None:
     named = receipts(lease(s, "c", [*many, "one", "dies"], now=0))
     assert s.ack("c", 1, [], [named[m] for m in many]) == {}, "in bulk"
     assert s.ack("c", 1, ["one"]) == {}, "by id"
-    assert s.nack("c", 1, [], receipts=[named["dies"]]) == ({}, [], ["dies"])
+    assert s.nack("c", 1, [], receipts=[named["dies"]]) == ({}, [], [mh("dies")])
     assert leased_ids(s) == set()
     for mid in [*many, "one"]:
         assert s.settled_event(mid) == "acked" and not s.is_available(mid, 2)

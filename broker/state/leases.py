@@ -690,14 +690,15 @@ class TopicState:
         sort_key: int | None = None,
         backoff: RetryBackoff | None = None,
         receipts: list[int] | None = None,
-    ) -> tuple[dict[str | int, Refusal], list[str], list[str]]:
-        """Give leased messages back; returns (refused, pending again, dead).
+    ) -> tuple[dict[str | int, Refusal], list[str], list[int]]:
+        """Give leased messages back; returns (refused, pending again, the handles of
+        those dead: the leader names them for its answer, `Broker.nack`).
 
         Without a delay, the topic's retry `backoff` (if any) holds each back.
         """
         refused: dict[str | int, Refusal] = {}
         pending: list[str] = []
-        dead: list[str] = []
+        dead: list[int] = []
         for record, pos in self._held(consumer, now, mids, receipts, refused):
             self.totals["nacked"] += 1
             mid = record.mid(pos)
@@ -710,7 +711,7 @@ class TopicState:
                 if delay_ms > 0:
                     self.not_before[h] = now + delay_ms
             else:
-                dead.append(mid)
+                dead.append(h)
         return refused, pending, dead
 
     def _redeliver_or_die(

@@ -37,7 +37,7 @@ from dejaq_core import Order
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from dejaq.broker.state.handles import mhs, packed_handles
+from dejaq.broker.state.handles import WIDTH, mhs, packed_handles
 from dejaq.broker.state.handles import unpacked as unpacked_handles
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
@@ -78,6 +78,8 @@ from dejaq.pipelines.retention import (
 )
 
 log = logging.getLogger("dejaq.broker.storage.index")
+# Messages `TopicIndex.ids_of` names per hold of the lock.
+NAME_SLICE = 4096
 # A start's load, topic by topic and as it goes: lines an operator waits on, at INFO on a
 # logger of their own, which `dejaq broker` shows beside its warnings.
 LOAD_LOGGER = "dejaq.broker.load"
@@ -832,13 +834,18 @@ class TopicIndex:
     def ids_of(self, handles: bytes) -> list[str | None]:
         """The id of each message whose handle `handles` packs (16 bytes each), None for
         one with no row here: the leader names the events the state holds by handle
-        when it writes them to the ledger."""
-        with self.lock:
-            table = self.store.table
-            found = table.find_mh(handles)[0]
-            held = table.mids(found[found >= 0])
-        named = iter(held)
-        return [next(named) if f >= 0 else None for f in found.tolist()]
+        when it writes them to the ledger. Under the lock a slice at a time (~1.5 µs a
+        message): a checkpoint of 50,000 cancels would otherwise hold the event loop
+        ~75 ms."""
+        ids: list[str | None] = []
+        step = NAME_SLICE * WIDTH
+        for i in range(0, len(handles), step):
+            with self.lock:
+                table = self.store.table
+                found = table.find_mh(handles[i : i + step])[0]
+                held = iter(table.mids(found[found >= 0]))
+            ids += [next(held) if f >= 0 else None for f in found.tolist()]
+        return ids
 
     def rebuild(self, state: TopicState) -> None:
         """After a snapshot replaced the state wholesale: re-derive every entry.
