@@ -2407,6 +2407,32 @@ def test_a_snapshots_redrive_of_a_message_without_a_row_here_waits_for_its_row(
     assert snapshot.redriven_at == {} and snapshot.redriven_ids == {}
 
 
+@pytest.mark.parametrize("read_by", ["revive", "refresh"])
+def test_a_snapshots_redrive_of_a_message_not_read_here_is_indexed_once_its_row_is(
+    tmp_path: Path, read_by: str
+) -> None:
+    """A snapshot holds a redrive of a message whose row this node has not read: the
+    rebuild waits for the row both by id (`unread`, a redrive's) and by message handle
+    (`awaited`, as the redrive's key is an override). Once the row is read, by a revive
+    (by id) or a refresh (a new version), one entry is made: two would lease the
+    message twice in one pick."""
+    _, _, lagging, state = leased_before_a_node_read_it(tmp_path)
+    assert state.reject("c", 1, ["new0"]) == {}
+    # At a key of its own: the entry a refresh makes at the row's key is then stale.
+    assert state.redrive(2, state.trimmed_upto(), [("new0", 0, 5)])[0] == ["new0"]
+    snapshot = pickle.loads(pickle.dumps(state))
+    lagging.rebuild(snapshot)
+    assert lagging.unread == {mh("new0"): "new0"} and lagging.awaited == {mh("new0")}
+    if read_by == "refresh":
+        assert lagging.refresh() == 2
+    assert lagging.revive(snapshot) == (1 if read_by == "revive" else 0)
+    assert lagging.revive(snapshot) == 0
+    assert lagging.unread == {} and lagging.awaited == set()
+    picked = listed(lagging.pick(snapshot, snapshot.buckets_of("c"), 5, now=3))
+    expected = ["m0", "new1", "new0"] if read_by == "refresh" else ["m0", "new0"]
+    assert [m for m, _, _ in picked] == expected, "each message picked once"
+
+
 def test_the_index_keeps_nothing_of_a_settled_message(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -693,6 +693,8 @@ class TopicIndex:
                     continue
                 tokens = self.store.add(bucket, batch, keep)
                 handles = mhs(batch.mids_at(keep))
+                # Awaited by handle too (a redrive's key is an override): one entry.
+                self.awaited.difference_update(handles)
                 for h, token in zip(handles, tokens.tolist(), strict=True):
                     self._pending(state, h, token)
                 revived += len(keep)
@@ -720,6 +722,7 @@ class TopicIndex:
         ]
         for h, mid, token in indexed:
             del self.unread[h]
+            self.awaited.discard(h)  # one entry, should a redrive await it by handle too
             if state.settled_event(mid) is None and (h in state.not_before or h in state.sort_keys):
                 self._pending(state, h, token)
         if not self.awaited:
