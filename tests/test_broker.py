@@ -2389,20 +2389,29 @@ def test_a_snapshots_redrive_of_a_message_without_a_row_here_waits_for_its_row(
     tmp_path: Path,
 ) -> None:
     """A snapshot holds a redrive, by message handle, of a message this node has no row
-    of (its row left the buffer as it died, or is in a version not read yet): the
-    rebuild names it by id from the redrive's event, and the message waits for its row
-    (`unread`), which the dead letter's revive brings, rather than being lost."""
-    _, index, state = loaded_topic(tmp_path, [5, 1])
-    state.lease("c", 0, 1000, [("gone", 0, 1), ("m0", 0, 5)])
-    assert state.reject("c", 1, ["gone", "m0"]) == {}
-    assert state.redrive(2, state.trimmed_upto(), [("gone", 0, 1), ("m0", 0, 5)])[0] == [
-        "gone",
+    of (its row left the buffer as it died, or, here, is in a version not read yet):
+    the rebuild names it by id (`redriven_ids`), and the message waits for its row
+    (`unread`, and `awaited` by handle), which a revive brings from the buffer or the
+    dead letters, rather than being lost; once the row is read, each message has one
+    entry."""
+    warehouse, index, state = loaded_topic(tmp_path, [5, 1])
+    fill(warehouse, "jobs", buffer_rows([1], prefix="late"))
+    state.lease("c", 0, 1000, [("late0", 0, 1), ("m0", 0, 5)])
+    assert state.reject("c", 1, ["late0", "m0"]) == {}
+    assert state.redrive(2, state.trimmed_upto(), [("late0", 0, 1), ("m0", 0, 5)])[0] == [
+        "late0",
         "m0",
     ]
     snapshot = pickle.loads(pickle.dumps(state))
-    assert snapshot.redriven_ids == {mh("gone"): "gone", mh("m0"): "m0"}
+    assert snapshot.redriven_ids == {mh("late0"): "late0", mh("m0"): "m0"}
     index.rebuild(snapshot)
-    assert index.unread == {mh("gone"): "gone"}, "m0's row is here"
+    assert index.unread == {mh("late0"): "late0"}, "m0's row is here"
+    assert index.awaited == {mh("late0")}, "its redrive's key is an override"
+    assert index.revive(snapshot) == 1
+    assert index.revive(snapshot) == 0, "the follow thread revives after every refresh"
+    assert index.unread == {} and index.awaited == set()
+    picked = [m for m, _, _ in listed(index.pick(snapshot, [0, 1, 2, 3], 5, now=3))]
+    assert sorted(picked) == ["late0", "m0", "m1"], "each message picked once"
     snapshot.trim(snapshot.seq)
     assert snapshot.redriven_at == {} and snapshot.redriven_ids == {}
 
