@@ -2,12 +2,15 @@
 stand for, and its lease table (`dejaq_core.LeaseTable`, by message handle) against a
 dict model; a topic's state pickled with its leases as a dict (every snapshot: by
 handle, or by id before handles) loads into the table; a lease record
-(`dejaq_core.LeaseRecord`) pickles as the Python record did."""
+(`dejaq_core.LeaseRecord`) pickles as the Python record did; code from before handles
+refuses a snapshot by handle."""
 
 from __future__ import annotations
 
+import io
 import pickle
 from array import array
+from typing import Any
 
 import pytest
 from conftest import Named
@@ -16,8 +19,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
-from dejaq.broker.state.handles import mh, mhs, unpacked
+from dejaq.broker.state.handles import KeyedByHandle, mh, mhs, unpacked
 from dejaq.broker.state.leases import ACKED, LeaseRecord, Refusal, TopicState
+from dejaq.broker.state.raft import SnapshotUnpickler
 from dejaq.broker.state.settlements import EventLog
 
 IDS = st.sampled_from(["a", "b", "c", "é", "m" * 70, "", "x-1", "x-2", "日本" * 10])
@@ -332,3 +336,32 @@ def test_a_snapshots_counts_settlements_redrives_and_overrides_by_id_load_by_han
         state_now.trim(state_now.seq)
         assert state_now.redriven_at == {} and state_now.settled == {}
         assert state_now.redriven_ids == {}
+
+
+class BeforeHandles(SnapshotUnpickler):
+    """A node's snapshot load as code from before message handles runs it: that code has
+    no `dejaq.broker.state.handles` module, so its import fails. Simulated here by
+    refusing the module in `find_class`, where that import would be made."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module == KeyedByHandle.__module__:
+            raise ModuleNotFoundError(f"No module named {module!r}")
+        return super().find_class(module, name)
+
+
+def test_a_snapshot_by_handle_is_refused_by_code_from_before_handles() -> None:
+    """A topic's state pickled as a snapshot holds the mark `KeyedByHandle`: code from
+    before handles fails to load it (a node then exits naming its snapshot) rather than
+    taking its maps by handle for maps by id, which would lease a dead message again.
+    This code loads it, keeping no mark in the state."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    lease(s, "c", ["a", "b"], now=0)
+    assert s.reject("c", 1, ["a"]) == {}
+    blob = pickle.dumps(s, protocol=5)
+    assert KeyedByHandle.__name__.encode() in blob
+    with pytest.raises(ModuleNotFoundError, match=KeyedByHandle.__module__):
+        BeforeHandles(io.BytesIO(blob)).load()
+    again = SnapshotUnpickler(io.BytesIO(blob)).load()
+    assert "keyed_by" not in vars(again) and again.__getstate__()["keyed_by"] is KeyedByHandle
+    assert again.settled_event("a") == "dead" and again.lease_of("b") is not None
+    assert len(lease(again, "c", ["a"], now=2)) == 0, "dead: not leased again"

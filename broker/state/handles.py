@@ -11,6 +11,14 @@ from dejaq_core import PackedIds, message_handle, message_handles
 WIDTH = 16  # bytes of a packed handle
 
 
+class KeyedByHandle:
+    """The mark a snapshot's topic state carries (`TopicState.__getstate__`): its lease
+    state is keyed by message handle. Pickled as a reference to this class, which code
+    from before handles lacks, so a node of that code refuses the snapshot (unpickling
+    it fails on this module) instead of loading handles where it expects ids, which
+    would lease settled messages again."""
+
+
 def mh(mid: str) -> int:
     """The handle of `mid`: every node computes the same one, with no key to share."""
     return message_handle(mid)

@@ -41,7 +41,7 @@ from dejaq_core import (
 )
 
 from dejaq.broker.state.assignment import rebalance
-from dejaq.broker.state.handles import mh, mhs, packed, packed_handles
+from dejaq.broker.state.handles import KeyedByHandle, mh, mhs, packed, packed_handles
 from dejaq.broker.state.handles import unpacked as unpacked_handles
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
@@ -207,10 +207,12 @@ class TopicState:
     def __getstate__(self) -> dict:
         """Snapshots hold what they held before `owned` and `leased`: both are derived,
         rebuilt on load; and `leases` as the dict they held before it was a `LeaseTable`,
-        by message handle (by id before handles: `__setstate__` hashes those)."""
+        by message handle (by id before handles: `__setstate__` hashes those). The mark
+        `KeyedByHandle` makes a node of code from before handles refuse the snapshot."""
         state = self.__dict__.copy()
         del state["owned"], state["leased"]
         state["leases"] = dict(self.leases.items())
+        state["keyed_by"] = KeyedByHandle
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -223,6 +225,7 @@ class TopicState:
         self.configured = False  # from before `configure`: the leader commits one
         self.history, self.history_from = "", 0  # from before histories: the first
         self.replaced = None
+        state.pop("keyed_by", None)  # absent from snapshots from before handles
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
