@@ -4230,6 +4230,30 @@ def test_the_id_table_forgets_and_finds_a_trims_worth_of_ids_as_a_dict_would(
     assert table.find_mh(packed(probe))[0].tolist() == want
 
 
+def test_an_id_table_placed_a_large_batch_at_a_time_finds_every_id() -> None:
+    """An insert or a rebuild of HASH_FREE_MIN (16,384) rows or more hashes their ids
+    with the GIL released, over a copy of the column and of the ids kept whole: every
+    id, of every shape, is found where it was stored, by id and by message handle."""
+    import numpy as np
+
+    from dejaq.broker.state.handles import packed
+    from dejaq.broker.storage import id_table
+
+    n = 60_000
+    mids = [_id(i) for i in range(n)]
+    table = id_table.IdTable()
+    table.grow(n)
+    first = 20_000  # one insert, then a rebuild of its rows to make room for the rest
+    table.insert(np.arange(first), table.encode(mids[:first]))
+    slots = len(table.slots)
+    table.make_room(n - first, threading.Lock())
+    assert len(table.slots) > slots, "rebuilt"
+    table.insert(np.arange(first, n), table.encode(mids[first:]))
+    assert table.find(mids)[0].tolist() == list(range(n))
+    assert table.find_mh(packed(mids))[0].tolist() == list(range(n))
+    assert table.find([f"{m}-" for m in mids[:100]])[0].tolist() == [-1] * 100
+
+
 def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> None:
     """One node of three up: no leader. A replicated call from a duty thread fails with
     NotCommitted, PySyncObj's reason in words: a leader change is a line in the log, not

@@ -72,12 +72,16 @@ pub fn grant<'py>(
     let take = allowed.map_or(raws.len(), |a| a.min(raws.len()));
 
     // Which picks may be granted, before the table is borrowed: the checks below make
-    // Python objects (a str per id to probe a dict, an int per bucket), and making one
-    // may run another thread, which may read the table (`LeaseTable`'s note).
+    // Python objects (an int per handle to probe a dict, an int per bucket), and making
+    // one may run another thread, which may read the table (`LeaseTable`'s note). Each
+    // candidate is hashed once, and its handle made a Python int once, for every dict
+    // it is looked up in, here and in `deliveries` below.
     let mine = owned_buckets(owned)?;
     let mut free: ByBucket<bool> = ByBucket::default();
     let probe = !(settled.is_empty() && not_before.is_empty() && sort_keys.is_empty());
     let mut candidates: Vec<usize> = Vec::with_capacity(take);
+    let mut picked: Vec<u128> = Vec::with_capacity(take);
+    let mut ints: Vec<Bound<'py, PyAny>> = Vec::with_capacity(if probe { take } else { 0 });
     for (i, &raw) in raws[..take].iter().enumerate() {
         let bucket = bucket_of(i);
         let ok = match free.get(bucket) {
@@ -92,14 +96,15 @@ pub fn grant<'py>(
         if !ok {
             continue;
         }
+        let handle = mh(raw);
         if probe {
-            let handle = mh(raw);
-            if !settled.is_empty() && settled.contains(handle)? {
+            let int = handle.into_pyobject(py)?.into_any();
+            if !settled.is_empty() && settled.contains(&int)? {
                 continue;
             }
             // Picked before a reschedule moved it: early at its old time, or out of order.
             if !sort_keys.is_empty() {
-                if let Some(key) = sort_keys.get_item(handle)? {
+                if let Some(key) = sort_keys.get_item(&int)? {
                     if key.extract::<i64>()? != key_of(i) {
                         continue;
                     }
@@ -107,18 +112,19 @@ pub fn grant<'py>(
             }
             // A leased message has neither a delay nor a count outside its lease.
             if !not_before.is_empty() {
-                if let Some(at) = not_before.get_item(handle)? {
+                if let Some(at) = not_before.get_item(&int)? {
                     if at.extract::<i64>()? > now {
                         continue;
                     }
-                    not_before.del_item(handle)?;
+                    not_before.del_item(&int)?;
                 }
             }
+            ints.push(int);
         }
         candidates.push(i);
+        picked.push(handle);
     }
 
-    let picked: Vec<u128> = candidates.iter().map(|&i| mh(raws[i])).collect();
     let entered: Vec<usize> = table.borrow_mut().enter_each(&picked, record.as_any());
     let granted: Vec<usize> = entered.iter().map(|&k| candidates[k]).collect();
 
@@ -126,10 +132,13 @@ pub fn grant<'py>(
     let mut redelivered = 0;
     if !deliveries.is_empty() {
         for (count, &k) in counts.iter_mut().zip(&entered) {
-            let handle = picked[k];
-            if let Some(before) = deliveries.get_item(handle)? {
+            let int = match ints.get(k) {
+                Some(int) => int.clone(),
+                None => picked[k].into_pyobject(py)?.into_any(),
+            };
+            if let Some(before) = deliveries.get_item(&int)? {
                 *count += before.extract::<i32>()?;
-                deliveries.del_item(handle)?;
+                deliveries.del_item(&int)?;
                 if *count > 1 {
                     redelivered += 1;
                 }

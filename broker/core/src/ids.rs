@@ -119,17 +119,6 @@ impl Rows<'_, '_> {
         }
     }
 
-    /// The handle of the row at `h`, hashed from its id.
-    fn mh_at(&self, h: usize) -> PyResult<u128> {
-        if let Some(mid) = self.long_id(h)? {
-            return Ok(mh(mid.to_str()?.as_bytes()));
-        }
-        // A freed handle's digest, which a rebuild may meet, need not be UTF-8: hashed
-        // as bytes, it only places a slot that the rebuild then deletes.
-        let key = column_key(self.column, h, self.width)?;
-        Ok(mh(unpadded(&key[..self.width])))
-    }
-
     /// The 8-byte words of column the row at `h` needs: a digest's one if kept whole.
     fn words_at(&self, h: usize) -> PyResult<usize> {
         if self.long_id(h)?.is_some() {
@@ -411,10 +400,69 @@ pub fn take_slots<'py>(
     Ok((PyBytes::new(py, &handles), words))
 }
 
+/// Rows placed at once past which `place_slots` hashes their ids with the GIL released:
+/// a rebuild of a million ids hashes for a fifth of a second, which every other thread
+/// of the node (the event loop's Raft applies and leases) would otherwise wait out.
+/// Below it, the hashing takes a few ms at most, less than another thread may hold the
+/// GIL before it is taken back.
+const HASH_FREE_MIN: usize = 16_384;
+
+/// The ids of `handles` copied out of the column (`width` bytes each, NUL-padded) and
+/// `long` (those it holds as a digest, by position in `handles`), for hashing without
+/// the GIL.
+struct Copied {
+    keys: Vec<u8>,
+    long: Vec<(usize, Vec<u8>)>,
+    width: usize,
+}
+
+impl Copied {
+    fn of(rows: &Rows<'_, '_>, handles: &[ReadOnlyCell<i64>]) -> PyResult<Self> {
+        let width = rows.width;
+        let mut keys = vec![0u8; handles.len() * width];
+        let mut long = Vec::new();
+        for (k, (h, to)) in handles.iter().zip(keys.chunks_exact_mut(width)).enumerate() {
+            let h = h.get();
+            let handle = usize::try_from(h)
+                .ok()
+                .filter(|&h| h < i32::MAX as usize && (h + 1) * width <= rows.column.len())
+                .ok_or_else(|| PyValueError::new_err(format!("no handle {h} in the id column")))?;
+            if let Some(mid) = rows.long_id(handle)? {
+                long.push((k, mid.to_str()?.as_bytes().to_vec()));
+            } else {
+                for (to, from) in to.iter_mut().zip(&rows.column[handle * width..]) {
+                    *to = from.get();
+                }
+            }
+        }
+        Ok(Copied { keys, long, width })
+    }
+
+    /// Each id's mix with `seed`: its position under `mask`, and its tag. A freed
+    /// handle's digest, which a rebuild may meet, need not be UTF-8: hashed as bytes,
+    /// it only places a slot that the rebuild then deletes.
+    fn starts(&self, seed: u64, mask: usize) -> Vec<(usize, u8)> {
+        let mut long = self.long.iter().peekable();
+        self.keys
+            .chunks_exact(self.width)
+            .enumerate()
+            .map(|(k, key)| {
+                let raw = match long.next_if(|(at, _)| *at == k) {
+                    Some((_, mid)) => mid.as_slice(),
+                    None => unpadded(key),
+                };
+                let mix = mixed(mh(raw), seed);
+                (mix as usize & mask, tag_of(mix))
+            })
+            .collect()
+    }
+}
+
 /// Index `handles` (stored in the column: `width` bytes each, or in `long`) in `slots`
 /// and `tags`: each into the first empty slot from its position, in order, as
-/// `find_slots` walks. Each row's id is hashed again for its mh; positions are computed
-/// for all first and their slots read in a pass of independent loads, as in
+/// `find_slots` walks. Each row's id is hashed again for its mh, with the GIL released
+/// for a batch of HASH_FREE_MIN or more (over a copy of the ids); positions are
+/// computed for all first and their slots read in a pass of independent loads, as in
 /// `find_slots`; a table too full to take them all is an error (the caller sizes it).
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
@@ -442,16 +490,12 @@ pub fn place_slots(
         width,
         long,
     };
-    let mut starts = Vec::with_capacity(handles.len());
-    for h in handles {
-        let h = h.get();
-        let handle = usize::try_from(h)
-            .ok()
-            .filter(|&h| h < i32::MAX as usize && (h + 1) * width <= column.len())
-            .ok_or_else(|| PyValueError::new_err(format!("no handle {h} in the id column")))?;
-        let mix = mixed(rows.mh_at(handle)?, seed);
-        starts.push((mix as usize & mask, tag_of(mix)));
-    }
+    let copied = Copied::of(&rows, handles)?;
+    let starts = if handles.len() >= HASH_FREE_MIN {
+        py.allow_threads(|| copied.starts(seed, mask))
+    } else {
+        copied.starts(seed, mask)
+    };
     let mut touched = 0i32;
     for &(i, _) in &starts {
         touched ^= table[i].get();

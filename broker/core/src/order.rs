@@ -320,18 +320,23 @@ impl Order {
                 Some(mid) => mh(mid.to_str()?.as_bytes()),
                 None => mh(unpadded(&raw[..width])),
             };
+            // Looked up in the state's dicts too where any holds something.
+            let probe = !(settled.is_empty() && not_before.is_empty() && overrides.is_empty());
             let stale = leases.borrow().holds(handle)
-                || (!settled.is_empty() && settled.contains(handle)?)
-                || (!not_before.is_empty()
-                    && match not_before.get_item(handle)? {
-                        Some(at) => at.extract::<i64>()? > now,
-                        None => false,
-                    })
-                || (!overrides.is_empty()
-                    && match overrides.get_item(handle)? {
-                        Some(key) => key.extract::<i64>()? != e.key,
-                        None => c.entry(e.token).key != e.key,
-                    });
+                || (probe && {
+                    let int = handle.into_pyobject(py)?; // one Python int for every map
+                    (!settled.is_empty() && settled.contains(&int)?)
+                        || (!not_before.is_empty()
+                            && match not_before.get_item(&int)? {
+                                Some(at) => at.extract::<i64>()? > now,
+                                None => false,
+                            })
+                        || (!overrides.is_empty()
+                            && match overrides.get_item(&int)? {
+                                Some(key) => key.extract::<i64>()? != e.key,
+                                None => c.entry(e.token).key != e.key,
+                            })
+                });
             if !stale {
                 let bucket = u16::try_from(b)
                     .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
