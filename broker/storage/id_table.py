@@ -21,10 +21,12 @@ not in the position: a wider or narrower column moves no slot.
 
 Linear probing, in the compiled core (`dejaq_core.find_slots`, `take_slots`,
 `place_slots`), which hashes and probes each message as it reads it, with no array or
-bytes object per message. Deleted slots are reused only by a rebuild, when used slots
+bytes object per message. New ids are hashed once, as they are encoded (`encode`,
+outside the caller's lock): the look-up that finds them new and the insert that places
+them take those handles. Deleted slots are reused only by a rebuild, when used slots
 would pass three quarters, into a table at most half full. A rebuild over a million
-ids takes a fraction of a second: `make_room` does it before an insert, outside the
-caller's lock.
+ids takes a fraction of a second, hashing them with the GIL released: `make_room` does
+it before an insert, outside the caller's lock.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from itertools import compress
 from typing import NamedTuple
 
 import numpy as np
-from dejaq_core import PackedIds, find_slots, place_slots, take_slots
+from dejaq_core import PackedIds, find_slots, message_handles, place_slots, take_slots
 
 EMPTY = 0
 DELETED = -1
@@ -45,20 +47,26 @@ STEP = 8  # the column's width grows in words of 8 bytes
 WIDEST = 64
 ABSENT = -1  # `take`: an id not stored
 AGAIN = -3  # `take`: an id named earlier in the same call
+MH_WIDTH = 16  # bytes of a packed message handle
 _SEED = int.from_bytes(os.urandom(8), "little")  # mixed into each position (module doc)
 
 
 class Encoded(NamedTuple):
-    """Ids, as the column holds them (fixed-width bytes), and which of them are digests
-    (kept whole in `long`)."""
+    """Ids, as the column holds them (fixed-width bytes), which of them are digests (kept
+    whole in `long`), and their message handles, packed (`broker/state/handles.py`):
+    hashed once, for the look-up that finds them new and the insert that places them."""
 
     mids: list[str]
     keys: np.ndarray
     long: np.ndarray
+    mhs: bytes
 
     def kept(self, keep: np.ndarray) -> Encoded:
         """The ids where the mask `keep` is true."""
-        return Encoded(list(compress(self.mids, keep.tolist())), self.keys[keep], self.long[keep])
+        mhs = np.frombuffer(self.mhs, np.uint8).reshape(-1, MH_WIDTH)[keep].tobytes()
+        return Encoded(
+            list(compress(self.mids, keep.tolist())), self.keys[keep], self.long[keep], mhs
+        )
 
 
 class IdTable:
@@ -93,16 +101,16 @@ class IdTable:
         return decode(self.ids, self.long, handles)
 
     def encode(self, mids: list[str]) -> Encoded:
-        """`mids` as `insert` stores them. A bytes object per id, 0.1-0.3 s a million
-        ids: made before the caller takes the lock that `insert` runs under, by the one
-        thread that inserts, which alone changes the column's width."""
+        """`mids` as `insert` stores them, and hashed. A bytes object per id, 0.1-0.3 s a
+        million ids: made before the caller takes the lock that `insert` runs under, by
+        the one thread that inserts, which alone changes the column's width."""
         keys, long = self._keys(mids)
-        return Encoded(mids, keys, long)
+        return Encoded(mids, keys, long, message_handles(mids))
 
     def insert(self, handles: np.ndarray, encoded: Encoded) -> None:
         """Store the ids `encoded` at `handles`, none of them stored already, and index
         them."""
-        mids, keys, long = encoded
+        mids, keys, long, mhs = encoded
         if keys.dtype.itemsize < self.ids.dtype.itemsize:  # encoded before a wider insert
             keys = keys.astype(self.ids.dtype)
         if keys.dtype != self.ids.dtype:  # wider: no position changes (module doc)
@@ -113,7 +121,7 @@ class IdTable:
         self.ids[handles] = keys
         for i in np.flatnonzero(long).tolist():
             self.long[int(handles[i])] = mids[i]
-        self._place(self.slots, self.tags, self.ids, handles)
+        self._place(self.slots, self.tags, self.ids, handles, mhs)
         self.live += len(handles)
         self.words += _words_of(keys, long)
 
@@ -140,19 +148,24 @@ class IdTable:
         h = int(self.find([mid])[0][0])
         return None if h < 0 else h
 
-    def find(self, mids: list[str] | PackedIds) -> tuple[np.ndarray, np.ndarray]:
-        """(handle, slot) of each id; -1 for both where it is not stored."""
-        return self._found(mids)
+    def find(
+        self, mids: list[str] | PackedIds, mhs: bytes | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(handle, slot) of each id; -1 for both where it is not stored. `mhs`: their
+        message handles packed, if hashed already (`Encoded.mhs`)."""
+        return self._found(mids, mhs)
 
     def find_mh(self, mhs: bytes) -> tuple[np.ndarray, np.ndarray]:
         """(handle, slot) of each message whose handle `mhs` packs (16 bytes each,
         `broker/state/handles.py`); -1 for both where it is not stored."""
         return self._found(mhs)
 
-    def _found(self, asked: list[str] | PackedIds | bytes) -> tuple[np.ndarray, np.ndarray]:
+    def _found(
+        self, asked: list[str] | PackedIds | bytes, mhs: bytes | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         width = self.ids.dtype.itemsize
         ids = self.ids.view(np.uint8)
-        slots, handles = find_slots(asked, self.slots, self.tags, ids, width, self.long, _SEED)
+        slots, handles = find_slots(asked, self.slots, self.tags, ids, width, self.long, _SEED, mhs)
         return np.frombuffer(handles, np.int64), np.frombuffer(slots, np.int64)
 
     def _full(self, n: int) -> bool:
@@ -254,13 +267,19 @@ class IdTable:
         return slots, tags
 
     def _place(
-        self, slots: np.ndarray, tags: np.ndarray, ids: np.ndarray, handles: np.ndarray
+        self,
+        slots: np.ndarray,
+        tags: np.ndarray,
+        ids: np.ndarray,
+        handles: np.ndarray,
+        mhs: bytes | None = None,
     ) -> None:
         """Each handle into the first empty slot from its position, by the compiled core,
-        which hashes each row's id again for its mh."""
+        at its message handle in `mhs` (an insert's, hashed as it was encoded), or
+        hashing each row's id again for it (a rebuild's)."""
         handles = np.ascontiguousarray(handles, np.int64)
         width = ids.dtype.itemsize
-        place_slots(slots, tags, ids.view(np.uint8), width, self.long, _SEED, handles)
+        place_slots(slots, tags, ids.view(np.uint8), width, self.long, _SEED, handles, mhs)
 
 
 def _digest(raw: bytes) -> bytes:

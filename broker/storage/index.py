@@ -439,9 +439,11 @@ class TopicIndex:
             if forgotten and len(batch.mids):
                 new &= ~_named(mhs(batch.mids), forgotten)
             keep = np.flatnonzero(new)
-            if len(table) and len(keep):  # indexed already (by `revive`)
-                keep = keep[self.store.tokens(batch.mids_at(keep)) == 0]
+            # Encoded (and hashed) once, for the look-up and the insert.
             encoded = table.encode(batch.mids_at(keep))
+            if len(table) and len(keep):  # indexed already (by `revive`)
+                unread = self.store.tokens(encoded.mids, encoded.mhs) == 0
+                keep, encoded = keep[unread], encoded.kept(unread)
             kept.append((bucket, batch, keep, encoded))
         adding = sum(len(keep) for _, _, keep, _ in kept)
         table.make_room(adding, self.lock)

@@ -207,9 +207,10 @@ class RowStore:
         h = self.table.get(mid)
         return None if h is None else h | int(self.batch[h]) << HANDLE_BITS
 
-    def tokens(self, mids: list[str]) -> np.ndarray:
-        """The token of each message, 0 for one not stored."""
-        return self._tokens_found(self.table.find(mids)[0])
+    def tokens(self, mids: list[str], mhs: bytes | None = None) -> np.ndarray:
+        """The token of each message, 0 for one not stored. `mhs`: their message handles
+        packed, if hashed already (`Encoded.mhs`)."""
+        return self._tokens_found(self.table.find(mids, mhs)[0])
 
     def tokens_mh(self, mhs: bytes) -> np.ndarray:
         """The token of each message whose message handle `mhs` packs (16 bytes each),

@@ -154,20 +154,48 @@ impl Query<'_> {
     }
 }
 
+/// The handles packed 16 bytes each in `blob`.
+fn handles_in(blob: &[u8]) -> PyResult<Vec<u128>> {
+    if !blob.len().is_multiple_of(WIDTH) {
+        return Err(PyValueError::new_err("packed handles are 16 bytes each"));
+    }
+    Ok(blob
+        .chunks_exact(WIDTH)
+        .map(|b| u128::from_le_bytes(b.try_into().expect("16 bytes")))
+        .collect())
+}
+
 /// The messages `mids` names: ids (a list of str, or `PackedIds`), or handles packed 16
-/// bytes each (bytes), as the ids' bytes (`raws` holds them) and handles.
-fn queries<'a>(mids: &'a Bound<'_, PyAny>, raws: &'a [&'a [u8]]) -> PyResult<Vec<Query<'a>>> {
+/// bytes each (bytes), as the ids' bytes (`raws` holds them) and handles: hashed here,
+/// or, for ids, `mhs` packing each one's handle already (an ingest hashes each id once,
+/// for its look-up and its insert).
+fn queries<'a>(
+    mids: &'a Bound<'_, PyAny>,
+    raws: &'a [&'a [u8]],
+    mhs: Option<&Bound<'_, PyBytes>>,
+) -> PyResult<Vec<Query<'a>>> {
     if let Ok(blob) = mids.downcast::<PyBytes>() {
-        let blob = blob.as_bytes();
-        if !blob.len().is_multiple_of(WIDTH) {
-            return Err(PyValueError::new_err("packed handles are 16 bytes each"));
-        }
-        return Ok(blob
-            .chunks_exact(WIDTH)
-            .map(|b| Query::Mh(u128::from_le_bytes(b.try_into().expect("16 bytes"))))
+        return Ok(handles_in(blob.as_bytes())?
+            .into_iter()
+            .map(Query::Mh)
             .collect());
     }
-    Ok(raws.iter().map(|&raw| Query::Id(raw, mh(raw))).collect())
+    let Some(mhs) = mhs else {
+        return Ok(raws.iter().map(|&raw| Query::Id(raw, mh(raw))).collect());
+    };
+    let handles = handles_in(mhs.as_bytes())?;
+    if handles.len() != raws.len() {
+        return Err(PyValueError::new_err(format!(
+            "{} handles for {} ids",
+            handles.len(),
+            raws.len()
+        )));
+    }
+    Ok(raws
+        .iter()
+        .zip(handles)
+        .map(|(&raw, handle)| Query::Id(raw, handle))
+        .collect())
 }
 
 /// The ids' bytes that `mids` names (none for packed handles), `strs` holding their strs.
@@ -278,8 +306,10 @@ fn probe(
 /// unless found), as two int64 bytes: the walk has read the slot, so the caller does
 /// not read the table again. `slots` is the table (a handle + 1 per used slot, -1
 /// deleted), `tags` each slot's tag, `ids` the column's bytes (`width` per handle),
-/// `long` the ids it holds as a digest, by handle, and `seed` the position's.
+/// `long` the ids it holds as a digest, by handle, and `seed` the position's; `mhs`,
+/// for ids, their handles packed, if hashed already.
 #[pyfunction]
+#[pyo3(signature = (mids, slots, tags, ids, width, long, seed, mhs = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn find_slots<'py>(
     py: Python<'py>,
@@ -290,6 +320,7 @@ pub fn find_slots<'py>(
     width: usize,
     long: &Bound<'py, PyDict>,
     seed: u64,
+    mhs: Option<&Bound<'py, PyBytes>>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let table = slice(py, &slots, "id table's")?;
     let tags = slice(py, &tags, "id table's tag")?;
@@ -297,7 +328,7 @@ pub fn find_slots<'py>(
     let mask = mask_of(table.len(), tags.len(), width)?;
     let strs = strs_of(mids)?;
     let raws = raws_of(py, mids, &strs)?;
-    let asked = queries(mids, &raws)?;
+    let asked = queries(mids, &raws, mhs)?;
     let rows = Rows {
         column,
         width,
@@ -357,7 +388,7 @@ pub fn take_slots<'py>(
     let mask = mask_of(table.len(), tags.len(), width)?;
     let strs = strs_of(mids)?;
     let raws = raws_of(py, mids, &strs)?;
-    let asked = queries(mids, &raws)?;
+    let asked = queries(mids, &raws, None)?;
     let rows = Rows {
         column,
         width,
@@ -417,16 +448,11 @@ struct Copied {
 }
 
 impl Copied {
-    fn of(rows: &Rows<'_, '_>, handles: &[ReadOnlyCell<i64>]) -> PyResult<Self> {
+    fn of(rows: &Rows<'_, '_>, handles: &[usize]) -> PyResult<Self> {
         let width = rows.width;
         let mut keys = vec![0u8; handles.len() * width];
         let mut long = Vec::new();
-        for (k, (h, to)) in handles.iter().zip(keys.chunks_exact_mut(width)).enumerate() {
-            let h = h.get();
-            let handle = usize::try_from(h)
-                .ok()
-                .filter(|&h| h < i32::MAX as usize && (h + 1) * width <= rows.column.len())
-                .ok_or_else(|| PyValueError::new_err(format!("no handle {h} in the id column")))?;
+        for (k, (&handle, to)) in handles.iter().zip(keys.chunks_exact_mut(width)).enumerate() {
             if let Some(mid) = rows.long_id(handle)? {
                 long.push((k, mid.to_str()?.as_bytes().to_vec()));
             } else {
@@ -460,11 +486,14 @@ impl Copied {
 
 /// Index `handles` (stored in the column: `width` bytes each, or in `long`) in `slots`
 /// and `tags`: each into the first empty slot from its position, in order, as
-/// `find_slots` walks. Each row's id is hashed again for its mh, with the GIL released
-/// for a batch of HASH_FREE_MIN or more (over a copy of the ids); positions are
-/// computed for all first and their slots read in a pass of independent loads, as in
-/// `find_slots`; a table too full to take them all is an error (the caller sizes it).
+/// `find_slots` walks. Each row's mh is `mhs`'s (packed, in the order of `handles`) if
+/// given, as an insert of ids hashed for their look-up gives them; else its id is
+/// hashed again, with the GIL released for a batch of HASH_FREE_MIN or more (over a
+/// copy of the ids), as a rebuild does. Positions are computed for all first and their
+/// slots read in a pass of independent loads, as in `find_slots`; a table too full to
+/// take them all is an error (the caller sizes it).
 #[pyfunction]
+#[pyo3(signature = (slots, tags, ids, width, long, seed, handles, mhs = None))]
 #[allow(clippy::too_many_arguments)]
 pub fn place_slots(
     py: Python<'_>,
@@ -475,6 +504,7 @@ pub fn place_slots(
     long: &Bound<'_, PyDict>,
     seed: u64,
     handles: PyBuffer<i64>,
+    mhs: Option<&Bound<'_, PyBytes>>,
 ) -> PyResult<()> {
     let table = slots
         .as_mut_slice(py)
@@ -490,18 +520,49 @@ pub fn place_slots(
         width,
         long,
     };
-    let copied = Copied::of(&rows, handles)?;
-    let starts = if handles.len() >= HASH_FREE_MIN {
-        py.allow_threads(|| copied.starts(seed, mask))
-    } else {
-        copied.starts(seed, mask)
+    let placed = handles
+        .iter()
+        .map(|h| {
+            let h = h.get();
+            usize::try_from(h)
+                .ok()
+                .filter(|&h| h < i32::MAX as usize && (h + 1) * width <= column.len())
+                .ok_or_else(|| PyValueError::new_err(format!("no handle {h} in the id column")))
+        })
+        .collect::<PyResult<Vec<usize>>>()?;
+    let starts: Vec<(usize, u8)> = match mhs {
+        Some(mhs) => {
+            let given = handles_in(mhs.as_bytes())?;
+            if given.len() != placed.len() {
+                return Err(PyValueError::new_err(format!(
+                    "{} message handles for {} rows",
+                    given.len(),
+                    placed.len()
+                )));
+            }
+            given
+                .into_iter()
+                .map(|handle| {
+                    let mix = mixed(handle, seed);
+                    (mix as usize & mask, tag_of(mix))
+                })
+                .collect()
+        }
+        None => {
+            let copied = Copied::of(&rows, &placed)?;
+            if placed.len() >= HASH_FREE_MIN {
+                py.allow_threads(|| copied.starts(seed, mask))
+            } else {
+                copied.starts(seed, mask)
+            }
+        }
     };
     let mut touched = 0i32;
     for &(i, _) in &starts {
         touched ^= table[i].get();
     }
     std::hint::black_box(touched);
-    for (h, &(start, tag)) in handles.iter().zip(&starts) {
+    for (&h, &(start, tag)) in placed.iter().zip(&starts) {
         let mut i = start;
         let mut probes = 0;
         while table[i].get() != EMPTY {
@@ -511,7 +572,7 @@ pub fn place_slots(
             }
             i = (i + 1) & mask;
         }
-        table[i].set(h.get() as i32 + 1);
+        table[i].set(h as i32 + 1);
         tags[i].set(tag);
     }
     Ok(())
