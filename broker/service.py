@@ -34,7 +34,7 @@ from dejaq.broker.api.keys import KeyRing
 from dejaq.broker.api.metrics import Metrics
 from dejaq.broker.api.responses import LedgerLag, NodeTopic, RetentionView
 from dejaq.broker.state.data_dir import Identity, admit, lock, mark_joined
-from dejaq.broker.state.handles import mh, mhs, packed_handles, unpacked
+from dejaq.broker.state.handles import handles_in, mh, mhs, packed_handles
 from dejaq.broker.state.leases import (
     Again,
     Dead,
@@ -775,7 +775,7 @@ class Broker:
             redriven = st.redriven_ids
             return [
                 redriven.get(h) if m is None else m
-                for m, h in zip(ids, unpacked(handles), strict=True)
+                for m, h in zip(ids, handles_in(handles), strict=True)
             ]
 
         return names

@@ -66,9 +66,9 @@ class Named(dict[int, str]):
     def names(self, handles: bytes) -> list[str | None]:
         """The id of each handle `handles` packs, None for one this test never noted: a
         `ledger_writer.Names`, as the leader's index names events."""
-        from dejaq.broker.state.handles import unpacked
+        from dejaq.broker.state.handles import handles_in
 
-        return [self.get(h) for h in unpacked(handles)]
+        return [self.get(h) for h in handles_in(handles)]
 
 
 def buffer_names(warehouse: str, topic: str = "jobs") -> Callable[[bytes], list[str | None]]:

@@ -41,9 +41,9 @@ from pysyncobj.serializer import Serializer
 
 from dejaq.broker.api.metrics import LeaseLatency
 from dejaq.broker.state.assignment import rebalance
+from dejaq.broker.state.handles import handles_in as unpacked_mhs
 from dejaq.broker.state.handles import mh, mhs
 from dejaq.broker.state.handles import packed as packed_mhs
-from dejaq.broker.state.handles import unpacked as unpacked_mhs
 from dejaq.broker.state.leases import (
     ACKED,
     BULK_MIN,

@@ -19,7 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
-from dejaq.broker.state.handles import KeyedByHandle, mh, mhs, unpacked
+from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, mhs
 from dejaq.broker.state.leases import ACKED, LeaseRecord, Refusal, TopicState
 from dejaq.broker.state.raft import SnapshotUnpickler
 from dejaq.broker.state.settlements import EventLog
@@ -259,7 +259,7 @@ def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table(by_id: b
     assert again.settled_event("a") == "acked" and again.lease_of("b") is not None
     assert again.ack("c", 2, ["b"]) == {} and again.ack("c", 2, ["a"]) == {"a": Refusal.SETTLED}
     assert again.ack("c", 2, [], [named["d"]]) == {}
-    assert sorted(unpacked(again.trim(again.seq))) == sorted(mhs(["a", "b", "d"]))
+    assert sorted(handles_in(again.trim(again.seq))) == sorted(mhs(["a", "b", "d"]))
     assert not again.leases
 
 

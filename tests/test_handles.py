@@ -11,7 +11,7 @@ from dejaq_core import PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dejaq.broker.state.handles import WIDTH, mh, mhs, packed, unpacked
+from dejaq.broker.state.handles import WIDTH, handles_in, mh, mhs, packed
 
 # BLAKE3's digests of b"" and b"abc" (its reference test vectors), first 16 bytes.
 REFERENCE = {
@@ -33,7 +33,7 @@ def test_a_handle_is_the_first_16_bytes_of_blake3_read_little_endian() -> None:
 def test_a_batch_hashes_as_its_ids_one_by_one(mids: list[str]) -> None:
     blob = packed(mids)
     assert len(blob) == WIDTH * len(mids)
-    assert unpacked(blob) == mhs(mids) == [mh(m) for m in mids]
+    assert handles_in(blob) == mhs(mids) == [mh(m) for m in mids]
     assert all(0 <= h < 1 << 128 for h in mhs(mids))
     assert packed(iter(mids)) == blob
     pack = PackedIds.pack(mids)

@@ -26,7 +26,7 @@ from test_broker import (
     topic_conf,
 )
 
-from dejaq.broker.state.handles import mh, packed, unpacked
+from dejaq.broker.state.handles import handles_in, mh, packed
 from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
@@ -229,7 +229,7 @@ def test_trimming_keeps_what_a_redrive_made_pending_again() -> None:
     leased(s, "c", ["b"], now=4)
     s.reject("c", 5, ["b"])
     assert s.trim(4) == b"" and settled_ids(s) == {"b": "dead"}, "the later death stands"
-    assert unpacked(s.trim(5)) == [mh("b")] and s.settled == {}
+    assert handles_in(s.trim(5)) == [mh("b")] and s.settled == {}
 
 
 def test_a_snapshot_keeps_pause_tokens_and_redrives() -> None:

@@ -18,7 +18,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_broker import lease_ids, leased_ids, packed, settled_ids, settled_of, topic_conf
 
-from dejaq.broker.state.handles import mh, mhs, unpacked
+from dejaq.broker.state.handles import handles_in, mh, mhs
 from dejaq.broker.state.leases import (
     BULK_MIN,
     POSITION_BITS,
@@ -254,7 +254,7 @@ def test_a_trim_of_leases_packed_at_several_widths_names_their_ids_packed() -> N
     assert len(widths) == 3
     trimmed = s.trim(s.seq)
     assert type(trimmed) is bytes
-    assert unpacked(trimmed) == mhs([*(m for w in widths for m in widths[w]), "one"])
+    assert handles_in(trimmed) == mhs([*(m for w in widths for m in widths[w]), "one"])
     assert not s.leases and not s.records
 
 
@@ -318,7 +318,7 @@ def test_an_acked_message_is_settled_to_every_path_until_its_trim() -> None:
     again = s.lease("c", 3, 100, [(m, 0, 0) for m in [*many, "one", "dies"]], lid=99)
     assert again.mids == ["dies"], "neither the bulk nor the one-at-a-time grant takes them"
     assert leased_ids(s) == {"dies"} and s.ack("c", 4, ["dies"]) == {}
-    assert sorted(unpacked(s.trim(s.seq))) == sorted(mhs([*many, "one", "dies"])), "redriven"
+    assert sorted(handles_in(s.trim(s.seq))) == sorted(mhs([*many, "one", "dies"])), "redriven"
     assert s.leases == {} and s.settled == {} and s.redriven_at == {}
     assert s.settled_event("one") is None and s.is_available("one", 5), "forgotten: the ledger's"
 

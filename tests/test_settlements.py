@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import leased
 
-from dejaq.broker.state.handles import mh, mhs, unpacked
+from dejaq.broker.state.handles import handles_in, mh, mhs
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import (
     EventLog,
@@ -125,7 +125,7 @@ def test_a_bulk_ack_adds_one_run_and_an_old_snapshot_s_list_loads_into_a_log() -
     old = TopicState.__new__(TopicState)
     old.__setstate__(pickle.loads(pickle.dumps(state)))
     assert isinstance(old.events, EventLog) and old.events == s.events
-    assert unpacked(old.trim(41)) == mhs([*record.mids, "y"])
+    assert handles_in(old.trim(41)) == mhs([*record.mids, "y"])
     assert [e.mh for e in old.events] == [mh("x")]
 
 

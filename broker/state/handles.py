@@ -1,6 +1,7 @@
 """Message handles ("mh") in Python: the compiled core's hash of an id (the first 16 bytes
-of its BLAKE3, little-endian, `dejaq_core.message_handle`), as an int, and batches of
-them packed 16 bytes each, as Raft commands carry them and the index looks them up."""
+of its BLAKE3, little-endian, `dejaq_core.message_handle`), as an int, which the lease
+state is keyed by, and batches of them packed 16 bytes each, as the index looks them up
+and a snapshot's upgrade hashes them."""
 
 from __future__ import annotations
 
@@ -35,11 +36,11 @@ def packed_handles(handles: Iterable[int]) -> bytes:
     return b"".join(h.to_bytes(WIDTH, "little") for h in handles)
 
 
-def unpacked(blob: bytes) -> list[int]:
+def handles_in(blob: bytes) -> list[int]:
     """The handles packed in `blob`, as ints."""
     return [int.from_bytes(blob[i : i + WIDTH], "little") for i in range(0, len(blob), WIDTH)]
 
 
 def mhs(mids: Iterable[str] | PackedIds) -> list[int]:
     """The handle of each of `mids`, as ints."""
-    return unpacked(packed(mids))
+    return handles_in(packed(mids))

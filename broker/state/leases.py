@@ -41,8 +41,7 @@ from dejaq_core import (
 )
 
 from dejaq.broker.state.assignment import rebalance
-from dejaq.broker.state.handles import KeyedByHandle, mh, mhs, packed, packed_handles
-from dejaq.broker.state.handles import unpacked as unpacked_handles
+from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, mhs, packed, packed_handles
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
@@ -218,7 +217,6 @@ class TopicState:
     def __setstate__(self, state: dict) -> None:
         # Snapshots from before pause, rate limits and redrive hold none of their state.
         self.paused, self.tokens, self.refilled_at, self.redriven_at = False, 0.0, 0, {}
-        self.redriven_ids: dict[int, str] | None = None  # from before it was kept
         self.trimmed = 0
         self.requests = {}  # from before lease requests carried their id
         self.records, self.unnumbered, self.ending = {}, 0, deque()
@@ -265,7 +263,7 @@ class TopicState:
         for mid, record in leases.items():  # by handle, or by id (hashed) from before
             self.leases[mid] = record
         self.leased = {lid: r for lid, r in self.records.items() if r.live}
-        if self.redriven_ids is None:
+        if "redriven_ids" not in state:  # from before it was kept
             self.redriven_ids = {h: m for h, m in named.items() if h in self.redriven_at}
 
     # --- consumers -------------------------------------------------------------------
@@ -936,7 +934,7 @@ class TopicState:
         if acked:
             self.leases.discard_all(handles)
         else:
-            deque(map(self.settled.pop, unpacked_handles(handles), repeat(None)), maxlen=0)
+            deque(map(self.settled.pop, handles_in(handles), repeat(None)), maxlen=0)
         return handles
 
     def _trim_redriven(self, done: Iterable[Settlement], upto_seq: int) -> bytes:

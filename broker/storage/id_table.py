@@ -12,12 +12,12 @@ Handles by message: an open-addressing hash table in one int32 array, and a tag 
 in a uint8 array. A dict from id to token cost ~60 bytes per message; here a message
 costs 5 to 16 bytes of int32 slots and 1 to 4 of tags (the table is a quarter to three
 quarters full). A slot holds a handle + 1 (0: empty, -1: deleted). A message is found
-by its id or by its message handle ("mh", `broker/state/handles.py`), which the lease
-state and Raft commands carry in place of ids: its position and tag are a mix of its mh
-with a seed drawn per process (so ids cannot be chosen ahead to collide on a node: the
-mh alone anyone can compute), and a slot whose tag matches is confirmed by its row's
-id, compared with the id asked for, or hashed again for an mh. The column's width is
-not in the position: a wider or narrower column moves no slot.
+by its id or by its message handle ("mh", `broker/state/handles.py`), by which the lease
+state names messages: its position and tag are a mix of its mh with a seed drawn per
+process (so ids cannot be chosen ahead to collide on a node: the mh alone anyone can
+compute), and a slot whose tag matches is confirmed by its row's id, compared with the
+id asked for, or hashed again for an mh. The column's width is not in the position: a
+wider or narrower column moves no slot.
 
 Linear probing, in the compiled core (`dejaq_core.find_slots`, `take_slots`,
 `place_slots`), which hashes and probes each message as it reads it, with no array or

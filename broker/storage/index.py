@@ -37,8 +37,7 @@ from dejaq_core import Order
 from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
-from dejaq.broker.state.handles import WIDTH, mhs, packed_handles
-from dejaq.broker.state.handles import unpacked as unpacked_handles
+from dejaq.broker.state.handles import WIDTH, handles_in, mhs, packed_handles
 from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SEP, SPAN_PER_HEAD, HeadStore, Segment
@@ -829,7 +828,7 @@ class TopicIndex:
             self.forgotten.update(missing)
             self.heads.release(released)
             if self.from_dead_letters or self.unread or self.awaited or self.unfound:
-                gone = unpacked_handles(handles)
+                gone = handles_in(handles)
                 for named in (self.from_dead_letters, self.unread, self.unfound):
                     if named:
                         deque(map(named.pop, gone, repeat(None)), maxlen=0)

@@ -23,7 +23,7 @@ from typing import NamedTuple, TypeVar, overload
 import numpy as np
 from dejaq_core import read_heads, read_joined_heads
 
-from dejaq.broker.state.handles import unpacked
+from dejaq.broker.state.handles import handles_in
 from dejaq.broker.storage.head_store import COMPACT_SPAN, SEP, SPAN_PER_HEAD, Segment
 from dejaq.broker.storage.id_table import ABSENT, Encoded, IdTable
 
@@ -246,7 +246,7 @@ class RowStore:
         a trim names them; the handles of those not stored, as ints."""
         codes = self.table.take_mh(mhs)
         absent = codes == ABSENT
-        missing = _where(unpacked(mhs), absent) if absent.any() else []
+        missing = _where(handles_in(mhs), absent) if absent.any() else []
         return self._forgotten(codes), missing
 
     def _forgotten(self, codes: np.ndarray) -> Counter[Segment]:

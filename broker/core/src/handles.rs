@@ -1,9 +1,11 @@
 //! A message's handle ("mh"): the first 16 bytes of BLAKE3 of its id's UTF-8 bytes,
-//! unkeyed, read as a little-endian u128. The lease state is keyed by it and Raft
-//! commands carry it in place of the id: 16 bytes whatever the id's length, one integer
-//! compare per probe, and, since a 128-bit cryptographic hash has no collision among
-//! distinct ids (accidental or chosen by a producer), no key to share: every node, and
-//! every load of a snapshot written before handles, computes the same one alone.
+//! unkeyed, read as a little-endian u128. Every node's lease state is keyed by it (the
+//! lease table, delivery counts, settled messages, overrides, delays, redrives), and
+//! the index finds a row by it: 16 bytes whatever the id's length, one integer compare
+//! per probe, and, since a 128-bit cryptographic hash has no collision among distinct
+//! ids (accidental or chosen by a producer), no key to share: every node, and every
+//! load of a snapshot written before handles, computes the same one alone from the ids
+//! the Raft commands carry (a lease's picks, a call naming messages by id).
 
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
