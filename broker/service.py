@@ -275,6 +275,7 @@ class Broker:
         for n in self.topics:  # at 0 from the start: an alert sees the first repair's rise
             self.metrics.heads_repaired.labels(n)
             self.metrics.heads_unreadable.labels(n)
+            self.metrics.ledger_contested.labels(n)
         self.raft: RaftNode | None = None
         self._held: IO[str] | None = None  # the data dir's lock (`lock`)
         self.identity: Identity | None = None  # its data dir's (`open`)
@@ -596,7 +597,6 @@ class Broker:
         for name, health in self.checkpoint_health.items():
             st = self.state(name)
             self.metrics.observe_ledger(name, lag(st), now, health.failures, health.unnamed)
-            self.metrics.ledger_contested.labels(name).set(name in self.contested)
 
     def _publish_index(self) -> None:
         self.metrics.observe_index(
@@ -808,9 +808,19 @@ class Broker:
             f"expires or retains {name}. Stop one of the clusters, then restart this one's "
             "nodes if it is to serve the topic"
         )
-        if name not in self.contested:
-            log.error("%s", alert)
-        self.contested[name] = alert
+        log.error("%s", alert)
+        self._set_contested(name, alert)
+
+    def _set_contested(self, name: str, alert: str | None) -> None:
+        """Contest `name` with `alert` (None: serve it again), its gauge with it, the
+        gauge first: whoever read the alert on /readyz finds it on /metrics. Published
+        with the other metrics, a round of the follow thread later, the gauge lagged
+        /readyz, and read 0 between the quiet wait's alert and the contest's."""
+        self.metrics.ledger_contested.labels(name).set(alert is not None)
+        if alert is None:
+            self.contested.pop(name, None)
+        else:
+            self.contested[name] = alert
 
     def _quiet(self, name: str, app: str, done: int) -> int | None:
         """The version of the tag `done` for `app`, to take over from, unless it moves
@@ -821,15 +831,16 @@ class Broker:
         if version == done and age_s >= TAKEOVER_QUIET_S:
             return version
         if version == done:
-            self.contested[name] = (
+            alert = (
                 f"the ledger of {name} holds tags of another Raft history, written "
                 f"{age_s:.0f} s ago: leases wait while this node checks that no other "
                 "cluster writes them"
             )
+            self._set_contested(name, alert)
             self._stopping.wait(min(TAKEOVER_QUIET_S, TAKEOVER_QUIET_S - age_s))
             version, _ = tag_of(warehouse, name, app)
-            self.contested.pop(name, None)
             if version == done:
+                self._set_contested(name, None)
                 return version
         self._contest(name, app, f"moved from version {done} to {version} meanwhile")
         return None
