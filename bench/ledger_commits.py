@@ -31,9 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
 # This file is in bench/: keep its folder off the path (bench/broker.py shadows the package).
 sys.path[:1] = [str(ROOT)]
 
-from dejaq_core import PackedIds  # noqa: E402
 from deltalake import DeltaTable  # noqa: E402
 
+from dejaq.broker.state.handles import handles_in, mhs, packed  # noqa: E402
 from dejaq.broker.state.settlements import Run  # noqa: E402
 from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, write_ledger  # noqa: E402
 from dejaq.conf.tables import LEDGER_SCHEMA, LedgerEvent, Table, table_path  # noqa: E402
@@ -42,16 +42,21 @@ from dejaq.pipelines.log_compaction import compact_log  # noqa: E402
 TOPIC = "jobs"
 
 
+# The runs' messages' ids by handle, as the leader's index names them.
+IDS: dict[int, str] = {}
+
+
 def runs(first_seq: int, events: int, at: int) -> list[Run]:
     """`events` acked events from `first_seq` on, in runs of 100 as a batch-100 ack makes
     them, with 16-byte ids."""
     out = []
     for start in range(first_seq, first_seq + events, 100):
-        ids = b"".join(f"m{s:015d}".encode() for s in range(start, start + 100))
+        ids = [f"m{s:015d}" for s in range(start, start + 100)]
+        IDS.update(zip(mhs(ids), ids, strict=True))
         out.append(
             Run(
                 start,
-                PackedIds(ids, 16),
+                packed(ids),
                 array("H", [start // 100 % 64]) * 100,
                 LedgerEvent.ACKED,
                 array("q", range(100)),
@@ -62,9 +67,9 @@ def runs(first_seq: int, events: int, at: int) -> list[Run]:
     return out
 
 
-def unnamed(handles: bytes) -> list[str | None]:
-    """No single settlement to name: the runs carry their ids."""
-    return [None] * (len(handles) // 16)
+def names(handles: bytes) -> list[str | None]:
+    """The ids of the runs' messages (`ledger_writer.Names`)."""
+    return [IDS.get(h) for h in handles_in(handles)]
 
 
 def tenths(values: list[float]) -> list[float]:
@@ -87,7 +92,7 @@ def commit_all(
         order = list(warehouses) if (c + r) % 2 == 0 else list(reversed(warehouses))
         for name in order:
             t0 = time.process_time()
-            write_ledger(warehouses[name], TOPIC, batch, unnamed)
+            write_ledger(warehouses[name], TOPIC, batch, names)
             per[name].append((time.process_time() - t0) * 1000)
         # As the leader compacts, untimed; not `maintain_log`, which would give the
         # baseline the contract's properties.

@@ -765,18 +765,23 @@ class Broker:
     def _names(self, name: str) -> Names:
         """The ids of messages named by handle, as the leader's checkpoint asks
         (`ledger_writer.Names`): its index's rows, else the redriven messages' ids the
-        state keeps (a redrive's row may have left the index with its death's trim)."""
+        state keeps (a redrive's row may have left the index with its death's trim),
+        else, once the index has read the buffer's current version, the tables' rows
+        (`TopicIndex.ids_in_tables`: rows it dropped). A row it has yet to read is
+        waited for."""
         index, st = self.indexes[name], self.state(name)
 
         def names(handles: bytes) -> list[str | None]:
             ids = index.ids_of(handles)
-            if None not in ids or not st.redriven_ids:
+            if None not in ids:
                 return ids
+            every = handles_in(handles)
             redriven = st.redriven_ids
-            return [
-                redriven.get(h) if m is None else m
-                for m, h in zip(ids, handles_in(handles), strict=True)
-            ]
+            ids = [redriven.get(h) if m is None else m for m, h in zip(ids, every, strict=True)]
+            if None not in ids:
+                return ids
+            found = index.ids_in_tables({h for m, h in zip(ids, every, strict=True) if m is None})
+            return [found.get(h) if m is None else m for m, h in zip(ids, every, strict=True)]
 
         return names
 

@@ -1471,6 +1471,28 @@ def test_the_index_names_the_messages_of_handles_it_holds_a_slice_at_a_time(
     assert index.ids_of(b"") == []
 
 
+def test_rows_the_index_dropped_are_named_from_the_tables_once_it_is_current(
+    tmp_path: Path,
+) -> None:
+    """A row the index skipped at its load (the ledger had settled it: another Raft
+    history's ledger, whose events this state's do not hold) is named by hashing the
+    buffer's ids, once the index has read the buffer's current version; before, none
+    is (a refresh may bring the row)."""
+    warehouse, _, state = loaded_topic(tmp_path, [1, 2])
+    state.lease("c", 0, 1000, [("m0", 0, 1), ("m1", 1, 2)])
+    assert state.ack("c", 1, ["m0"]) == {}
+    checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()  # skips m0, settled in the ledger
+    asked = {mh("m0"), mh("m1"), mh("nowhere")}
+    assert index.ids_of(packed_mhs(["m0", "m1"])) == [None, "m1"]
+    assert index.ids_in_tables(asked) == {mh("m0"): "m0", mh("m1"): "m1"}
+    fill(warehouse, "jobs", buffer_rows([3], prefix="late"))
+    assert index.ids_in_tables(asked) == {}, "a version not read yet: wait for it"
+    index.refresh()
+    assert index.ids_in_tables({mh("late0")}) == {mh("late0"): "late0"}
+
+
 def test_a_nack_answers_its_dead_by_id_whether_it_named_ids_or_receipts(tmp_path: Path) -> None:
     """The state tells a nack's dead by handle; the leader answers with their ids: those
     the request named, or its index's for a request by receipts."""

@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_broker import leased
 
-from dejaq.broker.state.handles import handles_in, mh, mhs
+from dejaq.broker.state.handles import WIDTH, handles_in, mh, mhs, packed
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import (
     EventLog,
@@ -75,15 +75,14 @@ def test_a_log_reads_and_cuts_as_the_list_of_its_settlements(plan: list) -> None
             if how == "add":
                 at = seq * 10
                 events = [e._replace(at=at) for e in events]
-                log.add(
-                    Run(seq + 1, mids, [i % 3 for i in range(n)], event, [*range(n)], [1] * n, at)
-                )
+                buckets = [i % 3 for i in range(n)]
+                log.add(Run(seq + 1, packed(mids), buckets, event, [*range(n)], [1] * n, at))
             elif how == "append":
                 for e in events:
                     log.append(e)
             else:
-                for e, m in zip(events, mids, strict=True):
-                    log.ack(e.seq, m, *e[2:7])
+                for e in events:
+                    log.ack(*e[:7])
             model += events
             seq += n
             continue
@@ -113,7 +112,7 @@ def test_a_bulk_ack_adds_one_run_and_an_old_snapshot_s_list_loads_into_a_log() -
     record = s.lease("c", 0, 100, [(f"m{i}", 0, i) for i in range(40)], lid=1)
     assert s.ack("c", 1, [], [record.receipt(p) for p in range(40)]) == {}
     [run] = s.events.entries
-    assert type(run) is Run and run.message_ids == record.mids
+    assert type(run) is Run and run.handles == packed(record.mids)
     assert (run.seq, last(run), run.event) == (1, 40, "acked")
     leased(s, "c", ["x", "y"], now=2)
     assert s.ack("c", 3, ["y", "x"]) == {}
@@ -129,6 +128,27 @@ def test_a_bulk_ack_adds_one_run_and_an_old_snapshot_s_list_loads_into_a_log() -
     assert [e.mh for e in old.events] == [mh("x")]
 
 
+def test_a_snapshots_runs_by_id_load_by_handle() -> None:
+    """Runs in snapshots from before handles hold their ids, packed (`PackedIds`) or a
+    list: they load holding their handles, as the state they were taken from."""
+    s = TopicState(buckets=1, max_deliveries=5)
+    record = s.lease("c", 0, 100, [(f"m{i}", 0, i) for i in range(40)], lid=1)
+    assert s.ack("c", 1, [], [record.receipt(p) for p in range(20)]) == {}
+    assert s.ack("c", 2, [], [record.receipt(p) for p in range(20, 40)]) == {}
+    first, second = s.events.entries
+    state = s.__getstate__()
+    state["events"] = EventLog(
+        [
+            first._replace(handles=PackedIds.pack(record.mids[:20])),
+            second._replace(handles=list(record.mids[20:])),
+        ]
+    )
+    old = TopicState.__new__(TopicState)
+    old.__setstate__(pickle.loads(pickle.dumps(state)))
+    assert old.events.entries == s.events.entries and old.events == s.events
+    assert handles_in(old.trim(40)) == mhs(record.mids) and not old.leases
+
+
 def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: Path) -> None:
     events = [
         Settlement(1, mh("a"), 0, "acked", 5, 1, 1_000),
@@ -136,9 +156,9 @@ def test_the_ledger_gets_the_same_rows_from_runs_as_from_settlements(tmp_path: P
         Settlement(3, mh("c"), 2, "acked", 9, 1, 1_002),
     ]
     runs = [
-        Run(1, ["a"], [0], "acked", [5], [1], 1_000),
-        Run(2, ["b"], [1], "dead", [7], [3], 1_001, "max_deliveries"),
-        Run(3, ["c"], [2], "acked", [9], [1], 1_002),
+        Run(1, packed(["a"]), [0], "acked", [5], [1], 1_000),
+        Run(2, packed(["b"]), [1], "dead", [7], [3], 1_001, "max_deliveries"),
+        Run(3, packed(["c"]), [2], "acked", [9], [1], 1_002),
     ]
     assert entries_of(EventLog(runs)) == runs and EventLog(runs) == events
     for name, given_as in (("settlements", events), ("runs", runs)):
@@ -163,7 +183,7 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
     entries = [
         Run(
             1,
-            PackedIds.pack(["a", "bé"]),
+            packed(["a", "bé"]),
             array("H", [3, 4]),
             "acked",
             array("q", [2**40, -1]),
@@ -172,10 +192,10 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
         ),
         Settlement(3, mh("c"), 5, "cancelled", None, 0, 11),
         Settlement(4, mh("d"), 6, "dead", 7, 3, 12, "max_deliveries"),
-        Run(5, ["e"], [7], "acked", [8], [1], 13),
+        Run(5, packed(["e"]), [7], "acked", [8], [1], 13),
         Run(
             6,
-            PackedIds.pack(["cut", "f", "g"])[1:],
+            packed(["cut", "f", "g"])[WIDTH:],
             array("H", [8, 9]),
             "rejected",
             array("q", [9, 10]),
@@ -184,7 +204,7 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
         ),
         Run(
             8,
-            PackedIds.pack(["i", "j"]),
+            packed(["i", "j"]),
             array("H", [2, 1]),
             "acked",
             array("q", [2**33, 5]),
@@ -200,7 +220,7 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
         Settlement(14, mh("n"), 6, "acked", 3, 1, 21),
     ):
         if e.event == "acked":  # each ack with its own time, as the core's ack adds it
-            AckRun.append(entries, e.seq, NAMES[e.mh], *e[2:7])
+            AckRun.append(entries, *e[:7])
         else:
             entries.append(e)
     assert [type(e) for e in entries[-3:]] == [AckRun, Settlement, AckRun]
@@ -217,57 +237,29 @@ def test_the_ledger_keeps_the_order_of_mixed_runs_and_settlements(tmp_path: Path
     assert [int(g[5].timestamp() * 1000) for g in got] == [w[5] for w in want]
 
 
-# An entry's ids: ("one", id) a settlement, ("list", ids) a run from an old snapshot,
-# ("packed", ids, slice start) a run whose ids are packed (sliced from `start`).
-ids = st.text(st.characters(min_codepoint=33, max_codepoint=0x2FF), min_size=1, max_size=12)
-# Ids of one length, as most id schemes make them: packed without padding.
-even_ids = st.integers(1, 12).flatmap(
-    lambda n: st.lists(
-        st.text(st.characters(min_codepoint=33, max_codepoint=126), min_size=n, max_size=n),
-        min_size=1,
-        max_size=6,
-    )
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.lists(st.booleans(), min_size=1, max_size=5)), max_size=8)
 )
-id_entries = st.lists(
-    st.one_of(
-        st.tuples(st.just("one"), ids),
-        st.tuples(st.just("list"), st.lists(ids, min_size=1, max_size=4)),
-        st.tuples(st.just("packed"), st.lists(ids, min_size=1, max_size=6), st.integers(0, 2)),
-        st.tuples(st.just("packed"), even_ids, st.integers(0, 2)),
-    ),
-    max_size=12,
-)
-
-
-@settings(max_examples=300, deadline=None)
-@given(id_entries, st.integers(1, 5))
-def test_the_ledger_s_ids_are_the_entries_ids_in_order(plan: list, convert_slice: int) -> None:
-    """Packed runs next to each other are converted as one stretch, cut where their width
-    changes or another kind of entry comes between, padded ones in chunks of
-    CONVERT_SLICE ids, unpadded ones as their bytes are: whichever way they fall, the
-    column holds every id once, in seq order."""
-    entries, want, singles = [], [], []
-    for kind, named, *start in plan:
-        seq = len(want) + 1
-        if kind == "one":
-            entries.append(Settlement(seq, mh(named), 0, "acked", 1, 1, 10))
-            want.append(named)
-            singles.append(named)
-            continue
-        if kind == "packed":
-            named = named[min(start[0], len(named) - 1) :]
-            packed = PackedIds.pack(["-" * 20, *named])[1:]  # a slice, wider than its ids
-            named = packed[: len(named)] if start[0] % 2 else PackedIds.pack(named)
-        n = len(named)
-        entries.append(Run(seq, named, [0] * n, "acked", [1] * n, [1] * n, 10))
-        want += list(named)
-    before = ledger_writer.CONVERT_SLICE
-    ledger_writer.CONVERT_SLICE = convert_slice
-    try:
-        column = ledger_writer._ids_column(entries, iter(singles))
-    finally:
-        ledger_writer.CONVERT_SLICE = before
-    assert column.to_pylist() == want
+def test_a_checkpoint_takes_the_events_before_the_first_it_cannot_name(plan: list) -> None:
+    """Single settlements and runs, each message named or not by the leader's index: the
+    writer takes the events before the first it cannot name (a run holding it cut
+    there), with their ids in seq order."""
+    entries, ids, named = [], [], Named()
+    for single, known in plan:
+        seq = len(ids) + 1
+        mids = [f"m{seq + i}" for i in range(1 if single else len(known))]
+        named.note(m for m, k in zip(mids, known, strict=False) if k)
+        if single:
+            entries.append(Settlement(seq, mh(mids[0]), 0, "dead", 1, 1, 10))
+        else:
+            n = len(mids)
+            entries.append(Run(seq, packed(mids), [0] * n, "acked", [1] * n, [1] * n, 10))
+        ids += [m if k else None for m, k in zip(mids, known, strict=False)]
+    got, got_ids = ledger_writer._named(entries, named.names)
+    want = ids[: ids.index(None)] if None in ids else ids
+    assert got_ids == want
+    assert [e.seq for e in settlements(got)] == list(range(1, len(want) + 1))
 
 
 def test_a_view_taken_while_acks_join_the_log_never_changes_under_its_reader() -> None:
@@ -285,8 +277,9 @@ def test_a_view_taken_while_acks_join_the_log_never_changes_under_its_reader() -
                 view = log.view()
                 for e in view:
                     if type(e) is AckRun:
-                        columns = (e.message_ids, e.buckets, e.sort_keys, e.deliveries, e.ats)
-                        assert {len(c) for c in columns} == {len(e)}, "a run changed"
+                        columns = (e.buckets, e.sort_keys, e.deliveries, e.ats)
+                        lengths = {len(c) for c in columns} | {len(e.handles) // WIDTH}
+                        assert lengths == {len(e)}, "a run changed"
                 seen.append(list(settlements(view)))
         except BaseException as e:
             errors.append(e)
@@ -297,7 +290,7 @@ def test_a_view_taken_while_acks_join_the_log_never_changes_under_its_reader() -
     thread.start()
     try:
         for seq in range(1, 60_001):
-            log.ack(seq, f"m{seq}", seq % 7, "acked", seq, 1, seq)
+            log.ack(seq, seq, seq % 7, "acked", seq, 1, seq)
             if seq % 500 == 0:
                 log.cut(seq - 250)
     finally:
@@ -322,7 +315,7 @@ class _AckWhileCopied(list):
 
     def __iter__(self):  # type: ignore[no-untyped-def]
         seq = last(self[-1]) + 1
-        self.log.ack(seq, f"m{seq}", 0, "acked", seq, 1, seq)
+        self.log.ack(seq, seq, 0, "acked", seq, 1, seq)
         return super().__iter__()
 
 
@@ -331,12 +324,12 @@ def test_an_ack_added_while_a_view_is_copied_never_joins_a_run_in_the_view() -> 
     that run before the seal, and acks after it start a run the view does not hold."""
     log = EventLog()
     for seq in (1, 2):
-        log.ack(seq, f"m{seq}", 0, "acked", seq, 1, seq)
+        log.ack(seq, seq, 0, "acked", seq, 1, seq)
     log.entries = _AckWhileCopied(log.entries, log)
     view = log.view()
     lengths = [count(e) for e in view]
     log.entries = log.entries[:]  # a plain list again: no ack while copied
     for seq in range(4, 10):
-        log.ack(seq, f"m{seq}", 0, "acked", seq, 1, seq)
+        log.ack(seq, seq, 0, "acked", seq, 1, seq)
     assert [count(e) for e in view] == lengths and sum(lengths) == 3, "a run in the view grew"
     assert [e.seq for e in log] == list(range(1, 10))

@@ -41,7 +41,7 @@ from dejaq_core import (
 )
 
 from dejaq.broker.state.assignment import rebalance
-from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, mhs, packed, packed_handles
+from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, packed, packed_handles
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
@@ -634,9 +634,10 @@ class TopicState:
             else:
                 del counts[consumer]
             seq += 1
-            events.ack(seq, mid, bucket, acked, sort_key, deliveries, now)
+            h = mh(mid)
+            events.ack(seq, h, bucket, acked, sort_key, deliveries, now)
             if sort_keys:
-                sort_keys.pop(mh(mid), None)
+                sort_keys.pop(h, None)
         if seq != self.seq:
             self.totals[acked] += seq - self.seq
             self.seq = seq
@@ -665,9 +666,10 @@ class TopicState:
             self.ending.append((seq + n, record.lid))
         mids, buckets, keys, counts = record.columns(start, start + n)
         hold(self.held, count_buckets(buckets), record.consumer, -1)
-        self.events.add(Run(seq + 1, mids, buckets, acked, keys, counts, now))
+        handles = packed(mids)
+        self.events.add(Run(seq + 1, handles, buckets, acked, keys, counts, now))
         if self.sort_keys:
-            deque(map(self.sort_keys.pop, mhs(mids), repeat(None)), maxlen=0)
+            deque(map(self.sort_keys.pop, handles_in(handles), repeat(None)), maxlen=0)
         self.seq = seq + n
         self.totals[acked] += n
 
@@ -921,7 +923,7 @@ class TopicState:
             if type(e) is Settlement:
                 (acked if e.event == LedgerEvent.ACKED else others).append(e.mh)
             else:  # a `Run` or an `AckRun`
-                parts.append(self._forget(packed(e.message_ids), e.event == LedgerEvent.ACKED))
+                parts.append(self._forget(e.handles, e.event == LedgerEvent.ACKED))
         if acked:
             parts.append(self._forget(packed_handles(acked), True))
         if others:

@@ -4,9 +4,10 @@ acks, one tuple per other event.
 Every node keeps them, and every ack adds to them. A bulk ack of a whole lease is one
 `Run` holding slices of the lease record's columns; smaller acks append to the
 `AckRun` at the log's end (the compiled core's: a row of columns an ack, no object);
-any other settle (a death, a cancel, a reject, a redrive) adds a `Settlement`, which
-names its message by handle (`broker/state/handles.py`), as the lease state does: the
-leader names it by id again through its index when it writes the ledger. Only the
+any other settle (a death, a cancel, a reject, a redrive) adds a `Settlement`. Each
+names its messages by handle (`broker/state/handles.py`), as the lease state does, a
+run's packed 16 bytes apiece: the leader names them by id again through its index when
+it writes the ledger. Only the
 leader reads them whole, a checkpoint at a time, into Arrow columns
 (`broker.ledger_writer`); the other readers (a redrive's look for the dead, tests) and
 snapshots see `Settlement`s.
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 from dejaq_core import AckRun
 
-from dejaq.broker.state.handles import mhs
+from dejaq.broker.state.handles import WIDTH, handles_in, mh, packed
 from dejaq.conf.tables import LedgerEvent
 
 
@@ -59,11 +60,13 @@ class Event:
 class Run(NamedTuple):
     """Settled messages of consecutive seqs from `seq` on, settled alike (event, time,
     reason): the columns are the messages' own, by position, as their lease record
-    packs them (`array`; lists in snapshots from before). Never changed once made: a
-    checkpoint thread reads runs while the event loop adds and trims them."""
+    packs them (`array`; lists in snapshots from before), their handles packed 16 bytes
+    apiece (ids, a list or `PackedIds`, in snapshots from before handles:
+    `EventLog.by_handle`). Never changed once made: a checkpoint thread reads runs
+    while the event loop adds and trims them."""
 
     seq: int
-    message_ids: list[str]
+    handles: bytes
     buckets: Sequence[int]
     event: str
     sort_keys: Sequence[int]
@@ -72,14 +75,14 @@ class Run(NamedTuple):
     reason: str | None = None
 
     def settlements(self) -> Iterator[Settlement]:
-        return _settlements(self, repeat(self.at, len(self.message_ids)))
+        return _settlements(self, repeat(self.at, count(self)))
 
     def part(self, start: int, end: int) -> Run:
         """Its events of seqs start..end-1 (which it holds)."""
         i, j = start - self.seq, end - self.seq
         return self._replace(
             seq=start,
-            message_ids=self.message_ids[i:j],
+            handles=self.handles[i * WIDTH : j * WIDTH],
             buckets=self.buckets[i:j],
             sort_keys=self.sort_keys[i:j],
             deliveries=self.deliveries[i:j],
@@ -97,7 +100,7 @@ def last(e: Entry) -> int:
 
 def count(e: Entry) -> int:
     kind = type(e)
-    return 1 if kind is Settlement else len(e.message_ids) if kind is Run else len(e)
+    return 1 if kind is Settlement else len(e.handles) // WIDTH if kind is Run else len(e)
 
 
 def settlements(entries: Iterable[Entry]) -> Iterator[Settlement]:
@@ -117,12 +120,12 @@ def acks(run: AckRun) -> Iterator[Settlement]:
 
 
 def _settlements(run: Run | AckRun, ats: Iterable[int]) -> Iterator[Settlement]:
-    """A run's events, each at its time in `ats`, its ids hashed (`mhs`)."""
-    ids = run.message_ids
-    n = len(ids)
+    """A run's events, each at its time in `ats`."""
+    handles = handles_in(run.handles)
+    n = len(handles)
     columns = (
         range(run.seq, run.seq + n),
-        mhs(ids),
+        handles,
         run.buckets,
         repeat(run.event, n),
         run.sort_keys,
@@ -174,35 +177,35 @@ class EventLog:
         self.__init__(entries)
 
     def by_handle(self) -> dict[int, str]:
-        """Name by handle the single settlements that name their message by id (those of
-        snapshots from before handles); returns those ids by handle. Every node hashes
-        alike, so their logs stay equal."""
-        entries = self.entries
-        at = [i for i, e in enumerate(entries) if type(e) is Settlement and type(e.mh) is str]
-        if not at:
-            return {}
-        ids = [entries[i].mh for i in at]
-        handles = mhs(ids)
+        """Name by handle the settlements and runs that name their messages by id (those
+        of snapshots from before handles); returns the single settlements' ids by
+        handle. Every node hashes alike, so their logs stay equal."""
+        entries, named = self.entries, {}
         with self._lock:
-            for i, h in zip(at, handles, strict=True):
-                entries[i] = entries[i]._replace(mh=h)
-        return dict(zip(handles, ids, strict=True))
+            for i, e in enumerate(entries):
+                if type(e) is Settlement and type(e.mh) is str:
+                    h = mh(e.mh)
+                    named[h] = e.mh
+                    entries[i] = e._replace(mh=h)
+                elif type(e) is Run and type(e.handles) is not bytes:  # ids
+                    entries[i] = e._replace(handles=packed(e.handles))
+        return named
 
     def add(self, run: Run) -> None:
-        if run.message_ids:
+        if run.handles:
             self.entries.append(run)
-            self.size += len(run.message_ids)
+            self.size += count(run)
 
     def append(self, e: Settlement) -> None:
         self.entries.append(e)
         self.size += 1
 
     def ack(
-        self, seq: int, mid: str, bucket: int, event: str, sort_key: int, deliveries: int, at: int
+        self, seq: int, h: int, bucket: int, event: str, sort_key: int, deliveries: int, at: int
     ) -> None:
-        """An ack, the next event: a row of the open `AckRun` at the end, as the core's
-        ack adds it (`AckRun.append`)."""
-        AckRun.append(self.entries, seq, mid, bucket, event, sort_key, deliveries, at)
+        """An ack of the message of handle `h`, the next event: a row of the open
+        `AckRun` at the end, as the core's ack adds it (`AckRun.append`)."""
+        AckRun.append(self.entries, seq, h, bucket, event, sort_key, deliveries, at)
         self.size += 1
 
     def view(self) -> list[Entry]:

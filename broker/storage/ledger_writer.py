@@ -5,10 +5,10 @@ the transaction (app id, N), then commits `trim(N)` through Raft, which drops th
 the replicated state. A leader that dies between the two leaves the tag behind, and
 its successor sees the tag and only trims: the ledger never gets a row twice.
 
-The state names a single settlement's message by handle (`settlements.Settlement`): the
-writer asks the leader for their ids (`Names`, its index's), and writes the events up
-to the first it cannot name yet (a new leader whose index has not read that row), which
-waits for the next checkpoint: never a row with a wrong id.
+The state names settled messages by handle (`broker.state.settlements`): the writer asks
+the leader for their ids (`Names`, its index's), and writes the events up to the first
+it cannot name yet (a new leader whose index has not read that row), which waits for
+the next checkpoint: never a row with a wrong id.
 """
 
 from __future__ import annotations
@@ -16,18 +16,18 @@ from __future__ import annotations
 import datetime as dt
 import time
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from dejaq_core import AckRun, PackedIds
+from dejaq_core import AckRun
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
-from dejaq.broker.state.handles import mh, packed_handles
+from dejaq.broker.state.handles import WIDTH, mh, packed_handles
 from dejaq.broker.state.settlements import (
     Entry,
     Events,
@@ -194,24 +194,29 @@ def _is_event(theirs: str, entries: list[Entry]) -> bool:
 
 
 def _mark(entries: list[Entry], ids: list[str]) -> str:
-    """`LAST`'s form of the last event of `entries`; `ids`: their single settlements'."""
-    e = entries[-1]
-    mid = ids[-1] if type(e) is Settlement else e.message_ids[-1]
-    return f"{last(e)} {e.event} {mid}"
+    """`LAST`'s form of the last event of `entries`, whose ids are `ids`."""
+    return f"{last(entries[-1])} {entries[-1].event} {ids[-1]}"
+
+
+def _handles(e: Entry) -> bytes:
+    """The handles of `e`'s messages, packed."""
+    return e.mh.to_bytes(WIDTH, "little") if type(e) is Settlement else e.handles
 
 
 def _named(entries: list[Entry], names: Names) -> tuple[list[Entry], list[str]]:
-    """The entries up to the first single settlement whose message `names` cannot name
-    (all, if it names every one), and the ids of their single settlements, in order."""
-    singles = [e for e in entries if type(e) is Settlement]
-    if not singles:
+    """The events of `entries` up to the first whose message `names` cannot name (all,
+    if it names every one; a run holding it cut there), and their ids, in order."""
+    if not entries:
         return entries, []
-    ids = names(packed_handles([e.mh for e in singles]))
+    ids = names(b"".join(map(_handles, entries)))
     if None not in ids:
         return entries, ids  # type: ignore[return-value]
-    n = ids.index(None)
-    first = singles[n].seq
-    return [e for e in entries if e.seq < first], ids[:n]  # type: ignore[return-value]
+    first = n = ids.index(None)
+    for e in entries:
+        if n < count(e):
+            return up_to(entries, e.seq + n - 1), ids[:first]  # type: ignore[return-value]
+        n -= count(e)
+    raise AssertionError("names gave more names than handles")
 
 
 def foreign(
@@ -326,11 +331,10 @@ def _append_tagged(
 
 
 def _ledger_columns(entries: list[Entry], ids: list[str]) -> dict[str, pa.ChunkedArray | pa.Array]:
-    """The ledger's columns of `entries`, in their order; `ids`: their single
-    settlements', in order. A run's packed ids reach Arrow from their bytes, and its
-    packed columns (`LeaseRecord`) are joined by NumPy, without a str or int object per
-    event; its event and time are repeated from one value (an `AckRun`'s time is a
-    column too)."""
+    """The ledger's columns of `entries`, in their order; `ids`: their messages', as the
+    leader's index names them. A run's packed columns (`LeaseRecord`) are joined by
+    NumPy, without an int object per event; its event and time are repeated from one
+    value (an `AckRun`'s time is a column too)."""
     lengths = list(map(count, entries))
     names: dict[str, int] = {}
     codes = np.array([names.setdefault(e.event, len(names)) for e in entries], np.int32)
@@ -338,7 +342,7 @@ def _ledger_columns(entries: list[Entry], ids: list[str]) -> dict[str, pa.Chunke
     ms = pa.array(_times(entries, lengths))
     bucket, sort_key, deliveries = _int_columns(entries)
     return {
-        "message_id": _ids_column(entries, iter(ids)),
+        "message_id": _arrow(ids, pa.string()),
         "bucket": bucket,
         "event": events,
         "sort_key": sort_key,
@@ -356,62 +360,6 @@ def _times(entries: list[Entry], lengths: list[int]) -> np.ndarray:
         if type(e) is AckRun:
             ms[ends[i] - lengths[i] : ends[i]] = e.ats
     return ms
-
-
-def _ids_column(entries: list[Entry], single_ids: Iterator[str]) -> pa.ChunkedArray:
-    """The message ids of `entries` (those of its single settlements from `single_ids`,
-    in order): a stretch of runs whose ids are packed at one width (`PackedIds`, the
-    usual case) joined into one buffer and made Arrow from its bytes (`_packed_column`);
-    the others converted from str, a stretch at a time. Per stretch, not per run: a
-    run's conversion cost ~15 µs whatever its length, most of a checkpoint's time in
-    Python. What is converted goes through `_arrow`, which offers the GIL after each
-    chunk."""
-    chunks: list[pa.Array] = []
-    loose: list[str] = []
-    packed: list[bytes] = []
-    width = 0
-
-    def close_packed() -> None:
-        chunks.extend(_packed_column(b"".join(packed), width))
-        packed.clear()
-
-    def close_loose() -> None:
-        chunks.extend(_arrow(loose, pa.string()).chunks)
-        loose.clear()
-
-    for e in entries:
-        ids = next(single_ids) if type(e) is Settlement else e.message_ids
-        if isinstance(ids, PackedIds):
-            if loose:
-                close_loose()
-            if packed and ids.width != width:
-                close_packed()
-            packed.append(ids.blob)
-            width = ids.width
-            continue
-        if packed:
-            close_packed()
-        if type(e) is Settlement:
-            loose.append(ids)
-        else:
-            loose += ids
-    if packed:
-        close_packed()
-    if loose:
-        close_loose()
-    return pa.chunked_array(chunks, pa.string())
-
-
-def _packed_column(blob: bytes, width: int) -> list[pa.Array]:
-    """Ids packed `width` bytes apiece as Arrow strings. Unpadded (every id `width` long,
-    as with most id schemes), the bytes are the column's as they are, its offsets a
-    range: no copy. Padded, NumPy's fixed-width bytes drop the padding on the way to
-    Arrow, CONVERT_SLICE ids a chunk."""
-    n = len(blob) // width
-    if 0 not in blob:
-        offsets = np.arange(0, (n + 1) * width, width, dtype=np.int32)
-        return [pa.StringArray.from_buffers(n, pa.py_buffer(offsets), pa.py_buffer(blob))]
-    return _arrow(np.frombuffer(blob, f"S{width}"), pa.binary()).cast(pa.string()).chunks
 
 
 _INT_KINDS = (pa.int32(), pa.int64(), pa.int32())  # bucket, sort_key, deliveries

@@ -2,8 +2,8 @@
 //! each ack's event until the trim after the ledger has it, for every ack of a few
 //! messages (every ack at batch 1). As a `Settlement` each would be a tuple of eight
 //! fields with three new ints, tracked by the cyclic GC and read back field by field by
-//! the trim and the checkpoint; here it is a row of fixed-size fields and a reference to
-//! the id its lease record already holds, appended to the run at the log's end.
+//! the trim and the checkpoint; here it is a row of fixed-size fields, its message's
+//! handle among them (`handles.rs`), appended to the run at the log's end.
 //!
 //! A run is open while it is the log's last entry and nothing has read it: acks of
 //! consecutive seqs append to it. A reader in another thread (the checkpoint's) gets
@@ -12,12 +12,13 @@
 
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyBytes, PyList};
 
 use crate::lease_record::array;
 
 #[derive(Clone, Copy)]
 struct Acked {
+    mh: u128,
     sort_key: i64,
     at: i64,
     deliveries: i32,
@@ -31,7 +32,6 @@ pub struct AckRun {
     seq: i64,
     /// `LedgerEvent.ACKED`, as the other entries name their event.
     event: PyObject,
-    ids: Vec<PyObject>,
     rows: Vec<Acked>,
     sealed: bool,
 }
@@ -60,7 +60,7 @@ impl AckRun {
     pub(crate) fn append(
         entries: &Bound<'_, PyList>,
         seq: i64,
-        mid: PyObject,
+        mh: u128,
         bucket: u16,
         event: &Bound<'_, PyAny>,
         sort_key: i64,
@@ -68,6 +68,7 @@ impl AckRun {
         at: i64,
     ) -> PyResult<()> {
         let row = Acked {
+            mh,
             sort_key,
             at,
             deliveries,
@@ -83,7 +84,6 @@ impl AckRun {
                 .and_then(|r| r.try_borrow_mut().ok());
             if let Some(mut run) = open {
                 if !run.sealed && run.seq + run.rows.len() as i64 == seq {
-                    run.ids.push(mid);
                     run.rows.push(row);
                     return Ok(());
                 }
@@ -92,7 +92,6 @@ impl AckRun {
         let run = AckRun {
             seq,
             event: event.clone().unbind(),
-            ids: vec![mid],
             rows: vec![row],
             sealed: false,
         };
@@ -134,9 +133,16 @@ impl AckRun {
             .ok_or_else(|| PyIndexError::new_err("an empty run has no time"))
     }
 
+    /// The acked messages' handles, packed 16 bytes each, little-endian, as a `Run`'s.
     #[getter]
-    fn message_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.ids.iter().map(|m| m.bind(py)))
+    fn handles<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyBytes>> {
+        let packed: Vec<u8> = slf
+            .borrow()
+            .rows
+            .iter()
+            .flat_map(|r| r.mh.to_le_bytes())
+            .collect();
+        Ok(PyBytes::new(slf.py(), &packed))
     }
 
     /// The columns as `Run`'s are: `array`s ('H', 'q', 'i'), and each ack's time ('q').
@@ -174,7 +180,6 @@ impl AckRun {
         Ok(Self {
             seq: start,
             event: self.event.clone_ref(py),
-            ids: self.ids[i..j].iter().map(|m| m.clone_ref(py)).collect(),
             rows: self.rows[i..j].to_vec(),
             sealed: true,
         })

@@ -453,10 +453,11 @@ impl Transitions {
             }
             let bucket = g.bucket.into_pyobject(py)?;
             hold_in(&t.held, &bucket, 1, &consumer, -1)?;
+            let handle = mh(mid.downcast::<PyString>()?.to_str()?.as_bytes());
             AckRun::append(
                 &t.entries,
                 t.seq + 1,
-                mid.clone().unbind(),
+                handle,
                 g.bucket,
                 acked,
                 g.sort_key,
@@ -465,11 +466,8 @@ impl Transitions {
             )?;
             t.seq += 1;
             t.tally(Tally::Acked, 1, acked)?;
-            if !t.sort_keys.is_empty() {
-                let handle = mh(mid.downcast::<PyString>()?.to_str()?.as_bytes());
-                if t.sort_keys.contains(handle)? {
-                    t.sort_keys.del_item(handle)?;
-                }
+            if !t.sort_keys.is_empty() && t.sort_keys.contains(handle)? {
+                t.sort_keys.del_item(handle)?;
             }
         }
         if let Some(seen) = t.consumers.get_item(&consumer)? {
