@@ -1493,6 +1493,26 @@ def test_rows_the_index_dropped_are_named_from_the_tables_once_it_is_current(
     assert index.ids_in_tables({mh("late0")}) == {mh("late0"): "late0"}
 
 
+def test_the_tables_are_read_for_handles_in_neither_once_a_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handle neither the buffer nor the dead letters hold (a row retention removed,
+    its event asked for each checkpoint round) has them read again only once one of
+    them changed, or with a handle not asked before."""
+    warehouse, index, _ = loaded_topic(tmp_path, [1])
+    reads: list[Table] = []
+    read = index_module.scan
+    monkeypatch.setattr(index_module, "scan", lambda *a: reads.append(a[1]) or read(*a))
+    nowhere = {mh("nowhere")}
+    assert index.ids_in_tables(nowhere) == {} and len(reads) == 2
+    assert index.ids_in_tables(nowhere) == {} and len(reads) == 2, "neither table changed"
+    assert index.ids_in_tables({mh("m0")}) == {mh("m0"): "m0"} and len(reads) == 4
+    fill(warehouse, "jobs", buffer_rows([3], prefix="late"))
+    index.refresh()
+    assert index.ids_in_tables(nowhere) == {} and len(reads) == 6, "the buffer changed"
+    assert index.ids_in_tables(nowhere) == {} and len(reads) == 6
+
+
 def test_a_nack_answers_its_dead_by_id_whether_it_named_ids_or_receipts(tmp_path: Path) -> None:
     """The state tells a nack's dead by handle; the leader answers with their ids: those
     the request named, or its index's for a request by receipts."""

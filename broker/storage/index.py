@@ -192,6 +192,10 @@ class TopicIndex:
         self.unfound: dict[int, tuple[str, float]] = {}
         # Rows `revive` found there, not in the buffer: message handle -> id.
         self.from_dead_letters: dict[int, str] = {}
+        # The versions of the buffer and the dead letters `ids_in_tables` last read, and
+        # the handles it found in neither: asked for those alone again, before either
+        # table changes, it reads nothing.
+        self._not_in_tables: tuple[int, int, frozenset[int]] = (-1, -1, frozenset())
         self.files: set[str] = set()  # of the version indexed
         # Buckets of files seen but not read: the ingest writes more than this node has.
         self.beyond: set[int] = set()
@@ -857,8 +861,15 @@ class TopicIndex:
         buffer's current version (else {}: the rows may be in the versions it has yet to
         read, and a refresh brings them). For a row the index read and dropped: one the
         ledger had settled when it loaded (another history's ledger, its state's events
-        naming it still), or forgotten. Blocking, and costly: a read of both tables' ids."""
-        if DeltaTable(self.buffer_path).version() != self.version:
+        naming it still), or forgotten. Blocking, and costly: a read of both tables' ids,
+        so once per change of either table for handles in neither (a message whose row
+        retention removed, asked for each checkpoint round while its event waits)."""
+        version = DeltaTable(self.buffer_path).version()
+        if version != self.version:
+            return {}
+        dead_version = DeltaTable(self.dead_letter_path).version()
+        read_at, dead_read_at, absent = self._not_in_tables
+        if (read_at, dead_read_at) == (version, dead_version) and handles <= absent:
             return {}
         named: dict[int, str] = {}
         for path, table in (
@@ -867,6 +878,7 @@ class TopicIndex:
         ):
             mids = scan(path, table, ["message_id"]).column("message_id").to_pylist()
             named.update((h, m) for h, m in zip(mhs(mids), mids, strict=True) if h in handles)
+        self._not_in_tables = (version, dead_version, frozenset(handles - named.keys()))
         return named
 
     def rebuild(self, state: TopicState) -> None:
