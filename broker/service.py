@@ -1420,7 +1420,7 @@ class Broker:
         h = mh(mid)
         key = st.sort_key(h, row.sort_key)
         lease = st.lease_of(mid)
-        if (event := st.settled_event(mid)) is not None:
+        if (event := st.settled_event(mid, h)) is not None:
             status = event
         elif lease is not None:
             status = "leased"

@@ -40,6 +40,7 @@ from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from pysyncobj.serializer import Serializer
 
 from dejaq.broker.api.metrics import LeaseLatency
+from dejaq.broker.state import leases
 from dejaq.broker.state.assignment import rebalance
 from dejaq.broker.state.handles import handles_in as unpacked_mhs
 from dejaq.broker.state.handles import mh, mhs
@@ -210,6 +211,39 @@ def test_ack_settles_once_and_refuses_with_reasons() -> None:
     assert s.ack("c1", 1000, ["c"]) == {"c": Refusal.EXPIRED}, "deadline is exclusive"
     assert leased(s, "c1", ["a"], now=20) == [], "an acked message is never leased again"
     assert [e.event for e in s.events] == ["acked"]
+
+
+def test_each_settling_transition_hashes_a_message_s_id_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A nack, a release, an expiry, a reject and a cancel hash each message's id into
+    its handle once, for every map they touch and the lease table (a nack to the dead
+    hashed it four times, most of its cost a message)."""
+    hashed: list[str] = []
+
+    def counted(mid: str) -> int:
+        hashed.append(mid)
+        return mh(mid)
+
+    def hashes(step: Callable[[], object]) -> list[str]:
+        hashed.clear()
+        step()
+        return sorted(hashed)
+
+    s = one_bucket_state(max_deliveries=2)
+    record = s.lease("c", 0, 100, [(m, 0, 1) for m in "abcdfg"], lid=1)
+    receipt = dict(zip(record.mids, map(record.receipt, range(6)), strict=True))
+    s.lease("c", 0, 10_000, [("e", 0, 1)], lid=2)
+    monkeypatch.setattr(leases, "mh", counted)
+    assert hashes(lambda: s.nack("c", 1, [], receipts=[receipt["a"], receipt["b"]])) == ["a", "b"]
+    assert hashes(lambda: s.reject("c", 1, [], [receipt["c"]])) == ["c"]
+    assert hashes(lambda: s.cancel(1, "d", 0, 4)) == ["d"]
+    assert hashes(lambda: s.cancel(1, "z", 0, 4)) == ["z"], "a pending message"
+    assert hashes(lambda: s.expire(1_000, 10**9)) == ["f", "g"]
+    assert hashes(lambda: s.leave("c", 1_000)) == ["e"]
+    again = s.lease("d2", 2_000, 100, [("a", 0, 1)], lid=3)
+    assert hashes(lambda: s.nack("d2", 2_001, [], receipts=[again.receipt(0)])) == ["a"]
+    assert s.settled_event("a") == LedgerEvent.DEAD, "its second delivery, its last"
 
 
 def test_expiry_redelivers_then_dead_letters_at_max_deliveries() -> None:

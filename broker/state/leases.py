@@ -295,10 +295,12 @@ class TopicState:
         released: list[str] = []
         for record in [r for r in self.leased.values() if r.consumer == consumer]:
             for pos in record.live_positions():
-                mid = self._end(record, pos, RELEASED)
+                mid = record.mid(pos)
+                h = mh(mid)
+                self._end(record, pos, RELEASED, h)
                 deliveries = record.entry(pos)[3]
                 if deliveries > 1:
-                    self.deliveries[mh(mid)] = deliveries - 1
+                    self.deliveries[h] = deliveries - 1
                 released.append(mid)
         if member:
             self._rebalance()
@@ -347,10 +349,11 @@ class TopicState:
         """The key in force of the message of handle `h`, whose own key is `base`."""
         return self.sort_keys.get(h, base)
 
-    def settled_event(self, mid: str) -> str | None:
+    def settled_event(self, mid: str, h: int | None = None) -> str | None:
         """What settled the message, if its event is not trimmed yet: `settled`, or an
-        ack marked in its lease's record."""
-        h = mh(mid)
+        ack marked in its lease's record. `h`: its handle, where the caller has it."""
+        if h is None:
+            h = mh(mid)
         event = self.settled.get(h)
         if event is not None or (record := self.leases.get(h)) is None:
             return event
@@ -479,8 +482,10 @@ class TopicState:
         bucket, sort_key, deadline, deliveries = record.entry(pos)
         return Lease(record.consumer, bucket, sort_key, deadline, deliveries)
 
-    def _end(self, record: LeaseRecord, pos: int, how: int) -> str:
-        """End one message's lease (`how`: ACKED, EXPIRED...); returns its id.
+    def _end(self, record: LeaseRecord, pos: int, how: int, h: int) -> None:
+        """End the lease of the message of handle `h` at `pos` of `record` (`how`:
+        ACKED, EXPIRED...). Given the handle: each caller hashes the id once, for every
+        map it touches.
 
         The record's last end removes it: once the events of its settled messages are
         trimmed (a receipt is answered as long as an id is), or at once if none settled
@@ -494,10 +499,8 @@ class TopicState:
                 self.ending.append((self.seq, record.lid))
             else:
                 del self.records[record.lid]
-        mid = record.mid(pos)
-        del self.leases[mid]
+        del self.leases[h]
         hold(self.held, {record.entry(pos)[0]: 1}, record.consumer, -1)
-        return mid
 
     def receipts_of(self, mids: list[str]) -> tuple[list[int], dict[str, Refusal]] | None:
         """The receipts of the leases holding messages named by id, in their order, and
@@ -560,7 +563,7 @@ class TopicState:
 
     def _settle(
         self,
-        mid: str,
+        h: int,
         bucket: int,
         sort_key: int,
         event: LedgerEvent,
@@ -569,7 +572,6 @@ class TopicState:
         reason: str | None = None,
     ) -> None:
         self.seq += 1
-        h = mh(mid)
         self.events.append(
             Settlement(self.seq, h, bucket, event, sort_key, deliveries, now, reason)
         )
@@ -679,9 +681,10 @@ class TopicState:
         """Send leased messages straight to the dead letters."""
         refused: dict[str | int, Refusal] = {}
         for record, pos in self._held(consumer, now, mids, receipts, refused):
-            mid = self._end(record, pos, REJECTED)
+            h = mh(record.mid(pos))
+            self._end(record, pos, REJECTED, h)
             bucket, sort_key, _, deliveries = record.entry(pos)
-            self._settle(mid, bucket, sort_key, LedgerEvent.DEAD, now, deliveries, "rejected")
+            self._settle(h, bucket, sort_key, LedgerEvent.DEAD, now, deliveries, "rejected")
         return refused
 
     def nack(
@@ -709,7 +712,7 @@ class TopicState:
             if sort_key is not None:
                 self.sort_keys[h] = sort_key
             retry = None if delay_ms > 0 else backoff
-            if self._redeliver_or_die(record, pos, NACKED, now, retry):
+            if self._redeliver_or_die(record, pos, h, NACKED, now, retry):
                 pending.append(mid)
                 if delay_ms > 0:
                     self.not_before[h] = now + delay_ms
@@ -721,24 +724,25 @@ class TopicState:
         self,
         record: LeaseRecord,
         pos: int,
+        h: int,
         how: int,
         now: int,
         backoff: RetryBackoff | None = None,
     ) -> bool:
-        """A lease ended unsettled (`how`): the message is pending again (after the retry
-        backoff, if any), or dead if out of tries."""
+        """A lease ended unsettled (`how`): the message (of handle `h`) is pending again
+        (after the retry backoff, if any), or dead if out of tries."""
         bucket, base_key, _, deliveries = record.entry(pos)
         if deliveries < self.max_deliveries:
-            h = mh(self._end(record, pos, how))
+            self._end(record, pos, how, h)
             self.deliveries[h] = deliveries
             if backoff is not None and backoff[0] > 0:
                 self.not_before[h] = now + retry_delay(deliveries, *backoff)
             return True
-        mid = self._end(record, pos, DEAD)
+        self._end(record, pos, DEAD, h)
         self._settle(
-            mid,
+            h,
             bucket,
-            self.sort_key(mh(mid), base_key),
+            self.sort_key(h, base_key),
             LedgerEvent.DEAD,
             now,
             deliveries,
@@ -772,18 +776,16 @@ class TopicState:
         """
         if _trimmed_past(self, seen):
             return Refusal.TRIMMED
-        if self.settled_event(mid) is not None:
-            return Refusal.SETTLED
         h = mh(mid)
+        if self.settled_event(mid, h) is not None:
+            return Refusal.SETTLED
         deliveries = self.deliveries.get(h, 0)
         record = self.leases.get(h)
         if record is not None:
             pos = record.position(mid)
             deliveries = record.entry(pos)[3]
-            self._end(record, pos, CANCELLED)
-        self._settle(
-            mid, bucket, self.sort_key(h, sort_key), LedgerEvent.CANCELLED, now, deliveries
-        )
+            self._end(record, pos, CANCELLED, h)
+        self._settle(h, bucket, self.sort_key(h, sort_key), LedgerEvent.CANCELLED, now, deliveries)
         return None
 
     def reschedule(self, mid: str, sort_key: int, seen: int | None = None) -> Refusal | None:
@@ -791,9 +793,9 @@ class TopicState:
         `cancel`: past a trim, a message settled since would keep its override for good."""
         if _trimmed_past(self, seen):
             return Refusal.TRIMMED
-        if self.settled_event(mid) is not None:
-            return Refusal.SETTLED
         h = mh(mid)
+        if self.settled_event(mid, h) is not None:
+            return Refusal.SETTLED
         if h in self.leases:
             return Refusal.LEASED
         self.sort_keys[h] = sort_key
@@ -811,8 +813,9 @@ class TopicState:
                 if record.deadline_of(pos) > now:
                     continue
                 self.totals["expired"] += 1
-                if self._redeliver_or_die(record, pos, EXPIRED, now, backoff):
-                    pending.append(record.mid(pos))
+                mid = record.mid(pos)
+                if self._redeliver_or_die(record, pos, mh(mid), EXPIRED, now, backoff):
+                    pending.append(mid)
         silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
         for consumer in silent:
             del self.consumers[consumer]
@@ -852,7 +855,7 @@ class TopicState:
                 continue
             key = self.sort_key(h, sort_key)
             deliveries = self.deliveries.get(h, 0)
-            self._settle(mid, bucket, key, LedgerEvent.CANCELLED, now, deliveries)
+            self._settle(h, bucket, key, LedgerEvent.CANCELLED, now, deliveries)
             cancelled += 1
         return cancelled
 
@@ -873,8 +876,8 @@ class TopicState:
         redriven: list[str] = []
         refused: dict[str, Refusal] = {}
         for mid, bucket, key in dead:
-            event = self.settled_event(mid)
             h = mh(mid)
+            event = self.settled_event(mid, h)
             if event is None and (h in self.redriven_at or h in self.leases):
                 refused[mid] = Refusal.REDRIVEN
                 continue

@@ -687,7 +687,7 @@ class TopicIndex:
                         for i, (mid, h) in enumerate(zip(batch.mids, mhs(batch.mids), strict=True))
                         if h in self.unread
                         and self.store.get(mid) is None
-                        and state.settled_event(mid) is None
+                        and state.settled_event(mid, h) is None
                         and mid not in found_here
                         and found_here.add(mid) is None
                     ],
@@ -728,7 +728,8 @@ class TopicIndex:
         for h, mid, token in indexed:
             del self.unread[h]
             self.awaited.discard(h)  # one entry, should a redrive await it by handle too
-            if state.settled_event(mid) is None and (h in state.not_before or h in state.sort_keys):
+            overridden = h in state.not_before or h in state.sort_keys
+            if overridden and state.settled_event(mid, h) is None:
                 self._pending(state, h, token)
         if not self.awaited:
             return
