@@ -11,7 +11,7 @@ from dejaq_core import PackedIds
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dejaq.broker.state.handles import WIDTH, handles_in, mh, mhs, packed
+from dejaq.broker.state.handles import WIDTH, handles_in, mh, mhs, packed, packed_handles
 
 # BLAKE3's digests of b"" and b"abc" (its reference test vectors), first 16 bytes.
 REFERENCE = {
@@ -39,6 +39,15 @@ def test_a_batch_hashes_as_its_ids_one_by_one(mids: list[str]) -> None:
     pack = PackedIds.pack(mids)
     if pack is not None:  # ids a lease command packs hash as their strs do
         assert packed(pack) == blob
+
+
+def test_packed_handles_read_back_as_the_ints_they_pack() -> None:
+    handles = [0, 1, 1 << 127 | 5, (1 << 128) - 1]
+    blob = packed_handles(handles)
+    assert blob[: WIDTH + 1] == bytes(WIDTH) + b"\x01", "little-endian"
+    assert handles_in(blob) == handles and handles_in(b"") == []
+    with pytest.raises(ValueError, match="16 bytes each"):
+        handles_in(blob[:-1])
 
 
 def test_distinct_ids_have_distinct_handles() -> None:
