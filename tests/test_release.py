@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pytest
-from conftest import buffer_names, run_to_end, wait_until
+from conftest import Named, buffer_names, run_to_end, wait_until
 from deltalake import CommitProperties, DeltaTable, Transaction, write_deltalake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -286,25 +286,31 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     # Handed back to the brokers, whose checkpoints move their tag on: taken over again.
     state.lease("w", 2, 1000, [("again-0", 0, 9)])
     assert state.ack("w", 3, ["again-0"]) == {}
-    checkpoint(s.warehouse, "jobs", state.events, buffer_names(s.warehouse))
+    checkpoint(s.warehouse, "jobs", state.events, Named([*written, "again-0"]).names)
     with pytest.raises(ConfigError, match="--take-over"):
         Releaser(s, s.topic("jobs"))
 
 
 def brokers_checkpoint(
-    s: Settings, state: TopicState, history: tuple[str, int], rounds: int = 1
+    s: Settings,
+    state: TopicState,
+    named: Named,
+    history: tuple[str, int],
+    rounds: int = 1,
 ) -> int:
     """`rounds` brokers' checkpoints of one acked message each, written by the ledger
-    writer under Raft history `history`, as a leader of that history writes them;
-    return the last seq written."""
+    writer under Raft history `history`, as a leader of that history writes them, naming
+    the messages by `named` (noting each new one) as its index would; return the last
+    seq written."""
     from dejaq.broker.storage.ledger_writer import checkpoint
 
     upto = history[1]
     for _ in range(rounds):
         mid = f"leased-{uuid.uuid4().hex[:8]}"
+        named.note([mid])
         state.lease("w", 0, 1000, [(mid, 0, 1)])
         assert state.ack("w", 1, [mid]) == {}
-        upto = checkpoint(s.warehouse, "jobs", state.events, buffer_names(s.warehouse), history)
+        upto = checkpoint(s.warehouse, "jobs", state.events, named.names, history)
     return upto
 
 
@@ -321,8 +327,8 @@ def test_a_take_over_counts_the_brokers_checkpoints_of_every_raft_history(
     out = topic_factory(partitions=1)
     conf = write_conf(tmp_path, kafka_bootstrap, "priority", out)
     s = load_settings(conf, env={})
-    state = TopicState(4, 5)
-    written = brokers_checkpoint(s, state, ("later", 0), rounds=9)
+    state, named = TopicState(4, 5), Named()
+    written = brokers_checkpoint(s, state, named, ("later", 0), rounds=9)
     ledger = ensure_table(s.warehouse, Table.LEDGER, "jobs")
     last = json.loads(Path(ledger, "_delta_log", "_last_checkpoint").read_text())
     assert last["version"] == DeltaTable(ledger).version(), "the tags only in a Delta checkpoint"
@@ -330,7 +336,7 @@ def test_a_take_over_counts_the_brokers_checkpoints_of_every_raft_history(
     Releaser(s, s.topic("jobs"), take_over=True).finish()
     Releaser(s, s.topic("jobs")).finish()  # taken over: its topic, no flag needed
     # Handed back to brokers that begin a new history past what the ledger holds.
-    brokers_checkpoint(s, state, ("newer", written))
+    brokers_checkpoint(s, state, named, ("newer", written))
     with pytest.raises(ConfigError, match="--take-over"):
         Releaser(s, s.topic("jobs"))
     Releaser(s, s.topic("jobs"), take_over=True).finish()
@@ -347,15 +353,15 @@ def test_a_take_over_noted_before_histories_were_told_apart_still_holds(
 
     out = topic_factory(partitions=1)
     s = settings_for(tmp_path, kafka_bootstrap, "priority", out)
-    state = TopicState(4, 5)
-    tag = brokers_checkpoint(s, state, ("", 0))
+    state, named = TopicState(4, 5), Named()
+    tag = brokers_checkpoint(s, state, named, ("", 0))
     ledger = DeltaTable(ensure_table(s.warehouse, Table.LEDGER, "jobs"))
     mark = CommitProperties(app_transactions=[Transaction("dejaq-release-jobs:taken-over", tag)])
     ledger.create_write_transaction(
         [], mode="append", schema=ledger.schema(), commit_properties=mark
     )
     Releaser(s, s.topic("jobs")).finish()
-    brokers_checkpoint(s, state, ("newer", tag))
+    brokers_checkpoint(s, state, named, ("newer", tag))
     with pytest.raises(ConfigError, match="--take-over"):
         Releaser(s, s.topic("jobs"))
 
