@@ -394,7 +394,7 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
     (`leases.Picks`). Handles: a lease's come with its picks (an index would hold each
     row's), packed the same way; an ack's are made from the ids it names, as the leader
     would have to (an 8-byte deterministic hash each). Picks: DejaQ's own commands when
-    its workers ack by receipt, a lease's ids packed from BULK_MIN of them on as its
+    its workers ack by receipt, a lease's message handles packed (16 bytes each) as its
     index packs them, and an ack's receipts the range the leader commits for a whole
     lease's (`leases.consecutive`).
     """
@@ -413,11 +413,9 @@ def carried(carry: str, ids: list[str], lease: bool) -> object:
         buckets.byteswap()
         keys.byteswap()
     if carry == "picks":
-        from dejaq_core import PackedIds
+        from dejaq.broker.state.handles import packed
 
-        from dejaq.broker.state.leases import BULK_MIN
-
-        named = (PackedIds.pack(ids) if n >= BULK_MIN else None) or ids
+        named = packed(ids)
     else:
         named = ids if carry == "ids" else array("q", range(n)).tobytes()
     return named, buckets.tobytes(), keys.tobytes()
@@ -442,8 +440,8 @@ def serve(app, port: int, raft=None) -> None:
 class _NoIndex:
     """The floor's Raft listener: there is no index to tell."""
 
-    def pending(self, topic, state, mids) -> None: ...
-    def gone(self, topic, mids) -> None: ...
+    def pending(self, topic, state, handles) -> None: ...
+    def gone(self, topic, handles) -> None: ...
     def reset(self, states) -> None: ...
 
 
@@ -671,7 +669,11 @@ def fill_topic(args: argparse.Namespace, warehouse: str, topic: str, n: int) -> 
 
     for start in range(0, n, 50_000):
         keys = [(i * 7919) % 65536 for i in range(start, min(n, start + 50_000))]
-        fill(warehouse, topic, buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-"))
+        fill(
+            warehouse,
+            topic,
+            buffer_rows(keys, lambda i: i % args.buckets, f"{topic}-{start}-", noted=False),
+        )
 
 
 def wait_indexed(addr: str, topic: str, n: int, timeout: float = 120) -> None:

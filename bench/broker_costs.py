@@ -50,7 +50,7 @@ from test_broker import buffer_rows, fill  # noqa: E402
 from dejaq.broker.api.hotpath import _ack_args, _lease_args, _parsed  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
 from dejaq.broker.state import raft  # noqa: E402
-from dejaq.broker.state.leases import TopicState, consecutive  # noqa: E402
+from dejaq.broker.state.leases import TopicState, consecutive, pick_count  # noqa: E402
 from dejaq.broker.state.raft import BrokerState, RaftNode  # noqa: E402
 from dejaq.broker.storage import message_json  # noqa: E402
 from dejaq.broker.storage.index import TopicIndex  # noqa: E402
@@ -73,8 +73,8 @@ class IndexListener:
     def __init__(self, index: TopicIndex) -> None:
         self.index = index
 
-    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None:
-        self.index.push(state, mids)
+    def pending(self, topic: str, state: TopicState, handles: list[int]) -> None:
+        self.index.push(state, handles)
 
     def gone(self, topic: str, handles: bytes) -> None:
         self.index.forget(handles)
@@ -220,7 +220,7 @@ async def measure(
                 sent[me].append(lease)
                 tally["repicks"] += not grants
                 t = time.perf_counter()
-                if len(grants) < len(picks[0]):  # as `Broker.lease`: what was not granted
+                if len(grants) < pick_count(picks):  # as `Broker.lease`: what was not granted
                     index.release(state, picks)
                     t = clock.time("leader", "release picks", t)
             body = message_json.leased_array(picks, taken, grants, False)
@@ -339,7 +339,7 @@ def main() -> int:
         filled = args.messages + args.messages // 10  # buckets drain unevenly
         for start in range(0, filled, 50_000):
             keys = [(i * 7919) % 65536 for i in range(start, min(filled, start + 50_000))]
-            rows = buffer_rows(keys, lambda i: i % BUCKETS, f"t-{start}-")
+            rows = buffer_rows(keys, lambda i: i % BUCKETS, f"t-{start}-", noted=False)
             fill(str(args.warehouse), "t", rows)
         figures = asyncio.run(run(args, Path(tmp) / "raft"))
     print(

@@ -51,7 +51,9 @@ BUCKETS = 16
 
 def append(path: str, n: int, rows: int) -> None:
     """The `n`th append: `rows` new messages over the buckets, as an ingest batch."""
-    batch = buffer_rows(list(range(rows)), bucket_of=lambda i: i % BUCKETS, prefix=f"b{n}-")
+    batch = buffer_rows(
+        list(range(rows)), bucket_of=lambda i: i % BUCKETS, prefix=f"b{n}-", noted=False
+    )
     write_deltalake(path, batch, mode="append", partition_by=["bucket"])
 
 

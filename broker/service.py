@@ -43,6 +43,7 @@ from dejaq.broker.state.leases import (
     RetryBackoff,
     TopicState,
     consecutive,
+    pick_count,
 )
 from dejaq.broker.state.raft import STAMPED_WITHIN_MS, NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, count, last, redriven, seqs, settlements
@@ -212,7 +213,7 @@ def _going_on(duty: Streak) -> Iterator[None]:
         duty.ok()
 
 
-def _head(index: TopicIndex, mid: str) -> Taken | None:
+def _head(index: TopicIndex, mid: str | int) -> Taken | None:
     """`TopicIndex.head`, a 503 where the node cannot read it (its repair under way)."""
     try:
         return index.head(mid)
@@ -310,11 +311,11 @@ class Broker:
 
     # --- Listener: hooks from applied Raft commands ---------------------------------------
 
-    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None:
+    def pending(self, topic: str, state: TopicState, handles: list[int]) -> None:
         """Nothing to tell for a topic this node does not serve (`BrokerState`)."""
         index = self.indexes.get(topic)
         if index is not None:
-            index.push(state, mids)
+            index.push(state, handles)
 
     def gone(self, topic: str, handles: bytes) -> None:
         """Messages checkpointed and trimmed, by handle (packed): the index forgets them."""
@@ -1090,7 +1091,7 @@ class Broker:
                     args = (consumer, now, lease_ms, picks, rate, numbered, st.seq)
                     granted = await self._commit(topic, "lease", *args)
                 finally:
-                    if type(granted) is not LeaseRecord or len(granted) < len(picks[0]):
+                    if type(granted) is not LeaseRecord or len(granted) < pick_count(picks):
                         index.release(st, picks)  # some to put back
                         self.wakeups.notify(topic)
                 if type(granted) is Again:
@@ -1148,7 +1149,7 @@ class Broker:
             return b"[]"
         now, index = now_ms(), self.indexes[topic]
         held = [p for p in record.live_positions() if not record.status(p, consumer, now)]
-        heads = [_head(index, record.mid(p)) for p in held]
+        heads = [_head(index, record.mh(p)) for p in held]
         timeline = self.topic(topic).kind.sorted_as is TopicKind.TIMELINE
         return message_json.held_array(record, held, heads, timeline)
 

@@ -1,9 +1,10 @@
-"""The compiled core's packed ids (`dejaq_core.PackedIds`) against the list of str they
-stand for, and its lease table (`dejaq_core.LeaseTable`, by message handle) against a
-dict model; a topic's state pickled with its leases as a dict (every snapshot: by
-handle, or by id before handles) loads into the table; a lease record
-(`dejaq_core.LeaseRecord`) pickles as the Python record did; code from before handles
-refuses a snapshot by handle."""
+"""The compiled core's packed ids (`dejaq_core.PackedIds`, as commands and snapshots
+from before message handles hold them) against the list of str they stand for, and
+its lease table (`dejaq_core.LeaseTable`, by message handle) against a dict model; a
+topic's state pickled with its leases as a dict (every snapshot: by handle, or by id
+before handles) loads into the table; a lease record (`dejaq_core.LeaseRecord`)
+pickles as the Python record did, by handle; code from before handles refuses a
+snapshot by handle."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_receipts import lease, receipts
 
-from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, mhs
+from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, mhs, packed
 from dejaq.broker.state.leases import ACKED, LeaseRecord, Refusal, TopicState
 from dejaq.broker.state.raft import SnapshotUnpickler
 from dejaq.broker.state.settlements import EventLog
@@ -223,19 +224,32 @@ def test_messages_named_neither_by_id_nor_by_handle_are_a_clear_error() -> None:
     assert table.add_all([mh("a"), "b"], 1) and sorted(table) == sorted([mh("a"), mh("b")])
 
 
-def test_a_grant_whose_columns_do_not_match_its_ids_changes_nothing() -> None:
-    """A lease command's picks with fewer buckets or sort keys than ids are a clear
-    error, raised before any id enters the table or any hold is counted."""
+def test_a_grant_whose_columns_do_not_match_its_picks_changes_nothing() -> None:
+    """A lease command's picks with fewer buckets or sort keys than handles are a clear
+    error, raised before any pick enters the table or any hold is counted."""
     record = LeaseRecord(1, "c", 99)
     table, held = LeaseTable(), {}
     args = ([0], held, "c", {}, {}, {}, {}, 5, None)
     with pytest.raises(ValueError, match="2 picks with 2 bytes of buckets and 16"):
-        grant(table, record, ["a", "b"], bytes(2), bytes(16), *args)
+        grant(table, record, packed(["a", "b"]), bytes(2), bytes(16), *args)
+    with pytest.raises(ValueError, match="16 bytes each"):
+        grant(table, record, packed(["a", "b"])[:-1], bytes(4), bytes(16), *args)
     with pytest.raises(TypeError):
-        grant(table, record, ["a", 1], bytes(4), bytes(16), *args)
+        grant(table, record, ["a", 1.0], bytes(4), bytes(16), *args)
     assert len(table) == 0 and held == {} and len(record) == 0
-    assert grant(table, record, ["a", "b"], bytes(4), bytes(16), *args) == 0
-    assert list(record.mids) == ["a", "b"] and held == {0: {"c": 2}} and record.live == 2
+    assert grant(table, record, packed(["a", "b"]), bytes(4), bytes(16), *args) == 0
+    assert record.handles == packed(["a", "b"]) and held == {0: {"c": 2}} and record.live == 2
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["a list of str", "packed ids"])
+def test_a_grant_of_picks_by_id_from_before_handles_hashes_them(pack: bool) -> None:
+    """Lease commands from before handles carry their picks' ids (a list of str, or
+    packed), replayed from a journal: granted as the same picks by handle would be."""
+    record, table, held = LeaseRecord(1, "c", 99), LeaseTable(), {}
+    mids = ["a", "é" * 9, "b"]
+    args = ([0], held, "c", {}, {}, {}, {}, 5, None)
+    assert grant(table, record, _ids(mids, pack), bytes(6), bytes(24), *args) == 0
+    assert record.handles == packed(mids) and sorted(table) == sorted(mhs(mids))
 
 
 @pytest.mark.parametrize("by_id", [False, True], ids=["by handle", "by id, before handles"])
@@ -265,14 +279,14 @@ def test_a_state_pickled_with_its_leases_as_a_dict_loads_into_the_table(by_id: b
 
 def test_a_lease_record_pickles_as_the_python_record_did() -> None:
     """Its state is the tuple the Python record pickled (columns as arrays, the ended
-    marks as a bytearray, the ids as held) under the same class name, so snapshots of
-    either load in the other; a malformed one is refused, and a position ends once."""
+    marks as a bytearray) under the same class name, its messages by handle, packed,
+    where the Python record held ids: a record from before handles, its ids a list or
+    packed, loads by handle; a malformed one is refused, and a position ends once."""
     table, held = LeaseTable(), {}
     record = LeaseRecord(7, "c", 99)
-    grant(
-        table, record, ["a", "b", "c"], bytes(6), bytes(24), [0], held, "c", {}, {}, {}, {}, 5, None
-    )
-    assert record.take(1, "c", 5, ACKED) == ("b", 0, 0, 1, 2)
+    picks = packed(["a", "b", "c"])
+    grant(table, record, picks, bytes(6), bytes(24), [0], held, "c", {}, {}, {}, {}, 5, None)
+    assert record.take(1, "c", 5, ACKED) == (mh("b"), 0, 0, 1, 2)
     assert record.take(1, "c", 5, ACKED) == ACKED and record.take(0, "d", 5, ACKED) == 9
     record.extend(2, 120)
     state = record.__getstate__()
@@ -285,18 +299,25 @@ def test_a_lease_record_pickles_as_the_python_record_did() -> None:
         bytearray([0, ACKED, 0]),
         7,
         2,
-        ["a", "b", "c"],
+        picks,
         array("q", [0, 0, 0]),
     )
     pickled = pickle.dumps(record, protocol=5)
     assert b"dejaq.broker.state.leases" in pickled and b"LeaseRecord" in pickled
     again = pickle.loads(pickled)
-    assert again.__getstate__() == state and again.position("c") == 2
+    assert again.__getstate__() == state and again.position(mh("c")) == 2
+    assert again.mh(2) == mh("c")
+    for ids in (["a", "b", "c"], PackedIds.pack(["a", "b", "c"])):
+        old = LeaseRecord()
+        old.__setstate__((*state[:8], ids, state[9]))
+        assert old.__getstate__() == state, "hashed on load"
     assert again.earliest() == 99 and again.deadline_of(2) == 120
     with pytest.raises(ValueError, match="10 fields"):
         LeaseRecord().__setstate__(state[:9])
     with pytest.raises(ValueError, match="differ in length"):
         LeaseRecord().__setstate__((array("H", [0]), *state[1:]))
+    with pytest.raises(ValueError, match="differ in length"):
+        LeaseRecord().__setstate__((*state[:8], picks[:16], state[9]))
     with pytest.raises(ValueError, match="ends once"):
         record.end(1, ACKED)
     assert record.live == 2 and record.ended == bytes([0, ACKED, 0])

@@ -8,7 +8,7 @@ import weakref
 
 import numpy as np
 import pytest
-from dejaq_core import LeaseTable, Order, PackedIds
+from dejaq_core import LeaseTable, Order
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,9 +94,9 @@ NO_STATE = ({}, LeaseTable(), {}, {})
 
 
 @settings(max_examples=300, deadline=None)
-@given(operations=operations, run_min=st.integers(1, 8), pack_from=st.integers(1, 4))
+@given(operations=operations, run_min=st.integers(1, 8))
 def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
-    operations: list[tuple], run_min: int, pack_from: int
+    operations: list[tuple], run_min: int
 ) -> None:
     rows = Rows()
     order = Order(BUCKETS)
@@ -124,7 +124,7 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
             assert leased.add_all(gone_ids[1::2], 1)
             state = (settled, leased, {}, {})
             picks, found = order.pick(
-                buckets, n, max_key, 0, state, *rows.columns(), *rows.id_columns(), pack_from
+                buckets, n, max_key, 0, state, *rows.columns(), *rows.id_columns()
             )
             model = [(e, b) for e, b in model if rows.current(e[3])]
             taken = []
@@ -136,11 +136,8 @@ def test_pick_takes_the_lowest_current_entries_of_the_buckets_asked(
                     taken.append((e, b))
             assert np.frombuffer(found, np.int64).tolist() == [e[3] for e, _ in taken]
             assert list(zip(*unpacked(picks), strict=True)) == [
-                (rows.mid(e[3]), b, e[0]) for e, b in taken
-            ]
-            held_apart = any(e[3] & ((1 << BITS) - 1) in rows.long for e, _ in taken)
-            packs = not held_apart and len(taken) >= pack_from
-            assert isinstance(picks[0], PackedIds) == packs, "packed unless one is long, or few"
+                (mh(rows.mid(e[3])), b, e[0]) for e, b in taken
+            ], "by handle, ids held as digests (long) too"
             left = [e[0] for e, b in model if b in buckets and rows.current(e[3])]
             assert order.lowest(buckets) == min(left, default=None), "a timeline's next due"
         live = [e for e, _ in model if rows.current(e[3])]

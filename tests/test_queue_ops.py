@@ -26,7 +26,7 @@ from test_broker import (
     topic_conf,
 )
 
-from dejaq.broker.state.handles import handles_in, mh, packed
+from dejaq.broker.state.handles import handles_in, mh, mhs, packed
 from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
@@ -43,7 +43,7 @@ def test_a_paused_topic_leases_nothing_while_acks_nacks_and_extends_go_on() -> N
     assert leased(s, "c", ["d"], now=1) == []
     assert s.ack("c", 2, ["a"]) == {}
     assert s.extend("c", 3, ["b"], 5000)[0] == {}
-    assert s.nack("c", 4, ["c"]) == ({}, ["c"], [])
+    assert s.nack("c", 4, ["c"]) == ({}, [mh("c")], [])
     assert leased(s, "c", ["c", "d"], now=5) == [], "nacked: pending, but not leased"
     assert s.expire(5001, heartbeat_timeout_ms=10**9) == []
     assert s.pause(False)
@@ -171,7 +171,7 @@ def test_backoff_never_lets_a_message_out_early(
 def test_without_backoff_a_message_comes_back_at_once() -> None:
     s = one_bucket_state()
     leased(s, "c", ["a"], now=0)
-    assert s.expire(1000, 10**9) == ["a"] and s.not_before == {}
+    assert s.expire(1000, 10**9) == [mh("a")] and s.not_before == {}
     assert leased(s, "c", ["a"], now=1000)[0][:2] == ("a", 2)
 
 
@@ -188,7 +188,7 @@ def test_redrive_once_per_death_with_deliveries_reset() -> None:
     assert s.redrive(2, 0, [("a", 0, 1)]) == ([], {"a": Refusal.REDRIVEN}), "no new death"
     assert leased(s, "c", ["a"], now=3)[0][:2] == ("a", 1), "deliveries from 0"
     assert s.redrive(4, 0, [("a", 0, 1)]) == ([], {"a": Refusal.REDRIVEN}), "leased"
-    assert s.expire(1003, 10**9) == ["a"]
+    assert s.expire(1003, 10**9) == [mh("a")]
     assert leased(s, "c", ["a"], now=1004)[0][:2] == ("a", 2)
     assert s.expire(2004, 10**9) == [] and settled_ids(s) == {"a": "dead"}, "died again"
     assert s.redrive(2005, 0, [("a", 0, 1)], sort_key=7) == (["a"], {})
@@ -257,7 +257,7 @@ def test_a_redriven_message_is_indexed_again_after_its_row_was_forgotten(tmp_pat
     assert (upto, found, redriven) == (1, {"m1": (1, 1)}, {})
     redrive = state.redrive(2, upto, [("m1", *found["m1"])], sort_key=0)
     assert redrive == (["m1"], {})
-    index.push(state, redrive[0])
+    index.push(state, mhs(redrive[0]))
     assert index.unread == {mh("m1"): "m1"} and listed(index.pick(state, [1], 5, now=3)) == []
     assert index.revive(state) == 1 and index.unread == {}
     assert listed(index.pick(state, state.buckets_of("c"), 1, now=3)) == [("m1", 1, 0)]
@@ -308,7 +308,8 @@ def test_revive_skips_what_settled_or_was_checkpointed_meanwhile(tmp_path: Path)
     index.forget(packed(["m0", "m1"]))  # both checkpointed, as if settled before
     state = TopicState(4, 5)
     state.settled[mh("m0")] = LedgerEvent.ACKED
-    index.push(state, ["m0", "m1"])
+    state.redriven_ids.update(zip(mhs(["m0", "m1"]), ["m0", "m1"], strict=True))  # redriven
+    index.push(state, mhs(["m0", "m1"]))
     index.forget(packed(["m1"]))
     assert index.unread == {mh("m0"): "m0"}
     assert index.revive(state) == 0 and index.rows == {}

@@ -13,10 +13,17 @@ from itertools import count
 from weakref import WeakKeyDictionary
 
 import pytest
-from dejaq_core import PackedIds
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_broker import lease_ids, leased_ids, packed, settled_ids, settled_of, topic_conf
+from test_broker import (
+    lease_ids,
+    leased_ids,
+    packed,
+    record_ids,
+    settled_ids,
+    settled_of,
+    topic_conf,
+)
 
 from dejaq.broker.state.handles import handles_in, mh, mhs
 from dejaq.broker.state.leases import (
@@ -44,7 +51,7 @@ def lease(s: TopicState, consumer: str, mids: list[str], now: int, ms: int = 100
 
 
 def receipts(record: LeaseRecord) -> dict[str, int]:
-    return {m: record.receipt(p) for p, m in enumerate(record.mids)}
+    return {m: record.receipt(p) for p, m in enumerate(record_ids(record))}
 
 
 def test_a_receipt_names_one_delivery_and_is_refused_with_the_reason_an_id_would_get() -> None:
@@ -59,7 +66,7 @@ def test_a_receipt_names_one_delivery_and_is_refused_with_the_reason_an_id_would
         beyond: Refusal.NOT_LEASED,
     }
     assert s.ack("c", 100, [], [first["b"]]) == {first["b"]: Refusal.EXPIRED}, "at the deadline"
-    assert s.nack("c", 5, [], receipts=[first["c"]]) == ({}, ["c"], [])
+    assert s.nack("c", 5, [], receipts=[first["c"]]) == ({}, [mh("c")], [])
     assert s.ack("c", 6, [], [first["c"]]) == {first["c"]: Refusal.NOT_LEASED}, "given back"
     assert settled_of(s) == {"a": "acked"} and s.totals["acked"] == 1
 
@@ -69,7 +76,7 @@ def test_an_expired_lease_s_receipt_stays_refused_when_the_same_consumer_leases_
     s = TopicState(buckets=1, max_deliveries=5)
     first = receipts(lease(s, "c", ["a", "b"], now=0, ms=100))
     s.extend("c", 50, [], 1000, [first["b"]])
-    assert s.expire(100, 10**9) == ["a"]
+    assert s.expire(100, 10**9) == [mh("a")]
     again = lease(s, "c", ["a"], now=101)
     new = receipts(again)["a"]
     assert list(again.deliveries) == [2] and new != first["a"]
@@ -206,7 +213,7 @@ def test_a_lease_grants_exactly_the_picks_the_rules_allow(history) -> None:
         as_packed.lease("c", 10, 100, packed(picks), lid=500),
     ]
     for r in records:
-        assert list(zip(r.mids, r.buckets, r.sort_keys, r.deliveries, strict=True)) == want
+        assert list(zip(record_ids(r), r.buckets, r.sort_keys, r.deliveries, strict=True)) == want
         assert r.live == len(want) and r.ended == bytearray(len(want))
     for field in ("deliveries", "not_before", "settled", "held", "totals"):
         assert getattr(as_list, field) == getattr(as_packed, field), field
@@ -220,9 +227,9 @@ def test_a_lease_grants_exactly_the_picks_the_rules_allow(history) -> None:
     assert all(as_list.leases[m] is records[0] for m in granted)
 
 
-def test_a_lease_granted_in_part_keeps_its_ids_packed() -> None:
+def test_a_lease_granted_in_part_holds_the_granted_alone() -> None:
     """Picks partly granted (one leased meanwhile) make a record of the granted alone,
-    its ids still packed: no str per message enters the state."""
+    by handle, in pick order."""
     s = TopicState(buckets=1, max_deliveries=5)
     picks = [(f"m{i}", 0, i) for i in range(BULK_MIN)]
     s.touch("c", 0)
@@ -230,31 +237,30 @@ def test_a_lease_granted_in_part_keeps_its_ids_packed() -> None:
     s.nack("c", 1, ["m3"])
     s.lease("c", 2, 100, picks[5:6], lid=2)
     record = s.lease("c", 3, 100, packed(picks), lid=3)
-    assert isinstance(record.mids, PackedIds) and len(record.mids) == BULK_MIN - 1
-    assert "m5" not in list(record.mids) and list(record.deliveries).count(2) == 1
+    assert record_ids(record) == [m for m, _, _ in picks if m != "m5"]
+    assert list(record.deliveries).count(2) == 1
     assert s.totals["redelivered"] == 1 and s.held == {0: {"c": BULK_MIN}}
     assert record.sort_keys.tolist() == [i for i in range(BULK_MIN) if i != 5]
 
 
-def test_a_trim_of_leases_packed_at_several_widths_names_their_ids_packed() -> None:
-    """Ids of varied lengths: each lease packs its picks at its own width, and the trim
-    of their acks (bulk, and one by id) names them all by handle, packed in one bytes
-    object: no str or int per message."""
+def test_a_trim_of_leases_of_ids_of_every_length_names_them_by_handle_packed() -> None:
+    """Ids of varied lengths, each 16 bytes as a handle: the trim of their acks (bulk,
+    and one by id) names them all by handle, packed in one bytes object: no str or int
+    per message."""
     s = TopicState(buckets=1, max_deliveries=5)
     s.touch("c", 0)
-    widths = {}
-    for lid, tail in enumerate(["", "-long", "-longer-still"], start=1):
+    leased = []
+    for lid, tail in enumerate(["", "-long", "-longer-still" * 9], start=1):
         picks = [(f"m{lid}-{i}{tail}", 0, i) for i in range(BULK_MIN)]
         record = s.lease("c", lid, 100, packed(picks), lid=lid)
-        widths[record.mids.width] = [m for m, _, _ in picks]
+        leased += [m for m, _, _ in picks]
         first = record.receipt(0)
         assert s.ack("c", lid, [], range(first, first + BULK_MIN)) == {}
     single = lease(s, "c", ["one"], now=5)
-    assert s.ack("c", 5, ["one"]) == {} and len(single.mids) == 1
-    assert len(widths) == 3
+    assert s.ack("c", 5, ["one"]) == {} and len(single) == 1
     trimmed = s.trim(s.seq)
     assert type(trimmed) is bytes
-    assert handles_in(trimmed) == mhs([*(m for w in widths for m in widths[w]), "one"])
+    assert handles_in(trimmed) == mhs([*leased, "one"])
     assert not s.leases and not s.records
 
 
@@ -263,7 +269,7 @@ def test_extend_by_receipt_moves_only_the_messages_named() -> None:
     named = receipts(lease(s, "c", ["a", "b"], now=0, ms=100))
     assert s.extend("c", 50, [], 1000, [named["a"]]) == ({}, 1050)
     assert s.lease_of("a").deadline == 1050 and s.lease_of("b").deadline == 100
-    assert s.expire(100, 10**9) == ["b"]
+    assert s.expire(100, 10**9) == [mh("b")]
     assert s.reject("c", 200, [], [named["a"], named["b"]]) == {named["b"]: Refusal.EXPIRED}
     assert settled_ids(s) == {"a": "dead"}
 
@@ -316,7 +322,7 @@ def test_an_acked_message_is_settled_to_every_path_until_its_trim() -> None:
         {"m2": Refusal.SETTLED},
     )
     again = s.lease("c", 3, 100, [(m, 0, 0) for m in [*many, "one", "dies"]], lid=99)
-    assert again.mids == ["dies"], "neither the bulk nor the one-at-a-time grant takes them"
+    assert record_ids(again) == ["dies"], "neither the bulk nor the one-at-a-time grant takes them"
     assert leased_ids(s) == {"dies"} and s.ack("c", 4, ["dies"]) == {}
     assert sorted(handles_in(s.trim(s.seq))) == sorted(mhs([*many, "one", "dies"])), "redriven"
     assert s.leases == {} and s.settled == {} and s.redriven_at == {}
@@ -388,7 +394,7 @@ def test_a_lease_command_of_every_older_layout_leases_what_its_ack_settles(args:
     node = BrokerState([topic_conf("t", buckets=1)], 5, NoIndex())
     commands = [("t", "touch", ("c", 0)), ("t", "lease", args), ("t", "ack", ("c", 2, ["m"]))]
     _, record, refused = node.batch(commands, _doApply=True)
-    assert list(record.mids) == ["m"] and refused == {}
+    assert record_ids(record) == ["m"] and refused == {}
     assert settled_of(node.topics["t"]) == {"m": "acked"}
     assert node.lids == (1 if len(args) == 6 else 0)
 
@@ -426,7 +432,7 @@ def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
     `BULK_MIN` picks) and the one-at-a-time one (settled, duplicate, foreign-bucket
     picks), under a rate limit too."""
     states = []
-    for form in (list, packed, partial(packed, pack_ids=False)):
+    for form in (list, packed, partial(packed, old="packed"), partial(packed, old="listed")):
         node = BrokerState([topic_conf("t", buckets=4)], 5, NoIndex())
         s = node.topics["t"]
         s.touch("other", 0)  # owns some buckets: their picks are not granted to "c"
@@ -436,14 +442,14 @@ def test_a_lease_of_packed_picks_grants_what_a_list_of_picks_grants(
         states.append((record, s))
     (a, sa), *others = states
     for b, sb in others:
-        assert (a.mids, a.buckets, a.sort_keys, a.deliveries) == (
-            b.mids,
+        assert (a.handles, a.buckets, a.sort_keys, a.deliveries) == (
+            b.handles,
             b.buckets,
             b.sort_keys,
             b.deliveries,
         )
         assert sa.leases.keys() == sb.leases.keys() and sa.held == sb.held
-    assert set(a.mids).isdisjoint(settled)
+    assert set(record_ids(a)).isdisjoint(settled)
     assert all(isinstance(k, int) for k in [*a.sort_keys, *a.buckets])
 
 
@@ -649,7 +655,7 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
             if step[0] == "lease":
                 _, who, chosen, form, rate, seen, numbered = step
                 picks = [(m, b, i) for i, (m, b) in enumerate(chosen)]
-                carried = {"packed": packed, "listed": partial(packed, pack_ids=False)}
+                carried = {"packed": packed, "listed": partial(packed, old="listed")}
                 as_sent = carried[form](picks) if form in carried else picks
                 at = {"now": s.seq, "stale": s.seq - 3, "none": None}[seen]
                 args = (who, now, 50, as_sent, rate, numbered) + (() if at is None else (at,))
@@ -707,13 +713,13 @@ def test_a_lease_request_sent_again_is_answered_by_the_lease_that_answered_it(pa
     first, again = apply(
         [asked("c", 1, [("a", 0, 1), ("b", 0, 2)], "r1"), asked("c", 1, [("x", 0, 3)], "r1")]
     )
-    assert list(first.mids) == ["a", "b"] and again == Again(first.lid)
+    assert record_ids(first) == ["a", "b"] and again == Again(first.lid)
     assert apply([asked("c", 2, [("y", 0, 4)], "r1")]) == [Again(first.lid)]
     assert (node.lids, sorted(lease_ids(s)), s.totals["leased"]) == (1, ["a", "b"], 2)
     assert s.ack("c", 3, [], [first.receipt(0)]) == {}
     assert apply([asked("c", 4, [("y", 0, 4)], "r1")]) == [Again(first.lid)], "b still held"
     [other] = apply([asked("c", 4, [("x", 0, 3), ("y", 0, 4)], "r2")])
-    assert list(other.mids) == ["x", "y"] and list(other.deliveries) == [1, 1]
+    assert record_ids(other) == ["x", "y"] and list(other.deliveries) == [1, 1]
     assert s.requests == {"c": ("r2", other.lid)}
 
 
@@ -731,13 +737,13 @@ def test_a_lease_request_is_remembered_while_its_consumer_is_a_member_and_only_i
     assert len(empty) == 0 and s.requests == {}
     [first] = node.batch([asked("c", 1, [("a", 0, 1)], "r1")], _doApply=True)
     assert s.requests == {"c": ("r1", first.lid)}
-    assert node._apply("t", "leave", ("c", 2, True)) == ["a"] and s.requests == {}
+    assert node._apply("t", "leave", ("c", 2, True)) == [mh("a")] and s.requests == {}
     [anew] = node.batch([asked("c", 3, [("a", 0, 1)], "r1")], _doApply=True)
-    assert list(anew.mids) == ["a"] and anew.lid != first.lid
+    assert record_ids(anew) == ["a"] and anew.lid != first.lid
     assert s.expire(2_000, heartbeat_timeout_ms=1_000) == [] and s.requests == {}
     group = [asked("c", 3_000, [("b", 0, 2)], "r2"), ("t", "leave", ("c", 3_001, True))]
     granted, released = node.batch(group, _doApply=True)
-    assert (list(granted.mids), released) == (["b"], ["a", "b"]), "granted, then left"
+    assert (record_ids(granted), released) == (["b"], mhs(["a", "b"])), "granted, then left"
     assert s.requests == {}, "a lease and its consumer's leave in one group: forgotten"
 
 
@@ -779,7 +785,7 @@ def test_a_pick_made_before_a_reschedule_is_not_granted_early(path: str) -> None
     assert refused is None and len(record) == 0, "picked at 900, due at 10,000"
     later = [("t", "lease", ("c", 10_000, 50, packed([("m", 0, 10_000)]), None, True, seen))]
     [record] = apply(later)
-    assert list(record.mids) == ["m"]
+    assert record_ids(record) == ["m"]
 
 
 def test_a_rebalance_in_a_group_commit_moves_the_buckets_the_leases_after_it_see() -> None:

@@ -31,8 +31,9 @@ from test_broker import (
     run_node,
     topic_conf,
 )
+from test_broker import packed as as_picks
 
-from dejaq.broker.state.handles import mh, packed
+from dejaq.broker.state.handles import mh, mhs, packed
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.state.settlements import redriven
 from dejaq.broker.storage import index as index_module
@@ -370,7 +371,7 @@ def settled_long_ago_and_now(tmp_path: Path) -> tuple[str, TopicIndex, set[str]]
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
     state.lease("c", 0, 10**15, picks)
-    index.release(state, picks)
+    index.release(state, as_picks(picks))
     assert state.ack("c", now_ms(), [m for m, _, _ in picks]) == {}
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     return warehouse, index, set(index.rows)
@@ -517,7 +518,7 @@ def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_lett
     _, index, state = m0_settled_and_retained(tmp_path, "reject")
     done = state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)])
     assert done == (["m0"], {})
-    index.push(state, ["m0"])
+    index.push(state, [mh("m0")])
     assert index.revive(state) == 1
     picked, taken = index.pick_with_heads(state, state.buckets_of("c"), 2, now=3)
     picks = listed(picked)
@@ -528,16 +529,18 @@ def test_a_redriven_message_whose_row_retention_removed_comes_from_the_dead_lett
 def test_a_node_catching_up_warns_only_of_rows_no_trim_forgets(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A restarted node applies a lease's expiry before the later ack and trim of the
-    message, whose row retention has removed: it is not indexed, and the trim forgets it
-    before it is warned of. A message pending again with a row nowhere, that no trim
+    """A restarted node applies a redrive of a message before its later lease, ack and
+    trim, its row removed by retention: it is not indexed, and the trim forgets it
+    before it is warned of. A redriven message with a row nowhere, that no trim
     forgets, is warned of once the grace has passed."""
     warehouse, _, _ = m0_settled_and_retained(tmp_path, "ack")
     restarted = TopicIndex(warehouse, topic_conf())
     restarted.load()
     replaying = TopicState(4, 5)
     replaying.touch("c", 0)
-    restarted.push(replaying, ["m0", "unknown"])
+    pending = ["m0", "unknown"]  # redriven: read by id, the others awaited by handle
+    replaying.redriven_ids.update(zip(mhs(pending), pending, strict=True))
+    restarted.push(replaying, mhs(pending))
 
     def warned() -> list[str]:
         return [r.getMessage() for r in caplog.records if "cannot be leased" in r.getMessage()]
@@ -639,7 +642,7 @@ def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
     assert run(warehouse, now + 2 * HOUR) is not None
     assert buffered(warehouse) == {"m0"}
     assert leader.redrive(now + 2, leader.trimmed_upto(), [("m3", 3, 7)]) == (["m3"], {})
-    lagging.push(leader, ["m3"])
+    lagging.push(leader, [mh("m3")])
     assert lagging.refresh() == 0, "a retention run's files are not read"
     assert lagging.revive(leader) == 0, "m3 still has its buffer row here"
     leader.trim(
@@ -830,7 +833,7 @@ def test_a_restored_row_read_after_its_message_settled_leaves_it_settled(tmp_pat
     assert run(warehouse, now_ms()) is not None and buffered(warehouse) == {"m1"}
     index.refresh()
     assert state.redrive(2, state.trimmed_upto(), [("m0", 0, 4)]) == (["m0"], {})
-    index.push(state, ["m0"])
+    index.push(state, [mh("m0")])
     assert index.revive(state) == 1, "from its dead letter"
     checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
     buffer, dead = (ensure_table(warehouse, t, "jobs") for t in (Table.BUFFER, Table.DEAD_LETTER))
@@ -838,7 +841,7 @@ def test_a_restored_row_read_after_its_message_settled_leaves_it_settled(tmp_pat
     picks = listed(index.pick(state, state.buckets_of("c"), 1, now=3))
     assert picks == [("m0", 0, 4)]
     assert len(state.lease("c", 3, 100, picks)) == 1
-    index.release(state, picks)
+    index.release(state, as_picks(picks))
     assert state.ack("c", 4, ["m0"]) == {}
     index.forget(state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))))
     index.refresh()

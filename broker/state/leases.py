@@ -41,7 +41,7 @@ from dejaq_core import (
 )
 
 from dejaq.broker.state.assignment import rebalance
-from dejaq.broker.state.handles import KeyedByHandle, handles_in, mh, packed, packed_handles
+from dejaq.broker.state.handles import WIDTH, KeyedByHandle, handles_in, mh, packed_handles
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
@@ -121,13 +121,14 @@ class Again:
 
 
 Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the leader's index
-# A lease command's picks: their ids (packed, or a list of str if one cannot be), and
-# their buckets and sort keys as little-endian uint16 and int64 bytes, as the leader's
-# index picks them (`TopicIndex.pick`). Three objects for Raft to pickle, and every
-# node to unpickle, where a list of `Pick`s is a tuple and three objects per message;
-# commands from before carry such a list, or their ids as a list of str, and
-# `TopicState.lease` takes any.
-Picks = tuple[PackedIds | list[str], bytes, bytes]
+# A lease command's picks: their message handles, buckets and sort keys packed
+# little-endian (16, 2 and 8 bytes each), as the leader's index picks them
+# (`TopicIndex.pick`): three objects for Raft to pickle, and every node to unpickle,
+# and no id on any node. Commands from before carry their ids in place of the handles
+# (`PackedIds`, or a list of str), or a list of `Pick`s; `TopicState.lease` takes any,
+# hashing their ids (the ids' strs in their heads are the leader's answer, not Raft's).
+Picks = tuple[bytes, bytes, bytes]
+OldPicks = tuple[PackedIds | list[str], bytes, bytes]  # from commands before handles
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
 
@@ -283,8 +284,9 @@ class TopicState:
         if consumer in self.consumers:
             self.consumers[consumer] = max(self.consumers[consumer], now)
 
-    def leave(self, consumer: str, now: int, expired_too: bool = False) -> list[str]:
-        """Remove a consumer and hand its leases back (not counted as a failed delivery);
+    def leave(self, consumer: str, now: int, expired_too: bool = False) -> list[int]:
+        """Remove a consumer and hand its leases back (not counted as a failed delivery),
+        returning their messages' handles;
         with `expired_too`, those of one the heartbeat expiry removed too, which still
         hold their buckets. A command says it (`Broker.leave`): one from before applies,
         replayed from a journal, as the nodes whose snapshots hold it applied it."""
@@ -292,16 +294,15 @@ class TopicState:
         if not (member or expired_too):
             return []
         self.requests.pop(consumer, None)
-        released: list[str] = []
+        released: list[int] = []
         for record in [r for r in self.leased.values() if r.consumer == consumer]:
             for pos in record.live_positions():
-                mid = record.mid(pos)
-                h = mh(mid)
+                h = record.mh(pos)
                 self._end(record, pos, RELEASED, h)
                 deliveries = record.entry(pos)[3]
                 if deliveries > 1:
                     self.deliveries[h] = deliveries - 1
-                released.append(mid)
+                released.append(h)
         if member:
             self._rebalance()
         return released
@@ -357,7 +358,7 @@ class TopicState:
         event = self.settled.get(h)
         if event is not None or (record := self.leases.get(h)) is None:
             return event
-        return LedgerEvent.ACKED if record.ended_at(record.position(mid)) == ACKED else None
+        return LedgerEvent.ACKED if record.ended_at(record.position(h)) == ACKED else None
 
     def is_available(self, mid: str, now: int) -> bool:
         """Neither leased nor settled nor held back by a nack delay."""
@@ -369,13 +370,13 @@ class TopicState:
         consumer: str,
         now: int,
         lease_ms: int,
-        picks: Picks | list[Pick],
+        picks: Picks | OldPicks | list[Pick],
         rate: float | None = None,
         lid: int | None = None,
         seen: int | None = None,
     ) -> LeaseRecord:
-        """Lease the leader's picks (`Picks`, or a list of `Pick`s) that are still
-        available in the consumer's buckets;
+        """Lease the leader's picks (`Picks`; commands from before carry their ids, or a
+        list of `Pick`s, hashed here) that are still available in the consumer's buckets;
         returns the lease's record (empty if nothing was granted), numbered `lid` (the
         cluster's lease count, `BrokerState`), or unnumbered for a command from before
         receipts.
@@ -409,7 +410,7 @@ class TopicState:
         record = LeaseRecord(lid if numbered else self.unnumbered - 1, consumer, now + lease_ms)
         if self.paused or _trimmed_past(self, seen):
             return record
-        mids, buckets, keys = picks if isinstance(picks, tuple) else _as_picks(picks)
+        handles, buckets, keys = picks if isinstance(picks, tuple) else _as_picks(picks)
         allowed = None
         if rate is not None:
             self.tokens = self._tokens_at(now, rate)
@@ -419,7 +420,7 @@ class TopicState:
         redelivered = grant(
             self.leases,
             record,
-            mids,
+            handles,
             buckets,
             keys,
             owned,
@@ -476,8 +477,9 @@ class TopicState:
 
     def lease_of(self, mid: str) -> Lease | None:
         """A leased message's lease (a peek's view)."""
-        record = self.leases.get(mid)
-        if record is None or record.ended_at(pos := record.position(mid)):
+        h = mh(mid)
+        record = self.leases.get(h)
+        if record is None or record.ended_at(pos := record.position(h)):
             return None
         bucket, sort_key, deadline, deliveries = record.entry(pos)
         return Lease(record.consumer, bucket, sort_key, deadline, deliveries)
@@ -520,7 +522,7 @@ class TopicState:
             elif record.lid < 0:
                 return None
             else:
-                receipts.append(record.lid << POSITION_BITS | record.position(mid))
+                receipts.append(record.lid << POSITION_BITS | record.position(h))
         return receipts, refused
 
     def _held(
@@ -554,7 +556,7 @@ class TopicState:
                 if record is None:
                     refused[key] = Refusal.NOT_LEASED
                     continue
-                pos = record.position(key)
+                pos = record.position(h)
             status = record.status(pos, consumer, now)
             if status:
                 refused[key] = _REFUSAL_OF[status]
@@ -620,12 +622,12 @@ class TopicState:
                 if record is None:
                     refused[key] = Refusal.SETTLED if h in settled else Refusal.NOT_LEASED
                     continue
-                pos = record.position(key)
+                pos = record.position(h)
             taken = record.take(pos, consumer, now, ACKED)  # checked and ended, or why not
             if type(taken) is int:
                 refused[key] = _REFUSAL_OF[taken]
                 continue
-            mid, bucket, sort_key, deliveries, live = taken
+            h, bucket, sort_key, deliveries, live = taken
             if not live:  # `_end`, inlined
                 del self.leased[record.lid]
                 ending.append((seq + 1, record.lid))
@@ -636,7 +638,6 @@ class TopicState:
             else:
                 del counts[consumer]
             seq += 1
-            h = mh(mid)
             events.ack(seq, h, bucket, acked, sort_key, deliveries, now)
             if sort_keys:
                 sort_keys.pop(h, None)
@@ -666,9 +667,8 @@ class TopicState:
         if not record.end_run(start, n, ACKED):
             del self.leased[record.lid]
             self.ending.append((seq + n, record.lid))
-        mids, buckets, keys, counts = record.columns(start, start + n)
+        handles, buckets, keys, counts = record.columns(start, start + n)
         hold(self.held, count_buckets(buckets), record.consumer, -1)
-        handles = packed(mids)
         self.events.add(Run(seq + 1, handles, buckets, acked, keys, counts, now))
         if self.sort_keys:
             deque(map(self.sort_keys.pop, handles_in(handles), repeat(None)), maxlen=0)
@@ -681,7 +681,7 @@ class TopicState:
         """Send leased messages straight to the dead letters."""
         refused: dict[str | int, Refusal] = {}
         for record, pos in self._held(consumer, now, mids, receipts, refused):
-            h = mh(record.mid(pos))
+            h = record.mh(pos)
             self._end(record, pos, REJECTED, h)
             bucket, sort_key, _, deliveries = record.entry(pos)
             self._settle(h, bucket, sort_key, LedgerEvent.DEAD, now, deliveries, "rejected")
@@ -696,24 +696,23 @@ class TopicState:
         sort_key: int | None = None,
         backoff: RetryBackoff | None = None,
         receipts: list[int] | None = None,
-    ) -> tuple[dict[str | int, Refusal], list[str], list[int]]:
-        """Give leased messages back; returns (refused, pending again, the handles of
-        those dead: the leader names them for its answer, `Broker.nack`).
+    ) -> tuple[dict[str | int, Refusal], list[int], list[int]]:
+        """Give leased messages back; returns (refused, the handles of those pending
+        again, and of those dead: the leader names them for its answer, `Broker.nack`).
 
         Without a delay, the topic's retry `backoff` (if any) holds each back.
         """
         refused: dict[str | int, Refusal] = {}
-        pending: list[str] = []
+        pending: list[int] = []
         dead: list[int] = []
         for record, pos in self._held(consumer, now, mids, receipts, refused):
             self.totals["nacked"] += 1
-            mid = record.mid(pos)
-            h = mh(mid)
+            h = record.mh(pos)
             if sort_key is not None:
                 self.sort_keys[h] = sort_key
             retry = None if delay_ms > 0 else backoff
             if self._redeliver_or_die(record, pos, h, NACKED, now, retry):
-                pending.append(mid)
+                pending.append(h)
                 if delay_ms > 0:
                     self.not_before[h] = now + delay_ms
             else:
@@ -782,7 +781,7 @@ class TopicState:
         deliveries = self.deliveries.get(h, 0)
         record = self.leases.get(h)
         if record is not None:
-            pos = record.position(mid)
+            pos = record.position(h)
             deliveries = record.entry(pos)[3]
             self._end(record, pos, CANCELLED, h)
         self._settle(h, bucket, self.sort_key(h, sort_key), LedgerEvent.CANCELLED, now, deliveries)
@@ -804,18 +803,19 @@ class TopicState:
 
     def expire(
         self, now: int, heartbeat_timeout_ms: int, backoff: RetryBackoff | None = None
-    ) -> list[str]:
-        """Expire leases past their deadline and silent consumers; returns pending mids."""
-        pending: list[str] = []
+    ) -> list[int]:
+        """Expire leases past their deadline and silent consumers; returns the handles
+        of the messages pending again."""
+        pending: list[int] = []
         due = [r for r in self.leased.values() if r.earliest() <= now]
         for record in due:
             for pos in record.live_positions():
                 if record.deadline_of(pos) > now:
                     continue
                 self.totals["expired"] += 1
-                mid = record.mid(pos)
-                if self._redeliver_or_die(record, pos, mh(mid), EXPIRED, now, backoff):
-                    pending.append(mid)
+                h = record.mh(pos)
+                if self._redeliver_or_die(record, pos, h, EXPIRED, now, backoff):
+                    pending.append(h)
         silent = [c for c, seen in self.consumers.items() if seen + heartbeat_timeout_ms <= now]
         for consumer in silent:
             del self.consumers[consumer]
@@ -975,18 +975,19 @@ def _by_handle(by_id: dict[str | int, _V]) -> dict[int, _V]:
     return {mh(k) if type(k) is str else k: v for k, v in by_id.items()}
 
 
-def unpacked(picks: Picks | list[Pick]) -> tuple[PackedIds | list[str], array, array]:
-    """A lease command's picks as (ids, buckets, sort keys), the latter two packed as
-    a lease record keeps them: from `Picks`, or from a list of `Pick`s, as commands from
-    before `Picks` carry them."""
-    if isinstance(picks, list):
-        mids, buckets, keys = map(list, zip(*picks, strict=True)) if picks else ([], [], [])
-        return mids, array("H", buckets), array("q", keys)
-    mids, buckets, keys = picks
-    return mids, _little(array("H", buckets)), _little(array("q", keys))
+def pick_count(picks: Picks) -> int:
+    """How many messages `picks` holds."""
+    return len(picks[0]) // WIDTH
 
 
-def _as_picks(picks: list[Pick]) -> Picks:
+def unpacked(picks: Picks) -> tuple[list[int], array, array]:
+    """A lease command's picks as (handles, buckets, sort keys), the latter two as a
+    lease record keeps them: what the leader puts back, and renders its answer by."""
+    handles, buckets, keys = picks
+    return handles_in(handles), _little(array("H", buckets)), _little(array("q", keys))
+
+
+def _as_picks(picks: list[Pick]) -> OldPicks:
     """A list of `Pick`s, as commands from before `Picks` carry them, as `Picks`."""
     mids = [m for m, _, _ in picks]
     buckets = _little(array("H", [b for _, b, _ in picks])).tobytes()

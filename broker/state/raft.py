@@ -57,6 +57,7 @@ from pysyncobj.poller import POLL_EVENT_TYPE
 from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
 
 from dejaq.broker.state.data_dir import RECOVERY, DataDirError, check_raft_files
+from dejaq.broker.state.handles import mh, mhs
 from dejaq.broker.state.leases import TRANSITIONS, LeaseRecord, TopicState
 from dejaq.broker.streak import Streak
 from dejaq.conf.settings import BrokerConfig, ConfigError, TopicConfig
@@ -619,7 +620,7 @@ class Listener(Protocol):
     """Node-local side effects of applied commands (the indexes). It is told of every
     topic in the replicated state, those this node does not serve too."""
 
-    def pending(self, topic: str, state: TopicState, mids: list[str]) -> None: ...
+    def pending(self, topic: str, state: TopicState, handles: list[int]) -> None: ...
     def gone(self, topic: str, handles: bytes) -> None: ...
     def reset(self, states: dict[str, TopicState]) -> None: ...
 
@@ -827,7 +828,7 @@ class BrokerState(SyncObjConsumer):
         if op == "redrive":
             result = st.redrive(*args)
             if result is not None:
-                self.listener.pending(topic, st, result[0])
+                self.listener.pending(topic, st, mhs(result[0]))
             return result
         if op == "trim":
             handles = st.trim(*args)
@@ -843,7 +844,7 @@ class BrokerState(SyncObjConsumer):
             pending = st.expire(*args)
         elif op == "reschedule":
             refused = st.reschedule(*args)
-            pending = [] if refused else [args[0]]
+            pending = [] if refused else [mh(args[0])]
             self.listener.pending(topic, st, pending)
             return refused
         else:

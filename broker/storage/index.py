@@ -38,7 +38,7 @@ from deltalake import DeltaTable
 from deltalake.exceptions import TableNotFoundError
 
 from dejaq.broker.state.handles import WIDTH, handles_in, mhs, packed_handles
-from dejaq.broker.state.leases import BULK_MIN, Pick, Picks, TopicState, unpacked
+from dejaq.broker.state.leases import Pick, Picks, TopicState, unpacked
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage.head_store import SEP, SPAN_PER_HEAD, HeadStore, Segment
 from dejaq.broker.storage.id_table import Encoded, decode
@@ -763,18 +763,25 @@ class TopicIndex:
 
     # --- hooks from the Raft state machine ------------------------------------------------
 
-    def push(self, state: TopicState, mids: list[str]) -> None:
-        """Messages pending again (lease expired, nacked, rescheduled, consumer left)."""
-        if not mids:
+    def push(self, state: TopicState, handles: list[int]) -> None:
+        """Messages pending again (lease expired, nacked, rescheduled, redriven, consumer
+        left), by message handle, as the state names them.
+
+        One with no row here: a redriven one is read from the buffer by its id, which
+        the state keeps (`revive`); any other was leased or rescheduled from a row this
+        node has not read yet, and is indexed when a `refresh` reads it, at its row's
+        key, and at a delay or an override in force (`awaited`)."""
+        if not handles:
             return
-        handles = mhs(mids)  # the state's maps are by handle
         with self.lock:
-            tokens = self.store.tokens(mids).tolist()
-            for mid, h, token in zip(mids, handles, tokens, strict=True):
+            tokens = self.store.tokens_mh(packed_handles(handles)).tolist()
+            for h, token in zip(handles, tokens, strict=True):
                 if token:
                     self._pending(state, h, token)
-                else:
+                elif (mid := state.redriven_ids.get(h)) is not None:
                     self.unread[h] = mid
+                else:
+                    self.awaited.add(h)
 
     def _unread(self, mids: Iterable[str]) -> None:
         """Messages pending again with no row here (under the lock): `revive` reads them."""
@@ -975,7 +982,8 @@ class TopicIndex:
 
     def pick(self, state: TopicState, buckets: list[int], n: int, now: int) -> Picks:
         """Take the `n` lowest deliverable sort keys across `buckets` out of the index,
-        as a lease command carries them (`Picks`: the core packs them as it picks).
+        as a lease command carries them (`Picks`: the core packs their handles, buckets
+        and keys as it picks).
 
         The caller commits them as a lease and then calls `release` with the picks, so
         a pick the state machine refused goes back into the index. Two leases in flight
@@ -983,7 +991,7 @@ class TopicIndex:
         grants it once, and `release` puts the other pick back.
         """
         with self.lock:
-            return self.order.pick(buckets, n, *self._pick_args(state, now), BULK_MIN)[0]
+            return self.order.pick(buckets, n, *self._pick_args(state, now))[0]
 
     def pick_with_heads(
         self, state: TopicState, buckets: list[int], n: int, now: int
@@ -1002,7 +1010,6 @@ class TopicIndex:
                     store.position,
                     store.segments,
                     SPAN_PER_HEAD,
-                    BULK_MIN,  # `pack_from`, positional: a keyword costs the call ~0.1 µs
                 )
             except Exception as e:
                 # The core takes the picks out of the order before it reads their heads,
@@ -1079,17 +1086,22 @@ class TopicIndex:
             token = self.store.get(mid)
             return None if token is None else self.store.row(token)
 
-    def head(self, mid: str) -> Taken | None:
-        """An indexed message's row sort key and head (None once forgotten): a peek's.
-        Raises `HeadsUnreadable` where the node cannot read it, noted for a repair."""
+    def head(self, message: str | int) -> Taken | None:
+        """An indexed message's row sort key and head (None once forgotten), the message
+        named by id (a peek's) or by handle (a lease record's). Raises `HeadsUnreadable`
+        where the node cannot read it, noted for a repair."""
         with self.lock:
-            token = self.store.get(mid)
+            if type(message) is str:
+                token = self.store.get(message)
+            else:
+                token = int(self.store.tokens_mh(packed_handles([message]))[0]) or None
             if token is None:
                 return None
             try:
                 return self.store.heads(np.array([token], np.int64))[0]
             except Exception as e:
-                raise self._unreadable(f"reading the head of {mid}", e) from e
+                named = message if type(message) is str else f"handle {message:032x}"
+                raise self._unreadable(f"reading the head of {named}", e) from e
 
     def close(self) -> None:
         """Free the head store's files (they go with the process anyway)."""
@@ -1370,13 +1382,13 @@ class TopicIndex:
 
     def release(self, state: TopicState, picks: Picks) -> None:
         """Picks the lease did not take (or that were not committed) are pending again."""
-        mids, buckets, keys = unpacked(picks)
+        handles, buckets, keys = unpacked(picks)
         with self.lock:
-            for mid, h, bucket, key in zip(mids, mhs(mids), buckets, keys, strict=True):
+            tokens = self.store.tokens_mh(picks[0]).tolist()
+            for h, token, bucket, key in zip(handles, tokens, buckets, keys, strict=True):
                 if h in state.leases or h in state.settled:
                     continue  # the usual case: taken
-                token = self.store.get(mid)
-                if token is not None:
+                if token:
                     row = self.store.row(token)
                     self.order.push(bucket, key, row.partition, row.offset, token)
 

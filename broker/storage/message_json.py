@@ -15,6 +15,7 @@ from typing import Any
 
 from dejaq_core import render_leased
 
+from dejaq.broker.state.handles import WIDTH, handles_in
 from dejaq.broker.state.leases import LeaseRecord, Picks, unpacked
 from dejaq.broker.storage.row_store import Heads, Taken
 
@@ -75,27 +76,27 @@ def message(
 def leased_array(picks: Picks, rendered: Heads, lease: LeaseRecord, timeline: bool) -> bytes:
     """The JSON array of leased messages: what `json.dumps` gives of their `message`s.
 
-    `picks` and their `rendered` heads are what the lease asked for; `lease`, what it
-    got: the picks it took, in pick order, so both are walked together rather than
-    looked up by id.
+    `picks` and their `rendered` heads (which hold the messages' ids) are what the
+    lease asked for; `lease`, what it got: the picks it took, in pick order, so both
+    are walked together by message handle.
     """
-    if not lease.mids:
+    n = len(lease)
+    if not n:
         return b"[]"
     deadline, receipt = lease.deadline, lease.receipt(0)
-    mids, _, packed_keys = picks
-    n = len(lease.mids)
-    if n == len(mids) and lease.all_first():  # every pick, first delivery
+    packed_handles, _, packed_keys = picks
+    if n * WIDTH == len(packed_handles) and lease.all_first():  # every pick, first delivery
         whole = render_leased(
             rendered.joined, rendered.ends, rendered.row_keys, packed_keys, deadline, receipt
         )
         if whole is not None:  # each at its row's own key
             return whole
     first = b', "deliveries": 1, "lease_deadline": %d, "receipt": %%d}, ' % deadline
-    keys = unpacked(picks)[2]
+    picked, _, keys = unpacked(picks)
     parts = []
     i = 0
-    for mid, deliveries in zip(lease.mids, lease.deliveries, strict=True):
-        while mids[i] != mid:
+    for h, deliveries in zip(handles_in(lease.handles), lease.deliveries, strict=True):
+        while picked[i] != h:
             i += 1
         key, (row_key, head) = keys[i], rendered[i]
         if deliveries == 1 and key == row_key:

@@ -16,7 +16,6 @@ use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use crate::ack_run::AckRun;
 use crate::buckets::hold_in;
 use crate::grant::grant;
-use crate::handles::mh;
 use crate::lease_record::{LeaseRecord, ACKED, POSITION_BITS};
 use crate::lease_table::LeaseTable;
 
@@ -360,7 +359,7 @@ impl Transitions {
         t.consumers.set_item(&consumer, &now_obj)?;
         let record = Bound::new(
             py,
-            LeaseRecord::empty(py, lid, consumer.clone().unbind(), now + lease_ms),
+            LeaseRecord::empty(lid, consumer.clone().unbind(), now + lease_ms),
         )?;
         if let Some(seen) = seen {
             if t.trimmed_upto(self.acked.bind(py))? > seen {
@@ -439,7 +438,7 @@ impl Transitions {
             };
             let record = record.downcast_into::<LeaseRecord>()?;
             let pos = (k & ((1 << POSITION_BITS) - 1)) as usize;
-            let (mid, g, live) = match LeaseRecord::take_at(&record, pos, who, now, ACKED)? {
+            let (handle, g, live) = match LeaseRecord::take_at(&record, pos, who, now, ACKED)? {
                 Err(status) => {
                     refused.set_item(&key, refusal_of.get_item(status as usize)?)?;
                     continue;
@@ -453,7 +452,6 @@ impl Transitions {
             }
             let bucket = g.bucket.into_pyobject(py)?;
             hold_in(&t.held, &bucket, 1, &consumer, -1)?;
-            let handle = mh(mid.downcast::<PyString>()?.to_str()?.as_bytes());
             AckRun::append(
                 &t.entries,
                 t.seq + 1,

@@ -14,13 +14,13 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
 use crate::buckets::{hold_in, is_free};
-use crate::handles::mh;
 use crate::lease_record::{Granted, LeaseRecord};
-use crate::lease_table::{id_strs, raw_ids, LeaseTable};
-use crate::packed_ids::PackedIds;
+use crate::lease_table::{handles_of, LeaseTable};
 
-/// Grant `record` (a `leases.LeaseRecord`) the picks (`mids`, packed ids or a list of
-/// str; `buckets` and `keys` as little-endian uint16 and int64 bytes), at most
+/// Grant `record` (a `leases.LeaseRecord`) the picks (`handles`: their message handles
+/// packed 16 bytes each, or, in commands from before handles, their ids as packed ids
+/// or a list of str, hashed here; `buckets` and `keys` as little-endian uint16 and
+/// int64 bytes), at most
 /// `allowed` of them, that are available at `now`: in a free bucket of the consumer's
 /// (`owned`, `held`), neither settled nor delayed (`settled`, `not_before`), picked at
 /// the key in force (`sort_keys`: a reschedule or a nack's priority applied since the
@@ -31,14 +31,14 @@ use crate::packed_ids::PackedIds;
 /// `TopicState.lease` says the rules; this is their loop.
 #[pyfunction]
 #[pyo3(signature = (
-    table, record, mids, buckets, keys, owned, held, consumer, settled, not_before, sort_keys,
+    table, record, handles, buckets, keys, owned, held, consumer, settled, not_before, sort_keys,
     deliveries, now, allowed
 ))]
 #[allow(clippy::too_many_arguments)]
 pub fn grant<'py>(
     table: &Bound<'py, LeaseTable>,
     record: &Bound<'py, LeaseRecord>,
-    mids: &Bound<'py, PyAny>,
+    handles: &Bound<'py, PyAny>,
     buckets: &Bound<'py, PyBytes>,
     keys: &Bound<'py, PyBytes>,
     owned: &Bound<'py, PyAny>,
@@ -52,13 +52,12 @@ pub fn grant<'py>(
     allowed: Option<usize>,
 ) -> PyResult<usize> {
     let py = table.py();
-    let holder = id_strs(mids)?;
-    let raws = raw_ids(py, mids, &holder)?;
+    let handles = handles_of(py, handles)?;
     let (bucket_bytes, key_bytes) = (buckets.as_bytes(), keys.as_bytes());
-    if bucket_bytes.len() != 2 * raws.len() || key_bytes.len() != 8 * raws.len() {
+    if bucket_bytes.len() != 2 * handles.len() || key_bytes.len() != 8 * handles.len() {
         return Err(PyValueError::new_err(format!(
             "{} picks with {} bytes of buckets and {} of sort keys",
-            raws.len(),
+            handles.len(),
             bucket_bytes.len(),
             key_bytes.len()
         )));
@@ -69,20 +68,20 @@ pub fn grant<'py>(
         le.copy_from_slice(&key_bytes[8 * i..8 * i + 8]);
         i64::from_le_bytes(le)
     };
-    let take = allowed.map_or(raws.len(), |a| a.min(raws.len()));
+    let take = allowed.map_or(handles.len(), |a| a.min(handles.len()));
 
     // Which picks may be granted, before the table is borrowed: the checks below make
     // Python objects (an int per handle to probe a dict, an int per bucket), and making
     // one may run another thread, which may read the table (`LeaseTable`'s note). Each
-    // candidate is hashed once, and its handle made a Python int once, for every dict
-    // it is looked up in, here and in `deliveries` below.
+    // candidate's handle is made a Python int once, for every dict it is looked up in,
+    // here and in `deliveries` below.
     let mine = owned_buckets(owned)?;
     let mut free: ByBucket<bool> = ByBucket::default();
     let probe = !(settled.is_empty() && not_before.is_empty() && sort_keys.is_empty());
     let mut candidates: Vec<usize> = Vec::with_capacity(take);
     let mut picked: Vec<u128> = Vec::with_capacity(take);
     let mut ints: Vec<Bound<'py, PyAny>> = Vec::with_capacity(if probe { take } else { 0 });
-    for (i, &raw) in raws[..take].iter().enumerate() {
+    for (i, &handle) in handles[..take].iter().enumerate() {
         let bucket = bucket_of(i);
         let ok = match free.get(bucket) {
             Some(ok) => ok,
@@ -96,7 +95,6 @@ pub fn grant<'py>(
         if !ok {
             continue;
         }
-        let handle = mh(raw);
         if probe {
             let int = handle.into_pyobject(py)?.into_any();
             if !settled.is_empty() && settled.contains(&int)? {
@@ -146,33 +144,14 @@ pub fn grant<'py>(
         }
     }
 
-    let whole = granted.len() == raws.len();
-    let mids_column: PyObject = if whole {
-        mids.clone().unbind()
-    } else {
-        match mids.downcast::<PackedIds>() {
-            Ok(packed) => {
-                let width = packed.get().width;
-                let mut blob = vec![0u8; width * granted.len()];
-                for (to, &i) in blob.chunks_exact_mut(width).zip(&granted) {
-                    to[..raws[i].len()].copy_from_slice(raws[i]);
-                }
-                Bound::new(py, PackedIds::from_blob(py, &blob, width))?
-                    .into_any()
-                    .unbind()
-            }
-            Err(_) => PyList::new(py, granted.iter().map(|&i| &holder[i]))?
-                .into_any()
-                .unbind(),
-        }
-    };
+    let granted_handles: Vec<u128> = entered.iter().map(|&k| picked[k]).collect();
     let rows: Vec<Granted> = (granted.iter().zip(counts))
         .map(|(&i, count)| {
             let raw: [u8; 8] = key_bytes[8 * i..8 * i + 8].try_into().expect("8 bytes");
             Granted::new(bucket_of(i), i64::from_le_bytes(raw), count)
         })
         .collect();
-    record.borrow_mut().fill(mids_column, rows);
+    record.borrow_mut().fill(granted_handles, rows);
 
     // In the order each bucket first appears, as every node then adds to `held`.
     let mut per_bucket: Vec<(u16, i64)> = Vec::new();

@@ -578,23 +578,6 @@ pub fn place_slots(
     Ok(())
 }
 
-/// The id at handle `h`: from `long` if the column holds it as a digest, else the
-/// column's `width` bytes at `h`, without their NUL padding.
-pub(crate) fn id_of<'py>(
-    py: Python<'py>,
-    h: usize,
-    column: &[ReadOnlyCell<u8>],
-    width: usize,
-    long: &Bound<'py, PyDict>,
-) -> PyResult<Bound<'py, PyString>> {
-    if !long.is_empty() {
-        if let Some(mid) = long.get_item(h)? {
-            return Ok(mid.downcast_into::<PyString>()?);
-        }
-    }
-    key_str(py, h, &column_key(column, h, width)?[..width])
-}
-
 /// The column's `width` bytes at handle `h`, NUL-padded as it holds them.
 pub(crate) fn column_key(
     column: &[ReadOnlyCell<u8>],
@@ -609,15 +592,4 @@ pub(crate) fn column_key(
         *to = from.get();
     }
     Ok(raw)
-}
-
-/// The id the column holds at handle `h` as `key`, its bytes there, as a str.
-pub(crate) fn key_str<'py>(
-    py: Python<'py>,
-    h: usize,
-    key: &[u8],
-) -> PyResult<Bound<'py, PyString>> {
-    let mid = std::str::from_utf8(unpadded(key))
-        .map_err(|_| PyValueError::new_err(format!("the id at handle {h} is not UTF-8")))?;
-    Ok(PyString::new(py, mid))
 }

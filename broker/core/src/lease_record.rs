@@ -1,5 +1,5 @@
 //! A lease command's record (`leases.LeaseRecord`): the messages one lease granted, by
-//! position, which is what a receipt names. Every node makes one for every lease and
+//! position, which is what a receipt names, each by its message handle (`handles.rs`). Every node makes one for every lease and
 //! ends its positions on every ack, so it is one Python object and one vector of
 //! positions however many messages it holds: two allocations, where Python `array`s and
 //! a `bytearray` for its columns would be nine (each node makes them at the lease and
@@ -14,10 +14,10 @@ use std::collections::{BTreeMap, HashMap};
 use pyo3::exceptions::{PyIndexError, PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::GILOnceCell;
-use pyo3::types::{PyByteArray, PyBytes, PyDict, PyList, PySlice, PyString, PyTuple};
+use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
-use crate::packed_ids::PackedIds;
+use crate::lease_table::handles_of;
 
 /// A receipt is `lid << POSITION_BITS | position`: a lease holds at most 1000 messages.
 pub(crate) const POSITION_BITS: u32 = 10;
@@ -90,8 +90,14 @@ impl Granted {
     }
 }
 
-/// A position an ack took: its id, its row, and how many of the lease are still leased.
-pub(crate) type Taken<'py> = (Bound<'py, PyAny>, Granted, usize);
+/// A position an ack took: its handle, its row, and how many of the lease are still
+/// leased.
+pub(crate) type Taken = (u128, Granted, usize);
+
+/// `handles` packed 16 bytes each, little-endian, as a lease command carries them.
+fn packed(handles: &[u128]) -> Vec<u8> {
+    handles.iter().flat_map(|h| h.to_le_bytes()).collect()
+}
 
 /// Native-order bytes of one field of each of `run`, as an `array` of `code` holds them.
 fn cells<const N: usize>(run: &[Granted], cell: impl Fn(&Granted) -> [u8; N]) -> Vec<u8> {
@@ -103,24 +109,24 @@ pub struct LeaseRecord {
     lid: i64,
     consumer: Py<PyString>,
     deadline: i64,
-    /// Packed ids (a lease granted whole, the usual case) or a list of str.
-    mids: PyObject,
+    /// Each position's message handle.
+    handles: Vec<u128>,
     granted: Vec<Granted>,
     /// Positions extended on their own: their deadlines.
     deadlines: Option<BTreeMap<usize, i64>>,
     live: usize,
-    /// Positions by id, made when an id names one (ids are the slower way).
-    positions: Option<HashMap<Box<[u8]>, usize>>,
+    /// Positions by handle, made when a handle names one (receipts are the usual way).
+    positions: Option<HashMap<u128, usize>>,
 }
 
 impl LeaseRecord {
     /// A lease's record before its grant: no position yet.
-    pub(crate) fn empty(py: Python<'_>, lid: i64, consumer: Py<PyString>, deadline: i64) -> Self {
+    pub(crate) fn empty(lid: i64, consumer: Py<PyString>, deadline: i64) -> Self {
         Self {
             lid,
             consumer,
             deadline,
-            mids: PyList::empty(py).into_any().unbind(),
+            handles: Vec::new(),
             granted: Vec::new(),
             deadlines: None,
             live: 0,
@@ -136,36 +142,29 @@ impl LeaseRecord {
         self.live
     }
 
-    /// `take`'s step as Rust values: the id, the position's row and how many are still
-    /// leased, or the status code that refuses it.
-    pub(crate) fn take_at<'py>(
-        slf: &Bound<'py, Self>,
+    /// `take`'s step as Rust values: the handle, the position's row and how many are
+    /// still leased, or the status code that refuses it.
+    pub(crate) fn take_at(
+        slf: &Bound<'_, Self>,
         pos: usize,
         consumer: &str,
         now: i64,
         how: u8,
-    ) -> PyResult<Result<Taken<'py>, u8>> {
-        let py = slf.py();
-        let taken = {
-            let mut me = slf.borrow_mut();
-            match me.status_of(py, pos, consumer, now)? {
-                0 => {
-                    let live = me.end_one(pos, how)?;
-                    Ok((me.granted[pos], live))
-                }
-                status => Err(status),
+    ) -> PyResult<Result<Taken, u8>> {
+        let mut me = slf.borrow_mut();
+        Ok(match me.status_of(slf.py(), pos, consumer, now)? {
+            0 => {
+                let live = me.end_one(pos, how)?;
+                Ok((me.handles[pos], me.granted[pos], live))
             }
-        };
-        Ok(match taken {
-            Err(status) => Err(status),
-            Ok((g, live)) => Ok((Self::mid(slf, pos)?, g, live)),
+            status => Err(status),
         })
     }
 
     /// The granted picks, as `grant` found them: every position leased.
-    pub(crate) fn fill(&mut self, mids: PyObject, granted: Vec<Granted>) {
+    pub(crate) fn fill(&mut self, handles: Vec<u128>, granted: Vec<Granted>) {
         self.live = granted.len();
-        self.mids = mids;
+        self.handles = handles;
         self.granted = granted;
         self.deadlines = None;
         self.positions = None;
@@ -235,7 +234,7 @@ impl LeaseRecord {
         deadline: i64,
     ) -> PyResult<Self> {
         let consumer = consumer.unwrap_or_else(|| PyString::new(py, ""));
-        Ok(Self::empty(py, lid, consumer.unbind(), deadline))
+        Ok(Self::empty(lid, consumer.unbind(), deadline))
     }
 
     #[getter]
@@ -258,10 +257,10 @@ impl LeaseRecord {
         self.live
     }
 
-    /// The ids: the lease command's own object when it was granted whole.
+    /// The positions' handles, packed 16 bytes each (little-endian).
     #[getter]
-    fn mids(&self, py: Python<'_>) -> PyObject {
-        self.mids.clone_ref(py)
+    fn handles<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &packed(&self.handles))
     }
 
     /// The columns, as copies: `array`s ('H', 'q', 'i') and the ended marks' bytes.
@@ -307,29 +306,19 @@ impl LeaseRecord {
         self.lid << POSITION_BITS | pos as i64
     }
 
-    /// Where a message of this lease is: ids are the slower way to name it.
-    fn position(slf: &Bound<'_, Self>, mid: &str) -> PyResult<usize> {
-        if slf.borrow().positions.is_none() {
-            let py = slf.py();
-            let mids = slf.borrow().mids.clone_ref(py).into_bound(py);
-            let keys: Vec<Box<[u8]>> = match mids.downcast::<PackedIds>() {
-                Ok(packed) => packed.get().each(py).map(Into::into).collect(),
-                Err(_) => (mids.try_iter()?)
-                    .map(|m| Ok(m?.downcast::<PyString>()?.to_str()?.as_bytes().into()))
-                    .collect::<PyResult<_>>()?,
-            };
-            let positions = keys.into_iter().enumerate().map(|(i, k)| (k, i)).collect();
-            slf.borrow_mut().positions = Some(positions);
-        }
-        let me = slf.borrow();
-        let positions = me.positions.as_ref().expect("made above");
-        (positions.get(mid.as_bytes()).copied()).ok_or_else(|| PyKeyError::new_err(mid.to_owned()))
+    /// Where the message of handle `handle` is in this lease: receipts are the usual way
+    /// to name a position, so the map is made the first time a handle names one.
+    fn position(&mut self, handle: u128) -> PyResult<usize> {
+        let handles = &self.handles;
+        let positions = (self.positions)
+            .get_or_insert_with(|| handles.iter().enumerate().map(|(i, &h)| (h, i)).collect());
+        (positions.get(&handle).copied()).ok_or_else(|| PyKeyError::new_err(handle))
     }
 
-    /// The id at `pos`.
-    fn mid<'py>(slf: &Bound<'py, Self>, pos: usize) -> PyResult<Bound<'py, PyAny>> {
-        let mids = slf.borrow().mids.clone_ref(slf.py());
-        mids.into_bound(slf.py()).get_item(pos)
+    /// The message handle at `pos`.
+    fn mh(&self, pos: usize) -> PyResult<u128> {
+        (self.handles.get(pos).copied())
+            .ok_or_else(|| PyIndexError::new_err("no such position in the lease"))
     }
 
     fn deadline_of(&self, pos: usize) -> i64 {
@@ -370,7 +359,7 @@ impl LeaseRecord {
         self.end_one(pos, how)
     }
 
-    /// `status`, and if held, end it with `how`: then (id, bucket, sort key,
+    /// `status`, and if held, end it with `how`: then (handle, bucket, sort key,
     /// deliveries, how many are still leased), else the status code. An ack's step.
     fn take<'py>(
         slf: &Bound<'py, Self>,
@@ -382,8 +371,8 @@ impl LeaseRecord {
         let py = slf.py();
         match Self::take_at(slf, pos, consumer, now, how)? {
             Err(status) => status.into_bound_py_any(py),
-            Ok((mid, g, live)) => {
-                (mid, g.bucket, g.sort_key, g.deliveries, live).into_bound_py_any(py)
+            Ok((handle, g, live)) => {
+                (handle, g.bucket, g.sort_key, g.deliveries, live).into_bound_py_any(py)
             }
         }
     }
@@ -439,28 +428,28 @@ impl LeaseRecord {
         Ok(self.live)
     }
 
-    /// Positions start..end as (ids, buckets, sort keys, deliveries): a settled run's
-    /// columns (`settlements.Run`), the ids as the record holds them, the rest `array`s.
+    /// Positions start..end as (handles, buckets, sort keys, deliveries): a settled
+    /// run's columns (`settlements.Run`), the handles packed 16 bytes each, the rest
+    /// `array`s.
     fn columns<'py>(
         slf: &Bound<'py, Self>,
         start: usize,
         end: usize,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let (mids, b, k, d) = {
+        let (h, b, k, d) = {
             let me = slf.borrow();
             let Some(run) = me.granted.get(start..end) else {
                 return Err(PyIndexError::new_err("no such run in the lease"));
             };
+            let h = packed(&me.handles[start..end]);
             let b = cells(run, |g| g.bucket.to_ne_bytes());
             let k = cells(run, |g| g.sort_key.to_ne_bytes());
             let d = cells(run, |g| g.deliveries.to_ne_bytes());
-            (me.mids.clone_ref(py), b, k, d)
+            (h, b, k, d)
         };
-        let part = PySlice::new(py, start as isize, end as isize, 1);
-        let mids = mids.into_bound(py).get_item(part)?;
         let columns = [
-            mids,
+            PyBytes::new(py, &h).into_any(),
             array(py, "H", b)?,
             array(py, "q", k)?,
             array(py, "i", d)?,
@@ -474,11 +463,11 @@ impl LeaseRecord {
     }
 
     /// Pickled as the Python record was, its fields in this order: (buckets, consumer,
-    /// deadline, deadlines, deliveries, ended, lid, live, mids, sort_keys), so
-    /// snapshots of either load in the other.
+    /// deadline, deadlines, deliveries, ended, lid, live, handles, sort_keys), the
+    /// handles packed (bytes) where records from before held ids (`__setstate__`).
     fn __getstate__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyTuple>> {
         let py = slf.py();
-        let (consumer, deadline, lid, live, mids, ended) = {
+        let (consumer, deadline, lid, live, handles, ended) = {
             let me = slf.borrow();
             let ended = cells(&me.granted, |g| [g.ended]);
             let consumer = me.consumer.clone_ref(py);
@@ -487,7 +476,7 @@ impl LeaseRecord {
                 me.deadline,
                 me.lid,
                 me.live,
-                me.mids.clone_ref(py),
+                packed(&me.handles),
                 ended,
             )
         };
@@ -500,13 +489,16 @@ impl LeaseRecord {
             PyByteArray::new(py, &ended).into_any(),
             lid.into_bound_py_any(py)?,
             live.into_bound_py_any(py)?,
-            mids.into_bound(py),
+            PyBytes::new(py, &handles).into_any(),
             Self::sort_keys(slf)?,
         ];
         PyTuple::new(py, fields)
     }
 
+    /// A record's state; one from before handles holds its ids (a list of str, or
+    /// `PackedIds`), hashed here as every node hashes them.
     fn __setstate__(slf: &Bound<'_, Self>, state: &Bound<'_, PyTuple>) -> PyResult<()> {
+        let py = slf.py();
         let fields: Vec<Bound<'_, PyAny>> = state.iter().collect();
         let [buckets, consumer, deadline, deadlines, deliveries, ended, lid, live, mids, keys] =
             <[Bound<'_, PyAny>; 10]>::try_from(fields)
@@ -516,8 +508,9 @@ impl LeaseRecord {
         let keys: Vec<i64> = column(&keys)?;
         let deliveries: Vec<i32> = column(&deliveries)?;
         let ended: Vec<u8> = column(&ended)?;
+        let handles = handles_of(py, &mids)?;
         let n = ended.len();
-        if [buckets.len(), keys.len(), deliveries.len()] != [n; 3] {
+        if [buckets.len(), keys.len(), deliveries.len(), handles.len()] != [n; 4] {
             return Err(PyValueError::new_err(
                 "a lease record's columns differ in length",
             ));
@@ -532,7 +525,7 @@ impl LeaseRecord {
             lid: lid.extract()?,
             consumer: consumer.unbind(),
             deadline: deadline.extract()?,
-            mids: mids.unbind(),
+            handles,
             granted,
             deadlines: deadlines.extract()?,
             live: live.extract()?,

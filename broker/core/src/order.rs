@@ -14,21 +14,25 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use crate::handles::mh;
-use crate::ids::{column_key, id_of, WIDEST};
+use crate::handles::{mh, WIDTH};
+use crate::ids::{column_key, WIDEST};
 use crate::lease_table::LeaseTable;
-use crate::packed_ids::{unpadded, PackedIds};
+use crate::packed_ids::unpadded;
 
 use pyo3::buffer::{Element, PyBuffer, ReadOnlyCell};
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyString};
 
 use crate::heads::{self, joined_heads, HeadCache, JoinedHeads};
 
-/// Picks as a lease command carries them (`leases.Picks`): ids (packed, or a list of
-/// str), buckets, sort keys.
-type Picks<'py> = (Bound<'py, PyAny>, Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+/// Picks as a lease command carries them (`leases.Picks`): message handles, buckets,
+/// sort keys, each packed little-endian.
+type Picks<'py> = (
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+);
 
 /// A token's handle: its low 32 bits (`row_store.HANDLE_MASK`).
 pub(crate) const HANDLE_MASK: i64 = (1 << 32) - 1;
@@ -254,7 +258,6 @@ impl Order {
         columns: PickColumns<'_, 'py>,
         width: usize,
         long: &Bound<'py, PyDict>,
-        pack_from: usize,
     ) -> PyResult<(Picks<'py>, Vec<i64>)> {
         let (settled, leases, not_before, overrides) = state;
         let (batch, sort_key, partition, offset, ids) = columns;
@@ -289,8 +292,7 @@ impl Order {
                 tops.push(Reverse((e, b, heap)));
             }
         }
-        let mut packed = Vec::with_capacity(width * n.min(1024));
-        let mut digests = false; // a pick whose id the column holds as a digest
+        let mut packed = Vec::with_capacity(WIDTH * n.min(1024));
         let mut picked_buckets = Vec::with_capacity(2 * n.min(1024));
         let mut keys = Vec::with_capacity(8 * n.min(1024));
         let mut tokens = Vec::with_capacity(n.min(1024));
@@ -315,7 +317,6 @@ impl Order {
                     .map(|m| m.downcast_into::<PyString>())
                     .transpose()?
             };
-            let digest = long_mid.is_some();
             let handle = match &long_mid {
                 Some(mid) => mh(mid.to_str()?.as_bytes()),
                 None => mh(unpadded(&raw[..width])),
@@ -340,24 +341,14 @@ impl Order {
             if !stale {
                 let bucket = u16::try_from(b)
                     .map_err(|_| PyValueError::new_err(format!("bucket {b} is past uint16")))?;
-                digests |= digest;
-                packed.extend_from_slice(&raw[..width]);
+                packed.extend_from_slice(&handle.to_le_bytes());
                 picked_buckets.extend_from_slice(&bucket.to_le_bytes());
                 keys.extend_from_slice(&e.key.to_le_bytes());
                 tokens.push(e.token);
             }
         }
-        let mids = if digests || tokens.len() < pack_from {
-            let mids = tokens
-                .iter()
-                .map(|t| id_of(py, (t & HANDLE_MASK) as usize, column, width, long))
-                .collect::<PyResult<Vec<_>>>()?;
-            PyList::new(py, mids)?.into_any()
-        } else {
-            Bound::new(py, PackedIds::from_blob(py, &packed, width))?.into_any()
-        };
         let picks = (
-            mids,
+            PyBytes::new(py, &packed),
             PyBytes::new(py, &picked_buckets),
             PyBytes::new(py, &keys),
         );
@@ -476,17 +467,11 @@ impl Order {
     /// above `max_key` has nothing due and gives none. Ids come from the id column
     /// (`ids`, `width` bytes a handle) or from `long`, the ids it holds as digests, by
     /// handle. Returns the picks as a lease command carries them (`leases.Picks`): their
-    /// ids (`PackedIds` at the column's width, or a list of str if one is held as a
-    /// digest, or if there are fewer than `pack_from`: a lease of one message makes one
-    /// object either way, and a str costs less), and their buckets and keys as
-    /// little-endian uint16 and int64 bytes; and their tokens, as int64 bytes (native
-    /// order, for NumPy).
+    /// message handles (hashed from those ids as the stale check needs them anyway),
+    /// buckets and keys, packed little-endian (16, 2 and 8 bytes each); and their
+    /// tokens, as int64 bytes (native order, for NumPy).
     /// The columns' buffers are held until other arrays are passed (`release_columns`).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (
-        buckets, n, max_key, now, state, batch, sort_key, partition, offset, ids, width, long,
-        pack_from = 1
-    ))]
     fn pick<'py>(
         &mut self,
         py: Python<'py>,
@@ -502,12 +487,10 @@ impl Order {
         ids: &Bound<'py, PyAny>,
         width: usize,
         long: &Bound<'py, PyDict>,
-        pack_from: usize,
     ) -> PyResult<(Picks<'py>, Bound<'py, PyBytes>)> {
         let columns = (batch, sort_key, partition, offset, ids);
-        let (picks, tokens) = self.picked(
-            py, buckets, n, max_key, now, state, columns, width, long, pack_from,
-        )?;
+        let (picks, tokens) =
+            self.picked(py, buckets, n, max_key, now, state, columns, width, long)?;
         let tokens: Vec<u8> = tokens.iter().flat_map(|t| t.to_ne_bytes()).collect();
         Ok((picks, PyBytes::new(py, &tokens)))
     }
@@ -518,10 +501,6 @@ impl Order {
     /// between calls. Returns the picks and (heads joined, where each ends, their rows'
     /// sort keys).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (
-        buckets, n, max_key, now, state, batch, sort_key, partition, offset, ids, width, long,
-        segment, position, segments, span, pack_from = 1
-    ))]
     fn pick_heads<'py>(
         &mut self,
         py: Python<'py>,
@@ -541,12 +520,10 @@ impl Order {
         position: &Bound<'py, PyAny>,
         segments: &Bound<'py, PyDict>,
         span: usize,
-        pack_from: usize,
     ) -> PyResult<(Picks<'py>, JoinedHeads<'py>)> {
         let columns = (batch, sort_key, partition, offset, ids);
-        let (picks, tokens) = self.picked(
-            py, buckets, n, max_key, now, state, columns, width, long, pack_from,
-        )?;
+        let (picks, tokens) =
+            self.picked(py, buckets, n, max_key, now, state, columns, width, long)?;
         let h = &mut self.held;
         held(&mut h.segment, segment)?;
         held(&mut h.position, position)?;

@@ -1,8 +1,7 @@
-//! Message ids packed in one bytes object, each NUL-padded to one width: how a lease
-//! command carries its picks' ids, and how every node's lease record keeps them. A
-//! list of str costs Raft ~100 ns an id to unpickle and every node a Python object per
-//! message; one bytes object unpickles at a copy's speed, and the lease table enters
-//! and removes its ids without making one (`lease_table.rs`).
+//! Message ids packed in one bytes object, each NUL-padded to one width: how lease
+//! commands, lease records and ack runs from before message handles (`handles.rs`)
+//! carried their messages. Kept so that journals and snapshots of that time load:
+//! every node hashes their ids into handles as it applies or loads them.
 
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -22,16 +21,6 @@ pub struct PackedIds {
 }
 
 impl PackedIds {
-    /// Ids packed in `blob`, `width` bytes apiece (at most `ids::WIDEST`).
-    pub(crate) fn from_blob(py: Python<'_>, blob: &[u8], width: usize) -> Self {
-        Self {
-            blob: PyBytes::new(py, blob).unbind(),
-            width,
-            start: 0,
-            len: blob.len() / width,
-        }
-    }
-
     /// The packed bytes of its ids.
     pub(crate) fn raw<'a>(&'a self, py: Python<'a>) -> &'a [u8] {
         let w = self.width;
