@@ -241,7 +241,7 @@ async def measure(
 
     def checkpoint_in_thread(events: list) -> int:
         t = time.thread_time()
-        upto = checkpoint(str(args.warehouse), "t", events, index.ids_of)
+        upto = checkpoint(str(args.warehouse), "t", events, index.id_column)
         clock.spent["leader", CHECKPOINT_STEP] += time.thread_time() - t
         tally["checkpoints"] += 1
         return upto

@@ -22,6 +22,7 @@ from itertools import islice
 from pathlib import Path
 from typing import IO, Any
 
+import pyarrow as pa
 from kafka.errors import (
     KafkaError,
     KafkaTimeoutError,
@@ -772,10 +773,11 @@ class Broker:
         waited for."""
         index, st = self.indexes[name], self.state(name)
 
-        def names(handles: bytes) -> list[str | None]:
-            ids = index.ids_of(handles)
-            if None not in ids:
-                return ids
+        def names(handles: bytes) -> pa.ChunkedArray | list[str | None]:
+            column = index.id_column(handles)
+            if not column.null_count:
+                return column
+            ids = column.to_pylist()
             every = handles_in(handles)
             redriven = st.redriven_ids
             ids = [redriven.get(h) if m is None else m for m, h in zip(ids, every, strict=True)]

@@ -4287,6 +4287,8 @@ def test_the_id_table_finds_what_a_dict_would(
             assert table.find_mh(packed(probe))[0].tolist() == [model.get(m, -1) for m in probe]
             stored = np.array(sorted(model.values()), np.int64)
             assert table.mids(stored) == sorted(model, key=model.__getitem__)
+            named = table.arrow_ids(table.find_mh(packed(probe))[0])
+            assert named.to_pylist() == [m if m in model else None for m in probe]
             assert 4 * (table.live + table.deleted) <= 3 * len(table.slots)
     finally:
         id_table.MIN_SLOTS = small

@@ -31,6 +31,7 @@ from dejaq.broker.storage.ledger_writer import (
     Names,
     Rival,
     deaths,
+    id_list,
     up_to,
     write_dead_letters,
     write_ledger,
@@ -183,7 +184,7 @@ def checkpoint(
     try:
         write_dead_letters(warehouse, topic, events, names, history)
     except Exception as e:
-        ids = names(packed_handles([d.mh for d in dead]))
+        ids = id_list(names(packed_handles([d.mh for d in dead])))
         named = [m or f"handle {d.mh:032x}" for d, m in zip(dead, ids, strict=True)]
         health.failed(f"dead letters of {topic}", e, named)
         return upto, [e.seq for e in dead]

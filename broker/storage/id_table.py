@@ -38,7 +38,15 @@ from itertools import compress
 from typing import NamedTuple
 
 import numpy as np
-from dejaq_core import PackedIds, find_slots, message_handles, place_slots, take_slots
+import pyarrow as pa
+from dejaq_core import (
+    PackedIds,
+    arrow_ids,
+    find_slots,
+    message_handles,
+    place_slots,
+    take_slots,
+)
 
 EMPTY = 0
 DELETED = -1
@@ -99,6 +107,17 @@ class IdTable:
     def mids(self, handles: np.ndarray) -> list[str]:
         """The id at each handle."""
         return decode(self.ids, self.long, handles)
+
+    def arrow_ids(self, handles: np.ndarray) -> pa.StringArray:
+        """The id at each handle as an Arrow string column, null where the handle is
+        negative (`find` found no row): made from the column's bytes by the compiled
+        core, with no str per id."""
+        handles = np.ascontiguousarray(handles, np.int64)
+        width = self.ids.dtype.itemsize
+        offsets, data, valid, nulls = arrow_ids(handles, self.ids.view(np.uint8), width, self.long)
+        bitmap = pa.py_buffer(valid) if nulls else None
+        buffers = [bitmap, pa.py_buffer(offsets), pa.py_buffer(data)]
+        return pa.Array.from_buffers(pa.string(), len(handles), buffers, nulls)
 
     def encode(self, mids: list[str]) -> Encoded:
         """`mids` as `insert` stores them, and hashed. A bytes object per id, 0.1-0.3 s a

@@ -75,9 +75,15 @@ def _ts(ms: int) -> dt.datetime:
     return dt.datetime.fromtimestamp(ms / 1000, tz=dt.UTC)
 
 
-# The ids of the messages whose handles a bytes object packs, in their order, None for
-# each this node cannot name (the leader's index, `TopicIndex.ids_of`).
-Names = Callable[[bytes], list[str | None]]
+# The ids of the messages whose handles a bytes object packs, in their order, null or
+# None for each this node cannot name: an Arrow string column (the leader's index,
+# `TopicIndex.id_column`), or a list.
+Names = Callable[[bytes], pa.ChunkedArray | list[str | None]]
+
+
+def id_list(ids: pa.ChunkedArray | list[str | None]) -> list[str | None]:
+    """What `Names` gave, as a list."""
+    return ids if type(ids) is list else ids.to_pylist()
 
 
 class Rows(NamedTuple):
@@ -193,9 +199,9 @@ def _is_event(theirs: str, entries: list[Entry]) -> bool:
     return False
 
 
-def _mark(entries: list[Entry], ids: list[str]) -> str:
+def _mark(entries: list[Entry], ids: pa.ChunkedArray) -> str:
     """`LAST`'s form of the last event of `entries`, whose ids are `ids`."""
-    return f"{last(entries[-1])} {entries[-1].event} {ids[-1]}"
+    return f"{last(entries[-1])} {entries[-1].event} {ids[len(ids) - 1].as_py()}"
 
 
 def _handles(e: Entry) -> bytes:
@@ -203,18 +209,20 @@ def _handles(e: Entry) -> bytes:
     return e.mh.to_bytes(WIDTH, "little") if type(e) is Settlement else e.handles
 
 
-def _named(entries: list[Entry], names: Names) -> tuple[list[Entry], list[str]]:
+def _named(entries: list[Entry], names: Names) -> tuple[list[Entry], pa.ChunkedArray]:
     """The events of `entries` up to the first whose message `names` cannot name (all,
-    if it names every one; a run holding it cut there), and their ids, in order."""
+    if it names every one; a run holding it cut there), and their ids, in order, as an
+    Arrow string column."""
     if not entries:
-        return entries, []
+        return entries, pa.chunked_array([], pa.string())
     ids = names(b"".join(map(_handles, entries)))
-    if None not in ids:
-        return entries, ids  # type: ignore[return-value]
-    first = n = ids.index(None)
+    ids = _arrow(ids, pa.string()) if type(ids) is list else ids
+    if not ids.null_count:
+        return entries, ids
+    first = n = pc.index(pc.is_null(ids), True).as_py()
     for e in entries:
         if n < count(e):
-            return up_to(entries, e.seq + n - 1), ids[:first]  # type: ignore[return-value]
+            return up_to(entries, e.seq + n - 1), ids.slice(0, first)
         n -= count(e)
     raise AssertionError("names gave more names than handles")
 
@@ -330,7 +338,9 @@ def _append_tagged(
                 raise
 
 
-def _ledger_columns(entries: list[Entry], ids: list[str]) -> dict[str, pa.ChunkedArray | pa.Array]:
+def _ledger_columns(
+    entries: list[Entry], ids: pa.ChunkedArray
+) -> dict[str, pa.ChunkedArray | pa.Array]:
     """The ledger's columns of `entries`, in their order; `ids`: their messages', as the
     leader's index names them. A run's packed columns (`LeaseRecord`) are joined by
     NumPy, without an int object per event; its event and time are repeated from one
@@ -342,7 +352,7 @@ def _ledger_columns(entries: list[Entry], ids: list[str]) -> dict[str, pa.Chunke
     ms = pa.array(_times(entries, lengths))
     bucket, sort_key, deliveries = _int_columns(entries)
     return {
-        "message_id": _arrow(ids, pa.string()),
+        "message_id": ids,
         "bucket": bucket,
         "event": events,
         "sort_key": sort_key,
@@ -493,7 +503,7 @@ def _death_ids(warehouse: str, topic: str, dead: list[Settlement], names: Names)
     a death the ledger has settled when it loaded or rebuilt (`TopicIndex.load`), so a
     death whose dead letter failed is named by its ledger row: a dead event at its time,
     whose id hashes to its handle. Raises `Unnamed` for any named by neither."""
-    ids = names(packed_handles([e.mh for e in dead]))
+    ids = id_list(names(packed_handles([e.mh for e in dead])))
     unnamed = [e for e, mid in zip(dead, ids, strict=True) if mid is None]
     if unnamed:
         at = matching(Table.LEDGER, event=[LedgerEvent.DEAD], at={_ts(e.at) for e in unnamed})

@@ -578,6 +578,75 @@ pub fn place_slots(
     Ok(())
 }
 
+/// An Arrow string column's buffers: value offsets, data, validity bitmap; and its
+/// null count.
+type ArrowColumn<'py> = (
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    Bound<'py, PyBytes>,
+    usize,
+);
+
+/// The Arrow string column of the ids at `rows` (handles, -1 where there is none: a
+/// null there), as (value offsets, int32; data; validity bitmap; null count), each
+/// buffer as bytes in native order: the column's `width` bytes at each row without
+/// their NUL padding, or the id `long` holds whole for a row the column holds as a
+/// digest. The leader's checkpoint names its events so (`IdTable.arrow_ids`), with no
+/// str per id: decoding each into a str, then Arrow copying it back, cost more than
+/// finding it.
+#[pyfunction]
+pub fn arrow_ids<'py>(
+    py: Python<'py>,
+    rows: PyBuffer<i64>,
+    ids: PyBuffer<u8>,
+    width: usize,
+    long: &Bound<'py, PyDict>,
+) -> PyResult<ArrowColumn<'py>> {
+    let rows = slice(py, &rows, "row")?;
+    let column = slice(py, &ids, "id")?;
+    let n = rows.len();
+    let mut offsets: Vec<u8> = Vec::with_capacity(4 * (n + 1));
+    offsets.extend_from_slice(&0i32.to_ne_bytes());
+    let mut data: Vec<u8> = Vec::with_capacity(n * width);
+    let mut valid = vec![0u8; n.div_ceil(8)];
+    let mut nulls = 0;
+    for (i, row) in rows.iter().enumerate() {
+        let row = row.get();
+        if row < 0 {
+            nulls += 1;
+        } else {
+            valid[i / 8] |= 1 << (i % 8);
+            let h = row as usize;
+            let whole = if long.is_empty() {
+                None
+            } else {
+                long.get_item(h)?
+            };
+            match whole {
+                Some(mid) => {
+                    data.extend_from_slice(mid.downcast::<PyString>()?.to_str()?.as_bytes())
+                }
+                None => {
+                    let key = column.get(h * width..(h + 1) * width).ok_or_else(|| {
+                        PyIndexError::new_err(format!("no handle {h} in the id column"))
+                    })?;
+                    let len = key.iter().rposition(|b| b.get() != 0).map_or(0, |k| k + 1);
+                    data.extend(key[..len].iter().map(ReadOnlyCell::get));
+                }
+            }
+        }
+        let end = i32::try_from(data.len())
+            .map_err(|_| PyValueError::new_err("ids past an Arrow string column's 2 GiB"))?;
+        offsets.extend_from_slice(&end.to_ne_bytes());
+    }
+    Ok((
+        PyBytes::new(py, &offsets),
+        PyBytes::new(py, &data),
+        PyBytes::new(py, &valid),
+        nulls,
+    ))
+}
+
 /// The column's `width` bytes at handle `h`, NUL-padded as it holds them.
 pub(crate) fn column_key(
     column: &[ReadOnlyCell<u8>],

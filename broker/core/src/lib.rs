@@ -35,6 +35,7 @@ fn dejaq_core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(handles::message_handle, m)?)?;
     m.add_function(wrap_pyfunction!(handles::message_handles, m)?)?;
     m.add_function(wrap_pyfunction!(handles::unpack_handles, m)?)?;
+    m.add_function(wrap_pyfunction!(ids::arrow_ids, m)?)?;
     m.add_function(wrap_pyfunction!(ids::find_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::place_slots, m)?)?;
     m.add_function(wrap_pyfunction!(ids::take_slots, m)?)?;
