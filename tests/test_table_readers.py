@@ -25,6 +25,7 @@ from pyspark.sql import SparkSession
 from test_broker import buffer_rows, fill, topic_conf
 from test_delta_engines import spark_append
 
+from dejaq.broker.state.handles import mh
 from dejaq.broker.state.leases import TopicState
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger
@@ -101,7 +102,7 @@ def test_every_reader_gets_the_contract_from_every_writer(
     redriven = state.redrive(now + 2, state.trimmed_upto(), [("x1", 1, 1)])
     assert redriven == (["x1"], {})
     assert restore(buffer, dead_letters, ["x1"], now + 2) == 1
-    index.push(state, ["x1"])
+    index.push(state, [mh("x1")])
     assert index.revive(state) == 1
     assert index.settled_event("s1") == LedgerEvent.DEAD
     assert index.settled_event("s0") is None, "settled before the watermark: the ledger's"
