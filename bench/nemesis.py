@@ -67,13 +67,14 @@ from typing import Any
 
 import httpx
 import pyarrow as pa
+import pyarrow.compute as pc
 from deltalake import DeltaTable, write_deltalake
 from deltalake.exceptions import CommitFailedError
 
 from dejaq.broker.api.keys import ROLES, add_key
 from dejaq.client import Backoff, BrokerError, Client, Conflict, Message, Worker
 from dejaq.client.models import ExtendResult, Left, SettleResult
-from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
+from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
 from dejaq.jobs import cluster
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.cluster import Node
@@ -754,16 +755,22 @@ def read(warehouse: str, table: Table, columns: list[str]) -> pa.Table:
 
 
 def settled_in_ledger(warehouse: str) -> tuple[dict[str, str], int]:
-    """Each message's last ledger event (terminal ones), and the duplicate ids."""
-    t = read(warehouse, Table.LEDGER, ["message_id", "event"])
+    """Each message's last ledger event (terminal ones), and the duplicate ids: messages
+    settled twice (a `rescheduled` row, a pending message's new key, settles nothing)."""
+    t = settling(read(warehouse, Table.LEDGER, ["message_id", "event"]))
     ids, events = t.column("message_id").to_pylist(), t.column("event").to_pylist()
     last = dict(zip(ids, events, strict=True))
     return {m: e for m, e in last.items() if e in SETTLED}, len(ids) - len(last)
 
 
+def settling(t: pa.Table) -> pa.Table:
+    """The ledger rows `t` but the `rescheduled` ones."""
+    return t.filter(pc.not_equal(t.column("event"), LedgerEvent.RESCHEDULED.value))
+
+
 def ledger_rows_of(warehouse: str, n: int) -> dict[str, list[tuple]]:
     """The ledger rows (event, deliveries, at) of the first `n` ids it holds twice."""
-    t = read(warehouse, Table.LEDGER, ["message_id", "event", "deliveries", "at"])
+    t = settling(read(warehouse, Table.LEDGER, ["message_id", "event", "deliveries", "at"]))
     rows: dict[str, list[tuple]] = defaultdict(list)
     for mid, *rest in zip(*(t.column(c).to_pylist() for c in t.column_names), strict=True):
         rows[mid].append(tuple(rest))

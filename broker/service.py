@@ -1245,16 +1245,16 @@ class Broker:
         return found
 
     async def _commit_on_row(
-        self, topic: str, mid: str, op: str, args: Callable[[Row], tuple]
+        self, topic: str, mid: str, op: str, args: Callable[[Row, int], tuple]
     ) -> Refusal | None:
         """Commit `op` on a message found in the index (404 or 409 if it is not): its
-        arguments made from the row, then the seq the row was found at. Refused as
+        arguments made from the row and the seq the row was found at. Refused as
         trimmed if a trim passed that seq (the message may have settled and been
         forgotten meanwhile): the row is read again."""
         for _ in range(REDRIVE_READS):
             row = await self._row(topic, mid)
             seen = self.state(topic).seq
-            refused = await self._commit(topic, op, *args(row), seen)
+            refused = await self._commit(topic, op, *args(row, seen))
             if refused != Refusal.TRIMMED:
                 return refused
         raise Problem(503, f"{op} interrupted", "checkpoints kept trimming under it: retry")
@@ -1262,7 +1262,7 @@ class Broker:
     async def cancel(self, topic: str, mid: str) -> None:
         self.topic(topic)
         refused = await self._commit_on_row(
-            topic, mid, "cancel", lambda row: (now_ms(), mid, row.bucket, row.sort_key)
+            topic, mid, "cancel", lambda row, seen: (now_ms(), mid, row.bucket, row.sort_key, seen)
         )
         if refused:
             raise Problem(409, "cannot cancel", f"{mid}: {refused}", reason=refused)
@@ -1272,7 +1272,10 @@ class Broker:
     ) -> None:
         cfg = self.topic(topic)
         wanted = _sort_key(cfg, priority, deliver_at, "reschedule", required=True)
-        refused = await self._commit_on_row(topic, mid, "reschedule", lambda _: (mid, wanted))
+        # The time and the row's bucket make its `rescheduled` event, for the ledger.
+        refused = await self._commit_on_row(
+            topic, mid, "reschedule", lambda row, seen: (mid, wanted, seen, now_ms(), row.bucket)
+        )
         if refused:
             raise Problem(409, "cannot reschedule", f"{mid}: {refused}", reason=refused)
 

@@ -4,7 +4,8 @@ Also `dejaq release`. Without --once it runs until SIGTERM or Ctrl-C and stops b
 two micro-batches; with --once it releases what is deliverable now and exits. Between
 batches it removes from the buffer what was settled over `settled_retention_ms` ago.
 A topic the lease broker delivered before needs --take-over (`require_owner`), which
-does not carry the brokers' reschedules and nack priorities.
+carries the brokers' reschedules and nack priorities (the ledger's `rescheduled` rows),
+not their nack delays and retry backoffs.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--take-over",
         action="store_true",
         help="release a topic the lease broker delivered before: its brokers are stopped "
-        "and its workers drained. Reschedules and nack priorities the brokers held are not "
-        "carried: each message goes at its buffered key (cancel and produce again, with a "
-        "new dejaq-id, any such message still pending before the brokers stop)",
+        "once their ledger caught up, and its workers drained. Reschedules and nack "
+        "priorities are carried (the ledger holds them); nack delays and retry backoffs "
+        "are not: such a message goes once its key is due",
     )
 
 

@@ -202,21 +202,20 @@ def taken_over_app_id(topic: str, brokers: str = BROKER_APP_ID) -> str:
 
 # What a take-over cannot carry, said where it is asked for and where it happens.
 TAKE_OVER_LEFT = (
-    "Reschedules and priorities given with a nack live in the brokers' Raft state only: "
-    "the release takes each such message at its buffer row's key (a timeline message "
-    "rescheduled later goes at its original deliver_at, early). Before the brokers "
-    "stop, cancel each one still pending and produce it again with the key in force "
-    "and a new dejaq-id."
+    "Nack delays and retry backoffs live in the brokers' Raft state only: the release "
+    "takes a message they held back as soon as its key is due. Reschedules and "
+    "priorities given with a nack are carried: the brokers' checkpoints write them to "
+    "the ledger (rescheduled rows), so wait until it has caught up before they stop."
 )
 
 
 def require_owner(settings: Settings, topic: TopicConfig, take_over: bool) -> None:
     """Refuse a topic the lease broker delivered since the last take-over, unless
     `take_over` says its brokers are stopped and its workers drained: the brokers' Raft
-    state holds what the ledger does not yet (leases in flight, acks not yet
-    checkpointed, nack delays, retry backoffs), which this job cannot see. Reschedules
-    and priorities given with a nack the ledger never holds: a take-over does not carry
-    them, and releases each message at the key of its buffer row (`TAKE_OVER_LEFT`).
+    state holds what the ledger does not yet (leases in flight, events not yet
+    checkpointed) and what it never holds (nack delays, retry backoffs:
+    `TAKE_OVER_LEFT`), which this job cannot see. Reschedules and priorities given with
+    a nack reach the ledger as `rescheduled` rows, which the pending set applies.
     A take-over notes each brokers' tag as it found it, one per Raft history that
     checkpointed the topic: a topic handed back to the brokers since, whose checkpoints
     moved a tag on or began one under a new history, needs another."""

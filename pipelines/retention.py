@@ -18,6 +18,10 @@ whose largest `at` reaches W.
 
 The deliverer bounds C by what it has not yet written to the ledger (the broker's
 un-checkpointed events), so no event older than C can reach the ledger after a run.
+C stays at or before the latest new key (a `rescheduled` event: the brokers' reschedule
+or a nack's priority) of each message the span leaves pending: a start after the run
+still reads it, and the release job that takes a topic over from the brokers releases
+the message at that key (`rescheduled_pending`).
 Other writers keep going, all on delta-rs (Delta's optimistic concurrency, a put-if-absent
 commit on every store). The run's rewrite reads only rows ingested before the latest
 stamp its snapshot holds (`ingested_before`), so an ingest append that commits first,
@@ -216,6 +220,27 @@ def settled_before(
     return ids, last.num_rows, died, redriven
 
 
+def rescheduled_pending(ledger_path: str, since_ms: int, cutoff_ms: int) -> int:
+    """`cutoff_ms`, or the time of a message's latest new key (a `rescheduled` event)
+    at or after `since_ms` if the message is not settled by `cutoff_ms` (the earliest of
+    them): the cutoff a run takes. A start (the release job's, of a topic taken over from
+    the brokers) reads the ledger from the watermark on, and a message whose new key it
+    missed would go at its buffer row's. Once the message is settled before the cutoff,
+    a run passes the event."""
+    moved = latest_events(ledger_path, since_ms, None, cutoff_ms, (LedgerEvent.RESCHEDULED,))
+    if not moved.num_rows:
+        return cutoff_ms
+    ids = moved.column("message_id").to_pylist()
+    last = latest_events(ledger_path, since_ms, ids, cutoff_ms)
+    final = pc.is_in(last.column("event_last"), value_set=pa.array(sorted(TERMINAL), pa.string()))
+    settled = last.filter(final).column("message_id").combine_chunks()
+    pending = moved.filter(pc.invert(pc.is_in(moved.column("message_id"), value_set=settled)))
+    if not pending.num_rows:
+        return cutoff_ms
+    earliest_us = pc.min(pending.column("at_last").cast(pa.int64())).as_py()
+    return min(cutoff_ms, earliest_us // 1000)
+
+
 def redrives_since(ledger_path: str, since_ms: int, ids: list[str]) -> list[str]:
     """Which of `ids` the ledger holds a redrive of at or after `since_ms`."""
     since = ledger_tail(ledger_path, since_ms, ["message_id"], ids, events=(LedgerEvent.REDRIVEN,))
@@ -295,6 +320,9 @@ def _run(
     cutoff = now_ms - retention_ms
     if unwritten_from_ms is not None:
         cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
+    if cutoff <= upto:
+        return None
+    cutoff = rescheduled_pending(ledger_path, upto, cutoff)
     if cutoff <= upto:
         return None
     gone, read, died, redriven = settled_before(ledger_path, upto, cutoff)

@@ -59,7 +59,7 @@ from dejaq.broker.state.leases import (
     unpacked,
 )
 from dejaq.broker.state.raft import BrokerState
-from dejaq.broker.state.settlements import settlements
+from dejaq.broker.state.settlements import redriven, settlements
 from dejaq.broker.storage import head_store, message_json
 from dejaq.broker.storage import index as index_module
 from dejaq.broker.storage import row_store as row_store_module
@@ -1172,6 +1172,34 @@ def test_a_cluster_started_afresh_on_a_warehouse_writes_its_acks_to_its_ledger(
     assert sorted(ledger_ids(str(tmp_path / "warehouse"))) == ["a0", "a1", "a2", "m0", "m1", "m2"]
 
 
+def test_reschedules_checkpointed_and_trimmed_hold_through_a_restart(tmp_path: Path) -> None:
+    """Reschedules reach the ledger as `rescheduled` rows and are trimmed from Raft; the
+    node restarted (its journal and snapshot) leases the messages at their new keys."""
+    import asyncio
+
+    async def rescheduled(broker: Any) -> None:
+        await broker.reschedule("jobs", "m1", 20, None)
+        await broker.reschedule("jobs", "m0", 30, None)
+        deadline = time.monotonic() + 30
+        while len(broker.state("jobs").events):
+            assert time.monotonic() < deadline, "the reschedules were never trimmed"
+            await asyncio.sleep(0.05)
+
+    on_one_node(tmp_path, rescheduled)
+    rows = DeltaTable(ensure_table(str(tmp_path / "warehouse"), Table.LEDGER, "jobs"))
+    got = rows.to_pyarrow_table(columns=["message_id", "event", "sort_key"]).to_pylist()
+    assert [tuple(r.values()) for r in got] == [
+        ("m1", "rescheduled", 20),
+        ("m0", "rescheduled", 30),
+    ]
+
+    async def leased(broker: Any) -> list[tuple[str, int]]:
+        found = json.loads(await broker.lease("jobs", "w", 10, 30_000, 0))
+        return [(m["id"], m["sort_key"]) for m in found]
+
+    assert on_one_node(tmp_path, leased) == [("m2", 9), ("m1", 20), ("m0", 30)]
+
+
 def test_a_backlog_is_checkpointed_a_part_at_a_time_and_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1897,6 +1925,61 @@ def test_a_message_rescheduled_while_pending_leases_at_its_new_key_only(tmp_path
     picks = listed(index.pick(state, state.buckets_of("c"), 10, now=0))
     assert picks == [("a0", 0, 1), ("a2", 0, 9), ("a1", 0, 20)]
     index.close()
+
+
+def test_new_keys_are_events_whose_trim_forgets_nothing_on_any_node(tmp_path: Path) -> None:
+    """A nack's priority and a reschedule are `rescheduled` events, at the new key, the
+    command's time and the message's bucket, which the ledger gets by id. They settle
+    nothing: their trim forgets nothing on either of two nodes applying the same
+    commands, and the messages lease at their new keys after it and from a snapshot
+    (an index rebuilt for it). A redriven message given a new key is still redriven
+    (its row is put back); a reschedule command from before it carried a time records
+    no event."""
+    warehouse = str(tmp_path)
+    fill(warehouse, "jobs", buffer_rows([1, 5, 9, 11], lambda i: 0, "a"))
+    nodes = []
+    for _ in range(2):
+        index = TopicIndex(warehouse, topic_conf())
+        index.load()
+        state = TopicState(4, 5)
+        state.touch("c", 0)
+        nodes.append((index, state))
+    for index, state in nodes:
+        state.lease("c", 0, 1000, [("a0", 0, 1), ("a3", 0, 11)], lid=1)
+        assert state.nack("c", 2, ["a0"], 0, 20) == ({}, ["a0"], [])
+        assert state.reject("c", 3, ["a3"]) == {}
+        assert state.redrive(4, state.trimmed_upto(), [("a3", 0, 11)]) == (["a3"], {})
+        assert state.reschedule("a1", 30, state.seq, 5, 0) is None
+        assert state.reschedule("a3", 40, state.seq, 6, 0) is None
+        assert state.reschedule("a2", 25) is None, "an old command: no event"
+        index.push(state, ["a0", "a1", "a2", "a3"])
+    state = nodes[0][1]
+    moved = [(e.mh, e.bucket, e.sort_key, e.at) for e in state.events if e.event == "rescheduled"]
+    assert moved == [(mh("a0"), 0, 20, 2), (mh("a1"), 0, 30, 5), (mh("a3"), 0, 40, 6)]
+    assert nodes[1][1].events == state.events
+    upto = checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse))
+    assert upto == state.seq
+    assert ledger_ids(warehouse, "rescheduled") == ["a0", "a1", "a3"]
+    assert [state.redriven_ids[h] for h in redriven(settlements(state.events.view()))] == ["a3"]
+    wanted = [("a0", 0, 20), ("a2", 0, 25), ("a1", 0, 30), ("a3", 0, 40)]
+    for index, state in nodes:
+        gone = state.trim(upto)
+        assert gone == b"", "nothing forgotten (a3's death: its redrive came after)"
+        index.forget(gone)
+        assert not state.events and not state.settled
+        assert state.sort_keys == {
+            mh("a0"): 20,
+            mh("a1"): 30,
+            mh("a2"): 25,
+            mh("a3"): 40,
+        }
+    snapshot = pickle.loads(pickle.dumps(nodes[1][1]))
+    fresh = TopicIndex(warehouse, topic_conf())
+    fresh.load()
+    fresh.rebuild(snapshot)
+    for index, state in [*nodes, (fresh, snapshot)]:
+        assert listed(index.pick(state, state.buckets_of("c"), 10, now=0)) == wanted
+        index.close()
 
 
 def test_a_freed_segments_number_names_no_other_segment_for_the_picks_cache(

@@ -14,9 +14,9 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pytest
@@ -247,7 +247,7 @@ def refused_without_take_over(s: Settings, conf: Path) -> None:
         timeout=120,
     )
     assert result.returncode == 2 and "stop the brokers" in result.stderr, result.stderr
-    assert "Reschedules and priorities given with a nack" in result.stderr, result.stderr
+    assert "Nack delays and retry backoffs" in result.stderr, result.stderr
 
 
 def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
@@ -256,8 +256,8 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     """A topic switched from delivery: lease: its ledger holds the brokers' checkpoints,
     and their Raft state what the ledger does not yet. The release refuses it, before
     Spark starts, until told it takes over; then it releases, and owns the topic until
-    the brokers checkpoint it again. A reschedule the brokers held is not carried (it
-    never reaches the ledger): the refusal and the take-over's log say so."""
+    the brokers checkpoint it again. A reschedule the brokers checkpointed is carried;
+    nack delays and retry backoffs are not: the refusal and the take-over's log say so."""
     from dejaq.broker.state.leases import TopicState
     from dejaq.broker.storage.ledger_writer import checkpoint
 
@@ -268,12 +268,12 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     state = TopicState(4, 5)
     state.lease("w", 0, 1000, [(written[0], 0, 3)])
     assert state.ack("w", 1, [written[0]]) == {}
-    assert state.reschedule(written[2], 0) is None  # ahead of written[1], in Raft only
+    assert state.reschedule(written[2], 0, state.seq, 2, 2) is None  # ahead of written[1]
     checkpoint(s.warehouse, "jobs", state.events, buffer_names(s.warehouse))
     refused_without_take_over(s, conf)
     with caplog.at_level("WARNING", logger="dejaq.release"):
         releaser = Releaser(s, s.topic("jobs"), take_over=True)
-    assert "taken over from the lease broker; Reschedules and priorities" in caplog.text
+    assert "taken over from the lease broker; Nack delays and retry backoffs" in caplog.text
     output = Output(kafka_bootstrap, out, 1)
     try:
         run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
@@ -281,7 +281,7 @@ def test_a_topic_the_broker_delivered_is_released_only_when_taken_over(
     finally:
         releaser.finish()
         output.close()
-    assert released == [written[1], written[2]], "the acked one is not; at buffered keys"
+    assert released == [written[2], written[1]], "the acked one is not; at the keys in force"
     Releaser(s, s.topic("jobs")).finish()  # taken over: its topic, no flag needed
     # Handed back to the brokers, whose checkpoints move their tag on: taken over again.
     state.lease("w", 2, 1000, [("again-0", 0, 9)])
@@ -312,6 +312,96 @@ def brokers_checkpoint(
         assert state.ack("w", 1, [mid]) == {}
         upto = checkpoint(s.warehouse, "jobs", state.events, named.names, history)
     return upto
+
+
+def on_brokers(
+    tmp_path: Path, s: Settings, kind: str, scenario: Callable[[Any], Awaitable[object]]
+) -> None:
+    """Run `scenario` on a one-node lease broker of topic "jobs" over `s`'s warehouse (in
+    process: `test_broker.run_node`), "w" a member; once the broker's checkpoints have
+    written and trimmed every event of it, stop the broker."""
+    import asyncio
+
+    from test_broker import run_node
+
+    from dejaq.broker.service import now_ms
+    from dejaq.conf.settings import TopicConfig
+
+    topic = TopicConfig(name="jobs", kind=kind, source=["in"], buckets=4)
+    brokers = Settings(warehouse=s.warehouse, topics=[topic])
+
+    async def checkpointed(broker: Any) -> None:
+        await broker.raft.commit("jobs", "touch", "w", now_ms())
+        await scenario(broker)
+        deadline = time.monotonic() + 30
+        while len(broker.state("jobs").events):
+            assert time.monotonic() < deadline, "the broker's events were never trimmed"
+            await asyncio.sleep(0.05)
+
+    run_node(brokers, f"127.0.0.1:{free_port()}", tmp_path / "broker", checkpointed)
+
+
+def test_a_take_over_releases_a_timeline_message_at_the_deliver_at_the_brokers_gave_it(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A pending timeline message rescheduled later on the brokers, its reschedule
+    checkpointed, then the brokers stopped and the topic taken over: the release holds
+    it back until its new deliver_at, not its buffer row's, and releases it then."""
+    out = topic_factory(partitions=1)
+    s = load_settings(write_conf(tmp_path, kafka_bootstrap, "timeline", out), env={})
+    start = int(time.time() * 1000)
+    later, new_key = add_buffer(s, "timeline", [start + 4000, start + 4500])
+    (due,) = add_buffer(s, "timeline", [start - 1000], first_offset=2)
+    rescheduled = start + 12_000
+
+    async def scenario(broker: Any) -> None:
+        leased = json.loads(await broker.lease("jobs", "w", 1, 30_000, 0))
+        assert [m["id"] for m in leased] == [due]
+        assert (await broker.settle("jobs", "ack", "w", [due])).ok == 1
+        await broker.reschedule("jobs", later, None, rescheduled)
+
+    on_brokers(tmp_path, s, "timeline", scenario)
+    releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, timeout=90)
+        records = output.wait_for(2)
+    finally:
+        releaser.finish()
+        output.close()
+    assert ids(records) == [new_key, later], "the rescheduled one goes last"
+    at = {header(r, "dejaq-id").decode(): r for r in records}
+    assert int(header(at[later], "dejaq-deliver-at")) == rescheduled
+    assert at[later].timestamp >= rescheduled, "released before its new deliver_at"
+    assert at[new_key].timestamp < rescheduled
+
+
+def test_a_take_over_releases_a_message_nacked_with_a_priority_at_that_priority(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """A priority topic's message nacked with a new priority on the brokers, checkpointed,
+    the brokers stopped and the topic taken over: the release order follows the nack's
+    priority, not the buffer row's."""
+    out = topic_factory(partitions=1)
+    s = load_settings(write_conf(tmp_path, kafka_bootstrap, "priority", out), env={})
+    first, second, third = add_buffer(s, "priority", [1, 2, 3])
+
+    async def scenario(broker: Any) -> None:
+        leased = json.loads(await broker.lease("jobs", "w", 1, 30_000, 0))
+        assert [m["id"] for m in leased] == [first]
+        assert (await broker.nack("jobs", "w", [first], 0, 5)).ok == 1
+
+    on_brokers(tmp_path, s, "priority", scenario)
+    releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
+        records = output.wait_for(3)
+    finally:
+        releaser.finish()
+        output.close()
+    assert ids(records) == [second, third, first]
+    assert [int(header(r, "dejaq-priority")) for r in records] == [2, 3, 5]
 
 
 def test_a_take_over_counts_the_brokers_checkpoints_of_every_raft_history(

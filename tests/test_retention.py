@@ -136,12 +136,53 @@ def test_settled_messages_past_retention_leave_and_nothing_else_does(tmp_path: P
     assert watermark(DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs"))) == now - HOUR + step
 
 
+def test_a_pending_messages_new_key_holds_the_watermark_until_the_message_settles(
+    tmp_path: Path,
+) -> None:
+    """A `rescheduled` row (a reschedule or a nack's priority on the brokers) settles
+    nothing: its message's buffer row stays, and a start's index holds it. While the
+    message is pending, the watermark stays at its latest such row, which a start (the
+    release job taking the topic over) reads from the watermark on; the messages settled
+    before it leave. Once the message is settled, a run passes the row and removes it."""
+    warehouse = str(tmp_path / "wh")
+    fill(warehouse, "jobs", buffer_rows(list(range(4))))
+    now = now_ms()
+    old = now - 3 * HOUR
+    record(
+        warehouse,
+        [
+            ("m0", "acked", old),
+            ("m1", "rescheduled", old + 1000),
+            ("m2", "acked", old + 2000),
+            ("m1", "rescheduled", old + 3000),
+            ("m2", "rescheduled", old - 1000),  # before its ack: settled
+            ("m3", "acked", old + 4000),
+        ],
+    )
+    done = run(warehouse, now)
+    assert done is not None and done.watermark_ms == old + 3000 and done.removed == 2
+    assert buffered(warehouse) == {"m1", "m3"}
+    ledger = ensure_table(warehouse, Table.LEDGER, "jobs")
+    tail = retention.ledger_tail(ledger, old + 3000, ["message_id", "at"], events=("rescheduled",))
+    assert tail.column("message_id").to_pylist() == ["m1"], "a start reads the new key"
+    index = TopicIndex(warehouse, topic_conf())
+    index.load()
+    assert index.row("m1") is not None and index.row("m3") is None, "m3: settled in the tail"
+    index.close()
+    assert run(warehouse, now + retention.WATERMARK_STEP_MS) is None, "held at the new key"
+    record(warehouse, [("m1", "acked", old + 5000)])
+    done = run(warehouse, now)
+    assert done is not None and done.watermark_ms == now - HOUR and done.removed == 2
+    assert buffered(warehouse) == set()
+
+
 def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_the_dead(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A run each minute must not read the whole retention window again. Past the cutoff
     only a redrive can undo a settlement (of a death), so that is all a run looks for
-    there; `ledger_tail` is wrapped, not replaced, to see what it returned."""
+    there (and the span's `rescheduled` rows, which hold the cutoff back); `ledger_tail`
+    is wrapped, not replaced, to see what it returned."""
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows(list(range(60))))
     now = now_ms()
@@ -179,7 +220,9 @@ def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_th
     assert done is not None and done.watermark_ms == cutoff
     assert done.messages_read == 5 and done.removed == 2
     assert buffered(warehouse) == {f"m{i}" for i in range(60)} - {"m1", "m2"}
-    assert seen == [(0, 5), (cutoff, 3)], "past the cutoff: the redrives of m0, m3, m4"
+    # The span's new keys (none), its settling events, then past the cutoff the redrives
+    # of m0, m3, m4.
+    assert seen == [(0, 0), (0, 5), (cutoff, 3)]
 
 
 def test_a_question_about_a_settled_message_reads_the_ledger_from_the_watermark(

@@ -715,6 +715,8 @@ class TopicState:
                 pending.append(h)
                 if delay_ms > 0:
                     self.not_before[h] = now + delay_ms
+                if sort_key is not None:
+                    self._rescheduled(h, record.entry(pos)[0], sort_key, now)
             else:
                 dead.append(h)
         return refused, pending, dead
@@ -787,9 +789,18 @@ class TopicState:
         self._settle(h, bucket, self.sort_key(h, sort_key), LedgerEvent.CANCELLED, now, deliveries)
         return None
 
-    def reschedule(self, mid: str, sort_key: int, seen: int | None = None) -> Refusal | None:
+    def reschedule(
+        self,
+        mid: str,
+        sort_key: int,
+        seen: int | None = None,
+        now: int | None = None,
+        bucket: int | None = None,
+    ) -> Refusal | None:
         """Give a pending message a new sort key (priority or deliver_at). `seen` as in
-        `cancel`: past a trim, a message settled since would keep its override for good."""
+        `cancel`: past a trim, a message settled since would keep its override for good.
+        `now` and `bucket` (the time and the message's row's, absent from commands from
+        before they were carried, which record no event): its `rescheduled` event."""
         if _trimmed_past(self, seen):
             return Refusal.TRIMMED
         h = mh(mid)
@@ -799,7 +810,18 @@ class TopicState:
             return Refusal.LEASED
         self.sort_keys[h] = sort_key
         self.not_before.pop(h, None)
+        if now is not None and bucket is not None:
+            self._rescheduled(h, bucket, sort_key, now)
         return None
+
+    def _rescheduled(self, h: int, bucket: int, sort_key: int, now: int) -> None:
+        """Record the new key of the pending message of handle `h` as the next event: the
+        ledger then holds it, for a deliverer that takes the topic over from the brokers
+        (`pipelines.release`). It settles nothing: a trim forgets nothing of it."""
+        self.seq += 1
+        deliveries = self.deliveries.get(h, 0)
+        event = Settlement(self.seq, h, bucket, LedgerEvent.RESCHEDULED, sort_key, deliveries, now)
+        self.events.append(event)
 
     def expire(
         self, now: int, heartbeat_timeout_ms: int, backoff: RetryBackoff | None = None
@@ -924,7 +946,8 @@ class TopicState:
         others: list[int] = []  # in `settled`
         for e in done:
             if type(e) is Settlement:
-                (acked if e.event == LedgerEvent.ACKED else others).append(e.mh)
+                if e.event != LedgerEvent.RESCHEDULED:  # settles nothing
+                    (acked if e.event == LedgerEvent.ACKED else others).append(e.mh)
             else:  # a `Run` or an `AckRun`
                 parts.append(self._forget(e.handles, e.event == LedgerEvent.ACKED))
         if acked:
@@ -945,7 +968,8 @@ class TopicState:
     def _trim_redriven(self, done: Iterable[Settlement], upto_seq: int) -> bytes:
         """`trim` while some message has an untrimmed redrive: a settlement followed by a
         later redrive of its message no longer says what the message is (pending again,
-        or settled anew), and a redriven event settles nothing: neither is forgotten.
+        or settled anew), and a redriven or rescheduled event settles nothing: neither
+        is forgotten.
 
         A redrive is remembered until its event and every earlier one of its message
         are trimmed: a death the trims kept (its dead letter not written yet) can be
@@ -954,7 +978,7 @@ class TopicState:
         handles: list[int] = []
         for e in done:
             h = e.mh
-            if e.event != LedgerEvent.REDRIVEN and redriven_at.get(h, 0) < e.seq:
+            if e.event not in _UNSETTLING and redriven_at.get(h, 0) < e.seq:
                 (leases if e.event == LedgerEvent.ACKED else settled).pop(h, None)
                 handles.append(h)
         kept = {e.mh for e in settlements(self.events.past(upto_seq)[0])}
@@ -964,6 +988,8 @@ class TopicState:
         return packed_handles(handles)
 
 
+# The events of a message still pending: a trim forgets nothing of them.
+_UNSETTLING = (LedgerEvent.REDRIVEN, LedgerEvent.RESCHEDULED)
 _V = TypeVar("_V")
 
 

@@ -1,16 +1,17 @@
-"""Settled messages waiting to be checkpointed into the ledger: runs of columns for
-acks, one tuple per other event.
+"""Settled messages, and new keys of pending ones, waiting to be checkpointed into the
+ledger: runs of columns for acks, one tuple per other event.
 
 Every node keeps them, and every ack adds to them. A bulk ack of a whole lease is one
 `Run` holding slices of the lease record's columns; smaller acks append to the
 `AckRun` at the log's end (the compiled core's: a row of columns an ack, no object);
-any other settle (a death, a cancel, a reject, a redrive) adds a `Settlement`. Each
-names its messages by handle (`broker/state/handles.py`), as the lease state does, a
-run's packed 16 bytes apiece: the leader names them by id again through its index when
-it writes the ledger. Only the
-leader reads them whole, a checkpoint at a time, into Arrow columns
+any other event (a death, a cancel, a reject, a redrive, a reschedule or a nack's new
+key) adds a `Settlement`. Each names its messages by handle
+(`broker/state/handles.py`), as the lease state does, a run's packed 16 bytes apiece:
+the leader names them by id again through its index when it writes the ledger. Only
+the leader reads them whole, a checkpoint at a time, into Arrow columns
 (`broker.ledger_writer`); the other readers (a redrive's look for the dead, tests) and
-snapshots see `Settlement`s.
+snapshots see `Settlement`s. A `rescheduled` event settles nothing: it is there for
+the ledger, so that a deliverer taking the topic over keeps the key in force.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from dejaq.conf.tables import LedgerEvent
 
 
 class Settlement(NamedTuple):
-    """One settled message, by its handle, as snapshots hold it (by id in snapshots
-    from before handles: `EventLog.by_handle`)."""
+    """One event of a message (settled, redriven or given a new key), by its handle, as
+    snapshots hold it (by id in snapshots from before handles: `EventLog.by_handle`)."""
 
     seq: int
     mh: int
@@ -137,8 +138,9 @@ def _settlements(run: Run | AckRun, ats: Iterable[int]) -> Iterator[Settlement]:
 
 
 def redriven(events: Iterable[Settlement]) -> list[int]:
-    """The handles of the messages whose latest of `events` (in seq order) is a redrive."""
-    latest = {e.mh: e.event for e in events}
+    """The handles of the messages whose latest of `events` (in seq order) is a redrive,
+    their reschedules aside: a redriven message given a new key is pending all the same."""
+    latest = {e.mh: e.event for e in events if e.event != LedgerEvent.RESCHEDULED}
     return [h for h, event in latest.items() if event == LedgerEvent.REDRIVEN]
 
 
