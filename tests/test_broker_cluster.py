@@ -23,6 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Lines, wait_until
+from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -35,7 +36,7 @@ from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.client import Client, NotFound, Worker
 from dejaq.client.models import Left
 from dejaq.conf.settings import KafkaConfig, TopicConfig, load_settings
-from dejaq.conf.tables import BROKER_APP_ID, ensure_buffer
+from dejaq.conf.tables import BROKER_APP_ID, Table, ensure_buffer, ensure_table
 from dejaq.jobs import cluster
 from dejaq.jobs.broker import connection_cap
 from dejaq.jobs.children import stop as stop_child
@@ -74,6 +75,7 @@ def write_conf(
         f"  - {{name: slash, kind: priority, source: [{source}], buckets: 2}}\n"
         f"  - {{name: long, kind: priority, source: [{source}], buckets: 2}}\n"
         f"  - {{name: poll, kind: priority, source: [{source}], buckets: 2}}\n"
+        f"  - {{name: moved, kind: priority, source: [{source}], buckets: 2}}\n"
     )
     return conf
 
@@ -212,6 +214,50 @@ def test_expiry_nack_extend_reject_cancel_reschedule(three) -> None:
     assert client.patch(f"{url}/messages/t3", json={"deliver_at": now}).status_code == 409
     assert client.patch(f"{url}/messages/t0", json={"priority": 3}).status_code == 422
     assert client.get(f"{url}/messages/nope").status_code == 404
+
+
+def test_new_keys_reach_the_ledger_and_every_node_keeps_them_past_the_trim(three) -> None:
+    """A reschedule (sent to a follower) and a nack's priority reach the ledger as
+    `rescheduled` rows; once every node has trimmed them, each still has the messages
+    pending at their new keys, and the leader leases them in that order."""
+    nodes, client, warehouse = three
+    fill(warehouse, "moved", buffer_rows([1, 2, 3], prefix="k", bucket_of=lambda i: 0))
+    url = f"{leader_of(nodes, client).url}/v1/topics/moved"
+    with Client([follower(nodes, client).url]) as c:
+
+        def buffered() -> bool:
+            try:
+                return c.peek("moved", "k0").status == "pending"
+            except NotFound:
+                return False
+
+        wait_until(buffered, 10, "k0 buffered")
+        c.reschedule("moved", "k0", priority=9)
+    body = {"consumer_id": "w", "max_messages": 1, "wait_ms": 3000}
+    leased = client.post(f"{url}/leases", json=body).json()["messages"]
+    assert [m["id"] for m in leased] == ["k1"], "k0 goes after k1 and k2 now"
+    nack = {"consumer_id": "w", "ids": ["k1"], "priority": 7}
+    assert client.post(f"{url}/nacks", json=nack).json() == {"settled": 1, "dead": []}
+
+    def ledger() -> list[tuple]:
+        rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "moved")).to_pyarrow_table()
+        return [(r["message_id"], r["event"], r["sort_key"]) for r in rows.to_pylist()]
+
+    wanted = [("k0", "rescheduled", 9), ("k1", "rescheduled", 7)]
+    wait_until(lambda: ledger() == wanted, 30, "the new keys in the ledger")
+
+    def trimmed(node: Node) -> bool:
+        info = cluster_info(client, node)
+        return info is not None and info["topics"]["moved"]["ledger_lag"]["events"] == 0
+
+    for node in nodes:
+        wait_until(lambda node=node: trimmed(node), 30, f"{node.node_id}'s trim")
+        with Client([node.url]) as c:
+            peeked = [c.peek("moved", m) for m in ("k0", "k1")]
+        assert [(p.status, p.priority) for p in peeked] == [("pending", 9), ("pending", 7)]
+    body["max_messages"] = 10
+    leased = client.post(f"{url}/leases", json=body).json()["messages"]
+    assert [(m["id"], m["sort_key"]) for m in leased] == [("k2", 3), ("k1", 7), ("k0", 9)]
 
 
 def test_ids_holding_a_slash_name_their_message_and_consumer(three) -> None:

@@ -84,7 +84,7 @@ class Metrics:
         )
         self.ledger_unwritten = Gauge(
             "dejaq_ledger_unwritten_events",
-            "Settled events held in Raft, not yet checkpointed into the ledger",
+            "Events (settled messages, new keys) in Raft, not yet checkpointed into the ledger",
             ["topic"],
             registry=r,
         )

@@ -129,7 +129,7 @@ class Health:
 class Lag:
     """How far the ledger is behind this node's Raft state, for one topic."""
 
-    events: int  # settled events in Raft, not yet written to the ledger
+    events: int  # events in Raft (settled messages, new keys) not yet written to the ledger
     # `at` of the first of them in log order, epoch ms: the oldest, as the leader stamps
     # each command's time (but for a clock difference between successive leaders).
     oldest_ms: int | None
