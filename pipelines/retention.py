@@ -10,18 +10,23 @@ death, so past C the run looks up only the redrives of those that died. The mess
 whose latest event there is a redrive get their buffer rows back from the dead letters
 where they have none (`restore`) before the run commits, so the watermark never passes
 a redrive of a message left without one. It rewrites each buffer file holding any of
-the settled messages without them, and commits the removes, the adds and C as the new
-W in one Delta commit (the app transaction `dejaq-retention`). Everything the buffer
-still holds was therefore pending at C or settled at or after W, so a reader that
-starts (a broker node, the release job) needs the ledger only from W on: the files
-whose largest `at` reaches W.
+the settled messages without them (and the rows given new keys, below), and commits
+the removes, the adds and C as the new W in one Delta commit (the app transaction
+`dejaq-retention`). Everything the buffer still holds was therefore pending at C, at
+its key then, or settled at or after W, so a reader that starts (a broker node, the
+release job) needs the ledger only from W on: the files whose largest `at` reaches W.
 
 The deliverer bounds C by what it has not yet written to the ledger (the broker's
 un-checkpointed events), so no event older than C can reach the ledger after a run.
-C stays at or before the latest new key (a `rescheduled` event: the brokers' reschedule
-or a nack's priority) of each message the span leaves pending: a start after the run
-still reads it, and the release job that takes a topic over from the brokers releases
-the message at that key (`rescheduled_pending`).
+A message pending at C whose key an event in the span set (a `rescheduled` one: the
+brokers' reschedule or a nack's priority; or a redrive, at its key) has its buffer row
+rewritten at that key in the same commit (`new_keys`), with the columns its kind
+derives from the key (priority, deliver_at or event_time), in its own bucket's
+partition. A start reads the ledger from W on, so it would otherwise take the message
+at the row's old key (the release job taking a topic over from the brokers: a timeline
+message rescheduled later, early); holding W at such an event instead would stop
+retention for the whole topic until the message settles, a month for a reminder
+rescheduled a month ahead. An event after C is read by a start and wins over the row.
 Other writers keep going, all on delta-rs (Delta's optimistic concurrency, a put-if-absent
 commit on every store). The run's rewrite reads only rows ingested before the latest
 stamp its snapshot holds (`ingested_before`), so an ingest append that commits first,
@@ -29,8 +34,10 @@ of rows stamped since, leaves the run's commit valid: however long a rewrite tak
 a slow store, appends every second cannot starve it. An append that commits second commits
 again on top of it (`pipelines.delta_source`); a concurrent compaction or another run:
 the loser fails and tries again. The rewritten files' rows are not new, so
-readers that follow the buffer (`is_rewrite`) do not read them again; the replaced
-files stay for the table's file retention, then vacuum deletes them.
+readers that follow the buffer (`is_rewrite`) do not read them again (one that holds a
+message keeps the key it applied from the event, the brokers' Raft state or the release
+job's pending set, the same one); the replaced files stay for the table's file
+retention, then vacuum deletes them.
 """
 
 from __future__ import annotations
@@ -89,11 +96,19 @@ TERMINAL = frozenset(
 SETTLING = tuple(sorted({*TERMINAL, LedgerEvent.REDRIVEN}))
 # The events that say whether a message is dead: its last death, or a redrive after it.
 DEATHS = (LedgerEvent.DEAD, LedgerEvent.REDRIVEN)
+# The events that give a pending message a key: a redrive (at the key it died with or
+# the one given) and a `rescheduled` one; the latest is in force.
+KEYING = (LedgerEvent.REDRIVEN, LedgerEvent.RESCHEDULED)
+# The columns a row's kind derives from its sort key: a priority topic's `priority`, a
+# timeline's (and a cron topic's) `deliver_at`, an event-time topic's `event_time`.
+KEYED = ("priority", "deliver_at", "event_time")
+_NO_KEYS = pa.table({"message_id": pa.array([], pa.string()), "sort_key": pa.array([], pa.int64())})
 
 
 @dataclass(frozen=True)
 class RetentionRun:
-    """One run: when, the new watermark, what it removed and what it cost."""
+    """One run: when, the new watermark, what it removed and what it cost, and how many
+    pending messages' rows it gave their new keys."""
 
     at_ms: int
     watermark_ms: int
@@ -101,6 +116,7 @@ class RetentionRun:
     files_rewritten: int
     messages_read: int
     seconds: float
+    rekeyed: int = 0
 
 
 def watermark(buffer: DeltaTable) -> int:
@@ -220,25 +236,29 @@ def settled_before(
     return ids, last.num_rows, died, redriven
 
 
-def rescheduled_pending(ledger_path: str, since_ms: int, cutoff_ms: int) -> int:
-    """`cutoff_ms`, or the time of a message's latest new key (a `rescheduled` event)
-    at or after `since_ms` if the message is not settled by `cutoff_ms` (the earliest of
-    them): the cutoff a run takes. A start (the release job's, of a topic taken over from
-    the brokers) reads the ledger from the watermark on, and a message whose new key it
-    missed would go at its buffer row's. Once the message is settled before the cutoff,
-    a run passes the event."""
-    moved = latest_events(ledger_path, since_ms, None, cutoff_ms, (LedgerEvent.RESCHEDULED,))
-    if not moved.num_rows:
-        return cutoff_ms
-    ids = moved.column("message_id").to_pylist()
-    last = latest_events(ledger_path, since_ms, ids, cutoff_ms)
-    final = pc.is_in(last.column("event_last"), value_set=pa.array(sorted(TERMINAL), pa.string()))
-    settled = last.filter(final).column("message_id").combine_chunks()
-    pending = moved.filter(pc.invert(pc.is_in(moved.column("message_id"), value_set=settled)))
-    if not pending.num_rows:
-        return cutoff_ms
-    earliest_us = pc.min(pending.column("at_last").cast(pa.int64())).as_py()
-    return min(cutoff_ms, earliest_us // 1000)
+def new_keys(ledger_path: str, since_ms: int, cutoff_ms: int) -> pa.Table:
+    """The messages pending at `cutoff_ms` whose key an event at or after `since_ms` and
+    before it set (`KEYING`), with the latest such key: message_id, sort_key.
+
+    A message's events after a redrive, its last settling one if pending, are its new
+    keys, so the latest of the settling events and the new keys is the keying event of a
+    pending message, or says it is settled. Read for the messages the span keyed only:
+    most spans key none.
+    """
+    keyed = ledger_tail(ledger_path, since_ms, ["message_id"], None, cutoff_ms, KEYING)
+    if not keyed.num_rows:
+        return _NO_KEYS
+    ids = pc.unique(keyed.column("message_id")).to_pylist()
+    events = (*SETTLING, LedgerEvent.RESCHEDULED)
+    last = latest_events(ledger_path, since_ms, ids, cutoff_ms, events, ("sort_key",))
+    pending = pc.and_(
+        pc.is_in(last.column("event_last"), value_set=pa.array(KEYING, pa.string())),
+        pc.is_valid(last.column("sort_key_last")),
+    )
+    last = last.filter(pending)
+    return pa.table(
+        [last.column("message_id"), last.column("sort_key_last")], schema=_NO_KEYS.schema
+    )
 
 
 def redrives_since(ledger_path: str, since_ms: int, ids: list[str]) -> list[str]:
@@ -255,12 +275,14 @@ def retain(
     unwritten_from_ms: int | None = None,
     dead_letter_path: str | None = None,
 ) -> RetentionRun | None:
-    """Remove the messages settled before `now_ms - retention_ms` from the buffer.
+    """Remove the messages settled before `now_ms - retention_ms` from the buffer, and
+    give the rows of those pending then the keys the ledger gave them since the
+    watermark (`new_keys`).
 
-    `unwritten_from_ms`: the earliest `at` of settling events the caller has not yet
-    written to the ledger; the cutoff stays a clock skew before it. Returns None when
-    the cutoff has not moved past the watermark (or, with nothing to remove, not by a
-    `WATERMARK_STEP_MS`). A run that removed rows vacuums the buffer's replaced files
+    `unwritten_from_ms`: the earliest `at` of events the caller has not yet written to
+    the ledger; the cutoff stays a clock skew before it. Returns None when the cutoff
+    has not moved past the watermark (or, with nothing to rewrite, not by a
+    `WATERMARK_STEP_MS`). A run that rewrote rows vacuums the buffer's replaced files
     that are past the table's file retention. A commit that loses to a concurrent
     rewrite (a compaction, another run) is tried again from a fresh snapshot, up to
     `ATTEMPTS` times; then the error is raised.
@@ -280,14 +302,17 @@ def retain(
             time.sleep(random.uniform(0.05, 0.5))  # out of step with the writer it lost to
     if done is None:
         return None
-    removed, rewritten, read, cutoff = done
-    run = RetentionRun(now_ms, cutoff, removed, rewritten, read, time.monotonic() - started)
-    if removed:
+    removed, rekeyed, rewritten, read, cutoff = done
+    seconds = time.monotonic() - started
+    run = RetentionRun(now_ms, cutoff, removed, rewritten, read, seconds, rekeyed)
+    if rewritten:
         vacuum(buffer_path)
         log.info(
-            "retention of %s: %d settled messages removed from %d files in %.2f s",
+            "retention of %s: %d settled messages removed and %d given their new keys, "
+            "from %d files in %.2f s",
             buffer_path,
             removed,
+            rekeyed,
             rewritten,
             run.seconds,
         )
@@ -301,8 +326,9 @@ def _run(
     now_ms: int,
     unwritten_from_ms: int | None,
     dead_letter_path: str | None,
-) -> tuple[int, int, int, int] | None:
-    """One attempt: (rows removed, files rewritten, messages read, new watermark).
+) -> tuple[int, int, int, int, int] | None:
+    """One attempt: (rows removed, rows given a new key, files rewritten, messages read,
+    new watermark).
 
     The buffer is opened again after the ledger is read, so the window in which an
     append makes the commit fail is the MERGE's alone. A dead message redriven while
@@ -322,29 +348,28 @@ def _run(
         cutoff = min(cutoff, unwritten_from_ms - CLOCK_SKEW_MS)
     if cutoff <= upto:
         return None
-    cutoff = rescheduled_pending(ledger_path, upto, cutoff)
-    if cutoff <= upto:
-        return None
     gone, read, died, redriven = settled_before(ledger_path, upto, cutoff)
     if redriven and dead_letter_path is not None:
         restore(buffer_path, dead_letter_path, redriven, now_ms)
+    keys = new_keys(ledger_path, upto, cutoff)
     buffer = DeltaTable(buffer_path)
     if watermark(buffer) != upto:
         return None  # another run (a deposed leader's) moved it meanwhile
-    if len(gone):
-        removed, rewritten = _remove(buffer, gone, _commit(cutoff, len(gone)))
-        if removed:
-            if died and dead_letter_path is not None:
+    if len(gone) or keys.num_rows:
+        removed, rekeyed, rewritten = _rewrite(buffer, gone, keys, _commit(cutoff, len(gone)))
+        if removed or rekeyed:
+            if removed and died and dead_letter_path is not None:
                 _put_back(buffer_path, ledger_path, dead_letter_path, cutoff, died, now_ms)
-            return removed, rewritten, read, cutoff
-        # None of them had a row here (settled before their rows came, say): delta-rs
-        # commits nothing for a MERGE that changes nothing, so the watermark moves alone.
+            return removed, rekeyed, rewritten, read, cutoff
+        # None of them had a row here (settled before their rows came, say), or the rows
+        # hold their new keys already: delta-rs commits nothing for a MERGE that changes
+        # nothing, so the watermark moves alone.
     if cutoff - upto < WATERMARK_STEP_MS:  # alone, a minute at a time
         return None
     buffer.create_write_transaction(
         [], mode="append", schema=buffer.schema(), commit_properties=_commit(cutoff, 0)
     )
-    return 0, 0, read, cutoff
+    return 0, 0, 0, read, cutoff
 
 
 def _commit(cutoff: int, removing: int) -> CommitProperties:
@@ -356,32 +381,70 @@ def _commit(cutoff: int, removing: int) -> CommitProperties:
     )
 
 
-def _remove(buffer: DeltaTable, gone: pa.Array, commit: CommitProperties) -> tuple[int, int]:
-    """Delete the rows of the ids `gone` from the buffer with `commit`: (rows removed,
-    files rewritten).
+def _rewrite(
+    buffer: DeltaTable, gone: pa.Array, keys: pa.Table, commit: CommitProperties
+) -> tuple[int, int, int]:
+    """Delete the rows of the ids `gone` from the buffer and give those of `keys` their
+    new sort key, with `commit`: (rows removed, rows given a new key, files rewritten).
 
     A hash join of the buffer with the ids: only the files holding one are rewritten.
     Not streamed, so delta-rs derives the commit's read predicate from the ids' range
     and the ingest bound, and checks a concurrent append's files against it by their
     statistics: an append of rows ingested since the bound does not fail the commit.
+
+    A new key sets the column the row's kind derives from its key, the one the ingest
+    set (priority, deliver_at or event_time; the others stay null), and nothing else:
+    the bucket, so the partition, is the message's, and `ingested_at` stays, which the
+    ingest's bound and dedup read. The release job writes the key's header from
+    `sort_key` (`pipelines.release.output_headers`), in place of the input's.
     """
     predicate = "t.message_id = s.message_id"
     bound = ingested_before(buffer)
     if bound is not None:
         predicate += f" AND t.ingested_at < '{iso_ms(bound)}'"
-    metrics = (
-        buffer.merge(
-            source=pa.table({"message_id": gone}),
-            predicate=predicate,
-            source_alias="s",
-            target_alias="t",
-            streamed_exec=False,
-            commit_properties=commit,
+    merge = buffer.merge(
+        source=_merge_source(gone, keys),
+        predicate=predicate,
+        source_alias="s",
+        target_alias="t",
+        streamed_exec=False,
+        commit_properties=commit,
+    ).when_matched_delete("s.sort_key IS NULL")
+    if keys.num_rows:
+        merge = merge.when_matched_update(
+            {
+                "sort_key": "s.sort_key",
+                **{c: f"CASE WHEN t.{c} IS NULL THEN t.{c} ELSE s.{c} END" for c in KEYED},
+            },
+            "s.sort_key IS NOT NULL AND t.sort_key <> s.sort_key",
         )
-        .when_matched_delete()
-        .execute()
+    metrics = merge.execute()
+    return (
+        metrics["num_target_rows_deleted"],
+        metrics["num_target_rows_updated"],
+        metrics["num_target_files_removed"],
     )
-    return metrics["num_target_rows_deleted"], metrics["num_target_files_removed"]
+
+
+def _merge_source(gone: pa.Array, keys: pa.Table) -> pa.Table:
+    """The ids `gone` (a null key) and those of `keys`, with each key as the columns
+    `KEYED` would hold it; a priority column only where the key fits one."""
+    key = pa.concat_arrays(
+        [pa.nulls(len(gone), pa.int64()), keys.column("sort_key").combine_chunks()]
+    )
+    fits = pc.and_(pc.greater_equal(key, -(2**31)), pc.less(key, 2**31))
+    priority = pc.if_else(fits, key, None).cast(pa.int32())
+    at = pc.multiply(key, 1000).cast(TIMESTAMP)
+    ids = pa.concat_arrays([gone.cast(pa.string()), keys.column("message_id").combine_chunks()])
+    return pa.table(
+        {
+            "message_id": ids,
+            "sort_key": key,
+            "priority": priority,
+            "deliver_at": at,
+            "event_time": at,
+        }
+    )
 
 
 def ingested_before(buffer: DeltaTable) -> int | None:

@@ -1200,6 +1200,65 @@ def test_reschedules_checkpointed_and_trimmed_hold_through_a_restart(tmp_path: P
     assert on_one_node(tmp_path, leased) == [("m2", 9), ("m1", 20), ("m0", 30)]
 
 
+def test_a_restart_after_a_retention_run_past_reschedules_reads_them_from_the_rows(
+    tmp_path: Path,
+) -> None:
+    """A retention run whose cutoff passes the `rescheduled` rows of pending messages
+    gives their buffer rows the new keys: the running node does not read the rewrite
+    (its index keeps the row at its old key, its Raft state the new one); restarted,
+    it reads the rows at the new keys, which its Raft state's overrides equal, and
+    leases them so."""
+    import asyncio
+
+    from dejaq.broker.service import now_ms
+    from dejaq.conf.settings import Settings
+    from dejaq.pipelines.retention import retain
+
+    warehouse = str(tmp_path / "warehouse")
+    buffer = ensure_table(warehouse, Table.BUFFER, "jobs")
+
+    def keys(broker: Any) -> dict[str, tuple[int, int | None]]:
+        """Per message: its row's key in the node's index, its Raft state's override."""
+        index, state = broker.indexes["jobs"], broker.state("jobs")
+        return {m: (index.row(m).sort_key, state.sort_keys.get(mh(m))) for m in ("m0", "m1")}
+
+    async def rescheduled_and_retained(broker: Any) -> dict[str, tuple[int, int | None]]:
+        await broker.reschedule("jobs", "m1", 20, None)
+        await broker.reschedule("jobs", "m0", 30, None)
+        deadline = time.monotonic() + 30
+        while len(broker.state("jobs").events):
+            assert time.monotonic() < deadline, "the reschedules were never trimmed"
+            await asyncio.sleep(0.05)
+        cutoff = now_ms()
+        done = await asyncio.to_thread(
+            retain, buffer, ensure_table(warehouse, Table.LEDGER, "jobs"), 0, cutoff
+        )
+        assert done is not None and done.watermark_ms == cutoff and done.rekeyed == 2
+        index = broker.indexes["jobs"]
+        assert await asyncio.to_thread(index.refresh) == 0, "a rewrite is not read"
+        return keys(broker)
+
+    assert on_one_node(tmp_path, rescheduled_and_retained) == {"m0": (5, 30), "m1": (3, 20)}
+    rows = DeltaTable(buffer).to_pyarrow_table(columns=["message_id", "sort_key", "priority"])
+    assert sorted(tuple(r.values()) for r in rows.to_pylist()) == [
+        ("m0", 30, 30),
+        ("m1", 20, 20),
+        ("m2", 9, 9),
+    ]
+
+    async def restarted(broker: Any) -> tuple[dict, list[tuple[str, int]]]:
+        await broker.raft.commit("jobs", "touch", "w", now_ms())
+        found = keys(broker)
+        leased = json.loads(await broker.lease("jobs", "w", 10, 30_000, 0))
+        return found, [(m["id"], m["sort_key"]) for m in leased]
+
+    settings = Settings(warehouse=warehouse, topics=[topic_conf()])
+    raft = json.loads((tmp_path / "node" / "node.json").read_text())["raft"]
+    found, leased = run_node(settings, raft, tmp_path / "node", restarted)
+    assert found == {"m0": (30, 30), "m1": (20, 20)}, "the row and the override agree"
+    assert leased == [("m2", 9), ("m1", 20), ("m0", 30)]
+
+
 def test_a_backlog_is_checkpointed_a_part_at_a_time_and_whole(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

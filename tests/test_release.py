@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import itertools
 import json
@@ -55,6 +56,7 @@ from dejaq.pipelines.release import (
     Releaser,
     in_partition_order,
 )
+from dejaq.pipelines.retention import retain
 from dejaq.pipelines.session import detect_connectors
 from dejaq.pipelines.timed_sender import TimedSender
 
@@ -320,8 +322,6 @@ def on_brokers(
     """Run `scenario` on a one-node lease broker of topic "jobs" over `s`'s warehouse (in
     process: `test_broker.run_node`), "w" a member; once the broker's checkpoints have
     written and trimmed every event of it, stop the broker."""
-    import asyncio
-
     from test_broker import run_node
 
     from dejaq.broker.service import now_ms
@@ -374,6 +374,62 @@ def test_a_take_over_releases_a_timeline_message_at_the_deliver_at_the_brokers_g
     assert int(header(at[later], "dejaq-deliver-at")) == rescheduled
     assert at[later].timestamp >= rescheduled, "released before its new deliver_at"
     assert at[new_key].timestamp < rescheduled
+
+
+def test_a_take_over_after_a_retention_run_past_the_new_keys_reads_them_from_the_rows(
+    kafka_bootstrap, topic_factory, tmp_path
+):
+    """As above, with a retention run between the brokers' stop and the take-over whose
+    cutoff passes the reschedules of two pending timeline messages but not the second
+    reschedule of one of them: the run removes the acked message, gives the two rows
+    their new deliver_at, and its watermark passes those reschedules. The release,
+    which reads the ledger from the watermark on, holds each back until the key in
+    force (the later reschedule's for the second), never its buffer row's first one."""
+    from dejaq.broker.service import now_ms
+
+    out = topic_factory(partitions=1)
+    s = load_settings(write_conf(tmp_path, kafka_bootstrap, "timeline", out), env={})
+    start = int(time.time() * 1000)
+    later, new_key, twice = add_buffer(s, "timeline", [start + 4000, start + 4500, start + 5000])
+    (due,) = add_buffer(s, "timeline", [start - 1000], first_offset=3)
+    keys = {later: start + 12_000, twice: start + 10_000}
+    cutoff: list[int] = []
+
+    async def scenario(broker: Any) -> None:
+        leased = json.loads(await broker.lease("jobs", "w", 1, 30_000, 0))
+        assert [m["id"] for m in leased] == [due]
+        assert (await broker.settle("jobs", "ack", "w", [due])).ok == 1
+        await broker.reschedule("jobs", later, None, keys[later])
+        await broker.reschedule("jobs", twice, None, start + 8000)
+        cutoff.append(now_ms() + 1)
+        while now_ms() < cutoff[0]:  # the next reschedule is stamped past the cutoff
+            await asyncio.sleep(0.001)
+        await broker.reschedule("jobs", twice, None, keys[twice])
+
+    on_brokers(tmp_path, s, "timeline", scenario)
+    buffer = ensure_table(s.warehouse, Table.BUFFER, "jobs")
+    run = retain(buffer, ensure_table(s.warehouse, Table.LEDGER, "jobs"), 0, cutoff[0])
+    assert run is not None and run.watermark_ms == cutoff[0], "past both reschedules"
+    assert (run.removed, run.rekeyed) == (1, 2)
+    rows = DeltaTable(buffer).to_pyarrow_table().to_pylist()
+    assert {r["message_id"]: (r["sort_key"], r["deliver_at"]) for r in rows} == {
+        later: (keys[later], _ts(keys[later])),
+        new_key: (start + 4500, _ts(start + 4500)),
+        twice: (start + 8000, _ts(start + 8000)),
+    }
+    releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    output = Output(kafka_bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, timeout=90)
+        records = output.wait_for(3)
+    finally:
+        releaser.finish()
+        output.close()
+    assert ids(records) == [new_key, twice, later]
+    for r in records[1:]:
+        key = keys[header(r, "dejaq-id").decode()]
+        assert int(header(r, "dejaq-deliver-at")) == key
+        assert r.timestamp >= key, "released before its deliver_at"
 
 
 def test_a_take_over_releases_a_message_nacked_with_a_priority_at_that_priority(

@@ -41,11 +41,13 @@ from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf import table_watch
 from dejaq.conf.settings import Settings
-from dejaq.conf.tables import LEDGER_SCHEMA, Table, ensure_table
+from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, Table, ensure_table
 from dejaq.jobs.ports import free_port
 from dejaq.pipelines import delta_source, retention
+from dejaq.pipelines.delta_follower import DeltaFollower
 from dejaq.pipelines.delta_source import DeltaBatchWriter, WriteTarget
 from dejaq.pipelines.log_compaction import SEAL_MIN_FILES, seal
+from dejaq.pipelines.pending import PendingSet
 from dejaq.pipelines.retention import retain, watermark
 
 HOUR = 3600 * 1000
@@ -55,25 +57,28 @@ def now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def ledger_rows(events: list[tuple[str, str, int]]) -> pa.Table:
-    """(message id, event, at ms) as ledger rows."""
+Event = tuple[str, str, int] | tuple[str, str, int, int]
+
+
+def ledger_rows(events: list[Event]) -> pa.Table:
+    """(message id, event, at ms[, sort key: 0 unless given]) as ledger rows."""
     return pa.Table.from_pylist(
         [
             {
-                "message_id": mid,
+                "message_id": e[0],
                 "bucket": 0,
-                "event": event,
-                "sort_key": 0,
+                "event": e[1],
+                "sort_key": e[3] if len(e) > 3 else 0,
                 "deliveries": 1,
-                "at": dt.datetime.fromtimestamp(at / 1000, dt.UTC),
+                "at": dt.datetime.fromtimestamp(e[2] / 1000, dt.UTC),
             }
-            for mid, event, at in events
+            for e in events
         ],
         schema=LEDGER_SCHEMA,
     )
 
 
-def record(warehouse: str, events: list[tuple[str, str, int]]) -> None:
+def record(warehouse: str, events: list[Event]) -> None:
     write_deltalake(
         ensure_table(warehouse, Table.LEDGER, "jobs"), ledger_rows(events), mode="append"
     )
@@ -136,44 +141,99 @@ def test_settled_messages_past_retention_leave_and_nothing_else_does(tmp_path: P
     assert watermark(DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs"))) == now - HOUR + step
 
 
-def test_a_pending_messages_new_key_holds_the_watermark_until_the_message_settles(
-    tmp_path: Path,
+def buffer_by_id(warehouse: str) -> dict[str, dict]:
+    table = DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs")).to_pyarrow_table()
+    return {row["message_id"]: row for row in table.to_pylist()}
+
+
+def started(warehouse: str) -> dict[str, int]:
+    """The pending messages and their keys as a release job's start reads them: the
+    buffer, and the ledger from the buffer's retention watermark on."""
+    buffer = DeltaFollower(ensure_table(warehouse, Table.BUFFER, "jobs"), BUFFER_SCHEMA)
+    ledger = DeltaFollower(
+        ensure_table(warehouse, Table.LEDGER, "jobs"), LEDGER_SCHEMA, time_column="at"
+    )
+    pending = PendingSet()
+    pending.add_buffer_rows(buffer.poll())
+    assert buffer.table is not None
+    since = watermark(buffer.table)
+    pending.forget_before(since)
+    pending.apply_ledger_rows(ledger.poll(since_ms=since))
+    return {m.message_id: m.sort_key for m in pending.take(len(pending))}
+
+
+@pytest.mark.parametrize("kind", ["priority", "timeline"])  # the kinds brokers deliver
+def test_a_run_past_a_pending_messages_new_key_gives_its_row_that_key_and_moves_on(
+    tmp_path: Path, kind: str
 ) -> None:
-    """A `rescheduled` row (a reschedule or a nack's priority on the brokers) settles
-    nothing: its message's buffer row stays, and a start's index holds it. While the
-    message is pending, the watermark stays at its latest such row, which a start (the
-    release job taking the topic over) reads from the watermark on; the messages settled
-    before it leave. Once the message is settled, a run passes the row and removes it."""
+    """A `rescheduled` row (a reschedule or a nack's priority on the brokers) of a message
+    still pending at the cutoff: the run rewrites its buffer row at the latest such key,
+    with the column its kind derives from it, in the commit that removes the settled
+    messages, and its watermark passes the row (a watermark held at it would stay
+    there until the message settles). A start (a broker node, the release job) reads
+    the new key from the row; a new key past the cutoff is read from the ledger and
+    wins, and the run past it writes it in turn."""
     warehouse = str(tmp_path / "wh")
-    fill(warehouse, "jobs", buffer_rows(list(range(4))))
+    timed = kind == "timeline"
+    column = "deliver_at" if timed else "priority"
     now = now_ms()
+    base = now if timed else 10
+    fill(warehouse, "jobs", buffer_rows([base + i for i in range(4)], timeline=timed))
+    ahead = 30 * 24 * HOUR if timed else 1000  # a month ahead; a lower priority
     old = now - 3 * HOUR
     record(
         warehouse,
         [
             ("m0", "acked", old),
-            ("m1", "rescheduled", old + 1000),
+            ("m1", "rescheduled", old + 1000, base + ahead),
             ("m2", "acked", old + 2000),
-            ("m1", "rescheduled", old + 3000),
-            ("m2", "rescheduled", old - 1000),  # before its ack: settled
-            ("m3", "acked", old + 4000),
+            ("m1", "rescheduled", old + 3000, base + ahead + 1),
+            ("m2", "rescheduled", old - 1000, base + 7),  # before its ack: settled
+            ("m3", "rescheduled", now - 60_000, base + ahead + 3),  # past the cutoff
         ],
     )
+    before = buffer_by_id(warehouse)
+    following = DeltaFollower(ensure_table(warehouse, Table.BUFFER, "jobs"), BUFFER_SCHEMA)
+    assert following.poll().num_rows == 4
     done = run(warehouse, now)
-    assert done is not None and done.watermark_ms == old + 3000 and done.removed == 2
-    assert buffered(warehouse) == {"m1", "m3"}
-    ledger = ensure_table(warehouse, Table.LEDGER, "jobs")
-    tail = retention.ledger_tail(ledger, old + 3000, ["message_id", "at"], events=("rescheduled",))
-    assert tail.column("message_id").to_pylist() == ["m1"], "a start reads the new key"
-    index = TopicIndex(warehouse, topic_conf())
+    assert done is not None and done.watermark_ms == now - HOUR > old + 3000
+    assert following.poll().num_rows == 0, "a running release job does not read it again"
+    assert (done.removed, done.rekeyed) == (2, 1)
+    rows = buffer_by_id(warehouse)
+    assert set(rows) == {"m1", "m3"}
+    m1 = rows["m1"]
+    assert m1["sort_key"] == base + ahead + 1, "the latest new key"
+    key = base + ahead + 1
+    assert m1[column] == (dt.datetime.fromtimestamp(key / 1000, dt.UTC) if timed else key)
+    derived = {"sort_key", column}
+    assert {c: v for c, v in m1.items() if c not in derived} == {
+        c: v for c, v in before["m1"].items() if c not in derived
+    }, "its bucket, payload, source, ingestion and the other kinds' columns (null) stay"
+    assert rows["m3"] == before["m3"], "its new key is past the cutoff"
+    files = DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs")).get_add_actions(True)
+    buckets = pa.table(files).column("partition.bucket").to_pylist()
+    assert sorted(buckets) == [1, 3], "each row in its own bucket's partition"
+
+    assert started(warehouse) == {"m1": base + ahead + 1, "m3": base + ahead + 3}
+    index = TopicIndex(warehouse, topic_conf(kind=kind))
     index.load()
-    assert index.row("m1") is not None and index.row("m3") is None, "m3: settled in the tail"
+    m1_row, m3_row = index.row("m1"), index.row("m3")
     index.close()
-    assert run(warehouse, now + retention.WATERMARK_STEP_MS) is None, "held at the new key"
-    record(warehouse, [("m1", "acked", old + 5000)])
-    done = run(warehouse, now)
-    assert done is not None and done.watermark_ms == now - HOUR and done.removed == 2
-    assert buffered(warehouse) == set()
+    assert m1_row is not None and m1_row.sort_key == base + ahead + 1
+    assert m3_row is not None and m3_row.sort_key == base + 3, "the Raft state has m3's"
+
+    record(warehouse, [("m1", "rescheduled", now - 30_000, base + 5)])  # after the run
+    assert started(warehouse) == {"m1": base + 5, "m3": base + ahead + 3}, "it wins"
+    done = run(warehouse, now + HOUR)
+    assert done is not None and done.watermark_ms == now and (done.removed, done.rekeyed) == (0, 2)
+    assert started(warehouse) == {"m1": base + 5, "m3": base + ahead + 3}
+    assert {m: r["sort_key"] for m, r in buffer_by_id(warehouse).items()} == {
+        "m1": base + 5,
+        "m3": base + ahead + 3,
+    }
+    record(warehouse, [("m1", "acked", now + 1000)])
+    done = run(warehouse, now + 2 * HOUR)
+    assert done is not None and done.removed == 1 and set(buffer_by_id(warehouse)) == {"m3"}
 
 
 def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_the_dead(
@@ -181,8 +241,8 @@ def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_th
 ) -> None:
     """A run each minute must not read the whole retention window again. Past the cutoff
     only a redrive can undo a settlement (of a death), so that is all a run looks for
-    there (and the span's `rescheduled` rows, which hold the cutoff back); `ledger_tail`
-    is wrapped, not replaced, to see what it returned."""
+    there (and the span's events that set a key, none here); `ledger_tail` is wrapped,
+    not replaced, to see what it returned."""
     warehouse = str(tmp_path / "wh")
     fill(warehouse, "jobs", buffer_rows(list(range(60))))
     now = now_ms()
@@ -220,9 +280,9 @@ def test_a_run_reads_the_ledger_up_to_its_cutoff_and_past_it_only_redrives_of_th
     assert done is not None and done.watermark_ms == cutoff
     assert done.messages_read == 5 and done.removed == 2
     assert buffered(warehouse) == {f"m{i}" for i in range(60)} - {"m1", "m2"}
-    # The span's new keys (none), its settling events, then past the cutoff the redrives
-    # of m0, m3, m4.
-    assert seen == [(0, 0), (0, 5), (cutoff, 3)]
+    # The span's settling events, past the cutoff the redrives of m0, m3, m4, then the
+    # span's events that set a key (none).
+    assert seen == [(0, 5), (cutoff, 3), (0, 0)]
 
 
 def test_a_question_about_a_settled_message_reads_the_ledger_from_the_watermark(
@@ -291,7 +351,8 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
     stamped after the snapshot's latest (every batch the ingest begins later): the run
     commits anyway, so appends however frequent cannot starve a slow rewrite. A batch
     stamped before it (`late`: a second ingest whose clock is behind) may hold rows the
-    rewrite should have read: that commit fails, and the next attempt removes them. The
+    rewrite should have read: that commit fails, and the next attempt removes them. A
+    pending message's new key, which the rewrite writes too, changes none of that. The
     batch is committed by the run's own MERGE call, through a wrapper of delta-rs's table
     class: the one way to place it in that window here."""
     warehouse = str(tmp_path / "wh")
@@ -301,6 +362,7 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
     buffer = ensure_table(warehouse, Table.BUFFER, "jobs")
     now = now_ms()
     record(warehouse, [(f"{odd}{i}", "acked", now - 2 * HOUR) for i in range(5)])
+    record(warehouse, [(f"{odd}5", "rescheduled", now - 2 * HOUR, 42)])
     batch_at = t0 + dt.timedelta(seconds=-1 if late else 1)
     # The same ids as settled messages: their files overlap the rewrite's id range.
     batch = stamped(buffer_rows([7] * 3, prefix=f"{odd}1"), batch_at)
@@ -322,10 +384,12 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
             run(warehouse, now)
         assert watermark(DeltaTable(buffer)) == 0, "the lost run committed nothing"
     done = run(warehouse, now)
-    assert done is not None and done.removed == 5
+    assert done is not None and (done.removed, done.rekeyed) == (5, 1)
     assert DeltaTable(buffer).version() == appended[0] + 1, "committed on top of the batch"
-    kept = DeltaTable(buffer).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
-    assert sorted(kept) == sorted(f"{odd}{i}" for i in [5, 6, 7, 8, 9, 10, 11, 12])
+    kept = DeltaTable(buffer).to_pyarrow_table(columns=["message_id", "sort_key"]).to_pylist()
+    assert sorted((r["message_id"], r["sort_key"]) for r in kept) == sorted(
+        (f"{odd}{i}", {5: 42, 10: 7, 11: 7, 12: 7}.get(i, i)) for i in range(5, 13)
+    )
 
 
 def test_an_append_beaten_by_a_rewrite_commits_again_on_top(
@@ -666,6 +730,60 @@ def test_retention_keeps_every_pending_message_and_a_start_agrees(
     index = TopicIndex(warehouse, topic_conf())
     index.load()
     assert set(index.rows) | set(index.unread.values()) == pending
+
+
+# A step of a message's history, as a deliverer writes it to the ledger: the event
+# applies only in a state that allows it (a new key or a death while pending, a redrive
+# while dead); a `None` key: a redrive at the key it died with.
+STEPS = st.lists(
+    st.tuples(
+        st.integers(0, 3),  # which message
+        st.sampled_from(["rescheduled", "dead", "redriven", "acked", "cancelled"]),
+        st.none() | st.integers(0, 50),  # the new key
+        st.integers(1, 90),  # minutes after the step before
+    ),
+    max_size=16,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(steps=STEPS, cutoffs=st.lists(st.integers(0, 24 * 60), min_size=1, max_size=3))
+def test_after_runs_at_any_cutoffs_a_start_reads_each_pending_messages_key_in_force(
+    tmp_path_factory, steps: list[tuple[int, str, int | None, int]], cutoffs: list[int]
+) -> None:
+    """New keys, deaths, redrives and settlements of a few messages in the ledger, then
+    retention runs at increasing cutoffs (minutes into the history): each run's
+    watermark is its cutoff, however long a message stays pending after a new key, and
+    a start of the release job reads every pending message, and only those, at the key
+    in force: the latest one given, or its buffer row's."""
+    warehouse = str(tmp_path_factory.mktemp("keys"))
+    fill(warehouse, "jobs", buffer_rows([100 + i for i in range(4)]))
+    base = now_ms() - 30 * HOUR
+    state = ["pending"] * 4
+    key = [100 + i for i in range(4)]
+    events: list[Event] = []
+    at = base
+    for i, event, new_key, minutes in steps:
+        at += minutes * 60_000
+        allowed = "dead" if event == "redriven" else "pending"
+        if state[i] != allowed:
+            continue
+        if event in ("rescheduled", "redriven"):
+            key[i] = key[i] if new_key is None else new_key
+            state[i] = "pending"
+        else:
+            state[i] = "dead" if event == "dead" else "settled"
+        events.append((f"m{i}", event, at, key[i]))
+    if events:
+        record(warehouse, events)
+    for minutes in sorted(set(cutoffs)):
+        cutoff = base + minutes * 60_000
+        done = run(warehouse, cutoff + HOUR)
+        assert done is not None and done.watermark_ms == cutoff
+    in_force = {f"m{i}": key[i] for i in range(4) if state[i] == "pending"}
+    assert started(warehouse) == in_force
 
 
 def test_a_node_that_lagged_past_the_watermark_forgets_what_retention_removed(
