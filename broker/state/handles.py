@@ -14,8 +14,8 @@ WIDTH = 16  # bytes of a packed handle
 
 class KeyedByHandle:
     """The mark a snapshot's topic state carries (`TopicState.__getstate__`): its lease
-    state is keyed by message handle. Pickled as a reference to this class, which code
-    from before handles lacks, so a node of that code refuses the snapshot (unpickling
+    state is keyed by message handle. Pickled as a reference to this class, which an
+    id-keyed version lacks, so a node of that version refuses the snapshot (unpickling
     it fails on this module) instead of loading handles where it expects ids, which
     would lease settled messages again."""
 

@@ -128,7 +128,7 @@ Pick = tuple[str, int, int]  # (message_id, bucket, sort_key), chosen by the lea
 # (`PackedIds`, or a list of str), or a list of `Pick`s; `TopicState.lease` takes any,
 # hashing their ids (the ids' strs in their heads are the leader's answer, not Raft's).
 Picks = tuple[bytes, bytes, bytes]
-OldPicks = tuple[PackedIds | list[str], bytes, bytes]  # from commands before handles
+OldPicks = tuple[PackedIds | list[str], bytes, bytes]  # id-keyed commands
 Dead = tuple[str, int, int]  # (message_id, bucket, sort_key at death), found by the leader
 RetryBackoff = tuple[int, int]  # (retry_backoff_ms, retry_backoff_max_ms) of the topic
 
@@ -207,8 +207,8 @@ class TopicState:
     def __getstate__(self) -> dict:
         """Snapshots hold what they held before `owned` and `leased`: both are derived,
         rebuilt on load; and `leases` as the dict they held before it was a `LeaseTable`,
-        by message handle (by id before handles: `__setstate__` hashes those). The mark
-        `KeyedByHandle` makes a node of code from before handles refuse the snapshot."""
+        by message handle (by id in id-keyed snapshots: `__setstate__` hashes those). The mark
+        `KeyedByHandle` makes a node of an id-keyed version refuse the snapshot."""
         state = self.__dict__.copy()
         del state["owned"], state["leased"]
         state["leases"] = dict(self.leases.items())
@@ -224,7 +224,7 @@ class TopicState:
         self.configured = False  # from before `configure`: the leader commits one
         self.history, self.history_from = "", 0  # from before histories: the first
         self.replaced = None
-        state.pop("keyed_by", None)  # absent from snapshots from before handles
+        state.pop("keyed_by", None)  # absent from id-keyed snapshots
         self.__dict__.update(state)
         self.owned = _owners(self.assignment)
         self.held = {b: {c: n for c, n in h.items() if n > 0} for b, h in self.held.items()}
@@ -240,7 +240,7 @@ class TopicState:
             self.events = EventLog(
                 e.settlement() if isinstance(e, Event) else e for e in self.events
             )
-        named = self.events.by_handle()  # from before handles: events by id
+        named = self.events.by_handle()  # id-keyed snapshots: events by id
         old = [(m, lease) for m, lease in self.leases.items() if isinstance(lease, Lease)]
         for mid, lease in old:  # from before lease records: a record each
             self.unnumbered -= 1

@@ -31,7 +31,7 @@ from dejaq.conf.tables import LedgerEvent
 
 class Settlement(NamedTuple):
     """One event of a message (settled, redriven or given a new key), by its handle, as
-    snapshots hold it (by id in snapshots from before handles: `EventLog.by_handle`)."""
+    snapshots hold it (by id in id-keyed snapshots: `EventLog.by_handle`)."""
 
     seq: int
     mh: int
@@ -62,7 +62,7 @@ class Run(NamedTuple):
     """Settled messages of consecutive seqs from `seq` on, settled alike (event, time,
     reason): the columns are the messages' own, by position, as their lease record
     packs them (`array`; lists in snapshots from before), their handles packed 16 bytes
-    apiece (ids, a list or `PackedIds`, in snapshots from before handles:
+    apiece (ids, a list or `PackedIds`, in id-keyed snapshots:
     `EventLog.by_handle`). Never changed once made: a checkpoint thread reads runs
     while the event loop adds and trims them."""
 
@@ -180,7 +180,7 @@ class EventLog:
 
     def by_handle(self) -> dict[int, str]:
         """Name by handle the settlements and runs that name their messages by id (those
-        of snapshots from before handles); returns the single settlements' ids by
+        of id-keyed snapshots); returns the single settlements' ids by
         handle. Every node hashes alike, so their logs stay equal."""
         entries, named = self.entries, {}
         with self._lock:

@@ -18,7 +18,7 @@ use crate::lease_record::{Granted, LeaseRecord};
 use crate::lease_table::{handles_of, LeaseTable};
 
 /// Grant `record` (a `leases.LeaseRecord`) the picks (`handles`: their message handles
-/// packed 16 bytes each, or, in commands from before handles, their ids as packed ids
+/// packed 16 bytes each, or, in id-keyed commands, their ids as packed ids
 /// or a list of str, hashed here; `buckets` and `keys` as little-endian uint16 and
 /// int64 bytes), at most
 /// `allowed` of them, that are available at `now`: in a free bucket of the consumer's

@@ -4,7 +4,7 @@
 //! the index finds a row by it: 16 bytes whatever the id's length, one integer compare
 //! per probe, and, since a 128-bit cryptographic hash has no collision among distinct
 //! ids (accidental or chosen by a producer), no key to share: every node, and every
-//! load of a snapshot written before handles, computes the same one alone from the ids
+//! load of an id-keyed snapshot, computes the same one alone from the ids
 //! the Raft commands carry (a lease's picks, a call naming messages by id).
 
 use pyo3::exceptions::PyValueError;

@@ -495,7 +495,7 @@ impl LeaseRecord {
         PyTuple::new(py, fields)
     }
 
-    /// A record's state; one from before handles holds its ids (a list of str, or
+    /// A record's state; an id-keyed one holds its ids (a list of str, or
     /// `PackedIds`), hashed here as every node hashes them.
     fn __setstate__(slf: &Bound<'_, Self>, state: &Bound<'_, PyTuple>) -> PyResult<()> {
         let py = slf.py();
