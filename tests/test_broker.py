@@ -2004,14 +2004,14 @@ def test_new_keys_are_events_whose_trim_forgets_nothing_on_any_node(tmp_path: Pa
         state.touch("c", 0)
         nodes.append((index, state))
     for index, state in nodes:
-        state.lease("c", 0, 1000, [("a0", 0, 1), ("a3", 0, 11)], lid=1)
-        assert state.nack("c", 2, ["a0"], 0, 20) == ({}, ["a0"], [])
+        state.lease("c", 0, 1000, packed([("a0", 0, 1), ("a3", 0, 11)]), lid=1)
+        assert state.nack("c", 2, ["a0"], 0, 20) == ({}, [mh("a0")], [])
         assert state.reject("c", 3, ["a3"]) == {}
         assert state.redrive(4, state.trimmed_upto(), [("a3", 0, 11)]) == (["a3"], {})
         assert state.reschedule("a1", 30, state.seq, 5, 0) is None
         assert state.reschedule("a3", 40, state.seq, 6, 0) is None
         assert state.reschedule("a2", 25) is None, "an old command: no event"
-        index.push(state, ["a0", "a1", "a2", "a3"])
+        index.push(state, mhs(["a0", "a1", "a2", "a3"]))
     state = nodes[0][1]
     moved = [(e.mh, e.bucket, e.sort_key, e.at) for e in state.events if e.event == "rescheduled"]
     assert moved == [(mh("a0"), 0, 20, 2), (mh("a1"), 0, 30, 5), (mh("a3"), 0, 40, 6)]
