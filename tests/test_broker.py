@@ -4422,6 +4422,7 @@ def test_the_id_table_finds_what_a_dict_would(
                 sum(1 for w in words.values() if w == n) for n in range(len(table.words))
             ]
             assert table.ids.dtype.itemsize >= id_table.STEP * max([1, *words.values()])
+            assert len(table.checks) == len(table.ids)
             assert len(table) == len(model)
             probe = [_id(n, short) for n in range(61)] + ["m", "x" * 70, "n1", "n1\0", "message-00"]
             assert [table.get(m) for m in probe] == [model.get(m) for m in probe]
@@ -4503,6 +4504,57 @@ def test_an_id_table_placed_a_large_batch_at_a_time_finds_every_id() -> None:
     assert table.find(mids)[0].tolist() == list(range(n))
     assert table.find_mh(packed(mids))[0].tolist() == list(range(n))
     assert table.find([f"{m}-" for m in mids[:100]])[0].tolist() == [-1] * 100
+
+
+def test_a_look_up_by_message_handle_is_confirmed_by_the_rows_check_word() -> None:
+    """A look-up by message handle confirms a slot by the row's check (64 bits of its
+    mh, `IdTable.checks`), not by hashing its id again: after a grow, a rebuild and a
+    renumber, ids of every shape (long ones kept whole among them) are found by mh, and
+    deleted ones are not. A row whose check word is written wrong by hand is not found
+    by mh (nor taken), while a look-up by id, which compares the id's bytes, still finds
+    it: the check is what confirms. A rebuild writes each row's check again."""
+    import numpy as np
+
+    from dejaq.broker.state.handles import packed
+    from dejaq.broker.storage import id_table
+
+    n = 3000
+    mids = [_id(i) for i in range(n)]
+    table = id_table.IdTable()
+    table.grow(100)
+    table.insert(np.arange(100), table.encode(mids[:100]))
+    table.grow(n)  # the checks grow with the ids
+    assert len(table.checks) == len(table.ids) == n
+    slots = len(table.slots)
+    table.make_room(n - 100, threading.Lock())
+    assert len(table.slots) > slots, "rebuilt"
+    table.insert(np.arange(100, n), table.encode(mids[100:]))
+    want = list(range(n))
+    assert table.find_mh(packed(mids))[0].tolist() == want
+
+    gone = mids[::7]
+    assert (table.take_mh(packed(gone)) >= 0).all()
+    model = {m: h for h, m in enumerate(mids) if m not in set(gone)}
+    assert table.find_mh(packed(mids))[0].tolist() == [model.get(m, -1) for m in mids]
+    long = [m for m in model if m.startswith("x" * 70) or m.endswith("\0")]
+    assert long and table.find_mh(packed(long))[0].tolist() == [model[m] for m in long]
+
+    stored = np.array(sorted(model.values()), np.int64)
+    table.renumber(stored, len(stored) + 10)
+    assert len(table.checks) == len(stored) + 10
+    kept = sorted(model, key=model.__getitem__)
+    assert table.find_mh(packed(kept))[0].tolist() == list(range(len(kept)))
+    assert table.find_mh(packed(gone))[0].tolist() == [-1] * len(gone)
+
+    wrong = [kept[5], next(m for m in kept if m.startswith("x" * 70))]
+    at = [kept.index(m) for m in wrong]
+    table.checks[at] ^= np.uint64(1)
+    assert table.find_mh(packed(wrong))[0].tolist() == [-1, -1]
+    assert table.find(wrong)[0].tolist() == at, "by id, the id's bytes confirm"
+    assert table.take_mh(packed(wrong)).tolist() == [id_table.ABSENT] * 2
+    table.make_room(3 * len(table.slots) // 4, threading.Lock())  # a rebuild
+    assert table.find_mh(packed(wrong))[0].tolist() == at
+    assert table.find_mh(packed(kept))[0].tolist() == list(range(len(kept)))
 
 
 def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> None:
