@@ -274,10 +274,11 @@ fn starts_of(
 }
 
 /// Reads the first slots of `starts` (`slot` reads one), and what confirms a row at
-/// their handles (its check word for a look-up by mh, else its id in the column), in
-/// passes of independent loads. A table of a million ids misses the cache
-/// at almost every probe: loaded this way the CPU overlaps those misses, instead of
-/// waiting each one out in turn as the walk would. Called a CHUNK of messages at a
+/// their handles (its check word for a look-up by mh, else its id in the column; its id
+/// too where `and_ids`, as a take by mh reads it for the widths' tally), in passes of
+/// independent loads. A table of a million ids misses the cache at almost every probe:
+/// loaded this way the CPU overlaps those misses, instead of waiting each one out in
+/// turn as the walk would. Called a CHUNK of messages at a
 /// time: over a whole trim's (tens of thousands), the lines the passes brought in were
 /// gone again before the walk used them.
 fn preload(
@@ -285,6 +286,7 @@ fn preload(
     rows: &Rows<'_, '_>,
     starts: &[Option<(usize, u8)>],
     by_mh: bool,
+    and_ids: bool,
 ) {
     let firsts: Vec<i32> = starts
         .iter()
@@ -293,12 +295,15 @@ fn preload(
     let mut touched = 0u64;
     for &s in &firsts {
         let h = (s.max(1) - 1) as usize;
-        let read = if by_mh {
-            rows.checks.get(h).map(ReadOnlyCell::get)
-        } else {
-            rows.column.get(h * rows.width).map(|b| u64::from(b.get()))
-        };
-        touched ^= read.unwrap_or(0);
+        if by_mh {
+            touched ^= rows.checks.get(h).map_or(0, ReadOnlyCell::get);
+        }
+        if !by_mh || and_ids {
+            touched ^= rows
+                .column
+                .get(h * rows.width)
+                .map_or(0, |b| u64::from(b.get()));
+        }
     }
     std::hint::black_box(touched);
 }
@@ -386,7 +391,7 @@ pub fn find_slots<'py>(
     let tag = |i: usize| tags[i].get();
     for chunk in asked.chunks(CHUNK) {
         let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
-        preload(at, &rows, &starts, by_mh);
+        preload(at, &rows, &starts, by_mh, false);
         for (query, start) in chunk.iter().zip(&starts) {
             let walked = match start {
                 Some(start) => probe(at, tag, table.len(), &rows, query, *start)?,
@@ -452,7 +457,7 @@ pub fn take_slots<'py>(
     let tag = |i: usize| tags[i].get();
     for chunk in asked.chunks(CHUNK) {
         let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
-        preload(at, &rows, &starts, by_mh);
+        preload(at, &rows, &starts, by_mh, true);
         for (query, start) in chunk.iter().zip(&starts) {
             let walked = match start {
                 Some(start) => probe(at, tag, table.len(), &rows, query, *start)?,
