@@ -1172,20 +1172,22 @@ def test_a_cluster_started_afresh_on_a_warehouse_writes_its_acks_to_its_ledger(
     assert sorted(ledger_ids(str(tmp_path / "warehouse"))) == ["a0", "a1", "a2", "m0", "m1", "m2"]
 
 
+async def rescheduled_and_trimmed(broker: Any) -> None:
+    """Reschedule m1 to 20 and m0 to 30, and wait for their events' checkpoint and trim."""
+    import asyncio
+
+    await broker.reschedule("jobs", "m1", 20, None)
+    await broker.reschedule("jobs", "m0", 30, None)
+    deadline = time.monotonic() + 30
+    while len(broker.state("jobs").events):
+        assert time.monotonic() < deadline, "the reschedules were never trimmed"
+        await asyncio.sleep(0.05)
+
+
 def test_reschedules_checkpointed_and_trimmed_hold_through_a_restart(tmp_path: Path) -> None:
     """Reschedules reach the ledger as `rescheduled` rows and are trimmed from Raft; the
     node restarted (its journal and snapshot) leases the messages at their new keys."""
-    import asyncio
-
-    async def rescheduled(broker: Any) -> None:
-        await broker.reschedule("jobs", "m1", 20, None)
-        await broker.reschedule("jobs", "m0", 30, None)
-        deadline = time.monotonic() + 30
-        while len(broker.state("jobs").events):
-            assert time.monotonic() < deadline, "the reschedules were never trimmed"
-            await asyncio.sleep(0.05)
-
-    on_one_node(tmp_path, rescheduled)
+    on_one_node(tmp_path, rescheduled_and_trimmed)
     rows = DeltaTable(ensure_table(str(tmp_path / "warehouse"), Table.LEDGER, "jobs"))
     got = rows.to_pyarrow_table(columns=["message_id", "event", "sort_key"]).to_pylist()
     assert [tuple(r.values()) for r in got] == [
@@ -1223,12 +1225,7 @@ def test_a_restart_after_a_retention_run_past_reschedules_reads_them_from_the_ro
         return {m: (index.row(m).sort_key, state.sort_keys.get(mh(m))) for m in ("m0", "m1")}
 
     async def rescheduled_and_retained(broker: Any) -> dict[str, tuple[int, int | None]]:
-        await broker.reschedule("jobs", "m1", 20, None)
-        await broker.reschedule("jobs", "m0", 30, None)
-        deadline = time.monotonic() + 30
-        while len(broker.state("jobs").events):
-            assert time.monotonic() < deadline, "the reschedules were never trimmed"
-            await asyncio.sleep(0.05)
+        await rescheduled_and_trimmed(broker)
         cutoff = now_ms()
         done = await asyncio.to_thread(
             retain, buffer, ensure_table(warehouse, Table.LEDGER, "jobs"), 0, cutoff

@@ -316,6 +316,21 @@ def brokers_checkpoint(
     return upto
 
 
+def taken_over(
+    s: Settings, bootstrap: str, out: str, n: int, timeout: float = 60
+) -> list[ConsumerRecord]:
+    """Take the topic over from the brokers and release until nothing is pending: the
+    first `n` records on the output topic."""
+    releaser = Releaser(s, s.topic("jobs"), take_over=True)
+    output = Output(bootstrap, out, 1)
+    try:
+        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, timeout)
+        return output.wait_for(n)
+    finally:
+        releaser.finish()
+        output.close()
+
+
 def on_brokers(
     tmp_path: Path, s: Settings, kind: str, scenario: Callable[[Any], Awaitable[object]]
 ) -> None:
@@ -361,14 +376,7 @@ def test_a_take_over_releases_a_timeline_message_at_the_deliver_at_the_brokers_g
         await broker.reschedule("jobs", later, None, rescheduled)
 
     on_brokers(tmp_path, s, "timeline", scenario)
-    releaser = Releaser(s, s.topic("jobs"), take_over=True)
-    output = Output(kafka_bootstrap, out, 1)
-    try:
-        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, timeout=90)
-        records = output.wait_for(2)
-    finally:
-        releaser.finish()
-        output.close()
+    records = taken_over(s, kafka_bootstrap, out, 2, timeout=90)
     assert ids(records) == [new_key, later], "the rescheduled one goes last"
     at = {header(r, "dejaq-id").decode(): r for r in records}
     assert int(header(at[later], "dejaq-deliver-at")) == rescheduled
@@ -417,14 +425,7 @@ def test_a_take_over_after_a_retention_run_past_the_new_keys_reads_them_from_the
         new_key: (start + 4500, _ts(start + 4500)),
         twice: (start + 8000, _ts(start + 8000)),
     }
-    releaser = Releaser(s, s.topic("jobs"), take_over=True)
-    output = Output(kafka_bootstrap, out, 1)
-    try:
-        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle, timeout=90)
-        records = output.wait_for(3)
-    finally:
-        releaser.finish()
-        output.close()
+    records = taken_over(s, kafka_bootstrap, out, 3, timeout=90)
     assert ids(records) == [new_key, twice, later]
     for r in records[1:]:
         key = keys[header(r, "dejaq-id").decode()]
@@ -448,14 +449,7 @@ def test_a_take_over_releases_a_message_nacked_with_a_priority_at_that_priority(
         assert (await broker.nack("jobs", "w", [first], 0, 5)).ok == 1
 
     on_brokers(tmp_path, s, "priority", scenario)
-    releaser = Releaser(s, s.topic("jobs"), take_over=True)
-    output = Output(kafka_bootstrap, out, 1)
-    try:
-        run_until(releaser, lambda: not len(releaser.pending) and releaser.idle)
-        records = output.wait_for(3)
-    finally:
-        releaser.finish()
-        output.close()
+    records = taken_over(s, kafka_bootstrap, out, 3)
     assert ids(records) == [second, third, first]
     assert [int(header(r, "dejaq-priority")) for r in records] == [2, 3, 5]
 
