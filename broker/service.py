@@ -46,7 +46,7 @@ from dejaq.broker.state.leases import (
     consecutive,
     pick_count,
 )
-from dejaq.broker.state.raft import STAMPED_WITHIN_MS, NotCommitted, RaftNode, committed
+from dejaq.broker.state.raft import STAMPED_WITHIN_MS, Halted, NotCommitted, RaftNode, committed
 from dejaq.broker.state.settlements import Entry, count, last, redriven, seqs, settlements
 from dejaq.broker.storage import message_json
 from dejaq.broker.storage.checkpoints import Health, checkpoint, lag
@@ -204,6 +204,8 @@ def _going_on(duty: Streak) -> Iterator[None]:
     its duty undone."""
     try:
         yield
+    except Halted:  # the node stops: no round comes next
+        pass
     except NotCommitted as e:  # a leader change: the next round asks again
         log.warning("%s: %s; retrying", duty.what, e)
     except (KeyboardInterrupt, SystemExit):
@@ -532,6 +534,11 @@ class Broker:
                 self._repair_heads(name, index)
             self._publish_metrics()
 
+    def _wait_committed(self, method: Callable[..., Any], *args: Any, timeout: float) -> Any:
+        """`committed`, given up (Halted) once the node begins to stop: its duties end
+        their rounds then, and Raft stops ticking with the server."""
+        return committed(method, *args, timeout=timeout, halted=self._stopping)
+
     def _duty(self, what: str) -> Streak:
         """The streak of failures of a background duty, kept across its rounds."""
         streak = self._duties.get(what)
@@ -636,7 +643,9 @@ class Broker:
                 if raft.leader() is None:
                     continue
                 if not self._registered():
-                    committed(raft.state.register, self.raft_addr, self.http_addr, timeout=2)
+                    self._wait_committed(
+                        raft.state.register, self.raft_addr, self.http_addr, timeout=2
+                    )
                 if not raft.leading():
                     continue
                 for name, cfg in self.topics.items():
@@ -647,7 +656,7 @@ class Broker:
                     now = now_ms()
                     if st.needs_expiry(now, self.conf.heartbeat_timeout_ms):
                         args = (now, self.conf.heartbeat_timeout_ms, _backoff(cfg))
-                        committed(raft.state.command, name, "expire", args, timeout=2)
+                        self._wait_committed(raft.state.command, name, "expire", args, timeout=2)
 
     def _checkpoints_duty(self) -> None:
         """On the leader: checkpoint the ledger every CHECKPOINT_PERIOD_S, or as soon as
@@ -673,7 +682,7 @@ class Broker:
         wanted = self._configuration(cfg)
         if st.configured and (st.buckets, st.max_deliveries) == wanted:
             return
-        committed(self.raft.state.command, name, "configure", wanted, timeout=2)
+        self._wait_committed(self.raft.state.command, name, "configure", wanted, timeout=2)
         log.info("topic %s configured: buckets %d, max_deliveries %d", name, *wanted)
 
     def _configuration(self, cfg: TopicConfig) -> tuple[int, int]:
@@ -683,6 +692,8 @@ class Broker:
     def _checkpoint(self) -> None:
         """Each topic on its own: one whose store fails does not hold up the others."""
         for name in self.topics:
+            if self._stopping.is_set():
+                return
             self._checkpoint_topic(name)
 
     def _checkpoint_topic(self, name: str) -> None:
@@ -708,8 +719,10 @@ class Broker:
             step = f"trim of {name}"
             for cut in trim_cuts(events, upto):
                 args = (cut, [k for k in keep if k <= cut]) if keep else (cut,)
-                committed(self.raft.state.command, name, "trim", args, timeout=5)
+                self._wait_committed(self.raft.state.command, name, "trim", args, timeout=5)
             self._checkpoints[name] += 1
+        except Halted:  # the node stops: its next leader checkpoints these events
+            return
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # a panic in the core too: the thread must go on
@@ -860,7 +873,7 @@ class Broker:
         (`_quiet`): another cluster's, live. Asked once every entry committed before is
         applied here: the `register` command orders it after them."""
         assert self.raft is not None
-        committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
+        self._wait_committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
         st = self.state(name)
         written = foreign(
             self.settings.warehouse, name, st.events.view(), st.trimmed_upto(), done, st.seq
@@ -882,7 +895,7 @@ class Broker:
             written,
         )
         args = (history, written, (replaced, version))
-        committed(self.raft.state.command, name, "history", args, timeout=5)
+        self._wait_committed(self.raft.state.command, name, "history", args, timeout=5)
         return True
 
     def _retention(self) -> None:
@@ -898,6 +911,8 @@ class Broker:
             if raft is None or not raft.is_leader():
                 continue
             for name, cfg in self.topics.items():
+                if self._stopping.is_set():
+                    return
                 if name in self.contested:
                     continue
                 period = period_s(cfg.settled_retention_ms)
@@ -906,6 +921,8 @@ class Broker:
                 last[name] = time.monotonic()
                 try:
                     self._retain(name, cfg)
+                except Halted:
+                    return
                 except NotCommitted as e:
                     log.warning("retention of %s: %s; the next round tries again", name, e)
                 except (KeyboardInterrupt, SystemExit):
@@ -929,7 +946,7 @@ class Broker:
         """
         assert self.raft is not None
         now = now_ms()  # read before the question, so that it orders what was stamped before
-        committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
+        self._wait_committed(self.raft.state.register, self.raft_addr, self.http_addr, timeout=5)
         entries = self.state(name).events.view()
         unwritten = min((e.at for e in entries), default=None)
         index = self.indexes[name]

@@ -1541,10 +1541,10 @@ def test_a_trim_that_fails_after_the_ledger_write_is_a_checkpoint_failure(
     failing = threading.Event()
     committed = service.committed
 
-    def trim_fails(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
+    def trim_fails(method: Callable[..., Any], *args: Any, **waits: Any) -> Any:
         if args[1:2] == ("trim",) and failing.is_set():
             raise NotCommitted("timed out waiting for a Raft majority")
-        return committed(method, *args, timeout=timeout)
+        return committed(method, *args, **waits)
 
     monkeypatch.setattr(service, "committed", trim_fails)
 
@@ -4581,6 +4581,43 @@ def test_a_duty_command_without_a_majority_fails_saying_why(tmp_path: Path) -> N
         for node in nodes:
             node.destroy()
     assert said == "Raft command not committed within 0.5 s (no leader, or no majority)"
+
+
+def test_a_duty_waiting_for_a_command_gives_up_as_its_node_stops(tmp_path: Path) -> None:
+    """A node stops (SIGTERM) while a duty thread waits for a command that cannot commit
+    (here one node of three up: no leader). Raft ticks no more once the server ended,
+    so the wait would run out its whole timeout before the node could exit: `committed`
+    ends it with Halted soon after the node's stop event is set."""
+    import asyncio
+
+    from dejaq.broker.state.raft import Halted, committed
+
+    nodes = _raft_nodes(tmp_path)
+    halted = threading.Event()
+
+    def register() -> tuple[str, float]:
+        began = time.monotonic()
+        try:
+            committed(
+                nodes[0].state.register, "127.0.0.1:1", "http://x:2", timeout=60, halted=halted
+            )
+        except Halted as e:
+            return str(e), time.monotonic() - began
+        return "committed", time.monotonic() - began
+
+    async def scenario() -> tuple[str, float]:
+        loop = asyncio.get_running_loop()
+        nodes[0].attach(loop)
+        loop.call_later(0.3, halted.set)  # the stop comes while the command waits
+        return await asyncio.to_thread(register)
+
+    try:
+        said, took = asyncio.run(scenario())
+    finally:
+        for node in nodes:
+            node.destroy()
+    assert said == "Raft command not waited for: this node is stopping", said
+    assert 0.3 <= took < 10, f"{took:.2f} s: it should end at the stop, not the 60 s timeout"
 
 
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.floats(0, 60)), max_size=40))

@@ -54,7 +54,7 @@ from pysyncobj import (
 )
 from pysyncobj.monotonic import monotonic as raft_clock
 from pysyncobj.poller import POLL_EVENT_TYPE
-from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE
+from pysyncobj.syncobj import _COMMAND_TYPE, _RAFT_STATE, AsyncResult
 
 from dejaq.broker.state.data_dir import RECOVERY, DataDirError, check_raft_files
 from dejaq.broker.state.handles import mh, mhs
@@ -77,6 +77,7 @@ if pysyncobj.version.VERSION != PYSYNCOBJ_VERSION:
 MAX_IN_FLIGHT = 1  # log entries of grouped commands awaiting commit (not apply)
 MAX_GROUP = 256  # commands per entry
 COMMIT_TIMEOUT_S = 5.0
+HALT_CHECK_S = 0.05  # `committed` looks this often whether the node began to stop
 # A command reaches the Raft log within this of the time it was stamped with, or never:
 # it waits for an entry COMMIT_TIMEOUT_S at most (`RaftNode._flush`), after as long for
 # the topic's first `configure` (`Broker._commit`), with as much again to spare. A
@@ -629,6 +630,12 @@ class NotCommitted(RuntimeError):
     """The command did not reach a majority (no leader, leader changed, timeout)."""
 
 
+class Halted(NotCommitted):
+    """The node began to stop while its thread waited for the command: Raft no longer
+    ticks here once the server ends, so the wait would only run out its timeout. The
+    command may still commit on the other nodes, as one whose wait timed out."""
+
+
 class CommandFailed(RuntimeError):
     """A command raised what is no Exception (a panic in the compiled core): raised as
     itself, it would end the thread that committed it (a leader's duties)."""
@@ -655,21 +662,27 @@ def not_committed(reason: int) -> NotCommitted:
     return NotCommitted(f"Raft command not committed: {_FAILURES.get(reason, reason)}")
 
 
-def committed(method: Callable[..., Any], *args: Any, timeout: float) -> Any:
+def committed(
+    method: Callable[..., Any], *args: Any, timeout: float, halted: threading.Event | None = None
+) -> Any:
     """Call a replicated method of `BrokerState` and wait for its result, from a thread
-    other than the event loop; NotCommitted if a majority did not take it, and what the
-    command raised (on every node alike) if it failed."""
-    try:
-        result = method(*args, sync=True, timeout=timeout)
-    except SyncObjException as e:
-        if e.errorCode == "Timeout":  # PySyncObj holds commands while there is no leader
+    other than the event loop; NotCommitted if a majority did not take it, Halted once
+    `halted` is set, and what the command raised (on every node alike) if it failed."""
+    done = AsyncResult()
+    method(*args, callback=done.onResult)
+    deadline = time.monotonic() + timeout
+    while not done.event.wait(min(HALT_CHECK_S, max(0.0, deadline - time.monotonic()))):
+        if halted is not None and halted.is_set():
+            raise Halted("Raft command not waited for: this node is stopping")
+        if time.monotonic() >= deadline:  # PySyncObj holds commands while there is no leader
             raise NotCommitted(
                 f"Raft command not committed within {timeout:g} s (no leader, or no majority)"
-            ) from None
-        raise not_committed(e.errorCode) from None
-    if isinstance(result, BaseException):
-        raise _raised(result)
-    return result
+            )
+    if done.error != FAIL_REASON.SUCCESS:
+        raise not_committed(done.error)
+    if isinstance(done.result, BaseException):
+        raise _raised(done.result)
+    return done.result
 
 
 class BrokerState(SyncObjConsumer):
