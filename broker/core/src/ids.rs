@@ -346,6 +346,61 @@ fn probe(
     Ok(Probe::Absent)
 }
 
+/// The id table `walk` reads besides its slots: each slot's tag, each row's check word,
+/// the id column (`width` bytes a handle), the ids held as a digest, and the seed.
+type Table<'a, 'py> = (
+    &'a PyBuffer<u8>,
+    &'a PyBuffer<u64>,
+    &'a PyBuffer<u8>,
+    usize,
+    &'a Bound<'py, PyDict>,
+    u64,
+);
+
+/// The walk `find_slots` and `take_slots` share, over a table of `len` slots (`slot`
+/// reads one): each message `mids` names, walked from its first slot, a CHUNK at a time
+/// with their first slots and rows loaded ahead (`preload`, the rows' ids too where
+/// `and_ids`), and what its walk met told to `each`, in order. Built here, the queries
+/// borrow the ids' strs and bytes for no longer than the walk.
+fn walk<'py>(
+    py: Python<'py>,
+    mids: &Bound<'py, PyAny>,
+    (slot, len): (impl Fn(usize) -> i32, usize),
+    (tags, checks, ids, width, long, seed): Table<'_, 'py>,
+    mhs: Option<&Bound<'py, PyBytes>>,
+    and_ids: bool,
+    mut each: impl FnMut(Probe, &Rows<'_, 'py>) -> PyResult<()>,
+) -> PyResult<()> {
+    let tags = slice(py, tags, "id table's tag")?;
+    let column = slice(py, ids, "id")?;
+    let checks = slice(py, checks, "check")?;
+    let mask = mask_of(len, tags.len(), width)?;
+    rows_of(column.len(), width, checks.len())?;
+    let strs = strs_of(mids)?;
+    let raws = raws_of(py, mids, &strs)?;
+    let asked = queries(mids, &raws, mhs)?;
+    let by_mh = mids.downcast::<PyBytes>().is_ok();
+    let rows = Rows {
+        column,
+        width,
+        long,
+        checks,
+    };
+    let tag = |i: usize| tags[i].get();
+    for chunk in asked.chunks(CHUNK) {
+        let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
+        preload(&slot, &rows, &starts, by_mh, and_ids);
+        for (query, start) in chunk.iter().zip(&starts) {
+            let walked = match start {
+                Some(start) => probe(&slot, tag, len, &rows, query, *start)?,
+                None => Probe::Absent,
+            };
+            each(walked, &rows)?;
+        }
+    }
+    Ok(())
+}
+
 /// The slot of each message `mids` names (ids as a list of str or `PackedIds`, or
 /// handles packed 16 bytes each in bytes) (-1: not stored), and its row's handle (-1
 /// unless found), as two int64 bytes: the walk has read the slot, so the caller does
@@ -370,41 +425,20 @@ pub fn find_slots<'py>(
     mhs: Option<&Bound<'py, PyBytes>>,
 ) -> PyResult<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> {
     let table = slice(py, &slots, "id table's")?;
-    let tags = slice(py, &tags, "id table's tag")?;
-    let column = slice(py, &ids, "id")?;
-    let checks = slice(py, &checks, "check")?;
-    let mask = mask_of(table.len(), tags.len(), width)?;
-    rows_of(column.len(), width, checks.len())?;
-    let strs = strs_of(mids)?;
-    let raws = raws_of(py, mids, &strs)?;
-    let asked = queries(mids, &raws, mhs)?;
-    let by_mh = mids.downcast::<PyBytes>().is_ok();
-    let rows = Rows {
-        column,
-        width,
-        long,
-        checks,
+    let mut found: Vec<u8> = Vec::new();
+    let mut handles: Vec<u8> = Vec::new();
+    let each = |walked: Probe, _: &Rows<'_, '_>| {
+        let (slot, handle) = match walked {
+            Probe::Found(slot, s) => (slot as i64, i64::from(s) - 1),
+            Probe::Marked | Probe::Absent => (-1, -1),
+        };
+        found.extend_from_slice(&slot.to_ne_bytes());
+        handles.extend_from_slice(&handle.to_ne_bytes());
+        Ok(())
     };
-    let mut found: Vec<u8> = Vec::with_capacity(asked.len() * 8);
-    let mut handles: Vec<u8> = Vec::with_capacity(asked.len() * 8);
-    let at = |i: usize| table[i].get();
-    let tag = |i: usize| tags[i].get();
-    for chunk in asked.chunks(CHUNK) {
-        let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
-        preload(at, &rows, &starts, by_mh, false);
-        for (query, start) in chunk.iter().zip(&starts) {
-            let walked = match start {
-                Some(start) => probe(at, tag, table.len(), &rows, query, *start)?,
-                None => Probe::Absent,
-            };
-            let (slot, handle) = match walked {
-                Probe::Found(slot, s) => (slot as i64, i64::from(s) - 1),
-                Probe::Marked | Probe::Absent => (-1, -1),
-            };
-            found.extend_from_slice(&slot.to_ne_bytes());
-            handles.extend_from_slice(&handle.to_ne_bytes());
-        }
-    }
+    let table_of = (&tags, &checks, &ids, width, long, seed);
+    let slot = |i: usize| table[i].get();
+    walk(py, mids, (slot, table.len()), table_of, mhs, false, each)?;
     Ok((PyBytes::new(py, &found), PyBytes::new(py, &handles)))
 }
 
@@ -435,47 +469,26 @@ pub fn take_slots<'py>(
     let table = slots
         .as_mut_slice(py)
         .ok_or_else(|| PyValueError::new_err("the id table is not writable and contiguous"))?;
-    let tags = slice(py, &tags, "id table's tag")?;
-    let column = slice(py, &ids, "id")?;
-    let checks = slice(py, &checks, "check")?;
-    let mask = mask_of(table.len(), tags.len(), width)?;
-    rows_of(column.len(), width, checks.len())?;
-    let strs = strs_of(mids)?;
-    let raws = raws_of(py, mids, &strs)?;
-    let asked = queries(mids, &raws, None)?;
-    let by_mh = mids.downcast::<PyBytes>().is_ok();
-    let rows = Rows {
-        column,
-        width,
-        long,
-        checks,
-    };
-    let mut handles: Vec<u8> = Vec::with_capacity(asked.len() * 8);
-    let mut taken: Vec<usize> = Vec::with_capacity(asked.len());
+    let mut handles: Vec<u8> = Vec::new();
+    let mut taken: Vec<usize> = Vec::new();
     let mut words = vec![0i64; WIDEST / 8 + 1];
-    let at = |i: usize| table[i].get();
-    let tag = |i: usize| tags[i].get();
-    for chunk in asked.chunks(CHUNK) {
-        let starts = starts_of(chunk, width, !long.is_empty(), seed, mask);
-        preload(at, &rows, &starts, by_mh, true);
-        for (query, start) in chunk.iter().zip(&starts) {
-            let walked = match start {
-                Some(start) => probe(at, tag, table.len(), &rows, query, *start)?,
-                None => Probe::Absent,
-            };
-            let handle = match walked {
-                Probe::Found(i, s) => {
-                    table[i].set(-1 - s);
-                    taken.push(i);
-                    words[rows.words_at((s - 1) as usize)?] += 1;
-                    i64::from(s) - 1
-                }
-                Probe::Marked => AGAIN,
-                Probe::Absent => ABSENT,
-            };
-            handles.extend_from_slice(&handle.to_ne_bytes());
-        }
-    }
+    let each = |walked: Probe, rows: &Rows<'_, '_>| {
+        let handle = match walked {
+            Probe::Found(i, s) => {
+                table[i].set(-1 - s);
+                taken.push(i);
+                words[rows.words_at((s - 1) as usize)?] += 1;
+                i64::from(s) - 1
+            }
+            Probe::Marked => AGAIN,
+            Probe::Absent => ABSENT,
+        };
+        handles.extend_from_slice(&handle.to_ne_bytes());
+        Ok(())
+    };
+    let table_of = (&tags, &checks, &ids, width, long, seed);
+    let slot = |i: usize| table[i].get();
+    walk(py, mids, (slot, table.len()), table_of, None, true, each)?;
     // Marks, and ids in `long`, are read by the walk until it ends.
     for i in taken {
         let h = -2 - i64::from(table[i].get());
@@ -545,9 +558,9 @@ impl Copied {
 /// `checks`, by handle, which confirms it to a look-up by mh. Each row's mh is `mhs`'s
 /// (packed, in the order of `handles`) if given, as an insert of ids hashed for their
 /// look-up gives them; else its id is hashed again, with the GIL released for a batch
-/// of HASH_FREE_MIN or more (over a copy of the ids), as a rebuild does. Positions are computed for all first and their
-/// slots read in a pass of independent loads, as in `find_slots`; a table too full to
-/// take them all is an error (the caller sizes it).
+/// of HASH_FREE_MIN or more (over a copy of the ids), as a rebuild does. Positions are
+/// computed for all first and their slots read in a pass of independent loads, as in
+/// `find_slots`; a table too full to take them all is an error (the caller sizes it).
 #[pyfunction]
 #[pyo3(signature = (slots, tags, checks, ids, width, long, seed, handles, mhs = None))]
 #[allow(clippy::too_many_arguments)]
