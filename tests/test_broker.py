@@ -4617,7 +4617,7 @@ def test_a_duty_waiting_for_a_command_gives_up_as_its_node_stops(tmp_path: Path)
         for node in nodes:
             node.destroy()
     assert said == "Raft command not waited for: this node is stopping", said
-    assert 0.3 <= took < 10, f"{took:.2f} s: it should end at the stop, not the 60 s timeout"
+    assert took < 10, f"{took:.2f} s: it should end at the stop, not the 60 s timeout"
 
 
 @given(st.lists(st.tuples(st.sampled_from(["a", "b"]), st.floats(0, 60)), max_size=40))
