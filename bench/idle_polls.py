@@ -3,16 +3,16 @@
     .venv/bin/python bench/idle_polls.py [--polls 200] [--seconds 10]
 
 A worker with nothing to do holds a long poll open at the leader. A long poll waits for
-its topic's next change (rows indexed, a lease ended), or on a timeline until its next
-message is due; one on a topic where a nack delay is in force looks again every 20 ms,
-since time alone ends the delay. A 3-node cluster (real `dejaq broker` processes)
-serves three topics with nothing to lease: an empty priority one, an empty timeline one,
-and one whose only message was nacked with an hour's delay. The leader's CPU (user +
-system time of its process, from /proc) is measured over the same window four times:
-with no poll (the baseline: an idle node), then with P polls on each topic in turn.
-Prints one JSON object: each phase's share of a core, each poll phase's cost beyond the
-baseline, and the priority and timeline phases' ratios to the delayed one's (the cost
-of a poll that looks on a timer).
+its topic's next change (rows indexed, a lease ended), or until the first time alone
+makes something leasable: its timeline's next message due, or the end of its first
+nack delay. A 3-node cluster (real `dejaq broker` processes) serves three topics with
+nothing to lease: an empty priority one, an empty timeline one, and one whose only
+message was nacked with an hour's delay. The leader's CPU (user + system time of its
+process, from /proc) is measured over the same window four times: with no poll (the
+baseline: an idle node), then with P polls on each topic in turn. Prints one JSON
+object: each phase's share of a core, each poll phase's cost beyond the baseline, and
+the timeline and delayed phases' ratios to the priority one's (a poll that waits for
+its topic's changes alone).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from test_broker import buffer_rows, fill  # noqa: E402
 from dejaq.jobs import cluster  # noqa: E402
 from dejaq.jobs.cluster import Node  # noqa: E402
 
-TOPICS = {"priority": "jobs", "timeline": "timers", "stepping": "delayed"}
+TOPICS = {"priority": "jobs", "timeline": "timers", "delayed": "delayed"}
 WAIT_MS = 20_000
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -76,8 +76,8 @@ def leader(nodes: list[Node]) -> Node:
 def delay_one(node: Node, warehouse: str) -> None:
     """Land one message in the delayed topic, lease it and nack it with an hour's delay;
     its consumer leaves, so that the polls' consumers share every bucket."""
-    fill(warehouse, TOPICS["stepping"], buffer_rows([1], prefix="d"))
-    url = f"{node.url}/v1/topics/{TOPICS['stepping']}"
+    fill(warehouse, TOPICS["delayed"], buffer_rows([1], prefix="d"))
+    url = f"{node.url}/v1/topics/{TOPICS['delayed']}"
     with httpx.Client(timeout=30) as client:
         body = {"consumer_id": "setup", "max_messages": 1, "wait_ms": 20_000}
         leased = client.post(f"{url}/leases", json=body).raise_for_status().json()["messages"]
@@ -155,7 +155,7 @@ def main() -> int:
             for node in nodes:
                 cluster.stop_node(node)
     beyond = {k: max(0.0, p["core_share"] - idle["core_share"]) for k, p in polled.items()}
-    stepping = beyond["stepping"]
+    waiting = beyond["priority"]
     report = {
         "benchmark": "idle_polls",
         "date": dt.date.today().isoformat(),
@@ -163,9 +163,8 @@ def main() -> int:
         "parameters": {"polls": args.polls, "seconds": args.seconds, "wait_ms": WAIT_MS},
         "phases": [idle, *polled.values()],
         "leader_core_share_beyond_idle": {k: round(v, 4) for k, v in beyond.items()},
-        "vs_stepping": {
-            k: round(beyond[k] / stepping, 3) if stepping else None
-            for k in ("priority", "timeline")
+        "vs_priority": {
+            k: round(beyond[k] / waiting, 3) if waiting else None for k in ("timeline", "delayed")
         },
     }
     print(json.dumps(report))

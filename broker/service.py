@@ -102,8 +102,9 @@ CHECKPOINT_MAX_EVENTS = 1_000_000
 # (`bench/broker_costs.py`, 5.9-6.1 against 4.9-5.6 µs), the stalls ~1 ms.
 TRIM_SLICE = 2000
 # A long poll looks for messages again at each change of its topic (`Wakeups`), when its
-# timeline's next message is due, and at least this often when time alone can make one
-# leasable otherwise: a nack delay in force, a rate limit's refill.
+# timeline's next message is due or its topic's first nack delay or retry backoff ends,
+# and at least this often when time alone can make one leasable otherwise: a rate
+# limit's refill, a due time passed that its pick still skipped.
 LONG_POLL_STEP_S = 0.02
 # And at least this often otherwise: a change no command or index refresh told of (none
 # known) costs a poll this much delay at most, where a step each costs the idle CPU.
@@ -1128,7 +1129,7 @@ class Broker:
             if time.monotonic() >= deadline or self._stopping.is_set():
                 return b"[]"
             limited = take == 0 and rate is not None and not st.paused
-            step = self._idle_step(cfg, st, index, buckets, now, limited)
+            step = self._idle_step(cfg, index, buckets, now, limited)
             looked = time.monotonic()
             await self.wakeups.wait(changed, min(step, deadline - looked))
             # Changes come in bursts (each ack of a busy topic is one): a poll looks at
@@ -1139,21 +1140,18 @@ class Broker:
     @staticmethod
     def _idle_step(
         cfg: TopicConfig,
-        st: TopicState,
         index: TopicIndex,
         buckets: list[int],
         now: int,
         limited: bool,
     ) -> float:
-        """How long a poll that found nothing may wait for its topic's next change: until
-        its timeline's next message is due, a short step where a nack delay is in force
-        or the rate limit left it nothing (`limited`: time alone ends them), else at most
-        IDLE_POLL_STEP_S."""
-        if limited or st.not_before:
+        """How long a poll that found nothing may wait for its topic's next change:
+        until its timeline's next message is due or its topic's first delay ends (time
+        alone ends either), a short step where the rate limit left it nothing
+        (`limited`), else at most IDLE_POLL_STEP_S."""
+        if limited:
             return LONG_POLL_STEP_S
-        if cfg.kind.sorted_as is not TopicKind.TIMELINE:
-            return IDLE_POLL_STEP_S
-        due = index.due(buckets)
+        due = index.due(buckets, cfg.kind.sorted_as is TopicKind.TIMELINE)
         if due is None:
             return IDLE_POLL_STEP_S
         # Due already, yet not picked: an entry the pick skips; looked at again soon.

@@ -829,6 +829,33 @@ def test_a_timeline_poll_sleeps_until_its_next_message_is_due(
     assert picks <= 3, f"{picks} picks while it was not due"
 
 
+def test_a_poll_sleeps_until_its_first_nack_delay_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long poll whose topic's only pending message waits out a nack delay looks again
+    when the delay ends, not every few milliseconds until then (each look a pick, which
+    200 idle workers made a leader's CPU pay 15% of a core for), and leases it then,
+    never before. The idle step is set past the test's length: only the delay's end
+    can answer the poll."""
+    from dejaq.broker import service
+
+    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
+
+    async def scenario(broker: Any) -> tuple[list[str], int, int, int]:
+        assert len(json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))) == 3
+        await broker.nack("jobs", "w", ["m1"], 1_500, None)
+        (delayed_to,) = broker.state("jobs").not_before.values()
+        picks = picks_counted(broker.indexes["jobs"])
+        leased = json.loads(await broker.lease("jobs", "w", 3, 60_000, 20_000))
+        granted_at = leased[0]["lease_deadline"] - 60_000
+        return [m["id"] for m in leased], granted_at, delayed_to, len(picks)
+
+    leased, granted_at, delayed_to, picks = on_one_node(tmp_path, scenario)
+    assert leased == ["m1"]
+    assert granted_at >= delayed_to, "never before its delay ends"
+    assert picks <= 3, f"{picks} picks while it waited out its delay"
+
+
 def test_a_long_poll_whose_client_left_ends_at_its_next_look(tmp_path: Path) -> None:
     """A disconnected client's poll would otherwise look until its wait ends, committing
     heartbeats for a consumer nobody runs: it ends with nothing at its next look."""

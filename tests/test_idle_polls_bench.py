@@ -29,8 +29,8 @@ def test_the_idle_polls_benchmark_measures_each_topic_against_an_idle_leader() -
     ]
     assert all(p["core_share"] >= 0 for p in phases)
     beyond = report["leader_core_share_beyond_idle"]
-    assert set(beyond) == {"priority", "timeline", "stepping"}
-    for kind in ("priority", "timeline"):
-        if beyond["stepping"]:
-            assert report["vs_stepping"][kind] == round(beyond[kind] / beyond["stepping"], 3)
+    assert set(beyond) == {"priority", "timeline", "delayed"}
+    for kind in ("timeline", "delayed"):
+        if beyond["priority"]:
+            assert report["vs_priority"][kind] == round(beyond[kind] / beyond["priority"], 3)
     assert report["parameters"] == {"polls": 20, "seconds": 1.0, "wait_ms": 20_000}

@@ -1022,12 +1022,17 @@ class TopicIndex:
                 raise self._unreadable("reading heads to lease", e) from e
             return picks, Heads(*read)
 
-    def due(self, buckets: list[int]) -> int | None:
-        """The lowest sort key of `buckets`' messages, which on a timeline is when the
-        next is due; None if none or not known (`Order.lowest`: maybe early, never
-        late)."""
+    def due(self, buckets: list[int], timeline: bool) -> int | None:
+        """When time alone may next make a message of `buckets` leasable: the first end
+        of a delay (a nack's, a retry backoff's; of any bucket, kept apart from the
+        buckets until then), and on a timeline the lowest sort key of `buckets`'
+        messages, when the next is due (`Order.lowest`); None if neither is known. Maybe
+        early (an entry no longer its message's), never late."""
         with self.lock:
-            return self.order.lowest(buckets)
+            dues = [self.delayed[0][0]] if self.delayed else []
+            if timeline and (lowest := self.order.lowest(buckets)) is not None:
+                dues.append(lowest)
+        return min(dues, default=None)
 
     def repairing(self) -> bool:
         """Whether a read of heads failed and `repair_heads` has not read them again."""
