@@ -214,6 +214,25 @@ struct HeldColumns {
     position: Option<Held<i32>>,
 }
 
+impl HeldColumns {
+    /// The ordering columns held, or None until a pick has held them all.
+    fn columns<'a>(&'a self, py: Python<'a>) -> PyResult<Option<Columns<'a>>> {
+        let (Some(batch), Some(sort_key), Some(partition), Some(offset)) =
+            (&self.batch, &self.sort_key, &self.partition, &self.offset)
+        else {
+            return Ok(None);
+        };
+        Columns::new(
+            py,
+            &batch.buffer,
+            &sort_key.buffer,
+            &partition.buffer,
+            &offset.buffer,
+        )
+        .map(Some)
+    }
+}
+
 /// The row store's columns a pick reads (`Order.pick`'s arguments of the same names).
 type PickColumns<'a, 'py> = (
     &'a Bound<'py, PyAny>,
@@ -268,13 +287,7 @@ impl Order {
         held(&mut h.partition, partition)?;
         held(&mut h.offset, offset)?;
         held(&mut h.ids, ids)?;
-        let c = Columns::new(
-            py,
-            buffer(&h.batch),
-            buffer(&h.sort_key),
-            buffer(&h.partition),
-            buffer(&h.offset),
-        )?;
+        let c = h.columns(py)?.expect("held above");
         let column = slice(py, buffer(&h.ids), "id")?;
         if width == 0 || width > WIDEST || column.len() != width * c.batch.len() {
             return Err(PyValueError::new_err(
@@ -551,18 +564,9 @@ impl Order {
     /// entry a pick would skip (settled, moved by an override) may be the lowest: a
     /// lease then looks early, never late.
     fn lowest(&mut self, py: Python<'_>, buckets: Vec<usize>) -> PyResult<Option<i64>> {
-        let h = &self.held;
-        if h.batch.is_none() || h.sort_key.is_none() || h.partition.is_none() || h.offset.is_none()
-        {
+        let Some(c) = self.held.columns(py)? else {
             return Ok(None);
-        }
-        let c = Columns::new(
-            py,
-            buffer(&h.batch),
-            buffer(&h.sort_key),
-            buffer(&h.partition),
-            buffer(&h.offset),
-        )?;
+        };
         let mut lowest: Option<i64> = None;
         for b in buckets {
             if let Some((e, _)) = bucket_of(&mut self.buckets, b)?.top(&c) {
