@@ -1129,7 +1129,7 @@ class Broker:
             if time.monotonic() >= deadline or self._stopping.is_set():
                 return b"[]"
             limited = take == 0 and rate is not None and not st.paused
-            step = self._idle_step(cfg, index, buckets, now, limited)
+            step = self._idle_step(cfg, index, buckets, now, limited, st.paused)
             looked = time.monotonic()
             await self.wakeups.wait(changed, min(step, deadline - looked))
             # Changes come in bursts (each ack of a busy topic is one): a poll looks at
@@ -1144,11 +1144,15 @@ class Broker:
         buckets: list[int],
         now: int,
         limited: bool,
+        paused: bool,
     ) -> float:
         """How long a poll that found nothing may wait for its topic's next change:
         until its timeline's next message is due or its topic's first delay ends (time
         alone ends either), a short step where the rate limit left it nothing
-        (`limited`), else at most IDLE_POLL_STEP_S."""
+        (`limited`), else at most IDLE_POLL_STEP_S, as on a paused topic, whose resume
+        is a change."""
+        if paused:
+            return IDLE_POLL_STEP_S
         if limited:
             return LONG_POLL_STEP_S
         due = index.due(buckets, cfg.kind.sorted_as is TopicKind.TIMELINE)

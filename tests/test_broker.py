@@ -856,6 +856,40 @@ def test_a_poll_sleeps_until_its_first_nack_delay_ends(
     assert picks <= 3, f"{picks} picks while it waited out its delay"
 
 
+def test_a_poll_on_a_paused_topic_waits_for_its_resume_not_a_timer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A long poll on a paused timeline topic whose message is due looks again when the
+    topic changes, as at its resume, not every few milliseconds (the message due, time
+    cannot make it leasable), and leases it once the topic is resumed."""
+    import asyncio
+
+    from dejaq.broker import service
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "later", buffer_rows([1], lambda i: 0, "due", timeline=True))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf("later", "timeline")])
+
+    async def scenario(broker: Any) -> tuple[int, list[str]]:
+        await broker.pause("later", True)
+        picks = picks_counted(broker.indexes["later"])
+        poll = asyncio.ensure_future(broker.lease("later", "w", 1, 60_000, 20_000))
+        await _until(lambda: picks, "the poll's first pick")
+        await asyncio.sleep(1.0)  # the paused second to count picks in, not a synchronisation
+        paused_picks = len(picks)
+        await broker.pause("later", False)
+        return paused_picks, [m["id"] for m in json.loads(await poll)]
+
+    paused_picks, leased = run_node(
+        settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario
+    )
+    assert paused_picks <= 2, f"{paused_picks} picks in a paused second"
+    assert leased == ["due0"]
+
+
 def test_a_long_poll_whose_client_left_ends_at_its_next_look(tmp_path: Path) -> None:
     """A disconnected client's poll would otherwise look until its wait ends, committing
     heartbeats for a consumer nobody runs: it ends with nothing at its next look."""
