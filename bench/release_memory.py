@@ -32,7 +32,7 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 
 from test_release import add_buffer, settings_for  # noqa: E402
 
-from dejaq.conf.tables import Table, ensure_table  # noqa: E402
+from dejaq.conf.tables import Table, ensure_table, scan  # noqa: E402
 
 SLICE = 50_000  # rows an append writes, as the ingest's batches would
 
@@ -52,11 +52,8 @@ def measure(tmp: Path, how: str) -> dict:
         held = Releaser(settings, settings.topic("jobs"))
         held.refresh()
         rows = len(held.pending)
-    else:
-        from deltalake import DeltaTable
-
-        held = DeltaTable(ensure_table(settings.warehouse, Table.BUFFER, "jobs"))
-        held = held.to_pyarrow_table()
+    else:  # read as every reader of the tables here reads them (`conf.tables.scan`)
+        held = scan(ensure_table(settings.warehouse, Table.BUFFER, "jobs"), Table.BUFFER)
         rows = held.num_rows
     seconds = time.monotonic() - began
     gc.collect()
