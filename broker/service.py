@@ -87,6 +87,10 @@ DUTY_PERIOD_S = 0.05
 # How long a stop waits for a load to end: it checks between slices of rows, but a read
 # of the warehouse it waits on ends when the object store answers.
 LOAD_STOP_WAIT_S = 10.0
+# How long a stop waits for the duties, all of them together: each checks the stop
+# between steps, but a step under way (a retention rewrite, a checkpoint's Delta commit)
+# ends when the warehouse answers. One deadline, so four duties cannot hold it four times.
+DUTY_STOP_WAIT_S = 5.0
 CHECKPOINT_PERIOD_S = 1.0
 # A ledger tag of another Raft history is taken over only if the ledger had no commit
 # for this long (read twice this far apart otherwise): a live cluster's checkpoints,
@@ -445,8 +449,15 @@ class Broker:
             if self._loader.is_alive():
                 log.warning("the load did not stop within %.0f s", LOAD_STOP_WAIT_S)
                 return
+        deadline = time.monotonic() + DUTY_STOP_WAIT_S
         for t in self._threads:
-            t.join(5)
+            t.join(max(0.0, deadline - time.monotonic()))
+        if running := [t.name for t in self._threads if t.is_alive()]:
+            log.warning(
+                "duties still running %.1f s into the stop, left to end with the process: %s",
+                DUTY_STOP_WAIT_S,
+                ", ".join(running),
+            )
         if self.raft is not None:
             self.raft.destroy()
         for index in self.indexes.values():

@@ -4772,3 +4772,37 @@ def test_a_settling_request_by_ids_commits_their_receipts(tmp_path: Path) -> Non
     assert extended == [2, {}]
     assert acked == [2, {"nope": Refusal.NOT_LEASED}]
     assert nacked == [1, {"m0": Refusal.SETTLED}]
+
+
+def test_a_stop_waits_for_its_duties_once_all_together_not_once_each(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Duties caught in a step the stop cannot cut short (a warehouse that does not
+    answer: two threads standing in for duties blocked in a read, since a real object
+    store cannot be made to hang here) hold a stop for DUTY_STOP_WAIT_S in all, not that
+    long each; the warning names them."""
+    from dejaq.broker import service
+
+    monkeypatch.setattr(service, "DUTY_STOP_WAIT_S", 1.5)
+    answers = threading.Event()
+    stopping: list[float] = []
+
+    async def scenario(broker: Any) -> None:
+        for name in ("stuck_retention", "stuck_checkpoint"):
+            t = threading.Thread(target=answers.wait, args=(60,), name=name, daemon=True)
+            t.start()
+            broker._threads.append(t)
+        stopping.append(time.monotonic())
+
+    try:
+        with caplog.at_level(logging.WARNING, "dejaq.broker"):
+            on_one_node(tmp_path, scenario)
+        took = time.monotonic() - stopping[0]
+    finally:
+        answers.set()
+    said = [r.getMessage() for r in caplog.records if "into the stop" in r.getMessage()]
+    assert said == [
+        "duties still running 1.5 s into the stop, left to end with the process: "
+        "stuck_retention, stuck_checkpoint"
+    ], said
+    assert 1.5 <= took < 2.7, f"{took:.2f} s: one wait of 1.5 s for both, not 1.5 s each"
