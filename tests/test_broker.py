@@ -1639,6 +1639,48 @@ def test_a_trim_that_fails_after_the_ledger_write_is_a_checkpoint_failure(
     assert said[1][1].startswith("checkpoints work again after "), said
 
 
+def test_a_trim_not_committed_as_its_node_stops_leading_is_no_checkpoint_failure(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader change cuts a round's trim off (PySyncObj fails the pending command): the
+    next leader trims those events, so the round is no failure, counted, alerted or
+    logged as an error. A stand-in fails the trim and ends this node's lead (`leading`),
+    as a leader change would: a one-node cluster cannot lose its lead."""
+    from dejaq.broker import service
+    from dejaq.broker.state.raft import NotCommitted
+
+    committed = service.committed
+    cut: list[bool] = []
+
+    async def scenario(broker: Any) -> tuple[int, int]:
+        def trim_cut(method: Callable[..., Any], *args: Any, **waits: Any) -> Any:
+            if args[1:2] == ("trim",):
+                broker.raft.leading = lambda: False
+                cut.append(True)
+                raise NotCommitted("the leader changed")
+            return committed(method, *args, **waits)
+
+        monkeypatch.setattr(service, "committed", trim_cut)
+        health, st = broker.checkpoint_health["jobs"], broker.state("jobs")
+        await _until(lambda: broker.ready()[0], "the node ready")
+        leased = json.loads(await broker.lease("jobs", "w", 3, 60_000, 0))
+        await broker.settle("jobs", "ack", "w", [m["id"] for m in leased])
+        await _until(lambda: cut, "the trim cut off")
+        return health.failures, len(st.events)
+
+    with caplog.at_level(logging.INFO, "dejaq.broker"):
+        failures, events = on_one_node(tmp_path, scenario)
+    assert failures == 0
+    assert events > 0, "not trimmed here: the next leader's checkpoint trims them"
+    said = [(r.levelno, r.getMessage()) for r in caplog.records if "trim of jobs" in r.getMessage()]
+    assert said == [
+        (
+            logging.INFO,
+            "trim of jobs not committed, this node no longer leading: the leader changed",
+        )
+    ], said
+
+
 def test_checkpoints_failing_are_reported_while_the_node_leads_only(tmp_path: Path) -> None:
     """Only the leader checkpoints: a node whose checkpoints failed for minutes while it
     led and that then stopped leading (a stand-in for `leading`) reports them neither in
