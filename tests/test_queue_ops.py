@@ -27,7 +27,7 @@ from test_broker import (
 )
 
 from dejaq.broker.state.handles import handles_in, mh, mhs, packed
-from dejaq.broker.state.leases import Refusal, TopicState, retry_delay
+from dejaq.broker.state.leases import CLOCK_BEHIND_MS, Refusal, TopicState, retry_delay
 from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf.settings import TopicConfig
@@ -113,6 +113,32 @@ def test_the_rate_limit_grants_what_accrued_and_the_leader_sizes_picks_by_it() -
     assert s.lease_budget(now + 300, 10) == 3
     got = s.lease("c", now + 300, 1000, [(f"b{i}", 0, 1) for i in range(5)], 10)
     assert len(got) == 3
+
+
+def test_a_leader_whose_clock_is_far_behind_refills_the_rate_limit_from_its_own_time() -> None:
+    """A leader whose clock ran an hour ahead emptied the bucket; the next leader's clock
+    is right. Its first lease moves the refill's time back to its own clock (its budget
+    at least one, for the leader to commit it), and the bucket refills at the rate from
+    there on, where it would otherwise refill nothing for the hour: a stalled topic."""
+    s = one_bucket_state()
+    ahead, now, hour = 10**12 + 3_600_000, 10**12, 3_600_000
+    assert len(s.lease("c", ahead, hour, [(f"a{i}", 0, 1) for i in range(10)], 10)) == 10
+    assert s.lease_budget(ahead, 10) == 0, "the bucket empty at the fast clock's time"
+    assert s.lease_budget(now, 10) == 1, "the next leader leases, to move the refill back"
+    assert len(s.lease("c", now, hour, [("b0", 0, 1)], 10)) == 0, "nothing refilled yet"
+    assert s.lease_budget(now + 500, 10) == 5, "refilled from its own clock on"
+    assert len(s.lease("c", now + 500, hour, [(f"c{i}", 0, 1) for i in range(9)], 10)) == 5
+    assert s.lease_budget(now + 499, 10) == 0, "stamped a little early: no refill"
+    assert s.lease_budget(now + 500 - CLOCK_BEHIND_MS, 10) == 0, "as far as a reordering"
+    assert s.lease_budget(now + 499 - CLOCK_BEHIND_MS, 10) == 1, "further: another clock"
+
+
+def test_a_rate_limit_tells_a_reordering_from_another_clock_by_how_raft_stamps() -> None:
+    """Leases apply within `STAMPED_WITHIN_MS` of their stamps' order: a stamp further
+    back than CLOCK_BEHIND_MS can only be another leader's clock."""
+    from dejaq.broker.state.raft import STAMPED_WITHIN_MS
+
+    assert STAMPED_WITHIN_MS <= CLOCK_BEHIND_MS
 
 
 def test_retry_delay_doubles_per_delivery_up_to_its_cap() -> None:

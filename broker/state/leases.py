@@ -45,6 +45,11 @@ from dejaq.broker.state.handles import WIDTH, KeyedByHandle, handles_in, mh, pac
 from dejaq.broker.state.settlements import Event, EventLog, Run, Settlement, settlements
 from dejaq.conf.tables import LedgerEvent
 
+# One leader's leases apply within this of the order it stamped them in (a command is
+# logged within `raft.STAMPED_WITHIN_MS` of its stamp): a stamp further behind the rate
+# limit's last refill is another leader's clock, not a reordering.
+CLOCK_BEHIND_MS = 15_000
+
 
 class Refusal(StrEnum):
     """Why a message in an ack, nack, extend or reject was refused (HTTP 409), or why a
@@ -414,7 +419,8 @@ class TopicState:
         allowed = None
         if rate is not None:
             self.tokens = self._tokens_at(now, rate)
-            self.refilled_at = max(self.refilled_at, now)
+            behind = now < self.refilled_at - CLOCK_BEHIND_MS
+            self.refilled_at = now if behind else max(self.refilled_at, now)
             allowed = int(self.tokens)
         owned = self.owned.get(consumer, ())
         redelivered = grant(
@@ -464,13 +470,19 @@ class TopicState:
 
     def lease_budget(self, now: int, rate: float) -> int:
         """How many messages a lease at `now` may take under `rate`: the leader picks no
-        more, so a limited topic does not pick (and put back) what it cannot grant."""
-        return int(self._tokens_at(now, rate))
+        more, so a limited topic does not pick (and put back) what it cannot grant. At
+        least one where `now` is a clock behind the last refill's by more than
+        CLOCK_BEHIND_MS (a new leader's): its lease moves the refill's time back to its
+        own clock (`lease`), and the bucket refills from there, where it would otherwise
+        refill nothing until that clock had caught up, hours perhaps."""
+        budget = int(self._tokens_at(now, rate))
+        return max(budget, 1) if now < self.refilled_at - CLOCK_BEHIND_MS else budget
 
     def _tokens_at(self, now: int, rate: float) -> float:
         """The bucket at `now`: it holds one second's worth (at least 1), as the release
         job's `max_rate`. A leader stamping an earlier time than the last (a new leader
-        whose clock is behind) refills nothing."""
+        whose clock is behind, or leases applied out of their stamps' order) refills
+        nothing."""
         burst = max(rate, 1.0)
         elapsed = max(0, now - self.refilled_at)
         return min(self.tokens + elapsed * rate / 1000, burst)
