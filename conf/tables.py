@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.fs as pafs
-from deltalake import DeltaTable
+from deltalake import ColumnProperties, DeltaTable, WriterProperties
 from deltalake.exceptions import CommitFailedError
 
 from dejaq.conf.delta_log import actions, checkpoint_column, last_checkpoint
@@ -294,6 +294,17 @@ TABLE_PROPERTIES = {
     "delta.logRetentionDuration": LOG_RETENTION,
     "delta.deletedFileRetentionDuration": LOG_RETENTION,
 }
+
+# How delta-rs writes the appends of the tables that grow at the pace of settlements
+# (the ledger, the dead letters). Their ids are mostly unique, so a dictionary (delta-rs's
+# default) is built and spilled for nothing; prefix deltas keep sequential ids as small,
+# and write and read them for less CPU (`bench/id_encoding.py`). Other columns keep the
+# defaults; Parquet readers (Spark's, Arrow's, delta-rs's) read either encoding.
+APPEND_PROPERTIES = WriterProperties(
+    column_properties={
+        "message_id": ColumnProperties(dictionary_enabled=False, encoding="DELTA_BYTE_ARRAY")
+    }
+)
 
 
 def is_broker_app_id(app_id: str) -> bool:

@@ -43,6 +43,7 @@ from pyspark.sql.streaming import StreamingQuery
 from dejaq.conf.kafka_clients import close_producer, python_source_options
 from dejaq.conf.settings import ConfigError, Delivery, Settings, TopicConfig, TopicKind
 from dejaq.conf.tables import (
+    APPEND_PROPERTIES,
     BROKER_APP_ID,
     BUFFER_SCHEMA,
     DEAD_LETTER_SCHEMA,
@@ -585,6 +586,7 @@ class Releaser:
             self.ledger_path,
             rows,
             mode="append",
+            writer_properties=APPEND_PROPERTIES,
             commit_properties=CommitProperties(
                 app_transactions=[Transaction(self.app_id, batch_id)],
                 custom_metadata={"dejaq.appId": self.app_id, "dejaq.batchId": str(batch_id)},
@@ -629,7 +631,7 @@ class Releaser:
             [(r["message_id"], r["reason"]) for r in letters[:10]],
         )
         table = pa.Table.from_pylist(letters, schema=DEAD_LETTER_SCHEMA)
-        write_deltalake(path, table, mode="append")
+        write_deltalake(path, table, mode="append", writer_properties=APPEND_PROPERTIES)
 
     def run_retention(self) -> RetentionRun | None:
         """Remove the messages settled more than `settled_retention_ms` ago from the

@@ -189,3 +189,33 @@ def test_a_commit_to_a_table_spark_gave_row_tracking_fails_at_once_by_name(
     with pytest.raises(UnsupportedTable, match=refused(path, "rowTracking")):
         commit(target, write_files(target, buffer_rows(5)), "append", ("ingest", 0))
     assert not [r for r in caplog.records if "lost its commit" in r.getMessage()]
+
+
+def test_the_ledger_as_the_broker_appends_it_is_read_alike_by_spark_and_delta_rs(
+    spark: SparkSession, warehouse: str
+) -> None:
+    """The broker appends its ledger's ids by prefix deltas, with no dictionary
+    (`APPEND_PROPERTIES`): Spark reads the very rows delta-rs reads, ids included."""
+    from test_broker import TEST_IDS
+    from test_checkpoints import acked
+
+    from dejaq.broker.storage.ledger_writer import write_ledger
+    from dejaq.conf.tables import scan
+
+    for first in (1, 21):
+        write_ledger(
+            warehouse, "orders", [acked(s) for s in range(first, first + 20)], TEST_IDS.names
+        )
+    path = table_path(warehouse, Table.LEDGER, "orders")
+    for uri in DeltaTable(path).file_uris():
+        ids = pq.ParquetFile(uri).metadata.row_group(0).column(0)
+        assert ids.path_in_schema == "message_id"
+        assert "DELTA_BYTE_ARRAY" in ids.encodings and not ids.has_dictionary_page, ids
+    from_rs = scan(path, Table.LEDGER)
+    assert sorted(from_rs["message_id"].to_pylist()) == sorted(f"m{s}" for s in range(1, 41))
+    assert_df_equality(
+        spark.read.format("delta").load(path).select(*LEDGER_SCHEMA.names),
+        spark.createDataFrame(from_rs),
+        ignore_row_order=True,
+        ignore_nullable=True,
+    )

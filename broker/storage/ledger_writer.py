@@ -40,6 +40,7 @@ from dejaq.broker.state.settlements import (
 )
 from dejaq.conf.table_features import refused_commit
 from dejaq.conf.tables import (
+    APPEND_PROPERTIES,
     BROKER_APP_ID,
     DEAD_LETTER_SCHEMA,
     LEDGER_SCHEMA,
@@ -330,7 +331,13 @@ def _append_tagged(
             app_transactions=[Transaction(app, rows.upto)], custom_metadata=rows.metadata
         )
         try:
-            write_deltalake(table, rows.table, mode="append", commit_properties=commit)
+            write_deltalake(
+                table,
+                rows.table,
+                mode="append",
+                commit_properties=commit,
+                writer_properties=APPEND_PROPERTIES,
+            )
             return rows.upto
         except CommitFailedError as e:
             refused_commit(path, e)
