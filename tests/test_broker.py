@@ -793,6 +793,26 @@ def test_an_idle_long_poll_looks_again_when_its_topic_changes_not_on_a_timer(
     assert took < 15, "each poll answered by its change, not at its 20 s end"
 
 
+def on_a_timeline_node(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    prefix: str,
+    scenario: Callable[[Any], Awaitable[T]],
+) -> T:
+    """Run `scenario` with a one-node broker over a timeline topic "later" holding one
+    message due long ago (`prefix`0), its idle poll step set past any test's length:
+    only a due time or a change of the topic answers a waiting poll."""
+    from dejaq.broker import service
+    from dejaq.conf.settings import Settings
+    from dejaq.jobs.ports import free_port
+
+    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
+    warehouse = str(tmp_path / "warehouse")
+    fill(warehouse, "later", buffer_rows([1], lambda i: 0, prefix, timeline=True))
+    settings = Settings(warehouse=warehouse, topics=[topic_conf("later", "timeline")])
+    return run_node(settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario)
+
+
 def test_a_timeline_poll_sleeps_until_its_next_message_is_due(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -800,30 +820,21 @@ def test_a_timeline_poll_sleeps_until_its_next_message_is_due(
     the next one is due, not every few milliseconds until then, and leases it then,
     never before. The idle step is set past the test's length: only the due time can
     answer the poll."""
-
-    from dejaq.broker import service
     from dejaq.broker.service import now_ms
-    from dejaq.conf.settings import Settings
-    from dejaq.jobs.ports import free_port
-
-    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
-    warehouse = str(tmp_path / "warehouse")
-    fill(warehouse, "later", buffer_rows([1], lambda i: 0, "past", timeline=True))
-    settings = Settings(warehouse=warehouse, topics=[topic_conf("later", "timeline")])
 
     async def scenario(broker: Any) -> tuple[list[str], int, int, int]:
         assert len(json.loads(await broker.lease("later", "w", 1, 60_000, 0))) == 1
         index = broker.indexes["later"]
         due = now_ms() + 1_500
-        fill(warehouse, "later", buffer_rows([due], lambda i: 0, "n", timeline=True))
+        fill(
+            broker.settings.warehouse, "later", buffer_rows([due], lambda i: 0, "n", timeline=True)
+        )
         await _until(lambda: index.row("n0") is not None, "the row indexed")
         picks = picks_counted(index)
         leased = json.loads(await broker.lease("later", "w", 1, 60_000, 20_000))
         return [m["id"] for m in leased], now_ms(), due, len(picks)
 
-    leased, at, due, picks = run_node(
-        settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario
-    )
+    leased, at, due, picks = on_a_timeline_node(tmp_path, monkeypatch, "past", scenario)
     assert leased == ["n0"]
     assert at >= due, "never before its deliver_at"
     assert picks <= 3, f"{picks} picks while it was not due"
@@ -864,15 +875,6 @@ def test_a_poll_on_a_paused_topic_waits_for_its_resume_not_a_timer(
     cannot make it leasable), and leases it once the topic is resumed."""
     import asyncio
 
-    from dejaq.broker import service
-    from dejaq.conf.settings import Settings
-    from dejaq.jobs.ports import free_port
-
-    monkeypatch.setattr(service, "IDLE_POLL_STEP_S", 600.0)
-    warehouse = str(tmp_path / "warehouse")
-    fill(warehouse, "later", buffer_rows([1], lambda i: 0, "due", timeline=True))
-    settings = Settings(warehouse=warehouse, topics=[topic_conf("later", "timeline")])
-
     async def scenario(broker: Any) -> tuple[int, list[str]]:
         await broker.pause("later", True)
         picks = picks_counted(broker.indexes["later"])
@@ -883,9 +885,7 @@ def test_a_poll_on_a_paused_topic_waits_for_its_resume_not_a_timer(
         await broker.pause("later", False)
         return paused_picks, [m["id"] for m in json.loads(await poll)]
 
-    paused_picks, leased = run_node(
-        settings, f"127.0.0.1:{free_port()}", tmp_path / "node", scenario
-    )
+    paused_picks, leased = on_a_timeline_node(tmp_path, monkeypatch, "due", scenario)
     assert paused_picks <= 2, f"{paused_picks} picks in a paused second"
     assert leased == ["due0"]
 
