@@ -419,8 +419,7 @@ class TopicState:
         allowed = None
         if rate is not None:
             self.tokens = self._tokens_at(now, rate)
-            behind = now < self.refilled_at - CLOCK_BEHIND_MS
-            self.refilled_at = now if behind else max(self.refilled_at, now)
+            self.refilled_at = now if self._clock_behind(now) else max(self.refilled_at, now)
             allowed = int(self.tokens)
         owned = self.owned.get(consumer, ())
         redelivered = grant(
@@ -476,7 +475,12 @@ class TopicState:
         own clock (`lease`), and the bucket refills from there, where it would otherwise
         refill nothing until that clock had caught up, hours perhaps."""
         budget = int(self._tokens_at(now, rate))
-        return max(budget, 1) if now < self.refilled_at - CLOCK_BEHIND_MS else budget
+        return max(budget, 1) if self._clock_behind(now) else budget
+
+    def _clock_behind(self, now: int) -> bool:
+        """Whether a lease stamped `now` is another leader's clock, behind the last
+        refill's by more than any reordering of one leader's leases (CLOCK_BEHIND_MS)."""
+        return now < self.refilled_at - CLOCK_BEHIND_MS
 
     def _tokens_at(self, now: int, rate: float) -> float:
         """The bucket at `now`: it holds one second's worth (at least 1), as the release
