@@ -735,15 +735,13 @@ class Broker:
             self._checkpoints[name] += 1
         except Halted:  # the node stops: its next leader checkpoints these events
             return
-        except NotCommitted as e:
-            if not self.raft.leading():  # the next leader trims these events: no failure
-                log.info("%s not committed, this node no longer leading: %s", step, e)
-                return
-            health.failed(step, e, [])
-            return
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as e:  # a panic in the core too: the thread must go on
+            if isinstance(e, NotCommitted) and not self.raft.leading():
+                # A leader change cut it off: the next leader trims these events.
+                log.info("%s not committed, this node no longer leading: %s", step, e)
+                return
             health.failed(step, e, [])
             return
         if not keep:
