@@ -37,6 +37,7 @@ from dejaq.broker.state.leases import (
     consecutive,
 )
 from dejaq.broker.state.raft import BrokerState
+from dejaq.broker.state.settlements import Run
 
 MIDS = [f"m{i}" for i in range(6)]
 
@@ -636,9 +637,9 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
 ) -> None:
     """Leases and acks by receipt are applied by the compiled core (`TRANSITIONS`), the
     rest, and their rarer cases (a new consumer, a paused or rate-limited topic, picks as
-    a list, acks by id or of a whole lease), by `BrokerState._apply`; a lease carrying
-    its request's id ends a run of the core's, and one of the consumer's last request is
-    answered by `_apply`. A history of group commits applied that way and one command at
+    a list, acks by id, a bulk ack of a run its consumer does not hold), by
+    `BrokerState._apply`; a lease carrying its request's id ends a run of the core's,
+    and one of the consumer's last request is answered by `_apply`. A history of group commits applied that way and one command at
     a time by `_apply` alone leaves two nodes with the same results and the same state,
     to the byte of their snapshots."""
     core, python = (BrokerState([topic_conf("t", buckets=2)], 3, NoIndex()) for _ in range(2))
@@ -693,6 +694,52 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
         assert snapshot(core.topics["t"]) == snapshot(python.topics["t"]), commands
         assert core.topics["t"].leased.keys() == python.topics["t"].leased.keys()
         assert core.topics["t"].ending == python.topics["t"].ending
+
+
+@pytest.mark.parametrize("form", ["range", "list"])
+def test_a_whole_lease_acked_in_a_group_commit_is_settled_by_the_core_as_one_run(
+    form: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker acking its whole batch sends a lease's receipts in order, which the
+    leader carries as a range (`consecutive`): the core settles them as one `Run` event,
+    as `TopicState._ack_run` does, without a Python step (`TopicState.ack` is not
+    called). A node applying the same commands one at a time in Python ends in the same
+    state, to the byte of its snapshot. The same run acked by a consumer that does not
+    hold it is handed to Python, which refuses it one receipt at a time."""
+    mids = [f"w{i}" for i in range(BULK_MIN + 4)]
+    core, python = (BrokerState([topic_conf("t", buckets=4)], 3, NoIndex()) for _ in range(2))
+    picks = [(m, i % 4, i) for i, m in enumerate(mids)]
+    for node in (core, python):
+        node._apply("t", "touch", ("c", 0))  # the one member: it owns every bucket
+        node.topics["t"].sort_keys[mh(mids[1])] = 1  # a nack's new key, dropped on ack
+    lease = ("t", "lease", ("c", 1, 1_000, packed(picks), None, True, 0))
+    [record] = core.batch([lease], _doApply=True)
+    by_python(python, [lease])
+    receipts = [record.receipt(p) for p in range(len(record))]
+    assert len(receipts) == len(mids)
+    named = consecutive(receipts) if form == "range" else receipts
+    assert type(named) is (range if form == "range" else list)
+    other = ("t", "ack", ("d", 2, [], named))
+    whole = ("t", "ack", ("c", 3, [], named))
+
+    def in_python(*args: object) -> None:
+        raise NotImplementedError("an ack handed to Python")
+
+    with monkeypatch.context() as m:
+        m.setattr(TopicState, "ack", in_python)
+        [by_other, by_holder] = core.batch([other, whole], _doApply=True)
+    assert type(by_other) is NotImplementedError, "another consumer's: Python refuses it"
+    assert by_holder == {} and by_python(python, [whole]) == [{}]
+    [refused] = core.batch([other], _doApply=True)
+    assert [refused] == by_python(python, [other])
+    assert set(refused.values()) == {Refusal.SETTLED}, "acked by its holder already"
+    s = core.topics["t"]
+    [run] = [e for e in s.events.view() if type(e) is Run]
+    assert (run.seq, len(run.buckets), run.at) == (1, len(mids), 3)
+    assert (s.seq, s.totals["acked"], s.leased, s.sort_keys) == (len(mids), len(mids), {}, {})
+    assert s.consumers["c"] == 3 and not any(s.held.values())
+    assert snapshot(s) == snapshot(python.topics["t"])
+    assert s.ending == python.topics["t"].ending
 
 
 def asked(consumer: str, now: int, picks: list[tuple[str, int, int]], request: str) -> tuple:

@@ -113,7 +113,7 @@ BULK_MIN = 16
 
 # Lease and ack by receipt as the compiled core applies them for a group commit
 # (`BrokerState.batch`), with the objects they name.
-TRANSITIONS = Transitions(LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN)
+TRANSITIONS = Transitions(LedgerEvent.ACKED, _REFUSAL_OF, Refusal.NOT_LEASED, BULK_MIN, Run)
 
 
 @dataclass(frozen=True, slots=True)
@@ -611,8 +611,8 @@ class TopicState:
         message has no delay and no count outside its lease, so only an override (a
         nack's new priority) is left to drop. An acked message stays in `leases`, marked
         ACKED in its record, until the trim of its event: no table by id is written.
-        A group commit has the core apply an ack by fewer receipts than `BULK_MIN`
-        (`TRANSITIONS`), the same steps.
+        A group commit has the core apply an ack by receipts (`TRANSITIONS`), the
+        same steps: a run in bulk, or fewer receipts than `BULK_MIN` one by one.
         """
         bulk = receipts is not None and len(receipts) >= BULK_MIN
         if bulk and (record := self._run_of(consumer, now, receipts)) is not None:

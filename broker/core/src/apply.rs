@@ -3,7 +3,9 @@
 //! be a dispatch and a transition of some 50 Python lines, ~2.5 µs on every node for
 //! every message, against ~1.7 here (`bench/broker_costs.py` has the figures). The
 //! others, and these where a rarer case applies (a new consumer, a paused topic, a lease
-//! rate, an ack by ids or of a whole lease), are handed to `BrokerState._apply`. Both
+//! rate, an ack by ids, a bulk ack of a run its consumer does not hold), are handed to
+//! `BrokerState._apply`. A whole lease's ack, which a worker sends for its batch, is
+//! settled here as one `Run` event, as `TopicState._ack_run` settles it. Both
 //! ways change the state alike, step for step, as `TopicState.lease` and
 //! `TopicState.ack` say; the tests apply random commands both ways and compare the
 //! states.
@@ -29,6 +31,10 @@ pub struct Transitions {
     not_leased: Py<PyAny>,
     /// Receipts from which an ack takes the bulk path (`TopicState._ack_run`).
     bulk_min: usize,
+    /// `settlements.Run`, the event of a bulk ack.
+    run: Py<PyAny>,
+    /// `range`, as `leases.consecutive` carries a whole lease's receipts.
+    range: Py<PyAny>,
 }
 
 /// An attribute of a plain Python object, read from its `__dict__`.
@@ -397,8 +403,10 @@ impl Transitions {
         Ok(Some(record.into_any()))
     }
 
-    /// `TopicState.ack` by fewer receipts than a bulk ack takes, on the topic `t`, or
-    /// None where `_apply` must (ids, a bulk ack, receipts that are not small ints).
+    /// `TopicState.ack` by receipts on the topic `t`: a whole run of one lease's in
+    /// bulk (`_ack_run`), others one by one, fewer than a bulk ack takes. None where
+    /// `_apply` must (ids, receipts that are not small ints, a bulk ack that is not one
+    /// lease's run held by the consumer).
     fn ack<'py>(
         &self,
         t: &mut Topic<'py>,
@@ -407,10 +415,17 @@ impl Transitions {
         let py = args.py();
         let receipts = args.get_item(3)?;
         let consumer = args.get_item(0)?;
-        let (Ok(receipts), Ok(consumer)) = (
-            receipts.downcast_into::<PyList>(),
+        let now_obj = args.get_item(1)?;
+        let (Ok(consumer), Ok(now)) = (
             consumer.downcast_into::<PyString>(),
+            now_obj.extract::<i64>(),
         ) else {
+            return Ok(None);
+        };
+        if let Some((first, n)) = self.run_named(&receipts)? {
+            return self.ack_run(t, &consumer, &now_obj, now, first, n);
+        }
+        let Ok(receipts) = receipts.downcast_into::<PyList>() else {
             return Ok(None);
         };
         if receipts.len() >= self.bulk_min {
@@ -423,10 +438,6 @@ impl Transitions {
         {
             Ok(keys) if keys.iter().all(|&k| k >= 0) => keys,
             _ => return Ok(None),
-        };
-        let now_obj = args.get_item(1)?;
-        let Ok(now) = now_obj.extract::<i64>() else {
-            return Ok(None);
         };
         let who = consumer.to_str()?;
         let refused = PyDict::new(py);
@@ -468,13 +479,131 @@ impl Transitions {
                 t.sort_keys.del_item(handle)?;
             }
         }
-        if let Some(seen) = t.consumers.get_item(&consumer)? {
-            if seen.extract::<i64>()? < now {
-                t.consumers.set_item(&consumer, &now_obj)?;
-            }
-        }
+        seen(t, &consumer, &now_obj, now)?;
         Ok(Some(refused.into_any()))
     }
+
+    /// (first, n) where `receipts` are n consecutive receipts from `first`, at least a
+    /// bulk ack's: a `range` of step 1, as the leader carries a whole lease's, or a list.
+    fn run_named(&self, receipts: &Bound<'_, PyAny>) -> PyResult<Option<(i64, usize)>> {
+        let py = receipts.py();
+        let n = if receipts.get_type().is(self.range.bind(py)) {
+            if receipts.getattr(intern!(py, "step"))?.extract::<i64>()? != 1 {
+                return Ok(None);
+            }
+            receipts.len()?
+        } else if let Ok(list) = receipts.downcast::<PyList>() {
+            list.len()
+        } else {
+            return Ok(None);
+        };
+        if n < self.bulk_min {
+            return Ok(None);
+        }
+        let Ok(first) = receipts.get_item(0)?.extract::<i64>() else {
+            return Ok(None);
+        };
+        if first < 0 {
+            return Ok(None);
+        }
+        if let Ok(list) = receipts.downcast::<PyList>() {
+            for (i, r) in list.iter().enumerate() {
+                if r.extract::<i64>().ok() != first.checked_add(i as i64) {
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some((first, n)))
+    }
+
+    /// `TopicState._ack_run`: positions of one lease from `first`'s, `n` of them, all
+    /// held by `consumer`, acked as one `Run` event; None where they are not (`_apply`
+    /// refuses them one by one).
+    fn ack_run<'py>(
+        &self,
+        t: &mut Topic<'py>,
+        consumer: &Bound<'py, PyString>,
+        now_obj: &Bound<'py, PyAny>,
+        now: i64,
+        first: i64,
+        n: usize,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = consumer.py();
+        let Some(record) = t.records.get_item(first >> POSITION_BITS)? else {
+            return Ok(None);
+        };
+        let record = record.downcast_into::<LeaseRecord>()?;
+        let start = (first & ((1 << POSITION_BITS) - 1)) as usize;
+        if !record
+            .borrow()
+            .run_held(py, start, n, consumer.to_str()?, now)?
+        {
+            return Ok(None);
+        }
+        let (lid, live, per_bucket) = {
+            let mut r = record.borrow_mut();
+            let live = r.end_run(start, n, ACKED)?;
+            (r.number(), live, r.run_buckets(start, start + n))
+        };
+        let last = t.seq + n as i64;
+        if live == 0 {
+            t.leased.del_item(lid)?;
+            t.ending_append.call1(((last, lid),))?;
+        }
+        for (bucket, count) in per_bucket {
+            hold_in(
+                &t.held,
+                bucket.into_pyobject(py)?.as_any(),
+                count,
+                consumer,
+                -1,
+            )?;
+        }
+        let columns = LeaseRecord::columns(&record, start, start + n)?;
+        let (handles, buckets, keys, deliveries) = (
+            columns.get_item(0)?,
+            columns.get_item(1)?,
+            columns.get_item(2)?,
+            columns.get_item(3)?,
+        );
+        let acked = self.acked.bind(py);
+        let event = (
+            t.seq + 1,
+            handles,
+            buckets,
+            acked,
+            keys,
+            deliveries,
+            now_obj,
+        );
+        t.entries.append(self.run.bind(py).call1(event)?)?;
+        if !t.sort_keys.is_empty() {
+            for &handle in record.borrow().run_handles(start, start + n) {
+                if t.sort_keys.contains(handle)? {
+                    t.sort_keys.del_item(handle)?;
+                }
+            }
+        }
+        t.seq = last;
+        t.tally(Tally::Acked, n as i64, acked)?;
+        seen(t, consumer, now_obj, now)?;
+        Ok(Some(PyDict::new(py).into_any()))
+    }
+}
+
+/// `TopicState._seen`: a settle is a sign of life of a member.
+fn seen<'py>(
+    t: &Topic<'py>,
+    consumer: &Bound<'py, PyString>,
+    now_obj: &Bound<'py, PyAny>,
+    now: i64,
+) -> PyResult<()> {
+    if let Some(seen) = t.consumers.get_item(consumer)? {
+        if seen.extract::<i64>()? < now {
+            t.consumers.set_item(consumer, now_obj)?;
+        }
+    }
+    Ok(())
 }
 
 #[pymethods]
@@ -485,13 +614,17 @@ impl Transitions {
         refusal_of: Py<PyTuple>,
         not_leased: Py<PyAny>,
         bulk_min: usize,
-    ) -> Self {
-        Self {
+        run: Py<PyAny>,
+        py: Python<'_>,
+    ) -> PyResult<Self> {
+        Ok(Self {
             acked,
             refusal_of,
             not_leased,
             bulk_min,
-        }
+            run,
+            range: py.import("builtins")?.getattr("range")?.unbind(),
+        })
     }
 
     /// `BrokerState.batch`: each of `commands` (topic, op, args) applied in order, its

@@ -161,6 +161,30 @@ impl LeaseRecord {
         })
     }
 
+    /// The message handles of positions start..end (which the record holds).
+    pub(crate) fn run_handles(&self, start: usize, end: usize) -> &[u128] {
+        &self.handles[start..end]
+    }
+
+    /// Each bucket of positions start..end with how many of them it holds, in the
+    /// order each first appears, as `buckets.count_buckets` counts a run's column.
+    pub(crate) fn run_buckets(&self, start: usize, end: usize) -> Vec<(u16, i64)> {
+        let run = &self.granted[start..end];
+        let top = run.iter().map(|g| g.bucket).max().unwrap_or(0);
+        let mut counts = vec![0i64; usize::from(top) + 1];
+        let mut seen: Vec<u16> = Vec::new();
+        for g in run {
+            let count = &mut counts[usize::from(g.bucket)];
+            if *count == 0 {
+                seen.push(g.bucket);
+            }
+            *count += 1;
+        }
+        (seen.into_iter())
+            .map(|b| (b, counts[usize::from(b)]))
+            .collect()
+    }
+
     /// The granted picks, as `grant` found them: every position leased.
     pub(crate) fn fill(&mut self, handles: Vec<u128>, granted: Vec<Granted>) {
         self.live = granted.len();
@@ -399,7 +423,7 @@ impl LeaseRecord {
 
     /// Whether positions start..start+n are all leased by `consumer` before their
     /// (common) deadline: a run an ack settles in bulk.
-    fn run_held(
+    pub(crate) fn run_held(
         &self,
         py: Python<'_>,
         start: usize,
@@ -415,7 +439,7 @@ impl LeaseRecord {
     }
 
     /// End positions start..start+n, all leased, with `how`: how many are still leased.
-    fn end_run(&mut self, start: usize, n: usize, how: u8) -> PyResult<usize> {
+    pub(crate) fn end_run(&mut self, start: usize, n: usize, how: u8) -> PyResult<usize> {
         if how == 0 || start + n > self.granted.len() {
             return Err(PyValueError::new_err("no such run in the lease"));
         }
@@ -431,7 +455,7 @@ impl LeaseRecord {
     /// Positions start..end as (handles, buckets, sort keys, deliveries): a settled
     /// run's columns (`settlements.Run`), the handles packed 16 bytes each, the rest
     /// `array`s.
-    fn columns<'py>(
+    pub(crate) fn columns<'py>(
         slf: &Bound<'py, Self>,
         start: usize,
         end: usize,
