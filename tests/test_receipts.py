@@ -639,9 +639,9 @@ def test_the_core_applies_a_group_commit_as_the_python_transitions_do(
     rest, and their rarer cases (a new consumer, a paused or rate-limited topic, picks as
     a list, acks by id, a bulk ack of a run its consumer does not hold), by
     `BrokerState._apply`; a lease carrying its request's id ends a run of the core's,
-    and one of the consumer's last request is answered by `_apply`. A history of group commits applied that way and one command at
-    a time by `_apply` alone leaves two nodes with the same results and the same state,
-    to the byte of their snapshots."""
+    and one of the consumer's last request is answered by `_apply`. A history of group
+    commits applied that way and one command at a time by `_apply` alone leaves two
+    nodes with the same results and the same state, to the byte of their snapshots."""
     core, python = (BrokerState([topic_conf("t", buckets=2)], 3, NoIndex()) for _ in range(2))
     for node in (core, python):
         node._apply("t", "touch", ("c", 0))
