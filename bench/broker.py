@@ -72,7 +72,6 @@ import itertools
 import json
 import multiprocessing as mp
 import os
-import platform
 import re
 import secrets
 import ssl
@@ -93,6 +92,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # This file is bench/broker.py: keep its folder off the path, or it shadows the package.
 sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 
+from bench.machine import machine  # noqa: E402
 
 _CONTENT_LENGTH = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
 
@@ -1186,12 +1186,7 @@ def main() -> int:
                     "target": "leader",
                 },
                 "setup_seconds": setup,
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                },
+                "machine": machine(),
             }
         )
     )

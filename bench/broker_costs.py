@@ -30,8 +30,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
-import platform
 import secrets
 import sys
 import tempfile
@@ -47,6 +45,7 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 
 from test_broker import buffer_rows, fill  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.broker.api.hotpath import _ack_args, _lease_args, _parsed  # noqa: E402
 from dejaq.broker.service import GC_YOUNG_OBJECTS, TRIM_SLICE, trim_cuts  # noqa: E402
 from dejaq.broker.state import raft  # noqa: E402
@@ -362,11 +361,7 @@ def main() -> int:
                     "checkpoint_events": args.checkpoint_events,
                     "trim_slice": TRIM_SLICE,
                 },
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "platform": platform.platform(),
-                },
+                "machine": machine(),
             }
         )
     )

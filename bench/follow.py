@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib.util
 import json
 import statistics
 import sys
@@ -39,12 +38,9 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
 from test_broker import buffer_rows  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table  # noqa: E402
 from dejaq.pipelines.delta_follower import DeltaFollower  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("growth_bench", ROOT / "bench" / "growth.py")
-growth = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(growth)
 
 BUCKETS = 16
 
@@ -104,7 +100,7 @@ def main() -> int:
     report = {
         "benchmark": "follow",
         "date": dt.date.today().isoformat(),
-        "machine": growth.machine(),
+        "machine": machine(),
         "parameters": {
             "history": args.history,
             "behind": args.behind,

@@ -41,7 +41,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -58,6 +57,7 @@ import yaml  # noqa: E402
 from deltalake import write_deltalake  # noqa: E402
 from test_broker import fill  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.client import Client  # noqa: E402
 from dejaq.conf.settings import (  # noqa: E402
     BrokerConfig,
@@ -341,24 +341,6 @@ def ratios(cells: list[dict[str, Any]]) -> dict[str, Any]:
                 )
             }
     return out
-
-
-def machine() -> dict[str, Any]:
-    model = next(
-        (
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        ),
-        platform.processor() or platform.machine(),
-    )
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-    }
 
 
 def progress(line: str) -> None:

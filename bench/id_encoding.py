@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -36,6 +34,7 @@ import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 from deltalake import WriterProperties, write_deltalake  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.conf.tables import APPEND_PROPERTIES, LEDGER_SCHEMA, TIMESTAMP, Table, scan  # noqa: E402
 
 WAYS: dict[str, WriterProperties | None] = {"delta_rs_default": None, "dejaq": APPEND_PROPERTIES}
@@ -113,12 +112,7 @@ def main() -> int:
                 "benchmark": "ledger appends: the id column's encoding",
                 "shapes": shapes,
                 "parameters": {"rows": args.rows, "appends": args.appends, "rounds": args.rounds},
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                },
+                "machine": machine(),
                 "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             }
         )

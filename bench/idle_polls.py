@@ -22,7 +22,6 @@ import asyncio
 import datetime as dt
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -36,6 +35,7 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 
 from test_broker import buffer_rows, fill  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.jobs import cluster  # noqa: E402
 from dejaq.jobs.cluster import Node  # noqa: E402
 
@@ -159,7 +159,7 @@ def main() -> int:
     report = {
         "benchmark": "idle_polls",
         "date": dt.date.today().isoformat(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine(),
         "parameters": {"polls": args.polls, "seconds": args.seconds, "wait_ms": WAIT_MS},
         "phases": [idle, *polled.values()],
         "leader_core_share_beyond_idle": {k: round(v, 4) for k, v in beyond.items()},

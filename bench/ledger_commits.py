@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
-import platform
 import sys
 import tempfile
 import time
@@ -33,6 +31,7 @@ sys.path[:1] = [str(ROOT)]
 
 from deltalake import DeltaTable  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.broker.state.handles import handles_in, mhs, packed  # noqa: E402
 from dejaq.broker.state.settlements import Run  # noqa: E402
 from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, write_ledger  # noqa: E402
@@ -134,12 +133,7 @@ def main() -> int:
                 ),
                 "ledger_rows_per_round": rows,
                 "parameters": vars(args),
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                },
+                "machine": machine(),
                 "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             }
         )

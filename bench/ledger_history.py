@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import importlib.util
 import json
 import statistics
 import sys
@@ -56,13 +55,10 @@ from deltalake import (  # noqa: E402
     write_deltalake,
 )
 
+from bench.machine import machine  # noqa: E402
 from dejaq.conf.tables import LEDGER_SCHEMA, TIMESTAMP, Table, ensure_table  # noqa: E402
 from dejaq.pipelines.log_compaction import SEAL_AGE_MS, seal  # noqa: E402
 from dejaq.pipelines.retention import ledger_tail  # noqa: E402
-
-_spec = importlib.util.spec_from_file_location("growth_bench", ROOT / "bench" / "growth.py")
-growth = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(growth)
 
 TOPIC = "history"
 HOUR_MS = 3600 * 1000
@@ -205,7 +201,7 @@ def main() -> int:
     report = {
         "benchmark": "ledger_history",
         "date": dt.date.today().isoformat(),
-        "machine": growth.machine(),
+        "machine": machine(),
         "parameters": {
             "files": sizes,
             "file_events": FILE_EVENTS,

@@ -22,7 +22,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -30,16 +29,19 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
-from deltalake import write_deltalake
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.admin import KafkaAdminClient, NewTopic
-
-from dejaq.conf.settings import TopicConfig
-from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table
-from dejaq.jobs import children, embedded_kafka, ports
-
 ROOT = Path(__file__).resolve().parent.parent
+# This file is in bench/: keep its folder off the path (bench/broker.py shadows the package).
+sys.path[:1] = [str(ROOT)]
+
+import pyarrow as pa  # noqa: E402
+from deltalake import write_deltalake  # noqa: E402
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition  # noqa: E402
+from kafka.admin import KafkaAdminClient, NewTopic  # noqa: E402
+
+from bench.machine import machine  # noqa: E402
+from dejaq.conf.settings import TopicConfig  # noqa: E402
+from dejaq.conf.tables import BUFFER_SCHEMA, Table, ensure_table  # noqa: E402
+from dejaq.jobs import children, embedded_kafka, ports  # noqa: E402
 
 PARTITIONS = 3
 LEAD_MS = 3000  # the first message is due this long after the rows are written
@@ -295,12 +297,7 @@ def main() -> int:
         "output_partitions": PARTITIONS,
         "kafka": "embedded Apache Kafka (one KRaft node) on 127.0.0.1",
     }
-    result["machine"] = {
-        "cores": os.cpu_count(),
-        "python": platform.python_version(),
-        "spark": pyspark.__version__,
-        "platform": platform.platform(),
-    }
+    result["machine"] = machine(spark=pyspark.__version__)
     print(json.dumps(result))
     return 0
 

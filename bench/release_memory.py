@@ -19,7 +19,6 @@ import datetime as dt
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ sys.path[:1] = [str(ROOT), str(ROOT / "tests")]
 
 from test_release import add_buffer, settings_for  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.conf.tables import Table, ensure_table, scan  # noqa: E402
 
 SLICE = 50_000  # rows an append writes, as the ingest's batches would
@@ -89,7 +89,7 @@ def main() -> int:
     report = {
         "benchmark": "release_memory",
         "date": dt.date.today().isoformat(),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine(),
         "parameters": {"pending": args.pending, "payload_bytes": args.payload},
         "release_job": release,
         "arrow_table": arrow,

@@ -47,6 +47,7 @@ import pyarrow as pa  # noqa: E402
 from deltalake import DeltaTable, write_deltalake  # noqa: E402
 from test_broker import fill  # noqa: E402
 
+from bench.machine import machine  # noqa: E402
 from dejaq.conf.tables import TIMESTAMP, Table, ensure_table  # noqa: E402
 from dejaq.pipelines import retention  # noqa: E402
 from dejaq.pipelines.log_compaction import maintain_log  # noqa: E402
@@ -148,7 +149,7 @@ def main() -> int:
     report = {
         "benchmark": "retention",
         "date": dt.date.today().isoformat(),
-        "machine": growth.machine(),
+        "machine": machine(),
         "parameters": {
             "windows": windows,
             "span": span,

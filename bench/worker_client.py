@@ -24,8 +24,6 @@ import datetime as dt
 import http.client
 import itertools
 import json
-import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -39,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 # This file is in bench/: keep its folder off the path (bench/broker.py shadows the package).
 sys.path[:1] = [str(ROOT)]
 
+from bench.machine import machine  # noqa: E402
 from dejaq.client import Client, Worker  # noqa: E402
 from dejaq.client.connections import (  # noqa: E402
     USER_AGENT,
@@ -250,12 +249,7 @@ def main() -> int:
                 "runs": runs,
                 "parameters": {k: v for k, v in vars(args).items() if k != "serve"}
                 | {"payload_bytes": 16, "handler": "does nothing"},
-                "machine": {
-                    "cpus": os.cpu_count(),
-                    "python": platform.python_version(),
-                    "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine(),
-                },
+                "machine": machine(),
                 "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             }
         )
