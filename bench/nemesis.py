@@ -68,13 +68,13 @@ from typing import Any
 import httpx
 import pyarrow as pa
 import pyarrow.compute as pc
-from deltalake import DeltaTable, write_deltalake
+from deltalake import write_deltalake
 from deltalake.exceptions import CommitFailedError
 
 from dejaq.broker.api.keys import ROLES, add_key
 from dejaq.client import Backoff, BrokerError, Client, Conflict, Message, Worker
 from dejaq.client.models import ExtendResult, Left, SettleResult
-from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table, scan
 from dejaq.jobs import cluster
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.cluster import Node
@@ -748,9 +748,9 @@ def gaps(j: Journal, faults: list[Fault], load_end: float, every: float) -> None
 
 
 def read(warehouse: str, table: Table, columns: list[str]) -> pa.Table:
-    """String columns of a table as plain strings, whichever engine wrote each file (a
-    delta-rs MERGE or compaction writes string views)."""
-    t = DeltaTable(ensure_table(warehouse, table, TOPIC)).to_pyarrow_dataset().to_table(columns)
+    """Columns of a table in the contract's types (string views as plain strings,
+    whichever engine wrote each file), each then cast to a string for the report."""
+    t = scan(ensure_table(warehouse, table, TOPIC), table, columns)
     return pa.table({c: t.column(c).cast(pa.string()) for c in columns})
 
 

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_envelope import PRIORITY, records
 
-from dejaq.conf.tables import Table, ensure_table
+from dejaq.conf.tables import Table, ensure_table, scan
 from dejaq.pipelines.batch_files import RESULT_SPARK_SCHEMA, VALID, BatchFiles, task
 from dejaq.pipelines.dedup import IN_BATCH, SeenIds
 from dejaq.pipelines.delta_source import WriteTarget, commit
@@ -57,14 +57,14 @@ def test_each_task_writes_its_valid_and_bad_records_to_their_tables(spark, tmp_p
     assert files.judged.column("message_id").to_pylist() == ["x"]
     assert files.judged.column("path").to_pylist()[0] in {a.path for a in files.buffer}
     assert on_disk(buffer.path) == {a.path for a in files.buffer}
-    assert DeltaTable(buffer.path).to_pyarrow_table().num_rows == 0, "nothing committed yet"
+    assert scan(buffer.path, Table.BUFFER).num_rows == 0, "nothing committed yet"
     commit(quarantine, files.quarantine, "append", ("t", 0))
     commit(buffer, files.buffer, "append", ("t", 0))
-    assert sorted(DeltaTable(buffer.path).to_pyarrow_table()["payload"].to_pylist()) == [
+    assert sorted(scan(buffer.path, Table.BUFFER)["payload"].to_pylist()) == [
         b"a",
         b"c",
     ]
-    bad = DeltaTable(quarantine.path).to_pyarrow_table()
+    bad = scan(quarantine.path, Table.QUARANTINE)
     assert sorted(bad["reason"].to_pylist()) == ["invalid_priority", "missing_priority"]
 
 
@@ -92,8 +92,8 @@ def test_duplicates_move_to_the_quarantine_and_every_record_lands_once(
         files.move_duplicates(buffer, quarantine, verdict.duplicates)
     commit(quarantine, files.quarantine, "append", ("t", 0))
     commit(buffer, files.buffer, "append", ("t", 0))
-    kept = DeltaTable(buffer.path).to_pyarrow_table()
-    bad = DeltaTable(quarantine.path).to_pyarrow_table()
+    kept = scan(buffer.path, Table.BUFFER)
+    bad = scan(quarantine.path, Table.QUARANTINE)
 
     coordinates = sorted(
         zip(

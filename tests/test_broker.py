@@ -67,7 +67,7 @@ from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint, compact_ledger, write_ledger
 from dejaq.broker.storage.row_store import HANDLE_MASK, Heads
 from dejaq.conf.settings import ConfigError, TopicConfig
-from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table
+from dejaq.conf.tables import BUFFER_SCHEMA, LedgerEvent, Table, ensure_table, scan
 from dejaq.jobs.cluster import bindable
 
 _offsets = itertools.count()
@@ -1199,7 +1199,7 @@ def run_node(
 
 def ledger_ids(warehouse: str, event: str | None = "acked") -> list[str]:
     """The ids of the ledger's `event` rows (None: all)."""
-    rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    rows = scan(ensure_table(warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
     return [r["message_id"] for r in rows.to_pylist() if event in (None, r["event"])]
 
 
@@ -1250,7 +1250,7 @@ def test_reschedules_checkpointed_and_trimmed_hold_through_a_restart(tmp_path: P
     node restarted (its journal and snapshot) leases the messages at their new keys."""
     on_one_node(tmp_path, rescheduled_and_trimmed)
     rows = DeltaTable(ensure_table(str(tmp_path / "warehouse"), Table.LEDGER, "jobs"))
-    got = rows.to_pyarrow_table(columns=["message_id", "event", "sort_key"]).to_pylist()
+    got = scan(rows, Table.LEDGER, ["message_id", "event", "sort_key"]).to_pylist()
     assert [tuple(r.values()) for r in got] == [
         ("m1", "rescheduled", 20),
         ("m0", "rescheduled", 30),
@@ -1297,7 +1297,7 @@ def test_a_restart_after_a_retention_run_past_reschedules_reads_them_from_the_ro
         return keys(broker)
 
     assert on_one_node(tmp_path, rescheduled_and_retained) == {"m0": (5, 30), "m1": (3, 20)}
-    rows = DeltaTable(buffer).to_pyarrow_table(columns=["message_id", "sort_key", "priority"])
+    rows = scan(buffer, Table.BUFFER, ["message_id", "sort_key", "priority"])
     assert sorted(tuple(r.values()) for r in rows.to_pylist()) == [
         ("m0", 30, 30),
         ("m1", 20, 20),
@@ -1822,7 +1822,7 @@ def test_a_leader_whose_index_has_not_read_a_settled_message_waits_to_write_it(
         read.set()
         await _until(lambda: len(broker.state("jobs").events) == 0, "every event trimmed")
         await _until(lambda: unnamed() == 0 and broker.ready() == (True, "ready"), "none left")
-        rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+        rows = scan(ensure_table(warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
         events = zip(rows["message_id"].to_pylist(), rows["event"].to_pylist(), strict=True)
         return [*waiting, sorted(events)]
 
@@ -2409,7 +2409,7 @@ def test_settled_messages_leave_the_index_through_the_ledger(tmp_path: Path) -> 
     assert checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse)) == upto, (
         "replay is skipped"
     )
-    ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    ledger = scan(ensure_table(warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
     assert ledger.column("message_id").to_pylist() == ["m1"]
     index.forget(state.trim(upto))
     fresh = TopicIndex(warehouse, topic_conf())
@@ -2590,13 +2590,13 @@ def test_the_ledger_is_compacted_and_keeps_its_checkpoint_tags(tmp_path: Path) -
             state.trim(checkpoint(warehouse, "jobs", state.events, buffer_names(warehouse)))
         )
     path = ensure_table(warehouse, Table.LEDGER, "jobs")
-    before = DeltaTable(path).to_pyarrow_table().sort_by("message_id")
+    before = scan(path, Table.LEDGER).sort_by("message_id")
     assert len(DeltaTable(path).file_uris()) == 5, "5 checkpoints of 4 buckets each"
     done = compact_ledger(warehouse, "jobs", HOUR_MS)
     assert done is not None and (done.files_removed, done.files_added) == (5, 1)
-    assert DeltaTable(path).to_pyarrow_table().sort_by("message_id").equals(before)
+    assert scan(path, Table.LEDGER).sort_by("message_id").equals(before)
     assert checkpoint(warehouse, "jobs", batches[2], buffer_names(warehouse)) == batches[2][-1].seq
-    assert DeltaTable(path).to_pyarrow_table().num_rows == 40, "the replay wrote nothing"
+    assert scan(path, Table.LEDGER).num_rows == 40, "the replay wrote nothing"
     assert index.settled_event("m7") == "acked"
 
 
@@ -3146,7 +3146,7 @@ def test_dead_letters_carry_the_buffer_row(tmp_path: Path) -> None:
     state.lease("c", 0, 100, [("m0", 0, 4)])
     state.reject("c", 1, ["m0"])
     checkpoint(warehouse, "jobs", list(state.events), buffer_names(warehouse))
-    dead = DeltaTable(ensure_table(warehouse, Table.DEAD_LETTER, "jobs")).to_pyarrow_table()
+    dead = scan(ensure_table(warehouse, Table.DEAD_LETTER, "jobs"), Table.DEAD_LETTER)
     assert dead.to_pylist()[0]["payload"] == b"payload-m0"
     assert dead.column("reason").to_pylist() == ["rejected"]
 
@@ -3544,7 +3544,7 @@ def test_a_retention_run_keeps_its_cutoff_back_by_what_a_command_in_flight_may_c
         before = now_ms()
         await asyncio.to_thread(broker._retain, "jobs", cfg)
         buffer = DeltaTable(broker.indexes["jobs"].buffer_path)
-        return before, watermark(buffer), buffer.to_pyarrow_table().num_rows
+        return before, watermark(buffer), scan(buffer, Table.BUFFER).num_rows
 
     before, upto, rows = on_one_node(tmp_path, scenario)
     assert upto < before - STAMPED_WITHIN_MS + 5_000, "the cutoff is STAMPED_WITHIN_MS back"

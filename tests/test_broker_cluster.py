@@ -23,7 +23,6 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import Lines, wait_until
-from deltalake import DeltaTable
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kafka import KafkaAdminClient, KafkaConsumer, TopicPartition
@@ -36,7 +35,7 @@ from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.client import Client, NotFound, Worker
 from dejaq.client.models import Left
 from dejaq.conf.settings import KafkaConfig, TopicConfig, load_settings
-from dejaq.conf.tables import BROKER_APP_ID, Table, ensure_buffer, ensure_table
+from dejaq.conf.tables import BROKER_APP_ID, Table, ensure_buffer, ensure_table, scan
 from dejaq.jobs import cluster
 from dejaq.jobs.broker import connection_cap
 from dejaq.jobs.children import stop as stop_child
@@ -240,7 +239,7 @@ def test_new_keys_reach_the_ledger_and_every_node_keeps_them_past_the_trim(three
     assert client.post(f"{url}/nacks", json=nack).json() == {"settled": 1, "dead": []}
 
     def ledger() -> list[tuple]:
-        rows = DeltaTable(ensure_table(warehouse, Table.LEDGER, "moved")).to_pyarrow_table()
+        rows = scan(ensure_table(warehouse, Table.LEDGER, "moved"), Table.LEDGER)
         return [(r["message_id"], r["event"], r["sort_key"]) for r in rows.to_pylist()]
 
     wanted = [("k0", "rescheduled", 9), ("k1", "rescheduled", 7)]

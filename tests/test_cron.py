@@ -31,7 +31,7 @@ from dejaq.broker.service import Outgoing, Problem, Producer
 from dejaq.broker.state import cron
 from dejaq.broker.state.schedules import Schedule
 from dejaq.conf.settings import ConfigError, KafkaConfig, Settings, TopicConfig, load_settings
-from dejaq.conf.tables import Table, table_path
+from dejaq.conf.tables import Table, scan, table_path
 from dejaq.jobs import cluster
 from dejaq.pipelines.ingest import IngestJob
 from dejaq.pipelines.session import detect_connectors
@@ -279,7 +279,7 @@ def test_schedules_read_by_two_threads_at_once_are_cached_under_their_own_versio
     older_done.set()
     newer.join(30)
     assert not older.is_alive() and not newer.is_alive()
-    in_table = {r["schedule_id"] for r in DeltaTable(store.path).to_pyarrow_table().to_pylist()}
+    in_table = set(scan(store.path, Table.SCHEDULES, ["schedule_id"])["schedule_id"].to_pylist())
     assert in_table == {"a", "b"}
     assert set(store.all()) == in_table
 
@@ -310,7 +310,7 @@ def test_two_nodes_creating_one_schedule_id_at_once_store_one_definition(
     stored, new = a.add(mine)
     assert told == [(theirs, True)]
     assert (stored, new) == (theirs, False), "A is told of B's"
-    rows = DeltaTable(a.path).to_pyarrow_table().to_pylist()
+    rows = scan(a.path, Table.SCHEDULES).to_pylist()
     assert [(r["schedule_id"], r["payload"]) for r in rows] == [("x", b"from b")]
 
 
@@ -590,7 +590,7 @@ def ingest_once(spark, conf: Path) -> None:
 
 def buffered(conf: Path, table: Table) -> list[dict]:
     path = table_path(load_settings(conf, env={}).warehouse, table, "ticks")
-    return DeltaTable(path).to_pyarrow_table().to_pylist() if DeltaTable.is_deltatable(path) else []
+    return scan(path, table).to_pylist() if DeltaTable.is_deltatable(path) else []
 
 
 def test_occurrences_are_buffered_once_however_often_materialised_and_never_early(

@@ -25,7 +25,14 @@ from pyspark.sql.datasource import CaseInsensitiveDict
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.streaming import StreamingQuery
 
-from dejaq.conf.tables import BUFFER_SCHEMA, PARTITION_BY, QUARANTINE_SCHEMA, Table, ensure_table
+from dejaq.conf.tables import (
+    BUFFER_SCHEMA,
+    PARTITION_BY,
+    QUARANTINE_SCHEMA,
+    Table,
+    ensure_table,
+    scan,
+)
 from dejaq.pipelines import delta_source
 from dejaq.pipelines.delta_source import DeltaDataSource, WriteTarget
 
@@ -137,7 +144,7 @@ def test_batch_append_unpartitioned_and_time_travel(spark: SparkSession, warehou
     assert_df_equality(read(spark, path), expected, ignore_row_order=True)
     old = read(spark, path, versionAsOf="1")
     assert_df_equality(old, spark.createDataFrame(first), ignore_row_order=True)
-    assert DeltaTable(path).to_pyarrow_table().num_rows == 12
+    assert scan(path, Table.QUARANTINE).num_rows == 12
     assert not list(Path(path).glob("*=*"))  # no partition folders
 
 
@@ -190,7 +197,7 @@ def test_overwrite_replaces_the_rows(spark: SparkSession, warehouse: str) -> Non
     replacement.write.format(FORMAT).mode("overwrite").save(path)
 
     assert_df_equality(read(spark, path), replacement, ignore_row_order=True)
-    assert DeltaTable(path).to_pyarrow_table().num_rows == 2
+    assert scan(path, Table.QUARANTINE).num_rows == 2
 
 
 def test_empty_table_reads_as_empty(spark: SparkSession, warehouse: str) -> None:
@@ -473,7 +480,7 @@ def test_a_batch_the_table_has_from_other_positions_is_a_second_writer_not_a_rep
         append(0, 20)
     assert app_commits(path, "ingest") == [0, 1]
     assert DeltaTable(path).transaction_version("ingest:in:0") == 30
-    assert DeltaTable(path).to_pyarrow_table().num_rows == 6
+    assert scan(path, Table.BUFFER).num_rows == 6
 
 
 def test_rows_made_for_a_kind_the_buffer_no_longer_records_are_not_committed(
@@ -494,11 +501,11 @@ def test_rows_made_for_a_kind_the_buffer_no_longer_records_are_not_committed(
     with pytest.raises(delta_source.TableChanged, match="'priority'") as refused:
         delta_source.commit(target, actions, "append", None, (), {KIND_PROPERTY: "timeline"})
     assert refused.value.found == {KIND_PROPERTY: "priority"}
-    assert DeltaTable(path).to_pyarrow_table().num_rows == 0
+    assert scan(path, Table.BUFFER).num_rows == 0
     delta_source.commit(target, actions, "append", None, (), {KIND_PROPERTY: "priority"})
-    assert DeltaTable(path).to_pyarrow_table().num_rows == 3
+    assert scan(path, Table.BUFFER).num_rows == 3
     unset = ensure_table(warehouse, Table.BUFFER, "older")  # made before kinds were recorded
     older = WriteTarget.of(unset)
     rows = delta_source.write_files(older, buffer_rows(2))
     delta_source.commit(older, rows, "append", None, (), {KIND_PROPERTY: "timeline"})
-    assert DeltaTable(unset).to_pyarrow_table().num_rows == 2, "no kind set: nothing changed"
+    assert scan(unset, Table.BUFFER).num_rows == 2, "no kind set: nothing changed"

@@ -43,6 +43,7 @@ from dejaq.conf.tables import (
     Table,
     ensure_buffer,
     ensure_table,
+    scan,
     table_path,
 )
 from dejaq.jobs.ingest import summary
@@ -97,7 +98,7 @@ def produce(
 
 def table(settings: Settings, kind: Table, topic: str = "jobs") -> pa.Table:
     path = table_path(settings.warehouse, kind, topic)
-    return DeltaTable(path).to_pyarrow_table() if DeltaTable.is_deltatable(path) else pa.table({})
+    return scan(path, kind) if DeltaTable.is_deltatable(path) else pa.table({})
 
 
 def coordinates(t: pa.Table) -> list[tuple[str, int, int]]:

@@ -13,12 +13,11 @@ from typing import Any
 import httpx
 import pytest
 from conftest import drop_first_answer, wait_until
-from deltalake import DeltaTable
 from test_broker import buffer_rows, fill
 from test_broker_cluster import PROBLEM, follower, leader_of, start, stop
 
 from dejaq.client import Client
-from dejaq.conf.tables import Table, ensure_table
+from dejaq.conf.tables import Table, ensure_table, scan
 from dejaq.jobs import operations
 from dejaq.jobs.cli import main
 from dejaq.jobs.operations import connect
@@ -66,7 +65,7 @@ def lease(client: httpx.Client, url: str, consumer: str, n: int = 10, wait_ms: i
 
 
 def events(warehouse: str, table: Table, topic: str) -> list[dict]:
-    return DeltaTable(ensure_table(warehouse, table, topic)).to_pyarrow_table().to_pylist()
+    return scan(ensure_table(warehouse, table, topic), table).to_pylist()
 
 
 def test_a_redriven_dead_letter_is_leasable_again_with_deliveries_reset(ops) -> None:

@@ -40,6 +40,7 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     ensure_table,
+    scan,
 )
 from dejaq.jobs import embedded_kafka
 from dejaq.jobs.children import stop
@@ -164,7 +165,7 @@ def add_ledger(settings: Settings, events: list[tuple[str, str, int | None]]) ->
 
 def ledger_released(settings: Settings) -> list[str]:
     path = ensure_table(settings.warehouse, Table.LEDGER, "jobs")
-    t = DeltaTable(path).to_pyarrow_table()
+    t = scan(path, Table.LEDGER, ["message_id", "event"])
     return [
         mid
         for mid, event in zip(
@@ -419,7 +420,7 @@ def test_a_take_over_after_a_retention_run_past_the_new_keys_reads_them_from_the
     run = retain(buffer, ensure_table(s.warehouse, Table.LEDGER, "jobs"), 0, cutoff[0])
     assert run is not None and run.watermark_ms == cutoff[0], "past both reschedules"
     assert (run.removed, run.rekeyed) == (1, 2)
-    rows = DeltaTable(buffer).to_pyarrow_table().to_pylist()
+    rows = scan(buffer, Table.BUFFER).to_pylist()
     assert {r["message_id"]: (r["sort_key"], r["deliver_at"]) for r in rows} == {
         later: (keys[later], _ts(keys[later])),
         new_key: (start + 4500, _ts(start + 4500)),
@@ -1029,7 +1030,7 @@ def test_kill_9_then_restart_loses_nothing_and_repeats_only_the_cut_batch(
     producer.close()
     ingest = IngestJob(spark, s, s.topic("jobs"), detect_connectors(spark, connectors))
     run_to_end(ingest.start(once=True))
-    buffer = DeltaTable(ensure_table(s.warehouse, Table.BUFFER, "jobs")).to_pyarrow_table()
+    buffer = scan(ensure_table(s.warehouse, Table.BUFFER, "jobs"), Table.BUFFER)
     written = buffer.column("message_id").to_pylist()
     assert len(written) == 600
     env = {
@@ -1315,7 +1316,7 @@ def test_a_timeline_ack_behind_a_failed_send_is_sent_again_after_it(
 
 def read_dead_letters(settings: Settings) -> list[dict]:
     path = ensure_table(settings.warehouse, Table.DEAD_LETTER, "jobs")
-    return DeltaTable(path).to_pyarrow_table().to_pylist()
+    return scan(path, Table.DEAD_LETTER).to_pylist()
 
 
 @pytest.mark.parametrize("kind", ["priority", "timeline"])
@@ -1352,7 +1353,7 @@ def test_a_record_kafka_refuses_is_dead_lettered_and_the_rest_flow(kafka_bootstr
         "kafka_refused: MessageSizeTooLargeError",
     )
     assert letter["payload"] == b"x" * 20_000
-    ledger = DeltaTable(ensure_table(s.warehouse, Table.LEDGER, "jobs")).to_pyarrow_table()
+    ledger = scan(ensure_table(s.warehouse, Table.LEDGER, "jobs"), Table.LEDGER)
     assert [r["message_id"] for r in ledger.to_pylist() if r["event"] == LedgerEvent.DEAD] == big
 
 

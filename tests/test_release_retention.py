@@ -28,6 +28,7 @@ from dejaq.conf.tables import (
     LedgerEvent,
     Table,
     ensure_table,
+    scan,
 )
 from dejaq.pipelines import delta_follower
 from dejaq.pipelines.compaction import compact
@@ -381,7 +382,7 @@ def test_released_messages_leave_the_buffer_and_a_restart_reads_only_the_ledger_
     ledger_path = ensure_table(s.warehouse, Table.LEDGER, "jobs")
 
     def buffered() -> set[str]:
-        return set(DeltaTable(buffer_path).to_pyarrow_table(columns=["message_id"])[0].to_pylist())
+        return set(scan(buffer_path, Table.BUFFER, ["message_id"])[0].to_pylist())
 
     first = add_buffer(s, kind, [i % 50 for i in range(40)])
     chunks = iter(range(8))

@@ -41,7 +41,7 @@ from dejaq.broker.storage.index import TopicIndex
 from dejaq.broker.storage.ledger_writer import checkpoint
 from dejaq.conf import table_watch
 from dejaq.conf.settings import Settings
-from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, Table, ensure_table
+from dejaq.conf.tables import BUFFER_SCHEMA, LEDGER_SCHEMA, Table, ensure_table, scan
 from dejaq.jobs.ports import free_port
 from dejaq.pipelines import delta_source, retention
 from dejaq.pipelines.delta_follower import DeltaFollower
@@ -85,8 +85,8 @@ def record(warehouse: str, events: list[Event]) -> None:
 
 
 def buffered(warehouse: str) -> set[str]:
-    table = DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs"))
-    return set(table.to_pyarrow_table(columns=["message_id"]).column(0).to_pylist())
+    table = ensure_table(warehouse, Table.BUFFER, "jobs")
+    return set(scan(table, Table.BUFFER, ["message_id"]).column(0).to_pylist())
 
 
 def run(warehouse: str, now: int, retention_ms: int = HOUR) -> retention.RetentionRun | None:
@@ -142,7 +142,7 @@ def test_settled_messages_past_retention_leave_and_nothing_else_does(tmp_path: P
 
 
 def buffer_by_id(warehouse: str) -> dict[str, dict]:
-    table = DeltaTable(ensure_table(warehouse, Table.BUFFER, "jobs")).to_pyarrow_table()
+    table = scan(ensure_table(warehouse, Table.BUFFER, "jobs"), Table.BUFFER)
     return {row["message_id"]: row for row in table.to_pylist()}
 
 
@@ -386,7 +386,7 @@ def test_an_append_landing_during_the_rewrite_does_not_fail_it(
     done = run(warehouse, now)
     assert done is not None and (done.removed, done.rekeyed) == (5, 1)
     assert DeltaTable(buffer).version() == appended[0] + 1, "committed on top of the batch"
-    kept = DeltaTable(buffer).to_pyarrow_table(columns=["message_id", "sort_key"]).to_pylist()
+    kept = scan(buffer, Table.BUFFER, ["message_id", "sort_key"]).to_pylist()
     assert sorted((r["message_id"], r["sort_key"]) for r in kept) == sorted(
         (f"{odd}{i}", {5: 42, 10: 7, 11: 7, 12: 7}.get(i, i)) for i in range(5, 13)
     )
@@ -423,7 +423,7 @@ def test_an_append_beaten_by_a_rewrite_commits_again_on_top(
     table = DeltaTable(buffer)
     assert table.transaction_version("dejaq-ingest-jobs") == 0
     assert retention.is_rewrite(table.history(2)[1]), "the append landed on top of the run"
-    kept = table.to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
+    kept = scan(table, Table.BUFFER, ["message_id"]).column(0).to_pylist()
     assert sorted(kept) == sorted([f"m{i}" for i in range(5, 10)] + [f"n{i}" for i in range(4)])
 
 

@@ -17,12 +17,11 @@ from pathlib import Path
 
 import httpx
 from conftest import wait_until
-from deltalake import DeltaTable
 from test_broker import buffer_rows
 from test_broker_cluster import Workers, leader_of, restart_then_lease, start, stop
 from test_retention import ingest_append
 
-from dejaq.conf.tables import Table, ensure_table
+from dejaq.conf.tables import Table, ensure_table, scan
 from dejaq.jobs import cluster
 from dejaq.jobs.status import row_count
 
@@ -131,6 +130,6 @@ def test_retention_under_load_then_a_late_node_and_a_full_restart(
         assert acked_after == TOTAL
     finally:
         stop(nodes)
-    ledger = DeltaTable(ensure_table(warehouse, Table.LEDGER, "ret")).to_pyarrow_table()
+    ledger = scan(ensure_table(warehouse, Table.LEDGER, "ret"), Table.LEDGER, ["message_id"])
     ids = ledger.column("message_id").to_pylist()
     assert len(ids) == len(set(ids)) == TOTAL, "each message settled once, none lost"

@@ -31,7 +31,14 @@ from dejaq.broker.storage.ledger_writer import write_ledger
 from dejaq.conf.settings import ConfigError, StorageConfig, load_settings
 from dejaq.conf.storage import describe, environment, filesystem, region, spark_conf
 from dejaq.conf.table_watch import IDLE_PROBE_MAX_S, TableWatch
-from dejaq.conf.tables import LEDGER_SCHEMA, Table, app_transactions, ensure_table, table_path
+from dejaq.conf.tables import (
+    LEDGER_SCHEMA,
+    Table,
+    app_transactions,
+    ensure_table,
+    scan,
+    table_path,
+)
 from dejaq.jobs import embedded_s3
 from dejaq.jobs.doctor import store_answers
 from dejaq.jobs.ports import free_port
@@ -175,7 +182,7 @@ def interleaved(path: str) -> bool:
 
 
 def buffer_ids(path: str) -> list[str]:
-    return DeltaTable(path).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
+    return scan(path, Table.BUFFER, ["message_id"]).column(0).to_pylist()
 
 
 def retention_rounds(
@@ -282,7 +289,7 @@ def test_a_seal_on_s3_keeps_every_row_beside_the_leaders_appends(warehouse_s3: s
     race(lambda: sealed.append(seal(ledger, "at", now - 25 * HOUR)), append)
 
     assert sealed[0] is not None and sealed[0].files_removed == 10
-    ids = DeltaTable(ledger).to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
+    ids = scan(ledger, Table.LEDGER, ["message_id"]).column(0).to_pylist()
     assert sorted(ids) == sorted(old + new)
     adds = pa.table(DeltaTable(ledger).get_add_actions(flatten=True)).to_pylist()
     assert [a["num_records"] for a in adds if a["path"].endswith(".sealed.snappy.parquet")] == [200]
@@ -310,7 +317,7 @@ def test_two_leaders_writing_the_ledger_keep_each_event_once(warehouse_s3: str) 
 
     race(leader([50, 100, 150, 200]), leader([100, 200, 250, 300]))
     ledger = DeltaTable(table_path(warehouse_s3, Table.LEDGER, "jobs"))
-    ids = ledger.to_pyarrow_table(columns=["message_id"]).column(0).to_pylist()
+    ids = scan(ledger, Table.LEDGER, ["message_id"]).column(0).to_pylist()
     assert sorted(ids) == sorted(names.values())
 
 
@@ -382,9 +389,9 @@ def test_ingest_lands_records_on_s3(
     assert run.returncode == 0, run.stderr[-3000:]
     assert "buffered 40, quarantined 1" in run.stdout
     buffer = DeltaTable(table_path(warehouse_s3, Table.BUFFER, "jobs"))
-    assert buffer.to_pyarrow_table().num_rows == 40
+    assert scan(buffer, Table.BUFFER).num_rows == 40
     quarantine = DeltaTable(table_path(warehouse_s3, Table.QUARANTINE, "jobs"))
-    assert quarantine.to_pyarrow_table().num_rows == 1
+    assert scan(quarantine, Table.QUARANTINE).num_rows == 1
     status = dejaq("status", "--topic", "jobs")
     assert status.returncode == 0, status.stderr
     assert "buffer      40" in status.stdout and "ingest lag  0" in status.stdout
@@ -443,7 +450,7 @@ def test_kill_9_of_the_ingest_on_s3_loses_and_duplicates_nothing(
     ids = buffer_ids(buffer)
     assert len(ids) == len(set(ids)) == total - 1
     quarantine = DeltaTable(table_path(warehouse_s3, Table.QUARANTINE, "jobs"))
-    assert quarantine.to_pyarrow_table().num_rows == 1
+    assert scan(quarantine, Table.QUARANTINE).num_rows == 1
 
 
 # --- what the store is asked ---------------------------------------------------------------
