@@ -25,7 +25,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -54,6 +53,12 @@ from dejaq.pipelines.session import (
     detect_connectors,
     get_spark,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # appended: nothing on the path is shadowed
+    sys.path.append(str(ROOT))
+
+from bench.machine import machine  # noqa: E402
 
 WARMUP_MESSAGES = 20_000
 PHASES = ("read_parse_write", "dedup", "commit_quarantine", "commit_buffer")  # of a batch
@@ -423,12 +428,7 @@ def main() -> None:
                     "produce_msgs_per_s": round(produce_rate),
                     "spark_startup_s": round(startup_s, 2),
                     "warmup_s": round(warmup_s, 2),
-                    "machine": {
-                        "cores": os.cpu_count(),
-                        "python": platform.python_version(),
-                        "spark": spark.version,
-                        "platform": platform.platform(),
-                    },
+                    "machine": machine(spark=spark.version),
                 },
                 indent=2,
             )

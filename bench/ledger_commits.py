@@ -35,7 +35,7 @@ from bench.machine import machine  # noqa: E402
 from dejaq.broker.state.handles import handles_in, mhs, packed  # noqa: E402
 from dejaq.broker.state.settlements import Run  # noqa: E402
 from dejaq.broker.storage.ledger_writer import COMPACT_EVERY, write_ledger  # noqa: E402
-from dejaq.conf.tables import LEDGER_SCHEMA, LedgerEvent, Table, table_path  # noqa: E402
+from dejaq.conf.tables import LEDGER_SCHEMA, LedgerEvent, Table, scan, table_path  # noqa: E402
 from dejaq.pipelines.log_compaction import compact_log  # noqa: E402
 
 TOPIC = "jobs"
@@ -115,8 +115,8 @@ def main() -> int:
             per = commit_all(warehouses, args.commits, args.events, r)
             for name in ms:
                 ms[name].append(per[name])
-                ledger = DeltaTable(table_path(warehouses[name], Table.LEDGER, TOPIC))
-                rows[name].append(ledger.to_pyarrow_table(columns=["message_id"]).num_rows)
+                ledger = table_path(warehouses[name], Table.LEDGER, TOPIC)
+                rows[name].append(scan(ledger, Table.LEDGER, ["message_id"]).num_rows)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     by_commit = {
         name: [sum(v) / len(v) for v in zip(*rounds, strict=True)] for name, rounds in ms.items()

@@ -47,7 +47,6 @@ import itertools
 import json
 import logging
 import os
-import platform
 import random
 import re
 import secrets
@@ -79,6 +78,12 @@ from dejaq.jobs import cluster
 from dejaq.jobs.certificates import new_authority
 from dejaq.jobs.cluster import Node
 from dejaq.jobs.status import row_count
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # appended: nothing on the path is shadowed
+    sys.path.append(str(ROOT))
+
+from bench.machine import machine  # noqa: E402
 
 TOPIC = "nemesis"
 APPEND_ATTEMPTS = 20
@@ -1351,11 +1356,7 @@ def main(argv: list[str] | None = None) -> int:
         "safety": safety,
         "parameters": {**vars(args), "kafka_needed": False},
         "wall_s": round(time.time() - started, 1),
-        "machine": {
-            "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "platform": platform.platform(),
-        },
+        "machine": machine(),
         "failed_checks": failed,
         "folder": str(tmp) if keep else None,
         **out,

@@ -48,7 +48,7 @@ from deltalake import DeltaTable, write_deltalake  # noqa: E402
 from test_broker import fill  # noqa: E402
 
 from bench.machine import machine  # noqa: E402
-from dejaq.conf.tables import TIMESTAMP, Table, ensure_table  # noqa: E402
+from dejaq.conf.tables import TIMESTAMP, Table, ensure_table, scan  # noqa: E402
 from dejaq.pipelines import retention  # noqa: E402
 from dejaq.pipelines.log_compaction import maintain_log  # noqa: E402
 
@@ -122,7 +122,7 @@ def run_cell(window: int, span: int, runs: int, payload: int) -> dict[str, Any]:
             figures["run_s"].append(t3 - t2)
             removed.append(done.removed)
             read.append(done.messages_read)
-        left = DeltaTable(buffer).to_pyarrow_table(columns=["message_id"]).num_rows
+        left = scan(buffer, Table.BUFFER, ["message_id"]).num_rows
     cell: dict[str, Any] = {"window": window, "span": span, "runs": runs}
     cell |= {name: round(statistics.median(v), 4) for name, v in figures.items()}
     cell |= {"removed": removed, "messages_read": read, "buffer_rows_left": left}
