@@ -103,8 +103,11 @@ CHECKPOINT_MAX_EVENTS = 1_000_000
 # node's event loop while it forgets (about 0.3 µs an event), and each costs every node a
 # log entry's transport and a forget's fixed cost (~25 µs): at batch 100, slices of 500
 # were a third of the log, and 2,000 took 15% off the CPU per message of the three nodes
-# (`bench/broker_costs.py`, 5.9-6.1 against 4.9-5.6 µs), the stalls ~1 ms.
-TRIM_SLICE = 2000
+# (`bench/broker_costs.py`, 5.9-6.1 against 4.9-5.6 µs). A forget's walk of the id table
+# costs less an event the more it forgets at once (0.17-0.20 µs at 2,000, 0.11 at 5,000,
+# 200,000 held): 5,000 took each node's forget from 0.26-0.29 to 0.20-0.24 µs a message
+# (three runs of each, alternated), the stalls 1-2 ms, well under a lease's p99.
+TRIM_SLICE = 5000
 # A long poll looks for messages again at each change of its topic (`Wakeups`), when its
 # timeline's next message is due or its topic's first nack delay or retry backoff ends,
 # and at least this often when time alone can make one leasable otherwise: a rate
