@@ -578,7 +578,10 @@ impl Transitions {
         );
         t.entries.append(self.run.bind(py).call1(event)?)?;
         if !t.sort_keys.is_empty() {
-            for &handle in record.borrow().run_handles(start, start + n) {
+            // Copied out: a Python int made while the record is borrowed may run the GC,
+            // and another thread whose borrow would fail (`LeaseTable`'s note).
+            let handles = record.borrow().run_handles(start, start + n).to_vec();
+            for handle in handles {
                 if t.sort_keys.contains(handle)? {
                     t.sort_keys.del_item(handle)?;
                 }
