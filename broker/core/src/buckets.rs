@@ -17,22 +17,28 @@ use crate::order::slice;
 #[pyfunction]
 pub fn count_buckets<'py>(py: Python<'py>, buckets: PyBuffer<u16>) -> PyResult<Bound<'py, PyDict>> {
     let column = slice(py, &buckets, "buckets")?;
-    let top = column.iter().map(|cell| cell.get()).max().unwrap_or(0);
-    let mut counts = vec![0u32; usize::from(top) + 1];
+    let out = PyDict::new(py);
+    for (bucket, n) in per_bucket(column.iter().map(|cell| cell.get())) {
+        out.set_item(bucket, n)?;
+    }
+    Ok(out)
+}
+
+/// Each bucket `buckets` names and how many times, in the order each first appears.
+pub(crate) fn per_bucket(buckets: impl Iterator<Item = u16> + Clone) -> Vec<(u16, i64)> {
+    let top = buckets.clone().max().unwrap_or(0);
+    let mut counts = vec![0i64; usize::from(top) + 1];
     let mut seen: Vec<u16> = Vec::new();
-    for cell in column {
-        let bucket = cell.get();
+    for bucket in buckets {
         let count = &mut counts[usize::from(bucket)];
         if *count == 0 {
             seen.push(bucket);
         }
         *count += 1;
     }
-    let out = PyDict::new(py);
-    for bucket in seen {
-        out.set_item(bucket, counts[usize::from(bucket)])?;
-    }
-    Ok(out)
+    (seen.into_iter())
+        .map(|b| (b, counts[usize::from(b)]))
+        .collect()
 }
 
 /// `held` (bucket -> {consumer: leases held in it}) with `consumer`'s leases counted in

@@ -17,6 +17,7 @@ use pyo3::sync::GILOnceCell;
 use pyo3::types::{PyByteArray, PyBytes, PyDict, PyString, PyTuple};
 use pyo3::IntoPyObjectExt;
 
+use crate::buckets::per_bucket;
 use crate::lease_table::handles_of;
 
 /// A receipt is `lid << POSITION_BITS | position`: a lease holds at most 1000 messages.
@@ -169,20 +170,7 @@ impl LeaseRecord {
     /// Each bucket of positions start..end with how many of them it holds, in the
     /// order each first appears, as `buckets.count_buckets` counts a run's column.
     pub(crate) fn run_buckets(&self, start: usize, end: usize) -> Vec<(u16, i64)> {
-        let run = &self.granted[start..end];
-        let top = run.iter().map(|g| g.bucket).max().unwrap_or(0);
-        let mut counts = vec![0i64; usize::from(top) + 1];
-        let mut seen: Vec<u16> = Vec::new();
-        for g in run {
-            let count = &mut counts[usize::from(g.bucket)];
-            if *count == 0 {
-                seen.push(g.bucket);
-            }
-            *count += 1;
-        }
-        (seen.into_iter())
-            .map(|b| (b, counts[usize::from(b)]))
-            .collect()
+        per_bucket(self.granted[start..end].iter().map(|g| g.bucket))
     }
 
     /// The granted picks, as `grant` found them: every position leased.
