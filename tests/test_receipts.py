@@ -742,6 +742,26 @@ def test_a_whole_lease_acked_in_a_group_commit_is_settled_by_the_core_as_one_run
     assert s.ending == python.topics["t"].ending
 
 
+@pytest.mark.parametrize(
+    "named",
+    [range(0, 10**30, 10**28), range(2**70, 2**70 + BULK_MIN), range(-BULK_MIN, 0)],
+    ids=["step past 64 bits", "receipts past 64 bits", "negative"],
+)
+def test_a_range_of_receipts_the_core_cannot_read_is_refused_as_python_refuses_it(
+    named: range,
+) -> None:
+    """An ack by a range no leader carries (`consecutive` makes ranges of step 1 from a
+    lease's receipts) is handed to `_apply`: the core answers it as Python does, each
+    receipt refused, rather than failing the command."""
+    core, python = (BrokerState([topic_conf("t", buckets=1)], 3, NoIndex()) for _ in range(2))
+    for node in (core, python):
+        node._apply("t", "touch", ("c", 0))
+    ack = ("t", "ack", ("c", 1, [], named))
+    [got] = core.batch([ack], _doApply=True)
+    assert [got] == by_python(python, [ack])
+    assert got == dict.fromkeys(named, Refusal.NOT_LEASED)
+
+
 def asked(consumer: str, now: int, picks: list[tuple[str, int, int]], request: str) -> tuple:
     """A lease command carrying its request's id, as the leader commits it."""
     return ("t", "lease", (consumer, now, 60_000, packed(picks), None, request, None))

@@ -485,35 +485,36 @@ impl Transitions {
 
     /// (first, n) where `receipts` are n consecutive receipts from `first`, at least a
     /// bulk ack's: a `range` of step 1, as the leader carries a whole lease's, or a list.
+    /// None for anything else, which `_apply` reads as `TopicState.ack` does.
     fn run_named(&self, receipts: &Bound<'_, PyAny>) -> PyResult<Option<(i64, usize)>> {
         let py = receipts.py();
-        let n = if receipts.get_type().is(self.range.bind(py)) {
-            if receipts.getattr(intern!(py, "step"))?.extract::<i64>()? != 1 {
+        let (first, n) = if receipts.get_type().is(self.range.bind(py)) {
+            let int = |name| receipts.getattr(name).and_then(|v| v.extract::<i64>()).ok();
+            let (Some(start), Some(1), Ok(n)) = (
+                int(intern!(py, "start")),
+                int(intern!(py, "step")),
+                receipts.len(),
+            ) else {
                 return Ok(None);
-            }
-            receipts.len()?
+            };
+            (start, n)
         } else if let Ok(list) = receipts.downcast::<PyList>() {
-            list.len()
-        } else {
-            return Ok(None);
-        };
-        if n < self.bulk_min {
-            return Ok(None);
-        }
-        let Ok(first) = receipts.get_item(0)?.extract::<i64>() else {
-            return Ok(None);
-        };
-        if first < 0 {
-            return Ok(None);
-        }
-        if let Ok(list) = receipts.downcast::<PyList>() {
+            if list.len() < self.bulk_min {
+                return Ok(None); // one by one, before any is read
+            }
+            let Some(Ok(first)) = list.iter().next().map(|r| r.extract::<i64>()) else {
+                return Ok(None);
+            };
             for (i, r) in list.iter().enumerate() {
                 if r.extract::<i64>().ok() != first.checked_add(i as i64) {
                     return Ok(None);
                 }
             }
-        }
-        Ok(Some((first, n)))
+            (first, list.len())
+        } else {
+            return Ok(None);
+        };
+        Ok((n >= self.bulk_min && first >= 0).then_some((first, n)))
     }
 
     /// `TopicState._ack_run`: positions of one lease from `first`'s, `n` of them, all
